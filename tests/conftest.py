@@ -1,0 +1,25 @@
+"""Test setup: 8 forced host devices (so meshes, EP and cross-mesh pushes are real), fp32 matmuls, seeds.
+
+XLA_FLAGS must be set before jax is imported anywhere, hence at the top of conftest.
+"""
+import os
+
+os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+import pathlib  # noqa: E402
+
+import jax  # noqa: E402
+import pytest  # noqa: E402
+
+jax.config.update("jax_default_matmul_precision", "highest")
+
+SHARED = pathlib.Path(__file__).resolve().parents[2] / "shared"
+
+
+@pytest.fixture(scope="session")
+def shared_dir():
+    """The read-only ../shared folder beside the checkout; tests that need it skip where it is absent."""
+    if not SHARED.is_dir():
+        pytest.skip(f"{SHARED} is absent (it exists only beside the development checkout)")
+    return SHARED
