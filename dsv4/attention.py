@@ -1,0 +1,119 @@
+"""DeepSeek-V4 attention: low-rank query, one shared K=V head, sinks, sliding window, CSA / HCA (spec §5).
+
+Per layer kind (static): `sliding` (window only), `csa` (window + indexer-selected compressed entries),
+`hca` (window + every visible compressed entry). One softmax over [window keys | compressed keys | sink].
+Output heads get the inverse RoPE (values = rotated keys) and go through the grouped low-rank projection.
+
+Full-sequence path (training, prefill, scoring). Positions are 0..S-1 from the first real token: the model
+right-aligns padded rows before calling this. The incremental decode path lives in `dsv4/cache.py`.
+Sources: official `Attention` (model.py L470-547), HF `DeepseekV4Attention`; spec §12 items 1-13, 21.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from dsv4.compressor import Compressor, visible_entries
+from dsv4.config import CSA, HCA, SLIDING, yarn_inv_freq
+from dsv4.indexer import Indexer
+from dsv4.layers import Linear, RMSNorm, apply_rope, linear, param, rms_norm, rope_cos_sin
+from sharding import axes as ax
+
+
+def rope_tables(cfg, kind: str) -> tuple[float, ...]:
+    """Inverse frequencies of a layer: theta 10000 for sliding layers, 160000 + YaRN for CSA/HCA (§12 item 2)."""
+    if kind == SLIDING:
+        return tuple(yarn_inv_freq(cfg.qk_rope_head_dim, cfg.rope_theta, None))
+    return tuple(yarn_inv_freq(cfg.qk_rope_head_dim, cfg.compress_rope_theta, cfg.rope_scaling))
+
+
+def attend(q: jax.Array, keys: jax.Array, mask: jax.Array, sink: jax.Array, scale: float) -> jax.Array:
+    """Single-KV-head attention with a sink logit in the denominator (spec §5.3, §12 item 13).
+
+    q [B, S, H, d], keys [B, K, d] (= values), mask [B, S, K] bool, sink [H] -> o [B, S, H, d] float32.
+    """
+    logits = jnp.einsum("bshd,bkd->bhsk", q, keys, preferred_element_type=jnp.float32) * scale
+    logits = jnp.where(mask[:, None], logits, -jnp.inf)
+    sink_l = jnp.broadcast_to(sink.astype(jnp.float32)[None, :, None, None], (*logits.shape[:3], 1))
+    full = jnp.concatenate([logits, sink_l], axis=-1)
+    p = jax.nn.softmax(full, axis=-1)[..., :-1]
+    return jnp.einsum("bhsk,bkd->bshd", p.astype(keys.dtype), keys, preferred_element_type=jnp.float32)
+
+
+class Attention(nnx.Module):
+    """Parameters named as the official `layers.i.attn.*` keys (weights [out, in])."""
+
+    def __init__(self, cfg, layer_idx: int, *, rngs, param_dtype, dtype):
+        self.kind = cfg.layer_kind(layer_idx)
+        self.ratio = cfg.compress_ratios[layer_idx]
+        self.n_heads, self.head_dim, self.window = cfg.num_attention_heads, cfg.head_dim, cfg.sliding_window
+        self.o_groups, self.o_lora = cfg.o_groups, cfg.o_lora_rank
+        self.eps, self.dtype = cfg.rms_norm_eps, dtype
+        self.inv_freq = rope_tables(cfg, self.kind)
+        std = cfg.initializer_range
+        d, h = cfg.head_dim, cfg.num_attention_heads
+        kw = dict(rngs=rngs, param_dtype=param_dtype, dtype=dtype, std=std)
+        self.wq_a = Linear(cfg.hidden_size, cfg.q_lora_rank, (ax.Q_LORA, ax.EMBED), **kw)
+        self.q_norm = RMSNorm(cfg.q_lora_rank, cfg.rms_norm_eps, param_dtype=param_dtype, axis=ax.Q_LORA)
+        self.wq_b = Linear(cfg.q_lora_rank, h * d, (ax.HEADS, ax.Q_LORA), **kw)
+        self.wkv = Linear(cfg.hidden_size, d, (ax.KV, ax.EMBED), **kw)
+        self.kv_norm = RMSNorm(d, cfg.rms_norm_eps, param_dtype=param_dtype, axis=ax.KV)
+        self.wo_a = Linear(h * d // cfg.o_groups, cfg.o_groups * cfg.o_lora_rank, (ax.O_LORA, ax.O_IN), **kw)
+        self.wo_b = Linear(cfg.o_groups * cfg.o_lora_rank, cfg.hidden_size, (ax.EMBED, ax.O_LORA), **kw)
+        self.attn_sink = param(rngs, (h,), (ax.HEADS,), dtype=jnp.float32, init="zeros")
+        if self.kind in (CSA, HCA):
+            self.compressor = Compressor(cfg.hidden_size, d, self.ratio, self.kind == CSA, eps=cfg.rms_norm_eps,
+                                         inv_freq=self.inv_freq, **kw)
+        if self.kind == CSA:
+            self.indexer = Indexer(cfg, inv_freq=self.inv_freq, rngs=rngs, param_dtype=param_dtype, dtype=dtype)
+
+    # -- pieces shared by the full-sequence and the decode paths ------------------------------------------
+    def rope(self, positions: jax.Array):
+        return rope_cos_sin(positions, jnp.asarray(self.inv_freq, jnp.float32))
+
+    def query(self, x, cos, sin):
+        """x [B, S, D] -> (q [B, S, H, d] normalised + rotated, q_latent [B, S, q_lora])."""
+        b, s, _ = x.shape
+        q_latent = self.q_norm(self.wq_a(x))
+        q = self.wq_b(q_latent).reshape(b, s, self.n_heads, self.head_dim)
+        q = rms_norm(q, None, self.eps)
+        return apply_rope(q, cos[:, :, None, :], sin[:, :, None, :]), q_latent
+
+    def key_value(self, x, cos, sin):
+        """x [B, S, D] -> kv [B, S, d] (normalised + rotated; one head shared by all query heads)."""
+        return apply_rope(self.kv_norm(self.wkv(x)), cos, sin)
+
+    def output(self, o, cos, sin):
+        """o [B, S, H, d] float32 -> [B, S, D]: inverse RoPE, grouped low-rank projection (§5.6, §12.21)."""
+        b, s = o.shape[:2]
+        o = apply_rope(o, cos[:, :, None, :], sin[:, :, None, :], inverse=True).astype(self.dtype)
+        g = self.o_groups
+        og = o.reshape(b, s, g, -1)  # -> [B, S, G, (H/G) d]  (group g = heads [g H/G, (g+1) H/G))
+        wa = self.wo_a.weight[...].astype(self.dtype).reshape(g, self.o_lora, -1)  # -> [G, o_lora, (H/G) d]
+        r = jnp.einsum("bsgi,goi->bsgo", og, wa, preferred_element_type=jnp.float32).astype(self.dtype)
+        return self.wo_b(r.reshape(b, s, g * self.o_lora))
+
+    # -- full sequence ---------------------------------------------------------------------------------------
+    def __call__(self, x: jax.Array, positions: jax.Array) -> jax.Array:
+        """x [B, S, D] (normalised block input), positions [B, S] int32 (0-based, right-aligned) -> [B, S, D]."""
+        cos, sin = self.rope(positions)
+        q, q_latent = self.query(x, cos, sin)
+        kv = self.key_value(x, cos, sin)
+        t = positions[:, :, None]
+        s_ = positions[:, None, :]
+        mask = (s_ <= t) & (t - s_ < self.window)  # [B, S, S] window including the current token
+        keys = kv
+        if self.kind in (CSA, HCA):
+            entries = self.compressor(x)  # [B, W, d]
+            vis = visible_entries(positions, entries.shape[1], self.ratio)  # [B, S, W]
+            if self.kind == CSA:
+                vis = self.indexer(x, q_latent, positions, cos, sin)
+            keys = jnp.concatenate([kv, entries.astype(kv.dtype)], axis=1)
+            mask = jnp.concatenate([mask, vis], axis=-1)
+        o = attend(q, keys, mask, self.attn_sink[...], self.head_dim ** -0.5)
+        return self.output(o, cos, sin)
+
+
+__all__ = ["Attention", "attend", "rope_tables", "linear"]

@@ -1,0 +1,106 @@
+"""KV compressors of CSA (ratio m, overlapping windows) and HCA (ratio m', disjoint windows); spec §5.4.
+
+Per token t: A_t = W_kv x_t, Z_t = W_gate x_t + ape[t mod m] (float32). Window w = tokens [w m, w m + m - 1].
+- HCA: entry C_w = sum over the window of softmax_t(Z) * A (per channel).
+- CSA (overlap): entry w pools 2m slots: window w-1's first halves ("a", dims [0, d)) and window w's second
+  halves ("b", dims [d, 2d)); entry 0 has only the b slots.
+Then C_w = RoPE_{p = w m}(RMSNorm(C_w)) with the compressed-layer frequencies. Only complete windows give
+entries; entry w is visible to query t iff w < floor((t+1)/m).
+
+The windowing here assumes that position 0 of the sequence is the first real token (the model right-aligns
+left-padded rows before calling it), which is what keeps pad tokens out of every entry.
+Sources: official `Compressor` (`overlap_transform`, prefill path); HF `DeepseekV4HCACompressor`,
+`DeepseekV4CSACompressor`; spec §12 items 7-10.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from dsv4.layers import apply_rope, linear_f32, param, rms_norm, rope_cos_sin
+from sharding import axes as ax
+
+
+def window_pool(a: jax.Array, z: jax.Array, *, overlap: bool, d: int,
+                prev_a: jax.Array | None = None, prev_z: jax.Array | None = None) -> jax.Array:
+    """Softmax-pool complete windows.
+
+    Args:
+      a, z: [B, W, m, c*d] float32 projections and gate logits (ape already added) of W complete windows.
+      overlap: CSA layout (c = 2) if True, HCA (c = 1) otherwise.
+      prev_a, prev_z: optional [B, m, c*d] window preceding window 0 (decode: the cached previous window).
+    Returns:
+      [B, W, d] float32 pooled entries (before norm and RoPE).
+    """
+    if not overlap:
+        return jnp.sum(jax.nn.softmax(z, axis=2) * a, axis=2)
+    b_, w_, m = a.shape[:3]
+    if prev_a is None:
+        first_a = jnp.zeros((b_, 1, m, d), a.dtype)
+        first_z = jnp.full((b_, 1, m, d), -jnp.inf, z.dtype)
+    else:
+        first_a, first_z = prev_a[:, None, :, :d], prev_z[:, None, :, :d]
+    prev_slots_a = jnp.concatenate([first_a, a[:, :-1, :, :d]], axis=1)  # -> [B, W, m, d]
+    prev_slots_z = jnp.concatenate([first_z, z[:, :-1, :, :d]], axis=1)
+    slots_a = jnp.concatenate([prev_slots_a, a[..., d:]], axis=2)  # -> [B, W, 2m, d]
+    slots_z = jnp.concatenate([prev_slots_z, z[..., d:]], axis=2)
+    return jnp.sum(jax.nn.softmax(slots_z, axis=2) * slots_a, axis=2)
+
+
+class Compressor(nnx.Module):
+    """Learned KV compressor; parameters named as the official `attn.compressor.*` (`wkv`, `wgate`, `ape`, `norm`).
+
+    Args:
+      d_model: D. d: output dim (head_dim, or index_head_dim for the indexer's compressor). ratio: m.
+      overlap: CSA (True, projections of width 2d) or HCA (False, width d).
+    """
+
+    def __init__(self, d_model: int, d: int, ratio: int, overlap: bool, *, eps: float, inv_freq, rngs,
+                 param_dtype, dtype, std: float = 0.02):
+        c = 2 if overlap else 1
+        self.d, self.ratio, self.overlap, self.eps, self.dtype = d, ratio, overlap, eps, dtype
+        self.inv_freq = tuple(inv_freq)
+        self.wkv = _Weight(param(rngs, (c * d, d_model), (ax.COMPRESS, ax.EMBED), dtype=param_dtype, std=std))
+        self.wgate = _Weight(param(rngs, (c * d, d_model), (ax.COMPRESS, ax.EMBED), dtype=param_dtype, std=std))
+        self.ape = param(rngs, (ratio, c * d), (None, ax.COMPRESS), dtype=jnp.float32, init="zeros")
+        self.norm = _Weight(param(None, (d,), (ax.KV,), dtype=param_dtype, init="ones"))
+
+    def project(self, x: jax.Array) -> tuple[jax.Array, jax.Array]:
+        """x [B, S, D] -> (A, Z) [B, S, c*d] float32, Z without ape (spec §12 item 10: fp32 projections)."""
+        return linear_f32(x, self.wkv.weight[...]), linear_f32(x, self.wgate.weight[...])
+
+    def finish(self, pooled: jax.Array, first_window: jax.Array | int) -> jax.Array:
+        """Norm + RoPE at p = w*m for pooled [B, W, d] float32 whose first window index is `first_window`.
+
+        Returns [B, W, d] in the compute dtype (the official code casts back before the norm).
+        """
+        y = rms_norm(pooled.astype(self.dtype), self.norm.weight[...], self.eps)
+        w = jnp.arange(pooled.shape[1]) + first_window
+        cos, sin = rope_cos_sin(w * self.ratio, jnp.asarray(self.inv_freq, jnp.float32))
+        cos = jnp.broadcast_to(cos, (*pooled.shape[:2], cos.shape[-1])) if cos.ndim == 2 else cos
+        sin = jnp.broadcast_to(sin, (*pooled.shape[:2], sin.shape[-1])) if sin.ndim == 2 else sin
+        return apply_rope(y, cos, sin)
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        """All complete windows of x [B, S, D] -> entries [B, S // m, d] (full-sequence path)."""
+        b, s, _ = x.shape
+        n_win = s // self.ratio
+        a, z = self.project(x[:, : n_win * self.ratio])
+        a = a.reshape(b, n_win, self.ratio, -1)
+        z = z.reshape(b, n_win, self.ratio, -1) + self.ape[...].astype(jnp.float32)
+        pooled = window_pool(a, z, overlap=self.overlap, d=self.d)
+        return self.finish(pooled, 0)
+
+
+class _Weight(nnx.Module):
+    """Holder so that checkpoint names read `compressor.wkv.weight` like the official keys."""
+
+    def __init__(self, weight: nnx.Param):
+        self.weight = weight
+
+
+def visible_entries(positions: jax.Array, n_entries: int, ratio: int) -> jax.Array:
+    """Entry visibility mask: w < floor((t+1)/m). positions [..., S] -> [..., S, W] bool (spec §12 item 8)."""
+    return jnp.arange(n_entries) < ((positions + 1) // ratio)[..., None]

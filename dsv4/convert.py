@@ -1,0 +1,351 @@
+"""Official DeepSeek-V4 checkpoint in and out: the name table, streaming load with FP8/FP4 dequantisation, export.
+
+Name table (spec §9): our NNX paths mirror the official keys, so `layers/3/attn/wq_a/weight` <->
+`layers.3.attn.wq_a.weight`. Exceptions, handled here:
+- routed experts are stacked in the model (`ffn.experts.w1` [E, I, D]) and per-expert in the file
+  (`ffn.experts.{e}.w1.weight` [I, D]); transformers fuses them (`mlp.experts.gate_up_proj` [E, 2I, D] =
+  concat(w1, w3), `down_proj` [E, D, I]);
+- transformers' names (`model.layers.3.self_attn.q_a_proj.weight`, ...; `_HF_RULES`) are accepted on load.
+Quantised tensors: an FP8 `F8_E4M3` weight with a sibling `.scale` (official, e8m0 or f32) or
+`.weight_scale_inv` (transformers) is block-dequantised (128x128 unless `quantization_config` says otherwise);
+an `I8`/`U8` weight with a scale is an FP4 e2m1 pack (1x32 e8m0 scales) (spec §9.2, §12 item 23).
+
+Load streams tensor by tensor from `dsv4.safetensors_io` (no full-file read); export writes a temp directory
+renamed into place, with a `config.json` that transformers 5.23 loads with no missing or unexpected keys.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import os
+import pathlib
+import re
+import shutil
+import tempfile
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+from flax import nnx
+
+from dsv4 import quant
+from dsv4.config import DSV4Config
+from dsv4.model import DSV4ForCausalLM
+from dsv4.safetensors_io import SafetensorsFile, checkpoint_keys, save_sharded_checkpoint
+
+
+log = logging.getLogger(__name__)
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that does not match the model: names the tensors, expected and found shapes/dtypes."""
+
+
+# transformers name -> official name (regex, replacement), applied in order after stripping nothing.
+_HF_RULES = [
+    (r"^model\.embed_tokens\.weight$", "embed.weight"),
+    (r"^lm_head\.weight$", "head.weight"),
+    (r"^model\.norm\.weight$", "norm.weight"),
+    (r"^model\.hc_head\.hc_(fn|base|scale)$", r"hc_head_\1"),
+    (r"^model\.layers\.(\d+)\.input_layernorm\.", r"layers.\1.attn_norm."),
+    (r"^model\.layers\.(\d+)\.post_attention_layernorm\.", r"layers.\1.ffn_norm."),
+    (r"^model\.layers\.(\d+)\.attn_hc\.(fn|base|scale)$", r"layers.\1.hc_attn_\2"),
+    (r"^model\.layers\.(\d+)\.ffn_hc\.(fn|base|scale)$", r"layers.\1.hc_ffn_\2"),
+    (r"^model\.layers\.(\d+)\.self_attn\.sinks$", r"layers.\1.attn.attn_sink"),
+    (r"^model\.layers\.(\d+)\.self_attn\.compressor\.indexer\.scorer\.weights_proj\.", r"layers.\1.attn.indexer.weights_proj."),
+    (r"^model\.layers\.(\d+)\.self_attn\.compressor\.indexer\.q_b_proj\.", r"layers.\1.attn.indexer.wq_b."),
+    (r"^model\.layers\.(\d+)\.self_attn\.compressor\.indexer\.", r"layers.\1.attn.indexer.compressor."),
+    (r"^model\.layers\.(\d+)\.self_attn\.compressor\.", r"layers.\1.attn.compressor."),
+    (r"^model\.layers\.(\d+)\.self_attn\.", r"layers.\1.attn."),
+    (r"^model\.layers\.(\d+)\.mlp\.gate\.e_score_correction_bias$", r"layers.\1.ffn.gate.bias"),
+    (r"^model\.layers\.(\d+)\.mlp\.shared_experts\.gate_proj\.", r"layers.\1.ffn.shared_experts.w1."),
+    (r"^model\.layers\.(\d+)\.mlp\.shared_experts\.up_proj\.", r"layers.\1.ffn.shared_experts.w3."),
+    (r"^model\.layers\.(\d+)\.mlp\.shared_experts\.down_proj\.", r"layers.\1.ffn.shared_experts.w2."),
+    (r"^model\.layers\.(\d+)\.mlp\.", r"layers.\1.ffn."),
+    # transformers 5.23 `save_pretrained` writes official names with a `model.` prefix and `attn.norm` for the
+    # attention kv_norm (its reverse mapping is lossy); accept that layout too.
+    (r"^model\.layers\.(\d+)\.attn\.norm\.weight$", r"layers.\1.attn.kv_norm.weight"),
+    (r"^model\.(layers\..*)$", r"\1"),
+]
+# Leaf renames inside attention / compressor modules (transformers -> official).
+_HF_LEAF = {
+    "q_a_proj": "wq_a", "q_a_norm": "q_norm", "q_b_proj": "wq_b", "kv_proj": "wkv", "o_a_proj": "wo_a",
+    "o_b_proj": "wo_b", "gate_proj": "wgate", "position_bias": "ape", "kv_norm": "norm",
+}
+_SCALE_SUFFIXES = (".scale", ".weight_scale_inv")
+
+
+def hf_to_official(name: str) -> str:
+    """A transformers (or official) tensor name -> the official name. Unknown names are returned unchanged."""
+    if name.endswith(".weight_scale_inv"):
+        return hf_to_official(name[: -len(".weight_scale_inv")] + ".weight")[: -len(".weight")] + ".scale"
+    if not name.startswith(("model.", "lm_head.")):
+        return name
+    for pat, rep in _HF_RULES:
+        new, n = re.subn(pat, rep, name)
+        if n:
+            name = new
+            break
+    if ".attn." in name:
+        parts = name.split(".")
+        i = parts.index("attn")
+        # only the module name right after attn / compressor / indexer is renamed
+        for j in range(i + 1, len(parts)):
+            if parts[j] in _HF_LEAF and parts[j - 1] in ("attn", "compressor", "indexer"):
+                if not (parts[j] == "kv_norm" and parts[j - 1] == "attn"):
+                    parts[j] = _HF_LEAF[parts[j]]
+        name = ".".join(parts)
+        name = re.sub(r"\.ape\.weight$", ".ape", name)
+    return name
+
+
+def _path_to_key(path) -> str:
+    return ".".join(str(p) for p in path)
+
+
+def official_tensors(model_or_abstract) -> dict[str, jax.Array]:
+    """Model state as {official key: array}, experts still stacked under `layers.i.ffn.experts.w1` etc."""
+    out = {}
+    for path, v in nnx.to_flat_state(nnx.state(model_or_abstract)):
+        out[_path_to_key(path)] = v.value
+    return out
+
+
+_EXPERT_KEY = re.compile(r"^(.*\.ffn\.experts)\.(w[123])$")
+_FILE_EXPERT_KEY = re.compile(r"^(.*\.ffn\.experts)\.(\d+)\.(w[123])\.weight$")
+
+
+def _expected(cfg: DSV4Config, abstract) -> dict[str, tuple[tuple[int, ...], object]]:
+    """Official per-file keys expected for this config -> (shape, dtype of our leaf), experts expanded."""
+    exp = {}
+    for key, leaf in official_tensors(abstract).items():
+        m = _EXPERT_KEY.match(key)
+        if m:
+            for e in range(leaf.shape[0]):
+                exp[f"{m.group(1)}.{e}.{m.group(2)}.weight"] = (tuple(leaf.shape[1:]), leaf.dtype)
+        else:
+            exp[key] = (tuple(leaf.shape), leaf.dtype)
+    return exp
+
+
+def _dequantize(name: str, w: np.ndarray, scale: np.ndarray, block) -> np.ndarray:
+    if w.dtype in (ml_dtypes.float8_e4m3fn, ml_dtypes.float8_e4m3fnuz):
+        return np.asarray(quant.dequantize_fp8_blockwise(w, scale, block=tuple(block), dtype=np.float32))
+    if w.dtype in (np.int8, np.uint8):
+        return np.asarray(quant.dequantize_fp4(w.view(np.int8), scale, np.float32))
+    raise CheckpointError(f"{name}: has a scale but dtype {w.dtype} is neither FP8 e4m3 nor packed FP4 (I8)")
+
+
+def load_hf_checkpoint(path, *, dtype=jnp.bfloat16, config: DSV4Config | None = None, compute_dtype=None,
+                       keep_quantized: bool = False):
+    """Load an official-format (or transformers-named) DeepSeek-V4 safetensors checkpoint directory.
+
+    Args:
+      path: directory with `*.safetensors` (with or without `model.safetensors.index.json`) and, unless
+        `config` is given, `config.json`.
+      dtype: parameter dtype (float32 / bfloat16); mHC, sinks, ape and the router bias stay float32.
+      compute_dtype: matmul dtype (default: `dtype`).
+      keep_quantized: also return {official key: dsv4.quant.QuantizedTensor} of every FP8/FP4 tensor exactly
+        as stored (for the FP8 sampler).
+    Returns:
+      DSV4ForCausalLM, or (model, quantized dict) with `keep_quantized`.
+    Raises:
+      CheckpointError: missing / unexpected tensors (listed), or a tensor whose shape or dtype does not match
+        (named, with expected and found shapes).
+    """
+    path = pathlib.Path(path)
+    cfg = config or DSV4Config.from_hf(path)
+    compute_dtype = compute_dtype or dtype
+    qcfg = dict(cfg.quantization_config or {})
+    block = tuple(qcfg.get("weight_block_size", (128, 128)))
+    files = checkpoint_keys(path)
+    if cfg.num_nextn_predict_layers and not any(hf_to_official(k).startswith("mtp.") for k in files):
+        log.warning("%s: no mtp.* tensors (a transformers checkpoint has none): loading without the MTP block", path)
+        cfg = dataclasses.replace(cfg, num_nextn_predict_layers=0,
+                                  compress_ratios=cfg.compress_ratios[: cfg.num_hidden_layers])
+    abstract = nnx.eval_shape(lambda: DSV4ForCausalLM(cfg, rngs=nnx.Rngs(0), param_dtype=dtype, dtype=compute_dtype))
+    expected = _expected(cfg, abstract)
+    weights, scales = {}, {}
+    for raw in files:
+        name = hf_to_official(raw)
+        if name.endswith(".scale") and not name.endswith("compressor.ape"):
+            scales[name[: -len(".scale")] + ".weight"] = raw
+        elif name.endswith(".mlp.experts.gate_up_proj") or name.endswith(".ffn.experts.gate_up_proj"):
+            weights[name] = raw
+        elif name.endswith(".ffn.experts.down_proj"):
+            weights[name] = raw
+        else:
+            weights[name] = raw
+    # transformers' fused experts expand into per-expert official names
+    fused = {k: v for k, v in weights.items() if k.endswith((".ffn.experts.gate_up_proj", ".ffn.experts.down_proj"))}
+    for k in fused:
+        weights.pop(k)
+    fused_layers = {k.rsplit(".experts.", 1)[0] for k in fused}
+    present = set(weights)
+    for lyr in fused_layers:
+        for e in range(cfg.n_routed_experts):
+            for wn in ("w1", "w3", "w2"):
+                present.add(f"{lyr}.experts.{e}.{wn}.weight")
+    missing = sorted(set(expected) - present)
+    unexpected = sorted(k for k in present - set(expected))
+    unexpected_mtp = [k for k in unexpected if k.startswith("mtp.")]
+    if missing or [k for k in unexpected if k not in unexpected_mtp]:
+        raise CheckpointError(f"{path}: checkpoint does not match the config: missing {len(missing)} tensor(s) "
+                              f"{missing[:20]}; unexpected {len(unexpected)} {unexpected[:20]}")
+    orphan = sorted(set(scales) - set(weights))
+    if orphan:
+        raise CheckpointError(f"{path}: scale tensors without a weight: {orphan[:10]}")
+
+    quantized: dict[str, quant.QuantizedTensor] = {}
+
+    def read(raw):
+        with SafetensorsFile(files[raw][0]) as sf:
+            return sf.get(raw)
+
+    def load_one(name: str) -> np.ndarray:
+        raw = weights[name]
+        w = read(raw)
+        if name in scales:
+            s = read(scales[name])
+            if keep_quantized:
+                if w.dtype in (np.int8, np.uint8):
+                    quantized[name] = quant.QuantizedTensor(q=w.view(np.int8), scale=quant.e8m0_to_f32(s.view(np.uint8)) if s.dtype != np.float32 else s,
+                                                            kind="fp4", fmt="e2m1", block=(1, 32),
+                                                            shape=(w.shape[0], w.shape[1] * 2))
+                else:
+                    fmt = "e4m3fnuz" if w.dtype == ml_dtypes.float8_e4m3fnuz else "e4m3fn"
+                    sf32 = quant.e8m0_to_f32(s.view(np.uint8)) if s.dtype == ml_dtypes.float8_e8m0fnu else s.astype(np.float32)
+                    quantized[name] = quant.QuantizedTensor(q=w, scale=sf32, kind="fp8", fmt=fmt, block=block,
+                                                            shape=w.shape)
+            w = _dequantize(name, w, s, block)
+        elif w.dtype in (ml_dtypes.float8_e4m3fn, ml_dtypes.float8_e4m3fnuz):
+            raise CheckpointError(f"{name}: FP8 weight without a `.scale` / `.weight_scale_inv` tensor")
+        shape, _ = expected[name]
+        if tuple(w.shape) != shape:
+            raise CheckpointError(f"{name}: expected shape {list(shape)}, found {list(w.shape)} in {files[raw][0]}")
+        return w
+
+    state = nnx.state(abstract)
+    flat = dict(nnx.to_flat_state(state))
+    new_values = {}
+    for path_t, var in flat.items():
+        key = _path_to_key(path_t)
+        tgt_dtype = var.value.dtype
+        m = _EXPERT_KEY.match(key)
+        if m:
+            prefix, wn = m.groups()
+            lyr = prefix.rsplit(".experts", 1)[0]
+            if lyr in fused_layers:
+                arr = _load_fused(read, weights_raw=fused, lyr=lyr, wn=wn, cfg=cfg, files=files)
+            else:
+                arr = np.stack([load_one(f"{prefix}.{e}.{wn}.weight") for e in range(var.value.shape[0])])
+        else:
+            arr = load_one(key)
+        if key.endswith("tid2eid"):
+            arr = arr.astype(np.int64)
+            if arr.min() < 0 or arr.max() >= cfg.n_routed_experts:
+                raise CheckpointError(f"{key}: expert ids outside [0, {cfg.n_routed_experts})")
+        if not np.issubdtype(np.dtype(tgt_dtype), np.integer) and not np.all(np.isfinite(arr.astype(np.float32))):
+            raise CheckpointError(f"{key}: contains NaN or inf")
+        new_values[path_t] = jnp.asarray(arr.astype(tgt_dtype) if arr.dtype != tgt_dtype else arr)
+    for path_t, var in flat.items():
+        var.value = new_values[path_t]
+    graphdef, _ = nnx.split(abstract)
+    model = nnx.merge(graphdef, nnx.from_flat_state(flat))
+    return (model, quantized) if keep_quantized else model
+
+
+def _load_fused(read, *, weights_raw, lyr, wn, cfg, files):
+    gu = next(v for k, v in weights_raw.items() if k == f"{lyr}.experts.gate_up_proj")
+    dn = next(v for k, v in weights_raw.items() if k == f"{lyr}.experts.down_proj")
+    i = cfg.moe_intermediate_size
+    if wn == "w2":
+        arr = read(dn)
+        exp = (cfg.n_routed_experts, cfg.hidden_size, i)
+    else:
+        full = read(gu)
+        arr = full[:, :i] if wn == "w1" else full[:, i:]
+        exp = (cfg.n_routed_experts, i, cfg.hidden_size)
+    if tuple(arr.shape) != exp:
+        raise CheckpointError(f"{lyr}.experts ({wn}): expected shape {list(exp)}, found {list(arr.shape)}")
+    return arr
+
+
+# ------------------------------------------------------------------------------------------------ export
+
+# Which official weights the released checkpoint stores as FP8 (spec §9.1, §12 item 24).
+_FP8_KEYS = re.compile(r"(\.attn\.(wq_a|wq_b|wkv|wo_a|wo_b)\.weight|\.attn\.indexer\.wq_b\.weight|"
+                       r"\.ffn\.shared_experts\.w[123]\.weight|\.(e_proj|h_proj)\.weight)$")
+_BF16_TORCH = {"float32": np.float32, "bfloat16": ml_dtypes.bfloat16}
+
+
+def iter_export_tensors(model: DSV4ForCausalLM, *, quantize: str | None = None, block=(128, 128)):
+    """(official name, numpy array) pairs of the whole model; with quantize="fp8" the FP8 set of the release
+    and the routed experts are written as e4m3fn + e8m0 `.scale` tensors (FP8 "mixed"); with "fp8_fp4" the
+    routed experts are FP4 e2m1 with 1x32 e8m0 scales, exactly the released Flash layout."""
+    if quantize not in (None, "fp8", "fp8_fp4"):
+        raise ValueError(f"quantize must be None, 'fp8' or 'fp8_fp4', got {quantize!r}")
+    for key, val in official_tensors(model).items():
+        arr = np.asarray(jax.device_get(val))
+        if key.endswith("tid2eid"):
+            yield key, arr.astype(np.int64)
+            continue
+        m = _EXPERT_KEY.match(key)
+        names = ([(f"{m.group(1)}.{e}.{m.group(2)}.weight", arr[e]) for e in range(arr.shape[0])] if m
+                 else [(key, arr)])
+        for name, a in names:
+            if quantize and m and quantize == "fp8_fp4":
+                packed, sc = quant.quantize_fp4(a.astype(np.float32))
+                yield name, packed
+                yield name[: -len(".weight")] + ".scale", sc.view(ml_dtypes.float8_e8m0fnu)
+            elif quantize and (m or _FP8_KEYS.search(name)):
+                q, sc = quant.quantize_fp8_blockwise(a.astype(np.float32), fmt="e4m3fn", block=block,
+                                                     scale_fmt="ue8m0")
+                yield name, np.asarray(q)
+                yield name[: -len(".weight")] + ".scale", np.asarray(quant.f32_to_e8m0(np.asarray(sc))).view(
+                    ml_dtypes.float8_e8m0fnu)
+            else:
+                yield name, a
+
+
+def save_hf_checkpoint(model: DSV4ForCausalLM, path, *, quantize: str | None = None,
+                       max_shard_bytes: int = 2 * 2**30, overwrite: bool = False) -> pathlib.Path:
+    """Write the official safetensors layout + `config.json` (loadable by transformers 5.23 and by us).
+
+    Args:
+      quantize: None (tensors as stored in the model), "fp8" (FP8 e4m3fn 128x128 blocks with e8m0 scales for
+        the released FP8 set and the experts) or "fp8_fp4" (experts FP4 as released).
+      overwrite: replace an existing directory (the old one is removed only after the new one is complete).
+    Written to a temp directory beside `path`, then renamed into place: a crash leaves no half checkpoint.
+    Raises:
+      FileExistsError: `path` exists and `overwrite` is False.
+    """
+    path = pathlib.Path(path)
+    if path.exists() and not overwrite:
+        raise FileExistsError(f"{path} exists (pass overwrite=True to replace it)")
+    cfg = model.config
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp_root = pathlib.Path(tempfile.mkdtemp(prefix=f".{path.name}.", dir=path.parent))
+    try:
+        staged = tmp_root / "ckpt"
+        save_sharded_checkpoint(staged, iter_export_tensors(model, quantize=quantize),
+                                max_shard_bytes=max_shard_bytes)
+        d = cfg.to_hf_dict(quantized=bool(quantize))
+        if quantize:
+            d["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
+                                        "scale_fmt": "ue8m0", "weight_block_size": [128, 128]}
+            d["expert_dtype"] = "fp4" if quantize == "fp8_fp4" else "fp8"
+        pdt = model.embed.weight.value.dtype
+        d["torch_dtype"] = "bfloat16" if pdt == jnp.bfloat16 else "float32"
+        with open(staged / "config.json", "w") as f:
+            json.dump(d, f, indent=2)
+        if path.exists():
+            old = tmp_root / "old"
+            os.replace(path, old)
+        os.replace(staged, path)
+    finally:
+        shutil.rmtree(tmp_root, ignore_errors=True)
+    return path

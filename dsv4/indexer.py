@@ -1,0 +1,71 @@
+"""Lightning indexer of CSA layers: picks the top-k compressed entries per query (spec §5.5).
+
+  K^I_w   = indexer compressor entries (d_I = index_head_dim, overlap, ratio m, RoPE at w m)
+  q^I_t,h = RoPE_t(W^I_q c_t)_h            (c_t = the normalised query latent; no per-head norm)
+  omega   = (W_w x_t)_h / sqrt(H_I)
+  I_t,w   = sum_h omega_t,h ReLU(<q^I_t,h, K^I_w>) / sqrt(d_I)
+Invisible entries (w >= floor((t+1)/m)) are masked; top k = min(index_topk, W) are kept, invisible picks dropped.
+Selection is by index only: no gradient reaches these parameters from the LM loss (spec §12 item 25).
+Everything is float32 (selection flips are costly). The official QAT (Hadamard + FP4) is not emulated (§12.27).
+Sources: official `Indexer`; HF `DeepseekV4Indexer`, `DeepseekV4IndexerScorer`.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from dsv4.compressor import Compressor, _Weight, visible_entries
+from dsv4.layers import apply_rope, linear_f32, param
+from sharding import axes as ax
+
+
+class Indexer(nnx.Module):
+    """Parameters named as the official `attn.indexer.*`: `wq_b`, `weights_proj`, `compressor.*`."""
+
+    def __init__(self, cfg, *, inv_freq, rngs, param_dtype, dtype):
+        std = cfg.initializer_range
+        self.n_heads, self.head_dim, self.topk = cfg.index_n_heads, cfg.index_head_dim, cfg.index_topk
+        self.ratio = cfg.csa_compress_ratio
+        self.wq_b = _Weight(param(rngs, (cfg.index_n_heads * cfg.index_head_dim, cfg.q_lora_rank),
+                                  (ax.INDEX_HEADS, ax.Q_LORA), dtype=param_dtype, std=std))
+        self.weights_proj = _Weight(param(rngs, (cfg.index_n_heads, cfg.hidden_size), (ax.INDEX_HEADS, ax.EMBED),
+                                          dtype=param_dtype, std=std))
+        self.compressor = Compressor(cfg.hidden_size, cfg.index_head_dim, self.ratio, True, eps=cfg.rms_norm_eps,
+                                     inv_freq=inv_freq, rngs=rngs, param_dtype=param_dtype, dtype=jnp.float32,
+                                     std=std)
+
+    def queries(self, x: jax.Array, q_latent: jax.Array, cos: jax.Array, sin: jax.Array):
+        """x [B, S, D], q_latent [B, S, q_lora] -> (q^I [B, S, H_I, d_I], omega [B, S, H_I]) float32."""
+        b, s, _ = x.shape
+        q = linear_f32(q_latent, self.wq_b.weight[...]).reshape(b, s, self.n_heads, self.head_dim)
+        q = apply_rope(q, cos[:, :, None, :], sin[:, :, None, :])
+        omega = linear_f32(x, self.weights_proj.weight[...]) * (self.n_heads ** -0.5)
+        return q, omega
+
+    def scores(self, q: jax.Array, omega: jax.Array, keys: jax.Array) -> jax.Array:
+        """q [B, S, H, d], omega [B, S, H], keys [B, W, d] -> I [B, S, W] float32."""
+        dots = jnp.einsum("bshd,bwd->bshw", q, keys.astype(jnp.float32))
+        return jnp.einsum("bshw,bsh->bsw", jax.nn.relu(dots), omega) * (self.head_dim ** -0.5)
+
+    def select(self, scores: jax.Array, visible: jax.Array) -> jax.Array:
+        """Top-k selection mask. scores, visible [B, S, W] -> selected [B, S, W] bool (subset of visible)."""
+        n = scores.shape[-1]
+        k = min(self.topk, n)
+        if k == 0:
+            return jnp.zeros(scores.shape, bool)
+        if k == n:
+            return visible
+        masked = jnp.where(visible, scores, -jnp.inf)
+        idx = jax.lax.top_k(masked, k)[1]  # [B, S, k]
+        sel = jnp.zeros(scores.shape, jnp.int32)
+        sel = jax.vmap(jax.vmap(lambda row, i: row.at[i].set(1)))(sel, idx)
+        return (sel > 0) & visible
+
+    def __call__(self, x, q_latent, positions, cos, sin) -> jax.Array:
+        """Full-sequence selection: x [B, S, D], q_latent [B, S, q_lora], positions [B, S] -> [B, S, S//m] bool."""
+        keys = self.compressor(x)
+        q, omega = self.queries(x, q_latent, cos, sin)
+        sc = self.scores(q, omega, keys)
+        return self.select(sc, visible_entries(positions, keys.shape[1], self.ratio))

@@ -1,0 +1,246 @@
+"""DeepSeek-V4 causal LM in Flax NNX: embed -> 4 mHC streams -> blocks -> hyper head -> norm -> head (spec §3).
+
+Module attribute names follow the official checkpoint keys, so the NNX path `layers/3/attn/wq_a/weight` is the
+official key `layers.3.attn.wq_a.weight` (only the stacked experts differ: see `dsv4/convert.py`).
+
+Padding: `attention_mask` [B, S] may mark left (or right) padding. Each row is right-aligned internally
+(rolled so its first real token sits at position 0), run with positions 0.., and rolled back. Because the
+model is causal and compressed entries pool only complete windows of real tokens, every real token's logits
+equal those of the row run alone. (transformers 5.23 instead pools left-pad tokens into compressed entries.)
+
+Routing record and replay: the output carries `routing` [B, S, L, k] int32 (expert ids of every main MoE
+layer; -1 at padding). Passing it back as `routing_replay` forces the same experts (spec: issue "routing
+replay"; hash layers included).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx, struct
+
+from dsv4.attention import Attention
+from dsv4.config import DSV4Config
+from dsv4.layers import Linear, RMSNorm, param
+from dsv4.mhc import hc_head, hc_post, hc_pre
+from dsv4.moe import MoE
+from sharding import axes as ax
+
+
+@struct.dataclass
+class DSV4Output:
+    """Model output.
+
+    logits: [B, S, V] float32. routing: [B, S, L, k] int32 expert ids per main MoE layer (-1 at padding).
+    mtp_logits: [B, S, V] float32 or None: MTP head logits at position t (predicting token t+2; fed the
+      embedding of token t+1, the DeepSeek-V3 convention) when `return_mtp=True`.
+    hidden: [B, S, D] final normalised hidden state when `return_hidden=True`, else None.
+    """
+
+    logits: jax.Array
+    routing: jax.Array
+    mtp_logits: jax.Array | None = None
+    hidden: jax.Array | None = None
+
+
+class Block(nnx.Module):
+    """One decoder layer: mHC(attn) + attention, mHC(ffn) + MoE. Names as official `layers.i.*`."""
+
+    def __init__(self, cfg: DSV4Config, layer_idx: int, *, rngs, param_dtype, dtype):
+        n, dm = cfg.hc_mult, cfg.hidden_size
+        mix = (2 + n) * n
+        std = cfg.initializer_range
+        self.cfg_hc = (n, cfg.hc_sinkhorn_iters, cfg.hc_eps, cfg.rms_norm_eps)
+        for site in ("attn", "ffn"):
+            setattr(self, f"hc_{site}_fn", param(rngs, (mix, n * dm), (ax.HC, None), dtype=jnp.float32, std=std))
+            setattr(self, f"hc_{site}_base", param(rngs, (mix,), (ax.HC,), dtype=jnp.float32, init="zeros"))
+            setattr(self, f"hc_{site}_scale", param(rngs, (3,), (None,), dtype=jnp.float32, init="ones"))
+        self.attn_norm = RMSNorm(dm, cfg.rms_norm_eps, param_dtype=param_dtype)
+        self.ffn_norm = RMSNorm(dm, cfg.rms_norm_eps, param_dtype=param_dtype)
+        self.attn = Attention(cfg, layer_idx, rngs=rngs, param_dtype=param_dtype, dtype=dtype)
+        self.ffn = MoE(cfg, layer_idx, rngs=rngs, param_dtype=param_dtype, dtype=dtype)
+
+    def _pre(self, x, site):
+        n, iters, hc_eps, eps = self.cfg_hc
+        return hc_pre(x, getattr(self, f"hc_{site}_fn")[...], getattr(self, f"hc_{site}_base")[...],
+                      getattr(self, f"hc_{site}_scale")[...], n=n, iters=iters, hc_eps=hc_eps, norm_eps=eps)
+
+    def __call__(self, x, positions, token_ids, forced_ids=None, dispatch_fn=None):
+        """x [B, S, n, D] streams -> (x' [B, S, n, D], routing ids [B, S, k])."""
+        y, post, comb = self._pre(x, "attn")
+        x = hc_post(x, self.attn(self.attn_norm(y), positions), post, comb)
+        y, post, comb = self._pre(x, "ffn")
+        f, ids = self.ffn(self.ffn_norm(y), token_ids, forced_ids, dispatch_fn)
+        return hc_post(x, f, post, comb), ids
+
+
+class MTPBlock(Block):
+    """Multi-token-prediction block `mtp.0.*` (spec §7): a sliding, learned-routing layer with its own
+    `e_proj`, `h_proj`, `enorm`, `hnorm`, `norm` and `hc_head_*`; shares `embed` and `head` with the model."""
+
+    def __init__(self, cfg: DSV4Config, layer_idx: int, *, rngs, param_dtype, dtype):
+        super().__init__(cfg, layer_idx, rngs=rngs, param_dtype=param_dtype, dtype=dtype)
+        dm, n, std = cfg.hidden_size, cfg.hc_mult, cfg.initializer_range
+        kw = dict(rngs=rngs, param_dtype=param_dtype, dtype=dtype, std=std)
+        self.e_proj = Linear(dm, dm, (ax.EMBED, None), **kw)
+        self.h_proj = Linear(dm, dm, (ax.EMBED, None), **kw)
+        self.enorm = RMSNorm(dm, cfg.rms_norm_eps, param_dtype=param_dtype)
+        self.hnorm = RMSNorm(dm, cfg.rms_norm_eps, param_dtype=param_dtype)
+        self.norm = RMSNorm(dm, cfg.rms_norm_eps, param_dtype=param_dtype)
+        self.hc_head_fn = param(rngs, (n, n * dm), (ax.HC, None), dtype=jnp.float32, std=std)
+        self.hc_head_base = param(rngs, (n,), (ax.HC,), dtype=jnp.float32, init="zeros")
+        self.hc_head_scale = param(rngs, (1,), (None,), dtype=jnp.float32, init="ones")
+
+
+class DSV4ForCausalLM(nnx.Module):
+    """DeepSeek-V4 causal LM.
+
+    Args:
+      config: DSV4Config. rngs: nnx.Rngs for initialisation.
+      param_dtype: storage dtype of weights (float32 or bfloat16). The mHC parameters, sinks, `ape` and the
+        router bias are always float32 (as in the checkpoint).
+      dtype: compute dtype of matmuls (bfloat16 or float32). Norms, mHC, router, compressor pooling, softmax
+        and RoPE always run in float32.
+    """
+
+    def __init__(self, config: DSV4Config, *, rngs: nnx.Rngs, param_dtype=jnp.float32, dtype=jnp.float32):
+        cfg = config
+        self.config = cfg
+        self.dtype = dtype
+        std = cfg.initializer_range
+        dm, n = cfg.hidden_size, cfg.hc_mult
+        self.embed = _Table(param(rngs, (cfg.vocab_size, dm), (ax.VOCAB, ax.EMBED), dtype=param_dtype, std=std))
+        self.layers = nnx.List([Block(cfg, i, rngs=rngs, param_dtype=param_dtype, dtype=dtype)
+                                for i in range(cfg.num_hidden_layers)])
+        self.norm = RMSNorm(dm, cfg.rms_norm_eps, param_dtype=param_dtype)
+        self.head = _Table(param(rngs, (cfg.vocab_size, dm), (ax.VOCAB, ax.EMBED), dtype=param_dtype, std=std))
+        self.hc_head_fn = param(rngs, (n, n * dm), (ax.HC, None), dtype=jnp.float32, std=std)
+        self.hc_head_base = param(rngs, (n,), (ax.HC,), dtype=jnp.float32, init="zeros")
+        self.hc_head_scale = param(rngs, (1,), (None,), dtype=jnp.float32, init="ones")
+        self.mtp = nnx.List([MTPBlock(cfg, cfg.num_hidden_layers + j, rngs=rngs, param_dtype=param_dtype, dtype=dtype)
+                             for j in range(cfg.num_nextn_predict_layers)])
+
+    # ------------------------------------------------------------------ pieces (reused by the sampler)
+    def embed_tokens(self, ids: jax.Array) -> jax.Array:
+        """ids [...] -> [..., D] in the compute dtype (no scaling)."""
+        return self.embed.weight[...][ids].astype(self.dtype)
+
+    def collapse(self, x: jax.Array, owner=None) -> jax.Array:
+        """Hyper head + final norm: streams [..., n, D] -> [..., D]."""
+        owner = owner or self
+        c = self.config
+        h = hc_head(x, owner.hc_head_fn[...], owner.hc_head_base[...], owner.hc_head_scale[...], n=c.hc_mult,
+                    hc_eps=c.hc_eps, norm_eps=c.rms_norm_eps)
+        return owner.norm(h)
+
+    def lm_head(self, h: jax.Array) -> jax.Array:
+        """h [..., D] -> logits [..., V] float32."""
+        return jnp.einsum("...d,vd->...v", h.astype(self.dtype), self.head.weight[...].astype(self.dtype),
+                          preferred_element_type=jnp.float32)
+
+    # ------------------------------------------------------------------ forward
+    def __call__(self, input_ids: jax.Array, *, attention_mask: jax.Array | None = None,
+                 routing_replay: jax.Array | None = None, return_mtp: bool = False, return_hidden: bool = False,
+                 dispatch_fn=None) -> DSV4Output:
+        """Full-sequence forward.
+
+        Args:
+          input_ids: [B, S] int32.
+          attention_mask: [B, S] (1 = real token) with the real tokens contiguous (left or right padding);
+            None = all real.
+          routing_replay: [B, S, L, k] int32 expert ids to force in every main MoE layer (entries < 0 route
+            normally), as returned in `.routing` by an earlier call or the sampler; None = route freely.
+          return_mtp: also compute the MTP head (`mtp_logits`).
+          dispatch_fn: routed-expert implementation (default: single-device ragged_dot; EP: sharding.expert).
+        Returns:
+          DSV4Output (see its docstring).
+        Raises:
+          ValueError: mis-shaped `routing_replay` or `attention_mask` (static shape check).
+        """
+        cfg = self.config
+        b, s = input_ids.shape
+        n_l, k = cfg.num_hidden_layers, cfg.num_experts_per_tok
+        if routing_replay is not None and routing_replay.shape != (b, s, n_l, k):
+            raise ValueError(f"routing_replay has shape {routing_replay.shape}; expected [B, S, L, k] = "
+                             f"{(b, s, n_l, k)}")
+        if attention_mask is not None and attention_mask.shape != (b, s):
+            raise ValueError(f"attention_mask has shape {attention_mask.shape}; expected {(b, s)}")
+        valid = None
+        if attention_mask is not None:
+            m = attention_mask.astype(bool)
+            shift = jnp.argmax(m, axis=1).astype(jnp.int32)  # leading pads per row (0 if right-padded)
+            idx = (jnp.arange(s)[None, :] + shift[:, None]) % s  # right-align: new[j] = old[j + shift]
+            ids = jnp.take_along_axis(input_ids, idx, axis=1)
+            valid = jnp.take_along_axis(m, idx, axis=1)
+            ids = jnp.where(valid, ids, 0)
+            if routing_replay is not None:
+                routing_replay = jnp.take_along_axis(routing_replay, idx[:, :, None, None], axis=1)
+        else:
+            ids = input_ids
+        positions = jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32)[None], (b, s))
+        x = jnp.broadcast_to(self.embed_tokens(ids)[:, :, None, :], (b, s, cfg.hc_mult, cfg.hidden_size))
+        routes = []
+        for i, layer in enumerate(self.layers):
+            forced = None if routing_replay is None else routing_replay[:, :, i]
+            x, r = layer(x, positions, ids, forced, dispatch_fn)
+            routes.append(r)
+        routing = jnp.stack(routes, axis=2)  # [B, S, L, k]
+        h = self.collapse(x)
+        mtp_h = None
+        if return_mtp and len(self.mtp):
+            nxt = jnp.concatenate([ids[:, 1:], jnp.zeros((b, 1), ids.dtype)], axis=1)
+            mtp_h = self._mtp(self.mtp[0], x, nxt, positions, dispatch_fn)
+        if attention_mask is not None:
+            inv = (jnp.arange(s)[None, :] - shift[:, None]) % s  # roll back: old[j] = new[j - shift]
+            h = jnp.take_along_axis(h, inv[:, :, None], axis=1)
+            routing = jnp.take_along_axis(routing, inv[:, :, None, None], axis=1)
+            routing = jnp.where(attention_mask.astype(bool)[:, :, None, None], routing, -1)
+            if mtp_h is not None:
+                mtp_h = jnp.take_along_axis(mtp_h, inv[:, :, None], axis=1)
+        logits = self.lm_head(h)
+        return DSV4Output(logits=logits, routing=routing,
+                          mtp_logits=None if mtp_h is None else self.lm_head(mtp_h),
+                          hidden=h if return_hidden else None)
+
+    def _mtp(self, blk: MTPBlock, x, next_ids, positions, dispatch_fn):
+        """MTP: X~_k = e_proj(enorm(embed(next))) + h_proj(hnorm(X_k)); block; own hyper head + norm (spec §7)."""
+        e = blk.enorm(self.embed_tokens(next_ids))
+        xm = blk.e_proj(e)[:, :, None, :] + blk.h_proj(blk.hnorm(x))
+        xm, _ = blk(xm.astype(x.dtype), positions, next_ids, None, dispatch_fn)
+        return self.collapse(xm, owner=blk)
+
+
+class _Table(nnx.Module):
+    """Holder so that checkpoint names read `embed.weight` / `head.weight`."""
+
+    def __init__(self, weight):
+        self.weight = weight
+
+
+def count_params(model_or_state, *, active: bool = False, config: DSV4Config | None = None,
+                 include_mtp: bool = False) -> int:
+    """Number of logical parameters: nnx.Param leaves plus floating-point buffers (the router selection bias);
+    integer tables (tid2eid) are not counted, matching the spec §10 arithmetic (284 332 240 471 for Flash).
+
+    With `active=True`: routed experts count k/E of their size (the parameters one token touches) and the
+    embedding matrix is excluded (one row is looked up), the convention of spec §10 (13.27B for Flash).
+    Works on abstract models from `nnx.eval_shape` (no memory is allocated).
+    """
+    state = nnx.state(model_or_state) if isinstance(model_or_state, nnx.Module) else model_or_state
+    total = 0
+    for path, v in nnx.to_flat_state(state):
+        if not jnp.issubdtype(v.value.dtype, jnp.floating):
+            continue
+        keys = [str(p) for p in path]
+        if not include_mtp and keys and keys[0] == "mtp":
+            continue
+        size = 1
+        for dim in v.value.shape:
+            size *= dim
+        if active:
+            if "experts" in keys and "shared_experts" not in keys:
+                size = size * config.num_experts_per_tok // config.n_routed_experts
+            if keys[0] == "embed":
+                size = 0
+        total += size
+    return total

@@ -1,0 +1,458 @@
+"""FP8 (e4m3fn / e4m3fnuz) 128x128-block and FP4 (e2m1, 1x32 e8m0) weight quantisation, pure functions.
+
+What the DeepSeek-V4 checkpoint stores (docs/dsv4-architecture.md §9.2, §12 items 23-24):
+- FP8 weights `F8_E4M3` (OCP e4m3fn, max 448) with one scale per 128x128 tile, W = Q * S (S is a
+  *multiplier*, shape [ceil(out/128), ceil(in/128)], stored as `F8_E8M0`, i.e. a power of two).
+- FP4 routed experts stored as `I8` [out, in/2]: two e2m1 codes per byte along the input dim, low
+  nibble = logical column 2k, high nibble = column 2k+1 (official `inference/convert.py`,
+  `cast_e2m1fn_to_e4m3fn`); one e8m0 scale per 32 consecutive inputs of a row, W[o, i] = val * 2^(b-127).
+- e8m0 (OCP MX spec): an unsigned exponent byte b with value 2^(b-127); b = 255 is NaN; no zero.
+
+Choices:
+- Every function takes numpy arrays (eager, used by the checkpoint loader; returns numpy) or jax arrays
+  and tracers (jittable, used by the sampler; returns jax arrays). Static arguments (`fmt`, `block`,
+  `scale_fmt`, `dtype`) are Python values: close over them or mark them static under `jax.jit`.
+- Values are clipped to +-fmax *before* the cast to fp8: an overflowing cast gives NaN, not saturation
+  (ml_dtypes and XLA alike; docs/jax-stack.md §4.1).
+- Power-of-two scales are computed exactly with `frexp` (never `ceil(log2(x))` in floating point) and
+  their exponents are clamped to [-126, 127] so every scale is a *normal* f32 (XLA:CPU flushes
+  subnormals to zero, which would turn a division by a tiny scale into inf).
+- The MI300 (gfx942) path converts e4m3fn checkpoints to e4m3fnuz by reinterpreting bytes and doubling
+  the scale (`fp8_fn_to_fnuz`), never by a value cast.
+
+Sources: OCP 8-bit Floating Point Specification (OFP8) rev 1.0 and OCP Microscaling Formats (MX) v1.0
+(e4m3fn, e2m1, e8m0 encodings); ml_dtypes 0.6 (`float8_e4m3fnuz`: bias 8, 0x80 = NaN, no -0);
+DeepSeek-V4 `inference/convert.py` (nibble order). Tests: tests/dsv4/test_quant.py.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+logger = logging.getLogger(__name__)
+
+FP8_FORMATS: dict[str, Any] = {"e4m3fn": jnp.float8_e4m3fn, "e4m3fnuz": jnp.float8_e4m3fnuz}
+FP8_MAX: dict[str, float] = {"e4m3fn": 448.0, "e4m3fnuz": 240.0}
+# Names accepted by `select_fp8_format` / `canonical_fp8_format` besides "auto". "fp8" means the OCP format.
+FP8_ALIASES: dict[str, str] = {
+    "fp8": "e4m3fn",
+    "e4m3fn": "e4m3fn",
+    "fp8_e4m3fn": "e4m3fn",
+    "float8_e4m3fn": "e4m3fn",
+    "e4m3fnuz": "e4m3fnuz",
+    "fp8_e4m3fnuz": "e4m3fnuz",
+    "float8_e4m3fnuz": "e4m3fnuz",
+}
+# NaN bytes per format: e4m3fn S.1111.111 (0x7f, 0xff); e4m3fnuz only the "negative zero" pattern 0x80.
+_FP8_NAN_BYTES = {"e4m3fn": (0x7F, 0xFF), "e4m3fnuz": (0x80,)}
+# Device-kind substrings of AMD CDNA3 (gfx942: MI300X, MI300A, MI308X, MI325X), whose native fp8 is fnuz.
+_GFX942_MARKERS = ("gfx942", "mi300", "mi308", "mi325")
+
+FP4_MAX = 6.0
+FP4_BLOCK = 32
+# e2m1 code -> value for codes 0..15 (bit 3 = sign), OCP MX spec §5.3.3.
+FP4_E2M1_VALUES = np.array(
+    [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0], np.float32
+)
+# Rounding to nearest e2m1 magnitude: the code is the number of midpoints below |x|, plus one at the
+# midpoints whose lower neighbour has an odd code (ties to even, as IEEE and ml_dtypes do).
+_FP4_MIDPOINTS = (0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0)
+_FP4_TIES_UP = (0.75, 1.75, 3.5)
+
+
+# ------------------------------------------------------------------------------------------- helpers
+
+
+def _xp(*arrays):
+    """numpy when every input is a numpy array (eager loader path), else jax.numpy (jit path)."""
+    return np if all(isinstance(a, (np.ndarray, np.generic)) for a in arrays) else jnp
+
+
+def _bitcast(x, dtype):
+    """Reinterpret the bits of `x` as the same-width `dtype` (numpy view or lax.bitcast_convert_type)."""
+    if isinstance(x, (np.ndarray, np.generic)):
+        return np.asarray(x).view(dtype)
+    return jax.lax.bitcast_convert_type(x, dtype)
+
+
+def _pow2_ceil(xp, x):
+    """Exact 2^ceil(log2 x) for x > 0 (f32), exponent clamped to [-126, 127]; x = 0 gives 1 (callers mask it)."""
+    mant, exp = xp.frexp(x)  # x = mant * 2^exp, mant in [0.5, 1)
+    exp = xp.where(mant == 0.5, exp - 1, exp)  # x is already a power of two
+    exp = xp.clip(exp, -126, 127).astype(xp.int32)
+    return _bitcast(((exp + 127).astype(xp.uint32) << 23).astype(xp.uint32), xp.float32)
+
+
+def canonical_fp8_format(fmt: str) -> str:
+    """'e4m3fn' | 'e4m3fnuz' for any name in `FP8_ALIASES`; ValueError naming the value otherwise."""
+    try:
+        return FP8_ALIASES[fmt]
+    except (KeyError, TypeError):
+        raise ValueError(f"unknown fp8 format {fmt!r}; accepted: 'auto', {', '.join(map(repr, FP8_ALIASES))}") from None
+
+
+def _fp8_format_of(dtype) -> str:
+    for name, dt in FP8_FORMATS.items():
+        if np.dtype(dtype) == np.dtype(dt):
+            return name
+    raise ValueError(f"expected an fp8 array of {sorted(FP8_FORMATS)}, got dtype {dtype}")
+
+
+# ---------------------------------------------------------------------------------------- e8m0 scales
+
+
+def e8m0_to_f32(b):
+    """e8m0 exponent bytes -> float32 2^(b-127); b = 255 -> NaN.
+
+    b: uint8 (or float8_e8m0fnu, reinterpreted) array of any shape. Built from bits (exponent field = b),
+    so it is exact; b = 0 gives the subnormal 2^-127, which XLA:CPU arithmetic may later flush to zero.
+    """
+    xp = _xp(b)
+    if np.dtype(b.dtype) != np.uint8:
+        if np.dtype(b.dtype) != np.dtype(jnp.float8_e8m0fnu):
+            raise ValueError(f"e8m0_to_f32 expects uint8 or float8_e8m0fnu, got {b.dtype}")
+        b = _bitcast(b, xp.uint8)
+    bits = b.astype(xp.uint32) << 23
+    bits = xp.where(b == 0, np.uint32(0x00400000), bits)  # 2^-127 is the subnormal with mantissa 0b10...
+    bits = xp.where(b == 255, np.uint32(0x7FC00000), bits)  # quiet NaN
+    return _bitcast(bits.astype(xp.uint32), xp.float32)
+
+
+def f32_to_e8m0(x):
+    """Positive power-of-two floats -> uint8 e8m0 bytes b with x = 2^(b-127); NaN -> 255.
+
+    numpy path: ValueError if any value is not a power of two in [2^-127, 2^127] (or NaN).
+    jnp path: no check; exponents are clamped to [0, 254] and non-powers of two are rounded down.
+    """
+    xp = _xp(x)
+    x = x.astype(xp.float32)
+    mant, exp = xp.frexp(x)
+    b = exp.astype(xp.int32) - 1 + 127
+    if xp is np:
+        bad = ~np.isnan(x) & ((mant != 0.5) | (b < 0) | (b > 254))
+        if bad.any():
+            raise ValueError(f"f32_to_e8m0: {int(bad.sum())} value(s) are not powers of two in [2^-127, 2^127], "
+                             f"e.g. {x[bad].flat[0]!r}")
+    return xp.where(xp.isnan(x), 255, xp.clip(b, 0, 254)).astype(xp.uint8)
+
+
+def _scale_to_f32(scale):
+    """Scale tensor (e8m0 bytes as uint8 / float8_e8m0fnu, or float powers of two) -> float32."""
+    dt = np.dtype(scale.dtype)
+    if dt == np.uint8 or dt == np.dtype(jnp.float8_e8m0fnu):
+        return e8m0_to_f32(scale)
+    return scale.astype(_xp(scale).float32)
+
+
+def _scale_times_pow2(scale, up: bool):
+    """scale * 2 (up) or scale / 2, keeping its dtype; e8m0 scales change their exponent byte by one."""
+    xp = _xp(scale)
+    dt = np.dtype(scale.dtype)
+    if dt == np.uint8 or dt == np.dtype(jnp.float8_e8m0fnu):
+        b = scale if dt == np.uint8 else _bitcast(scale, xp.uint8)
+        if xp is np and ((b >= 254) if up else (b == 0) | (b == 255)).any():
+            raise ValueError("e8m0 scale out of range (or NaN) after the fp8 format conversion")
+        b = (b.astype(xp.int32) + (1 if up else -1)).astype(xp.uint8)
+        return b if dt == np.uint8 else _bitcast(b, scale.dtype)
+    return scale * 2 if up else scale / 2
+
+
+# ---------------------------------------------------------------------------------------- FP8 blocks
+
+
+def saturating_cast_fp8(x, fmt: str = "e4m3fn"):
+    """Clip x to +-fmax, then cast to FP8_FORMATS[fmt] (a plain cast of |x| > fmax gives NaN). Jittable."""
+    fmt = canonical_fp8_format(fmt)
+    xp = _xp(x)
+    return xp.clip(x.astype(xp.float32), -FP8_MAX[fmt], FP8_MAX[fmt]).astype(FP8_FORMATS[fmt])
+
+
+def quantize_fp8_blockwise(w, *, fmt: str = "e4m3fn", block: tuple[int, int] = (128, 128), scale_fmt: str = "f32"):
+    """Block-scaled fp8 quantisation over the last two dims: w [..., out, in] -> (q, scale).
+
+    q: [..., out, in] in FP8_FORMATS[fmt]; scale: float32 [..., ceil(out/b0), ceil(in/b1)], a multiplier
+    (W ~= q * scale). Per block, amax = max|w|; scale_fmt "f32": s = amax / fmax; "ue8m0": s =
+    2^ceil(log2(amax / fmax)) (a power of two, storable as e8m0). All-zero blocks get s = 1; f32 scales are
+    floored at the smallest normal f32. q = cast(clip(w / s, -fmax, fmax)). Shapes that are not multiples
+    of `block` are zero-padded internally (zeros do not change amax) and cropped. Jittable (static kwargs).
+    Errors: ValueError for ndim < 2, an empty array, an unknown fmt/scale_fmt, or (numpy path) non-finite w.
+    """
+    fmt = canonical_fp8_format(fmt)
+    if scale_fmt not in ("f32", "ue8m0"):
+        raise ValueError(f"scale_fmt must be 'f32' or 'ue8m0', got {scale_fmt!r}")
+    xp = _xp(w)
+    if w.ndim < 2 or w.size == 0:
+        raise ValueError(f"quantize_fp8_blockwise needs a non-empty array with ndim >= 2, got shape {w.shape}")
+    w = w.astype(xp.float32)
+    if xp is np and not np.isfinite(w).all():
+        raise ValueError("quantize_fp8_blockwise: w has NaN or inf values")
+    fmax, (b0, b1) = FP8_MAX[fmt], block
+    *lead, rows, cols = w.shape
+    nb0, nb1 = -(-rows // b0), -(-cols // b1)
+    wp = xp.pad(w, [(0, 0)] * len(lead) + [(0, nb0 * b0 - rows), (0, nb1 * b1 - cols)])
+    wb = wp.reshape(*lead, nb0, b0, nb1, b1)
+    amax = xp.max(xp.abs(wb), axis=(-3, -1))  # -> [..., nb0, nb1]
+    if scale_fmt == "ue8m0":
+        scale = _pow2_ceil(xp, amax / fmax)
+    else:
+        scale = xp.maximum(amax / fmax, np.finfo(np.float32).tiny)
+    scale = xp.where(amax > 0, scale, 1.0).astype(xp.float32)
+    qb = saturating_cast_fp8(wb / scale[..., :, None, :, None], fmt)
+    q = qb.reshape(*lead, nb0 * b0, nb1 * b1)[..., :rows, :cols]
+    return q, scale
+
+
+def dequantize_fp8_blockwise(q, scale, *, block: tuple[int, int] = (128, 128), dtype=jnp.float32):
+    """W = q * scale repeated over `block` tiles and cropped: q [..., out, in], scale [..., ceil(out/b0),
+    ceil(in/b1)] (float, or e8m0 bytes uint8 / float8_e8m0fnu) -> [..., out, in] in `dtype`. Jittable.
+
+    ValueError if scale's shape does not match q's block grid.
+    """
+    xp = _xp(q, scale)
+    b0, b1 = block
+    *lead, rows, cols = q.shape
+    grid = (*lead, -(-rows // b0), -(-cols // b1))
+    if tuple(scale.shape) != grid:
+        raise ValueError(f"fp8 scale shape {tuple(scale.shape)} does not match q {tuple(q.shape)} "
+                         f"with block {block} (expected {grid})")
+    s = xp.repeat(xp.repeat(_scale_to_f32(scale), b0, axis=-2), b1, axis=-1)[..., :rows, :cols]
+    return (q.astype(xp.float32) * s).astype(dtype)
+
+
+def check_fp8_finite(q, *, name: str = "tensor") -> None:
+    """numpy-side check: ValueError naming `name` when an fp8 array holds NaN bytes.
+
+    e4m3fn NaN bytes are 0x7f/0xff; e4m3fnuz NaN is 0x80. A NaN in a checkpoint is an error, not data.
+    """
+    fmt = _fp8_format_of(q.dtype)
+    b = np.asarray(q).view(np.uint8)
+    bad = np.isin(b, _FP8_NAN_BYTES[fmt])
+    if bad.any():
+        idx = tuple(int(i) for i in np.argwhere(bad)[0])
+        raise ValueError(f"{name}: {int(bad.sum())} NaN byte(s) in {fmt} data, first at index {idx} "
+                         f"(byte {int(b[idx]):#04x})")
+
+
+def fp8_fn_to_fnuz(q_fn, scale, *, name: str = "tensor"):
+    """Exact e4m3fn -> e4m3fnuz conversion: (q_fn, scale) -> (q_fnuz, 2 * scale).
+
+    Bytes are reinterpreted, not value-cast: for all 253 patterns finite in both formats
+    value_fn == 2 * value_fnuz (fnuz has exponent bias 8, fn bias 7), so q_fnuz * (2 * scale) == q_fn * scale
+    exactly. Byte 0x80 (-0 in fn, NaN in fnuz) becomes 0x00. fn's NaN bytes 0x7f/0xff would read as
+    +-240 in fnuz: the numpy path raises ValueError naming `name` (`check_fp8_finite`); the jnp path just
+    maps (no data-dependent checks under jit). `scale` keeps its dtype (e8m0 bytes: exponent + 1).
+    """
+    if _fp8_format_of(q_fn.dtype) != "e4m3fn":
+        raise ValueError(f"{name}: fp8_fn_to_fnuz expects e4m3fn, got {q_fn.dtype}")
+    xp = _xp(q_fn)
+    if xp is np:
+        check_fp8_finite(q_fn, name=name)
+    b = _bitcast(q_fn, xp.uint8)
+    b = xp.where(b == 0x80, np.uint8(0), b).astype(xp.uint8)
+    return _bitcast(b, FP8_FORMATS["e4m3fnuz"]), _scale_times_pow2(scale, up=True)
+
+
+def fp8_fnuz_to_fn(q_fnuz, scale, *, name: str = "tensor"):
+    """Inverse of `fp8_fn_to_fnuz`: (q_fnuz, scale) -> (q_fn, scale / 2), bytes reinterpreted.
+
+    Exact for every byte except 0x7f/0xff (+-240 in fnuz = +-480 in fn units, above fn's 448) and the
+    fnuz NaN 0x80. numpy path: ValueError naming `name` if any of those is present (requantise from the
+    high-precision weights instead; `quantize_fp8_blockwise(fmt="e4m3fnuz")` puts each block's amax at
+    exactly 240). jnp path: 0x7f/0xff saturate to +-448 (0x7e/0xfe, the only lossy case) and 0x80 -> 0x7f
+    (NaN stays NaN).
+    """
+    if _fp8_format_of(q_fnuz.dtype) != "e4m3fnuz":
+        raise ValueError(f"{name}: fp8_fnuz_to_fn expects e4m3fnuz, got {q_fnuz.dtype}")
+    xp = _xp(q_fnuz)
+    b = _bitcast(q_fnuz, xp.uint8)
+    if xp is np:
+        check_fp8_finite(q_fnuz, name=name)
+        over = (b == 0x7F) | (b == 0xFF)
+        if over.any():
+            raise ValueError(f"{name}: {int(over.sum())} e4m3fnuz value(s) of +-240 (bytes 0x7f/0xff) are not "
+                             "representable in e4m3fn after the exact conversion; requantise instead")
+    b = xp.where(b == 0x80, np.uint8(0x7F), xp.where((b & 0x7F) == 0x7F, b - np.uint8(1), b)).astype(xp.uint8)
+    return _bitcast(b, FP8_FORMATS["e4m3fn"]), _scale_times_pow2(scale, up=False)
+
+
+# -------------------------------------------------------------------------------- format selection
+
+
+def fp8_format_for_device_kind(platform: str, device_kind: str) -> str:
+    """The fp8 weight format for one device: 'e4m3fnuz' on AMD gfx942 (MI300X/MI300A/MI308X/MI325X, whose
+    hardware fp8 is fnuz), 'e4m3fn' everywhere else (gfx950 MI350/MI355X, NVIDIA, TPU, CPU). Pure.
+
+    platform: jax `Device.platform` ('cpu', 'gpu', 'rocm', 'cuda', 'tpu'); device_kind: `Device.device_kind`
+    (e.g. 'AMD Instinct MI300X', 'gfx942', 'NVIDIA H200'). Matching is by case-insensitive substring.
+    """
+    kind = device_kind.lower()
+    if platform.lower() != "cpu" and any(m in kind for m in _GFX942_MARKERS):
+        return "e4m3fnuz"
+    return "e4m3fn"
+
+
+def select_fp8_format(fmt: str = "auto", devices=None) -> str:
+    """Resolve a configured fp8 format to 'e4m3fn' | 'e4m3fnuz' and log the choice.
+
+    fmt: 'auto' (from `devices[0]`, default `jax.devices()[0]`, via `fp8_format_for_device_kind`) or an
+    explicit name in `FP8_ALIASES` ('fp8' = 'e4m3fn'). ValueError naming the value and the accepted ones.
+    """
+    if fmt != "auto":
+        chosen = canonical_fp8_format(fmt)
+        logger.info("fp8 weight format %s (configured as %r)", chosen, fmt)
+        return chosen
+    dev = (jax.devices() if devices is None else list(devices))[0]
+    chosen = fp8_format_for_device_kind(dev.platform, dev.device_kind)
+    logger.info("fp8 weight format %s (auto: platform %r, device kind %r)", chosen, dev.platform, dev.device_kind)
+    return chosen
+
+
+# ------------------------------------------------------------------------------------------------ FP4
+
+
+def unpack_fp4_e2m1(packed):
+    """Packed fp4 bytes [..., n] (int8 as stored, or uint8) -> e2m1 codes uint8 [..., 2n].
+
+    Byte k of a row holds logical column 2k in its low nibble (bits 0-3) and column 2k+1 in its high nibble
+    (bits 4-7), as DeepSeek-V4 `inference/convert.py` unpacks it.
+    """
+    xp = _xp(packed)
+    b = packed if np.dtype(packed.dtype) == np.uint8 else _bitcast(packed, xp.uint8)
+    codes = xp.stack([b & np.uint8(0x0F), b >> np.uint8(4)], axis=-1)  # -> [..., n, 2]
+    return codes.reshape(*b.shape[:-1], 2 * b.shape[-1])
+
+
+def pack_fp4_e2m1(codes):
+    """Inverse of `unpack_fp4_e2m1`: codes [..., 2n] (values 0..15) -> int8 [..., n]."""
+    xp = _xp(codes)
+    if codes.shape[-1] % 2:
+        raise ValueError(f"pack_fp4_e2m1 needs an even last dim, got shape {codes.shape}")
+    c = codes.astype(xp.uint8)
+    return _bitcast((c[..., 0::2] & np.uint8(0x0F)) | (c[..., 1::2] << np.uint8(4)), xp.int8)
+
+
+def fp4_codes_to_values(codes, dtype=jnp.float32):
+    """e2m1 codes (0..15, bit 3 = sign) -> values 0, .5, 1, 1.5, 2, 3, 4, 6 and negatives, in `dtype`."""
+    xp = _xp(codes)
+    return xp.asarray(FP4_E2M1_VALUES)[codes.astype(xp.int32)].astype(dtype)
+
+
+def dequantize_fp4(packed, scale, dtype=jnp.float32, *, block: int = FP4_BLOCK):
+    """FP4 expert weight -> dense: packed [..., out, in/2] int8, scale [..., out, in/block] -> [..., out, in].
+
+    W[o, i] = e2m1(code[o, i]) * S[o, i // block]. scale: e8m0 bytes (uint8 or float8_e8m0fnu, value
+    2^(b-127)) or float powers of two. Jittable, so the sampler can keep experts packed and dequantise
+    inside the jit. ValueError if the scale shape does not match.
+    """
+    xp = _xp(packed, scale)
+    vals = fp4_codes_to_values(unpack_fp4_e2m1(packed), xp.float32)  # -> [..., out, in]
+    *lead, rows, cols = vals.shape
+    if cols % block or tuple(scale.shape) != (*lead, rows, cols // block):
+        raise ValueError(f"fp4 scale shape {tuple(scale.shape)} does not match packed {tuple(packed.shape)} "
+                         f"(logical [..., {rows}, {cols}], block {block})")
+    vb = vals.reshape(*lead, rows, cols // block, block) * _scale_to_f32(scale)[..., None]
+    return vb.reshape(*lead, rows, cols).astype(dtype)
+
+
+def fp4_round_codes(x):
+    """Round values already in [-6, 6] to the nearest e2m1 code (ties to even; -0 and tiny negatives -> 0)."""
+    xp = _xp(x)
+    a = xp.abs(x)
+    mag = sum((a > t).astype(xp.uint8) for t in _FP4_MIDPOINTS) + sum((a == t).astype(xp.uint8) for t in _FP4_TIES_UP)
+    sign = ((x < 0) & (mag > 0)).astype(xp.uint8)
+    return (mag | (sign << np.uint8(3))).astype(xp.uint8)
+
+
+def quantize_fp4(w, *, block: int = FP4_BLOCK):
+    """Dense w [..., out, in] -> (packed int8 [..., out, in/2], scale e8m0 uint8 [..., out, in/block]).
+
+    Per `block` consecutive inputs: s = 2^ceil(log2(amax / 6)) (1 for an all-zero block), codes = nearest
+    e2m1 value of w / s (ties to even). Exact round trip for w already of the form e2m1 * 2^k per block
+    with its amax at 6 * s. ValueError if `in` is not a multiple of `block` (or the numpy w is non-finite).
+    """
+    xp = _xp(w)
+    w = w.astype(xp.float32)
+    *lead, rows, cols = w.shape
+    if cols % block:
+        raise ValueError(f"quantize_fp4: last dim {cols} is not a multiple of the block {block}")
+    if xp is np and not np.isfinite(w).all():
+        raise ValueError("quantize_fp4: w has NaN or inf values")
+    wb = w.reshape(*lead, rows, cols // block, block)
+    amax = xp.max(xp.abs(wb), axis=-1)  # -> [..., out, in/block]
+    scale = xp.where(amax > 0, _pow2_ceil(xp, amax / FP4_MAX), 1.0).astype(xp.float32)
+    codes = fp4_round_codes(xp.clip(wb / scale[..., None], -FP4_MAX, FP4_MAX))
+    return pack_fp4_e2m1(codes.reshape(*lead, rows, cols)), f32_to_e8m0(scale)
+
+
+# ------------------------------------------------------------------------------------ stored tensor
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class QuantizedTensor:
+    """A quantised weight as the sampler stores it (a jax pytree: `q`, `scale` are leaves, the rest static).
+
+    kind 'fp8': q [..., out, in] in FP8_FORMATS[fmt], scale f32 [..., ceil(out/b0), ceil(in/b1)],
+    block (b0, b1). kind 'fp4': q packed int8 [..., out, in/2], scale [..., out, in/32] (f32 powers of two
+    or e8m0 bytes), fmt 'e2m1', block (1, 32). shape: the logical (dequantised) shape.
+    """
+
+    q: Any
+    scale: Any
+    kind: str
+    fmt: str
+    block: tuple[int, ...]
+    shape: tuple[int, ...]
+
+    def __post_init__(self):
+        object.__setattr__(self, "block", tuple(int(b) for b in self.block))
+        object.__setattr__(self, "shape", tuple(int(d) for d in self.shape))
+        if self.kind == "fp8":
+            if self.fmt not in FP8_FORMATS or len(self.block) != 2:
+                raise ValueError(f"fp8 QuantizedTensor needs fmt in {sorted(FP8_FORMATS)} and a 2-d block, "
+                                 f"got fmt={self.fmt!r} block={self.block}")
+        elif self.kind == "fp4":
+            if self.fmt != "e2m1" or len(self.block) != 2 or self.block[0] != 1:
+                raise ValueError(f"fp4 QuantizedTensor needs fmt 'e2m1' and block (1, n), "
+                                 f"got fmt={self.fmt!r} block={self.block}")
+        else:
+            raise ValueError(f"QuantizedTensor kind must be 'fp8' or 'fp4', got {self.kind!r}")
+
+    @classmethod
+    def from_fp8(cls, w, *, fmt="e4m3fn", block=(128, 128), scale_fmt="f32") -> QuantizedTensor:
+        """Quantise a dense w [..., out, in] with `quantize_fp8_blockwise`."""
+        q, scale = quantize_fp8_blockwise(w, fmt=fmt, block=block, scale_fmt=scale_fmt)
+        return cls(q=q, scale=scale, kind="fp8", fmt=canonical_fp8_format(fmt), block=block, shape=w.shape)
+
+    @classmethod
+    def from_fp4(cls, w, *, block: int = FP4_BLOCK) -> QuantizedTensor:
+        """Quantise a dense w [..., out, in] with `quantize_fp4`; the scale is kept as f32."""
+        packed, scale = quantize_fp4(w, block=block)
+        return cls(q=packed, scale=e8m0_to_f32(scale), kind="fp4", fmt="e2m1", block=(1, block), shape=w.shape)
+
+    def dequantize(self, dtype=jnp.bfloat16):
+        """Dense weight of `self.shape` in `dtype`. Jittable."""
+        if self.kind == "fp8":
+            return dequantize_fp8_blockwise(self.q, self.scale, block=self.block, dtype=dtype)
+        return dequantize_fp4(self.q, self.scale, dtype, block=self.block[1])
+
+    def to_fp8_format(self, fmt: str) -> QuantizedTensor:
+        """The same fp8 weight in another fp8 format by the exact byte conversion (no requantisation)."""
+        fmt = canonical_fp8_format(fmt)
+        if self.kind != "fp8":
+            raise ValueError(f"to_fp8_format needs an fp8 tensor, this one is {self.kind}")
+        if fmt == self.fmt:
+            return self
+        convert = fp8_fn_to_fnuz if fmt == "e4m3fnuz" else fp8_fnuz_to_fn
+        q, scale = convert(self.q, self.scale)
+        return dataclasses.replace(self, q=q, scale=scale, fmt=fmt)
+
+
+jax.tree_util.register_dataclass(
+    QuantizedTensor, data_fields=["q", "scale"], meta_fields=["kind", "fmt", "block", "shape"]
+)

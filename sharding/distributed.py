@@ -1,0 +1,218 @@
+"""Multi-process start-up: `maybe_initialize_distributed`, called once, before any other JAX call.
+
+One JAX program spans every host; each host runs one process that sees its local accelerators, and
+`jax.distributed.initialize` joins them so `jax.devices()` lists the global devices (process-major order,
+which `sharding/mesh.py` slices into the actor and rollout meshes). Where the settings come from, first match
+wins (flags override environment variables one by one):
+
+1. flags `--coordinator HOST:PORT --num-processes N --process-id I` (`add_distributed_args`), else the
+   environment variables
+     JAX_COORDINATOR_ADDRESS  HOST:PORT of process 0's coordinator service (jax reads it too),
+     JAX_NUM_PROCESSES        total number of processes N,
+     JAX_PROCESS_ID           this process's index in [0, N).
+   N == 1 is a single-process run (no-op). N > 1 needs a coordinator and a process id.
+2. a cluster launcher: SLURM (`SLURM_NTASKS` > 1 inside a job, i.e. `srun`) or Open MPI
+   (`OMPI_COMM_WORLD_SIZE` > 1, i.e. `mpirun`): `jax.distributed.initialize()` is called without process
+   settings and jax's own cluster detection fills them in (a coordinator from 1. is still passed on).
+3. nothing: single process, nothing is initialised (`DistributedInfo(process_count=1, source="single")`).
+
+It must run before anything touches the XLA backend (`jax.devices()`, creating an array, jit); if the
+backend already exists and a multi-process run is requested it raises `DistributedInitError` instead of
+jax's later, vaguer failure. `local_device_ids` (flag `--local-device-ids 0,1`) restricts the accelerators
+a process uses (jax also sets the ROCm/CUDA visible devices from it).
+
+CPU recipe for tests (measured in docs/jax-stack.md §8): `cpu_devices_per_process=4` sets
+`jax_num_cpu_devices` and, for multi-process runs, `jax_cpu_collectives_implementation=gloo`, so two
+processes on one machine make one 8-device global mesh. Do not also force
+`--xla_force_host_platform_device_count` in XLA_FLAGS.
+
+Source: jax docs "Multi-host and multi-process environments" and `jax.distributed.initialize`'s docstring.
+Tests: `.venv/bin/python -m pytest -q tests/sharding/test_distributed.py`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import re
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import jax
+
+ENV_COORDINATOR = "JAX_COORDINATOR_ADDRESS"
+ENV_NUM_PROCESSES = "JAX_NUM_PROCESSES"
+ENV_PROCESS_ID = "JAX_PROCESS_ID"
+
+_HOST_PORT = re.compile(r"^(?:\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9_.\-]+):(\d{1,5})$")
+
+
+class DistributedInitError(RuntimeError):
+    """Bad or conflicting distributed settings, or initialisation requested too late."""
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class DistributedInfo:
+    """What `maybe_initialize_distributed` did. `source`: "flags", "env", "slurm", "ompi" or "single"."""
+
+    process_id: int
+    process_count: int
+    coordinator: str | None
+    source: str
+
+    @property
+    def is_multiprocess(self) -> bool:
+        return self.process_count > 1
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class _Settings:
+    coordinator: str | None
+    num_processes: int | None
+    process_id: int | None
+    source: str  # "flags" | "env" | "slurm" | "ompi" | "single"
+
+
+def check_coordinator(address: str) -> str:
+    """Return `address` if it is HOST:PORT (`[ipv6]:PORT` allowed, port 1-65535); else DistributedInitError."""
+    m = _HOST_PORT.match(address.strip())
+    if not m or not 1 <= int(m.group(1)) <= 65535:
+        raise DistributedInitError(f"coordinator {address!r} is not HOST:PORT (e.g. 10.0.0.1:12355)")
+    return address.strip()
+
+
+def _int_setting(value: Any, name: str) -> int | None:
+    if value is None or value == "":
+        return None
+    try:
+        return int(value)
+    except (TypeError, ValueError):
+        raise DistributedInitError(f"{name} must be an integer, got {value!r}") from None
+
+
+def _cluster_size(env: Mapping[str, str]) -> tuple[str, int] | None:
+    """("slurm"|"ompi", size) when a launcher started more than one task, else None."""
+    if "SLURM_JOB_ID" in env and (_int_setting(env.get("SLURM_NTASKS"), "SLURM_NTASKS") or 1) > 1:
+        return "slurm", int(env["SLURM_NTASKS"])
+    if (_int_setting(env.get("OMPI_COMM_WORLD_SIZE"), "OMPI_COMM_WORLD_SIZE") or 1) > 1:
+        return "ompi", int(env["OMPI_COMM_WORLD_SIZE"])
+    return None
+
+
+def resolve_settings(coordinator: str | None = None, num_processes: int | None = None,
+                     process_id: int | None = None, env: Mapping[str, str] | None = None) -> _Settings:
+    """Decide what to do from flags and `env` (default `os.environ`) without touching jax (rules in the
+    module docstring). Raises DistributedInitError for invalid or incomplete settings."""
+    env = os.environ if env is None else env
+    explicit = any(v is not None for v in (coordinator, num_processes, process_id))
+    coordinator = coordinator if coordinator is not None else (env.get(ENV_COORDINATOR) or None)
+    n = num_processes if num_processes is not None else _int_setting(env.get(ENV_NUM_PROCESSES), ENV_NUM_PROCESSES)
+    pid = process_id if process_id is not None else _int_setting(env.get(ENV_PROCESS_ID), ENV_PROCESS_ID)
+    source = "flags" if explicit else "env"
+    if coordinator is not None:
+        coordinator = check_coordinator(coordinator)
+    if n is not None:
+        if n < 1:
+            raise DistributedInitError(f"num_processes must be >= 1, got {n}")
+        if pid is not None and not 0 <= pid < n:
+            raise DistributedInitError(f"process_id {pid} is not in [0, {n}) for num_processes={n}")
+        if n == 1:
+            return _Settings(coordinator=coordinator, num_processes=1, process_id=0, source="single")
+        if coordinator is None:
+            raise DistributedInitError(f"num_processes={n} needs a coordinator: pass --coordinator HOST:PORT "
+                                       f"or set {ENV_COORDINATOR}")
+        if pid is None:
+            raise DistributedInitError(f"num_processes={n} needs this process's id: pass --process-id I "
+                                       f"or set {ENV_PROCESS_ID}")
+        return _Settings(coordinator=coordinator, num_processes=n, process_id=pid, source=source)
+    if pid is not None:
+        raise DistributedInitError(f"process_id {pid} given without num_processes (--num-processes or "
+                                   f"{ENV_NUM_PROCESSES})")
+    cluster = _cluster_size(env)
+    if cluster is not None:
+        return _Settings(coordinator=coordinator, num_processes=None, process_id=None, source=cluster[0])
+    if coordinator is not None:
+        raise DistributedInitError(f"coordinator {coordinator!r} given but the process count is unknown: pass "
+                                   f"--num-processes N (or set {ENV_NUM_PROCESSES}), or launch with srun/mpirun")
+    return _Settings(coordinator=None, num_processes=1, process_id=0, source="single")
+
+
+def _backend_initialized() -> bool:
+    try:
+        from jax._src import xla_bridge  # private, but the only way to ask without initialising it
+
+        return bool(xla_bridge.backends_are_initialized())
+    except (ImportError, AttributeError):  # API moved: let jax.distributed.initialize complain itself
+        return False
+
+
+def maybe_initialize_distributed(coordinator: str | None = None, num_processes: int | None = None,
+                                 process_id: int | None = None, local_device_ids: Sequence[int] | None = None,
+                                 *, cpu_devices_per_process: int | None = None,
+                                 initialization_timeout: int = 300) -> DistributedInfo:
+    """Join the processes of a multi-process run, or do nothing on a single process.
+
+    Args:
+      coordinator, num_processes, process_id: as the flags / env vars in the module docstring.
+      local_device_ids: accelerator ids this process uses (default: all it sees).
+      cpu_devices_per_process: CPU-only runs/tests: this many CPU devices per process (+ gloo collectives).
+      initialization_timeout: seconds to wait for all processes to reach the coordinator.
+    Returns:
+      DistributedInfo(process_id, process_count, coordinator, source).
+    Raises:
+      DistributedInitError: invalid settings (coordinator not HOST:PORT, process_id outside [0, N), ...),
+        or a multi-process run requested after the JAX backend was already initialised.
+    """
+    settings = resolve_settings(coordinator, num_processes, process_id)
+    multi = settings.source != "single"
+    if _backend_initialized() and (multi or cpu_devices_per_process is not None):
+        raise DistributedInitError(
+            "maybe_initialize_distributed must run before any JAX call that initialises the backend "
+            "(jax.devices(), array creation, jit); it was called after, with "
+            + (f"a {settings.source} multi-process setup" if multi else f"cpu_devices_per_process="
+               f"{cpu_devices_per_process}"))
+    if cpu_devices_per_process is not None:
+        jax.config.update("jax_num_cpu_devices", int(cpu_devices_per_process))
+        if multi:
+            jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    if not multi:
+        return DistributedInfo(process_id=0, process_count=1, coordinator=settings.coordinator, source="single")
+    jax.distributed.initialize(
+        coordinator_address=settings.coordinator,
+        num_processes=settings.num_processes,
+        process_id=settings.process_id,
+        local_device_ids=list(local_device_ids) if local_device_ids is not None else None,
+        initialization_timeout=initialization_timeout,
+    )
+    return DistributedInfo(process_id=jax.process_index(), process_count=jax.process_count(),
+                           coordinator=settings.coordinator or os.environ.get(ENV_COORDINATOR),
+                           source=settings.source)
+
+
+def _device_ids(text: str) -> list[int]:
+    try:
+        return [int(t) for t in text.split(",") if t.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--local-device-ids must be a comma list of integers, got {text!r}")
+
+
+def add_distributed_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """Add `--coordinator`, `--num-processes`, `--process-id`, `--local-device-ids`,
+    `--cpu-devices-per-process` (all default None: fall back to env / cluster detection). Returns `parser`."""
+    group = parser.add_argument_group("distributed (else JAX_COORDINATOR_ADDRESS / JAX_NUM_PROCESSES / "
+                                      "JAX_PROCESS_ID, else SLURM / Open MPI detection)")
+    group.add_argument("--coordinator", default=None, metavar="HOST:PORT", help="process 0's coordinator address")
+    group.add_argument("--num-processes", type=int, default=None, metavar="N", help="total processes")
+    group.add_argument("--process-id", type=int, default=None, metavar="I", help="this process, in [0, N)")
+    group.add_argument("--local-device-ids", type=_device_ids, default=None, metavar="0,1,...",
+                       help="accelerators this process uses")
+    group.add_argument("--cpu-devices-per-process", type=int, default=None, metavar="K",
+                       help="CPU devices per process (CPU runs and tests)")
+    return parser
+
+
+def initialize_from_args(args: argparse.Namespace) -> DistributedInfo:
+    """`maybe_initialize_distributed` with the values parsed from `add_distributed_args`' flags."""
+    return maybe_initialize_distributed(args.coordinator, args.num_processes, args.process_id,
+                                        args.local_device_ids, cpu_devices_per_process=args.cpu_devices_per_process)

@@ -1,0 +1,266 @@
+"""Logical-axis -> mesh-axis rule tables, one named preset per role, and the helpers that apply them.
+
+This file is the only place that decides where an array lives (house rule 3). Model code names *logical*
+axes from `sharding/axes.py` (`embed`, `mlp`, `act_batch`, ...); a rule table maps each of them to a mesh axis,
+a tuple of mesh axes (the dim is split over their product, major to minor), or None (replicated).
+
+Two presets:
+
+* `ACTOR_RULES` (training mesh, BF16 + fp32 master/optimizer state): FSDP + EP + TP. Weights are split along
+  `embed` over `fsdp` (ZeRO-3 style: gathered per layer by XLA), routed experts over `expert`, and the
+  head/intermediate/vocab dims over `tensor`. The batch is split over every non-tensor axis
+  (`data`, `fsdp`, `expert`): FSDP and EP ranks are data-parallel for activations.
+* `ROLLOUT_RULES` (sampling mesh, FP8): EP + TP and no FSDP: weights are never split along `embed`, so decode
+  steps never all-gather weights. The batch is split over `data`, `fsdp` and `expert`; on a rollout mesh the
+  `fsdp` axis is therefore a second data axis. It is 1 on the usual disjoint rollout meshes and is only > 1
+  when the rollout shares the actor mesh (`MeshPlan.colocated`), where it keeps the FSDP ranks busy.
+
+Resolution (`logical_to_spec`): mesh axes that the mesh lacks or whose size is 1 are dropped, and a mesh axis
+is used at most once per PartitionSpec: when two dims map to the same mesh axis, the first dim (left to
+right) keeps it and the later dim is replicated along it. Example, actor rules on fsdp=2, tensor=2:
+`("embed", "mlp") -> P("fsdp", "tensor")`, `("heads", "mlp") -> P("tensor", None)`.
+
+Activations: model code calls `constrain(x, (ACT_BATCH, ACT_SEQ, ACT_EMBED))`; it is the identity unless a
+`use_rules(rules, mesh)` context is active (a `contextvars.ContextVar`, so threads and asyncio tasks each see
+their own). Inside jit, `with_sharding_constraint` accepts uneven dims (XLA pads), so `constrain` does not check
+divisibility; parameters are checked strictly (`param_shardings`) because jit in/out shardings must divide.
+
+Sources (ideas, not code): MaxText's `logical_axis_rules` table in `configs/base.yml` and its
+"first rule wins, axis used once" resolution; Tunix's separate sampling layout (`ShardingConfig(is_sampling)`)
+that drops FSDP; jax docs "Distributed arrays and automatic parallelization" for NamedSharding /
+with_sharding_constraint. Run the tests: `.venv/bin/python -m pytest -q tests/sharding/test_rules.py`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import math
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import jax
+from flax import nnx
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from sharding import axes as ax
+
+# Mesh axis names, in mesh order (major to minor). `tensor` is innermost so TP peers are adjacent devices.
+DATA = "data"
+FSDP = "fsdp"
+EXPERT = "expert"
+TENSOR = "tensor"
+MESH_AXES = (DATA, FSDP, EXPERT, TENSOR)
+
+# Roles.
+ACTOR = "actor"
+ROLLOUT = "rollout"
+ROLES = (ACTOR, ROLLOUT)
+
+MeshAxes = str | tuple[str, ...] | None
+Rules = tuple[tuple[str, MeshAxes], ...]
+
+ACTOR_RULES: Rules = (
+    # Weights.
+    (ax.VOCAB, TENSOR),
+    (ax.EMBED, FSDP),
+    (ax.Q_LORA, None),
+    (ax.HEADS, TENSOR),
+    (ax.KV, None),
+    (ax.O_LORA, TENSOR),
+    (ax.O_IN, None),
+    (ax.COMPRESS, None),
+    (ax.INDEX_HEADS, None),
+    (ax.EXPERT, EXPERT),
+    (ax.MLP, TENSOR),
+    (ax.HC, None),
+    (ax.TABLE, None),
+    # Activations.
+    (ax.ACT_BATCH, (DATA, FSDP, EXPERT)),
+    (ax.ACT_SEQ, None),
+    (ax.ACT_EMBED, None),
+    (ax.ACT_HEADS, TENSOR),
+    (ax.ACT_VOCAB, TENSOR),
+    (ax.ACT_EXPERT, EXPERT),
+)
+
+# Same as the actor except: no FSDP on weights (embed replicated).
+ROLLOUT_RULES: Rules = tuple((name, None) if name == ax.EMBED else (name, m) for name, m in ACTOR_RULES)
+
+PRESETS: dict[str, Rules] = {ACTOR: ACTOR_RULES, ROLLOUT: ROLLOUT_RULES}
+
+
+def rules_for(role: str) -> Rules:
+    """The rule preset of `role` (`"actor"` or `"rollout"`). Raises ValueError for any other role."""
+    try:
+        return PRESETS[role]
+    except KeyError:
+        raise ValueError(f"unknown role {role!r}; known roles: {', '.join(ROLES)}") from None
+
+
+def check_rules(rules: Rules) -> None:
+    """Raise ValueError unless `rules` maps every name of `axes.ALL_AXES` exactly once to known mesh axes."""
+    names = [name for name, _ in rules]
+    dup = sorted({n for n in names if names.count(n) > 1})
+    missing = [n for n in ax.ALL_AXES if n not in names]
+    unknown = [n for n in names if n not in ax.ALL_AXES]
+    bad_mesh = [(n, m) for n, m in rules if any(a not in MESH_AXES for a in _as_tuple(m))]
+    problems = []
+    if dup:
+        problems.append(f"duplicated logical axes {dup}")
+    if missing:
+        problems.append(f"missing logical axes {missing}")
+    if unknown:
+        problems.append(f"unknown logical axes {unknown}")
+    if bad_mesh:
+        problems.append(f"unknown mesh axes in {bad_mesh} (mesh axes are {MESH_AXES})")
+    if problems:
+        raise ValueError("bad rule table: " + "; ".join(problems))
+
+
+def _as_tuple(mesh_axes: MeshAxes) -> tuple[str, ...]:
+    if mesh_axes is None:
+        return ()
+    if isinstance(mesh_axes, str):
+        return (mesh_axes,)
+    return tuple(mesh_axes)
+
+
+def mesh_axes_for(logical: str, rules: Rules) -> tuple[str, ...]:
+    """The mesh axes (possibly empty) that `rules` gives the logical axis `logical`; ValueError if unlisted."""
+    for name, mesh_axes in rules:
+        if name == logical:
+            return _as_tuple(mesh_axes)
+    raise ValueError(f"logical axis {logical!r} has no rule; known logical axes: {', '.join(n for n, _ in rules)}")
+
+
+def logical_to_spec(logical_axes: Sequence[str | None], rules: Rules, mesh: Mesh | None = None) -> PartitionSpec:
+    """Resolve per-dim logical names to a PartitionSpec with one entry per dim.
+
+    Args:
+      logical_axes: one entry per array dim, a name from `sharding.axes` or None (replicated).
+      rules: a rule table (`ACTOR_RULES`, `ROLLOUT_RULES`, or `rules_for(role)`).
+      mesh: when given, mesh axes absent from it or of size 1 are dropped (so the spec is minimal).
+    Returns:
+      PartitionSpec of len(logical_axes) entries: None, a mesh axis, or a tuple of mesh axes. A mesh axis is
+      used at most once: a later dim that maps to an axis already taken is replicated along that axis.
+    Raises:
+      ValueError: a logical name without a rule.
+    """
+    used: set[str] = set()
+    entries: list[MeshAxes] = []
+    for logical in logical_axes:
+        if logical is None:
+            entries.append(None)
+            continue
+        kept = []
+        for mesh_axis in mesh_axes_for(logical, rules):
+            if mesh is not None and mesh.shape.get(mesh_axis, 1) == 1:
+                continue
+            if mesh_axis in used:
+                continue
+            used.add(mesh_axis)
+            kept.append(mesh_axis)
+        entries.append(None if not kept else kept[0] if len(kept) == 1 else tuple(kept))
+    return PartitionSpec(*entries)
+
+
+def _is_variable(x: Any) -> bool:
+    return isinstance(x, nnx.Variable)
+
+
+def _logical_axes_of(var: nnx.Variable) -> tuple[str | None, ...] | None:
+    logical = getattr(var, "logical_axes", None)
+    if logical is None:
+        logical = var.get_metadata().get("logical_axes")
+    return None if logical is None else tuple(logical)
+
+
+def _sharding_for_leaf(path: tuple, leaf: Any, mesh: Mesh, rules: Rules) -> Any:
+    name = jax.tree_util.keystr(path, simple=True, separator=".") or "<root>"
+    if not _is_variable(leaf):  # a bare array / ShapeDtypeStruct / scalar: replicated
+        return NamedSharding(mesh, PartitionSpec())
+    logical = _logical_axes_of(leaf)
+    if logical is None:
+        return leaf.replace(NamedSharding(mesh, PartitionSpec()))
+    shape = tuple(getattr(leaf.get_value(), "shape", ()))
+    if len(logical) != len(shape):
+        raise ValueError(f"parameter {name}: logical_axes {logical} has {len(logical)} entries but shape {shape} "
+                         f"has {len(shape)} dims")
+    spec = logical_to_spec(logical, rules, mesh)
+    for dim, (size, entry) in enumerate(zip(shape, spec)):
+        mesh_axes = _as_tuple(entry)
+        parts = math.prod(mesh.shape[a] for a in mesh_axes)
+        if size % parts:
+            split = "*".join(f"{a}={mesh.shape[a]}" for a in mesh_axes)
+            raise ValueError(f"parameter {name}: dim {dim} (logical {logical[dim]!r}) has size {size}, "
+                             f"not divisible by mesh axes {split} (= {parts})")
+    return leaf.replace(NamedSharding(mesh, spec))
+
+
+def param_shardings(abstract_state: Any, mesh: Mesh, rules: Rules) -> Any:
+    """NamedShardings for every variable of an (abstract) parameter tree, for jit out_shardings / device_put.
+
+    Args:
+      abstract_state: an `nnx.State` (e.g. `nnx.state(nnx.eval_shape(lambda: Model(...)))`) or any pytree
+        whose leaves are `nnx.Variable`s (values may be arrays or ShapeDtypeStructs). A variable's
+        `logical_axes` metadata (one entry per dim) picks its layout; variables without it and bare leaves
+        are replicated.
+    Returns:
+      The same tree structure with each Variable's value replaced by its `NamedSharding(mesh, spec)` (the
+      convention of `nnx.get_named_sharding`), usable as `jax.jit(..., out_shardings=...)` for an init
+      function returning that state, or as the target of `jax.device_put`. Bare leaves become NamedShardings.
+    Raises:
+      ValueError: a logical_axes tuple whose length differs from the rank, an unknown logical axis, or a dim
+        whose size is not divisible by the product of its mesh axes (names the parameter path, dim, size
+        and mesh axes; `sharding.mesh.MeshSpec.validate(config=...)` reports the same before any weight exists).
+    """
+    return jax.tree_util.tree_map_with_path(
+        lambda path, leaf: _sharding_for_leaf(path, leaf, mesh, rules), abstract_state, is_leaf=_is_variable
+    )
+
+
+def activation_spec(*logical_axes: str | None, rules: Rules, mesh: Mesh) -> PartitionSpec:
+    """PartitionSpec for an activation, e.g. `activation_spec(ACT_BATCH, ACT_SEQ, ACT_EMBED, rules=r, mesh=m)`
+    for an `[B, T, D]` tensor; same resolution as `logical_to_spec`."""
+    return logical_to_spec(logical_axes, rules, mesh)
+
+
+_ACTIVE: contextvars.ContextVar[tuple[Rules, Mesh] | None] = contextvars.ContextVar("dsv4_sharding_rules",
+                                                                                     default=None)
+
+
+@contextlib.contextmanager
+def use_rules(rules: Rules, mesh: Mesh) -> Iterator[None]:
+    """Make `constrain` apply `rules` on `mesh` inside the block (nests; restores the outer setting on exit).
+
+    Trace the model inside this block (the constraint is recorded at trace time); typical use:
+    `with jax.set_mesh(mesh), use_rules(rules_for("actor"), mesh): loss = train_step(...)`
+    (or `MeshPlan.activate(role)`, which does both).
+    """
+    check_rules(rules)
+    token = _ACTIVE.set((rules, mesh))
+    try:
+        yield
+    finally:
+        _ACTIVE.reset(token)
+
+
+def active_rules() -> tuple[Rules, Mesh] | None:
+    """The `(rules, mesh)` of the innermost active `use_rules` block, or None outside any."""
+    return _ACTIVE.get()
+
+
+def constrain(x: jax.Array, logical_axes: Sequence[str | None]) -> jax.Array:
+    """Sharding constraint on activation `x` (any shape, one logical name per dim, e.g. `[B, T, D]` with
+    `(ACT_BATCH, ACT_SEQ, ACT_EMBED)`). Identity when no `use_rules` block is active; otherwise
+    `with_sharding_constraint(x, NamedSharding(mesh, spec))`. Raises ValueError when the number of names
+    differs from `x.ndim`."""
+    active = _ACTIVE.get()
+    if active is None:
+        return x
+    if len(logical_axes) != x.ndim:
+        raise ValueError(f"constrain: {len(logical_axes)} logical axes {tuple(logical_axes)} for an array of "
+                         f"shape {x.shape}")
+    rules, mesh = active
+    return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, logical_to_spec(logical_axes, rules, mesh)))
