@@ -18,7 +18,7 @@ from flax import nnx
 from dsv4.compressor import Compressor, visible_entries
 from dsv4.config import CSA, HCA, SLIDING, yarn_inv_freq
 from dsv4.indexer import Indexer
-from dsv4.layers import Linear, RMSNorm, apply_rope, linear, param, rms_norm, rope_cos_sin
+from dsv4.layers import Linear, RMSNorm, apply_rope, dot_out, linear, param, rms_norm, rope_cos_sin
 from sharding import axes as ax
 
 
@@ -34,12 +34,14 @@ def attend(q: jax.Array, keys: jax.Array, mask: jax.Array, sink: jax.Array, scal
 
     q [B, S, H, d], keys [B, K, d] (= values), mask [B, S, K] bool, sink [H] -> o [B, S, H, d] float32.
     """
-    logits = jnp.einsum("bshd,bkd->bhsk", q, keys, preferred_element_type=jnp.float32) * scale
+    logits = jnp.einsum("bshd,bkd->bhsk", q, keys, preferred_element_type=dot_out(keys.dtype))
+    logits = logits.astype(jnp.float32) * scale
     logits = jnp.where(mask[:, None], logits, -jnp.inf)
     sink_l = jnp.broadcast_to(sink.astype(jnp.float32)[None, :, None, None], (*logits.shape[:3], 1))
     full = jnp.concatenate([logits, sink_l], axis=-1)
     p = jax.nn.softmax(full, axis=-1)[..., :-1]
-    return jnp.einsum("bhsk,bkd->bshd", p.astype(keys.dtype), keys, preferred_element_type=jnp.float32)
+    return jnp.einsum("bhsk,bkd->bshd", p.astype(keys.dtype), keys,
+                      preferred_element_type=dot_out(keys.dtype)).astype(jnp.float32)
 
 
 class Attention(nnx.Module):
@@ -92,12 +94,16 @@ class Attention(nnx.Module):
         g = self.o_groups
         og = o.reshape(b, s, g, -1)  # -> [B, S, G, (H/G) d]  (group g = heads [g H/G, (g+1) H/G))
         wa = self.wo_a.weight[...].astype(self.dtype).reshape(g, self.o_lora, -1)  # -> [G, o_lora, (H/G) d]
-        r = jnp.einsum("bsgi,goi->bsgo", og, wa, preferred_element_type=jnp.float32).astype(self.dtype)
+        r = jnp.einsum("bsgi,goi->bsgo", og, wa, preferred_element_type=dot_out(self.dtype)).astype(self.dtype)
         return self.wo_b(r.reshape(b, s, g * self.o_lora))
 
     # -- full sequence ---------------------------------------------------------------------------------------
-    def __call__(self, x: jax.Array, positions: jax.Array) -> jax.Array:
-        """x [B, S, D] (normalised block input), positions [B, S] int32 (0-based, right-aligned) -> [B, S, D]."""
+    def __call__(self, x: jax.Array, positions: jax.Array, return_aux: bool = False):
+        """x [B, S, D] (normalised block input), positions [B, S] int32 (0-based, right-aligned) -> [B, S, D].
+
+        With `return_aux`, also returns the per-layer tensors the decode cache is built from
+        (`dsv4.cache.build_layer_cache`): kv, compressor A/Z (+ape) and entries, indexer A/Z and keys.
+        """
         cos, sin = self.rope(positions)
         q, q_latent = self.query(x, cos, sin)
         kv = self.key_value(x, cos, sin)
@@ -105,15 +111,19 @@ class Attention(nnx.Module):
         s_ = positions[:, None, :]
         mask = (s_ <= t) & (t - s_ < self.window)  # [B, S, S] window including the current token
         keys = kv
+        aux = {"kv": kv}
         if self.kind in (CSA, HCA):
-            entries = self.compressor(x)  # [B, W, d]
+            entries, a, z = self.compressor.full(x)  # [B, W, d]
+            aux.update(comp=entries, ca=a, cz=z)
             vis = visible_entries(positions, entries.shape[1], self.ratio)  # [B, S, W]
             if self.kind == CSA:
-                vis = self.indexer(x, q_latent, positions, cos, sin)
+                vis, (ia, iz, ik) = self.indexer.full(x, q_latent, positions, cos, sin)
+                aux.update(ia=ia, iz=iz, ik=ik)
             keys = jnp.concatenate([kv, entries.astype(kv.dtype)], axis=1)
             mask = jnp.concatenate([mask, vis], axis=-1)
         o = attend(q, keys, mask, self.attn_sink[...], self.head_dim ** -0.5)
-        return self.output(o, cos, sin)
+        out = self.output(o, cos, sin)
+        return (out, aux) if return_aux else out
 
 
 __all__ = ["Attention", "attend", "rope_tables", "linear"]

@@ -71,27 +71,39 @@ class Compressor(nnx.Module):
         """x [B, S, D] -> (A, Z) [B, S, c*d] float32, Z without ape (spec §12 item 10: fp32 projections)."""
         return linear_f32(x, self.wkv.weight[...]), linear_f32(x, self.wgate.weight[...])
 
-    def finish(self, pooled: jax.Array, first_window: jax.Array | int) -> jax.Array:
-        """Norm + RoPE at p = w*m for pooled [B, W, d] float32 whose first window index is `first_window`.
+    def finish(self, pooled: jax.Array, window_index: jax.Array | int) -> jax.Array:
+        """Norm + RoPE at p = w*m of pooled entries.
 
-        Returns [B, W, d] in the compute dtype (the official code casts back before the norm).
+        pooled [B, W, d] float32; window_index: int (index of the first of the W windows) or [B] int32 (one
+        window per row, W == 1, decode). Returns [B, W, d] in the compute dtype (the official code casts back
+        before the norm).
         """
         y = rms_norm(pooled.astype(self.dtype), self.norm.weight[...], self.eps)
-        w = jnp.arange(pooled.shape[1]) + first_window
+        b, w_ = pooled.shape[:2]
+        if isinstance(window_index, int):
+            w = jnp.broadcast_to(jnp.arange(w_) + window_index, (b, w_))
+        else:
+            w = window_index[:, None] + jnp.arange(w_)[None]
         cos, sin = rope_cos_sin(w * self.ratio, jnp.asarray(self.inv_freq, jnp.float32))
-        cos = jnp.broadcast_to(cos, (*pooled.shape[:2], cos.shape[-1])) if cos.ndim == 2 else cos
-        sin = jnp.broadcast_to(sin, (*pooled.shape[:2], sin.shape[-1])) if sin.ndim == 2 else sin
         return apply_rope(y, cos, sin)
+
+    def full(self, x: jax.Array):
+        """All complete windows of x [B, S, D] -> (entries [B, S // m, d], A [B, S, c d], Z + ape [B, S, c d]).
+
+        A and Z (float32, Z with `ape[t mod m]` added) are returned for the decode cache (dsv4/cache.py).
+        """
+        b, s, _ = x.shape
+        n_win = s // self.ratio
+        a, z = self.project(x)
+        z = z + jnp.tile(self.ape[...].astype(jnp.float32), (-(-s // self.ratio), 1))[:s]
+        cut = n_win * self.ratio
+        pooled = window_pool(a[:, :cut].reshape(b, n_win, self.ratio, -1), z[:, :cut].reshape(b, n_win, self.ratio, -1),
+                             overlap=self.overlap, d=self.d)
+        return self.finish(pooled, 0), a, z
 
     def __call__(self, x: jax.Array) -> jax.Array:
         """All complete windows of x [B, S, D] -> entries [B, S // m, d] (full-sequence path)."""
-        b, s, _ = x.shape
-        n_win = s // self.ratio
-        a, z = self.project(x[:, : n_win * self.ratio])
-        a = a.reshape(b, n_win, self.ratio, -1)
-        z = z.reshape(b, n_win, self.ratio, -1) + self.ape[...].astype(jnp.float32)
-        pooled = window_pool(a, z, overlap=self.overlap, d=self.d)
-        return self.finish(pooled, 0)
+        return self.full(x)[0]
 
 
 class _Weight(nnx.Module):

@@ -63,9 +63,16 @@ class Indexer(nnx.Module):
         sel = jax.vmap(jax.vmap(lambda row, i: row.at[i].set(1)))(sel, idx)
         return (sel > 0) & visible
 
-    def __call__(self, x, q_latent, positions, cos, sin) -> jax.Array:
-        """Full-sequence selection: x [B, S, D], q_latent [B, S, q_lora], positions [B, S] -> [B, S, S//m] bool."""
-        keys = self.compressor(x)
+    def full(self, x, q_latent, positions, cos, sin):
+        """Full-sequence selection: x [B, S, D], q_latent [B, S, q_lora], positions [B, S].
+
+        Returns (selected [B, S, S//m] bool, (A, Z + ape) of the indexer compressor for the decode cache).
+        """
+        keys, a, z = self.compressor.full(x)
         q, omega = self.queries(x, q_latent, cos, sin)
         sc = self.scores(q, omega, keys)
-        return self.select(sc, visible_entries(positions, keys.shape[1], self.ratio))
+        return self.select(sc, visible_entries(positions, keys.shape[1], self.ratio)), (a, z, keys)
+
+    def __call__(self, x, q_latent, positions, cos, sin) -> jax.Array:
+        """Full-sequence selection mask [B, S, S//m] bool."""
+        return self.full(x, q_latent, positions, cos, sin)[0]

@@ -6,7 +6,9 @@ axis of w. Every parameter carries `logical_axes` metadata (names from `sharding
 `sharding.rules.param_shardings`.
 
 Precision: norms, RoPE and anything marked fp32 in spec §13 run in float32; matmuls run in the module's
-compute `dtype` (bf16 or fp32) with float32 accumulation where XLA allows (`preferred_element_type`).
+compute `dtype` (bf16 or fp32). Dots return their input dtype (`dot_out`): GPU BLAS accumulates bf16 products
+in float32 anyway, and XLA:CPU cannot run some bf16 x bf16 -> f32 dots ("Unsupported element type for
+DotThunk"), so float32 outputs are requested only for float32 inputs.
 """
 
 from __future__ import annotations
@@ -46,10 +48,15 @@ def param(rngs: nnx.Rngs | None, shape, logical_axes, *, dtype, init: str = "nor
     return nnx.Param(v.astype(dtype), logical_axes=tuple(logical_axes))
 
 
+def dot_out(dtype):
+    """`preferred_element_type` for a dot whose inputs are in `dtype` (see the module docstring)."""
+    return jnp.float32 if jnp.dtype(dtype) == jnp.float32 else None
+
+
 def linear(x: jax.Array, w: jax.Array, dtype) -> jax.Array:
     """y[..., o] = sum_i x[..., i] w[o, i], computed in `dtype` (f32 accumulation on the dot)."""
     return jnp.einsum("...i,oi->...o", x.astype(dtype), w.astype(dtype),
-                      preferred_element_type=jnp.float32).astype(dtype)
+                      preferred_element_type=dot_out(dtype)).astype(dtype)
 
 
 def linear_f32(x: jax.Array, w: jax.Array) -> jax.Array:

@@ -21,7 +21,7 @@ from flax import nnx, struct
 
 from dsv4.attention import Attention
 from dsv4.config import DSV4Config
-from dsv4.layers import Linear, RMSNorm, param
+from dsv4.layers import Linear, RMSNorm, dot_out, param
 from dsv4.mhc import hc_head, hc_post, hc_pre
 from dsv4.moe import MoE
 from sharding import axes as ax
@@ -136,7 +136,7 @@ class DSV4ForCausalLM(nnx.Module):
     def lm_head(self, h: jax.Array) -> jax.Array:
         """h [..., D] -> logits [..., V] float32."""
         return jnp.einsum("...d,vd->...v", h.astype(self.dtype), self.head.weight[...].astype(self.dtype),
-                          preferred_element_type=jnp.float32)
+                          preferred_element_type=dot_out(self.dtype)).astype(jnp.float32)
 
     # ------------------------------------------------------------------ forward
     def __call__(self, input_ids: jax.Array, *, attention_mask: jax.Array | None = None,

@@ -21,7 +21,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from dsv4.layers import Buffer, linear, linear_f32, param
+from dsv4.layers import Buffer, dot_out, linear, linear_f32, param
 from sharding import axes as ax
 
 _RAGGED_DN = jax.lax.RaggedDotDimensionNumbers(
@@ -49,10 +49,12 @@ def routed_experts_ragged(x: jax.Array, ids: jax.Array, weights: jax.Array, w1: 
     tok = order // k
     xs = x[tok].astype(dtype)  # [T k, D] grouped by expert
     sizes = jnp.bincount(flat, length=n_exp).astype(jnp.int32)
-    h1 = jax.lax.ragged_dot_general(xs, w1.astype(dtype), sizes, _RAGGED_DN, preferred_element_type=jnp.float32)
-    h3 = jax.lax.ragged_dot_general(xs, w3.astype(dtype), sizes, _RAGGED_DN, preferred_element_type=jnp.float32)
-    h = (swiglu(h1, h3, limit) * weights.reshape(-1)[order][:, None]).astype(dtype)
-    y = jax.lax.ragged_dot_general(h, w2.astype(dtype), sizes, _RAGGED_DN, preferred_element_type=jnp.float32)
+    def gmm(lhs, w):
+        out = jax.lax.ragged_dot_general(lhs, w.astype(dtype), sizes, _RAGGED_DN, preferred_element_type=dot_out(dtype))
+        return out.astype(jnp.float32)
+
+    h = (swiglu(gmm(xs, w1), gmm(xs, w3), limit) * weights.reshape(-1)[order][:, None]).astype(dtype)
+    y = gmm(h, w2)
     return jnp.zeros((t, x.shape[-1]), jnp.float32).at[tok].add(y)
 
 

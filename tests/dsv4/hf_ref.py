@@ -7,7 +7,7 @@ import numpy as np
 from dsv4.config import DSV4Config
 
 
-def hf_model(cfg: DSV4Config, seed: int = 0, dtype="float32"):
+def hf_model(cfg: DSV4Config, seed: int = 0, dtype="float32", weight_std: float = 0.15):
     """A transformers `DeepseekV4ForCausalLM` for `cfg` with every parameter and buffer randomised:
     sinks, ape (position_bias), mHC base/scale, router bias and norm weights non-trivial; tid2eid a random
     distinct-expert table per token id."""
@@ -38,7 +38,7 @@ def hf_model(cfg: DSV4Config, seed: int = 0, dtype="float32"):
             elif name.endswith(("fn", "hc_fn")):
                 p.copy_(0.1 * torch.randn(p.shape, generator=g))
             else:
-                std = 0.15 if p.ndim >= 2 else 0.5
+                std = weight_std if p.ndim >= 2 else 0.5
                 p.copy_(std * torch.randn(p.shape, generator=g))
     return model.to(getattr(torch, dtype))
 

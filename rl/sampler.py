@@ -1,0 +1,435 @@
+"""Jitted rollout sampler: FP8 (or BF16/FP32) weights, prefill + `lax.while_loop` decode over donated caches,
+per-token logprobs and recorded routing.
+
+Usage:
+    sampler = Sampler(model, mesh=plan.rollout, weights="fp8")
+    batch = sampler.generate(prompts, SamplingParams(temperature=1.0, max_new_tokens=32, stop_token_ids=(eos,)),
+                             seed=0)
+    sampler.update_weights(actor_params, version=1)
+
+Design (docs/jax-stack.md §5; Tunix `sampler.py`, MaxText `maxengine` read for ideas):
+- Static batching. Prompt lengths, the batch size and max_new_tokens are bucketed to powers of two, so steady
+  state never recompiles; temperature, top-p, top-k, max_new_tokens and stop ids are traced values.
+- Prompts are laid out right-padded internally (each row has its own positions), so a row's result does not
+  depend on the other rows: the output is the same for any batch composition, padding included.
+- Weights: `fp8` = weight-only FP8 e4m3fn 128x128 blocks (f32 scales) for the released FP8 set (attention
+  projections, indexer wq_b, shared experts, MTP projections) and the routed experts; `fp8_e4m3fnuz` for
+  MI300/MI308 (gfx942); `auto` picks by device kind; `bf16` / `fp32` dense. FP8 weights are dequantised
+  inside the jit: once per `generate` call (`dequant="per_call"`, faster) or inside every decode step
+  (`dequant="per_step"`, only the FP8 copy stays resident: the memory-saving mode for large models).
+- Logprobs: `log_softmax(logits / T)` over the full vocabulary at the sampled token, i.e. after temperature and
+  before top-k/top-p truncation: the distribution the learner recomputes (training logits / T). Temperature 0
+  means greedy; its logprobs are then those of T = 1.
+- Randomness per sample from (seed, step, prompt index, sample index) and the token index: a sample does not
+  change when the batch around it changes.
+- Routing: expert ids of every main MoE layer for every prompt and response token; the last response token is
+  fed once more after sampling stops so that its routing is recorded too.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import re
+from typing import Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from jax.sharding import NamedSharding, PartitionSpec
+
+from dsv4 import quant
+from dsv4.cache import cache_shapes, decode_step, prefill
+from dsv4.model import DSV4ForCausalLM
+
+log = logging.getLogger(__name__)
+
+MAX_STOP_IDS = 16
+# Tensors stored FP8 in the released checkpoint (spec §9.1, §12.24) + the routed experts (FP4 there).
+_FP8_PATH = re.compile(r"(attn/(wq_a|wq_b|wkv|wo_a|wo_b)/weight|attn/indexer/wq_b/weight|"
+                       r"ffn/shared_experts/w[123]/weight|ffn/experts/w[123]|(e_proj|h_proj)/weight)$")
+_KEEP_F32 = re.compile(r"(hc_|attn_sink|/ape$|gate/bias$)")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class SamplingParams:
+    """temperature (0 = greedy), top_p in (0, 1], top_k (0 = off), max_new_tokens >= 1, stop_token_ids (<= 16).
+
+    Raises ValueError naming the field for out-of-range values.
+    """
+
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    max_new_tokens: int = 64
+    stop_token_ids: tuple[int, ...] = ()
+
+    def __post_init__(self):
+        object.__setattr__(self, "stop_token_ids", tuple(int(s) for s in self.stop_token_ids))
+        if not self.temperature >= 0:
+            raise ValueError(f"SamplingParams.temperature must be >= 0, got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"SamplingParams.top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k < 0:
+            raise ValueError(f"SamplingParams.top_k must be >= 0, got {self.top_k}")
+        if self.max_new_tokens < 1:
+            raise ValueError(f"SamplingParams.max_new_tokens must be >= 1, got {self.max_new_tokens}")
+        if len(self.stop_token_ids) > MAX_STOP_IDS:
+            raise ValueError(f"SamplingParams.stop_token_ids: at most {MAX_STOP_IDS}, got {len(self.stop_token_ids)}")
+
+
+@dataclasses.dataclass
+class RolloutBatch:
+    """Sampler output for N samples (numpy, on the host).
+
+    tokens [N, T] int32 response tokens (0 after `lengths`); T = max_new_tokens.
+    logprobs [N, T] float32 sampler logprob of each response token (0 after `lengths`).
+    routing [N, P+T, L, k] int32 expert ids for the layout of `sequences()`: the prompt left-padded to P (the
+      prompt bucket) then the response; -1 at padding.
+    lengths [N] int32 generated tokens (a stop token, when hit, is included); finish_reasons: "stop" | "length".
+    prompt_tokens [N, P] int32 left-padded prompts; prompt_lengths [N]; weight_version: the weights used.
+    """
+
+    tokens: np.ndarray
+    logprobs: np.ndarray
+    routing: np.ndarray
+    lengths: np.ndarray
+    finish_reasons: list[str]
+    prompt_tokens: np.ndarray
+    prompt_lengths: np.ndarray
+    weight_version: int = 0
+
+    def sequences(self):
+        """The learner's layout: (input_ids [N, P+T], attention_mask [N, P+T], response_mask [N, P+T],
+        rollout_logprobs [N, P+T]) with prompts left-padded and responses right-padded."""
+        n, p = self.prompt_tokens.shape
+        t = self.tokens.shape[1]
+        ids = np.concatenate([self.prompt_tokens, self.tokens], axis=1).astype(np.int32)
+        pos = np.arange(p + t)[None]
+        prompt_real = (pos >= p - self.prompt_lengths[:, None]) & (pos < p)
+        resp = (pos >= p) & (pos < p + self.lengths[:, None])
+        lp = np.zeros((n, p + t), np.float32)
+        lp[:, p:] = self.logprobs
+        return ids, (prompt_real | resp).astype(np.int32), resp.astype(np.int32), np.where(resp, lp, 0.0)
+
+    def response_lists(self) -> list[list[int]]:
+        return [self.tokens[i, : self.lengths[i]].tolist() for i in range(len(self.lengths))]
+
+
+def _next_pow2(n: int, lo: int = 1) -> int:
+    return max(lo, 1 << (max(n, 1) - 1).bit_length())
+
+
+def _key(path) -> str:
+    return "/".join(str(p) for p in path)
+
+
+def _filter_logits(scaled: jax.Array, top_p: jax.Array, top_k: jax.Array) -> jax.Array:
+    """Top-k then nucleus filtering of scaled logits [B, V] (traced k and p); removed entries -> -inf."""
+    v = scaled.shape[-1]
+    srt = jnp.sort(scaled, axis=-1)[:, ::-1]
+    k = jnp.where(top_k > 0, jnp.minimum(top_k, v), v)
+    kth = jnp.take_along_axis(srt, (k - 1)[None, None].repeat(srt.shape[0], 0), axis=-1)
+    srt = jnp.where(srt >= kth, srt, -jnp.inf)
+    probs = jax.nn.softmax(srt, axis=-1)
+    keep = (jnp.cumsum(probs, axis=-1) - probs) < top_p  # the first token is always kept
+    n_keep = jnp.sum(keep, axis=-1, keepdims=True)
+    thresh = jnp.take_along_axis(srt, n_keep - 1, axis=-1)
+    return jnp.where((scaled >= thresh) & (scaled >= kth), scaled, -jnp.inf)
+
+
+def sample_tokens(logits: jax.Array, keys: jax.Array, temperature, top_p, top_k):
+    """logits [B, V] f32, keys [B] PRNG keys -> (tokens [B] int32, logprobs [B] f32 of log_softmax(logits/T))."""
+    greedy = temperature <= 0
+    t = jnp.where(greedy, 1.0, temperature)
+    scaled = logits / t
+    lp_all = jax.nn.log_softmax(scaled, axis=-1)
+    filtered = jax.lax.cond((top_k > 0) | (top_p < 1), _filter_logits, lambda s, p, k: s, scaled, top_p, top_k)
+    drawn = jax.vmap(jax.random.categorical)(keys, filtered)
+    tok = jnp.where(greedy, jnp.argmax(logits, axis=-1), drawn).astype(jnp.int32)
+    return tok, jnp.take_along_axis(lp_all, tok[:, None], axis=-1)[:, 0]
+
+
+class Sampler:
+    """Rollout engine over the rollout mesh.
+
+    Args:
+      model: a DSV4ForCausalLM (its weights become version 0; any param dtype).
+      mesh: rollout `jax.sharding.Mesh` (None = default device). rules: logical-axis rules (default
+        `sharding.rules.ROLLOUT_RULES`).
+      weights: "fp8" | "fp8_e4m3fn" | "fp8_e4m3fnuz" | "auto" | "bf16" | "fp32".
+      max_prompt_len: largest prompt bucket (longer prompts raise ValueError); prompt buckets are powers of two
+        from 16. fp8_block: block of the FP8 scales. dequant: "per_call" | "per_step" (see module docstring).
+    Raises:
+      ValueError: unknown `weights` / `dequant`.
+    """
+
+    def __init__(self, model: DSV4ForCausalLM, *, mesh=None, weights: str = "fp8", rules=None,
+                 max_prompt_len: int = 1024, fp8_block=(128, 128), dequant: str = "per_call", dispatch_fn=None):
+        if weights not in ("fp8", "fp8_e4m3fn", "fp8_e4m3fnuz", "e4m3fn", "e4m3fnuz", "auto", "bf16", "fp32"):
+            raise ValueError(f"Sampler weights={weights!r}: expected fp8 | fp8_e4m3fnuz | auto | bf16 | fp32")
+        if dequant not in ("per_call", "per_step"):
+            raise ValueError(f"Sampler dequant={dequant!r}: expected per_call | per_step")
+        self.config = model.config
+        self.mesh = mesh
+        if rules is None and mesh is not None:
+            from sharding.rules import ROLLOUT_RULES
+            rules = ROLLOUT_RULES
+        self.rules = rules
+        self.fp8 = weights not in ("bf16", "fp32")
+        self.fmt = None
+        if self.fp8:
+            devs = None if mesh is None else list(mesh.devices.flat)
+            self.fmt = quant.select_fp8_format(weights, devs)
+        self.weights = weights
+        self.compute_dtype = jnp.float32 if weights == "fp32" else jnp.bfloat16
+        self.fp8_block = tuple(fp8_block)
+        self.dequant = dequant
+        self.dispatch_fn = dispatch_fn
+        self.max_prompt_len = max_prompt_len
+        cfg = self.config
+        abstract = nnx.eval_shape(lambda: DSV4ForCausalLM(cfg, rngs=nnx.Rngs(0), param_dtype=jnp.float32,
+                                                          dtype=self.compute_dtype))
+        self.graphdef, abs_state = nnx.split(abstract)
+        self._abs_flat = list(nnx.to_flat_state(abs_state))
+        self._raw_shardings = self._shardings_for(abs_state)
+        self._quantize_jit = jax.jit(self._quantize_fn, out_shardings=self._wstate_shardings())
+        self._generate_jit = jax.jit(self._generate_fn, static_argnums=(0,), donate_argnums=(2,))
+        self._caches: dict = {}
+        self.weight_version = -1
+        self._w = None
+        self.update_weights(nnx.state(model), version=0)
+
+    # ------------------------------------------------------------------ weights
+    def _shardings_for(self, abs_state):
+        if self.mesh is None:
+            return None
+        from sharding.rules import param_shardings
+        sh = param_shardings(abs_state, self.mesh, self.rules)
+        return {_key(p): v.value if isinstance(v, nnx.Variable) else v for p, v in nnx.to_flat_state(sh)}
+
+    def _is_fp8(self, key: str, leaf) -> bool:
+        return self.fp8 and bool(_FP8_PATH.search(key)) and leaf.ndim >= 2
+
+    def _wstate_shardings(self):
+        if self.mesh is None:
+            return None
+        rep = NamedSharding(self.mesh, PartitionSpec())
+        out = {}
+        for p, v in self._abs_flat:
+            k = _key(p)
+            sh = self._raw_shardings[k]
+            if self._is_fp8(k, v.value):
+                block = self.fp8_block if v.value.ndim == 2 else self.fp8_block
+                out[k] = quant.QuantizedTensor(q=sh, scale=rep, kind="fp8", fmt=self.fmt, block=block,
+                                               shape=v.value.shape)
+            else:
+                out[k] = sh
+        return out
+
+    def _quantize_fn(self, raw: dict):
+        """{key: array} (any float dtype) -> {key: QuantizedTensor | array in the rollout dtype}."""
+        out = {}
+        for p, v in self._abs_flat:
+            k = _key(p)
+            x = raw[k]
+            if self._is_fp8(k, x):
+                out[k] = quant.QuantizedTensor.from_fp8(x.astype(jnp.float32), fmt=self.fmt, block=self.fp8_block)
+            elif jnp.issubdtype(x.dtype, jnp.floating) and not _KEEP_F32.search(k):
+                out[k] = x.astype(self.compute_dtype)
+            else:
+                out[k] = x.astype(v.value.dtype)
+        return out
+
+    def rollout_shardings(self) -> dict | None:
+        """{path key: NamedSharding} of the dense rollout-side weights (what the push device_puts onto)."""
+        return self._raw_shardings
+
+    def quantize_weights(self, raw: dict) -> dict:
+        """Jitted quantisation on the rollout mesh: {key: array on the rollout mesh} -> rollout weight state."""
+        ctx = jax.set_mesh(self.mesh) if self.mesh is not None else _null()
+        with ctx:
+            return self._quantize_jit(raw)
+
+    def set_weights(self, wstate: dict, version: int) -> None:
+        """Swap in an already quantised weight state (from `quantize_weights`) as weight `version`."""
+        self._w = wstate
+        self.weight_version = int(version)
+
+    def weight_state(self) -> dict:
+        return self._w
+
+    def flat_params(self, params) -> dict:
+        """nnx.State / Module / {key: array} -> {path key: array} covering every tensor of the model."""
+        if isinstance(params, nnx.Module):
+            params = nnx.state(params)
+        if isinstance(params, dict) and all(isinstance(k, str) for k in params):
+            flat = params
+        else:
+            flat = {_key(p): (v.value if isinstance(v, nnx.Variable) else v) for p, v in nnx.to_flat_state(params)}
+        missing = [_key(p) for p, _ in self._abs_flat if _key(p) not in flat]
+        if missing:
+            raise ValueError(f"update_weights: {len(missing)} tensors missing, e.g. {missing[:5]}")
+        return flat
+
+    def update_weights(self, params, version: int) -> None:
+        """Swap in new weights: actor params (nnx.State of Params + Buffers, any mesh) -> rollout dtype / FP8."""
+        flat = self.flat_params(params)
+        if self.mesh is not None:
+            flat = {k: jax.device_put(flat[k], self._raw_shardings[k]) for k in flat}
+        self.set_weights(self.quantize_weights(flat), version)
+
+    def _model(self, wstate):
+        vals = {k: (v.dequantize(self.compute_dtype) if isinstance(v, quant.QuantizedTensor) else v)
+                for k, v in wstate.items()}
+        flat = [(p, var.replace(vals[_key(p)])) for p, var in self._abs_flat]
+        return nnx.merge(self.graphdef, nnx.from_flat_state(flat))
+
+    # ------------------------------------------------------------------ generation
+    def _generate_fn(self, shape, wstate, caches, ids, lens, keys, temperature, top_p, top_k, max_new, stop_ids):
+        b, p, t_cap = shape
+        cache_len = p + t_cap
+        is_q = lambda x: isinstance(x, quant.QuantizedTensor)  # noqa: E731
+        model = self._model(wstate)
+        logits, prompt_routing, caches = prefill(model, ids, lens, cache_len, dispatch_fn=self.dispatch_fn)
+
+        def is_stop(tok):
+            return jnp.any(tok[:, None] == stop_ids[None, :], axis=-1)
+
+        def keys_at(i):
+            return jax.vmap(lambda kk: jax.random.fold_in(kk, i))(keys)
+
+        tok0, lp0 = sample_tokens(logits, keys_at(0), temperature, top_p, top_k)
+        n_l, k = self.config.num_hidden_layers, self.config.num_experts_per_tok
+        out_tok = jnp.zeros((b, t_cap + 1), jnp.int32).at[:, 0].set(tok0)
+        out_lp = jnp.zeros((b, t_cap + 1), jnp.float32).at[:, 0].set(lp0)
+        resp_routing = jnp.full((b, t_cap + 1, n_l, k), -1, jnp.int32)
+        stop0 = is_stop(tok0)
+        done = stop0 | (max_new <= 1)
+        length = jnp.ones((b,), jnp.int32)
+        carry = (jnp.int32(1), tok0, done, length, out_tok, out_lp, resp_routing, caches, stop0)
+        per_step = self.dequant == "per_step"
+
+        def cond(c):
+            i, _, _, length = c[:4]
+            return (i <= max_new) & jnp.any(i - 1 < length)
+
+        def body(c):
+            i, cur, done, length, out_tok, out_lp, resp_routing, caches, stopped = c
+            m = self._model(jax.lax.optimization_barrier(wstate)) if per_step else model
+            pos = lens + i - 1
+            logits, r, caches = decode_step(m, cur, pos, caches, dispatch_fn=self.dispatch_fn)
+            fed_real = (i - 1) < length
+            resp_routing = resp_routing.at[:, i - 1].set(jnp.where(fed_real[:, None, None], r, -1))
+            active = (~done) & (i < max_new)
+            tok, lp = sample_tokens(logits, keys_at(i), temperature, top_p, top_k)
+            tok = jnp.where(active, tok, 0)
+            out_tok = out_tok.at[:, i].set(tok)
+            out_lp = out_lp.at[:, i].set(jnp.where(active, lp, 0.0))
+            length = length + active.astype(jnp.int32)
+            stop = active & is_stop(tok)
+            done = done | stop | (active & (i + 1 >= max_new))
+            return (i + 1, tok, done, length, out_tok, out_lp, resp_routing, caches, stopped | stop)
+
+        if per_step:
+            del model
+        out = jax.lax.while_loop(cond, body, carry)
+        _, _, _, length, out_tok, out_lp, resp_routing, caches, stopped = out
+        del is_q
+        return (out_tok[:, :t_cap], out_lp[:, :t_cap], prompt_routing, resp_routing[:, :t_cap], length, stopped,
+                caches)
+
+    def _empty_caches(self, b, cache_len):
+        key = (b, cache_len)
+        if key not in self._caches:
+            model_abs = nnx.merge(self.graphdef, nnx.from_flat_state(self._abs_flat))
+            self._caches[key] = jax.tree.map(
+                lambda x: jnp.zeros(x.shape, x.dtype),
+                jax.eval_shape(lambda: [cache_shapes(l.attn, b, cache_len, self.compute_dtype)
+                                        for l in model_abs.layers]))
+        return self._caches.pop(key)
+
+    def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams, *, seed: int, step: int = 0,
+                 prompt_index: Sequence[int] | None = None, sample_index: Sequence[int] | None = None) -> RolloutBatch:
+        """Sample one continuation per prompt.
+
+        Args:
+          prompts: N token-id lists (1 <= len <= max_prompt_len, ids < vocab_size).
+          params: SamplingParams. seed, step: randomness; prompt_index / sample_index [N]: the (prompt, sample)
+            identity of each row for per-sample randomness (default: row index, 0).
+        Returns:
+          RolloutBatch (see its docstring).
+        Raises:
+          ValueError: empty prompt, prompt longer than `max_prompt_len`, token id out of range (names the row).
+        """
+        n = len(prompts)
+        if n == 0:
+            raise ValueError("generate: no prompts")
+        lens_np = np.array([len(p) for p in prompts], np.int32)
+        for i, p in enumerate(prompts):
+            if len(p) == 0:
+                raise ValueError(f"generate: prompt {i} is empty (at least one token is needed)")
+            if len(p) > self.max_prompt_len:
+                raise ValueError(f"generate: prompt {i} has {len(p)} tokens; the largest prompt bucket is "
+                                 f"{self.max_prompt_len} (Sampler(max_prompt_len=...))")
+            if min(p) < 0 or max(p) >= self.config.vocab_size:
+                raise ValueError(f"generate: prompt {i} has token ids outside [0, {self.config.vocab_size})")
+        p_bucket = min(_next_pow2(int(lens_np.max()), 16), _next_pow2(self.max_prompt_len, 16))
+        t_cap = _next_pow2(params.max_new_tokens, 16)
+        b = _next_pow2(n)
+        ids = np.zeros((b, p_bucket), np.int32)
+        lens = np.ones((b,), np.int32)
+        for i, p in enumerate(prompts):
+            ids[i, : len(p)] = p
+        lens[:n] = lens_np
+        pi = np.arange(n) if prompt_index is None else np.asarray(prompt_index)
+        si = np.zeros(n, np.int64) if sample_index is None else np.asarray(sample_index)
+        base = jax.random.fold_in(jax.random.key(seed), step)
+        keys = [jax.random.fold_in(jax.random.fold_in(base, int(pi[i])), int(si[i])) for i in range(n)]
+        keys += [keys[0]] * (b - n)
+        keys = jnp.stack(keys)
+        stop = np.full((MAX_STOP_IDS,), -1, np.int32)
+        stop[: len(params.stop_token_ids)] = params.stop_token_ids
+        caches = self._empty_caches(b, p_bucket + t_cap)
+        ctx = jax.set_mesh(self.mesh) if self.mesh is not None else _null()
+        with ctx, _rules_ctx(self.rules, self.mesh):
+            out = self._generate_jit((b, p_bucket, t_cap), self._w, caches, jnp.asarray(ids), jnp.asarray(lens), keys,
+                                     jnp.float32(params.temperature), jnp.float32(params.top_p),
+                                     jnp.int32(params.top_k), jnp.int32(params.max_new_tokens), jnp.asarray(stop))
+        tok, lp, prompt_routing, resp_routing, length, stopped, caches = out
+        self._caches[(b, p_bucket + t_cap)] = caches
+        tok, lp, pr, rr, length, stopped = jax.device_get((tok, lp, prompt_routing, resp_routing, length, stopped))
+        t = params.max_new_tokens
+        tok, lp, rr, length, stopped = tok[:n, :t], lp[:n, :t], rr[:n, :t], length[:n], stopped[:n]
+        # prompt routing: right-padded rows -> left-padded layout
+        shift = p_bucket - lens_np
+        idx = (np.arange(p_bucket)[None] - shift[:, None]) % p_bucket
+        pr = np.take_along_axis(pr[:n], idx[:, :, None, None], axis=1)
+        pr = np.where((np.arange(p_bucket)[None] >= shift[:, None])[:, :, None, None], pr, -1)
+        prompt_tokens = np.zeros((n, p_bucket), np.int32)
+        for i, p in enumerate(prompts):
+            prompt_tokens[i, p_bucket - len(p):] = p
+        return RolloutBatch(tokens=tok.astype(np.int32), logprobs=lp.astype(np.float32),
+                            routing=np.concatenate([pr, rr], axis=1).astype(np.int32), lengths=length.astype(np.int32),
+                            finish_reasons=["stop" if s else "length" for s in stopped], prompt_tokens=prompt_tokens,
+                            prompt_lengths=lens_np, weight_version=self.weight_version)
+
+    def compile_count(self) -> int:
+        """Number of compiled variants of the generate function (for recompilation tests)."""
+        return self._generate_jit._cache_size()
+
+
+class _null:
+    def __enter__(self):
+        return None
+
+    def __exit__(self, *a):
+        return False
+
+
+def _rules_ctx(rules, mesh):
+    if rules is None or mesh is None:
+        return _null()
+    from sharding.rules import use_rules
+    return use_rules(rules, mesh)
