@@ -185,3 +185,223 @@ class LossConfig:
     def gspo(cls) -> LossConfig:
         """GSPO: sequence-level ratio, clip 3e-4 / 4e-4, per-sequence mean."""
         return cls(policy_loss="gspo", loss_agg_mode="seq-mean-token-mean")
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Learner config: the optimizer and update step of rl/learner.py.
+# ---------------------------------------------------------------------------------------------------------------
+
+LRSchedule = Literal["constant", "cosine"]
+DTypeName = Literal["bfloat16", "float32"]
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class LearnerConfig:
+    """One optimizer update per `rl.learner.Learner.train_step` (AdamW on fp32 master weights).
+
+    Optimizer (optax docs: `optax.adamw`, `optax.clip_by_global_norm`, `optax.multi_transform`):
+        lr: peak learning rate. warmup_steps: linear warmup, lr * (u + 1) / warmup_steps for update u <
+            warmup_steps (the first update already moves). schedule: "constant" after warmup, or "cosine" decay
+            from lr to lr * min_lr_ratio at update `total_steps` (required for cosine, > warmup_steps).
+        weight_decay: decoupled AdamW decay (Loshchilov & Hutter, arXiv 1711.05101), applied to matrices only
+            (ndim >= 2; norms, scales and biases are not decayed). b1, b2, eps: Adam (Kingma & Ba, arXiv 1412.6980).
+        max_grad_norm: clip the global gradient norm of the trained params to this (None: no clipping).
+    Batch:
+        micro_batch_size: rows per forward/backward; the batch's N must be a multiple. None = the whole batch.
+            Accumulation is exact (sum losses with the full batch's normalisers, `rl.losses.loss_normalizers`).
+    loss: the policy loss (`rl.losses.policy_loss`); `loss.kl_coef > 0` makes the learner keep a frozen reference.
+    MoE:
+        routing_replay: force the sampler's recorded experts (`TrainBatch.routing`) in the learner's forward
+            ("rollout routing replay", R3, arXiv 2510.11370); the batch must then carry routing.
+        freeze_router: no update for the router weights `layers/*/ffn/gate/weight` (and `mtp/*/ffn/gate/weight`).
+            The selection bias is a `Buffer` and is never updated by the optimizer in any case.
+        train_mtp: update the multi-token-prediction module `mtp/*`. The RL loss does not use it, so its gradient
+            is 0 and only weight decay would move it; False (default) leaves it exactly as loaded.
+    Precision:
+        compute_dtype: matmul dtype of the learner's forward/backward; master params, gradients and Adam state
+            are always float32. ref_dtype: storage dtype of the reference copy's matrices (kl_coef > 0 only).
+    temperature: the sampler's temperature; training logits are divided by it (0 = greedy, treated as 1).
+    logprob_chunk_size: sequence chunk of the head + log-softmax (`rl.logprobs.token_logprobs`); None = whole.
+    """
+
+    lr: float = 1e-6
+    warmup_steps: int = 0
+    schedule: LRSchedule = "constant"
+    total_steps: int | None = None
+    min_lr_ratio: float = 0.0
+    weight_decay: float = 0.0
+    b1: float = 0.9
+    b2: float = 0.999
+    eps: float = 1e-8
+    max_grad_norm: float | None = 1.0
+    micro_batch_size: int | None = None
+    loss: LossConfig = dataclasses.field(default_factory=LossConfig)
+    routing_replay: bool = False
+    freeze_router: bool = False
+    train_mtp: bool = False
+    compute_dtype: DTypeName = "bfloat16"
+    ref_dtype: DTypeName = "bfloat16"
+    temperature: float = 1.0
+    logprob_chunk_size: int | None = None
+
+    def __post_init__(self):
+        owner = type(self).__name__
+        if _check_real(owner, "lr", self.lr) <= 0.0:
+            raise ValueError(f"{owner}.lr must be > 0, got {self.lr!r}")
+        _check_int(owner, "warmup_steps", self.warmup_steps, 0)
+        _check_choice(owner, "schedule", self.schedule, ("constant", "cosine"))
+        if self.total_steps is not None:
+            _check_int(owner, "total_steps", self.total_steps, 1)
+        if self.schedule == "cosine" and (self.total_steps is None or self.total_steps <= self.warmup_steps):
+            raise ValueError(f"{owner}.total_steps must be > warmup_steps={self.warmup_steps} for the cosine "
+                             f"schedule, got {self.total_steps!r}")
+        if not 0.0 <= _check_real(owner, "min_lr_ratio", self.min_lr_ratio) <= 1.0:
+            raise ValueError(f"{owner}.min_lr_ratio must be in [0, 1], got {self.min_lr_ratio!r}")
+        if _check_real(owner, "weight_decay", self.weight_decay) < 0.0:
+            raise ValueError(f"{owner}.weight_decay must be >= 0, got {self.weight_decay!r}")
+        for name in ("b1", "b2"):
+            if not 0.0 <= _check_real(owner, name, getattr(self, name)) < 1.0:
+                raise ValueError(f"{owner}.{name} must be in [0, 1), got {getattr(self, name)!r}")
+        if _check_real(owner, "eps", self.eps) <= 0.0:
+            raise ValueError(f"{owner}.eps must be > 0, got {self.eps!r}")
+        if self.max_grad_norm is not None and _check_real(owner, "max_grad_norm", self.max_grad_norm) <= 0.0:
+            raise ValueError(f"{owner}.max_grad_norm must be > 0 (or None), got {self.max_grad_norm!r}")
+        for name in ("micro_batch_size", "logprob_chunk_size"):
+            if getattr(self, name) is not None:
+                _check_int(owner, name, getattr(self, name), 1)
+        if not isinstance(self.loss, LossConfig):
+            raise ValueError(f"{owner}.loss must be a LossConfig, got {type(self.loss).__name__}")
+        for name in ("routing_replay", "freeze_router", "train_mtp"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{owner}.{name} must be a bool, got {getattr(self, name)!r}")
+        _check_choice(owner, "compute_dtype", self.compute_dtype, ("bfloat16", "float32"))
+        _check_choice(owner, "ref_dtype", self.ref_dtype, ("bfloat16", "float32"))
+        if _check_real(owner, "temperature", self.temperature) < 0.0:
+            raise ValueError(f"{owner}.temperature must be >= 0, got {self.temperature!r}")
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Run config: every knob of `launch/run.py` (one flag per field, YAML keys = field names).
+# ---------------------------------------------------------------------------------------------------------------
+
+ALGOS = ("grpo", "dr_grpo", "dapo", "gspo")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class RunConfig:
+    """The whole GRPO job (launch/run.py). Defaults = the embedded default run: tiny DeepSeek-V4 from random
+    init learning the built-in digit-copy task on CPU in a few minutes.
+
+    Model: config (tiny|small|flash|path to config.json), init (random|checkpoint dir), param/compute dtypes.
+    Data: task (built-in, used when dataset is None) or dataset (jsonl/parquet) + tokenizer (tokenizer.json),
+      prompt_field / answer_field / chat_template, eval_dataset, max_prompt_len, on_bad_record.
+    Rollout: prompts_per_step x group_size samples per step, max_new_tokens, temperature / top_p / top_k,
+      rollout_dtype (fp8|fp8_e4m3fnuz|bf16|fp32|auto).
+    Algorithm: algo (grpo|dr_grpo|dapo|gspo), lr, warmup_steps, kl_coef / kl_estimator, correction (none|tis|mis)
+      with tis_clip / mis_low / mis_high, routing_replay, freeze_router, micro_batch_size.
+    Eval / checkpoints / logs: eval_every, eval_prompts, eval_samples (k of pass@k), ckpt_dir, ckpt_every,
+      resume (auto|never), metrics_jsonl, tensorboard_dir, seed.
+    Raises ValueError naming the field for impossible values.
+    """
+
+    mesh: str = "auto"
+    config: str = "tiny"
+    init: str = "random"
+    task: str = "copy"
+    task_digits: int = 3
+    dataset: str | None = None
+    tokenizer: str | None = None
+    prompt_field: str = "question"
+    answer_field: str = "answer"
+    chat_template: str | None = None
+    eval_dataset: str | None = None
+    reward: str = "auto"
+    max_prompt_len: int = 256
+    on_bad_record: Literal["skip", "fail"] = "fail"
+    steps: int = 120
+    prompts_per_step: int = 32
+    group_size: int = 16
+    max_new_tokens: int = 4
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    rollout_dtype: str = "fp8"
+    rollout_compute_dtype: Literal["auto", "bfloat16", "float32"] = "auto"
+    algo: str = "grpo"
+    lr: float = 2e-3
+    warmup_steps: int = 0
+    kl_coef: float = 0.0
+    kl_estimator: Literal["k1", "k2", "k3"] = "k3"
+    correction: Literal["none", "tis", "mis"] = "tis"
+    correction_level: Literal["token", "sequence", "geometric"] = "token"
+    tis_clip: float = 2.0
+    mis_low: float = 0.5
+    mis_high: float = 2.0
+    routing_replay: bool = True
+    freeze_router: bool = False
+    micro_batch_size: int | None = None
+    compute_dtype: Literal["bfloat16", "float32"] = "float32"
+    eval_every: int = 40
+    eval_prompts: int = 64
+    eval_samples: int = 4
+    ckpt_dir: str | None = "runs/default/ckpt"
+    ckpt_every: int = 40
+    resume: Literal["auto", "never"] = "auto"
+    keep_checkpoints: int = 2
+    metrics_jsonl: str | None = "runs/default/metrics.jsonl"
+    tensorboard_dir: str | None = "runs/default/tb"
+    seed: int = 0
+    progress: bool = True
+
+    def __post_init__(self):
+        owner = "RunConfig"
+        for f in ("steps", "prompts_per_step", "max_new_tokens", "max_prompt_len", "eval_prompts", "eval_samples",
+                  "keep_checkpoints", "task_digits"):
+            if int(getattr(self, f)) < 1:
+                raise ValueError(f"{owner}.{f} (--{f.replace('_', '-')}) must be >= 1, got {getattr(self, f)}")
+        for f in ("eval_every", "ckpt_every", "warmup_steps", "top_k"):
+            if int(getattr(self, f)) < 0:
+                raise ValueError(f"{owner}.{f} (--{f.replace('_', '-')}) must be >= 0, got {getattr(self, f)}")
+        if self.group_size < 2:
+            raise ValueError(f"{owner}.group_size (--group-size) must be >= 2 for group advantages, "
+                             f"got {self.group_size}")
+        if self.algo not in ALGOS:
+            raise ValueError(f"{owner}.algo (--algo) must be one of {ALGOS}, got {self.algo!r}")
+        if self.rollout_dtype not in ("fp8", "fp8_e4m3fn", "fp8_e4m3fnuz", "bf16", "fp32", "auto"):
+            raise ValueError(f"{owner}.rollout_dtype (--rollout-dtype) must be fp8|fp8_e4m3fnuz|bf16|fp32|auto, "
+                             f"got {self.rollout_dtype!r}")
+        if self.resume not in ("auto", "never"):
+            raise ValueError(f"{owner}.resume (--resume) must be auto|never, got {self.resume!r}")
+        if self.on_bad_record not in ("skip", "fail"):
+            raise ValueError(f"{owner}.on_bad_record (--on-bad-record) must be skip|fail, got {self.on_bad_record!r}")
+        if not self.lr > 0:
+            raise ValueError(f"{owner}.lr (--lr) must be > 0, got {self.lr}")
+        if self.temperature < 0 or not 0 < self.top_p <= 1:
+            raise ValueError(f"{owner}: --temperature must be >= 0 and --top-p in (0, 1]")
+        if self.dataset is not None and self.tokenizer is None:
+            raise ValueError(f"{owner}.tokenizer (--tokenizer) is required with --dataset {self.dataset}")
+        if self.task not in ("copy", "reverse"):
+            raise ValueError(f"{owner}.task (--task) must be copy|reverse, got {self.task!r}")
+        if self.reward not in ("auto", "task", "gsm8k", "gsm8k+format"):
+            raise ValueError(f"{owner}.reward (--reward) must be auto|task|gsm8k|gsm8k+format, got {self.reward!r}")
+        if self.micro_batch_size is not None and self.micro_batch_size < 1:
+            raise ValueError(f"{owner}.micro_batch_size must be >= 1")
+
+    def loss_config(self) -> LossConfig:
+        """The LossConfig of `algo` with this run's KL and off-policy correction knobs."""
+        base = {"grpo": LossConfig.grpo, "dr_grpo": LossConfig.dr_grpo, "dapo": LossConfig.dapo,
+                "gspo": LossConfig.gspo}[self.algo]
+        kw = dict(kl_coef=self.kl_coef, kl_estimator=self.kl_estimator, correction=self.correction,
+                  correction_level=self.correction_level, tis_clip_high=self.tis_clip, mis_low=self.mis_low,
+                  mis_high=self.mis_high)
+        try:
+            cfg = base(kl_coef=self.kl_coef)
+        except TypeError:
+            cfg = base()
+        if self.algo == "dr_grpo":
+            kw["norm_length"] = self.max_new_tokens
+        return dataclasses.replace(cfg, **kw)
+
+    def advantage_config(self) -> AdvantageConfig:
+        return {"grpo": AdvantageConfig.grpo, "dr_grpo": AdvantageConfig.dr_grpo, "dapo": AdvantageConfig.dapo,
+                "gspo": AdvantageConfig.grpo}[self.algo]()

@@ -161,12 +161,15 @@ class Sampler:
       weights: "fp8" | "fp8_e4m3fn" | "fp8_e4m3fnuz" | "auto" | "bf16" | "fp32".
       max_prompt_len: largest prompt bucket (longer prompts raise ValueError); prompt buckets are powers of two
         from 16. fp8_block: block of the FP8 scales. dequant: "per_call" | "per_step" (see module docstring).
+      compute_dtype: matmul dtype (default bf16, fp32 for `weights="fp32"`); FP8 weights are dequantised to it
+        (float32 suits CPUs, where bf16 matmuls are emulated).
     Raises:
       ValueError: unknown `weights` / `dequant`.
     """
 
     def __init__(self, model: DSV4ForCausalLM, *, mesh=None, weights: str = "fp8", rules=None,
-                 max_prompt_len: int = 1024, fp8_block=(128, 128), dequant: str = "per_call", dispatch_fn=None):
+                 max_prompt_len: int = 1024, fp8_block=(128, 128), dequant: str = "per_call", dispatch_fn=None,
+                 compute_dtype=None):
         if weights not in ("fp8", "fp8_e4m3fn", "fp8_e4m3fnuz", "e4m3fn", "e4m3fnuz", "auto", "bf16", "fp32"):
             raise ValueError(f"Sampler weights={weights!r}: expected fp8 | fp8_e4m3fnuz | auto | bf16 | fp32")
         if dequant not in ("per_call", "per_step"):
@@ -183,7 +186,9 @@ class Sampler:
             devs = None if mesh is None else list(mesh.devices.flat)
             self.fmt = quant.select_fp8_format(weights, devs)
         self.weights = weights
-        self.compute_dtype = jnp.float32 if weights == "fp32" else jnp.bfloat16
+        if compute_dtype is None:
+            compute_dtype = jnp.float32 if weights == "fp32" else jnp.bfloat16
+        self.compute_dtype = jnp.dtype(compute_dtype)
         self.fp8_block = tuple(fp8_block)
         self.dequant = dequant
         self.dispatch_fn = dispatch_fn
@@ -196,7 +201,7 @@ class Sampler:
         self._raw_shardings = self._shardings_for(abs_state)
         self._quantize_jit = jax.jit(self._quantize_fn, out_shardings=self._wstate_shardings())
         self._generate_jit = jax.jit(self._generate_fn, static_argnums=(0,), donate_argnums=(2,))
-        self._caches: dict = {}
+        self._cache_shapes: dict = {}
         self.weight_version = -1
         self._w = None
         self.update_weights(nnx.state(model), version=0)
@@ -341,14 +346,15 @@ class Sampler:
                 caches)
 
     def _empty_caches(self, b, cache_len):
+        """Zeroed decode caches for (batch, cache_len), placed like every call's (replicated on the rollout mesh,
+        so the jit's input signature never changes); donated to the generate jit."""
         key = (b, cache_len)
-        if key not in self._caches:
+        if key not in self._cache_shapes:
             model_abs = nnx.merge(self.graphdef, nnx.from_flat_state(self._abs_flat))
-            self._caches[key] = jax.tree.map(
-                lambda x: jnp.zeros(x.shape, x.dtype),
-                jax.eval_shape(lambda: [cache_shapes(l.attn, b, cache_len, self.compute_dtype)
-                                        for l in model_abs.layers]))
-        return self._caches.pop(key)
+            self._cache_shapes[key] = jax.eval_shape(
+                lambda: [cache_shapes(l.attn, b, cache_len, self.compute_dtype) for l in model_abs.layers])
+        sh = None if self.mesh is None else NamedSharding(self.mesh, PartitionSpec())
+        return jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype, device=sh), self._cache_shapes[key])
 
     def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams, *, seed: int, step: int = 0,
                  prompt_index: Sequence[int] | None = None, sample_index: Sequence[int] | None = None) -> RolloutBatch:
@@ -398,7 +404,7 @@ class Sampler:
                                      jnp.float32(params.temperature), jnp.float32(params.top_p),
                                      jnp.int32(params.top_k), jnp.int32(params.max_new_tokens), jnp.asarray(stop))
         tok, lp, prompt_routing, resp_routing, length, stopped, caches = out
-        self._caches[(b, p_bucket + t_cap)] = caches
+        del caches
         tok, lp, pr, rr, length, stopped = jax.device_get((tok, lp, prompt_routing, resp_routing, length, stopped))
         t = params.max_new_tokens
         tok, lp, rr, length, stopped = tok[:n, :t], lp[:n, :t], rr[:n, :t], length[:n], stopped[:n]

@@ -1,0 +1,120 @@
+"""Checkpoints with orbax: async, atomic, resumable, config-checked.
+
+A checkpoint at step s holds (docs/jax-stack.md §6):
+- `state`: the learner's state (fp32 master params, buffers, optimizer state, update count, reference params
+  when KL is on) as a flat {path: array} dict (`jax.tree_util.keystr` paths), restored straight onto the actor
+  mesh's shardings;
+- `meta` (JSON): step, weight version, the data iterator state (`{"next_index": k}`), the seed (all randomness
+  is derived from (seed, step, prompt, sample), so seed + step is the RNG state), and a fingerprint of the run
+  (model config + the knobs that change the math). The sampler's weights are not saved: they are a pure
+  function of the params (re-pushed on restore).
+Orbax writes `<step>.orbax-checkpoint-tmp` and renames it when complete, so a crash mid-save leaves the
+previous step as the latest. A latest checkpoint that fails to restore (corrupt or partial) falls back to the
+previous one with a warning; a fingerprint mismatch is an error naming the differing keys.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import pathlib
+
+import jax
+import orbax.checkpoint as ocp
+
+log = logging.getLogger(__name__)
+
+
+class CheckpointMismatchError(ValueError):
+    """The checkpoint was written by a run with another config; the message names the differing keys."""
+
+
+def _flatten(tree) -> tuple[dict, object]:
+    leaves, treedef = jax.tree_util.tree_flatten_with_path(tree)
+    return {jax.tree_util.keystr(p): x for p, x in leaves}, treedef
+
+
+def check_writable(directory: str | os.PathLike, what: str) -> pathlib.Path:
+    """Create `directory` and prove it is writable (before step 1); OSError -> ValueError naming the flag."""
+    d = pathlib.Path(directory)
+    try:
+        d.mkdir(parents=True, exist_ok=True)
+        probe = d / f".write-probe-{os.getpid()}"
+        probe.write_text("ok")
+        probe.unlink()
+    except OSError as e:
+        raise ValueError(f"{what} {d} is not writable: {e}") from e
+    return d
+
+
+class Checkpointer:
+    """Orbax CheckpointManager wrapper.
+
+    Args:
+      directory: checkpoint root (created). keep: how many to keep. fingerprint: JSON-able dict identifying
+        the run's math (compared on restore).
+    """
+
+    def __init__(self, directory, *, keep: int = 2, fingerprint: dict, async_save: bool = True):
+        self.dir = check_writable(directory, "--ckpt-dir").resolve()
+        self.fingerprint = fingerprint
+        opts = ocp.CheckpointManagerOptions(max_to_keep=keep, enable_async_checkpointing=async_save,
+                                            cleanup_tmp_directories=True)
+        self.mngr = ocp.CheckpointManager(self.dir, options=opts, item_names=("state", "meta"))
+
+    def all_steps(self) -> list[int]:
+        return sorted(self.mngr.all_steps())
+
+    def save(self, step: int, state, meta: dict, *, force: bool = False) -> None:
+        """Save (asynchronously) the learner state pytree and the meta dict at `step`."""
+        flat, _ = _flatten(state)
+        meta = {**meta, "step": int(step), "fingerprint": self.fingerprint}
+        self.mngr.save(step, args=ocp.args.Composite(state=ocp.args.StandardSave(flat),
+                                                     meta=ocp.args.JsonSave(meta)), force=force)
+
+    def restore(self, target_state):
+        """Restore the newest usable checkpoint onto `target_state`'s structure, shapes and shardings.
+
+        Returns (state, meta) or None when there is no checkpoint. Falls back to older steps (with a warning)
+        when the newest cannot be read. Raises CheckpointMismatchError on a fingerprint mismatch.
+        """
+        flat_target, treedef = _flatten(target_state)
+        abstract = {k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=v.sharding) for k, v in flat_target.items()}
+        steps = self.all_steps()
+        for i, step in enumerate(reversed(steps)):
+            try:
+                meta = self.mngr.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
+                self._check(meta, step)
+                got = self.mngr.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore(abstract)))
+            except CheckpointMismatchError:
+                raise
+            except Exception as e:  # noqa: BLE001 - any read failure of this step: try the previous one
+                if i + 1 < len(steps):
+                    log.warning("checkpoint step %d in %s cannot be restored (%s: %s); falling back to the previous "
+                                "checkpoint", step, self.dir, type(e).__name__, str(e)[:200])
+                    continue
+                raise ValueError(f"no usable checkpoint in {self.dir}: step {step} failed with {e}") from e
+            flat = got["state"]
+            missing = sorted(set(abstract) - set(flat))
+            if missing:
+                raise CheckpointMismatchError(f"checkpoint {self.dir}/{step} lacks {len(missing)} tensors, e.g. "
+                                              f"{missing[:5]}")
+            leaves = [flat[k] for k in flat_target]
+            return jax.tree_util.tree_unflatten(treedef, leaves), meta
+        return None
+
+    def _check(self, meta: dict, step: int) -> None:
+        saved = meta.get("fingerprint", {})
+        diff = sorted(k for k in set(saved) | set(self.fingerprint) if saved.get(k) != self.fingerprint.get(k))
+        if diff:
+            lines = ", ".join(f"{k}: checkpoint={saved.get(k)!r} vs run={self.fingerprint.get(k)!r}" for k in diff[:6])
+            raise CheckpointMismatchError(
+                f"checkpoint {self.dir}/{step} was written by a different config ({lines}); use another "
+                f"--ckpt-dir or --resume never")
+
+    def wait(self) -> None:
+        self.mngr.wait_until_finished()
+
+    def close(self) -> None:
+        self.mngr.wait_until_finished()
+        self.mngr.close()

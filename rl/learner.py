@@ -1,0 +1,438 @@
+"""The learner: one jitted GRPO/PPO update step on the actor mesh (fp32 master weights, AdamW, micro-batches).
+
+Data: a `TrainBatch` holds N rows laid out by the sampler as `[left-padded prompt (P) | response (T),
+right-padded]`, S = P + T. The per-token arrays are aligned at each token's own position (`rl.logprobs`), so
+`response_mask` selects the same tokens in the learner's logprobs, the rollout's logprobs and the loss.
+The loss's token axis is therefore S = P + T: Dr.GRPO (`seq-mean-token-sum-norm`) should set
+`LossConfig.norm_length` (e.g. the sampler's max_new_tokens), or it divides by S.
+
+State: `TrainState(step, params, opt_state, buffers, ref_params)`. `params` are the trainable `nnx.Param`s as
+float32 masters, `opt_state` is optax state (float32 Adam moments), `buffers` the `dsv4.layers.Buffer`s
+(hash tables `tid2eid`, router selection `bias`: model tensors that no optimizer touches), `ref_params` the
+frozen reference policy, a copy of the initial params with matrices in `ref_dtype` (bf16 by default) and vectors
+in float32 (only when `loss.kl_coef > 0`, else None: no copy is kept at all). `step` counts
+*applied* updates and drives the LR schedule (it equals optax's internal count).
+
+Choices (and why):
+- Precision (mixed precision as Micikevicius et al., arXiv 1710.03740, minus loss scaling, which bf16 does
+  not need): the model is rebuilt for the learner with `param_dtype=float32, dtype=compute_dtype`
+  (`nnx.eval_shape`, so only the graph is built; the values are the given model's, cast to float32). Matmuls
+  cast the fp32 masters to bf16 at use, gradients arrive in fp32, Adam runs in fp32. A bf16-only optimizer
+  silently drops updates below bf16 resolution (docs/jax-stack.md §10); the fp32 masters keep them.
+- Micro-batches: `lax.scan` over M = N / micro_batch_size micro-batches inside the one jitted step (one
+  compile, one dispatch). Micro-batch m takes rows m, m + M, m + 2M, ... (strided), so with the batch sharded
+  in blocks over the data axes every device holds an equal share of each micro-batch. Every micro-batch loss
+  is divided by the *full batch's* token/sequence counts (`rl.losses.loss_normalizers`) and the results are
+  summed, so loss, gradient and every loss metric equal the full-batch values exactly (up to fp rounding).
+- On-policy old logprobs: with `TrainBatch.old_logprobs=None`, pi_old = stop_gradient(pi_theta) from the same
+  forward (PPO ratio 1 at the single update per batch; the clip then only matters for later epochs). For
+  several updates on one batch, compute them once with `compute_logprobs` and put them in the batch.
+- Routing replay (R3, Ma et al., arXiv 2510.11370): with `routing_replay=True` the batch's recorded experts
+  are forced in every MoE layer of the learner's forward (and of the reference's). Missing or mis-shaped
+  routing raises ValueError in `train_step` before anything runs; there is no silent fallback.
+- Freezing: `optax.multi_transform` gives frozen params `optax.set_to_zero()` (no Adam state is allocated for
+  them) and their old values are carried over as-is. Frozen: the router weights with `freeze_router`, the MTP
+  module unless `train_mtp`. Buffers are outside the optimizer altogether. Weight decay applies to matrices.
+- Non-finite guard (own, not `optax.apply_if_finite`, so nothing changes at all): if the loss or the global
+  gradient norm is not finite, the new step/params/opt_state are discarded with `jnp.where`; the state is
+  bitwise the old one (the step counter does not advance either) and `train/skipped_nonfinite` is 1.
+- Donation: `train_step` donates the old state (`donate_argnums=0`): never reuse a state passed to it, nor
+  arrays taken from it (`params_for_push()` returns live arrays: push them before the next step).
+- Mesh: with `mesh`, the state is placed by `sharding.rules.param_shardings` (actor rules by default), the
+  batch is split along N over the rules' `act_batch` mesh axes, and the jits run inside `jax.set_mesh(mesh)`
+  and `sharding.rules.use_rules` with explicit in/out shardings (docs/jax-stack.md §2.2: a jit on a sub-mesh
+  must run inside set_mesh).
+
+Sources: PPO (Schulman et al. 2017, arXiv 1707.06347); GRPO (Shao et al. 2024, arXiv 2402.03300 §4); the optax
+docs for `adamw`, `clip_by_global_norm`, `multi_transform`, `set_to_zero`, `tree.norm`.
+
+Run the tests: `.venv/bin/python -m pytest -q tests/rl/test_learner.py`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import re
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import optax
+from flax import nnx, struct
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from dsv4.layers import Buffer
+from rl.config import LearnerConfig
+from rl.logprobs import token_logprobs
+from rl.losses import kl_penalty, loss_normalizers, policy_loss
+from rl.metrics import masked_mean
+from sharding import axes as ax
+from sharding import rules as sr
+
+Metrics = dict[str, jax.Array]
+TRAIN, FROZEN = "train", "frozen"
+_ROUTER = re.compile(r"(layers|mtp)/\d+/ffn/gate/weight")
+# Names that every train_step reports (0 where they do not apply), besides what policy_loss returns.
+METRIC_NAMES = ("train/pg_loss", "train/pg_clipfrac", "train/ppo_kl", "train/kl_loss", "train/entropy",
+                "train/grad_norm", "train/train_rollout_logprob_abs_diff", "train/train_rollout_kl",
+                "train/tis_clipfrac", "train/skipped_nonfinite", "train/lr")
+
+
+@struct.dataclass
+class TrainBatch:
+    """One learner batch (N rows of length S = P + T; see the module docstring for the layout).
+
+    input_ids [N, S] int32; attention_mask [N, S] (1 on real prompt + response tokens, contiguous);
+    response_mask [N, S] (1 on response tokens whose logprob counts); rollout_logprobs [N, S] float32 (the
+    sampler's logprob of each response token at its own position, anything elsewhere); advantages [N] (or
+    [N, S]) float32; routing [N, S, L, k] int32 recorded expert ids (< 0 = unknown) or None; old_logprobs
+    [N, S] float32 (pi_old for multi-epoch updates, from `Learner.compute_logprobs`) or None (on-policy).
+    """
+
+    input_ids: jax.Array
+    attention_mask: jax.Array
+    response_mask: jax.Array
+    rollout_logprobs: jax.Array
+    advantages: jax.Array
+    routing: jax.Array | None = None
+    old_logprobs: jax.Array | None = None
+
+
+@struct.dataclass
+class TrainState:
+    """step: int32 scalar (applied updates); params: nnx.State of float32 Params; opt_state: optax state;
+    buffers: nnx.State of Buffers; ref_params: nnx.State of the reference Params (kl_coef > 0) or None."""
+
+    step: jax.Array
+    params: Any
+    opt_state: Any
+    buffers: Any
+    ref_params: Any = None
+
+
+@struct.dataclass
+class LogprobResult:
+    """`Learner.compute_logprobs` output: logprobs, entropy [N, S] float32, routing [N, S, L, k] int32."""
+
+    logprobs: jax.Array
+    entropy: jax.Array
+    routing: jax.Array
+
+
+def _path(path) -> str:
+    """Key path of a State leaf -> 'layers/1/ffn/gate/weight' (the Variable's own `.value` key dropped)."""
+    return "/".join(str(k.key) for k in path if isinstance(k, jax.tree_util.DictKey))
+
+
+def lr_schedule(cfg: LearnerConfig):
+    """count (applied updates, int) -> learning rate: linear warmup, then constant or cosine (LearnerConfig)."""
+
+    def schedule(count):
+        c = jnp.asarray(count, jnp.float32)
+        lr = jnp.asarray(cfg.lr, jnp.float32)
+        if cfg.warmup_steps > 0:
+            lr = lr * jnp.minimum(1.0, (c + 1.0) / cfg.warmup_steps)
+        if cfg.schedule == "cosine":
+            frac = jnp.clip((c - cfg.warmup_steps) / (cfg.total_steps - cfg.warmup_steps), 0.0, 1.0)
+            lr = lr * (cfg.min_lr_ratio + (1.0 - cfg.min_lr_ratio) * 0.5 * (1.0 + jnp.cos(math.pi * frac)))
+        return lr
+
+    return schedule
+
+
+def _state_shardings(abstract_state: Any, mesh: Mesh, rules: sr.Rules) -> Any:
+    """`sharding.rules.param_shardings` of a TrainState. Variables that hold no array (optax's `MaskedNode` in
+    the Adam state of frozen params) are kept as they are: they have no leaves, so they need no sharding."""
+    is_var = lambda x: isinstance(x, nnx.Variable)  # noqa: E731
+    flat = jax.tree_util.tree_flatten_with_path(abstract_state, is_leaf=is_var)[0]
+    named = {jax.tree_util.keystr(p, simple=True, separator="."): leaf for p, leaf in flat if jax.tree.leaves(leaf)}
+    shardings = sr.param_shardings(named, mesh, rules)
+    return jax.tree_util.tree_map_with_path(
+        lambda p, leaf: shardings.get(jax.tree_util.keystr(p, simple=True, separator="."), leaf),
+        abstract_state, is_leaf=is_var)
+
+
+class Learner:
+    """Holds the train state and the jitted update; see the module docstring for every choice.
+
+    Args:
+        model: a `dsv4.DSV4ForCausalLM` (any param dtype) or a `(graphdef, state)` pair from `nnx.split`. Its
+            values are copied into the learner's own float32 state; the object itself is not used afterwards.
+        cfg: LearnerConfig.
+        mesh: the actor mesh (e.g. `sharding.mesh.build_mesh_plan(...).actor`) or None (default device).
+        rules: rule table for `mesh` (default `sharding.rules.ACTOR_RULES`).
+        dispatch_fn: routed-expert implementation passed to the model, e.g. the expert-parallel
+            `sharding.expert.make_ep_dispatch(mesh)`; None = the model's single-program ragged_dot path (on a mesh
+            XLA then partitions it on its own).
+    Attributes:
+        state: the current TrainState (replaced by `update`). graphdef: the learner's model graph (compute
+        dtype); `nnx.merge(graphdef, state.params, state.buffers)` is the current policy.
+    Raises:
+        ValueError: a model holding variables other than Params and Buffers, or params that do not fit the
+            mesh (from `sharding.rules.param_shardings`).
+    """
+
+    def __init__(self, model: Any, cfg: LearnerConfig, *, mesh: Mesh | None = None, rules: sr.Rules | None = None,
+                 dispatch_fn: Any = None):
+        module = model if isinstance(model, nnx.Module) else nnx.merge(*model)
+        self.cfg, self.dispatch_fn = cfg, dispatch_fn
+        self.model_config = module.config
+        compute = jnp.dtype(cfg.compute_dtype)
+        abstract = nnx.eval_shape(lambda: type(module)(module.config, rngs=nnx.Rngs(0), param_dtype=jnp.float32,
+                                                       dtype=compute))
+        self.graphdef, abs_params, _ = nnx.split(abstract, nnx.Param, Buffer)
+        _, params, buffers, rest = nnx.split(module, nnx.Param, Buffer, ...)
+        if jax.tree.leaves(rest):
+            raise ValueError(f"the model holds variables that are neither nnx.Param nor Buffer: "
+                             f"{[_path(p) for p, _ in jax.tree_util.tree_leaves_with_path(rest)]}")
+        if jax.tree.structure(params) != jax.tree.structure(abs_params):
+            raise ValueError("the model's parameters do not match the structure of its config's model")
+        self.labels = jax.tree_util.tree_map_with_path(self._label, params)
+        self.tx = optax.multi_transform({TRAIN: self._train_tx(), FROZEN: optax.set_to_zero()}, self.labels)
+        self.mesh, self.rules = mesh, (sr.ACTOR_RULES if rules is None else rules)
+
+        def init(params, buffers):
+            params = jax.tree.map(lambda x: x.astype(jnp.float32), params)
+            ref = None
+            if cfg.loss.kl_coef > 0:
+                ref_dtype = jnp.dtype(cfg.ref_dtype)
+                ref = jax.tree.map(lambda x: x.astype(ref_dtype) if x.ndim >= 2 else x, params)
+            return TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=self.tx.init(params),
+                              buffers=buffers, ref_params=ref)
+
+        self._state_shardings = self._batch_sharding = None
+        if mesh is None:
+            self.state = jax.jit(init)(params, buffers)  # jit outputs are fresh buffers: the learner owns them
+            self._state_shardings = jax.tree.map(lambda x: x.sharding, self.state)
+        else:
+            abstract_state = jax.eval_shape(init, params, buffers)
+            self._state_shardings = _state_shardings(abstract_state, mesh, self.rules)
+            batch_axes = sr.activation_spec(ax.ACT_BATCH, rules=self.rules, mesh=mesh)
+            self._batch_sharding = NamedSharding(mesh, batch_axes)
+            self._replicated = NamedSharding(mesh, PartitionSpec())
+            with self._context():
+                self.state = jax.jit(init, out_shardings=self._state_shardings)(params, buffers)
+        self._jits: dict[Any, Any] = {}
+
+    # ------------------------------------------------------------------ optimizer
+    def _label(self, path, _leaf) -> str:
+        name = _path(path)
+        if not self.cfg.train_mtp and name.startswith("mtp/"):
+            return FROZEN
+        if self.cfg.freeze_router and _ROUTER.fullmatch(name):
+            return FROZEN
+        return TRAIN
+
+    def _train_tx(self) -> optax.GradientTransformation:
+        c = self.cfg
+        adamw = optax.adamw(lr_schedule(c), b1=c.b1, b2=c.b2, eps=c.eps, weight_decay=c.weight_decay,
+                            mask=lambda p: jax.tree.map(lambda x: x.ndim >= 2, p))
+        return adamw if c.max_grad_norm is None else optax.chain(optax.clip_by_global_norm(c.max_grad_norm), adamw)
+
+    # ------------------------------------------------------------------ the math (traced inside jit)
+    def _logprobs(self, params, buffers, mb: TrainBatch, replay: bool):
+        model = nnx.merge(self.graphdef, params, buffers)
+        return token_logprobs(model, mb.input_ids, mb.attention_mask, temperature=self.cfg.temperature,
+                              routing_replay=mb.routing if replay else None, return_entropy=True,
+                              chunk_size=self.cfg.logprob_chunk_size, dispatch_fn=self.dispatch_fn)
+
+    def _loss(self, params, buffers, ref_params, mb: TrainBatch, norms: dict[str, jax.Array]):
+        """Loss of one micro-batch with the full batch's normalisers -> (loss, metrics); differentiated in params."""
+        replay = self.cfg.routing_replay
+        lp, ent, _ = self._logprobs(params, buffers, mb, replay)
+        old = jax.lax.stop_gradient(lp) if mb.old_logprobs is None else mb.old_logprobs
+        ref_lp = None
+        if ref_params is not None:
+            ref_lp = jax.lax.stop_gradient(self._logprobs(ref_params, buffers, mb, replay)[0])
+        if self.cfg.loss.entropy_coef == 0:
+            ent = jax.lax.stop_gradient(ent)
+        return policy_loss(lp, old, mb.advantages, mb.response_mask, self.cfg.loss,
+                           rollout_logprobs=mb.rollout_logprobs, ref_logprobs=ref_lp, entropy=ent, **norms)
+
+    def _micro_batches(self, batch: TrainBatch) -> tuple[int, TrainBatch]:
+        """Strided split along N: [N, ...] -> [M, N/M, ...]; row r goes to micro-batch r % M."""
+        n = batch.input_ids.shape[0]
+        m = 1 if self.cfg.micro_batch_size is None else n // self.cfg.micro_batch_size
+        return m, jax.tree.map(lambda x: x.reshape(n // m, m, *x.shape[1:]).swapaxes(0, 1), batch)
+
+    def _loss_and_grads(self, state: TrainState, batch: TrainBatch):
+        """-> (loss, grads (nnx.State like params, float32), metrics), accumulated exactly over micro-batches."""
+        norms = loss_normalizers(batch.response_mask, self.cfg.loss)
+        grad_fn = jax.value_and_grad(self._loss, has_aux=True)
+        m, mbs = self._micro_batches(batch)
+        if m == 1:
+            (loss, metrics), grads = grad_fn(state.params, state.buffers, state.ref_params, batch, norms)
+            return loss, grads, metrics
+
+        def body(acc, mb):
+            (loss, metrics), grads = grad_fn(state.params, state.buffers, state.ref_params, mb, norms)
+            return jax.tree.map(jnp.add, acc, (loss, grads, metrics)), None
+
+        first = jax.tree.map(lambda x: x[0], mbs)
+        (_, metric_shapes), _ = jax.eval_shape(grad_fn, state.params, state.buffers, state.ref_params, first, norms)
+        zeros = lambda t: jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), t)  # noqa: E731
+        init = (jnp.zeros((), jnp.float32), jax.tree.map(jnp.zeros_like, state.params), zeros(metric_shapes))
+        (loss, grads, metrics), _ = jax.lax.scan(body, init, mbs)
+        return loss, grads, metrics
+
+    def _step(self, state: TrainState, batch: TrainBatch) -> tuple[TrainState, Metrics]:
+        loss, grads, metrics = self._loss_and_grads(state, batch)
+        grad_norm = optax.tree.norm([g for g, label in zip(jax.tree.leaves(grads), jax.tree.leaves(self.labels))
+                                       if label == TRAIN])
+        updates, opt_state = self.tx.update(grads, state.opt_state, state.params)
+        stepped = optax.apply_updates(state.params, updates)
+        params = jax.tree.map(lambda new, old, label: new if label == TRAIN else old, stepped, state.params,
+                              self.labels)
+        finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
+        keep = lambda new, old: jax.tree.map(lambda a, b: jnp.where(finite, a, b), new, old)  # noqa: E731
+        new_state = state.replace(step=keep(state.step + 1, state.step), params=keep(params, state.params),
+                                  opt_state=keep(opt_state, state.opt_state))
+        out = {name: jnp.zeros((), jnp.float32) for name in METRIC_NAMES}
+        out.update(metrics)
+        out["train/grad_norm"] = grad_norm
+        out["train/lr"] = lr_schedule(self.cfg)(state.step)
+        out["train/skipped_nonfinite"] = (~finite).astype(jnp.float32)
+        return new_state, out
+
+    def _forward(self, state: TrainState, batch: TrainBatch, replay: bool) -> tuple[LogprobResult, Metrics]:
+        m, mbs = self._micro_batches(batch)
+
+        def one(mb):
+            return LogprobResult(*self._logprobs(state.params, state.buffers, mb, replay))
+
+        if m == 1:
+            res = one(batch)
+        else:
+            res = jax.lax.map(one, mbs)  # [M, N/M, ...] -> back to [N, ...] (inverse of the strided split)
+            res = jax.tree.map(lambda x: x.swapaxes(0, 1).reshape(-1, *x.shape[2:]), res)
+        mask = batch.response_mask > 0
+        diff = jnp.where(mask, res.logprobs - jnp.where(mask, batch.rollout_logprobs, 0.0), 0.0)
+        kl = kl_penalty(jnp.where(mask, batch.rollout_logprobs, 0.0), res.logprobs, "k3", self.cfg.loss.kl_clamp)
+        metrics = {"train/train_rollout_logprob_abs_diff": masked_mean(jnp.abs(diff), mask),
+                   "train/train_rollout_kl": masked_mean(jnp.where(mask, kl, 0.0), mask),
+                   "train/entropy": masked_mean(res.entropy, mask)}
+        return res, metrics
+
+    # ------------------------------------------------------------------ public API
+    def train_step(self, state: TrainState, batch: TrainBatch) -> tuple[TrainState, Metrics]:
+        """One optimizer update on `batch` (validated first). Donates `state`: use the returned one.
+
+        Returns:
+            (new TrainState, metrics): float32 scalars named in `METRIC_NAMES` plus those of `policy_loss`.
+        Raises:
+            ValueError: mis-shaped batch arrays, N not a multiple of micro_batch_size (or of the mesh's batch
+                axes), or routing missing / mis-shaped while `routing_replay` is on. Nothing has run then.
+        """
+        batch = self._check_batch(batch, self.cfg.routing_replay)
+        fn = self._jit("step", self._step, donate=True)
+        with self._context():
+            return fn(state, self._place(batch))
+
+    def update(self, batch: TrainBatch) -> Metrics:
+        """`self.state, metrics = self.train_step(self.state, batch)`; returns metrics."""
+        self.state, metrics = self.train_step(self.state, batch)
+        return metrics
+
+    def loss_and_grads(self, state: TrainState, batch: TrainBatch) -> tuple[jax.Array, Any, Metrics]:
+        """The step's (loss, grads, metrics) without updating (no donation); for tests and diagnostics."""
+        batch = self._check_batch(batch, self.cfg.routing_replay)
+        fn = self._jit("grads", self._loss_and_grads, donate=False, out_batch=False)
+        with self._context():
+            return fn(state, self._place(batch))
+
+    def compute_logprobs(self, state: TrainState, batch: TrainBatch, *, routing_replay: bool | None = None
+                         ) -> tuple[LogprobResult, Metrics]:
+        """Current-policy logprobs/entropy/routing of the batch (no gradient), micro-batched like the step.
+
+        Use the logprobs as `TrainBatch.old_logprobs` for several updates on one batch. routing_replay: override
+        of `cfg.routing_replay` for this call (None = the config's).
+        Returns:
+            (LogprobResult [N, S] / [N, S, L, k], metrics {train/train_rollout_logprob_abs_diff,
+            train/train_rollout_kl (k3 estimate of KL(rollout || learner)), train/entropy}: masked token means).
+        """
+        replay = self.cfg.routing_replay if routing_replay is None else routing_replay
+        batch = self._check_batch(batch, replay)
+        fn = self._jit(("logprobs", replay), lambda s, b: self._forward(s, b, replay), donate=False, out_batch=True)
+        with self._context():
+            return fn(state, self._place(batch))
+
+    def params_for_push(self) -> Any:
+        """Every tensor that defines the current model: nnx.State of the float32 master Params and the Buffers.
+        Live arrays of the state: push (copy) them before the next `train_step` donates them."""
+        return nnx.merge_state(self.state.params, self.state.buffers)
+
+    def state_dict(self) -> dict[str, Any]:
+        """{"step", "params", "opt_state", "buffers"} (+ "ref_params" when kl_coef > 0): a pytree of arrays."""
+        s = self.state
+        d = {"step": s.step, "params": s.params, "opt_state": s.opt_state, "buffers": s.buffers}
+        if s.ref_params is not None:
+            d["ref_params"] = s.ref_params
+        return d
+
+    def load_state_dict(self, d: dict[str, Any]) -> None:
+        """Replace the state by `d` (as from `state_dict`), placed like the current state.
+        Raises ValueError when its structure, shapes or dtypes differ from the learner's."""
+        new = TrainState(step=d["step"], params=d["params"], opt_state=d["opt_state"], buffers=d["buffers"],
+                         ref_params=d.get("ref_params"))
+        if jax.tree.structure(new) != jax.tree.structure(self.state):
+            raise ValueError("state_dict structure differs from the learner's state (other model or config?)")
+        for a, b in zip(jax.tree.leaves(new), jax.tree.leaves(self.state)):
+            if a.shape != b.shape or a.dtype != b.dtype:
+                raise ValueError(f"state_dict leaf {a.shape} {a.dtype} does not match {b.shape} {b.dtype}")
+        # device_put may return the caller's own arrays (same placement): copy, since train_step donates them.
+        self.state = jax.tree.map(lambda x: jnp.array(x, copy=True), jax.device_put(new, self._state_shardings))
+
+    # ------------------------------------------------------------------ plumbing
+    @contextlib.contextmanager
+    def _context(self):
+        """`jax.set_mesh` + `use_rules` on the actor mesh (nothing without a mesh); jits are traced inside."""
+        if self.mesh is None:
+            yield
+            return
+        with jax.set_mesh(self.mesh), sr.use_rules(self.rules, self.mesh):
+            yield
+
+    def _jit(self, key, fn, *, donate: bool, out_batch: bool = False):
+        if key not in self._jits:
+            kw = {"donate_argnums": 0} if donate else {}
+            if self.mesh is not None:
+                state_sh, batch_sh, rep = self._state_shardings, self._batch_sharding, self._replicated
+                outs = {"step": (state_sh, rep), "grads": (rep, state_sh.params, rep)}
+                kw.update(in_shardings=(state_sh, batch_sh),
+                          out_shardings=(batch_sh, rep) if out_batch else outs[key])
+            self._jits[key] = jax.jit(fn, **kw)
+        return self._jits[key]
+
+    def _place(self, batch: TrainBatch) -> TrainBatch:
+        return batch if self.mesh is None else jax.device_put(batch, self._batch_sharding)
+
+    def _check_batch(self, batch: TrainBatch, replay: bool) -> TrainBatch:
+        """Static shape checks (ValueError); drops routing when replay is off (not sent to the device)."""
+        if batch.input_ids.ndim != 2:
+            raise ValueError(f"TrainBatch.input_ids must be [N, S], got shape {batch.input_ids.shape}")
+        n, s = batch.input_ids.shape
+        for name in ("attention_mask", "response_mask", "rollout_logprobs", "old_logprobs"):
+            x = getattr(batch, name)
+            if x is not None and x.shape != (n, s):
+                raise ValueError(f"TrainBatch.{name} has shape {x.shape}; expected [N, S] = {(n, s)}")
+        if batch.advantages.shape not in ((n,), (n, s)):
+            raise ValueError(f"TrainBatch.advantages has shape {batch.advantages.shape}; expected [N] = {(n,)}")
+        mbs = self.cfg.micro_batch_size
+        if mbs is not None and n % mbs:
+            raise ValueError(f"batch size N={n} is not a multiple of micro_batch_size={mbs}")
+        if self.mesh is not None:
+            parts = math.prod(self.mesh.shape[a] for a in sr.mesh_axes_for(ax.ACT_BATCH, self.rules)
+                              if a in self.mesh.shape)
+            if n % parts:
+                raise ValueError(f"batch size N={n} is not divisible by the mesh's batch axes (= {parts} devices)")
+        if not replay:
+            return batch.replace(routing=None)
+        expected = (n, s, self.model_config.num_hidden_layers, self.model_config.num_experts_per_tok)
+        if batch.routing is None:
+            raise ValueError("routing_replay is on but TrainBatch.routing is None: the sampler must record the "
+                             f"routing [N, S, L, k] = {expected}, or turn LearnerConfig.routing_replay off")
+        if tuple(batch.routing.shape) != expected:
+            raise ValueError(f"TrainBatch.routing has shape {tuple(batch.routing.shape)}; routing replay needs "
+                             f"[N, S, L, k] = {expected}")
+        return batch

@@ -1,0 +1,399 @@
+"""The GRPO loop: dataset -> sampler -> rewards -> advantages -> update -> push -> (eval, checkpoint).
+
+    job = build(RunConfig(...))     # meshes, model, learner (actor mesh), sampler (rollout mesh), data, ckpt
+    summary = run(job)              # the loop; returns {"reward_curve": [...], ...}
+
+One call per stage, top to bottom (docs/style.md rule 8). Each step:
+1. next prompt batch from the grain iterator (checkpointable), each prompt repeated `group_size` times;
+2. `Sampler.generate` on the rollout mesh (FP8 weights by default): tokens, logprobs, routing;
+3. rewards: the built-in task's exact partial-credit reward, or GSM8K answer verification (+ format) in a
+   worker process with a per-sample time limit;
+4. group advantages (GRPO / Dr.GRPO; DAPO drops all-equal groups);
+5. `Learner.update` on the actor mesh with routing replay and the off-policy correction;
+6. weight push actor -> rollout (bf16 -> device_put -> FP8), a new weight version;
+7. metrics (JSONL, TensorBoard, progress bar); eval every `eval_every`; checkpoint every `ckpt_every`.
+Resume (`resume="auto"`) restores the newest usable checkpoint and continues bitwise-identically on CPU:
+randomness is a function of (seed, step, prompt, sample). SIGTERM finishes the current step, saves, exits 0.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import math
+import os
+import pathlib
+import signal
+import tempfile
+import time
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from rl.config import LearnerConfig, RunConfig
+
+log = logging.getLogger("dsv4rl")
+
+
+@dataclasses.dataclass
+class Job:
+    """Everything `run` needs, built once by `build`."""
+
+    cfg: RunConfig
+    model_cfg: Any
+    plan: Any
+    tokenizer: Any
+    task: Any
+    train_data: Any
+    eval_prompts: list
+    eval_refs: list
+    reward: Any
+    learner: Any
+    sampler: Any
+    pusher: Any
+    iterator: Any
+    ckpt: Any
+    logger: Any
+    start_step: int = 0
+    weight_version: int = 0
+
+
+# ------------------------------------------------------------------------------------------------ build
+
+def resolve_model_config(cfg: RunConfig, tokenizer_vocab: int):
+    """The DSV4Config of `--config` (preset or config.json). With `--init random` and a tokenizer smaller
+    than the preset's vocabulary, the vocabulary is shrunk to the tokenizer's (no untrainable dead logits)."""
+    from dsv4 import DSV4Config
+
+    if cfg.init != "random" and cfg.config in ("tiny", "small", "flash"):
+        mc = DSV4Config.from_hf(cfg.init)
+    elif cfg.config in ("tiny", "small", "flash"):
+        mc = DSV4Config.preset(cfg.config)
+    else:
+        mc = DSV4Config.from_hf(cfg.config)
+    if cfg.init == "random" and tokenizer_vocab < mc.vocab_size:
+        log.info("random init: vocab_size %d -> %d (the tokenizer's)", mc.vocab_size, tokenizer_vocab)
+        mc = dataclasses.replace(mc, vocab_size=tokenizer_vocab)
+    if tokenizer_vocab > mc.vocab_size:
+        raise ValueError(f"the tokenizer has {tokenizer_vocab} tokens but the model's vocab_size is "
+                         f"{mc.vocab_size} (--tokenizer / --config)")
+    return mc
+
+
+def _data(cfg: RunConfig):
+    """(tokenizer, task or None, train PromptDataset, eval prompts [list[int]], eval references, reward)."""
+    from rl import rewards as rw
+    from rl.data import PromptDataset
+    from rl.tasks import DigitTask
+
+    if cfg.dataset is None:
+        task = DigitTask(kind=cfg.task, n_digits=cfg.task_digits, seed=cfg.seed)
+        tok = task.tokenizer
+        train = PromptDataset.from_task(task, "train")
+        ev = task.prompts("eval", min(cfg.eval_prompts, len(task.prompts("eval"))))
+        return tok, task, train, [p.prompt_ids for p in ev], [p.answer for p in ev], None
+    from rl.tokenizer import load_tokenizer
+
+    tok = load_tokenizer(cfg.tokenizer, chat_template=cfg.chat_template)
+    kw = dict(prompt_field=cfg.prompt_field, answer_field=cfg.answer_field, max_prompt_len=cfg.max_prompt_len,
+              template=cfg.chat_template)
+    train = PromptDataset.from_file(cfg.dataset, tok, on_bad_record=cfg.on_bad_record, **kw)
+    if cfg.eval_dataset:
+        evd = PromptDataset.from_file(cfg.eval_dataset, tok, on_bad_record=cfg.on_bad_record, **kw)
+    else:
+        log.warning("no --eval-dataset: evaluating on the first %d training prompts", cfg.eval_prompts)
+        evd = train
+    n = min(cfg.eval_prompts, len(evd))
+    reward = {"auto": rw.gsm8k_reward, "gsm8k": rw.gsm8k_reward, "task": rw.gsm8k_reward,
+              "gsm8k+format": rw.combine_rewards([rw.gsm8k_reward, rw.format_reward], [0.9, 0.1])}[cfg.reward]
+    return tok, None, train, [evd.prompt(i) for i in range(n)], evd.references[:n], reward
+
+
+def fingerprint(cfg: RunConfig, model_cfg) -> dict:
+    """What must match between a checkpoint and the run restoring it."""
+    keep = ("config", "init", "task", "task_digits", "dataset", "prompts_per_step", "group_size", "max_new_tokens",
+            "algo", "seed", "routing_replay", "kl_coef", "lr")
+    return {"model": json.dumps(model_cfg.to_dict(), sort_keys=True, default=str),
+            **{k: getattr(cfg, k) for k in keep}}
+
+
+def build(cfg: RunConfig) -> Job:
+    """Set up meshes, data, model, learner, sampler, push, checkpoints and metric sinks (errors before step 1)."""
+    from dsv4 import DSV4ForCausalLM, load_hf_checkpoint
+    from rl.checkpoint import Checkpointer, check_writable
+    from rl.data import make_prompt_iterator
+    from rl.learner import Learner
+    from rl.sampler import Sampler
+    from sharding.mesh import build_mesh_plan
+
+    for path, flag in ((cfg.metrics_jsonl, "--metrics-jsonl"), (cfg.tensorboard_dir, "--tensorboard-dir")):
+        if path:
+            check_writable(pathlib.Path(path).parent if flag == "--metrics-jsonl" else path, flag)
+    tok, task, train, ev_prompts, ev_refs, reward = _data(cfg)
+    model_cfg = resolve_model_config(cfg, tok.vocab_size)
+    plan = build_mesh_plan(cfg.mesh, config=model_cfg)
+    log.info("meshes: %s", plan.describe())
+    ckpt = Checkpointer(cfg.ckpt_dir, keep=cfg.keep_checkpoints, fingerprint=fingerprint(cfg, model_cfg)) \
+        if cfg.ckpt_dir else None
+    if cfg.init == "random":
+        model = DSV4ForCausalLM(model_cfg, rngs=nnx.Rngs(cfg.seed), param_dtype=jnp.float32)
+    else:
+        model = load_hf_checkpoint(cfg.init, dtype=jnp.float32, config=model_cfg)
+    lcfg = LearnerConfig(lr=cfg.lr, warmup_steps=cfg.warmup_steps, loss=cfg.loss_config(),
+                         routing_replay=cfg.routing_replay, freeze_router=cfg.freeze_router,
+                         micro_batch_size=cfg.micro_batch_size, compute_dtype=cfg.compute_dtype,
+                         temperature=cfg.temperature, b2=0.99, weight_decay=0.0)
+    learner = Learner(model, lcfg, mesh=plan.actor)
+    max_prompt = max(train.max_prompt_len, max(len(p) for p in ev_prompts))
+    rcd = cfg.rollout_compute_dtype
+    if rcd == "auto":  # bf16 matmuls are emulated (slow) on CPUs; FP8 weights are then dequantised to fp32
+        rcd = "float32" if jax.devices()[0].platform == "cpu" else "bfloat16"
+    sampler = Sampler(model, mesh=plan.rollout, weights=cfg.rollout_dtype, max_prompt_len=max_prompt,
+                      compute_dtype=None if cfg.rollout_dtype == "fp32" else rcd)
+    del model
+    pusher = make_pusher(plan, learner, sampler)
+    it = make_prompt_iterator(train, batch_size=cfg.prompts_per_step, seed=cfg.seed)
+    job = Job(cfg=cfg, model_cfg=model_cfg, plan=plan, tokenizer=tok, task=task, train_data=train,
+              eval_prompts=ev_prompts, eval_refs=ev_refs, reward=reward, learner=learner, sampler=sampler,
+              pusher=pusher, iterator=it, ckpt=ckpt, logger=MetricsLogger(cfg))
+    if ckpt is not None and cfg.resume == "auto":
+        restored = ckpt.restore(learner.state_dict())
+        if restored is not None:
+            state, meta = restored
+            learner.load_state_dict(state)
+            it.set_state(meta["data"])
+            job.start_step = int(meta["step"])
+            job.weight_version = int(meta["weight_version"])
+            job.logger.truncate(job.start_step)
+            log.info("resumed from %s at step %d (weight version %d)", ckpt.dir, job.start_step, job.weight_version)
+    push(job)  # the sampler serves the (restored) learner's weights from the start; also warms the push up
+    return job
+
+
+def make_pusher(plan, learner, sampler):
+    """The actor -> rollout weight push (sharding/push.py when available, else the sampler's own update)."""
+    try:
+        from sharding.push import WeightPusher
+    except ImportError:
+        return None
+    return WeightPusher(plan, sampler, learner.params_for_push())
+
+
+def push(job: Job) -> dict:
+    """Push the learner's current params to the sampler as version `job.weight_version`."""
+    t0 = time.perf_counter()
+    params = job.learner.params_for_push()
+    nbytes = sum(int(np.prod(x.shape)) * 2 for x in jax.tree.leaves(params))  # bf16 on the wire
+    if job.pusher is not None:
+        stats = job.pusher.push(params, job.weight_version)
+        nbytes = getattr(stats, "bytes", nbytes)
+    else:
+        job.sampler.update_weights(params, job.weight_version)
+        jax.block_until_ready(jax.tree.leaves(job.sampler.weight_state()))
+    dt = time.perf_counter() - t0
+    return {"perf/weight_push_s": dt, "perf/weight_push_gbps": nbytes / dt / 1e9}
+
+
+# ------------------------------------------------------------------------------------------------ stages
+
+def score(job: Job, rb, refs: list[str]) -> tuple[np.ndarray, np.ndarray, dict]:
+    """Rewards [N] and exactness [N] of a rollout batch against per-row references."""
+    responses = rb.response_lists()
+    if job.task is not None:
+        r = job.task.rewards(refs, responses)
+        exact = np.array([job.task.exact(a, x) for a, x in zip(refs, responses)])
+        return r.astype(np.float32), exact, {}
+    from rl.rewards import compute_rewards
+
+    eos = job.tokenizer.eos_id
+    texts = [job.tokenizer.decode([t for t in x if t != eos]) for x in responses]
+    r, m = compute_rewards(job.reward, texts, refs, timeout_s=5.0)
+    return r, r >= 0.999, m
+
+
+def rollout(job: Job, prompts: list[list[int]], refs: list[str], step: int):
+    """Sample `group_size` responses per prompt -> (RolloutBatch, rewards [N], metrics)."""
+    from rl.sampler import SamplingParams
+
+    g = job.cfg.group_size
+    rows = [p for p in prompts for _ in range(g)]
+    row_refs = [r for r in refs for _ in range(g)]
+    sp = SamplingParams(temperature=job.cfg.temperature, top_p=job.cfg.top_p, top_k=job.cfg.top_k,
+                        max_new_tokens=job.cfg.max_new_tokens, stop_token_ids=(job.tokenizer.eos_id,))
+    t0 = time.perf_counter()
+    rb = job.sampler.generate(rows, sp, seed=job.cfg.seed, step=step,
+                              prompt_index=[i for i in range(len(prompts)) for _ in range(g)],
+                              sample_index=[j for _ in prompts for j in range(g)])
+    dt = time.perf_counter() - t0
+    rewards, _, rm = score(job, rb, row_refs)
+    n_tok = int(rb.lengths.sum())
+    return rb, rewards, {**rm, "perf/rollout_s": dt, "perf/rollout_tok_per_s": n_tok / dt}
+
+
+def train_batch(rb, advantages: np.ndarray, replay: bool):
+    from rl.learner import TrainBatch
+
+    ids, mask, resp, rlp = rb.sequences()
+    return TrainBatch(input_ids=jnp.asarray(ids), attention_mask=jnp.asarray(mask), response_mask=jnp.asarray(resp),
+                      rollout_logprobs=jnp.asarray(rlp, jnp.float32), advantages=jnp.asarray(advantages, jnp.float32),
+                      routing=jnp.asarray(rb.routing) if replay else None)
+
+
+def evaluate(job: Job, step: int) -> dict:
+    """pass@1 (greedy and sampled, unbiased) and pass@k (k = eval_samples) on the held-out prompts."""
+    from rl.metrics import pass_at_k
+    from rl.sampler import SamplingParams
+
+    cfg = job.cfg
+    eos = (job.tokenizer.eos_id,)
+    greedy = job.sampler.generate(job.eval_prompts, SamplingParams(temperature=0.0, max_new_tokens=cfg.max_new_tokens,
+                                                                   stop_token_ids=eos), seed=cfg.seed)
+    g_r, g_exact, _ = score(job, greedy, job.eval_refs)
+    k = cfg.eval_samples
+    rows = [p for p in job.eval_prompts for _ in range(k)]
+    sampled = job.sampler.generate(rows, SamplingParams(temperature=max(cfg.temperature, 1e-3), top_p=cfg.top_p,
+                                                        max_new_tokens=cfg.max_new_tokens, stop_token_ids=eos),
+                                   seed=cfg.seed + 1, step=step,
+                                   prompt_index=[i for i in range(len(job.eval_prompts)) for _ in range(k)],
+                                   sample_index=[j for _ in job.eval_prompts for j in range(k)])
+    s_r, s_exact, _ = score(job, sampled, [r for r in job.eval_refs for _ in range(k)])
+    c = s_exact.reshape(-1, k).sum(axis=1)
+    return {"eval/greedy_pass@1": float(g_exact.mean()), "eval/greedy_reward": float(g_r.mean()),
+            "eval/pass@1": float(np.mean(pass_at_k(k, c, 1))), "eval/pass@k": float(np.mean(pass_at_k(k, c, k))),
+            "eval/k": k, "eval/reward_mean": float(s_r.mean())}
+
+
+def train_step(job: Job, step: int) -> dict:
+    """One GRPO step (stages 1-6); returns its metrics."""
+    from rl.advantages import compute_advantages, dynamic_sampling_filter
+    from rl.metrics import response_stats, reward_stats, to_python
+
+    cfg = job.cfg
+    t_step = time.perf_counter()
+    batch = next(job.iterator)
+    prompts = [batch["prompt_ids"][i, : batch["prompt_len"][i]].tolist() for i in range(len(batch["reference"]))]
+    rb, rewards, metrics = rollout(job, prompts, batch["reference"], step)
+    metrics.update(to_python(reward_stats(jnp.asarray(rewards), cfg.group_size)))
+    metrics.update(to_python(response_stats(jnp.asarray(rb.lengths), cfg.max_new_tokens, rb.finish_reasons)))
+    adv, am = compute_advantages(jnp.asarray(rewards), cfg.group_size, cfg.advantage_config())
+    metrics.update(to_python(am))
+    if cfg.algo == "dapo":  # drop all-equal groups (their advantage is 0); train on what is left
+        keep = np.repeat(np.asarray(dynamic_sampling_filter(jnp.asarray(rewards), cfg.group_size)), cfg.group_size)
+        metrics["rollout/dynamic_sampling_kept_frac"] = float(keep.mean())
+        adv = jnp.where(jnp.asarray(keep), adv, 0.0)
+    t0 = time.perf_counter()
+    tm = job.learner.update(train_batch(rb, np.asarray(adv), cfg.routing_replay))
+    tm = to_python(tm)
+    metrics.update(tm)
+    metrics["perf/train_s"] = time.perf_counter() - t0
+    if not tm.get("train/skipped_nonfinite", 0):
+        job.weight_version += 1
+        metrics.update(push(job))
+    metrics["weight_version"] = job.weight_version
+    metrics["perf/step_s"] = time.perf_counter() - t_step
+    return metrics
+
+
+# ------------------------------------------------------------------------------------------------ run
+
+class MetricsLogger:
+    """JSONL (one line per step, flushed) + TensorBoard (tensorboardX) sinks."""
+
+    def __init__(self, cfg: RunConfig):
+        self.jsonl = pathlib.Path(cfg.metrics_jsonl) if cfg.metrics_jsonl else None
+        self.tb = None
+        if cfg.tensorboard_dir:
+            from tensorboardX import SummaryWriter
+
+            self.tb = SummaryWriter(cfg.tensorboard_dir)
+
+    def truncate(self, last_step: int) -> None:
+        """Keep only the records of steps < last_step (a resumed run recomputes the rest); atomic rewrite."""
+        if not self.jsonl or not self.jsonl.exists():
+            return
+        keep = [ln for ln in self.jsonl.read_text().splitlines() if ln.strip() and json.loads(ln)["step"] < last_step]
+        fd, tmp = tempfile.mkstemp(dir=self.jsonl.parent, prefix=".metrics.")
+        with os.fdopen(fd, "w") as f:
+            f.write("".join(ln + "\n" for ln in keep))
+        os.replace(tmp, self.jsonl)
+
+    def log(self, step: int, metrics: dict) -> None:
+        if self.jsonl:
+            with open(self.jsonl, "a") as f:
+                f.write(json.dumps({"step": step, **metrics}, sort_keys=True) + "\n")
+        if self.tb is not None:
+            for k, v in metrics.items():
+                if isinstance(v, (int, float)) and math.isfinite(v):
+                    self.tb.add_scalar(k, v, step)
+            self.tb.flush()
+
+    def close(self) -> None:
+        if self.tb is not None:
+            self.tb.close()
+
+
+def save(job: Job, step: int, *, force: bool = False) -> None:
+    if job.ckpt is None:
+        return
+    job.ckpt.save(step, job.learner.state_dict(), {"data": job.iterator.get_state(),
+                                                   "weight_version": job.weight_version, "seed": job.cfg.seed},
+                  force=force)
+
+
+def run(job: Job) -> dict:
+    """The loop from `job.start_step` to `cfg.steps`. Returns a summary with the reward curve."""
+    cfg = job.cfg
+    stop = {"flag": False}
+
+    def on_term(signum, frame):
+        log.warning("SIGTERM: finishing the current step, saving, exiting")
+        stop["flag"] = True
+
+    old = signal.signal(signal.SIGTERM, on_term) if _main_thread() else None
+    curve = []
+    bar = _progress(cfg, job.start_step)
+    try:
+        for step in range(job.start_step, cfg.steps):
+            metrics = train_step(job, step)
+            if cfg.eval_every and ((step + 1) % cfg.eval_every == 0 or step + 1 == cfg.steps):
+                metrics.update(evaluate(job, step))
+            job.logger.log(step, metrics)
+            curve.append(metrics["rollout/reward_mean"])
+            if bar is not None:
+                bar.update(1)
+                bar.set_postfix(reward=f"{metrics['rollout/reward_mean']:.3f}",
+                                tok_s=f"{metrics['perf/rollout_tok_per_s']:.0f}")
+            done = step + 1
+            if cfg.ckpt_every and (done % cfg.ckpt_every == 0 or done == cfg.steps):
+                save(job, done)
+            if stop["flag"]:
+                save(job, done, force=True)
+                break
+    finally:
+        if bar is not None:
+            bar.close()
+        if job.ckpt is not None:
+            job.ckpt.wait()
+        job.logger.close()
+        if old is not None:
+            signal.signal(signal.SIGTERM, old)
+    return {"reward_curve": curve, "steps_run": len(curve), "weight_version": job.weight_version,
+            "stopped_by_signal": stop["flag"]}
+
+
+def _main_thread() -> bool:
+    import threading
+
+    return threading.current_thread() is threading.main_thread()
+
+
+def _progress(cfg: RunConfig, start: int):
+    if not cfg.progress:
+        return None
+    from tqdm import tqdm
+
+    return tqdm(total=cfg.steps, initial=start, desc="grpo", unit="step", dynamic_ncols=True)
