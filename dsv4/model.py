@@ -25,6 +25,9 @@ from dsv4.layers import Linear, RMSNorm, dot_out, param
 from dsv4.mhc import hc_head, hc_post, hc_pre
 from dsv4.moe import MoE
 from sharding import axes as ax
+from sharding.rules import constrain
+
+_STREAMS = (ax.ACT_BATCH, ax.ACT_SEQ, None, ax.ACT_EMBED)  # [B, S, n, D] residual streams
 
 
 @struct.dataclass
@@ -179,10 +182,12 @@ class DSV4ForCausalLM(nnx.Module):
             ids = input_ids
         positions = jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32)[None], (b, s))
         x = jnp.broadcast_to(self.embed_tokens(ids)[:, :, None, :], (b, s, cfg.hc_mult, cfg.hidden_size))
+        x = constrain(x, _STREAMS)
         routes = []
         for i, layer in enumerate(self.layers):
             forced = None if routing_replay is None else routing_replay[:, :, i]
             x, r = layer(x, positions, ids, forced, dispatch_fn)
+            x = constrain(x, _STREAMS)
             routes.append(r)
         routing = jnp.stack(routes, axis=2)  # [B, S, L, k]
         h = self.collapse(x)
@@ -197,7 +202,7 @@ class DSV4ForCausalLM(nnx.Module):
             routing = jnp.where(attention_mask.astype(bool)[:, :, None, None], routing, -1)
             if mtp_h is not None:
                 mtp_h = jnp.take_along_axis(mtp_h, inv[:, :, None], axis=1)
-        logits = self.lm_head(h)
+        logits = constrain(self.lm_head(h), (ax.ACT_BATCH, ax.ACT_SEQ, ax.ACT_VOCAB))
         return DSV4Output(logits=logits, routing=routing,
                           mtp_logits=None if mtp_h is None else self.lm_head(mtp_h),
                           hidden=h if return_hidden else None)

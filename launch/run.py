@@ -141,38 +141,46 @@ def resolve(argv=None) -> tuple[RunConfig, argparse.Namespace]:
 
 
 def dry_run(cfg: RunConfig) -> None:
+    """Print the resolved config, the meshes and the memory plan. Loads the data (bad input fails here too) but
+    builds no model; a mesh larger than this machine is still planned."""
     from rl.loop import _data, resolve_model_config
-    from sharding.mesh import build_mesh_plan
+    from sharding.mesh import build_mesh_plan, parse_mesh_spec
 
     print("config:", json.dumps(dataclasses.asdict(cfg), indent=1, default=str))
     tok, *_ = _data(cfg)
     mc = resolve_model_config(cfg, tok.vocab_size)
+    spec = parse_mesh_spec(cfg.mesh)  # a malformed spec is an error (exit 2), not a planning note
     try:
-        plan = build_mesh_plan(cfg.mesh, config=mc)
-        print("meshes:", plan.describe())
-    except Exception as e:  # noqa: BLE001 - a flash mesh larger than this machine is still plannable
-        print(f"meshes: not buildable on this machine's {_n_devices()} devices ({e}); planning only")
-    try:
-        from sharding.plan import main as plan_main
+        print("meshes:", build_mesh_plan(spec, config=mc).describe())
+    except ValueError as e:  # a flash mesh larger than this machine is still plannable
+        print(f"meshes: {spec} is not buildable on this machine's {_n_devices()} devices ({e}); planning only")
+    print(_memory_plan(cfg, mc, str(spec)))
 
-        plan_main(["--config", cfg.config if cfg.config in ("tiny", "small", "flash") else cfg.config,
-                   "--mesh", cfg.mesh if cfg.mesh != "auto" else _auto_spec()])
-    except SystemExit:
-        pass
-    except Exception as e:  # noqa: BLE001
-        print(f"memory plan unavailable: {e}")
+
+def _memory_plan(cfg: RunConfig, model_cfg, spec: str) -> str:
+    """sharding/plan.py's table for this mesh, on the detected GPU (else MI308X for fp8_e4m3fnuz, else H200)."""
+    try:
+        from sharding.plan import GPUS, plan
+    except ImportError as e:
+        return f"memory plan: unavailable (sharding/plan.py cannot be imported: {e})"
+    import jax
+
+    kind = jax.devices()[0].device_kind.lower().replace(" ", "")
+    gpu = next((g for g in GPUS if g in kind), None)
+    note = "detected" if gpu else "assumed: no known GPU here"
+    gpu = gpu or ("mi308x" if cfg.rollout_dtype == "fp8_e4m3fnuz" else "h200")
+    seq = cfg.max_prompt_len + cfg.max_new_tokens
+    try:
+        report = plan(model_cfg, spec, gpu, rollout_seq_len=seq, config_name=cfg.config)
+    except Exception as e:  # noqa: BLE001 - the plan is advice; the run itself checks the mesh
+        return f"memory plan: unavailable for mesh {spec} on {gpu} ({type(e).__name__}: {e})"
+    return f"memory plan (gpu {gpu}, {note}; sequences of {seq} tokens):\n{report.table()}\n{report.line()}"
 
 
 def _n_devices() -> int:
     import jax
 
     return jax.device_count()
-
-
-def _auto_spec() -> str:
-    from sharding.mesh import parse_mesh_spec
-
-    return str(parse_mesh_spec("auto"))
 
 
 def main(argv=None) -> int:

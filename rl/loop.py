@@ -139,6 +139,11 @@ def build(cfg: RunConfig) -> Job:
     log.info("meshes: %s", plan.describe())
     ckpt = Checkpointer(cfg.ckpt_dir, keep=cfg.keep_checkpoints, fingerprint=fingerprint(cfg, model_cfg)) \
         if cfg.ckpt_dir else None
+    if ckpt is not None and cfg.resume == "auto":
+        ckpt.check_latest()  # a checkpoint of another config is an error now, not after the model is built
+    elif ckpt is not None and ckpt.all_steps():
+        raise ValueError(f"--ckpt-dir {ckpt.dir} already holds checkpoints (steps {ckpt.all_steps()}); --resume never "
+                         f"would collide with them: use another --ckpt-dir or --resume auto")
     if cfg.init == "random":
         model = DSV4ForCausalLM(model_cfg, rngs=nnx.Rngs(cfg.seed), param_dtype=jnp.float32)
     else:
@@ -168,19 +173,17 @@ def build(cfg: RunConfig) -> Job:
             it.set_state(meta["data"])
             job.start_step = int(meta["step"])
             job.weight_version = int(meta["weight_version"])
-            job.logger.truncate(job.start_step)
             log.info("resumed from %s at step %d (weight version %d)", ckpt.dir, job.start_step, job.weight_version)
+    # A run that checkpoints owns its logs: records of steps >= start_step (written after the checkpoint it
+    # resumes from, or by a run killed before its first checkpoint) are dropped, since this run recomputes them.
+    job.logger.open(job.start_step if ckpt is not None and cfg.resume == "auto" else None)
     push(job)  # the sampler serves the (restored) learner's weights from the start; also warms the push up
     return job
 
 
 def make_pusher(plan, learner, sampler):
     """The actor -> rollout weight push (sharding/push.py when available, else the sampler's own update)."""
-    try:
-        from sharding.push import WeightPusher
-    except ImportError:
-        return None
-    return WeightPusher(plan, sampler, learner.params_for_push())
+    return None  # TODO(lead): switch to sharding.push once its API is final
 
 
 def push(job: Job) -> dict:
@@ -189,8 +192,10 @@ def push(job: Job) -> dict:
     params = job.learner.params_for_push()
     nbytes = sum(int(np.prod(x.shape)) * 2 for x in jax.tree.leaves(params))  # bf16 on the wire
     if job.pusher is not None:
-        stats = job.pusher.push(params, job.weight_version)
-        nbytes = getattr(stats, "bytes", nbytes)
+        from sharding.push import push_weights
+
+        stats = push_weights(job.pusher, params, job.sampler, job.weight_version)
+        nbytes = stats.bytes
     else:
         job.sampler.update_weights(params, job.weight_version)
         jax.block_until_ready(jax.tree.leaves(job.sampler.weight_state()))
@@ -237,10 +242,9 @@ def rollout(job: Job, prompts: list[list[int]], refs: list[str], step: int):
 def train_batch(rb, advantages: np.ndarray, replay: bool):
     from rl.learner import TrainBatch
 
-    ids, mask, resp, rlp = rb.sequences()
-    return TrainBatch(input_ids=jnp.asarray(ids), attention_mask=jnp.asarray(mask), response_mask=jnp.asarray(resp),
-                      rollout_logprobs=jnp.asarray(rlp, jnp.float32), advantages=jnp.asarray(advantages, jnp.float32),
-                      routing=jnp.asarray(rb.routing) if replay else None)
+    ids, mask, resp, rlp = rb.sequences()  # host numpy: the learner places them on the actor mesh
+    return TrainBatch(input_ids=ids, attention_mask=mask, response_mask=resp, rollout_logprobs=rlp.astype(np.float32),
+                      advantages=np.asarray(advantages, np.float32), routing=rb.routing if replay else None)
 
 
 def evaluate(job: Job, step: int) -> dict:
@@ -305,17 +309,31 @@ class MetricsLogger:
 
     def __init__(self, cfg: RunConfig):
         self.jsonl = pathlib.Path(cfg.metrics_jsonl) if cfg.metrics_jsonl else None
+        self.tb_dir = cfg.tensorboard_dir
         self.tb = None
-        if cfg.tensorboard_dir:
+
+    def open(self, first_step: int | None) -> None:
+        """Open the sinks. `first_step` (not None): drop the records of steps >= first_step, which this run writes
+        again: JSONL rewritten atomically, TensorBoard told to purge them (`purge_step`)."""
+        if first_step is not None:
+            self.truncate(first_step)
+        if self.tb_dir:
             from tensorboardX import SummaryWriter
 
-            self.tb = SummaryWriter(cfg.tensorboard_dir)
+            self.tb = SummaryWriter(self.tb_dir, purge_step=first_step)
 
     def truncate(self, last_step: int) -> None:
-        """Keep only the records of steps < last_step (a resumed run recomputes the rest); atomic rewrite."""
+        """Keep only the records of steps < last_step (a resumed run recomputes the rest); atomic rewrite.
+        A line cut short by a kill mid-write is dropped too."""
         if not self.jsonl or not self.jsonl.exists():
             return
-        keep = [ln for ln in self.jsonl.read_text().splitlines() if ln.strip() and json.loads(ln)["step"] < last_step]
+        keep = []
+        for ln in self.jsonl.read_text().splitlines():
+            try:
+                if json.loads(ln)["step"] < last_step:
+                    keep.append(ln)
+            except (json.JSONDecodeError, KeyError, TypeError):
+                continue
         fd, tmp = tempfile.mkstemp(dir=self.jsonl.parent, prefix=".metrics.")
         with os.fdopen(fd, "w") as f:
             f.write("".join(ln + "\n" for ln in keep))
@@ -368,10 +386,12 @@ def run(job: Job) -> dict:
                 bar.set_postfix(reward=f"{metrics['rollout/reward_mean']:.3f}",
                                 tok_s=f"{metrics['perf/rollout_tok_per_s']:.0f}")
             done = step + 1
-            if cfg.ckpt_every and (done % cfg.ckpt_every == 0 or done == cfg.steps):
+            saved = bool(cfg.ckpt_every) and (done % cfg.ckpt_every == 0 or done == cfg.steps)
+            if saved:
                 save(job, done)
             if stop["flag"]:
-                save(job, done, force=True)
+                if not saved:
+                    save(job, done, force=True)
                 break
     finally:
         if bar is not None:

@@ -200,7 +200,11 @@ class Sampler:
         self._abs_flat = list(nnx.to_flat_state(abs_state))
         self._raw_shardings = self._shardings_for(abs_state)
         self._quantize_jit = jax.jit(self._quantize_fn, out_shardings=self._wstate_shardings())
-        self._generate_jit = jax.jit(self._generate_fn, static_argnums=(0,), donate_argnums=(2,))
+        # Outputs (and the donated caches) are replicated on the rollout mesh: readable on every host, and the
+        # next call's inputs have the same signature (no recompilation).
+        rep = None if mesh is None else NamedSharding(mesh, PartitionSpec())
+        self._generate_jit = jax.jit(self._generate_fn, static_argnums=(0,), donate_argnums=(2,),
+                                     out_shardings=rep)
         self._cache_shapes: dict = {}
         self.weight_version = -1
         self._w = None
@@ -292,8 +296,9 @@ class Sampler:
         return nnx.merge(self.graphdef, nnx.from_flat_state(flat))
 
     # ------------------------------------------------------------------ generation
-    def _generate_fn(self, shape, wstate, caches, ids, lens, keys, temperature, top_p, top_k, max_new, stop_ids):
+    def _generate_fn(self, shape, wstate, caches, ids, lens, key_data, temperature, top_p, top_k, max_new, stop_ids):
         b, p, t_cap = shape
+        keys = jax.random.wrap_key_data(key_data)
         cache_len = p + t_cap
         is_q = lambda x: isinstance(x, quant.QuantizedTensor)  # noqa: E731
         model = self._model(wstate)
@@ -394,15 +399,17 @@ class Sampler:
         base = jax.random.fold_in(jax.random.key(seed), step)
         keys = [jax.random.fold_in(jax.random.fold_in(base, int(pi[i])), int(si[i])) for i in range(n)]
         keys += [keys[0]] * (b - n)
-        keys = jnp.stack(keys)
+        keys = jax.device_get(jnp.stack(keys))
         stop = np.full((MAX_STOP_IDS,), -1, np.int32)
         stop[: len(params.stop_token_ids)] = params.stop_token_ids
         caches = self._empty_caches(b, p_bucket + t_cap)
         ctx = jax.set_mesh(self.mesh) if self.mesh is not None else _null()
+        inputs = (ids, lens, jax.random.key_data(keys), np.float32(params.temperature), np.float32(params.top_p),
+                  np.int32(params.top_k), np.int32(params.max_new_tokens), stop)
+        # identical host values on every process -> one global (replicated) array each
+        inputs = jax.device_put(inputs, None if self.mesh is None else NamedSharding(self.mesh, PartitionSpec()))
         with ctx, _rules_ctx(self.rules, self.mesh):
-            out = self._generate_jit((b, p_bucket, t_cap), self._w, caches, jnp.asarray(ids), jnp.asarray(lens), keys,
-                                     jnp.float32(params.temperature), jnp.float32(params.top_p),
-                                     jnp.int32(params.top_k), jnp.int32(params.max_new_tokens), jnp.asarray(stop))
+            out = self._generate_jit((b, p_bucket, t_cap), self._w, caches, *inputs)
         tok, lp, prompt_routing, resp_routing, length, stopped, caches = out
         del caches
         tok, lp, pr, rr, length, stopped = jax.device_get((tok, lp, prompt_routing, resp_routing, length, stopped))
