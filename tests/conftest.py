@@ -4,7 +4,9 @@ XLA_FLAGS must be set before jax is imported anywhere, hence at the top of conft
 """
 import os
 
-os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
+# Optimisation level 0 of the CPU backend: the same HLO, ~2.5x faster compiles (tests are compile-bound).
+os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
+                           + " --xla_force_host_platform_device_count=8 --xla_backend_optimization_level=0").strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 import pathlib  # noqa: E402

@@ -1,12 +1,16 @@
-"""Worker for tests/sharding/test_distributed.py: one of N processes that form one global CPU mesh.
+"""Worker for tests/sharding/test_distributed.py: one of N processes running a sharded DeepSeek-V4 tiny forward.
 
 Run by the test as
     python tests/sharding/dist_worker.py --coordinator 127.0.0.1:PORT --num-processes 2 --process-id I \
         --cpu-devices-per-process 4 --out result.npy
-Each process joins via `sharding.distributed`, builds the mesh plan for `MESH_SPEC` over the global devices,
-runs `compute(mesh)` (jitted, inputs sharded across both processes) and process 0 saves the gathered result.
-To test something else (e.g. a DeepSeek-V4 forward), replace `compute`: it gets the actor mesh and returns a
-global jax.Array; the test runs the same `compute` in-process on 8 devices and compares.
+Each process joins via `sharding.distributed`, builds the mesh plan for `MESH_SPEC` over the 8 global devices
+(`fsdp` spans the two processes, so FSDP gathers and the EP dispatch's weight all-gather cross them), initialises
+the model *sharded* on that mesh from the same seed (each process computes only its own shards), builds the
+input ids with `jax.make_array_from_callback`, runs a jitted forward with the expert-parallel dispatch
+(`sharding.expert`, capacity backend) and explicit in/out shardings, and process 0 saves the logits gathered
+with `process_allgather`. The test runs the same `compute` on 8 in-process devices and compares (<= 1e-5).
+Config `CFG`: tiny() with one CSA and one HCA layer and no MTP (as tests/sharding/test_sharded_model.py), to
+keep two concurrent compiles short on two cores.
 """
 
 from __future__ import annotations
@@ -20,39 +24,48 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
-from jax.sharding import NamedSharding, PartitionSpec as P  # noqa: E402
+from flax import nnx  # noqa: E402
+from jax.sharding import NamedSharding  # noqa: E402
 
+import dsv4  # noqa: E402
+from sharding import axes as ax  # noqa: E402
 from sharding import distributed, mesh as mesh_lib  # noqa: E402
-from sharding.rules import DATA, FSDP, TENSOR  # noqa: E402
+from sharding.expert import make_ep_dispatch  # noqa: E402
+from sharding.rules import ACTOR_RULES, activation_spec, param_shardings  # noqa: E402
 
-MESH_SPEC = "actor:data=2,fsdp=2,tensor=2"  # 8 global devices: data spans the two processes
+MESH_SPEC = "actor:fsdp=2,expert=2,tensor=2"  # 8 global devices: fsdp spans the two processes
+CFG = dsv4.DSV4Config.tiny(num_hidden_layers=2, compress_ratios=(4, 8), num_nextn_predict_layers=0)
+B, S = 4, 16
+# LLVM -O0 for XLA:CPU: two processes compile at once on two cores; the HLO is unchanged.
+FAST_COMPILE = {"xla_backend_optimization_level": 0}
 
 
-def _host_inputs() -> tuple[np.ndarray, np.ndarray]:
-    """Deterministic x [B=16, D=32] and w [D=32, F=24] (float32), identical in every process."""
-    x = np.sin(np.arange(16 * 32, dtype=np.float32).reshape(16, 32) * 0.37)
-    w = np.cos(np.arange(32 * 24, dtype=np.float32).reshape(32, 24) * 0.11) / 8.0
-    return x, w
+def _host_ids() -> np.ndarray:
+    """Deterministic input ids [B, S] int32, identical in every process."""
+    return np.random.default_rng(0).integers(0, CFG.vocab_size, size=(B, S), dtype=np.int32)
 
 
 def compute(mesh: jax.sharding.Mesh) -> jax.Array:
-    """y = tanh(x @ w) - mean_B(tanh(x @ w)) -> [B, F] on `mesh`. x is split over ('data', 'fsdp') on B,
-    w over 'tensor' on F; each process builds only its own shards (make_array_from_callback), and the mean
-    over B is a cross-process all-reduce."""
-    x_np, w_np = _host_inputs()
-    xs = NamedSharding(mesh, P((DATA, FSDP), None))
-    ws = NamedSharding(mesh, P(None, TENSOR))
-    x = jax.make_array_from_callback(x_np.shape, xs, lambda idx: x_np[idx])
-    w = jax.make_array_from_callback(w_np.shape, ws, lambda idx: w_np[idx])
+    """Logits [B, S, V] float32 of the tiny model (seed 0) on `mesh`, batch over (fsdp, expert), vocab over
+    tensor. Weights are created on the devices (jit with out_shardings); ids come from a per-shard callback."""
+    graphdef, abstract = nnx.split(nnx.eval_shape(lambda: dsv4.DSV4ForCausalLM(CFG, rngs=nnx.Rngs(0))))
+    state_sh = param_shardings(abstract, mesh, ACTOR_RULES)
+    ids_sh = NamedSharding(mesh, activation_spec(ax.ACT_BATCH, ax.ACT_SEQ, rules=ACTOR_RULES, mesh=mesh))
+    out_sh = NamedSharding(mesh, activation_spec(ax.ACT_BATCH, ax.ACT_SEQ, ax.ACT_VOCAB, rules=ACTOR_RULES,
+                                                 mesh=mesh))
+    ids_np = _host_ids()
+    ids = jax.make_array_from_callback(ids_np.shape, ids_sh, lambda idx: ids_np[idx])
+    ep = make_ep_dispatch(mesh, rules=ACTOR_RULES)
 
-    def f(x_bd, w_df):
-        y_bf = jnp.tanh(x_bd @ w_df)
-        return y_bf - y_bf.mean(axis=0, keepdims=True)
+    def forward(state, ids_bs):
+        return nnx.merge(graphdef, state)(ids_bs, dispatch_fn=ep).logits
 
     with jax.set_mesh(mesh):
-        return jax.jit(f, out_shardings=NamedSharding(mesh, P((DATA, FSDP), TENSOR)))(x, w)
+        init = jax.jit(lambda: nnx.state(dsv4.DSV4ForCausalLM(CFG, rngs=nnx.Rngs(0))), out_shardings=state_sh)
+        state = init.lower().compile(compiler_options=FAST_COMPILE)()
+        fwd = jax.jit(forward, in_shardings=(state_sh, ids_sh), out_shardings=out_sh)
+        return fwd.lower(state, ids).compile(compiler_options=FAST_COMPILE)(state, ids)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,6 +1,6 @@
 """Tests for sharding/distributed.py: setting resolution (flags > env > SLURM/Open MPI > single), validation
-messages, the too-late guard, and a real 2-process x 4-CPU-device run compared with the same computation on
-the 8 in-process devices (tests/sharding/dist_worker.py)."""
+messages, the too-late guard, and a real 2-process x 4-CPU-device (gloo) sharded DeepSeek-V4 tiny forward with
+the EP dispatch whose logits equal the same forward on the 8 in-process devices (tests/sharding/dist_worker.py)."""
 
 import argparse
 import importlib.util
@@ -110,16 +110,19 @@ def test_two_processes_match_single_process(tmp_path):
             cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         for i in range(2)
     ]
-    deadline = time.monotonic() + 120
+    deadline = time.monotonic() + 240  # two concurrent model compiles on two shared cores
     logs = []
     try:
+        # the in-process reference (8 devices) compiles while the workers run: three compiles share two cores
+        worker = _load_worker()
+        expected = np.asarray(worker.compute(build_mesh_plan(worker.MESH_SPEC).actor))
         for p in procs:
             logs.append(p.communicate(timeout=max(1.0, deadline - time.monotonic()))[0])
     except subprocess.TimeoutExpired:
         for p in procs:
             p.kill()
         logs = [p.communicate()[0] for p in procs]
-        pytest.fail("workers timed out after 120 s:\n" + "\n----\n".join(logs))
+        pytest.fail("workers timed out after 240 s:\n" + "\n----\n".join(logs))
     finally:
         for p in procs:
             if p.poll() is None:
@@ -127,8 +130,7 @@ def test_two_processes_match_single_process(tmp_path):
     assert [p.returncode for p in procs] == [0, 0], "\n----\n".join(logs)
     assert "local devices 4, global 8" in logs[0]
 
-    worker = _load_worker()
-    expected = np.asarray(worker.compute(build_mesh_plan(worker.MESH_SPEC).actor))
     got = np.load(out)
-    assert got.shape == expected.shape == (16, 24)
-    np.testing.assert_allclose(got, expected, rtol=1e-6, atol=1e-6)
+    assert got.shape == expected.shape == (worker.B, worker.S, worker.CFG.vocab_size)
+    assert np.isfinite(got).all() and np.abs(got).max() > 0
+    np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-5)

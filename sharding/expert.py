@@ -1,0 +1,302 @@
+"""Expert parallelism (EP) for the routed experts: a `jax.shard_map` all-to-all dispatch behind one function.
+
+`make_ep_dispatch(mesh, ...)` returns a drop-in replacement for `dsv4.moe.routed_experts_ragged`:
+
+    fn(x [T, D], ids [T, k] int32, weights [T, k] f32, w1 [E, I, D], w3 [E, I, D], w2 [E, D, I],
+       *, limit, dtype) -> [T, D] float32
+
+used as `model(input_ids, dispatch_fn=fn)` inside a jit on `mesh`. Routing is decided by the model before the
+call, so the expert choice is identical whichever dispatch runs; only where the expert FFN is computed moves.
+
+Layout inside the shard_map (one program per device):
+* tokens `x`, `ids`, `weights` are split along T over `token_axes` (the `act_batch` axes of the rule
+  presets: data, fsdp, expert). T is zero-padded to a multiple of their product (pad pairs are skipped).
+* experts are split over `expert_axis` (ep ranks, E/ep local experts each). The other weight dims arrive as
+  the rule table places them (`rules`, default the actor preset): `embed` (D) over fsdp, `mlp` (I) over tensor.
+  D is all-gathered inside the body (FSDP / ZeRO-3: the transpose is a reduce-scatter of the gradient). I stays
+  split: each tensor rank computes SwiGLU on its I/tp slice (elementwise in I) and a partial w2 product; one
+  psum over the tensor axes of the [T_local, D] output completes it (Megatron MLP; tokens are replicated over
+  tensor, which is why tensor may not be a token axis). This moves T*D activations instead of the weights.
+
+Backends (`backend=`):
+* "capacity" (runs everywhere, the CPU test path): each rank sorts its (token, k) pairs by destination rank
+  into a fixed buffer [ep, C, D], `jax.lax.all_to_all` over the expert axis, grouped FFN over the local experts
+  (`jax.lax.ragged_dot_general` after a sort by local expert), all_to_all back, weighted scatter-add combine.
+  C = T_local * k (`capacity_factor=None`) is dropless: the worst case, every local pair bound for one rank,
+  fits. The price is memory and traffic O(ep * T_local * k * D) per rank, so on large EP meshes pass
+  `capacity_factor=f`: C = ceil(f * T_local * k / ep); pairs beyond a rank's C are dropped (they contribute 0,
+  the token keeps its other picks and the shared expert): NOT equal to the reference any more, a rollout knob.
+* "ragged" (GPU): pairs sorted by expert are sent with `jax.lax.ragged_all_to_all` (only the real rows move);
+  send/receive offsets come from an all_gather of the [ep] per-rank counts. The receive buffer is
+  ep * T_local * k rows (dropless) or ceil(f * T_local * k) with `capacity_factor` (every rank knows all counts,
+  so senders clip what a full receiver cannot take, consistently on both sides). XLA:CPU has no
+  ragged-all-to-all ("HLO opcode ragged-all-to-all is not supported by XLA:CPU ThunkEmitter"), so on CPU the
+  tests exercise this backend's offset bookkeeping with `_ragged_all_to_all_reference` (all_gather based).
+
+Numerics follow the reference exactly: the routing weight multiplies the SwiGLU output before w2 (as the official
+code), dots return their input dtype for bf16 (`dsv4.layers.dot_out`), the combine accumulates in float32. Tokens
+and expert outputs travel in the compute dtype (the outputs are already rounded to it, so nothing is lost), except
+with tensor-parallel experts: then each rank's w2 product is a partial sum, kept in float32 through the psum
+(one rounding less than the single-device dot; bf16 results then differ from the reference by rounding only).
+Gradients: shard_map, all_to_all, ragged_all_to_all, all_gather and psum are all differentiable; `check_vma`
+stays on so JAX inserts the psums that the weight gradients need over the axes the weights are replicated on.
+
+Sources (ideas, not code): MaxText `layers/moe.py` (`permute`, `get_all_to_all_params`, `ra2a_and_route`,
+dropless `sparse_matmul`); GShard/Switch capacity-factor dispatch; jax docs "shard_map" and
+`jax.lax.ragged_all_to_all` (offset semantics); docs/jax-stack.md §3.2 (what runs on CPU).
+Tests: `.venv/bin/python -m pytest -q tests/sharding/test_expert.py`.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from collections.abc import Callable, Sequence
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import Mesh, PartitionSpec
+
+from sharding import axes as ax
+from sharding import rules as rl
+
+BACKENDS = ("capacity", "ragged")
+DEFAULT_TOKEN_AXES = (rl.DATA, rl.FSDP, rl.EXPERT)
+
+_RAGGED_DN = jax.lax.RaggedDotDimensionNumbers(
+    dot_dimension_numbers=(([1], [2]), ([], [])), lhs_ragged_dimensions=[0], rhs_group_dimensions=[0])
+
+
+def _swiglu(gate: jax.Array, up: jax.Array, limit: float) -> jax.Array:
+    """SiLU(min(gate, limit)) * clip(up, -limit, limit) in float32; same math as `dsv4.moe.swiglu`."""
+    gate = jnp.minimum(gate.astype(jnp.float32), limit)
+    up = jnp.clip(up.astype(jnp.float32), -limit, limit)
+    return jax.nn.silu(gate) * up
+
+
+def _dot_out(dtype):
+    """`preferred_element_type` of the model's dots: float32 for float32 inputs, else the input dtype (the rule of
+    `dsv4.layers.dot_out`, restated here because sharding/ is imported by dsv4 and must not import it back)."""
+    return jnp.float32 if jnp.dtype(dtype) == jnp.float32 else None
+
+
+def grouped_ffn(rows: jax.Array, eid: jax.Array, gate_w: jax.Array, w1: jax.Array, w3: jax.Array, w2: jax.Array,
+                *, limit: float, dtype, partial: bool = False) -> jax.Array:
+    """Clamped-SwiGLU expert FFN of each row by its own local expert, in the rows' original order.
+
+    Args:
+      rows: [M, D] token copies (compute dtype). eid: [M] int32 local expert in [0, n) or n = "empty row".
+      gate_w: [M] float32 routing weight (multiplies the SwiGLU output before w2; 0 for empty rows).
+      w1, w3: [n, I', D]; w2: [n, D, I'] (I' may be a tensor-parallel slice of I: the result is then partial).
+      partial: the w2 product is a tensor-parallel partial sum: keep it in float32 (one rounding after the psum
+        instead of one per rank). Otherwise the dots follow the model's rule (`_dot_out`), as the reference.
+    Returns:
+      [M, D] float32 (values of `dtype` precision unless partial); empty rows are 0.
+    """
+    n = w1.shape[0]
+    order = jnp.argsort(eid, stable=True)  # empty rows (eid == n) sort last, outside every group
+    sizes = jnp.bincount(eid, length=n).astype(jnp.int32)  # values >= n are not counted
+
+    def gmm(lhs, w, out):
+        return jax.lax.ragged_dot_general(lhs, w.astype(dtype), sizes, _RAGGED_DN,
+                                          preferred_element_type=out).astype(jnp.float32)
+
+    xs = rows[order].astype(dtype)
+    h = _swiglu(gmm(xs, w1, _dot_out(dtype)), gmm(xs, w3, _dot_out(dtype)), limit)
+    h = (h * gate_w[order][:, None]).astype(dtype)
+    y = gmm(h, w2, jnp.float32 if partial else _dot_out(dtype))
+    y = jnp.where((eid[order] < n)[:, None], y, 0.0)  # rows past the groups: never garbage, whatever the backend
+    return jnp.zeros_like(y).at[order].set(y)
+
+
+def _return_dtype(dtype, partial: bool):
+    """Dtype of the expert outputs on the way back: `dtype` holds them exactly (the w2 dot rounds to it), except
+    tensor-parallel partial sums, which stay float32 until the psum."""
+    return jnp.float32 if partial else jnp.dtype(dtype)
+
+
+def _exclusive_cumsum(x: jax.Array, axis: int = -1) -> jax.Array:
+    return jnp.cumsum(x, axis=axis) - x
+
+
+def _capacity_body(x, ids, w, w1, w3, w2, *, ep, n_local, capacity, expert_axis, limit, dtype, partial):
+    """One rank, capacity backend. x [Tl, D], ids/w [Tl, k] -> [Tl, D] float32 (partial over I if TP)."""
+    t_loc, k = ids.shape
+    n_pairs = t_loc * k
+    flat = ids.reshape(-1)
+    dest = jnp.where(flat >= 0, flat // n_local, ep)  # [N] destination rank; ep = skipped pair
+    order = jnp.argsort(dest, stable=True)
+    counts = jnp.bincount(dest, length=ep)  # [ep]
+    starts = _exclusive_cumsum(counts)
+    slot = jnp.arange(capacity)
+    valid = slot[None, :] < jnp.minimum(counts, capacity)[:, None]  # [ep, C]
+    pair = order[jnp.clip(starts[:, None] + slot[None, :], 0, n_pairs - 1)]  # [ep, C] pair index per slot
+    tok = pair // k
+    send_x = jnp.where(valid[..., None], x[tok].astype(dtype), 0)  # [ep, C, D]
+    send_e = jnp.where(valid, flat[pair] % n_local, n_local).astype(jnp.int32)  # [ep, C]; n_local = empty
+    send_w = jnp.where(valid, w.reshape(-1)[pair], 0.0)
+    if ep > 1:
+        a2a = functools.partial(jax.lax.all_to_all, axis_name=expert_axis, split_axis=0, concat_axis=0, tiled=True)
+        send_x, send_e, send_w = a2a(send_x), a2a(send_e), a2a(send_w)  # now [source rank, C, ...]
+    d = x.shape[-1]
+    y = grouped_ffn(send_x.reshape(-1, d), send_e.reshape(-1), send_w.reshape(-1), w1, w3, w2, limit=limit,
+                    dtype=dtype, partial=partial).reshape(ep, capacity, d)
+    if ep > 1:  # back to [destination rank, C, D]; exact in `dtype` unless a tensor-parallel partial sum
+        y = jax.lax.all_to_all(y.astype(_return_dtype(dtype, partial)), expert_axis, 0, 0, tiled=True)
+    y = jnp.where(valid[..., None], y, 0.0)
+    return jnp.zeros((t_loc, d), jnp.float32).at[tok.reshape(-1)].add(y.reshape(-1, d).astype(jnp.float32))
+
+
+def _ragged_all_to_all_reference(operand, output, input_offsets, send_sizes, output_offsets, recv_sizes, *,
+                                 axis_name):
+    """Same result as `jax.lax.ragged_all_to_all` (without axis_index_groups), built from all_gather + gather.
+
+    For CPU tests only (XLA:CPU lacks the real op): it moves the whole operand of every rank. Shapes as the jax
+    op: operand [N, ...], output [M, ...], the four offset/size arrays [ep] int32.
+    """
+    me = jax.lax.axis_index(axis_name)
+    all_x = jax.lax.all_gather(operand, axis_name)  # [ep, N, ...]
+    in_off = jax.lax.all_gather(input_offsets, axis_name)[:, me]  # [ep sources]: where my rows start at s
+    sizes = jax.lax.all_gather(send_sizes, axis_name)[:, me]
+    out_off = jax.lax.all_gather(output_offsets, axis_name)[:, me]  # where s writes into my output
+    m = jnp.arange(output.shape[0])
+    hit = (m[None, :] >= out_off[:, None]) & (m[None, :] < (out_off + sizes)[:, None])  # [ep, M]
+    src = jnp.argmax(hit, axis=0)
+    row = jnp.clip(in_off[src] + m - out_off[src], 0, operand.shape[0] - 1)
+    got = all_x[src, row]
+    mask = jnp.any(hit, axis=0).reshape((-1,) + (1,) * (operand.ndim - 1))
+    return jnp.where(mask, got, output)
+
+
+def _ragged_body(x, ids, w, w1, w3, w2, *, ep, n_local, buffer_rows, expert_axis, limit, dtype, partial, ra2a):
+    """One rank, ragged backend. x [Tl, D], ids/w [Tl, k] -> [Tl, D] float32 (partial over I if TP)."""
+    t_loc, k = ids.shape
+    d = x.shape[-1]
+    flat = ids.reshape(-1)
+    key = jnp.where(flat >= 0, flat, ep * n_local)  # sort by global expert = by (rank, local expert)
+    order = jnp.argsort(key, stable=True)
+    tok = order // k
+    dest = key[order] // n_local  # [N] sorted; ep = skipped
+    counts = jnp.bincount(dest, length=ep).astype(jnp.int32)  # [ep] pairs I send to each rank
+    if ep == 1:
+        y = grouped_ffn(x[tok], key[order].astype(jnp.int32), w.reshape(-1)[order], w1, w3, w2, limit=limit,
+                        dtype=dtype, partial=partial)  # one rank: the global id is the local one; skipped = n_local
+        return jnp.zeros((t_loc, d), jnp.float32).at[tok].add(y)
+    me = jax.lax.axis_index(expert_axis)
+    all_counts = jax.lax.all_gather(counts, expert_axis)  # [ep src, ep dst]
+    in_off = _exclusive_cumsum(all_counts, axis=1)  # where rows for dst start in src's send buffer
+    out_off = _exclusive_cumsum(all_counts, axis=0)  # where src's rows start in dst's receive buffer
+    sent = jnp.clip(buffer_rows - out_off, 0, all_counts)  # what fits in a full receiver (dropless: all)
+    # Offsets of empty (size-0) slices are clipped into range; a non-empty slice always starts in range.
+    n_pairs = t_loc * k
+    send_args = (jnp.minimum(in_off[me], n_pairs - 1), sent[me], jnp.minimum(out_off[me], buffer_rows - 1),
+                 sent[:, me])
+    rows = ra2a(x[tok].astype(dtype), jnp.zeros((buffer_rows, d), dtype), *send_args, axis_name=expert_axis)
+    eid = ra2a((key[order] % n_local).astype(jnp.int32), jnp.full((buffer_rows,), n_local, jnp.int32),
+               *send_args, axis_name=expert_axis)
+    gw = ra2a(w.reshape(-1)[order], jnp.zeros((buffer_rows,), jnp.float32), *send_args, axis_name=expert_axis)
+    y = grouped_ffn(rows, eid, gw, w1, w3, w2, limit=limit, dtype=dtype, partial=partial)  # [buffer_rows, D]
+    ret = _return_dtype(dtype, partial)
+    back_args = (jnp.minimum(out_off[:, me], buffer_rows - 1), sent[:, me], jnp.minimum(in_off[:, me], n_pairs - 1),
+                 sent[me])
+    back = ra2a(y.astype(ret), jnp.zeros((n_pairs, d), ret), *back_args, axis_name=expert_axis)  # sorted pairs
+    return jnp.zeros((t_loc, d), jnp.float32).at[tok].add(back.astype(jnp.float32))
+
+
+def _axes_tuple(entry) -> tuple[str, ...]:
+    if entry is None:
+        return ()
+    return (entry,) if isinstance(entry, str) else tuple(entry)
+
+
+def make_ep_dispatch(mesh: Mesh, *, backend: str = "capacity", capacity_factor: float | None = None,
+                     token_axes: Sequence[str] = DEFAULT_TOKEN_AXES, expert_axis: str = rl.EXPERT,
+                     rules: rl.Rules = rl.ACTOR_RULES, _ragged_all_to_all: Callable | None = None) -> Callable:
+    """Build the expert-parallel `dispatch_fn` for `mesh` (see the module docstring for the algorithm).
+
+    Args:
+      mesh: the jax Mesh the model's jit runs on (actor or rollout mesh of `MeshPlan`; Auto axis types).
+      backend: "capacity" (all_to_all on a padded buffer; CPU and GPU) or "ragged" (ragged_all_to_all; GPU).
+      capacity_factor: None = dropless (default). f > 0 bounds the per-rank buffer (module docstring); pairs that
+        do not fit are dropped, so results differ from the reference once any rank overflows.
+      token_axes: mesh axes splitting the flattened tokens T (the act_batch axes); axes the mesh lacks are
+        ignored. Must include `expert_axis` and the axes that split the weights' `embed` dim, and exclude the
+        axes that split `mlp` (tokens must be replicated where the FFN is tensor-parallel).
+      expert_axis: the mesh axis splitting the expert dim E.
+      rules: rule table that placed the weights (ACTOR_RULES / ROLLOUT_RULES); it fixes the shard_map in_specs
+        of w1, w3, w2. Weights laid out otherwise are resharded by XLA at the boundary (correct, slower).
+      _ragged_all_to_all: test hook replacing `jax.lax.ragged_all_to_all` (same signature).
+    Returns:
+      dispatch_fn(x [T, D], ids [T, k] int32, weights [T, k] f32, w1 [E, I, D], w3 [E, I, D], w2 [E, D, I], *,
+      limit, dtype) -> [T, D] float32, equal to `dsv4.moe.routed_experts_ragged` (dropless). ids < 0 are skipped.
+    Raises:
+      ValueError: unknown backend, bad capacity_factor, unknown mesh axes, or token axes incompatible with the
+        weight layout (at construction); E not divisible by the expert axis or a weight layout that does not
+        split E over `expert_axis` alone (when first traced).
+    """
+    if backend not in BACKENDS:
+        raise ValueError(f"unknown EP backend {backend!r}; expected one of {BACKENDS}")
+    if capacity_factor is not None and not capacity_factor > 0:
+        raise ValueError(f"capacity_factor must be None (dropless) or > 0, got {capacity_factor!r}")
+    names = tuple(mesh.axis_names)
+    if expert_axis not in names:
+        raise ValueError(f"expert_axis {expert_axis!r} is not an axis of the mesh {names}")
+    unknown = [a for a in token_axes if a not in rl.MESH_AXES and a not in names]
+    if unknown:
+        raise ValueError(f"token_axes {tuple(token_axes)}: unknown mesh axes {unknown}")
+    tok_axes = tuple(a for a in token_axes if a in names)
+    w13_spec = rl.logical_to_spec((ax.EXPERT, ax.MLP, ax.EMBED), rules, mesh)
+    w2_spec = rl.logical_to_spec((ax.EXPERT, ax.EMBED, ax.MLP), rules, mesh)
+    exp_axes, mlp_axes, emb_axes = (_axes_tuple(e) for e in w13_spec)
+    ep = mesh.shape[expert_axis]
+    if exp_axes != ((expert_axis,) if ep > 1 else ()):
+        raise ValueError(f"the rules split the expert dim over {exp_axes or 'no axis'}; the EP dispatch needs "
+                         f"exactly ({expert_axis!r},) of size {ep}")
+    if ep > 1 and expert_axis not in tok_axes:
+        raise ValueError(f"expert_axis {expert_axis!r} must be one of token_axes {tok_axes}")
+    if set(mlp_axes) & set(tok_axes):
+        raise ValueError(f"token_axes {tok_axes} overlap the tensor-parallel axes {mlp_axes} of the weights' "
+                         f"mlp dim: tokens must be replicated over them")
+    if not set(emb_axes) <= set(tok_axes):
+        raise ValueError(f"the weights' embed dim is split over {emb_axes}, which must be among token_axes {tok_axes}")
+    n_tok = math.prod(mesh.shape[a] for a in tok_axes)
+    ra2a = _ragged_all_to_all or jax.lax.ragged_all_to_all
+
+    def dispatch(x, ids, weights, w1, w3, w2, *, limit, dtype):
+        t, k = ids.shape
+        n_exp = w1.shape[0]
+        if n_exp % ep:
+            raise ValueError(f"n_routed_experts={n_exp} is not divisible by the expert axis "
+                             f"{expert_axis}={ep}")
+        pad = -t % n_tok
+        if pad:  # pad rows carry id -1: skipped by both backends
+            x = jnp.pad(x, ((0, pad), (0, 0)))
+            ids = jnp.pad(ids, ((0, pad), (0, 0)), constant_values=-1)
+            weights = jnp.pad(weights, ((0, pad), (0, 0)))
+        t_loc = (t + pad) // n_tok
+        n_pairs = t_loc * k
+        kw = dict(ep=ep, n_local=n_exp // ep, expert_axis=expert_axis, limit=limit, dtype=dtype,
+                  partial=bool(mlp_axes))
+        if backend == "capacity":
+            cap = n_pairs if capacity_factor is None else min(n_pairs, max(1, math.ceil(capacity_factor * n_pairs
+                                                                                         / ep)))
+            local = functools.partial(_capacity_body, capacity=cap, **kw)
+        else:
+            rows = ep * n_pairs if capacity_factor is None else max(1, math.ceil(capacity_factor * n_pairs))
+            local = functools.partial(_ragged_body, buffer_rows=rows, ra2a=ra2a, **kw)
+
+        def body(x_l, ids_l, w_l, w1_l, w3_l, w2_l):
+            if emb_axes:  # FSDP: gather the full D of the local experts (cast first: half the bytes in bf16)
+                w1_l = jax.lax.all_gather(w1_l.astype(dtype), emb_axes, axis=2, tiled=True)
+                w3_l = jax.lax.all_gather(w3_l.astype(dtype), emb_axes, axis=2, tiled=True)
+                w2_l = jax.lax.all_gather(w2_l.astype(dtype), emb_axes, axis=1, tiled=True)
+            y = local(x_l, ids_l.astype(jnp.int32), w_l.astype(jnp.float32), w1_l, w3_l, w2_l)
+            return jax.lax.psum(y, mlp_axes) if mlp_axes else y  # complete the tensor-parallel w2 sum
+
+        tok2 = PartitionSpec(tok_axes or None, None)
+        out = jax.shard_map(body, mesh=mesh, in_specs=(tok2, tok2, tok2, w13_spec, w13_spec, w2_spec),
+                            out_specs=tok2)(x, ids, weights, w1, w3, w2)
+        return out[:t] if pad else out
+
+    dispatch.__doc__ = f"EP dispatch ({backend}) over {expert_axis}={ep}, tokens split over {tok_axes}."
+    return dispatch

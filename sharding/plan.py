@@ -1,0 +1,484 @@
+"""Memory planner: per-device bytes of the actor (training) and rollout (sampling) roles for a mesh spec and GPU.
+
+    python -m sharding.plan --config flash --mesh 'actor:fsdp=2,expert=8/rollout:expert=8' --gpu mi308x --nodes 3
+
+The numbers come from the code, not from a copy of it: the parameter tree is `nnx.eval_shape` of the real
+`DSV4ForCausalLM(config)` (bf16 weights, with the leaves the model keeps in fp32 / int32), each leaf is placed by
+the real rule table of its role (`rules.logical_to_spec` on a `jax.sharding.AbstractMesh` of the spec's sizes, so
+meshes far larger than the local machine work), and per-device bytes = the leaf's local shard (global dims divided
+by the product of the mesh axes that split them). A dim that does not divide is an error, as in jit.
+
+Units: GiB = 2^30 bytes everywhere. GPU HBM (`GPUS`): the vendors' "192 GB" / "288 GB" / "141 GB" are binary
+capacities in practice (MI300X/MI308X: 8 HBM3 stacks x 24 GiB; MI355X: 8 HBM3E stacks x 36 GiB; H200: 141 GB
+nominal, ~140 GiB visible, nvidia-smi 143,771 MiB), so the table holds 192 / 192 / 288 / 140 GiB (sources: AMD
+Instinct MI300X / MI308X / MI355X and NVIDIA H200 product pages). `usable_fraction` (default 0.90) of it is
+planned; the rest is driver/runtime context, NCCL/RCCL buffers and compiled programs. JAX preallocates only 75%
+by default: launch with XLA_PYTHON_CLIENT_MEM_FRACTION >= the usable fraction.
+
+Actor, per device: weights as stored (bf16; mHC / sinks / ape / router bias fp32; tid2eid int32), gradients (param
+dtype), fp32 master copy of the bf16 params, Adam moments (2 x optimizer dtype), activations. `offload_optimizer`
+F moves F of (master + moments) to host memory (ZeRO-offload style; reported per node, not counted on the GPU;
+with `host_gib_per_node` given, an actor needing more host RAM than that does not fit).
+Activation estimate for T = tokens per device, S = sequence length, full rematerialisation of every decoder block
+(the learner must `jax.checkpoint` each block; only block inputs are kept), tp = tensor size, L' = L + MTP layers:
+    A = T * [ L' * n_hc * D * 2                          block inputs: the [n_hc, D] bf16 residual streams
+            + 4 * H * d * 4 / tp                         q, attention output and their grads (f32), one block
+            + 3 * H * (S + ceil(S / m_csa)) * 4 / tp      dense scores [B, H, S, S + S/m] f32: logits, probs, grad
+                                                          (dsv4/attention.py materialises them; a flash kernel
+                                                          would drop this term)
+            + 2 * k * (6 * D + 10 * I / tp)              MoE token copies, h1/h3/h, y and their grads
+            + 2 * k * c * D * (8 | 12)                   EP buffers (sharding/expert.py): tokens out and expert
+                                                          outputs back in bf16 (f32 back with tensor-parallel
+                                                          experts), fwd + bwd; c = ep dropless, or the capacity factor
+            + 6 * n_hc * D * 4                           mHC f32 temporaries
+            + 3 * V * 4 / tp ]                           f32 logits, log-softmax and grad (vocab over tensor)
+It is an order-of-magnitude estimate (+-50%): XLA fusion, buffer reuse and the loss chunking change it.
+
+Rollout, per device, as rl/sampler.py holds it: FP8 e4m3 (1 byte per weight) for the checkpoint's FP8 set
+(`dsv4.convert` `_FP8_KEYS`: attention wq_a/wq_b/wkv/wo_a/wo_b, indexer wq_b, shared experts, MTP e/h_proj) and
+the routed experts (`rollout_experts="fp8"`), with one f32 scale per 128x128 block replicated on every device
+(`fp8_scale_bytes` = 4; E8M0 would be 1); or FP4 e2m1 experts ("fp4": 0.5 byte + one `fp4_scale_bytes` = 1 E8M0
+scale per 32 inputs, split like the weight; the released layout, which the sampler cannot run yet). Everything
+else as stored (bf16; fp32 mHC / sinks / ape / bias; int32 tid2eid). `rollout_dequant="per_call"` (the sampler's
+default) adds a bf16 copy of every quantised tensor for the duration of a generate call; "per_step" (its
+memory-saving mode, the one Flash needs) keeps only the FP8 copy (a layer's transient bf16 weights fall in the
+reserve). Then `rollout_reserve` (default 10% of usable) for prefill/decode activations and fragmentation; the
+rest is KV cache, whose layout comes from `dsv4.cache.cache_shapes` for every main layer (no MTP cache), evaluated
+abstractly: with W = window, d = head_dim, d_I = index_head_dim, b = kv dtype bytes (bf16 = 2), per sequence of S:
+    every layer:     W * d * b + W * 4                          sliding ring + int32 positions
+    CSA (ratio m):   + floor(S/m) * (d * b + d_I * 4)            entries + f32 indexer keys
+                     + 4 * m * 2d * 4 + 4 * m * 2d_I * 4         A, Z of the current and previous window (f32)
+    HCA (ratio m'):  + floor(S/m') * d * b + 4 * m' * d * 4
+so a token costs 8,224 bytes for Flash on top of 27 MiB per sequence. The sampler replicates the caches over the
+rollout mesh (`Sampler._empty_caches`), so the per-device capacity is also the rollout-wide one; split over the
+batch axes it would multiply by devices / tensor (one shared K=V head: no tensor split).
+
+Nodes: `nodes` x `gpus_per_node` (8) must equal the spec's device count; devices are process-major, so the actor
+takes the first nodes and the rollout the following ones (`actor nodes` is printed; a fraction = a shared node).
+Output: a table, then one line `PLAN role=actor per_device_gib=... fits=yes|no margin_gib=... role=rollout ...`.
+API: `plan(config, mesh_spec, gpu, ...) -> PlanReport` (also used by `launch/run.py --dry-run`).
+Tests: `.venv/bin/python -m pytest -q tests/sharding/test_plan.py`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import functools
+import math
+import re
+import sys
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from jax.sharding import AbstractMesh, AxisType
+
+from sharding import mesh as mesh_lib
+from sharding import rules as rl
+
+GiB = 2**30
+GPUS_PER_NODE = 8
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class GpuSpec:
+    name: str
+    hbm_gib: float
+    source: str
+
+
+GPUS: dict[str, GpuSpec] = {
+    "mi308x": GpuSpec(name="AMD Instinct MI308X", hbm_gib=192, source="AMD product page: 192 GB HBM3"),
+    "mi300x": GpuSpec(name="AMD Instinct MI300X", hbm_gib=192, source="AMD product page: 192 GB HBM3"),
+    "mi355x": GpuSpec(name="AMD Instinct MI355X", hbm_gib=288, source="AMD product page: 288 GB HBM3E"),
+    "h200": GpuSpec(name="NVIDIA H200 SXM", hbm_gib=140, source="NVIDIA product page: 141 GB HBM3e (~140 GiB visible)"),
+}
+_BYTES = {"fp32": 4, "bf16": 2}
+_EXPERTS = re.compile(r"\.ffn\.experts\.w[123]$")  # the stacked routed experts (NNX paths joined with ".")
+
+
+def _fp8_keys() -> re.Pattern:
+    """The release's FP8 set, as defined once in `dsv4.convert` (imported lazily: sharding/ loads before dsv4)."""
+    from dsv4.convert import _FP8_KEYS
+
+    return _FP8_KEYS
+
+
+@dataclasses.dataclass(frozen=True)
+class Leaf:
+    """One model tensor: NNX path, global shape, dtype name, logical axes, trained (nnx.Param) or buffer."""
+
+    path: str
+    shape: tuple[int, ...]
+    dtype: str
+    logical_axes: tuple[str | None, ...] | None
+    trained: bool
+
+
+@functools.lru_cache(maxsize=4)
+def abstract_model(config):
+    """`nnx.eval_shape` of `DSV4ForCausalLM(config)` with bf16 weights (no memory used). Cached per config: the
+    Flash trace takes 10-35 s (flax compares each RNG draw's tracer sharding, which makes jax walk the jaxpr)."""
+    import dsv4  # local: dsv4 imports sharding, so sharding must not import dsv4 at import time
+
+    return nnx.eval_shape(lambda: dsv4.DSV4ForCausalLM(config, rngs=nnx.Rngs(0), param_dtype=jnp.bfloat16,
+                                                        dtype=jnp.bfloat16))
+
+
+@functools.lru_cache(maxsize=4)
+def model_leaves(config) -> tuple[Leaf, ...]:
+    """Every tensor (nnx.Param or Buffer) of `abstract_model(config)`, in state order."""
+    out = []
+    for path, var in nnx.to_flat_state(nnx.state(abstract_model(config))):
+        value = var.get_value()
+        logical = getattr(var, "logical_axes", None) or var.get_metadata().get("logical_axes")
+        out.append(Leaf(".".join(map(str, path)), tuple(value.shape), str(value.dtype),
+                        None if logical is None else tuple(logical), isinstance(var, nnx.Param)))
+    return tuple(out)
+
+
+def abstract_mesh(sizes: dict[str, int]) -> AbstractMesh:
+    """An AbstractMesh with the four mesh axes of `sizes` (no devices needed)."""
+    return AbstractMesh(tuple(sizes[a] for a in rl.MESH_AXES), rl.MESH_AXES,
+                        axis_types=(AxisType.Auto,) * len(rl.MESH_AXES))
+
+
+def local_shape(leaf: Leaf, rules: rl.Rules, mesh: AbstractMesh) -> tuple[int, ...]:
+    """Per-device shard shape of `leaf` under `rules` on `mesh`. Raises MeshSpecError for a dim that does not
+    divide (the message names the leaf, as `rules.param_shardings` would)."""
+    if leaf.logical_axes is None:
+        return leaf.shape
+    spec = rl.logical_to_spec(leaf.logical_axes, rules, mesh)
+    out = []
+    for dim, (size, entry) in enumerate(zip(leaf.shape, spec)):
+        axes = () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
+        parts = math.prod(mesh.shape[a] for a in axes)
+        if size % parts:
+            raise mesh_lib.MeshSpecError(f"{leaf.path}: dim {dim} ({leaf.logical_axes[dim]!r}) of size {size} is not "
+                                         f"divisible by {'*'.join(axes)} = {parts}")
+        out.append(size // parts)
+    return tuple(out)
+
+
+def _blocks(shape: tuple[int, ...], block: int = 128) -> int:
+    """Number of block x block scale tiles of a [..., out, in] weight."""
+    lead = math.prod(shape[:-2]) if len(shape) > 2 else 1
+    return lead * math.ceil(shape[-2] / block) * math.ceil(shape[-1] / block)
+
+
+def rollout_leaf_bytes(leaf: Leaf, shape: tuple[int, ...], experts: str, fp8_scale_bytes: float,
+                       fp4_scale_bytes: float) -> tuple[str, float, float]:
+    """(category, bytes, bytes of a bf16 dequantised copy or 0) of one rollout tensor whose local shard is `shape`.
+
+    FP8 scales are replicated on the rollout mesh (as rl/sampler.py places them), so they count with the global
+    shape; FP4 scales (no sampler path yet; the released layout) are assumed split like their weight.
+    """
+    n = math.prod(shape)
+    if _EXPERTS.search(leaf.path):
+        if experts == "fp4":
+            return "routed experts", n * 0.5 + n / 32 * fp4_scale_bytes, 2 * n
+        return "routed experts", n + _blocks(leaf.shape) * fp8_scale_bytes, 2 * n
+    if _fp8_keys().search(leaf.path):
+        return "fp8 set", n + _blocks(leaf.shape) * fp8_scale_bytes, 2 * n
+    return "bf16/fp32/int32 rest", n * np.dtype(leaf.dtype).itemsize, 0.0
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class KVCache:
+    """Decode-cache bytes of one sequence: `per_seq(S)` = fixed + per_token * S (exact when the compress ratios
+    divide S; `dsv4.cache` allocates floor(S / m) entries)."""
+
+    fixed: float  # independent of S: sliding rings, positions, compressor window states
+    per_token: float  # compressed entries and indexer keys, per token of max length
+
+    @classmethod
+    def for_config(cls, config, dtype=jnp.bfloat16) -> "KVCache":
+        """From `dsv4.cache.cache_shapes` of every main layer (the sampler's layout: rl/sampler.py builds one cache
+        per `model.layers` entry; the MTP block has none), evaluated abstractly at two cache lengths."""
+        from dsv4.cache import cache_shapes
+
+        model = abstract_model(config)
+        step = math.lcm(*(r for r in config.compress_ratios if r) or (1,))
+
+        def total(cache_len):
+            tree = jax.eval_shape(lambda: [cache_shapes(layer.attn, 1, cache_len, dtype) for layer in model.layers])
+            return sum(math.prod(a.shape) * np.dtype(a.dtype).itemsize for a in jax.tree.leaves(tree))
+
+        fixed = total(0)
+        return cls(fixed=fixed, per_token=(total(step) - fixed) / step)
+
+    def per_seq(self, seq_len: int) -> float:
+        return self.fixed + self.per_token * seq_len
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class RoleReport:
+    """Per-device plan of one role. `items`: name -> bytes per device (counted on the GPU); `host`: bytes per
+    device kept in host memory; `usable`: planned bytes per device; `margin`: usable - counted (actor), or the
+    bytes left for the KV cache after weights and reserve (rollout; `fits` = at least `rollout_seqs_per_device`
+    sequences of `rollout_seq_len` fit in it)."""
+
+    role: str
+    sizes: dict[str, int]
+    devices: int
+    nodes: float
+    items: dict[str, float]
+    host: float
+    usable: float
+    margin: float
+    fits: bool
+    kv_seqs_per_device: int | None = None
+    kv_tokens_per_device: int | None = None
+    kv_per_seq: float | None = None
+
+    @property
+    def total(self) -> float:
+        return sum(self.items.values())
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class PlanReport:
+    config_name: str
+    n_params: int
+    gpu: GpuSpec
+    nodes: int
+    mesh_spec: str
+    options: dict[str, Any]
+    actor: RoleReport
+    rollout: RoleReport
+
+    def line(self) -> str:
+        """The machine-readable `PLAN ...` line."""
+        parts = ["PLAN"]
+        for r in (self.actor, self.rollout):
+            parts += [f"role={r.role}", f"per_device_gib={r.total / GiB:.2f}", f"fits={'yes' if r.fits else 'no'}",
+                      f"margin_gib={r.margin / GiB:.2f}"]
+            if r.kv_tokens_per_device is not None:
+                parts.append(f"kv_tokens_per_device={r.kv_tokens_per_device}")
+        return " ".join(parts)
+
+    def table(self) -> str:
+        o = self.options
+        lines = [f"DeepSeek-V4 memory plan: config={self.config_name} ({self.n_params / 1e9:.2f} B parameters incl. "
+                 f"MTP), gpu={self.gpu.name} ({self.gpu.hbm_gib:g} GiB HBM; {self.gpu.source})",
+                 f"mesh {self.mesh_spec} on {self.nodes} node(s) x {GPUS_PER_NODE}; usable "
+                 f"{o['usable_fraction']:.0%} = {self.actor.usable / GiB:.1f} GiB per device; units GiB (2^30 B)"]
+        for r in (self.actor, self.rollout):
+            axes = ",".join(f"{a}={s}" for a, s in r.sizes.items() if s > 1) or "data=1"
+            title = f"{r.role} ({r.devices} devices = {r.nodes:g} node(s); {axes}; {r.role} rules)"
+            lines.append(f"\n{title}\n  {'':<58}{'GiB/device':>10}")
+            for name, b in r.items.items():
+                lines.append(f"  {name:<58}{b / GiB:>10.2f}")
+            lines.append(f"  {'total on the GPU':<58}{r.total / GiB:>10.2f}   (usable {r.usable / GiB:.1f})")
+            if r.host:
+                cap = o["host_gib_per_node"]
+                lines.append(f"  {'host memory (offloaded), per device / per node':<58}{r.host / GiB:>10.2f}"
+                             f"  / {r.host * GPUS_PER_NODE / GiB:.0f}" + ("" if cap is None else f" (of {cap:g})"))
+            if r.kv_per_seq is not None:
+                shards = r.devices // r.sizes[rl.TENSOR]  # batch shards if caches were split (one K=V head: not TP)
+                seq_mib = r.kv_per_seq / 2**20
+                lines.append(f"  KV cache per sequence of {o['rollout_seq_len']} tokens: {seq_mib:.1f} MiB "
+                             f"({o['kv_dtype']} entries, f32 compressor states and indexer keys; dsv4.cache layout)")
+                lines.append(f"  KV capacity: {r.kv_seqs_per_device:,} sequences = {r.kv_tokens_per_device:,} tokens "
+                             f"per device (rl/sampler.py replicates caches over the mesh: the same rollout-wide; "
+                             f"x{shards} with batch-split caches)")
+            verdict = "fits" if r.fits else "does not fit"
+            what = "left for the KV cache" if r.kv_per_seq is not None else "GPU margin"
+            host_note = ""
+            if r.host and o["host_gib_per_node"] is not None and r.host * GPUS_PER_NODE > o["host_gib_per_node"] * GiB:
+                host_note = f"; host RAM per node {r.host * GPUS_PER_NODE / GiB:.0f} > {o['host_gib_per_node']:g} GiB"
+            lines.append(f"  verdict: {verdict} ({what} {r.margin / GiB:+.2f} GiB per device{host_note})")
+        return "\n".join(lines)
+
+
+def _actor_activations(cfg, sizes: dict[str, int], tokens: int, seq_len: int, ep_capacity: float | None) -> float:
+    """Bytes per device of the activation estimate (module docstring formula)."""
+    tp, ep = sizes[rl.TENSOR], sizes[rl.EXPERT]
+    d, n, h, hd, k = cfg.hidden_size, cfg.hc_mult, cfg.num_attention_heads, cfg.head_dim, cfg.num_experts_per_tok
+    layers = cfg.num_hidden_layers + cfg.num_nextn_predict_layers
+    c = ep if ep_capacity is None else min(ep_capacity, ep)
+    per_tok = (layers * n * d * 2
+               + 4 * h * hd * 4 / tp
+               + 3 * h * (seq_len + math.ceil(seq_len / cfg.csa_compress_ratio)) * 4 / tp
+               + 2 * k * (6 * d + 10 * cfg.moe_intermediate_size / tp)
+               + 2 * k * c * d * (8 if tp == 1 else 12)
+               + 6 * n * d * 4
+               + 3 * cfg.vocab_size * 4 / tp)
+    return tokens * per_tok
+
+
+def _role_nodes(devices: int) -> float:
+    return devices / GPUS_PER_NODE
+
+
+def plan(config, mesh_spec: str, gpu: str, *, nodes: int | None = None, optimizer_dtype: str = "fp32",
+         offload_optimizer: float = 0.0, tokens_per_device: int = 4096, rollout_seq_len: int = 4096,
+         train_seq_len: int | None = None, rollout_experts: str = "fp8", fp8_scale_bytes: float = 4.0,
+         fp4_scale_bytes: float = 1.0, rollout_dequant: str = "per_step", kv_dtype: str = "bf16",
+         usable_fraction: float = 0.90, rollout_reserve: float = 0.10,
+         rollout_seqs_per_device: int = 1, ep_capacity_factor: float | None = None,
+         host_gib_per_node: float | None = None, config_name: str | None = None) -> PlanReport:
+    """Plan the per-device memory of both roles. Arguments as the CLI flags (module docstring).
+
+    Args:
+      config: a `dsv4.DSV4Config` or a preset name ("flash", "small", "tiny").
+      mesh_spec: `sharding.mesh` grammar; "auto" needs `nodes`.
+      gpu: a key of `GPUS`.
+    Returns:
+      PlanReport (`.table()`, `.line()`).
+    Raises:
+      MeshSpecError: unparsable spec, device count != nodes * 8, or a model dim the mesh does not divide.
+      ValueError: unknown gpu / dtype / expert format, or an option out of range.
+    """
+    import dsv4
+
+    if isinstance(config, str):
+        config_name = config_name or config
+        config = dsv4.DSV4Config.preset(config)
+    config_name = config_name or "custom"
+    if gpu not in GPUS:
+        raise ValueError(f"unknown gpu {gpu!r}; known: {', '.join(GPUS)}")
+    if optimizer_dtype not in _BYTES:
+        raise ValueError(f"optimizer dtype must be one of {list(_BYTES)}, got {optimizer_dtype!r}")
+    if rollout_experts not in ("fp8", "fp4"):
+        raise ValueError(f"rollout experts must be 'fp8' or 'fp4', got {rollout_experts!r}")
+    if rollout_dequant not in ("per_step", "per_call"):
+        raise ValueError(f"rollout dequant must be 'per_step' or 'per_call', got {rollout_dequant!r}")
+    if kv_dtype not in _BYTES:
+        raise ValueError(f"kv dtype must be one of {list(_BYTES)}, got {kv_dtype!r}")
+    for name, v in (("offload_optimizer", offload_optimizer), ("usable_fraction", usable_fraction),
+                    ("rollout_reserve", rollout_reserve)):
+        if not 0.0 <= v <= 1.0:
+            raise ValueError(f"{name} must be in [0, 1], got {v}")
+    if mesh_spec.strip() == "auto" and nodes is None:
+        raise mesh_lib.MeshSpecError("mesh spec 'auto' needs the node count (--nodes)")
+    spec = mesh_lib.parse_mesh_spec(mesh_spec, n_devices=None if nodes is None else nodes * GPUS_PER_NODE)
+    n_dev = spec.n_devices
+    if nodes is None:
+        nodes = max(1, math.ceil(n_dev / GPUS_PER_NODE))
+        if n_dev > GPUS_PER_NODE and n_dev % GPUS_PER_NODE:
+            raise mesh_lib.MeshSpecError(f"mesh {spec} uses {n_dev} devices, not a whole number of "
+                                         f"{GPUS_PER_NODE}-GPU nodes; pass --nodes")
+    elif n_dev != nodes * GPUS_PER_NODE:
+        raise mesh_lib.MeshSpecError(f"mesh {spec} uses {n_dev} devices but {nodes} node(s) x {GPUS_PER_NODE} = "
+                                     f"{nodes * GPUS_PER_NODE}")
+    spec.validate(n_dev, config)
+    leaves = model_leaves(config)
+    usable = GPUS[gpu].hbm_gib * GiB * usable_fraction
+    opts = dict(optimizer_dtype=optimizer_dtype, offload_optimizer=offload_optimizer,
+                tokens_per_device=tokens_per_device, rollout_seq_len=rollout_seq_len,
+                train_seq_len=train_seq_len or rollout_seq_len, rollout_experts=rollout_experts,
+                fp8_scale_bytes=fp8_scale_bytes, fp4_scale_bytes=fp4_scale_bytes, rollout_dequant=rollout_dequant,
+                kv_dtype=kv_dtype, usable_fraction=usable_fraction,
+                rollout_reserve=rollout_reserve, rollout_seqs_per_device=rollout_seqs_per_device,
+                ep_capacity_factor=ep_capacity_factor, host_gib_per_node=host_gib_per_node)
+
+    # ---- actor
+    a_sizes = spec.axes(rl.ACTOR)
+    a_mesh = abstract_mesh(a_sizes)
+    w = g = master = mom = 0.0
+    for leaf in leaves:
+        n = math.prod(local_shape(leaf, rl.ACTOR_RULES, a_mesh))
+        item = np.dtype(leaf.dtype).itemsize
+        w += n * item
+        if leaf.trained:
+            g += n * item
+            master += n * 4 if leaf.dtype == "bfloat16" else 0
+            mom += 2 * n * _BYTES[optimizer_dtype]
+    act = _actor_activations(config, a_sizes, tokens_per_device, opts["train_seq_len"], ep_capacity_factor)
+    off = offload_optimizer * (master + mom)
+    on_gpu = f" ({1 - offload_optimizer:.0%} on the GPU)" if offload_optimizer else ""
+    a_items = {
+        "weights (bf16; fp32 mHC/sinks/ape/bias; int32 tid2eid)": w,
+        "gradients (param dtype)": g,
+        f"fp32 master weights{on_gpu}": master * (1 - offload_optimizer),
+        f"Adam moments (2 x {optimizer_dtype}){on_gpu}": mom * (1 - offload_optimizer),
+        f"activations ({tokens_per_device} tokens, seq {opts['train_seq_len']}, full remat)": act,
+    }
+    a_total = sum(a_items.values())
+    a_dev = spec.size(rl.ACTOR)
+    host_ok = host_gib_per_node is None or off * GPUS_PER_NODE <= host_gib_per_node * GiB
+    actor = RoleReport(role=rl.ACTOR, sizes=a_sizes, devices=a_dev, nodes=_role_nodes(a_dev), items=a_items, host=off,
+                       usable=usable, margin=usable - a_total, fits=a_total <= usable and host_ok)
+
+    # ---- rollout (on its own devices, or on the actor's when colocated: then the actor state is resident too)
+    r_sizes = spec.axes(rl.ROLLOUT)
+    r_mesh = abstract_mesh(r_sizes)
+    r_items: dict[str, float] = {}
+    dequant_copy = 0.0
+    for leaf in leaves:
+        cat, b, dq = rollout_leaf_bytes(leaf, local_shape(leaf, rl.ROLLOUT_RULES, r_mesh), rollout_experts,
+                                        fp8_scale_bytes, fp4_scale_bytes)
+        label = f"weights: {cat}" + (f" ({rollout_experts})" if cat == "routed experts" else "")
+        r_items[label] = r_items.get(label, 0.0) + b
+        dequant_copy += dq
+    if rollout_dequant == "per_call":
+        r_items["bf16 copy of the quantised weights (dequant=per_call)"] = dequant_copy
+    if spec.colocated:
+        r_items["actor state resident (colocated; activations excluded)"] = a_total - act
+    r_items[f"reserve for activations / fragmentation ({rollout_reserve:.0%} of usable)"] = rollout_reserve * usable
+    kv = KVCache.for_config(config, jnp.bfloat16 if kv_dtype == "bf16" else jnp.float32)
+    free = usable - sum(r_items.values())
+    per_seq = kv.per_seq(rollout_seq_len)
+    seqs = max(0, int(free // per_seq))
+    r_dev = spec.size(rl.ROLLOUT)
+    rollout = RoleReport(role=rl.ROLLOUT, sizes=r_sizes, devices=r_dev,
+                         nodes=_role_nodes(r_dev if not spec.colocated else a_dev), items=r_items, host=0.0,
+                         usable=usable, margin=free,
+                         fits=seqs >= rollout_seqs_per_device, kv_seqs_per_device=seqs,
+                         kv_tokens_per_device=seqs * rollout_seq_len, kv_per_seq=per_seq)
+    n_params = sum(math.prod(lf.shape) for lf in leaves if lf.dtype != "int32")
+    return PlanReport(config_name=config_name, n_params=n_params, gpu=GPUS[gpu], nodes=nodes, mesh_spec=str(spec),
+                      options=opts, actor=actor, rollout=rollout)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m sharding.plan", description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--config", default="flash", help="preset name: flash | small | tiny (default flash)")
+    p.add_argument("--mesh", required=True, help="mesh spec, e.g. 'actor:fsdp=2,expert=8/rollout:expert=8'")
+    p.add_argument("--gpu", required=True, choices=sorted(GPUS))
+    p.add_argument("--nodes", type=int, default=None, help=f"nodes of {GPUS_PER_NODE} GPUs (default: from the mesh)")
+    p.add_argument("--optimizer-dtype", choices=sorted(_BYTES), default="fp32")
+    p.add_argument("--offload-optimizer", type=float, default=0.0, metavar="FRACTION",
+                   help="fraction of fp32 master + Adam moments kept in host memory")
+    p.add_argument("--tokens-per-device", type=int, default=4096, help="actor tokens per device per micro-step")
+    p.add_argument("--rollout-seq-len", type=int, default=4096, help="max prompt + completion length (KV cache)")
+    p.add_argument("--train-seq-len", type=int, default=None, help="actor sequence length (default: rollout's)")
+    p.add_argument("--rollout-experts", choices=("fp8", "fp4"), default="fp8")
+    p.add_argument("--fp8-scale-bytes", type=float, default=4.0, help="bytes per FP8 block scale (sampler: f32 = 4)")
+    p.add_argument("--fp4-scale-bytes", type=float, default=1.0, help="bytes per FP4 1x32 scale (E8M0 = 1)")
+    p.add_argument("--rollout-dequant", choices=("per_step", "per_call"), default="per_step",
+                   help="sampler dequant mode; per_call keeps a bf16 copy of the quantised weights")
+    p.add_argument("--kv-dtype", choices=sorted(_BYTES), default="bf16", help="sampler compute dtype (KV entries)")
+    p.add_argument("--usable-fraction", type=float, default=0.90)
+    p.add_argument("--rollout-reserve", type=float, default=0.10)
+    p.add_argument("--rollout-seqs-per-device", type=int, default=1, help="sequences that must fit for 'fits'")
+    p.add_argument("--ep-capacity-factor", type=float, default=None, help="EP buffer factor (default dropless)")
+    p.add_argument("--host-gib-per-node", type=float, default=None,
+                   help="host RAM per node for the offloaded optimizer; checked only when given")
+    args = p.parse_args(argv)
+    try:
+        report = plan(args.config, args.mesh, args.gpu, nodes=args.nodes, optimizer_dtype=args.optimizer_dtype,
+                      offload_optimizer=args.offload_optimizer, tokens_per_device=args.tokens_per_device,
+                      rollout_seq_len=args.rollout_seq_len, train_seq_len=args.train_seq_len,
+                      rollout_experts=args.rollout_experts, fp8_scale_bytes=args.fp8_scale_bytes,
+                      fp4_scale_bytes=args.fp4_scale_bytes, rollout_dequant=args.rollout_dequant,
+                      kv_dtype=args.kv_dtype,
+                      usable_fraction=args.usable_fraction, rollout_reserve=args.rollout_reserve,
+                      rollout_seqs_per_device=args.rollout_seqs_per_device,
+                      ep_capacity_factor=args.ep_capacity_factor, host_gib_per_node=args.host_gib_per_node)
+    except ValueError as e:  # MeshSpecError is a ValueError
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print(report.table())
+    print(report.line())
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,256 @@
+"""Tests for sharding/expert.py on the 8 forced CPU devices: the EP dispatch equals the single-device reference
+`dsv4.moe.routed_experts_ragged` (fp32, <= 1e-5) for both backends (ragged through the all_gather reference of
+ragged_all_to_all, since XLA:CPU lacks the op), including when every token picks the same experts, with padding
+and skipped pairs, with a bounded capacity (drops predicted by hand), on actor and rollout layouts; gradients
+w.r.t. x, the routing weights and w1/w3/w2 equal the unsharded ones; the native ragged op lowers (CPU) / runs (GPU).
+"""
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from dsv4 import moe
+from sharding.expert import _ragged_all_to_all_reference, make_ep_dispatch
+from sharding.mesh import build_mesh_plan
+from sharding.rules import ACTOR_RULES, ROLLOUT_RULES, param_shardings
+
+T, D, E, I, K = 48, 16, 8, 8, 2
+LIMIT = 10.0
+TOL = dict(rtol=1e-5, atol=1e-5)
+# LLVM -O0 for XLA:CPU: compiles ~2.5x faster on the shared cores; the HLO (and so every sharding) is unchanged.
+FAST_COMPILE = {"xla_backend_optimization_level": 0}
+
+
+def _call(jitted, *args):
+    """Lower, compile with FAST_COMPILE and run `jitted(*args)` (under the caller's mesh context)."""
+    return jitted.lower(*args).compile(compiler_options=FAST_COMPILE)(*args)
+
+
+def routed_experts_ragged(*args, limit, dtype):
+    """The single-device reference `dsv4.moe.routed_experts_ragged`, jitted (eager dispatch is slower here)."""
+    return _call(jax.jit(functools.partial(moe.routed_experts_ragged, limit=limit, dtype=dtype)), *args)
+
+
+@pytest.fixture(scope="module")
+def actor_mesh():
+    return build_mesh_plan("actor:fsdp=2,expert=2,tensor=2").actor
+
+
+def _inputs(seed=0, t=T, same=False):
+    """x [t, D], ids [t, K] (distinct experts per token, or all tokens -> experts (3, 5)), weights, w1, w3, w2."""
+
+    def make():
+        ks = jax.random.split(jax.random.key(seed), 6)
+        x = jax.random.normal(ks[0], (t, D))
+        if same:
+            ids = jnp.tile(jnp.array([[3, 5]], jnp.int32), (t, 1))
+        else:  # a random permutation prefix per token
+            ids = jnp.argsort(jax.random.uniform(ks[1], (t, E)), axis=1)[:, :K].astype(jnp.int32)
+        w = jax.random.uniform(ks[2], (t, K), minval=0.1, maxval=1.0)
+        w1 = jax.random.normal(ks[3], (E, I, D)) / 3
+        w3 = jax.random.normal(ks[4], (E, I, D)) / 3
+        w2 = jax.random.normal(ks[5], (E, D, I)) / 3
+        return x, ids, w, w1, w3, w2
+
+    return _call(jax.jit(make))
+
+
+def _backend(name):
+    """(backend, hook): the ragged backend on CPU goes through the all_gather reference of ragged_all_to_all."""
+    return ("ragged", _ragged_all_to_all_reference) if name == "ragged" else ("capacity", None)
+
+
+def _run(mesh, fn, x, ids, w, w1, w3, w2, rules=ACTOR_RULES):
+    """jit on `mesh` with the weights placed by `rules` (as the model's parameters would be)."""
+    wsh = [NamedSharding(mesh, s) for s in _weight_specs(mesh, rules)]
+    w1, w3, w2 = (jax.device_put(a, s) for a, s in zip((w1, w3, w2), wsh))
+    with jax.set_mesh(mesh):
+        return _call(jax.jit(lambda *a: fn(*a, limit=LIMIT, dtype=jnp.float32)), x, ids, w, w1, w3, w2)
+
+
+def _weight_specs(mesh, rules):
+    from flax import nnx
+
+    from sharding import axes as ax
+
+    tree = {"w1": nnx.Param(jax.ShapeDtypeStruct((E, I, D), jnp.float32), logical_axes=(ax.EXPERT, ax.MLP, ax.EMBED)),
+            "w2": nnx.Param(jax.ShapeDtypeStruct((E, D, I), jnp.float32), logical_axes=(ax.EXPERT, ax.EMBED, ax.MLP))}
+    sh = param_shardings(tree, mesh, rules)
+    return sh["w1"].get_value().spec, sh["w1"].get_value().spec, sh["w2"].get_value().spec
+
+
+@pytest.mark.parametrize("backend", ["capacity", "ragged"])
+@pytest.mark.parametrize("same", [False, True], ids=["random", "all_same_expert"])
+def test_matches_reference(actor_mesh, backend, same):
+    args = _inputs(same=same)
+    ref = routed_experts_ragged(*args, limit=LIMIT, dtype=jnp.float32)
+    name, hook = _backend(backend)
+    out = _run(actor_mesh, make_ep_dispatch(actor_mesh, backend=name, _ragged_all_to_all=hook), *args)
+    assert out.shape == (T, D) and out.dtype == jnp.float32
+    assert out.sharding.is_equivalent_to(NamedSharding(actor_mesh, P(("fsdp", "expert"), None)), 2)
+    np.testing.assert_allclose(np.asarray(out), np.asarray(ref), **TOL)
+
+
+@pytest.mark.parametrize("spec, rules, backends", [
+    ("actor:expert=8", ACTOR_RULES, ("capacity",)),  # EP over all 8 devices, one expert each
+    ("actor:data=2,expert=4", ACTOR_RULES, ("capacity", "ragged")),  # two EP groups of 4 (offsets per group)
+    ("actor:fsdp=4/rollout:expert=2,tensor=2", ROLLOUT_RULES, ("capacity",)),  # rollout layout: TP, no FSDP
+])
+def test_other_layouts(spec, rules, backends):
+    plan = build_mesh_plan(spec)
+    mesh = plan.rollout if rules is ROLLOUT_RULES else plan.actor
+    args = _inputs(seed=1)
+    ref = routed_experts_ragged(*args, limit=LIMIT, dtype=jnp.float32)
+    for name in backends:
+        backend, hook = _backend(name)
+        fn = make_ep_dispatch(mesh, backend=backend, rules=rules, _ragged_all_to_all=hook)
+        np.testing.assert_allclose(np.asarray(_run(mesh, fn, *args, rules=rules)), np.asarray(ref), **TOL)
+
+
+@pytest.mark.parametrize("spec, exact", [("actor:fsdp=4,expert=2", True), ("actor:fsdp=2,expert=2,tensor=2", False)])
+def test_bf16_matches_reference(spec, exact):
+    """bf16 compute: bitwise equal to the reference without tensor parallelism (same dots, outputs travel in
+    bf16 losslessly); with TP the w2 partial sums stay f32 through the psum while the reference rounds each of
+    the k picks' outputs to bf16, so results differ by rounding only (<= k half-ulps, half-ulp <= 2^-8 |y|)."""
+    mesh = build_mesh_plan(spec).actor
+    x, ids, w, w1, w3, w2 = _inputs(seed=6)
+    args = (x.astype(jnp.bfloat16), ids, w, *(a.astype(jnp.bfloat16) for a in (w1, w3, w2)))
+    ref = np.asarray(routed_experts_ragged(*args, limit=LIMIT, dtype=jnp.bfloat16))
+    fn = make_ep_dispatch(mesh)
+    with jax.set_mesh(mesh):
+        out = np.asarray(_call(jax.jit(lambda *a: fn(*a, limit=LIMIT, dtype=jnp.bfloat16)), *args))
+    if exact:
+        np.testing.assert_array_equal(out, ref)
+    else:
+        assert np.abs(out - ref).max() <= K * 2.0**-8 * np.abs(ref).max()
+
+
+@pytest.mark.parametrize("backend", ["capacity", "ragged"])
+def test_gradients_match(actor_mesh, backend):
+    x, ids, w, w1, w3, w2 = _inputs(seed=2)
+    name, hook = _backend(backend)
+    fn = make_ep_dispatch(actor_mesh, backend=name, _ragged_all_to_all=hook)
+    probe = jax.random.normal(jax.random.key(9), (T, D))
+
+    def loss(f, x, w, w1, w3, w2):
+        return jnp.sum(probe * f(x, ids, w, w1, w3, w2, limit=LIMIT, dtype=jnp.float32))
+
+    ref = _call(jax.jit(jax.grad(lambda *a: loss(moe.routed_experts_ragged, *a), argnums=range(5))), x, w, w1, w3,
+                w2)
+    specs = _weight_specs(actor_mesh, ACTOR_RULES)
+    w1s, w3s, w2s = (jax.device_put(a, NamedSharding(actor_mesh, s)) for a, s in zip((w1, w3, w2), specs))
+    with jax.set_mesh(actor_mesh):
+        got = _call(jax.jit(jax.grad(lambda *a: loss(fn, *a), argnums=range(5))), x, w, w1s, w3s, w2s)
+    for name_, g, r in zip(("x", "weights", "w1", "w3", "w2"), got, ref):
+        assert g.shape == r.shape, name_
+        # sums over the k picks / tokens happen in another order: scale the tolerance by the gradient's size
+        np.testing.assert_allclose(np.asarray(g), np.asarray(r), rtol=1e-5, atol=1e-5 * float(jnp.abs(r).max()),
+                                   err_msg=name_)
+    # the weight gradients keep the weights' layout (reduce-scattered over fsdp, split over expert / tensor)
+    assert got[2].sharding.is_equivalent_to(NamedSharding(actor_mesh, specs[0]), 3)
+
+
+def test_padding_and_skipped_pairs(actor_mesh):
+    """T not divisible by the 4 token shards, and ids < 0 (skipped pairs) -> same as the reference without them."""
+    x, ids, w, w1, w3, w2 = _inputs(seed=3, t=T - 3)
+    ids = ids.at[::5, 1].set(-1)
+    keep = ids >= 0
+    ref = routed_experts_ragged(x, jnp.where(keep, ids, 0), jnp.where(keep, w, 0.0), w1, w3, w2, limit=LIMIT,
+                                dtype=jnp.float32)
+    for name in ("capacity", "ragged"):
+        backend, hook = _backend(name)
+        out = _run(actor_mesh, make_ep_dispatch(actor_mesh, backend=backend, _ragged_all_to_all=hook),
+                   x, ids, w, w1, w3, w2)
+        np.testing.assert_allclose(np.asarray(out), np.asarray(ref), **TOL)
+
+
+def _kept_pairs(ids, n_shards, ep, n_local, backend, cf):
+    """Which (token, k) pairs survive a bounded buffer, computed by hand. Token shard s = rows [s Tl, (s+1) Tl);
+    its EP rank is s % ep (expert is the minor token axis), its EP group s // ep."""
+    ids = np.asarray(ids)
+    t, k = ids.shape
+    tl = t // n_shards
+    n = tl * k
+    keep = np.zeros(ids.shape, bool)
+    if backend == "capacity":  # per source shard, per destination rank: the first C pairs in (token, k) order
+        cap = min(n, max(1, math.ceil(cf * n / ep)))
+        for s in range(n_shards):
+            used = np.zeros(ep, int)
+            for row in range(s * tl, (s + 1) * tl):
+                for j in range(k):
+                    dst = ids[row, j] // n_local
+                    keep[row, j] = used[dst] < cap
+                    used[dst] += 1
+        return keep
+    rows = max(1, math.ceil(cf * n))  # ragged: receivers fill from source rank 0 upward, pairs sorted by expert
+    for g in range(n_shards // ep):
+        filled = np.zeros(ep, int)
+        for r in range(ep):
+            s = g * ep + r
+            block = ids[s * tl:(s + 1) * tl].reshape(-1)
+            for p in np.argsort(block, kind="stable"):
+                dst = block[p] // n_local
+                keep[s * tl + p // k, p % k] = filled[dst] < rows
+                filled[dst] += 1
+    return keep
+
+
+@pytest.mark.parametrize("backend", ["capacity", "ragged"])
+def test_bounded_capacity_drops_predictably(actor_mesh, backend):
+    x, ids, w, w1, w3, w2 = _inputs(seed=4)
+    ids = ids.at[: T // 2].set(jnp.array([0, 1], jnp.int32))  # half the tokens crowd rank 0's experts
+    cf = 0.75
+    keep = jnp.asarray(_kept_pairs(ids, 4, 2, E // 2, backend, cf))
+    assert 0 < int(keep.sum()) < ids.size  # some pairs are dropped, some kept
+    ref = routed_experts_ragged(x, ids, jnp.where(keep, w, 0.0), w1, w3, w2, limit=LIMIT, dtype=jnp.float32)
+    name, hook = _backend(backend)
+    fn = make_ep_dispatch(actor_mesh, backend=name, capacity_factor=cf, _ragged_all_to_all=hook)
+    np.testing.assert_allclose(np.asarray(_run(actor_mesh, fn, x, ids, w, w1, w3, w2)), np.asarray(ref), **TOL)
+
+
+def test_native_ragged_all_to_all_lowers(actor_mesh):
+    """The real jax.lax.ragged_all_to_all path traces, differentiates and lowers on any backend."""
+    x, ids, w, w1, w3, w2 = _inputs()
+    fn = make_ep_dispatch(actor_mesh, backend="ragged")
+    g = jax.jit(jax.grad(lambda x, w1: jnp.sum(fn(x, ids, w, w1, w3, w2, limit=LIMIT, dtype=jnp.float32)),
+                         argnums=(0, 1)))
+    with jax.set_mesh(actor_mesh):
+        text = g.lower(x, w1).as_text()
+    assert "ragged_all_to_all" in text
+
+
+@pytest.mark.skipif(jax.default_backend() == "cpu",
+                    reason="XLA:CPU does not implement ragged-all-to-all (UNIMPLEMENTED: HLO opcode "
+                           "ragged-all-to-all is not supported by XLA:CPU ThunkEmitter)")
+def test_native_ragged_all_to_all_matches_reference():
+    n = jax.device_count()
+    ep = 1 << (n.bit_length() - 1)
+    mesh = build_mesh_plan(f"actor:expert={ep}").actor
+    args = _inputs(seed=5)
+    ref = routed_experts_ragged(*args, limit=LIMIT, dtype=jnp.float32)
+    out = _run(mesh, make_ep_dispatch(mesh, backend="ragged"), *args)
+    np.testing.assert_allclose(np.asarray(out), np.asarray(ref), **TOL)
+
+
+def test_errors(actor_mesh):
+    with pytest.raises(ValueError, match="unknown EP backend 'dense'"):
+        make_ep_dispatch(actor_mesh, backend="dense")
+    with pytest.raises(ValueError, match="capacity_factor must be None"):
+        make_ep_dispatch(actor_mesh, capacity_factor=0.0)
+    with pytest.raises(ValueError, match="expert_axis 'ep' is not an axis"):
+        make_ep_dispatch(actor_mesh, expert_axis="ep")
+    with pytest.raises(ValueError, match="overlap the tensor-parallel axes"):
+        make_ep_dispatch(actor_mesh, token_axes=("fsdp", "expert", "tensor"))
+    with pytest.raises(ValueError, match="embed dim is split over"):
+        make_ep_dispatch(actor_mesh, token_axes=("expert",))
+    with pytest.raises(ValueError, match="must be one of token_axes"):
+        make_ep_dispatch(actor_mesh, token_axes=("fsdp",))
+    x, ids, w, w1, w3, w2 = _inputs()
+    fn = make_ep_dispatch(actor_mesh)
+    with pytest.raises(ValueError, match="n_routed_experts=7 is not divisible"):
+        fn(x, ids, w, w1[:7], w3[:7], w2[:7], limit=LIMIT, dtype=jnp.float32)

@@ -1,0 +1,177 @@
+"""Tests for sharding/plan.py: Flash weight bytes per device equal hand arithmetic from the spec's parameter
+counts (docs/dsv4-architecture.md §10) on two actor meshes and the rollout FP8/FP4 expert bytes; per-device bytes
+agree with jax's own NamedSharding shard shapes on the tiny model; the KV-cache formula by hand; impossible
+layouts are reported as not fitting; the CLI runs for the seed layouts; errors name the problem.
+The Flash `nnx.eval_shape` (10-20 s) runs once per process (`plan.model_leaves` is cached)."""
+
+import math
+
+import jax.numpy as jnp
+import pytest
+from flax import nnx
+
+import dsv4
+from sharding import plan as pl
+from sharding.mesh import MeshSpecError, build_mesh_plan
+
+GiB = 2**30
+
+# ---- Flash parameter counts (spec §10), split by dtype and by whether a dim is `embed` (FSDP-sharded on the actor).
+L, N_CSA, N_HCA, N_HASH, N_MTP = 43, 21, 20, 3, 1
+LAYERS = L + N_MTP  # every block (main + MTP) has attention core, mHC, norms and an MoE
+ROUTED = 6_442_450_944  # 256 experts x 3 x 4096 x 2048 per layer (expert, mlp, embed)
+ROUTER = 256 * 4096  # gate.weight (expert, embed)
+BIAS = 256  # gate.bias fp32 (expert), learned layers: 40 main + MTP
+TID2EID = 129280 * 6 * 4  # int32 (vocab, table), hash layers, replicated when tensor = 1
+# per block, bf16 with an embed dim: wq_a, wkv, wo_b, attn/ffn norms, shared expert
+EMB_BLOCK = 4096 * 1024 + 4096 * 512 + 8192 * 4096 + 2 * 4096 + 3 * 4096 * 2048
+# per block, bf16 without an embed dim: wq_b, q_norm, kv_norm, wo_a
+REP_BLOCK = 1024 * 32768 + 1024 + 512 + 8 * 1024 * 4096
+F32_BLOCK = 64 + 786_486  # sinks + mHC (replicated)
+EMB_CSA, REP_CSA, F32_CSA = 2 * 4096 * 1024 + 2 * 4096 * 256 + 4096 * 64, 512 + 128 + 1024 * 8192, 4 * 1024 + 4 * 256
+EMB_HCA, REP_HCA, F32_HCA = 2 * 4096 * 512, 512, 128 * 512
+EMB_GLOBAL = 2 * 129280 * 4096 + 4096  # embed, head (vocab, embed), final norm
+EMB_MTP = 2 * 4096 * 4096 + 3 * 4096  # e_proj, h_proj (embed, None), enorm / hnorm / norm
+F32_GLOBAL = 2 * (4 * 16384 + 4 + 1)  # hc_head of the model and of MTP
+N_BIAS = L - N_HASH + N_MTP
+
+EMB = LAYERS * EMB_BLOCK + N_CSA * EMB_CSA + N_HCA * EMB_HCA + EMB_GLOBAL + EMB_MTP
+REP = LAYERS * REP_BLOCK + N_CSA * REP_CSA + N_HCA * REP_HCA
+F32 = LAYERS * F32_BLOCK + N_CSA * F32_CSA + N_HCA * F32_HCA + F32_GLOBAL
+ROUTED_ALL, ROUTER_ALL = LAYERS * ROUTED, LAYERS * ROUTER
+
+
+def test_hand_counts_match_the_spec():
+    """The split above adds up to the spec's totals: 277,025,390,592 routed in the 43 layers and
+    290,942,289,362 logical parameters with MTP (main 284,332,240,471 + MTP 6,610,048,891)."""
+    assert L * ROUTED == 277_025_390_592
+    total = EMB + REP + F32 + ROUTED_ALL + ROUTER_ALL + N_BIAS * BIAS
+    assert total == 284_332_240_471 + 6_610_048_891 == 290_942_289_362
+
+
+@pytest.fixture(scope="module")
+def flash_leaves():
+    return pl.model_leaves(dsv4.DSV4Config.flash())
+
+
+def test_model_leaves_match_hand_counts(flash_leaves):
+    floats = sum(math.prod(lf.shape) for lf in flash_leaves if lf.dtype != "int32")
+    assert floats == 290_942_289_362
+    assert sum(math.prod(lf.shape) for lf in flash_leaves if lf.dtype == "float32") == F32 + N_BIAS * BIAS
+
+
+def _weights(report):
+    return report.actor.items["weights (bf16; fp32 mHC/sinks/ape/bias; int32 tid2eid)"]
+
+
+def test_actor_weights_expert8(flash_leaves):
+    """actor:expert=8 (one node): only the expert dim is split: routed experts, router weight and bias / 8."""
+    r = pl.plan("flash", "actor:expert=8", "mi308x", nodes=1)
+    hand = (2 * (EMB + REP) + 4 * F32 + N_HASH * TID2EID
+            + (2 * (ROUTED_ALL + ROUTER_ALL) + 4 * N_BIAS * BIAS) / 8)
+    assert _weights(r) == hand
+    # gradients: the same minus the non-trained tables (tid2eid) and buffers (router bias)
+    assert r.actor.items["gradients (param dtype)"] == hand - N_HASH * TID2EID - 4 * N_BIAS * BIAS / 8
+    # master fp32 for the bf16 params only; Adam 2 x 4 bytes for every trained param
+    bf16_local = EMB + REP + (ROUTED_ALL + ROUTER_ALL) / 8
+    assert r.actor.items["fp32 master weights"] == 4 * bf16_local
+    assert r.actor.items["Adam moments (2 x fp32)"] == 8 * (bf16_local + F32)
+    assert not r.actor.fits  # 284B-parameter training state on one node: impossible
+    assert r.actor.margin < -500 * GiB  # ~689 GiB per device needed vs 172.8 usable
+
+
+def test_actor_weights_fsdp8_expert8(flash_leaves):
+    """actor:fsdp=8,expert=8 over 64 devices (8 nodes): embed dims / 8 as well; experts and router / 64."""
+    r = pl.plan("flash", "actor:fsdp=8,expert=8", "mi355x", nodes=8)
+    hand = (2 * EMB / 8 + 2 * REP + 4 * F32 + N_HASH * TID2EID
+            + 2 * (ROUTED_ALL + ROUTER_ALL) / 64 + 4 * N_BIAS * BIAS / 8)
+    assert _weights(r) == hand
+    assert r.actor.devices == 64 and r.actor.nodes == 8
+
+
+def test_rollout_expert_bytes(flash_leaves):
+    """Routed experts on rollout:expert=8. FP8 (as rl/sampler.py holds them): 1 B per weight split over 8, plus
+    one f32 scale per 128x128 tile (each [2048, 4096] matrix is 16 x 32 whole tiles) replicated on every device.
+    FP4: 0.5 B + one 1-byte E8M0 scale per 32 inputs, split like the weight."""
+    spec = "actor:expert=8/rollout:expert=8"
+    r = pl.plan("flash", spec, "mi355x", nodes=2)
+    assert r.rollout.items["weights: routed experts (fp8)"] == ROUTED_ALL / 8 + ROUTED_ALL / (128 * 128) * 4
+    r = pl.plan("flash", spec, "mi355x", nodes=2, rollout_experts="fp4")
+    assert r.rollout.items["weights: routed experts (fp4)"] == pytest.approx(ROUTED_ALL / 8 * (0.5 + 1 / 32), rel=1e-12)
+    # dequant=per_call keeps a bf16 copy of every quantised tensor (experts + the FP8 set) during generate
+    r = pl.plan("flash", spec, "mi355x", nodes=2, rollout_dequant="per_call")
+    fp8_set = LAYERS * (4096 * 1024 + 1024 * 32768 + 4096 * 512 + 2 * 8192 * 4096 + 3 * 4096 * 2048) \
+        + N_CSA * 1024 * 8192 + 2 * 4096 * 4096  # attention, shared expert; indexer wq_b; MTP e/h_proj
+    assert r.rollout.items["bf16 copy of the quantised weights (dequant=per_call)"] == 2 * (ROUTED_ALL / 8 + fp8_set)
+
+
+def test_kv_cache_layout():
+    """Flash, from dsv4.cache: 43 main layers of sliding ring (128 x 512 bf16 + 128 int32); 21 CSA layers (m=4)
+    with bf16 entries, f32 indexer keys (128) and 4 f32 [m, 2d] / [m, 2d_I] window states; 20 HCA (m'=128) with
+    bf16 entries and 4 f32 [m', d] window states. The MTP block has no decode cache."""
+    kv = pl.KVCache.for_config(dsv4.DSV4Config.flash())
+    fixed = 43 * (128 * 512 * 2 + 128 * 4) + 21 * 4 * (4 * 1024 + 4 * 256) * 4 + 20 * 4 * 128 * 512 * 4
+    per_token = 21 * (512 * 2 + 128 * 4) / 4 + 20 * 512 * 2 / 128
+    assert kv.fixed == fixed == 28_349_952 and kv.per_token == per_token == 8224
+    assert kv.per_seq(4096) == fixed + 4096 * 8224
+
+
+def test_per_device_bytes_match_jax_shardings():
+    """On the tiny model and the 8 CPU devices, the planner's local shapes are jax's NamedSharding shard shapes."""
+    cfg = dsv4.DSV4Config.tiny()
+    abstract = nnx.state(nnx.eval_shape(lambda: dsv4.DSV4ForCausalLM(cfg, rngs=nnx.Rngs(0),
+                                                                    param_dtype=jnp.bfloat16)))
+    plan = build_mesh_plan("actor:fsdp=2,expert=2,tensor=2")
+    leaves = {lf.path: lf for lf in pl.model_leaves(cfg)}
+    for role, rules in (("actor", pl.rl.ACTOR_RULES), ("rollout", pl.rl.ROLLOUT_RULES)):
+        shardings = plan.param_shardings(role, abstract)
+        amesh = pl.abstract_mesh(dict(plan.actor.shape))
+        for path, sh in nnx.to_flat_state(shardings):
+            key = ".".join(map(str, path))
+            leaf = leaves[key]
+            assert pl.local_shape(leaf, rules, amesh) == sh.get_value().shard_shape(leaf.shape), (role, key)
+
+
+def test_errors():
+    with pytest.raises(MeshSpecError, match=r"uses 24 devices but 2 node\(s\) x 8 = 16"):
+        pl.plan("flash", "actor:fsdp=2,expert=8/rollout:expert=8", "mi308x", nodes=2)
+    with pytest.raises(MeshSpecError, match="does not divide hidden_size"):
+        pl.plan("flash", "actor:fsdp=3", "mi308x", nodes=None)
+    with pytest.raises(ValueError, match="unknown gpu 'a100'"):
+        pl.plan("flash", "actor:expert=8", "a100")
+    with pytest.raises(MeshSpecError, match="needs the node count"):
+        pl.plan("flash", "auto", "h200")
+
+
+SEEDS = [
+    # (a) 2 actor nodes + 1 FP8 rollout node of MI308X: the actor fits only with the optimizer in host memory
+    (["--mesh", "actor:fsdp=2,expert=4,tensor=2/rollout:expert=8", "--gpu", "mi308x", "--nodes", "3"], "no", "yes"),
+    (["--mesh", "actor:fsdp=2,expert=4,tensor=2/rollout:expert=8", "--gpu", "mi308x", "--nodes", "3",
+      "--offload-optimizer", "1.0"], "yes", "yes"),
+    (["--mesh", "actor:fsdp=2,expert=8/rollout:expert=8", "--gpu", "mi308x", "--nodes", "3",
+      "--offload-optimizer", "1.0"], "yes", "yes"),
+    # (b) 4 MI355X nodes: 3 actor nodes cannot shard power-of-two dims (data=3 replicates); 2 + 2 and colocated fit
+    (["--mesh", "actor:data=3,fsdp=2,expert=4/rollout:expert=8", "--gpu", "mi355x", "--nodes", "4"], "no", "yes"),
+    (["--mesh", "actor:data=3,fsdp=2,expert=4/rollout:expert=8", "--gpu", "mi355x", "--nodes", "4",
+      "--offload-optimizer", "1.0", "--host-gib-per-node", "2048"], "no", "yes"),  # needs 3.6 TiB of host RAM
+    (["--mesh", "actor:fsdp=2,expert=2,tensor=4/rollout:data=2,expert=8", "--gpu", "mi355x", "--nodes", "4",
+      "--offload-optimizer", "0.5"], "yes", "yes"),
+    (["--mesh", "actor:fsdp=2,expert=8,tensor=2", "--gpu", "mi355x", "--nodes", "4"], "yes", "yes"),
+]
+
+
+@pytest.mark.parametrize("argv, actor_fits, rollout_fits", SEEDS)
+def test_cli_seed_layouts(capsys, argv, actor_fits, rollout_fits):
+    assert pl.main(["--config", "flash", *argv]) == 0
+    out = capsys.readouterr().out
+    line = out.strip().splitlines()[-1]
+    assert line.startswith("PLAN role=actor per_device_gib=")
+    fields = [kv.split("=", 1) for kv in line.split()[1:]]
+    fits = [v for k, v in fields if k == "fits"]
+    assert fits == [actor_fits, rollout_fits], out
+    assert "verdict:" in out and "KV cache per sequence" in out
+
+
+def test_cli_error_exit(capsys):
+    assert pl.main(["--mesh", "actor:fsdp=3", "--gpu", "h200"]) == 2
+    assert "error:" in capsys.readouterr().err
