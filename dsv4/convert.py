@@ -276,10 +276,7 @@ def _load_fused(read, *, weights_raw, lyr, wn, cfg, files):
 
 # ------------------------------------------------------------------------------------------------ export
 
-# Which official weights the released checkpoint stores as FP8 (spec §9.1, §12 item 24).
-_FP8_KEYS = re.compile(r"(\.attn\.(wq_a|wq_b|wkv|wo_a|wo_b)\.weight|\.attn\.indexer\.wq_b\.weight|"
-                       r"\.ffn\.shared_experts\.w[123]\.weight|\.(e_proj|h_proj)\.weight)$")
-_BF16_TORCH = {"float32": np.float32, "bfloat16": ml_dtypes.bfloat16}
+_FP8_KEYS = quant.FP8_WEIGHT_RE  # the released FP8 set (routed experts are matched separately)
 
 
 def iter_export_tensors(model: DSV4ForCausalLM, *, quantize: str | None = None, block=(128, 128)):

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import re
 from typing import Any
 
 import jax
@@ -53,6 +54,12 @@ FP8_ALIASES: dict[str, str] = {
 _FP8_NAN_BYTES = {"e4m3fn": (0x7F, 0xFF), "e4m3fnuz": (0x80,)}
 # Device-kind substrings of AMD CDNA3 (gfx942: MI300X, MI300A, MI308X, MI325X), whose native fp8 is fnuz.
 _GFX942_MARKERS = ("gfx942", "mi300", "mi308", "mi325")
+
+# Which model tensors are stored quantised (names with "." or "/" separators, official keys or NNX paths):
+# the released checkpoint's FP8 set (spec §9.1, §12 item 24) and the routed experts (FP4 in the release).
+FP8_WEIGHT_RE = re.compile(r"(attn[./](wq_a|wq_b|wkv|wo_a|wo_b)[./]weight|attn[./]indexer[./]wq_b[./]weight|"
+                           r"ffn[./]shared_experts[./]w[123][./]weight|(e_proj|h_proj)[./]weight)$")
+ROUTED_EXPERT_RE = re.compile(r"ffn[./]experts[./](\d+[./])?w[123]([./]weight)?$")
 
 FP4_MAX = 6.0
 FP4_BLOCK = 32

@@ -318,7 +318,7 @@ class RunConfig:
     reward: str = "auto"
     max_prompt_len: int = 256
     on_bad_record: Literal["skip", "fail"] = "fail"
-    steps: int = 120
+    steps: int = 80
     prompts_per_step: int = 32
     group_size: int = 16
     max_new_tokens: int = 4
@@ -341,11 +341,11 @@ class RunConfig:
     freeze_router: bool = False
     micro_batch_size: int | None = None
     compute_dtype: Literal["bfloat16", "float32"] = "float32"
-    eval_every: int = 40
+    eval_every: int = 20
     eval_prompts: int = 64
     eval_samples: int = 4
     ckpt_dir: str | None = "runs/default/ckpt"
-    ckpt_every: int = 40
+    ckpt_every: int = 20
     resume: Literal["auto", "never"] = "auto"
     keep_checkpoints: int = 2
     metrics_jsonl: str | None = "runs/default/metrics.jsonl"

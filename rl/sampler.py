@@ -46,9 +46,7 @@ from dsv4.model import DSV4ForCausalLM
 log = logging.getLogger(__name__)
 
 MAX_STOP_IDS = 16
-# Tensors stored FP8 in the released checkpoint (spec §9.1, §12.24) + the routed experts (FP4 there).
-_FP8_PATH = re.compile(r"(attn/(wq_a|wq_b|wkv|wo_a|wo_b)/weight|attn/indexer/wq_b/weight|"
-                       r"ffn/shared_experts/w[123]/weight|ffn/experts/w[123]|(e_proj|h_proj)/weight)$")
+# Quantised on the rollout side: the released FP8 set and the routed experts (dsv4.quant).
 _KEEP_F32 = re.compile(r"(hc_|attn_sink|/ape$|gate/bias$)")
 
 
@@ -219,7 +217,7 @@ class Sampler:
         return {_key(p): v.value if isinstance(v, nnx.Variable) else v for p, v in nnx.to_flat_state(sh)}
 
     def _is_fp8(self, key: str, leaf) -> bool:
-        return self.fp8 and bool(_FP8_PATH.search(key)) and leaf.ndim >= 2
+        return self.fp8 and leaf.ndim >= 2 and bool(quant.FP8_WEIGHT_RE.search(key) or quant.ROUTED_EXPERT_RE.search(key))
 
     def _wstate_shardings(self):
         if self.mesh is None:

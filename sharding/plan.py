@@ -35,7 +35,7 @@ Activation estimate for T = tokens per device, S = sequence length, full remater
 It is an order-of-magnitude estimate (+-50%): XLA fusion, buffer reuse and the loss chunking change it.
 
 Rollout, per device, as rl/sampler.py holds it: FP8 e4m3 (1 byte per weight) for the checkpoint's FP8 set
-(`dsv4.convert` `_FP8_KEYS`: attention wq_a/wq_b/wkv/wo_a/wo_b, indexer wq_b, shared experts, MTP e/h_proj) and
+(`dsv4.quant.FP8_WEIGHT_RE`: attention wq_a/wq_b/wkv/wo_a/wo_b, indexer wq_b, shared experts, MTP e/h_proj) and
 the routed experts (`rollout_experts="fp8"`), with one f32 scale per 128x128 block replicated on every device
 (`fp8_scale_bytes` = 4; E8M0 would be 1); or FP4 e2m1 experts ("fp4": 0.5 byte + one `fp4_scale_bytes` = 1 E8M0
 scale per 32 inputs, split like the weight; the released layout, which the sampler cannot run yet). Everything
@@ -102,10 +102,10 @@ _EXPERTS = re.compile(r"\.ffn\.experts\.w[123]$")  # the stacked routed experts 
 
 
 def _fp8_keys() -> re.Pattern:
-    """The release's FP8 set, as defined once in `dsv4.convert` (imported lazily: sharding/ loads before dsv4)."""
-    from dsv4.convert import _FP8_KEYS
+    """The release's FP8 set, as defined once in `dsv4.quant` (imported lazily: sharding/ loads before dsv4)."""
+    from dsv4.quant import FP8_WEIGHT_RE
 
-    return _FP8_KEYS
+    return FP8_WEIGHT_RE
 
 
 @dataclasses.dataclass(frozen=True)
