@@ -271,6 +271,20 @@ def evaluate(job: Job, step: int) -> dict:
             "eval/k": k, "eval/reward_mean": float(s_r.mean())}
 
 
+def global_batch(job: Job, batch: dict) -> dict:
+    """Multi-host: every host reads its own shard of prompts (grain, per-host sharding); the hosts then share
+    them so that every process feeds the same global batch to the jits that span all processes."""
+    if jax.process_count() == 1:
+        return batch
+    from jax.experimental import multihost_utils
+
+    idx = np.asarray(multihost_utils.process_allgather(batch["index"], tiled=True))
+    ids = np.asarray(multihost_utils.process_allgather(batch["prompt_ids"], tiled=True))
+    lens = np.asarray(multihost_utils.process_allgather(batch["prompt_len"], tiled=True))
+    return {"prompt_ids": ids, "prompt_len": lens, "index": idx,
+            "reference": [job.train_data.references[int(i)] for i in idx]}
+
+
 def train_step(job: Job, step: int) -> dict:
     """One GRPO step (stages 1-6); returns its metrics."""
     from rl.advantages import compute_advantages, dynamic_sampling_filter
@@ -278,7 +292,7 @@ def train_step(job: Job, step: int) -> dict:
 
     cfg = job.cfg
     t_step = time.perf_counter()
-    batch = next(job.iterator)
+    batch = global_batch(job, next(job.iterator))
     prompts = [batch["prompt_ids"][i, : batch["prompt_len"][i]].tolist() for i in range(len(batch["reference"]))]
     rb, rewards, metrics = rollout(job, prompts, batch["reference"], step)
     metrics.update(to_python(reward_stats(jnp.asarray(rewards), cfg.group_size)))
@@ -308,8 +322,9 @@ class MetricsLogger:
     """JSONL (one line per step, flushed) + TensorBoard (tensorboardX) sinks."""
 
     def __init__(self, cfg: RunConfig):
-        self.jsonl = pathlib.Path(cfg.metrics_jsonl) if cfg.metrics_jsonl else None
-        self.tb_dir = cfg.tensorboard_dir
+        primary = jax.process_index() == 0  # one writer in multi-host runs
+        self.jsonl = pathlib.Path(cfg.metrics_jsonl) if cfg.metrics_jsonl and primary else None
+        self.tb_dir = cfg.tensorboard_dir if primary else None
         self.tb = None
 
     def open(self, first_step: int | None) -> None:
@@ -412,7 +427,7 @@ def _main_thread() -> bool:
 
 
 def _progress(cfg: RunConfig, start: int):
-    if not cfg.progress:
+    if not cfg.progress or jax.process_index() != 0:
         return None
     from tqdm import tqdm
 
