@@ -221,6 +221,8 @@ def main(argv=None) -> int:
 if __name__ == "__main__":
     # On a CPU-only machine, split the host into 2 XLA devices so that `--mesh auto` makes two real, disjoint
     # meshes (actor 1 + rollout 1) with a real cross-mesh push. Only the CPU backend reads this flag.
-    if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
+    # (Not with --cpu-devices-per-process, which sets the CPU device count itself for multi-process runs.)
+    if ("xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", "")
+            and not any(a.startswith("--cpu-devices-per-process") for a in sys.argv)):
         os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=2").strip()
     sys.exit(main())

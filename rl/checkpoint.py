@@ -10,7 +10,9 @@ A checkpoint at step s holds (docs/jax-stack.md §6):
   function of the params (re-pushed on restore).
 Orbax writes `<step>.orbax-checkpoint-tmp` and renames it when complete, so a crash mid-save leaves the
 previous step as the latest. A latest checkpoint that fails to restore (corrupt or partial) falls back to the
-previous one with a warning; a fingerprint mismatch is an error naming the differing keys.
+previous one with a warning and is renamed `<step>.corrupt` (kept, but no longer a step, so the resumed run can
+save that step again); a fingerprint mismatch is an error naming the differing keys, checked by `check_latest`
+before the model is built.
 """
 
 from __future__ import annotations
@@ -72,6 +74,17 @@ class Checkpointer:
         self.mngr.save(step, args=ocp.args.Composite(state=ocp.args.StandardSave(flat),
                                                      meta=ocp.args.JsonSave(meta)), force=force)
 
+    def check_latest(self) -> None:
+        """Raise CheckpointMismatchError when the newest checkpoint whose meta is readable was written by another
+        config. Reads only the small JSON meta, so `build` can call it before any model is made."""
+        for step in reversed(self.all_steps()):
+            try:
+                meta = self.mngr.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
+            except Exception:  # noqa: BLE001 - unreadable meta: `restore` falls back past this step
+                continue
+            self._check(meta, step)
+            return
+
     def restore(self, target_state):
         """Restore the newest usable checkpoint onto `target_state`'s structure, shapes and shardings.
 
@@ -81,6 +94,7 @@ class Checkpointer:
         flat_target, treedef = _flatten(target_state)
         abstract = {k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=v.sharding) for k, v in flat_target.items()}
         steps = self.all_steps()
+        failed = []
         for i, step in enumerate(reversed(steps)):
             try:
                 meta = self.mngr.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
@@ -92,6 +106,7 @@ class Checkpointer:
                 if i + 1 < len(steps):
                     log.warning("checkpoint step %d in %s cannot be restored (%s: %s); falling back to the previous "
                                 "checkpoint", step, self.dir, type(e).__name__, str(e)[:200])
+                    failed.append(step)
                     continue
                 raise ValueError(f"no usable checkpoint in {self.dir}: step {step} failed with {e}") from e
             flat = got["state"]
@@ -100,8 +115,24 @@ class Checkpointer:
                 raise CheckpointMismatchError(f"checkpoint {self.dir}/{step} lacks {len(missing)} tensors, e.g. "
                                               f"{missing[:5]}")
             leaves = [flat[k] for k in flat_target]
+            self._set_aside(failed)
             return jax.tree_util.tree_unflatten(treedef, leaves), meta
         return None
+
+    def _set_aside(self, steps: list[int]) -> None:
+        """Rename unreadable checkpoints newer than the restored one to `<step>.corrupt` (kept for inspection,
+        invisible to orbax), so the resumed run can save those steps again."""
+        if not steps:
+            return
+        if jax.process_index() == 0:
+            for step in steps:
+                src, dst = self.dir / str(step), self.dir / f"{step}.corrupt"
+                n = 1
+                while dst.exists():
+                    dst, n = self.dir / f"{step}.corrupt{n}", n + 1
+                src.rename(dst)
+                log.warning("unreadable checkpoint %s moved to %s", src, dst)
+        self.mngr.reload()
 
     def _check(self, meta: dict, step: int) -> None:
         saved = meta.get("fingerprint", {})

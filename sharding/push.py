@@ -7,11 +7,13 @@
 What a push does, per tensor (shapes are the model's, e.g. experts w1 [E, I, D]; keys are nnx paths joined by
 "/", e.g. "layers/1/ffn/experts/w1", "layers/0/ffn/gate/tid2eid"):
 
-1. Actor mesh (`jax.set_mesh(actor)`): one jit casts the fp32 master weight to its *wire dtype* and reshards it to
-   a *transfer layout*. Wire dtype = the dtype the sampler stores the tensor in (bf16; f32 for the tensors the
-   sampler keeps in f32: mHC, sinks, ape, router selection bias; int32 for `tid2eid`), except FP8-stored tensors,
-   which travel as bf16 and are quantised on arrival. Tensors whose dtype and layout need no change skip the jit
-   (no copy on the actor side).
+1. Actor mesh (`jax.set_mesh`): one jit casts the fp32 master weight to its *wire dtype* and reshards it to a
+   *transfer layout*. Wire dtype = the dtype the sampler stores the tensor in (bf16; f32 for the tensors the
+   sampler keeps in f32: mHC, sinks, ape, router selection bias, which decides routing and must not be rounded;
+   int32 for `tid2eid`), except FP8-stored tensors, which travel as bf16 and are quantised on arrival. Tensors
+   whose dtype and layout need no change skip the jit (no copy on the actor side). The jit runs on one replica
+   only: a tensor the actor replicates over some mesh axes (e.g. `data=3`) is viewed, without a copy, as an
+   array on the sub-mesh at index 0 of those axes, so replicas are not cast (and do not hold copies) 3 times.
 2. `jax.device_put` onto the sampler's `rollout_shardings()` (disjoint rollout mesh), a chunk of tensors at a
    time (`chunk_bytes` of wire bytes), `block_until_ready`, then the chunk's actor-side bf16 copies are deleted
    explicitly (cross-mesh donation does not free the source on CPU, docs/jax-stack.md §2.3). Colocated plans
@@ -46,9 +48,10 @@ the new state is deleted and the old version stays live. The verdicts come to th
 `device_get` (4-6 uint32 per tensor), the only device-to-host traffic of a push.
 
 Compilation: the cast jit is keyed by (shape, dtype, sharding, wire dtype, transfer sharding), so repeated layer
-shapes share programs; `WeightPusher.__init__` runs a dry push of zeros (chunk by chunk, built per shard with
-`jax.make_array_from_callback`, never a whole-model host copy) through every stage, verification included, and
-drops the result, so the first real push is steady state and later pushes compile nothing
+shapes share programs; the verification programs (one per actor sub-mesh, one on the rollout mesh, for the whole
+model) are compiled ahead of time. `WeightPusher.__init__` runs a dry push of zeros (chunk by chunk, built per
+shard with `jax.make_array_from_callback`, never a whole-model host copy) through every stage, verification
+included, and drops the result, so the first real push is steady state and later pushes compile nothing
 (tests/sharding/test_push.py counts backend compiles).
 
 Memory (per push): actor side, at most one chunk of wire copies at a time; rollout side, the bf16 copy of every
@@ -129,6 +132,7 @@ class _Tensor:
     actor_dtype: Any
     wire_dtype: Any
     actor_sharding: NamedSharding
+    source_sharding: NamedSharding  # one copy of the actor array (a sub-mesh view when the actor replicates it)
     transfer_sharding: NamedSharding
     landing_sharding: NamedSharding
     rollout_sharding: NamedSharding
@@ -172,6 +176,29 @@ def _realize(mesh: Mesh, splits: tuple[int, ...], prefer: PartitionSpec | None) 
     return best
 
 
+@functools.lru_cache(maxsize=None)
+def _sub_mesh(mesh: Mesh, used: tuple[str, ...]) -> Mesh:
+    """The devices of `mesh` at index 0 along every axis not in `used` (same axis names, those axes of size 1)."""
+    index = tuple(slice(None) if name in used else slice(0, 1) for name in mesh.axis_names)
+    return Mesh(mesh.devices[index], mesh.axis_names, axis_types=mesh.axis_types)
+
+
+def _one_copy(sharding: NamedSharding) -> NamedSharding:
+    """The same layout restricted to one replica: e.g. P(None, "fsdp") on data=3 x fsdp=2 -> the 2 devices of data
+    index 0. Casting and resharding one replica instead of all of them saves (replicas - 1) x the work and memory."""
+    used = tuple(a for e in sharding.spec for a in _entry_axes(e))
+    sub = _sub_mesh(sharding.mesh, used)
+    return sharding if sub.devices.size == sharding.mesh.devices.size else NamedSharding(sub, sharding.spec)
+
+
+def _view(x: jax.Array, sharding: NamedSharding) -> jax.Array:
+    """x's buffers on `sharding`'s devices wrapped as an array of that sharding (no copy; never delete it)."""
+    if sharding == x.sharding:
+        return x
+    by_device = {shard.device: shard.data for shard in x.addressable_shards}
+    return jax.make_array_from_single_device_arrays(x.shape, sharding, [by_device[d] for d in sharding.mesh.devices.flat])
+
+
 def _divisor_vectors(splits: tuple[int, ...]):
     """Every vector s with s[d] dividing splits[d], most pieces first."""
     divs = [[k for k in range(n, 0, -1) if n % k == 0] for n in splits]
@@ -206,17 +233,17 @@ def _bits_u32(x):
 
 
 def _digest_terms(x):
-    """x [...] -> uint32[4]: (sum of bit words, position-weighted sum (weights 1..65521), any non-finite,
-    any nonzero). Sums wrap mod 2^32, so the reduction order does not matter."""
+    """x [...] -> uint32[4]: (sum of the bit words b_i, sum of b_i * (i + 1) with i the row-major position, any
+    non-finite, any nonzero). Sums wrap mod 2^32, so the reduction order (and the sharding) does not matter; the
+    position weight catches permuted blocks (swapping elements i, j changes the second sum by (b_i - b_j)(j - i))."""
     bits = _bits_u32(x)
-    idx = jnp.zeros(x.shape, jnp.uint32)
+    pos = jnp.ones(x.shape, jnp.uint32)
     stride = 1
     for d in reversed(range(x.ndim)):
-        idx = idx + jax.lax.broadcasted_iota(jnp.uint32, x.shape, d) * jnp.uint32(stride % 2**32)
+        pos = pos + jax.lax.broadcasted_iota(jnp.uint32, x.shape, d) * jnp.uint32(stride % 2**32)
         stride *= x.shape[d]
-    weight = idx % jnp.uint32(65521) + jnp.uint32(1)
     nonfinite = jnp.any(~jnp.isfinite(x)) if jnp.issubdtype(x.dtype, jnp.floating) else jnp.bool_(False)
-    return jnp.stack([jnp.sum(bits, dtype=jnp.uint32), jnp.sum(bits * weight, dtype=jnp.uint32),
+    return jnp.stack([jnp.sum(bits, dtype=jnp.uint32), jnp.sum(bits * pos, dtype=jnp.uint32),
                       nonfinite.astype(jnp.uint32), jnp.any(x != 0).astype(jnp.uint32)])
 
 
@@ -329,6 +356,11 @@ class WeightPusher:
         self.chunk_bytes, self.verify_every = int(chunk_bytes), int(verify_every)
         self.n_pushes = 0
         self._compiled: dict[str, Any] = {}
+        # XLA:CPU runs the per-device parts of every multi-device program on one shared thread pool; with hundreds
+        # of small collective programs in flight on few cores their rendezvous starve each other (seen: a 40 s
+        # all-gather rendezvous abort with a 6-device actor on 2 cores). On CPU each reshard program is therefore
+        # waited for before the next is dispatched; GPUs order collectives per stream and keep the async dispatch.
+        self._one_at_a_time = actor_mesh.devices.flat[0].platform == "cpu"
         abstract = _flat(abstract_actor_state)
         rollout_sh = sampler.rollout_shardings()
         _check_keys(abstract, rollout_sh, "WeightPusher")
@@ -358,13 +390,15 @@ class WeightPusher:
             wire = np.dtype(FP8_SOURCE_DTYPE if quantized else out.dtype)
             if not quantized and tuple(out.shape) != tuple(a.shape):
                 raise ValueError(f"WeightPusher: {k}: sampler stores shape {out.shape}, actor has {a.shape}")
-            if self.colocated:
-                transfer, landing = r_sh, r_sh
+            if self.colocated:  # the rollout layout is written by the actor-side jit itself, on the whole mesh
+                source, transfer, landing = actor_sh[k], r_sh, r_sh
             else:
-                transfer, landing = _transfer_layout(actor_sh[k], r_sh, len(a.shape))
-            same_layout = transfer.is_equivalent_to(actor_sh[k], len(a.shape))
+                source = _one_copy(actor_sh[k])
+                transfer, landing = _transfer_layout(source, r_sh, len(a.shape))
+            same_layout = transfer.is_equivalent_to(source, len(a.shape))
             tensors.append(_Tensor(key=k, shape=tuple(a.shape), actor_dtype=np.dtype(a.dtype), wire_dtype=wire,
-                                   actor_sharding=actor_sh[k], transfer_sharding=actor_sh[k] if same_layout else transfer,
+                                   actor_sharding=actor_sh[k], source_sharding=source,
+                                   transfer_sharding=source if same_layout else transfer,
                                    landing_sharding=landing, rollout_sharding=r_sh, quantized=quantized,
                                    actor_jit=wire != np.dtype(a.dtype) or not same_layout))
         return tensors
@@ -386,10 +420,15 @@ class WeightPusher:
         Returns {key: array in the final rollout sharding}; actor-side intermediates are deleted."""
         t0 = time.perf_counter()
         staged = {}
-        with jax.set_mesh(self.actor_mesh):
-            for t in chunk:
-                x = src[t.key]
-                staged[t.key] = _cast_reshard(x, t.wire_dtype, t.transfer_sharding) if t.actor_jit else x
+        for t in chunk:
+            x = _view(src[t.key], t.source_sharding)
+            if not t.actor_jit:
+                staged[t.key] = x
+                continue
+            with jax.set_mesh(t.source_sharding.mesh):
+                staged[t.key] = _cast_reshard(x, t.wire_dtype, t.transfer_sharding)
+            if self._one_at_a_time:
+                staged[t.key].block_until_ready()
         jax.block_until_ready(list(staged.values()))
         t1 = time.perf_counter()
         owned = {t.key for t in chunk if t.actor_jit}
@@ -406,8 +445,12 @@ class WeightPusher:
                 staged[t.key].delete()
         finish = [t for t in chunk if t.landing_sharding != t.rollout_sharding]
         if finish:
+            done = {}
             with jax.set_mesh(self.rollout_mesh):
-                done = {t.key: _cast_reshard(landed[t.key], t.wire_dtype, t.rollout_sharding) for t in finish}
+                for t in finish:
+                    done[t.key] = _cast_reshard(landed[t.key], t.wire_dtype, t.rollout_sharding)
+                    if self._one_at_a_time:
+                        done[t.key].block_until_ready()
             jax.block_until_ready(list(done.values()))
             for t in finish:
                 landed[t.key].delete()
@@ -416,20 +459,29 @@ class WeightPusher:
         times["transfer_s"] += time.perf_counter() - t1
         return landed
 
-    def _checker(self, name: str, mesh: Mesh, jitted, dynamic: tuple, static: tuple):
-        """Run a verification program, compiled ahead of time on first use (the warm-up) and reused after: a call
-        with other shapes/shardings raises instead of recompiling. On CPU it is compiled at LLVM -O0 (about 2x
-        faster to build on the shared cores; it is a handful of reductions)."""
+    def _checker(self, name, mesh: Mesh, jitted, dynamic: tuple, static: tuple, run: bool = True):
+        """Run a verification program, compiled ahead of time on first use (the warm-up, from shapes and shardings)
+        and reused after: a call with other shapes/shardings raises instead of recompiling."""
         with jax.set_mesh(mesh):
             if name not in self._compiled:
-                cpu = mesh.devices.flat[0].platform == "cpu"
-                opts = {"xla_backend_optimization_level": 0} if cpu else {}
-                self._compiled[name] = jitted.lower(*dynamic, *static).compile(compiler_options=opts)
-            return self._compiled[name](*dynamic)
+                self._compiled[name] = jitted.lower(*dynamic, *static).compile()
+            return self._compiled[name](*dynamic) if run else None
 
-    def _actor_digests(self, src: dict):
-        return self._checker("actor", self.actor_mesh, _digests, ([src[t.key] for t in self.tensors],),
-                             (tuple(t.wire_dtype for t in self.tensors),))
+    def _actor_digests(self, src: dict | None) -> list:
+        """[(tensors, uint32[n, 4])]: one program per sub-mesh of one-copy views (so replicas are not re-read).
+        src=None: compile only (from ShapeDtypeStructs)."""
+        groups: dict[Mesh, list[_Tensor]] = {}
+        for t in self.tensors:
+            groups.setdefault(t.source_sharding.mesh, []).append(t)
+        out = []
+        for i, (mesh, ts) in enumerate(groups.items()):
+            if src is None:
+                views = [jax.ShapeDtypeStruct(t.shape, t.actor_dtype, sharding=t.source_sharding) for t in ts]
+            else:
+                views = [_view(src[t.key], t.source_sharding) for t in ts]
+            dtypes = (tuple(t.wire_dtype for t in ts),)
+            out.append((ts, self._checker(("actor", i), mesh, _digests, (views,), dtypes, run=src is not None)))
+        return out
 
     def _rollout_digests(self, raw: dict, wstate: dict):
         """(plain tensors, fp8 tensors) checks; fp4 is not produced by the sampler today and would be checked as a
@@ -449,11 +501,14 @@ class WeightPusher:
 
     def _verdict(self, actor_d, rollout) -> list[tuple[str, str]]:
         order, d, f = rollout
-        actor_d, d, f = jax.device_get((actor_d, d, f))  # one small explicit transfer: 4-6 uint32 per tensor
+        # one small explicit transfer: 4-6 uint32 per tensor
+        actor_ts = [ts for ts, _ in actor_d]
+        actor_d, d, f = jax.device_get(([r for _, r in actor_d], d, f))
         rows = dict(zip((t.key for t in order), list(d if d is not None else []) + list(f if f is not None else [])))
+        arows = {t.key: row for ts, res in zip(actor_ts, actor_d) for t, row in zip(ts, res)}
         failures = []
-        for t, a in zip(self.tensors, actor_d):
-            r = rows[t.key]
+        for t in self.tensors:
+            a, r = arows[t.key], rows[t.key]
             reasons = []
             if a[2] or r[2]:
                 reasons.append("NaN/inf in the " + ("actor weight" if a[2] else "rollout copy"))
@@ -468,50 +523,66 @@ class WeightPusher:
             failures += [(t.key, why) for why in reasons]
         return failures
 
-    def _run(self, src: dict, version: int, verify: bool, swap: bool) -> PushStats:
-        """The push proper (see push_weights); `swap=False` is the warm-up dry run (state dropped, no checks)."""
+    def _quantize(self, raw: dict, times: dict) -> dict:
+        t0 = time.perf_counter()
+        wstate = self.sampler.quantize_weights(raw)
+        jax.block_until_ready(wstate)
+        times["quantize_s"] = time.perf_counter() - t0
+        return wstate
+
+    def _run(self, src: dict, version: int, verify: bool) -> PushStats:
+        """The push proper (see push_weights)."""
         start = time.perf_counter()
         times = dict(cast_s=0.0, transfer_s=0.0, quantize_s=0.0, verify_s=0.0)
         actor_d = self._actor_digests(src) if verify else None
         raw: dict = {}
         for chunk in self.chunks:
             raw.update(self._move_chunk(chunk, src, times))
-        t0 = time.perf_counter()
-        wstate = self.sampler.quantize_weights(raw)
-        jax.block_until_ready(wstate)
+        wstate = self._quantize(raw, times)
         t1 = time.perf_counter()
-        times["quantize_s"] = t1 - t0
         failures = self._verdict(actor_d, self._rollout_digests(raw, wstate)) if verify else []
         times["verify_s"] = time.perf_counter() - t1
         kept = set().union(*(_buffers(leaf) for leaf in jax.tree.leaves(wstate)))
-        for x in raw.values():  # a stored tensor may share its buffer with the raw one (jit input forwarding)
+        for x in raw.values():  # a stored tensor may share its buffer with the landed one (jit input forwarding)
             if not x.is_deleted() and not (_buffers(x) & kept):
                 x.delete()
-        if failures and swap:
+        if failures:
             jax.tree.map(lambda x: x.delete(), wstate)
             raise PushVerificationError(version, failures)
-        if swap:
-            self.sampler.set_weights(wstate, version)
-            if verify and self.sampler.weight_version != version:
-                raise PushVerificationError(version, [("<version>", f"sampler reports {self.sampler.weight_version}")])
-        else:
-            jax.tree.map(lambda x: x.delete(), wstate)
+        self.sampler.set_weights(wstate, version)
+        if verify and self.sampler.weight_version != version:
+            raise PushVerificationError(version, [("<version>", f"sampler reports {self.sampler.weight_version}")])
         seconds = time.perf_counter() - start
         return PushStats(version=version, seconds=seconds, bytes=self.wire_bytes,
                          gbps=self.wire_bytes / seconds / 1e9, n_chunks=len(self.chunks), n_tensors=len(self.tensors),
                          verified=verify, colocated=self.colocated, **times)
 
-    def warmup(self) -> PushStats:
-        """Dry push of zeros through every stage (verification included), so later pushes compile nothing."""
-        zeros = {}
-        for t in self.tensors:
-            sh = t.actor_sharding
-            zeros[t.key] = jax.make_array_from_callback(
-                t.shape, sh, lambda idx, t=t, sh=sh: np.zeros(sh.shard_shape(t.shape), t.actor_dtype))
-        stats = self._run(zeros, version=-1, verify=True, swap=False)
-        for x in zeros.values():
-            x.delete()
-        return stats
+    def warmup(self) -> float:
+        """Dry push of zeros through every stage, verification included, then dropped; returns its seconds.
+
+        Zeros are made one chunk at a time, shard by shard (`jax.make_array_from_callback`; never a whole-model host
+        copy), so the actor side holds at most one chunk of extra arrays, as in a real push; the actor-side
+        verification program is compiled from shapes and shardings alone."""
+        start = time.perf_counter()
+        times = dict(cast_s=0.0, transfer_s=0.0, quantize_s=0.0)
+        self._actor_digests(None)
+        raw: dict = {}
+        for chunk in self.chunks:
+            zeros = {}
+            for t in chunk:
+                sh = t.actor_sharding
+                zeros[t.key] = jax.make_array_from_callback(
+                    t.shape, sh, lambda idx, t=t, sh=sh: np.zeros(sh.shard_shape(t.shape), t.actor_dtype))
+            raw.update(self._move_chunk(chunk, zeros, times))
+            for x in zeros.values():
+                x.delete()
+        wstate = self._quantize(raw, times)
+        jax.block_until_ready(self._rollout_digests(raw, wstate))
+        jax.tree.map(lambda x: x.delete(), wstate)
+        for x in raw.values():
+            if not x.is_deleted():
+                x.delete()
+        return time.perf_counter() - start
 
     def wants_verify(self) -> bool:
         """Whether the next `push_weights(verify=None)` verifies (every `verify_every`-th push, the first included)."""
@@ -549,6 +620,6 @@ def push_weights(pusher: WeightPusher, actor_params, sampler, version: int, *, v
         if not x.sharding.is_equivalent_to(t.actor_sharding, len(t.shape)):
             raise ValueError(f"push_weights: {t.key} has sharding {x.sharding}, planned {t.actor_sharding}")
     do_verify = pusher.wants_verify() if verify is None else bool(verify)
-    stats = pusher._run(flat, int(version), do_verify, swap=True)
+    stats = pusher._run(flat, int(version), do_verify)
     pusher.n_pushes += 1
     return stats

@@ -1,0 +1,536 @@
+"""Rollout sampler decode speed: ours (`rl.sampler.Sampler`, jitted) vs transformers 5.23 `generate`, same weights,
+same CPU, same run; plus the memory-bandwidth roofline and the resident weight bytes of FP8 vs BF16.
+
+What is measured, per config (tiny, small) and batch B (1, 8, 32), prompts of P = 32 random tokens, greedy:
+- ours: `Sampler(model, weights=..., max_prompt_len=P, dequant=...)` for the weight modes
+    bf16        bf16 weights and compute
+    fp8         FP8 e4m3 128x128-block weights, dequantised once per `generate` call (dequant="per_call")
+    fp8_step    the same, dequantised inside every decode step (dequant="per_step")
+    fp32        f32 weights (optional; on CPUs without AVX512-BF16 XLA's f32 dots are the fast path)
+    *_dmoe      (optional, diagnostic) the same with a benchmark-local `dispatch_fn` for the routed experts that
+                runs every expert densely for small token counts (<= 64 tokens: decode) and the stock ragged path
+                otherwise (prefill); it shows how much of the step the stock ragged dispatch costs on CPU.
+  `SamplingParams(temperature=0, max_new_tokens=N)` without stop ids: every row runs to N (checked).
+  One warm-up call compiles; then timed calls. N_hi = 64 and N_lo = 33 share one compiled bucket (t_cap = 64).
+- transformers: `DeepseekV4ForCausalLM` (eager attention, fp32 by default; `--hf-dtypes fp32 bf16` for both)
+  `generate(do_sample=False, use_cache=True, max_new_tokens=N, min_new_tokens=N, eos_token_id=None)`,
+  `torch.set_num_threads(2)`, one warm-up call, then timed calls, with N_hi = 6, N_lo = 2 (fewer tokens than
+  ours: transformers is slow; its per-step cost is then measured at a slightly shorter context, in its favour).
+- decode tok/s (prefill EXCLUDED, same method on both sides) = B * (N_hi - N_lo) / (t(N_hi) - t(N_lo)), with t
+  the median wall time of a whole `generate` call (N decode steps + one prefill on both sides, so the
+  difference is N_hi - N_lo decode steps). All timed calls of one (config, B) are interleaved round by round
+  (paired), so load changes of the shared machine hit every engine alike. e2e tok/s (prefill INCLUDED) =
+  B * N_hi / t(N_hi) is printed for ours.
+- roofline: bytes touched per decode step / memcpy bandwidth. Bytes = every dense weight (attention, compressors,
+  indexer, shared experts, gates, norms, mHC, lm head) in the dtype the step reads (bf16 for bf16 and fp8
+  per_call: the dequantised copy; fp8 q + f32 scales for fp8_step; f32 for fp32), the B embedding rows, the
+  routed experts of min(E, B * k) experts per layer, and every cache leaf of `dsv4.cache.cache_shapes` for
+  cache_len = P + 64 (the decode step reads the whole window ring, compressed entries and indexer keys). The
+  bandwidth is the higher of a numpy 512 MB copy and a jitted jnp 512 MB copy (bytes copied / time; the DRAM
+  traffic of a copy is twice that). roofline tok/s = B * bandwidth / bytes; frac = ours decode tok/s / that.
+- memory: resident weight bytes of the sampler = sum of nbytes over `sampler.weight_state()` leaves (q and
+  scale for FP8); `--rss` also runs one child process per mode and reports its RSS after the model is dropped
+  and the peak RSS of a steady-state `generate` (small, B = 8).
+
+Run:   .venv/bin/python benchmarks/sampler.py                 (defaults; see --help)
+       .venv/bin/python benchmarks/sampler.py --configs small --batches 8 --modes bf16 fp8 --rounds 2
+The last line is `RESULT ours_tok_s=.. hf_tok_s=.. ratio_vs_hf=.. roofline_frac=..` for small, B = 8, bf16
+weights (ours decode tok/s, transformers decode tok/s at the fastest of the --hf-dtypes, their ratio, and ours
+as a fraction of the bf16 roofline).
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+import argparse  # noqa: E402
+import gc  # noqa: E402
+import json  # noqa: E402
+import math  # noqa: E402
+import platform  # noqa: E402
+import statistics  # noqa: E402
+import subprocess  # noqa: E402
+import sys  # noqa: E402
+import tempfile  # noqa: E402
+import time  # noqa: E402
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from dsv4 import DSV4Config, load_hf_checkpoint  # noqa: E402
+from dsv4.cache import cache_shapes  # noqa: E402
+from rl.sampler import Sampler, SamplingParams  # noqa: E402
+
+CONFIGS = {"tiny": DSV4Config.tiny, "small": DSV4Config.small}
+MODES = {  # name -> (Sampler weights, dequant, dense-MoE dispatch for decode)
+    "bf16": ("bf16", "per_call", False),
+    "fp8": ("fp8", "per_call", False),
+    "fp8_step": ("fp8", "per_step", False),
+    "fp32": ("fp32", "per_call", False),
+    "bf16_dmoe": ("bf16", "per_call", True),
+    "fp32_dmoe": ("fp32", "per_call", True),
+}
+PROMPT_LEN = 32
+T_CAP = 64  # ours' response bucket: N_hi and N_lo must both be in (32, 64]
+
+
+# ------------------------------------------------------------------------------------------ models
+def build_hf(cfg: DSV4Config, seed: int = 0):
+    """transformers `DeepseekV4ForCausalLM` (fp32, eager attention) with every parameter/buffer randomised
+    (as tests/dsv4/hf_ref.py, matrices scaled by 1/sqrt(fan_in) so the 512-wide model stays finite)."""
+    import torch
+    from transformers import DeepseekV4Config, DeepseekV4ForCausalLM
+
+    drop = ("architectures", "model_type", "torch_dtype", "quantization_config", "expert_dtype", "compress_ratios",
+            "use_cache")
+    hf_cfg = DeepseekV4Config(**{k: v for k, v in cfg.to_hf_dict().items() if k not in drop})
+    hf_cfg._attn_implementation = "eager"
+    torch.manual_seed(seed)
+    model = DeepseekV4ForCausalLM(hf_cfg).eval()
+    g = torch.Generator().manual_seed(seed + 1)
+    with torch.no_grad():
+        for name, p in list(model.named_parameters()) + list(model.named_buffers()):
+            if "inv_freq" in name:
+                continue
+            if name.endswith("tid2eid"):
+                rows = [torch.randperm(cfg.n_routed_experts, generator=g)[: cfg.num_experts_per_tok]
+                        for _ in range(p.shape[0])]
+                p.copy_(torch.stack(rows).to(p.dtype))
+            elif "norm" in name and name.endswith("weight"):
+                p.copy_(1.0 + 0.2 * torch.randn(p.shape, generator=g))
+            elif name.endswith(("sinks", "position_bias", "base", "e_score_correction_bias")):
+                p.copy_(0.5 * torch.randn(p.shape, generator=g))
+            elif name.endswith(("scale", "hc_scale")):
+                p.copy_(0.5 + torch.rand(p.shape, generator=g))
+            elif name.endswith(("fn", "hc_fn")):
+                p.copy_(0.1 * torch.randn(p.shape, generator=g))
+            elif p.ndim >= 2:
+                p.copy_(torch.randn(p.shape, generator=g) / math.sqrt(p.shape[-1]))
+            else:
+                p.copy_(0.5 * torch.randn(p.shape, generator=g))
+    return model
+
+
+def dense_decode_dispatch(x, ids, weights, w1, w3, w2, *, limit, dtype):
+    """Routed experts for few tokens (decode): every expert on every token as three plain matmuls over the
+    [E*I, D] weight views, combined with the (token, expert) routing weights; reads each expert once and uses
+    XLA's ordinary dot instead of the ragged-dot fallback (which on CPU expands to E dense groups over T*k rows).
+    More tokens than 64 (prefill) use the stock `routed_experts_ragged`."""
+    from dsv4.moe import routed_experts_ragged, swiglu
+
+    t, d = x.shape
+    if t > 64:
+        return routed_experts_ragged(x, ids, weights, w1, w3, w2, limit=limit, dtype=dtype)
+    e, i, _ = w1.shape
+    acc = jnp.float32 if jnp.dtype(dtype) == jnp.float32 else None
+    xt = x.astype(dtype)
+    cw = jnp.zeros((t, e), jnp.float32).at[jnp.arange(t)[:, None], ids].add(weights)
+    g = jnp.dot(xt, w1.reshape(e * i, d).astype(dtype).T, preferred_element_type=acc).astype(jnp.float32)
+    u = jnp.dot(xt, w3.reshape(e * i, d).astype(dtype).T, preferred_element_type=acc).astype(jnp.float32)
+    h = (swiglu(g, u, limit).reshape(t, e, i) * cw[..., None]).astype(dtype).reshape(t, e * i)
+    w2t = jnp.transpose(w2.astype(dtype), (1, 0, 2)).reshape(d, e * i)  # loop-invariant: hoisted by XLA
+    return jnp.dot(h, w2t.T, preferred_element_type=acc).astype(jnp.float32)
+
+
+def make_sampler(model, mode: str) -> Sampler:
+    weights, dequant, dmoe = MODES[mode]
+    return Sampler(model, weights=weights, max_prompt_len=PROMPT_LEN, dequant=dequant,
+                   dispatch_fn=dense_decode_dispatch if dmoe else None)
+
+
+# ------------------------------------------------------------------------------------------ bytes
+def _leaf_bytes(v) -> int:
+    return sum(int(x.nbytes) for x in jax.tree.leaves(v))
+
+
+def resident_weight_bytes(sampler: Sampler) -> int:
+    """Sum of nbytes over the sampler's weight-state leaves (QuantizedTensor: q and scale)."""
+    return _leaf_bytes(sampler.weight_state())
+
+
+def step_bytes(sampler: Sampler, mode: str, batch: int, cache_len: int) -> dict:
+    """Bytes a decode step of `batch` rows touches: dense weights, embedding rows, min(E, B k) experts per layer,
+    caches (see the module docstring)."""
+    from dsv4 import quant
+
+    cfg = sampler.config
+    weights, dequant, _ = MODES[mode]
+    e, k = cfg.n_routed_experts, cfg.num_experts_per_tok
+    exp_frac = min(e, batch * k) / e
+    compute_item = 4 if weights == "fp32" else 2
+    out = {"dense": 0, "experts": 0, "embed": 0, "cache": 0}
+    for key, v in sampler.weight_state().items():
+        if isinstance(v, quant.QuantizedTensor):
+            n = math.prod(v.shape)
+            b = _leaf_bytes(v) if dequant == "per_step" else n * compute_item
+            shape = v.shape
+        else:
+            b, shape = int(v.nbytes), v.shape
+        if key.startswith("mtp/"):
+            continue  # not run by the decode step
+        if key == "embed/weight" or key.endswith("gate/tid2eid"):
+            out["embed"] += b * batch // shape[0]  # B rows gathered
+        elif "/ffn/experts/" in key:
+            out["experts"] += int(b * exp_frac)
+        else:
+            out["dense"] += b
+    caches = jax.eval_shape(lambda: [cache_shapes(layer.attn, batch, cache_len, sampler.compute_dtype)
+                                     for layer in _abstract_model(cfg).layers])
+    out["cache"] = sum(math.prod(x.shape) * jnp.dtype(x.dtype).itemsize for x in jax.tree.leaves(caches))
+    out["total"] = sum(out.values())
+    return out
+
+
+def _abstract_model(cfg: DSV4Config):
+    from flax import nnx
+
+    from dsv4 import DSV4ForCausalLM
+
+    return nnx.eval_shape(lambda: DSV4ForCausalLM(cfg, rngs=nnx.Rngs(0)))
+
+
+def memcpy_bandwidth(mb: int = 512, reps: int = 5) -> dict:
+    """Copy bandwidth (bytes copied / time, best of `reps`) of numpy and of a jitted jnp copy of `mb` MB."""
+    n = mb * (1 << 20) // 4
+    src = np.random.RandomState(0).rand(n).astype(np.float32)
+    dst = np.empty_like(src)
+    best = float("inf")
+    for _ in range(reps):
+        t = time.perf_counter()
+        np.copyto(dst, src)
+        best = min(best, time.perf_counter() - t)
+    numpy_bw = src.nbytes / best
+    del dst
+    x = jnp.asarray(src)
+    del src
+    # one read and one write of every element, like a copy; donated, so it runs in place in one buffer (a fresh
+    # 512 MB output per call would time page faults, not bandwidth)
+    f = jax.jit(lambda a: a + 1.0, donate_argnums=0)
+    x = f(x).block_until_ready()
+    best = float("inf")
+    for _ in range(reps):
+        t = time.perf_counter()
+        x = f(x).block_until_ready()
+        best = min(best, time.perf_counter() - t)
+    jax_bw = x.nbytes / best
+    del x
+    gc.collect()
+    return {"numpy": numpy_bw, "jax": jax_bw, "best": max(numpy_bw, jax_bw)}
+
+
+# ------------------------------------------------------------------------------------------ timing
+def paired_medians(fns: dict, rounds: int) -> dict:
+    """Median wall time (s) of each blocking callable; each round times all of them in turn."""
+    times = {k: [] for k in fns}
+    for _ in range(rounds):
+        for k, fn in fns.items():
+            t = time.perf_counter()
+            fn()
+            times[k].append(time.perf_counter() - t)
+    return {k: statistics.median(v) for k, v in times.items()}
+
+
+def ours_fn(sampler: Sampler, prompts, n: int):
+    sp = SamplingParams(temperature=0.0, max_new_tokens=n)
+
+    def run():
+        out = sampler.generate(prompts, sp, seed=0)
+        if not (out.lengths == n).all():
+            raise RuntimeError(f"ours: rows stopped early: lengths {out.lengths.tolist()} != {n}")
+        return out
+
+    return run
+
+
+def hf_fn(model, prompts, n: int):
+    import torch
+
+    ids = torch.tensor(prompts, dtype=torch.long)
+    mask = torch.ones_like(ids)
+
+    def run():
+        with torch.no_grad():
+            out = model.generate(ids, attention_mask=mask, max_new_tokens=n, min_new_tokens=n, do_sample=False,
+                                 use_cache=True, pad_token_id=0, eos_token_id=None, bos_token_id=None)
+        if out.shape[1] != ids.shape[1] + n:
+            raise RuntimeError(f"transformers: {out.shape[1] - ids.shape[1]} new tokens != {n}")
+        return out
+
+    return run
+
+
+def bench_config(name: str, args) -> list[dict]:
+    import torch
+
+    cfg = CONFIGS[name](torch_dtype="float32")
+    hf = build_hf(cfg)
+    with tempfile.TemporaryDirectory() as d:
+        hf.save_pretrained(d)
+        ours = load_hf_checkpoint(d, dtype=jnp.float32)
+    hf_models = {"fp32": hf}
+    if "bf16" in args.hf_dtypes:
+        import copy
+        hf_models["bf16"] = copy.deepcopy(hf).to(torch.bfloat16)
+    if "fp32" not in args.hf_dtypes:
+        del hf_models["fp32"]
+    samplers = {m: make_sampler(ours, m) for m in args.modes}
+    del ours
+    gc.collect()
+    n_params = sum(p.numel() for p in hf.parameters())
+    print(f"[{name}] {n_params / 1e6:.1f}M params; resident weight bytes: "
+          + ", ".join(f"{m} {resident_weight_bytes(s) / 2**20:.1f} MiB" for m, s in samplers.items()), flush=True)
+    rows = []
+    rs = np.random.RandomState(0)
+    for b in args.batches:
+        if name == "small" and b > 8 and args.hf_small_max_batch < b:
+            hf_here = {}
+        else:
+            hf_here = hf_models
+        prompts = [list(map(int, rs.randint(2, cfg.vocab_size, PROMPT_LEN))) for _ in range(b)]
+        fns, compile_s = {}, {}
+        for m, s in samplers.items():
+            hi, lo = ours_fn(s, prompts, args.new), ours_fn(s, prompts, args.new_lo)
+            t = time.perf_counter()
+            hi()
+            compile_s[m] = time.perf_counter() - t  # compile + first call: the warm-up
+            fns[(m, "hi")], fns[(m, "lo")] = hi, lo
+        for dt, model in hf_here.items():
+            hi, lo = hf_fn(model, prompts, args.hf_new), hf_fn(model, prompts, args.hf_new_lo)
+            lo()  # warm-up
+            fns[("hf_" + dt, "hi")], fns[("hf_" + dt, "lo")] = hi, lo
+        med = paired_medians(fns, args.rounds or (7 if name == "tiny" else 2))
+        for eng in dict.fromkeys(e for e, _ in fns):
+            hf_side = eng.startswith("hf_")
+            n_hi, n_lo = (args.hf_new, args.hf_new_lo) if hf_side else (args.new, args.new_lo)
+            dt_step = (med[(eng, "hi")] - med[(eng, "lo")]) / (n_hi - n_lo)
+            row = {"config": name, "B": b, "engine": eng, "t_hi": med[(eng, "hi")], "t_lo": med[(eng, "lo")],
+                   "n_hi": n_hi, "n_lo": n_lo, "step_ms": 1e3 * dt_step,
+                   "decode_tok_s": b / dt_step if dt_step > 0 else float("nan"),
+                   "e2e_tok_s": b * n_hi / med[(eng, "hi")]}
+            if not hf_side:
+                sb = step_bytes(samplers[eng], eng, b, PROMPT_LEN + T_CAP)
+                row.update(compile_s=compile_s[eng], bytes=sb,
+                           roof_tok_s=b * args.bw["best"] / sb["total"],
+                           resident=resident_weight_bytes(samplers[eng]))
+                row["roof_frac"] = row["decode_tok_s"] / row["roof_tok_s"]
+            rows.append(row)
+            print(f"  {name} B={b:<3d} {eng:<10s} t({n_hi})={row['t_hi']:.3f}s t({n_lo})={row['t_lo']:.3f}s "
+                  f"step {row['step_ms']:.2f} ms decode {row['decode_tok_s']:.1f} tok/s"
+                  + (f" roofline {row['roof_tok_s']:.0f} tok/s ({100 * row['roof_frac']:.1f}%) "
+                     f"compile {row['compile_s']:.1f}s" if not hf_side else ""), flush=True)
+    return rows
+
+
+# ------------------------------------------------------------------------------------------ step breakdown
+def _zero_dispatch(x, ids, weights, w1, w3, w2, *, limit, dtype):
+    """Routed experts replaced by zeros (router still runs): the rest of the step."""
+    return jnp.zeros(x.shape, jnp.float32)
+
+
+def step_breakdown(name: str, batch: int, steps: int = 10) -> list[tuple]:
+    """Wall and process-CPU ms of one jitted `dsv4.cache.decode_step` (no sampling, no while loop) on random
+    weights, for variants that isolate the routed experts, the weight dtype and the sampling head."""
+    from flax import nnx
+
+    from dsv4 import DSV4ForCausalLM
+    from dsv4.cache import decode_step, prefill
+    from rl.sampler import sample_tokens
+
+    cfg = CONFIGS[name]()
+    cache_len = PROMPT_LEN + T_CAP
+    ids = jnp.asarray(np.random.RandomState(0).randint(2, cfg.vocab_size, (batch, PROMPT_LEN)), jnp.int32)
+    lens = jnp.full((batch,), PROMPT_LEN, jnp.int32)
+    variants = [("bf16 stock", jnp.bfloat16, None), ("bf16 routed experts -> 0", jnp.bfloat16, _zero_dispatch),
+                ("bf16 dense-MoE dispatch", jnp.bfloat16, dense_decode_dispatch),
+                ("fp32 stock", jnp.float32, None), ("fp32 routed experts -> 0", jnp.float32, _zero_dispatch),
+                ("fp32 dense-MoE dispatch", jnp.float32, dense_decode_dispatch), ("sampling head only", None, None)]
+    out = []
+    models = {}
+    for label, dt, fn in variants:
+        if dt is None:
+            logits = jax.random.normal(jax.random.key(0), (batch, cfg.vocab_size), jnp.float32)
+            keys = jax.random.split(jax.random.key(1), batch)
+            f = jax.jit(lambda lg, kk, _: (sample_tokens(lg, kk, jnp.float32(0.0), jnp.float32(1.0), jnp.int32(0))
+                                           [0], None))
+            args_ = (logits, keys)
+        else:
+            if dt not in models:
+                models[dt] = nnx.split(DSV4ForCausalLM(cfg, rngs=nnx.Rngs(0), param_dtype=dt, dtype=dt))
+            gd, st = models[dt]
+            caches = jax.jit(lambda st, i, n, gd=gd: prefill(nnx.merge(gd, st), i, n, cache_len)[2])(st, ids, lens)
+
+            def one(st, tok, c, gd=gd, fn=fn):
+                logits, _, c = decode_step(nnx.merge(gd, st), tok, lens, c, dispatch_fn=fn)
+                return jnp.argmax(logits, -1).astype(jnp.int32), c
+
+            f = jax.jit(one, donate_argnums=(2,))
+            args_ = (st, ids[:, -1])
+        state = caches if dt is not None else None
+        tok, state = f(*args_, state)
+        jax.block_until_ready(tok)
+        t, c = time.perf_counter(), time.process_time()
+        for _ in range(steps):
+            tok, state = f(*args_, state)
+        jax.block_until_ready(tok)
+        out.append((label, 1e3 * (time.perf_counter() - t) / steps, 1e3 * (time.process_time() - c) / steps))
+        print(f"  breakdown {name} B={batch} {label:<28s} wall {out[-1][1]:8.2f} ms  cpu {out[-1][2]:8.2f} ms",
+              flush=True)
+    return out
+
+
+# ------------------------------------------------------------------------------------------ RSS probe
+def _status_kib(field: str) -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1])
+    return -1
+
+
+def rss_child(mode: str) -> None:
+    """Build small in bf16 params, make the sampler, drop the model, warm up, reset the peak, generate once."""
+    from flax import nnx
+
+    from dsv4 import DSV4ForCausalLM
+
+    cfg = DSV4Config.small()
+    model = DSV4ForCausalLM(cfg, rngs=nnx.Rngs(0), param_dtype=jnp.bfloat16, dtype=jnp.bfloat16)
+    s = make_sampler(model, mode)
+    del model
+    gc.collect()
+    prompts = [list(range(2, 2 + PROMPT_LEN))] * 8
+    run = ours_fn(s, prompts, T_CAP)
+    run()
+    gc.collect()
+    rss_idle = _status_kib("VmRSS")
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")  # reset VmHWM to the current RSS
+        reset = True
+    except OSError:
+        reset = False
+    run()
+    print(json.dumps({"mode": mode, "resident": resident_weight_bytes(s), "rss_kib": rss_idle,
+                      "peak_kib": _status_kib("VmHWM"), "peak_reset": reset}))
+
+
+def rss_probe(modes) -> dict:
+    out = {}
+    for m in modes:
+        r = subprocess.run([sys.executable, os.path.abspath(__file__), "--rss-child", m], capture_output=True,
+                           text=True, timeout=600)
+        lines = [ln for ln in r.stdout.splitlines() if ln.startswith("{")]
+        out[m] = json.loads(lines[-1]) if lines else {"error": r.stderr[-500:]}
+    return out
+
+
+# ------------------------------------------------------------------------------------------ main
+def machine_context() -> str:
+    import flax
+    import torch
+    import transformers
+
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    load = " ".join(f"{x:.2f}" for x in os.getloadavg())
+    cpu = platform.processor()
+    try:
+        with open("/proc/cpuinfo") as f:
+            cpu = next(ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name"))
+    except (OSError, StopIteration):
+        pass
+    return (f"date {time.strftime('%Y-%m-%d %H:%M')} | machine: {cpu} | usable cores {cores} | load average {load}\n"
+            f"versions: python {platform.python_version()}, jax {jax.__version__}, flax {flax.__version__}, "
+            f"torch {torch.__version__} (threads {torch.get_num_threads()}), transformers {transformers.__version__}")
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--configs", nargs="+", default=["tiny", "small"], choices=sorted(CONFIGS))
+    ap.add_argument("--batches", nargs="+", type=int, default=[1, 8, 32])
+    ap.add_argument("--modes", nargs="+", default=["bf16", "fp8", "fp8_step"], choices=sorted(MODES))
+    ap.add_argument("--hf-dtypes", nargs="+", default=["fp32"], choices=["fp32", "bf16"])
+    ap.add_argument("--hf-small-max-batch", type=int, default=32,
+                    help="skip transformers on small above this batch (it is slow)")
+    ap.add_argument("--new", type=int, default=64, help="ours N_hi (in (32, 64])")
+    ap.add_argument("--new-lo", type=int, default=33, help="ours N_lo (in (32, 64])")
+    ap.add_argument("--hf-new", type=int, default=6)
+    ap.add_argument("--hf-new-lo", type=int, default=2)
+    ap.add_argument("--rounds", type=int, default=None, help="timed rounds, median (default: 7 tiny, 2 small)")
+    ap.add_argument("--breakdown", nargs="*", type=int, default=None, metavar="B",
+                    help="also time variants of one small decode step at these batches (default 8)")
+    ap.add_argument("--rss", action="store_true", help="child processes: RSS / peak RSS per mode (small, B=8)")
+    ap.add_argument("--compile-cache", default=os.path.join(tempfile.gettempdir(), "dsv4_rl_bench_jax_cache"),
+                    help="jax persistent compilation cache dir: compiling is not timed, the cache only makes "
+                         "reruns faster ('' = off)")
+    ap.add_argument("--rss-child", default=None, help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+    if args.compile_cache:
+        jax.config.update("jax_compilation_cache_dir", args.compile_cache)
+        jax.config.update("jax_persistent_cache_min_compile_time_secs", 1.0)
+    if args.rss_child:
+        rss_child(args.rss_child)
+        return 0
+    for n in (args.new, args.new_lo):
+        if not T_CAP // 2 < n <= T_CAP:
+            ap.error(f"--new/--new-lo must be in ({T_CAP // 2}, {T_CAP}] (one compiled bucket)")
+
+    import torch
+
+    torch.set_num_threads(2)
+    t_start = time.perf_counter()
+    print(machine_context(), flush=True)
+    args.bw = memcpy_bandwidth()
+    print(f"memcpy 512 MB: numpy {args.bw['numpy'] / 1e9:.2f} GB/s, jitted jnp {args.bw['jax'] / 1e9:.2f} GB/s "
+          f"-> roofline uses {args.bw['best'] / 1e9:.2f} GB/s", flush=True)
+    rows = []
+    for name in args.configs:
+        rows += bench_config(name, args)
+
+    print()
+    print("decode tok/s, prefill excluded: B * (N_hi - N_lo) / (t(N_hi) - t(N_lo)); ours N = 64/33, transformers "
+          f"N = {args.hf_new}/{args.hf_new_lo}; e2e = prefill included (ours, N = 64)")
+    hdr = (f"{'config':<6} {'B':>3} {'engine':<10} {'step ms':>9} {'decode tok/s':>13} {'e2e tok/s':>10} "
+           f"{'vs HF':>7} {'MB/step':>8} {'roof tok/s':>10} {'roof %':>7} {'weights MiB':>11}")
+    print(hdr)
+    print("-" * len(hdr))
+    for r in rows:
+        hf_best = max((x["decode_tok_s"] for x in rows if x["config"] == r["config"] and x["B"] == r["B"]
+                       and x["engine"].startswith("hf_")), default=float("nan"))
+        if r["engine"].startswith("hf_"):
+            print(f"{r['config']:<6} {r['B']:>3} {r['engine']:<10} {r['step_ms']:>9.2f} {r['decode_tok_s']:>13.1f} "
+                  f"{r['e2e_tok_s']:>10.1f}")
+        else:
+            print(f"{r['config']:<6} {r['B']:>3} {r['engine']:<10} {r['step_ms']:>9.2f} {r['decode_tok_s']:>13.1f} "
+                  f"{r['e2e_tok_s']:>10.1f} {r['decode_tok_s'] / hf_best:>7.2f} {r['bytes']['total'] / 1e6:>8.2f} "
+                  f"{r['roof_tok_s']:>10.0f} {100 * r['roof_frac']:>6.1f}% {r['resident'] / 2**20:>11.2f}")
+    if args.breakdown is not None:
+        print("\nDecode-step breakdown (small, jitted decode_step only, random weights; wall and process CPU time):")
+        for b in args.breakdown or [8]:
+            step_breakdown("small", b)
+    if args.rss:
+        print("\nRSS probe (small, B=8, child process per mode; model dropped before measuring):")
+        for m, r in rss_probe(args.modes).items():
+            if "error" in r:
+                print(f"  {m}: failed: {r['error']}")
+            else:
+                print(f"  {m:<10s} resident weights {r['resident'] / 2**20:7.1f} MiB | RSS after warm-up "
+                      f"{r['rss_kib'] / 1024:7.1f} MiB | peak RSS during generate {r['peak_kib'] / 1024:7.1f} MiB"
+                      + ("" if r["peak_reset"] else " (peak not reset: includes model build)"))
+    print(f"\nwall time of the benchmark: {time.perf_counter() - t_start:.0f} s; load average now "
+          + " ".join(f"{x:.2f}" for x in os.getloadavg()))
+    pick = {r["engine"]: r for r in rows if r["config"] == "small" and r["B"] == 8}
+    if "bf16" in pick:
+        ours = pick["bf16"]
+        hf_best = max((r["decode_tok_s"] for e, r in pick.items() if e.startswith("hf_")), default=float("nan"))
+        print(f"RESULT ours_tok_s={ours['decode_tok_s']:.1f} hf_tok_s={hf_best:.1f} "
+              f"ratio_vs_hf={ours['decode_tok_s'] / hf_best:.2f} roofline_frac={ours['roof_frac']:.3f}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,137 @@
+"""Weight push speed (`sharding/push.py`): actor fp32 -> bf16 -> rollout mesh -> FP8, against memcpy, CPU.
+
+What is measured, per layout, for `DSV4Config.small()` (~94M parameters) on 8 forced host devices:
+- push: wall time of `push_weights(..., verify=False)` (cast on the actor mesh, chunked device_put, FP8 block
+  quantisation on the rollout mesh, swap), after the `WeightPusher` warm-up; GB/s = wire bytes (bf16 for the FP8 /
+  bf16 tensors, f32 for the few the sampler keeps in f32, int32 tables) / seconds. The stage split (cast,
+  transfer, quantise) comes from `PushStats`; a verified push is timed too.
+- memcpy, in the same run and interleaved with the pushes (so load changes on a shared machine hit both alike):
+  (a) `jax.device_put` of one bf16 buffer of the same byte count from device 0 to device 7 (device to device);
+  (b) a jitted copy (`x + 0` cannot be elided; `x * 1` either) of that buffer on device 0. memcpy = the faster.
+  ratio = push GB/s / memcpy GB/s; target >= 0.5. transfer_gbps = wire bytes / the device_put stage alone.
+Layouts (every mesh axis must divide the small config's power-of-two dims, so a 6-device actor uses a size-3
+`data` axis, which the actor rules never map onto a weight: 3 data-parallel replicas of an fsdp=2 layout):
+  6/2  actor:data=3,fsdp=2/rollout:expert=2              (the RESULT line)
+  4/4  actor:fsdp=2,expert=2/rollout:expert=2,tensor=2   (the `auto` spec for 8 devices)
+Best and median of `--runs` pushes are printed; RESULT uses the median.
+
+Run:   .venv/bin/python benchmarks/weight_push.py            (about 3-6 minutes on 2 shared cores)
+       .venv/bin/python benchmarks/weight_push.py --layouts 6/2 --runs 3
+The last line is `RESULT push_gbps=.. memcpy_gbps=.. ratio=..` (6/2 layout, medians).
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+import argparse  # noqa: E402
+import statistics  # noqa: E402
+import sys  # noqa: E402
+import time  # noqa: E402
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+from flax import nnx  # noqa: E402
+
+from dsv4 import DSV4Config, DSV4ForCausalLM  # noqa: E402
+from rl.sampler import Sampler  # noqa: E402
+from sharding.mesh import build_mesh_plan  # noqa: E402
+from sharding.push import WeightPusher, push_weights  # noqa: E402
+
+LAYOUTS = {"6/2": "actor:data=3,fsdp=2/rollout:expert=2", "4/4": "actor:fsdp=2,expert=2/rollout:expert=2,tensor=2"}
+
+
+def _timed(fn) -> float:
+    t0 = time.perf_counter()
+    jax.block_until_ready(fn())
+    return time.perf_counter() - t0
+
+
+def memcpy_probes(nbytes: int):
+    """(device_put d2d seconds, jitted copy seconds) callables for `nbytes` of bf16 on device 0 (-> device 7)."""
+    devs = jax.devices()
+    x = jax.device_put(jnp.ones((nbytes // 2,), jnp.bfloat16), devs[0])
+    copy = jax.jit(lambda a: a + jnp.bfloat16(0))
+    jax.block_until_ready((copy(x), jax.device_put(x, devs[7])))  # compile / first touch
+
+    def d2d():
+        return _timed(lambda: jax.device_put(x, devs[7]))
+
+    def jcopy():
+        return _timed(lambda: copy(x))
+
+    return d2d, jcopy
+
+
+def bench_layout(name: str, spec: str, cfg: DSV4Config, runs: int, chunk_mib: int) -> dict:
+    plan = build_mesh_plan(spec, config=cfg)
+    make = lambda: DSV4ForCausalLM(cfg, rngs=nnx.Rngs(0), param_dtype=jnp.float32)  # noqa: E731
+    graphdef, abstract = nnx.split(nnx.eval_shape(make))
+    with jax.set_mesh(plan.actor):
+        state = jax.jit(lambda: nnx.state(make()), out_shardings=plan.param_shardings("actor", abstract))()
+    sampler = Sampler(nnx.merge(graphdef, state), mesh=plan.rollout, weights="fp8", max_prompt_len=16)
+    t0 = time.perf_counter()
+    pusher = WeightPusher(plan, sampler, abstract, chunk_bytes=chunk_mib * 2**20, verify_every=0)
+    warmup_s = time.perf_counter() - t0
+    d2d, jcopy = memcpy_probes(pusher.wire_bytes)
+    version = sampler.weight_version
+    pushes, d2d_s, copy_s = [], [], []
+    for _ in range(runs):  # interleaved: push, then the two memcpy probes
+        version += 1
+        pushes.append(push_weights(pusher, state, sampler, version, verify=False))
+        d2d_s.append(d2d())
+        copy_s.append(jcopy())
+    version += 1
+    verified = push_weights(pusher, state, sampler, version, verify=True)
+    med = lambda xs: statistics.median(xs)  # noqa: E731
+    gb = pusher.wire_bytes / 1e9
+    push_s = [p.seconds for p in pushes]
+    row = dict(layout=name, spec=spec, wire_mb=pusher.wire_bytes / 1e6, tensors=len(pusher.tensors),
+               chunks=len(pusher.chunks), warmup_s=warmup_s, push_best_s=min(push_s), push_med_s=med(push_s),
+               push_gbps=gb / med(push_s), push_best_gbps=gb / min(push_s),
+               cast_s=med([p.cast_s for p in pushes]), transfer_s=med([p.transfer_s for p in pushes]),
+               quantize_s=med([p.quantize_s for p in pushes]), verified_s=verified.seconds,
+               verify_s=verified.verify_s, d2d_gbps=gb / med(d2d_s), copy_gbps=gb / med(copy_s))
+    row["transfer_gbps"] = gb / row["transfer_s"]
+    row["memcpy_gbps"] = max(row["d2d_gbps"], row["copy_gbps"])
+    row["ratio"] = row["push_gbps"] / row["memcpy_gbps"]
+    return row
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--layouts", default="6/2,4/4", help="comma list of " + ", ".join(LAYOUTS))
+    ap.add_argument("--runs", type=int, default=5)
+    ap.add_argument("--chunk-mib", type=int, default=256)
+    args = ap.parse_args(argv)
+    names = [n.strip() for n in args.layouts.split(",") if n.strip()]
+    unknown = [n for n in names if n not in LAYOUTS]
+    if unknown:
+        ap.error(f"unknown layouts {unknown}; known: {', '.join(LAYOUTS)}")
+    cfg = DSV4Config.small()
+    print(f"jax {jax.__version__}, {jax.device_count()} x {jax.devices()[0].platform}, config small, "
+          f"runs {args.runs}, chunk {args.chunk_mib} MiB", flush=True)
+    rows = []
+    for name in names:
+        rows.append(bench_layout(name, LAYOUTS[name], cfg, args.runs, args.chunk_mib))
+        print(f"  done {name}", flush=True)
+    cols = [("layout", "{:>6}"), ("wire_mb", "{:>8.1f}"), ("tensors", "{:>7d}"), ("chunks", "{:>6d}"),
+            ("warmup_s", "{:>8.1f}"), ("push_med_s", "{:>10.3f}"), ("push_best_s", "{:>11.3f}"),
+            ("cast_s", "{:>6.3f}"), ("transfer_s", "{:>10.3f}"), ("quantize_s", "{:>10.3f}"),
+            ("verified_s", "{:>10.3f}"), ("push_gbps", "{:>9.3f}"), ("transfer_gbps", "{:>13.3f}"), ("d2d_gbps", "{:>8.3f}"),
+            ("copy_gbps", "{:>9.3f}"), ("ratio", "{:>5.2f}")]
+    print(" ".join(f"{c:>{len(f.format(rows[0][c]))}}" for c, f in cols))
+    for r in rows:
+        print(" ".join(f.format(r[c]) for c, f in cols))
+    for r in rows:
+        print(f"{r['layout']}: {r['spec']}")
+    head = next((r for r in rows if r["layout"] == "6/2"), rows[0])
+    print(f"RESULT push_gbps={head['push_gbps']:.3f} memcpy_gbps={head['memcpy_gbps']:.3f} ratio={head['ratio']:.2f}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

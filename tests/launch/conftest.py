@@ -1,0 +1,150 @@
+"""Helpers for the launch tests: a BPE tokenizer small enough for the tiny model, an official-format tiny
+checkpoint written by transformers, and `launch/run.py` run as a real process.
+
+A launched job runs as `python launch/run.py ...` in a subprocess with XLA_FLAGS removed, so it splits the host
+into 2 devices itself (actor 1 + rollout 1), exactly as a user's run. All launched jobs of a session share one
+JAX persistent compilation cache: the first job compiles (about 1-3 minutes on 2 busy cores), later jobs with the
+same shapes load the executables (tens of seconds). Loading an executable does not change the numbers.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+REPO = pathlib.Path(__file__).resolve().parents[2]
+RUN_PY = REPO / "launch" / "run.py"
+CONFIGS = REPO / "launch" / "configs"
+
+# The smallest sensible job: 4 prompts x 4 samples, 4 new tokens, 4 eval prompts x 2 samples.
+TINY = ["--prompts-per-step", "4", "--group-size", "4", "--max-new-tokens", "4", "--eval-prompts", "4",
+        "--eval-samples", "2", "--no-progress"]
+SPECIALS = ["<|pad|>", "<|endoftext|>", "<unk>"]  # rl.tokenizer finds PAD and EOS by these names; no BOS
+
+
+def outputs(d: pathlib.Path) -> list[str]:
+    """Checkpoint, metrics and TensorBoard flags, all under `d`."""
+    return ["--ckpt-dir", str(d / "ckpt"), "--metrics-jsonl", str(d / "metrics.jsonl"),
+            "--tensorboard-dir", str(d / "tb")]
+
+
+def train_bpe(texts: list[str], path: pathlib.Path, vocab_size: int = 256) -> pathlib.Path:
+    """A BPE `tokenizer.json` (Metaspace pre-tokenizer, `<unk>` for unseen characters) with at most
+    `vocab_size` ids, specials first: 0 `<|pad|>`, 1 `<|endoftext|>` (EOS), 2 `<unk>`."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE(unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Metaspace()
+    tok.decoder = decoders.Metaspace()
+    tok.train_from_iterator(texts, trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=SPECIALS))
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tok.save(str(path))
+    assert 1 + max(tok.get_vocab(with_added_tokens=True).values()) <= vocab_size
+    return path
+
+
+SENTENCES = [f"Tom has {a} apples and buys {b} more. How many apples does Tom have now? #### {a + b}"
+             for a, b in [(3, 4), (12, 7), (25, 30), (8, 1), (60, 5), (14, 9)]]
+
+
+@pytest.fixture(scope="session")
+def small_tokenizer(tmp_path_factory) -> pathlib.Path:
+    """A BPE tokenizer.json (<= 256 ids) trained on GSM8K-like sentences (no shared data needed)."""
+    return train_bpe(SENTENCES * 4, tmp_path_factory.mktemp("tok") / "tokenizer.json", vocab_size=128)
+
+
+def write_jsonl(path: pathlib.Path, records: list, raw_lines: dict[int, str] | None = None) -> pathlib.Path:
+    """`records` as JSON lines; `raw_lines` {line number (1-based): text} replaces those lines verbatim."""
+    lines = [json.dumps(r) for r in records]
+    for n, text in (raw_lines or {}).items():
+        lines[n - 1] = text
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+def gsm8k_records(n: int) -> list[dict]:
+    return [{"question": s.split(" #### ")[0], "answer": "Add them. #### " + s.split(" #### ")[1]}
+            for s in (SENTENCES * (n // len(SENTENCES) + 1))[:n]]
+
+
+_THIS = sys.modules[__name__]
+
+
+@pytest.fixture(scope="session")
+def lt():
+    """This module: the helpers above, for the tests (`lt.launch(...)`, `lt.TINY`); a non-package conftest cannot
+    be imported reliably by name (pytest drops `conftest` from sys.modules between conftest files)."""
+    return _THIS
+
+
+@pytest.fixture(scope="session")
+def hf_tiny_checkpoint(tmp_path_factory) -> pathlib.Path:
+    """An official-format tiny DeepSeek-V4 checkpoint (config.json + model.safetensors) saved by transformers."""
+    sys.path.insert(0, str(REPO / "tests" / "dsv4"))
+    try:
+        from hf_ref import hf_model
+    finally:
+        sys.path.pop(0)
+    from dsv4 import DSV4Config
+
+    d = tmp_path_factory.mktemp("hf_tiny")
+    hf_model(DSV4Config.tiny()).save_pretrained(str(d))
+    return d
+
+
+@pytest.fixture(scope="session")
+def run_env(tmp_path_factory) -> dict:
+    """Environment of a launched job: no forced device count (run.py sets 2), CPU, a shared compile cache
+    (a session temp dir, or $DSV4RL_TEST_JAX_CACHE to keep it between sessions)."""
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    cache = os.environ.get("DSV4RL_TEST_JAX_CACHE") or str(tmp_path_factory.mktemp("jax_cache"))
+    env.update(JAX_PLATFORMS="cpu", PYTHONUNBUFFERED="1", JAX_COMPILATION_CACHE_DIR=cache,
+               JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0", JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="-1")
+    return env
+
+
+def start(args: list[str], env: dict, log: pathlib.Path) -> subprocess.Popen:
+    """`python launch/run.py *args` in the background, stdout + stderr to `log`."""
+    f = open(log, "ab")
+    return subprocess.Popen([sys.executable, str(RUN_PY), *map(str, args)], cwd=REPO, env=env, stdout=f,
+                            stderr=subprocess.STDOUT)
+
+
+def launch(args: list[str], env: dict, log: pathlib.Path, timeout: float = 900) -> tuple[int, str]:
+    """Run `python launch/run.py *args` to the end -> (exit status, this run's output)."""
+    offset = log.stat().st_size if log.exists() else 0
+    proc = start(args, env, log)
+    try:
+        rc = proc.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+        raise
+    return rc, log.read_bytes()[offset:].decode(errors="replace")
+
+
+def ckpt_steps(ckpt_dir: pathlib.Path) -> list[int]:
+    """Completed checkpoint steps (orbax renames `<step>.orbax-checkpoint-tmp-*` to `<step>` when done)."""
+    if not ckpt_dir.is_dir():
+        return []
+    return sorted(int(p.name) for p in ckpt_dir.iterdir() if p.name.isdigit())
+
+
+def read_metrics(path: pathlib.Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def load_state(ckpt_dir: pathlib.Path, step: int) -> dict[str, np.ndarray]:
+    """The learner state of checkpoint `step` as {keystr path: numpy array} (no target needed)."""
+    import orbax.checkpoint as ocp
+
+    path = ckpt_dir / str(step) / "state"
+    with ocp.PyTreeCheckpointer() as c:
+        tree = c.metadata(path).item_metadata.tree
+        return c.restore(path, restore_args={k: ocp.RestoreArgs(restore_type=np.ndarray) for k in tree})

@@ -1,0 +1,167 @@
+"""Resume reproduces the uninterrupted run exactly (issue §6), and interruptions lose nothing.
+
+The default job (tiny model, built-in digit task, 2 host devices: actor 1 + rollout 1, FP8 rollout) runs as
+`python launch/run.py` twice: once uninterrupted, once interrupted again and again in a fresh directory and
+restarted with the same command each time until it completes:
+  1. SIGKILL at a random moment (seeded) after it saved a checkpoint;
+  2. SIGTERM at a random moment after its next checkpoint: exit status 0, a checkpoint of the last completed step;
+  3. SIGKILL again;
+  4. the newest checkpoint is corrupted (a data file truncated): the restart falls back to the previous
+     checkpoint with a warning and runs to the end.
+Then every array of the final checkpoint (params, Adam moments, step, buffers) and every per-step metric except
+`perf/*` must be bitwise equal to the uninterrupted run's, and the metrics file must hold each step once.
+
+Runtime: ~3-4 min on 2 busy cores (5 processes; the first compiles, the others load the compile cache).
+
+    .venv/bin/python -m pytest -q -m slow tests/launch/test_resume.py
+"""
+
+from __future__ import annotations
+
+import math
+import random
+import signal
+import time
+
+import numpy as np
+import pytest
+
+STEPS = 12
+EVAL_EVERY = 5
+JOB = ["--steps", str(STEPS), "--ckpt-every", "1", "--keep-checkpoints", "2", "--eval-every", str(EVAL_EVERY)]
+
+
+def _wait_for_checkpoint_after(proc, ckpt_dir, after: int, lt, timeout: float = 900) -> int:
+    """Poll until a checkpoint newer than `after` is complete or the process ends; the newest step."""
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        newest = max(lt.ckpt_steps(ckpt_dir), default=0)
+        if newest > after or proc.poll() is not None:
+            return newest
+        time.sleep(0.05)
+    proc.kill()
+    raise TimeoutError(f"no checkpoint after step {after} in {ckpt_dir} within {timeout} s")
+
+
+def _same(a, b) -> bool:
+    if isinstance(a, float) and isinstance(b, float) and math.isnan(a) and math.isnan(b):
+        return True
+    return type(a) is type(b) and a == b
+
+
+@pytest.mark.slow
+def test_interrupted_run_reproduces_uninterrupted_run(tmp_path, run_env, lt, capsys):
+    args = [*lt.TINY, *JOB]
+    ref, got = tmp_path / "ref", tmp_path / "interrupted"
+    log = tmp_path / "interrupted.log"
+
+    rc, out = lt.launch([*args, *lt.outputs(ref)], run_env, tmp_path / "ref.log")
+    assert rc == 0, out[-3000:]
+
+    # interrupt within ~1 step after a checkpoint completes (median step time of the reference run)
+    step_s = float(np.median([r["perf/step_s"] for r in lt.read_metrics(ref / "metrics.jsonl")]))
+    rng = random.Random(20261130)
+    cmd = [*args, *lt.outputs(got)]
+    newest = 0
+    for sig in (signal.SIGKILL, signal.SIGTERM, signal.SIGKILL):
+        offset = log.stat().st_size if log.exists() else 0
+        proc = lt.start(cmd, run_env, log)
+        newest = _wait_for_checkpoint_after(proc, got / "ckpt", newest, lt)
+        assert proc.poll() is None and newest < STEPS, ("ended before it could be interrupted", log.read_text()[-3000:])
+        time.sleep(rng.uniform(0.0, step_s))
+        proc.send_signal(sig)
+        rc = proc.wait(timeout=600)
+        text = log.read_bytes()[offset:].decode(errors="replace")
+        if offset:  # a restart: it resumed from the newest checkpoint the previous process completed
+            assert "resumed from" in text, text[-3000:]
+        newest = max(lt.ckpt_steps(got / "ckpt"))
+        logged = [r["step"] for r in lt.read_metrics(got / "metrics.jsonl")] if sig == signal.SIGTERM else None
+        if sig == signal.SIGKILL:
+            assert rc == -signal.SIGKILL, text[-3000:]
+        else:  # SIGTERM: the current step is finished and checkpointed, exit 0
+            assert rc == 0, text[-3000:]
+            assert "SIGTERM" in text
+            assert logged == list(range(newest)), (logged, newest)  # the last completed step is checkpointed
+
+    # corrupt the newest checkpoint: the restart falls back to the one before it
+    data = sorted((got / "ckpt" / str(newest) / "state").rglob("d/*"), key=lambda p: p.stat().st_size)[-1]
+    data.write_bytes(data.read_bytes()[: data.stat().st_size // 2])
+    rc, text = lt.launch(cmd, run_env, log)
+    assert rc == 0, text[-3000:]
+    assert "falling back to the previous checkpoint" in text
+    assert f"at step {newest - 1} " in text
+    assert (got / "ckpt" / f"{newest}.corrupt").is_dir()  # kept for inspection, not a step any more
+
+    # bitwise: every array of the final checkpoint and every non-perf metric of every step
+    assert lt.ckpt_steps(ref / "ckpt")[-1] == lt.ckpt_steps(got / "ckpt")[-1] == STEPS
+    a, b = lt.load_state(ref / "ckpt", STEPS), lt.load_state(got / "ckpt", STEPS)
+    assert sorted(a) == sorted(b) and len(a) > 100
+    differ = [k for k in a if a[k].dtype != b[k].dtype or a[k].shape != b[k].shape
+              or a[k].tobytes() != b[k].tobytes()]
+    assert not differ, f"{len(differ)} arrays differ, e.g. {differ[:5]}"
+    assert any(np.any(v != 0) for k, v in a.items() if "opt_state" in k)  # Adam state is really there
+
+    ma, mb = lt.read_metrics(ref / "metrics.jsonl"), lt.read_metrics(got / "metrics.jsonl")
+    assert [r["step"] for r in ma] == [r["step"] for r in mb] == list(range(STEPS))
+    for ra, rb in zip(ma, mb):
+        keys = {k for k in ra if not k.startswith("perf/")}
+        assert keys == {k for k in rb if not k.startswith("perf/")}
+        bad = {k: (ra[k], rb[k]) for k in keys if not _same(ra[k], rb[k])}
+        assert not bad, (ra["step"], bad)
+    assert {"eval/pass@1", "eval/pass@k"} <= set(ma[EVAL_EVERY - 1]) and "eval/pass@1" in ma[-1]
+    assert len(list((got / "tb").glob("events.out.tfevents.*"))) == 4  # one per process; resumed ones purge
+
+    # the real checkpoint refuses a run of another config, before any model is built (this process, 8 devices)
+    from launch.run import main
+
+    assert main([*cmd, "--group-size", "8"]) == 2
+    assert "group_size: checkpoint=4 vs run=8" in capsys.readouterr().err
+
+
+# ------------------------------------------------------------------------------------------------ fast pieces
+
+def test_corrupt_latest_checkpoint_falls_back_to_the_previous(tmp_path, caplog):
+    """rl.checkpoint: a truncated data file in the newest step -> the previous step is restored with a warning, the
+    bad step is kept as `<step>.corrupt`, and the resumed run can save that step again."""
+    import jax.numpy as jnp
+
+    from rl.checkpoint import Checkpointer
+
+    def state(v):  # random values: a constant array compresses to a few bytes
+        return {"params": {"w": jnp.asarray(np.random.default_rng(int(v)).normal(size=(64, 64)), jnp.float32)},
+                "step": jnp.int32(v)}
+
+    ck = Checkpointer(tmp_path, keep=3, fingerprint={"run": 1}, async_save=False)
+    for s in (1, 2):
+        ck.save(s, state(float(s)), {"data": {"next_index": s}, "weight_version": s})
+    ck.close()
+    data = sorted((tmp_path / "2" / "state").rglob("d/*"), key=lambda p: p.stat().st_size)[-1]
+    data.write_bytes(data.read_bytes()[:16])
+
+    ck = Checkpointer(tmp_path, keep=3, fingerprint={"run": 1}, async_save=False)
+    got, meta = ck.restore(state(0.0))
+    assert meta["step"] == 1 and meta["data"] == {"next_index": 1}
+    assert np.array_equal(np.asarray(got["params"]["w"]), np.asarray(state(1.0)["params"]["w"]))
+    assert any("falling back to the previous checkpoint" in r.getMessage() for r in caplog.records)
+    assert (tmp_path / "2.corrupt").is_dir() and ck.all_steps() == [1]
+    ck.save(2, state(2.0), {"data": {"next_index": 2}, "weight_version": 2})  # no "step 2 already exists"
+    ck.close()
+    assert ck.all_steps() == [1, 2]
+
+
+def test_metrics_of_recomputed_steps_are_dropped(tmp_path):
+    """rl.loop.MetricsLogger.open(first_step): records of steps >= first_step (and a line cut by a kill) go."""
+    import json
+
+    from rl.config import RunConfig
+    from rl.loop import MetricsLogger
+
+    path = tmp_path / "metrics.jsonl"
+    path.write_text("".join(json.dumps({"step": s, "x": s}) + "\n" for s in range(5)) + '{"step": 5, "x"')
+    logger = MetricsLogger(RunConfig(metrics_jsonl=str(path), tensorboard_dir=str(tmp_path / "tb")))
+    logger.open(2)
+    logger.log(2, {"x": 20})
+    logger.close()
+    assert [json.loads(line) for line in path.read_text().splitlines()] == [
+        {"step": 0, "x": 0}, {"step": 1, "x": 1}, {"step": 2, "x": 20}]
+    assert list((tmp_path / "tb").glob("events.out.tfevents.*"))

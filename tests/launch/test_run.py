@@ -1,0 +1,289 @@
+"""Tests for launch/run.py: every YAML in launch/configs resolves, flags override YAML, bad input ends with exit
+status 2 and a one-line error naming the problem (never a traceback), `--dry-run` prints config, meshes and
+memory plan, and a real GSM8K job (HF tokenizer, official-format checkpoint) trains, evaluates, checkpoints and
+resumes.
+
+Input errors run `launch.run.main([...])` in this process: each fails before any model is built (8 forced host
+devices here, `--mesh auto`). The GSM8K job runs `launch/run.py` as a process (tests/launch/conftest.py).
+
+    .venv/bin/python -m pytest -q tests/launch/test_run.py
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import pathlib
+import sys
+
+import pytest
+import yaml
+
+from launch import run as launch_run
+from rl.config import RunConfig
+
+CONFIGS = pathlib.Path(__file__).resolve().parents[2] / "launch" / "configs"
+YAMLS = sorted(CONFIGS.glob("*.yaml"))
+TINY = ["--prompts-per-step", "4", "--group-size", "4", "--max-new-tokens", "4", "--eval-prompts", "4",
+        "--eval-samples", "2", "--no-progress"]  # as conftest.TINY
+
+
+def main(argv, capsys) -> tuple[int, str, str]:
+    """launch.run.main(argv) -> (exit status, stdout, stderr)."""
+    rc = launch_run.main([str(a) for a in argv])
+    out, err = capsys.readouterr()
+    return rc, out, err
+
+
+def assert_user_error(rc: int, err: str, *needles: str) -> None:
+    """Exit 2 with one `error: ...` line naming every needle, and no traceback."""
+    lines = [ln for ln in err.splitlines() if ln.startswith("error: ")]
+    assert rc == 2, err
+    assert "Traceback" not in err
+    assert len(lines) == 1, err
+    for needle in needles:
+        assert needle in lines[0], (needle, lines[0])
+
+
+# ------------------------------------------------------------------------------------------------ configs
+
+def test_configs_present():
+    assert {p.name for p in YAMLS} >= {"tiny_cpu.yaml", "gsm8k_tiny.yaml", "flash_seed_mi308x.yaml"}
+
+
+@pytest.mark.parametrize("path", YAMLS, ids=[p.name for p in YAMLS])
+def test_every_yaml_resolves(path):
+    cfg, _ = launch_run.resolve(["--config-file", str(path)])
+    assert isinstance(cfg, RunConfig)
+    keys = {k.replace("-", "_") for k in yaml.safe_load(path.read_text())}
+    assert keys <= {f.name for f in dataclasses.fields(RunConfig)}
+    for k in keys:  # every key of the file arrived (None: '' for an output path)
+        assert getattr(cfg, k) is not None or k in ("ckpt_dir", "metrics_jsonl", "tensorboard_dir"), k
+
+
+def test_tiny_cpu_yaml_is_the_default_run():
+    cfg, _ = launch_run.resolve(["--config-file", str(CONFIGS / "tiny_cpu.yaml")])
+    assert cfg == RunConfig()
+
+
+def test_flash_seed_layout():
+    from sharding.mesh import ACTOR, ROLLOUT, parse_mesh_spec
+
+    cfg, _ = launch_run.resolve(["--config-file", str(CONFIGS / "flash_seed_mi308x.yaml")])
+    spec = parse_mesh_spec(cfg.mesh)
+    assert (spec.size(ACTOR), spec.size(ROLLOUT)) == (16, 8)  # 2 actor nodes + 1 rollout node of 8 GPUs
+    assert (cfg.config, cfg.rollout_dtype, cfg.compute_dtype) == ("flash", "fp8_e4m3fnuz", "bfloat16")
+    assert cfg.init.startswith("/path/to/") and cfg.dataset and cfg.tokenizer and cfg.ckpt_dir
+
+
+def test_cli_overrides_yaml(tmp_path):
+    f = tmp_path / "run.yaml"
+    f.write_text("steps: 7\ngroup-size: 6\nrouting_replay: false\nlr: 3.0e-4\nckpt_dir: a/ckpt\nseed: 5\n")
+    cfg, _ = launch_run.resolve(["--config-file", str(f), "--group-size", "8", "--routing-replay", "--ckpt-dir", "",
+                                 "--lr", "1e-3"])
+    assert (cfg.steps, cfg.seed) == (7, 5)  # from the file
+    assert (cfg.group_size, cfg.routing_replay, cfg.ckpt_dir, cfg.lr) == (8, True, None, 1e-3)  # flags win
+    assert cfg.prompts_per_step == RunConfig().prompts_per_step  # neither: the default
+
+
+# ------------------------------------------------------------------------------------------------ bad input
+
+@pytest.fixture
+def gsm(tmp_path, small_tokenizer, lt):
+    """Flags of a GSM8K-layout job on tmp data with the small tokenizer; outputs under tmp."""
+    def flags(dataset, *extra):
+        return ["--dataset", dataset, "--tokenizer", small_tokenizer, *TINY, *lt.outputs(tmp_path / "out"), *extra]
+    return flags
+
+
+def test_malformed_jsonl_line_names_file_and_line(tmp_path, gsm, capsys, caplog, lt):
+    data = lt.write_jsonl(tmp_path / "train.jsonl", lt.gsm8k_records(6), {3: '{"question": "How many", "answer": '})
+    rc, _, err = main(gsm(data), capsys)
+    assert_user_error(rc, err, f"{data}:3", "invalid JSON")
+    rc, out, err = main(gsm(data, "--on-bad-record", "skip", "--dry-run"), capsys)  # skip: the run proceeds
+    assert rc == 0, err
+    assert "meshes:" in out and "memory plan" in out
+    assert any(f"{data}:3" in r.getMessage() for r in caplog.records if r.levelname == "WARNING")
+
+
+def test_missing_field(tmp_path, gsm, capsys, lt):
+    records = lt.gsm8k_records(4)
+    del records[1]["answer"]
+    data = lt.write_jsonl(tmp_path / "train.jsonl", records)
+    rc, _, err = main(gsm(data), capsys)
+    assert_user_error(rc, err, f"{data}:2", "missing field 'answer'")
+    rc, _, err = main(gsm(data, "--prompt-field", "problem"), capsys)
+    assert_user_error(rc, err, f"{data}:1", "missing field 'problem'")
+
+
+def test_empty_dataset(tmp_path, gsm, capsys):
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("\n")
+    rc, _, err = main(gsm(empty), capsys)
+    assert_user_error(rc, err, str(empty), "no records")
+    rc, _, err = main(gsm(tmp_path / "nope.jsonl"), capsys)
+    assert_user_error(rc, err, "nope.jsonl", "no such file")
+
+
+def test_prompt_longer_than_max_prompt_len(tmp_path, gsm, capsys, lt):
+    data = lt.write_jsonl(tmp_path / "train.jsonl", lt.gsm8k_records(4))
+    rc, _, err = main(gsm(data, "--max-prompt-len", "5"), capsys)
+    assert_user_error(rc, err, f"{data}:1", "max_prompt_len=5")
+
+
+def test_tokenizer_larger_than_model_vocab(tmp_path, gsm, small_tokenizer, hf_tiny_checkpoint, capsys, lt):
+    from dsv4 import DSV4Config
+    from rl.tokenizer import load_tokenizer
+
+    n = load_tokenizer(small_tokenizer).vocab_size
+    data = lt.write_jsonl(tmp_path / "train.jsonl", lt.gsm8k_records(4))
+    small = tmp_path / "small" / "config.json"  # --config PATH/config.json with fewer ids than the tokenizer
+    small.parent.mkdir()
+    small.write_text(json.dumps(DSV4Config.tiny(vocab_size=n - 8).to_hf_dict()))
+    rc, _, err = main(gsm(data, "--config", small), capsys)
+    assert_user_error(rc, err, f"tokenizer has {n} tokens", f"vocab_size is {n - 8}")
+    # --init of an official-format tiny checkpoint (256 ids) with a bigger tokenizer: refused before loading it
+    from tokenizers import Tokenizer
+
+    big = lt.train_bpe(["x"], tmp_path / "big" / "tokenizer.json")
+    t = Tokenizer.from_file(str(big))
+    t.add_tokens([f"<extra_{i}>" for i in range(300)])
+    t.save(str(big))
+    n = load_tokenizer(big).vocab_size
+    assert n > 256  # else the job below would start training in this process
+    rc, _, err = main(["--dataset", data, "--tokenizer", big, "--init", hf_tiny_checkpoint, *TINY,
+                       *lt.outputs(tmp_path / "o")], capsys)
+    assert_user_error(rc, err, f"tokenizer has {n} tokens", "vocab_size is 256")
+
+
+def test_bad_mesh_spec(tmp_path, capsys, lt):
+    rc, _, err = main(["--mesh", "actor:fsdp=x", *TINY, *lt.outputs(tmp_path)], capsys)
+    assert_user_error(rc, err, "actor:fsdp", "'x'")
+    rc, _, err = main(["--mesh", "actor:fsdp=3/rollout:tensor=7", *TINY, *lt.outputs(tmp_path)], capsys)
+    assert_user_error(rc, err, "devices")
+
+
+@pytest.mark.parametrize("flag", ["--ckpt-dir", "--metrics-jsonl", "--tensorboard-dir"])
+def test_unwritable_output_is_an_error_before_step_1(tmp_path, flag, capsys, lt):
+    blocker = tmp_path / "a_file"
+    blocker.write_text("not a directory")
+    flags = dict(zip(lt.outputs(tmp_path)[::2], lt.outputs(tmp_path)[1::2]))
+    flags[flag] = str(blocker / "sub" / ("m.jsonl" if flag == "--metrics-jsonl" else "d"))
+    rc, _, err = main([*TINY, *[x for kv in flags.items() for x in kv]], capsys)
+    assert_user_error(rc, err, flag, "not writable", str(blocker))
+
+
+def test_yaml_errors(tmp_path, capsys):
+    f = tmp_path / "bad.yaml"
+    f.write_text("steps: 3\ngrup_size: 4\n")
+    rc, _, err = main(["--config-file", f], capsys)
+    assert_user_error(rc, err, str(f), "unknown key 'grup_size'")
+    f.write_text("steps: many\n")
+    rc, _, err = main(["--config-file", f], capsys)
+    assert_user_error(rc, err, "steps must be int", "'many'")
+    f.write_text("steps: [3\n")
+    rc, _, err = main(["--config-file", f], capsys)
+    assert_user_error(rc, err, "not valid YAML")
+    rc, _, err = main(["--config-file", tmp_path / "missing.yaml"], capsys)
+    assert_user_error(rc, err, "missing.yaml")
+    rc, _, err = main(["--group-size", "1"], capsys)
+    assert_user_error(rc, err, "group_size")
+
+
+def test_checkpoint_of_another_config(tmp_path, capsys, lt):
+    """A checkpoint whose fingerprint differs (here: group size 4 vs 8) is refused before the model is built;
+    --resume never refuses to overwrite an existing checkpoint directory."""
+    import jax.numpy as jnp
+
+    from rl.checkpoint import Checkpointer
+    from rl.loop import fingerprint, resolve_model_config
+
+    argv = [*TINY, *lt.outputs(tmp_path)]
+    cfg, _ = launch_run.resolve(argv)
+    assert cfg.group_size == 4
+    ck = Checkpointer(tmp_path / "ckpt", fingerprint=fingerprint(cfg, resolve_model_config(cfg, 16)), async_save=False)
+    ck.save(3, {"w": jnp.zeros(2)}, {"data": {"next_index": 3}, "weight_version": 3, "seed": 0})
+    ck.close()
+    rc, _, err = main([*argv, "--group-size", "8"], capsys)
+    assert_user_error(rc, err, "different config", "group_size: checkpoint=4 vs run=8", str(tmp_path / "ckpt"))
+    rc, _, err = main([*argv, "--resume", "never"], capsys)
+    assert_user_error(rc, err, "already holds checkpoints", "[3]")
+
+
+# ------------------------------------------------------------------------------------------------ dry run
+
+def test_dry_run_prints_config_meshes_and_memory_plan(tmp_path, capsys, lt):
+    rc, out, err = main(["--dry-run", *TINY, *lt.outputs(tmp_path)], capsys)
+    assert rc == 0, err
+    config = json.loads(out[out.index("config:") + 7: out.index("\n}\n") + 2])
+    assert config["group_size"] == 4 and config["mesh"] == "auto"
+    assert "meshes: actor:" in out and "rollout:" in out
+    assert "memory plan (gpu " in out and "PLAN role=actor" in out and "role=rollout" in out
+    assert not (tmp_path / "ckpt").exists()  # a dry run writes nothing
+
+
+def test_dry_run_without_the_planner_says_so(tmp_path, capsys, lt, monkeypatch):
+    monkeypatch.setitem(sys.modules, "sharding.plan", None)  # import fails
+    rc, out, err = main(["--dry-run", *TINY, *lt.outputs(tmp_path)], capsys)
+    assert rc == 0, err
+    assert "meshes: actor:" in out and "memory plan: unavailable (sharding/plan.py cannot be imported" in out
+
+
+def test_dry_run_of_a_mesh_larger_than_the_machine_still_plans(tmp_path, capsys, lt):
+    rc, out, err = main(["--dry-run", "--mesh", "actor:fsdp=2,expert=8/rollout:expert=8", "--rollout-dtype",
+                         "fp8_e4m3fnuz", *TINY, *lt.outputs(tmp_path)], capsys)
+    assert rc == 0, err
+    assert "not buildable on this machine's 8 devices" in out
+    assert "memory plan (gpu mi308x" in out and "on 3 node(s)" in out and "PLAN role=actor" in out
+
+
+# ------------------------------------------------------------------------------------------------ real input
+
+def _gsm8k_lines(path: pathlib.Path, n: int, max_chars: int = 200) -> list[str]:
+    """The first `n` lines of a GSM8K file whose question has at most `max_chars` characters."""
+    out = []
+    with open(path) as f:
+        for line in f:
+            if len(json.loads(line)["question"]) <= max_chars:
+                out.append(line.rstrip("\n"))
+                if len(out) == n:
+                    break
+    return out
+
+
+def test_gsm8k_job_trains_evaluates_checkpoints_and_resumes(shared_dir, tmp_path, hf_tiny_checkpoint, run_env, lt):
+    """Issue §5: real GSM8K lines, a Hugging Face BPE tokenizer.json, an official-format checkpoint (transformers
+    save_pretrained) as --init; 3 steps with eval and a checkpoint, then --steps 4 resumes at step 3."""
+    src = shared_dir / "data" / "gsm8k"
+    if not (src / "train.jsonl").is_file() or not (src / "test.jsonl").is_file():
+        pytest.skip(f"{src} has no GSM8K train.jsonl / test.jsonl")
+    train, test = _gsm8k_lines(src / "train.jsonl", 32), _gsm8k_lines(src / "test.jsonl", 8)
+    (tmp_path / "train.jsonl").write_text("\n".join(train) + "\n")
+    (tmp_path / "test.jsonl").write_text("\n".join(test) + "\n")
+    texts = [r["question"] + "\n" + r["answer"] for r in map(json.loads, train + test)]
+    tok = lt.train_bpe(texts, tmp_path / "tok" / "tokenizer.json", vocab_size=256)
+    out = tmp_path / "out"
+    args = ["--config-file", CONFIGS / "gsm8k_tiny.yaml", "--init", hf_tiny_checkpoint, "--config", "tiny",
+            "--dataset", tmp_path / "train.jsonl", "--eval-dataset", tmp_path / "test.jsonl", "--tokenizer", tok,
+            *TINY, "--max-prompt-len", "128", "--eval-every", "3", "--ckpt-every", "3", *lt.outputs(out)]
+    rc, log1 = lt.launch([*args, "--steps", "3"], run_env, tmp_path / "run.log")
+    assert rc == 0, log1[-3000:]
+    assert (out / "ckpt" / "3").is_dir()
+    rc, log2 = lt.launch([*args, "--steps", "4"], run_env, tmp_path / "run.log")
+    assert rc == 0, log2[-3000:]
+    assert "resumed from" in log2 and "at step 3" in log2
+
+    rows = lt.read_metrics(out / "metrics.jsonl")
+    assert [r["step"] for r in rows] == [0, 1, 2, 3]
+    for r in rows:
+        for k in ("rollout/reward_mean", "rollout/response_len_mean", "train/pg_loss", "train/loss", "train/grad_norm",
+                  "perf/step_s", "perf/rollout_tok_per_s", "perf/weight_push_s", "weight_version"):
+            assert k in r, (r["step"], k)
+        assert 0.0 <= r["rollout/reward_mean"] <= 1.0
+    assert [r["weight_version"] for r in rows] == [1, 2, 3, 4]
+    for r in (rows[2], rows[3]):  # eval every 3 steps and at the last step
+        assert {"eval/pass@1", "eval/pass@k", "eval/greedy_pass@1", "eval/k"} <= set(r) and r["eval/k"] == 2
+        assert 0.0 <= r["eval/pass@1"] <= r["eval/pass@k"] <= 1.0
+    assert "eval/pass@1" not in rows[0] and "eval/pass@1" not in rows[1]
+    assert len(list((out / "tb").glob("events.out.tfevents.*"))) == 2  # one event file per process
+    assert sorted(p.name for p in (out / "ckpt").iterdir() if p.name.isdigit()) == ["3", "4"]
