@@ -177,13 +177,17 @@ def build(cfg: RunConfig) -> Job:
     # A run that checkpoints owns its logs: records of steps >= start_step (written after the checkpoint it
     # resumes from, or by a run killed before its first checkpoint) are dropped, since this run recomputes them.
     job.logger.open(job.start_step if ckpt is not None and cfg.resume == "auto" else None)
-    push(job)  # the sampler serves the (restored) learner's weights from the start; also warms the push up
+    if job.weight_version > 0:  # resumed: the sampler serves the restored params (a fresh run's sampler
+        push(job)                # already holds version 0, built from the same model)
     return job
 
 
 def make_pusher(plan, learner, sampler):
-    """The actor -> rollout weight push (sharding/push.py when available, else the sampler's own update)."""
-    return None  # TODO(lead): switch to sharding.push once its API is final
+    """The actor -> rollout weight push (sharding/push.py): compiled and warmed up here; verification of the
+    pushed FP8 weights is sampled (every 10th push) in production runs."""
+    from sharding.push import WeightPusher
+
+    return WeightPusher(plan, sampler, learner.params_for_push(), verify_every=10)
 
 
 def push(job: Job) -> dict:

@@ -11,7 +11,8 @@ restarted with the same command each time until it completes:
 Then every array of the final checkpoint (params, Adam moments, step, buffers) and every per-step metric except
 `perf/*` must be bitwise equal to the uninterrupted run's, and the metrics file must hold each step once.
 
-Runtime: ~3-4 min on 2 busy cores (5 processes; the first compiles, the others load the compile cache).
+Runtime: 5.7-5.9 min wall on 2 cores shared at load 9-13, about 2.7 min of CPU (6 processes: the first compiles,
+the others load the compile cache), hence `slow`.
 
     .venv/bin/python -m pytest -q -m slow tests/launch/test_resume.py
 """
