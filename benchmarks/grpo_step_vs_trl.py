@@ -31,7 +31,7 @@ faster setting is its figure: on a 2-core machine shared with other jobs, 2 torc
 slower than 1 (thousands of small ops, each waiting for both threads to be scheduled).
 ratio = TRL median step time (its faster thread count) / ours (> 1: ours faster). The load average is printed.
 
-Run:   .venv/bin/python benchmarks/grpo_step_vs_trl.py            (about 3-6 minutes on 2 busy cores)
+Run:   .venv/bin/python benchmarks/grpo_step_vs_trl.py            (about 3-5 minutes on 2 busy cores)
        .venv/bin/python benchmarks/grpo_step_vs_trl.py --trl-steps 8 --ours-per-trl-step 3
 Needs `pip install trl` (tested with 1.16.0; not a project dependency).
 The last line is `RESULT ours_step_s=.. trl_step_s=.. ratio=..`.
@@ -211,8 +211,8 @@ def machine_context() -> str:
     return (f"machine: {platform.machine()} {platform.processor() or ''} | usable cores {cores} "
             f"(os.cpu_count {os.cpu_count()}) | load average {load()}\n"
             f"versions: python {platform.python_version()}, jax {jax.__version__}, flax {flax.__version__}, "
-            f"torch {torch.__version__} (default threads {torch.get_num_threads()}), transformers {transformers.__version__}, "
-            f"trl {trl.__version__} | jax devices {jax.devices()}")
+            f"torch {torch.__version__} (default threads {torch.get_num_threads()}), "
+            f"transformers {transformers.__version__}, trl {trl.__version__} | jax devices {jax.devices()}")
 
 
 def load() -> str:

@@ -121,7 +121,8 @@ def main(argv=None) -> int:
     cols = [("layout", "{:>6}"), ("wire_mb", "{:>8.1f}"), ("tensors", "{:>7d}"), ("chunks", "{:>6d}"),
             ("warmup_s", "{:>8.1f}"), ("push_med_s", "{:>10.3f}"), ("push_best_s", "{:>11.3f}"),
             ("cast_s", "{:>6.3f}"), ("transfer_s", "{:>10.3f}"), ("quantize_s", "{:>10.3f}"),
-            ("verified_s", "{:>10.3f}"), ("push_gbps", "{:>9.3f}"), ("transfer_gbps", "{:>13.3f}"), ("d2d_gbps", "{:>8.3f}"),
+            ("verified_s", "{:>10.3f}"), ("push_gbps", "{:>9.3f}"), ("transfer_gbps", "{:>13.3f}"),
+            ("d2d_gbps", "{:>8.3f}"),
             ("copy_gbps", "{:>9.3f}"), ("ratio", "{:>5.2f}")]
     print(" ".join(f"{c:>{len(f.format(rows[0][c]))}}" for c, f in cols))
     for r in rows:

@@ -196,7 +196,8 @@ def _view(x: jax.Array, sharding: NamedSharding) -> jax.Array:
     if sharding == x.sharding:
         return x
     by_device = {shard.device: shard.data for shard in x.addressable_shards}
-    return jax.make_array_from_single_device_arrays(x.shape, sharding, [by_device[d] for d in sharding.mesh.devices.flat])
+    shards = [by_device[d] for d in sharding.mesh.devices.flat]
+    return jax.make_array_from_single_device_arrays(x.shape, sharding, shards)
 
 
 def _divisor_vectors(splits: tuple[int, ...]):
@@ -355,7 +356,7 @@ class WeightPusher:
         self.colocated = actor_mesh == rollout_mesh
         self.chunk_bytes, self.verify_every = int(chunk_bytes), int(verify_every)
         self.n_pushes = 0
-        self._compiled: dict[str, Any] = {}
+        self._compiled: dict[Any, Any] = {}
         # XLA:CPU runs the per-device parts of every multi-device program on one shared thread pool; with hundreds
         # of small collective programs in flight on few cores their rendezvous starve each other (seen: a 40 s
         # all-gather rendezvous abort with a 6-device actor on 2 cores). On CPU each reshard program is therefore
@@ -616,7 +617,8 @@ def push_weights(pusher: WeightPusher, actor_params, sampler, version: int, *, v
     for t in pusher.tensors:
         x = flat[t.key]
         if tuple(x.shape) != t.shape or np.dtype(x.dtype) != t.actor_dtype:
-            raise ValueError(f"push_weights: {t.key} is {x.dtype}{list(x.shape)}, planned {t.actor_dtype}{list(t.shape)}")
+            raise ValueError(f"push_weights: {t.key} is {x.dtype}{list(x.shape)}, "
+                             f"planned {t.actor_dtype}{list(t.shape)}")
         if not x.sharding.is_equivalent_to(t.actor_sharding, len(t.shape)):
             raise ValueError(f"push_weights: {t.key} has sharding {x.sharding}, planned {t.actor_sharding}")
     do_verify = pusher.wants_verify() if verify is None else bool(verify)

@@ -123,7 +123,8 @@ def test_disjoint_fp8_push_is_exact(disjoint):
     flat = _flat(state)
     assert _assert_exact(sampler, flat) > 10
     # bytes on the wire: bf16 for FP8 and bf16-stored tensors, f32 for mHC / sinks / ape / bias, int32 tables
-    wire = {k: (2 if isinstance(w, quant.QuantizedTensor) else w.dtype.itemsize) for k, w in sampler.weight_state().items()}
+    wire = {k: (2 if isinstance(w, quant.QuantizedTensor) else w.dtype.itemsize)
+            for k, w in sampler.weight_state().items()}
     assert stats.bytes == sum(flat[k].size * wire[k] for k in flat)
     assert stats.n_chunks == len(pusher.chunks) > 1 and stats.n_tensors == len(flat)
     assert set(stats.metrics()) == {"perf/weight_push_s", "perf/weight_push_gbps"} and stats.gbps > 0
@@ -210,6 +211,9 @@ def test_key_set_and_version_errors(disjoint):
                      sampler.weight_version + 1)
     with pytest.raises(ValueError, match="must exceed"):
         push_weights(pusher, flat, sampler, sampler.weight_version)
+    # PRNG keys are not weights: dropped, not an unexpected key (the sampler seeds its own randomness)
+    stats = push_weights(pusher, {**flat, "rngs/default/key": jax.random.key(0)}, sampler, sampler.weight_version + 1)
+    assert stats.n_tensors == len(flat)
     wrong = {**flat, "embed/weight": jax.device_put(flat["embed/weight"], NamedSharding(plan.actor, P()))}
     with pytest.raises(ValueError, match="embed/weight has sharding"):
         push_weights(pusher, wrong, sampler, sampler.weight_version + 1)
