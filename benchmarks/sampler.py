@@ -50,7 +50,6 @@ import gc  # noqa: E402
 import json  # noqa: E402
 import math  # noqa: E402
 import platform  # noqa: E402
-import statistics  # noqa: E402
 import subprocess  # noqa: E402
 import sys  # noqa: E402
 import tempfile  # noqa: E402
@@ -67,13 +66,15 @@ from dsv4.cache import cache_shapes  # noqa: E402
 from rl.sampler import Sampler, SamplingParams  # noqa: E402
 
 CONFIGS = {"tiny": DSV4Config.tiny, "small": DSV4Config.small}
-MODES = {  # name -> (Sampler weights, dequant, dense-MoE dispatch for decode)
-    "bf16": ("bf16", "per_call", False),
-    "fp8": ("fp8", "per_call", False),
-    "fp8_step": ("fp8", "per_step", False),
-    "fp32": ("fp32", "per_call", False),
-    "bf16_dmoe": ("bf16", "per_call", True),
-    "fp32_dmoe": ("fp32", "per_call", True),
+MODES = {  # name -> (Sampler weights, dequant, compute dtype, dense-MoE dispatch for decode)
+    "bf16": ("bf16", "per_call", "bfloat16", False),
+    "fp8": ("fp8", "per_call", "bfloat16", False),
+    "fp8_step": ("fp8", "per_step", "bfloat16", False),
+    "fp8_f32": ("fp8", "per_call", "float32", False),
+    "fp32": ("fp32", "per_call", "float32", False),
+    "bf16_dmoe": ("bf16", "per_call", "bfloat16", True),
+    "fp8_f32_dmoe": ("fp8", "per_call", "float32", True),
+    "fp32_dmoe": ("fp32", "per_call", "float32", True),
 }
 PROMPT_LEN = 32
 T_CAP = 64  # ours' response bucket: N_hi and N_lo must both be in (32, 64]
@@ -138,8 +139,8 @@ def dense_decode_dispatch(x, ids, weights, w1, w3, w2, *, limit, dtype):
 
 
 def make_sampler(model, mode: str) -> Sampler:
-    weights, dequant, dmoe = MODES[mode]
-    return Sampler(model, weights=weights, max_prompt_len=PROMPT_LEN, dequant=dequant,
+    weights, dequant, compute, dmoe = MODES[mode]
+    return Sampler(model, weights=weights, max_prompt_len=PROMPT_LEN, dequant=dequant, compute_dtype=compute,
                    dispatch_fn=dense_decode_dispatch if dmoe else None)
 
 
@@ -159,10 +160,10 @@ def step_bytes(sampler: Sampler, mode: str, batch: int, cache_len: int) -> dict:
     from dsv4 import quant
 
     cfg = sampler.config
-    weights, dequant, _ = MODES[mode]
+    _, dequant, compute, _ = MODES[mode]
     e, k = cfg.n_routed_experts, cfg.num_experts_per_tok
     exp_frac = min(e, batch * k) / e
-    compute_item = 4 if weights == "fp32" else 2
+    compute_item = jnp.dtype(compute).itemsize
     out = {"dense": 0, "experts": 0, "embed": 0, "cache": 0}
     for key, v in sampler.weight_state().items():
         if isinstance(v, quant.QuantizedTensor):
@@ -224,15 +225,16 @@ def memcpy_bandwidth(mb: int = 512, reps: int = 5) -> dict:
 
 
 # ------------------------------------------------------------------------------------------ timing
-def paired_medians(fns: dict, rounds: int) -> dict:
-    """Median wall time (s) of each blocking callable; each round times all of them in turn."""
+def paired_best(fns: dict, rounds: int) -> dict:
+    """Best (minimum) wall time (s) of each blocking callable over `rounds`; each round times all of them in
+    turn. The minimum, not the median: on a shared machine other jobs only ever add time."""
     times = {k: [] for k in fns}
     for _ in range(rounds):
         for k, fn in fns.items():
             t = time.perf_counter()
             fn()
             times[k].append(time.perf_counter() - t)
-    return {k: statistics.median(v) for k, v in times.items()}
+    return {k: min(v) for k, v in times.items()}
 
 
 def ours_fn(sampler: Sampler, prompts, n: int):
@@ -294,6 +296,8 @@ def bench_config(name: str, args) -> list[dict]:
         prompts = [list(map(int, rs.randint(2, cfg.vocab_size, PROMPT_LEN))) for _ in range(b)]
         fns, compile_s = {}, {}
         for m, s in samplers.items():
+            if MODES[m][1] == "per_step" and b not in args.per_step_batches:
+                continue
             hi, lo = ours_fn(s, prompts, args.new), ours_fn(s, prompts, args.new_lo)
             t = time.perf_counter()
             hi()
@@ -303,7 +307,7 @@ def bench_config(name: str, args) -> list[dict]:
             hi, lo = hf_fn(model, prompts, args.hf_new), hf_fn(model, prompts, args.hf_new_lo)
             lo()  # warm-up
             fns[("hf_" + dt, "hi")], fns[("hf_" + dt, "lo")] = hi, lo
-        med = paired_medians(fns, args.rounds or (7 if name == "tiny" else 2))
+        med = paired_best(fns, args.rounds or (7 if name == "tiny" else 2))
         for eng in dict.fromkeys(e for e, _ in fns):
             hf_side = eng.startswith("hf_")
             n_hi, n_lo = (args.hf_new, args.hf_new_lo) if hf_side else (args.new, args.new_lo)
@@ -450,9 +454,11 @@ def machine_context() -> str:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--configs", nargs="+", default=["tiny", "small"], choices=sorted(CONFIGS))
+    ap.add_argument("--configs", nargs="*", default=["tiny", "small"], choices=sorted(CONFIGS))
     ap.add_argument("--batches", nargs="+", type=int, default=[1, 8, 32])
     ap.add_argument("--modes", nargs="+", default=["bf16", "fp8", "fp8_step"], choices=sorted(MODES))
+    ap.add_argument("--per-step-batches", nargs="+", type=int, default=[8],
+                    help="batches at which the fp8_step mode is timed")
     ap.add_argument("--hf-dtypes", nargs="+", default=["fp32"], choices=["fp32", "bf16"])
     ap.add_argument("--hf-small-max-batch", type=int, default=32,
                     help="skip transformers on small above this batch (it is slow)")

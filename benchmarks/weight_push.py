@@ -13,7 +13,8 @@ Layouts (every mesh axis must divide the small config's power-of-two dims, so a 
 `data` axis, which the actor rules never map onto a weight: 3 data-parallel replicas of an fsdp=2 layout):
   6/2  actor:data=3,fsdp=2/rollout:expert=2              (the RESULT line)
   4/4  actor:fsdp=2,expert=2/rollout:expert=2,tensor=2   (the `auto` spec for 8 devices)
-Best and median of `--runs` pushes are printed; RESULT uses the median.
+Best and median of `--runs` pushes are printed; RESULT uses the median. `compiles`: XLA compilations during the
+timed pushes and probes (0 expected: everything compiles in the warm-up or before).
 
 Run:   .venv/bin/python benchmarks/weight_push.py            (about 3-6 minutes on 2 shared cores)
        .venv/bin/python benchmarks/weight_push.py --layouts 6/2 --runs 3
@@ -35,11 +36,19 @@ import time  # noqa: E402
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 from flax import nnx  # noqa: E402
+from jax import monitoring  # noqa: E402
 
 from dsv4 import DSV4Config, DSV4ForCausalLM  # noqa: E402
 from rl.sampler import Sampler  # noqa: E402
 from sharding.mesh import build_mesh_plan  # noqa: E402
 from sharding.push import WeightPusher, push_weights  # noqa: E402
+
+_COMPILES = [0]
+
+
+def _count_compiles(event: str, secs: float, **kw) -> None:
+    if event == "/jax/core/compile/backend_compile_duration":
+        _COMPILES[0] += 1
 
 LAYOUTS = {"6/2": "actor:data=3,fsdp=2/rollout:expert=2", "4/4": "actor:fsdp=2,expert=2/rollout:expert=2,tensor=2"}
 
@@ -79,6 +88,7 @@ def bench_layout(name: str, spec: str, cfg: DSV4Config, runs: int, chunk_mib: in
     d2d, jcopy = memcpy_probes(pusher.wire_bytes)
     version = sampler.weight_version
     pushes, d2d_s, copy_s = [], [], []
+    compiles0 = _COMPILES[0]
     for _ in range(runs):  # interleaved: push, then the two memcpy probes
         version += 1
         pushes.append(push_weights(pusher, state, sampler, version, verify=False))
@@ -86,6 +96,7 @@ def bench_layout(name: str, spec: str, cfg: DSV4Config, runs: int, chunk_mib: in
         copy_s.append(jcopy())
     version += 1
     verified = push_weights(pusher, state, sampler, version, verify=True)
+    compiles = _COMPILES[0] - compiles0
     med = lambda xs: statistics.median(xs)  # noqa: E731
     gb = pusher.wire_bytes / 1e9
     push_s = [p.seconds for p in pushes]
@@ -94,7 +105,7 @@ def bench_layout(name: str, spec: str, cfg: DSV4Config, runs: int, chunk_mib: in
                push_gbps=gb / med(push_s), push_best_gbps=gb / min(push_s),
                cast_s=med([p.cast_s for p in pushes]), transfer_s=med([p.transfer_s for p in pushes]),
                quantize_s=med([p.quantize_s for p in pushes]), verified_s=verified.seconds,
-               verify_s=verified.verify_s, d2d_gbps=gb / med(d2d_s), copy_gbps=gb / med(copy_s))
+               verify_s=verified.verify_s, compiles=compiles, d2d_gbps=gb / med(d2d_s), copy_gbps=gb / med(copy_s))
     row["transfer_gbps"] = gb / row["transfer_s"]
     row["memcpy_gbps"] = max(row["d2d_gbps"], row["copy_gbps"])
     row["ratio"] = row["push_gbps"] / row["memcpy_gbps"]
@@ -112,6 +123,7 @@ def main(argv=None) -> int:
     if unknown:
         ap.error(f"unknown layouts {unknown}; known: {', '.join(LAYOUTS)}")
     cfg = DSV4Config.small()
+    monitoring.register_event_duration_secs_listener(_count_compiles)
     print(f"jax {jax.__version__}, {jax.device_count()} x {jax.devices()[0].platform}, config small, "
           f"runs {args.runs}, chunk {args.chunk_mib} MiB", flush=True)
     rows = []
@@ -122,7 +134,7 @@ def main(argv=None) -> int:
             ("warmup_s", "{:>8.1f}"), ("push_med_s", "{:>10.3f}"), ("push_best_s", "{:>11.3f}"),
             ("cast_s", "{:>6.3f}"), ("transfer_s", "{:>10.3f}"), ("quantize_s", "{:>10.3f}"),
             ("verified_s", "{:>10.3f}"), ("push_gbps", "{:>9.3f}"), ("transfer_gbps", "{:>13.3f}"),
-            ("d2d_gbps", "{:>8.3f}"),
+            ("d2d_gbps", "{:>8.3f}"), ("compiles", "{:>8d}"),
             ("copy_gbps", "{:>9.3f}"), ("ratio", "{:>5.2f}")]
     print(" ".join(f"{c:>{len(f.format(rows[0][c]))}}" for c, f in cols))
     for r in rows:
