@@ -9,11 +9,16 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install -q -e '.[test]'
 	touch $(STAMP)
 
-.PHONY: run test venv
+.PHONY: run test test-fast venv
 venv: $(STAMP)
 
 run: $(STAMP)
 	$(PY) launch/run.py --mesh auto
 
+# Everything, the slow tests too (kill/resume, multi-host): what CI runs.
 test: $(STAMP)
+	$(PY) -m pytest -q -m "slow or not slow" tests
+
+# The default suite without the tests marked slow (development loop).
+test-fast: $(STAMP)
 	$(PY) -m pytest -q tests

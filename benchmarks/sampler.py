@@ -2,41 +2,50 @@
 same CPU, same run; plus the memory-bandwidth roofline and the resident weight bytes of FP8 vs BF16.
 
 What is measured, per config (tiny, small) and batch B (1, 8, 32), prompts of P = 32 random tokens, greedy:
-- ours: `Sampler(model, weights=..., max_prompt_len=P, dequant=...)` for the weight modes
-    bf16        bf16 weights and compute
-    fp8         FP8 e4m3 128x128-block weights, dequantised once per `generate` call (dequant="per_call")
-    fp8_step    the same, dequantised inside every decode step (dequant="per_step")
-    fp32        f32 weights (optional; on CPUs without AVX512-BF16 XLA's f32 dots are the fast path)
-    *_dmoe      (optional, diagnostic) the same with a benchmark-local `dispatch_fn` for the routed experts that
-                runs every expert densely for small token counts (<= 64 tokens: decode) and the stock ragged path
-                otherwise (prefill); it shows how much of the step the stock ragged dispatch costs on CPU.
+- ours: `Sampler(model, weights=..., max_prompt_len=P, dequant=..., compute_dtype=...)`, weight modes
+    bf16          bf16 weights and matmuls
+    fp8           FP8 e4m3 128x128-block weights, dequantised to bf16 once per `generate` (dequant="per_call")
+    fp8_step      the same with dequant="per_step" (timed at --per-step-batches only)
+    fp8_f32       FP8 weights dequantised to f32 (compute_dtype=float32: XLA:CPU's fast matmul path)
+    fp32          f32 weights (optional)
+    *_dmoe        (optional, diagnostic) the same with a benchmark-local `dispatch_fn` for the routed experts
+                  that runs every expert densely when there are few tokens (<= 64: decode) and the stock ragged
+                  path otherwise (prefill): shows what the stock ragged dispatch costs on CPU.
   `SamplingParams(temperature=0, max_new_tokens=N)` without stop ids: every row runs to N (checked).
-  One warm-up call compiles; then timed calls. N_hi = 64 and N_lo = 33 share one compiled bucket (t_cap = 64).
-- transformers: `DeepseekV4ForCausalLM` (eager attention, fp32 by default; `--hf-dtypes fp32 bf16` for both)
+  The first call compiles (warm-up); then timed calls. N_hi = 64 and N_lo = 33 share one compiled bucket.
+- transformers: `DeepseekV4ForCausalLM` (eager attention; fp32 by default, `--hf-dtypes fp32 bf16` for both),
   `generate(do_sample=False, use_cache=True, max_new_tokens=N, min_new_tokens=N, eos_token_id=None)`,
-  `torch.set_num_threads(2)`, one warm-up call, then timed calls, with N_hi = 6, N_lo = 2 (fewer tokens than
-  ours: transformers is slow; its per-step cost is then measured at a slightly shorter context, in its favour).
+  `torch.set_num_threads(2)`, one warm-up call, then timed calls with N_hi = 6, N_lo = 2 (fewer tokens than
+  ours because transformers is slow; its per-step cost is then measured at a slightly shorter context, which
+  favours it).
 - decode tok/s (prefill EXCLUDED, same method on both sides) = B * (N_hi - N_lo) / (t(N_hi) - t(N_lo)), with t
-  the median wall time of a whole `generate` call (N decode steps + one prefill on both sides, so the
-  difference is N_hi - N_lo decode steps). All timed calls of one (config, B) are interleaved round by round
-  (paired), so load changes of the shared machine hit every engine alike. e2e tok/s (prefill INCLUDED) =
-  B * N_hi / t(N_hi) is printed for ours.
+  the best (minimum) wall time of a whole `generate` call over the rounds (a call = one prefill + N decode
+  steps on both sides, so the difference is N_hi - N_lo decode steps). The timed calls of one (config, B) are
+  interleaved round by round, so load changes of the shared machine hit every engine alike; the minimum
+  because other jobs only add time. e2e tok/s (prefill INCLUDED) = B * N_hi / t(N_hi).
 - roofline: bytes touched per decode step / memcpy bandwidth. Bytes = every dense weight (attention, compressors,
-  indexer, shared experts, gates, norms, mHC, lm head) in the dtype the step reads (bf16 for bf16 and fp8
-  per_call: the dequantised copy; fp8 q + f32 scales for fp8_step; f32 for fp32), the B embedding rows, the
-  routed experts of min(E, B * k) experts per layer, and every cache leaf of `dsv4.cache.cache_shapes` for
-  cache_len = P + 64 (the decode step reads the whole window ring, compressed entries and indexer keys). The
-  bandwidth is the higher of a numpy 512 MB copy and a jitted jnp 512 MB copy (bytes copied / time; the DRAM
-  traffic of a copy is twice that). roofline tok/s = B * bandwidth / bytes; frac = ours decode tok/s / that.
+  indexer, shared experts, gates, norms, mHC, lm head) in the dtype the step reads (the compute dtype: fp8
+  modes read their dequantised copy), the B embedding rows, min(E, B * k) routed experts per layer, and every
+  cache leaf of `dsv4.cache.cache_shapes` at cache_len = P + 64 (the decode step reads the whole window ring,
+  compressed entries and indexer keys); fp8_step is counted at its FP8 bytes (q + f32 scales), what a fused
+  dequantising matmul would read. Bandwidth = the best over the run (measured at the start, before every
+  (config, B) block and at the end) of a numpy 512 MB copy and a jitted, donated jnp 512 MB read+write, as
+  bytes copied / time (the DRAM traffic is twice that); the higher of the two is used.
+  roofline tok/s = B * bandwidth / bytes; roof % = ours decode tok/s / roofline tok/s.
 - memory: resident weight bytes of the sampler = sum of nbytes over `sampler.weight_state()` leaves (q and
-  scale for FP8); `--rss` also runs one child process per mode and reports its RSS after the model is dropped
-  and the peak RSS of a steady-state `generate` (small, B = 8).
+  scale for FP8); `--rss` also runs one child process per mode (small, B = 8) and reports its RSS after the
+  model is dropped and one warm-up `generate`, and the peak RSS of a second `generate`.
+- `--breakdown B..`: ms per decode step of variants of a jitted `decode_step` loop (stock / routed experts
+  zeroed / dense-MoE dispatch, bf16 / f32, sampling head alone) on small at those batches.
 
 Run:   .venv/bin/python benchmarks/sampler.py                 (defaults; see --help)
-       .venv/bin/python benchmarks/sampler.py --configs small --batches 8 --modes bf16 fp8 --rounds 2
+       .venv/bin/python benchmarks/sampler.py --configs small --batches 8 --modes bf16 fp8 --rounds 3
+       .venv/bin/python benchmarks/sampler.py --configs --breakdown 1 8 --rss     (diagnostics only)
+Compilation is not timed; a persistent jax compilation cache (--compile-cache, default in the temp dir) makes
+reruns start faster.
 The last line is `RESULT ours_tok_s=.. hf_tok_s=.. ratio_vs_hf=.. roofline_frac=..` for small, B = 8, bf16
-weights (ours decode tok/s, transformers decode tok/s at the fastest of the --hf-dtypes, their ratio, and ours
-as a fraction of the bf16 roofline).
+weights: ours decode tok/s, transformers decode tok/s (the fastest of --hf-dtypes), their ratio, and ours as a
+fraction of the bf16 roofline.
 """
 
 from __future__ import annotations
@@ -195,7 +204,7 @@ def _abstract_model(cfg: DSV4Config):
     return nnx.eval_shape(lambda: DSV4ForCausalLM(cfg, rngs=nnx.Rngs(0)))
 
 
-def memcpy_bandwidth(mb: int = 512, reps: int = 5) -> dict:
+def memcpy_bandwidth(mb: int = 512, reps: int = 3) -> dict:
     """Copy bandwidth (bytes copied / time, best of `reps`) of numpy and of a jitted jnp copy of `mb` MB."""
     n = mb * (1 << 20) // 4
     src = np.random.RandomState(0).rand(n).astype(np.float32)
@@ -294,6 +303,7 @@ def bench_config(name: str, args) -> list[dict]:
         else:
             hf_here = hf_models
         prompts = [list(map(int, rs.randint(2, cfg.vocab_size, PROMPT_LEN))) for _ in range(b)]
+        args.bw_samples.append(memcpy_bandwidth())
         fns, compile_s = {}, {}
         for m, s in samplers.items():
             if MODES[m][1] == "per_step" and b not in args.per_step_batches:
@@ -318,15 +328,11 @@ def bench_config(name: str, args) -> list[dict]:
                    "e2e_tok_s": b * n_hi / med[(eng, "hi")]}
             if not hf_side:
                 sb = step_bytes(samplers[eng], eng, b, PROMPT_LEN + T_CAP)
-                row.update(compile_s=compile_s[eng], bytes=sb,
-                           roof_tok_s=b * args.bw["best"] / sb["total"],
-                           resident=resident_weight_bytes(samplers[eng]))
-                row["roof_frac"] = row["decode_tok_s"] / row["roof_tok_s"]
+                row.update(compile_s=compile_s[eng], bytes=sb, resident=resident_weight_bytes(samplers[eng]))
             rows.append(row)
-            print(f"  {name} B={b:<3d} {eng:<10s} t({n_hi})={row['t_hi']:.3f}s t({n_lo})={row['t_lo']:.3f}s "
+            print(f"  {name} B={b:<3d} {eng:<12s} t({n_hi})={row['t_hi']:.3f}s t({n_lo})={row['t_lo']:.3f}s "
                   f"step {row['step_ms']:.2f} ms decode {row['decode_tok_s']:.1f} tok/s"
-                  + (f" roofline {row['roof_tok_s']:.0f} tok/s ({100 * row['roof_frac']:.1f}%) "
-                     f"compile {row['compile_s']:.1f}s" if not hf_side else ""), flush=True)
+                  + (f" (compile + first call {row['compile_s']:.1f}s)" if not hf_side else ""), flush=True)
     return rows
 
 
@@ -473,10 +479,10 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--configs", nargs="*", default=["tiny", "small"], choices=sorted(CONFIGS))
     ap.add_argument("--batches", nargs="+", type=int, default=[1, 8, 32])
-    ap.add_argument("--modes", nargs="+", default=["bf16", "fp8", "fp8_step"], choices=sorted(MODES))
+    ap.add_argument("--modes", nargs="+", default=["bf16", "fp8", "fp8_step", "fp8_f32"], choices=list(MODES))
     ap.add_argument("--per-step-batches", nargs="+", type=int, default=[8],
                     help="batches at which the fp8_step mode is timed")
-    ap.add_argument("--hf-dtypes", nargs="+", default=["fp32"], choices=["fp32", "bf16"])
+    ap.add_argument("--hf-dtypes", nargs="*", default=["fp32"], choices=["fp32", "bf16"])
     ap.add_argument("--hf-small-max-batch", type=int, default=32,
                     help="skip transformers on small above this batch (it is slow)")
     ap.add_argument("--new", type=int, default=64, help="ours N_hi (in (32, 64])")
@@ -507,17 +513,27 @@ def main(argv=None) -> int:
     torch.set_num_threads(2)
     t_start = time.perf_counter()
     print(machine_context(), flush=True)
-    args.bw = memcpy_bandwidth()
-    print(f"memcpy 512 MB: numpy {args.bw['numpy'] / 1e9:.2f} GB/s, jitted jnp {args.bw['jax'] / 1e9:.2f} GB/s "
-          f"-> roofline uses {args.bw['best'] / 1e9:.2f} GB/s", flush=True)
+    args.bw_samples = [memcpy_bandwidth()]
     rows = []
     for name in args.configs:
         rows += bench_config(name, args)
+    args.bw_samples.append(memcpy_bandwidth())
+    bw_np = max(x["numpy"] for x in args.bw_samples)
+    bw_jax = max(x["jax"] for x in args.bw_samples)
+    bw = max(bw_np, bw_jax)
+    print(f"\nmemcpy 512 MB, best of {len(args.bw_samples)} measurements spread over the run: numpy {bw_np / 1e9:.2f} "
+          f"GB/s, jitted jnp {bw_jax / 1e9:.2f} GB/s -> roofline uses {bw / 1e9:.2f} GB/s (per measurement, "
+          "numpy/jnp GB/s: " + ", ".join(f"{x['numpy'] / 1e9:.1f}/{x['jax'] / 1e9:.1f}" for x in args.bw_samples)
+          + ")")
+    for r in rows:
+        if "bytes" in r:
+            r["roof_tok_s"] = r["B"] * bw / r["bytes"]["total"]
+            r["roof_frac"] = r["decode_tok_s"] / r["roof_tok_s"]
 
     print()
     print("decode tok/s, prefill excluded: B * (N_hi - N_lo) / (t(N_hi) - t(N_lo)); ours N = 64/33, transformers "
           f"N = {args.hf_new}/{args.hf_new_lo}; e2e = prefill included (ours, N = 64)")
-    hdr = (f"{'config':<6} {'B':>3} {'engine':<10} {'step ms':>9} {'decode tok/s':>13} {'e2e tok/s':>10} "
+    hdr = (f"{'config':<6} {'B':>3} {'engine':<12} {'step ms':>9} {'decode tok/s':>13} {'e2e tok/s':>10} "
            f"{'vs HF':>7} {'MB/step':>8} {'roof tok/s':>10} {'roof %':>7} {'weights MiB':>11}")
     print(hdr)
     print("-" * len(hdr))
@@ -525,14 +541,14 @@ def main(argv=None) -> int:
         hf_best = max((x["decode_tok_s"] for x in rows if x["config"] == r["config"] and x["B"] == r["B"]
                        and x["engine"].startswith("hf_")), default=float("nan"))
         if r["engine"].startswith("hf_"):
-            print(f"{r['config']:<6} {r['B']:>3} {r['engine']:<10} {r['step_ms']:>9.2f} {r['decode_tok_s']:>13.1f} "
+            print(f"{r['config']:<6} {r['B']:>3} {r['engine']:<12} {r['step_ms']:>9.2f} {r['decode_tok_s']:>13.1f} "
                   f"{r['e2e_tok_s']:>10.1f}")
         else:
-            print(f"{r['config']:<6} {r['B']:>3} {r['engine']:<10} {r['step_ms']:>9.2f} {r['decode_tok_s']:>13.1f} "
+            print(f"{r['config']:<6} {r['B']:>3} {r['engine']:<12} {r['step_ms']:>9.2f} {r['decode_tok_s']:>13.1f} "
                   f"{r['e2e_tok_s']:>10.1f} {r['decode_tok_s'] / hf_best:>7.2f} {r['bytes']['total'] / 1e6:>8.2f} "
                   f"{r['roof_tok_s']:>10.0f} {100 * r['roof_frac']:>6.1f}% {r['resident'] / 2**20:>11.2f}")
     if args.breakdown is not None:
-        print("\nDecode-step breakdown (small, jitted decode_step only, random weights; wall and process CPU time):")
+        print("\nDecode-step breakdown (small, random weights; decode_step + argmax in a jitted fori_loop; ms per step):")
         for b in args.breakdown or [8]:
             step_breakdown("small", b)
     if args.rss:

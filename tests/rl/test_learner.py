@@ -247,7 +247,11 @@ def test_sharded_step_equals_unsharded(model, batch, dispatch):
     flat_plain, flat_sharded = _flat(plain.state.params), _flat(sharded.state.params)
     diff = np.sqrt(sum(np.sum((flat_sharded[k] - v) ** 2) for k, v in flat_plain.items()))
     norm = np.sqrt(sum(np.sum(v ** 2) for v in flat_plain.values()))
-    assert diff <= 1e-5 * norm, diff / norm
+    # Adam's first step is elementwise g / sqrt(g^2): rounding-level gradient differences of near-zero entries
+    # (sharded sums run in another order) move those entries by up to ~lr, so the parameters after the step agree
+    # to a few 1e-5 relative (measured 1.2e-5), while a mis-sharded update is off by O(1). The gradients themselves
+    # are compared at 1e-5 in tests/sharding/test_sharded_model.py.
+    assert diff <= 5e-5 * norm, diff / norm
     for name, value in flat_plain.items():
         step_plain, step_sharded = value - start[name], flat_sharded[name] - start[name]
         assert np.linalg.norm(step_sharded - step_plain) <= 1e-2 * np.linalg.norm(step_plain) + 1e-12, name
