@@ -127,10 +127,11 @@ def build_hf(cfg: DSV4Config, seed: int = 0):
 
 
 def dense_decode_dispatch(x, ids, weights, w1, w3, w2, *, limit, dtype):
-    """Routed experts for few tokens (decode): every expert on every token as three plain matmuls over the
-    [E*I, D] weight views, combined with the (token, expert) routing weights; reads each expert once and uses
-    XLA's ordinary dot instead of the ragged-dot fallback (which on CPU expands to E dense groups over T*k rows).
-    More tokens than 64 (prefill) use the stock `routed_experts_ragged`."""
+    """Routed experts for few tokens (decode): every expert on every token, combined with the (token, expert)
+    routing weights. w1/w3 as one plain matmul over their free [E*I, D] views, w2 as E matmuls batched on its
+    leading axis: no weight is transposed or copied (the stock ragged-dot fallback of XLA:CPU contracts over
+    (E, D) of [E, I, D] and re-lays the weights out). More than 64 tokens (prefill): the stock
+    `routed_experts_ragged`."""
     from dsv4.moe import routed_experts_ragged, swiglu
 
     t, d = x.shape
@@ -140,11 +141,13 @@ def dense_decode_dispatch(x, ids, weights, w1, w3, w2, *, limit, dtype):
     acc = jnp.float32 if jnp.dtype(dtype) == jnp.float32 else None
     xt = x.astype(dtype)
     cw = jnp.zeros((t, e), jnp.float32).at[jnp.arange(t)[:, None], ids].add(weights)
-    g = jnp.dot(xt, w1.reshape(e * i, d).astype(dtype).T, preferred_element_type=acc).astype(jnp.float32)
-    u = jnp.dot(xt, w3.reshape(e * i, d).astype(dtype).T, preferred_element_type=acc).astype(jnp.float32)
-    h = (swiglu(g, u, limit).reshape(t, e, i) * cw[..., None]).astype(dtype).reshape(t, e * i)
-    w2t = jnp.transpose(w2.astype(dtype), (1, 0, 2)).reshape(d, e * i)  # loop-invariant: hoisted by XLA
-    return jnp.dot(h, w2t.T, preferred_element_type=acc).astype(jnp.float32)
+    nt = (((1,), (1,)), ((), ()))  # x [T, D] . w [E*I, D] -> [T, E*I]
+    g = jax.lax.dot_general(xt, w1.reshape(e * i, d).astype(dtype), nt, preferred_element_type=acc)
+    u = jax.lax.dot_general(xt, w3.reshape(e * i, d).astype(dtype), nt, preferred_element_type=acc)
+    h = swiglu(g, u, limit).reshape(t, e, i) * cw[..., None]
+    h = jnp.transpose(h, (1, 0, 2)).astype(dtype)  # [E, T, I] (small)
+    y = jax.lax.dot_general(h, w2.astype(dtype), (((2,), (2,)), ((0,), (0,))), preferred_element_type=acc)
+    return jnp.sum(y.astype(jnp.float32), axis=0)  # [E, T, D] -> [T, D]
 
 
 def make_sampler(model, mode: str) -> Sampler:
@@ -234,18 +237,6 @@ def memcpy_bandwidth(mb: int = 512, reps: int = 3) -> dict:
 
 
 # ------------------------------------------------------------------------------------------ timing
-def paired_best(fns: dict, rounds: int) -> dict:
-    """Best (minimum) wall time (s) of each blocking callable over `rounds`; each round times all of them in
-    turn. The minimum, not the median: on a shared machine other jobs only ever add time."""
-    times = {k: [] for k in fns}
-    for _ in range(rounds):
-        for k, fn in fns.items():
-            t = time.perf_counter()
-            fn()
-            times[k].append(time.perf_counter() - t)
-    return {k: min(v) for k, v in times.items()}
-
-
 def ours_fn(sampler: Sampler, prompts, n: int):
     sp = SamplingParams(temperature=0.0, max_new_tokens=n)
 
@@ -258,19 +249,36 @@ def ours_fn(sampler: Sampler, prompts, n: int):
     return run
 
 
-def hf_fn(model, prompts, n: int):
+def hf_fn(model, prompts, n: int, threads: int):
+    """A blocking transformers `generate` of n tokens; returns (wall s, [wall s of each decode step]). The decode
+    steps are timed by a logits processor, which runs once per generated token right after that token's forward:
+    the intervals between its calls are whole decode steps (forward + greedy pick), the prefill excluded."""
     import torch
+    from transformers import LogitsProcessor, LogitsProcessorList
 
     ids = torch.tensor(prompts, dtype=torch.long)
     mask = torch.ones_like(ids)
 
+    class Stamp(LogitsProcessor):
+        def __init__(self):
+            self.t = []
+
+        def __call__(self, input_ids, scores):
+            self.t.append(time.perf_counter())
+            return scores
+
     def run():
+        torch.set_num_threads(threads)
+        stamp = Stamp()
+        t0 = time.perf_counter()
         with torch.no_grad():
             out = model.generate(ids, attention_mask=mask, max_new_tokens=n, min_new_tokens=n, do_sample=False,
-                                 use_cache=True, pad_token_id=0, eos_token_id=None, bos_token_id=None)
-        if out.shape[1] != ids.shape[1] + n:
-            raise RuntimeError(f"transformers: {out.shape[1] - ids.shape[1]} new tokens != {n}")
-        return out
+                                 use_cache=True, pad_token_id=0, eos_token_id=None, bos_token_id=None,
+                                 logits_processor=LogitsProcessorList([stamp]))
+        wall = time.perf_counter() - t0
+        if out.shape[1] != ids.shape[1] + n or len(stamp.t) != n:
+            raise RuntimeError(f"transformers: {out.shape[1] - ids.shape[1]} new tokens, {len(stamp.t)} steps != {n}")
+        return wall, list(np.diff(stamp.t))
 
     return run
 
@@ -283,12 +291,10 @@ def bench_config(name: str, args) -> list[dict]:
     with tempfile.TemporaryDirectory() as d:
         hf.save_pretrained(d)
         ours = load_hf_checkpoint(d, dtype=jnp.float32)
-    hf_models = {"fp32": hf}
-    if "bf16" in args.hf_dtypes:
-        import copy
-        hf_models["bf16"] = copy.deepcopy(hf).to(torch.bfloat16)
-    if "fp32" not in args.hf_dtypes:
-        del hf_models["fp32"]
+    hf_models = {}
+    for dt in args.hf_dtypes:
+        for th in args.hf_threads:
+            hf_models[f"hf_{dt}_t{th}"] = (hf if dt == "fp32" else _bf16_copy(hf), th)
     samplers = {m: make_sampler(ours, m) for m in args.modes}
     del ours
     gc.collect()
@@ -297,11 +303,8 @@ def bench_config(name: str, args) -> list[dict]:
           + ", ".join(f"{m} {resident_weight_bytes(s) / 2**20:.1f} MiB" for m, s in samplers.items()), flush=True)
     rows = []
     rs = np.random.RandomState(0)
+    rounds = args.rounds or (7 if name == "tiny" else 2)
     for b in args.batches:
-        if name == "small" and b > 8 and args.hf_small_max_batch < b:
-            hf_here = {}
-        else:
-            hf_here = hf_models
         prompts = [list(map(int, rs.randint(2, cfg.vocab_size, PROMPT_LEN))) for _ in range(b)]
         args.bw_samples.append(memcpy_bandwidth())
         fns, compile_s = {}, {}
@@ -313,27 +316,50 @@ def bench_config(name: str, args) -> list[dict]:
             hi()
             compile_s[m] = time.perf_counter() - t  # compile + first call: the warm-up
             fns[(m, "hi")], fns[(m, "lo")] = hi, lo
-        for dt, model in hf_here.items():
-            hi, lo = hf_fn(model, prompts, args.hf_new), hf_fn(model, prompts, args.hf_new_lo)
-            lo()  # warm-up
-            fns[("hf_" + dt, "hi")], fns[("hf_" + dt, "lo")] = hi, lo
-        med = paired_best(fns, args.rounds or (7 if name == "tiny" else 2))
+        hf_runs = {}
+        for eng, (model, th) in hf_models.items():
+            hf_runs[eng] = hf_fn(model, prompts, args.hf_new, th)
+            hf_runs[eng]()  # warm-up
+        # rounds: every engine in turn, so a load change hits all of them alike
+        times = {k: [] for k in fns}
+        hf_res = {k: [] for k in hf_runs}
+        for _ in range(rounds):
+            for k, fn in fns.items():
+                t = time.perf_counter()
+                fn()
+                times[k].append(time.perf_counter() - t)
+            for k, fn in hf_runs.items():
+                hf_res[k].append(fn())
+        torch.set_num_threads(2)
         for eng in dict.fromkeys(e for e, _ in fns):
-            hf_side = eng.startswith("hf_")
-            n_hi, n_lo = (args.hf_new, args.hf_new_lo) if hf_side else (args.new, args.new_lo)
-            dt_step = (med[(eng, "hi")] - med[(eng, "lo")]) / (n_hi - n_lo)
-            row = {"config": name, "B": b, "engine": eng, "t_hi": med[(eng, "hi")], "t_lo": med[(eng, "lo")],
-                   "n_hi": n_hi, "n_lo": n_lo, "step_ms": 1e3 * dt_step,
-                   "decode_tok_s": b / dt_step if dt_step > 0 else float("nan"),
-                   "e2e_tok_s": b * n_hi / med[(eng, "hi")]}
-            if not hf_side:
-                sb = step_bytes(samplers[eng], eng, b, PROMPT_LEN + T_CAP)
-                row.update(compile_s=compile_s[eng], bytes=sb, resident=resident_weight_bytes(samplers[eng]))
+            t_hi, t_lo = min(times[(eng, "hi")]), min(times[(eng, "lo")])
+            dt_step = (t_hi - t_lo) / (args.new - args.new_lo)
+            sb = step_bytes(samplers[eng], eng, b, PROMPT_LEN + T_CAP)
+            row = {"config": name, "B": b, "engine": eng, "step_ms": 1e3 * dt_step,
+                   "decode_tok_s": b / dt_step if dt_step > 0 else float("nan"), "e2e_tok_s": b * args.new / t_hi,
+                   "compile_s": compile_s[eng], "bytes": sb, "resident": resident_weight_bytes(samplers[eng])}
             rows.append(row)
-            print(f"  {name} B={b:<3d} {eng:<12s} t({n_hi})={row['t_hi']:.3f}s t({n_lo})={row['t_lo']:.3f}s "
-                  f"step {row['step_ms']:.2f} ms decode {row['decode_tok_s']:.1f} tok/s"
-                  + (f" (compile + first call {row['compile_s']:.1f}s)" if not hf_side else ""), flush=True)
+            print(f"  {name} B={b:<3d} {eng:<12s} t({args.new})={t_hi:.3f}s t({args.new_lo})={t_lo:.3f}s "
+                  f"step {row['step_ms']:.2f} ms decode {row['decode_tok_s']:.1f} tok/s "
+                  f"(compile + first call {row['compile_s']:.1f}s)", flush=True)
+        for eng, res in hf_res.items():
+            step = min(float(np.mean(steps)) for _, steps in res)  # the best round's mean decode step
+            med = float(np.median([x for _, steps in res for x in steps]))
+            row = {"config": name, "B": b, "engine": eng, "step_ms": 1e3 * step, "decode_tok_s": b / step,
+                   "e2e_tok_s": b * args.hf_new / min(w for w, _ in res), "median_step_ms": 1e3 * med}
+            rows.append(row)
+            print(f"  {name} B={b:<3d} {eng:<12s} t({args.hf_new})={min(w for w, _ in res):.3f}s step "
+                  f"{row['step_ms']:.2f} ms (median step {row['median_step_ms']:.2f} ms) decode "
+                  f"{row['decode_tok_s']:.1f} tok/s", flush=True)
     return rows
+
+
+def _bf16_copy(model):
+    import copy
+
+    import torch
+
+    return copy.deepcopy(model).to(torch.bfloat16)
 
 
 # ------------------------------------------------------------------------------------------ step breakdown
@@ -483,12 +509,11 @@ def main(argv=None) -> int:
     ap.add_argument("--per-step-batches", nargs="+", type=int, default=[8],
                     help="batches at which the fp8_step mode is timed")
     ap.add_argument("--hf-dtypes", nargs="*", default=["fp32"], choices=["fp32", "bf16"])
-    ap.add_argument("--hf-small-max-batch", type=int, default=32,
-                    help="skip transformers on small above this batch (it is slow)")
+    ap.add_argument("--hf-threads", nargs="+", type=int, default=[2, 1],
+                    help="torch thread counts to time transformers at (the fastest is its figure)")
     ap.add_argument("--new", type=int, default=64, help="ours N_hi (in (32, 64])")
     ap.add_argument("--new-lo", type=int, default=33, help="ours N_lo (in (32, 64])")
-    ap.add_argument("--hf-new", type=int, default=6)
-    ap.add_argument("--hf-new-lo", type=int, default=2)
+    ap.add_argument("--hf-new", type=int, default=8, help="transformers new tokens (N - 1 timed decode steps)")
     ap.add_argument("--rounds", type=int, default=None, help="timed rounds, median (default: 7 tiny, 2 small)")
     ap.add_argument("--breakdown", nargs="*", type=int, default=None, metavar="B",
                     help="also time variants of one small decode step at these batches (default 8)")
@@ -531,8 +556,9 @@ def main(argv=None) -> int:
             r["roof_frac"] = r["decode_tok_s"] / r["roof_tok_s"]
 
     print()
-    print("decode tok/s, prefill excluded: B * (N_hi - N_lo) / (t(N_hi) - t(N_lo)); ours N = 64/33, transformers "
-          f"N = {args.hf_new}/{args.hf_new_lo}; e2e = prefill included (ours, N = 64)")
+    print(f"decode tok/s, prefill excluded: ours B * 31 / (t(64) - t(33)); transformers B / mean decode step of "
+          f"its {args.hf_new}-token generate (timed per step); both the best of the rounds. e2e: prefill included "
+          f"(ours N = 64, transformers N = {args.hf_new}).")
     hdr = (f"{'config':<6} {'B':>3} {'engine':<12} {'step ms':>9} {'decode tok/s':>13} {'e2e tok/s':>10} "
            f"{'vs HF':>7} {'MB/step':>8} {'roof tok/s':>10} {'roof %':>7} {'weights MiB':>11}")
     print(hdr)
