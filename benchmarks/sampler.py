@@ -6,23 +6,27 @@ What is measured, per config (tiny, small) and batch B (1, 8, 32), prompts of P 
     bf16          bf16 weights and matmuls
     fp8           FP8 e4m3 128x128-block weights, dequantised to bf16 once per `generate` (dequant="per_call")
     fp8_step      the same with dequant="per_step" (timed at --per-step-batches only)
-    fp8_f32       FP8 weights dequantised to f32 (compute_dtype=float32: XLA:CPU's fast matmul path)
-    fp32          f32 weights (optional)
+    fp8_f32       (optional) FP8 weights dequantised to f32 (`compute_dtype=float32`)
+    fp32          (optional) f32 weights
     *_dmoe        (optional, diagnostic) the same with a benchmark-local `dispatch_fn` for the routed experts
                   that runs every expert densely when there are few tokens (<= 64: decode) and the stock ragged
                   path otherwise (prefill): shows what the stock ragged dispatch costs on CPU.
   `SamplingParams(temperature=0, max_new_tokens=N)` without stop ids: every row runs to N (checked).
-  The first call compiles (warm-up); then timed calls. N_hi = 64 and N_lo = 33 share one compiled bucket.
+  The first call compiles (warm-up); then timed calls at N = 33, 48, 64 (one compiled bucket, t_cap = 64).
 - transformers: `DeepseekV4ForCausalLM` (eager attention; fp32 by default, `--hf-dtypes fp32 bf16` for both),
-  `generate(do_sample=False, use_cache=True, max_new_tokens=N, min_new_tokens=N, eos_token_id=None)`,
-  `torch.set_num_threads(2)`, one warm-up call, then timed calls with N_hi = 6, N_lo = 2 (fewer tokens than
-  ours because transformers is slow; its per-step cost is then measured at a slightly shorter context, which
-  favours it).
-- decode tok/s (prefill EXCLUDED, same method on both sides) = B * (N_hi - N_lo) / (t(N_hi) - t(N_lo)), with t
-  the best (minimum) wall time of a whole `generate` call over the rounds (a call = one prefill + N decode
-  steps on both sides, so the difference is N_hi - N_lo decode steps). The timed calls of one (config, B) are
-  interleaved round by round, so load changes of the shared machine hit every engine alike; the minimum
-  because other jobs only add time. e2e tok/s (prefill INCLUDED) = B * N_hi / t(N_hi).
+  `generate(do_sample=False, use_cache=True, max_new_tokens=8, min_new_tokens=8, eos_token_id=None)`, one
+  warm-up call, then timed calls, at `torch.set_num_threads(2)` and at 1 thread (`--hf-threads`): in this
+  process (XLA's thread pool alongside) torch's 2-thread pool sometimes runs 10-50x slower than 1 thread, so
+  both are timed and the faster is transformers' figure.
+- decode tok/s (prefill EXCLUDED on both sides):
+    ours: B / s-per-step, s-per-step = the median of the pairwise slopes of (N, best wall time of a whole
+      `generate` call at N) over N = 33, 48, 64 (a call = one prefill + N decode steps, so the slope is the
+      decode step; the prefill and the per-call dequantisation cancel);
+    transformers: B / mean decode step, the steps timed inside `generate` by a logits processor (called once
+      per token right after its forward: the intervals are whole decode steps), best round.
+  Both include the sampling head (greedy). Rounds interleave all engines of one (config, B), so a load change
+  of the shared machine hits them alike; the best round because other jobs only add time.
+  e2e tok/s (prefill INCLUDED) = B * N / best wall time of a call (ours N = 64, transformers N = 8).
 - roofline: bytes touched per decode step / memcpy bandwidth. Bytes = every dense weight (attention, compressors,
   indexer, shared experts, gates, norms, mHC, lm head) in the dtype the step reads (the compute dtype: fp8
   modes read their dequantised copy), the B embedding rows, min(E, B * k) routed experts per layer, and every
@@ -43,9 +47,15 @@ Run:   .venv/bin/python benchmarks/sampler.py                 (defaults; see --h
        .venv/bin/python benchmarks/sampler.py --configs --breakdown 1 8 --rss     (diagnostics only)
 Compilation is not timed; a persistent jax compilation cache (--compile-cache, default in the temp dir) makes
 reruns start faster.
-The last line is `RESULT ours_tok_s=.. hf_tok_s=.. ratio_vs_hf=.. roofline_frac=..` for small, B = 8, bf16
-weights: ours decode tok/s, transformers decode tok/s (the fastest of --hf-dtypes), their ratio, and ours as a
-fraction of the bf16 roofline.
+- HLO bytes: the bytes the compiled decode step really reads through its matmuls: the sampler's generate program
+  is compiled for the exact call signature and the operand sizes of every `dot` under the `decode_step` name
+  scope are summed (weights in the dtype XLA feeds the dot: XLA:CPU upcasts some bf16 weights to f32 once per
+  call, outside the loop, so the loop reads f32 copies; plus the cache tensors attention contracts with). At
+  B = 1 XLA rewrites the matrix-vector dots as multiply + reduce and there is nothing to count (nan).
+The last line is `RESULT ours_tok_s=.. hf_tok_s=.. ratio_vs_hf=.. roofline_frac=.. roofline_frac_model_bytes=..`
+for small, B = 8, bf16 weights: ours decode tok/s, transformers decode tok/s (its fastest --hf-dtypes x
+--hf-threads row), their ratio, and ours as a fraction of the roofline from the HLO bytes and from the model's
+bf16 bytes.
 """
 
 from __future__ import annotations
@@ -59,6 +69,7 @@ import gc  # noqa: E402
 import json  # noqa: E402
 import math  # noqa: E402
 import platform  # noqa: E402
+import re  # noqa: E402
 import subprocess  # noqa: E402
 import sys  # noqa: E402
 import tempfile  # noqa: E402
@@ -199,6 +210,60 @@ def step_bytes(sampler: Sampler, mode: str, batch: int, cache_len: int) -> dict:
     return out
 
 
+_HLO_ITEMSIZE = {"f64": 8, "s64": 8, "u64": 8, "f32": 4, "s32": 4, "u32": 4, "bf16": 2, "f16": 2, "s16": 2, "u16": 2,
+                 "s8": 1, "u8": 1, "pred": 1}
+_HLO_DEF = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*([a-z0-9]+)\[([\d,]*)\]")
+_HLO_DOT = re.compile(r"\bdot\(([^)]*)\)")
+
+
+def hlo_dot_operand_bytes(hlo: str, scope: str) -> dict:
+    """{dtype: bytes} summed over the operands of every `dot` in compiled HLO text whose op_name metadata contains
+    `scope` (operand types are looked up among the definitions of the same computation)."""
+    out, local = {}, {}
+    for line in hlo.splitlines():
+        if line.rstrip().endswith("{") and "=" not in line.split("(")[0]:
+            local = {}  # a new computation
+            continue
+        m = _HLO_DEF.match(line)
+        if not m:
+            continue
+        local[m.group(1)] = (m.group(2), m.group(3))
+        d = _HLO_DOT.search(line)
+        if d is None or scope not in line:
+            continue
+        for op in d.group(1).split(","):
+            dt, dims = local.get(op.strip().lstrip("%"), (None, None))
+            if dt is None:
+                raise RuntimeError(f"hlo_dot_operand_bytes: operand {op!r} of {m.group(1)} not found")
+            n = math.prod(int(x) for x in dims.split(",") if x)
+            out[dt] = out.get(dt, 0) + n * _HLO_ITEMSIZE.get(dt, 1)
+    return out
+
+
+def decode_step_hlo_bytes(sampler: Sampler, prompts, n: int) -> dict:
+    """Bytes the compiled decode step reads through its matmuls: `hlo_dot_operand_bytes` of the sampler's compiled
+    generate program (the exact signature of a `generate(prompts, max_new_tokens=n)` call) over the ops named
+    `decode_step` (weights as the dots really read them, plus the cache tensors attention contracts with)."""
+    jitted, seen = sampler._generate_jit, {}
+
+    def spy(*a):
+        seen["args"] = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype) if hasattr(x, "dtype") else x, a)
+        return jitted(*a)
+
+    sampler._generate_jit = spy
+    try:
+        ours_fn(sampler, prompts, n)()
+    finally:
+        sampler._generate_jit = jitted
+    # An executable loaded from the persistent compilation cache prints without op metadata; a compile option
+    # that only affects profiling makes a distinct cache key, so this compiles afresh.
+    lowered = jitted.lower(*seen["args"])
+    text = lowered.compile(compiler_options={"xla_cpu_enable_xprof_traceme": True}).as_text()
+    out = hlo_dot_operand_bytes(text, "decode_step/")
+    out["total"] = sum(out.values())
+    return out
+
+
 def _abstract_model(cfg: DSV4Config):
     from flax import nnx
 
@@ -237,6 +302,13 @@ def memcpy_bandwidth(mb: int = 512, reps: int = 3) -> dict:
 
 
 # ------------------------------------------------------------------------------------------ timing
+def theil_sen_slope(t_of_n: dict) -> float:
+    """Seconds per decode step: the median of the pairwise slopes of (N, best time of a call) - robust to one
+    disturbed point, and with two points simply the difference quotient."""
+    ns = sorted(t_of_n)
+    return float(np.median([(t_of_n[b] - t_of_n[a]) / (b - a) for i, a in enumerate(ns) for b in ns[i + 1:]]))
+
+
 def ours_fn(sampler: Sampler, prompts, n: int):
     sp = SamplingParams(temperature=0.0, max_new_tokens=n)
 
@@ -307,15 +379,16 @@ def bench_config(name: str, args) -> list[dict]:
     for b in args.batches:
         prompts = [list(map(int, rs.randint(2, cfg.vocab_size, PROMPT_LEN))) for _ in range(b)]
         args.bw_samples.append(memcpy_bandwidth())
-        fns, compile_s = {}, {}
+        fns, compile_s, hlo_bytes = {}, {}, {}
         for m, s in samplers.items():
             if MODES[m][1] == "per_step" and b not in args.per_step_batches:
                 continue
-            hi, lo = ours_fn(s, prompts, args.new), ours_fn(s, prompts, args.new_lo)
+            for n in args.ns:
+                fns[(m, n)] = ours_fn(s, prompts, n)
             t = time.perf_counter()
-            hi()
-            compile_s[m] = time.perf_counter() - t  # compile + first call: the warm-up
-            fns[(m, "hi")], fns[(m, "lo")] = hi, lo
+            fns[(m, max(args.ns))]()
+            compile_s[m] = time.perf_counter() - t  # compile + first call: the warm-up (all ns share it)
+            hlo_bytes[m] = decode_step_hlo_bytes(s, prompts, max(args.ns))
         hf_runs = {}
         for eng, (model, th) in hf_models.items():
             hf_runs[eng] = hf_fn(model, prompts, args.hf_new, th)
@@ -332,15 +405,17 @@ def bench_config(name: str, args) -> list[dict]:
                 hf_res[k].append(fn())
         torch.set_num_threads(2)
         for eng in dict.fromkeys(e for e, _ in fns):
-            t_hi, t_lo = min(times[(eng, "hi")]), min(times[(eng, "lo")])
-            dt_step = (t_hi - t_lo) / (args.new - args.new_lo)
+            best = {n: min(times[(eng, n)]) for n in args.ns}
+            dt_step = theil_sen_slope(best)
             sb = step_bytes(samplers[eng], eng, b, PROMPT_LEN + T_CAP)
+            n_max = max(args.ns)
             row = {"config": name, "B": b, "engine": eng, "step_ms": 1e3 * dt_step,
-                   "decode_tok_s": b / dt_step if dt_step > 0 else float("nan"), "e2e_tok_s": b * args.new / t_hi,
-                   "compile_s": compile_s[eng], "bytes": sb, "resident": resident_weight_bytes(samplers[eng])}
+                   "decode_tok_s": b / dt_step if dt_step > 0 else float("nan"), "e2e_tok_s": b * n_max / best[n_max],
+                   "compile_s": compile_s[eng], "bytes": sb, "hlo_bytes": hlo_bytes[eng],
+                   "resident": resident_weight_bytes(samplers[eng])}
             rows.append(row)
-            print(f"  {name} B={b:<3d} {eng:<12s} t({args.new})={t_hi:.3f}s t({args.new_lo})={t_lo:.3f}s "
-                  f"step {row['step_ms']:.2f} ms decode {row['decode_tok_s']:.1f} tok/s "
+            print(f"  {name} B={b:<3d} {eng:<12s} " + " ".join(f"t({n})={best[n]:.3f}s" for n in args.ns)
+                  + f" step {row['step_ms']:.2f} ms decode {row['decode_tok_s']:.1f} tok/s "
                   f"(compile + first call {row['compile_s']:.1f}s)", flush=True)
         for eng, res in hf_res.items():
             step = min(float(np.mean(steps)) for _, steps in res)  # the best round's mean decode step
@@ -505,16 +580,18 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--configs", nargs="*", default=["tiny", "small"], choices=sorted(CONFIGS))
     ap.add_argument("--batches", nargs="+", type=int, default=[1, 8, 32])
-    ap.add_argument("--modes", nargs="+", default=["bf16", "fp8", "fp8_step", "fp8_f32"], choices=list(MODES))
+    ap.add_argument("--modes", nargs="+", default=["bf16", "fp8", "fp8_step"], choices=list(MODES))
     ap.add_argument("--per-step-batches", nargs="+", type=int, default=[8],
                     help="batches at which the fp8_step mode is timed")
     ap.add_argument("--hf-dtypes", nargs="*", default=["fp32"], choices=["fp32", "bf16"])
     ap.add_argument("--hf-threads", nargs="+", type=int, default=[2, 1],
                     help="torch thread counts to time transformers at (the fastest is its figure)")
-    ap.add_argument("--new", type=int, default=64, help="ours N_hi (in (32, 64])")
-    ap.add_argument("--new-lo", type=int, default=33, help="ours N_lo (in (32, 64])")
+    ap.add_argument("--ns", nargs="+", type=int, default=[33, 48, 64],
+                    help="ours max_new_tokens values (all in (32, 64]: one compiled bucket); the step time is the "
+                         "robust slope of the best call time over them")
     ap.add_argument("--hf-new", type=int, default=8, help="transformers new tokens (N - 1 timed decode steps)")
-    ap.add_argument("--rounds", type=int, default=None, help="timed rounds, median (default: 7 tiny, 2 small)")
+    ap.add_argument("--rounds", type=int, default=None,
+                    help="timed rounds; the best is used (default: 7 tiny, 2 small)")
     ap.add_argument("--breakdown", nargs="*", type=int, default=None, metavar="B",
                     help="also time variants of one small decode step at these batches (default 8)")
     ap.add_argument("--rss", action="store_true", help="child processes: RSS / peak RSS per mode (small, B=8)")
@@ -529,9 +606,8 @@ def main(argv=None) -> int:
     if args.rss_child:
         rss_child(args.rss_child)
         return 0
-    for n in (args.new, args.new_lo):
-        if not T_CAP // 2 < n <= T_CAP:
-            ap.error(f"--new/--new-lo must be in ({T_CAP // 2}, {T_CAP}] (one compiled bucket)")
+    if len(set(args.ns)) < 2 or not all(T_CAP // 2 < n <= T_CAP for n in args.ns):
+        ap.error(f"--ns: at least two distinct values in ({T_CAP // 2}, {T_CAP}] (one compiled bucket)")
 
     import torch
 
@@ -554,13 +630,21 @@ def main(argv=None) -> int:
         if "bytes" in r:
             r["roof_tok_s"] = r["B"] * bw / r["bytes"]["total"]
             r["roof_frac"] = r["decode_tok_s"] / r["roof_tok_s"]
+            # 0 at B = 1: XLA rewrites matrix-vector dots as multiply + reduce, leaving no dot to count
+            hb = r["hlo_bytes"]["total"] or float("nan")
+            r["hlo_roof_tok_s"] = r["B"] * bw / hb
+            r["hlo_roof_frac"] = r["decode_tok_s"] / r["hlo_roof_tok_s"]
 
     print()
-    print(f"decode tok/s, prefill excluded: ours B * 31 / (t(64) - t(33)); transformers B / mean decode step of "
-          f"its {args.hf_new}-token generate (timed per step); both the best of the rounds. e2e: prefill included "
-          f"(ours N = 64, transformers N = {args.hf_new}).")
+    print(f"decode tok/s, prefill excluded: ours B / slope of the best generate time over N = {args.ns}; "
+          f"transformers B / mean decode step of its {args.hf_new}-token generate (timed per step), best round. "
+          f"e2e: prefill included (ours N = {max(args.ns)}, transformers N = {args.hf_new}).")
+    print("MB/step: bytes a decode step reads, counted from the model in the dtype the step computes in ('model') "
+          "and from the compiled decode step's matmul operands ('HLO': what XLA really reads); roof = B x memcpy "
+          "bandwidth / MB/step. 'HLO' is nan at B = 1: XLA rewrites matrix-vector dots as multiply + reduce, so "
+          "there is no dot to count.")
     hdr = (f"{'config':<6} {'B':>3} {'engine':<12} {'step ms':>9} {'decode tok/s':>13} {'e2e tok/s':>10} "
-           f"{'vs HF':>7} {'MB/step':>8} {'roof tok/s':>10} {'roof %':>7} {'weights MiB':>11}")
+           f"{'vs HF':>7} {'MB model':>8} {'roof %':>7} {'MB HLO':>8} {'roof %':>7} {'weights MiB':>11}")
     print(hdr)
     print("-" * len(hdr))
     for r in rows:
@@ -572,9 +656,14 @@ def main(argv=None) -> int:
         else:
             print(f"{r['config']:<6} {r['B']:>3} {r['engine']:<12} {r['step_ms']:>9.2f} {r['decode_tok_s']:>13.1f} "
                   f"{r['e2e_tok_s']:>10.1f} {r['decode_tok_s'] / hf_best:>7.2f} {r['bytes']['total'] / 1e6:>8.2f} "
-                  f"{r['roof_tok_s']:>10.0f} {100 * r['roof_frac']:>6.1f}% {r['resident'] / 2**20:>11.2f}")
+                  f"{100 * r['roof_frac']:>6.1f}% {r['hlo_bytes']['total'] / 1e6:>8.2f} "
+                  f"{100 * r['hlo_roof_frac']:>6.1f}% {r['resident'] / 2**20:>11.2f}")
+    for r in rows:
+        if "hlo_bytes" in r and r["config"] == "small" and r["B"] == 8:
+            print(f"  HLO matmul operand bytes of the small B=8 {r['engine']} decode step by dtype: "
+                  + ", ".join(f"{k} {v / 1e6:.1f} MB" for k, v in r["hlo_bytes"].items() if k != "total"))
     if args.breakdown is not None:
-        print("\nDecode-step breakdown (small, random weights; decode_step + argmax in a jitted fori_loop; ms per step):")
+        print("\nDecode-step breakdown (small, random weights; decode_step + argmax in a jitted fori_loop):")
         for b in args.breakdown or [8]:
             step_breakdown("small", b)
     if args.rss:
@@ -593,7 +682,8 @@ def main(argv=None) -> int:
         ours = pick["bf16"]
         hf_best = max((r["decode_tok_s"] for e, r in pick.items() if e.startswith("hf_")), default=float("nan"))
         print(f"RESULT ours_tok_s={ours['decode_tok_s']:.1f} hf_tok_s={hf_best:.1f} "
-              f"ratio_vs_hf={ours['decode_tok_s'] / hf_best:.2f} roofline_frac={ours['roof_frac']:.3f}")
+              f"ratio_vs_hf={ours['decode_tok_s'] / hf_best:.2f} roofline_frac={ours['hlo_roof_frac']:.3f} "
+              f"roofline_frac_model_bytes={ours['roof_frac']:.3f}")
     return 0
 
 

@@ -39,7 +39,7 @@ import numpy as np
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
-from dsv4 import quant
+from dsv4 import moe, quant
 from dsv4.cache import cache_shapes, decode_step, prefill
 from dsv4.model import DSV4ForCausalLM
 
@@ -160,7 +160,9 @@ class Sampler:
       max_prompt_len: largest prompt bucket (longer prompts raise ValueError); prompt buckets are powers of two
         from 16. fp8_block: block of the FP8 scales. dequant: "per_call" | "per_step" (see module docstring).
       compute_dtype: matmul dtype (default bf16, fp32 for `weights="fp32"`); FP8 weights are dequantised to it
-        (float32 suits CPUs, where bf16 matmuls are emulated).
+        (float32 suits CPUs, where bf16 matmuls are emulated). dispatch_fn: routed-expert implementation for
+        prefill and decode (`dsv4.moe` contract); None picks `moe.routed_experts_small_batch` on CPU with
+        unsharded experts and the model's stock `ragged_dot` elsewhere.
     Raises:
       ValueError: unknown `weights` / `dequant`.
     """
@@ -189,7 +191,6 @@ class Sampler:
         self.compute_dtype = jnp.dtype(compute_dtype)
         self.fp8_block = tuple(fp8_block)
         self.dequant = dequant
-        self.dispatch_fn = dispatch_fn
         self.max_prompt_len = max_prompt_len
         cfg = self.config
         abstract = nnx.eval_shape(lambda: DSV4ForCausalLM(cfg, rngs=nnx.Rngs(0), param_dtype=jnp.float32,
@@ -197,6 +198,7 @@ class Sampler:
         self.graphdef, abs_state = nnx.split(abstract)
         self._abs_flat = list(nnx.to_flat_state(abs_state))
         self._raw_shardings = self._shardings_for(abs_state)
+        self.dispatch_fn = self._default_dispatch() if dispatch_fn is None else dispatch_fn
         self._quantize_jit = jax.jit(self._quantize_fn, out_shardings=self._wstate_shardings())
         # Outputs (and the donated caches) are replicated on the rollout mesh: readable on every host, and the
         # next call's inputs have the same signature (no recompilation).
@@ -207,6 +209,19 @@ class Sampler:
         self.weight_version = -1
         self._w = None
         self.update_weights(nnx.state(model), version=0)
+
+    def _default_dispatch(self):
+        """Routed-expert implementation: on CPU with unsharded experts, `moe.routed_experts_small_batch` (XLA:CPU's
+        `ragged_dot` fallback costs ~25 ms per layer at decode sizes; see benchmarks/README.md "Sampler"); else
+        None (the model's stock `ragged_dot`: a grouped matmul on GPU/TPU, and GSPMD shards it over the experts)."""
+        devs = [jax.devices()[0]] if self.mesh is None else list(self.mesh.devices.flat)
+        if any(d.platform != "cpu" for d in devs):
+            return None
+        if self._raw_shardings is not None:
+            for k, sh in self._raw_shardings.items():
+                if quant.ROUTED_EXPERT_RE.search(k) and sh.spec and sh.spec[0] is not None:
+                    return None  # experts sharded: a gather/dense dispatch would all-gather them
+        return moe.routed_experts_small_batch
 
     # ------------------------------------------------------------------ weights
     def _shardings_for(self, abs_state):
@@ -300,7 +315,8 @@ class Sampler:
         cache_len = p + t_cap
         is_q = lambda x: isinstance(x, quant.QuantizedTensor)  # noqa: E731
         model = self._model(wstate)
-        logits, prompt_routing, caches = prefill(model, ids, lens, cache_len, dispatch_fn=self.dispatch_fn)
+        with jax.named_scope("prefill"):  # names the ops in profiles and compiled HLO (benchmarks/sampler.py)
+            logits, prompt_routing, caches = prefill(model, ids, lens, cache_len, dispatch_fn=self.dispatch_fn)
 
         def is_stop(tok):
             return jnp.any(tok[:, None] == stop_ids[None, :], axis=-1)
@@ -327,7 +343,8 @@ class Sampler:
             i, cur, done, length, out_tok, out_lp, resp_routing, caches, stopped = c
             m = self._model(jax.lax.optimization_barrier(wstate)) if per_step else model
             pos = lens + i - 1
-            logits, r, caches = decode_step(m, cur, pos, caches, dispatch_fn=self.dispatch_fn)
+            with jax.named_scope("decode_step"):
+                logits, r, caches = decode_step(m, cur, pos, caches, dispatch_fn=self.dispatch_fn)
             fed_real = (i - 1) < length
             resp_routing = resp_routing.at[:, i - 1].set(jnp.where(fed_real[:, None, None], r, -1))
             active = (~done) & (i < max_new)
