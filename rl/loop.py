@@ -24,6 +24,7 @@ import logging
 import math
 import os
 import pathlib
+import re
 import signal
 import tempfile
 import time
@@ -365,7 +366,8 @@ class MetricsLogger:
         if self.tb is not None:
             for k, v in metrics.items():
                 if isinstance(v, (int, float)) and math.isfinite(v):
-                    self.tb.add_scalar(k, v, step)
+                    # TensorBoard tags allow [\w./-]: "eval/pass@k" is logged as "eval/pass_k" (the jsonl keeps it)
+                    self.tb.add_scalar(re.sub(r"[^\w./-]", "_", k), v, step)
             self.tb.flush()
 
     def close(self) -> None:
