@@ -8,9 +8,9 @@ What is measured, per config (tiny, small) and batch B (1, 8, 32), prompts of P 
     fp8_step      the same with dequant="per_step" (timed at --per-step-batches only)
     fp8_f32       (optional) FP8 weights dequantised to f32 (`compute_dtype=float32`)
     fp32          (optional) f32 weights
-    *_dmoe        (optional, diagnostic) the same with a benchmark-local `dispatch_fn` for the routed experts
-                  that runs every expert densely when there are few tokens (<= 64: decode) and the stock ragged
-                  path otherwise (prefill): shows what the stock ragged dispatch costs on CPU.
+    *_ragged      (optional, diagnostic) the same with the model's stock `ragged_dot` routed experts instead of
+                  the sampler's CPU default (`dsv4.moe.routed_experts_small_batch`): what XLA:CPU's ragged_dot
+                  fallback costs.
   `SamplingParams(temperature=0, max_new_tokens=N)` without stop ids: every row runs to N (checked).
   The first call compiles (warm-up); then timed calls at N = 33, 48, 64 (one compiled bucket, t_cap = 64).
 - transformers: `DeepseekV4ForCausalLM` (eager attention; fp32 by default, `--hf-dtypes fp32 bf16` for both),
@@ -39,8 +39,8 @@ What is measured, per config (tiny, small) and batch B (1, 8, 32), prompts of P 
 - memory: resident weight bytes of the sampler = sum of nbytes over `sampler.weight_state()` leaves (q and
   scale for FP8); `--rss` also runs one child process per mode (small, B = 8) and reports its RSS after the
   model is dropped and one warm-up `generate`, and the peak RSS of a second `generate`.
-- `--breakdown B..`: ms per decode step of variants of a jitted `decode_step` loop (stock / routed experts
-  zeroed / dense-MoE dispatch, bf16 / f32, sampling head alone) on small at those batches.
+- `--breakdown B..`: ms per decode step of variants of a jitted `decode_step` loop (routed experts by ragged_dot /
+  by `routed_experts_small_batch` / zeroed, bf16 / f32, sampling head alone) on small at those batches.
 
 Run:   .venv/bin/python benchmarks/sampler.py                 (defaults; see --help)
        .venv/bin/python benchmarks/sampler.py --configs small --batches 8 --modes bf16 fp8 --rounds 3
@@ -83,18 +83,18 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from dsv4 import DSV4Config, load_hf_checkpoint  # noqa: E402
 from dsv4.cache import cache_shapes  # noqa: E402
+from dsv4.moe import routed_experts_ragged, routed_experts_small_batch  # noqa: E402
 from rl.sampler import Sampler, SamplingParams  # noqa: E402
 
 CONFIGS = {"tiny": DSV4Config.tiny, "small": DSV4Config.small}
-MODES = {  # name -> (Sampler weights, dequant, compute dtype, dense-MoE dispatch for decode)
+MODES = {  # name -> (Sampler weights, dequant, compute dtype, stock ragged_dot routed experts)
     "bf16": ("bf16", "per_call", "bfloat16", False),
     "fp8": ("fp8", "per_call", "bfloat16", False),
     "fp8_step": ("fp8", "per_step", "bfloat16", False),
     "fp8_f32": ("fp8", "per_call", "float32", False),
     "fp32": ("fp32", "per_call", "float32", False),
-    "bf16_dmoe": ("bf16", "per_call", "bfloat16", True),
-    "fp8_f32_dmoe": ("fp8", "per_call", "float32", True),
-    "fp32_dmoe": ("fp32", "per_call", "float32", True),
+    "bf16_ragged": ("bf16", "per_call", "bfloat16", True),
+    "fp8_ragged": ("fp8", "per_call", "bfloat16", True),
 }
 PROMPT_LEN = 32
 T_CAP = 64  # ours' response bucket: N_hi and N_lo must both be in (32, 64]
@@ -137,34 +137,10 @@ def build_hf(cfg: DSV4Config, seed: int = 0):
     return model
 
 
-def dense_decode_dispatch(x, ids, weights, w1, w3, w2, *, limit, dtype):
-    """Routed experts for few tokens (decode): every expert on every token, combined with the (token, expert)
-    routing weights. w1/w3 as one plain matmul over their free [E*I, D] views, w2 as E matmuls batched on its
-    leading axis: no weight is transposed or copied (the stock ragged-dot fallback of XLA:CPU contracts over
-    (E, D) of [E, I, D] and re-lays the weights out). More than 64 tokens (prefill): the stock
-    `routed_experts_ragged`."""
-    from dsv4.moe import routed_experts_ragged, swiglu
-
-    t, d = x.shape
-    if t > 64:
-        return routed_experts_ragged(x, ids, weights, w1, w3, w2, limit=limit, dtype=dtype)
-    e, i, _ = w1.shape
-    acc = jnp.float32 if jnp.dtype(dtype) == jnp.float32 else None
-    xt = x.astype(dtype)
-    cw = jnp.zeros((t, e), jnp.float32).at[jnp.arange(t)[:, None], ids].add(weights)
-    nt = (((1,), (1,)), ((), ()))  # x [T, D] . w [E*I, D] -> [T, E*I]
-    g = jax.lax.dot_general(xt, w1.reshape(e * i, d).astype(dtype), nt, preferred_element_type=acc)
-    u = jax.lax.dot_general(xt, w3.reshape(e * i, d).astype(dtype), nt, preferred_element_type=acc)
-    h = swiglu(g, u, limit).reshape(t, e, i) * cw[..., None]
-    h = jnp.transpose(h, (1, 0, 2)).astype(dtype)  # [E, T, I] (small)
-    y = jax.lax.dot_general(h, w2.astype(dtype), (((2,), (2,)), ((0,), (0,))), preferred_element_type=acc)
-    return jnp.sum(y.astype(jnp.float32), axis=0)  # [E, T, D] -> [T, D]
-
-
 def make_sampler(model, mode: str) -> Sampler:
-    weights, dequant, compute, dmoe = MODES[mode]
+    weights, dequant, compute, ragged = MODES[mode]
     return Sampler(model, weights=weights, max_prompt_len=PROMPT_LEN, dequant=dequant, compute_dtype=compute,
-                   dispatch_fn=dense_decode_dispatch if dmoe else None)
+                   dispatch_fn=routed_experts_ragged if ragged else None)
 
 
 # ------------------------------------------------------------------------------------------ bytes
@@ -458,10 +434,12 @@ def step_breakdown(name: str, batch: int, n_hi: int = 24, n_lo: int = 8) -> list
     cache_len = PROMPT_LEN + T_CAP
     ids = jnp.asarray(np.random.RandomState(0).randint(2, cfg.vocab_size, (batch, PROMPT_LEN)), jnp.int32)
     lens = jnp.full((batch,), PROMPT_LEN, jnp.int32)
-    variants = [("bf16 stock", jnp.bfloat16, None), ("bf16 routed experts -> 0", jnp.bfloat16, _zero_dispatch),
-                ("bf16 dense-MoE dispatch", jnp.bfloat16, dense_decode_dispatch),
-                ("fp32 stock", jnp.float32, None), ("fp32 routed experts -> 0", jnp.float32, _zero_dispatch),
-                ("fp32 dense-MoE dispatch", jnp.float32, dense_decode_dispatch),
+    variants = [("bf16 ragged_dot experts", jnp.bfloat16, routed_experts_ragged),
+                ("bf16 small-batch experts", jnp.bfloat16, routed_experts_small_batch),
+                ("bf16 routed experts -> 0", jnp.bfloat16, _zero_dispatch),
+                ("fp32 ragged_dot experts", jnp.float32, routed_experts_ragged),
+                ("fp32 small-batch experts", jnp.float32, routed_experts_small_batch),
+                ("fp32 routed experts -> 0", jnp.float32, _zero_dispatch),
                 ("sampling head only (greedy)", None, None)]
     out = []
     models = {}
