@@ -1,7 +1,9 @@
 """Forward and forward+backward speed: dsv4 (JAX, jit) vs transformers 5.23 eager (torch), same weights, CPU.
 
 What is measured, per config (tiny: B=2, S=64; small: `DSV4Config.small()`, B=2, S=256), fp32 on both sides:
-- fwd: logits of the full sequence (ours: jitted `model(ids).logits`; transformers: `model(ids, use_cache=False)`
+- fwd: logits of the full sequence (ours: jitted `model(ids, dispatch_fn=...).logits` with the routed-expert
+  implementation our learner uses on this backend, `dsv4.moe.default_dispatch`: on CPU `routed_experts_cpu`;
+  `--ragged` also times the stock `ragged_dot`; transformers: `model(ids, use_cache=False)`
   under `torch.no_grad()`, eager attention);
 - fwdbwd: the gradient of the mean next-token NLL w.r.t. every parameter (ours: jitted `jax.value_and_grad`
   over all `nnx.Param`s; transformers: `loss.backward()` with every parameter requiring grad).
@@ -37,6 +39,7 @@ import numpy as np  # noqa: E402
 from flax import nnx  # noqa: E402
 
 from dsv4 import DSV4Config, load_hf_checkpoint  # noqa: E402
+from dsv4 import moe  # noqa: E402
 
 CONFIGS = {"tiny": (DSV4Config.tiny, 2, 64), "small": (DSV4Config.small, 2, 256)}
 
@@ -92,10 +95,11 @@ def paired_medians(fns: dict, runs: int, warmup: int = 1) -> dict:
     return {k: statistics.median(v) for k, v in times.items()}
 
 
-def ours_fns(model, ids: np.ndarray):
+def ours_fns(model, ids: np.ndarray, dispatch_fn=None):
     """(forward, forward+backward) closures over jitted functions. The state is passed as flat lists of arrays
     (unflattened inside the jit), as a training loop holds it: flattening the nnx.State pytree of ~160
-    Variables on every call would add ~0.4 ms of Python to each step."""
+    Variables on every call would add ~0.4 ms of Python to each step. dispatch_fn: routed experts (None: the
+    model's stock ragged_dot)."""
     graphdef, params, rest = nnx.split(model, nnx.Param, ...)
     p_leaves, p_def = jax.tree.flatten(params)
     r_leaves, r_def = jax.tree.flatten(rest)
@@ -103,7 +107,7 @@ def ours_fns(model, ids: np.ndarray):
 
     def logits(p_leaves, r_leaves, x):
         m = nnx.merge(graphdef, jax.tree.unflatten(p_def, p_leaves), jax.tree.unflatten(r_def, r_leaves))
-        return m(x).logits
+        return m(x, dispatch_fn=dispatch_fn).logits
 
     def nll(p_leaves, r_leaves, x):
         logp = jax.nn.log_softmax(logits(p_leaves, r_leaves, x)[:, :-1], axis=-1)
@@ -140,7 +144,7 @@ def hf_fns(model, ids: np.ndarray):
     return run_fwd, run_fwdbwd
 
 
-def bench_config(name: str, runs: int, bf16: bool) -> dict:
+def bench_config(name: str, runs: int, bf16: bool, ragged: bool = False) -> dict:
     make, b, s = CONFIGS[name]
     cfg = make(torch_dtype="float32")
     hf = build_hf(cfg)
@@ -148,7 +152,9 @@ def bench_config(name: str, runs: int, bf16: bool) -> dict:
         hf.save_pretrained(d)
         ours = load_hf_checkpoint(d, dtype=jnp.float32)
     ids = np.random.RandomState(0).randint(0, cfg.vocab_size, (b, s))
-    of, ob = ours_fns(ours, ids)
+    # ours = what rl.learner.Learner runs on this backend: dsv4.moe.default_dispatch (CPU: routed_experts_cpu)
+    dispatch = moe.default_dispatch(jax.devices()[:1], experts_sharded=False)
+    of, ob = ours_fns(ours, ids, dispatch)
     hf_f, hf_b = hf_fns(hf, ids)
     ref = hf_f().float().numpy()
     got = np.asarray(of())
@@ -158,11 +164,14 @@ def bench_config(name: str, runs: int, bf16: bool) -> dict:
     ob()  # compile the gradient
     row["compile_s"] = time.perf_counter() - t0
     fns = {"fwd_hf": hf_f, "fwd_ours": of, "fwdbwd_hf": hf_b, "fwdbwd_ours": ob}
+    if ragged and dispatch is not None:
+        fns["fwd_ours_ragged"], fns["fwdbwd_ours_ragged"] = ours_fns(ours, ids, None)
+        fns["fwd_ours_ragged"](), fns["fwdbwd_ours_ragged"]()  # compile
     if bf16:
         with tempfile.TemporaryDirectory() as d:
             hf.save_pretrained(d)
             ours16 = load_hf_checkpoint(d, dtype=jnp.bfloat16)
-        fns["fwd_ours_bf16"], fns["fwdbwd_ours_bf16"] = ours_fns(ours16, ids)
+        fns["fwd_ours_bf16"], fns["fwdbwd_ours_bf16"] = ours_fns(ours16, ids, dispatch)
         fns["fwd_ours_bf16"](), fns["fwdbwd_ours_bf16"]()  # compile
     # the first calls above warmed ours (compiled) and transformers' forward; small also skips the warm-up round
     row.update(paired_medians(fns, runs, warmup=1 if name == "tiny" else 0))
@@ -197,6 +206,9 @@ def main(argv=None) -> int:
     ap.add_argument("--configs", nargs="+", default=["tiny", "small"], choices=sorted(CONFIGS))
     ap.add_argument("--runs", type=int, default=None, help="timed rounds per config (default: 20 tiny, 3 small)")
     ap.add_argument("--bf16", action="store_true", help="also time ours with bf16 params + compute")
+    ap.add_argument("--ragged", action="store_true",
+                    help="also time ours with the model's stock ragged_dot routed experts (on CPU ours uses "
+                         "dsv4.moe.routed_experts_cpu, like the learner)")
     args = ap.parse_args(argv)
 
     import torch
@@ -207,20 +219,22 @@ def main(argv=None) -> int:
     rows = []
     for name in args.configs:
         runs = args.runs or (20 if name == "tiny" else 3)
-        rows.append(bench_config(name, runs, args.bf16))
+        rows.append(bench_config(name, runs, args.bf16, args.ragged))
         r = rows[-1]
         print(f"[{name}] params {r['params']:,}  B={r['B']} S={r['S']}  max|logits ours - transformers| "
               f"{r['delta']:.2e}  (compile of ours' gradient: {r['compile_s']:.1f} s)", flush=True)
 
     print()
     print(f"{'config':<7} {'B x S':<8} {'pass':<7} {'transformers ms':>16} {'ours ms':>9} {'ratio':>7}"
-          + (f" {'ours bf16 ms':>13}" if args.bf16 else ""))
+          + (f" {'ours bf16 ms':>13}" if args.bf16 else "") + (f" {'ours ragged ms':>15}" if args.ragged else ""))
     result = {}
     for r in rows:
         for p in ("fwd", "fwdbwd"):
             ratio = r[f"{p}_hf"] / r[f"{p}_ours"]
             result[f"{p}_ratio_{r['config']}"] = ratio
             extra = f" {1e3 * r[f'{p}_ours_bf16']:>13.2f}" if args.bf16 else ""
+            if f"{p}_ours_ragged" in r:
+                extra += f" {1e3 * r[f'{p}_ours_ragged']:>15.2f}"
             print(f"{r['config']:<7} {r['B']}x{r['S']:<6} {p:<7} {1e3 * r[f'{p}_hf']:>16.2f} "
                   f"{1e3 * r[f'{p}_ours']:>9.2f} {ratio:>7.2f}" + extra)
     warn_if_loaded()

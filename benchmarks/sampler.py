@@ -9,7 +9,7 @@ What is measured, per config (tiny, small) and batch B (1, 8, 32), prompts of P 
     fp8_f32       (optional) FP8 weights dequantised to f32 (`compute_dtype=float32`)
     fp32          (optional) f32 weights
     *_ragged      (optional, diagnostic) the same with the model's stock `ragged_dot` routed experts instead of
-                  the sampler's CPU default (`dsv4.moe.routed_experts_small_batch`): what XLA:CPU's ragged_dot
+                  the sampler's CPU default (`dsv4.moe.routed_experts_cpu`): what XLA:CPU's ragged_dot
                   fallback costs.
   `SamplingParams(temperature=0, max_new_tokens=N)` without stop ids: every row runs to N (checked).
   The first call compiles (warm-up); then timed calls at N = 33, 48, 64 (one compiled bucket, t_cap = 64).
@@ -40,7 +40,7 @@ What is measured, per config (tiny, small) and batch B (1, 8, 32), prompts of P 
   scale for FP8); `--rss` also runs one child process per mode (small, B = 8) and reports its RSS after the
   model is dropped and one warm-up `generate`, and the peak RSS of a second `generate`.
 - `--breakdown B..`: ms per decode step of variants of a jitted `decode_step` loop (routed experts by ragged_dot /
-  by `routed_experts_small_batch` / zeroed, bf16 / f32, sampling head alone) on small at those batches.
+  by `routed_experts_cpu` / zeroed, bf16 / f32, sampling head alone) on small at those batches.
 
 Run:   .venv/bin/python benchmarks/sampler.py                 (defaults; see --help)
        .venv/bin/python benchmarks/sampler.py --configs small --batches 8 --modes bf16 fp8 --rounds 3
@@ -83,7 +83,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from dsv4 import DSV4Config, load_hf_checkpoint  # noqa: E402
 from dsv4.cache import cache_shapes  # noqa: E402
-from dsv4.moe import routed_experts_ragged, routed_experts_small_batch  # noqa: E402
+from dsv4.moe import routed_experts_ragged, routed_experts_cpu  # noqa: E402
 from rl.sampler import Sampler, SamplingParams  # noqa: E402
 
 CONFIGS = {"tiny": DSV4Config.tiny, "small": DSV4Config.small}
@@ -435,10 +435,10 @@ def step_breakdown(name: str, batch: int, n_hi: int = 24, n_lo: int = 8) -> list
     ids = jnp.asarray(np.random.RandomState(0).randint(2, cfg.vocab_size, (batch, PROMPT_LEN)), jnp.int32)
     lens = jnp.full((batch,), PROMPT_LEN, jnp.int32)
     variants = [("bf16 ragged_dot experts", jnp.bfloat16, routed_experts_ragged),
-                ("bf16 small-batch experts", jnp.bfloat16, routed_experts_small_batch),
+                ("bf16 small-batch experts", jnp.bfloat16, routed_experts_cpu),
                 ("bf16 routed experts -> 0", jnp.bfloat16, _zero_dispatch),
                 ("fp32 ragged_dot experts", jnp.float32, routed_experts_ragged),
-                ("fp32 small-batch experts", jnp.float32, routed_experts_small_batch),
+                ("fp32 small-batch experts", jnp.float32, routed_experts_cpu),
                 ("fp32 routed experts -> 0", jnp.float32, _zero_dispatch),
                 ("sampling head only (greedy)", None, None)]
     out = []

@@ -62,7 +62,9 @@ import optax
 from flax import nnx, struct
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from dsv4 import moe
 from dsv4.layers import Buffer
+from dsv4.quant import ROUTED_EXPERT_RE as _ROUTED_EXPERT
 from rl.config import LearnerConfig
 from rl.logprobs import token_logprobs
 from rl.losses import kl_penalty, loss_normalizers, policy_loss
@@ -163,8 +165,9 @@ class Learner:
         mesh: the actor mesh (e.g. `sharding.mesh.build_mesh_plan(...).actor`) or None (default device).
         rules: rule table for `mesh` (default `sharding.rules.ACTOR_RULES`).
         dispatch_fn: routed-expert implementation passed to the model, e.g. the expert-parallel
-            `sharding.expert.make_ep_dispatch(mesh)`; None = the model's single-program ragged_dot path (on a mesh
-            XLA then partitions it on its own).
+            `sharding.expert.make_ep_dispatch(mesh)`; None = `dsv4.moe.default_dispatch`: the tiled/dense CPU
+            implementation `moe.routed_experts_cpu` on CPU with unsharded experts, else the model's single-program
+            ragged_dot path (on a mesh XLA then partitions it on its own).
     Attributes:
         state: the current TrainState (replaced by `update`). graphdef: the learner's model graph (compute
         dtype); `nnx.merge(graphdef, state.params, state.buffers)` is the current policy.
@@ -213,6 +216,12 @@ class Learner:
             self._replicated = NamedSharding(mesh, PartitionSpec())
             with self._context():
                 self.state = jax.jit(init, out_shardings=self._state_shardings)(params, buffers)
+        if dispatch_fn is None:
+            devices = [jax.devices()[0]] if mesh is None else list(mesh.devices.flat)
+            sharded = any(_ROUTED_EXPERT.search(_path(p)) and bool(getattr(sh, "spec", None))
+                          and sh.spec[0] is not None
+                          for p, sh in jax.tree_util.tree_leaves_with_path(self._state_shardings.params))
+            self.dispatch_fn = moe.default_dispatch(devices, experts_sharded=sharded)
         self._jits: dict[Any, Any] = {}
 
     # ------------------------------------------------------------------ optimizer

@@ -161,7 +161,7 @@ class Sampler:
         from 16. fp8_block: block of the FP8 scales. dequant: "per_call" | "per_step" (see module docstring).
       compute_dtype: matmul dtype (default bf16, fp32 for `weights="fp32"`); FP8 weights are dequantised to it
         (float32 suits CPUs, where bf16 matmuls are emulated). dispatch_fn: routed-expert implementation for
-        prefill and decode (`dsv4.moe` contract); None picks `moe.routed_experts_small_batch` on CPU with
+        prefill and decode (`dsv4.moe` contract); None picks `moe.routed_experts_cpu` on CPU with
         unsharded experts and the model's stock `ragged_dot` elsewhere.
     Raises:
       ValueError: unknown `weights` / `dequant`.
@@ -211,17 +211,13 @@ class Sampler:
         self.update_weights(nnx.state(model), version=0)
 
     def _default_dispatch(self):
-        """Routed-expert implementation: on CPU with unsharded experts, `moe.routed_experts_small_batch` (XLA:CPU's
-        `ragged_dot` fallback costs ~25 ms per layer at decode sizes; see benchmarks/README.md "Sampler"); else
-        None (the model's stock `ragged_dot`: a grouped matmul on GPU/TPU, and GSPMD shards it over the experts)."""
+        """`moe.default_dispatch` for the rollout devices: `moe.routed_experts_cpu` on CPU with unsharded experts
+        (XLA:CPU's `ragged_dot` fallback costs ~25 ms per layer at decode sizes; benchmarks/README.md "Sampler"),
+        else None (the model's `ragged_dot`)."""
         devs = [jax.devices()[0]] if self.mesh is None else list(self.mesh.devices.flat)
-        if any(d.platform != "cpu" for d in devs):
-            return None
-        if self._raw_shardings is not None:
-            for k, sh in self._raw_shardings.items():
-                if quant.ROUTED_EXPERT_RE.search(k) and sh.spec and sh.spec[0] is not None:
-                    return None  # experts sharded: a gather/dense dispatch would all-gather them
-        return moe.routed_experts_small_batch
+        sharded = any(quant.ROUTED_EXPERT_RE.search(k) and sh.spec and sh.spec[0] is not None
+                      for k, sh in (self._raw_shardings or {}).items())
+        return moe.default_dispatch(devs, experts_sharded=sharded)
 
     # ------------------------------------------------------------------ weights
     def _shardings_for(self, abs_state):

@@ -1,6 +1,6 @@
-"""The decode-time routed-expert implementations of `dsv4.moe` equal the stock ragged one (fp32 <= 1e-5; bf16
-within bf16 rounding), for few and many tokens, with all tokens on one expert and with repeated picks; the
-size-based choice of `routed_experts_small_batch`; the sampler's default dispatch on CPU."""
+"""The CPU routed-expert implementations of `dsv4.moe` (gathered, dense, tiled) equal the stock ragged one
+(fp32 <= 1e-5, gradients too; bf16 within bf16 rounding), for few and many tokens and with every token on the same
+experts; the size-based choice of `routed_experts_cpu`; the sampler's and the learner's default dispatch."""
 
 from __future__ import annotations
 
@@ -33,9 +33,10 @@ def _run(fn, args, dtype):
     return np.asarray(jax.jit(functools.partial(fn, limit=LIMIT, dtype=dtype))(*args))
 
 
-@pytest.mark.parametrize("fn", [moe.routed_experts_dense, moe.routed_experts_gathered,
-                                moe.routed_experts_small_batch])
-@pytest.mark.parametrize("t,same", [(1, False), (3, False), (8, False), (8, True), (40, False)])
+@pytest.mark.parametrize("fn", [moe.routed_experts_dense, moe.routed_experts_gathered, moe.routed_experts_tiled,
+                                functools.partial(moe.routed_experts_tiled, tile=16), moe.routed_experts_cpu])
+@pytest.mark.parametrize("t,same", [(1, False), (3, False), (8, False), (8, True), (40, False), (40, True),
+                                    (100, False)])
 def test_matches_ragged_fp32(fn, t, same):
     args = _inputs(t, seed=t, same_expert=same)
     ref = _run(moe.routed_experts_ragged, args, jnp.float32)
@@ -45,7 +46,7 @@ def test_matches_ragged_fp32(fn, t, same):
     np.testing.assert_allclose(out, ref, atol=1e-5, rtol=1e-5)
 
 
-@pytest.mark.parametrize("fn", [moe.routed_experts_dense, moe.routed_experts_gathered])
+@pytest.mark.parametrize("fn", [moe.routed_experts_dense, moe.routed_experts_gathered, moe.routed_experts_tiled])
 def test_matches_ragged_bf16(fn):
     args = _inputs(8, seed=1, dtype=jnp.bfloat16)
     ref = _run(moe.routed_experts_ragged, args, jnp.bfloat16)
@@ -54,26 +55,57 @@ def test_matches_ragged_bf16(fn):
     np.testing.assert_allclose(out, ref, atol=3e-2 * np.abs(ref).max())
 
 
-def test_small_batch_choice(monkeypatch):
-    """T k <= E/4 -> gathered, <= 4E -> dense, else ragged (static shapes only)."""
+@pytest.mark.parametrize("t,same", [(8, False), (100, False), (100, True)])
+def test_tiled_gradients_match_ragged(t, same):
+    """Gradients w.r.t. x, the routing weights and w1/w3/w2 through the tiled loop (a scan under autodiff)."""
+    x, ids, w, w1, w3, w2 = _inputs(t, seed=t + 7, same_expert=same)
+
+    def loss(fn, x, w, w1, w3, w2):
+        y = fn(x, ids, w, w1, w3, w2, limit=LIMIT, dtype=jnp.float32)
+        return jnp.sum(jnp.sin(y))
+
+    grad = lambda fn: jax.jit(jax.grad(functools.partial(loss, fn), argnums=range(5)))(x, w, w1, w3, w2)  # noqa: E731
+    for g, r in zip(grad(moe.routed_experts_tiled), grad(moe.routed_experts_ragged)):
+        assert np.abs(np.asarray(r)).max() > 1e-3
+        np.testing.assert_allclose(np.asarray(g), np.asarray(r), atol=1e-5, rtol=1e-5)
+
+
+def test_cpu_choice(monkeypatch):
+    """T k <= E/4 -> gathered, <= 4E -> dense, else tiled (static shapes only)."""
     called = []
-    for name in ("routed_experts_gathered", "routed_experts_dense", "routed_experts_ragged"):
+    for name in ("routed_experts_gathered", "routed_experts_dense", "routed_experts_tiled"):
         orig = getattr(moe, name)
         monkeypatch.setattr(moe, name, lambda *a, _n=name, _o=orig, **k: (called.append(_n), _o(*a, **k))[1])
     for t, want in ((1, "routed_experts_gathered"), (2, "routed_experts_gathered"), (3, "routed_experts_dense"),
-                    (32, "routed_experts_dense"), (33, "routed_experts_ragged")):
+                    (32, "routed_experts_dense"), (33, "routed_experts_tiled")):
         called.clear()
-        moe.routed_experts_small_batch(*_inputs(t), limit=LIMIT, dtype=jnp.float32)
+        moe.routed_experts_cpu(*_inputs(t), limit=LIMIT, dtype=jnp.float32)
         assert called == [want], (t, called)
 
 
-def test_sampler_default_dispatch_on_cpu():
+def test_default_dispatch_sampler_and_learner():
+    """CPU + unsharded experts -> routed_experts_cpu; experts sharded over a mesh axis -> None (ragged_dot);
+    an explicit dispatch_fn is kept."""
     from flax import nnx
 
     from dsv4 import DSV4Config, DSV4ForCausalLM
+    from rl.config import LearnerConfig
+    from rl.learner import Learner
     from rl.sampler import Sampler
+    from sharding.mesh import build_mesh_plan
 
     model = DSV4ForCausalLM(DSV4Config.tiny(), rngs=nnx.Rngs(0))
-    assert Sampler(model, max_prompt_len=16).dispatch_fn is moe.routed_experts_small_batch
+    assert Sampler(model, max_prompt_len=16).dispatch_fn is moe.routed_experts_cpu
+    assert Learner(model, LearnerConfig()).dispatch_fn is moe.routed_experts_cpu
     custom = functools.partial(moe.routed_experts_ragged)
     assert Sampler(model, max_prompt_len=16, dispatch_fn=custom).dispatch_fn is custom
+    assert Learner(model, LearnerConfig(), dispatch_fn=custom).dispatch_fn is custom
+    plan = build_mesh_plan("actor:fsdp=2,expert=2/rollout:expert=2,tensor=2")
+    assert Sampler(model, mesh=plan.rollout, max_prompt_len=16).dispatch_fn is None
+    assert Learner(model, LearnerConfig(), mesh=plan.actor).dispatch_fn is None
+    assert moe.default_dispatch(jax.devices()[:1], experts_sharded=False) is moe.routed_experts_cpu
+
+    class _Gpu:
+        platform = "gpu"
+
+    assert moe.default_dispatch([_Gpu()], experts_sharded=False) is None
