@@ -7,8 +7,11 @@ Routing replay: `forced_ids` [T, k] (>= 0 forced, < 0 = route normally) replaces
 hash layers included; the weights still come from the router so it keeps its gradient.
 
 Experts are stacked: w1, w3 [E, I, D], w2 [E, D, I] (official per-expert `w1/w3/w2`, [out, in]).
-The routed computation is sort-by-expert + `jax.lax.ragged_dot_general` (dropless; runs on CPU and GPU);
-`dispatch_fn` lets `sharding/expert.py` substitute an expert-parallel all-to-all version.
+The model's routed computation is sort-by-expert + `jax.lax.ragged_dot_general` (dropless; a grouped matmul on
+GPU/TPU). `dispatch_fn` substitutes another implementation with the same contract: `sharding/expert.py`'s
+expert-parallel all-to-all, or the XLA:CPU ones here (`routed_experts_cpu`: gathered / dense / tiled with a custom
+VJP; XLA:CPU's `ragged_dot` is a slow generic fallback), which `default_dispatch` picks for the sampler and the
+learner on CPU. All of them are dropless and equal to `routed_experts_ragged` up to summation order.
 Sources: official `Gate`, `Expert`, `MoE`; HF `DeepseekV4TopKRouter`, `DeepseekV4HashRouter`,
 `DeepseekV4Experts`, `DeepseekV4MLP`; spec §12 items 16-20.
 """
