@@ -226,7 +226,8 @@ def test_grpo_steps_raise_the_reward_of_a_fixed_batch(model):
 def test_sharded_step_equals_unsharded(model, batch, dispatch):
     """One step on the actor mesh (fsdp=2, expert=2, tensor=2; batch over fsdp x expert) vs one device, with the
     expert-parallel dispatch of sharding/expert.py ("ep", what the loop uses) or XLA's own partitioning of the
-    single-program ragged_dot path ("auto", slow).
+    single-program ragged_dot path ("auto", slow). The one-device learner uses its CPU default,
+    `dsv4.moe.routed_experts_cpu`, so this also checks that path against both.
 
     Tolerances: metrics (loss, grad norm, ...) 1e-5 relative; all params after the step 1e-5 relative (global
     norm). Per leaf, the *update* must agree to 1% of its norm: fp32 reduction-order noise in the gradients of the
