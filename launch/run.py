@@ -1,7 +1,7 @@
 """GRPO post-training of DeepSeek-V4 in JAX: the main job.
 
     python launch/run.py --mesh auto                      # embedded default: tiny model, built-in task, CPU
-    python launch/run.py --config-file launch/configs/gsm8k_tiny.yaml --steps 3
+    python launch/run.py --config-file launch/configs/gsm8k_tiny.yaml --steps 3 --tokenizer PATH/tokenizer.json
     python launch/run.py --config flash --init /ckpt/DeepSeek-V4-Flash --dataset gsm8k/train.jsonl \
         --tokenizer /ckpt/DeepSeek-V4-Flash/tokenizer.json --mesh actor:fsdp=2,expert=8/rollout:expert=8 \
         --coordinator host0:1234 --num-processes 3 --process-id $RANK

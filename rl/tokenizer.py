@@ -172,7 +172,8 @@ def load_tokenizer(path: str | os.PathLike, *, eos_token: str | None = None, bos
     path = os.fspath(path)
     file = os.path.join(path, "tokenizer.json") if os.path.isdir(path) else path
     if not os.path.isfile(file):
-        raise TokenizerError(f"tokenizer file not found: {file}")
+        raise TokenizerError(f"tokenizer file not found: {file} (expected a Hugging Face tokenizer.json or a folder "
+                             "holding one; launch/configs/gsm8k_tiny.yaml shows how to train a small BPE)")
     try:
         with open(file, encoding="utf-8") as f:
             raw = json.load(f)
