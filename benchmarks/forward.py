@@ -26,7 +26,6 @@ import os
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 import argparse  # noqa: E402
-import math  # noqa: E402
 import platform  # noqa: E402
 import statistics  # noqa: E402
 import sys  # noqa: E402
@@ -41,44 +40,16 @@ from flax import nnx  # noqa: E402
 from dsv4 import DSV4Config, load_hf_checkpoint  # noqa: E402
 from dsv4 import moe  # noqa: E402
 
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests", "dsv4"))
+from hf_ref import hf_model  # noqa: E402
+
 CONFIGS = {"tiny": (DSV4Config.tiny, 2, 64), "small": (DSV4Config.small, 2, 256)}
 
 
 def build_hf(cfg: DSV4Config, seed: int = 0):
-    """transformers `DeepseekV4ForCausalLM` for `cfg` with every parameter/buffer randomised (as
-    tests/dsv4/hf_ref.py, but matrices scaled by 1/sqrt(fan_in) so the 512-wide `small` model stays finite)."""
-    import torch
-    from transformers import DeepseekV4Config, DeepseekV4ForCausalLM
-
-    drop = ("architectures", "model_type", "torch_dtype", "quantization_config", "expert_dtype", "compress_ratios",
-            "use_cache")
-    hf_cfg = DeepseekV4Config(**{k: v for k, v in cfg.to_hf_dict().items() if k not in drop})
-    hf_cfg._attn_implementation = "eager"
-    torch.manual_seed(seed)
-    model = DeepseekV4ForCausalLM(hf_cfg).eval()
-    g = torch.Generator().manual_seed(seed + 1)
-    with torch.no_grad():
-        for name, p in list(model.named_parameters()) + list(model.named_buffers()):
-            if "inv_freq" in name:
-                continue
-            if name.endswith("tid2eid"):
-                rows = [torch.randperm(cfg.n_routed_experts, generator=g)[: cfg.num_experts_per_tok]
-                        for _ in range(p.shape[0])]
-                p.copy_(torch.stack(rows).to(p.dtype))
-            elif "norm" in name and name.endswith("weight"):
-                p.copy_(1.0 + 0.2 * torch.randn(p.shape, generator=g))
-            elif name.endswith(("sinks", "position_bias", "base", "e_score_correction_bias")):
-                p.copy_(0.5 * torch.randn(p.shape, generator=g))
-            elif name.endswith(("scale", "hc_scale")):
-                p.copy_(0.5 + torch.rand(p.shape, generator=g))
-            elif name.endswith(("fn", "hc_fn")):
-                p.copy_(0.1 * torch.randn(p.shape, generator=g))
-            elif p.ndim >= 2:
-                p.copy_(torch.randn(p.shape, generator=g) / math.sqrt(p.shape[-1]))
-            else:
-                p.copy_(0.5 * torch.randn(p.shape, generator=g))
-    return model
-
+    """transformers `DeepseekV4ForCausalLM` for `cfg` with every parameter/buffer randomised
+    (`tests/dsv4/hf_ref.py`'s `hf_model`, matrices scaled by 1/sqrt(fan_in) so the 512-wide `small` stays finite)."""
+    return hf_model(cfg, seed=seed, weight_std=None)
 
 def paired_medians(fns: dict, runs: int, warmup: int = 1) -> dict:
     """Median wall time (s) of each blocking callable in `fns`, after `warmup` untimed rounds. The callables are
@@ -153,7 +124,7 @@ def bench_config(name: str, runs: int, bf16: bool, ragged: bool = False) -> dict
         ours = load_hf_checkpoint(d, dtype=jnp.float32)
     ids = np.random.RandomState(0).randint(0, cfg.vocab_size, (b, s))
     # ours = what rl.learner.Learner runs on this backend: dsv4.moe.default_dispatch (CPU: routed_experts_cpu)
-    dispatch = moe.default_dispatch(jax.devices()[:1], experts_sharded=False)
+    dispatch = moe.default_dispatch(jax.devices()[:1])
     of, ob = ours_fns(ours, ids, dispatch)
     hf_f, hf_b = hf_fns(hf, ids)
     ref = hf_f().float().numpy()

@@ -83,8 +83,11 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from dsv4 import DSV4Config, load_hf_checkpoint  # noqa: E402
 from dsv4.cache import cache_shapes  # noqa: E402
-from dsv4.moe import routed_experts_ragged, routed_experts_cpu  # noqa: E402
+from dsv4.moe import routed_experts_cpu, routed_experts_ragged  # noqa: E402
 from rl.sampler import Sampler, SamplingParams  # noqa: E402
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests", "dsv4"))
+from hf_ref import hf_model  # noqa: E402
 
 CONFIGS = {"tiny": DSV4Config.tiny, "small": DSV4Config.small}
 MODES = {  # name -> (Sampler weights, dequant, compute dtype, stock ragged_dot routed experts)
@@ -102,40 +105,9 @@ T_CAP = 64  # ours' response bucket: N_hi and N_lo must both be in (32, 64]
 
 # ------------------------------------------------------------------------------------------ models
 def build_hf(cfg: DSV4Config, seed: int = 0):
-    """transformers `DeepseekV4ForCausalLM` (fp32, eager attention) with every parameter/buffer randomised
-    (as tests/dsv4/hf_ref.py, matrices scaled by 1/sqrt(fan_in) so the 512-wide model stays finite)."""
-    import torch
-    from transformers import DeepseekV4Config, DeepseekV4ForCausalLM
-
-    drop = ("architectures", "model_type", "torch_dtype", "quantization_config", "expert_dtype", "compress_ratios",
-            "use_cache")
-    hf_cfg = DeepseekV4Config(**{k: v for k, v in cfg.to_hf_dict().items() if k not in drop})
-    hf_cfg._attn_implementation = "eager"
-    torch.manual_seed(seed)
-    model = DeepseekV4ForCausalLM(hf_cfg).eval()
-    g = torch.Generator().manual_seed(seed + 1)
-    with torch.no_grad():
-        for name, p in list(model.named_parameters()) + list(model.named_buffers()):
-            if "inv_freq" in name:
-                continue
-            if name.endswith("tid2eid"):
-                rows = [torch.randperm(cfg.n_routed_experts, generator=g)[: cfg.num_experts_per_tok]
-                        for _ in range(p.shape[0])]
-                p.copy_(torch.stack(rows).to(p.dtype))
-            elif "norm" in name and name.endswith("weight"):
-                p.copy_(1.0 + 0.2 * torch.randn(p.shape, generator=g))
-            elif name.endswith(("sinks", "position_bias", "base", "e_score_correction_bias")):
-                p.copy_(0.5 * torch.randn(p.shape, generator=g))
-            elif name.endswith(("scale", "hc_scale")):
-                p.copy_(0.5 + torch.rand(p.shape, generator=g))
-            elif name.endswith(("fn", "hc_fn")):
-                p.copy_(0.1 * torch.randn(p.shape, generator=g))
-            elif p.ndim >= 2:
-                p.copy_(torch.randn(p.shape, generator=g) / math.sqrt(p.shape[-1]))
-            else:
-                p.copy_(0.5 * torch.randn(p.shape, generator=g))
-    return model
-
+    """transformers `DeepseekV4ForCausalLM` for `cfg` with every parameter/buffer randomised
+    (`tests/dsv4/hf_ref.py`'s `hf_model`, matrices scaled by 1/sqrt(fan_in) so the 512-wide `small` stays finite)."""
+    return hf_model(cfg, seed=seed, weight_std=None)
 
 def make_sampler(model, mode: str) -> Sampler:
     weights, dequant, compute, ragged = MODES[mode]

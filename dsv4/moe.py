@@ -19,13 +19,14 @@ Sources: official `Gate`, `Expert`, `MoE`; HF `DeepseekV4TopKRouter`, `DeepseekV
 from __future__ import annotations
 
 import functools
-from typing import Callable
+from typing import Any, Callable, Mapping, Sequence
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
 from dsv4.layers import Buffer, dot_out, linear, linear_f32, param
+from dsv4.quant import ROUTED_EXPERT_RE
 from sharding import axes as ax
 
 _RAGGED_DN = jax.lax.RaggedDotDimensionNumbers(
@@ -263,14 +264,22 @@ def routed_experts_cpu(x: jax.Array, ids: jax.Array, weights: jax.Array, w1: jax
     return routed_experts_tiled(x, ids, weights, w1, w3, w2, limit=limit, dtype=dtype)
 
 
-def default_dispatch(devices, *, experts_sharded: bool):
+def default_dispatch(devices: Sequence[Any], param_shardings: Mapping[str, Any] | None = None):
     """The routed-expert implementation the sampler and the learner use when none is given.
 
-    `routed_experts_cpu` when every device in `devices` is a CPU and the experts are not sharded (a gather or a
-    dynamic index over a sharded expert axis would make XLA all-gather the weights); otherwise None, i.e. the
-    model's stock `routed_experts_ragged` (`ragged_dot`: a grouped matmul on GPU/TPU, partitioned by GSPMD).
+    Args:
+      devices: the devices the model runs on (`jax.Device`s; only `.platform` is read).
+      param_shardings: {"/"-joined parameter path, e.g. "layers/1/ffn/experts/w1": its sharding (None or a
+        sharding without `.spec` = not sharded)}, or None for a single device.
+    Returns:
+      `routed_experts_cpu` when every device is a CPU and no routed-expert weight is sharded on its expert axis
+      (a gather or a dynamic index over a sharded expert axis would make XLA all-gather the weights); otherwise
+      None, i.e. the model's stock `routed_experts_ragged` (`ragged_dot`: a grouped matmul on GPU/TPU,
+      partitioned by GSPMD).
     """
-    if experts_sharded or any(d.platform != "cpu" for d in devices):
+    sharded = any(ROUTED_EXPERT_RE.search(k) and getattr(sh, "spec", None) and sh.spec[0] is not None
+                  for k, sh in (param_shardings or {}).items())
+    if sharded or any(d.platform != "cpu" for d in devices):
         return None
     return routed_experts_cpu
 

@@ -64,7 +64,6 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from dsv4 import moe
 from dsv4.layers import Buffer
-from dsv4.quant import ROUTED_EXPERT_RE as _ROUTED_EXPERT
 from rl.config import LearnerConfig
 from rl.logprobs import token_logprobs
 from rl.losses import kl_penalty, loss_normalizers, policy_loss
@@ -218,10 +217,8 @@ class Learner:
                 self.state = jax.jit(init, out_shardings=self._state_shardings)(params, buffers)
         if dispatch_fn is None:
             devices = [jax.devices()[0]] if mesh is None else list(mesh.devices.flat)
-            sharded = any(_ROUTED_EXPERT.search(_path(p)) and bool(getattr(sh, "spec", None))
-                          and sh.spec[0] is not None
-                          for p, sh in jax.tree_util.tree_leaves_with_path(self._state_shardings.params))
-            self.dispatch_fn = moe.default_dispatch(devices, experts_sharded=sharded)
+            shardings = {_path(p): sh for p, sh in jax.tree_util.tree_leaves_with_path(self._state_shardings.params)}
+            self.dispatch_fn = moe.default_dispatch(devices, shardings)
         self._jits: dict[Any, Any] = {}
 
     # ------------------------------------------------------------------ optimizer

@@ -201,7 +201,10 @@ class Sampler:
         self.graphdef, abs_state = nnx.split(abstract)
         self._abs_flat = list(nnx.to_flat_state(abs_state))
         self._raw_shardings = self._shardings_for(abs_state)
-        self.dispatch_fn = self._default_dispatch() if dispatch_fn is None else dispatch_fn
+        if dispatch_fn is None:  # CPU + unsharded experts: moe.routed_experts_cpu; else ragged_dot
+            devs = [jax.devices()[0]] if mesh is None else list(mesh.devices.flat)
+            dispatch_fn = moe.default_dispatch(devs, self._raw_shardings)
+        self.dispatch_fn = dispatch_fn
         self._quantize_jit = jax.jit(self._quantize_fn, out_shardings=self._wstate_shardings())
         # Outputs (and the donated caches) are replicated on the rollout mesh: readable on every host, and the
         # next call's inputs have the same signature (no recompilation).
@@ -212,15 +215,6 @@ class Sampler:
         self.weight_version = -1
         self._w = None
         self.update_weights(nnx.state(model), version=0)
-
-    def _default_dispatch(self):
-        """`moe.default_dispatch` for the rollout devices: `moe.routed_experts_cpu` on CPU with unsharded experts
-        (XLA:CPU's `ragged_dot` fallback costs ~25 ms per layer at decode sizes; benchmarks/README.md "Sampler"),
-        else None (the model's `ragged_dot`)."""
-        devs = [jax.devices()[0]] if self.mesh is None else list(self.mesh.devices.flat)
-        sharded = any(quant.ROUTED_EXPERT_RE.search(k) and sh.spec and sh.spec[0] is not None
-                      for k, sh in (self._raw_shardings or {}).items())
-        return moe.default_dispatch(devs, experts_sharded=sharded)
 
     # ------------------------------------------------------------------ weights
     def _shardings_for(self, abs_state):

@@ -7,10 +7,11 @@ import numpy as np
 from dsv4.config import DSV4Config
 
 
-def hf_model(cfg: DSV4Config, seed: int = 0, dtype="float32", weight_std: float = 0.15):
+def hf_model(cfg: DSV4Config, seed: int = 0, dtype="float32", weight_std: float | None = 0.15):
     """A transformers `DeepseekV4ForCausalLM` for `cfg` with every parameter and buffer randomised:
     sinks, ape (position_bias), mHC base/scale, router bias and norm weights non-trivial; tid2eid a random
-    distinct-expert table per token id."""
+    distinct-expert table per token id. Matrices are N(0, weight_std^2); weight_std=None scales each by
+    1/sqrt(fan_in) instead (keeps the 512-wide `small` config's activations finite; the benchmarks use it)."""
     import torch
     from transformers import DeepseekV4Config, DeepseekV4ForCausalLM
 
@@ -38,7 +39,7 @@ def hf_model(cfg: DSV4Config, seed: int = 0, dtype="float32", weight_std: float 
             elif name.endswith(("fn", "hc_fn")):
                 p.copy_(0.1 * torch.randn(p.shape, generator=g))
             else:
-                std = weight_std if p.ndim >= 2 else 0.5
+                std = 0.5 if p.ndim < 2 else weight_std if weight_std is not None else p.shape[-1] ** -0.5
                 p.copy_(std * torch.randn(p.shape, generator=g))
     return model.to(getattr(torch, dtype))
 

@@ -24,35 +24,13 @@ from dsv4 import safetensors_io
 from dsv4.convert import CheckpointError, hf_to_official, official_tensors
 from dsv4.quant import QuantizedTensor
 from dsv4.safetensors_io import iter_checkpoint_tensors, save_sharded_checkpoint
+from randomize import random_model
 
 # Official names the release stores quantised (spec §9.1, §12 item 24): FP8 128x128 for these ...
 FP8_NAMES = re.compile(r"^(layers\.\d+|mtp\.\d+)\.(attn\.(wq_a|wq_b|wkv|wo_a|wo_b)|attn\.indexer\.wq_b|"
                        r"ffn\.shared_experts\.w[123]|e_proj|h_proj)\.weight$")
 # ... and FP4 (fp8_fp4) or FP8 (fp8) for the routed experts.
 EXPERT_NAMES = re.compile(r"^(layers\.\d+|mtp\.\d+)\.ffn\.experts\.(\d+)\.(w[123])\.weight$")
-
-
-def _random_model(cfg: DSV4Config, seed: int, param_dtype=jnp.float32) -> DSV4ForCausalLM:
-    """The model built abstractly (no init compute), then every leaf set from NumPy: float leaves random with
-    non-trivial sinks / ape / mHC / norms / router bias, `tid2eid` distinct experts per token id."""
-    model = nnx.eval_shape(lambda: DSV4ForCausalLM(cfg, rngs=nnx.Rngs(0), param_dtype=param_dtype))
-    rs = np.random.RandomState(seed)
-    for path, var in nnx.to_flat_state(nnx.state(model)):
-        sd = var.get_raw_value()
-        name = ".".join(map(str, path))
-        if name.endswith("tid2eid"):
-            new = np.stack([rs.permutation(cfg.n_routed_experts)[: cfg.num_experts_per_tok]
-                            for _ in range(sd.shape[0])])
-        elif "norm" in name:
-            new = 1.0 + 0.2 * rs.randn(*sd.shape)
-        elif name.endswith(("attn_sink", "ape", "_base", "gate.bias")):
-            new = 0.5 * rs.randn(*sd.shape)
-        elif name.endswith("_scale"):
-            new = 0.5 + rs.rand(*sd.shape)
-        else:
-            new = 0.15 * rs.randn(*sd.shape)
-        var.set_value(jnp.asarray(new, sd.dtype))
-    return model
 
 
 def _by_file_name(model) -> dict[str, np.ndarray]:
@@ -123,7 +101,7 @@ def cfg():
 
 @pytest.fixture(scope="module")
 def model(cfg):
-    return _random_model(cfg, seed=0)
+    return random_model(cfg, seed=0)
 
 
 @pytest.fixture(scope="module")

@@ -18,6 +18,7 @@ from flax import nnx
 
 from dsv4 import DSV4Config, DSV4ForCausalLM, count_params
 from dsv4.layers import Buffer
+from randomize import random_model
 
 PAD_LEN = 40
 LENGTHS = (37, 20, 9)  # not multiples of the compress ratios 4 / 8, all longer than the window 8
@@ -27,37 +28,6 @@ LENGTHS = (37, 20, 9)  # not multiples of the compress ratios 4 / 8, all longer 
 PAD_ATOL = 2e-5
 
 
-def _random_model(cfg: DSV4Config, seed: int, *, param_dtype=jnp.float32, dtype=jnp.float32,
-                  like: nnx.Module | None = None) -> DSV4ForCausalLM:
-    """The model built abstractly (`nnx.eval_shape`: no init compute, ~0.5 s instead of ~6 s of eager init ops),
-    then every leaf set from NumPy: non-trivial sinks / ape / mHC base+scale / norms / router bias, random
-    weights (std 0.15), `tid2eid` distinct experts per token id. With `like`, the values are copied from that
-    model instead (cast to this model's leaf dtypes)."""
-    model = nnx.eval_shape(lambda: DSV4ForCausalLM(cfg, rngs=nnx.Rngs(0), param_dtype=param_dtype, dtype=dtype))
-    src = None if like is None else dict(nnx.to_flat_state(nnx.state(like)))
-    rs = np.random.RandomState(seed)
-    for path, var in nnx.to_flat_state(nnx.state(model)):
-        sd = var.get_raw_value()
-        name = ".".join(map(str, path))
-        if src is not None:
-            new = src[path][...]
-        elif name.endswith("tid2eid"):
-            new = np.stack([rs.permutation(cfg.n_routed_experts)[: cfg.num_experts_per_tok]
-                            for _ in range(sd.shape[0])])
-        elif "norm" in name:
-            new = 1.0 + 0.2 * rs.randn(*sd.shape)
-        elif name.endswith(("attn_sink", "ape", "_base", "gate.bias")):
-            new = 0.5 * rs.randn(*sd.shape)
-        elif name.endswith("_scale"):
-            new = 0.5 + rs.rand(*sd.shape)
-        elif name.endswith("_fn"):
-            new = 0.1 * rs.randn(*sd.shape)
-        else:
-            new = 0.15 * rs.randn(*sd.shape)
-        var.set_value(jnp.asarray(new).astype(sd.dtype))
-    return model
-
-
 @pytest.fixture(scope="module")
 def cfg():
     return DSV4Config.tiny()
@@ -65,7 +35,7 @@ def cfg():
 
 @pytest.fixture(scope="module")
 def model(cfg):
-    return _random_model(cfg, seed=0)
+    return random_model(cfg, seed=0)
 
 
 _FAST_COMPILE = {"xla_backend_optimization_level": 0}
@@ -246,18 +216,12 @@ def test_mask_shape_is_checked(model):
 # ---------------------------------------------------------------------------------- (c) routing replay
 
 
-def test_replay_of_recorded_routing_is_identical(cfg, model, padded_left):
+@pytest.mark.parametrize("forced", ["recorded", "all_negative"])
+def test_replay_of_recorded_or_no_routing_is_identical(cfg, model, padded_left, forced):
+    """Replaying the recorded routes, or forcing none (all -1: route normally), reproduces the plain forward."""
     ids, mask, lg, rt = padded_left
-    lg2, rt2, _ = map(np.asarray, _fwd_replay(model, jnp.asarray(ids), jnp.asarray(mask), jnp.asarray(rt)))
-    real = mask.astype(bool)
-    np.testing.assert_array_equal(rt2, rt)
-    assert np.abs(lg2[real] - lg[real]).max() <= 1e-6
-
-
-def test_replay_all_negative_routes_normally(cfg, model, padded_left):
-    ids, mask, lg, rt = padded_left
-    none = -np.ones_like(rt)
-    lg2, rt2, _ = map(np.asarray, _fwd_replay(model, jnp.asarray(ids), jnp.asarray(mask), jnp.asarray(none)))
+    routes = rt if forced == "recorded" else -np.ones_like(rt)
+    lg2, rt2, _ = map(np.asarray, _fwd_replay(model, jnp.asarray(ids), jnp.asarray(mask), jnp.asarray(routes)))
     real = mask.astype(bool)
     np.testing.assert_array_equal(rt2, rt)
     assert np.abs(lg2[real] - lg[real]).max() <= 1e-6
@@ -331,11 +295,11 @@ def test_bf16_close_to_fp32():
     that; without replay (expert flips) the same comparison gives 7-11%, so the bound is not vacuous.
     """
     cfg = DSV4Config.tiny(index_topk=16)  # >= the 9 CSA entries of 37 tokens: no indexer selection
-    m32 = _random_model(cfg, seed=0)
+    m32 = random_model(cfg, seed=0)
     for _, var in nnx.to_flat_state(nnx.state(m32)):
         if jnp.issubdtype(var[...].dtype, jnp.floating):
             var[...] = var[...].astype(jnp.bfloat16).astype(jnp.float32)
-    m16 = _random_model(cfg, 0, param_dtype=jnp.bfloat16, dtype=jnp.bfloat16, like=m32)
+    m16 = random_model(cfg, 0, param_dtype=jnp.bfloat16, dtype=jnp.bfloat16, like=m32)
     assert m16.layers[1].attn.wq_a.weight[...].dtype == jnp.bfloat16
     assert m16.layers[1].hc_attn_fn[...].dtype == jnp.float32  # mHC stays fp32
     ids = jnp.asarray(np.random.RandomState(0).randint(0, cfg.vocab_size, (2, 37)), jnp.int32)

@@ -103,9 +103,9 @@ def test_default_dispatch_sampler_and_learner():
     plan = build_mesh_plan("actor:fsdp=2,expert=2/rollout:expert=2,tensor=2")
     assert Sampler(model, mesh=plan.rollout, max_prompt_len=16).dispatch_fn is None
     assert Learner(model, LearnerConfig(), mesh=plan.actor).dispatch_fn is None
-    assert moe.default_dispatch(jax.devices()[:1], experts_sharded=False) is moe.routed_experts_cpu
+    assert moe.default_dispatch(jax.devices()[:1]) is moe.routed_experts_cpu
 
     class _Gpu:
         platform = "gpu"
 
-    assert moe.default_dispatch([_Gpu()], experts_sharded=False) is None
+    assert moe.default_dispatch([_Gpu()]) is None
