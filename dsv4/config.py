@@ -1,7 +1,7 @@
 """DeepSeek-V4 model configuration: every field of the official `config.json`, presets, HF conversion.
 
 `DSV4Config` is a frozen, keyword-only dataclass whose field names are exactly those of the released
-DeepSeek-V4-Flash `config.json` (shared/docs/dsv4-architecture.md §2.1). The per-layer schedule is the
+DeepSeek-V4-Flash `config.json` (docs/dsv4-architecture.md §2.1). The per-layer schedule is the
 official `compress_ratios` list: one entry per main layer plus one per MTP layer, 0 = sliding window only,
 `csa_compress_ratio` (4) = Compressed Sparse Attention (overlapping windows + lightning indexer), any other
 positive ratio = Heavily Compressed Attention. `from_hf` also reads transformers' native keys

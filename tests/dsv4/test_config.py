@@ -1,7 +1,7 @@
 """Tests for dsv4/config.py: `DSV4Config.from_hf` on the official Flash config and on transformers' own keys,
 `to_hf_dict` round trips, arbitrary compression ratios, and the errors (each naming the field / key / path).
 
-The official Flash `config.json` below is written out from the spec (shared/docs/dsv4-architecture.md §2.1),
+The official Flash `config.json` below is written out from the spec (docs/dsv4-architecture.md §2.1),
 not from `DSV4Config`, so the comparison is independent. The transformers dict comes from
 `transformers.DeepseekV4Config(...).to_dict()` (5.23), i.e. exactly what its `save_pretrained` writes.
 Run: .venv/bin/python -m pytest -q tests/dsv4/test_config.py
