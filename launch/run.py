@@ -47,7 +47,11 @@ _HELP = {
     "top_p": "nucleus sampling", "top_k": "top-k sampling (0 = off)",
     "rollout_dtype": "rollout weights: fp8 | fp8_e4m3fnuz (MI300/MI308) | bf16 | fp32 | auto",
     "rollout_compute_dtype": "rollout matmul dtype: auto (fp32 on CPU, bf16 on GPU) | bfloat16 | float32",
-    "algo": "grpo | dr_grpo | dapo | gspo", "lr": "peak learning rate", "warmup_steps": "linear LR warmup",
+    "algo": "grpo | dr_grpo | dapo | gspo", "lr": "peak learning rate",
+    "dapo_max_resample_batches": "DAPO: extra prompt batches sampled per step to fill the batch with groups "
+                                 "whose rewards differ",
+    "dapo_on_budget_exhausted": "DAPO, fewer such groups than --prompts-per-step after the resampling budget: "
+                                "train (on the kept groups) | skip (the step)", "warmup_steps": "linear LR warmup",
     "kl_coef": "KL-to-reference coefficient (0: no reference model kept)", "kl_estimator": "k1 | k2 | k3",
     "correction": "rollout/train mismatch correction: none | tis | mis (IcePop)",
     "correction_level": "token | sequence | geometric", "tis_clip": "TIS weight clamp C",

@@ -172,10 +172,10 @@ class DynamicSampler:
     def result(self) -> tuple[list[Any], dict[str, float]]:
         """(kept payloads, metrics). budget_hit = 1 when the round budget ended before the target was reached."""
         metrics = {
-            "rollout/dynamic_sampling_rounds": float(self.rounds),
-            "rollout/dynamic_sampling_budget_hit": float(len(self.kept) < self.target_groups),
-            "rollout/dynamic_sampling_kept_groups": float(len(self.kept)),
-            "rollout/dynamic_sampling_sampled_groups": float(self.sampled_groups),
+            "rollout/dynamic_sampling/rounds": float(self.rounds),
+            "rollout/dynamic_sampling/budget_hit": float(len(self.kept) < self.target_groups),
+            "rollout/dynamic_sampling/kept_groups": float(len(self.kept)),
+            "rollout/dynamic_sampling/sampled_groups": float(self.sampled_groups),
         }
         return list(self.kept), metrics
 

@@ -297,7 +297,8 @@ class RunConfig:
       prompt_field / answer_field / chat_template, eval_dataset, max_prompt_len, on_bad_record.
     Rollout: prompts_per_step x group_size samples per step, max_new_tokens, temperature / top_p / top_k,
       rollout_dtype (fp8|fp8_e4m3fnuz|bf16|fp32|auto).
-    Algorithm: algo (grpo|dr_grpo|dapo|gspo), lr, warmup_steps, kl_coef / kl_estimator, correction (none|tis|mis)
+    Algorithm: algo (grpo|dr_grpo|dapo|gspo; dapo adds dynamic sampling bounded by dapo_max_resample_batches,
+      with dapo_on_budget_exhausted = train|skip), lr, warmup_steps, kl_coef / kl_estimator, correction (none|tis|mis)
       with tis_clip / mis_low / mis_high, routing_replay, freeze_router, micro_batch_size.
     Eval / checkpoints / logs: eval_every, eval_prompts, eval_samples (k of pass@k), ckpt_dir, ckpt_every,
       resume (auto|never), metrics_jsonl, tensorboard_dir, seed.
@@ -328,6 +329,8 @@ class RunConfig:
     rollout_dtype: str = "fp8"
     rollout_compute_dtype: Literal["auto", "bfloat16", "float32"] = "auto"
     algo: str = "grpo"
+    dapo_max_resample_batches: int = 3
+    dapo_on_budget_exhausted: Literal["train", "skip"] = "train"
     lr: float = 2e-3
     warmup_steps: int = 0
     kl_coef: float = 0.0
@@ -370,6 +373,12 @@ class RunConfig:
         if self.rollout_dtype not in ("fp8", "fp8_e4m3fn", "fp8_e4m3fnuz", "bf16", "fp32", "auto"):
             raise ValueError(f"{owner}.rollout_dtype (--rollout-dtype) must be fp8|fp8_e4m3fnuz|bf16|fp32|auto, "
                              f"got {self.rollout_dtype!r}")
+        if self.dapo_max_resample_batches < 0:
+            raise ValueError(f"{owner}.dapo_max_resample_batches (--dapo-max-resample-batches) must be >= 0, "
+                             f"got {self.dapo_max_resample_batches}")
+        if self.dapo_on_budget_exhausted not in ("train", "skip"):
+            raise ValueError(f"{owner}.dapo_on_budget_exhausted (--dapo-on-budget-exhausted) must be train|skip, "
+                             f"got {self.dapo_on_budget_exhausted!r}")
         if self.resume not in ("auto", "never"):
             raise ValueError(f"{owner}.resume (--resume) must be auto|never, got {self.resume!r}")
         if self.on_bad_record not in ("skip", "fail"):
@@ -403,5 +412,8 @@ class RunConfig:
         return dataclasses.replace(cfg, **kw)
 
     def advantage_config(self) -> AdvantageConfig:
-        return {"grpo": AdvantageConfig.grpo, "dr_grpo": AdvantageConfig.dr_grpo, "dapo": AdvantageConfig.dapo,
-                "gspo": AdvantageConfig.grpo}[self.algo]()
+        adv = {"grpo": AdvantageConfig.grpo, "dr_grpo": AdvantageConfig.dr_grpo, "dapo": AdvantageConfig.dapo,
+               "gspo": AdvantageConfig.grpo}[self.algo]()
+        if adv.dynamic_sampling:
+            adv = dataclasses.replace(adv, dynamic_sampling_max_rounds=1 + self.dapo_max_resample_batches)
+        return adv

@@ -8,7 +8,8 @@ One call per stage, top to bottom (docs/style.md rule 8). Each step:
 2. `Sampler.generate` on the rollout mesh (FP8 weights by default): tokens, logprobs, routing;
 3. rewards: the built-in task's exact partial-credit reward, or GSM8K answer verification (+ format) in a
    worker process with a per-sample time limit;
-4. group advantages (GRPO / Dr.GRPO; DAPO drops all-equal groups);
+4. group advantages (GRPO / Dr.GRPO); DAPO (`--algo dapo`) first resamples until the batch holds
+   `prompts_per_step` groups whose rewards differ (`dynamic_rollout`, bounded by `--dapo-max-resample-batches`);
 5. `Learner.update` on the actor mesh with routing replay and the off-policy correction;
 6. weight push actor -> rollout (bf16 -> device_put -> FP8), a new weight version;
 7. metrics (JSONL, TensorBoard, progress bar); eval every `eval_every`; checkpoint every `ckpt_every`.
@@ -225,18 +226,22 @@ def score(job: Job, rb, refs: list[str]) -> tuple[np.ndarray, np.ndarray, dict]:
     return r, r >= 0.999, m
 
 
-def rollout(job: Job, prompts: list[list[int]], refs: list[str], step: int):
-    """Sample `group_size` responses per prompt -> (RolloutBatch, rewards [N], metrics)."""
+def rollout(job: Job, prompts: list[list[int]], refs: list[str], step: int, round_index: int = 0):
+    """Sample `group_size` responses per prompt -> (RolloutBatch, rewards [N], metrics).
+
+    `round_index` (DAPO resampling rounds within one step) offsets the prompt index of the sampler's randomness
+    by round_index x len(prompts), so every round of a step draws fresh, reproducible samples."""
     from rl.sampler import SamplingParams
 
     g = job.cfg.group_size
+    off = round_index * len(prompts)
     rows = [p for p in prompts for _ in range(g)]
     row_refs = [r for r in refs for _ in range(g)]
     sp = SamplingParams(temperature=job.cfg.temperature, top_p=job.cfg.top_p, top_k=job.cfg.top_k,
                         max_new_tokens=job.cfg.max_new_tokens, stop_token_ids=(job.tokenizer.eos_id,))
     t0 = time.perf_counter()
     rb = job.sampler.generate(rows, sp, seed=job.cfg.seed, step=step,
-                              prompt_index=[i for i in range(len(prompts)) for _ in range(g)],
+                              prompt_index=[off + i for i in range(len(prompts)) for _ in range(g)],
                               sample_index=[j for _ in prompts for j in range(g)])
     dt = time.perf_counter() - t0
     rewards, _, rm = score(job, rb, row_refs)
@@ -290,26 +295,90 @@ def global_batch(job: Job, batch: dict) -> dict:
             "reference": [job.train_data.references[int(i)] for i in idx]}
 
 
+def _prompt_lists(batch: dict) -> list[list[int]]:
+    return [batch["prompt_ids"][i, : batch["prompt_len"][i]].tolist() for i in range(len(batch["reference"]))]
+
+
+def dynamic_rollout(job: Job, step: int, first: dict):
+    """DAPO dynamic sampling (arXiv 2503.14476 §3.2): sample rounds of `prompts_per_step` prompts until
+    `prompts_per_step` groups with non-equal rewards are held, at most 1 + `dapo_max_resample_batches` rounds
+    (each extra round takes the next prompt batch from the data iterator, so the data order stays resumable).
+
+    Returns (rb, rewards [N], train_rows [N] bool, metrics) with N = prompts_per_step x group_size, or
+    (None, None, None, metrics) when the step is to be skipped. The reward statistics in the metrics are those
+    of the first round (the on-policy sample of the data, comparable with the other algorithms). The batch always has N rows,
+    so the learner never recompiles: kept groups first, then (when the budget ran out with fewer kept groups)
+    filler groups from the dropped ones whose `train_rows` are False. Budget exhausted
+    (`dapo_on_budget_exhausted`): "train" trains on the kept groups alone (the fillers' response tokens are
+    masked out of the loss), "skip" skips the update and the push; with no kept group at all the step is skipped
+    either way. Metrics `rollout/dynamic_sampling/*` (rounds, kept_groups, sampled_groups, budget_hit,
+    kept_frac, skipped_step)."""
+    from rl.advantages import DynamicSampler
+    from rl.sampler import concat_rollouts
+
+    cfg, g, n = job.cfg, job.cfg.group_size, job.cfg.prompts_per_step
+    ds = DynamicSampler(target_groups=n, group_size=g, max_rounds=cfg.advantage_config().dynamic_sampling_max_rounds)
+    batch, rounds, first_metrics, dropped = first, [], None, []
+    while True:
+        r_i = len(rounds)
+        rb, rewards, m = rollout(job, _prompt_lists(batch), batch["reference"], step, round_index=r_i)
+        rounds.append((rb, rewards))
+        first_metrics = first_metrics or m
+        r_pg = rewards.reshape(-1, g)
+        dropped += [(r_i, i) for i in np.flatnonzero(np.all(r_pg == r_pg[:, :1], axis=1))]
+        if ds.add_round(rewards, [(r_i, i) for i in range(r_pg.shape[0])]):
+            break
+        batch = global_batch(job, next(job.iterator))
+    from rl.metrics import reward_stats, to_python
+
+    kept, metrics = ds.result()
+    # reward statistics are of the first round: the on-policy sample of the data, comparable across algorithms
+    metrics = {**first_metrics, **to_python(reward_stats(jnp.asarray(rounds[0][1]), g)), **metrics}
+    skip = not kept or (len(kept) < n and cfg.dapo_on_budget_exhausted == "skip")
+    metrics["rollout/dynamic_sampling/kept_frac"] = len(kept) / ds.sampled_groups
+    metrics["rollout/dynamic_sampling/skipped_step"] = float(skip)
+    if len(kept) < n:
+        log.warning("step %d: DAPO dynamic sampling kept %d of %d groups after %d rounds (budget "
+                    "--dapo-max-resample-batches %d): %s", step, len(kept), n, ds.rounds,
+                    cfg.dapo_max_resample_batches, "skipping the step" if skip else "training on the kept groups")
+    if skip:
+        return None, None, None, metrics
+    groups = kept + dropped[: n - len(kept)]
+    parts = [(rounds[r][0], np.arange(i * g, (i + 1) * g)) for r, i in groups]
+    rb = concat_rollouts(parts)
+    rewards = np.concatenate([rounds[r][1][i * g:(i + 1) * g] for r, i in groups]).astype(np.float32)
+    train_rows = np.repeat(np.arange(n) < len(kept), g)
+    return rb, rewards, train_rows, metrics
+
+
 def train_step(job: Job, step: int) -> dict:
     """One GRPO step (stages 1-6); returns its metrics."""
-    from rl.advantages import compute_advantages, dynamic_sampling_filter
+    from rl.advantages import compute_advantages
     from rl.metrics import response_stats, reward_stats, to_python
 
     cfg = job.cfg
     t_step = time.perf_counter()
     batch = global_batch(job, next(job.iterator))
-    prompts = [batch["prompt_ids"][i, : batch["prompt_len"][i]].tolist() for i in range(len(batch["reference"]))]
-    rb, rewards, metrics = rollout(job, prompts, batch["reference"], step)
-    metrics.update(to_python(reward_stats(jnp.asarray(rewards), cfg.group_size)))
+    train_rows = None
+    if cfg.algo == "dapo":
+        rb, rewards, train_rows, metrics = dynamic_rollout(job, step, batch)
+        if rb is None:  # nothing to learn from: no update, no push, same weight version
+            metrics["weight_version"] = job.weight_version
+            metrics["perf/step_s"] = time.perf_counter() - t_step
+            return metrics
+    else:
+        rb, rewards, metrics = rollout(job, _prompt_lists(batch), batch["reference"], step)
+        metrics.update(to_python(reward_stats(jnp.asarray(rewards), cfg.group_size)))
     metrics.update(to_python(response_stats(jnp.asarray(rb.lengths), cfg.max_new_tokens, rb.finish_reasons)))
     adv, am = compute_advantages(jnp.asarray(rewards), cfg.group_size, cfg.advantage_config())
     metrics.update(to_python(am))
-    if cfg.algo == "dapo":  # drop all-equal groups (their advantage is 0); train on what is left
-        keep = np.repeat(np.asarray(dynamic_sampling_filter(jnp.asarray(rewards), cfg.group_size)), cfg.group_size)
-        metrics["rollout/dynamic_sampling_kept_frac"] = float(keep.mean())
-        adv = jnp.where(jnp.asarray(keep), adv, 0.0)
+    if train_rows is not None:  # DAPO filler groups: out of the loss (tokens, normalisers, metrics)
+        adv = jnp.where(jnp.asarray(train_rows), adv, 0.0)
+    tb = train_batch(rb, np.asarray(adv), cfg.routing_replay)
+    if train_rows is not None:
+        tb.response_mask[~train_rows] = 0
     t0 = time.perf_counter()
-    tm = job.learner.update(train_batch(rb, np.asarray(adv), cfg.routing_replay))
+    tm = job.learner.update(tb)
     tm = to_python(tm)
     metrics.update(tm)
     metrics["perf/train_s"] = time.perf_counter() - t0

@@ -118,6 +118,42 @@ class RolloutBatch:
         return [self.tokens[i, : self.lengths[i]].tolist() for i in range(len(self.lengths))]
 
 
+def concat_rollouts(parts: Sequence[tuple[RolloutBatch, np.ndarray]]) -> RolloutBatch:
+    """Rows `rows_j` of batch `b_j`, for each (b_j, rows_j) in order, as one RolloutBatch (DAPO's resampling
+    rounds). Prompts are re-left-padded to the widest prompt bucket P and responses right-padded to the widest
+    T of the parts (tokens 0, logprobs 0, routing -1 at the new padding), so `sequences()` keeps its layout.
+
+    Raises ValueError when the parts come from different weight versions or disagree on routing's [L, k].
+    """
+    if not parts:
+        raise ValueError("concat_rollouts needs at least one part")
+    versions = {b.weight_version for b, _ in parts}
+    if len(versions) != 1:
+        raise ValueError(f"concat_rollouts: parts come from different weight versions {sorted(versions)}")
+    p = max(b.prompt_tokens.shape[1] for b, _ in parts)
+    t = max(b.tokens.shape[1] for b, _ in parts)
+    lk = {b.routing.shape[2:] for b, _ in parts}
+    if len(lk) != 1:
+        raise ValueError(f"concat_rollouts: routing [L, k] differ between parts: {sorted(lk)}")
+    out = {"tokens": [], "logprobs": [], "routing": [], "prompt_tokens": [], "lengths": [], "prompt_lengths": []}
+    reasons: list[str] = []
+    for b, rows in parts:
+        rows = np.asarray(rows, np.int64)
+        bp, bt = b.prompt_tokens.shape[1], b.tokens.shape[1]
+        out["prompt_tokens"].append(np.pad(b.prompt_tokens[rows], ((0, 0), (p - bp, 0))))  # left pad
+        out["tokens"].append(np.pad(b.tokens[rows], ((0, 0), (0, t - bt))))
+        out["logprobs"].append(np.pad(b.logprobs[rows], ((0, 0), (0, t - bt))))
+        r = b.routing[rows]  # [n, bp + bt, L, k]
+        out["routing"].append(np.concatenate([
+            np.full((len(rows), p - bp) + r.shape[2:], -1, r.dtype), r[:, :bp],
+            r[:, bp:], np.full((len(rows), t - bt) + r.shape[2:], -1, r.dtype)], axis=1))
+        out["lengths"].append(b.lengths[rows])
+        out["prompt_lengths"].append(b.prompt_lengths[rows])
+        reasons += [b.finish_reasons[i] for i in rows]
+    cat = {k: np.concatenate(v, axis=0) for k, v in out.items()}
+    return RolloutBatch(finish_reasons=reasons, weight_version=versions.pop(), **cat)
+
+
 def _next_pow2(n: int, lo: int = 1) -> int:
     return max(lo, 1 << (max(n, 1) - 1).bit_length())
 

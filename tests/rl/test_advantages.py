@@ -116,10 +116,10 @@ def test_dynamic_sampler_reaches_target():
     kept, metrics = sampler.result()
     assert kept == ["a", "d", "e"]
     assert metrics == {
-        "rollout/dynamic_sampling_rounds": 2.0,
-        "rollout/dynamic_sampling_budget_hit": 0.0,
-        "rollout/dynamic_sampling_kept_groups": 3.0,
-        "rollout/dynamic_sampling_sampled_groups": 6.0,
+        "rollout/dynamic_sampling/rounds": 2.0,
+        "rollout/dynamic_sampling/budget_hit": 0.0,
+        "rollout/dynamic_sampling/kept_groups": 3.0,
+        "rollout/dynamic_sampling/sampled_groups": 6.0,
     }
     np.testing.assert_array_equal(sampler.kept_rewards_array(), [1, 0, 0, 1, 1, 0])
     with pytest.raises(RuntimeError):
@@ -132,9 +132,9 @@ def test_dynamic_sampler_budget_hit():
     assert sampler.add_round(np.array([0.0, 0.0]))  # nothing kept, budget spent
     kept, metrics = sampler.result()
     assert kept == [(0, 1)]  # default payload: (round, index in round)
-    assert metrics["rollout/dynamic_sampling_budget_hit"] == 1.0
-    assert metrics["rollout/dynamic_sampling_rounds"] == 2.0
-    assert metrics["rollout/dynamic_sampling_kept_groups"] == 1.0
+    assert metrics["rollout/dynamic_sampling/budget_hit"] == 1.0
+    assert metrics["rollout/dynamic_sampling/rounds"] == 2.0
+    assert metrics["rollout/dynamic_sampling/kept_groups"] == 1.0
 
 
 def test_dynamic_sampler_validation():
