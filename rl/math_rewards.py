@@ -46,7 +46,7 @@ _INT_RE = re.compile(r"[+-]?\d+")
 def _clean(answer: str) -> str:
     """An extracted answer without the wrapping a model adds: `$...$`, `\\(...\\)`, a trailing period, an inner
     `\\boxed{}` or `\\text{}` ("Answer: $\\boxed{34}$." -> "34")."""
-    s = answer.strip()
+    s = answer.strip().rstrip(".").strip()
     inner = last_boxed(s)
     if inner is not None:
         s = inner.strip()
