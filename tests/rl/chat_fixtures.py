@@ -42,10 +42,32 @@ def train_bpe(folder: pathlib.Path, texts: list[str]) -> None:
     tok.save(str(folder / "tokenizer.json"))
 
 
-def make_chat_tokenizer(folder: pathlib.Path, template: str = TEMPLATE) -> pathlib.Path:
-    """A tokenizer folder as checkpoints ship it: tokenizer.json + tokenizer_config.json with a chat template."""
-    train_bpe(folder, ["What is 3 + 4? Answer: 7", "Please reason step by step. The answer is 12."] * 4)
+def make_chat_tokenizer(folder: pathlib.Path, template: str = TEMPLATE, texts: list[str] | None = None) -> pathlib.Path:
+    """A tokenizer folder as checkpoints ship it: tokenizer.json + tokenizer_config.json with a chat template.
+    The BPE (<= 200 ids) is trained on `texts` (default: two short math sentences)."""
+    train_bpe(folder, texts or ["What is 3 + 4? Answer: 7", "Please reason step by step. The answer is 12."] * 4)
     (folder / "tokenizer_config.json").write_text(json.dumps({
         "tokenizer_class": "PreTrainedTokenizerFast", "bos_token": BOS, "eos_token": EOS, "pad_token": "<|pad|>",
         "unk_token": "<unk>", "chat_template": template}, ensure_ascii=False))
     return folder
+
+
+DAPO_INSTRUCTION = ("Solve the following math problem step by step. The last line of your response should be of the "
+                    "form Answer: $Answer (without quotes) where $Answer is the answer to the problem.\n\n")
+
+
+def verl_records(n: int, start: int = 0) -> list[dict]:
+    """DAPO-Math-17K as veRL's recipe stores it: chat messages, rule reward with a ground truth, data_source."""
+    return [{"data_source": "math_dapo", "ability": "MATH",
+             "prompt": [{"role": "user", "content": DAPO_INSTRUCTION + f"What is {i} + {i + 3}?\n\n"
+                         "Remember to put your answer on its own line after \"Answer:\"."}],
+             "reward_model": {"style": "rule", "ground_truth": str(2 * i + 3)},
+             "extra_info": {"index": i}} for i in range(start, start + n)]
+
+
+def write_parquet(path: pathlib.Path, records: list[dict]) -> pathlib.Path:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    pq.write_table(pa.Table.from_pylist(records), str(path))
+    return path

@@ -17,28 +17,7 @@ from rl.data import DataError, get_field
 from rl.data_formats import build_datasets, load_prompt_dataset, plain_answer, resolve_format, resolve_reward_name
 from rl.tokenizer import load_tokenizer
 
-from chat_fixtures import BOS, make_chat_tokenizer  # noqa: E402  (tests/rl on sys.path)
-
-DAPO_INSTRUCTION = ("Solve the following math problem step by step. The last line of your response should be of the "
-                    "form Answer: $Answer (without quotes) where $Answer is the answer to the problem.\n\n")
-
-
-def verl_records(n: int) -> list[dict]:
-    """DAPO-Math-17K as veRL's recipe stores it: chat messages, rule reward with a ground truth, data_source."""
-    return [{"data_source": "math_dapo", "ability": "MATH",
-             "prompt": [{"role": "user", "content": DAPO_INSTRUCTION + f"What is {i} + {i + 3}?\n\n"
-                         "Remember to put your answer on its own line after \"Answer:\"."}],
-             "reward_model": {"style": "rule", "ground_truth": str(2 * i + 3)},
-             "extra_info": {"index": i}} for i in range(n)]
-
-
-def write_parquet(path, records):
-    import pyarrow as pa
-    import pyarrow.parquet as pq
-
-    pq.write_table(pa.Table.from_pylist(records), str(path))
-    return path
-
+from chat_fixtures import BOS, make_chat_tokenizer, verl_records, write_parquet  # noqa: E402  (tests/rl on sys.path)
 
 @pytest.fixture(scope="module")
 def chat_dir(tmp_path_factory):
