@@ -52,7 +52,7 @@ _HELP = {
                           "| fail",
     "eval_only": "no training: evaluate --init (or the newest checkpoint in --ckpt-dir) on the eval prompts, "
                  "print the table, write the metrics, exit",
-    "eval_before_train": "evaluate once before the first step (veRL's val_before_train)",
+    "eval_before_train": "evaluate once before the first step (veRL's val_before_train; ignored by --eval-only)",
     "wandb_project": "Weights & Biases project (optional extra: pip install -e '.[wandb]'; WANDB_MODE=offline "
                      "needs no network)",
     "chat_template": "python format string for the prompt, e.g. 'Question: {prompt}\\nAnswer:'",
@@ -117,6 +117,8 @@ def _convert(name: str, raw, source: str):
     base, optional = _type_of(field)
     if raw is None or (optional and isinstance(raw, str) and raw.lower() in ("", "none", "null")):
         return None
+    if name == "thinking" and isinstance(raw, bool):  # YAML 1.1 reads an unquoted `thinking: on` as true
+        return "on" if raw else "off"
     if isinstance(raw, base) and not (base is int and isinstance(raw, bool)):
         return raw
     try:

@@ -419,8 +419,6 @@ class RunConfig:
         if self.apply_chat_template and self.dataset is None and self.eval_dataset is None:
             raise ValueError(f"{owner}.apply_chat_template (--apply-chat-template) needs --dataset and --tokenizer "
                              f"(the built-in task has no chat template)")
-        if self.eval_only and self.eval_before_train:
-            raise ValueError(f"{owner}: --eval-only already evaluates once; drop --eval-before-train")
 
     def loss_config(self) -> LossConfig:
         """The LossConfig of `algo` with this run's KL and off-policy correction knobs."""
