@@ -62,6 +62,23 @@ def test_dry_run_shows_the_rendered_prompt(dapo, tmp_path, capsys, caplog):
     logged = "\n".join(r.getMessage() for r in caplog.records)
     assert f"{BOS}Reason briefly.<｜User｜>Solve the following math problem" in logged
     assert "reward dapo: the best prompt-independent response scores 0.0500" in logged  # 20 distinct answers
+    # eval-only needs no training set: the eval set is loaded (and rendered) alone
+    flags = [str(a) for a in seed_flags(dapo, tmp_path)]
+    del flags[flags.index("--dataset"):flags.index("--dataset") + 2]
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="dsv4rl"):
+        rc = launch_run.main([*flags, "--eval-only", "--dry-run"])
+    out, err = capsys.readouterr()
+    assert rc == 0, err
+    assert any("aime.parquet[row 0]" in r.getMessage() and "What is 100 + 103?" in r.getMessage()
+               for r in caplog.records)
+
+
+def test_yaml_thinking_on_is_a_string(tmp_path):
+    f = tmp_path / "run.yaml"
+    f.write_text("thinking: on\napply_chat_template: true\ndataset: d.parquet\ntokenizer: t.json\n")
+    cfg, _ = launch_run.resolve(["--config-file", str(f)])
+    assert cfg.thinking == "on" and cfg.apply_chat_template  # YAML 1.1 reads `on` as true
 
 
 def test_bad_chat_input_is_a_one_line_error(dapo, tmp_path, capsys):
