@@ -58,7 +58,8 @@ _HELP = {
     "chat_template": "python format string for the prompt, e.g. 'Question: {prompt}\\nAnswer:'",
     "eval_dataset": "held-out prompts for eval (default: the first --eval-prompts training prompts)",
     "reward": "auto (the --data-format's) | task | gsm8k | gsm8k+format | math (last \\boxed{}) | dapo "
-              "('Answer:' line, else boxed) | aime (integer); rl/math_rewards.py", "max_prompt_len": "longest prompt in tokens",
+              "('Answer:' line, else boxed) | aime (integer); rl/math_rewards.py",
+    "max_prompt_len": "longest prompt in tokens",
     "on_bad_record": "malformed dataset record: fail (error with file:line) | skip (counted)",
     "steps": "GRPO steps", "prompts_per_step": "prompts per step", "group_size": "samples per prompt (G)",
     "max_new_tokens": "response length limit", "temperature": "sampling temperature (0 = greedy)",

@@ -239,7 +239,6 @@ class PromptDataset:
         than max_prompt_len is dropped and counted (`dropped_overlong`, "drop") or an error ("fail") whatever
         on_bad_record says; None treats it as a bad record. `first_text` is the first prompt's text.
         """
-
         source = getattr(records, "source", "<records>")
         locations = getattr(records, "locations", None) or [f"{source}[record {i}]" for i in range(len(records))]
         if template is None:

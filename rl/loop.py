@@ -454,7 +454,8 @@ def eval_table(metrics: dict, job: Job) -> str:
     from rl.metrics import format_eval_table
 
     cfg = job.cfg
-    source = cfg.eval_dataset or (f"first {len(job.eval_prompts)} training prompts" if cfg.dataset else "task eval split")
+    source = cfg.eval_dataset or (f"the first {len(job.eval_prompts)} training prompts" if cfg.dataset
+                                  else "the task's eval split")
     return format_eval_table(metrics, n_prompts=len(job.eval_prompts), source=source,
                              weights=cfg.init if job.start_step == 0 else f"{cfg.ckpt_dir} step {job.start_step}")
 
