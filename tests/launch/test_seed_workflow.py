@@ -129,8 +129,9 @@ def test_seed_workflow_end_to_end(dapo, tmp_path, run_env, lt):
     assert "weights" in table and "step 2" in table and "pass@2 (sampled)" in table
     rows = lt.read_metrics(out / "metrics.jsonl")
     assert [r["step"] for r in rows] == [0, 0, 1, 2] and rows[-1]["eval/only"] == 1.0  # training rows kept
-    print(log[log.index("first prompt as the model sees it"):][:600])
-    print(table)
+    before = log[log.index("eval before training:"):]
+    print(log[log.index("first prompt as the model sees it"):][:600], before[:before.index("sampled reward mean") + 30],
+          table, sep="\n")  # for the closing note (pytest -s)
 
 
 # ------------------------------------------------------------------------------------------------ W&B sink
