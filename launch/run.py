@@ -44,7 +44,8 @@ _HELP = {
     "data_format": "dataset layout: gsm8k (question, answer '... #### n') | verl (prompt = chat messages, "
                    "reward_model.ground_truth) | miles (prompt, label); sets field defaults and --reward auto",
     "apply_chat_template": "render each prompt as a one-turn conversation with the tokenizer folder's Jinja chat "
-                           "template (tokenizer_config.json or chat_template.jinja), as transformers does",
+                           "template (tokenizer_config.json or chat_template.jinja), as transformers does; DeepSeek-V4's format "
+                           "when the folder ships encoding/encoding_dsv4.py",
     "system_prompt": "system message of the conversation (with --apply-chat-template)",
     "thinking": "with --apply-chat-template: on | off sets the template's enable_thinking / thinking switch; "
                 "auto leaves the template's default",

@@ -20,9 +20,17 @@ Thinking switch: chat templates of reasoning models read a boolean keyword to op
 (`enable_thinking` in Qwen3 / GLM templates, `thinking` in DeepSeek-V3.1 / V3.2 templates). `thinking_kwargs`
 maps `--thinking on|off` to both names; `auto` passes neither (the template's default).
 
-DeepSeek-V3.2 / V4 checkpoints may ship their encoding as Python (`encoding/*.py`) rather than Jinja; such code
-is not run here. For those, pass a Jinja template file with the same format (`chat_template.jinja` in the
-tokenizer folder).
+DeepSeek-V4 checkpoints ship their chat encoding as Python (`encoding/encoding_dsv4.py`) instead of a Jinja
+template. That code is never imported or run here: when a folder has no Jinja template but has that file,
+`load_chat_template` returns `DEEPSEEK_V4`, and `render_chat` renders the format it implements, written here from
+its documented behaviour (default options: BOS added, reasoning of earlier turns dropped, no tools, no
+`reasoning_effort`):
+
+    <｜begin▁of▁sentence｜>{system}<｜User｜>{user}<｜Assistant｜></think>{answer}<｜end▁of▁sentence｜><｜User｜>{user}
+    <｜Assistant｜><think>          (the last turn: "<think>" in thinking mode, "</think>" in chat mode)
+
+`--thinking on` is its thinking mode, `off` and `auto` its chat mode. A `chat_template.jinja` in the folder
+takes precedence over this built-in format.
 """
 
 from __future__ import annotations
@@ -34,6 +42,9 @@ from datetime import datetime
 from functools import lru_cache
 from typing import Any
 
+DEEPSEEK_V4 = "builtin:deepseek_v4"  # the format of DeepSeek-V4's encoding/encoding_dsv4.py (module docstring)
+_DSV4 = {"bos": "<｜begin▁of▁sentence｜>", "eos": "<｜end▁of▁sentence｜>", "user": "<｜User｜>",
+         "assistant": "<｜Assistant｜>", "think": "<think>", "end_think": "</think>"}
 SPECIAL_TOKEN_KEYS = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
 
 
@@ -52,8 +63,10 @@ def load_chat_template(tokenizer_path: str | os.PathLike) -> tuple[str, dict[str
     """The Jinja chat template of a tokenizer folder (or of the folder of a `tokenizer.json`).
 
     Looks in `chat_template.jinja`, then `tokenizer_config.json` ("chat_template": str, or a list of
-    {"name", "template"} from which "default" is taken). Returns (template text, special tokens {name: text}
-    read from `tokenizer_config.json`). Raises ChatTemplateError naming the folder and the files looked at.
+    {"name", "template"} from which "default" is taken), then for DeepSeek-V4's `encoding/encoding_dsv4.py`
+    (-> `DEEPSEEK_V4`, the built-in renderer; the file is not read). Returns (template text or DEEPSEEK_V4,
+    special tokens {name: text} read from `tokenizer_config.json`). Raises ChatTemplateError naming the folder
+    and the files looked at.
     """
     path = os.fspath(tokenizer_path)
     folder = path if os.path.isdir(path) else os.path.dirname(path) or "."
@@ -76,10 +89,13 @@ def load_chat_template(tokenizer_path: str | os.PathLike) -> tuple[str, dict[str
         template = named.get("default")
         if template is None:
             raise ChatTemplateError(f"{config_file}: chat_template lists {sorted(map(str, named))} but no 'default'")
+    if (not isinstance(template, str) or not template.strip()) and os.path.isfile(
+            os.path.join(folder, "encoding", "encoding_dsv4.py")):
+        return DEEPSEEK_V4, specials
     if not isinstance(template, str) or not template.strip():
         raise ChatTemplateError(
-            f"--apply-chat-template: no chat template in {folder} (looked for chat_template.jinja and a "
-            f"'chat_template' string in tokenizer_config.json); use --chat-template 'FORMAT {{prompt}}' for a plain "
+            f"--apply-chat-template: no chat template in {folder} (looked for chat_template.jinja, a "
+            f"'chat_template' string in tokenizer_config.json and DeepSeek-V4's encoding/encoding_dsv4.py); use --chat-template 'FORMAT {{prompt}}' for a plain "
             f"prompt wrapper instead")
     return template, specials
 
@@ -88,8 +104,10 @@ def load_chat_template(tokenizer_path: str | os.PathLike) -> tuple[str, dict[str
 def compile_template(template: str):
     """Jinja template text -> compiled template, in transformers' sandboxed environment (module docstring).
 
-    Raises ChatTemplateError on a syntax error (with its line number).
+    Raises ChatTemplateError on a syntax error (with its line number). DEEPSEEK_V4 -> None (nothing to compile).
     """
+    if template == DEEPSEEK_V4:
+        return None
     import jinja2
     import jinja2.ext
     from jinja2.sandbox import ImmutableSandboxedEnvironment
@@ -151,12 +169,42 @@ def render_chat(template: str, messages: Sequence[dict], *, add_generation_promp
         if not isinstance(m, dict):
             raise ChatTemplateError(f"chat messages must be dicts with 'role' and 'content', got {m!r:.80}")
         msgs.append(dict(m))
+    if template == DEEPSEEK_V4:
+        return render_deepseek_v4(msgs, add_generation_prompt=add_generation_prompt,
+                                  thinking=bool(kwargs.get("thinking", False)))
     compiled = compile_template(template)
     try:
         return compiled.render(messages=msgs, tools=None, documents=None, add_generation_prompt=add_generation_prompt,
                                **{**(special_tokens or {}), **kwargs})
     except jinja2.exceptions.TemplateError as e:
         raise ChatTemplateError(f"chat template failed: {e}") from None
+
+
+def render_deepseek_v4(messages: Sequence[dict], *, add_generation_prompt: bool = True, thinking: bool = False
+                       ) -> str:
+    """`messages` (system / user / assistant) in DeepSeek-V4's chat format (module docstring).
+
+    Earlier assistant turns are written as `</think>{content}<eos>` (their reasoning dropped, as the reference
+    encoder does by default). Raises ChatTemplateError for another role (tools are not supported here).
+    """
+    t = _DSV4
+    last_user = max((i for i, m in enumerate(messages) if m.get("role") == "user"), default=-1)
+    out = [t["bos"]]
+    for i, m in enumerate(messages):
+        role, content = m.get("role"), m.get("content") or ""
+        if role == "system":
+            out.append(content)
+        elif role == "user":
+            out.append(t["user"] + content)
+            follows = messages[i + 1].get("role") if i + 1 < len(messages) else None
+            if follows == "assistant" or (follows is None and add_generation_prompt):
+                out.append(t["assistant"] + (t["think"] if thinking and i == last_user else t["end_think"]))
+        elif role == "assistant":
+            out.append(content + t["eos"])
+        else:
+            raise ChatTemplateError(f"the DeepSeek-V4 chat format takes system / user / assistant messages, "
+                                    f"got role {role!r}")
+    return "".join(out)
 
 
 def as_messages(prompt: str | Sequence[dict], system_prompt: str | None = None) -> list[dict]:

@@ -98,10 +98,13 @@ def make_renderer(cfg) -> tuple[Callable[[Any, dict], str], bool]:
             return apply_template(fmt_string, prompt, record)
         return render, True
 
-    from rl.chat import as_messages, compile_template, load_chat_template, render_chat, thinking_kwargs
+    from rl.chat import DEEPSEEK_V4, as_messages, compile_template, load_chat_template, render_chat, thinking_kwargs
 
     template, specials = load_chat_template(cfg.tokenizer)
     compile_template(template)  # a syntax error is reported now, once, not per record
+    if template == DEEPSEEK_V4:
+        log.info("--apply-chat-template: no Jinja template beside %s; using the built-in DeepSeek-V4 chat format "
+                 "(encoding/encoding_dsv4.py is not run)", cfg.tokenizer)
     extra = thinking_kwargs(cfg.thinking)
 
     def render(prompt, record):

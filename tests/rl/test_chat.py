@@ -91,3 +91,30 @@ def test_errors_name_the_folder_and_flag(tmp_path, chat_dir):
 def test_sandbox_refuses_python_internals():
     with pytest.raises(Exception, match="unsafe|not safely|access"):
         render_chat("{{ messages.__class__.__mro__ }}", as_messages("q"))
+
+
+def test_deepseek_v4_encoding_folder(tmp_path):
+    """A DeepSeek-V4 checkpoint ships encoding/encoding_dsv4.py and no Jinja template: the built-in format is used
+    and the Python file is never run (here it would raise)."""
+    from rl.chat import DEEPSEEK_V4
+
+    train_bpe(tmp_path, ["x"])
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"bos_token": BOS}))
+    (tmp_path / "encoding").mkdir()
+    (tmp_path / "encoding" / "encoding_dsv4.py").write_text("raise RuntimeError('must not be imported')\n")
+    template, _ = load_chat_template(tmp_path / "tokenizer.json")
+    assert template == DEEPSEEK_V4
+    one_turn = as_messages("What is 3 + 4?", "Be brief.")
+    assert render_chat(template, one_turn, **thinking_kwargs("on")) == \
+        f"{BOS}Be brief.<｜User｜>What is 3 + 4?<｜Assistant｜><think>"
+    for thinking in ("off", "auto"):
+        assert render_chat(template, one_turn, **thinking_kwargs(thinking)) == \
+            f"{BOS}Be brief.<｜User｜>What is 3 + 4?<｜Assistant｜></think>"
+    history = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "Hello.", "reasoning_content": "r"},
+               {"role": "user", "content": "1+1=?"}]
+    assert render_chat(template, history, **thinking_kwargs("on")) == (
+        f"{BOS}<｜User｜>hi<｜Assistant｜></think>Hello.<｜end▁of▁sentence｜><｜User｜>1+1=?<｜Assistant｜><think>")
+    with pytest.raises(ChatTemplateError, match="role 'tool'"):
+        render_chat(template, [{"role": "tool", "content": "x"}])
+    (tmp_path / "chat_template.jinja").write_text("J{{ messages[0].content }}")  # a Jinja template wins
+    assert load_chat_template(tmp_path)[0] == "J{{ messages[0].content }}"
