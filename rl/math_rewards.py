@@ -36,10 +36,17 @@ import re
 from collections.abc import Callable, Sequence
 
 from rl.config import REWARDS  # noqa: F401  (re-exported: the --reward names)
-from rl.rewards import MAX_ANSWER_CHARS, _plain_decimal, combine_rewards, format_reward, gsm8k_reward, last_boxed
+from rl.rewards import MAX_ANSWER_CHARS, combine_rewards, format_reward, gsm8k_reward, last_boxed
 
 
 _ANSWER_LINE_RE = re.compile(r"(?i)answer\s*:\s*([^\n]+)")
+_DECIMAL_RE = re.compile(r"[+-]?(?:\d+|\d{1,3}(?:,\d{3})+)(?:\.\d+)?|[+-]?\.\d+")
+
+
+def _plain_decimal(text: str) -> decimal.Decimal | None:
+    """`text` as an exact decimal if it is a plain number ("34", "-3.5", "1,000", "$18"), else None."""
+    s = text.strip().removeprefix("$").strip()
+    return decimal.Decimal(s.replace(",", "")) if _DECIMAL_RE.fullmatch(s) else None
 _INT_RE = re.compile(r"[+-]?\d+")
 
 
