@@ -6,6 +6,9 @@
 
 Every flag of launch/run.py applies (see `python launch/run.py --help`). It prints greedy pass@1, sampled
 pass@1 and pass@k (k = --eval-samples) as a table and writes them to --metrics-jsonl / TensorBoard / W&B.
+Weights: `--init` (random or an official-format checkpoint folder), or with `--ckpt-dir DIR --resume auto` the
+newest checkpoint of a training run; the checkpoint must match the run's config (give the training run's flags,
+as `tests/launch/test_seed_workflow.py` does). `--ckpt-dir ''` evaluates `--init` alone.
 """
 
 from __future__ import annotations
