@@ -32,6 +32,7 @@ import logging
 from collections.abc import Callable
 from typing import Any
 
+from rl.chat import DEEPSEEK_V4, as_messages, compile_template, load_chat_template, render_chat, thinking_kwargs
 from rl.data import DataError, PromptDataset, get_field, gsm8k_final_answer  # noqa: F401  (get_field: re-export)
 from rl.tokenizer import apply_template, check_template
 
@@ -97,8 +98,6 @@ def make_renderer(cfg) -> tuple[Callable[[Any, dict], str], bool]:
                                  f"(the tokenizer folder's chat template), got {prompt!r:.60}")
             return apply_template(fmt_string, prompt, record)
         return render, True
-
-    from rl.chat import DEEPSEEK_V4, as_messages, compile_template, load_chat_template, render_chat, thinking_kwargs
 
     template, specials = load_chat_template(cfg.tokenizer)
     compile_template(template)  # a syntax error is reported now, once, not per record
