@@ -73,6 +73,12 @@ def test_miles_jsonl_string_prompt_with_instruction(tmp_path, chat_dir):
     ds = load_prompt_dataset(str(path), load_tokenizer(cfg.tokenizer), cfg)
     assert ds.references == ["204", "7"]
     assert ds.first_text == BOS + "<｜User｜>Find 204. Put the answer in \\boxed{}.<｜Assistant｜><think>"
+    aime = tmp_path / "aime24.jsonl"  # AIME-24/25 jsonl with their own names: the preset's fields overridden
+    aime.write_text(json.dumps({"id": 60, "problem": "Find the remainder.", "answer": 204}) + "\n")
+    cfg = cfg_for(aime, chat_dir, data_format="miles", prompt_field="problem", answer_field="answer",
+                  apply_chat_template=True)
+    ds = load_prompt_dataset(str(aime), load_tokenizer(cfg.tokenizer), cfg)
+    assert ds.references == ["204"] and ds.first_text == BOS + "<｜User｜>Find the remainder.<｜Assistant｜></think>"
 
 
 def test_gsm8k_default_unchanged(tmp_path, chat_dir):
