@@ -37,10 +37,30 @@ _HELP = {
     "task_digits": "digits per built-in task prompt",
     "dataset": "prompt dataset (jsonl or parquet; GSM8K layout by default)",
     "tokenizer": "Hugging Face tokenizer.json (required with --dataset)",
-    "prompt_field": "dataset field holding the prompt", "answer_field": "dataset field holding the answer",
+    "prompt_field": "dataset field of the prompt: a string or a list of chat messages; dotted path "
+                    "(default: the --data-format's)",
+    "answer_field": "dataset field of the answer, dotted path, e.g. reward_model.ground_truth (default: the "
+                    "--data-format's)",
+    "data_format": "dataset layout: gsm8k (question, answer '... #### n') | verl (prompt = chat messages, "
+                   "reward_model.ground_truth) | miles (prompt, label); sets field defaults and --reward auto",
+    "apply_chat_template": "render each prompt as a one-turn conversation with the tokenizer folder's Jinja chat "
+                           "template (tokenizer_config.json or chat_template.jinja), as transformers does; DeepSeek-V4's format "
+                           "when the folder ships encoding/encoding_dsv4.py",
+    "system_prompt": "system message of the conversation (with --apply-chat-template)",
+    "thinking": "with --apply-chat-template: on | off sets the template's enable_thinking / thinking switch; "
+                "auto leaves the template's default",
+    "on_overlong_prompt": "prompt longer than --max-prompt-len: drop (counted: log + metric data/dropped_overlong) "
+                          "| fail",
+    "eval_only": "no training: evaluate --init (or the newest checkpoint in --ckpt-dir) on the eval prompts, "
+                 "print the table, write the metrics, exit",
+    "eval_before_train": "evaluate once before the first step (veRL's val_before_train; ignored by --eval-only)",
+    "wandb_project": "Weights & Biases project (optional extra: pip install -e '.[wandb]'; WANDB_MODE=offline "
+                     "needs no network)",
     "chat_template": "python format string for the prompt, e.g. 'Question: {prompt}\\nAnswer:'",
     "eval_dataset": "held-out prompts for eval (default: the first --eval-prompts training prompts)",
-    "reward": "auto | task | gsm8k | gsm8k+format", "max_prompt_len": "longest prompt in tokens",
+    "reward": "auto (the --data-format's) | task | gsm8k | gsm8k+format | math (last \\boxed{}) | dapo "
+              "('Answer:' line, else boxed) | aime (integer); rl/math_rewards.py",
+    "max_prompt_len": "longest prompt in tokens",
     "on_bad_record": "malformed dataset record: fail (error with file:line) | skip (counted)",
     "steps": "GRPO steps", "prompts_per_step": "prompts per step", "group_size": "samples per prompt (G)",
     "max_new_tokens": "response length limit", "temperature": "sampling temperature (0 = greedy)",
@@ -103,6 +123,8 @@ def _convert(name: str, raw, source: str):
     base, optional = _type_of(field)
     if raw is None or (optional and isinstance(raw, str) and raw.lower() in ("", "none", "null")):
         return None
+    if name == "thinking" and isinstance(raw, bool):  # YAML 1.1 reads an unquoted `thinking: on` as true
+        return "on" if raw else "off"
     if isinstance(raw, base) and not (base is int and isinstance(raw, bool)):
         return raw
     try:
@@ -210,6 +232,11 @@ def main(argv=None) -> int:
         from rl.loop import build, run
 
         job = build(cfg)
+        if cfg.eval_only:
+            from rl.loop import run_eval
+
+            run_eval(job)
+            return 0
         summary = run(job)
     except (ValueError, FileNotFoundError, PermissionError) as e:
         print(f"error: {e}", file=sys.stderr)

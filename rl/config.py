@@ -285,6 +285,7 @@ class LearnerConfig:
 # ---------------------------------------------------------------------------------------------------------------
 
 ALGOS = ("grpo", "dr_grpo", "dapo", "gspo")
+REWARDS = ("auto", "task", "gsm8k", "gsm8k+format", "math", "dapo", "aime")  # the reward table: rl/math_rewards.py
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -294,14 +295,18 @@ class RunConfig:
 
     Model: config (tiny|small|flash|path to config.json), init (random|checkpoint dir), param/compute dtypes.
     Data: task (built-in, used when dataset is None) or dataset (jsonl/parquet) + tokenizer (tokenizer.json),
-      prompt_field / answer_field / chat_template, eval_dataset, max_prompt_len, on_bad_record.
+      prompt_field / answer_field / chat_template, eval_dataset, max_prompt_len, on_bad_record; data_format
+      (gsm8k|verl|miles: field presets, rl/data_formats.py; prompt_field / answer_field None = the preset's),
+      apply_chat_template (the tokenizer folder's Jinja template, rl/chat.py) with system_prompt and thinking
+      (auto|on|off), on_overlong_prompt (drop|fail).
     Rollout: prompts_per_step x group_size samples per step, max_new_tokens, temperature / top_p / top_k,
       rollout_dtype (fp8|fp8_e4m3fnuz|bf16|fp32|auto).
     Algorithm: algo (grpo|dr_grpo|dapo|gspo; dapo adds dynamic sampling bounded by dapo_max_resample_batches,
       with dapo_on_budget_exhausted = train|skip), lr, warmup_steps, kl_coef / kl_estimator, correction (none|tis|mis)
       with tis_clip / mis_low / mis_high, routing_replay, freeze_router, micro_batch_size.
     Eval / checkpoints / logs: eval_every, eval_prompts, eval_samples (k of pass@k), ckpt_dir, ckpt_every,
-      resume (auto|never), metrics_jsonl, tensorboard_dir, seed.
+      resume (auto|never), metrics_jsonl, tensorboard_dir, seed; eval_only (evaluate, no training),
+      eval_before_train; wandb_project (Weights & Biases, optional extra `[wandb]`).
     Raises ValueError naming the field for impossible values.
     """
 
@@ -312,13 +317,18 @@ class RunConfig:
     task_digits: int = 3
     dataset: str | None = None
     tokenizer: str | None = None
-    prompt_field: str = "question"
-    answer_field: str = "answer"
+    data_format: Literal["gsm8k", "verl", "miles"] = "gsm8k"
+    prompt_field: str | None = None
+    answer_field: str | None = None
     chat_template: str | None = None
     eval_dataset: str | None = None
     reward: str = "auto"
     max_prompt_len: int = 256
     on_bad_record: Literal["skip", "fail"] = "fail"
+    on_overlong_prompt: Literal["drop", "fail"] = "drop"
+    apply_chat_template: bool = False
+    system_prompt: str | None = None
+    thinking: Literal["auto", "on", "off"] = "auto"
     steps: int = 80
     prompts_per_step: int = 32
     group_size: int = 16
@@ -347,12 +357,15 @@ class RunConfig:
     eval_every: int = 20
     eval_prompts: int = 64
     eval_samples: int = 4
+    eval_only: bool = False
+    eval_before_train: bool = False
     ckpt_dir: str | None = "runs/default/ckpt"
     ckpt_every: int = 20
     resume: Literal["auto", "never"] = "auto"
     keep_checkpoints: int = 2
     metrics_jsonl: str | None = "runs/default/metrics.jsonl"
     tensorboard_dir: str | None = "runs/default/tb"
+    wandb_project: str | None = None
     seed: int = 0
     progress: bool = True
 
@@ -391,10 +404,30 @@ class RunConfig:
             raise ValueError(f"{owner}.tokenizer (--tokenizer) is required with --dataset {self.dataset}")
         if self.task not in ("copy", "reverse"):
             raise ValueError(f"{owner}.task (--task) must be copy|reverse, got {self.task!r}")
-        if self.reward not in ("auto", "task", "gsm8k", "gsm8k+format"):
-            raise ValueError(f"{owner}.reward (--reward) must be auto|task|gsm8k|gsm8k+format, got {self.reward!r}")
+        if self.reward not in REWARDS:
+            raise ValueError(f"{owner}.reward (--reward) must be {'|'.join(REWARDS)}, got {self.reward!r}")
+        self._check_data_flags(owner)
         if self.micro_batch_size is not None and self.micro_batch_size < 1:
             raise ValueError(f"{owner}.micro_batch_size must be >= 1")
+
+    def _check_data_flags(self, owner: str) -> None:
+        """The flags of issue 16 (data layouts, chat templates, eval-only, W&B)."""
+        for name, choices in (("data_format", ("gsm8k", "verl", "miles")), ("on_overlong_prompt", ("drop", "fail")),
+                              ("thinking", ("auto", "on", "off"))):
+            if getattr(self, name) not in choices:
+                raise ValueError(f"{owner}.{name} (--{name.replace('_', '-')}) must be {'|'.join(choices)}, "
+                                 f"got {getattr(self, name)!r}")
+        if self.eval_dataset is not None and self.dataset is None and self.tokenizer is None:
+            raise ValueError(f"{owner}.tokenizer (--tokenizer) is required with --eval-dataset {self.eval_dataset}")
+        if self.eval_dataset is not None and self.dataset is None and not self.eval_only:
+            raise ValueError(f"{owner}: --eval-dataset without --dataset is for --eval-only runs (training on the "
+                             f"built-in task would evaluate on another vocabulary)")
+        if (self.system_prompt is not None or self.thinking != "auto") and not self.apply_chat_template:
+            raise ValueError(f"{owner}: --system-prompt and --thinking apply to chat templates; add "
+                             f"--apply-chat-template")
+        if self.apply_chat_template and self.dataset is None and self.eval_dataset is None:
+            raise ValueError(f"{owner}.apply_chat_template (--apply-chat-template) needs --dataset and --tokenizer "
+                             f"(the built-in task has no chat template)")
 
     def loss_config(self) -> LossConfig:
         """The LossConfig of `algo` with this run's KL and off-policy correction knobs."""

@@ -36,7 +36,7 @@ import json
 import logging
 import os
 from collections.abc import Callable, Sequence
-from typing import Literal
+from typing import Any, Literal
 
 import grain
 import numpy as np
@@ -47,6 +47,7 @@ from rl.tokenizer import TokenizerLike, apply_template
 logger = logging.getLogger(__name__)
 
 OnBad = Literal["fail", "skip"]
+OnOverlong = Literal["drop", "fail"]
 _LOGGED_SKIPS = 5  # per file: the first few skipped records are logged one by one, then a count
 
 
@@ -160,6 +161,22 @@ def gsm8k_final_answer(answer_text: str) -> str:
     return answer_text[answer_text.rfind("####") + 4:].strip()
 
 
+def get_field(record: dict, path: str) -> Any:
+    """`record[path]`, where `path` may be dotted ("reward_model.ground_truth"; a list index is a number:
+    "prompt.0.content"). A key that itself contains dots is found first. Raises KeyError(path) if absent."""
+    if path in record:
+        return record[path]
+    value: Any = record
+    for part in path.split("."):
+        if isinstance(value, dict) and part in value:
+            value = value[part]
+        elif isinstance(value, (list, tuple)) and part.lstrip("-").isdigit() and -len(value) <= int(part) < len(value):
+            value = value[int(part)]
+        else:
+            raise KeyError(path)
+    return value
+
+
 class PromptDataset:
     """Tokenised prompts with reference answers; random access, `len`, one example per index.
 
@@ -175,6 +192,7 @@ class PromptDataset:
         if not prompt_ids:
             raise DataError(f"{source}: no prompts")
         self.max_prompt_len, self.pad_id, self.source, self.skipped = max_prompt_len, pad_id, source, skipped
+        self.dropped_overlong, self.first_text = 0, None  # set by from_records
         if locations is None:
             locations = [f"{source}[{i}]" for i in range(len(prompt_ids))]
         self.locations = list(locations)
@@ -204,7 +222,8 @@ class PromptDataset:
                      answer_field: str | None = "answer",
                      answer_extractor: Callable[[str], str] | None = gsm8k_final_answer,
                      template: str | None = None, max_prompt_len: int = 512, add_bos: bool = True,
-                     on_bad_record: OnBad = "fail") -> PromptDataset:
+                     on_bad_record: OnBad = "fail", render: Callable[[Any, dict], str] | None = None,
+                     on_overlong: OnOverlong | None = None) -> PromptDataset:
         """Prompts from record dicts (GSM8K layout by default: "question", "answer" with "#### <n>").
 
         The prompt text is `template` filled with the record's fields and `{prompt}` = the prompt
@@ -213,6 +232,12 @@ class PromptDataset:
         `answer_extractor(record[answer_field])` (identity if None; "" if answer_field is None).
         Raises DataError naming the record's location and the missing field / failing step / prompt
         length, unless on_bad_record="skip".
+
+        Field names may be dotted paths into nested records ("reward_model.ground_truth",
+        `get_field`). `render(prompt value, record) -> text` replaces the template step
+        (a chat template; the prompt value may then be a list of messages). `on_overlong`: a prompt longer
+        than max_prompt_len is dropped and counted (`dropped_overlong`, "drop") or an error ("fail") whatever
+        on_bad_record says; None treats it as a bad record. `first_text` is the first prompt's text.
         """
         source = getattr(records, "source", "<records>")
         locations = getattr(records, "locations", None) or [f"{source}[record {i}]" for i in range(len(records))]
@@ -221,43 +246,67 @@ class PromptDataset:
         bad = _BadRecords(source, on_bad_record)
         bos = [tokenizer.bos_id] if add_bos and tokenizer.bos_id is not None else []
         ids_out, refs, locs = [], [], []
+        first_text, overlong = None, []
         for record, location in zip(records, locations):
             if not isinstance(record, dict):
                 bad(location, f"expected a record (dict), got {type(record).__name__}")
                 continue
-            missing = [f for f in (prompt_field, answer_field) if f is not None and f not in record]
-            if missing:
-                bad(location, f"missing field {missing[0]!r} (fields present: {sorted(record)})")
+            try:
+                prompt = get_field(record, prompt_field)
+                answer = get_field(record, answer_field) if answer_field is not None else None
+            except KeyError as e:
+                bad(location, f"missing field {e.args[0]!r} (fields present: {sorted(record)})")
                 continue
-            prompt = record[prompt_field]
-            if not isinstance(prompt, str) or not prompt.strip():
+            if render is not None and isinstance(prompt, (list, np.ndarray)) and len(prompt):
+                pass  # a list of chat messages: the renderer checks it
+            elif not isinstance(prompt, str) or not prompt.strip():
                 bad(location, f"field {prompt_field!r} must be a non-empty string, got {prompt!r:.60}")
                 continue
             reference = ""
             if answer_field is not None:
                 try:
-                    answer = record[answer_field]
                     reference = answer_extractor(answer) if answer_extractor is not None else str(answer)
                 except Exception as e:  # noqa: BLE001  any extractor failure is this record's problem
                     bad(location, f"field {answer_field!r}: {e}")
                     continue
             try:
-                text = apply_template(template, prompt, record)
-            except (KeyError, IndexError, ValueError) as e:
+                text = render(prompt, record) if render is not None else apply_template(template, prompt, record)
+            except (KeyError, IndexError) as e:
                 bad(location, f"template {template!r} cannot be filled: missing field {e}")
+                continue
+            except ValueError as e:  # includes rl.chat.ChatTemplateError
+                bad(location, f"{e}" if render is not None else f"template {template!r} cannot be filled: {e}")
                 continue
             ids = bos + list(tokenizer.encode(text))
             if len(ids) > max_prompt_len:
-                bad(location, f"prompt is {len(ids)} tokens, more than max_prompt_len={max_prompt_len}")
+                what = (f"prompt is {len(ids)} tokens, more than max_prompt_len={max_prompt_len} (raise "
+                        f"--max-prompt-len, or --on-overlong-prompt drop)")
+                if on_overlong == "drop":
+                    overlong.append((location, len(ids)))
+                    continue
+                if on_overlong == "fail":
+                    raise DataError(f"{location}: {what}")
+                bad(location, what)
                 continue
+            if first_text is None:
+                first_text = text
             ids_out.append(ids)
             refs.append(reference)
             locs.append(location)
         bad.summary()
+        if overlong:
+            logger.warning("dropped %d prompt(s) of %s longer than --max-prompt-len=%d tokens (first: %s, %d tokens)",
+                           len(overlong), source, max_prompt_len, *overlong[0])
         if not ids_out:
+            if overlong and len(overlong) + bad.count == len(records):
+                raise DataError(f"{source}: no usable records: {len(overlong)} of {len(records)} prompts are longer "
+                                f"than max_prompt_len={max_prompt_len} (first: {overlong[0][0]}, {overlong[0][1]} "
+                                f"tokens); raise --max-prompt-len")
             raise DataError(f"{source}: no usable records ({bad.count} skipped)")
-        return cls(ids_out, refs, max_prompt_len=max_prompt_len, pad_id=tokenizer.pad_id, source=source,
-                   locations=locs, skipped=getattr(records, "skipped", 0) + bad.count)
+        ds = cls(ids_out, refs, max_prompt_len=max_prompt_len, pad_id=tokenizer.pad_id, source=source,
+                 locations=locs, skipped=getattr(records, "skipped", 0) + bad.count)
+        ds.dropped_overlong, ds.first_text = len(overlong), first_text
+        return ds
 
     @classmethod
     def from_file(cls, path: str | os.PathLike, tokenizer: TokenizerLike, *, on_bad_record: OnBad = "fail",

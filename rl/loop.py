@@ -88,31 +88,26 @@ def resolve_model_config(cfg: RunConfig, tokenizer_vocab: int):
 
 def _data(cfg: RunConfig):
     """(tokenizer, task or None, train PromptDataset, eval prompts [list[int]], eval references, reward)."""
-    from rl import rewards as rw
     from rl.data import PromptDataset
     from rl.tasks import DigitTask
 
-    if cfg.dataset is None:
+    if cfg.dataset is None and cfg.eval_dataset is None:
         task = DigitTask(kind=cfg.task, n_digits=cfg.task_digits, seed=cfg.seed)
         tok = task.tokenizer
         train = PromptDataset.from_task(task, "train")
         ev = task.prompts("eval", min(cfg.eval_prompts, len(task.prompts("eval"))))
         return tok, task, train, [p.prompt_ids for p in ev], [p.answer for p in ev], None
+    from rl.data_formats import build_datasets, resolve_reward_name
+    from rl.math_rewards import make_reward, prompt_independent_best
     from rl.tokenizer import load_tokenizer
 
     tok = load_tokenizer(cfg.tokenizer, chat_template=cfg.chat_template)
-    kw = dict(prompt_field=cfg.prompt_field, answer_field=cfg.answer_field, max_prompt_len=cfg.max_prompt_len,
-              template=cfg.chat_template)
-    train = PromptDataset.from_file(cfg.dataset, tok, on_bad_record=cfg.on_bad_record, **kw)
-    if cfg.eval_dataset:
-        evd = PromptDataset.from_file(cfg.eval_dataset, tok, on_bad_record=cfg.on_bad_record, **kw)
-    else:
-        log.warning("no --eval-dataset: evaluating on the first %d training prompts", cfg.eval_prompts)
-        evd = train
+    train, evd = build_datasets(cfg, tok)  # --data-format fields, chat template, overlong prompts
     n = min(cfg.eval_prompts, len(evd))
-    reward = {"auto": rw.gsm8k_reward, "gsm8k": rw.gsm8k_reward, "task": rw.gsm8k_reward,
-              "gsm8k+format": rw.combine_rewards([rw.gsm8k_reward, rw.format_reward], [0.9, 0.1])}[cfg.reward]
-    return tok, None, train, [evd.prompt(i) for i in range(n)], evd.references[:n], reward
+    name = resolve_reward_name(cfg)
+    log.info("reward %s: the best prompt-independent response scores %.4f on %s", name,
+             prompt_independent_best(name, train.references), train.source)
+    return tok, None, train, [evd.prompt(i) for i in range(n)], evd.references[:n], make_reward(name)
 
 
 def fingerprint(cfg: RunConfig, model_cfg) -> dict:
@@ -178,7 +173,7 @@ def build(cfg: RunConfig) -> Job:
             log.info("resumed from %s at step %d (weight version %d)", ckpt.dir, job.start_step, job.weight_version)
     # A run that checkpoints owns its logs: records of steps >= start_step (written after the checkpoint it
     # resumes from, or by a run killed before its first checkpoint) are dropped, since this run recomputes them.
-    job.logger.open(job.start_step if ckpt is not None and cfg.resume == "auto" else None)
+    job.logger.open(job.start_step if ckpt is not None and cfg.resume == "auto" and not cfg.eval_only else None)
     if job.weight_version > 0:  # resumed: the sampler serves the restored params (a fresh run's sampler
         push(job)                # already holds version 0, built from the same model)
     return job
@@ -386,6 +381,7 @@ def train_step(job: Job, step: int) -> dict:
         job.weight_version += 1
         metrics.update(push(job))
     metrics["weight_version"] = job.weight_version
+    metrics["data/dropped_overlong"] = float(getattr(job.train_data, "dropped_overlong", 0))
     metrics["perf/step_s"] = time.perf_counter() - t_step
     return metrics
 
@@ -400,6 +396,8 @@ class MetricsLogger:
         self.jsonl = pathlib.Path(cfg.metrics_jsonl) if cfg.metrics_jsonl and primary else None
         self.tb_dir = cfg.tensorboard_dir if primary else None
         self.tb = None
+        self.cfg, self.wandb = cfg, None
+        self.wandb_project = cfg.wandb_project if primary else None
 
     def open(self, first_step: int | None) -> None:
         """Open the sinks. `first_step` (not None): drop the records of steps >= first_step, which this run writes
@@ -410,6 +408,11 @@ class MetricsLogger:
             from tensorboardX import SummaryWriter
 
             self.tb = SummaryWriter(self.tb_dir, purge_step=first_step)
+        if self.wandb_project:
+            from rl.wandb_sink import WandbSink
+
+            self.wandb = WandbSink(self.wandb_project, dataclasses.asdict(self.cfg),
+                                   run_dir=self.jsonl.parent if self.jsonl else None)
 
     def truncate(self, last_step: int) -> None:
         """Keep only the records of steps < last_step (a resumed run recomputes the rest); atomic rewrite.
@@ -438,10 +441,14 @@ class MetricsLogger:
                     # TensorBoard tags allow [\w./-]: "eval/pass@k" is logged as "eval/pass_k" (the jsonl keeps it)
                     self.tb.add_scalar(re.sub(r"[^\w./-]", "_", k), v, step)
             self.tb.flush()
+        if self.wandb is not None:
+            self.wandb.log(step, metrics)
 
     def close(self) -> None:
         if self.tb is not None:
             self.tb.close()
+        if self.wandb is not None:
+            self.wandb.close()
 
 
 def save(job: Job, step: int, *, force: bool = False) -> None:
@@ -465,6 +472,10 @@ def run(job: Job) -> dict:
     curve = []
     bar = _progress(cfg, job.start_step)
     try:
+        if cfg.eval_before_train and job.start_step == 0:  # veRL's val_before_train
+            ev = evaluate(job, 0)
+            log.info("eval before training:\n%s", eval_table(ev, job))
+            job.logger.log(0, {**ev, "eval/before_train": 1.0})
         for step in range(job.start_step, cfg.steps):
             metrics = train_step(job, step)
             if cfg.eval_every and ((step + 1) % cfg.eval_every == 0 or step + 1 == cfg.steps):
@@ -493,6 +504,29 @@ def run(job: Job) -> dict:
             signal.signal(signal.SIGTERM, old)
     return {"reward_curve": curve, "steps_run": len(curve), "weight_version": job.weight_version,
             "stopped_by_signal": stop["flag"]}
+
+
+def run_eval(job: Job) -> dict:
+    """--eval-only: one evaluation of the loaded weights (`--init`, or the newest checkpoint of --ckpt-dir with
+    --resume auto) on the eval prompts, logged as step `job.start_step`; prints the table. Returns the metrics."""
+    try:
+        ev = evaluate(job, job.start_step)
+        job.logger.log(job.start_step, {**ev, "eval/only": 1.0})
+    finally:
+        job.logger.close()
+    print(eval_table(ev, job))
+    return ev
+
+
+def eval_table(metrics: dict, job: Job) -> str:
+    """The eval metrics as a small text table (rl.metrics.format_eval_table) naming the eval set."""
+    from rl.metrics import format_eval_table
+
+    cfg = job.cfg
+    source = cfg.eval_dataset or (f"the first {len(job.eval_prompts)} training prompts" if cfg.dataset
+                                  else "the task's eval split")
+    return format_eval_table(metrics, n_prompts=len(job.eval_prompts), source=source,
+                             weights=cfg.init if job.start_step == 0 else f"{cfg.ckpt_dir} step {job.start_step}")
 
 
 def _main_thread() -> bool:

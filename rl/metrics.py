@@ -115,3 +115,19 @@ def to_python(metrics: Mapping[str, jnp.ndarray | np.ndarray | float]) -> dict[s
     """Fetch a metrics dict to the host (one device_get) and turn every scalar into a Python float."""
     host = jax.device_get(dict(metrics))
     return {name: float(np.asarray(value)) for name, value in host.items()}
+
+
+def format_eval_table(metrics: Mapping[str, float], *, n_prompts: int, source: str, weights: str = "") -> str:
+    """The metrics of `rl.loop.evaluate` as a text table (printed by --eval-only, logged by --eval-before-train).
+
+    Rows: greedy pass@1, sampled pass@1 and pass@k (unbiased, `pass_at_k`), the mean reward of each; keys that
+    are absent are left out.
+    """
+    k = int(metrics.get("eval/k", 0))
+    rows = [("greedy pass@1", "eval/greedy_pass@1"), ("greedy reward mean", "eval/greedy_reward"),
+            ("pass@1 (sampled)", "eval/pass@1"), (f"pass@{k} (sampled)", "eval/pass@k"),
+            ("sampled reward mean", "eval/reward_mean")]
+    head = f"eval: {n_prompts} prompts of {source}, k={k} samples each" + (f", weights {weights}" if weights else "")
+    lines = [head, f"  {'metric':<22}{'value':>8}"]
+    lines += [f"  {label:<22}{float(metrics[key]):>8.4f}" for label, key in rows if key in metrics]
+    return "\n".join(lines)
