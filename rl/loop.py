@@ -308,16 +308,32 @@ def train_step(job: Job, step: int) -> dict:
         keep = np.repeat(np.asarray(dynamic_sampling_filter(jnp.asarray(rewards), cfg.group_size)), cfg.group_size)
         metrics["rollout/dynamic_sampling_kept_frac"] = float(keep.mean())
         adv = jnp.where(jnp.asarray(keep), adv, 0.0)
+    metrics.update(learn_and_push(job, rb, np.asarray(adv)))
+    metrics["weight_version"] = job.weight_version
+    metrics["perf/step_s"] = time.perf_counter() - t_step
+    return metrics
+
+
+def learn_and_push(job: Job, rb, adv: np.ndarray) -> dict:
+    """Stages 5-6: one learner update on the rollout batch, then push the new weights as the next version.
+
+    A step without learning signal (every advantage exactly 0: all groups zero-std or filtered by DAPO's
+    dynamic sampling) changes nothing: no optimizer update (Adam's momentum would still move the params, and
+    the KL/entropy terms alone are not a reason to step), no push, the weight version stays;
+    `train/skipped_no_signal` is 1. Likewise a non-finite step (`train/skipped_nonfinite`, the learner's guard)
+    is not pushed. Returns the step's train/perf metrics.
+    """
+    from rl.metrics import to_python
+
+    if not np.any(np.asarray(adv) != 0):
+        log.info("no learning signal in this batch (all advantages 0): update and push skipped")
+        return {"train/skipped_no_signal": 1.0}
     t0 = time.perf_counter()
-    tm = job.learner.update(train_batch(rb, np.asarray(adv), cfg.routing_replay))
-    tm = to_python(tm)
-    metrics.update(tm)
-    metrics["perf/train_s"] = time.perf_counter() - t0
+    tm = to_python(job.learner.update(train_batch(rb, adv, job.cfg.routing_replay)))
+    metrics = {**tm, "train/skipped_no_signal": 0.0, "perf/train_s": time.perf_counter() - t0}
     if not tm.get("train/skipped_nonfinite", 0):
         job.weight_version += 1
         metrics.update(push(job))
-    metrics["weight_version"] = job.weight_version
-    metrics["perf/step_s"] = time.perf_counter() - t_step
     return metrics
 
 
