@@ -207,9 +207,16 @@ def main(argv=None) -> int:
 
         job = build(cfg)
         summary = run(job)
-    except (ValueError, FileNotFoundError, PermissionError) as e:
+    except (ValueError, OSError) as e:  # user errors (bad input, files, permissions): one line, no traceback
         print(f"error: {e}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:  # Ctrl-C before the loop's own handler is installed (startup, compiles)
+        print("interrupted (Ctrl-C) before the first step: nothing to save", file=sys.stderr)
+        return 130
+    if summary.get("signal") == "SIGINT":
+        saved = "; checkpoint saved: rerun the same command to resume" if cfg.ckpt_dir else " (no --ckpt-dir: not saved)"
+        print(f"interrupted (Ctrl-C): stopped after {summary['steps_run']} steps{saved}", file=sys.stderr)
+        return 130
     curve = summary["reward_curve"]
     if curve:
         n = max(1, len(curve) // 10)

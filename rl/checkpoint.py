@@ -63,6 +63,12 @@ class Checkpointer:
         opts = ocp.CheckpointManagerOptions(max_to_keep=keep, enable_async_checkpointing=async_save,
                                             cleanup_tmp_directories=True)
         self.mngr = ocp.CheckpointManager(self.dir, options=opts, item_names=("state", "meta"))
+        # The manager cleans old temp dirs in a background thread; a run that stops at a startup error right
+        # after this would have that thread fail at interpreter shutdown with a library traceback under the
+        # one-line error. Waiting here costs one directory listing.
+        wait_cleanup = getattr(self.mngr, "_maybe_await_cleanup_tmp_directory", None)
+        if wait_cleanup is not None:
+            wait_cleanup()
 
     def all_steps(self) -> list[int]:
         return sorted(self.mngr.all_steps())

@@ -26,6 +26,7 @@ import os
 import pathlib
 import re
 import signal
+import sys
 import tempfile
 import time
 from typing import Any
@@ -400,15 +401,27 @@ def save(job: Job, step: int, *, force: bool = False) -> None:
 
 
 def run(job: Job) -> dict:
-    """The loop from `job.start_step` to `cfg.steps`. Returns a summary with the reward curve."""
+    """The loop from `job.start_step` to `cfg.steps`. Returns a summary with the reward curve.
+
+    SIGTERM and SIGINT (Ctrl-C) are handled alike: the current step finishes, a checkpoint of it is saved and
+    the loop ends (`summary["signal"]` names the signal). A second Ctrl-C exits the process at once (status
+    130): an unfinished save is only an orbax temp directory, so the newest complete checkpoint is untouched.
+    """
     cfg = job.cfg
-    stop = {"flag": False}
+    stop = {"flag": False, "signal": None}
 
-    def on_term(signum, frame):
-        log.warning("SIGTERM: finishing the current step, saving, exiting")
-        stop["flag"] = True
+    def on_signal(signum, frame):
+        if stop["flag"] and signum == signal.SIGINT:  # second Ctrl-C: leave now; an unfinished save stays a temp dir
+            sys.stderr.write("\ninterrupted again: exiting now; the newest complete checkpoint is kept\n")
+            sys.stderr.flush()
+            os._exit(130)
+        name = signal.Signals(signum).name
+        extra = " (Ctrl-C again to exit at once)" if signum == signal.SIGINT else ""
+        log.warning("%s: finishing the current step, saving, exiting%s", name, extra)
+        stop["flag"], stop["signal"] = True, name
 
-    old = signal.signal(signal.SIGTERM, on_term) if _main_thread() else None
+    handled = (signal.SIGTERM, signal.SIGINT)
+    old = {s: signal.signal(s, on_signal) for s in handled} if _main_thread() else None
     curve = []
     bar = _progress(cfg, job.start_step)
     try:
@@ -437,9 +450,10 @@ def run(job: Job) -> dict:
             job.ckpt.wait()
         job.logger.close()
         if old is not None:
-            signal.signal(signal.SIGTERM, old)
+            for s, handler in old.items():
+                signal.signal(s, handler)
     return {"reward_curve": curve, "steps_run": len(curve), "weight_version": job.weight_version,
-            "stopped_by_signal": stop["flag"]}
+            "stopped_by_signal": stop["flag"], "signal": stop["signal"]}
 
 
 def _main_thread() -> bool:
