@@ -57,6 +57,8 @@ _HELP = {
     "eval_every": "eval every N steps (0 = never)", "eval_prompts": "held-out prompts",
     "eval_samples": "k of pass@k (samples per eval prompt)", "ckpt_dir": "checkpoint directory ('' = none)",
     "ckpt_every": "checkpoint every N steps", "resume": "auto | never", "keep_checkpoints": "checkpoints kept",
+    "allow_dataset_change": "resume although --dataset / --eval-dataset changed since the checkpoint (keeps the "
+                            "learner state, restarts the data order); otherwise that is an error",
     "metrics_jsonl": "per-step metrics file ('' = none)", "tensorboard_dir": "TensorBoard dir ('' = none)",
     "seed": "seed of data order, sampling and init", "progress": "progress bar",
 }

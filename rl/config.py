@@ -305,7 +305,8 @@ class RunConfig:
     Algorithm: algo (grpo|dr_grpo|dapo|gspo), lr, warmup_steps, kl_coef / kl_estimator, correction (none|tis|mis)
       with tis_clip / mis_low / mis_high, routing_replay, freeze_router, micro_batch_size.
     Eval / checkpoints / logs: eval_every, eval_prompts, eval_samples (k of pass@k), ckpt_dir, ckpt_every,
-      resume (auto|never), metrics_jsonl, tensorboard_dir, seed.
+      resume (auto|never), allow_dataset_change (resume although the dataset file changed: keeps the learner
+      state, restarts the data order; otherwise a changed file is an error), metrics_jsonl, tensorboard_dir, seed.
     Raises ValueError naming the field for impossible values.
     """
 
@@ -352,6 +353,7 @@ class RunConfig:
     ckpt_dir: str | None = "runs/default/ckpt"
     ckpt_every: int = 20
     resume: Literal["auto", "never"] = "auto"
+    allow_dataset_change: bool = False
     keep_checkpoints: int = 2
     metrics_jsonl: str | None = "runs/default/metrics.jsonl"
     tensorboard_dir: str | None = "runs/default/tb"

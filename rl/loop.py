@@ -62,6 +62,7 @@ class Job:
     logger: Any
     start_step: int = 0
     weight_version: int = 0
+    data_identity: dict = dataclasses.field(default_factory=dict)
 
 
 # ------------------------------------------------------------------------------------------------ build
@@ -126,7 +127,7 @@ def fingerprint(cfg: RunConfig, model_cfg) -> dict:
 def build(cfg: RunConfig) -> Job:
     """Set up meshes, data, model, learner, sampler, push, checkpoints and metric sinks (errors before step 1)."""
     from dsv4 import DSV4ForCausalLM, load_hf_checkpoint
-    from rl.checkpoint import Checkpointer, check_writable
+    from rl.checkpoint import Checkpointer, check_writable, file_identity
     from rl.data import make_prompt_iterator
     from rl.learner import Learner
     from rl.sampler import Sampler
@@ -141,8 +142,11 @@ def build(cfg: RunConfig) -> Job:
     log.info("meshes: %s", plan.describe())
     ckpt = Checkpointer(cfg.ckpt_dir, keep=cfg.keep_checkpoints, fingerprint=fingerprint(cfg, model_cfg)) \
         if cfg.ckpt_dir else None
+    data_identity = {"dataset": file_identity(cfg.dataset), "eval_dataset": file_identity(cfg.eval_dataset)}
     if ckpt is not None and cfg.resume == "auto":
-        ckpt.check_latest()  # a checkpoint of another config is an error now, not after the model is built
+        latest = ckpt.check_latest()  # a checkpoint of another config is an error now, not after the model is built
+        if latest is not None:
+            same_data(cfg, latest, data_identity)
     elif ckpt is not None and ckpt.all_steps():
         raise ValueError(f"--ckpt-dir {ckpt.dir} already holds checkpoints (steps {ckpt.all_steps()}); --resume never "
                          f"would collide with them: use another --ckpt-dir or --resume auto")
@@ -166,13 +170,14 @@ def build(cfg: RunConfig) -> Job:
     it = make_prompt_iterator(train, batch_size=cfg.prompts_per_step, seed=cfg.seed)
     job = Job(cfg=cfg, model_cfg=model_cfg, plan=plan, tokenizer=tok, task=task, train_data=train,
               eval_prompts=ev_prompts, eval_refs=ev_refs, reward=reward, learner=learner, sampler=sampler,
-              pusher=pusher, iterator=it, ckpt=ckpt, logger=MetricsLogger(cfg))
+              pusher=pusher, iterator=it, ckpt=ckpt, logger=MetricsLogger(cfg), data_identity=data_identity)
     if ckpt is not None and cfg.resume == "auto":
         restored = ckpt.restore(learner.state_dict())
         if restored is not None:
             state, meta = restored
             learner.load_state_dict(state)
-            it.set_state(meta["data"])
+            if same_data(cfg, meta, data_identity):
+                it.set_state(meta["data"])
             job.start_step = int(meta["step"])
             job.weight_version = int(meta["weight_version"])
             log.info("resumed from %s at step %d (weight version %d)", ckpt.dir, job.start_step, job.weight_version)
@@ -182,6 +187,30 @@ def build(cfg: RunConfig) -> Job:
     if job.weight_version > 0:  # resumed: the sampler serves the restored params (a fresh run's sampler
         push(job)                # already holds version 0, built from the same model)
     return job
+
+
+def same_data(cfg: RunConfig, meta: dict, identity: dict) -> bool:
+    """Compare the datasets' identity recorded in a checkpoint's meta with this run's (`file_identity`).
+
+    Returns True when they match (or the checkpoint predates the record): resume the data order. A changed
+    file under the same path would silently repeat some prompts and skip others, so it raises ValueError naming
+    the flag, unless `cfg.allow_dataset_change`: then False (a warning is logged) and the caller restarts the
+    data order from the beginning while keeping the learner state.
+    """
+    saved = meta.get("data_identity")
+    if not saved:
+        return True
+    changed = [k for k in ("dataset", "eval_dataset") if saved.get(k) != identity.get(k)]
+    if not changed:
+        return True
+    what = "; ".join(f"--{k.replace('_', '-')} {getattr(cfg, k)}: checkpoint {saved.get(k)} vs now {identity.get(k)}"
+                     for k in changed)
+    if not cfg.allow_dataset_change:
+        raise ValueError(f"the dataset changed since checkpoint step {meta.get('step')} ({what}); resuming would "
+                         "repeat some prompts and skip others: restore the file, use another --ckpt-dir, or pass "
+                         "--allow-dataset-change to keep the learner state and restart the data order")
+    log.warning("dataset changed since the checkpoint (%s); --allow-dataset-change: the data order restarts", what)
+    return False
 
 
 def make_pusher(plan, learner, sampler):
@@ -396,7 +425,8 @@ def save(job: Job, step: int, *, force: bool = False) -> None:
     if job.ckpt is None:
         return
     job.ckpt.save(step, job.learner.state_dict(), {"data": job.iterator.get_state(),
-                                                   "weight_version": job.weight_version, "seed": job.cfg.seed},
+                                                   "weight_version": job.weight_version, "seed": job.cfg.seed,
+                                                   "data_identity": job.data_identity},
                   force=force)
 
 
