@@ -165,7 +165,8 @@ class PromptDataset:
 
     `dataset[i]` -> {"prompt_ids": int32 [P] (right-padded with pad_id), "prompt_len": int32,
     "reference": str, "index": int64}, P = max_prompt_len. Build with `from_records`, `from_file`
-    or `from_task`; `locations[i]` says where example i came from, `skipped` how many were dropped.
+    or `from_task`; `locations[i]` says where example i came from, `skipped` how many were dropped (all
+    causes), `dropped_overlong` how many of those were prompts over max_prompt_len.
     """
 
     def __init__(self, prompt_ids: Sequence[Sequence[int]], references: Sequence[str], *, max_prompt_len: int,
@@ -175,6 +176,7 @@ class PromptDataset:
         if not prompt_ids:
             raise DataError(f"{source}: no prompts")
         self.max_prompt_len, self.pad_id, self.source, self.skipped = max_prompt_len, pad_id, source, skipped
+        self.dropped_overlong = 0  # of `skipped`: prompts longer than max_prompt_len (set by from_records)
         if locations is None:
             locations = [f"{source}[{i}]" for i in range(len(prompt_ids))]
         self.locations = list(locations)
@@ -220,7 +222,7 @@ class PromptDataset:
             template = getattr(tokenizer, "chat_template", None)
         bad = _BadRecords(source, on_bad_record)
         bos = [tokenizer.bos_id] if add_bos and tokenizer.bos_id is not None else []
-        ids_out, refs, locs = [], [], []
+        ids_out, refs, locs, overlong = [], [], [], 0
         for record, location in zip(records, locations):
             if not isinstance(record, dict):
                 bad(location, f"expected a record (dict), got {type(record).__name__}")
@@ -249,6 +251,7 @@ class PromptDataset:
             ids = bos + list(tokenizer.encode(text))
             if len(ids) > max_prompt_len:
                 bad(location, f"prompt is {len(ids)} tokens, more than max_prompt_len={max_prompt_len}")
+                overlong += 1
                 continue
             ids_out.append(ids)
             refs.append(reference)
@@ -256,8 +259,10 @@ class PromptDataset:
         bad.summary()
         if not ids_out:
             raise DataError(f"{source}: no usable records ({bad.count} skipped)")
-        return cls(ids_out, refs, max_prompt_len=max_prompt_len, pad_id=tokenizer.pad_id, source=source,
-                   locations=locs, skipped=getattr(records, "skipped", 0) + bad.count)
+        ds = cls(ids_out, refs, max_prompt_len=max_prompt_len, pad_id=tokenizer.pad_id, source=source,
+                 locations=locs, skipped=getattr(records, "skipped", 0) + bad.count)
+        ds.dropped_overlong = overlong
+        return ds
 
     @classmethod
     def from_file(cls, path: str | os.PathLike, tokenizer: TokenizerLike, *, on_bad_record: OnBad = "fail",

@@ -63,6 +63,7 @@ class Job:
     start_step: int = 0
     weight_version: int = 0
     data_identity: dict = dataclasses.field(default_factory=dict)
+    data_metrics: dict = dataclasses.field(default_factory=dict)
 
 
 # ------------------------------------------------------------------------------------------------ build
@@ -88,7 +89,8 @@ def resolve_model_config(cfg: RunConfig, tokenizer_vocab: int):
 
 
 def _data(cfg: RunConfig):
-    """(tokenizer, task or None, train PromptDataset, eval prompts [list[int]], eval references, reward)."""
+    """(tokenizer, task or None, train PromptDataset, eval prompts [list[int]], eval references, reward, eval
+    PromptDataset when it is a separate file else None)."""
     from rl import rewards as rw
     from rl.data import PromptDataset
     from rl.tasks import DigitTask
@@ -98,7 +100,7 @@ def _data(cfg: RunConfig):
         tok = task.tokenizer
         train = PromptDataset.from_task(task, "train")
         ev = task.prompts("eval", min(cfg.eval_prompts, len(task.prompts("eval"))))
-        return tok, task, train, [p.prompt_ids for p in ev], [p.answer for p in ev], None
+        return tok, task, train, [p.prompt_ids for p in ev], [p.answer for p in ev], None, None
     from rl.tokenizer import load_tokenizer
 
     tok = load_tokenizer(cfg.tokenizer, chat_template=cfg.chat_template)
@@ -113,7 +115,8 @@ def _data(cfg: RunConfig):
     n = min(cfg.eval_prompts, len(evd))
     reward = {"auto": rw.gsm8k_reward, "gsm8k": rw.gsm8k_reward, "task": rw.gsm8k_reward,
               "gsm8k+format": rw.combine_rewards([rw.gsm8k_reward, rw.format_reward], [0.9, 0.1])}[cfg.reward]
-    return tok, None, train, [evd.prompt(i) for i in range(n)], evd.references[:n], reward
+    return (tok, None, train, [evd.prompt(i) for i in range(n)], evd.references[:n], reward,
+            evd if evd is not train else None)
 
 
 def fingerprint(cfg: RunConfig, model_cfg) -> dict:
@@ -136,7 +139,7 @@ def build(cfg: RunConfig) -> Job:
     for path, flag in ((cfg.metrics_jsonl, "--metrics-jsonl"), (cfg.tensorboard_dir, "--tensorboard-dir")):
         if path:
             check_writable(pathlib.Path(path).parent if flag == "--metrics-jsonl" else path, flag)
-    tok, task, train, ev_prompts, ev_refs, reward = _data(cfg)
+    tok, task, train, ev_prompts, ev_refs, reward, ev_data = _data(cfg)
     model_cfg = resolve_model_config(cfg, tok.vocab_size)
     plan = build_mesh_plan(cfg.mesh, config=model_cfg)
     log.info("meshes: %s", plan.describe())
@@ -170,7 +173,8 @@ def build(cfg: RunConfig) -> Job:
     it = make_prompt_iterator(train, batch_size=cfg.prompts_per_step, seed=cfg.seed)
     job = Job(cfg=cfg, model_cfg=model_cfg, plan=plan, tokenizer=tok, task=task, train_data=train,
               eval_prompts=ev_prompts, eval_refs=ev_refs, reward=reward, learner=learner, sampler=sampler,
-              pusher=pusher, iterator=it, ckpt=ckpt, logger=MetricsLogger(cfg), data_identity=data_identity)
+              pusher=pusher, iterator=it, ckpt=ckpt, logger=MetricsLogger(cfg), data_identity=data_identity,
+              data_metrics=data_metrics(train, *([ev_data] if ev_data is not None else [])))
     if ckpt is not None and cfg.resume == "auto":
         restored = ckpt.restore(learner.state_dict())
         if restored is not None:
@@ -187,6 +191,15 @@ def build(cfg: RunConfig) -> Job:
     if job.weight_version > 0:  # resumed: the sampler serves the restored params (a fresh run's sampler
         push(job)                # already holds version 0, built from the same model)
     return job
+
+
+def data_metrics(*datasets) -> dict:
+    """Records the run's datasets dropped at load time, summed over them (logged with every step):
+    data/skipped_records: malformed records skipped (--on-bad-record skip); data/dropped_overlong: prompts
+    longer than --max-prompt-len that were dropped."""
+    overlong = sum(getattr(d, "dropped_overlong", 0) for d in datasets)
+    skipped = sum(getattr(d, "skipped", 0) for d in datasets) - overlong
+    return {"data/skipped_records": float(skipped), "data/dropped_overlong": float(overlong)}
 
 
 def same_data(cfg: RunConfig, meta: dict, identity: dict) -> bool:
@@ -338,6 +351,7 @@ def train_step(job: Job, step: int) -> dict:
         keep = np.repeat(np.asarray(dynamic_sampling_filter(jnp.asarray(rewards), cfg.group_size)), cfg.group_size)
         metrics["rollout/dynamic_sampling_kept_frac"] = float(keep.mean())
         adv = jnp.where(jnp.asarray(keep), adv, 0.0)
+    metrics.update(job.data_metrics)
     metrics.update(learn_and_push(job, rb, np.asarray(adv)))
     metrics["weight_version"] = job.weight_version
     metrics["perf/step_s"] = time.perf_counter() - t_step
