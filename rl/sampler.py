@@ -223,7 +223,7 @@ class Sampler:
             return None
         from sharding.rules import param_shardings
         sh = param_shardings(abs_state, self.mesh, self.rules)
-        return {_key(p): v.value if isinstance(v, nnx.Variable) else v for p, v in nnx.to_flat_state(sh)}
+        return {_key(p): v.get_value() if isinstance(v, nnx.Variable) else v for p, v in nnx.to_flat_state(sh)}
 
     def _is_fp8(self, key: str, leaf) -> bool:
         return self.fp8 and leaf.ndim >= 2 and bool(quant.FP8_WEIGHT_RE.search(key) or quant.ROUTED_EXPERT_RE.search(key))
@@ -236,10 +236,10 @@ class Sampler:
         for p, v in self._abs_flat:
             k = _key(p)
             sh = self._raw_shardings[k]
-            if self._is_fp8(k, v.value):
-                block = self.fp8_block if v.value.ndim == 2 else self.fp8_block
+            if self._is_fp8(k, v.get_value()):
+                block = self.fp8_block
                 out[k] = quant.QuantizedTensor(q=sh, scale=rep, kind="fp8", fmt=self.fmt, block=block,
-                                               shape=v.value.shape)
+                                               shape=v.get_value().shape)
             else:
                 out[k] = sh
         return out
@@ -255,7 +255,7 @@ class Sampler:
             elif jnp.issubdtype(x.dtype, jnp.floating) and not _KEEP_F32.search(k):
                 out[k] = x.astype(self.compute_dtype)
             else:
-                out[k] = x.astype(v.value.dtype)
+                out[k] = x.astype(v.get_value().dtype)
         return out
 
     def rollout_shardings(self) -> dict | None:
@@ -289,7 +289,7 @@ class Sampler:
         if isinstance(params, dict) and all(isinstance(k, str) for k in params):
             flat = params
         else:
-            flat = {_key(p): (v.value if isinstance(v, nnx.Variable) else v) for p, v in nnx.to_flat_state(params)}
+            flat = {_key(p): (v.get_value() if isinstance(v, nnx.Variable) else v) for p, v in nnx.to_flat_state(params)}
         missing = [_key(p) for p, _ in self._abs_flat if _key(p) not in flat]
         if missing:
             raise ValueError(f"update_weights: {len(missing)} tensors missing, e.g. {missing[:5]}")
