@@ -110,7 +110,7 @@ def official_tensors(model_or_abstract) -> dict[str, jax.Array]:
     """Model state as {official key: array}, experts still stacked under `layers.i.ffn.experts.w1` etc."""
     out = {}
     for path, v in nnx.to_flat_state(nnx.state(model_or_abstract)):
-        out[_path_to_key(path)] = v.value
+        out[_path_to_key(path)] = v.get_value()
     return out
 
 
@@ -233,7 +233,7 @@ def load_hf_checkpoint(path, *, dtype=jnp.bfloat16, config: DSV4Config | None = 
     new_values = {}
     for path_t, var in flat.items():
         key = _path_to_key(path_t)
-        tgt_dtype = var.value.dtype
+        tgt_dtype = var.get_value().dtype
         m = _EXPERT_KEY.match(key)
         if m:
             prefix, wn = m.groups()
@@ -241,7 +241,7 @@ def load_hf_checkpoint(path, *, dtype=jnp.bfloat16, config: DSV4Config | None = 
             if lyr in fused_layers:
                 arr = _load_fused(read, weights_raw=fused, lyr=lyr, wn=wn, cfg=cfg, files=files)
             else:
-                arr = np.stack([load_one(f"{prefix}.{e}.{wn}.weight") for e in range(var.value.shape[0])])
+                arr = np.stack([load_one(f"{prefix}.{e}.{wn}.weight") for e in range(var.get_value().shape[0])])
         else:
             arr = load_one(key)
         if key.endswith("tid2eid"):
@@ -252,7 +252,7 @@ def load_hf_checkpoint(path, *, dtype=jnp.bfloat16, config: DSV4Config | None = 
             raise CheckpointError(f"{key}: contains NaN or inf")
         new_values[path_t] = jnp.asarray(arr.astype(tgt_dtype) if arr.dtype != tgt_dtype else arr)
     for path_t, var in flat.items():
-        var.value = new_values[path_t]
+        var.set_value(new_values[path_t])
     graphdef, _ = nnx.split(abstract)
     model = nnx.merge(graphdef, nnx.from_flat_state(flat))
     return (model, quantized) if keep_quantized else model
@@ -335,7 +335,7 @@ def save_hf_checkpoint(model: DSV4ForCausalLM, path, *, quantize: str | None = N
             d["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
                                         "scale_fmt": "ue8m0", "weight_block_size": [128, 128]}
             d["expert_dtype"] = "fp4" if quantize == "fp8_fp4" else "fp8"
-        pdt = model.embed.weight.value.dtype
+        pdt = model.embed.weight.get_value().dtype
         d["torch_dtype"] = "bfloat16" if pdt == jnp.bfloat16 else "float32"
         with open(staged / "config.json", "w") as f:
             json.dump(d, f, indent=2)

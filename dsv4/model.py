@@ -234,13 +234,13 @@ def count_params(model_or_state, *, active: bool = False, config: DSV4Config | N
     state = nnx.state(model_or_state) if isinstance(model_or_state, nnx.Module) else model_or_state
     total = 0
     for path, v in nnx.to_flat_state(state):
-        if not jnp.issubdtype(v.value.dtype, jnp.floating):
+        if not jnp.issubdtype(v.get_value().dtype, jnp.floating):
             continue
         keys = [str(p) for p in path]
         if not include_mtp and keys and keys[0] == "mtp":
             continue
         size = 1
-        for dim in v.value.shape:
+        for dim in v.get_value().shape:
             size *= dim
         if active:
             if "experts" in keys and "shared_experts" not in keys:

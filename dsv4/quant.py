@@ -215,6 +215,25 @@ def quantize_fp8_blockwise(w, *, fmt: str = "e4m3fn", block: tuple[int, int] = (
     return q, scale
 
 
+# The precision learner weights are rounded to before FP8 rollout quantisation: the learner's compute precision,
+# and what the actor -> rollout push sends FP8-stored tensors as (sharding/push.py FP8_SOURCE_DTYPE).
+ROLLOUT_FP8_SOURCE_DTYPE = jnp.bfloat16
+
+
+def quantize_rollout_fp8(w, *, fmt: str = "e4m3fn", block: tuple[int, int] = (128, 128)) -> QuantizedTensor:
+    """The one path from learner weights to rollout FP8 weights (every rollout version goes through it).
+
+    w [..., out, in] (any float dtype) is rounded to `ROLLOUT_FP8_SOURCE_DTYPE` (bf16; exact for bf16 input, so
+    a pushed bf16 copy and the fp32 master give the same result), quantised to e4m3fn blocks
+    (`quantize_fp8_blockwise`, f32 scales), and for fmt "e4m3fnuz" converted exactly (`fp8_fn_to_fnuz`: bytes
+    reinterpreted, 0x80 -> 0x00, scales x 2), so fn and fnuz engines hold numerically identical weights.
+    Jittable (static fmt/block). Returns a QuantizedTensor in `fmt`.
+    """
+    fmt = canonical_fp8_format(fmt)
+    x = w.astype(ROLLOUT_FP8_SOURCE_DTYPE).astype(jnp.float32)
+    return QuantizedTensor.from_fp8(x, fmt="e4m3fn", block=block).to_fp8_format(fmt)
+
+
 def dequantize_fp8_blockwise(q, scale, *, block: tuple[int, int] = (128, 128), dtype=jnp.float32):
     """W = q * scale repeated over `block` tiles and cropped: q [..., out, in], scale [..., ceil(out/b0),
     ceil(in/b1)] (float, or e8m0 bytes uint8 / float8_e8m0fnu) -> [..., out, in] in `dtype`. Jittable.

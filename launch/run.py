@@ -81,6 +81,8 @@ _HELP = {
     "eval_every": "eval every N steps (0 = never)", "eval_prompts": "held-out prompts",
     "eval_samples": "k of pass@k (samples per eval prompt)", "ckpt_dir": "checkpoint directory ('' = none)",
     "ckpt_every": "checkpoint every N steps", "resume": "auto | never", "keep_checkpoints": "checkpoints kept",
+    "allow_dataset_change": "resume although --dataset / --eval-dataset changed since the checkpoint (keeps the "
+                            "learner state, restarts the data order); otherwise that is an error",
     "metrics_jsonl": "per-step metrics file ('' = none)", "tensorboard_dir": "TensorBoard dir ('' = none)",
     "seed": "seed of data order, sampling and init", "progress": "progress bar",
 }
@@ -238,9 +240,16 @@ def main(argv=None) -> int:
             run_eval(job)
             return 0
         summary = run(job)
-    except (ValueError, FileNotFoundError, PermissionError) as e:
+    except (ValueError, OSError) as e:  # user errors (bad input, files, permissions): one line, no traceback
         print(f"error: {e}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:  # Ctrl-C before the loop's own handler is installed (startup, compiles)
+        print("interrupted (Ctrl-C) before the first step: nothing to save", file=sys.stderr)
+        return 130
+    if summary.get("signal") == "SIGINT":
+        saved = "; checkpoint saved: rerun the same command to resume" if cfg.ckpt_dir else " (no --ckpt-dir: not saved)"
+        print(f"interrupted (Ctrl-C): stopped after {summary['steps_run']} steps{saved}", file=sys.stderr)
+        return 130
     curve = summary["reward_curve"]
     if curve:
         n = max(1, len(curve) // 10)

@@ -49,7 +49,8 @@ def _finish(adv_pg: jnp.ndarray, zero_pg: jnp.ndarray, *, eps: float, batch_norm
     adv_pg = jnp.where(zero_pg[:, None], 0.0, adv_pg)
     if batch_norm:
         adv = adv_pg.reshape(-1)
-        # Unbiased batch std (as verl's masked_whiten); the batch mean is ~0 already (see the module docstring).
+        # Per-sample whitening with the unbiased batch std (verl's masked_whiten also uses the unbiased variance,
+        # but over tokens: a deliberate difference, see AdvantageConfig.batch_norm). Batch mean is ~0 already.
         adv_pg = (adv_pg - adv.mean()) / (jnp.std(adv, ddof=1) + eps)
         adv_pg = jnp.where(zero_pg[:, None], 0.0, adv_pg)
     zero = zero_pg.astype(jnp.float32)
@@ -72,7 +73,8 @@ def grpo_advantages(
 
     A_i = (r_i - mean_g(r)) / (std_g(r, ddof=1) + eps)   if scale_by_std (GRPO)
     A_i =  r_i - mean_g(r)                               otherwise (Dr.GRPO: no std division)
-    then, if batch_norm: A <- (A - mean(A)) / (std(A, ddof=1) + eps) over all N samples (REINFORCE++).
+    then, if batch_norm: A <- (A - mean(A)) / (std(A, ddof=1) + eps) over all N samples (REINFORCE++), each
+    sample counted once (verl whitens per token instead: a deliberate difference).
     Groups with all-equal rewards get A = 0 exactly.
 
     Args:

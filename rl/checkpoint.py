@@ -5,8 +5,9 @@ A checkpoint at step s holds (docs/jax-stack.md §6):
   when KL is on) as a flat {path: array} dict (`jax.tree_util.keystr` paths), restored straight onto the actor
   mesh's shardings;
 - `meta` (JSON): step, weight version, the data iterator state (`{"next_index": k}`), the seed (all randomness
-  is derived from (seed, step, prompt, sample), so seed + step is the RNG state), and a fingerprint of the run
-  (model config + the knobs that change the math). The sampler's weights are not saved: they are a pure
+  is derived from (seed, step, prompt, sample), so seed + step is the RNG state), a fingerprint of the run
+  (model config + the knobs that change the math) and the identity of the train and eval datasets
+  (`file_identity`: size + content hash; checked on resume by rl/loop.py). The sampler's weights are not saved: they are a pure
   function of the params (re-pushed on restore).
 Orbax writes `<step>.orbax-checkpoint-tmp` and renames it when complete, so a crash mid-save leaves the
 previous step as the latest. A latest checkpoint that fails to restore (corrupt or partial) falls back to the
@@ -17,6 +18,7 @@ before the model is built.
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import os
 import pathlib
@@ -25,6 +27,38 @@ import jax
 import orbax.checkpoint as ocp
 
 log = logging.getLogger(__name__)
+
+
+_MIB = 1 << 20
+
+
+def file_identity(path: str | os.PathLike | None) -> dict | None:
+    """Identity of a dataset file (or of every file under a directory) for resume checks; None for no path.
+
+    {"size": bytes, "sha256": hex}: the hash covers the whole file when it is at most 2 MiB, else its first and
+    last MiB and its size (a cheap fingerprint of a large file: an edit in the middle of a file whose size does
+    not change goes unnoticed). A directory: the same over its files in sorted order, names included.
+    Raises FileNotFoundError when the path does not exist.
+    """
+    if path is None:
+        return None
+    p = pathlib.Path(path)
+    files = sorted(f for f in p.rglob("*") if f.is_file()) if p.is_dir() else [p]
+    h, total = hashlib.sha256(), 0
+    for f in files:
+        size = f.stat().st_size
+        total += size
+        if p.is_dir():
+            h.update(str(f.relative_to(p)).encode() + b"\0")
+        with open(f, "rb") as fh:
+            if size <= 2 * _MIB:
+                h.update(fh.read())
+            else:
+                h.update(fh.read(_MIB))
+                fh.seek(size - _MIB)
+                h.update(fh.read(_MIB))
+                h.update(str(size).encode())
+    return {"size": total, "sha256": h.hexdigest()}
 
 
 class CheckpointMismatchError(ValueError):
@@ -63,6 +97,12 @@ class Checkpointer:
         opts = ocp.CheckpointManagerOptions(max_to_keep=keep, enable_async_checkpointing=async_save,
                                             cleanup_tmp_directories=True)
         self.mngr = ocp.CheckpointManager(self.dir, options=opts, item_names=("state", "meta"))
+        # The manager cleans old temp dirs in a background thread; a run that stops at a startup error right
+        # after this would have that thread fail at interpreter shutdown with a library traceback under the
+        # one-line error. Waiting here costs one directory listing.
+        wait_cleanup = getattr(self.mngr, "_maybe_await_cleanup_tmp_directory", None)
+        if wait_cleanup is not None:
+            wait_cleanup()
 
     def all_steps(self) -> list[int]:
         return sorted(self.mngr.all_steps())
@@ -74,16 +114,18 @@ class Checkpointer:
         self.mngr.save(step, args=ocp.args.Composite(state=ocp.args.StandardSave(flat),
                                                      meta=ocp.args.JsonSave(meta)), force=force)
 
-    def check_latest(self) -> None:
+    def check_latest(self) -> dict | None:
         """Raise CheckpointMismatchError when the newest checkpoint whose meta is readable was written by another
-        config. Reads only the small JSON meta, so `build` can call it before any model is made."""
+        config. Reads only the small JSON meta, so `build` can call it before any model is made. Returns that
+        meta (None when there is no readable checkpoint)."""
         for step in reversed(self.all_steps()):
             try:
                 meta = self.mngr.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
             except Exception:  # noqa: BLE001 - unreadable meta: `restore` falls back past this step
                 continue
             self._check(meta, step)
-            return
+            return meta
+        return None
 
     def restore(self, target_state):
         """Restore the newest usable checkpoint onto `target_state`'s structure, shapes and shardings.

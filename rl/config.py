@@ -43,7 +43,9 @@ class AdvantageConfig:
         "rloo": leave-one-out baseline, A_i = r_i - mean_{j != i} r_j (Ahmadian et al. 2024, arXiv 2402.14740).
     scale_by_std: divide by the group's unbiased std (ddof=1) + eps; GRPO only.
     eps: added to every std denominator.
-    batch_norm: afterwards whiten advantages over the whole batch (REINFORCE++ / "batch" normalisation).
+    batch_norm: afterwards whiten advantages over the whole batch (REINFORCE++ / "batch" normalisation),
+        per sample: each response counts once. Deliberate difference: verl whitens the token-level advantages
+        (`masked_whiten`), so there a long response weighs as many times as it has tokens.
     dynamic_sampling: DAPO (arXiv 2503.14476 §3.2) — resample until `target` groups with non-constant rewards
         are collected, at most `dynamic_sampling_max_rounds` sampling rounds (see `rl.advantages.DynamicSampler`).
     """
@@ -103,14 +105,17 @@ class LossConfig:
     loss_agg_mode: how per-token losses become a scalar (as verl's `agg_loss`):
         "token-mean"              sum(l m) / sum(m)                                  (DAPO token-level loss)
         "seq-mean-token-mean"     mean over non-empty sequences of sum_t(l m) / sum_t(m)   (GRPO paper)
-        "seq-mean-token-sum-norm" sum(l m) / (N * norm_length)                         (Dr.GRPO)
+        "seq-mean-token-sum-norm" sum(l m) / (N * norm_length)   (Dr.GRPO as TRL "dr_grpo" and Tunix; verl's
+                                  mode of this name divides by norm_length only)
     kl_coef, kl_estimator, kl_clamp: KL(pi || pi_ref) penalty added to the loss, estimator k1/k2/k3 (Schulman,
         "Approximating KL divergence", 2020); log(pi/pi_ref) is clamped to [-kl_clamp, kl_clamp] and k3 to
-        [-10, 10] (as verl's low_var_kl). kl_coef=0 disables it (no reference log-probs needed).
+        [-10, 10]; with the default kl_clamp=20 k3 equals verl's low_var_kl exactly (see `rl.losses.kl_penalty`
+        for the deliberate k1/k2 difference). kl_coef=0 disables it (no reference log-probs needed).
     correction: train/rollout mismatch correction with w_t = pi_old_train / pi_rollout per token:
         "none"; "tis" truncated importance sampling, weight min(w, tis_clip_high) (Yao et al. 2025, "Your
         efficient RL framework secretly brings you off-policy RL training"); "mis" masked importance sampling /
-        IcePop (Ling team 2025): tokens with w outside [mis_low, mis_high] get zero loss.
+        IcePop (Ling team 2025): tokens with w inside [mis_low, mis_high] are weighted by w, the others get
+        zero loss (they still count in the normaliser).
     correction_level: "token" (w_t), "sequence" (prod_t w_t), "geometric" (exp(mean_t log w_t)); sequence-level
         weights are broadcast to every token of the sequence.
     entropy_coef: weight of the entropy bonus (subtracted from the loss).
@@ -126,7 +131,7 @@ class LossConfig:
     loss_agg_mode: LossAggMode = "token-mean"
     kl_coef: float = 0.0
     kl_estimator: KLEstimator = "k3"
-    kl_clamp: float = 10.0
+    kl_clamp: float = 20.0
     correction: Correction = "none"
     correction_level: CorrectionLevel = "token"
     tis_clip_high: float = 2.0
@@ -305,8 +310,9 @@ class RunConfig:
       with dapo_on_budget_exhausted = train|skip), lr, warmup_steps, kl_coef / kl_estimator, correction (none|tis|mis)
       with tis_clip / mis_low / mis_high, routing_replay, freeze_router, micro_batch_size.
     Eval / checkpoints / logs: eval_every, eval_prompts, eval_samples (k of pass@k), ckpt_dir, ckpt_every,
-      resume (auto|never), metrics_jsonl, tensorboard_dir, seed; eval_only (evaluate, no training),
-      eval_before_train; wandb_project (Weights & Biases, optional extra `[wandb]`).
+      resume (auto|never), allow_dataset_change (resume although the dataset file changed: keeps the learner
+      state, restarts the data order; otherwise a changed file is an error), metrics_jsonl, tensorboard_dir, seed;
+      eval_only (evaluate, no training), eval_before_train; wandb_project (Weights & Biases, optional extra `[wandb]`).
     Raises ValueError naming the field for impossible values.
     """
 
@@ -362,6 +368,7 @@ class RunConfig:
     ckpt_dir: str | None = "runs/default/ckpt"
     ckpt_every: int = 20
     resume: Literal["auto", "never"] = "auto"
+    allow_dataset_change: bool = False
     keep_checkpoints: int = 2
     metrics_jsonl: str | None = "runs/default/metrics.jsonl"
     tensorboard_dir: str | None = "runs/default/tb"

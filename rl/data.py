@@ -182,7 +182,8 @@ class PromptDataset:
 
     `dataset[i]` -> {"prompt_ids": int32 [P] (right-padded with pad_id), "prompt_len": int32,
     "reference": str, "index": int64}, P = max_prompt_len. Build with `from_records`, `from_file`
-    or `from_task`; `locations[i]` says where example i came from, `skipped` how many were dropped.
+    or `from_task`; `locations[i]` says where example i came from, `skipped` how many records were
+    dropped (all causes), `dropped_overlong` how many of those were prompts over max_prompt_len.
     """
 
     def __init__(self, prompt_ids: Sequence[Sequence[int]], references: Sequence[str], *, max_prompt_len: int,
@@ -286,7 +287,8 @@ class PromptDataset:
                     continue
                 if on_overlong == "fail":
                     raise DataError(f"{location}: {what}")
-                bad(location, what)
+                bad(location, what)  # raises with --on-bad-record fail
+                overlong.append((location, len(ids)))
                 continue
             if first_text is None:
                 first_text = text
@@ -304,7 +306,8 @@ class PromptDataset:
                                 f"tokens); raise --max-prompt-len")
             raise DataError(f"{source}: no usable records ({bad.count} skipped)")
         ds = cls(ids_out, refs, max_prompt_len=max_prompt_len, pad_id=tokenizer.pad_id, source=source,
-                 locations=locs, skipped=getattr(records, "skipped", 0) + bad.count)
+                 locations=locs,
+                 skipped=getattr(records, "skipped", 0) + bad.count + (len(overlong) if on_overlong == "drop" else 0))
         ds.dropped_overlong, ds.first_text = len(overlong), first_text
         return ds
 

@@ -28,8 +28,10 @@ Choices (and why):
   forward (PPO ratio 1 at the single update per batch; the clip then only matters for later epochs). For
   several updates on one batch, compute them once with `compute_logprobs` and put them in the batch.
 - Routing replay (R3, Ma et al., arXiv 2510.11370): with `routing_replay=True` the batch's recorded experts
-  are forced in every MoE layer of the learner's forward (and of the reference's). Missing or mis-shaped
-  routing raises ValueError in `train_step` before anything runs; there is no silent fallback.
+  are forced in every MoE layer of the learner's forward (and of the reference's). Missing, mis-shaped or
+  invalid routing (`rl.replay.validate_routing`: dtype, range, distinct experts, hash layers = tid2eid) raises
+  ValueError in `train_step` before anything runs; there is no silent fallback. With replay on, the step's
+  metrics add `train/replay_unknown_frac` and `train/replay_layers`.
 - Freezing: `optax.multi_transform` gives frozen params `optax.set_to_zero()` (no Adam state is allocated for
   them) and their old values are carried over as-is. Frozen: the router weights with `freeze_router`, the MTP
   module unless `train_mtp`. Buffers are outside the optimizer altogether. Weight decay applies to matrices.
@@ -58,6 +60,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 from flax import nnx, struct
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
@@ -68,12 +71,14 @@ from rl.config import LearnerConfig
 from rl.logprobs import token_logprobs
 from rl.losses import kl_penalty, loss_normalizers, policy_loss
 from rl.metrics import masked_mean
+from rl.replay import validate_routing
 from sharding import axes as ax
 from sharding import rules as sr
 
 Metrics = dict[str, jax.Array]
 TRAIN, FROZEN = "train", "frozen"
 _ROUTER = re.compile(r"(layers|mtp)/\d+/ffn/gate/weight")
+_HASH_TABLE = re.compile(r"layers/(\d+)/ffn/gate/tid2eid")
 # Names that every train_step reports (0 where they do not apply), besides what policy_loss returns.
 METRIC_NAMES = ("train/pg_loss", "train/pg_clipfrac", "train/ppo_kl", "train/kl_loss", "train/entropy",
                 "train/grad_norm", "train/train_rollout_logprob_abs_diff", "train/train_rollout_kl",
@@ -220,6 +225,9 @@ class Learner:
             shardings = {_path(p): sh for p, sh in jax.tree_util.tree_leaves_with_path(self._state_shardings.params)}
             self.dispatch_fn = moe.default_dispatch(devices, shardings)
         self._jits: dict[Any, Any] = {}
+        self._hash_buffers = {int(m.group(1)): leaf for p, leaf in jax.tree_util.tree_leaves_with_path(buffers)
+                              if (m := _HASH_TABLE.fullmatch(_path(p)))}
+        self._replay_metrics: dict[str, Any] = {}
 
     # ------------------------------------------------------------------ optimizer
     def _label(self, path, _leaf) -> str:
@@ -333,7 +341,8 @@ class Learner:
         batch = self._check_batch(batch, self.cfg.routing_replay)
         fn = self._jit("step", self._step, donate=True)
         with self._context():
-            return fn(state, self._place(batch))
+            new_state, metrics = fn(state, self._place(batch))
+        return new_state, {**metrics, **self._replay_metrics}
 
     def update(self, batch: TrainBatch) -> Metrics:
         """`self.state, metrics = self.train_step(self.state, batch)`; returns metrics."""
@@ -432,6 +441,7 @@ class Learner:
                               if a in self.mesh.shape)
             if n % parts:
                 raise ValueError(f"batch size N={n} is not divisible by the mesh's batch axes (= {parts} devices)")
+        self._replay_metrics = {}
         if not replay:
             return batch.replace(routing=None)
         expected = (n, s, self.model_config.num_hidden_layers, self.model_config.num_experts_per_tok)
@@ -441,4 +451,8 @@ class Learner:
         if tuple(batch.routing.shape) != expected:
             raise ValueError(f"TrainBatch.routing has shape {tuple(batch.routing.shape)}; routing replay needs "
                              f"[N, S, L, k] = {expected}")
+        metrics = validate_routing(batch.routing, batch.input_ids, batch.attention_mask,
+                                   self.model_config.n_routed_experts,
+                                   {i: np.asarray(t) for i, t in self._hash_buffers.items()})
+        self._replay_metrics = {k: np.float32(v) for k, v in metrics.items()}
         return batch

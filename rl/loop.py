@@ -27,6 +27,7 @@ import os
 import pathlib
 import re
 import signal
+import sys
 import tempfile
 import time
 from typing import Any
@@ -62,6 +63,8 @@ class Job:
     logger: Any
     start_step: int = 0
     weight_version: int = 0
+    data_identity: dict = dataclasses.field(default_factory=dict)
+    data_metrics: dict = dataclasses.field(default_factory=dict)
 
 
 # ------------------------------------------------------------------------------------------------ build
@@ -87,7 +90,8 @@ def resolve_model_config(cfg: RunConfig, tokenizer_vocab: int):
 
 
 def _data(cfg: RunConfig):
-    """(tokenizer, task or None, train PromptDataset, eval prompts [list[int]], eval references, reward)."""
+    """(tokenizer, task or None, train PromptDataset, eval prompts [list[int]], eval references, reward, eval
+    PromptDataset when it is a separate file else None)."""
     from rl.data import PromptDataset
     from rl.tasks import DigitTask
 
@@ -96,7 +100,7 @@ def _data(cfg: RunConfig):
         tok = task.tokenizer
         train = PromptDataset.from_task(task, "train")
         ev = task.prompts("eval", min(cfg.eval_prompts, len(task.prompts("eval"))))
-        return tok, task, train, [p.prompt_ids for p in ev], [p.answer for p in ev], None
+        return tok, task, train, [p.prompt_ids for p in ev], [p.answer for p in ev], None, None
     from rl.data_formats import build_datasets, resolve_reward_name
     from rl.math_rewards import make_reward, prompt_independent_best
     from rl.tokenizer import load_tokenizer
@@ -107,7 +111,8 @@ def _data(cfg: RunConfig):
     name = resolve_reward_name(cfg)
     log.info("reward %s: the best prompt-independent response scores %.4f on %s", name,
              prompt_independent_best(name, train.references), train.source)
-    return tok, None, train, [evd.prompt(i) for i in range(n)], evd.references[:n], make_reward(name)
+    return (tok, None, train, [evd.prompt(i) for i in range(n)], evd.references[:n], make_reward(name),
+            evd if evd is not train else None)
 
 
 def fingerprint(cfg: RunConfig, model_cfg) -> dict:
@@ -121,7 +126,7 @@ def fingerprint(cfg: RunConfig, model_cfg) -> dict:
 def build(cfg: RunConfig) -> Job:
     """Set up meshes, data, model, learner, sampler, push, checkpoints and metric sinks (errors before step 1)."""
     from dsv4 import DSV4ForCausalLM, load_hf_checkpoint
-    from rl.checkpoint import Checkpointer, check_writable
+    from rl.checkpoint import Checkpointer, check_writable, file_identity
     from rl.data import make_prompt_iterator
     from rl.learner import Learner
     from rl.sampler import Sampler
@@ -130,14 +135,17 @@ def build(cfg: RunConfig) -> Job:
     for path, flag in ((cfg.metrics_jsonl, "--metrics-jsonl"), (cfg.tensorboard_dir, "--tensorboard-dir")):
         if path:
             check_writable(pathlib.Path(path).parent if flag == "--metrics-jsonl" else path, flag)
-    tok, task, train, ev_prompts, ev_refs, reward = _data(cfg)
+    tok, task, train, ev_prompts, ev_refs, reward, ev_data = _data(cfg)
     model_cfg = resolve_model_config(cfg, tok.vocab_size)
     plan = build_mesh_plan(cfg.mesh, config=model_cfg)
     log.info("meshes: %s", plan.describe())
     ckpt = Checkpointer(cfg.ckpt_dir, keep=cfg.keep_checkpoints, fingerprint=fingerprint(cfg, model_cfg)) \
         if cfg.ckpt_dir else None
+    data_identity = {"dataset": file_identity(cfg.dataset), "eval_dataset": file_identity(cfg.eval_dataset)}
     if ckpt is not None and cfg.resume == "auto":
-        ckpt.check_latest()  # a checkpoint of another config is an error now, not after the model is built
+        latest = ckpt.check_latest()  # a checkpoint of another config is an error now, not after the model is built
+        if latest is not None:
+            same_data(cfg, latest, data_identity)
     elif ckpt is not None and ckpt.all_steps():
         raise ValueError(f"--ckpt-dir {ckpt.dir} already holds checkpoints (steps {ckpt.all_steps()}); --resume never "
                          f"would collide with them: use another --ckpt-dir or --resume auto")
@@ -161,13 +169,15 @@ def build(cfg: RunConfig) -> Job:
     it = make_prompt_iterator(train, batch_size=cfg.prompts_per_step, seed=cfg.seed)
     job = Job(cfg=cfg, model_cfg=model_cfg, plan=plan, tokenizer=tok, task=task, train_data=train,
               eval_prompts=ev_prompts, eval_refs=ev_refs, reward=reward, learner=learner, sampler=sampler,
-              pusher=pusher, iterator=it, ckpt=ckpt, logger=MetricsLogger(cfg))
+              pusher=pusher, iterator=it, ckpt=ckpt, logger=MetricsLogger(cfg), data_identity=data_identity,
+              data_metrics=data_metrics(train, *([ev_data] if ev_data is not None else [])))
     if ckpt is not None and cfg.resume == "auto":
         restored = ckpt.restore(learner.state_dict())
         if restored is not None:
             state, meta = restored
             learner.load_state_dict(state)
-            it.set_state(meta["data"])
+            if same_data(cfg, meta, data_identity):
+                it.set_state(meta["data"])
             job.start_step = int(meta["step"])
             job.weight_version = int(meta["weight_version"])
             log.info("resumed from %s at step %d (weight version %d)", ckpt.dir, job.start_step, job.weight_version)
@@ -177,6 +187,39 @@ def build(cfg: RunConfig) -> Job:
     if job.weight_version > 0:  # resumed: the sampler serves the restored params (a fresh run's sampler
         push(job)                # already holds version 0, built from the same model)
     return job
+
+
+def data_metrics(*datasets) -> dict:
+    """Records the run's datasets dropped at load time, summed over them (logged with every step):
+    data/skipped_records: malformed records skipped (--on-bad-record skip); data/dropped_overlong: prompts
+    longer than --max-prompt-len that were dropped."""
+    overlong = sum(getattr(d, "dropped_overlong", 0) for d in datasets)
+    skipped = sum(getattr(d, "skipped", 0) for d in datasets) - overlong  # `skipped` counts every cause
+    return {"data/skipped_records": float(skipped), "data/dropped_overlong": float(overlong)}
+
+
+def same_data(cfg: RunConfig, meta: dict, identity: dict) -> bool:
+    """Compare the datasets' identity recorded in a checkpoint's meta with this run's (`file_identity`).
+
+    Returns True when they match (or the checkpoint predates the record): resume the data order. A changed
+    file under the same path would silently repeat some prompts and skip others, so it raises ValueError naming
+    the flag, unless `cfg.allow_dataset_change`: then False (a warning is logged) and the caller restarts the
+    data order from the beginning while keeping the learner state.
+    """
+    saved = meta.get("data_identity")
+    if not saved:
+        return True
+    changed = [k for k in ("dataset", "eval_dataset") if saved.get(k) != identity.get(k)]
+    if not changed:
+        return True
+    what = "; ".join(f"--{k.replace('_', '-')} {getattr(cfg, k)}: checkpoint {saved.get(k)} vs now {identity.get(k)}"
+                     for k in changed)
+    if not cfg.allow_dataset_change:
+        raise ValueError(f"the dataset changed since checkpoint step {meta.get('step')} ({what}); resuming would "
+                         "repeat some prompts and skip others: restore the file, use another --ckpt-dir, or pass "
+                         "--allow-dataset-change to keep the learner state and restart the data order")
+    log.warning("dataset changed since the checkpoint (%s); --allow-dataset-change: the data order restarts", what)
+    return False
 
 
 def make_pusher(plan, learner, sampler):
@@ -369,20 +412,37 @@ def train_step(job: Job, step: int) -> dict:
     metrics.update(to_python(am))
     if train_rows is not None:  # DAPO filler groups: out of the loss (tokens, normalisers, metrics)
         adv = jnp.where(jnp.asarray(train_rows), adv, 0.0)
-    tb = train_batch(rb, np.asarray(adv), cfg.routing_replay)
+    metrics.update(job.data_metrics)
+    metrics.update(learn_and_push(job, rb, np.asarray(adv), train_rows))
+    metrics["weight_version"] = job.weight_version
+    metrics["perf/step_s"] = time.perf_counter() - t_step
+    return metrics
+
+
+def learn_and_push(job: Job, rb, adv: np.ndarray, train_rows: np.ndarray | None = None) -> dict:
+    """Stages 5-6: one learner update on the rollout batch, then push the new weights as the next version.
+
+    A step without learning signal (every advantage exactly 0: all groups zero-std or filtered by DAPO's
+    dynamic sampling) changes nothing: no optimizer update (Adam's momentum would still move the params, and
+    the KL/entropy terms alone are not a reason to step), no push, the weight version stays;
+    `train/skipped_no_signal` is 1. Likewise a non-finite step (`train/skipped_nonfinite`, the learner's guard)
+    is not pushed. `train_rows` [N] bool (DAPO fillers = False) takes rows out of the loss: their response
+    tokens are masked, so they count in no normaliser. Returns the step's train/perf metrics.
+    """
+    from rl.metrics import to_python
+
+    if not np.any(np.asarray(adv) != 0):
+        log.info("no learning signal in this batch (all advantages 0): update and push skipped")
+        return {"train/skipped_no_signal": 1.0}
+    tb = train_batch(rb, adv, job.cfg.routing_replay)
     if train_rows is not None:
-        tb.response_mask[~train_rows] = 0
+        tb.response_mask[~np.asarray(train_rows)] = 0
     t0 = time.perf_counter()
-    tm = job.learner.update(tb)
-    tm = to_python(tm)
-    metrics.update(tm)
-    metrics["perf/train_s"] = time.perf_counter() - t0
+    tm = to_python(job.learner.update(tb))
+    metrics = {**tm, "train/skipped_no_signal": 0.0, "perf/train_s": time.perf_counter() - t0}
     if not tm.get("train/skipped_nonfinite", 0):
         job.weight_version += 1
         metrics.update(push(job))
-    metrics["weight_version"] = job.weight_version
-    metrics["data/dropped_overlong"] = float(getattr(job.train_data, "dropped_overlong", 0))
-    metrics["perf/step_s"] = time.perf_counter() - t_step
     return metrics
 
 
@@ -455,20 +515,33 @@ def save(job: Job, step: int, *, force: bool = False) -> None:
     if job.ckpt is None:
         return
     job.ckpt.save(step, job.learner.state_dict(), {"data": job.iterator.get_state(),
-                                                   "weight_version": job.weight_version, "seed": job.cfg.seed},
+                                                   "weight_version": job.weight_version, "seed": job.cfg.seed,
+                                                   "data_identity": job.data_identity},
                   force=force)
 
 
 def run(job: Job) -> dict:
-    """The loop from `job.start_step` to `cfg.steps`. Returns a summary with the reward curve."""
+    """The loop from `job.start_step` to `cfg.steps`. Returns a summary with the reward curve.
+
+    SIGTERM and SIGINT (Ctrl-C) are handled alike: the current step finishes, a checkpoint of it is saved and
+    the loop ends (`summary["signal"]` names the signal). A second Ctrl-C exits the process at once (status
+    130): an unfinished save is only an orbax temp directory, so the newest complete checkpoint is untouched.
+    """
     cfg = job.cfg
-    stop = {"flag": False}
+    stop = {"flag": False, "signal": None}
 
-    def on_term(signum, frame):
-        log.warning("SIGTERM: finishing the current step, saving, exiting")
-        stop["flag"] = True
+    def on_signal(signum, frame):
+        if stop["flag"] and signum == signal.SIGINT:  # second Ctrl-C: leave now; an unfinished save stays a temp dir
+            sys.stderr.write("\ninterrupted again: exiting now; the newest complete checkpoint is kept\n")
+            sys.stderr.flush()
+            os._exit(130)
+        name = signal.Signals(signum).name
+        extra = " (Ctrl-C again to exit at once)" if signum == signal.SIGINT else ""
+        log.warning("%s: finishing the current step, saving, exiting%s", name, extra)
+        stop["flag"], stop["signal"] = True, name
 
-    old = signal.signal(signal.SIGTERM, on_term) if _main_thread() else None
+    handled = (signal.SIGTERM, signal.SIGINT)
+    old = {s: signal.signal(s, on_signal) for s in handled} if _main_thread() else None
     curve = []
     bar = _progress(cfg, job.start_step)
     try:
@@ -501,9 +574,10 @@ def run(job: Job) -> dict:
             job.ckpt.wait()
         job.logger.close()
         if old is not None:
-            signal.signal(signal.SIGTERM, old)
+            for s, handler in old.items():
+                signal.signal(s, handler)
     return {"reward_curve": curve, "steps_run": len(curve), "weight_version": job.weight_version,
-            "stopped_by_signal": stop["flag"]}
+            "stopped_by_signal": stop["flag"], "signal": stop["signal"]}
 
 
 def run_eval(job: Job) -> dict:

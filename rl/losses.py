@@ -3,8 +3,8 @@
 What is here (sources in each docstring):
 - PPO clip with asymmetric bounds (DAPO clip-higher) and optional dual clip; GSPO sequence-level ratio.
 - KL penalty estimators k1/k2/k3 (`kl_penalty`).
-- Train/rollout mismatch correction: TIS (truncated importance weights) and MIS/IcePop (token masking) at
-  token, sequence or geometric-mean level, with mismatch metrics.
+- Train/rollout mismatch correction: TIS (truncated importance weights) and MIS/IcePop (ratio-weighted, with
+  out-of-band tokens masked) at token, sequence or geometric-mean level, with mismatch metrics.
 - Loss aggregation modes as verl's `agg_loss` (`agg_loss`).
 
 Inputs (all [N, T], one row per response, T = response token axis):
@@ -40,7 +40,7 @@ Metrics = dict[str, jnp.ndarray]
 
 # exp() guard on policy log-ratios (verl clamps to the same range); inactive for any sane policy.
 _LOG_RATIO_CLAMP = 20.0
-# Output clamp of the k3 estimator (verl low_var_kl).
+# Output clamp of the k3 estimator (verl `kl_penalty(..., "low_var_kl")` clamps its result to [-10, 10]).
 _K3_MAX = 10.0
 
 
@@ -51,18 +51,26 @@ def _safe_div(num: jnp.ndarray, den: jnp.ndarray | float) -> jnp.ndarray:
 
 
 def kl_penalty(
-    logprobs: jnp.ndarray, ref_logprobs: jnp.ndarray, estimator: str = "k3", clamp: float | None = 10.0
+    logprobs: jnp.ndarray, ref_logprobs: jnp.ndarray, estimator: str = "k3", clamp: float | None = 20.0
 ) -> jnp.ndarray:
     """Per-token estimate of KL(pi || pi_ref) from samples of pi (Schulman 2020, "Approximating KL divergence").
 
     With x = log pi - log pi_ref, clamped to [-clamp, clamp] when clamp is not None:
         k1 = x                       unbiased, high variance, can be negative
         k2 = x^2 / 2                 biased, low variance
-        k3 = exp(-x) - (-x) - 1      unbiased, >= 0; clamped to [-10, 10] (verl low_var_kl)
+        k3 = exp(-x) - (-x) - 1      unbiased, >= 0; its value is then clamped to [-10, 10]
+    Convention followed: k3 with the default clamp=20 is exactly verl's `low_var_kl` (`core_algos.kl_penalty`:
+    log-ratio clamped to [-20, 20], result to [-10, 10]), so k3 grows up to 10 with its gradient intact over
+    the whole range where the output clamp is not reached (|x| up to ~11.0 / 12.0). Deliberate difference: verl
+    clamps only inside `low_var_kl`; here the same log-ratio clamp also applies to k1 and k2 (verl's "kl" and
+    "mse" are unclamped), which only matters past |x| = clamp. A smaller clamp (e.g. 10) stops k3 at
+    exp(-10) + 9 = 9.00005 with zero gradient for x >= 10.
     Args:
-        logprobs, ref_logprobs: [N, T]. estimator: "k1" | "k2" | "k3".
+        logprobs, ref_logprobs: [N, T]. estimator: "k1" | "k2" | "k3". clamp: bound on |x|, None for none.
     Returns:
         [N, T] float32 (unmasked; aggregate with `agg_loss`).
+    Raises:
+        ValueError: unknown estimator.
     """
     x = jnp.asarray(logprobs, jnp.float32) - jnp.asarray(ref_logprobs, jnp.float32)
     if clamp is not None:
@@ -90,6 +98,9 @@ def agg_loss(
         token-mean               sum(l m) / D_tok,               D_tok = sum(m)            (DAPO §3.3)
         seq-mean-token-mean      sum_i [sum_t l m / sum_t m] / D_seq, D_seq = #rows with >= 1 token (GRPO)
         seq-mean-token-sum-norm  sum(l m) / (D_seq * L),          D_seq = N, L = norm_length or T (Dr.GRPO)
+    Conventions: token-mean and seq-mean-token-mean equal verl's modes of the same name. seq-mean-token-sum-norm
+    follows TRL's `loss_type="dr_grpo"` and Tunix (divide by N * L, so the scale does not grow with the batch);
+    verl's mode of the same name divides by L only (N times our value).
     `global_token_count` / `global_seq_count`, when given, replace D_tok / D_seq (see `loss_normalizers`).
     Rows without tokens contribute 0. Returns a float32 scalar.
     """
@@ -171,8 +182,10 @@ def _correction_factor(old_logprobs: jnp.ndarray, rollout_logprobs: jnp.ndarray,
     log w_t = log pi_old(y_t) - log pi_rollout(y_t); level token: log w_t; sequence: sum_t log w_t (product of
     ratios); geometric: mean_t log w_t; the sequence levels are broadcast over the row.
     TIS (Yao et al. 2025): factor = min(w, C), indicator w > C.
-    MIS / IcePop (Ling team 2025): factor = 1[mis_low <= w <= mis_high], indicator its complement. The
-    normaliser is not changed: a masked token counts in the denominator with zero loss (IcePop's objective).
+    MIS / IcePop (Ling team 2025, "IcePop"; verl rollout_rs "mask" mode with rollout_is weights): factor =
+    w * 1[mis_low <= w <= mis_high], i.e. kept tokens are weighted by their ratio itself and rejected ones get
+    0; indicator: the rejected ones. The normaliser is not changed: a masked token counts in the denominator
+    with zero loss (IcePop's objective).
     """
     log_w = jax.lax.stop_gradient((old_logprobs - rollout_logprobs) * mask)
     if cfg.correction_level == "sequence":
@@ -184,7 +197,9 @@ def _correction_factor(old_logprobs: jnp.ndarray, rollout_logprobs: jnp.ndarray,
         log_c = math.log(cfg.tis_clip_high)
         return jnp.exp(jnp.minimum(log_w, log_c)), log_w > log_c
     keep = (log_w >= math.log(cfg.mis_low)) & (log_w <= math.log(cfg.mis_high))
-    return keep.astype(jnp.float32), ~keep
+    # exp of the clipped log-weight: the kept band is bounded, and no inf/NaN is formed for rejected tokens.
+    w_kept = jnp.exp(jnp.clip(log_w, math.log(cfg.mis_low), math.log(cfg.mis_high)))
+    return jnp.where(keep, w_kept, 0.0), ~keep
 
 
 def policy_loss(

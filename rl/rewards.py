@@ -3,8 +3,9 @@
 Functions:
 - `gsm8k_reward`: 1.0 if the response's final answer equals the reference final answer, else 0.0.
   The final answer is the text after the last `####`, else the last `\\boxed{...}`, else the last
-  number. Plain decimals on both sides are compared exactly in Python (`decimal.Decimal`); anything
-  else (fractions, LaTeX, units) goes to math-verify (`math_verify.parse` + `math_verify.verify`,
+  number. Plain decimals on both sides are compared exactly in Python (`decimal.Decimal`) after
+  normalisation (`_plain_decimal`: Unicode minus, spaced signs, currency, thousands separators, scientific
+  notation, trailing units); anything else (fractions, LaTeX) goes to math-verify (`math_verify.parse` + `math_verify.verify`,
   which parse with latex2sympy / sympy). Model output is never evaluated as code.
 - `format_reward`: 1.0 if the response ends with a GSM8K answer line `#### <number>`.
 - `combine_rewards`: a weighted sum of reward functions, itself a reward function.
@@ -55,8 +56,13 @@ RewardFn = Callable[[str, str], float]
 # expressions are where sympy spends seconds (300 nested parentheses take ~2.5 s).
 MAX_ANSWER_CHARS = 200
 
-_NUMBER_RE = re.compile(r"-?\d[\d,]*(?:\.\d+)?|-?\.\d+")
-_PLAIN_NUMBER_RE = re.compile(r"-?(?:\d+|\d{1,3}(?:,\d{3})+)(?:\.\d+)?")
+_NUMBER_RE = re.compile(r"[-\u2212]?(?:\d[\d,]*(?:\.\d+)?|\.\d+)(?:[eE][-+]?\d+)?")
+# Answer normalisation (`_plain_decimal`): minus-like characters -> "-", thousands separators (comma, space,
+# thin / narrow no-break / no-break space) in groups of three, scientific notation, trailing unit words or %.
+_MINUS_TABLE = str.maketrans({c: "-" for c in "\u2212\u2012\u2013\u2014\u2015\ufe63\uff0d"})
+_GROUPED_RE = re.compile(r"\d{1,3}(?:([, \u2009\u202f\u00a0])\d{3})(?:\1\d{3})*(?:\.\d+)?")
+_PLAIN_NUMBER_RE = re.compile(r"(?:\d+(?:\.\d*)?|\.\d+)(?:[eE][-+]?\d{1,6})?")
+_UNIT_TAIL_RE = re.compile(r"(?<=[\d.])\s*(?:%|[^\W\d_]+\.?(?:\s+[^\W\d_]+\.?)*)\Z")
 _FORMAT_RE = re.compile(r"(?:^|\n)[ \t]*####[ \t]*\$?-?\d[\d,]*(?:\.\d+)?[ \t]*\Z")
 
 
@@ -99,11 +105,27 @@ def extract_final_answer(text: str) -> tuple[str, str] | None:
 
 
 def _plain_decimal(text: str) -> decimal.Decimal | None:
-    """`text` as an exact decimal if it is a plain number ("18", "-3.5", "1,000", "$18", "18."), else None."""
-    s = text.strip().removeprefix("$").strip().rstrip(".")
+    """`text` as an exact decimal if it is a plain number, else None (then math-verify decides).
+
+    Accepted (normalised before an exact `decimal.Decimal` comparison; nothing is evaluated): an optional sign,
+    also Unicode minus / dashes and spaced ("- 5"); a currency sign ($ EUR GBP); thousands separators in groups of
+    three (comma, space, thin or no-break space: "1,000", "1 000"); scientific notation ("1e3", "2.5E-2");
+    a trailing period; trailing unit words or % ("18 apples", "5 km", "50%"). Examples: "18", "-3.5",
+    "\u22125", "- 5", "$1,000.00", "1e3", "12 dollars".
+    """
+    s = text.strip().translate(_MINUS_TABLE).rstrip(".").strip()
+    sign = ""
+    for _ in range(2):  # sign and currency in either order: "-$5", "$-5"
+        if s[:1] in ("-", "+"):
+            sign, s = ("-" if s[0] == "-" else ""), s[1:].lstrip()
+        if s[:1] in ("$", "\u20ac", "\u00a3"):
+            s = s[1:].lstrip()
+    s = _UNIT_TAIL_RE.sub("", s).rstrip(".")
+    if _GROUPED_RE.fullmatch(s):
+        s = re.sub(r"[, \u2009\u202f\u00a0]", "", s)
     if not _PLAIN_NUMBER_RE.fullmatch(s):
         return None
-    return decimal.Decimal(s.replace(",", ""))
+    return decimal.Decimal(sign + s)
 
 
 # -- reward functions -------------------------------------------------------------------------------

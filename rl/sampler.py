@@ -13,8 +13,9 @@ Design (docs/jax-stack.md §5; Tunix `sampler.py`, MaxText `maxengine` read for 
 - Prompts are laid out right-padded internally (each row has its own positions), so a row's result does not
   depend on the other rows: the output is the same for any batch composition, padding included.
 - Weights: `fp8` = weight-only FP8 e4m3fn 128x128 blocks (f32 scales) for the released FP8 set (attention
-  projections, indexer wq_b, shared experts, MTP projections) and the routed experts; `fp8_e4m3fnuz` for
-  MI300/MI308 (gfx942); `auto` picks by device kind; `bf16` / `fp32` dense. FP8 weights are dequantised
+  projections, indexer wq_b, shared experts, MTP projections) and the routed experts, always built by
+  `quantize_weights` -> `dsv4.quant.quantize_rollout_fp8` (version 0, pushes, rebuilt samplers alike);
+  `fp8_e4m3fnuz` for MI300/MI308 (gfx942) is the exact byte conversion of the e4m3fn result; `auto` picks by device kind; `bf16` / `fp32` dense. FP8 weights are dequantised
   inside the jit: once per `generate` call (`dequant="per_call"`, faster) or inside every decode step
   (`dequant="per_step"`, only the FP8 copy stays resident: the memory-saving mode for large models).
 - Logprobs: `log_softmax(logits / T)` over the full vocabulary at the sampled token, i.e. after temperature and
@@ -258,7 +259,7 @@ class Sampler:
             return None
         from sharding.rules import param_shardings
         sh = param_shardings(abs_state, self.mesh, self.rules)
-        return {_key(p): v.value if isinstance(v, nnx.Variable) else v for p, v in nnx.to_flat_state(sh)}
+        return {_key(p): v.get_value() if isinstance(v, nnx.Variable) else v for p, v in nnx.to_flat_state(sh)}
 
     def _is_fp8(self, key: str, leaf) -> bool:
         return self.fp8 and leaf.ndim >= 2 and bool(quant.FP8_WEIGHT_RE.search(key) or quant.ROUTED_EXPERT_RE.search(key))
@@ -271,10 +272,10 @@ class Sampler:
         for p, v in self._abs_flat:
             k = _key(p)
             sh = self._raw_shardings[k]
-            if self._is_fp8(k, v.value):
-                block = self.fp8_block if v.value.ndim == 2 else self.fp8_block
+            if self._is_fp8(k, v.get_value()):
+                block = self.fp8_block
                 out[k] = quant.QuantizedTensor(q=sh, scale=rep, kind="fp8", fmt=self.fmt, block=block,
-                                               shape=v.value.shape)
+                                               shape=v.get_value().shape)
             else:
                 out[k] = sh
         return out
@@ -286,11 +287,11 @@ class Sampler:
             k = _key(p)
             x = raw[k]
             if self._is_fp8(k, x):
-                out[k] = quant.QuantizedTensor.from_fp8(x.astype(jnp.float32), fmt=self.fmt, block=self.fp8_block)
+                out[k] = quant.quantize_rollout_fp8(x, fmt=self.fmt, block=self.fp8_block)
             elif jnp.issubdtype(x.dtype, jnp.floating) and not _KEEP_F32.search(k):
                 out[k] = x.astype(self.compute_dtype)
             else:
-                out[k] = x.astype(v.value.dtype)
+                out[k] = x.astype(v.get_value().dtype)
         return out
 
     def rollout_shardings(self) -> dict | None:
@@ -298,7 +299,13 @@ class Sampler:
         return self._raw_shardings
 
     def quantize_weights(self, raw: dict) -> dict:
-        """Jitted quantisation on the rollout mesh: {key: array on the rollout mesh} -> rollout weight state."""
+        """Jitted quantisation on the rollout mesh: {key: array on the rollout mesh} -> rollout weight state.
+
+        The single function that builds rollout weights: version 0 (`Sampler(model)`), `update_weights` (a
+        rebuilt sampler, a resumed run without a pusher) and every push (sharding/push.py) all call it; FP8
+        tensors go through `dsv4.quant.quantize_rollout_fp8` (bf16 rounding, e4m3fn blocks, exact fnuz
+        conversion), so the result does not depend on how the weights arrived (fp32 master or bf16 wire copy).
+        """
         ctx = jax.set_mesh(self.mesh) if self.mesh is not None else _null()
         with ctx:
             return self._quantize_jit(raw)
@@ -318,7 +325,7 @@ class Sampler:
         if isinstance(params, dict) and all(isinstance(k, str) for k in params):
             flat = params
         else:
-            flat = {_key(p): (v.value if isinstance(v, nnx.Variable) else v) for p, v in nnx.to_flat_state(params)}
+            flat = {_key(p): (v.get_value() if isinstance(v, nnx.Variable) else v) for p, v in nnx.to_flat_state(params)}
         missing = [_key(p) for p, _ in self._abs_flat if _key(p) not in flat]
         if missing:
             raise ValueError(f"update_weights: {len(missing)} tensors missing, e.g. {missing[:5]}")

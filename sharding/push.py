@@ -84,7 +84,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from dsv4 import quant
 
 DEFAULT_CHUNK_BYTES = 256 * 2**20
-FP8_SOURCE_DTYPE = jnp.bfloat16  # what FP8-stored tensors travel as (the learner's compute precision)
+FP8_SOURCE_DTYPE = quant.ROLLOUT_FP8_SOURCE_DTYPE  # what FP8-stored tensors travel as (learner compute precision)
 
 
 class PushVerificationError(RuntimeError):

@@ -16,6 +16,7 @@ import json
 import pathlib
 import sys
 
+import numpy as np
 import pytest
 import yaml
 
@@ -275,12 +276,17 @@ def test_gsm8k_job_trains_evaluates_checkpoints_and_resumes(shared_dir, tmp_path
 
     rows = lt.read_metrics(out / "metrics.jsonl")
     assert [r["step"] for r in rows] == [0, 1, 2, 3]
+    # A step whose groups all score alike has no learning signal: no update, no push (issue 15 class 6); the
+    # random tiny model usually scores 0 on GSM8K, so which steps train is read from the metrics.
     for r in rows:
-        for k in ("rollout/reward_mean", "rollout/response_len_mean", "train/pg_loss", "train/loss", "train/grad_norm",
-                  "perf/step_s", "perf/rollout_tok_per_s", "perf/weight_push_s", "weight_version"):
+        trained = r["train/skipped_no_signal"] == 0
+        for k in ("rollout/reward_mean", "rollout/response_len_mean", "perf/step_s", "perf/rollout_tok_per_s",
+                  "weight_version") + (("train/pg_loss", "train/loss", "train/grad_norm", "perf/weight_push_s")
+                                       if trained else ()):
             assert k in r, (r["step"], k)
         assert 0.0 <= r["rollout/reward_mean"] <= 1.0
-    assert [r["weight_version"] for r in rows] == [1, 2, 3, 4]
+    trained = np.cumsum([r["train/skipped_no_signal"] == 0 for r in rows]).tolist()
+    assert [r["weight_version"] for r in rows] == trained
     for r in (rows[2], rows[3]):  # eval every 3 steps and at the last step
         assert {"eval/pass@1", "eval/pass@k", "eval/greedy_pass@1", "eval/k"} <= set(r) and r["eval/k"] == 2
         assert 0.0 <= r["eval/pass@1"] <= r["eval/pass@k"] <= 1.0

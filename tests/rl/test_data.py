@@ -202,3 +202,23 @@ def test_host_shards_are_disjoint():
 def test_default_shard_is_this_process():
     it = make_prompt_iterator(DigitTask(), batch_size=4)  # jax.process_index() / process_count() = 0 / 1
     assert next(it)["prompt_ids"].shape == (4, 6)
+
+
+def test_dropped_and_skipped_records_are_metrics(tmp_path, tok):
+    # Issue 15 class 8: what --on-bad-record skip drops reaches the step metrics, split by cause:
+    # data/skipped_records (malformed: line 2 lacks "answer", line 4 has no final answer) and
+    # data/dropped_overlong (line 3 is longer than max_prompt_len), summed over the train and eval sets.
+    from rl.loop import data_metrics
+
+    path = write_lines(tmp_path / "d.jsonl", [
+        '{"question": "how many?", "answer": "#### 3"}',
+        '{"question": "how many more?", "solution": "#### 4"}',
+        '{"question": "' + "very long " * 200 + '", "answer": "#### 5"}',
+        '{"question": "no final answer", "answer": "5"}',
+        'not json',
+    ])
+    records = load_records(path, on_bad_record="skip")
+    ds = PromptDataset.from_records(records, tok, max_prompt_len=64, on_bad_record="skip")
+    assert len(ds) == 1 and ds.skipped == 4 and ds.dropped_overlong == 1
+    assert data_metrics(ds) == {"data/skipped_records": 3.0, "data/dropped_overlong": 1.0}
+    assert data_metrics(ds, ds) == {"data/skipped_records": 6.0, "data/dropped_overlong": 2.0}

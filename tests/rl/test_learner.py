@@ -273,3 +273,41 @@ def test_state_dict_roundtrip_and_push_params(model, batch):
     assert len(pushed) == len(_flat(a.state.params)) + len(_flat(a.state.buffers))
     m = nnx.merge(a.graphdef, a.params_for_push())
     assert isinstance(m, dsv4.DSV4ForCausalLM)
+
+
+def test_replay_refuses_invalid_routes_and_counts_unknown(model, batch):
+    # Issue 15 class 1: a route outside [0, E) (other than the unknown marker -1), a repeated expert, a float
+    # dtype or a hash-layer route that is not tid2eid[token] is refused before anything runs, naming row,
+    # position and layer; unknown routes (-1) are counted in train/replay_unknown_frac.
+    learner = Learner(model, LearnerConfig(lr=1e-3, compute_dtype="float32", routing_replay=True))
+    routing = np.array(batch.routing)
+    real = np.argwhere(np.asarray(batch.attention_mask) > 0)
+    i, t = (int(x) for x in real[0])
+    e = CFG.n_routed_experts
+
+    def bad(layer, value):
+        r = routing.copy()
+        r[i, t, layer] = value
+        return batch.replace(routing=jnp.asarray(r))
+
+    cases = [
+        (bad(1, [e] + list(routing[i, t, 1, 1:])), "outside"),
+        (bad(1, [-3] + list(routing[i, t, 1, 1:])), "outside"),
+        (bad(1, [routing[i, t, 1, 1]] * CFG.num_experts_per_tok), "repeats an expert"),
+        (bad(1, [-1] + list(routing[i, t, 1, 1:])), "mixes"),
+        (batch.replace(routing=jnp.asarray(routing, jnp.float32)), "dtype"),
+        (bad(0, np.roll(np.arange(e), 1)[np.asarray(routing[i, t, 0])]), "hash-routed"),  # other experts
+    ]
+    for b, message in cases:
+        with pytest.raises(ValueError, match=message) as err:
+            learner.update(b)
+        if message != "dtype":
+            assert f"row {i}, position {t}, layer" in str(err.value)
+    assert int(learner.state.step) == 0  # nothing ran
+    # Unknown routes: the whole of layer 1 for the first real token -> 1 of (real tokens * 2 layers) pairs.
+    r = routing.copy()
+    r[i, t, 1] = -1
+    metrics = learner.update(batch.replace(routing=jnp.asarray(r)))
+    n_real = int((np.asarray(batch.attention_mask) > 0).sum())
+    np.testing.assert_allclose(float(metrics["train/replay_unknown_frac"]), 1 / (2 * n_real), rtol=1e-6)
+    assert float(metrics["train/replay_layers"]) == 2.0

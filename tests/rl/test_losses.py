@@ -194,6 +194,19 @@ def test_kl_clamping():
     np.testing.assert_allclose(kl_penalty(lp, ref, "k1", None), [[-15.0, 15.0]])
 
 
+def test_k3_default_clamp_is_verl_low_var_kl():
+    # verl low_var_kl: kl = clamp(ref - lp, -20, 20); k3 = exp(kl) - kl - 1, clamped to [-10, 10].
+    # x = lp - ref = 10.5: k3 = exp(-10.5) + 9.5 = 9.5000275 (a clamp of 10 would stop it at 9.0000454) and its
+    # gradient d/dlp = 1 - exp(-10.5) = 0.9999725 (0 under a clamp of 10). x = +-15 reaches the output clamp 10.
+    lp = jnp.array([[10.5, 15.0, -15.0]])
+    ref = jnp.zeros_like(lp)
+    assert LossConfig().kl_clamp == 20.0
+    np.testing.assert_allclose(kl_penalty(lp, ref, "k3", LossConfig().kl_clamp),
+                               [[9.5 + math.exp(-10.5), 10.0, 10.0]], rtol=1e-6)
+    g = jax.grad(lambda lp: kl_penalty(lp, ref, "k3", LossConfig().kl_clamp).sum())(lp)
+    np.testing.assert_allclose(g, [[1.0 - math.exp(-10.5), 0.0, 0.0]], rtol=1e-6)
+
+
 def test_k3_gradient():
     # d/dlp [exp(ref - lp) - (ref - lp) - 1] = 1 - exp(ref - lp); at lp = log 2, ref = 0: 1 - 1/2 = 0.5.
     g = jax.grad(lambda lp: kl_penalty(lp, jnp.zeros_like(lp), "k3").sum())(jnp.array([[LOG(2.0)]]))
@@ -261,14 +274,18 @@ def test_tis_token():
 
 
 def test_mis_token():
-    # IcePop: w = [0.25, 0.6, 1.5, 3] with [0.5, 2] keeps tokens 1 and 2. pg = -keep -> [0, -1, -1, 0];
-    # the denominator is unchanged (4 tokens): -2 / 4 = -0.5; masked fraction 2/4.
+    # IcePop: w = [0.25, 0.6, 1.5, 3] with [0.5, 2] keeps tokens 1 and 2, each weighted by its own ratio:
+    # factor [0, 0.6, 1.5, 0]; ratio 1, A = 1 -> pg = -factor; the denominator is unchanged (4 tokens):
+    # -(0.6 + 1.5) / 4 = -0.525; masked fraction 2/4. d/dlp = -factor / 4 = [0, -0.15, -0.375, 0].
     lp = jnp.zeros((1, 4))
     cfg = LossConfig(correction="mis", mis_low=0.5, mis_high=2.0)
     loss, metrics = policy_loss(lp, lp, jnp.ones(1), jnp.ones_like(lp), cfg,
                                 rollout_logprobs=rollout_for([[0.25, 0.6, 1.5, 3.0]]))
-    np.testing.assert_allclose(loss, -0.5, rtol=1e-6)
+    np.testing.assert_allclose(loss, -0.525, rtol=1e-6)
     np.testing.assert_allclose(metrics["train/tis_clipfrac"], 0.5, rtol=1e-6)
+    g = jax.grad(lambda lp: policy_loss(lp, jnp.zeros_like(lp), jnp.ones(1), jnp.ones_like(lp), cfg,
+                                        rollout_logprobs=rollout_for([[0.25, 0.6, 1.5, 3.0]]))[0])(lp)
+    np.testing.assert_allclose(g, [[0.0, -0.15, -0.375, 0.0]], rtol=1e-6, atol=1e-8)
 
 
 # Sequence-level batch: row 0 w = [1.5, 1.5]; row 1 w = [2, 0.5]; row 2 w = [1.5, pad] where the padding
@@ -285,10 +302,11 @@ SEQ_MASK = jnp.array([[1.0, 1.0], [1.0, 1.0], [1.0, 0.0]])
         ("tis", "sequence", -1.5, 0.4),
         # geometric means: 1.5, sqrt(2 * 0.5) = 1, 1.5 -> factors [1.5, 1, 1.5] -> -(3 + 2 + 1.5) / 5 = -1.3.
         ("tis", "geometric", -1.3, 0.0),
-        # MIS [0.5, 2] on sequence weights: row 0 (2.25) masked -> -(0 + 2 + 1) / 5 = -0.6; 2 tokens masked.
-        ("mis", "sequence", -0.6, 0.4),
-        # MIS on geometric means: all inside -> -5 / 5 = -1.
-        ("mis", "geometric", -1.0, 0.0),
+        # MIS [0.5, 2] on sequence weights [2.25, 1, 1.5]: row 0 masked, the others weighted by their ratio
+        # -> -(0 + 0 + 1 + 1 + 1.5) / 5 = -0.7; 2 tokens masked.
+        ("mis", "sequence", -0.7, 0.4),
+        # MIS on geometric means [1.5, 1, 1.5]: all inside, weighted -> -(3 + 2 + 1.5) / 5 = -1.3.
+        ("mis", "geometric", -1.3, 0.0),
     ],
 )
 def test_sequence_level_corrections(correction, level, expected_loss, expected_frac):

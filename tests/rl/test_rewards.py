@@ -3,7 +3,6 @@
 import functools
 import json
 import operator
-import time
 
 import numpy as np
 import pytest
@@ -64,6 +63,34 @@ def test_gsm8k_reward_uses_math_verify_for_expressions():
     assert gsm8k_reward("#### 18", "#### 18") == 1.0  # a whole answer field as reference is read after ####
 
 
+@pytest.mark.parametrize("response, reference", [
+    ("#### \u22125", "-5"),            # Unicode minus sign
+    ("#### - 5", "-5"),                # spaced sign
+    ("#### \u2212 5", "\u22125"),       # both, on both sides
+    ("#### 1e3", "1000"),              # scientific notation
+    ("#### 2.5E-2", "0.025"),
+    ("\\boxed{1e3}", "1000"),
+    ("#### 1,234,567", "1234567"),     # thousands separators: comma, space, narrow no-break space
+    ("#### 1 234 567", "1234567"),
+    ("#### 1\u202f234", "1234"),
+    ("#### 18 apples", "18"),          # trailing units
+    ("#### $18.00 per day", "18"),
+    ("#### 50%", "50"),
+    ("The answer is \u22125.", "-5"),   # the last-number fallback reads the Unicode minus and exponents too
+    ("So we need 1e3", "1000"),
+])
+def test_answer_normalisation(response, reference):
+    assert gsm8k_reward(response, reference) == 1.0
+
+
+@pytest.mark.parametrize("response, reference", [
+    ("#### \u22125", "5"), ("#### 5", "-5"), ("#### 1e3", "100"), ("#### 1,23", "123"), ("#### 18 + 1 = 19", "18"),
+    ("#### 1,000 apples and 2", "1000"),
+])
+def test_answer_normalisation_keeps_wrong_answers_wrong(response, reference):
+    assert gsm8k_reward(response, reference) == 0.0
+
+
 def test_format_reward():
     assert format_reward("3 + 4 = 7\n#### 7") == 1.0
     assert format_reward("#### -1,250.5  \n") == 1.0
@@ -101,10 +128,11 @@ def test_safe_reward_in_worker_counts_errors(pool):
 
 def test_pathological_input_times_out_and_pool_recovers(pool):
     assert safe_reward(gsm8k_reward, "#### 18", "18", pool=pool) == (1.0, "ok")  # a started worker
-    start = time.monotonic()
+    worker = pool._workers[0].proc
     value, status = safe_reward(gsm8k_reward, PATHOLOGICAL, "18", timeout_s=1.0, pool=pool)
     assert (value, status) == (0.0, "timeout")
-    assert time.monotonic() - start < 1.0 + 1.0  # the verdict comes at the deadline; the restart is deferred
+    # the stuck worker was killed at the deadline and the restart is deferred to the next call (no timing here)
+    assert not worker.is_alive() and worker.exitcode is not None and pool._workers[0] is None
     assert safe_reward(gsm8k_reward, "#### 18", "18", timeout_s=1.0, pool=pool) == (1.0, "ok")
 
 

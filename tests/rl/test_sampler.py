@@ -152,3 +152,31 @@ def test_fp8_vs_bf16_weights(model):
     np.testing.assert_array_equal(g16q.tokens, g8.tokens)
     np.testing.assert_array_equal(g16q.logprobs, g8.logprobs)
     assert g16q.weight_version == 1
+
+
+def test_fnuz_engine_equals_fn_engine(model):
+    """Issue 15 class 3: fp8_e4m3fnuz weights are the exact byte conversion of the e4m3fn ones (bytes
+    reinterpreted, 0x80 -> 0x00, scales x 2), so an fnuz engine (MI300X/MI308X) computes bitwise what an fn
+    engine (MI355X/H200) computes: same dequantised weights, tokens and logprobs."""
+    from dsv4 import quant
+
+    rs = np.random.RandomState(7)
+    prompts = _prompts(rs, (6, 11, 3, 9))
+    fn = Sampler(model, weights="fp8", max_prompt_len=64, compute_dtype=jnp.float32)
+    nuz = Sampler(model, weights="fp8_e4m3fnuz", max_prompt_len=64, compute_dtype=jnp.float32)
+    assert fn.fmt == "e4m3fn" and nuz.fmt == "e4m3fnuz"
+    wf, wn = fn.weight_state(), nuz.weight_state()
+    n_fp8 = 0
+    for k, a in wf.items():
+        if isinstance(a, quant.QuantizedTensor):
+            n_fp8 += 1
+            q_ref, s_ref = quant.fp8_fn_to_fnuz(np.asarray(a.q), np.asarray(a.scale), name=k)
+            np.testing.assert_array_equal(np.asarray(wn[k].q).view(np.uint8), q_ref.view(np.uint8), err_msg=k)
+            np.testing.assert_array_equal(np.asarray(wn[k].scale), s_ref, err_msg=k)
+            np.testing.assert_array_equal(np.asarray(wn[k].dequantize(jnp.float32)),
+                                          np.asarray(a.dequantize(jnp.float32)), err_msg=k)
+    assert n_fp8 > 10
+    for sp in (SamplingParams(temperature=0.0, max_new_tokens=8), SamplingParams(temperature=1.0, max_new_tokens=8)):
+        a, b = fn.generate(prompts, sp, seed=3), nuz.generate(prompts, sp, seed=3)
+        np.testing.assert_array_equal(a.tokens, b.tokens)
+        np.testing.assert_array_equal(a.logprobs, b.logprobs)

@@ -8,7 +8,8 @@ import pytest
 from jax.sharding import AxisType
 
 from sharding import axes as ax
-from sharding.mesh import DIM_SOURCES, MeshSpec, MeshSpecError, auto_mesh_spec, build_mesh_plan, parse_mesh_spec
+from sharding.mesh import (DIM_SOURCES, MeshSpec, MeshSpecError, auto_mesh_spec, build_mesh_plan, divisibility_problems,
+                           parse_mesh_spec)
 from sharding.rules import MESH_AXES
 
 # Small model dims (like DSV4Config.tiny()).
@@ -118,8 +119,13 @@ def test_divisibility_table_covers_every_axis():
 
 
 def test_divisibility_ok():
-    parse_mesh_spec("actor:fsdp=2,expert=2/rollout:expert=2,tensor=2").validate(8, CFG)
-    build_mesh_plan("auto", config=CFG)
+    spec = parse_mesh_spec("actor:fsdp=2,expert=2/rollout:expert=2,tensor=2")
+    assert spec.validate(8, CFG) is None  # no MeshSpecError
+    for role in ("actor", "rollout"):  # every sharded config dim divides: no problem reported
+        assert divisibility_problems(role, spec.axes(role), CFG) == []
+    plan = build_mesh_plan("auto", config=CFG)
+    assert plan.actor.size + plan.rollout.size == 8 and not plan.colocated
+    assert str(plan.spec) == str(auto_mesh_spec(8))
 
 
 def test_divisibility_errors():

@@ -277,3 +277,32 @@ def test_transfer_layout_when_the_actor_cannot_express_the_rollout_split():
     with pytest.raises(Exception, match="host-to-device"):
         with jax.transfer_guard_host_to_device("disallow_explicit"):
             jax.device_put(x, rollout_sh).block_until_ready()
+
+
+def test_fresh_sampler_from_learner_params_equals_pushed(disjoint):
+    """Issue 15 class 2: one function builds rollout weights (`Sampler.quantize_weights` ->
+    `quant.quantize_rollout_fp8`): a sampler built fresh from the learner's fp32 params (version 0 of a run,
+    a resumed run, a rebuilt rollout) holds bitwise the FP8 state a push of the same params produces, and
+    samples the same greedy tokens."""
+    plan, state, sampler, _, pusher = disjoint
+    _guarded_push(pusher, state, sampler, version=sampler.weight_version + 1)
+    model = dsv4.DSV4ForCausalLM(CFG, rngs=nnx.Rngs(1))
+    nnx.update(model, jax.device_get(state))
+    fresh = Sampler(model, mesh=plan.rollout, weights="fp8", max_prompt_len=16)
+    pushed, built = sampler.weight_state(), fresh.weight_state()
+    assert pushed.keys() == built.keys()
+    for k, w in pushed.items():
+        if isinstance(w, quant.QuantizedTensor):
+            np.testing.assert_array_equal(np.asarray(built[k].q).view(np.uint8), np.asarray(w.q).view(np.uint8),
+                                          err_msg=k)
+            np.testing.assert_array_equal(np.asarray(built[k].scale).view(np.uint32),
+                                          np.asarray(w.scale).view(np.uint32), err_msg=k)
+        else:
+            np.testing.assert_array_equal(np.asarray(built[k]).view(np.uint8), np.asarray(w).view(np.uint8),
+                                          err_msg=k)
+    rs = np.random.RandomState(11)
+    prompts = [list(map(int, rs.randint(3, CFG.vocab_size, n))) for n in (3, 7, 5, 9, 4, 6, 8, 2)]
+    sp = SamplingParams(temperature=0.0, max_new_tokens=6)
+    a, b = sampler.generate(prompts, sp, seed=0), fresh.generate(prompts, sp, seed=0)
+    np.testing.assert_array_equal(a.tokens, b.tokens)
+    np.testing.assert_array_equal(a.logprobs, b.logprobs)

@@ -1,0 +1,48 @@
+"""rl/loop.py `learn_and_push`: a step without learning signal changes nothing (issue 15 class 6).
+
+After a step with signal (Adam has momentum), a batch whose advantages are all 0 (every group zero-std or
+filtered) must not move the params, the optimizer state or the step counter, must not push, and must say so in
+`train/skipped_no_signal`. Tiny 2-layer model, fp32 everywhere, no pusher (the sampler's `update_weights`).
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from dsv4 import DSV4Config, DSV4ForCausalLM
+from rl.config import LearnerConfig, RunConfig
+from rl.learner import Learner
+from rl.loop import Job, learn_and_push
+from rl.sampler import Sampler, SamplingParams
+
+CFG = DSV4Config.tiny(num_hidden_layers=2, compress_ratios=(4, 8), num_nextn_predict_layers=0)
+
+
+def _host(state):
+    return [np.array(x) for x in jax.tree.leaves(state)]
+
+
+def test_no_signal_step_skips_update_and_push():
+    model = DSV4ForCausalLM(CFG, rngs=nnx.Rngs(0))
+    learner = Learner(model, LearnerConfig(lr=1e-2, compute_dtype="float32", routing_replay=True))
+    sampler = Sampler(model, weights="fp32", max_prompt_len=16)
+    rs = np.random.RandomState(0)
+    prompts = [list(map(int, rs.randint(3, CFG.vocab_size, n))) for n in (5, 7, 3, 6)]
+    rb = sampler.generate(prompts, SamplingParams(temperature=1.0, max_new_tokens=4), seed=0)
+    job = Job(cfg=RunConfig(routing_replay=True), model_cfg=CFG, plan=None, tokenizer=None, task=None,
+              train_data=None, eval_prompts=[], eval_refs=[], reward=None, learner=learner, sampler=sampler,
+              pusher=None, iterator=None, ckpt=None, logger=None)
+
+    m1 = learn_and_push(job, rb, np.array([1.0, -1.0, 0.5, -0.5], np.float32))
+    assert m1["train/skipped_no_signal"] == 0.0 and job.weight_version == 1 and sampler.weight_version == 1
+    before = _host(learner.state)
+    w_before = _host(sampler.weight_state())
+
+    m2 = learn_and_push(job, rb, np.zeros(4, np.float32))
+    assert m2["train/skipped_no_signal"] == 1.0
+    assert job.weight_version == 1 and sampler.weight_version == 1  # no push, no new version
+    after = _host(learner.state)
+    assert all(a.tobytes() == b.tobytes() for a, b in zip(before, after))  # params, Adam moments, step
+    assert all(a.tobytes() == b.tobytes() for a, b in zip(w_before, _host(sampler.weight_state())))
+    assert int(learner.state.step) == 1
