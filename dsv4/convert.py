@@ -10,15 +10,16 @@ Quantised tensors: an FP8 `F8_E4M3` weight with a sibling `.scale` (official, e8
 `.weight_scale_inv` (transformers) is block-dequantised (128x128 unless `quantization_config` says otherwise);
 an `I8`/`U8` weight with a scale is an FP4 e2m1 pack (1x32 e8m0 scales) (spec §9.2, §12 item 23).
 
-Load streams tensor by tensor from `dsv4.safetensors_io` (no full-file read); export writes a temp directory
-renamed into place, with a `config.json` that transformers 5.23 loads with no missing or unexpected keys.
+Load: `dsv4/load.py` (sharded, region reads, on-device dequantisation). Export (`save_hf_checkpoint`) streams
+one tensor at a time from the possibly sharded model (quantised on its devices, then gathered), one writer
+process, into a temp directory renamed into place, with a `config.json` that transformers 5.23 loads with no
+missing or unexpected keys.
 """
 
 from __future__ import annotations
 
-import dataclasses
+import functools
 import json
-import logging
 import os
 import pathlib
 import re
@@ -32,12 +33,9 @@ import numpy as np
 from flax import nnx
 
 from dsv4 import quant
-from dsv4.config import DSV4Config
 from dsv4.model import DSV4ForCausalLM
-from dsv4.safetensors_io import SafetensorsFile, checkpoint_keys, save_sharded_checkpoint
+from dsv4.safetensors_io import save_sharded_checkpoint
 
-
-log = logging.getLogger(__name__)
 
 
 class CheckpointError(ValueError):
@@ -115,20 +113,6 @@ def official_tensors(model_or_abstract) -> dict[str, jax.Array]:
 
 
 _EXPERT_KEY = re.compile(r"^(.*\.ffn\.experts)\.(w[123])$")
-_FILE_EXPERT_KEY = re.compile(r"^(.*\.ffn\.experts)\.(\d+)\.(w[123])\.weight$")
-
-
-def _expected(cfg: DSV4Config, abstract) -> dict[str, tuple[tuple[int, ...], object]]:
-    """Official per-file keys expected for this config -> (shape, dtype of our leaf), experts expanded."""
-    exp = {}
-    for key, leaf in official_tensors(abstract).items():
-        m = _EXPERT_KEY.match(key)
-        if m:
-            for e in range(leaf.shape[0]):
-                exp[f"{m.group(1)}.{e}.{m.group(2)}.weight"] = (tuple(leaf.shape[1:]), leaf.dtype)
-        else:
-            exp[key] = (tuple(leaf.shape), leaf.dtype)
-    return exp
 
 
 def load_hf_checkpoint(path, **kw):
@@ -142,33 +126,57 @@ def load_hf_checkpoint(path, **kw):
 _FP8_KEYS = quant.FP8_WEIGHT_RE  # the released FP8 set (routed experts are matched separately)
 
 
+def _gather(x) -> np.ndarray:
+    """One array -> host numpy, identical on every process (`process_allgather` when it spans processes)."""
+    if not isinstance(x, jax.Array) or x.is_fully_addressable:
+        return np.asarray(jax.device_get(x))
+    from jax.experimental import multihost_utils
+    return np.asarray(multihost_utils.process_allgather(x, tiled=True))
+
+
+@functools.partial(jax.jit, static_argnames=("kind", "block"))
+def _quantize_on_device(x, kind: str, block):
+    """Sharded x [..., out, in] -> (q, e8m0 scale bytes uint8) in the release's format, on x's devices."""
+    x = x.astype(jnp.float32)
+    if kind == "fp4":
+        return quant.quantize_fp4(x)
+    q, sc = quant.quantize_fp8_blockwise(x, fmt="e4m3fn", block=block, scale_fmt="ue8m0")
+    return q, quant.f32_to_e8m0(sc)
+
+
+@jax.jit
+def _take(a, e):
+    return jax.lax.dynamic_index_in_dim(a, e, keepdims=False)
+
+
 def iter_export_tensors(model: DSV4ForCausalLM, *, quantize: str | None = None, block=(128, 128)):
-    """(official name, numpy array) pairs of the whole model; with quantize="fp8" the FP8 set of the release
-    and the routed experts are written as e4m3fn + e8m0 `.scale` tensors (FP8 "mixed"); with "fp8_fp4" the
-    routed experts are FP4 e2m1 with 1x32 e8m0 scales, exactly the released Flash layout."""
+    """(official name, numpy array) pairs of the whole model, one tensor on the host at a time.
+
+    With quantize="fp8" the FP8 set of the release and the routed experts are written as e4m3fn + e8m0
+    `.scale` tensors (FP8 "mixed"); with "fp8_fp4" the routed experts are FP4 e2m1 with 1x32 e8m0 scales,
+    exactly the released Flash layout. Quantisation runs jitted on the model's devices (sharded arrays stay
+    sharded); then one per-file tensor (one expert of a stack) is gathered to the host. Multi-process: every
+    process must iterate (the gathers are collectives); all of them see the same arrays.
+    """
     if quantize not in (None, "fp8", "fp8_fp4"):
         raise ValueError(f"quantize must be None, 'fp8' or 'fp8_fp4', got {quantize!r}")
     for key, val in official_tensors(model).items():
-        arr = np.asarray(jax.device_get(val))
         if key.endswith("tid2eid"):
-            yield key, arr.astype(np.int64)
+            yield key, _gather(val).astype(np.int64)
             continue
         m = _EXPERT_KEY.match(key)
-        names = ([(f"{m.group(1)}.{e}.{m.group(2)}.weight", arr[e]) for e in range(arr.shape[0])] if m
-                 else [(key, arr)])
-        for name, a in names:
-            if quantize and m and quantize == "fp8_fp4":
-                packed, sc = quant.quantize_fp4(a.astype(np.float32))
-                yield name, packed
-                yield name[: -len(".weight")] + ".scale", sc.view(ml_dtypes.float8_e8m0fnu)
-            elif quantize and (m or _FP8_KEYS.search(name)):
-                q, sc = quant.quantize_fp8_blockwise(a.astype(np.float32), fmt="e4m3fn", block=block,
-                                                     scale_fmt="ue8m0")
-                yield name, np.asarray(q)
-                yield name[: -len(".weight")] + ".scale", np.asarray(quant.f32_to_e8m0(np.asarray(sc))).view(
-                    ml_dtypes.float8_e8m0fnu)
-            else:
-                yield name, a
+        kind = None
+        if quantize and m:
+            kind = "fp4" if quantize == "fp8_fp4" else "fp8"
+        elif quantize and _FP8_KEYS.search(key):
+            kind = "fp8"
+        parts = _quantize_on_device(val, kind, tuple(block)) if kind else (val,)
+        names = [f"{m.group(1)}.{e}.{m.group(2)}.weight" for e in range(val.shape[0])] if m else [key]
+        for e, name in enumerate(names):
+            got = [_gather(_take(x, e) if m else x) for x in parts]
+            yield name, got[0]
+            if kind:
+                yield name[: -len(".weight")] + ".scale", got[1].view(ml_dtypes.float8_e8m0fnu)
 
 
 def save_hf_checkpoint(model: DSV4ForCausalLM, path, *, quantize: str | None = None,
@@ -180,12 +188,35 @@ def save_hf_checkpoint(model: DSV4ForCausalLM, path, *, quantize: str | None = N
         the released FP8 set and the experts) or "fp8_fp4" (experts FP4 as released).
       overwrite: replace an existing directory (the old one is removed only after the new one is complete).
     Written to a temp directory beside `path`, then renamed into place: a crash leaves no half checkpoint.
+    Streams tensor by tensor from the (possibly sharded) model (`iter_export_tensors`): one tensor gathered at
+    a time, at most one output shard (`max_shard_bytes`) held. Multi-process runs: every process calls this
+    (the gathers are collectives), process 0 alone writes (`path` must be on a file system it can reach), and
+    all return after the rename.
     Raises:
       FileExistsError: `path` exists and `overwrite` is False.
     """
     path = pathlib.Path(path)
     if path.exists() and not overwrite:
         raise FileExistsError(f"{path} exists (pass overwrite=True to replace it)")
+    if jax.process_index() != 0:
+        for _ in iter_export_tensors(model, quantize=quantize):
+            pass
+        _barrier("dsv4_save_hf_checkpoint")
+        return path
+    try:
+        _write_hf_checkpoint(model, path, quantize=quantize, max_shard_bytes=max_shard_bytes)
+    finally:
+        _barrier("dsv4_save_hf_checkpoint")
+    return path
+
+
+def _barrier(name: str) -> None:
+    if jax.process_count() > 1:
+        from jax.experimental import multihost_utils
+        multihost_utils.sync_global_devices(name)
+
+
+def _write_hf_checkpoint(model, path, *, quantize, max_shard_bytes) -> None:
     cfg = model.config
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp_root = pathlib.Path(tempfile.mkdtemp(prefix=f".{path.name}.", dir=path.parent))
@@ -208,4 +239,3 @@ def save_hf_checkpoint(model: DSV4ForCausalLM, path, *, quantize: str | None = N
         os.replace(staged, path)
     finally:
         shutil.rmtree(tmp_root, ignore_errors=True)
-    return path
