@@ -385,7 +385,7 @@ def load_hf_checkpoint(path, *, dtype=jnp.bfloat16, config: DSV4Config | None = 
         actor's `sharding.rules.ACTOR_RULES`), reading only the addressable shards' bytes. Multi-process: every
         process calls this with the same arguments. Without a mesh: whole tensors on the default device.
       keep_quantized: see the module docstring (no mesh: `(model, {per-file key: QuantizedTensor})`; mesh:
-        `{NNX path key: QuantizedTensor | jax.Array}`, the quantised tensors not dequantised).
+        `{NNX path key: QuantizedTensor | jax.Array}` as `load_quantized_state` returns it).
       compute_dtype: the model's matmul dtype (default: `dtype`).
       progress: a tqdm bar on process 0's stderr (None: when stderr is a terminal).
     Returns:
@@ -393,6 +393,42 @@ def load_hf_checkpoint(path, *, dtype=jnp.bfloat16, config: DSV4Config | None = 
     Raises:
       CheckpointError: one line naming the directory/file and tensor (see the module docstring).
     """
+    if keep_quantized and mesh is not None:
+        return load_quantized_state(path, dtype=dtype, config=config, mesh=mesh, rules=rules, progress=progress)
+    abstract, leaves, values, quantized = _load(path, dtype=dtype, config=config, mesh=mesh, rules=rules,
+                                                keep_quantized=keep_quantized, compute_dtype=compute_dtype,
+                                                progress=progress)
+    graphdef, state = nnx.split(abstract)
+    flat = [(p, v.replace(values["/".join(map(str, p))])) for p, v in nnx.to_flat_state(state)]
+    model = nnx.merge(graphdef, nnx.from_flat_state(flat))
+    if not keep_quantized:
+        return model
+    per_file = {}
+    for k, qt in quantized.items():
+        lf = leaves[k]
+        for e, src in enumerate(lf.srcs):
+            per_file[hf_to_official(src.name)] = dataclasses.replace(
+                qt, q=np.asarray(qt.q[e] if lf.stacked else qt.q), scale=np.asarray(qt.scale[e] if lf.stacked else qt.scale),
+                shape=lf.shape[1:] if lf.stacked else lf.shape)
+    return model, per_file
+
+
+def load_quantized_state(path, *, dtype=jnp.bfloat16, config: DSV4Config | None = None, mesh=None, rules=None,
+                         progress: bool | None = None) -> dict:
+    """The checkpoint as stored: {NNX path key "layers/0/attn/wq_a/weight": QuantizedTensor | jax.Array}.
+
+    Quantised tensors (FP8 blocks, FP4 packs; stacked experts `[E, ...]`) are `dsv4.quant.QuantizedTensor`s whose
+    `q` holds the file's bytes (in the leaf's sharding when a mesh is given; FP4: the packed `[..., in/2]`
+    int8) and whose `scale` is float32 (aligned with q's sharding where the block grid allows, else
+    replicated); every other tensor is a dense array in `dtype` (f32 for the model's f32 leaves). Nothing is
+    dequantised. Placement, reads, errors: as `load_hf_checkpoint`.
+    """
+    _, leaves, values, quantized = _load(path, dtype=dtype, config=config, mesh=mesh, rules=rules,
+                                         keep_quantized=True, compute_dtype=None, progress=progress, dense=False)
+    return {k: quantized.get(k, values.get(k)) for k in leaves}
+
+
+def _load(path, *, dtype, config, mesh, rules, keep_quantized, compute_dtype, progress, dense=True):
     path = pathlib.Path(path)
     files = _scan(path)
     if config is None:
@@ -425,7 +461,7 @@ def load_hf_checkpoint(path, *, dtype=jnp.bfloat16, config: DSV4Config | None = 
     try:
         for key, leaf in leaves.items():
             sharding = None if shardings is None else shardings[key]
-            values[key], q = _load_leaf(fh, key, leaf, sharding, mesh, block, cfg, keep_quantized, finite)
+            values[key], q = _load_leaf(fh, key, leaf, sharding, mesh, block, cfg, keep_quantized, finite, dense)
             if q is not None:
                 quantized[key] = q
             bar.step(sum(_nbytes(s) for s in leaf.srcs + (leaf.scales or [])))
@@ -437,25 +473,10 @@ def load_hf_checkpoint(path, *, dtype=jnp.bfloat16, config: DSV4Config | None = 
     finally:
         fh.close()
         bar.close(path)
-    if keep_quantized and mesh is not None:
-        return {k: quantized.get(k, values.get(k)) for k in leaves}
-    graphdef, state = nnx.split(abstract)
-    flat = [(p, v.replace(values["/".join(map(str, p))])) for p, v in nnx.to_flat_state(state)]
-    model = nnx.merge(graphdef, nnx.from_flat_state(flat))
-    if keep_quantized:
-        per_file = {}
-        for k, qt in quantized.items():
-            lf = leaves[k]
-            names = [hf_to_official(s.name) for s in lf.srcs]
-            for e, n in enumerate(names):
-                per_file[n] = dataclasses.replace(qt, q=np.asarray(qt.q[e] if lf.stacked else qt.q),
-                                                  scale=np.asarray(qt.scale[e] if lf.stacked else qt.scale),
-                                                  shape=lf.shape[1:] if lf.stacked else lf.shape)
-        return model, per_file
-    return model
+    return abstract, leaves, values, quantized
 
 
-def _load_leaf(fh, key: str, leaf: _Leaf, sharding, mesh, block, cfg, keep_quantized, finite):
+def _load_leaf(fh, key: str, leaf: _Leaf, sharding, mesh, block, cfg, keep_quantized, finite, dense=True):
     """-> (dense jax.Array or None when kept quantised on a mesh, QuantizedTensor or None)."""
     is_int = np.issubdtype(leaf.dtype, np.integer)
     if leaf.kind == "plain":
@@ -491,7 +512,7 @@ def _load_leaf(fh, key: str, leaf: _Leaf, sharding, mesh, block, cfg, keep_quant
     else:
         qt = quant.QuantizedTensor(q=q, scale=s32, kind="fp4", fmt="e2m1", block=(1, quant.FP4_BLOCK),
                                    shape=leaf.shape)
-    if keep_quantized and mesh is not None:
+    if not dense:
         finite.append((key, _all_finite(s32)))
         return None, qt
     fn = _dequant_fn(leaf.kind, block, leaf.dtype)
@@ -506,4 +527,24 @@ def _mesh_ctx(mesh):
     return jax.set_mesh(mesh) if mesh is not None else contextlib.nullcontext()
 
 
-__all__ = ["load_hf_checkpoint", "check_config_matches", "CheckpointError"]
+__all__ = ["load_hf_checkpoint", "load_quantized_state", "check_config_matches", "CheckpointError"]
+
+
+def init_model(config: DSV4Config, *, seed: int = 0, param_dtype=jnp.float32, dtype=None, mesh=None, rules=None):
+    """A randomly initialised DSV4ForCausalLM, created sharded: `jax.jit` of the init with out_shardings =
+    `param_shardings(abstract, mesh, rules)` (`rules=None`: the actor's), so no process ever holds the whole
+    model and each device computes only its shards. Without a mesh: the plain eager init.
+    The values equal the eager `DSV4ForCausalLM(config, rngs=nnx.Rngs(seed), param_dtype=...)` (jax's
+    partitionable threefry: random bits do not depend on the sharding).
+    """
+    def make():
+        return DSV4ForCausalLM(config, rngs=nnx.Rngs(seed), param_dtype=param_dtype, dtype=dtype or param_dtype)
+
+    if mesh is None:
+        return make()
+    from sharding.rules import ACTOR_RULES, param_shardings
+    graphdef, abstract = nnx.split(nnx.eval_shape(make))
+    sh = param_shardings(abstract, mesh, ACTOR_RULES if rules is None else rules)
+    with jax.set_mesh(mesh):
+        state = jax.jit(lambda: nnx.state(make()), out_shardings=sh)()
+    return nnx.merge(graphdef, state)

@@ -397,6 +397,35 @@ def quantize_fp4(w, *, block: int = FP4_BLOCK):
     return pack_fp4_e2m1(codes.reshape(*lead, rows, cols)), f32_to_e8m0(scale)
 
 
+def fp4_to_fp8_blockwise(packed, scale, *, block: tuple[int, int] = (128, 128), fp4_block: int = FP4_BLOCK):
+    """FP4 e2m1 (1 x fp4_block scales) -> FP8 e4m3fn with one power-of-two f32 scale per `block` tile. Jittable.
+
+    packed [..., out, in/2] int8, scale [..., out, in/fp4_block] (e8m0 bytes or f32 powers of two) ->
+    (q e4m3fn [..., out, in], S f32 [..., ceil(out/b0), ceil(in/b1)]). Per tile, S = s_max / 64 where s_max is
+    the largest 1x32 scale in the tile, so the largest e2m1 magnitude (6 * s_max) lands on 384 <= 448; then
+    q = cast(W / S) with W the exact dense FP4 values.
+    Error bound (e4m3fn: 3 mantissa bits, smallest subnormal 2^-9): an e2m1 value c * s_j (c in {0.5, 1, 1.5,
+    2, 3, 4, 6}) becomes c * 2^(6 - d) * S with d = log2(s_max / s_j); that is exactly representable whenever
+    d <= 14. So the conversion is exact when every 1x32 scale of a tile lies within 14 binades of the tile's
+    largest; otherwise the small values round to the nearest multiple of 2^-9 * S, |error| <= 2^-10 * S =
+    s_max * 2^-16 per element. Tests: tests/dsv4/test_load_sharded.py.
+    """
+    xp = _xp(packed, scale)
+    w = dequantize_fp4(packed, scale, xp.float32, block=fp4_block)  # exact in f32
+    s = _scale_to_f32(scale)
+    *lead, rows, cols = w.shape
+    b0, b1 = block
+    nb0, nb1 = -(-rows // b0), -(-cols // b1)
+    per = b1 // fp4_block if b1 % fp4_block == 0 else None
+    if per is None:
+        raise ValueError(f"fp4_to_fp8_blockwise: fp8 block {block} is not a multiple of the fp4 block {fp4_block}")
+    sp = xp.pad(s, [(0, 0)] * len(lead) + [(0, nb0 * b0 - rows), (0, nb1 * per - s.shape[-1])])
+    smax = xp.max(sp.reshape(*lead, nb0, b0, nb1, per), axis=(-3, -1))  # -> [..., nb0, nb1]
+    tile = (smax / 64.0).astype(xp.float32)
+    full = xp.repeat(xp.repeat(tile, b0, axis=-2), b1, axis=-1)[..., :rows, :cols]
+    return saturating_cast_fp8(w / full, "e4m3fn"), tile
+
+
 # ------------------------------------------------------------------------------------ stored tensor
 
 
