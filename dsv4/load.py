@@ -10,8 +10,8 @@
 - FP8 (e4m3fn/e4m3fnuz, 128x128 blocks, f32 or e8m0 scales) and FP4 (e2m1 packed in I8, 1x32 e8m0 scales) are
   placed as they are stored (the packed shard and the scale blocks covering it) and dequantised by a jitted
   function on the devices, whose out_shardings is the leaf's sharding (`dsv4.quant` jnp path).
-- Host memory: one leaf's local shards at a time (a shard's bytes, then its device copy); NaN/inf checks run
-  on the devices and are collected once at the end.
+- Host memory: one leaf's local shards at a time (a shard's bytes, then its device copy). NaN/inf checks run
+  on the raw bytes of each shard as it is read (NaN floats, fp8 NaN bytes, the e8m0 NaN byte), on the host.
 - Without a mesh the same reader fills whole tensors and the model lands on the default device (the old
   behaviour, for small models and notebooks).
 - `keep_quantized=True`: without a mesh, returns `(model, {official per-file key: QuantizedTensor})` as stored
@@ -250,15 +250,23 @@ def _fp8_block(cfg: DSV4Config) -> tuple[int, int]:
 # ------------------------------------------------------------------------------------------------- reading
 
 
-def _read_stacked(files: _Files, srcs: list[_Src], stacked: bool, bounds, dtype=None) -> np.ndarray:
-    """The region `bounds` of a leaf (stacked: dim 0 picks the per-expert files) as one numpy array."""
+def _read_stacked(files: _Files, srcs: list[_Src], stacked: bool, bounds, dtype=None, check_for=None) -> np.ndarray:
+    """The region `bounds` of a leaf (stacked: dim 0 picks the per-expert files) as one numpy array; each
+    file region is checked by `check_for(src)` (a callable or None) before the cast to `dtype`."""
+    def read(src, bnds):
+        a = files.read(src, bnds)
+        check = check_for(src) if check_for is not None else None
+        if check is not None:
+            check(a)
+        return a
+
     if not stacked:
-        a = files.read(srcs[0], bounds)
+        a = read(srcs[0], bounds)
         return a if dtype is None else a.astype(dtype, copy=False)
     (e0, e1), rest = bounds[0], bounds[1:]
     out = None
     for j, e in enumerate(range(e0, e1)):
-        a = files.read(srcs[e], rest)
+        a = read(srcs[e], rest)
         if out is None:
             out = np.empty((e1 - e0, *a.shape), dtype or a.dtype)
         out[j] = a
@@ -289,31 +297,20 @@ def _fit_spec(spec: PartitionSpec, shape, mesh) -> PartitionSpec:
     return PartitionSpec(*out)
 
 
-def _place(files: _Files, srcs, stacked, shape, sharding, dtype=None, check=None):
+def _place(files: _Files, srcs, stacked, shape, sharding, dtype=None, check_for=None):
     """A jax.Array of `shape` in `sharding` (None: default device) whose shards are read by region."""
     where = f"{srcs[0].file}: tensor {srcs[0].name!r}"
     if sharding is None:
-        a = _read_stacked(files, srcs, stacked, [(0, n) for n in shape], dtype)
-        if check is not None:
-            check(a)
-        return jnp.asarray(a)
+        return jnp.asarray(_read_stacked(files, srcs, stacked, [(0, n) for n in shape], dtype, check_for))
     memo: dict = {}
 
     def cb(index):
         bounds = tuple(region_bounds(index, shape, where=where))
         if bounds not in memo:  # a shard replicated over local devices is read once
-            a = _read_stacked(files, srcs, stacked, list(bounds), dtype)
-            if check is not None:
-                check(a)
-            memo[bounds] = a
+            memo[bounds] = _read_stacked(files, srcs, stacked, list(bounds), dtype, check_for)
         return memo[bounds]
 
     return jax.make_array_from_callback(shape, sharding, cb)
-
-
-@jax.jit
-def _all_finite(x):
-    return jnp.all(jnp.isfinite(x))
 
 
 def _dequant_fn(kind, block, dtype):
@@ -457,42 +454,54 @@ def _load(path, *, dtype, config, mesh, rules, keep_quantized, compute_dtype, pr
     total = sum(_nbytes(s) for lf in leaves.values() for s in lf.srcs + (lf.scales or []))
     bar = _Progress(path, total, len(leaves), enabled)
     fh = _Files()
-    values, quantized, finite = {}, {}, []
+    values, quantized = {}, {}
     try:
         for key, leaf in leaves.items():
             sharding = None if shardings is None else shardings[key]
-            values[key], q = _load_leaf(fh, key, leaf, sharding, mesh, block, cfg, keep_quantized, finite, dense)
+            values[key], q = _load_leaf(fh, leaf, sharding, mesh, block, cfg, keep_quantized, dense)
             if q is not None:
                 quantized[key] = q
             bar.step(sum(_nbytes(s) for s in leaf.srcs + (leaf.scales or [])))
-        bad = [k for k, ok in finite if not bool(np.asarray(ok))]
-        if bad:
-            k = bad[0]
-            raise CheckpointError(f"{leaves[k].srcs[0].file}: tensor {leaves[k].key!r} contains NaN or inf"
-                                  + (f" (and {len(bad) - 1} more tensors)" if len(bad) > 1 else ""))
     finally:
         fh.close()
         bar.close(path)
     return abstract, leaves, values, quantized
 
 
-def _load_leaf(fh, key: str, leaf: _Leaf, sharding, mesh, block, cfg, keep_quantized, finite, dense=True):
-    """-> (dense jax.Array or None when kept quantised on a mesh, QuantizedTensor or None)."""
-    is_int = np.issubdtype(leaf.dtype, np.integer)
+def _finite_check(src: _Src):
+    """Host check of the raw bytes just read (no device pass, no compile): NaN/inf floats, NaN fp8 bytes,
+    the e8m0 NaN byte 255. CheckpointError naming file and tensor."""
+    dt = src.dtype
+    if dt in ("F32", "F16", "BF16", "F64"):
+        bad = lambda a: not np.isfinite(a).all()  # noqa: E731
+    elif dt in _FP8:
+        nan = (0x80,) if dt == "F8_E4M3FNUZ" else (0x7F, 0xFF)
+        bad = lambda a: bool(np.isin(a.view(np.uint8), nan).any())  # noqa: E731
+    elif dt == "F8_E8M0":
+        bad = lambda a: bool((a.view(np.uint8) == 255).any())  # noqa: E731
+    else:
+        return None
+
+    def check(a):
+        if a.size and bad(a):
+            raise CheckpointError(f"{src.file}: tensor {src.name!r} contains NaN or inf")
+    return check
+
+
+def _load_leaf(fh, leaf: _Leaf, sharding, mesh, block, cfg, keep_quantized, dense=True):
+    """-> (dense jax.Array, or None when only the stored blocks are wanted; QuantizedTensor or None)."""
     if leaf.kind == "plain":
-        check = None
+        check_for = _finite_check
         if leaf.key.endswith("tid2eid"):
             n = cfg.n_routed_experts
 
-            def check(a, leaf=leaf):
-                if a.size and (a.min() < 0 or a.max() >= n):
-                    raise CheckpointError(f"{leaf.srcs[0].file}: tensor {leaf.srcs[0].name!r}: expert ids "
-                                          f"outside [0, {n})")
-        arr = _place(fh, leaf.srcs, leaf.stacked, leaf.shape, sharding, leaf.dtype, check)
-        if not is_int:
-            finite.append((key, _all_finite(arr)))
-        return arr, None
-    # quantised: the stored q and its scales, then (unless kept) dequantised on the devices
+            def check_for(src):
+                def check(a):
+                    if a.size and (a.min() < 0 or a.max() >= n):
+                        raise CheckpointError(f"{src.file}: tensor {src.name!r}: expert ids outside [0, {n})")
+                return check
+        return _place(fh, leaf.srcs, leaf.stacked, leaf.shape, sharding, leaf.dtype, check_for), None
+    # quantised: the stored q and its scales, then (unless only those are wanted) dequantised on the devices
     qshape = ((leaf.shape[0],) if leaf.stacked else ()) + _packed_shape(leaf)
     sc0 = leaf.scales[0]
     sshape = ((leaf.shape[0],) if leaf.stacked else ()) + sc0.shape
@@ -502,24 +511,23 @@ def _load_leaf(fh, key: str, leaf: _Leaf, sharding, mesh, block, cfg, keep_quant
         q_sh = NamedSharding(mesh, _fit_spec(sharding.spec, qshape, mesh))
         grid_block = lead + (block if leaf.kind == "fp8" else (1, quant.FP4_BLOCK // 2))
         s_sh = NamedSharding(mesh, _aligned_spec(q_sh.spec, qshape, grid_block, mesh))
-    q = _place(fh, leaf.srcs, leaf.stacked, qshape, q_sh, None)
-    s = _place(fh, leaf.scales, leaf.stacked, sshape, s_sh, None)
-    with _mesh_ctx(mesh):
-        s32 = _jit(("scale",), quant._scale_to_f32, s_sh)(s)
-    if leaf.kind == "fp8":
-        fmt = "e4m3fnuz" if leaf.srcs[0].dtype == "F8_E4M3FNUZ" else "e4m3fn"
-        qt = quant.QuantizedTensor(q=q, scale=s32, kind="fp8", fmt=fmt, block=block, shape=leaf.shape)
-    else:
-        qt = quant.QuantizedTensor(q=q, scale=s32, kind="fp4", fmt="e2m1", block=(1, quant.FP4_BLOCK),
-                                   shape=leaf.shape)
+    q = _place(fh, leaf.srcs, leaf.stacked, qshape, q_sh, None, _finite_check)
+    s = _place(fh, leaf.scales, leaf.stacked, sshape, s_sh, None, _finite_check)
+    qt = None
+    if keep_quantized:
+        with _mesh_ctx(mesh):
+            s32 = _jit(("scale",), quant._scale_to_f32, s_sh)(s)
+        if leaf.kind == "fp8":
+            fmt = "e4m3fnuz" if leaf.srcs[0].dtype == "F8_E4M3FNUZ" else "e4m3fn"
+            qt = quant.QuantizedTensor(q=q, scale=s32, kind="fp8", fmt=fmt, block=block, shape=leaf.shape)
+        else:
+            qt = quant.QuantizedTensor(q=q, scale=s32, kind="fp4", fmt="e2m1", block=(1, quant.FP4_BLOCK),
+                                       shape=leaf.shape)
     if not dense:
-        finite.append((key, _all_finite(s32)))
         return None, qt
     fn = _dequant_fn(leaf.kind, block, leaf.dtype)
     with _mesh_ctx(mesh):
-        dense = _jit(("dq", leaf.kind, block, str(leaf.dtype)), fn, sharding)(q, s)
-    finite.append((key, _all_finite(dense)))
-    return dense, (qt if keep_quantized else None)
+        return _jit(("dq", leaf.kind, block, str(leaf.dtype)), fn, sharding)(q, s), qt
 
 
 def _mesh_ctx(mesh):

@@ -345,9 +345,17 @@ def pack_fp4_e2m1(codes):
 
 
 def fp4_codes_to_values(codes, dtype=jnp.float32):
-    """e2m1 codes (0..15, bit 3 = sign) -> values 0, .5, 1, 1.5, 2, 3, 4, 6 and negatives, in `dtype`."""
+    """e2m1 codes (0..15, bit 3 = sign) -> values 0, .5, 1, 1.5, 2, 3, 4, 6 and negatives, in `dtype`.
+
+    Built from bits, not a table gather (a gather is slow on XLA:CPU): exponent field e = bits 1-2, mantissa
+    m = bit 0; e > 0 gives the f32 2^(e-1) * (1 + m/2), e = 0 gives m * 0.5 (OCP MX spec §5.3.3); sign = bit 3.
+    """
     xp = _xp(codes)
-    return xp.asarray(FP4_E2M1_VALUES)[codes.astype(xp.int32)].astype(dtype)
+    c = codes.astype(xp.uint32)
+    e, m = (c >> np.uint32(1)) & np.uint32(3), c & np.uint32(1)
+    bits = xp.where(e == 0, m * np.uint32(126 << 23), ((e + np.uint32(126)) << np.uint32(23)) | (m << np.uint32(22)))
+    bits = bits | ((c >> np.uint32(3)) << np.uint32(31))
+    return _bitcast(bits.astype(xp.uint32), xp.float32).astype(dtype)
 
 
 def dequantize_fp4(packed, scale, dtype=jnp.float32, *, block: int = FP4_BLOCK):
@@ -358,13 +366,18 @@ def dequantize_fp4(packed, scale, dtype=jnp.float32, *, block: int = FP4_BLOCK):
     inside the jit. ValueError if the scale shape does not match.
     """
     xp = _xp(packed, scale)
-    vals = fp4_codes_to_values(unpack_fp4_e2m1(packed), xp.float32)  # -> [..., out, in]
-    *lead, rows, cols = vals.shape
-    if cols % block or tuple(scale.shape) != (*lead, rows, cols // block):
+    b = packed if np.dtype(packed.dtype) == np.uint8 else _bitcast(packed, xp.uint8)
+    *lead, rows, n = b.shape
+    cols = 2 * n
+    if block % 2 or cols % block or tuple(scale.shape) != (*lead, rows, cols // block):
         raise ValueError(f"fp4 scale shape {tuple(scale.shape)} does not match packed {tuple(packed.shape)} "
                          f"(logical [..., {rows}, {cols}], block {block})")
-    vb = vals.reshape(*lead, rows, cols // block, block) * _scale_to_f32(scale)[..., None]
-    return vb.reshape(*lead, rows, cols).astype(dtype)
+    # nibbles by a broadcast shift ([..., groups, block/2, 1] >> [0, 4]): low nibble = even column, and the
+    # trailing reshape is free (no stack/interleave copy; 3-4x faster on XLA:CPU than unpack_fp4_e2m1 + gather)
+    g = block // 2
+    codes = (b.reshape(*lead, rows, n // g, g, 1) >> xp.asarray([0, 4], dtype=xp.uint8)) & np.uint8(0x0F)
+    vals = fp4_codes_to_values(codes, xp.float32) * _scale_to_f32(scale)[..., None, None]
+    return vals.reshape(*lead, rows, cols).astype(dtype)
 
 
 def fp4_round_codes(x):
