@@ -10,11 +10,13 @@ the sampler's:
   span <= 14 binades; bound in its docstring).
 - Anything the sampler quantises but the file stores dense (a bf16 checkpoint) is quantised as the sampler
   does; everything else is cast as `Sampler._quantize_fn` casts it.
-The input buffers are donated, so the FP8 bytes are not held twice.
+Converted leaf by leaf with the input donated: the peak is the converted state plus one leaf's stored blocks.
 Tests: tests/dsv4/test_load_sharded.py (same logprobs as the dense-loaded fp32 sampler).
 """
 
 from __future__ import annotations
+
+import warnings
 
 import jax
 import jax.numpy as jnp
@@ -55,23 +57,39 @@ def checkpoint_rollout_weights(sampler, path, *, config=None, progress: bool | N
     if missing:
         raise ValueError(f"{path}: the checkpoint lacks {len(missing)} tensors the rollout model needs, e.g. {missing[:3]}")
 
-    def build(stored):
-        out = {}
-        for p, v in abs_flat:
-            k = _key(p)
-            x = stored[k]
-            if sampler._is_fp8(k, v.value):
-                out[k] = _as_sampler_fp8(x, sampler.fmt, sampler.fp8_block)
-                continue
-            if isinstance(x, quant.QuantizedTensor):
-                x = x.dequantize(jnp.float32)
-            if jnp.issubdtype(x.dtype, jnp.floating) and not _KEEP_F32.search(k):
-                out[k] = x.astype(sampler.compute_dtype)
-            else:
-                out[k] = x.astype(v.value.dtype)
-        return out
+    out_sh = sampler._wstate_shardings()
+    jits: dict = {}
 
-    if sampler.mesh is None:
-        return jax.jit(build, donate_argnums=0)(stored)
-    with jax.set_mesh(sampler.mesh):
-        return jax.jit(build, donate_argnums=0, out_shardings=sampler._wstate_shardings())(stored)
+    def convert(x, mode: str, dtype):
+        if mode == "fp8":
+            return _as_sampler_fp8(x, sampler.fmt, sampler.fp8_block)
+        if isinstance(x, quant.QuantizedTensor):
+            x = x.dequantize(jnp.float32)
+        return x.astype(dtype)
+
+    # one jit per leaf (cached by treatment; same shapes share executables), inputs donated: the peak is the
+    # converted state plus one leaf's stored blocks, never two copies of the whole model
+    out = {}
+    for p, v in abs_flat:
+        k = _key(p)
+        x = stored.pop(k)
+        if sampler._is_fp8(k, v.value):
+            mode, dtype = "fp8", None
+        elif jnp.issubdtype(x.dtype if not isinstance(x, quant.QuantizedTensor) else jnp.float32, jnp.floating) \
+                and not _KEEP_F32.search(k):
+            mode, dtype = "cast", jnp.dtype(sampler.compute_dtype)
+        else:
+            mode, dtype = "cast", jnp.dtype(v.value.dtype)
+        sh = None if out_sh is None else out_sh[k]
+        fn_key = (mode, dtype, sh)
+        if fn_key not in jits:
+            jits[fn_key] = jax.jit(lambda x, mode=mode, dtype=dtype: convert(x, mode, dtype), donate_argnums=0,
+                                   **({} if sh is None else {"out_shardings": sh}))
+        with warnings.catch_warnings():  # an FP4 pack cannot become an FP8 buffer in place: freed instead
+            warnings.filterwarnings("ignore", message="Some donated buffers were not usable")
+            if sampler.mesh is None:
+                out[k] = jits[fn_key](x)
+            else:
+                with jax.set_mesh(sampler.mesh):
+                    out[k] = jits[fn_key](x)
+    return out
