@@ -305,3 +305,26 @@ def test_two_processes_load_and_export(ckpts, tmp_path):
              if "read_frac=" in line]
     assert len(fracs) == 2 and all(0 < f < 1 for f in fracs), logs
     assert "export loads back identically" in logs[0]
+
+
+def test_progress_bar_on_process_0(ckpts, capsys):
+    load_hf_checkpoint(ckpts["fp8_fp4"], dtype=jnp.float32, progress=True)
+    err = capsys.readouterr().err
+    assert "loading fp8_fp4" in err and "tensors" in err and "B/s" in err
+
+
+def test_export_from_sharded_model_loads_in_transformers(ckpts, plan, tmp_path):
+    pytest.importorskip("transformers")
+    from transformers import AutoModelForCausalLM
+
+    sharded = load_hf_checkpoint(ckpts["fp32"], dtype=jnp.float32, mesh=plan.actor)
+    out = save_hf_checkpoint(sharded, tmp_path / "export")
+    hf, info = AutoModelForCausalLM.from_pretrained(out, output_loading_info=True, dtype="float32")
+    assert not info["missing_keys"] and not info["unexpected_keys"], info
+    sd = hf.state_dict()
+    ours = _flat(sharded)
+    np.testing.assert_array_equal(sd["model.embed_tokens.weight"].numpy(), np.asarray(ours["embed/weight"]))
+    gu = sd["model.layers.2.mlp.experts.gate_up_proj"].numpy()
+    np.testing.assert_array_equal(gu[:, : CFG.moe_intermediate_size], np.asarray(ours["layers/2/ffn/experts/w1"]))
+    np.testing.assert_array_equal(sd["model.layers.1.self_attn.q_a_proj.weight"].numpy(),
+                                  np.asarray(ours["layers/1/attn/wq_a/weight"]))
