@@ -44,7 +44,7 @@ from dsv4 import quant
 from dsv4.config import ConfigError, DSV4Config
 from dsv4.convert import _EXPERT_KEY, CheckpointError, _path_to_key, hf_to_official
 from dsv4.model import DSV4ForCausalLM
-from dsv4.safetensors_io import SafetensorsFile, checkpoint_keys, region_bounds
+from dsv4.safetensors_io import SafetensorsFile, bytes_read, checkpoint_keys, region_bounds
 
 log = logging.getLogger(__name__)
 
@@ -93,7 +93,8 @@ class _Files:
             a = f.read_region(src.name, tuple(slice(a, b) for a, b in bounds))
             return a.view(np.uint8) if src.dtype == "F8_E8M0" else a  # e8m0 bytes travel as uint8
         except (OSError, ValueError) as e:
-            raise CheckpointError(f"{src.file}: tensor {src.name!r}: {_short(e)}") from None
+            msg = _short(e)
+            raise CheckpointError(msg if msg.startswith(src.file) else f"{src.file}: tensor {src.name!r}: {msg}") from None
 
     def close(self):
         for f in self._open.values():
@@ -335,7 +336,7 @@ class _Progress:
     """tensors / bytes / GB/s of a load on process 0's stderr (tqdm), else a closing log line only."""
 
     def __init__(self, path, total_bytes, n, enabled):
-        self.t0, self.done, self.bytes, self.n = time.perf_counter(), 0, 0, n
+        self.t0, self.done, self.bytes, self.n, self.read0 = time.perf_counter(), 0, 0, n, bytes_read()
         self.bar = None
         if enabled and jax.process_index() == 0:
             try:
@@ -356,8 +357,9 @@ class _Progress:
         if self.bar is not None:
             self.bar.close()
         dt = time.perf_counter() - self.t0
-        log.info("loaded %s: %d tensors, %.2f GB of the checkpoint in %.1f s (%.2f GB/s) on process %d",
-                 path, self.done, self.bytes / 1e9, dt, self.bytes / 1e9 / max(dt, 1e-9), jax.process_index())
+        read = bytes_read() - self.read0
+        log.info("loaded %s: %d tensors (%.2f GB) in %.1f s; process %d read %.2f GB of them (%.2f GB/s)",
+                 path, self.done, self.bytes / 1e9, dt, jax.process_index(), read / 1e9, read / 1e9 / max(dt, 1e-9))
 
 
 def _nbytes(src: _Src) -> int:

@@ -262,7 +262,10 @@ def _shard_files(directory: pathlib.Path) -> dict[str, list[str] | None]:
         if not files:
             raise ValueError(f"{directory}: no *.safetensors files and no {INDEX_NAME}")
         return {f: None for f in files}
-    weight_map = json.loads(index.read_text())["weight_map"]
+    try:
+        weight_map = json.loads(index.read_text())["weight_map"]
+    except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError) as e:
+        raise ValueError(f"{index}: not a safetensors index (JSON with a `weight_map`): {e}") from None
     shards: dict[str, list[str]] = {}
     for name, fname in weight_map.items():
         shards.setdefault(fname, []).append(name)
