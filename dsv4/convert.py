@@ -144,9 +144,26 @@ def _quantize_on_device(x, kind: str, block):
     return q, quant.f32_to_e8m0(sc)
 
 
-@jax.jit
-def _take(a, e):
-    return jax.lax.dynamic_index_in_dim(a, e, keepdims=False)
+def _expert_slices(x):
+    """Yield x[e] (numpy) for e in range(E) of a stacked [E, ...] array, one expert on the host at a time when
+    x is fully addressable (copied from the shards that hold it: no device gather of the stack); a stack that
+    spans processes is gathered once (`process_allgather`) and sliced on the host."""
+    if isinstance(x, jax.Array) and x.is_fully_addressable and len(x.sharding.device_set) > 1:
+        shards = [(s.index, s.data) for s in x.addressable_shards]
+        for e in range(x.shape[0]):
+            out, done = np.empty(x.shape[1:], x.dtype), set()
+            for idx, data in shards:
+                lo = idx[0].start or 0
+                hi = x.shape[0] if idx[0].stop is None else idx[0].stop
+                key = tuple((sl.start, sl.stop) for sl in idx[1:])
+                if lo <= e < hi and key not in done:
+                    out[idx[1:]] = np.asarray(data[e - lo])
+                    done.add(key)
+            yield out
+    else:
+        full = _gather(x)
+        for e in range(full.shape[0]):
+            yield full[e]
 
 
 def iter_export_tensors(model: DSV4ForCausalLM, *, quantize: str | None = None, block=(128, 128)):
@@ -171,9 +188,12 @@ def iter_export_tensors(model: DSV4ForCausalLM, *, quantize: str | None = None, 
         elif quantize and _FP8_KEYS.search(key):
             kind = "fp8"
         parts = _quantize_on_device(val, kind, tuple(block)) if kind else (val,)
-        names = [f"{m.group(1)}.{e}.{m.group(2)}.weight" for e in range(val.shape[0])] if m else [key]
-        for e, name in enumerate(names):
-            got = [_gather(_take(x, e) if m else x) for x in parts]
+        if m:
+            names = [f"{m.group(1)}.{e}.{m.group(2)}.weight" for e in range(val.shape[0])]
+            per_part = zip(names, *[_expert_slices(x) for x in parts])
+        else:
+            per_part = [(key, *[_gather(x) for x in parts])]
+        for name, *got in per_part:
             yield name, got[0]
             if kind:
                 yield name[: -len(".weight")] + ".scale", got[1].view(ml_dtypes.float8_e8m0fnu)
