@@ -151,7 +151,8 @@ def build(cfg: RunConfig) -> Job:
     if cfg.init == "random":
         model = init_model(model_cfg, seed=cfg.seed, param_dtype=jnp.float32, mesh=plan.actor)
     else:
-        model = load_hf_checkpoint(cfg.init, dtype=jnp.float32, config=model_cfg, mesh=plan.actor)
+        model = load_hf_checkpoint(cfg.init, dtype=jnp.float32, config=model_cfg, mesh=plan.actor,
+                                   progress=cfg.progress)
     lcfg = LearnerConfig(lr=cfg.lr, warmup_steps=cfg.warmup_steps, loss=cfg.loss_config(),
                          routing_replay=cfg.routing_replay, freeze_router=cfg.freeze_router,
                          micro_batch_size=cfg.micro_batch_size, compute_dtype=cfg.compute_dtype,
@@ -168,7 +169,8 @@ def build(cfg: RunConfig) -> Job:
                       weights=cfg.rollout_dtype, max_prompt_len=max_prompt,
                       compute_dtype=None if cfg.rollout_dtype == "fp32" else rcd)
     if ckpt_init:
-        sampler.set_weights(checkpoint_rollout_weights(sampler, cfg.init, config=model.config), version=0)
+        sampler.set_weights(checkpoint_rollout_weights(sampler, cfg.init, config=model.config,
+                                                       progress=cfg.progress), version=0)
     del model
     pusher = make_pusher(plan, learner, sampler)
     it = make_prompt_iterator(train, batch_size=cfg.prompts_per_step, seed=cfg.seed)
