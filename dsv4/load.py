@@ -298,11 +298,37 @@ def _fit_spec(spec: PartitionSpec, shape, mesh) -> PartitionSpec:
     return PartitionSpec(*out)
 
 
+def _row_sharding(sharding: NamedSharding, shape) -> NamedSharding:
+    """The sharding to *read* a leaf in: the mesh axes of `sharding` moved onto dim 0 (same axes, so every process
+    still needs the same bytes), so each device's region is a run of whole rows: one `pread` per file tensor
+    instead of one per row (and whole pages from disk). `sharding` itself when dim 0 does not divide."""
+    axes = [a for e in sharding.spec if e for a in ((e,) if isinstance(e, str) else e)]
+    parts = math.prod(sharding.mesh.shape[a] for a in axes)
+    if not axes or not shape or shape[0] % parts:
+        return sharding
+    lead = axes[0] if len(axes) == 1 else tuple(axes)
+    return NamedSharding(sharding.mesh, PartitionSpec(lead, *([None] * (len(shape) - 1))))
+
+
+def _identity(x):
+    return x
+
+
 def _place(files: _Files, srcs, stacked, shape, sharding, dtype=None, check_for=None):
-    """A jax.Array of `shape` in `sharding` (None: default device) whose shards are read by region."""
-    where = f"{srcs[0].file}: tensor {srcs[0].name!r}"
+    """A jax.Array of `shape` in `sharding` (None: default device) whose shards are read by region: read in
+    `_row_sharding` (contiguous runs), then resharded on the devices by a jitted identity if that differs."""
     if sharding is None:
         return jnp.asarray(_read_stacked(files, srcs, stacked, [(0, n) for n in shape], dtype, check_for))
+    read_sh = _row_sharding(sharding, shape)
+    x = _read_placed(files, srcs, stacked, shape, read_sh, dtype, check_for)
+    if read_sh.is_equivalent_to(sharding, len(shape)):
+        return x
+    with jax.set_mesh(sharding.mesh):
+        return _jit(("reshard",), _identity, sharding)(x)
+
+
+def _read_placed(files: _Files, srcs, stacked, shape, sharding, dtype, check_for):
+    where = f"{srcs[0].file}: tensor {srcs[0].name!r}"
     memo: dict = {}
 
     def cb(index):
