@@ -1,12 +1,14 @@
 """Sharded, streaming load of an official (or transformers-named) DeepSeek-V4 safetensors checkpoint.
 
 `load_hf_checkpoint(path, *, dtype, config, mesh, rules, keep_quantized)`:
-- With a `mesh`, every leaf is created directly in its rule-table sharding (`sharding.rules.param_shardings`,
-  `rules=None` = the actor's) with `jax.make_array_from_callback`: the callback of each *addressable* shard reads
-  only that shard's byte ranges from the file (`SafetensorsFile.read_region`: one `pread` per contiguous run),
-  stacked experts are assembled per shard from the per-expert file tensors (or sliced from transformers' fused
-  ones), and a shard replicated over several local devices is read once. A process therefore reads only the
-  bytes its devices hold (plus whole copies of the tensors its rules replicate).
+- With a `mesh`, every leaf ends in its rule-table sharding (`sharding.rules.param_shardings`, `rules=None` = the
+  actor's) without ever being whole on a host: it is created with `jax.make_array_from_callback` in a row-split
+  sharding over the *same* mesh axes (`_row_sharding`), whose callback, for each *addressable* shard, reads only
+  that shard's rows from the file (`SafetensorsFile.read_region`: one `pread` per contiguous run), then a jitted
+  identity reshards it on the devices. Stacked experts are assembled per shard from the per-expert file tensors
+  (or sliced from transformers' fused ones); a shard replicated over several local devices is read once. A
+  process therefore reads only as many bytes as its devices hold (plus whole copies of the tensors its rules
+  replicate), in large contiguous reads.
 - FP8 (e4m3fn/e4m3fnuz, 128x128 blocks, f32 or e8m0 scales) and FP4 (e2m1 packed in I8, 1x32 e8m0 scales) are
   placed as they are stored (the packed shard and the scale blocks covering it) and dequantised by a jitted
   function on the devices, whose out_shardings is the leaf's sharding (`dsv4.quant` jnp path).
