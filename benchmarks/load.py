@@ -102,6 +102,14 @@ def write_checkpoint(path: pathlib.Path) -> tuple[int, int]:
     return count_params(abstract, include_mtp=True), total
 
 
+def _proc(file: str, field: str) -> int:
+    """An integer field of /proc/self/<file> (Linux): VmRSS in kB from `status`, rchar in bytes from `io`."""
+    for line in pathlib.Path(f"/proc/self/{file}").read_text().splitlines():
+        if line.startswith(field):
+            return int(line.split()[1])
+    raise RuntimeError(f"/proc/self/{file} has no {field}")
+
+
 def worker(args) -> int:
     from sharding import distributed
     info = distributed.initialize_from_args(args)
@@ -110,7 +118,6 @@ def worker(args) -> int:
     import jax
     import jax.numpy as jnp
     import numpy as np
-    import psutil
     from flax import nnx
 
     from dsv4 import load_hf_checkpoint, quant
@@ -121,16 +128,15 @@ def worker(args) -> int:
     mesh = mesh_lib.build_mesh_plan(MESH_SPEC).actor
     ckpt = pathlib.Path(args.ckpt)
     total = sum(int(np.prod(s)) * DTYPES[dt].itemsize for _, dt, s in checkpoint_keys(ckpt).values())
-    proc = psutil.Process()
     jnp.zeros(()).block_until_ready()
-    rss0, rchar0, b0 = proc.memory_info().rss, proc.io_counters().read_chars, bytes_read()
+    rss0, rchar0, b0 = _proc("status", "VmRSS:") * 1024, _proc("io", "rchar:"), bytes_read()
     t0 = time.perf_counter()
     model = load_hf_checkpoint(ckpt, dtype=jnp.bfloat16, mesh=mesh, rules=ACTOR_RULES, progress=False)
     leaves = [v.get_value() for _, v in nnx.to_flat_state(nnx.state(model))]
     jax.block_until_ready(leaves)
     load_s = time.perf_counter() - t0
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-    read, rchar = bytes_read() - b0, proc.io_counters().read_chars - rchar0
+    read, rchar = bytes_read() - b0, _proc("io", "rchar:") - rchar0
     held = sum(s.data.nbytes for x in leaves for s in x.addressable_shards)
     # dequantisation throughput: one layer's FP4 w1 stack [E, I, D] -> bf16 on the 4 local devices of process 0
     # (process 1 waits, so the two do not share the cores)
