@@ -8,7 +8,10 @@ __all__ = ["ConfigError", "DSV4Config", "DSV4ForCausalLM", "DSV4Output", "count_
 
 
 def __getattr__(name):  # lazy: checkpoint I/O pulls in safetensors parsing only when used
-    if name in ("load_hf_checkpoint", "save_hf_checkpoint"):
-        from dsv4 import convert
-        return getattr(convert, name)
+    if name == "load_hf_checkpoint":
+        from dsv4.load import load_hf_checkpoint
+        return load_hf_checkpoint
+    if name == "save_hf_checkpoint":
+        from dsv4.convert import save_hf_checkpoint
+        return save_hf_checkpoint
     raise AttributeError(name)

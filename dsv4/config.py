@@ -337,6 +337,8 @@ class DSV4Config:
         unknown = sorted(k for k in d if k not in fields and k not in ignorable)
         if unknown:
             log.warning("%s: ignoring unknown DeepSeek-V4 config key(s): %s", src, ", ".join(unknown))
+        # storage metadata: a file without the key (transformers, our unquantised exports) has no FP4 experts
+        kw["expert_dtype"] = d.get("expert_dtype")
         if "dtype" in d and "torch_dtype" not in d and isinstance(d["dtype"], str):
             kw["torch_dtype"] = d["dtype"]
         for k, v in d.items():

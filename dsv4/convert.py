@@ -10,15 +10,16 @@ Quantised tensors: an FP8 `F8_E4M3` weight with a sibling `.scale` (official, e8
 `.weight_scale_inv` (transformers) is block-dequantised (128x128 unless `quantization_config` says otherwise);
 an `I8`/`U8` weight with a scale is an FP4 e2m1 pack (1x32 e8m0 scales) (spec §9.2, §12 item 23).
 
-Load streams tensor by tensor from `dsv4.safetensors_io` (no full-file read); export writes a temp directory
-renamed into place, with a `config.json` that transformers 5.23 loads with no missing or unexpected keys.
+Load: `dsv4/load.py` (sharded, region reads, on-device dequantisation). Export (`save_hf_checkpoint`) streams
+one tensor at a time from the possibly sharded model (quantised on its devices, then gathered), one writer
+process, into a temp directory renamed into place, with a `config.json` that transformers 5.23 loads with no
+missing or unexpected keys.
 """
 
 from __future__ import annotations
 
-import dataclasses
+import functools
 import json
-import logging
 import os
 import pathlib
 import re
@@ -32,12 +33,9 @@ import numpy as np
 from flax import nnx
 
 from dsv4 import quant
-from dsv4.config import DSV4Config
 from dsv4.model import DSV4ForCausalLM
-from dsv4.safetensors_io import SafetensorsFile, checkpoint_keys, save_sharded_checkpoint
+from dsv4.safetensors_io import save_sharded_checkpoint
 
-
-log = logging.getLogger(__name__)
 
 
 class CheckpointError(ValueError):
@@ -115,163 +113,12 @@ def official_tensors(model_or_abstract) -> dict[str, jax.Array]:
 
 
 _EXPERT_KEY = re.compile(r"^(.*\.ffn\.experts)\.(w[123])$")
-_FILE_EXPERT_KEY = re.compile(r"^(.*\.ffn\.experts)\.(\d+)\.(w[123])\.weight$")
 
 
-def _expected(cfg: DSV4Config, abstract) -> dict[str, tuple[tuple[int, ...], object]]:
-    """Official per-file keys expected for this config -> (shape, dtype of our leaf), experts expanded."""
-    exp = {}
-    for key, leaf in official_tensors(abstract).items():
-        m = _EXPERT_KEY.match(key)
-        if m:
-            for e in range(leaf.shape[0]):
-                exp[f"{m.group(1)}.{e}.{m.group(2)}.weight"] = (tuple(leaf.shape[1:]), leaf.dtype)
-        else:
-            exp[key] = (tuple(leaf.shape), leaf.dtype)
-    return exp
-
-
-def _dequantize(name: str, w: np.ndarray, scale: np.ndarray, block) -> np.ndarray:
-    if w.dtype in (ml_dtypes.float8_e4m3fn, ml_dtypes.float8_e4m3fnuz):
-        return np.asarray(quant.dequantize_fp8_blockwise(w, scale, block=tuple(block), dtype=np.float32))
-    if w.dtype in (np.int8, np.uint8):
-        return np.asarray(quant.dequantize_fp4(w.view(np.int8), scale, np.float32))
-    raise CheckpointError(f"{name}: has a scale but dtype {w.dtype} is neither FP8 e4m3 nor packed FP4 (I8)")
-
-
-def load_hf_checkpoint(path, *, dtype=jnp.bfloat16, config: DSV4Config | None = None, compute_dtype=None,
-                       keep_quantized: bool = False):
-    """Load an official-format (or transformers-named) DeepSeek-V4 safetensors checkpoint directory.
-
-    Args:
-      path: directory with `*.safetensors` (with or without `model.safetensors.index.json`) and, unless
-        `config` is given, `config.json`.
-      dtype: parameter dtype (float32 / bfloat16); mHC, sinks, ape and the router bias stay float32.
-      compute_dtype: matmul dtype (default: `dtype`).
-      keep_quantized: also return {official key: dsv4.quant.QuantizedTensor} of every FP8/FP4 tensor exactly
-        as stored (for the FP8 sampler).
-    Returns:
-      DSV4ForCausalLM, or (model, quantized dict) with `keep_quantized`.
-    Raises:
-      CheckpointError: missing / unexpected tensors (listed), or a tensor whose shape or dtype does not match
-        (named, with expected and found shapes).
-    """
-    path = pathlib.Path(path)
-    cfg = config or DSV4Config.from_hf(path)
-    compute_dtype = compute_dtype or dtype
-    qcfg = dict(cfg.quantization_config or {})
-    block = tuple(qcfg.get("weight_block_size", (128, 128)))
-    files = checkpoint_keys(path)
-    if cfg.num_nextn_predict_layers and not any(hf_to_official(k).startswith("mtp.") for k in files):
-        log.warning("%s: no mtp.* tensors (a transformers checkpoint has none): loading without the MTP block", path)
-        cfg = dataclasses.replace(cfg, num_nextn_predict_layers=0,
-                                  compress_ratios=cfg.compress_ratios[: cfg.num_hidden_layers])
-    abstract = nnx.eval_shape(lambda: DSV4ForCausalLM(cfg, rngs=nnx.Rngs(0), param_dtype=dtype, dtype=compute_dtype))
-    expected = _expected(cfg, abstract)
-    weights, scales = {}, {}
-    for raw in files:
-        name = hf_to_official(raw)
-        if name.endswith(".scale") and not name.endswith("compressor.ape"):
-            scales[name[: -len(".scale")] + ".weight"] = raw
-        elif name.endswith(".mlp.experts.gate_up_proj") or name.endswith(".ffn.experts.gate_up_proj"):
-            weights[name] = raw
-        elif name.endswith(".ffn.experts.down_proj"):
-            weights[name] = raw
-        else:
-            weights[name] = raw
-    # transformers' fused experts expand into per-expert official names
-    fused = {k: v for k, v in weights.items() if k.endswith((".ffn.experts.gate_up_proj", ".ffn.experts.down_proj"))}
-    for k in fused:
-        weights.pop(k)
-    fused_layers = {k.rsplit(".experts.", 1)[0] for k in fused}
-    present = set(weights)
-    for lyr in fused_layers:
-        for e in range(cfg.n_routed_experts):
-            for wn in ("w1", "w3", "w2"):
-                present.add(f"{lyr}.experts.{e}.{wn}.weight")
-    missing = sorted(set(expected) - present)
-    unexpected = sorted(k for k in present - set(expected))
-    unexpected_mtp = [k for k in unexpected if k.startswith("mtp.")]
-    if missing or [k for k in unexpected if k not in unexpected_mtp]:
-        raise CheckpointError(f"{path}: checkpoint does not match the config: missing {len(missing)} tensor(s) "
-                              f"{missing[:20]}; unexpected {len(unexpected)} {unexpected[:20]}")
-    orphan = sorted(set(scales) - set(weights))
-    if orphan:
-        raise CheckpointError(f"{path}: scale tensors without a weight: {orphan[:10]}")
-
-    quantized: dict[str, quant.QuantizedTensor] = {}
-
-    def read(raw):
-        with SafetensorsFile(files[raw][0]) as sf:
-            return sf.get(raw)
-
-    def load_one(name: str) -> np.ndarray:
-        raw = weights[name]
-        w = read(raw)
-        if name in scales:
-            s = read(scales[name])
-            if keep_quantized:
-                if w.dtype in (np.int8, np.uint8):
-                    quantized[name] = quant.QuantizedTensor(q=w.view(np.int8), scale=quant.e8m0_to_f32(s.view(np.uint8)) if s.dtype != np.float32 else s,
-                                                            kind="fp4", fmt="e2m1", block=(1, 32),
-                                                            shape=(w.shape[0], w.shape[1] * 2))
-                else:
-                    fmt = "e4m3fnuz" if w.dtype == ml_dtypes.float8_e4m3fnuz else "e4m3fn"
-                    sf32 = quant.e8m0_to_f32(s.view(np.uint8)) if s.dtype == ml_dtypes.float8_e8m0fnu else s.astype(np.float32)
-                    quantized[name] = quant.QuantizedTensor(q=w, scale=sf32, kind="fp8", fmt=fmt, block=block,
-                                                            shape=w.shape)
-            w = _dequantize(name, w, s, block)
-        elif w.dtype in (ml_dtypes.float8_e4m3fn, ml_dtypes.float8_e4m3fnuz):
-            raise CheckpointError(f"{name}: FP8 weight without a `.scale` / `.weight_scale_inv` tensor")
-        shape, _ = expected[name]
-        if tuple(w.shape) != shape:
-            raise CheckpointError(f"{name}: expected shape {list(shape)}, found {list(w.shape)} in {files[raw][0]}")
-        return w
-
-    state = nnx.state(abstract)
-    flat = dict(nnx.to_flat_state(state))
-    new_values = {}
-    for path_t, var in flat.items():
-        key = _path_to_key(path_t)
-        tgt_dtype = var.get_value().dtype
-        m = _EXPERT_KEY.match(key)
-        if m:
-            prefix, wn = m.groups()
-            lyr = prefix.rsplit(".experts", 1)[0]
-            if lyr in fused_layers:
-                arr = _load_fused(read, weights_raw=fused, lyr=lyr, wn=wn, cfg=cfg, files=files)
-            else:
-                arr = np.stack([load_one(f"{prefix}.{e}.{wn}.weight") for e in range(var.get_value().shape[0])])
-        else:
-            arr = load_one(key)
-        if key.endswith("tid2eid"):
-            arr = arr.astype(np.int64)
-            if arr.min() < 0 or arr.max() >= cfg.n_routed_experts:
-                raise CheckpointError(f"{key}: expert ids outside [0, {cfg.n_routed_experts})")
-        if not np.issubdtype(np.dtype(tgt_dtype), np.integer) and not np.all(np.isfinite(arr.astype(np.float32))):
-            raise CheckpointError(f"{key}: contains NaN or inf")
-        new_values[path_t] = jnp.asarray(arr.astype(tgt_dtype) if arr.dtype != tgt_dtype else arr)
-    for path_t, var in flat.items():
-        var.set_value(new_values[path_t])
-    graphdef, _ = nnx.split(abstract)
-    model = nnx.merge(graphdef, nnx.from_flat_state(flat))
-    return (model, quantized) if keep_quantized else model
-
-
-def _load_fused(read, *, weights_raw, lyr, wn, cfg, files):
-    gu = next(v for k, v in weights_raw.items() if k == f"{lyr}.experts.gate_up_proj")
-    dn = next(v for k, v in weights_raw.items() if k == f"{lyr}.experts.down_proj")
-    i = cfg.moe_intermediate_size
-    if wn == "w2":
-        arr = read(dn)
-        exp = (cfg.n_routed_experts, cfg.hidden_size, i)
-    else:
-        full = read(gu)
-        arr = full[:, :i] if wn == "w1" else full[:, i:]
-        exp = (cfg.n_routed_experts, i, cfg.hidden_size)
-    if tuple(arr.shape) != exp:
-        raise CheckpointError(f"{lyr}.experts ({wn}): expected shape {list(exp)}, found {list(arr.shape)}")
-    return arr
+def load_hf_checkpoint(path, **kw):
+    """See `dsv4.load.load_hf_checkpoint` (kept here for old imports)."""
+    from dsv4.load import load_hf_checkpoint as load
+    return load(path, **kw)
 
 
 # ------------------------------------------------------------------------------------------------ export
@@ -279,33 +126,77 @@ def _load_fused(read, *, weights_raw, lyr, wn, cfg, files):
 _FP8_KEYS = quant.FP8_WEIGHT_RE  # the released FP8 set (routed experts are matched separately)
 
 
+def _gather(x) -> np.ndarray:
+    """One array -> host numpy, identical on every process (`process_allgather` when it spans processes)."""
+    if not isinstance(x, jax.Array) or x.is_fully_addressable:
+        return np.asarray(jax.device_get(x))
+    from jax.experimental import multihost_utils
+    return np.asarray(multihost_utils.process_allgather(x, tiled=True))
+
+
+@functools.partial(jax.jit, static_argnames=("kind", "block"))
+def _quantize_on_device(x, kind: str, block):
+    """Sharded x [..., out, in] -> (q, e8m0 scale bytes uint8) in the release's format, on x's devices."""
+    x = x.astype(jnp.float32)
+    if kind == "fp4":
+        return quant.quantize_fp4(x)
+    q, sc = quant.quantize_fp8_blockwise(x, fmt="e4m3fn", block=block, scale_fmt="ue8m0")
+    return q, quant.f32_to_e8m0(sc)
+
+
+def _expert_slices(x):
+    """Yield x[e] (numpy) for e in range(E) of a stacked [E, ...] array, one expert on the host at a time when
+    x is fully addressable (copied from the shards that hold it: no device gather of the stack); a stack that
+    spans processes is gathered once (`process_allgather`) and sliced on the host."""
+    if isinstance(x, jax.Array) and x.is_fully_addressable and len(x.sharding.device_set) > 1:
+        shards = [(s.index, s.data) for s in x.addressable_shards]
+        for e in range(x.shape[0]):
+            out, done = np.empty(x.shape[1:], x.dtype), set()
+            for idx, data in shards:
+                lo = idx[0].start or 0
+                hi = x.shape[0] if idx[0].stop is None else idx[0].stop
+                key = tuple((sl.start, sl.stop) for sl in idx[1:])
+                if lo <= e < hi and key not in done:
+                    out[idx[1:]] = np.asarray(data[e - lo])
+                    done.add(key)
+            yield out
+    else:
+        full = _gather(x)
+        for e in range(full.shape[0]):
+            yield full[e]
+
+
 def iter_export_tensors(model: DSV4ForCausalLM, *, quantize: str | None = None, block=(128, 128)):
-    """(official name, numpy array) pairs of the whole model; with quantize="fp8" the FP8 set of the release
-    and the routed experts are written as e4m3fn + e8m0 `.scale` tensors (FP8 "mixed"); with "fp8_fp4" the
-    routed experts are FP4 e2m1 with 1x32 e8m0 scales, exactly the released Flash layout."""
+    """(official name, numpy array) pairs of the whole model, one tensor on the host at a time.
+
+    With quantize="fp8" the FP8 set of the release and the routed experts are written as e4m3fn + e8m0
+    `.scale` tensors (FP8 "mixed"); with "fp8_fp4" the routed experts are FP4 e2m1 with 1x32 e8m0 scales,
+    exactly the released Flash layout. Quantisation runs jitted on the model's devices (sharded arrays stay
+    sharded); then one per-file tensor (one expert of a stack) is gathered to the host. Multi-process: every
+    process must iterate (the gathers are collectives); all of them see the same arrays.
+    """
     if quantize not in (None, "fp8", "fp8_fp4"):
         raise ValueError(f"quantize must be None, 'fp8' or 'fp8_fp4', got {quantize!r}")
     for key, val in official_tensors(model).items():
-        arr = np.asarray(jax.device_get(val))
         if key.endswith("tid2eid"):
-            yield key, arr.astype(np.int64)
+            yield key, _gather(val).astype(np.int64)
             continue
         m = _EXPERT_KEY.match(key)
-        names = ([(f"{m.group(1)}.{e}.{m.group(2)}.weight", arr[e]) for e in range(arr.shape[0])] if m
-                 else [(key, arr)])
-        for name, a in names:
-            if quantize and m and quantize == "fp8_fp4":
-                packed, sc = quant.quantize_fp4(a.astype(np.float32))
-                yield name, packed
-                yield name[: -len(".weight")] + ".scale", sc.view(ml_dtypes.float8_e8m0fnu)
-            elif quantize and (m or _FP8_KEYS.search(name)):
-                q, sc = quant.quantize_fp8_blockwise(a.astype(np.float32), fmt="e4m3fn", block=block,
-                                                     scale_fmt="ue8m0")
-                yield name, np.asarray(q)
-                yield name[: -len(".weight")] + ".scale", np.asarray(quant.f32_to_e8m0(np.asarray(sc))).view(
-                    ml_dtypes.float8_e8m0fnu)
-            else:
-                yield name, a
+        kind = None
+        if quantize and m:
+            kind = "fp4" if quantize == "fp8_fp4" else "fp8"
+        elif quantize and _FP8_KEYS.search(key):
+            kind = "fp8"
+        parts = _quantize_on_device(val, kind, tuple(block)) if kind else (val,)
+        if m:
+            names = [f"{m.group(1)}.{e}.{m.group(2)}.weight" for e in range(val.shape[0])]
+            per_part = zip(names, *[_expert_slices(x) for x in parts])
+        else:
+            per_part = [(key, *[_gather(x) for x in parts])]
+        for name, *got in per_part:
+            yield name, got[0]
+            if kind:
+                yield name[: -len(".weight")] + ".scale", got[1].view(ml_dtypes.float8_e8m0fnu)
 
 
 def save_hf_checkpoint(model: DSV4ForCausalLM, path, *, quantize: str | None = None,
@@ -317,12 +208,35 @@ def save_hf_checkpoint(model: DSV4ForCausalLM, path, *, quantize: str | None = N
         the released FP8 set and the experts) or "fp8_fp4" (experts FP4 as released).
       overwrite: replace an existing directory (the old one is removed only after the new one is complete).
     Written to a temp directory beside `path`, then renamed into place: a crash leaves no half checkpoint.
+    Streams tensor by tensor from the (possibly sharded) model (`iter_export_tensors`): one tensor gathered at
+    a time, at most one output shard (`max_shard_bytes`) held. Multi-process runs: every process calls this
+    (the gathers are collectives), process 0 alone writes (`path` must be on a file system it can reach), and
+    all return after the rename.
     Raises:
       FileExistsError: `path` exists and `overwrite` is False.
     """
     path = pathlib.Path(path)
     if path.exists() and not overwrite:
         raise FileExistsError(f"{path} exists (pass overwrite=True to replace it)")
+    if jax.process_index() != 0:
+        for _ in iter_export_tensors(model, quantize=quantize):
+            pass
+        _barrier("dsv4_save_hf_checkpoint")
+        return path
+    try:
+        _write_hf_checkpoint(model, path, quantize=quantize, max_shard_bytes=max_shard_bytes)
+    finally:
+        _barrier("dsv4_save_hf_checkpoint")
+    return path
+
+
+def _barrier(name: str) -> None:
+    if jax.process_count() > 1:
+        from jax.experimental import multihost_utils
+        multihost_utils.sync_global_devices(name)
+
+
+def _write_hf_checkpoint(model, path, *, quantize, max_shard_bytes) -> None:
     cfg = model.config
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp_root = pathlib.Path(tempfile.mkdtemp(prefix=f".{path.name}.", dir=path.parent))
@@ -345,4 +259,3 @@ def save_hf_checkpoint(model: DSV4ForCausalLM, path, *, quantize: str | None = N
         os.replace(staged, path)
     finally:
         shutil.rmtree(tmp_root, ignore_errors=True)
-    return path

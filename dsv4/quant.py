@@ -364,9 +364,17 @@ def pack_fp4_e2m1(codes):
 
 
 def fp4_codes_to_values(codes, dtype=jnp.float32):
-    """e2m1 codes (0..15, bit 3 = sign) -> values 0, .5, 1, 1.5, 2, 3, 4, 6 and negatives, in `dtype`."""
+    """e2m1 codes (0..15, bit 3 = sign) -> values 0, .5, 1, 1.5, 2, 3, 4, 6 and negatives, in `dtype`.
+
+    Built from bits, not a table gather (a gather is slow on XLA:CPU): exponent field e = bits 1-2, mantissa
+    m = bit 0; e > 0 gives the f32 2^(e-1) * (1 + m/2), e = 0 gives m * 0.5 (OCP MX spec §5.3.3); sign = bit 3.
+    """
     xp = _xp(codes)
-    return xp.asarray(FP4_E2M1_VALUES)[codes.astype(xp.int32)].astype(dtype)
+    c = codes.astype(xp.uint32)
+    e, m = (c >> np.uint32(1)) & np.uint32(3), c & np.uint32(1)
+    bits = xp.where(e == 0, m * np.uint32(126 << 23), ((e + np.uint32(126)) << np.uint32(23)) | (m << np.uint32(22)))
+    bits = bits | ((c >> np.uint32(3)) << np.uint32(31))
+    return _bitcast(bits.astype(xp.uint32), xp.float32).astype(dtype)
 
 
 def dequantize_fp4(packed, scale, dtype=jnp.float32, *, block: int = FP4_BLOCK):
@@ -377,13 +385,18 @@ def dequantize_fp4(packed, scale, dtype=jnp.float32, *, block: int = FP4_BLOCK):
     inside the jit. ValueError if the scale shape does not match.
     """
     xp = _xp(packed, scale)
-    vals = fp4_codes_to_values(unpack_fp4_e2m1(packed), xp.float32)  # -> [..., out, in]
-    *lead, rows, cols = vals.shape
-    if cols % block or tuple(scale.shape) != (*lead, rows, cols // block):
+    b = packed if np.dtype(packed.dtype) == np.uint8 else _bitcast(packed, xp.uint8)
+    *lead, rows, n = b.shape
+    cols = 2 * n
+    if block % 2 or cols % block or tuple(scale.shape) != (*lead, rows, cols // block):
         raise ValueError(f"fp4 scale shape {tuple(scale.shape)} does not match packed {tuple(packed.shape)} "
                          f"(logical [..., {rows}, {cols}], block {block})")
-    vb = vals.reshape(*lead, rows, cols // block, block) * _scale_to_f32(scale)[..., None]
-    return vb.reshape(*lead, rows, cols).astype(dtype)
+    # nibbles by a broadcast shift ([..., groups, block/2, 1] >> [0, 4]): low nibble = even column, and the
+    # trailing reshape is free (no stack/interleave copy; 3-4x faster on XLA:CPU than unpack_fp4_e2m1 + gather)
+    g = block // 2
+    codes = (b.reshape(*lead, rows, n // g, g, 1) >> xp.asarray([0, 4], dtype=xp.uint8)) & np.uint8(0x0F)
+    vals = fp4_codes_to_values(codes, xp.float32) * _scale_to_f32(scale)[..., None, None]
+    return vals.reshape(*lead, rows, cols).astype(dtype)
 
 
 def fp4_round_codes(x):
@@ -414,6 +427,35 @@ def quantize_fp4(w, *, block: int = FP4_BLOCK):
     scale = xp.where(amax > 0, _pow2_ceil(xp, amax / FP4_MAX), 1.0).astype(xp.float32)
     codes = fp4_round_codes(xp.clip(wb / scale[..., None], -FP4_MAX, FP4_MAX))
     return pack_fp4_e2m1(codes.reshape(*lead, rows, cols)), f32_to_e8m0(scale)
+
+
+def fp4_to_fp8_blockwise(packed, scale, *, block: tuple[int, int] = (128, 128), fp4_block: int = FP4_BLOCK):
+    """FP4 e2m1 (1 x fp4_block scales) -> FP8 e4m3fn with one power-of-two f32 scale per `block` tile. Jittable.
+
+    packed [..., out, in/2] int8, scale [..., out, in/fp4_block] (e8m0 bytes or f32 powers of two) ->
+    (q e4m3fn [..., out, in], S f32 [..., ceil(out/b0), ceil(in/b1)]). Per tile, S = s_max / 64 where s_max is
+    the largest 1x32 scale in the tile, so the largest e2m1 magnitude (6 * s_max) lands on 384 <= 448; then
+    q = cast(W / S) with W the exact dense FP4 values.
+    Error bound (e4m3fn: 3 mantissa bits, smallest subnormal 2^-9): an e2m1 value c * s_j (c in {0.5, 1, 1.5,
+    2, 3, 4, 6}) becomes c * 2^(6 - d) * S with d = log2(s_max / s_j); that is exactly representable whenever
+    d <= 14. So the conversion is exact when every 1x32 scale of a tile lies within 14 binades of the tile's
+    largest; otherwise the small values round to the nearest multiple of 2^-9 * S, |error| <= 2^-10 * S =
+    s_max * 2^-16 per element. Tests: tests/dsv4/test_load_sharded.py.
+    """
+    xp = _xp(packed, scale)
+    w = dequantize_fp4(packed, scale, xp.float32, block=fp4_block)  # exact in f32
+    s = _scale_to_f32(scale)
+    *lead, rows, cols = w.shape
+    b0, b1 = block
+    nb0, nb1 = -(-rows // b0), -(-cols // b1)
+    per = b1 // fp4_block if b1 % fp4_block == 0 else None
+    if per is None:
+        raise ValueError(f"fp4_to_fp8_blockwise: fp8 block {block} is not a multiple of the fp4 block {fp4_block}")
+    sp = xp.pad(s, [(0, 0)] * len(lead) + [(0, nb0 * b0 - rows), (0, nb1 * per - s.shape[-1])])
+    smax = xp.max(sp.reshape(*lead, nb0, b0, nb1, per), axis=(-3, -1))  # -> [..., nb0, nb1]
+    tile = (smax / 64.0).astype(xp.float32)
+    full = xp.repeat(xp.repeat(tile, b0, axis=-2), b1, axis=-1)[..., :rows, :cols]
+    return saturating_cast_fp8(w / full, "e4m3fn"), tile
 
 
 # ------------------------------------------------------------------------------------ stored tensor

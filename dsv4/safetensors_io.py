@@ -148,19 +148,68 @@ class SafetensorsFile:
 
     def get(self, name: str) -> np.ndarray:
         """Read tensor `name` -> np.ndarray [shape] of its dtype (native byte order)."""
-        e = self._entry(name)
-        begin, end = e["data_offsets"]
-        buf = np.empty(end - begin, np.uint8)
-        self._f.seek(self._data_start + begin)
-        view, got = memoryview(buf), 0
+        return self.read_region(name)
+
+    def _pread(self, name: str, buf: memoryview, offset: int) -> None:
+        got = 0
         while got < len(buf):
-            n = self._f.readinto(view[got:])
+            n = os.preadv(self._f.fileno(), [buf[got:]], offset + got)
             if not n:
-                raise ValueError(f"{self.path}: tensor {name!r}: file ended after {got} of {len(buf)} bytes")
+                raise ValueError(f"{self.path}: tensor {name!r}: file ended after {got} of {len(buf)} bytes "
+                                 f"(truncated or changed while reading)")
             got += n
+        _STATS["bytes"] += got
+
+    def read_region(self, name: str, index: tuple | None = None) -> np.ndarray:
+        """Read only the sub-block `index` of tensor `name` -> np.ndarray of its dtype (native byte order).
+
+        index: one `slice` (step 1 or None) per dim, as `jax.make_array_from_callback` passes it; None or
+        missing trailing dims mean the whole dim. The bytes are read with one `pread` per contiguous run: the
+        dims after the last partially selected dim are whole, so each run is `prod(selected sizes from that
+        dim on)` elements. Only the selected bytes are read (`bytes_read()` counts them).
+        ValueError naming the file and tensor for an out-of-range index or a file that ends early.
+        """
+        e = self._entry(name)
         dt = DTYPES[e["dtype"]]
-        arr = buf.view(dt).reshape(tuple(e["shape"]))
-        return arr.astype(dt.newbyteorder("="), copy=False)
+        shape = tuple(e["shape"])
+        bounds = region_bounds(index, shape, where=f"{self.path}: tensor {name!r}")
+        out = np.empty(tuple(b - a for a, b in bounds), dt)
+        if out.size:
+            base = self._data_start + e["data_offsets"][0]
+            strides = [math.prod(shape[k + 1:]) for k in range(len(shape))]
+            partial = [k for k, (a, b) in enumerate(bounds) if (a, b) != (0, shape[k])]
+            d = partial[-1] if partial else 0
+            run = math.prod(out.shape[d:]) if shape else 1
+            flat = memoryview(out.reshape(-1).view(np.uint8))
+            nbytes = run * dt.itemsize
+            for j, outer in enumerate(np.ndindex(*out.shape[:d])):
+                elem = sum((bounds[k][0] + i) * strides[k] for k, i in enumerate(outer))
+                elem += bounds[d][0] * strides[d] if shape else 0
+                self._pread(name, flat[j * nbytes:(j + 1) * nbytes], base + elem * dt.itemsize)
+        return out.astype(dt.newbyteorder("="), copy=False)
+
+
+def region_bounds(index, shape: tuple[int, ...], *, where: str = "tensor") -> list[tuple[int, int]]:
+    """`index` (slices, step 1, or None) over `shape` -> [(start, stop)] per dim; ValueError naming `where`."""
+    index = tuple(index or ())
+    if len(index) > len(shape):
+        raise ValueError(f"{where}: index {index} has more dims than shape {list(shape)}")
+    out = []
+    for k, n in enumerate(shape):
+        s = index[k] if k < len(index) else slice(None)
+        a, b, step = s.indices(n)
+        if step != 1 or b < a:
+            raise ValueError(f"{where}: unsupported index {s} for dim {k} of shape {list(shape)}")
+        out.append((a, b))
+    return out
+
+
+_STATS = {"bytes": 0}
+
+
+def bytes_read() -> int:
+    """Bytes this process has read from safetensors data sections so far (all `SafetensorsFile`s)."""
+    return _STATS["bytes"]
 
 
 def save_safetensors(path, tensors: Mapping[str, np.ndarray], metadata: Mapping[str, str] | None = None) -> int:
@@ -213,7 +262,10 @@ def _shard_files(directory: pathlib.Path) -> dict[str, list[str] | None]:
         if not files:
             raise ValueError(f"{directory}: no *.safetensors files and no {INDEX_NAME}")
         return {f: None for f in files}
-    weight_map = json.loads(index.read_text())["weight_map"]
+    try:
+        weight_map = json.loads(index.read_text())["weight_map"]
+    except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError) as e:
+        raise ValueError(f"{index}: not a safetensors index (JSON with a `weight_map`): {e}") from None
     shards: dict[str, list[str]] = {}
     for name, fname in weight_map.items():
         shards.setdefault(fname, []).append(name)

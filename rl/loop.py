@@ -125,8 +125,10 @@ def fingerprint(cfg: RunConfig, model_cfg) -> dict:
 
 def build(cfg: RunConfig) -> Job:
     """Set up meshes, data, model, learner, sampler, push, checkpoints and metric sinks (errors before step 1)."""
-    from dsv4 import DSV4ForCausalLM, load_hf_checkpoint
+    from dsv4 import DSV4ForCausalLM
+    from dsv4.load import init_model, load_hf_checkpoint
     from rl.checkpoint import Checkpointer, check_writable, file_identity
+    from rl.rollout_init import checkpoint_rollout_weights
     from rl.data import make_prompt_iterator
     from rl.learner import Learner
     from rl.sampler import Sampler
@@ -149,10 +151,12 @@ def build(cfg: RunConfig) -> Job:
     elif ckpt is not None and ckpt.all_steps():
         raise ValueError(f"--ckpt-dir {ckpt.dir} already holds checkpoints (steps {ckpt.all_steps()}); --resume never "
                          f"would collide with them: use another --ckpt-dir or --resume auto")
+    # created in the actor's shardings (each process reads / computes only its shards)
     if cfg.init == "random":
-        model = DSV4ForCausalLM(model_cfg, rngs=nnx.Rngs(cfg.seed), param_dtype=jnp.float32)
+        model = init_model(model_cfg, seed=cfg.seed, param_dtype=jnp.float32, mesh=plan.actor)
     else:
-        model = load_hf_checkpoint(cfg.init, dtype=jnp.float32, config=model_cfg)
+        model = load_hf_checkpoint(cfg.init, dtype=jnp.float32, config=model_cfg, mesh=plan.actor,
+                                   progress=cfg.progress)
     lcfg = LearnerConfig(lr=cfg.lr, warmup_steps=cfg.warmup_steps, loss=cfg.loss_config(),
                          routing_replay=cfg.routing_replay, freeze_router=cfg.freeze_router,
                          micro_batch_size=cfg.micro_batch_size, compute_dtype=cfg.compute_dtype,
@@ -162,8 +166,15 @@ def build(cfg: RunConfig) -> Job:
     rcd = cfg.rollout_compute_dtype
     if rcd == "auto":  # bf16 matmuls are emulated (slow) on CPUs; FP8 weights are then dequantised to fp32
         rcd = "float32" if jax.devices()[0].platform == "cpu" else "bfloat16"
-    sampler = Sampler(model, mesh=plan.rollout, weights=cfg.rollout_dtype, max_prompt_len=max_prompt,
+    # from a checkpoint, the rollout's first weights come from the file's own FP8 blocks, read on its mesh
+    ckpt_init = cfg.init != "random"
+    abstract = nnx.eval_shape(lambda: DSV4ForCausalLM(model.config, rngs=nnx.Rngs(0)))
+    sampler = Sampler(abstract if ckpt_init else model, mesh=plan.rollout,
+                      weights=cfg.rollout_dtype, max_prompt_len=max_prompt,
                       compute_dtype=None if cfg.rollout_dtype == "fp32" else rcd)
+    if ckpt_init:
+        sampler.set_weights(checkpoint_rollout_weights(sampler, cfg.init, config=model.config,
+                                                       progress=cfg.progress), version=0)
     del model
     pusher = make_pusher(plan, learner, sampler)
     it = make_prompt_iterator(train, batch_size=cfg.prompts_per_step, seed=cfg.seed)

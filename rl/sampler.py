@@ -193,7 +193,8 @@ class Sampler:
     """Rollout engine over the rollout mesh.
 
     Args:
-      model: a DSV4ForCausalLM (its weights become version 0; any param dtype).
+      model: a DSV4ForCausalLM (its weights become version 0; any param dtype), or an abstract one
+        (`nnx.eval_shape`): no weights until `set_weights` (e.g. `rl.rollout_init.checkpoint_rollout_weights`).
       mesh: rollout `jax.sharding.Mesh` (None = default device). rules: logical-axis rules (default
         `sharding.rules.ROLLOUT_RULES`).
       weights: "fp8" | "fp8_e4m3fn" | "fp8_e4m3fnuz" | "auto" | "bf16" | "fp32".
@@ -251,7 +252,8 @@ class Sampler:
         self._cache_shapes: dict = {}
         self.weight_version = -1
         self._w = None
-        self.update_weights(nnx.state(model), version=0)
+        if not any(isinstance(x, jax.ShapeDtypeStruct) for x in jax.tree.leaves(nnx.state(model))):
+            self.update_weights(nnx.state(model), version=0)  # an abstract model: set_weights comes later
 
     # ------------------------------------------------------------------ weights
     def _shardings_for(self, abs_state):

@@ -141,7 +141,7 @@ def test_transformers_native_keys_equal_tiny():
     assert d["rope_parameters"]["compress"]["attention_factor"] == 1.0
     got = DSV4Config.from_hf(d)
     tiny = DSV4Config.tiny()
-    # `expert_dtype` is storage metadata that transformers does not write (see the xfail test below)
+    # `expert_dtype` is storage metadata that transformers does not write (see the test below)
     assert _diff(got, dataclasses.replace(tiny, expert_dtype=got.expert_dtype)) == {}
     assert got.compress_ratios == (0, 4, 8, 4, 0)
     assert got.layer_kinds == (SLIDING, CSA, HCA, CSA)
@@ -149,9 +149,8 @@ def test_transformers_native_keys_equal_tiny():
     assert (got.rope_theta, got.compress_rope_theta) == (10000.0, 160000.0)
 
 
-@pytest.mark.xfail(strict=True, reason="BUG dsv4/config.py: from_hf defaults a missing `expert_dtype` to 'fp4'; "
-                   "transformers dicts (and our own to_hf_dict when expert_dtype is None) do not write the key")
 def test_transformers_dict_has_no_fp4_experts():
+    """A dict without `expert_dtype` (transformers, our unquantised export) has no FP4 experts (issue 10)."""
     assert DSV4Config.from_hf(_transformers_tiny_dict()).expert_dtype is None
 
 
@@ -175,8 +174,6 @@ def test_to_hf_dict_round_trip_architecture(name):
     assert got.layer_kinds == cfg.layer_kinds and got.compress_ratios == cfg.compress_ratios
 
 
-@pytest.mark.xfail(strict=True, reason="BUG dsv4/config.py: to_hf_dict() drops expert_dtype=None and from_hf "
-                   "reads the absent key as 'fp4', so tiny/small do not round-trip exactly")
 @pytest.mark.parametrize("name", ["tiny", "small"])
 def test_to_hf_dict_round_trip_exact(name):
     cfg = getattr(DSV4Config, name)()

@@ -185,3 +185,22 @@ def test_index_errors(tmp_path):
     with pytest.raises(ValueError, match="duplicate tensor name 'x'"):
         S.save_sharded_checkpoint(tmp_path / "dup", [("x", np.zeros(1)), ("x", np.zeros(1))])
     assert not (tmp_path / "dup").exists() and not [p for p in tmp_path.iterdir() if p.name.startswith(".")]
+
+
+def test_read_region_reads_only_the_selected_bytes(tmp_path):
+    """`read_region` == numpy slicing for random boxes (any dtype), and the bytes read are exactly the box's."""
+    rs = np.random.default_rng(0)
+    tensors = {"a": rs.standard_normal((6, 10, 12)).astype(np.float32), "b": _sample("F8_E4M3", (16, 24)),
+               "c": _sample("BF16", (40,)), "s": np.float32(3.0).reshape(())}
+    S.save_safetensors(tmp_path / "x.safetensors", tensors)
+    with S.SafetensorsFile(tmp_path / "x.safetensors") as f:
+        for name, a in tensors.items():
+            for _ in range(20):
+                idx = tuple(slice(int(lo), int(lo + rs.integers(0, n - lo + 1)))
+                            for n in a.shape for lo in [rs.integers(0, n + 1)])
+                before = S.bytes_read()
+                got = f.read_region(name, idx)
+                assert S.bytes_read() - before == a[idx].nbytes
+                np.testing.assert_array_equal(_bytes(got), _bytes(a[idx]))
+        with pytest.raises(ValueError, match=r"x\.safetensors.*'a'.*unsupported index"):
+            f.read_region("a", (slice(0, 6, 2),))
