@@ -15,10 +15,13 @@ Instinct MI300X / MI308X / MI355X and NVIDIA H200 product pages). `usable_fracti
 planned; the rest is driver/runtime context, NCCL/RCCL buffers and compiled programs. JAX preallocates only 75%
 by default: launch with XLA_PYTHON_CLIENT_MEM_FRACTION >= the usable fraction.
 
-Actor, per device: weights as stored (bf16; mHC / sinks / ape / router bias fp32; tid2eid int32), gradients (param
-dtype), fp32 master copy of the bf16 params, Adam moments (2 x optimizer dtype), activations. `offload_optimizer`
-F moves F of (master + moments) to host memory (ZeRO-offload style; reported per node, not counted on the GPU;
-with `host_gib_per_node` given, an actor needing more host RAM than that does not fit).
+Actor, per device, as rl/learner.py holds it with `param_dtype="bfloat16"` (rl/optim.py): weights as stored (bf16;
+mHC / sinks / ape / router bias fp32; tid2eid int32), gradients (param dtype), fp32 master copy of the trained
+bf16 params, Adam moments (2 x optimizer dtype) of the trained params (frozen ones, `train_mtp=False` /
+`freeze_router`, have neither: `sharding.offload.is_trained`), activations. `offload_optimizer` F moves the whole
+optimizer state (master + moments) of the params `sharding.offload.select_offloaded` picks (largest first, <= F of
+the bytes) to host memory (`pinned_host`, the learner's `--offload-optimizer`; reported per node, not counted on
+the GPU; with `host_gib_per_node` given, an actor needing more host RAM than that does not fit).
 Activation estimate for T = tokens per device, S = sequence length, full rematerialisation of every decoder block
 (the learner must `jax.checkpoint` each block; only block inputs are kept), tp = tensor size, L' = L + MTP layers:
     A = T * [ L' * n_hc * D * 2                          block inputs: the [n_hc, D] bf16 residual streams
@@ -78,6 +81,7 @@ from flax import nnx
 from jax.sharding import AbstractMesh, AxisType
 
 from sharding import mesh as mesh_lib
+from sharding import offload as offload_lib
 from sharding import rules as rl
 
 GiB = 2**30
@@ -321,7 +325,8 @@ def plan(config, mesh_spec: str, gpu: str, *, nodes: int | None = None, optimize
          fp4_scale_bytes: float = 1.0, rollout_dequant: str = "per_step", kv_dtype: str = "bf16",
          usable_fraction: float = 0.90, rollout_reserve: float = 0.10,
          rollout_seqs_per_device: int = 1, ep_capacity_factor: float | None = None,
-         host_gib_per_node: float | None = None, config_name: str | None = None) -> PlanReport:
+         host_gib_per_node: float | None = None, config_name: str | None = None, train_mtp: bool = True,
+         freeze_router: bool = False) -> PlanReport:
     """Plan the per-device memory of both roles. Arguments as the CLI flags (module docstring).
 
     Args:
@@ -330,6 +335,8 @@ def plan(config, mesh_spec: str, gpu: str, *, nodes: int | None = None, optimize
       gpu: a key of `GPUS`.
     Returns:
       PlanReport (`.table()`, `.line()`).
+      train_mtp, freeze_router: the learner's frozen set (`sharding.offload.is_trained`): frozen params get no
+        master or moments. Default train_mtp=True (LearnerConfig's default is False: pass False to plan it).
     Raises:
       MeshSpecError: unparsable spec, device count != nodes * 8, or a model dim the mesh does not divide.
       ValueError: unknown gpu / dtype / expert format, or an option out of range.
@@ -380,23 +387,37 @@ def plan(config, mesh_spec: str, gpu: str, *, nodes: int | None = None, optimize
     # ---- actor
     a_sizes = spec.axes(rl.ACTOR)
     a_mesh = abstract_mesh(a_sizes)
-    w = g = master = mom = 0.0
+    w = g = master = mom = off_master = off_mom = 0.0
+    # optimizer state as rl/learner.py + rl/optim.py hold it: an fp32 master for trained non-fp32 params, two
+    # moments for every trained param (frozen ones: none), whole params offloaded by `select_offloaded`
+    def _state(leaf, n):
+        return (n * 4 if leaf.dtype != "float32" else 0), 2 * n * _BYTES[optimizer_dtype]
+
+    has_state = [leaf for leaf in leaves if leaf.trained
+                 and offload_lib.is_trained(leaf.path, train_mtp=train_mtp, freeze_router=freeze_router)]
+    chosen = offload_lib.select_offloaded(
+        [(leaf.path, sum(_state(leaf, math.prod(leaf.shape)))) for leaf in has_state], offload_optimizer)
+    has_state = {leaf.path for leaf in has_state}
     for leaf in leaves:
         n = math.prod(local_shape(leaf, rl.ACTOR_RULES, a_mesh))
         item = np.dtype(leaf.dtype).itemsize
         w += n * item
         if leaf.trained:
             g += n * item
-            master += n * 4 if leaf.dtype == "bfloat16" else 0
-            mom += 2 * n * _BYTES[optimizer_dtype]
+        if leaf.path in has_state:
+            ms, mo = _state(leaf, n)
+            if leaf.path in chosen:
+                off_master, off_mom = off_master + ms, off_mom + mo
+            else:
+                master, mom = master + ms, mom + mo
     act = _actor_activations(config, a_sizes, tokens_per_device, opts["train_seq_len"], ep_capacity_factor)
-    off = offload_optimizer * (master + mom)
-    on_gpu = f" ({1 - offload_optimizer:.0%} on the GPU)" if offload_optimizer else ""
+    off = off_master + off_mom
+    on_gpu = " (rest in host memory)" if off else ""
     a_items = {
         "weights (bf16; fp32 mHC/sinks/ape/bias; int32 tid2eid)": w,
         "gradients (param dtype)": g,
-        f"fp32 master weights{on_gpu}": master * (1 - offload_optimizer),
-        f"Adam moments (2 x {optimizer_dtype}){on_gpu}": mom * (1 - offload_optimizer),
+        f"fp32 master weights{on_gpu}": master,
+        f"Adam moments (2 x {optimizer_dtype}){on_gpu}": mom,
         f"activations ({tokens_per_device} tokens, seq {opts['train_seq_len']}, full remat)": act,
     }
     a_total = sum(a_items.values())
