@@ -149,10 +149,16 @@ def build(cfg: RunConfig) -> Job:
         model = DSV4ForCausalLM(model_cfg, rngs=nnx.Rngs(cfg.seed), param_dtype=jnp.float32)
     else:
         model = load_hf_checkpoint(cfg.init, dtype=jnp.float32, config=model_cfg)
+    param_dtype = cfg.param_dtype
+    if param_dtype == "auto":  # bf16 params + fp32 masters on accelerators; fp32 on CPU (emulated bf16 matmuls)
+        param_dtype = "float32" if plan.actor.devices.flat[0].platform == "cpu" else "bfloat16"
     lcfg = LearnerConfig(lr=cfg.lr, warmup_steps=cfg.warmup_steps, loss=cfg.loss_config(),
                          routing_replay=cfg.routing_replay, freeze_router=cfg.freeze_router,
                          micro_batch_size=cfg.micro_batch_size, compute_dtype=cfg.compute_dtype,
-                         temperature=cfg.temperature, b2=0.99, weight_decay=0.0)
+                         temperature=cfg.temperature, b2=0.99, weight_decay=0.0,
+                         max_tokens_per_micro_batch=cfg.max_tokens_per_micro_batch,
+                         logprob_chunk_size=cfg.logprob_chunk_size, param_dtype=param_dtype,
+                         offload_optimizer=cfg.offload_optimizer)
     learner = Learner(model, lcfg, mesh=plan.actor)
     max_prompt = max(train.max_prompt_len, max(len(p) for p in ev_prompts))
     rcd = cfg.rollout_compute_dtype
