@@ -169,7 +169,11 @@ class Learner:
         dispatch_fn: routed-expert implementation passed to the model, e.g. the expert-parallel
             `sharding.expert.make_ep_dispatch(mesh)`; None = `dsv4.moe.default_dispatch`: the tiled/dense CPU
             implementation `moe.routed_experts_cpu` on CPU with unsharded experts, else the model's single-program
-            ragged_dot path (on a mesh XLA then partitions it on its own).
+            ragged_dot path (on a mesh XLA then partitions it on its own); experts split over a mesh's `expert`
+            axis get the all-to-all `sharding.expert.make_ep_dispatch` (`moe.default_dispatch` decides).
+        abstract: build only the state's shapes, dtypes and shardings (`jax.ShapeDtypeStruct`s; `model` may be
+            an `nnx.eval_shape` model): for `lower` / AOT memory analysis of models larger than this machine
+            (sharding/plan.py --compile). Such a learner cannot `update`.
     Attributes:
         state: the current TrainState (replaced by `update`). graphdef: the learner's model graph (compute
         dtype); `nnx.merge(graphdef, state.params, state.buffers)` is the current policy.
@@ -179,7 +183,7 @@ class Learner:
     """
 
     def __init__(self, model: Any, cfg: LearnerConfig, *, mesh: Mesh | None = None, rules: sr.Rules | None = None,
-                 dispatch_fn: Any = None):
+                 dispatch_fn: Any = None, abstract: bool = False):
         module = model if isinstance(model, nnx.Module) else nnx.merge(*model)
         self.cfg, self.dispatch_fn = cfg, dispatch_fn
         self.model_config = module.config
@@ -210,6 +214,8 @@ class Learner:
 
         self._state_shardings = self._batch_sharding = None
         if mesh is None:
+            if abstract:
+                raise ValueError("Learner(abstract=True) needs a mesh")
             self.state = jax.jit(init)(params, buffers)  # jit outputs are fresh buffers: the learner owns them
             self._state_shardings = jax.tree.map(lambda x: x.sharding, self.state)
         else:
@@ -219,8 +225,12 @@ class Learner:
             self._batch_sharding = NamedSharding(mesh, batch_axes)
             self._replicated = NamedSharding(mesh, PartitionSpec())
             self._state_shardings = self._master_like_params(self._state_shardings)
-            with self._context():
-                self.state = jax.jit(init, out_shardings=self._state_shardings)(params, buffers)
+            if abstract:
+                self.state = jax.tree.map(lambda a, sh: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sh),
+                                          abstract_state, self._state_shardings)
+            else:
+                with self._context():
+                    self.state = jax.jit(init, out_shardings=self._state_shardings)(params, buffers)
         self.offloaded = self._offload(trained)
         if dispatch_fn is None:
             devices = [jax.devices()[0]] if mesh is None else list(mesh.devices.flat)
@@ -267,7 +277,11 @@ class Learner:
 
         opt_sh = jax.tree_util.tree_map_with_path(place, self._state_shardings.opt_state)
         self._state_shardings = self._state_shardings.replace(opt_state=opt_sh)
-        self.state = jax.device_put(self.state, self._state_shardings)
+        if isinstance(jax.tree.leaves(self.state)[0], jax.ShapeDtypeStruct):  # abstract learner
+            self.state = jax.tree.map(lambda a, sh: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sh),
+                                      self.state, self._state_shardings)
+        else:
+            self.state = jax.device_put(self.state, self._state_shardings)
         return chosen
 
     def _opt_state_to(self, opt_state, kind: str):
