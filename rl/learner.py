@@ -1,4 +1,5 @@
-"""The learner: one jitted GRPO/PPO update step on the actor mesh (fp32 master weights, AdamW, micro-batches).
+"""The learner: one jitted GRPO/PPO update step on the actor mesh (fp32 master weights, AdamW, micro-batches,
+inputs at their real size, optional host offload of the optimizer state).
 
 Data: a `TrainBatch` holds N rows laid out by the sampler as `[left-padded prompt (P) | response (T),
 right-padded]`, S = P + T. The per-token arrays are aligned at each token's own position (`rl.logprobs`), so
@@ -6,8 +7,10 @@ right-padded]`, S = P + T. The per-token arrays are aligned at each token's own 
 The loss's token axis is therefore S = P + T: Dr.GRPO (`seq-mean-token-sum-norm`) should set
 `LossConfig.norm_length` (e.g. the sampler's max_new_tokens), or it divides by S.
 
-State: `TrainState(step, params, opt_state, buffers, ref_params)`. `params` are the trainable `nnx.Param`s as
-float32 masters, `opt_state` is optax state (float32 Adam moments), `buffers` the `dsv4.layers.Buffer`s
+State: `TrainState(step, params, opt_state, buffers, ref_params)`. `params` are the trainable `nnx.Param`s in
+`LearnerConfig.param_dtype` (float32 by default: then they are their own masters and `opt_state` is the optax
+state; bfloat16: bf16 params, and `opt_state` is `rl.optim.MasterState` holding fp32 masters of the trained bf16
+params plus the optax state; leaves the model keeps in fp32 stay fp32), `opt_state` float32 Adam moments, `buffers` the `dsv4.layers.Buffer`s
 (hash tables `tid2eid`, router selection `bias`: model tensors that no optimizer touches), `ref_params` the
 frozen reference policy, a copy of the initial params with matrices in `ref_dtype` (bf16 by default) and vectors
 in float32 (only when `loss.kl_coef > 0`, else None: no copy is kept at all). `step` counts
@@ -19,6 +22,13 @@ Choices (and why):
   (`nnx.eval_shape`, so only the graph is built; the values are the given model's, cast to float32). Matmuls
   cast the fp32 masters to bf16 at use, gradients arrive in fp32, Adam runs in fp32. A bf16-only optimizer
   silently drops updates below bf16 resolution (docs/jax-stack.md §10); the fp32 masters keep them.
+- Input size (rl/batching.py): before the jit, rows are re-aligned to start at column 0 and cut to the bucketed
+  longest real row (`trim`, exact); a compute_logprobs result is put back at the caller's columns. With
+  `max_tokens_per_micro_batch` B the micro-batches hold floor(B / W) rows per device at width W (padding rows
+  neutral); a batch whose longest row exceeds B is a ValueError naming --max-tokens-per-micro-batch.
+- Optimizer offload: `offload_optimizer` F puts the optimizer state (masters + moments) of the params
+  `sharding.offload.select_offloaded` picks into `pinned_host` memory; the step moves it to the device, updates
+  it and writes it back (jit out_shardings carry the memory kind). sharding/plan.py counts the same bytes.
 - Micro-batches: `lax.scan` over M = N / micro_batch_size micro-batches inside the one jitted step (one
   compile, one dispatch). Micro-batch m takes rows m, m + M, m + 2M, ... (strided), so with the batch sharded
   in blocks over the data axes every device holds an equal share of each micro-batch. Every micro-batch loss
