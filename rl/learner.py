@@ -272,20 +272,7 @@ class Learner:
                  for p, x in jax.tree_util.tree_leaves_with_path(self.state.params) if trained[(k := _path(p))]]
         chosen = so.select_offloaded(sizes, frac)
         names = {_path(p) for p, _ in jax.tree_util.tree_leaves_with_path(self.state.params)}
-
-        def owner(path) -> str | None:  # the param an optimizer-state leaf belongs to (longest path suffix)
-            keys = [str(k.key) for k in path if isinstance(k, jax.tree_util.DictKey)]
-            joined = "/".join(keys)
-            for i in range(len(keys)):
-                cand = "/".join(keys[i:])
-                if cand in names:
-                    return cand
-            return joined if joined in names else None
-
-        def place(path, sh):
-            return sh.with_memory_kind(so.HOST_MEMORY_KIND) if owner(path) in chosen else sh
-
-        opt_sh = jax.tree_util.tree_map_with_path(place, self._state_shardings.opt_state)
+        opt_sh = optim.offload_shardings(self._state_shardings.opt_state, names, chosen, so.HOST_MEMORY_KIND)
         self._state_shardings = self._state_shardings.replace(opt_state=opt_sh)
         if isinstance(jax.tree.leaves(self.state)[0], jax.ShapeDtypeStruct):  # abstract learner
             self.state = jax.tree.map(lambda a, sh: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sh),

@@ -64,3 +64,19 @@ def update(tx: optax.GradientTransformation, grads, opt_state, params) -> tuple[
     flat = {path_str(p): x for p, x in jax.tree_util.tree_leaves_with_path(new_view)}
     new_params = jax.tree.map(lambda v, x: v.astype(x.dtype), new_view, params)
     return new_params, MasterState(master={k: flat[k] for k in opt_state.master}, inner=inner)
+
+
+def offload_shardings(opt_shardings, param_paths: set[str], chosen: frozenset[str], memory_kind: str):
+    """The optimizer state's shardings with every leaf that belongs to a `chosen` param (its master, its moments:
+    the param path is the longest suffix of the leaf's dict-key path) moved to `memory_kind`; others unchanged."""
+
+    def owner(path) -> str | None:
+        keys = [str(k.key) for k in path if isinstance(k, jax.tree_util.DictKey)]
+        for i in range(len(keys)):
+            cand = "/".join(keys[i:])
+            if cand in param_paths:
+                return cand
+        return None
+
+    return jax.tree_util.tree_map_with_path(
+        lambda path, sh: sh.with_memory_kind(memory_kind) if owner(path) in chosen else sh, opt_shardings)

@@ -21,7 +21,6 @@ from rl.config import LearnerConfig, LossConfig, RunConfig
 from rl.learner import Learner, TrainBatch
 from rl.logprobs import token_logprobs
 from sharding import offload as so
-from sharding.expert import make_ep_dispatch
 from sharding.mesh import build_mesh_plan
 
 CFG = dsv4.DSV4Config.tiny(num_hidden_layers=2, compress_ratios=(0, 4, 0))
