@@ -198,9 +198,9 @@ class Learner:
         self.cfg, self.dispatch_fn = cfg, dispatch_fn
         self.model_config = module.config
         compute = jnp.dtype(cfg.compute_dtype)
-        abstract = nnx.eval_shape(lambda: type(module)(module.config, rngs=nnx.Rngs(0),
+        abs_model = nnx.eval_shape(lambda: type(module)(module.config, rngs=nnx.Rngs(0),
                                                        param_dtype=jnp.dtype(cfg.param_dtype), dtype=compute))
-        self.graphdef, abs_params, _ = nnx.split(abstract, nnx.Param, Buffer)
+        self.graphdef, abs_params, _ = nnx.split(abs_model, nnx.Param, Buffer)
         _, params, buffers, rest = nnx.split(module, nnx.Param, Buffer, ...)
         if jax.tree.leaves(rest):
             raise ValueError(f"the model holds variables that are neither nnx.Param nor Buffer: "
