@@ -228,7 +228,8 @@ class LearnerConfig:
             runs at the real length; exact (padding never reaches a real token).
         max_tokens_per_micro_batch: token budget B of one micro-batch per device of the batch axes (as Miles'
             --max-tokens-per-gpu): micro-batches of floor(B / W) rows per device at the trimmed width W. Error
-            when the longest real row is longer than B. None = no budget (micro_batch_size or the whole batch).
+            when the longest real row is longer than B. None = no budget (micro_batch_size or the whole batch);
+            when set, it decides the micro-batches and micro_batch_size is not used.
     State (rl/optim.py):
         param_dtype: dtype of the on-device params and gradients. "float32": fp32 params are their own masters
             (as before). "bfloat16": bf16 params and grads on device; the optimizer keeps fp32 master copies of
