@@ -226,7 +226,23 @@ class LearnerConfig:
         compute_dtype: matmul dtype of the learner's forward/backward; master params, gradients and Adam state
             are always float32. ref_dtype: storage dtype of the reference copy's matrices (kl_coef > 0 only).
     temperature: the sampler's temperature; training logits are divided by it (0 = greedy, treated as 1).
-    logprob_chunk_size: sequence chunk of the head + log-softmax (`rl.logprobs.token_logprobs`); None = whole.
+    logprob_chunk_size: sequence chunk of the head + log-softmax (`rl.logprobs.token_logprobs`); None = whole
+        (the full [N, S, V] float32 logits). Default 1024: never the full logits of a long row.
+    Input size (rl/learner.py "Input size"):
+        trim: cut the batch's columns to its longest real row (bucketed to powers of two, at most S), so the step
+            runs at the real length; exact (padding never reaches a real token).
+        max_tokens_per_micro_batch: token budget B of one micro-batch per device of the batch axes (as Miles'
+            --max-tokens-per-gpu): micro-batches of floor(B / W) rows per device at the trimmed width W. Error
+            when the longest real row is longer than B. None = no budget (micro_batch_size or the whole batch);
+            when set, it decides the micro-batches and micro_batch_size is not used.
+    State (rl/optim.py):
+        param_dtype: dtype of the on-device params and gradients. "float32": fp32 params are their own masters
+            (as before). "bfloat16": bf16 params and grads on device; the optimizer keeps fp32 master copies of
+            them and fp32 Adam moments (mixed-precision optimizer, Megatron-style). Leaves the model keeps in fp32
+            (mHC, sinks, ...) stay fp32 params without a master.
+        offload_optimizer: fraction in [0, 1] of the optimizer state (fp32 masters + Adam moments, by bytes,
+            whole parameters largest first; `sharding.offload.select_offloaded`) kept in host memory
+            (`pinned_host`) when the backend has host memory kinds.
     """
 
     lr: float = 1e-6
@@ -247,7 +263,11 @@ class LearnerConfig:
     compute_dtype: DTypeName = "bfloat16"
     ref_dtype: DTypeName = "bfloat16"
     temperature: float = 1.0
-    logprob_chunk_size: int | None = None
+    logprob_chunk_size: int | None = 1024
+    trim: bool = True
+    max_tokens_per_micro_batch: int | None = None
+    param_dtype: DTypeName = "float32"
+    offload_optimizer: float = 0.0
 
     def __post_init__(self):
         owner = type(self).__name__
@@ -271,7 +291,7 @@ class LearnerConfig:
             raise ValueError(f"{owner}.eps must be > 0, got {self.eps!r}")
         if self.max_grad_norm is not None and _check_real(owner, "max_grad_norm", self.max_grad_norm) <= 0.0:
             raise ValueError(f"{owner}.max_grad_norm must be > 0 (or None), got {self.max_grad_norm!r}")
-        for name in ("micro_batch_size", "logprob_chunk_size"):
+        for name in ("micro_batch_size", "logprob_chunk_size", "max_tokens_per_micro_batch"):
             if getattr(self, name) is not None:
                 _check_int(owner, name, getattr(self, name), 1)
         if not isinstance(self.loss, LossConfig):
@@ -281,6 +301,12 @@ class LearnerConfig:
                 raise ValueError(f"{owner}.{name} must be a bool, got {getattr(self, name)!r}")
         _check_choice(owner, "compute_dtype", self.compute_dtype, ("bfloat16", "float32"))
         _check_choice(owner, "ref_dtype", self.ref_dtype, ("bfloat16", "float32"))
+        _check_choice(owner, "param_dtype", self.param_dtype, ("bfloat16", "float32"))
+        if not isinstance(self.trim, bool):
+            raise ValueError(f"{owner}.trim must be a bool, got {self.trim!r}")
+        if not 0.0 <= _check_real(owner, "offload_optimizer", self.offload_optimizer) <= 1.0:
+            raise ValueError(f"{owner}.offload_optimizer (--offload-optimizer) must be in [0, 1], "
+                             f"got {self.offload_optimizer!r}")
         if _check_real(owner, "temperature", self.temperature) < 0.0:
             raise ValueError(f"{owner}.temperature must be >= 0, got {self.temperature!r}")
 
@@ -309,6 +335,9 @@ class RunConfig:
     Algorithm: algo (grpo|dr_grpo|dapo|gspo; dapo adds dynamic sampling bounded by dapo_max_resample_batches,
       with dapo_on_budget_exhausted = train|skip), lr, warmup_steps, kl_coef / kl_estimator, correction (none|tis|mis)
       with tis_clip / mis_low / mis_high, routing_replay, freeze_router, micro_batch_size.
+    Learner size/state: max_tokens_per_micro_batch (token budget per device and micro-batch), logprob_chunk_size,
+      param_dtype (auto = bfloat16 params + fp32 masters off CPU, float32 on CPU, where bf16 matmuls are
+      emulated and the default run was tuned), offload_optimizer (fraction of masters + moments in host memory).
     Eval / checkpoints / logs: eval_every, eval_prompts, eval_samples (k of pass@k), ckpt_dir, ckpt_every,
       resume (auto|never), allow_dataset_change (resume although the dataset file changed: keeps the learner
       state, restarts the data order; otherwise a changed file is an error), metrics_jsonl, tensorboard_dir, seed;
@@ -359,7 +388,11 @@ class RunConfig:
     routing_replay: bool = True
     freeze_router: bool = False
     micro_batch_size: int | None = None
+    max_tokens_per_micro_batch: int | None = None
+    logprob_chunk_size: int | None = 1024
     compute_dtype: Literal["bfloat16", "float32"] = "float32"
+    param_dtype: Literal["auto", "bfloat16", "float32"] = "auto"
+    offload_optimizer: float = 0.0
     eval_every: int = 20
     eval_prompts: int = 64
     eval_samples: int = 4
@@ -416,6 +449,15 @@ class RunConfig:
         self._check_data_flags(owner)
         if self.micro_batch_size is not None and self.micro_batch_size < 1:
             raise ValueError(f"{owner}.micro_batch_size must be >= 1")
+        for f in ("max_tokens_per_micro_batch", "logprob_chunk_size"):
+            if getattr(self, f) is not None and int(getattr(self, f)) < 1:
+                raise ValueError(f"{owner}.{f} (--{f.replace('_', '-')}) must be >= 1, got {getattr(self, f)}")
+        if self.param_dtype not in ("auto", "bfloat16", "float32"):
+            raise ValueError(f"{owner}.param_dtype (--param-dtype) must be auto|bfloat16|float32, "
+                             f"got {self.param_dtype!r}")
+        if not 0.0 <= float(self.offload_optimizer) <= 1.0:
+            raise ValueError(f"{owner}.offload_optimizer (--offload-optimizer) must be in [0, 1], "
+                             f"got {self.offload_optimizer}")
 
     def _check_data_flags(self, owner: str) -> None:
         """The flags of issue 16 (data layouts, chat templates, eval-only, W&B)."""

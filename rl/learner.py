@@ -1,4 +1,5 @@
-"""The learner: one jitted GRPO/PPO update step on the actor mesh (fp32 master weights, AdamW, micro-batches).
+"""The learner: one jitted GRPO/PPO update step on the actor mesh (fp32 master weights, AdamW, micro-batches,
+inputs at their real size, optional host offload of the optimizer state).
 
 Data: a `TrainBatch` holds N rows laid out by the sampler as `[left-padded prompt (P) | response (T),
 right-padded]`, S = P + T. The per-token arrays are aligned at each token's own position (`rl.logprobs`), so
@@ -6,8 +7,10 @@ right-padded]`, S = P + T. The per-token arrays are aligned at each token's own 
 The loss's token axis is therefore S = P + T: Dr.GRPO (`seq-mean-token-sum-norm`) should set
 `LossConfig.norm_length` (e.g. the sampler's max_new_tokens), or it divides by S.
 
-State: `TrainState(step, params, opt_state, buffers, ref_params)`. `params` are the trainable `nnx.Param`s as
-float32 masters, `opt_state` is optax state (float32 Adam moments), `buffers` the `dsv4.layers.Buffer`s
+State: `TrainState(step, params, opt_state, buffers, ref_params)`. `params` are the trainable `nnx.Param`s in
+`LearnerConfig.param_dtype` (float32 by default: then they are their own masters and `opt_state` is the optax
+state; bfloat16: bf16 params, and `opt_state` is `rl.optim.MasterState` holding fp32 masters of the trained bf16
+params plus the optax state; leaves the model keeps in fp32 stay fp32), `opt_state` float32 Adam moments, `buffers` the `dsv4.layers.Buffer`s
 (hash tables `tid2eid`, router selection `bias`: model tensors that no optimizer touches), `ref_params` the
 frozen reference policy, a copy of the initial params with matrices in `ref_dtype` (bf16 by default) and vectors
 in float32 (only when `loss.kl_coef > 0`, else None: no copy is kept at all). `step` counts
@@ -19,6 +22,13 @@ Choices (and why):
   (`nnx.eval_shape`, so only the graph is built; the values are the given model's, cast to float32). Matmuls
   cast the fp32 masters to bf16 at use, gradients arrive in fp32, Adam runs in fp32. A bf16-only optimizer
   silently drops updates below bf16 resolution (docs/jax-stack.md §10); the fp32 masters keep them.
+- Input size (rl/batching.py): before the jit, rows are re-aligned to start at column 0 and cut to the bucketed
+  longest real row (`trim`, exact); a compute_logprobs result is put back at the caller's columns. With
+  `max_tokens_per_micro_batch` B the micro-batches hold floor(B / W) rows per device at width W (padding rows
+  neutral); a batch whose longest row exceeds B is a ValueError naming --max-tokens-per-micro-batch.
+- Optimizer offload: `offload_optimizer` F puts the optimizer state (masters + moments) of the params
+  `sharding.offload.select_offloaded` picks into `pinned_host` memory; the step moves it to the device, updates
+  it and writes it back (jit out_shardings carry the memory kind). sharding/plan.py counts the same bytes.
 - Micro-batches: `lax.scan` over M = N / micro_batch_size micro-batches inside the one jitted step (one
   compile, one dispatch). Micro-batch m takes rows m, m + M, m + 2M, ... (strided), so with the batch sharded
   in blocks over the data axes every device holds an equal share of each micro-batch. Every micro-batch loss
@@ -54,6 +64,8 @@ Run the tests: `.venv/bin/python -m pytest -q tests/rl/test_learner.py`.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
+import functools
 import math
 import re
 from typing import Any
@@ -67,17 +79,18 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from dsv4 import moe
 from dsv4.layers import Buffer
+from rl import batching, optim
 from rl.config import LearnerConfig
 from rl.logprobs import token_logprobs
 from rl.losses import kl_penalty, loss_normalizers, policy_loss
 from rl.metrics import masked_mean
 from rl.replay import validate_routing
 from sharding import axes as ax
+from sharding import offload as so
 from sharding import rules as sr
 
 Metrics = dict[str, jax.Array]
 TRAIN, FROZEN = "train", "frozen"
-_ROUTER = re.compile(r"(layers|mtp)/\d+/ffn/gate/weight")
 _HASH_TABLE = re.compile(r"layers/(\d+)/ffn/gate/tid2eid")
 # Names that every train_step reports (0 where they do not apply), besides what policy_loss returns.
 METRIC_NAMES = ("train/pg_loss", "train/pg_clipfrac", "train/ppo_kl", "train/kl_loss", "train/entropy",
@@ -171,7 +184,11 @@ class Learner:
         dispatch_fn: routed-expert implementation passed to the model, e.g. the expert-parallel
             `sharding.expert.make_ep_dispatch(mesh)`; None = `dsv4.moe.default_dispatch`: the tiled/dense CPU
             implementation `moe.routed_experts_cpu` on CPU with unsharded experts, else the model's single-program
-            ragged_dot path (on a mesh XLA then partitions it on its own).
+            ragged_dot path (on a mesh XLA then partitions it on its own); experts split over a mesh's `expert`
+            axis get the all-to-all `sharding.expert.make_ep_dispatch` (`moe.default_dispatch` decides).
+        abstract: build only the state's shapes, dtypes and shardings (`jax.ShapeDtypeStruct`s; `model` may be
+            an `nnx.eval_shape` model): for `lower` / AOT memory analysis of models larger than this machine
+            (sharding/plan.py --compile). Such a learner cannot `update`.
     Attributes:
         state: the current TrainState (replaced by `update`). graphdef: the learner's model graph (compute
         dtype); `nnx.merge(graphdef, state.params, state.buffers)` is the current policy.
@@ -181,14 +198,14 @@ class Learner:
     """
 
     def __init__(self, model: Any, cfg: LearnerConfig, *, mesh: Mesh | None = None, rules: sr.Rules | None = None,
-                 dispatch_fn: Any = None):
+                 dispatch_fn: Any = None, abstract: bool = False):
         module = model if isinstance(model, nnx.Module) else nnx.merge(*model)
         self.cfg, self.dispatch_fn = cfg, dispatch_fn
         self.model_config = module.config
         compute = jnp.dtype(cfg.compute_dtype)
-        abstract = nnx.eval_shape(lambda: type(module)(module.config, rngs=nnx.Rngs(0), param_dtype=jnp.float32,
-                                                       dtype=compute))
-        self.graphdef, abs_params, _ = nnx.split(abstract, nnx.Param, Buffer)
+        abs_model = nnx.eval_shape(lambda: type(module)(module.config, rngs=nnx.Rngs(0),
+                                                       param_dtype=jnp.dtype(cfg.param_dtype), dtype=compute))
+        self.graphdef, abs_params, _ = nnx.split(abs_model, nnx.Param, Buffer)
         _, params, buffers, rest = nnx.split(module, nnx.Param, Buffer, ...)
         if jax.tree.leaves(rest):
             raise ValueError(f"the model holds variables that are neither nnx.Param nor Buffer: "
@@ -198,18 +215,22 @@ class Learner:
         self.labels = jax.tree_util.tree_map_with_path(self._label, params)
         self.tx = optax.multi_transform({TRAIN: self._train_tx(), FROZEN: optax.set_to_zero()}, self.labels)
         self.mesh, self.rules = mesh, (sr.ACTOR_RULES if rules is None else rules)
+        trained = {_path(p): lab == TRAIN for p, lab in jax.tree_util.tree_leaves_with_path(self.labels)}
 
         def init(params, buffers):
-            params = jax.tree.map(lambda x: x.astype(jnp.float32), params)
+            # each param in the learner's param dtype (the model keeps some leaves fp32 whatever it is)
+            params = jax.tree.map(lambda x, a: x.astype(a.dtype), params, abs_params)
             ref = None
             if cfg.loss.kl_coef > 0:
                 ref_dtype = jnp.dtype(cfg.ref_dtype)
                 ref = jax.tree.map(lambda x: x.astype(ref_dtype) if x.ndim >= 2 else x, params)
-            return TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=self.tx.init(params),
-                              buffers=buffers, ref_params=ref)
+            return TrainState(step=jnp.zeros((), jnp.int32), params=params,
+                              opt_state=optim.init(self.tx, params, trained), buffers=buffers, ref_params=ref)
 
         self._state_shardings = self._batch_sharding = None
         if mesh is None:
+            if abstract:
+                raise ValueError("Learner(abstract=True) needs a mesh")
             self.state = jax.jit(init)(params, buffers)  # jit outputs are fresh buffers: the learner owns them
             self._state_shardings = jax.tree.map(lambda x: x.sharding, self.state)
         else:
@@ -218,8 +239,14 @@ class Learner:
             batch_axes = sr.activation_spec(ax.ACT_BATCH, rules=self.rules, mesh=mesh)
             self._batch_sharding = NamedSharding(mesh, batch_axes)
             self._replicated = NamedSharding(mesh, PartitionSpec())
-            with self._context():
-                self.state = jax.jit(init, out_shardings=self._state_shardings)(params, buffers)
+            self._state_shardings = self._master_like_params(self._state_shardings)
+            if abstract:
+                self.state = jax.tree.map(lambda a, sh: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sh),
+                                          abstract_state, self._state_shardings)
+            else:
+                with self._context():
+                    self.state = jax.jit(init, out_shardings=self._state_shardings)(params, buffers)
+        self.offloaded = self._offload(trained)
         if dispatch_fn is None:
             devices = [jax.devices()[0]] if mesh is None else list(mesh.devices.flat)
             shardings = {_path(p): sh for p, sh in jax.tree_util.tree_leaves_with_path(self._state_shardings.params)}
@@ -229,14 +256,56 @@ class Learner:
                               if (m := _HASH_TABLE.fullmatch(_path(p)))}
         self._replay_metrics: dict[str, Any] = {}
 
+    # ------------------------------------------------------------------ optimizer state placement
+    def _master_like_params(self, shardings: TrainState) -> TrainState:
+        """fp32 masters (bare arrays in `optim.MasterState.master`) are placed like their params."""
+        if not isinstance(shardings.opt_state, optim.MasterState):
+            return shardings
+        by_path = {_path(p): sh for p, sh in jax.tree_util.tree_leaves_with_path(shardings.params)}
+        master = {k: by_path[k] for k in shardings.opt_state.master}
+        return shardings.replace(opt_state=shardings.opt_state.replace(master=master))
+
+    def _offload(self, trained: dict[str, bool]) -> frozenset[str]:
+        """Move the optimizer state of `sharding.offload.select_offloaded` params to host memory (pinned_host);
+        returns their paths. Raises ValueError when the fraction is > 0 and the backend has no host memory."""
+        frac = self.cfg.offload_optimizer
+        if frac == 0:
+            return frozenset()
+        dev = jax.devices()[0] if self.mesh is None else self.mesh.devices.flat[0]
+        kinds = {m.kind for m in dev.addressable_memories()}
+        if so.HOST_MEMORY_KIND not in kinds:
+            raise ValueError(f"--offload-optimizer {frac}: the {dev.platform} backend has no "
+                             f"'{so.HOST_MEMORY_KIND}' memory (memory kinds: {sorted(kinds)})")
+        sizes = [(k, so.state_bytes(math.prod(x.shape), str(x.dtype)))
+                 for p, x in jax.tree_util.tree_leaves_with_path(self.state.params) if trained[(k := _path(p))]]
+        chosen = so.select_offloaded(sizes, frac)
+        names = {_path(p) for p, _ in jax.tree_util.tree_leaves_with_path(self.state.params)}
+        opt_sh = optim.offload_shardings(self._state_shardings.opt_state, names, chosen, so.HOST_MEMORY_KIND)
+        self._state_shardings = self._state_shardings.replace(opt_state=opt_sh)
+        if isinstance(jax.tree.leaves(self.state)[0], jax.ShapeDtypeStruct):  # abstract learner
+            self.state = jax.tree.map(lambda a, sh: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sh),
+                                      self.state, self._state_shardings)
+        else:
+            self.state = jax.device_put(self.state, self._state_shardings)
+        return chosen
+
+    def _opt_state_to(self, opt_state, kind: str):
+        """Inside the step: offloaded optimizer state to device memory (kind "device") or back (kind "host")."""
+        if not self.offloaded:
+            return opt_state
+
+        def move(x, sh):
+            if sh.memory_kind != so.HOST_MEMORY_KIND:
+                return x
+            return jax.device_put(x, sh if kind == "host" else sh.with_memory_kind("device"))
+
+        return jax.tree.map(move, opt_state, self._state_shardings.opt_state)
+
     # ------------------------------------------------------------------ optimizer
     def _label(self, path, _leaf) -> str:
-        name = _path(path)
-        if not self.cfg.train_mtp and name.startswith("mtp/"):
-            return FROZEN
-        if self.cfg.freeze_router and _ROUTER.fullmatch(name):
-            return FROZEN
-        return TRAIN
+        """TRAIN or FROZEN: `sharding.offload.is_trained` (the planner counts optimizer state by the same rule)."""
+        trained = so.is_trained(_path(path), train_mtp=self.cfg.train_mtp, freeze_router=self.cfg.freeze_router)
+        return TRAIN if trained else FROZEN
 
     def _train_tx(self) -> optax.GradientTransformation:
         c = self.cfg
@@ -251,8 +320,9 @@ class Learner:
                               routing_replay=mb.routing if replay else None, return_entropy=True,
                               chunk_size=self.cfg.logprob_chunk_size, dispatch_fn=self.dispatch_fn)
 
-    def _loss(self, params, buffers, ref_params, mb: TrainBatch, norms: dict[str, jax.Array]):
-        """Loss of one micro-batch with the full batch's normalisers -> (loss, metrics); differentiated in params."""
+    def _loss(self, params, buffers, ref_params, mb: TrainBatch, norms: dict[str, jax.Array], loss_cfg=None):
+        """Loss of one micro-batch with the full batch's normalisers -> (loss, metrics); differentiated in params.
+        loss_cfg: the step's LossConfig (cfg.loss with the caller's S as Dr.GRPO's default length)."""
         replay = self.cfg.routing_replay
         lp, ent, _ = self._logprobs(params, buffers, mb, replay)
         old = jax.lax.stop_gradient(lp) if mb.old_logprobs is None else mb.old_logprobs
@@ -261,23 +331,25 @@ class Learner:
             ref_lp = jax.lax.stop_gradient(self._logprobs(ref_params, buffers, mb, replay)[0])
         if self.cfg.loss.entropy_coef == 0:
             ent = jax.lax.stop_gradient(ent)
-        return policy_loss(lp, old, mb.advantages, mb.response_mask, self.cfg.loss,
+        return policy_loss(lp, old, mb.advantages, mb.response_mask, loss_cfg or self.cfg.loss,
                            rollout_logprobs=mb.rollout_logprobs, ref_logprobs=ref_lp, entropy=ent, **norms)
 
-    def _micro_batches(self, batch: TrainBatch) -> tuple[int, TrainBatch]:
-        """Strided split along N: [N, ...] -> [M, N/M, ...]; row r goes to micro-batch r % M."""
-        n = batch.input_ids.shape[0]
-        m = 1 if self.cfg.micro_batch_size is None else n // self.cfg.micro_batch_size
-        return m, jax.tree.map(lambda x: x.reshape(n // m, m, *x.shape[1:]).swapaxes(0, 1), batch)
+    def _loss_cfg(self, lay: batching.Layout):
+        """cfg.loss; for Dr.GRPO without norm_length, the caller's S (not the trimmed width) as the length."""
+        c = self.cfg.loss
+        if c.loss_agg_mode == "seq-mean-token-sum-norm" and c.norm_length is None and lay.width != lay.seq_len:
+            return dataclasses.replace(c, norm_length=lay.seq_len)
+        return c
 
-    def _loss_and_grads(self, state: TrainState, batch: TrainBatch):
-        """-> (loss, grads (nnx.State like params, float32), metrics), accumulated exactly over micro-batches."""
+    def _loss_and_grads(self, state: TrainState, batch: TrainBatch, lay: batching.Layout):
+        """-> (loss, grads (nnx.State like params, param dtype), metrics), accumulated exactly over micro-batches."""
         norms = loss_normalizers(batch.response_mask, self.cfg.loss)
-        grad_fn = jax.value_and_grad(self._loss, has_aux=True)
-        m, mbs = self._micro_batches(batch)
-        if m == 1:
+        grad_fn = jax.value_and_grad(functools.partial(self._loss, loss_cfg=self._loss_cfg(lay)), has_aux=True)
+        m = lay.micro_batches
+        if m == 1 and lay.rows == batch.input_ids.shape[0]:
             (loss, metrics), grads = grad_fn(state.params, state.buffers, state.ref_params, batch, norms)
             return loss, grads, metrics
+        mbs = batching.split(batch, lay)
 
         def body(acc, mb):
             (loss, metrics), grads = grad_fn(state.params, state.buffers, state.ref_params, mb, norms)
@@ -290,18 +362,18 @@ class Learner:
         (loss, grads, metrics), _ = jax.lax.scan(body, init, mbs)
         return loss, grads, metrics
 
-    def _step(self, state: TrainState, batch: TrainBatch) -> tuple[TrainState, Metrics]:
-        loss, grads, metrics = self._loss_and_grads(state, batch)
-        grad_norm = optax.tree.norm([g for g, label in zip(jax.tree.leaves(grads), jax.tree.leaves(self.labels))
-                                       if label == TRAIN])
-        updates, opt_state = self.tx.update(grads, state.opt_state, state.params)
-        stepped = optax.apply_updates(state.params, updates)
+    def _step(self, state: TrainState, batch: TrainBatch, lay: batching.Layout) -> tuple[TrainState, Metrics]:
+        loss, grads, metrics = self._loss_and_grads(state, batch, lay)
+        grad_norm = optax.tree.norm([g.astype(jnp.float32) for g, label in
+                                     zip(jax.tree.leaves(grads), jax.tree.leaves(self.labels)) if label == TRAIN])
+        old_opt = self._opt_state_to(state.opt_state, "device")
+        stepped, opt_state = optim.update(self.tx, grads, old_opt, state.params)
         params = jax.tree.map(lambda new, old, label: new if label == TRAIN else old, stepped, state.params,
                               self.labels)
         finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
         keep = lambda new, old: jax.tree.map(lambda a, b: jnp.where(finite, a, b), new, old)  # noqa: E731
         new_state = state.replace(step=keep(state.step + 1, state.step), params=keep(params, state.params),
-                                  opt_state=keep(opt_state, state.opt_state))
+                                  opt_state=self._opt_state_to(keep(opt_state, old_opt), "host"))
         out = {name: jnp.zeros((), jnp.float32) for name in METRIC_NAMES}
         out.update(metrics)
         out["train/grad_norm"] = grad_norm
@@ -309,17 +381,17 @@ class Learner:
         out["train/skipped_nonfinite"] = (~finite).astype(jnp.float32)
         return new_state, out
 
-    def _forward(self, state: TrainState, batch: TrainBatch, replay: bool) -> tuple[LogprobResult, Metrics]:
-        m, mbs = self._micro_batches(batch)
+    def _forward(self, state: TrainState, batch: TrainBatch, replay: bool, lay: batching.Layout
+                 ) -> tuple[LogprobResult, Metrics]:
+        n = batch.input_ids.shape[0]
 
         def one(mb):
             return LogprobResult(*self._logprobs(state.params, state.buffers, mb, replay))
 
-        if m == 1:
+        if lay.micro_batches == 1 and lay.rows == n:
             res = one(batch)
-        else:
-            res = jax.lax.map(one, mbs)  # [M, N/M, ...] -> back to [N, ...] (inverse of the strided split)
-            res = jax.tree.map(lambda x: x.swapaxes(0, 1).reshape(-1, *x.shape[2:]), res)
+        else:  # [M, R, ...] -> back to [N, ...] (inverse of the strided split, padding rows dropped)
+            res = jax.tree.map(lambda x: batching.merge(x, n), jax.lax.map(one, batching.split(batch, lay)))
         mask = batch.response_mask > 0
         diff = jnp.where(mask, res.logprobs - jnp.where(mask, batch.rollout_logprobs, 0.0), 0.0)
         kl = kl_penalty(jnp.where(mask, batch.rollout_logprobs, 0.0), res.logprobs, "k3", self.cfg.loss.kl_clamp)
@@ -339,10 +411,33 @@ class Learner:
                 axes), or routing missing / mis-shaped while `routing_replay` is on. Nothing has run then.
         """
         batch = self._check_batch(batch, self.cfg.routing_replay)
-        fn = self._jit("step", self._step, donate=True)
+        batch, lay, _ = self._fit(batch)
+        fn = self._jit(("step", lay), functools.partial(self._step, lay=lay), donate=True)
         with self._context():
             new_state, metrics = fn(state, self._place(batch))
         return new_state, {**metrics, **self._replay_metrics}
+
+    def lower(self, batch: TrainBatch, state: TrainState | None = None) -> jax.stages.Lowered:
+        """The train step exactly as `train_step` / `update` runs it (same jit, shardings, donation, layout),
+        lowered for `batch`, whose fields may be `jax.ShapeDtypeStruct`s (then no trimming: the batch is taken
+        to be as long as its real rows, and the token budget is checked against S). state: default the learner's
+        (its arrays are not touched; `jax.ShapeDtypeStruct`s with shardings work too).
+        `.compile().memory_analysis()` gives XLA's per-device figures (sharding/plan.py --compile).
+        Raises ValueError as `train_step` (mis-shaped batch, token budget below the longest row)."""
+        batch = self._check_batch(batch, self.cfg.routing_replay)
+        abstract = any(isinstance(x, jax.ShapeDtypeStruct) for x in jax.tree.leaves(batch))
+        if abstract:
+            n, s = batch.input_ids.shape
+            lay = self._layout(n, s, s)
+        else:
+            batch, lay, _ = self._fit(batch)
+        fn = self._jit(("step", lay), functools.partial(self._step, lay=lay), donate=True)
+        state = self.state if state is None else state
+        if abstract and self._batch_sharding is not None:
+            batch = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=self._batch_sharding),
+                                 batch)
+        with self._context():
+            return fn.lower(state, batch if abstract else self._place(batch))
 
     def update(self, batch: TrainBatch) -> Metrics:
         """`self.state, metrics = self.train_step(self.state, batch)`; returns metrics."""
@@ -352,7 +447,9 @@ class Learner:
     def loss_and_grads(self, state: TrainState, batch: TrainBatch) -> tuple[jax.Array, Any, Metrics]:
         """The step's (loss, grads, metrics) without updating (no donation); for tests and diagnostics."""
         batch = self._check_batch(batch, self.cfg.routing_replay)
-        fn = self._jit("grads", self._loss_and_grads, donate=False, out_batch=False)
+        batch, lay, _ = self._fit(batch)
+        fn = self._jit(("grads", lay), functools.partial(self._loss_and_grads, lay=lay), donate=False,
+                       out_batch=False)
         with self._context():
             return fn(state, self._place(batch))
 
@@ -368,9 +465,15 @@ class Learner:
         """
         replay = self.cfg.routing_replay if routing_replay is None else routing_replay
         batch = self._check_batch(batch, replay)
-        fn = self._jit(("logprobs", replay), lambda s, b: self._forward(s, b, replay), donate=False, out_batch=True)
+        batch, lay, shift = self._fit(batch)
+        fn = self._jit(("logprobs", replay, lay), lambda s, b: self._forward(s, b, replay, lay), donate=False,
+                       out_batch=True)
         with self._context():
-            return fn(state, self._place(batch))
+            res, metrics = fn(state, self._place(batch))
+            if lay.width != lay.seq_len or np.any(shift):
+                res = LogprobResult(*(batching.untrim(x, shift, lay.seq_len, fill)
+                                      for x, fill in zip((res.logprobs, res.entropy, res.routing), (0.0, 0.0, -1))))
+            return res, metrics
 
     def params_for_push(self) -> Any:
         """Every tensor that defines the current model: nnx.State of the float32 master Params and the Buffers.
@@ -415,9 +518,32 @@ class Learner:
                 state_sh, batch_sh, rep = self._state_shardings, self._batch_sharding, self._replicated
                 outs = {"step": (state_sh, rep), "grads": (rep, state_sh.params, rep)}
                 kw.update(in_shardings=(state_sh, batch_sh),
-                          out_shardings=(batch_sh, rep) if out_batch else outs[key])
+                          out_shardings=(batch_sh, rep) if out_batch else outs[key[0]])
+            elif self.offloaded and key[0] == "step":  # host-memory outputs need explicit shardings
+                rep = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+                kw.update(out_shardings=(self._state_shardings, rep))
             self._jits[key] = jax.jit(fn, **kw)
         return self._jits[key]
+
+    def _batch_devices(self) -> int:
+        if self.mesh is None:
+            return 1
+        return math.prod(self.mesh.shape[a] for a in sr.mesh_axes_for(ax.ACT_BATCH, self.rules) if a in self.mesh.shape)
+
+    def _layout(self, n: int, s: int, longest: int) -> batching.Layout:
+        c = self.cfg
+        return batching.layout(n, s, longest, trim=c.trim, micro_batch_size=c.micro_batch_size,
+                               max_tokens=c.max_tokens_per_micro_batch, batch_devices=self._batch_devices())
+
+    def _fit(self, batch: TrainBatch) -> tuple[TrainBatch, batching.Layout, np.ndarray]:
+        """Host side: trim to the longest real row (rl/batching.py) -> (batch, layout, per-row shift).
+        Raises ValueError when the token budget is below the longest row."""
+        n, s = batch.input_ids.shape
+        shift, longest = batching.real_extent(batch.attention_mask)
+        lay = self._layout(n, s, longest)
+        if not self.cfg.trim:
+            return batch, lay, np.zeros(n, np.int64)
+        return batching.trim(batch, shift, lay.width), lay, shift
 
     def _place(self, batch: TrainBatch) -> TrainBatch:
         return batch if self.mesh is None else jax.device_put(batch, self._batch_sharding)
@@ -434,7 +560,7 @@ class Learner:
         if batch.advantages.shape not in ((n,), (n, s)):
             raise ValueError(f"TrainBatch.advantages has shape {batch.advantages.shape}; expected [N] = {(n,)}")
         mbs = self.cfg.micro_batch_size
-        if mbs is not None and n % mbs:
+        if mbs is not None and n % mbs and self.cfg.max_tokens_per_micro_batch is None:
             raise ValueError(f"batch size N={n} is not a multiple of micro_batch_size={mbs}")
         if self.mesh is not None:
             parts = math.prod(self.mesh.shape[a] for a in sr.mesh_axes_for(ax.ACT_BATCH, self.rules)
@@ -451,6 +577,11 @@ class Learner:
         if tuple(batch.routing.shape) != expected:
             raise ValueError(f"TrainBatch.routing has shape {tuple(batch.routing.shape)}; routing replay needs "
                              f"[N, S, L, k] = {expected}")
+        if isinstance(batch.routing, jax.ShapeDtypeStruct):  # `lower` on an abstract batch: no values to check
+            if not jnp.issubdtype(batch.routing.dtype, jnp.integer):
+                raise ValueError(f"TrainBatch.routing has dtype {batch.routing.dtype}; routing replay needs "
+                                 "integer expert ids")
+            return batch
         metrics = validate_routing(batch.routing, batch.input_ids, batch.attention_mask,
                                    self.model_config.n_routed_experts,
                                    {i: np.asarray(t) for i, t in self._hash_buffers.items()})

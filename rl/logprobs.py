@@ -61,6 +61,7 @@ def _score_chunked(head, h_prev: jnp.ndarray, targets: jnp.ndarray, inv_t: float
                    return_entropy: bool) -> tuple[jnp.ndarray, jnp.ndarray | None]:
     """Chunked head + scoring. h_prev [N, S-1, D], targets [N, S-1] -> ([N, S-1], [N, S-1] | None)."""
     n, s1, d = h_prev.shape
+    chunk = max(1, min(chunk, s1))  # a chunk longer than the sequence would only add padded positions
     n_chunks = -(-s1 // chunk)
     pad = n_chunks * chunk - s1
     h = jnp.pad(h_prev, ((0, 0), (0, pad), (0, 0))).reshape(n, n_chunks, chunk, d).swapaxes(0, 1)  # -> [K, N, C, D]

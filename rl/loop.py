@@ -151,16 +151,24 @@ def build(cfg: RunConfig) -> Job:
     elif ckpt is not None and ckpt.all_steps():
         raise ValueError(f"--ckpt-dir {ckpt.dir} already holds checkpoints (steps {ckpt.all_steps()}); --resume never "
                          f"would collide with them: use another --ckpt-dir or --resume auto")
-    # created in the actor's shardings (each process reads / computes only its shards)
+    param_dtype = cfg.param_dtype
+    if param_dtype == "auto":  # bf16 params + fp32 masters on accelerators; fp32 on CPU (emulated bf16 matmuls)
+        param_dtype = "float32" if plan.actor.devices.flat[0].platform == "cpu" else "bfloat16"
+    # created in the actor's shardings (each process reads / computes only its shards), in the learner's param
+    # dtype (the fp32 masters are made from these values by the optimizer: exact for a bf16 / FP8 checkpoint)
+    load_dtype = jnp.bfloat16 if param_dtype == "bfloat16" else jnp.float32
     if cfg.init == "random":
-        model = init_model(model_cfg, seed=cfg.seed, param_dtype=jnp.float32, mesh=plan.actor)
+        model = init_model(model_cfg, seed=cfg.seed, param_dtype=load_dtype, mesh=plan.actor)
     else:
-        model = load_hf_checkpoint(cfg.init, dtype=jnp.float32, config=model_cfg, mesh=plan.actor,
+        model = load_hf_checkpoint(cfg.init, dtype=load_dtype, config=model_cfg, mesh=plan.actor,
                                    progress=cfg.progress)
     lcfg = LearnerConfig(lr=cfg.lr, warmup_steps=cfg.warmup_steps, loss=cfg.loss_config(),
                          routing_replay=cfg.routing_replay, freeze_router=cfg.freeze_router,
                          micro_batch_size=cfg.micro_batch_size, compute_dtype=cfg.compute_dtype,
-                         temperature=cfg.temperature, b2=0.99, weight_decay=0.0)
+                         temperature=cfg.temperature, b2=0.99, weight_decay=0.0,
+                         max_tokens_per_micro_batch=cfg.max_tokens_per_micro_batch,
+                         logprob_chunk_size=cfg.logprob_chunk_size, param_dtype=param_dtype,
+                         offload_optimizer=cfg.offload_optimizer)
     learner = Learner(model, lcfg, mesh=plan.actor)
     max_prompt = max(train.max_prompt_len, max(len(p) for p in ev_prompts))
     rcd = cfg.rollout_compute_dtype

@@ -15,10 +15,13 @@ Instinct MI300X / MI308X / MI355X and NVIDIA H200 product pages). `usable_fracti
 planned; the rest is driver/runtime context, NCCL/RCCL buffers and compiled programs. JAX preallocates only 75%
 by default: launch with XLA_PYTHON_CLIENT_MEM_FRACTION >= the usable fraction.
 
-Actor, per device: weights as stored (bf16; mHC / sinks / ape / router bias fp32; tid2eid int32), gradients (param
-dtype), fp32 master copy of the bf16 params, Adam moments (2 x optimizer dtype), activations. `offload_optimizer`
-F moves F of (master + moments) to host memory (ZeRO-offload style; reported per node, not counted on the GPU;
-with `host_gib_per_node` given, an actor needing more host RAM than that does not fit).
+Actor, per device, as rl/learner.py holds it with `param_dtype="bfloat16"` (rl/optim.py): weights as stored (bf16;
+mHC / sinks / ape / router bias fp32; tid2eid int32), gradients (param dtype), fp32 master copy of the trained
+bf16 params, Adam moments (2 x optimizer dtype) of the trained params (frozen ones, `train_mtp=False` /
+`freeze_router`, have neither: `sharding.offload.is_trained`), activations. `offload_optimizer` F moves the whole
+optimizer state (master + moments) of the params `sharding.offload.select_offloaded` picks (largest first, <= F of
+the bytes) to host memory (`pinned_host`, the learner's `--offload-optimizer`; reported per node, not counted on
+the GPU; with `host_gib_per_node` given, an actor needing more host RAM than that does not fit).
 Activation estimate for T = tokens per device, S = sequence length, full rematerialisation of every decoder block
 (the learner must `jax.checkpoint` each block; only block inputs are kept), tp = tensor size, L' = L + MTP layers:
     A = T * [ L' * n_hc * D * 2                          block inputs: the [n_hc, D] bf16 residual streams
@@ -78,6 +81,7 @@ from flax import nnx
 from jax.sharding import AbstractMesh, AxisType
 
 from sharding import mesh as mesh_lib
+from sharding import offload as offload_lib
 from sharding import rules as rl
 
 GiB = 2**30
@@ -321,7 +325,8 @@ def plan(config, mesh_spec: str, gpu: str, *, nodes: int | None = None, optimize
          fp4_scale_bytes: float = 1.0, rollout_dequant: str = "per_step", kv_dtype: str = "bf16",
          usable_fraction: float = 0.90, rollout_reserve: float = 0.10,
          rollout_seqs_per_device: int = 1, ep_capacity_factor: float | None = None,
-         host_gib_per_node: float | None = None, config_name: str | None = None) -> PlanReport:
+         host_gib_per_node: float | None = None, config_name: str | None = None, train_mtp: bool = True,
+         freeze_router: bool = False) -> PlanReport:
     """Plan the per-device memory of both roles. Arguments as the CLI flags (module docstring).
 
     Args:
@@ -330,6 +335,8 @@ def plan(config, mesh_spec: str, gpu: str, *, nodes: int | None = None, optimize
       gpu: a key of `GPUS`.
     Returns:
       PlanReport (`.table()`, `.line()`).
+      train_mtp, freeze_router: the learner's frozen set (`sharding.offload.is_trained`): frozen params get no
+        master or moments. Default train_mtp=True (LearnerConfig's default is False: pass False to plan it).
     Raises:
       MeshSpecError: unparsable spec, device count != nodes * 8, or a model dim the mesh does not divide.
       ValueError: unknown gpu / dtype / expert format, or an option out of range.
@@ -380,23 +387,37 @@ def plan(config, mesh_spec: str, gpu: str, *, nodes: int | None = None, optimize
     # ---- actor
     a_sizes = spec.axes(rl.ACTOR)
     a_mesh = abstract_mesh(a_sizes)
-    w = g = master = mom = 0.0
+    w = g = master = mom = off_master = off_mom = 0.0
+    # optimizer state as rl/learner.py + rl/optim.py hold it: an fp32 master for trained non-fp32 params, two
+    # moments for every trained param (frozen ones: none), whole params offloaded by `select_offloaded`
+    def _state(leaf, n):
+        return (n * 4 if leaf.dtype != "float32" else 0), 2 * n * _BYTES[optimizer_dtype]
+
+    has_state = [leaf for leaf in leaves if leaf.trained
+                 and offload_lib.is_trained(leaf.path, train_mtp=train_mtp, freeze_router=freeze_router)]
+    chosen = offload_lib.select_offloaded(
+        [(leaf.path, sum(_state(leaf, math.prod(leaf.shape)))) for leaf in has_state], offload_optimizer)
+    has_state = {leaf.path for leaf in has_state}
     for leaf in leaves:
         n = math.prod(local_shape(leaf, rl.ACTOR_RULES, a_mesh))
         item = np.dtype(leaf.dtype).itemsize
         w += n * item
         if leaf.trained:
             g += n * item
-            master += n * 4 if leaf.dtype == "bfloat16" else 0
-            mom += 2 * n * _BYTES[optimizer_dtype]
+        if leaf.path in has_state:
+            ms, mo = _state(leaf, n)
+            if leaf.path in chosen:
+                off_master, off_mom = off_master + ms, off_mom + mo
+            else:
+                master, mom = master + ms, mom + mo
     act = _actor_activations(config, a_sizes, tokens_per_device, opts["train_seq_len"], ep_capacity_factor)
-    off = offload_optimizer * (master + mom)
-    on_gpu = f" ({1 - offload_optimizer:.0%} on the GPU)" if offload_optimizer else ""
+    off = off_master + off_mom
+    on_gpu = " (rest in host memory)" if off else ""
     a_items = {
         "weights (bf16; fp32 mHC/sinks/ape/bias; int32 tid2eid)": w,
         "gradients (param dtype)": g,
-        f"fp32 master weights{on_gpu}": master * (1 - offload_optimizer),
-        f"Adam moments (2 x {optimizer_dtype}){on_gpu}": mom * (1 - offload_optimizer),
+        f"fp32 master weights{on_gpu}": master,
+        f"Adam moments (2 x {optimizer_dtype}){on_gpu}": mom,
         f"activations ({tokens_per_device} tokens, seq {opts['train_seq_len']}, full remat)": act,
     }
     a_total = sum(a_items.values())
@@ -461,23 +482,104 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--ep-capacity-factor", type=float, default=None, help="EP buffer factor (default dropless)")
     p.add_argument("--host-gib-per-node", type=float, default=None,
                    help="host RAM per node for the offloaded optimizer; checked only when given")
+    p.add_argument("--train-mtp", action=argparse.BooleanOptionalAction, default=True,
+                   help="plan optimizer state for the MTP module (the learner's default is --no-train-mtp)")
+    p.add_argument("--freeze-router", action=argparse.BooleanOptionalAction, default=False)
+    p.add_argument("--compile", action="store_true",
+                   help="also AOT-compile the real actor train step on CPU devices and print XLA's memory analysis")
+    p.add_argument("--seq-len", type=int, default=None, help="--compile: tokens per row (default --train-seq-len "
+                   "or --rollout-seq-len)")
+    p.add_argument("--micro-batch-tokens", type=int, default=None,
+                   help="--compile: the learner's --max-tokens-per-micro-batch (default: one row per device)")
+    p.add_argument("--num-layers", type=int, default=None,
+                   help="plan/compile a reduced-depth copy of the config (first N main layers; labelled)")
     args = p.parse_args(argv)
+    if args.compile:
+        rc = _compile_in_child(argv)
+        if rc is not None:
+            return rc
     try:
-        report = plan(args.config, args.mesh, args.gpu, nodes=args.nodes, optimizer_dtype=args.optimizer_dtype,
-                      offload_optimizer=args.offload_optimizer, tokens_per_device=args.tokens_per_device,
-                      rollout_seq_len=args.rollout_seq_len, train_seq_len=args.train_seq_len,
+        config = args.config
+        if args.num_layers is not None:
+            import dsv4
+            from launch.aot import reduced_depth
+
+            config = reduced_depth(dsv4.DSV4Config.preset(args.config), args.num_layers)
+        seq = args.seq_len or args.train_seq_len or args.rollout_seq_len
+        tokens = args.tokens_per_device
+        if args.compile:  # the plan of exactly what is compiled: rows per device x seq tokens
+            tokens = seq * (1 if args.micro_batch_tokens is None else max(1, args.micro_batch_tokens // seq))
+        name = args.config + (f" (reduced to {args.num_layers} layers)" if args.num_layers is not None else "")
+        report = plan(config, args.mesh, args.gpu, nodes=args.nodes, optimizer_dtype=args.optimizer_dtype,
+                      offload_optimizer=args.offload_optimizer, tokens_per_device=tokens,
+                      rollout_seq_len=args.rollout_seq_len,
+                      train_seq_len=seq if args.compile else args.train_seq_len,
                       rollout_experts=args.rollout_experts, fp8_scale_bytes=args.fp8_scale_bytes,
                       fp4_scale_bytes=args.fp4_scale_bytes, rollout_dequant=args.rollout_dequant,
                       kv_dtype=args.kv_dtype,
                       usable_fraction=args.usable_fraction, rollout_reserve=args.rollout_reserve,
                       rollout_seqs_per_device=args.rollout_seqs_per_device,
-                      ep_capacity_factor=args.ep_capacity_factor, host_gib_per_node=args.host_gib_per_node)
+                      ep_capacity_factor=args.ep_capacity_factor, host_gib_per_node=args.host_gib_per_node,
+                      config_name=name, train_mtp=args.train_mtp, freeze_router=args.freeze_router)
     except ValueError as e:  # MeshSpecError is a ValueError
         print(f"error: {e}", file=sys.stderr)
         return 2
     print(report.table())
     print(report.line())
+    if not args.compile:
+        return 0
+    from launch.aot import compile_actor
+
+    try:
+        xla = compile_actor(config, report.mesh_spec, seq_len=seq, micro_batch_tokens=args.micro_batch_tokens,
+                            offload_optimizer=args.offload_optimizer, train_mtp=args.train_mtp,
+                            freeze_router=args.freeze_router)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    a, r = report.actor, report.rollout
+    print("\n".join(xla.lines()))
+    print(f"  planner arithmetic for the same step: {a.total / GiB:.2f} GiB (XLA/plan = {xla.total / a.total:.2f}); "
+          "XLA:CPU upcasts bf16 dots to f32 (temporaries above a GPU's)")
+    fits = xla.total <= a.usable and r.fits
+    print(f"  verdict (XLA figures): actor {'fits' if xla.total <= a.usable else 'does not fit'} "
+          f"({xla.total / GiB:.2f} of {a.usable / GiB:.1f} GiB usable); rollout (plan; its step is not compiled "
+          f"yet) {'fits' if r.fits else 'does not fit'}")
+    print(f"RESULT actor_xla_gib={xla.total / GiB:.2f} actor_plan_gib={a.total / GiB:.2f} "
+          f"actor_usable_gib={a.usable / GiB:.2f} rollout_xla_gib=nan rollout_plan_gib={r.total / GiB:.2f} "
+          f"rollout_usable_gib={r.usable / GiB:.2f} fits={'yes' if fits else 'no'}")
     return 0
+
+
+_CHILD = "DSV4_PLAN_COMPILE_CHILD"
+
+
+def _compile_in_child(argv: Sequence[str] | None) -> int | None:
+    """--compile needs as many XLA:CPU devices as the mesh spec. XLA reads the device-count flag when its CPU
+    backend starts, so unless this process already has enough CPU devices (e.g. under the tests' 8), the same
+    command is re-run in a child process with `--xla_force_host_platform_device_count` and JAX_PLATFORMS=cpu.
+    Returns the child's exit status, or None to compile here."""
+    import os
+    import subprocess
+
+    argv = list(sys.argv[1:] if argv is None else argv)
+    try:
+        i = argv.index("--mesh")
+        n_dev = mesh_lib.parse_mesh_spec(argv[i + 1]).n_devices
+    except (ValueError, IndexError):
+        return None  # let the normal path report the bad spec
+    if os.environ.get(_CHILD) or "xla_force_host_platform_device_count" in os.environ.get("XLA_FLAGS", ""):
+        if all(d.platform == "cpu" for d in jax.devices()) and jax.device_count() >= n_dev:
+            return None
+        if os.environ.get(_CHILD):
+            print(f"error: --compile needs {n_dev} CPU devices, this process has {jax.device_count()}",
+                  file=sys.stderr)
+            return 2
+    flags = " ".join(f for f in os.environ.get("XLA_FLAGS", "").split()
+                     if "xla_force_host_platform_device_count" not in f)
+    env = {**os.environ, _CHILD: "1", "JAX_PLATFORMS": "cpu",
+           "XLA_FLAGS": f"{flags} --xla_force_host_platform_device_count={n_dev}".strip()}
+    return subprocess.run([sys.executable, "-m", "sharding.plan", *argv], env=env).returncode
 
 
 if __name__ == "__main__":

@@ -84,7 +84,7 @@ def test_cpu_choice(monkeypatch):
 
 
 def test_default_dispatch_sampler_and_learner():
-    """CPU + unsharded experts -> routed_experts_cpu; experts sharded over a mesh axis -> None (ragged_dot);
+    """CPU + unsharded experts -> routed_experts_cpu; experts sharded over expert > 1 -> the EP all-to-all;
     an explicit dispatch_fn is kept."""
     from flax import nnx
 
@@ -101,8 +101,10 @@ def test_default_dispatch_sampler_and_learner():
     assert Sampler(model, max_prompt_len=16, dispatch_fn=custom).dispatch_fn is custom
     assert Learner(model, LearnerConfig(), dispatch_fn=custom).dispatch_fn is custom
     plan = build_mesh_plan("actor:fsdp=2,expert=2/rollout:expert=2,tensor=2")
-    assert Sampler(model, mesh=plan.rollout, max_prompt_len=16).dispatch_fn is None
-    assert Learner(model, LearnerConfig(), mesh=plan.actor).dispatch_fn is None
+    # issue 11 item 5: experts split over expert > 1 -> sharding/expert.py's all-to-all (was: None = ragged_dot)
+    for fn in (Sampler(model, mesh=plan.rollout, max_prompt_len=16).dispatch_fn,
+               Learner(model, LearnerConfig(), mesh=plan.actor).dispatch_fn):
+        assert "EP dispatch (capacity) over expert=2" in fn.__doc__
     assert moe.default_dispatch(jax.devices()[:1]) is moe.routed_experts_cpu
 
     class _Gpu:

@@ -1,0 +1,53 @@
+"""sharding/plan.py --compile (launch/aot.py): the real actor train step AOT-compiled for a mesh with abstract
+parameters. XLA's per-device argument bytes are exactly the planner's state arithmetic (weights + fp32 masters +
+moments on the device, offloaded state subtracted) plus the batch and a few scalars; the CLI prints the RESULT
+line. Tiny config, short rows: each compile takes seconds.
+Run: `.venv/bin/python -m pytest -q tests/sharding/test_plan_compile.py`.
+"""
+
+import math
+
+import numpy as np
+
+import dsv4
+from launch.aot import compile_actor, reduced_depth
+from sharding import plan as pl
+
+GiB = 2**30
+MESH = "actor:fsdp=2,expert=2/rollout:expert=2"
+
+
+def test_xla_arguments_equal_the_planned_state():
+    """offload 0.5 with the default learner's frozen MTP: argument bytes - batch bytes - scalars == plan's
+    weights + gradients-free state (weights, masters and moments on the device) + the offloaded bytes, which
+    XLA:CPU counts as arguments (the report subtracts them)."""
+    cfg = reduced_depth(dsv4.DSV4Config.tiny(), 2)
+    assert cfg.num_hidden_layers == 2 and len(cfg.compress_ratios) == 3
+    seq = 16
+    xla = compile_actor(cfg, MESH, seq_len=seq, offload_optimizer=0.5, train_mtp=False)
+    report = pl.plan(cfg, MESH, "h200", offload_optimizer=0.5, train_mtp=False, tokens_per_device=seq,
+                     train_seq_len=seq)
+    items = report.actor.items
+    state = sum(v for k, v in items.items() if not k.startswith(("gradients", "activations")))
+    rows_per_device = xla.rows // 4  # batch over fsdp x expert, split in blocks
+    batch = rows_per_device * seq * (4 * 4 + cfg.num_hidden_layers * cfg.num_experts_per_tok * 4) + rows_per_device * 4
+    scalars = xla.argument - batch - state - report.actor.host
+    assert 0 <= scalars <= 64, scalars  # step and Adam counts (int32)
+    assert xla.host == report.actor.host > 0
+    assert xla.temp > 0 and xla.total == xla.argument + xla.output - xla.alias + xla.temp - xla.host
+
+
+def test_cli_compile_prints_the_result_line(capsys):
+    argv = ["--config", "tiny", "--mesh", MESH, "--gpu", "mi308x", "--compile", "--seq-len", "16",
+            "--micro-batch-tokens", "32", "--num-layers", "2"]
+    assert pl.main(argv) == 0
+    out = capsys.readouterr().out
+    last = out.strip().splitlines()[-1]
+    fields = dict(kv.split("=", 1) for kv in last.split()[1:])
+    assert last.startswith("RESULT ") and list(fields) == [
+        "actor_xla_gib", "actor_plan_gib", "actor_usable_gib", "rollout_xla_gib", "rollout_plan_gib",
+        "rollout_usable_gib", "fits"]
+    assert fields["rollout_xla_gib"] == "nan" and fields["fits"] == "yes"
+    assert float(fields["actor_usable_gib"]) == 192 * 0.9 and float(fields["actor_xla_gib"]) > 0
+    assert "reduced to 2 layers" in out and "8 rows x 16 tokens" in out and "XLA:CPU upcasts bf16" in out
+    assert math.isfinite(float(fields["actor_plan_gib"])) and np.isnan(float(fields["rollout_xla_gib"]))
