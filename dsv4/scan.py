@@ -252,7 +252,8 @@ def _policy(remat: str | Callable | None):
 def run_layers(groups: Sequence[LayerGroup], graphdefs: Sequence[Sequence[Any]], stacked: Any, x: jax.Array,
                positions: jax.Array, ids: jax.Array, routing_replay: jax.Array | None = None,
                dispatch_fn: Callable | None = None, *, remat: str | Callable | None = None):
-    """The layer loop of `DSV4ForCausalLM.__call__` as one `jax.lax.scan` per group.
+    """The layer loop of `DSV4ForCausalLM.__call__` as one `jax.lax.scan` per group (a group with a single
+    repetition runs its body inline).
 
     Args:
       groups: `layer_groups(cfg)`. graphdefs: per group, the `nnx.graphdef` of each of its `period` sub-layers.
@@ -290,7 +291,11 @@ def run_layers(groups: Sequence[LayerGroup], graphdefs: Sequence[Sequence[Any]],
             f = f.reshape(b, s, grp.repeats, grp.period, -1)
             forced = jnp.transpose(f, (2, 3, 0, 1, 4))  # -> [repeats, period, B, S, k]
         states = tuple(_raw(_raw(_raw(stacked)[g])[j]) for j in range(grp.period))
-        x, r = jax.lax.scan(body, x, (states, forced))  # r [repeats, period, B, S, k]
+        if grp.repeats == 1:  # one repetition: the body inline (a length-1 loop only adds compile work)
+            x, r = body(x, jax.tree.map(lambda a: a[0], (states, forced)))
+            r = r[None]
+        else:
+            x, r = jax.lax.scan(body, x, (states, forced))  # r [repeats, period, B, S, k]
         routes.append(jnp.transpose(r, (2, 3, 0, 1, 4)).reshape(b, s, grp.repeats * grp.period, -1))
     return x, jnp.concatenate(routes, axis=2)
 
