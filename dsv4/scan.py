@@ -103,12 +103,19 @@ def layer_groups(cfg: DSV4Config) -> tuple[LayerGroup, ...]:
 
 
 # ---------------------------------------------------------------------------------------------- leaf stacking
+_LABELS = (str, bool, int, float)  # Python leaves: labels and masks, kept as they are (equal within a group)
+
+
 def _stack_value(vals: Sequence[Any], where: str) -> Any:
     first = vals[0]
     if isinstance(first, NamedSharding):
         if any(v != first for v in vals):
             raise ValueError(f"stack_layers: {where}: the layers' shardings differ ({first} vs others)")
         return NamedSharding(first.mesh, PartitionSpec(None, *first.spec))
+    if isinstance(first, _LABELS):  # per-leaf labels / masks (optax): one value for the whole group
+        if any(v != first for v in vals):
+            raise ValueError(f"stack_layers: {where}: the layers' labels differ ({sorted(set(map(str, vals)))})")
+        return first
     shapes = {(tuple(v.shape), jnp.dtype(v.dtype)) for v in vals}
     if len(shapes) != 1:
         raise ValueError(f"stack_layers: {where}: the layers' shapes/dtypes differ: {sorted(map(str, shapes))}")
@@ -125,6 +132,8 @@ def _stack_value(vals: Sequence[Any], where: str) -> Any:
 def _slice_value(val: Any, r: int, where: str) -> Any:
     if isinstance(val, NamedSharding):
         return NamedSharding(val.mesh, PartitionSpec(*tuple(val.spec)[1:]))
+    if isinstance(val, _LABELS):
+        return val
     if not val.shape:
         raise ValueError(f"unstack_layers: {where}: a scalar leaf has no leading layer axis")
     if isinstance(val, jax.ShapeDtypeStruct):
@@ -180,8 +189,9 @@ def stack_layers(layers_state: Any, groups: Sequence[LayerGroup]) -> nnx.State:
     Args:
       layers_state: `nnx.State` (or mapping) keyed by main-layer index 0..L-1, e.g. `nnx.state(model.layers)`,
         `nnx.state(model, nnx.Param)["layers"]` or `param_shardings(...)["layers"]`. Leaves: Variables or bare
-        values holding arrays, `jax.ShapeDtypeStruct`s or `NamedSharding`s. Extra keys >= L (none today) are
-        an error.
+        values holding arrays, `jax.ShapeDtypeStruct`s or `NamedSharding`s; or Python str/bool/int/float leaves
+        (optimizer labels, weight-decay masks computed per layer), which must be equal within a group and are
+        kept as they are. Keys other than 0..L-1 are an error.
       groups: `layer_groups(cfg)`.
     Returns:
       `nnx.State({g: {j: tree}})` where `tree` has the layout of one layer and each leaf a leading axis of size

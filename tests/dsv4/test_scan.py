@@ -89,6 +89,21 @@ def test_stack_unstack_roundtrip_bitwise(model, sdef):
     assert isinstance(sc.stack_params(buffers, sdef.groups)["layers"][0][0]["ffn"]["gate"]["tid2eid"], Buffer)
 
 
+def test_stack_labels_and_masks(model, sdef):
+    """Optimizer labels / weight-decay masks computed per layer stack to one value per group (a mask from the
+    stacked ranks would be wrong: a stacked norm weight has ndim 2)."""
+    params = nnx.state(model, nnx.Param)
+    mask = jax.tree.map(lambda x: x.ndim >= 2, params)
+    stacked = sc.stack_params(mask, sdef.groups)
+    assert stacked["layers"][1][0]["attn_norm"]["weight"].get_value() is False
+    assert stacked["layers"][1][0]["attn"]["wq_a"]["weight"].get_value() is True
+    assert sc.unstack_params(stacked, sdef.groups) == mask
+    labels = jax.tree_util.tree_map_with_path(lambda p, x: "frozen" if "layers/3/" in jax.tree_util.keystr(
+        p, simple=True, separator="/") else "train", params)
+    with pytest.raises(ValueError, match="labels differ"):
+        sc.stack_params(labels, sdef.groups)
+
+
 def test_stack_errors(model, sdef):
     state = nnx.state(model)
     with pytest.raises(ValueError, match="holds layers"):
