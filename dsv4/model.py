@@ -172,8 +172,10 @@ class DSV4ForCausalLM(nnx.Module):
         cfg = self.config
         b, s = input_ids.shape
         n_l, k = cfg.num_hidden_layers, cfg.num_experts_per_tok
-        if layer_stack is not None and layer_stack.num_layers != n_l:
-            raise ValueError(f"layer_stack holds {layer_stack.num_layers} layers; the config has {n_l}")
+        n_have = len(self.layers) if layer_stack is None else layer_stack.num_layers
+        if n_have != n_l:  # e.g. a dsv4.scan shell (no own layers) called without layer_stack
+            raise ValueError(f"{'layer_stack' if layer_stack is not None else 'the model'} holds {n_have} layers; "
+                             f"the config has {n_l}")
         if routing_replay is not None and routing_replay.shape != (b, s, n_l, k):
             raise ValueError(f"routing_replay has shape {routing_replay.shape}; expected [B, S, L, k] = "
                              f"{(b, s, n_l, k)}")

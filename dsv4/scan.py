@@ -15,19 +15,25 @@ DeepSeek-V4 schedule alternates CSA and HCA, so runs of identical layers have le
 gives nothing. The grouping minimises the number of layer bodies traced (the sum of the periods; ties: fewer
 groups), by dynamic programming over the schedule. DeepSeek-V4-Flash (43 layers, 3 hash layers, ratios
 0 0 4 128 4 ... 128 4) -> (start 0, period 1, x2: the sliding hash layers), (2, 1, x1: the CSA hash layer),
-(3, 2, x20: HCA, CSA): 4 traced bodies instead of 43.
+(3, 2, x20: HCA, CSA): 4 traced bodies instead of 43. A group with one repetition runs its body inline (a
+length-1 loop only adds compile work).
 
 Stacked form: `stack_layers(state_of_layers, groups)` -> `nnx.State({g: {j: sub-layer j of group g}})`, each
 leaf [repeats, *per-layer shape]; `stacked[g][j]` stacks layers start + j, start + period + j, ... Variable
 types (`nnx.Param`, `Buffer`) and metadata are kept; `logical_axes` gets a leading None, so
 `sharding.rules.param_shardings` gives a stacked leaf its per-layer PartitionSpec with an unsharded leading dim.
 
-Use in a learner (see `merge_stacked`):
-    sdef = stack_def(model)                                    # static: shell graphdef, groups, layer graphdefs
-    params = stack_params(nnx.state(model, nnx.Param), sdef.groups)      # init (also for Buffers, shardings)
-    shell, layers = merge_stacked(sdef, params, buffers)       # inside the loss
-    out = shell(ids, attention_mask=m, routing_replay=r, layer_stack=layers)
-    per_layer = unstack_params(params, sdef.groups)            # push / official checkpoint names
+Use in a learner (the learner holds the stacked form; everything else keeps the per-layer one):
+    sdef = stack_def(abstract_model)                        # once; static and hashable (a jit static argument)
+    params = stack_params(params, sdef.groups)              # init: nnx.State of Params (and the Buffers, alike)
+    shardings = param_shardings(stack_params(abstract_params, sdef.groups), mesh, rules)  # or stack the
+        # per-layer shardings: stack_params(param_shardings(abstract_params, ...), groups) is the same tree
+    mask = stack_params(jax.tree.map(lambda x: x.ndim >= 2, per_layer_params), sdef.groups)   # weight decay:
+        # compute labels / masks per layer, then stack (a stacked leaf has one more dim)
+    shell, stack = merge_stacked(sdef, params, buffers, remat="block")   # inside the loss (traced)
+    out = shell(ids, attention_mask=m, routing_replay=r, dispatch_fn=f, layer_stack=stack)
+    per_layer = unstack_params(nnx.merge_state(params, buffers), sdef.groups)   # push, official checkpoint
+        # names, and path-based lookups such as `moe.default_dispatch(devices, shardings)` (expert axis = dim 0)
 Sources (ideas, not code): MaxText's `scan_layers` (`nn.scan` over a decoder block, params with a leading layer
 axis); Flax NNX's "scan over layers" guide (`nnx.split` a layer, `jax.lax.scan` over its stacked state).
 """

@@ -110,6 +110,11 @@ def test_stack_errors(model, sdef):
         sc.stack_layers(state["layers"], sdef.groups[:1])
     with pytest.raises(ValueError, match="differ"):  # a CSA layer and an HCA layer in one group
         sc.stack_layers(state["layers"], (sc.LayerGroup(0, 1, 2), sc.LayerGroup(2, 1, 4)))
+    shell, stack = sc.merge_stacked(sdef, nnx.state(model))
+    with pytest.raises(ValueError, match="the model holds 0 layers"):  # a shell needs its layer_stack
+        shell(jnp.zeros((1, 8), jnp.int32))
+    with pytest.raises(ValueError, match="layer_stack holds 2 layers"):
+        model(jnp.zeros((1, 8), jnp.int32), layer_stack=sc.LayerStack(None, sdef.groups[:1], sdef.graphdefs[:1]))
     with pytest.raises(ValueError, match="remat policy"):
         sc.run_layers(sdef.groups, sdef.graphdefs, None, None, None, jnp.zeros((1, 1)), remat="all")
 
