@@ -178,7 +178,7 @@ def test_scanned_gradients_equal_unrolled(model, sdef):
     ref = jax.jit(jax.grad(lambda p: _nll(_unrolled(graphdef, p, buffers, ids, mask, None)[0], ids, mask)),
                   compiler_options=_FAST)(params)
     want = sc.stack_params(ref, sdef.groups)
-    for remat in (None, "block"):  # remat recomputes the same ops: same gradients
+    for remat in (None, "block"):  # remat recomputes the same ops: same gradients ("dots": same code path)
         got = jax.jit(jax.grad(lambda p: _nll(_scanned(sdef, p, sb, ids, mask, None, remat)[0], ids, mask)),
                       compiler_options=_FAST)(sp)
         assert jax.tree_util.tree_structure(got) == jax.tree_util.tree_structure(want)
