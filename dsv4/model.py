@@ -77,6 +77,13 @@ class Block(nnx.Module):
         return hc_post(x, f, post, comb), ids
 
 
+def block_step(layer: Block, x, positions, token_ids, forced_ids=None, dispatch_fn=None):
+    """One step of the full-sequence layer loop (the Python loop and `dsv4.scan.run_layers` both run it):
+    x [B, S, n, D] -> (x' [B, S, n, D] constrained to the stream layout, routing ids [B, S, k] int32)."""
+    x, ids = layer(x, positions, token_ids, forced_ids, dispatch_fn)
+    return constrain(x, _STREAMS), ids
+
+
 class MTPBlock(Block):
     """Multi-token-prediction block `mtp.0.*` (spec §7): a sliding, learned-routing layer with its own
     `e_proj`, `h_proj`, `enorm`, `hnorm`, `norm` and `hc_head_*`; shares `embed` and `head` with the model."""
@@ -144,7 +151,7 @@ class DSV4ForCausalLM(nnx.Module):
     # ------------------------------------------------------------------ forward
     def __call__(self, input_ids: jax.Array, *, attention_mask: jax.Array | None = None,
                  routing_replay: jax.Array | None = None, return_mtp: bool = False, return_hidden: bool = False,
-                 dispatch_fn=None) -> DSV4Output:
+                 dispatch_fn=None, layer_stack=None) -> DSV4Output:
         """Full-sequence forward.
 
         Args:
@@ -155,6 +162,8 @@ class DSV4ForCausalLM(nnx.Module):
             normally), as returned in `.routing` by an earlier call or the sampler; None = route freely.
           return_mtp: also compute the MTP head (`mtp_logits`).
           dispatch_fn: routed-expert implementation (default: single-device ragged_dot; EP: sharding.expert).
+          layer_stack: a `dsv4.scan.LayerStack` (stacked layer weights, run under `jax.lax.scan` per group of
+            identical layers) used instead of `self.layers`; None = the Python loop over `self.layers`.
         Returns:
           DSV4Output (see its docstring).
         Raises:
@@ -163,6 +172,10 @@ class DSV4ForCausalLM(nnx.Module):
         cfg = self.config
         b, s = input_ids.shape
         n_l, k = cfg.num_hidden_layers, cfg.num_experts_per_tok
+        n_have = len(self.layers) if layer_stack is None else layer_stack.num_layers
+        if n_have != n_l:  # e.g. a dsv4.scan shell (no own layers) called without layer_stack
+            raise ValueError(f"{'layer_stack' if layer_stack is not None else 'the model'} holds {n_have} layers; "
+                             f"the config has {n_l}")
         if routing_replay is not None and routing_replay.shape != (b, s, n_l, k):
             raise ValueError(f"routing_replay has shape {routing_replay.shape}; expected [B, S, L, k] = "
                              f"{(b, s, n_l, k)}")
@@ -183,13 +196,17 @@ class DSV4ForCausalLM(nnx.Module):
         positions = jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32)[None], (b, s))
         x = jnp.broadcast_to(self.embed_tokens(ids)[:, :, None, :], (b, s, cfg.hc_mult, cfg.hidden_size))
         x = constrain(x, _STREAMS)
-        routes = []
-        for i, layer in enumerate(self.layers):
-            forced = None if routing_replay is None else routing_replay[:, :, i]
-            x, r = layer(x, positions, ids, forced, dispatch_fn)
-            x = constrain(x, _STREAMS)
-            routes.append(r)
-        routing = jnp.stack(routes, axis=2)  # [B, S, L, k]
+        # ---- layer loop (begin) ----
+        if layer_stack is None:
+            routes = []
+            for i, layer in enumerate(self.layers):
+                forced = None if routing_replay is None else routing_replay[:, :, i]
+                x, r = block_step(layer, x, positions, ids, forced, dispatch_fn)
+                routes.append(r)
+            routing = jnp.stack(routes, axis=2)  # [B, S, L, k]
+        else:  # stacked layers under lax.scan (dsv4/scan.py), each layer through block_step too
+            x, routing = layer_stack.run(x, positions, ids, routing_replay, dispatch_fn)
+        # ---- layer loop (end) ----
         h = self.collapse(x)
         mtp_h = None
         if return_mtp and len(self.mtp):

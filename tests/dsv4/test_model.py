@@ -151,6 +151,17 @@ def test_flash_parameter_counts(flash_abstract):
     assert count_params(nnx.state(flash_abstract)) == total
 
 
+def test_flash_layers_stack_for_scan(flash_abstract):
+    """dsv4/scan.py on the real schedule: 4 traced layer bodies; stacking keeps every parameter (abstractly)."""
+    from dsv4 import scan
+
+    sdef = scan.stack_def(flash_abstract)
+    assert sdef.groups == ((0, 1, 2), (2, 1, 1), (3, 2, 20))
+    stacked = scan.stack_params(nnx.state(flash_abstract), sdef.groups)
+    assert count_params(stacked) == 284_332_240_471
+    assert stacked["layers"][2][1]["ffn"]["experts"]["w1"].get_value().shape == (20, 256, 2048, 4096)
+
+
 def test_flash_count_parts(flash_abstract):
     """Per-part figures of spec §10 from the abstract model (names as the official keys)."""
     sizes = {".".join(map(str, p)): int(np.prod(v.shape)) for p, v in nnx.to_flat_state(nnx.state(flash_abstract))}
