@@ -59,6 +59,7 @@ _HELP = {
     "ckpt_every": "checkpoint every N steps", "resume": "auto | never", "keep_checkpoints": "checkpoints kept",
     "metrics_jsonl": "per-step metrics file ('' = none)", "tensorboard_dir": "TensorBoard dir ('' = none)",
     "seed": "seed of data order, sampling and init", "progress": "progress bar",
+    "remat": "per-layer rematerialisation of the learner: block | dots | none",
 }
 
 

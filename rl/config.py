@@ -28,6 +28,12 @@ def _check_choice(owner: str, name: str, value: object, choices: tuple[str, ...]
         raise ValueError(f"{owner}.{name} must be one of {choices}, got {value!r}")
 
 
+def _check_remat(value: object) -> None:
+    """`--remat` (LearnerConfig.remat / RunConfig.remat): one of block|dots|none, else a one-line ValueError."""
+    if value not in ("block", "dots", "none"):
+        raise ValueError(f"--remat must be one of block|dots|none, got {value!r}")
+
+
 def _check_int(owner: str, name: str, value: object, minimum: int) -> None:
     if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
         raise ValueError(f"{owner}.{name} must be an int >= {minimum}, got {value!r}")
@@ -222,6 +228,9 @@ class LearnerConfig:
             are always float32. ref_dtype: storage dtype of the reference copy's matrices (kl_coef > 0 only).
     temperature: the sampler's temperature; training logits are divided by it (0 = greedy, treated as 1).
     logprob_chunk_size: sequence chunk of the head + log-softmax (`rl.logprobs.token_logprobs`); None = whole.
+    remat: per-layer rematerialisation of the learner's forward (`--remat`): "block" (default: keep each layer's
+        input, recompute the layer in the backward), "dots" (also keep the weight matmuls' outputs) or "none"
+        (`dsv4.model.REMAT_POLICIES`; same gradients, less activation memory).
     """
 
     lr: float = 1e-6
@@ -243,9 +252,11 @@ class LearnerConfig:
     ref_dtype: DTypeName = "bfloat16"
     temperature: float = 1.0
     logprob_chunk_size: int | None = None
+    remat: Literal["block", "dots", "none"] = "block"
 
     def __post_init__(self):
         owner = type(self).__name__
+        _check_remat(self.remat)
         if _check_real(owner, "lr", self.lr) <= 0.0:
             raise ValueError(f"{owner}.lr must be > 0, got {self.lr!r}")
         _check_int(owner, "warmup_steps", self.warmup_steps, 0)
@@ -352,9 +363,11 @@ class RunConfig:
     tensorboard_dir: str | None = "runs/default/tb"
     seed: int = 0
     progress: bool = True
+    remat: Literal["block", "dots", "none"] = "block"
 
     def __post_init__(self):
         owner = "RunConfig"
+        _check_remat(self.remat)
         for f in ("steps", "prompts_per_step", "max_new_tokens", "max_prompt_len", "eval_prompts", "eval_samples",
                   "keep_checkpoints", "task_digits"):
             if int(getattr(self, f)) < 1:

@@ -152,7 +152,7 @@ def build(cfg: RunConfig) -> Job:
     lcfg = LearnerConfig(lr=cfg.lr, warmup_steps=cfg.warmup_steps, loss=cfg.loss_config(),
                          routing_replay=cfg.routing_replay, freeze_router=cfg.freeze_router,
                          micro_batch_size=cfg.micro_batch_size, compute_dtype=cfg.compute_dtype,
-                         temperature=cfg.temperature, b2=0.99, weight_decay=0.0)
+                         temperature=cfg.temperature, b2=0.99, weight_decay=0.0, remat=cfg.remat)
     learner = Learner(model, lcfg, mesh=plan.actor)
     max_prompt = max(train.max_prompt_len, max(len(p) for p in ev_prompts))
     rcd = cfg.rollout_compute_dtype
