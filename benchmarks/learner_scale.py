@@ -73,7 +73,9 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--quick", action="store_true", help="S up to 2K, depths 4/12, step time at 1K only")
     ap.add_argument("--runs", type=int, default=2, help="timed step calls per point (median)")
+    ap.add_argument("--sections", default="memory,compile", help="memory (temp + step time), compile, or both")
     args = ap.parse_args()
+    sections = set(args.sections.split(","))
     seqs = (1024, 2048) if args.quick else (1024, 2048, 4096, 8192)
     depths = (4, 12) if args.quick else (4, 12, 24, 43)
     step_seqs = (1024,) if args.quick else (1024, 4096)
@@ -81,9 +83,32 @@ def main() -> None:
     print(f"jax {jax.__version__}, backend {jax.default_backend()}, {os.cpu_count()} CPUs, "
           f"load average {os.getloadavg()[0]:.1f}")
 
-    learners = {impl: make_learner(small, impl) for impl in ("blocked", "dense")}
     temp: dict[tuple[str, int], float] = {}
     steps: dict[tuple[str, int], float] = {}
+    comp: dict[int, float] = {}
+    if "memory" in sections:
+        memory_and_steps(small, seqs, step_seqs, args.runs, temp, steps)
+    if "compile" in sections:
+        print("\n| layers | compile s | temp MiB |\n|---|---|---|")
+        for n in depths:
+            cfg = flash_like(n)
+            lr = make_learner(cfg, "blocked")
+            _, comp[n], t = compile_step(lr, make_batch(256, cfg.vocab_size))
+            print(f"| {n} | {comp[n]:.1f} | {t:.1f} |", flush=True)
+            del lr
+    nan = float("nan")
+    s_hi, t_hi = seqs[-1], step_seqs[-1]
+    print(f"load average at the end {os.getloadavg()[0]:.1f}")
+    temp_ratio = temp.get(("blocked", s_hi), nan) / temp.get(("blocked", 1024), nan)
+    comp_ratio = comp.get(depths[-1], nan) / comp.get(4, nan)
+    step_ratio = steps.get(("dense", t_hi), nan) / steps.get(("blocked", t_hi), nan)
+    print(f"RESULT temp_ratio_{s_hi // 1024}k_1k={temp_ratio:.2f} compile_ratio_{depths[-1]}_4={comp_ratio:.2f} "
+          f"blocked_vs_dense_step_{t_hi // 1024}k={step_ratio:.2f}")
+
+
+def memory_and_steps(small, seqs, step_seqs, runs, temp, steps) -> None:
+    """Fill temp[(impl, S)] (MiB) and steps[(impl, S)] (s) for the small config; print the table."""
+    learners = {impl: make_learner(small, impl) for impl in ("blocked", "dense")}
     print("\n| S | blocked temp MiB | dense temp MiB | blocked step s | dense step s |\n|---|---|---|---|---|")
     for s in seqs:
         batch = make_batch(s, small.vocab_size)
@@ -95,7 +120,7 @@ def main() -> None:
             if s in step_seqs:
                 jax.block_until_ready(compiled(lr.state, batch))  # warm-up
                 ts = []
-                for _ in range(args.runs):
+                for _ in range(runs):
                     t0 = time.perf_counter()
                     jax.block_until_ready(compiled(lr.state, batch))
                     ts.append(time.perf_counter() - t0)
@@ -105,23 +130,6 @@ def main() -> None:
         fmt3 = lambda d, k: f"{d[k]:.3f}" if k in d else "-"  # noqa: E731
         print(f"| {s} | {fmt(temp, ('blocked', s))} | {fmt(temp, ('dense', s))} | {fmt3(steps, ('blocked', s))} | "
               f"{fmt3(steps, ('dense', s))} |", flush=True)
-    del learners
-
-    comp: dict[int, float] = {}
-    print("\n| layers | compile s | temp MiB |\n|---|---|---|")
-    for n in depths:
-        cfg = flash_like(n)
-        lr = make_learner(cfg, "blocked")
-        _, comp[n], t = compile_step(lr, make_batch(256, cfg.vocab_size))
-        print(f"| {n} | {comp[n]:.1f} | {t:.1f} |", flush=True)
-        del lr
-
-    s_hi = seqs[-1]
-    t_hi = step_seqs[-1]
-    print(f"load average at the end {os.getloadavg()[0]:.1f}")
-    print(f"RESULT temp_ratio_{s_hi // 1024}k_1k={temp['blocked', s_hi] / temp['blocked', 1024]:.2f} "
-          f"compile_ratio_{depths[-1]}_4={comp[depths[-1]] / comp[4]:.2f} "
-          f"blocked_vs_dense_step_{t_hi // 1024}k={steps['dense', t_hi] / steps['blocked', t_hi]:.2f}")
 
 
 if __name__ == "__main__":
