@@ -4,14 +4,16 @@ What is measured (CPU, XLA's own figures; the step is the real learner update `r
 forward, `rl.logprobs.token_logprobs` with sequence chunks of 256, GRPO loss, backward, clipping, AdamW; one row):
 1. temp memory: `jax.jit(step).lower(state, batch).compile().memory_analysis().temp_size_in_bytes` of one train
    step of `DSV4Config.small()` (6 layers: sliding, CSA m=4 top-16, HCA m=16; window 64; fp32 compute; remat
-   `block`) at S = 1K, 2K, 4K, 8K with the blocked attention, and with the dense reference at 1K and 2K (4K and 8K
-   dense would need GiBs of scores). temp_ratio_8k_1k = temp(8K) / temp(1K), blocked (linear: 8, quadratic: 64).
+   `block`) at S = 1K, 2K, 4K, 8K with the blocked attention, and with the dense reference at 1K and 2K (compile
+   only; dense at 4K would need ~15 GB of temp). temp_ratio_8k_1k = temp(8K) / temp(1K), blocked (linear: 8,
+   quadratic: 64).
 2. compile time: `lower(...).compile()` wall time of the train step of a tiny-dimension model with 4, 12, 24 and 43
    layers (the Flash schedule of layer kinds: 2 sliding, then CSA/HCA alternating; S = 256). Layers are a Python
    loop (not `lax.scan`), so compile time still grows with depth. compile_ratio_43_4 = t(43) / t(4).
-3. step time: median wall time of the compiled step (`block_until_ready`, after a warm-up call) with dense and
-   blocked attention at S = 1K and 4K (small config). blocked_vs_dense_step_4k = dense time / blocked time at 4K
-   (> 1: blocked faster).
+3. step time: median wall time of the compiled train step (`block_until_ready`, after a warm-up call) with dense
+   and blocked attention at S = 1K and 4K, on a 3-layer `small` (one sliding, one CSA, one HCA layer: the 6-layer
+   dense step at 4K does not fit the shared 24 GB machine). blocked_vs_dense_step_4k = dense time / blocked time
+   at 4K (> 1: blocked faster).
 XLA:CPU upcasts bf16 dots to f32, hence fp32 compute here. The machine may be shared and loaded: timings are noisy.
 
 Run:   .venv/bin/python benchmarks/learner_scale.py              (about 5-10 minutes on 2 busy cores)
@@ -38,6 +40,7 @@ from rl.config import LearnerConfig  # noqa: E402
 from rl.learner import Learner, TrainBatch  # noqa: E402
 
 MIB = 1 << 20
+MAX_RUN_TEMP_MIB = 8192  # do not execute a step whose temp exceeds this (the machine is shared, 24 GB)
 
 
 def make_learner(cfg: DSV4Config, impl: str, remat: str = "block") -> Learner:
@@ -106,30 +109,43 @@ def main() -> None:
           f"blocked_vs_dense_step_{t_hi // 1024}k={step_ratio:.2f}")
 
 
+def time_step(compiled, learner: Learner, batch: TrainBatch, runs: int) -> float:
+    """Median seconds of `runs` calls after one warm-up call."""
+    jax.block_until_ready(compiled(learner.state, batch))
+    ts = []
+    for _ in range(runs):
+        t0 = time.perf_counter()
+        jax.block_until_ready(compiled(learner.state, batch))
+        ts.append(time.perf_counter() - t0)
+    return statistics.median(ts)
+
+
 def memory_and_steps(small, seqs, step_seqs, runs, temp, steps) -> None:
-    """Fill temp[(impl, S)] (MiB) and steps[(impl, S)] (s) for the small config; print the table."""
+    """Fill temp[(impl, S)] (MiB, 6-layer small, compile only) and steps[(impl, S)] (s, 3-layer small); print."""
     learners = {impl: make_learner(small, impl) for impl in ("blocked", "dense")}
-    print("\n| S | blocked temp MiB | dense temp MiB | blocked step s | dense step s |\n|---|---|---|---|---|")
+    print("\n| S | blocked temp MiB | dense temp MiB |\n|---|---|---|")
     for s in seqs:
         batch = make_batch(s, small.vocab_size)
         for impl in ("blocked", "dense"):
-            if impl == "dense" and s > 2048 and s not in step_seqs:
-                continue  # dense at 8K: GiBs of scores, skipped
-            lr = learners[impl]
-            compiled, _, temp[impl, s] = compile_step(lr, batch)
-            if s in step_seqs:
-                jax.block_until_ready(compiled(lr.state, batch))  # warm-up
-                ts = []
-                for _ in range(runs):
-                    t0 = time.perf_counter()
-                    jax.block_until_ready(compiled(lr.state, batch))
-                    ts.append(time.perf_counter() - t0)
-                steps[impl, s] = statistics.median(ts)
-            del compiled
+            if impl == "dense" and s > 2048:
+                continue  # dense at 4K / 8K: GiBs of scores (quadratic), skipped
+            _, _, temp[impl, s] = compile_step(learners[impl], batch)
         fmt = lambda d, k: f"{d[k]:.1f}" if k in d else "-"  # noqa: E731
-        fmt3 = lambda d, k: f"{d[k]:.3f}" if k in d else "-"  # noqa: E731
-        print(f"| {s} | {fmt(temp, ('blocked', s))} | {fmt(temp, ('dense', s))} | {fmt3(steps, ('blocked', s))} | "
-              f"{fmt3(steps, ('dense', s))} |", flush=True)
+        print(f"| {s} | {fmt(temp, ('blocked', s))} | {fmt(temp, ('dense', s))} |", flush=True)
+    del learners
+    three = DSV4Config.small(torch_dtype="float32", num_hidden_layers=3, compress_ratios=(0, 4, 16, 0))
+    learners = {impl: make_learner(three, impl) for impl in ("blocked", "dense")}
+    print("\n3-layer small (sliding, CSA, HCA): train step\n| S | impl | temp MiB | step s |\n|---|---|---|---|")
+    for s in step_seqs:
+        batch = make_batch(s, three.vocab_size)
+        for impl in ("dense", "blocked"):
+            compiled, _, t = compile_step(learners[impl], batch)
+            if t > MAX_RUN_TEMP_MIB:
+                print(f"| {s} | {impl} | {t:.1f} | not run (temp > {MAX_RUN_TEMP_MIB} MiB) |", flush=True)
+                continue
+            steps[impl, s] = time_step(compiled, learners[impl], batch, runs)
+            print(f"| {s} | {impl} | {t:.1f} | {steps[impl, s]:.3f} |", flush=True)
+            del compiled
 
 
 if __name__ == "__main__":
