@@ -112,7 +112,7 @@ def test_model_blocked_equals_dense_with_left_padding(cfg, model):
     ids = jnp.asarray(rs.randint(0, cfg.vocab_size, (3, s)), jnp.int32)
     mask = np.ones((3, s), np.int32)
     mask[1, :11] = 0
-    mask[2, :33] = 0  # 7 real tokens: shorter than the HCA ratio... of complete windows only 0
+    mask[2, :33] = 0  # 7 real tokens: shorter than the HCA ratio 8 (no HCA entry), one CSA entry
     mask = jnp.asarray(mask)
     pair = [nnx.split(nnx.clone(model).set_options(attention_impl=impl, attn_block_q=BLOCK_Q, attn_block_k=BLOCK_K),
                       nnx.Param, ...) for impl in ("dense", "blocked")]
