@@ -77,10 +77,14 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="S up to 2K, depths 4/12, step time at 1K only")
     ap.add_argument("--runs", type=int, default=2, help="timed step calls per point (median)")
     ap.add_argument("--sections", default="memory,compile", help="memory (temp + step time), compile, or both")
+    ap.add_argument("--depths", default=None, help="comma-separated layer counts of the compile section "
+                                                   "(default 4,12,24,43; must include 4)")
     args = ap.parse_args()
     sections = set(args.sections.split(","))
     seqs = (1024, 2048) if args.quick else (1024, 2048, 4096, 8192)
     depths = (4, 12) if args.quick else (4, 12, 24, 43)
+    if args.depths:
+        depths = tuple(int(d) for d in args.depths.split(","))
     step_seqs = (1024,) if args.quick else (1024, 4096)
     small = DSV4Config.small(torch_dtype="float32")
     print(f"jax {jax.__version__}, backend {jax.default_backend()}, {os.cpu_count()} CPUs, "
