@@ -21,8 +21,6 @@ arXiv 2205.14135) for the blocking; the dense path of this package is the refere
 
 from __future__ import annotations
 
-import math
-
 import jax
 import jax.numpy as jnp
 
@@ -140,10 +138,4 @@ def attend_blocked(q: jax.Array, kv: jax.Array, positions: jax.Array, sink: jax.
     return o.swapaxes(0, 1).reshape(b, nq * qb, h, d)[:, :s]
 
 
-def query_blocks(s: int, block_q: int) -> tuple[int, int]:
-    """(block size, number of blocks) that `attend_blocked` and the blocked indexer use for S = s."""
-    qb = max(1, min(block_q, s))
-    return qb, math.ceil(s / qb)
-
-
-__all__ = ["attend_blocked", "query_blocks"]
+__all__ = ["attend_blocked"]
