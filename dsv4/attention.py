@@ -5,7 +5,10 @@ Per layer kind (static): `sliding` (window only), `csa` (window + indexer-select
 Output heads get the inverse RoPE (values = rotated keys) and go through the grouped low-rank projection.
 
 Full-sequence path (training, prefill, scoring). Positions are 0..S-1 from the first real token: the model
-right-aligns padded rows before calling this. The incremental decode path lives in `dsv4/cache.py`.
+right-aligns padded rows before calling this. Two implementations of the same math (static `impl`):
+`"blocked"` (default; `dsv4.blocked.attend_blocked`: memory linear in S, forward and backward) and `"dense"`
+(the reference: an explicit [B, H, S, S + W] score tensor and mask). The incremental decode path lives in
+`dsv4/cache.py`.
 Sources: official `Attention` (model.py L470-547), HF `DeepseekV4Attention`; spec §12 items 1-13, 21.
 """
 
@@ -15,6 +18,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from dsv4.blocked import attend_blocked
 from dsv4.compressor import Compressor, visible_entries
 from dsv4.config import CSA, HCA, SLIDING, yarn_inv_freq
 from dsv4.indexer import Indexer
@@ -44,10 +48,21 @@ def attend(q: jax.Array, keys: jax.Array, mask: jax.Array, sink: jax.Array, scal
                       preferred_element_type=dot_out(keys.dtype)).astype(jnp.float32)
 
 
-class Attention(nnx.Module):
-    """Parameters named as the official `layers.i.attn.*` keys (weights [out, in])."""
+ATTENTION_IMPLS = ("blocked", "dense")
 
-    def __init__(self, cfg, layer_idx: int, *, rngs, param_dtype, dtype):
+
+class Attention(nnx.Module):
+    """Parameters named as the official `layers.i.attn.*` keys (weights [out, in]).
+
+    impl: "blocked" (memory-linear, default) or "dense" (reference); block_q / block_k: query block and
+    compressed-entry block sizes of the blocked path (static; results do not depend on them beyond rounding).
+    """
+
+    def __init__(self, cfg, layer_idx: int, *, rngs, param_dtype, dtype, impl: str = "blocked", block_q: int = 128,
+                 block_k: int = 512):
+        if impl not in ATTENTION_IMPLS:
+            raise ValueError(f"attention_impl must be one of {ATTENTION_IMPLS}, got {impl!r}")
+        self.impl, self.block_q, self.block_k = impl, int(block_q), int(block_k)
         self.kind = cfg.layer_kind(layer_idx)
         self.ratio = cfg.compress_ratios[layer_idx]
         self.n_heads, self.head_dim, self.window = cfg.num_attention_heads, cfg.head_dim, cfg.sliding_window
@@ -107,6 +122,10 @@ class Attention(nnx.Module):
         cos, sin = self.rope(positions)
         q, q_latent = self.query(x, cos, sin)
         kv = self.key_value(x, cos, sin)
+        if self.impl == "blocked":
+            o, aux = self._blocked(x, q, q_latent, kv, positions, cos, sin)
+            out = self.output(o, cos, sin)
+            return (out, aux) if return_aux else out
         t = positions[:, :, None]
         s_ = positions[:, None, :]
         mask = (s_ <= t) & (t - s_ < self.window)  # [B, S, S] window including the current token
@@ -125,5 +144,22 @@ class Attention(nnx.Module):
         out = self.output(o, cos, sin)
         return (out, aux) if return_aux else out
 
+    def _blocked(self, x, q, q_latent, kv, positions, cos, sin):
+        """The memory-linear path: -> (o [B, S, H, d] float32, aux as `__call__`'s)."""
+        aux = {"kv": kv}
+        entries = selected = None
+        if self.kind in (CSA, HCA):
+            entries, a, z = self.compressor.full(x)
+            aux.update(comp=entries, ca=a, cz=z)
+            entries = entries.astype(kv.dtype)
+            if self.kind == CSA:
+                selected, (ia, iz, ik) = self.indexer.select_blocked(x, q_latent, positions, cos, sin,
+                                                                     block_q=self.block_q)
+                aux.update(ia=ia, iz=iz, ik=ik)
+        o = attend_blocked(q, kv, positions, self.attn_sink[...], self.head_dim ** -0.5, window=self.window,
+                           entries=entries, ratio=self.ratio, selected=selected, block_q=self.block_q,
+                           block_k=self.block_k)
+        return o, aux
 
-__all__ = ["Attention", "attend", "rope_tables", "linear"]
+
+__all__ = ["ATTENTION_IMPLS", "Attention", "attend", "rope_tables", "linear"]

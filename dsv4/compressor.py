@@ -96,9 +96,12 @@ class Compressor(nnx.Module):
         n_win = s // self.ratio
         a, z = self.project(x)
         z = z + jnp.tile(self.ape[...].astype(jnp.float32), (-(-s // self.ratio), 1))[:s]
+        if n_win == 0:  # S < m: no complete window, no entry (an explicit shape: reshape(-1) of 0 elements fails)
+            return jnp.zeros((b, 0, self.d), self.dtype), a, z
         cut = n_win * self.ratio
-        pooled = window_pool(a[:, :cut].reshape(b, n_win, self.ratio, -1), z[:, :cut].reshape(b, n_win, self.ratio, -1),
-                             overlap=self.overlap, d=self.d)
+        width = a.shape[-1]
+        pooled = window_pool(a[:, :cut].reshape(b, n_win, self.ratio, width),
+                             z[:, :cut].reshape(b, n_win, self.ratio, width), overlap=self.overlap, d=self.d)
         return self.finish(pooled, 0), a, z
 
     def __call__(self, x: jax.Array) -> jax.Array:

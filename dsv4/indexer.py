@@ -73,6 +73,43 @@ class Indexer(nnx.Module):
         sc = self.scores(q, omega, keys)
         return self.select(sc, visible_entries(positions, keys.shape[1], self.ratio)), (a, z, keys)
 
+    def select_blocked(self, x, q_latent, positions, cos, sin, *, block_q: int = 128):
+        """Memory-linear selection: scores and top-k per block of `block_q` queries ([block_q, H_I, W] at a time).
+
+        Same selection as `full` (the same scores per query, the same `jax.lax.top_k` over each query's row),
+        returned as indices instead of a dense mask. No gradient flows (selection is by index, spec §12.25).
+        Args: as `full`. Returns:
+          ((idx [B, S, k] int32, valid [B, S, k] bool) with k = min(index_topk, W), W = S // m: the selected
+          entries of each query (valid = visible; `full`'s mask is the scatter of idx where valid),
+          (A, Z + ape, keys) of the indexer compressor for the decode cache).
+        """
+        keys, a, z = self.compressor.full(x)
+        b, s, _ = x.shape
+        n = keys.shape[1]
+        k = min(self.topk, n)
+        if k == 0 or k == n:  # as `select`: nothing, or every visible entry
+            idx = jnp.broadcast_to(jnp.arange(k, dtype=jnp.int32), (b, s, k))
+            return (idx, visible_entries(positions, k, self.ratio)), (a, z, keys)
+        qb = max(1, min(block_q, s))
+        nq = -(-s // qb)
+        pad = nq * qb - s
+        sg = jax.lax.stop_gradient
+
+        def blocks(t):  # [B, S, ...] -> [nQ, B, qb, ...]
+            t = jnp.pad(sg(t), [(0, 0), (0, pad)] + [(0, 0)] * (t.ndim - 2))
+            return t.reshape(b, nq, qb, *t.shape[2:]).swapaxes(0, 1)
+
+        def one(blk):
+            xb, qlb, pb, cb, sb = blk
+            q, omega = self.queries(xb, qlb, cb, sb)
+            vis = visible_entries(pb, n, self.ratio)
+            sel = jax.lax.top_k(jnp.where(vis, self.scores(q, omega, sg(keys)), -jnp.inf), k)[1]
+            return sel.astype(jnp.int32), jnp.take_along_axis(vis, sel, axis=-1)
+
+        idx, valid = jax.lax.map(one, tuple(map(blocks, (x, q_latent, positions, cos, sin))))
+        unblock = lambda t: t.swapaxes(0, 1).reshape(b, nq * qb, k)[:, :s]  # noqa: E731
+        return (unblock(idx), unblock(valid)), (a, z, keys)
+
     def __call__(self, x, q_latent, positions, cos, sin) -> jax.Array:
         """Full-sequence selection mask [B, S, S//m] bool."""
         return self.full(x, q_latent, positions, cos, sin)[0]

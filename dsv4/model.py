@@ -11,6 +11,14 @@ equal those of the row run alone. (transformers 5.23 instead pools left-pad toke
 Routing record and replay: the output carries `routing` [B, S, L, k] int32 (expert ids of every main MoE
 layer; -1 at padding). Passing it back as `routing_replay` forces the same experts (spec: issue "routing
 replay"; hash layers included).
+
+Memory options (static, set at construction; the learner passes its own): `attention_impl` ("blocked": memory
+linear in S, the default; "dense": the reference, see `dsv4.attention`), its block sizes, and `remat`, the
+per-layer rematerialisation policy of the full-sequence forward under differentiation (`REMAT_POLICIES`):
+"none" keeps every activation for the backward; "block" keeps only each layer's input streams and recomputes
+the layer in the backward (`jax.checkpoint`); "dots" also keeps the outputs of the weight matmuls (dots without
+batch dimensions; `jax.checkpoint_policies.dots_with_no_batch_dims_saveable`). All give the same values and
+gradients; they trade memory for recompute.
 """
 
 from __future__ import annotations
@@ -19,7 +27,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx, struct
 
-from dsv4.attention import Attention
+from dsv4.attention import ATTENTION_IMPLS, Attention
 from dsv4.config import DSV4Config
 from dsv4.layers import Linear, RMSNorm, dot_out, param
 from dsv4.mhc import hc_head, hc_post, hc_pre
@@ -28,6 +36,16 @@ from sharding import axes as ax
 from sharding.rules import constrain
 
 _STREAMS = (ax.ACT_BATCH, ax.ACT_SEQ, None, ax.ACT_EMBED)  # [B, S, n, D] residual streams
+REMAT_POLICIES = ("block", "dots", "none")
+
+
+def remat_policy(name: str):
+    """`--remat` name -> (apply checkpoint?, jax.checkpoint policy). Raises ValueError naming `--remat`."""
+    if name not in REMAT_POLICIES:
+        raise ValueError(f"--remat must be one of {'|'.join(REMAT_POLICIES)}, got {name!r}")
+    if name == "none":
+        return False, None
+    return True, (None if name == "block" else jax.checkpoint_policies.dots_with_no_batch_dims_saveable)
 
 
 @struct.dataclass
@@ -49,7 +67,7 @@ class DSV4Output:
 class Block(nnx.Module):
     """One decoder layer: mHC(attn) + attention, mHC(ffn) + MoE. Names as official `layers.i.*`."""
 
-    def __init__(self, cfg: DSV4Config, layer_idx: int, *, rngs, param_dtype, dtype):
+    def __init__(self, cfg: DSV4Config, layer_idx: int, *, rngs, param_dtype, dtype, **attn_options):
         n, dm = cfg.hc_mult, cfg.hidden_size
         mix = (2 + n) * n
         std = cfg.initializer_range
@@ -60,7 +78,7 @@ class Block(nnx.Module):
             setattr(self, f"hc_{site}_scale", param(rngs, (3,), (None,), dtype=jnp.float32, init="ones"))
         self.attn_norm = RMSNorm(dm, cfg.rms_norm_eps, param_dtype=param_dtype)
         self.ffn_norm = RMSNorm(dm, cfg.rms_norm_eps, param_dtype=param_dtype)
-        self.attn = Attention(cfg, layer_idx, rngs=rngs, param_dtype=param_dtype, dtype=dtype)
+        self.attn = Attention(cfg, layer_idx, rngs=rngs, param_dtype=param_dtype, dtype=dtype, **attn_options)
         self.ffn = MoE(cfg, layer_idx, rngs=rngs, param_dtype=param_dtype, dtype=dtype)
 
     def _pre(self, x, site):
@@ -88,8 +106,8 @@ class MTPBlock(Block):
     """Multi-token-prediction block `mtp.0.*` (spec §7): a sliding, learned-routing layer with its own
     `e_proj`, `h_proj`, `enorm`, `hnorm`, `norm` and `hc_head_*`; shares `embed` and `head` with the model."""
 
-    def __init__(self, cfg: DSV4Config, layer_idx: int, *, rngs, param_dtype, dtype):
-        super().__init__(cfg, layer_idx, rngs=rngs, param_dtype=param_dtype, dtype=dtype)
+    def __init__(self, cfg: DSV4Config, layer_idx: int, *, rngs, param_dtype, dtype, **attn_options):
+        super().__init__(cfg, layer_idx, rngs=rngs, param_dtype=param_dtype, dtype=dtype, **attn_options)
         dm, n, std = cfg.hidden_size, cfg.hc_mult, cfg.initializer_range
         kw = dict(rngs=rngs, param_dtype=param_dtype, dtype=dtype, std=std)
         self.e_proj = Linear(dm, dm, (ax.EMBED, None), **kw)
@@ -111,24 +129,62 @@ class DSV4ForCausalLM(nnx.Module):
         router bias are always float32 (as in the checkpoint).
       dtype: compute dtype of matmuls (bfloat16 or float32). Norms, mHC, router, compressor pooling, softmax
         and RoPE always run in float32.
+      attention_impl: "blocked" (memory-linear, default) or "dense" (reference). attn_block_q / attn_block_k:
+        query block and compressed-entry block sizes of the blocked path.
+      remat: "none" (default here), "block" or "dots": see the module docstring (the learner sets `--remat`).
+    Raises:
+      ValueError: unknown attention_impl or remat (the message names the option).
     """
 
-    def __init__(self, config: DSV4Config, *, rngs: nnx.Rngs, param_dtype=jnp.float32, dtype=jnp.float32):
+    def __init__(self, config: DSV4Config, *, rngs: nnx.Rngs, param_dtype=jnp.float32, dtype=jnp.float32,
+                 attention_impl: str = "blocked", attn_block_q: int = 128, attn_block_k: int = 512,
+                 remat: str = "none"):
         cfg = config
+        remat_policy(remat)
+        if attention_impl not in ATTENTION_IMPLS:
+            raise ValueError(f"attention_impl must be one of {ATTENTION_IMPLS}, got {attention_impl!r}")
         self.config = cfg
         self.dtype = dtype
+        self.attention_impl, self.attn_block_q, self.attn_block_k = attention_impl, attn_block_q, attn_block_k
+        self.remat = remat
+        opts = dict(impl=attention_impl, block_q=attn_block_q, block_k=attn_block_k)
         std = cfg.initializer_range
         dm, n = cfg.hidden_size, cfg.hc_mult
         self.embed = _Table(param(rngs, (cfg.vocab_size, dm), (ax.VOCAB, ax.EMBED), dtype=param_dtype, std=std))
-        self.layers = nnx.List([Block(cfg, i, rngs=rngs, param_dtype=param_dtype, dtype=dtype)
+        self.layers = nnx.List([Block(cfg, i, rngs=rngs, param_dtype=param_dtype, dtype=dtype, **opts)
                                 for i in range(cfg.num_hidden_layers)])
         self.norm = RMSNorm(dm, cfg.rms_norm_eps, param_dtype=param_dtype)
         self.head = _Table(param(rngs, (cfg.vocab_size, dm), (ax.VOCAB, ax.EMBED), dtype=param_dtype, std=std))
         self.hc_head_fn = param(rngs, (n, n * dm), (ax.HC, None), dtype=jnp.float32, std=std)
         self.hc_head_base = param(rngs, (n,), (ax.HC,), dtype=jnp.float32, init="zeros")
         self.hc_head_scale = param(rngs, (1,), (None,), dtype=jnp.float32, init="ones")
-        self.mtp = nnx.List([MTPBlock(cfg, cfg.num_hidden_layers + j, rngs=rngs, param_dtype=param_dtype, dtype=dtype)
-                             for j in range(cfg.num_nextn_predict_layers)])
+        self.mtp = nnx.List([MTPBlock(cfg, cfg.num_hidden_layers + j, rngs=rngs, param_dtype=param_dtype, dtype=dtype,
+                                      **opts) for j in range(cfg.num_nextn_predict_layers)])
+
+    def build_options(self, **overrides) -> dict:
+        """The static constructor options of this model (attention_impl, block sizes, remat), with overrides:
+        `type(m)(m.config, rngs=..., **m.build_options(remat="block"))` rebuilds it with another remat."""
+        opts = dict(attention_impl=self.attention_impl, attn_block_q=self.attn_block_q,
+                    attn_block_k=self.attn_block_k, remat=self.remat)
+        opts.update(overrides)
+        return opts
+
+    def set_options(self, *, attention_impl: str | None = None, attn_block_q: int | None = None,
+                    attn_block_k: int | None = None, remat: str | None = None) -> "DSV4ForCausalLM":
+        """Change the static options in place (e.g. on an `nnx.clone`); None keeps the current value.
+        Returns self. Raises ValueError on an unknown attention_impl / remat."""
+        o = self.build_options(**{k: v for k, v in dict(attention_impl=attention_impl, attn_block_q=attn_block_q,
+                                                       attn_block_k=attn_block_k, remat=remat).items()
+                                  if v is not None})
+        remat_policy(o["remat"])
+        if o["attention_impl"] not in ATTENTION_IMPLS:
+            raise ValueError(f"attention_impl must be one of {ATTENTION_IMPLS}, got {o['attention_impl']!r}")
+        self.attention_impl, self.attn_block_q, self.attn_block_k, self.remat = (
+            o["attention_impl"], o["attn_block_q"], o["attn_block_k"], o["remat"])
+        for blk in [*self.layers, *self.mtp]:
+            blk.attn.impl, blk.attn.block_q, blk.attn.block_k = (o["attention_impl"], int(o["attn_block_q"]),
+                                                                 int(o["attn_block_k"]))
+        return self
 
     # ------------------------------------------------------------------ pieces (reused by the sampler)
     def embed_tokens(self, ids: jax.Array) -> jax.Array:
@@ -201,7 +257,7 @@ class DSV4ForCausalLM(nnx.Module):
             routes = []
             for i, layer in enumerate(self.layers):
                 forced = None if routing_replay is None else routing_replay[:, :, i]
-                x, r = block_step(layer, x, positions, ids, forced, dispatch_fn)
+                x, r = self._block(layer, x, positions, ids, forced, dispatch_fn)
                 routes.append(r)
             routing = jnp.stack(routes, axis=2)  # [B, S, L, k]
         else:  # stacked layers under lax.scan (dsv4/scan.py), each layer through block_step too
@@ -228,8 +284,21 @@ class DSV4ForCausalLM(nnx.Module):
         """MTP: X~_k = e_proj(enorm(embed(next))) + h_proj(hnorm(X_k)); block; own hyper head + norm (spec §7)."""
         e = blk.enorm(self.embed_tokens(next_ids))
         xm = blk.e_proj(e)[:, :, None, :] + blk.h_proj(blk.hnorm(x))
-        xm, _ = blk(xm.astype(x.dtype), positions, next_ids, None, dispatch_fn)
+        xm, _ = self._block(blk, xm.astype(x.dtype), positions, next_ids, None, dispatch_fn)
         return self.collapse(xm, owner=blk)
+
+    def _block(self, blk: Block, x, positions, ids, forced, dispatch_fn):
+        """One layer (`block_step`), under `jax.checkpoint` with the `remat` policy (a no-op without
+        differentiation). The scanned path (`layer_stack`) applies its own remat around the same `block_step`."""
+        on, policy = remat_policy(self.remat)
+        if not on:
+            return block_step(blk, x, positions, ids, forced, dispatch_fn)
+        graphdef, state = nnx.split(blk)
+
+        def run(state, x, positions, ids, forced):
+            return block_step(nnx.merge(graphdef, state), x, positions, ids, forced, dispatch_fn)
+
+        return jax.checkpoint(run, policy=policy)(state, x, positions, ids, forced)
 
 
 class _Table(nnx.Module):

@@ -85,6 +85,7 @@ _HELP = {
                             "learner state, restarts the data order); otherwise that is an error",
     "metrics_jsonl": "per-step metrics file ('' = none)", "tensorboard_dir": "TensorBoard dir ('' = none)",
     "seed": "seed of data order, sampling and init", "progress": "progress bar",
+    "remat": "per-layer rematerialisation of the learner: block | dots | none",
 }
 
 

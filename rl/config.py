@@ -28,6 +28,12 @@ def _check_choice(owner: str, name: str, value: object, choices: tuple[str, ...]
         raise ValueError(f"{owner}.{name} must be one of {choices}, got {value!r}")
 
 
+def _check_remat(value: object) -> None:
+    """`--remat` (LearnerConfig.remat / RunConfig.remat): one of block|dots|none, else a one-line ValueError."""
+    if value not in ("block", "dots", "none"):
+        raise ValueError(f"--remat must be one of block|dots|none, got {value!r}")
+
+
 def _check_int(owner: str, name: str, value: object, minimum: int) -> None:
     if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
         raise ValueError(f"{owner}.{name} must be an int >= {minimum}, got {value!r}")
@@ -243,6 +249,9 @@ class LearnerConfig:
         offload_optimizer: fraction in [0, 1] of the optimizer state (fp32 masters + Adam moments, by bytes,
             whole parameters largest first; `sharding.offload.select_offloaded`) kept in host memory
             (`pinned_host`) when the backend has host memory kinds.
+    remat: per-layer rematerialisation of the learner's forward (`--remat`): "block" (default: keep each layer's
+        input, recompute the layer in the backward), "dots" (also keep the weight matmuls' outputs) or "none"
+        (`dsv4.model.REMAT_POLICIES`; same gradients, less activation memory).
     """
 
     lr: float = 1e-6
@@ -268,9 +277,11 @@ class LearnerConfig:
     max_tokens_per_micro_batch: int | None = None
     param_dtype: DTypeName = "float32"
     offload_optimizer: float = 0.0
+    remat: Literal["block", "dots", "none"] = "block"
 
     def __post_init__(self):
         owner = type(self).__name__
+        _check_remat(self.remat)
         if _check_real(owner, "lr", self.lr) <= 0.0:
             raise ValueError(f"{owner}.lr must be > 0, got {self.lr!r}")
         _check_int(owner, "warmup_steps", self.warmup_steps, 0)
@@ -408,9 +419,11 @@ class RunConfig:
     wandb_project: str | None = None
     seed: int = 0
     progress: bool = True
+    remat: Literal["block", "dots", "none"] = "block"
 
     def __post_init__(self):
         owner = "RunConfig"
+        _check_remat(self.remat)
         for f in ("steps", "prompts_per_step", "max_new_tokens", "max_prompt_len", "eval_prompts", "eval_samples",
                   "keep_checkpoints", "task_digits"):
             if int(getattr(self, f)) < 1:

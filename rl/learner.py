@@ -203,8 +203,9 @@ class Learner:
         self.cfg, self.dispatch_fn = cfg, dispatch_fn
         self.model_config = module.config
         compute = jnp.dtype(cfg.compute_dtype)
+        opts = module.build_options(remat=cfg.remat) if hasattr(module, "build_options") else {}
         abs_model = nnx.eval_shape(lambda: type(module)(module.config, rngs=nnx.Rngs(0),
-                                                       param_dtype=jnp.dtype(cfg.param_dtype), dtype=compute))
+                                                       param_dtype=jnp.dtype(cfg.param_dtype), dtype=compute, **opts))
         self.graphdef, abs_params, _ = nnx.split(abs_model, nnx.Param, Buffer)
         _, params, buffers, rest = nnx.split(module, nnx.Param, Buffer, ...)
         if jax.tree.leaves(rest):

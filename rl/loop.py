@@ -168,7 +168,7 @@ def build(cfg: RunConfig) -> Job:
                          temperature=cfg.temperature, b2=0.99, weight_decay=0.0,
                          max_tokens_per_micro_batch=cfg.max_tokens_per_micro_batch,
                          logprob_chunk_size=cfg.logprob_chunk_size, param_dtype=param_dtype,
-                         offload_optimizer=cfg.offload_optimizer)
+                         offload_optimizer=cfg.offload_optimizer, remat=cfg.remat)
     learner = Learner(model, lcfg, mesh=plan.actor)
     max_prompt = max(train.max_prompt_len, max(len(p) for p in ev_prompts))
     rcd = cfg.rollout_compute_dtype

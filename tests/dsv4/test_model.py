@@ -206,9 +206,6 @@ def test_padding_is_not_a_no_op(cfg, model, alone):
     assert np.abs(np.asarray(lg)[1, PAD_LEN - n:] - alone[1][0]).max() > 1e-2
 
 
-@pytest.mark.xfail(strict=True, raises=ZeroDivisionError,
-                   reason="BUG dsv4/compressor.py Compressor.full: with S < ratio there is no complete window and "
-                          "`a[:, :0].reshape(b, 0, ratio, -1)` raises ZeroDivisionError in jnp.reshape")
 @pytest.mark.parametrize("n", [5, 3])
 def test_sequence_shorter_than_a_compression_ratio(cfg, model, alone, n):
     """S < m of a compressed layer (5 < 8 = HCA; 3 < 4 = CSA too): no complete window, zero entries. The prefix

@@ -174,6 +174,11 @@ def test_unwritable_output_is_an_error_before_step_1(tmp_path, flag, capsys, lt)
     assert_user_error(rc, err, flag, "not writable", str(blocker))
 
 
+def test_unknown_remat_policy(tmp_path, capsys, lt):
+    rc, _, err = main(["--remat", "full", *TINY, *lt.outputs(tmp_path)], capsys)
+    assert_user_error(rc, err, "--remat", "block|dots|none", "'full'")
+
+
 def test_yaml_errors(tmp_path, capsys):
     f = tmp_path / "bad.yaml"
     f.write_text("steps: 3\ngrup_size: 4\n")

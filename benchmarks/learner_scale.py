@@ -1,0 +1,156 @@
+"""Learner at scale: compiled temp memory vs sequence length, compile time vs depth, dense vs blocked attention.
+
+What is measured (CPU, XLA's own figures; the step is the real learner update `rl.learner.Learner._step`:
+forward, `rl.logprobs.token_logprobs` with sequence chunks of 256, GRPO loss, backward, clipping, AdamW; one row):
+1. temp memory: `jax.jit(step).lower(state, batch).compile().memory_analysis().temp_size_in_bytes` of one train
+   step of `DSV4Config.small()` (6 layers: sliding, CSA m=4 top-16, HCA m=16; window 64; fp32 compute; remat
+   `block`) at S = 1K, 2K, 4K, 8K with the blocked attention, and with the dense reference at 1K and 2K (compile
+   only; dense at 4K would need ~15 GB of temp). temp_ratio_8k_1k = temp(8K) / temp(1K), blocked (linear: 8,
+   quadratic: 64).
+2. compile time: `lower(...).compile()` wall time of the train step of a tiny-dimension model with 4, 12, 24 and 43
+   layers (the Flash schedule of layer kinds: 2 sliding, then CSA/HCA alternating; S = 256). Layers are a Python
+   loop (not `lax.scan`), so compile time still grows with depth. compile_ratio_43_4 = t(43) / t(4).
+3. step time: median wall time of the compiled train step (`block_until_ready`, after a warm-up call) with dense
+   and blocked attention at S = 1K and 4K, on a 3-layer `small` (one sliding, one CSA, one HCA layer: the 6-layer
+   dense step at 4K does not fit the shared 24 GB machine). blocked_vs_dense_step_4k = dense time / blocked time
+   at 4K (> 1: blocked faster).
+XLA:CPU upcasts bf16 dots to f32, hence fp32 compute here. The machine may be shared and loaded: timings are noisy.
+
+Run:   .venv/bin/python benchmarks/learner_scale.py              (about 5-10 minutes on 2 busy cores)
+       .venv/bin/python benchmarks/learner_scale.py --quick      (fewer points; a smoke run)
+Last line: `RESULT temp_ratio_8k_1k=.. compile_ratio_43_4=.. blocked_vs_dense_step_4k=..`.
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+import argparse  # noqa: E402
+import statistics  # noqa: E402
+import time  # noqa: E402
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+from flax import nnx  # noqa: E402
+
+from dsv4 import DSV4Config, DSV4ForCausalLM  # noqa: E402
+from rl.config import LearnerConfig  # noqa: E402
+from rl.learner import Learner, TrainBatch  # noqa: E402
+
+MIB = 1 << 20
+MAX_RUN_TEMP_MIB = 8192  # do not execute a step whose temp exceeds this (the machine is shared, 24 GB)
+
+
+def make_learner(cfg: DSV4Config, impl: str, remat: str = "block") -> Learner:
+    model = DSV4ForCausalLM(cfg, rngs=nnx.Rngs(0), param_dtype=jnp.float32, attention_impl=impl)
+    return Learner(model, LearnerConfig(lr=1e-5, compute_dtype="float32", logprob_chunk_size=256, remat=remat))
+
+
+def make_batch(s: int, vocab: int) -> TrainBatch:
+    ids = jax.random.randint(jax.random.key(s), (1, s), 0, vocab, jnp.int32)
+    resp = (jnp.arange(s) >= s // 2).astype(jnp.int32)[None]
+    return TrainBatch(input_ids=ids, attention_mask=jnp.ones((1, s), jnp.int32), response_mask=resp,
+                      rollout_logprobs=jnp.zeros((1, s), jnp.float32), advantages=jnp.ones((1,), jnp.float32))
+
+
+def compile_step(learner: Learner, batch: TrainBatch):
+    """-> (compiled step (no donation), compile seconds, temp MiB)."""
+    fn = jax.jit(learner._step)
+    with learner._context():
+        lowered = fn.lower(learner.state, batch)
+        t0 = time.perf_counter()
+        compiled = lowered.compile()
+        dt = time.perf_counter() - t0
+    return compiled, dt, compiled.memory_analysis().temp_size_in_bytes / MIB
+
+
+def flash_like(n_layers: int) -> DSV4Config:
+    """Tiny dims with the Flash schedule: 2 sliding layers, then CSA (m=4) / HCA (m=8) alternating, hash layers 3."""
+    ratios = tuple([0, 0] + [(4, 8)[i % 2] for i in range(n_layers - 2)])[:n_layers] + (0,)
+    return DSV4Config.tiny(num_hidden_layers=n_layers, compress_ratios=ratios, num_hash_layers=min(3, n_layers))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--quick", action="store_true", help="S up to 2K, depths 4/12, step time at 1K only")
+    ap.add_argument("--runs", type=int, default=2, help="timed step calls per point (median)")
+    ap.add_argument("--sections", default="memory,compile", help="memory (temp + step time), compile, or both")
+    ap.add_argument("--depths", default=None, help="comma-separated layer counts of the compile section "
+                                                   "(default 4,12,24,43; must include 4)")
+    args = ap.parse_args()
+    sections = set(args.sections.split(","))
+    seqs = (1024, 2048) if args.quick else (1024, 2048, 4096, 8192)
+    depths = (4, 12) if args.quick else (4, 12, 24, 43)
+    if args.depths:
+        depths = tuple(int(d) for d in args.depths.split(","))
+    step_seqs = (1024,) if args.quick else (1024, 4096)
+    small = DSV4Config.small(torch_dtype="float32")
+    print(f"jax {jax.__version__}, backend {jax.default_backend()}, {os.cpu_count()} CPUs, "
+          f"load average {os.getloadavg()[0]:.1f}")
+
+    temp: dict[tuple[str, int], float] = {}
+    steps: dict[tuple[str, int], float] = {}
+    comp: dict[int, float] = {}
+    if "memory" in sections:
+        memory_and_steps(small, seqs, step_seqs, args.runs, temp, steps)
+    if "compile" in sections:
+        print("\n| layers | compile s | temp MiB |\n|---|---|---|")
+        for n in depths:
+            cfg = flash_like(n)
+            lr = make_learner(cfg, "blocked")
+            _, comp[n], t = compile_step(lr, make_batch(256, cfg.vocab_size))
+            print(f"| {n} | {comp[n]:.1f} | {t:.1f} |", flush=True)
+            del lr
+    nan = float("nan")
+    s_hi, t_hi = seqs[-1], step_seqs[-1]
+    print(f"load average at the end {os.getloadavg()[0]:.1f}")
+    temp_ratio = temp.get(("blocked", s_hi), nan) / temp.get(("blocked", 1024), nan)
+    comp_ratio = comp.get(depths[-1], nan) / comp.get(4, nan)
+    step_ratio = steps.get(("dense", t_hi), nan) / steps.get(("blocked", t_hi), nan)
+    print(f"RESULT temp_ratio_{s_hi // 1024}k_1k={temp_ratio:.2f} compile_ratio_{depths[-1]}_4={comp_ratio:.2f} "
+          f"blocked_vs_dense_step_{t_hi // 1024}k={step_ratio:.2f}")
+
+
+def time_step(compiled, learner: Learner, batch: TrainBatch, runs: int) -> float:
+    """Median seconds of `runs` calls after one warm-up call."""
+    jax.block_until_ready(compiled(learner.state, batch))
+    ts = []
+    for _ in range(runs):
+        t0 = time.perf_counter()
+        jax.block_until_ready(compiled(learner.state, batch))
+        ts.append(time.perf_counter() - t0)
+    return statistics.median(ts)
+
+
+def memory_and_steps(small, seqs, step_seqs, runs, temp, steps) -> None:
+    """Fill temp[(impl, S)] (MiB, 6-layer small, compile only) and steps[(impl, S)] (s, 3-layer small); print."""
+    learners = {impl: make_learner(small, impl) for impl in ("blocked", "dense")}
+    print("\n| S | blocked temp MiB | dense temp MiB |\n|---|---|---|")
+    for s in seqs:
+        batch = make_batch(s, small.vocab_size)
+        for impl in ("blocked", "dense"):
+            if impl == "dense" and s > 2048:
+                continue  # dense at 4K / 8K: GiBs of scores (quadratic), skipped
+            _, _, temp[impl, s] = compile_step(learners[impl], batch)
+        fmt = lambda d, k: f"{d[k]:.1f}" if k in d else "-"  # noqa: E731
+        print(f"| {s} | {fmt(temp, ('blocked', s))} | {fmt(temp, ('dense', s))} |", flush=True)
+    del learners
+    three = DSV4Config.small(torch_dtype="float32", num_hidden_layers=3, compress_ratios=(0, 4, 16, 0))
+    learners = {impl: make_learner(three, impl) for impl in ("blocked", "dense")}
+    print("\n3-layer small (sliding, CSA, HCA): train step\n| S | impl | temp MiB | step s |\n|---|---|---|---|")
+    for s in step_seqs:
+        batch = make_batch(s, three.vocab_size)
+        for impl in ("dense", "blocked"):
+            compiled, _, t = compile_step(learners[impl], batch)
+            if t > MAX_RUN_TEMP_MIB:
+                print(f"| {s} | {impl} | {t:.1f} | not run (temp > {MAX_RUN_TEMP_MIB} MiB) |", flush=True)
+                continue
+            steps[impl, s] = time_step(compiled, learners[impl], batch, runs)
+            print(f"| {s} | {impl} | {t:.1f} | {steps[impl, s]:.3f} |", flush=True)
+            del compiled
+
+
+if __name__ == "__main__":
+    main()
