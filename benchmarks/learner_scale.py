@@ -1,6 +1,6 @@
 """Learner at scale: compiled temp memory vs sequence length, compile time vs depth, dense vs blocked attention.
 
-What is measured (CPU, XLA's own figures; the step is the real learner update `rl.learner.Learner._step`:
+What is measured (CPU, XLA's own figures; the step is the real learner update, lowered by `rl.learner.Learner.lower`:
 forward, `rl.logprobs.token_logprobs` with sequence chunks of 256, GRPO loss, backward, clipping, AdamW; one row):
 1. temp memory: `jax.jit(step).lower(state, batch).compile().memory_analysis().temp_size_in_bytes` of one train
    step of `DSV4Config.small()` (6 layers: sliding, CSA m=4 top-16, HCA m=16; window 64; fp32 compute; remat
@@ -56,13 +56,11 @@ def make_batch(s: int, vocab: int) -> TrainBatch:
 
 
 def compile_step(learner: Learner, batch: TrainBatch):
-    """-> (compiled step (no donation), compile seconds, temp MiB)."""
-    fn = jax.jit(learner._step)
-    with learner._context():
-        lowered = fn.lower(learner.state, batch)
-        t0 = time.perf_counter()
-        compiled = lowered.compile()
-        dt = time.perf_counter() - t0
+    """-> (compiled step, compile seconds, temp MiB): `Learner.lower`, the train step exactly as `update` runs it."""
+    lowered = learner.lower(batch)
+    t0 = time.perf_counter()
+    compiled = lowered.compile()
+    dt = time.perf_counter() - t0
     return compiled, dt, compiled.memory_analysis().temp_size_in_bytes / MIB
 
 
@@ -113,13 +111,13 @@ def main() -> None:
           f"blocked_vs_dense_step_{t_hi // 1024}k={step_ratio:.2f}")
 
 
-def time_step(compiled, learner: Learner, batch: TrainBatch, runs: int) -> float:
-    """Median seconds of `runs` calls after one warm-up call."""
-    jax.block_until_ready(compiled(learner.state, batch))
+def time_step(learner: Learner, batch: TrainBatch, runs: int) -> float:
+    """Median seconds of `runs` `Learner.update` calls after one warm-up call (which compiles)."""
+    jax.block_until_ready(learner.update(batch))
     ts = []
     for _ in range(runs):
         t0 = time.perf_counter()
-        jax.block_until_ready(compiled(learner.state, batch))
+        jax.block_until_ready(learner.update(batch))
         ts.append(time.perf_counter() - t0)
     return statistics.median(ts)
 
@@ -147,7 +145,7 @@ def memory_and_steps(small, seqs, step_seqs, runs, temp, steps) -> None:
             if t > MAX_RUN_TEMP_MIB:
                 print(f"| {s} | {impl} | {t:.1f} | not run (temp > {MAX_RUN_TEMP_MIB} MiB) |", flush=True)
                 continue
-            steps[impl, s] = time_step(compiled, learners[impl], batch, runs)
+            steps[impl, s] = time_step(learners[impl], batch, runs)
             print(f"| {s} | {impl} | {t:.1f} | {steps[impl, s]:.3f} |", flush=True)
             del compiled
 
