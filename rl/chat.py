@@ -42,6 +42,8 @@ from datetime import datetime
 from functools import lru_cache
 from typing import Any
 
+from rl.tokenizer import read_tokenizer_config
+
 DEEPSEEK_V4 = "builtin:deepseek_v4"  # the format of DeepSeek-V4's encoding/encoding_dsv4.py (module docstring)
 _DSV4 = {"bos": "<｜begin▁of▁sentence｜>", "eos": "<｜end▁of▁sentence｜>", "user": "<｜User｜>",
          "assistant": "<｜Assistant｜>", "think": "<think>", "end_think": "</think>"}
@@ -72,13 +74,7 @@ def load_chat_template(tokenizer_path: str | os.PathLike) -> tuple[str, dict[str
     folder = path if os.path.isdir(path) else os.path.dirname(path) or "."
     config_file = os.path.join(folder, "tokenizer_config.json")
     jinja_file = os.path.join(folder, "chat_template.jinja")
-    config: dict = {}
-    if os.path.isfile(config_file):
-        try:
-            with open(config_file, encoding="utf-8") as f:
-                config = json.load(f)
-        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-            raise ChatTemplateError(f"cannot read {config_file}: {e}") from None
+    config = read_tokenizer_config(folder, ChatTemplateError)
     specials = {k: v for k in SPECIAL_TOKEN_KEYS if (v := _config_token(config, k)) is not None}
     if os.path.isfile(jinja_file):
         with open(jinja_file, encoding="utf-8") as f:

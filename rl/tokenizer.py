@@ -41,6 +41,19 @@ class TokenizerError(ValueError):
     """A tokenizer file that cannot be used, or a tokenizer that does not fit the model."""
 
 
+def read_tokenizer_config(folder: str, error: type[ValueError] = TokenizerError) -> dict:
+    """`tokenizer_config.json` of a tokenizer folder as a dict ({} when absent). Raises `error` naming the file
+    when it exists but cannot be read or is not JSON."""
+    config_file = os.path.join(folder, "tokenizer_config.json")
+    if not os.path.isfile(config_file):
+        return {}
+    try:
+        with open(config_file, encoding="utf-8") as f:
+            return json.load(f)
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise error(f"cannot read {config_file}: {e}") from None
+
+
 @runtime_checkable
 class TokenizerLike(Protocol):
     """What the RL stack needs from a tokenizer (see the module docstring for the rules)."""
@@ -183,14 +196,7 @@ def load_tokenizer(path: str | os.PathLike, *, eos_token: str | None = None, bos
     except Exception as e:  # noqa: BLE001  tokenizers raises a bare Exception for a JSON that is not a tokenizer
         raise TokenizerError(f"{file} is not a Hugging Face tokenizer.json: {e}") from None
 
-    config = {}
-    config_file = os.path.join(os.path.dirname(file), "tokenizer_config.json")
-    if os.path.isfile(config_file):
-        try:
-            with open(config_file, encoding="utf-8") as f:
-                config = json.load(f)
-        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-            raise TokenizerError(f"cannot read {config_file}: {e}") from None
+    config = read_tokenizer_config(os.path.dirname(file))
 
     eos_id = _find_special(tok, file, "eos", eos_token, config, EOS_CANDIDATES)
     if eos_id is None:
