@@ -86,6 +86,8 @@ _HELP = {
     "metrics_jsonl": "per-step metrics file ('' = none)", "tensorboard_dir": "TensorBoard dir ('' = none)",
     "seed": "seed of data order, sampling and init", "progress": "progress bar",
     "remat": "per-layer rematerialisation of the learner: block | dots | none",
+    "scan_layers": "run the learner's layers under lax.scan per group of identical layers (compile time flat in "
+                   "depth; the learner state and its checkpoints are then in the stacked layout)",
 }
 
 

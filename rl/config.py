@@ -252,6 +252,10 @@ class LearnerConfig:
     remat: per-layer rematerialisation of the learner's forward (`--remat`): "block" (default: keep each layer's
         input, recompute the layer in the backward), "dots" (also keep the weight matmuls' outputs) or "none"
         (`dsv4.model.REMAT_POLICIES`; same gradients, less activation memory).
+    scan_layers: run the decoder layers under `jax.lax.scan` per group of identical layers (`dsv4/scan.py`;
+        `--scan-layers`), so the step's compile time does not grow with depth. The learner then holds params,
+        buffers, optimizer state and reference in the stacked layout (`params_for_push()` is per layer; its
+        checkpoints load only with the same setting). False (default): the Python loop over the layers.
     """
 
     lr: float = 1e-6
@@ -278,6 +282,7 @@ class LearnerConfig:
     param_dtype: DTypeName = "float32"
     offload_optimizer: float = 0.0
     remat: Literal["block", "dots", "none"] = "block"
+    scan_layers: bool = False
 
     def __post_init__(self):
         owner = type(self).__name__
@@ -348,7 +353,8 @@ class RunConfig:
       with tis_clip / mis_low / mis_high, routing_replay, freeze_router, micro_batch_size.
     Learner size/state: max_tokens_per_micro_batch (token budget per device and micro-batch), logprob_chunk_size,
       param_dtype (auto = bfloat16 params + fp32 masters off CPU, float32 on CPU, where bf16 matmuls are
-      emulated and the default run was tuned), offload_optimizer (fraction of masters + moments in host memory).
+      emulated and the default run was tuned), offload_optimizer (fraction of masters + moments in host memory),
+      remat, scan_layers (layers under lax.scan, state stacked; LearnerConfig).
     Eval / checkpoints / logs: eval_every, eval_prompts, eval_samples (k of pass@k), ckpt_dir, ckpt_every,
       resume (auto|never), allow_dataset_change (resume although the dataset file changed: keeps the learner
       state, restarts the data order; otherwise a changed file is an error), metrics_jsonl, tensorboard_dir, seed;
@@ -420,6 +426,7 @@ class RunConfig:
     seed: int = 0
     progress: bool = True
     remat: Literal["block", "dots", "none"] = "block"
+    scan_layers: bool = False
 
     def __post_init__(self):
         owner = "RunConfig"

@@ -78,6 +78,7 @@ from flax import nnx, struct
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from dsv4 import moe
+from dsv4 import scan
 from dsv4.layers import Buffer
 from rl import batching, optim
 from rl.config import LearnerConfig
@@ -213,18 +214,32 @@ class Learner:
                              f"{[_path(p) for p, _ in jax.tree_util.tree_leaves_with_path(rest)]}")
         if jax.tree.structure(params) != jax.tree.structure(abs_params):
             raise ValueError("the model's parameters do not match the structure of its config's model")
-        self.labels = jax.tree_util.tree_map_with_path(self._label, params)
+        # scan_layers: the state holds `layers` stacked per group (dsv4/scan.py); labels and the matrix mask
+        # (weight decay, reference dtype) are decided per layer, then stacked (a stacked leaf has one more dim)
+        self.sdef = scan.stack_def(abs_model) if cfg.scan_layers else None
+        self._per_layer_params = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), abs_params)
+        labels = jax.tree_util.tree_map_with_path(self._label, params)
+        matrix = jax.tree.map(lambda x: x.ndim >= 2, params)
+        if self.sdef is not None:
+            labels, matrix = (scan.stack_params(t, self.sdef.groups) for t in (labels, matrix))
+            abs_params = scan.stack_params(abs_params, self.sdef.groups)
+        self.labels = labels
+        self._matrix = {_path(p): m for p, m in jax.tree_util.tree_leaves_with_path(matrix)}
         self.tx = optax.multi_transform({TRAIN: self._train_tx(), FROZEN: optax.set_to_zero()}, self.labels)
         self.mesh, self.rules = mesh, (sr.ACTOR_RULES if rules is None else rules)
         trained = {_path(p): lab == TRAIN for p, lab in jax.tree_util.tree_leaves_with_path(self.labels)}
+        is_matrix = lambda path, x: self._matrix[_path(path)]  # noqa: E731  (per-layer ndim >= 2)
 
         def init(params, buffers):
+            if self.sdef is not None:  # traced: the stacked copy is the jit's (placed) output, no eager copy
+                params, buffers = (scan.stack_params(t, self.sdef.groups) for t in (params, buffers))
             # each param in the learner's param dtype (the model keeps some leaves fp32 whatever it is)
             params = jax.tree.map(lambda x, a: x.astype(a.dtype), params, abs_params)
             ref = None
             if cfg.loss.kl_coef > 0:
                 ref_dtype = jnp.dtype(cfg.ref_dtype)
-                ref = jax.tree.map(lambda x: x.astype(ref_dtype) if x.ndim >= 2 else x, params)
+                ref = jax.tree_util.tree_map_with_path(
+                    lambda p, x: x.astype(ref_dtype) if is_matrix(p, x) else x, params)
             return TrainState(step=jnp.zeros((), jnp.int32), params=params,
                               opt_state=optim.init(self.tx, params, trained), buffers=buffers, ref_params=ref)
 
@@ -250,12 +265,22 @@ class Learner:
         self.offloaded = self._offload(trained)
         if dispatch_fn is None:
             devices = [jax.devices()[0]] if mesh is None else list(mesh.devices.flat)
-            shardings = {_path(p): sh for p, sh in jax.tree_util.tree_leaves_with_path(self._state_shardings.params)}
+            shardings = {_path(p): sh for p, sh in jax.tree_util.tree_leaves_with_path(self._param_shardings())}
             self.dispatch_fn = moe.default_dispatch(devices, shardings)
         self._jits: dict[Any, Any] = {}
         self._hash_buffers = {int(m.group(1)): leaf for p, leaf in jax.tree_util.tree_leaves_with_path(buffers)
                               if (m := _HASH_TABLE.fullmatch(_path(p)))}
         self._replay_metrics: dict[str, Any] = {}
+
+    def _param_shardings(self) -> Any:
+        """The params' shardings in the per-layer layout (official paths, e.g. for `moe.default_dispatch`)."""
+        sh = self._state_shardings.params
+        if self.sdef is None:
+            return sh
+        if self.mesh is None:  # one device: every per-layer leaf has that leaf's (single-device) sharding
+            one = jax.tree.leaves(sh)[0]
+            return jax.tree.map(lambda _: one, self._per_layer_params)
+        return scan.unstack_params(sh, self.sdef.groups)
 
     # ------------------------------------------------------------------ optimizer state placement
     def _master_like_params(self, shardings: TrainState) -> TrainState:
@@ -310,16 +335,24 @@ class Learner:
 
     def _train_tx(self) -> optax.GradientTransformation:
         c = self.cfg
-        adamw = optax.adamw(lr_schedule(c), b1=c.b1, b2=c.b2, eps=c.eps, weight_decay=c.weight_decay,
-                            mask=lambda p: jax.tree.map(lambda x: x.ndim >= 2, p))
+        if c.scan_layers:  # stacked leaves have one more dim: the per-layer decision, by path
+            mask = lambda p: jax.tree_util.tree_map_with_path(lambda q, x: self._matrix[_path(q)], p)  # noqa: E731
+        else:
+            mask = lambda p: jax.tree.map(lambda x: x.ndim >= 2, p)  # noqa: E731
+        adamw = optax.adamw(lr_schedule(c), b1=c.b1, b2=c.b2, eps=c.eps, weight_decay=c.weight_decay, mask=mask)
         return adamw if c.max_grad_norm is None else optax.chain(optax.clip_by_global_norm(c.max_grad_norm), adamw)
 
     # ------------------------------------------------------------------ the math (traced inside jit)
     def _logprobs(self, params, buffers, mb: TrainBatch, replay: bool):
-        model = nnx.merge(self.graphdef, params, buffers)
+        stack = None
+        if self.sdef is None:
+            model = nnx.merge(self.graphdef, params, buffers)
+        else:  # the shell (embedding, head, ...) + the stacked layers under lax.scan, remat per sub-layer
+            model, stack = scan.merge_stacked(self.sdef, params, buffers, remat=self.cfg.remat)
         return token_logprobs(model, mb.input_ids, mb.attention_mask, temperature=self.cfg.temperature,
                               routing_replay=mb.routing if replay else None, return_entropy=True,
-                              chunk_size=self.cfg.logprob_chunk_size, dispatch_fn=self.dispatch_fn)
+                              chunk_size=self.cfg.logprob_chunk_size, dispatch_fn=self.dispatch_fn,
+                              layer_stack=stack)
 
     def _loss(self, params, buffers, ref_params, mb: TrainBatch, norms: dict[str, jax.Array], loss_cfg=None):
         """Loss of one micro-batch with the full batch's normalisers -> (loss, metrics); differentiated in params.
@@ -477,12 +510,15 @@ class Learner:
             return res, metrics
 
     def params_for_push(self) -> Any:
-        """Every tensor that defines the current model: nnx.State of the float32 master Params and the Buffers.
+        """Every tensor that defines the current model: nnx.State of the float32 master Params and the Buffers,
+        per layer (official paths; with `scan_layers` the stacked layers are sliced back, i.e. copied).
         Live arrays of the state: push (copy) them before the next `train_step` donates them."""
-        return nnx.merge_state(self.state.params, self.state.buffers)
+        merged = nnx.merge_state(self.state.params, self.state.buffers)
+        return merged if self.sdef is None else scan.unstack_params(merged, self.sdef.groups)
 
     def state_dict(self) -> dict[str, Any]:
-        """{"step", "params", "opt_state", "buffers"} (+ "ref_params" when kl_coef > 0): a pytree of arrays."""
+        """{"step", "params", "opt_state", "buffers"} (+ "ref_params" when kl_coef > 0): a pytree of arrays
+        (with `scan_layers`, in the stacked layout: it only loads into a learner with the same setting)."""
         s = self.state
         d = {"step": s.step, "params": s.params, "opt_state": s.opt_state, "buffers": s.buffers}
         if s.ref_params is not None:

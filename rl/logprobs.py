@@ -91,6 +91,7 @@ def token_logprobs(
     return_entropy: bool = False,
     chunk_size: int | None = None,
     dispatch_fn: Any = None,
+    layer_stack: Any = None,
 ) -> tuple[jnp.ndarray, jnp.ndarray | None, jnp.ndarray]:
     """Log-probability of every token given its prefix, under `model` (a `dsv4.DSV4ForCausalLM`).
 
@@ -106,6 +107,8 @@ def token_logprobs(
             (see the module docstring; bounds the logits memory to [N, C, V]).
         dispatch_fn: the model's routed-expert implementation (None: its default; on a mesh e.g.
             `sharding.expert.make_ep_dispatch(mesh)`).
+        layer_stack: a `dsv4.scan.LayerStack` when `model` is a `dsv4.scan.merge_stacked` shell (scanned layers),
+            passed to the model as `layer_stack=`; None = not passed (the model's own layers).
     Returns:
         (logprobs [N, S] float32, entropy [N, S] float32 or None, routing [N, S, L, k] int32 from the model),
         logprobs/entropy aligned and zeroed as in the module docstring.
@@ -118,8 +121,9 @@ def token_logprobs(
     if chunk_size is not None and (isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1):
         raise ValueError(f"chunk_size must be None or an int >= 1, got {chunk_size!r}")
     inv_t = 1.0 / effective_temperature(temperature)
+    extra = {} if layer_stack is None else {"layer_stack": layer_stack}
     out = model(input_ids, attention_mask=attention_mask, routing_replay=routing_replay,
-                return_hidden=chunk_size is not None, dispatch_fn=dispatch_fn)
+                return_hidden=chunk_size is not None, dispatch_fn=dispatch_fn, **extra)
     targets = input_ids[:, 1:].astype(jnp.int32)  # token j, predicted at j - 1 -> [N, S-1]
     if chunk_size is None:
         z = out.logits[:, :-1].astype(jnp.float32) * inv_t  # -> [N, S-1, V]

@@ -120,7 +120,8 @@ def fingerprint(cfg: RunConfig, model_cfg) -> dict:
     keep = ("config", "init", "task", "task_digits", "dataset", "prompts_per_step", "group_size", "max_new_tokens",
             "algo", "seed", "routing_replay", "kl_coef", "lr")
     return {"model": json.dumps(model_cfg.to_dict(), sort_keys=True, default=str),
-            **{k: getattr(cfg, k) for k in keep}}
+            **{k: getattr(cfg, k) for k in keep},
+            **({"scan_layers": True} if cfg.scan_layers else {})}  # stacked state (absent: earlier fingerprints)
 
 
 def build(cfg: RunConfig) -> Job:
@@ -168,7 +169,8 @@ def build(cfg: RunConfig) -> Job:
                          temperature=cfg.temperature, b2=0.99, weight_decay=0.0,
                          max_tokens_per_micro_batch=cfg.max_tokens_per_micro_batch,
                          logprob_chunk_size=cfg.logprob_chunk_size, param_dtype=param_dtype,
-                         offload_optimizer=cfg.offload_optimizer, remat=cfg.remat)
+                         offload_optimizer=cfg.offload_optimizer, remat=cfg.remat,
+                         scan_layers=cfg.scan_layers)
     learner = Learner(model, lcfg, mesh=plan.actor)
     max_prompt = max(train.max_prompt_len, max(len(p) for p in ev_prompts))
     rcd = cfg.rollout_compute_dtype
