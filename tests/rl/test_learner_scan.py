@@ -127,6 +127,7 @@ def test_stacked_state_dict_round_trips_and_rejects_the_other_layout(pair):
         plain.load_state_dict(d)
 
 
+@pytest.mark.slow
 def test_scanned_bf16_masters_equal_unscanned(model, batch):
     """bf16 params + fp32 masters (rl/optim.MasterState keyed by stacked paths): the same update."""
     kw = dict(lr=1e-3, eps=1e-4, compute_dtype="float32", param_dtype="bfloat16", routing_replay=True)
