@@ -50,6 +50,15 @@ Choices (and why):
   bitwise the old one (the step counter does not advance either) and `train/skipped_nonfinite` is 1.
 - Donation: `train_step` donates the old state (`donate_argnums=0`): never reuse a state passed to it, nor
   arrays taken from it (`params_for_push()` returns live arrays: push them before the next step).
+- Scanned layers (`scan_layers`, opt-in): the state (params, buffers, fp32 masters, Adam moments, reference)
+  holds the decoder layers stacked per group of identical layers (`dsv4.scan.stack_params`, built inside the
+  init jit, so there is no per-step re-stacking), and the forward runs `dsv4.scan.merge_stacked`'s shell with
+  `layer_stack=` (one `lax.scan` per group, `remat` per sub-layer): compile time flat in depth. Labels (frozen /
+  trained), the weight-decay mask and the reference's matrix dtype are decided per layer, then stacked; the
+  expert dispatch and routing validation read the per-layer shardings / hash tables; `params_for_push()` unstacks
+  (official per-layer paths). Optimizer offload then selects whole stacked leaves (all layers of a group's
+  tensor at once), coarser than the planner's per-parameter count. `state_dict` is stacked (loads only into a
+  learner with the same setting; the loop's checkpoint fingerprint records it).
 - Mesh: with `mesh`, the state is placed by `sharding.rules.param_shardings` (actor rules by default), the
   batch is split along N over the rules' `act_batch` mesh axes, and the jits run inside `jax.set_mesh(mesh)`
   and `sharding.rules.use_rules` with explicit in/out shardings (docs/jax-stack.md §2.2: a jit on a sub-mesh
@@ -192,7 +201,9 @@ class Learner:
             (sharding/plan.py --compile). Such a learner cannot `update`.
     Attributes:
         state: the current TrainState (replaced by `update`). graphdef: the learner's model graph (compute
-        dtype); `nnx.merge(graphdef, state.params, state.buffers)` is the current policy.
+        dtype, per layer); `nnx.merge(graphdef, params_for_push())` is the current policy (without scan_layers
+        also `nnx.merge(graphdef, state.params, state.buffers)`). sdef: the `dsv4.scan.StackDef` with
+        scan_layers, else None.
     Raises:
         ValueError: a model holding variables other than Params and Buffers, or params that do not fit the
             mesh (from `sharding.rules.param_shardings`).
