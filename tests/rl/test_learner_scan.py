@@ -162,3 +162,19 @@ def test_sharded_scanned_step_equals_one_device(model, batch, pair):
     diff = np.sqrt(sum(np.sum((b[k] - v) ** 2) for k, v in a.items()))
     norm = np.sqrt(sum(np.sum(v ** 2) for v in a.values()))
     assert diff <= 5e-5 * norm, diff / norm
+
+
+def test_scan_layers_flag_config_and_fingerprint():
+    """`--scan-layers` sets RunConfig.scan_layers (default False, help text present); the run's checkpoint
+    fingerprint records it only when on (earlier fingerprints unchanged), so a stacked checkpoint is refused by an
+    unscanned run and vice versa (rl/checkpoint.py compares every key)."""
+    from launch import run as launch_run
+    from rl.config import RunConfig
+    from rl.loop import fingerprint, resolve_model_config
+
+    off, _ = launch_run.resolve(["--ckpt-dir", ""])
+    on, _ = launch_run.resolve(["--ckpt-dir", "", "--scan-layers"])
+    assert (RunConfig().scan_layers, off.scan_layers, on.scan_layers) == (False, False, True)
+    assert "lax.scan" in launch_run.parser().format_help().replace("\n", " ")
+    mc = resolve_model_config(off, 16)
+    assert "scan_layers" not in fingerprint(off, mc) and fingerprint(on, mc)["scan_layers"] is True
