@@ -178,3 +178,21 @@ def test_scan_layers_flag_config_and_fingerprint():
     assert "lax.scan" in launch_run.parser().format_help().replace("\n", " ")
     mc = resolve_model_config(off, 16)
     assert "scan_layers" not in fingerprint(off, mc) and fingerprint(on, mc)["scan_layers"] is True
+
+
+@pytest.mark.slow
+def test_scanned_offload_selects_stacked_leaves_and_equals_on_device(model):
+    """scan_layers + offload_optimizer: whole stacked leaves (all layers of a group's tensor) are chosen, their
+    optimizer state lives in pinned_host memory before and after the step, and the update equals the on-device
+    one (moving memory changes no value: bitwise)."""
+    ids = jnp.asarray(np.random.default_rng(1).integers(1, CFG.vocab_size, (2, 8)), jnp.int32)
+    b = TrainBatch(input_ids=ids, attention_mask=jnp.ones_like(ids), response_mask=jnp.ones_like(ids),
+                   rollout_logprobs=jnp.zeros((2, 8)), advantages=jnp.array([1.0, -1.0]))
+    kw = dict(lr=1e-3, eps=1e-4, compute_dtype="float32", scan_layers=True)
+    dev, off = Learner(model, LearnerConfig(**kw)), Learner(model, LearnerConfig(offload_optimizer=0.5, **kw))
+    assert any(k.startswith("layers/1/0/") for k in off.offloaded)  # a stacked path: group 1, sub-layer 0
+    assert "pinned_host" in {x.sharding.memory_kind for x in jax.tree.leaves(off.state.opt_state)}
+    dev.update(b), off.update(b)
+    assert "pinned_host" in {x.sharding.memory_kind for x in jax.tree.leaves(off.state.opt_state)}
+    for x, y in zip(jax.tree.leaves(dev.params_for_push()), jax.tree.leaves(off.params_for_push())):
+        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
