@@ -75,11 +75,12 @@ class CompileReport:
 
 def compile_actor(config, mesh_spec: str, *, seq_len: int, micro_batch_tokens: int | None = None,
                   offload_optimizer: float = 0.0, train_mtp: bool = True, freeze_router: bool = False,
-                  routing_replay: bool = True) -> CompileReport:
+                  routing_replay: bool = True, scan_layers: bool = False) -> CompileReport:
     """Lower and compile the learner's train step for `config` on the actor mesh of `mesh_spec`.
 
     Needs `spec.n_devices` local devices (XLA:CPU with the device-count flag). Rows per device of the batch
-    axes: max(1, micro_batch_tokens // seq_len) (1 without a budget). Raises whatever the learner raises for a
+    axes: max(1, micro_batch_tokens // seq_len) (1 without a budget). `scan_layers`: the learner's
+    `--scan-layers` (layers under lax.scan: compile time flat in depth). Raises whatever the learner raises for a
     layout it cannot take (ValueError), and XLA's errors.
     """
     import dsv4
@@ -96,7 +97,7 @@ def compile_actor(config, mesh_spec: str, *, seq_len: int, micro_batch_tokens: i
                                                          dtype=jnp.bfloat16))
     cfg = LearnerConfig(compute_dtype="bfloat16", param_dtype="bfloat16", offload_optimizer=offload_optimizer,
                         train_mtp=train_mtp, freeze_router=freeze_router, routing_replay=routing_replay,
-                        max_tokens_per_micro_batch=micro_batch_tokens)
+                        max_tokens_per_micro_batch=micro_batch_tokens, scan_layers=scan_layers)
     learner = Learner(model, cfg, mesh=plan.actor, abstract=True)
     per_dev = 1 if micro_batch_tokens is None else max(1, micro_batch_tokens // seq_len)
     n = per_dev * learner._batch_devices()

@@ -491,6 +491,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                    "or --rollout-seq-len)")
     p.add_argument("--micro-batch-tokens", type=int, default=None,
                    help="--compile: the learner's --max-tokens-per-micro-batch (default: one row per device)")
+    p.add_argument("--scan-layers", action=argparse.BooleanOptionalAction, default=False,
+                   help="--compile: the learner's --scan-layers (layers under lax.scan; compile time flat in depth)")
     p.add_argument("--num-layers", type=int, default=None,
                    help="plan/compile a reduced-depth copy of the config (first N main layers; labelled)")
     args = p.parse_args(argv)
@@ -533,7 +535,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         xla = compile_actor(config, report.mesh_spec, seq_len=seq, micro_batch_tokens=args.micro_batch_tokens,
                             offload_optimizer=args.offload_optimizer, train_mtp=args.train_mtp,
-                            freeze_router=args.freeze_router)
+                            freeze_router=args.freeze_router, scan_layers=args.scan_layers)
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
