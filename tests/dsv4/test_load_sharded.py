@@ -281,25 +281,36 @@ def test_two_processes_load_and_export(ckpts, tmp_path):
     the export loads back identically (tests/dsv4/load_worker.py)."""
     import portpicker
 
-    port = portpicker.pick_unused_port()
     env = {k: v for k, v in os.environ.items() if not k.startswith(("JAX_", "SLURM_", "OMPI_"))}
     # no forced 8 devices in the workers; LLVM -O0 (the same HLO) keeps two concurrent processes' compiles short
     env.update(JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_backend_optimization_level=0",
                PYTHONPATH=f"{ROOT}:{ROOT / 'tests' / 'dsv4'}")
-    procs = [subprocess.Popen([sys.executable, str(WORKER), "--coordinator", f"127.0.0.1:{port}",
-                               "--num-processes", "2", "--process-id", str(i), "--cpu-devices-per-process", "4",
-                               "--ckpt", str(ckpts["fp8_fp4"]), "--out", str(tmp_path / "export")],
-                              cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-             for i in range(2)]
-    deadline, logs = time.monotonic() + 300, []
-    try:
-        for p in procs:
-            logs.append(p.communicate(timeout=max(1.0, deadline - time.monotonic()))[0])
-    except subprocess.TimeoutExpired:
-        for p in procs:
-            p.kill()
-        logs = [p.communicate()[0] for p in procs]
-        pytest.fail("workers timed out:\n" + "\n----\n".join(logs))
+
+    def attempt(timeout_s: float, out):
+        port = portpicker.pick_unused_port()
+        procs = [subprocess.Popen([sys.executable, str(WORKER), "--coordinator", f"127.0.0.1:{port}",
+                                   "--num-processes", "2", "--process-id", str(i), "--cpu-devices-per-process", "4",
+                                   "--ckpt", str(ckpts["fp8_fp4"]), "--out", str(out)],
+                                  cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+                 for i in range(2)]
+        deadline, logs = time.monotonic() + timeout_s, []
+        try:
+            for p in procs:
+                logs.append(p.communicate(timeout=max(1.0, deadline - time.monotonic()))[0])
+        except subprocess.TimeoutExpired:
+            for p in procs:
+                p.kill()
+            return None, [p.communicate()[0] for p in procs]
+        return procs, logs
+
+    # One retry: a full-suite run on the shared 2-core machine once hung both workers inside a gloo collective
+    # (2026-12-01; the test alone takes ~15-45 s and passed every other time). A second hang fails the test.
+    procs, logs = attempt(180, tmp_path / "export")
+    if procs is None:
+        print("workers hung once (retrying with a new port):\n" + "\n----\n".join(lg[-2000:] for lg in logs))
+        procs, logs = attempt(240, tmp_path / "export_retry")
+    if procs is None:
+        pytest.fail("workers timed out twice:\n" + "\n----\n".join(logs))
     assert [p.returncode for p in procs] == [0, 0], "\n----\n".join(logs)
     fracs = [float(line.split("read_frac=")[1].split()[0]) for lg in logs for line in lg.splitlines()
              if "read_frac=" in line]
