@@ -373,23 +373,20 @@ def dynamic_rollout(job: Job, step: int, first: dict):
     either way. Metrics `rollout/dynamic_sampling/*` (rounds, kept_groups, sampled_groups, budget_hit,
     kept_frac, skipped_step)."""
     from rl.advantages import DynamicSampler
+    from rl.metrics import reward_stats, to_python
     from rl.sampler import concat_rollouts
 
     cfg, g, n = job.cfg, job.cfg.group_size, job.cfg.prompts_per_step
     ds = DynamicSampler(target_groups=n, group_size=g, max_rounds=cfg.advantage_config().dynamic_sampling_max_rounds)
-    batch, rounds, first_metrics, dropped = first, [], None, []
+    batch, rounds, first_metrics = first, [], None
     while True:
         r_i = len(rounds)
         rb, rewards, m = rollout(job, _prompt_lists(batch), batch["reference"], step, round_index=r_i)
         rounds.append((rb, rewards))
         first_metrics = first_metrics or m
-        r_pg = rewards.reshape(-1, g)
-        dropped += [(r_i, i) for i in np.flatnonzero(np.all(r_pg == r_pg[:, :1], axis=1))]
-        if ds.add_round(rewards, [(r_i, i) for i in range(r_pg.shape[0])]):
+        if ds.add_round(rewards, [(r_i, i) for i in range(len(rewards) // g)]):
             break
         batch = global_batch(job, next(job.iterator))
-    from rl.metrics import reward_stats, to_python
-
     kept, metrics = ds.result()
     # reward statistics are of the first round: the on-policy sample of the data, comparable across algorithms
     metrics = {**first_metrics, **to_python(reward_stats(jnp.asarray(rounds[0][1]), g)), **metrics}
@@ -402,6 +399,10 @@ def dynamic_rollout(job: Job, step: int, first: dict):
                     cfg.dapo_max_resample_batches, "skipping the step" if skip else "training on the kept groups")
     if skip:
         return None, None, None, metrics
+    # fillers are needed only when the budget ran out, i.e. every group with signal was kept: the others are
+    # the all-equal groups DynamicSampler dropped
+    kept_set = set(kept)
+    dropped = [(r, i) for r, (_, rw) in enumerate(rounds) for i in range(len(rw) // g) if (r, i) not in kept_set]
     groups = kept + dropped[: n - len(kept)]
     parts = [(rounds[r][0], np.arange(i * g, (i + 1) * g)) for r, i in groups]
     rb = concat_rollouts(parts)
