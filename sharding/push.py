@@ -159,15 +159,18 @@ class PushMemory:
 
     state: one quantised rollout weight state. chunk: the most one chunk adds on a rollout device on top of the
     live and the new state (arrivals that a land jit replaces + the largest temp among that chunk's rollout
-    programs). check: temp of the stored-state verification program (it runs with both states live).
-    peak = 2 * state + max(chunk, check). chunk_wire: the most wire bytes one chunk lands on a rollout device
-    (the "one chunk" of the bound peak <= 2 * state + chunk_wire). actor_chunk: the most one chunk holds on an
-    actor device (staged wire arrays + the largest stage temp)."""
+    programs). check: the largest temp of the rollout-side verification programs (one per tensor, run after its
+    chunk landed; XLA:CPU materialises the u32 inputs of integer reductions, so this is about 2-10 B per element of
+    the largest stored tensor on a device). peak = 2 * state + chunk (a push without verification);
+    peak_verified = 2 * state + max(chunk, check). chunk_wire: the most wire bytes one chunk lands on a rollout
+    device (the "one chunk" of the bound peak <= 2 * state + chunk_wire). actor_chunk: the most one chunk holds on
+    an actor device (staged wire arrays + the largest stage temp, verification included)."""
 
     state: int
     chunk: int
     check: int
     peak: int
+    peak_verified: int
     chunk_wire: int
     actor_chunk: int
 
@@ -347,9 +350,31 @@ def _digest_block(x, shape, dim: int = 0, offset=0):
             idx = idx + jnp.asarray(offset, jnp.uint32)
         pos = pos + idx * jnp.uint32(stride % 2**32)
         stride *= shape[d]
-    nonfinite = jnp.any(~jnp.isfinite(x)) if jnp.issubdtype(x.dtype, jnp.floating) else jnp.bool_(False)
     return jnp.stack([jnp.sum(bits, dtype=jnp.uint32), jnp.sum(bits * pos, dtype=jnp.uint32),
-                      nonfinite.astype(jnp.uint32), jnp.any(x != 0).astype(jnp.uint32)])
+                      jnp.any(_nonfinite_bits(bits, x.dtype)).astype(jnp.uint32),
+                      jnp.any(_nonzero_bits(bits, x.dtype)).astype(jnp.uint32)])
+
+
+def _nonfinite_bits(bits, dtype):
+    """NaN/inf from the bit words (no float compare: XLA:CPU would upcast a whole bf16 tensor to f32 for it)."""
+    dt = np.dtype(dtype)
+    if not jnp.issubdtype(dt, jnp.floating):
+        return jnp.zeros(bits.shape, bool)
+    if dt == np.dtype(jnp.float8_e4m3fnuz):
+        return bits == 0x80
+    if dt == np.dtype(jnp.float8_e4m3fn):
+        return (bits & 0x7F) == 0x7F
+    fi = jnp.finfo(dt)
+    exp_mask = ((1 << fi.nexp) - 1) << fi.nmant
+    return (bits & jnp.uint32(exp_mask)) == jnp.uint32(exp_mask)
+
+
+def _nonzero_bits(bits, dtype):
+    """Any value != 0 (floats: -0 is zero)."""
+    if jnp.issubdtype(np.dtype(dtype), jnp.floating):
+        sign = jnp.uint32(1 << (8 * np.dtype(dtype).itemsize - 1))
+        return (bits & ~sign) != 0
+    return bits != 0
 
 
 def _digest_terms(x, slab: tuple[int, int] | None = None):
@@ -877,8 +902,9 @@ class WeightPusher:
                 if not t.land_quantize:
                     args = tuple(jax.ShapeDtypeStruct(w.shape, w.dtype, sharding=w.rollout_sharding) for w in t.wires)
                     check = max(check, temp(_stored_row, args, self._slabs(t)))
-        return PushMemory(state=state, chunk=chunk_extra, check=check,
-                          peak=2 * state + max(chunk_extra, check), chunk_wire=chunk_wire, actor_chunk=actor_chunk)
+        return PushMemory(state=state, chunk=chunk_extra, check=check, peak=2 * state + chunk_extra,
+                          peak_verified=2 * state + max(chunk_extra, check), chunk_wire=chunk_wire,
+                          actor_chunk=actor_chunk)
 
 
 def _delete(tree) -> None:
