@@ -1,4 +1,4 @@
-"""Weight push speed (`sharding/push.py`): actor fp32 -> FP8 rollout weights, against memcpy, CPU.
+"""Weight push speed (`parallel/push.py`): actor fp32 -> FP8 rollout weights, against memcpy, CPU.
 
 What is measured, per layout and per quantisation site, for `DSV4Config.small()` (~94M parameters) on 8 forced
 host devices:
@@ -48,7 +48,7 @@ from jax import monitoring  # noqa: E402
 from dsv4 import DSV4Config, DSV4ForCausalLM  # noqa: E402
 from rl.sampler import Sampler  # noqa: E402
 from sharding.mesh import build_mesh_plan  # noqa: E402
-from sharding.push import WeightPusher, push_weights  # noqa: E402
+from parallel.push import WeightPusher, push_weights  # noqa: E402
 
 _COMPILES = [0]
 
