@@ -112,8 +112,8 @@ def bench_layout(name: str, spec: str, cfg: DSV4Config, runs: int, chunk_mib: in
     row = dict(layout=name, site=quantize_on, spec=spec, wire_mb=pusher.wire_bytes / 1e6,
                wire_bytes_per_param=pusher.wire_bytes / pusher.n_params, rollout_peak_mib=mem.peak / 2**20,
                rollout_state_mib=mem.state / 2**20, rollout_chunk_mib=mem.chunk / 2**20,
-               rollout_check_mib=mem.check / 2**20, actor_chunk_mib=mem.actor_chunk / 2**20, tensors=len(pusher.tensors),
-               chunks=len(pusher.chunks), warmup_s=warmup_s, push_best_s=min(push_s), push_med_s=med(push_s),
+               rollout_check_mib=mem.check / 2**20, actor_chunk_mib=mem.actor_chunk / 2**20,
+               tensors=len(pusher.tensors), chunks=len(pusher.chunks), warmup_s=warmup_s, push_best_s=min(push_s), push_med_s=med(push_s),
                push_gbps=gb / med(push_s), push_best_gbps=gb / min(push_s),
                cast_s=med([p.cast_s for p in pushes]), transfer_s=med([p.transfer_s for p in pushes]),
                quantize_s=med([p.quantize_s for p in pushes]), verified_s=verified.seconds,
@@ -148,7 +148,8 @@ def main(argv=None) -> int:
         for site in sites:
             rows.append(bench_layout(name, LAYOUTS[name], cfg, args.runs, args.chunk_mib, site))
             print(f"  done {name} {site}", flush=True)
-    cols = [("layout", "{:>6}"), ("site", "{:>7}"), ("wire_mb", "{:>8.1f}"), ("wire_bytes_per_param", "{:>20.3f}"), ("tensors", "{:>7d}"), ("chunks", "{:>6d}"),
+    cols = [("layout", "{:>6}"), ("site", "{:>7}"), ("wire_mb", "{:>8.1f}"), ("wire_bytes_per_param", "{:>20.3f}"),
+            ("tensors", "{:>7d}"), ("chunks", "{:>6d}"),
             ("warmup_s", "{:>8.1f}"), ("push_med_s", "{:>10.3f}"), ("push_best_s", "{:>11.3f}"),
             ("cast_s", "{:>6.3f}"), ("transfer_s", "{:>10.3f}"), ("quantize_s", "{:>10.3f}"),
             ("verified_s", "{:>10.3f}"), ("push_gbps", "{:>9.3f}"), ("transfer_gbps", "{:>13.3f}"),
