@@ -1,6 +1,6 @@
 """Weight push speed (`parallel/push.py`): actor fp32 -> FP8 rollout weights, against memcpy, CPU.
 
-What is measured, per layout and per quantisation site, for `DSV4Config.small()` (~94M parameters) on 8 forced
+What is measured, per layout and per quantisation site, for `DSV4Config.small()` (109M parameters pushed) on 8 forced
 host devices:
 - push: wall time of `push_weights(..., verify=False)` after the `WeightPusher` warm-up. Two sites
   (`--quantize-on`): `actor` (the default of `WeightPusher`: FP8 blocks quantised on the actor mesh, fp8 q + f32

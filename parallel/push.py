@@ -27,21 +27,25 @@ nnx paths joined by "/", e.g. "layers/1/ffn/experts/w1" [E, I, D], "layers/0/ffn
 4. Optional verification (below); then `sampler.set_weights(new_state, version)`: the swap happens only after
    every tensor arrived and passed, so a failed push leaves the previous version live.
 
-Where to quantise (measured, benchmarks/weight_push.py and benchmarks/README.md "Weight push"): on the actor.
-- Wire bytes: 1.0 instead of 2.0 B per FP8-stored parameter (whole small model: 1.22 vs 2.32 B/param).
+Where to quantise (measured: benchmarks/weight_push.py, benchmarks/README.md "Weight push"): on the actor.
+- Wire bytes: 1 B + 4 B per 16,384 instead of 2 B per FP8-stored parameter (small config, whole model: 1.10
+  instead of 2.01 B per parameter; embedding and head stay bf16).
 - Rollout memory: the arrivals of an actor-quantised tensor already are the stored (q, scale), so a push adds
-  nothing on a rollout device beyond the new state, except arrivals that need a rollout-side reshard; quantising
-  on arrival keeps a bf16 chunk plus the quantise jit's f32 temporaries (XLA:CPU: about 2x the chunk) live.
-- Work: on the seed layout 16 actor devices share the quantisation that 8 rollout devices would do, and the
-  rollout mesh is free for generation meanwhile. On 8 CPU host devices sharing 2 cores both variants take about
-  the same wall time (the quantise arithmetic is the same; only where it runs changes).
+  nothing on a rollout device beyond the new state, except arrivals that need a rollout-side reshard (small config
+  6/2: peak = exactly 2 states); quantising on arrival keeps a bf16 chunk plus the quantise jit's temporaries live
+  (+131 MiB there, with the whole small model in one 256 MiB chunk).
+- Work: the same arithmetic either way; on the seed layout 16 actor devices share the quantisation that 8 rollout
+  devices would do, and the rollout mesh is free for generation meanwhile. On 8 CPU host devices sharing 2 loaded
+  cores the two take about the same time (best of 3: 0.86 vs 0.78 s), so CPU time did not decide it.
 `quantize_on="rollout"` stays available (benchmark comparisons; meshes where the actor is the bottleneck).
 
-Peak memory (`WeightPusher.memory()`, from the compiled programs' `memory_analysis()` and the array layouts,
-per device): rollout = 2 quantised states (the live one and the one being built) + the largest chunk extra
-(arrivals that get replaced + the largest temp of that chunk's rollout programs) or the verification program's
-temp, whichever is larger; never a bf16 copy of the model. Actor = one chunk of staged wire arrays + the largest
-stage temp, on top of the learner's own state.
+Peak memory (`WeightPusher.memory()`, per device, from the array layouts and XLA's `memory_analysis()` of every
+compiled push program): rollout = 2 quantised states (the live one and the one being built) + the largest chunk
+extra (arrivals that a land jit replaces + the largest temp of that chunk's rollout programs); a verified push
+adds the largest per-tensor verification temp instead when that is larger (on XLA:CPU, which materialises the u32
+input of every integer reduction, about 2-10 B per element of the largest stored tensor on a device; its digests
+loop over slabs of <= chunk_bytes / 16 elements to bound it, which XLA:CPU only partly honours). Never a bf16 copy of
+the model. Actor = one chunk of staged wire arrays + the largest stage temp, on top of the learner's own state.
 
 Why a transfer layout. In jax 0.10.2 a single-process `device_put` between meshes takes one of two paths
 (`jax/_src/array.py::_array_shard_arg`): if every destination shard's index range exists as a source shard, the
