@@ -856,7 +856,7 @@ class WeightPusher:
     # -------------------------------------------------------------- memory
 
     def memory(self) -> PushMemory:
-        """Per-device peak bytes of a verified push (`PushMemory`), from the array layouts and XLA's
+        """Per-device peak bytes of a push (`PushMemory`), from the array layouts and XLA's
         `memory_analysis()` of the compiled stage, land and check programs (compiled here from shapes and
         shardings; the jit caches make this free after the warm-up's compiles except for the lowering)."""
 
