@@ -179,9 +179,11 @@ def build(cfg: RunConfig) -> Job:
     # from a checkpoint, the rollout's first weights come from the file's own FP8 blocks, read on its mesh
     ckpt_init = cfg.init != "random"
     abstract = nnx.eval_shape(lambda: DSV4ForCausalLM(model.config, rngs=nnx.Rngs(0)))
+    slots, kv_budget = _rollout_slots(cfg, model_cfg, plan, max_prompt, "float32" if cfg.rollout_dtype == "fp32" else rcd)
     sampler = Sampler(abstract if ckpt_init else model, mesh=plan.rollout,
                       weights=cfg.rollout_dtype, max_prompt_len=max_prompt,
-                      compute_dtype=None if cfg.rollout_dtype == "fp32" else rcd)
+                      compute_dtype=None if cfg.rollout_dtype == "fp32" else rcd, slots=slots,
+                      kv_budget_bytes=kv_budget)
     if ckpt_init:
         sampler.set_weights(checkpoint_rollout_weights(sampler, cfg.init, config=model.config,
                                                        progress=cfg.progress), version=0)
@@ -208,6 +210,24 @@ def build(cfg: RunConfig) -> Job:
     if job.weight_version > 0:  # resumed: the sampler serves the restored params (a fresh run's sampler
         push(job)                # already holds version 0, built from the same model)
     return job
+
+
+def _rollout_slots(cfg: RunConfig, model_cfg, plan, max_prompt: int, dtype: str) -> tuple[int, float | None]:
+    """--rollout-slots -> (slots for the Sampler, KV budget per rollout device from the memory plan or None).
+    0 stays static batching; N is checked against the plan here, before step 1 (rl/slots.py)."""
+    if cfg.rollout_slots == 0:
+        return 0, None
+    from rl import slots as sl
+
+    seq = sl.cache_len_for(model_cfg, 1 << (max(max_prompt, 16) - 1).bit_length(), cfg.max_new_tokens)
+    budget, note = sl.kv_budget_from_plan(model_cfg, str(plan.spec), seq, rollout_dtype=cfg.rollout_dtype)
+    n = sl.plan_slots(cfg.rollout_slots, per_slot_bytes=sl.cache_bytes_per_slot_for(model_cfg, seq, dtype),
+                      budget_bytes=budget, seq_len=seq)
+    rows = cfg.prompts_per_step * cfg.group_size
+    n = min(n, rows) if cfg.rollout_slots == "auto" else n
+    log.info("rollout: %s (--rollout-slots %s; %s)", f"continuous batching over {n} slots" if n else
+             "static batching", cfg.rollout_slots, note)
+    return n, budget
 
 
 def data_metrics(*datasets) -> dict:
@@ -305,7 +325,8 @@ def rollout(job: Job, prompts: list[list[int]], refs: list[str], step: int, roun
     dt = time.perf_counter() - t0
     rewards, _, rm = score(job, rb, row_refs)
     n_tok = int(rb.lengths.sum())
-    return rb, rewards, {**rm, "perf/rollout_s": dt, "perf/rollout_tok_per_s": n_tok / dt}
+    slot_m = dict(getattr(job.sampler, "last_stats", None) or {})  # continuous batching counters (rl/slots.py)
+    return rb, rewards, {**rm, **slot_m, "perf/rollout_s": dt, "perf/rollout_tok_per_s": n_tok / dt}
 
 
 def train_batch(rb, advantages: np.ndarray, replay: bool):
