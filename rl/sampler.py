@@ -10,8 +10,8 @@ Usage:
 Design (docs/jax-stack.md §5; Tunix `sampler.py`, MaxText `maxengine` read for ideas):
 - Static batching by default (`slots=0`); `slots=N` (`--rollout-slots`) runs continuous batching instead
   (rl/slots.py: N decode slots refilled as samples finish, cache sized to prompt + max_new_tokens rounded to the
-  compression ratios; same per-sample results). Static: prompt lengths, the batch size and max_new_tokens are bucketed to powers of two, so steady
-  state never recompiles; temperature, top-p, top-k, max_new_tokens and stop ids are traced values.
+  compression ratios; same per-sample results). Static: prompt lengths, the batch size and max_new_tokens are
+  bucketed to powers of two, so steady state never recompiles; temperature, top-p, top-k, max_new_tokens and stop ids are traced values.
 - Prompts are laid out right-padded internally (each row has its own positions), so a row's result does not
   depend on the other rows: the output is the same for any batch composition, padding included.
 - Weights: `fp8` = weight-only FP8 e4m3fn 128x128 blocks (f32 scales) for the released FP8 set (attention
@@ -387,7 +387,7 @@ class Sampler:
 
         def cond(c):
             i, _, _, length = c[:4]
-            return (i <= max_new) & jnp.any(i - 1 < length)
+            return jnp.any((i <= max_new) & (i - 1 < length))  # max_new: per row
 
         def body(c):
             i, cur, done, length, out_tok, out_lp, resp_routing, caches, stopped = c
@@ -427,13 +427,16 @@ class Sampler:
         return jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype, device=sh), self._cache_shapes[key])
 
     def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams, *, seed: int, step: int = 0,
-                 prompt_index: Sequence[int] | None = None, sample_index: Sequence[int] | None = None) -> RolloutBatch:
+                 prompt_index: Sequence[int] | None = None, sample_index: Sequence[int] | None = None,
+                 max_new_tokens_per_row: Sequence[int] | None = None) -> RolloutBatch:
         """Sample one continuation per prompt.
 
         Args:
           prompts: N token-id lists (1 <= len <= max_prompt_len, ids < vocab_size).
           params: SamplingParams. seed, step: randomness; prompt_index / sample_index [N]: the (prompt, sample)
             identity of each row for per-sample randomness (default: row index, 0).
+          max_new_tokens_per_row: optional [N] length limits (1 <= each <= params.max_new_tokens; a length
+            schedule, e.g. benchmarks/rollout_lengths.py); default params.max_new_tokens for every row.
         Returns:
           RolloutBatch (see its docstring).
         Raises:
@@ -462,6 +465,12 @@ class Sampler:
         for i, p in enumerate(prompts):
             ids[i, : len(p)] = p
         lens[:n] = lens_np
+        mx = np.full((b,), params.max_new_tokens, np.int32)
+        if max_new_tokens_per_row is not None:
+            mx[:n] = np.asarray(max_new_tokens_per_row, np.int64)
+            if len(max_new_tokens_per_row) != n or mx.min() < 1 or mx.max() > params.max_new_tokens:
+                raise ValueError(f"generate: max_new_tokens_per_row must be {n} ints in [1, "
+                                 f"{params.max_new_tokens}] (SamplingParams.max_new_tokens)")
         pi = np.arange(n) if prompt_index is None else np.asarray(prompt_index)
         si = np.zeros(n, np.int64) if sample_index is None else np.asarray(sample_index)
         base = jax.random.fold_in(jax.random.key(seed), step)
@@ -475,21 +484,26 @@ class Sampler:
         if self.slots:
             from rl import slots as _slots
 
-            s_n = min(self.slots, b)
-            cache_len = _slots.cache_len_for(self.config, p_bucket, t_cap)
+            s_n = self.slots
+            p_max = self.max_prompt_len  # one prefill width per sampler: a row's result does not depend on the
+            cache_len = _slots.cache_len_for(self.config, p_max, t_cap)  # call's longest prompt
             _slots.plan_slots(s_n, per_slot_bytes=_slots.cache_bytes_per_slot(self, cache_len),
                               budget_bytes=self.kv_budget_bytes, seq_len=cache_len)
             caches = self._empty_caches(s_n, cache_len)
+            ids = np.pad(ids, ((0, 0), (0, max(0, p_max - p_bucket))))[:, :p_max]
             inputs = jax.device_put((ids, lens, jax.random.key_data(keys), np.int32(n), np.float32(params.temperature),
-                                     np.float32(params.top_p), np.int32(params.top_k), stop), rep)
+                                     np.float32(params.top_p), np.int32(params.top_k), mx, stop), rep)
             with ctx, _rules_ctx(self.rules, self.mesh):
-                out = self._slots_jit((b, p_bucket, t_cap, s_n), self._w, caches, *inputs)
+                out = self._slots_jit((b, p_max, t_cap, s_n), self._w, caches, *inputs)
             tok, lp, prompt_routing, resp_routing, length, stopped, stats, caches = out
+            pr_w = prompt_routing.shape[1]  # right-padded rows -> the static layout's width p_bucket (exact)
+            prompt_routing = jnp.pad(prompt_routing, ((0, 0), (0, max(0, p_bucket - pr_w)), (0, 0), (0, 0)),
+                                     constant_values=-1)[:, :p_bucket]
             self.last_stats = _slots.slot_stats(jax.device_get(stats), s_n)
         else:
             caches = self._empty_caches(b, p_bucket + t_cap)
             inputs = (ids, lens, jax.random.key_data(keys), np.float32(params.temperature), np.float32(params.top_p),
-                      np.int32(params.top_k), np.int32(params.max_new_tokens), stop)
+                      np.int32(params.top_k), mx, stop)
             # identical host values on every process -> one global (replicated) array each
             inputs = jax.device_put(inputs, rep)
             with ctx, _rules_ctx(self.rules, self.mesh):

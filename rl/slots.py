@@ -103,12 +103,13 @@ def _put_row(big, small, j):
 
 
 def slots_program(sampler, shape, wstate, caches, ids, lens, key_data, n_real, temperature, top_p, top_k,
-                  stop_ids):
+                  max_new, stop_ids):
     """The continuous-batching rollout (traced by `Sampler._slots_jit`; see the module docstring).
 
     shape = (nb, P, T, S) static: request rows (padded), prompt bucket, max_new_tokens, slots.
     caches: S-row decode caches (donated). ids [nb, P] right-padded prompts, lens [nb], key_data [nb, ...] per
-    request keys, n_real: requests to run (rows >= n_real are padding). Returns (tokens [nb, T], logprobs [nb, T],
+    request keys, n_real: requests to run (rows >= n_real are padding), max_new [nb] per-request length limits
+    (<= T). Returns (tokens [nb, T], logprobs [nb, T],
     prompt routing [nb, P, L, k], response routing [nb, T, L, k], lengths [nb], stopped [nb], stats [3] int32 =
     (refills, busy slot-steps, decode steps), caches).
     """
@@ -146,7 +147,7 @@ def slots_program(sampler, shape, wstate, caches, ids, lens, key_data, n_real, t
         st["out_lp"] = st["out_lp"].at[r, 0].set(lp0[0])
         st["out_pr"] = st["out_pr"].at[r].set(pr[0])
         st["refills"] = st["refills"] + st["used"][j].astype(jnp.int32)
-        for name, val in (("req", r), ("fed", 0), ("len", 1), ("done", stop0 | (t_cap <= 1)), ("stop", stop0),
+        for name, val in (("req", r), ("fed", 0), ("len", 1), ("done", stop0 | (max_new[r] <= 1)), ("stop", stop0),
                           ("cur", tok0[0]), ("used", True)):
             st[name] = st[name].at[j].set(val)
         st["next"] = r + 1
@@ -177,7 +178,7 @@ def slots_program(sampler, shape, wstate, caches, ids, lens, key_data, n_real, t
         st["out_lp"] = st["out_lp"].at[wdrop, gi].set(lp, mode="drop")
         stop = want & is_stop(tok)
         st["len"] = st["len"] + want.astype(jnp.int32)
-        st["done"] = st["done"] | stop | (want & (g + 1 >= t_cap))
+        st["done"] = st["done"] | stop | (want & (g + 1 >= max_new[req]))
         st["stop"] = st["stop"] | stop
         st["cur"] = jnp.where(want, tok, st["cur"])
         st["fed"] = st["fed"] + live.astype(jnp.int32)
