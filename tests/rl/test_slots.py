@@ -85,10 +85,12 @@ def test_result_independent_of_slot_and_batch(slots3, prompts):
                            max_new_tokens_per_row=[LIMITS[i] for i in perm])
     for j, i in enumerate(perm):
         _assert_same(_row(shuf, j), _row(ref, i))
-    sub = slots3.generate([prompts[4], prompts[1]], SP, seed=1, step=3, prompt_index=[4, 1],
-                          max_new_tokens_per_row=[LIMITS[4], LIMITS[1]])
-    _assert_same(_row(sub, 0), _row(ref, 4))
-    _assert_same(_row(sub, 1), _row(ref, 1))
+    rs = np.random.RandomState(7)  # another batch around requests 4 and 1 (same request bucket: no new compile)
+    others = [list(map(int, rs.randint(3, CFG.vocab_size, n))) for n in (16, 2, 11)]
+    sub = slots3.generate([others[0], prompts[4], others[1], prompts[1], others[2]], SP, seed=1, step=3,
+                          prompt_index=[9, 4, 8, 1, 7], max_new_tokens_per_row=[16, LIMITS[4], 16, LIMITS[1], 16])
+    _assert_same(_row(sub, 1), _row(ref, 4))
+    _assert_same(_row(sub, 3), _row(ref, 1))
     other = slots3.generate(prompts, SP, seed=1, step=4, max_new_tokens_per_row=LIMITS)
     assert not np.array_equal(other.tokens, ref.tokens), "a new step must give new samples"
 
