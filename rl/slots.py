@@ -74,7 +74,7 @@ def plan_slots(requested, *, per_slot_bytes: float, budget_bytes: float | None, 
     Args:
       requested: 0 = static batching (returned as is), N >= 1 slots, or "auto" (as many slots as the budget holds).
       per_slot_bytes: one slot's decode cache (`cache_bytes_per_slot`). budget_bytes: bytes the memory plan leaves
-        for the KV cache on one rollout device (`sharding.plan` rollout margin), None = unknown (no check; "auto"
+        for the KV cache on one rollout device (`parallel.plan` rollout margin), None = unknown (no check; "auto"
         then means 0, static batching). seq_len: max prompt + max new tokens (for the message).
     Raises:
       ValueError (one line naming `flag`): N slots need more than the budget, or "auto" finds room for none.
@@ -214,13 +214,13 @@ def slot_stats(stats, slots: int) -> dict:
 
 def kv_budget_from_plan(model_cfg, mesh_spec: str, seq_len: int, *, rollout_dtype: str = "fp8",
                         **plan_kwargs) -> tuple[float | None, str]:
-    """KV-cache bytes the memory plan (sharding/plan.py) leaves on one rollout device after weights and reserve,
+    """KV-cache bytes the memory plan (parallel/plan.py) leaves on one rollout device after weights and reserve,
     for the detected GPU (else MI308X for fp8_e4m3fnuz, else H200: the planner's GPUs), and a note saying which.
 
     Returns (None, reason) when the plan cannot be made (then slot counts are not checked).
     """
     try:
-        from sharding.plan import GPUS, plan
+        from parallel.plan import GPUS, plan
     except ImportError as e:
         return None, f"memory plan unavailable ({e})"
     kind = jax.devices()[0].device_kind.lower().replace(" ", "")
