@@ -141,6 +141,8 @@ def build(cfg: RunConfig) -> Job:
     tok, task, train, ev_prompts, ev_refs, reward, ev_data = _data(cfg)
     model_cfg = resolve_model_config(cfg, tok.vocab_size)
     plan = build_mesh_plan(cfg.mesh, config=model_cfg)
+    max_prompt = max(train.max_prompt_len, max(len(p) for p in ev_prompts))
+    slots, kv_budget = _rollout_slots(cfg, model_cfg, plan, max_prompt)  # --rollout-slots checked before any model
     log.info("meshes: %s", plan.describe())
     ckpt = Checkpointer(cfg.ckpt_dir, keep=cfg.keep_checkpoints, fingerprint=fingerprint(cfg, model_cfg)) \
         if cfg.ckpt_dir else None
@@ -179,7 +181,6 @@ def build(cfg: RunConfig) -> Job:
     # from a checkpoint, the rollout's first weights come from the file's own FP8 blocks, read on its mesh
     ckpt_init = cfg.init != "random"
     abstract = nnx.eval_shape(lambda: DSV4ForCausalLM(model.config, rngs=nnx.Rngs(0)))
-    slots, kv_budget = _rollout_slots(cfg, model_cfg, plan, max_prompt, "float32" if cfg.rollout_dtype == "fp32" else rcd)
     sampler = Sampler(abstract if ckpt_init else model, mesh=plan.rollout,
                       weights=cfg.rollout_dtype, max_prompt_len=max_prompt,
                       compute_dtype=None if cfg.rollout_dtype == "fp32" else rcd, slots=slots,
@@ -212,14 +213,19 @@ def build(cfg: RunConfig) -> Job:
     return job
 
 
-def _rollout_slots(cfg: RunConfig, model_cfg, plan, max_prompt: int, dtype: str) -> tuple[int, float | None]:
+def _rollout_slots(cfg: RunConfig, model_cfg, plan, max_prompt: int) -> tuple[int, float | None]:
     """--rollout-slots -> (slots for the Sampler, KV budget per rollout device from the memory plan or None).
-    0 stays static batching; N is checked against the plan here, before step 1 (rl/slots.py)."""
+    0 stays static batching; N is checked against the plan here, before any model is built (rl/slots.py)."""
     if cfg.rollout_slots == 0:
         return 0, None
     from rl import slots as sl
 
-    seq = sl.cache_len_for(model_cfg, 1 << (max(max_prompt, 16) - 1).bit_length(), cfg.max_new_tokens)
+    rcd = cfg.rollout_compute_dtype  # the cache dtype is the sampler's compute dtype (as build() resolves it)
+    if cfg.rollout_dtype == "fp32" or (rcd == "auto" and jax.devices()[0].platform == "cpu"):
+        rcd = "float32"
+    dtype = "bfloat16" if rcd == "auto" else rcd
+
+    seq = sl.cache_len_for(model_cfg, max_prompt, cfg.max_new_tokens)  # as Sampler.generate sizes it
     budget, note = sl.kv_budget_from_plan(model_cfg, str(plan.spec), seq, rollout_dtype=cfg.rollout_dtype)
     n = sl.plan_slots(cfg.rollout_slots, per_slot_bytes=sl.cache_bytes_per_slot_for(model_cfg, seq, dtype),
                       budget_bytes=budget, seq_len=seq)

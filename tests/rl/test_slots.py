@@ -141,8 +141,7 @@ def test_run_config_slots_checked_against_the_plan():
 
     cfg = RunConfig(rollout_slots=10 ** 9, max_new_tokens=64)
     with pytest.raises(ValueError, match=r"--rollout-slots 1000000000: the memory plan leaves"):
-        _rollout_slots(cfg, CFG, _Plan(), 16, "float32")
-    n, budget = _rollout_slots(RunConfig(rollout_slots="auto", prompts_per_step=4, group_size=2), CFG, _Plan(), 16,
-                               "float32")
+        _rollout_slots(cfg, CFG, _Plan(), 16)
+    n, budget = _rollout_slots(RunConfig(rollout_slots="auto", prompts_per_step=4, group_size=2), CFG, _Plan(), 16)
     assert n == 8 and budget > 0  # auto: capped by the rows of a step
-    assert _rollout_slots(RunConfig(), CFG, _Plan(), 16, "float32") == (0, None)
+    assert _rollout_slots(RunConfig(), CFG, _Plan(), 16) == (0, None)
