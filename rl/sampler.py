@@ -11,7 +11,8 @@ Design (docs/jax-stack.md §5; Tunix `sampler.py`, MaxText `maxengine` read for 
 - Static batching by default (`slots=0`); `slots=N` (`--rollout-slots`) runs continuous batching instead
   (rl/slots.py: N decode slots refilled as samples finish, cache sized to prompt + max_new_tokens rounded to the
   compression ratios; same per-sample results). Static: prompt lengths, the batch size and max_new_tokens are
-  bucketed to powers of two, so steady state never recompiles; temperature, top-p, top-k, max_new_tokens and stop ids are traced values.
+  bucketed to powers of two, so steady state never recompiles; temperature, top-p, top-k, max_new_tokens (per
+  row) and stop ids are traced values.
 - Prompts are laid out right-padded internally (each row has its own positions), so a row's result does not
   depend on the other rows: the output is the same for any batch composition, padding included.
 - Weights: `fp8` = weight-only FP8 e4m3fn 128x128 blocks (f32 scales) for the released FP8 set (attention
