@@ -245,6 +245,8 @@ class AsyncRollout:
             return
         d = pathlib.Path(ckpt.dir) / "inflight"
         d.mkdir(exist_ok=True)
+        for stale in d.glob(".*.tmp"):  # a write cut short by a kill
+            stale.unlink(missing_ok=True)
         arrays: dict[str, np.ndarray] = {}
         with self.cond:
             recs = [self.records[m] for m in sorted(self.records) if done <= m < done + self.k]
