@@ -13,6 +13,7 @@ One call per stage, top to bottom (docs/style.md rule 8). Each step:
 5. `Learner.update` on the actor mesh with routing replay and the off-policy correction;
 6. weight push actor -> rollout (bf16 -> device_put -> FP8), a new weight version;
 7. metrics (JSONL, TensorBoard, progress bar); eval every `eval_every`; checkpoint every `ckpt_every`.
+`--max-staleness K` / `--async-rollout` (K = 1): stages 1-3 run ahead in a thread, K steps off (rl/async_loop.py).
 Resume (`resume="auto"`) restores the newest usable checkpoint and continues bitwise-identically on CPU:
 randomness is a function of (seed, step, prompt, sample). SIGTERM finishes the current step, saves, exits 0.
 """
