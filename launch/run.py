@@ -91,6 +91,9 @@ _HELP = {
     "remat": "per-layer rematerialisation of the learner: block | dots | none",
     "scan_layers": "run the learner's layers under lax.scan per group of identical layers (compile time flat in "
                    "depth; the learner state and its checkpoints are then in the stacked layout)",
+    "max_staleness": "asynchronous rollout (rl/async_loop.py): K >= 1 generates the next batches while the actor "
+                     "trains, with weights at most K versions old (needs --correction tis|mis); 0 = synchronous",
+    "async_rollout": "one-step-off asynchronous rollout: shorthand for --max-staleness 1",
 }
 
 

@@ -430,6 +430,8 @@ class RunConfig:
     progress: bool = True
     remat: Literal["block", "dots", "none"] = "block"
     scan_layers: bool = False
+    max_staleness: int = 0
+    async_rollout: bool = False
 
     def __post_init__(self):
         owner = "RunConfig"
@@ -493,6 +495,22 @@ class RunConfig:
         if not 0.0 <= float(self.offload_optimizer) <= 1.0:
             raise ValueError(f"{owner}.offload_optimizer (--offload-optimizer) must be in [0, 1], "
                              f"got {self.offload_optimizer}")
+        self._check_async_flags(owner)
+
+    def staleness(self) -> int:
+        """K of the one-step-off asynchronous loop (rl/async_loop.py): `max_staleness`, or 1 for
+        `async_rollout` alone; 0 = the synchronous loop."""
+        return int(self.max_staleness) or int(bool(self.async_rollout))
+
+    def _check_async_flags(self, owner: str) -> None:
+        """--max-staleness / --async-rollout (issue 14): K >= 0; samples K weight versions old need the off-policy
+        correction (TIS / MIS)."""
+        if isinstance(self.max_staleness, bool) or int(self.max_staleness) < 0:
+            raise ValueError(f"{owner}.max_staleness (--max-staleness) must be an int >= 0, got {self.max_staleness!r}")
+        if self.staleness() > 0 and self.correction == "none":
+            raise ValueError(f"{owner}: --max-staleness {self.staleness()} (--async-rollout) trains on samples of "
+                             f"older weights and needs an off-policy correction: --correction tis or --correction "
+                             f"mis, not --correction none")
 
     def _check_data_flags(self, owner: str) -> None:
         """The flags of issue 16 (data layouts, chat templates, eval-only, W&B)."""

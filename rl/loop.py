@@ -13,6 +13,7 @@ One call per stage, top to bottom (docs/style.md rule 8). Each step:
 5. `Learner.update` on the actor mesh with routing replay and the off-policy correction;
 6. weight push actor -> rollout (bf16 -> device_put -> FP8), a new weight version;
 7. metrics (JSONL, TensorBoard, progress bar); eval every `eval_every`; checkpoint every `ckpt_every`.
+`--max-staleness K` / `--async-rollout` (K = 1): stages 1-3 run ahead in a thread, K steps off (rl/async_loop.py).
 Resume (`resume="auto"`) restores the newest usable checkpoint and continues bitwise-identically on CPU:
 randomness is a function of (seed, step, prompt, sample). SIGTERM finishes the current step, saves, exits 0.
 """
@@ -65,6 +66,7 @@ class Job:
     weight_version: int = 0
     data_identity: dict = dataclasses.field(default_factory=dict)
     data_metrics: dict = dataclasses.field(default_factory=dict)
+    inflight: Any = None  # --max-staleness K >= 1: the rl.async_loop.AsyncRollout (its batches are checkpointed)
 
 
 # ------------------------------------------------------------------------------------------------ build
@@ -121,7 +123,8 @@ def fingerprint(cfg: RunConfig, model_cfg) -> dict:
             "algo", "seed", "routing_replay", "kl_coef", "lr")
     return {"model": json.dumps(model_cfg.to_dict(), sort_keys=True, default=str),
             **{k: getattr(cfg, k) for k in keep},
-            **({"scan_layers": True} if cfg.scan_layers else {})}  # stacked state (absent: earlier fingerprints)
+            **({"scan_layers": True} if cfg.scan_layers else {}),  # stacked state (absent: earlier fingerprints)
+            **({"max_staleness": cfg.staleness()} if cfg.staleness() else {})}  # async schedule (rl/async_loop.py)
 
 
 def build(cfg: RunConfig) -> Job:
@@ -468,7 +471,8 @@ def train_step(job: Job, step: int) -> dict:
     return metrics
 
 
-def learn_and_push(job: Job, rb, adv: np.ndarray, train_rows: np.ndarray | None = None) -> dict:
+def learn_and_push(job: Job, rb, adv: np.ndarray, train_rows: np.ndarray | None = None, *,
+                   defer_push: bool = False) -> dict:
     """Stages 5-6: one learner update on the rollout batch, then push the new weights as the next version.
 
     A step without learning signal (every advantage exactly 0: all groups zero-std or filtered by DAPO's
@@ -476,7 +480,9 @@ def learn_and_push(job: Job, rb, adv: np.ndarray, train_rows: np.ndarray | None 
     the KL/entropy terms alone are not a reason to step), no push, the weight version stays;
     `train/skipped_no_signal` is 1. Likewise a non-finite step (`train/skipped_nonfinite`, the learner's guard)
     is not pushed. `train_rows` [N] bool (DAPO fillers = False) takes rows out of the loss: their response
-    tokens are masked, so they count in no normaliser. Returns the step's train/perf metrics.
+    tokens are masked, so they count in no normaliser. `defer_push` (the asynchronous loop, rl/async_loop.py):
+    the version is bumped but the caller pushes (`push(job)`) once the rollout is between generations.
+    Returns the step's train/perf metrics.
     """
     from rl.metrics import to_python
 
@@ -491,7 +497,8 @@ def learn_and_push(job: Job, rb, adv: np.ndarray, train_rows: np.ndarray | None 
     metrics = {**tm, "train/skipped_no_signal": 0.0, "perf/train_s": time.perf_counter() - t0}
     if not tm.get("train/skipped_nonfinite", 0):
         job.weight_version += 1
-        metrics.update(push(job))
+        if not defer_push:
+            metrics.update(push(job))
     return metrics
 
 
@@ -563,6 +570,8 @@ class MetricsLogger:
 def save(job: Job, step: int, *, force: bool = False) -> None:
     if job.ckpt is None:
         return
+    if job.inflight is not None:  # async mode: the batches generated ahead of the learner go with the checkpoint
+        job.inflight.save(job.ckpt, step)
     job.ckpt.save(step, job.learner.state_dict(), {"data": job.iterator.get_state(),
                                                    "weight_version": job.weight_version, "seed": job.cfg.seed,
                                                    "data_identity": job.data_identity},
@@ -598,10 +607,18 @@ def run(job: Job) -> dict:
             ev = evaluate(job, 0)
             log.info("eval before training:\n%s", eval_table(ev, job))
             job.logger.log(0, {**ev, "eval/before_train": 1.0})
+        if cfg.staleness() > 0:  # --max-staleness / --async-rollout: rollouts run ahead in a thread
+            from rl.async_loop import AsyncRollout
+
+            job.inflight = AsyncRollout(job).start()
         for step in range(job.start_step, cfg.steps):
-            metrics = train_step(job, step)
-            if cfg.eval_every and ((step + 1) % cfg.eval_every == 0 or step + 1 == cfg.steps):
-                metrics.update(evaluate(job, step))
+            eval_due = bool(cfg.eval_every) and ((step + 1) % cfg.eval_every == 0 or step + 1 == cfg.steps)
+            if job.inflight is None:
+                metrics = train_step(job, step)
+                if eval_due:
+                    metrics.update(evaluate(job, step))
+            else:
+                metrics = job.inflight.step(step, eval_due)
             job.logger.log(step, metrics)
             curve.append(metrics["rollout/reward_mean"])
             if bar is not None:
@@ -617,6 +634,8 @@ def run(job: Job) -> dict:
                     save(job, done, force=True)
                 break
     finally:
+        if job.inflight is not None:
+            job.inflight.close()
         if bar is not None:
             bar.close()
         if job.ckpt is not None:
