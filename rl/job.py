@@ -20,7 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from rl.config import LearnerConfig, RunConfig
+from rl.config import RunConfig
 from rl.sinks import MetricsLogger
 
 if TYPE_CHECKING:  # annotations only: importing these modules here would start nothing, but keeps this light
@@ -145,6 +145,7 @@ def build(cfg: RunConfig) -> Job:
     for path, flag in ((cfg.metrics_jsonl, "--metrics-jsonl"), (cfg.tensorboard_dir, "--tensorboard-dir")):
         if path:
             check_writable(pathlib.Path(path).parent if flag == "--metrics-jsonl" else path, flag)
+    write_resolved_config(cfg)
     tok, task, train, ev_prompts, ev_refs, reward, ev_data = _data(cfg)
     model_cfg = resolve_model_config(cfg, tok.vocab_size)
     plan = build_mesh_plan(cfg.mesh, config=model_cfg)
@@ -170,14 +171,7 @@ def build(cfg: RunConfig) -> Job:
     else:
         model = load_hf_checkpoint(cfg.init, dtype=load_dtype, config=model_cfg, mesh=plan.actor,
                                    progress=cfg.progress)
-    lcfg = LearnerConfig(lr=cfg.lr, warmup_steps=cfg.warmup_steps, loss=cfg.loss_config(),
-                         routing_replay=cfg.routing_replay, freeze_router=cfg.freeze_router,
-                         micro_batch_size=cfg.micro_batch_size, compute_dtype=cfg.compute_dtype,
-                         temperature=cfg.temperature, b2=0.99, weight_decay=0.0,
-                         max_tokens_per_micro_batch=cfg.max_tokens_per_micro_batch,
-                         logprob_chunk_size=cfg.logprob_chunk_size, param_dtype=param_dtype,
-                         offload_optimizer=cfg.offload_optimizer, remat=cfg.remat,
-                         scan_layers=cfg.scan_layers)
+    lcfg = dataclasses.replace(cfg.learner, param_dtype=param_dtype)  # the run's learner section, "auto" resolved
     learner = Learner(model, lcfg, mesh=plan.actor)
     max_prompt = max(train.max_prompt_len, max(len(p) for p in ev_prompts))
     rcd = cfg.rollout_compute_dtype
@@ -193,7 +187,7 @@ def build(cfg: RunConfig) -> Job:
         sampler.set_weights(checkpoint_rollout_weights(sampler, cfg.init, config=model.config,
                                                        progress=cfg.progress), version=0)
     del model
-    pusher = make_pusher(plan, learner, sampler)
+    pusher = make_pusher(plan, learner, sampler, cfg.rollout.push_verify_every)
     it = make_prompt_iterator(train, batch_size=cfg.prompts_per_step, seed=cfg.seed)
     job = Job(cfg=cfg, model_cfg=model_cfg, plan=plan, tokenizer=tok, task=task, train_data=train,
               eval_prompts=ev_prompts, eval_refs=ev_refs, reward=reward, learner=learner, sampler=sampler,
@@ -215,6 +209,38 @@ def build(cfg: RunConfig) -> Job:
     if job.weight_version > 0:  # resumed: the sampler serves the restored params (a fresh run's sampler
         push(job)                # already holds version 0, built from the same model)
     return job
+
+
+def run_dir(cfg: RunConfig) -> pathlib.Path | None:
+    """The run's directory: the folder of --metrics-jsonl, else the parent of --ckpt-dir, else None."""
+    if cfg.log.metrics_jsonl:
+        return pathlib.Path(cfg.log.metrics_jsonl).parent
+    if cfg.ckpt.dir:
+        return pathlib.Path(cfg.ckpt.dir).parent
+    return None
+
+
+def write_resolved_config(cfg: RunConfig) -> pathlib.Path | None:
+    """Log the resolved config once and write it to `run_dir(cfg)/config.yaml` (process 0; temp file, then
+    rename: never half-written). The file is the nested shape `launch/run.py --config-file` reads back to an
+    equal RunConfig. Returns its path (None: no run directory, or not process 0)."""
+    text = json.dumps(cfg.to_tree(), sort_keys=False, default=str)
+    log.info("resolved config: %s", text)
+    d = run_dir(cfg)
+    if d is None or jax.process_index() != 0:
+        return None
+    import tempfile
+
+    import yaml
+
+    d.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=d, prefix=".config.", suffix=".yaml")
+    with open(fd, "w") as f:
+        f.write("# the resolved config of this run (launch/run.py --config-file loads it back)\n")
+        yaml.safe_dump(cfg.to_tree(), f, sort_keys=False)
+    path = d / "config.yaml"
+    pathlib.Path(tmp).replace(path)
+    return path
 
 
 def data_metrics(*datasets) -> dict:
@@ -250,12 +276,12 @@ def same_data(cfg: RunConfig, meta: dict, identity: dict) -> bool:
     return False
 
 
-def make_pusher(plan, learner, sampler):
+def make_pusher(plan, learner, sampler, verify_every: int = 10):
     """The actor -> rollout weight push (sharding/push.py): compiled and warmed up here; verification of the
-    pushed FP8 weights is sampled (every 10th push) in production runs."""
+    pushed FP8 weights is sampled (every `verify_every`-th push: `--rollout.push_verify_every`)."""
     from sharding.push import WeightPusher
 
-    return WeightPusher(plan, sampler, learner.params_for_push(), verify_every=10)
+    return WeightPusher(plan, sampler, learner.params_for_push(), verify_every=verify_every)
 
 
 def push(job: Job) -> dict:

@@ -51,7 +51,7 @@ def score(job: Job, rb, refs: list[str]) -> tuple[np.ndarray, np.ndarray, dict]:
 
     eos = job.tokenizer.eos_id
     texts = [job.tokenizer.decode([t for t in x if t != eos]) for x in responses]
-    r, m = compute_rewards(job.reward, texts, refs, timeout_s=5.0)
+    r, m = compute_rewards(job.reward, texts, refs, timeout_s=job.cfg.data.reward_timeout_s)
     return r, r >= 0.999, m
 
 
@@ -190,7 +190,7 @@ def train_step(job: Job, step: int) -> dict:
     t_step = time.perf_counter()
     batch = global_batch(job, next(job.iterator))
     train_rows = None
-    if cfg.algo == "dapo":
+    if cfg.advantage.dynamic_sampling:  # DAPO (the `--algo dapo` preset)
         rb, rewards, train_rows, metrics = dynamic_rollout(job, step, batch)
         if rb is None:  # nothing to learn from: no update, no push, same weight version
             metrics["weight_version"] = job.weight_version

@@ -5,7 +5,6 @@ Only process 0 writes (multi-host runs); a resumed run drops the records of the 
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import math
 import os
@@ -41,7 +40,7 @@ class MetricsLogger:
         if self.wandb_project:
             from rl.wandb_sink import WandbSink
 
-            self.wandb = WandbSink(self.wandb_project, dataclasses.asdict(self.cfg),
+            self.wandb = WandbSink(self.wandb_project, {**self.cfg.flat(), "resolved": self.cfg.to_tree()},
                                    run_dir=self.jsonl.parent if self.jsonl else None)
 
     def truncate(self, last_step: int) -> None:
