@@ -130,7 +130,8 @@ def dry_run(cfg: RunConfig) -> None:
     from rl.loop import _data, resolve_model_config
     from sharding.mesh import build_mesh_plan, parse_mesh_spec
 
-    print("config:", json.dumps(cfg.to_tree(), indent=1, default=str))
+    print("config:", json.dumps(cfg.flat(), indent=1, default=str))  # the flags' names
+    print("config tree:", json.dumps(cfg.to_tree(), indent=1, default=str))  # every knob, nested
     tok, *_ = _data(cfg)
     mc = resolve_model_config(cfg, tok.vocab_size)
     spec = parse_mesh_spec(cfg.mesh)  # a malformed spec is an error (exit 2), not a planning note
