@@ -48,7 +48,7 @@ class Job:
     cfg: the resolved run config. model_cfg: the model's DSV4Config. plan: the actor / rollout meshes.
     tokenizer: the prompt/response tokenizer (`eos_id`, `decode`). task: the built-in task (None with
     --dataset). train_data: the training prompts. eval_prompts / eval_refs: held-out prompt ids and their
-    references. reward: the dataset reward (None for the built-in task, which scores itself). learner /
+    references. reward: the run's one `rl.rewards.RewardFn` (the built-in task's or --reward's). learner /
     sampler / pusher: the actor, the rollout engine and the push between them (None: `Sampler.update_weights`).
     iterator: the checkpointable prompt-batch iterator. ckpt: checkpoints (None: --ckpt-dir ''). logger: the
     metric sinks. start_step / weight_version: where the run starts (0, or the restored checkpoint's).
@@ -97,19 +97,20 @@ def resolve_model_config(cfg: RunConfig, tokenizer_vocab: int):
 
 
 def _data(cfg: RunConfig):
-    """(tokenizer, task or None, train PromptDataset, eval prompts [list[int]], eval references, reward, eval
-    PromptDataset when it is a separate file else None)."""
+    """(tokenizer, task or None, train PromptDataset, eval prompts [list[int]], eval references, reward (the
+    `rl.rewards.RewardFn` of the task or of --reward), eval PromptDataset when it is a separate file else None)."""
     from rl.data import PromptDataset
-    from rl.tasks import DigitTask
+    from rl.tasks import DigitTask, TaskReward
 
     if cfg.dataset is None and cfg.eval_dataset is None:
         task = DigitTask(kind=cfg.task, n_digits=cfg.task_digits, seed=cfg.seed)
         tok = task.tokenizer
         train = PromptDataset.from_task(task, "train")
         ev = task.prompts("eval", min(cfg.eval_prompts, len(task.prompts("eval"))))
-        return tok, task, train, [p.prompt_ids for p in ev], [p.answer for p in ev], None, None
+        return tok, task, train, [p.prompt_ids for p in ev], [p.answer for p in ev], TaskReward(task), None
     from rl.data_formats import build_datasets, resolve_reward_name
     from rl.math_rewards import make_reward, prompt_independent_best
+    from rl.rewards import TextReward
     from rl.tokenizer import load_tokenizer
 
     tok = load_tokenizer(cfg.tokenizer, chat_template=cfg.chat_template)
@@ -118,7 +119,8 @@ def _data(cfg: RunConfig):
     name = resolve_reward_name(cfg)
     log.info("reward %s: the best prompt-independent response scores %.4f on %s", name,
              prompt_independent_best(name, train.references), train.source)
-    return (tok, None, train, [evd.prompt(i) for i in range(n)], evd.references[:n], make_reward(name),
+    return (tok, None, train, [evd.prompt(i) for i in range(n)], evd.references[:n],
+            TextReward(make_reward(name), tok, timeout_s=cfg.data.reward_timeout_s),
             evd if evd is not train else None)
 
 

@@ -1,20 +1,24 @@
-"""The GRPO loop: dataset -> sampler -> rewards -> advantages -> update -> push -> (eval, checkpoint).
+"""The GRPO loop: batch -> sample -> score -> advantages -> update -> push, then eval and checkpoint.
 
-    job = build(RunConfig(...))     # meshes, model, learner (actor mesh), sampler (rollout mesh), data, ckpt
+    job = build(RunConfig(...))     # rl/job.py: meshes, model, learner (actor mesh), sampler (rollout mesh), data
     summary = run(job)              # the loop; returns {"reward_curve": [...], ...}
 
-One call per stage, top to bottom (docs/style.md rule 8). Each step:
-1. next prompt batch from the grain iterator (checkpointable), each prompt repeated `group_size` times;
-2. `Sampler.generate` on the rollout mesh (FP8 weights by default): tokens, logprobs, routing;
-3. rewards: the built-in task's exact partial-credit reward, or GSM8K answer verification (+ format) in a
-   worker process with a per-sample time limit;
-4. group advantages (GRPO / Dr.GRPO); DAPO (`--algo dapo`) first resamples until the batch holds
+One call per stage, top to bottom (docs/style.md rule 8); `train_step` reads as the algorithm:
+1. batch: the next prompt batch from the grain iterator (checkpointable), the same on every host (`global_batch`);
+2. sample: `Sampler.generate` on the rollout mesh (FP8 weights by default), `group_size` rows per prompt:
+   a `RolloutBatch` (rl/batch.py: tokens, logprobs, routing in the one layout);
+3. score: the run's one `rl.rewards.RewardFn` (the built-in task's exact partial credit, or a dataset reward
+   in a worker process with a per-sample time limit `--data.reward_timeout_s`); DAPO (`--algo dapo`: the
+   `advantage.dynamic_sampling` preset) samples and scores further rounds until the batch holds
    `prompts_per_step` groups whose rewards differ (`dynamic_rollout`, bounded by `--dapo-max-resample-batches`);
-5. `Learner.update` on the actor mesh with routing replay and the off-policy correction;
-6. weight push actor -> rollout (bf16 -> device_put -> FP8), a new weight version;
-7. metrics (JSONL, TensorBoard, progress bar); eval every `eval_every`; checkpoint every `ckpt_every`.
-Resume (`resume="auto"`) restores the newest usable checkpoint and continues bitwise-identically on CPU:
-randomness is a function of (seed, step, prompt, sample). SIGTERM finishes the current step, saves, exits 0.
+4. advantages: group advantages (GRPO / Dr.GRPO / RLOO, `cfg.advantage`), host numpy;
+5. update: `Learner.update(TrainBatch.from_rollout(...))` on the actor mesh (routing replay, off-policy
+   correction); the learner places the host batch once;
+6. push: actor -> rollout weights (bf16 -> device_put -> FP8), a new weight version;
+then metrics (rl/sinks.py: JSONL, TensorBoard, W&B, progress bar), eval every `eval.every`, a checkpoint
+every `ckpt.every`. Resume (`resume="auto"`) restores the newest usable checkpoint and continues
+bitwise-identically on CPU: randomness is a function of (seed, step, prompt, sample). SIGTERM finishes the
+current step, saves, exits 0.
 """
 
 from __future__ import annotations
@@ -29,6 +33,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from rl.batch import RolloutBatch, TrainBatch
 from rl.config import RunConfig
 # The wiring (rl/job.py) and the sinks (rl/sinks.py) are re-exported: `rl.loop.build`, `rl.loop.Job`, ... stay
 from rl.job import (Job, _data, build, data_metrics, fingerprint, make_pusher, push,  # noqa: F401
@@ -40,23 +45,15 @@ log = logging.getLogger("dsv4rl")
 
 # ------------------------------------------------------------------------------------------------ stages
 
-def score(job: Job, rb, refs: list[str]) -> tuple[np.ndarray, np.ndarray, dict]:
-    """Rewards [N] and exactness [N] of a rollout batch against per-row references."""
-    responses = rb.response_lists()
-    if job.task is not None:
-        r = job.task.rewards(refs, responses)
-        exact = np.array([job.task.exact(a, x) for a, x in zip(refs, responses)])
-        return r.astype(np.float32), exact, {}
-    from rl.rewards import compute_rewards
-
-    eos = job.tokenizer.eos_id
-    texts = [job.tokenizer.decode([t for t in x if t != eos]) for x in responses]
-    r, m = compute_rewards(job.reward, texts, refs, timeout_s=job.cfg.data.reward_timeout_s)
-    return r, r >= 0.999, m
+def score(job: Job, rb: RolloutBatch, refs: list[str]) -> tuple[np.ndarray, np.ndarray, dict]:
+    """Stage 3: the run's one `rl.rewards.RewardFn` on a rollout's responses against per-row references ->
+    (rewards [N] float32, exact [N] bool, metrics); host numpy throughout."""
+    return job.reward(refs, rb.response_lists())
 
 
-def rollout(job: Job, prompts: list[list[int]], refs: list[str], step: int, round_index: int = 0):
-    """Sample `group_size` responses per prompt -> (RolloutBatch, rewards [N], metrics).
+def sample(job: Job, prompts: list[list[int]], step: int, round_index: int = 0) -> tuple[RolloutBatch, dict]:
+    """Stage 2: `group_size` responses per prompt on the rollout mesh -> (RolloutBatch of N = len(prompts) x
+    group_size rows, prompt-major; perf metrics).
 
     `round_index` (DAPO resampling rounds within one step) offsets the prompt index of the sampler's randomness
     by round_index x len(prompts), so every round of a step draws fresh, reproducible samples."""
@@ -65,7 +62,6 @@ def rollout(job: Job, prompts: list[list[int]], refs: list[str], step: int, roun
     g = job.cfg.group_size
     off = round_index * len(prompts)
     rows = [p for p in prompts for _ in range(g)]
-    row_refs = [r for r in refs for _ in range(g)]
     sp = SamplingParams(temperature=job.cfg.temperature, top_p=job.cfg.top_p, top_k=job.cfg.top_k,
                         max_new_tokens=job.cfg.max_new_tokens, stop_token_ids=(job.tokenizer.eos_id,))
     t0 = time.perf_counter()
@@ -73,17 +69,32 @@ def rollout(job: Job, prompts: list[list[int]], refs: list[str], step: int, roun
                               prompt_index=[off + i for i in range(len(prompts)) for _ in range(g)],
                               sample_index=[j for _ in prompts for j in range(g)])
     dt = time.perf_counter() - t0
-    rewards, _, rm = score(job, rb, row_refs)
     n_tok = int(rb.lengths.sum())
-    return rb, rewards, {**rm, "perf/rollout_s": dt, "perf/rollout_tok_per_s": n_tok / dt}
+    return rb, {"perf/rollout_s": dt, "perf/rollout_tok_per_s": n_tok / dt}
 
 
-def train_batch(rb, advantages: np.ndarray, replay: bool):
-    from rl.learner import TrainBatch
+def rollout(job: Job, prompts: list[list[int]], refs: list[str], step: int, round_index: int = 0):
+    """Stages 2-3 for one round of prompts: `sample`, then `score` -> (RolloutBatch, rewards [N], metrics)."""
+    rb, metrics = sample(job, prompts, step, round_index)
+    rewards, _, rm = score(job, rb, [r for r in refs for _ in range(job.cfg.group_size)])
+    return rb, rewards, {**rm, **metrics}
 
-    ids, mask, resp, rlp = rb.sequences()  # host numpy: the learner places them on the actor mesh
-    return TrainBatch(input_ids=ids, attention_mask=mask, response_mask=resp, rollout_logprobs=rlp.astype(np.float32),
-                      advantages=np.asarray(advantages, np.float32), routing=rb.routing if replay else None)
+
+def advantages(job: Job, rewards: np.ndarray, train_rows: np.ndarray | None = None) -> tuple[np.ndarray, dict]:
+    """Stage 4: group advantages of rewards [N] (`cfg.advantage`: GRPO / Dr.GRPO / RLOO, rl/advantages.py) ->
+    (advantages [N] float32 host, metrics). Rows where `train_rows` is False (DAPO fillers) get 0."""
+    from rl.advantages import compute_advantages
+    from rl.metrics import to_python
+
+    adv, am = compute_advantages(jnp.asarray(rewards), job.cfg.group_size, job.cfg.advantage)
+    if train_rows is not None:  # DAPO filler groups: out of the loss (tokens, normalisers, metrics)
+        adv = jnp.where(jnp.asarray(train_rows), adv, 0.0)
+    return np.asarray(adv), to_python(am)
+
+
+def train_batch(rb: RolloutBatch, advantages: np.ndarray, replay: bool, train_rows=None) -> TrainBatch:
+    """`TrainBatch.from_rollout` (rl/batch.py): the learner's batch, host numpy, routing when `replay`."""
+    return TrainBatch.from_rollout(rb, advantages, routing=replay, train_rows=train_rows)
 
 
 def evaluate(job: Job, step: int) -> dict:
@@ -182,30 +193,29 @@ def dynamic_rollout(job: Job, step: int, first: dict):
 
 
 def train_step(job: Job, step: int) -> dict:
-    """One GRPO step (stages 1-6); returns its metrics."""
-    from rl.advantages import compute_advantages
+    """One GRPO step: batch -> sample -> score -> advantages -> update -> push; returns its metrics."""
     from rl.metrics import response_stats, reward_stats, to_python
 
     cfg = job.cfg
     t_step = time.perf_counter()
-    batch = global_batch(job, next(job.iterator))
+    batch = global_batch(job, next(job.iterator))  # 1. batch (every host: the same global batch)
     train_rows = None
-    if cfg.advantage.dynamic_sampling:  # DAPO (the `--algo dapo` preset)
+    if cfg.advantage.dynamic_sampling:  # 2-3. DAPO: sample and score rounds until the groups have signal
         rb, rewards, train_rows, metrics = dynamic_rollout(job, step, batch)
         if rb is None:  # nothing to learn from: no update, no push, same weight version
             metrics["weight_version"] = job.weight_version
             metrics["perf/step_s"] = time.perf_counter() - t_step
             return metrics
     else:
-        rb, rewards, metrics = rollout(job, _prompt_lists(batch), batch["reference"], step)
+        rb, metrics = sample(job, _prompt_lists(batch), step)  # 2. sample
+        rewards, _, rm = score(job, rb, [r for r in batch["reference"] for _ in range(cfg.group_size)])  # 3.
+        metrics.update(rm)
         metrics.update(to_python(reward_stats(jnp.asarray(rewards), cfg.group_size)))
     metrics.update(to_python(response_stats(jnp.asarray(rb.lengths), cfg.max_new_tokens, rb.finish_reasons)))
-    adv, am = compute_advantages(jnp.asarray(rewards), cfg.group_size, cfg.advantage_config())
-    metrics.update(to_python(am))
-    if train_rows is not None:  # DAPO filler groups: out of the loss (tokens, normalisers, metrics)
-        adv = jnp.where(jnp.asarray(train_rows), adv, 0.0)
+    adv, am = advantages(job, rewards, train_rows)  # 4. advantages
+    metrics.update(am)
     metrics.update(job.data_metrics)
-    metrics.update(learn_and_push(job, rb, np.asarray(adv), train_rows))
+    metrics.update(learn_and_push(job, rb, adv, train_rows))  # 5-6. update, push
     metrics["weight_version"] = job.weight_version
     metrics["perf/step_s"] = time.perf_counter() - t_step
     return metrics
@@ -226,9 +236,7 @@ def learn_and_push(job: Job, rb, adv: np.ndarray, train_rows: np.ndarray | None 
     if not np.any(np.asarray(adv) != 0):
         log.info("no learning signal in this batch (all advantages 0): update and push skipped")
         return {"train/skipped_no_signal": 1.0}
-    tb = train_batch(rb, adv, job.cfg.routing_replay)
-    if train_rows is not None:
-        tb.response_mask[~np.asarray(train_rows)] = 0
+    tb = TrainBatch.from_rollout(rb, adv, routing=job.cfg.learner.routing_replay, train_rows=train_rows)
     t0 = time.perf_counter()
     tm = to_python(job.learner.update(tb))
     metrics = {**tm, "train/skipped_no_signal": 0.0, "perf/train_s": time.perf_counter() - t0}
