@@ -16,6 +16,7 @@ one-line error naming what is wrong and exit status 2, never a traceback.
 from __future__ import annotations
 
 import argparse
+import difflib
 import json
 import logging
 import os
@@ -75,8 +76,9 @@ def _dotted(extra: list[str]) -> list[tuple[str, str]]:
         key, eq, raw = tok[2:].partition("=")
         path = key.replace("-", "_")
         if path not in leaves:
-            near = sorted(p for p in leaves if p.startswith(path.rsplit(".", 1)[0] + "."))
-            raise ValueError(f"--{key}: unknown config key {path!r}" + (f" (known: {', '.join(near)})" if near else ""))
+            near = difflib.get_close_matches(path, list(leaves), n=3)
+            raise ValueError(f"--{key}: unknown config key {path!r}" + (f" (did you mean {' or '.join(near)}?)"
+                                                                         if near else ""))
         if not eq:
             if i + 1 < len(extra) and not (extra[i + 1].startswith("--") and leaves[path].base is bool):
                 raw, i = extra[i + 1], i + 1
