@@ -128,7 +128,7 @@ class DataConfig:
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class RolloutConfig:
-    """Sampling on the rollout mesh (rl/sampler.py) and the weight push to it (sharding/push.py)."""
+    """Sampling on the rollout mesh (rl/sampler.py) and the weight push to it (parallel/push.py)."""
 
     prompts_per_step: int = knob(32, "prompts per step")
     group_size: int = knob(16, "samples per prompt (G)")

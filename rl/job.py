@@ -35,7 +35,7 @@ if TYPE_CHECKING:  # annotations only: importing these modules here would start 
     from rl.tasks import DigitTask
     from rl.tokenizer import TokenizerLike
     from sharding.mesh import MeshPlan
-    from sharding.push import WeightPusher
+    from parallel.push import WeightPusher
 
 log = logging.getLogger("dsv4rl")
 
@@ -279,9 +279,9 @@ def same_data(cfg: RunConfig, meta: dict, identity: dict) -> bool:
 
 
 def make_pusher(plan, learner, sampler, verify_every: int = 10):
-    """The actor -> rollout weight push (sharding/push.py): compiled and warmed up here; verification of the
+    """The actor -> rollout weight push (parallel/push.py): compiled and warmed up here; verification of the
     pushed FP8 weights is sampled (every `verify_every`-th push: `--rollout.push_verify_every`)."""
-    from sharding.push import WeightPusher
+    from parallel.push import WeightPusher
 
     return WeightPusher(plan, sampler, learner.params_for_push(), verify_every=verify_every)
 
@@ -292,7 +292,7 @@ def push(job: Job) -> dict:
     params = job.learner.params_for_push()
     nbytes = sum(int(np.prod(x.shape)) * 2 for x in jax.tree.leaves(params))  # bf16 on the wire
     if job.pusher is not None:
-        from sharding.push import push_weights
+        from parallel.push import push_weights
 
         stats = push_weights(job.pusher, params, job.sampler, job.weight_version)
         nbytes = stats.bytes
