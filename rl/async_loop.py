@@ -87,7 +87,7 @@ def produce(job, step: int) -> RolloutRecord:
     cfg = job.cfg
     batch = global_batch(job, next(job.iterator))
     train_rows = None
-    if cfg.algo == "dapo":
+    if cfg.advantage.dynamic_sampling:  # DAPO's dynamic sampling (the preset of --algo dapo)
         rb, rewards, train_rows, metrics = dynamic_rollout(job, step, batch)
     else:
         rb, rewards, metrics = rollout(job, _prompt_lists(batch), batch["reference"], step)
@@ -181,9 +181,7 @@ class AsyncRollout:
         metrics, the synchronous loop's keys plus `weight_version/staleness_*`, `perf/train_wait_s`,
         `perf/rollout_wait_s`, `perf/overlap_frac`. When it returns, the thread is held (nothing generates, the
         data iterator does not move) until the next `step`, so the caller may checkpoint."""
-        from rl.advantages import compute_advantages
-        from rl.loop import evaluate, learn_and_push, push
-        from rl.metrics import to_python
+        from rl.loop import advantages, evaluate, learn_and_push, push
 
         job, cfg = self.job, self.job.cfg
         t_step = time.perf_counter()
@@ -200,13 +198,11 @@ class AsyncRollout:
             self.sample_versions[step] = rec.versions
             metrics["weight_version/staleness_mean"] = float(staleness.mean())
             metrics["weight_version/staleness_max"] = float(staleness.max())
-            adv, am = compute_advantages(jnp.asarray(rec.rewards), cfg.group_size, cfg.advantage_config())
-            metrics.update(to_python(am))
-            if rec.train_rows is not None:  # DAPO filler groups: out of the loss
-                adv = jnp.where(jnp.asarray(rec.train_rows), adv, 0.0)
+            adv, am = advantages(job, rec.rewards, rec.train_rows)  # DAPO filler groups: out of the loss
+            metrics.update(am)
             metrics.update(job.data_metrics)
             u0 = time.perf_counter()
-            metrics.update(learn_and_push(job, rec.rb, np.asarray(adv), rec.train_rows, defer_push=True))
+            metrics.update(learn_and_push(job, rec.rb, adv, rec.train_rows, defer_push=True))
             u1 = time.perf_counter()
         self.events.append(("update_end", step, u1))
         # the push point: the thread has finished every batch that needs P(step) and waits for P(step + 1)

@@ -50,6 +50,7 @@ from dsv4 import moe, quant
 from dsv4.cache import cache_shapes, decode_step, prefill
 from dsv4.model import DSV4ForCausalLM
 from parallel import expert as expert_lib
+from rl.batch import RolloutBatch, concat_rollouts  # noqa: F401  (re-exported: rl.sampler.RolloutBatch)
 
 log = logging.getLogger(__name__)
 
@@ -83,80 +84,6 @@ class SamplingParams:
             raise ValueError(f"SamplingParams.max_new_tokens must be >= 1, got {self.max_new_tokens}")
         if len(self.stop_token_ids) > MAX_STOP_IDS:
             raise ValueError(f"SamplingParams.stop_token_ids: at most {MAX_STOP_IDS}, got {len(self.stop_token_ids)}")
-
-
-@dataclasses.dataclass
-class RolloutBatch:
-    """Sampler output for N samples (numpy, on the host).
-
-    tokens [N, T] int32 response tokens (0 after `lengths`); T = max_new_tokens.
-    logprobs [N, T] float32 sampler logprob of each response token (0 after `lengths`).
-    routing [N, P+T, L, k] int32 expert ids for the layout of `sequences()`: the prompt left-padded to P (the
-      prompt bucket) then the response; -1 at padding.
-    lengths [N] int32 generated tokens (a stop token, when hit, is included); finish_reasons: "stop" | "length".
-    prompt_tokens [N, P] int32 left-padded prompts; prompt_lengths [N]; weight_version: the weights used.
-    """
-
-    tokens: np.ndarray
-    logprobs: np.ndarray
-    routing: np.ndarray
-    lengths: np.ndarray
-    finish_reasons: list[str]
-    prompt_tokens: np.ndarray
-    prompt_lengths: np.ndarray
-    weight_version: int = 0
-
-    def sequences(self):
-        """The learner's layout: (input_ids [N, P+T], attention_mask [N, P+T], response_mask [N, P+T],
-        rollout_logprobs [N, P+T]) with prompts left-padded and responses right-padded."""
-        n, p = self.prompt_tokens.shape
-        t = self.tokens.shape[1]
-        ids = np.concatenate([self.prompt_tokens, self.tokens], axis=1).astype(np.int32)
-        pos = np.arange(p + t)[None]
-        prompt_real = (pos >= p - self.prompt_lengths[:, None]) & (pos < p)
-        resp = (pos >= p) & (pos < p + self.lengths[:, None])
-        lp = np.zeros((n, p + t), np.float32)
-        lp[:, p:] = self.logprobs
-        return ids, (prompt_real | resp).astype(np.int32), resp.astype(np.int32), np.where(resp, lp, 0.0)
-
-    def response_lists(self) -> list[list[int]]:
-        return [self.tokens[i, : self.lengths[i]].tolist() for i in range(len(self.lengths))]
-
-
-def concat_rollouts(parts: Sequence[tuple[RolloutBatch, np.ndarray]]) -> RolloutBatch:
-    """Rows `rows_j` of batch `b_j`, for each (b_j, rows_j) in order, as one RolloutBatch (DAPO's resampling
-    rounds). Prompts are re-left-padded to the widest prompt bucket P and responses right-padded to the widest
-    T of the parts (tokens 0, logprobs 0, routing -1 at the new padding), so `sequences()` keeps its layout.
-
-    Raises ValueError when the parts come from different weight versions or disagree on routing's [L, k].
-    """
-    if not parts:
-        raise ValueError("concat_rollouts needs at least one part")
-    versions = {b.weight_version for b, _ in parts}
-    if len(versions) != 1:
-        raise ValueError(f"concat_rollouts: parts come from different weight versions {sorted(versions)}")
-    p = max(b.prompt_tokens.shape[1] for b, _ in parts)
-    t = max(b.tokens.shape[1] for b, _ in parts)
-    lk = {b.routing.shape[2:] for b, _ in parts}
-    if len(lk) != 1:
-        raise ValueError(f"concat_rollouts: routing [L, k] differ between parts: {sorted(lk)}")
-    out = {"tokens": [], "logprobs": [], "routing": [], "prompt_tokens": [], "lengths": [], "prompt_lengths": []}
-    reasons: list[str] = []
-    for b, rows in parts:
-        rows = np.asarray(rows, np.int64)
-        bp, bt = b.prompt_tokens.shape[1], b.tokens.shape[1]
-        out["prompt_tokens"].append(np.pad(b.prompt_tokens[rows], ((0, 0), (p - bp, 0))))  # left pad
-        out["tokens"].append(np.pad(b.tokens[rows], ((0, 0), (0, t - bt))))
-        out["logprobs"].append(np.pad(b.logprobs[rows], ((0, 0), (0, t - bt))))
-        r = b.routing[rows]  # [n, bp + bt, L, k]
-        out["routing"].append(np.concatenate([
-            np.full((len(rows), p - bp) + r.shape[2:], -1, r.dtype), r[:, :bp],
-            r[:, bp:], np.full((len(rows), t - bt) + r.shape[2:], -1, r.dtype)], axis=1))
-        out["lengths"].append(b.lengths[rows])
-        out["prompt_lengths"].append(b.prompt_lengths[rows])
-        reasons += [b.finish_reasons[i] for i in rows]
-    cat = {k: np.concatenate(v, axis=0) for k, v in out.items()}
-    return RolloutBatch(finish_reasons=reasons, weight_version=versions.pop(), **cat)
 
 
 def _next_pow2(n: int, lo: int = 1) -> int:

@@ -52,8 +52,10 @@ def _job(parts, **overrides):
 
     cfg, learner, sampler, task, tok, train = parts
     cfg = dataclasses.replace(cfg, **overrides)
+    from rl.tasks import TaskReward
+
     return Job(cfg=cfg, model_cfg=None, plan=None, tokenizer=tok, task=task, train_data=train, eval_prompts=[],
-               eval_refs=[], reward=None, learner=learner, sampler=sampler, pusher=None,
+               eval_refs=[], reward=TaskReward(task), learner=learner, sampler=sampler, pusher=None,
                iterator=make_prompt_iterator(train, batch_size=cfg.prompts_per_step, seed=cfg.seed), ckpt=None,
                logger=_Logger(), weight_version=sampler.weight_version)
 
