@@ -46,6 +46,8 @@ from jax.sharding import NamedSharding, PartitionSpec
 from dsv4 import moe, quant
 from dsv4.cache import cache_shapes, decode_step, prefill
 from dsv4.model import DSV4ForCausalLM
+from rl.rollout_weights import (DEQUANT_MODES, LayerwiseWeights, check_fp4_experts, parse_rollout_dtype,
+                                select_fp8_matmul)
 
 log = logging.getLogger(__name__)
 
@@ -197,35 +199,40 @@ class Sampler:
         (`nnx.eval_shape`): no weights until `set_weights` (e.g. `rl.rollout_init.checkpoint_rollout_weights`).
       mesh: rollout `jax.sharding.Mesh` (None = default device). rules: logical-axis rules (default
         `sharding.rules.ROLLOUT_RULES`).
-      weights: "fp8" | "fp8_e4m3fn" | "fp8_e4m3fnuz" | "auto" | "bf16" | "fp32".
+      weights: "fp8" | "fp8_e4m3fn" | "fp8_e4m3fnuz" | "auto" | "fp8+fp4experts" | "bf16" | "fp32"
+        (`rl.rollout_weights.parse_rollout_dtype`).
       max_prompt_len: largest prompt bucket (longer prompts raise ValueError); prompt buckets are powers of two
-        from 16. fp8_block: block of the FP8 scales. dequant: "per_call" | "per_step" (see module docstring).
+        from 16. fp8_block: block of the FP8 scales. dequant: "per_layer" (default: each layer's weights are
+        dequantised right before it runs, `rl.rollout_weights.LayerwiseWeights`) | "per_call" | "per_step" (the
+        whole model at once, per call / per decode step; kept as references).
+      matmul: "auto" (FP8 GEMMs where the backend has them, logged) | "dequant" | "fp8" (forced; per_layer only).
       compute_dtype: matmul dtype (default bf16, fp32 for `weights="fp32"`); FP8 weights are dequantised to it
         (float32 suits CPUs, where bf16 matmuls are emulated). dispatch_fn: routed-expert implementation for
         prefill and decode (`dsv4.moe` contract); None picks `moe.routed_experts_cpu` on CPU with
         unsharded experts and the model's stock `ragged_dot` elsewhere.
     Raises:
-      ValueError: unknown `weights` / `dequant`.
+      ValueError: unknown `weights` / `dequant` / `matmul`.
     """
 
     def __init__(self, model: DSV4ForCausalLM, *, mesh=None, weights: str = "fp8", rules=None,
-                 max_prompt_len: int = 1024, fp8_block=(128, 128), dequant: str = "per_call", dispatch_fn=None,
-                 compute_dtype=None):
-        if weights not in ("fp8", "fp8_e4m3fn", "fp8_e4m3fnuz", "e4m3fn", "e4m3fnuz", "auto", "bf16", "fp32"):
-            raise ValueError(f"Sampler weights={weights!r}: expected fp8 | fp8_e4m3fnuz | auto | bf16 | fp32")
-        if dequant not in ("per_call", "per_step"):
-            raise ValueError(f"Sampler dequant={dequant!r}: expected per_call | per_step")
+                 max_prompt_len: int = 1024, fp8_block=(128, 128), dequant: str = "per_layer", dispatch_fn=None,
+                 compute_dtype=None, matmul: str = "auto"):
+        rdt = parse_rollout_dtype(weights)
+        if dequant not in DEQUANT_MODES:
+            raise ValueError(f"Sampler dequant={dequant!r}: expected {' | '.join(DEQUANT_MODES)}")
         self.config = model.config
         self.mesh = mesh
         if rules is None and mesh is not None:
             from sharding.rules import ROLLOUT_RULES
             rules = ROLLOUT_RULES
         self.rules = rules
-        self.fp8 = weights not in ("bf16", "fp32")
+        self.fp8 = rdt.fp8
+        self.fp4_experts = rdt.fp4_experts
         self.fmt = None
+        devs = None if mesh is None else list(mesh.devices.flat)
         if self.fp8:
-            devs = None if mesh is None else list(mesh.devices.flat)
-            self.fmt = quant.select_fp8_format(weights, devs)
+            self.fmt = quant.select_fp8_format(rdt.fp8_name, devs)
+        self.fp8_gemm = select_fp8_matmul(matmul, self.fp8, devs) and dequant == "per_layer"
         self.weights = weights
         if compute_dtype is None:
             compute_dtype = jnp.float32 if weights == "fp32" else jnp.bfloat16
@@ -236,6 +243,7 @@ class Sampler:
         cfg = self.config
         abstract = nnx.eval_shape(lambda: DSV4ForCausalLM(cfg, rngs=nnx.Rngs(0), param_dtype=jnp.float32,
                                                           dtype=self.compute_dtype))
+        self._layerwise = LayerwiseWeights(abstract, self.compute_dtype, fp8_gemm=self.fp8_gemm)
         self.graphdef, abs_state = nnx.split(abstract)
         self._abs_flat = list(nnx.to_flat_state(abs_state))
         self._raw_shardings = self._shardings_for(abs_state)
@@ -264,7 +272,11 @@ class Sampler:
         return {_key(p): v.get_value() if isinstance(v, nnx.Variable) else v for p, v in nnx.to_flat_state(sh)}
 
     def _is_fp8(self, key: str, leaf) -> bool:
+        """Quantised on the rollout side (FP8 blocks, or FP4 for the routed experts under `fp8+fp4experts`)."""
         return self.fp8 and leaf.ndim >= 2 and bool(quant.FP8_WEIGHT_RE.search(key) or quant.ROUTED_EXPERT_RE.search(key))
+
+    def _is_fp4(self, key: str) -> bool:
+        return self.fp4_experts and bool(quant.ROUTED_EXPERT_RE.search(key))
 
     def _wstate_shardings(self):
         if self.mesh is None:
@@ -274,7 +286,10 @@ class Sampler:
         for p, v in self._abs_flat:
             k = _key(p)
             sh = self._raw_shardings[k]
-            if self._is_fp8(k, v.get_value()):
+            if self._is_fp8(k, v.get_value()) and self._is_fp4(k):  # scales [E, out, in/32]: split like q
+                out[k] = quant.QuantizedTensor(q=sh, scale=sh, kind="fp4", fmt="e2m1", block=(1, quant.FP4_BLOCK),
+                                               shape=v.get_value().shape)
+            elif self._is_fp8(k, v.get_value()):
                 block = self.fp8_block
                 out[k] = quant.QuantizedTensor(q=sh, scale=rep, kind="fp8", fmt=self.fmt, block=block,
                                                shape=v.get_value().shape)
@@ -288,7 +303,9 @@ class Sampler:
         for p, v in self._abs_flat:
             k = _key(p)
             x = raw[k]
-            if self._is_fp8(k, x):
+            if self._is_fp8(k, x) and self._is_fp4(k):  # bf16-rounded like the FP8 path, then e2m1 + 1x32 scales
+                out[k] = quant.QuantizedTensor.from_fp4(x.astype(quant.ROLLOUT_FP8_SOURCE_DTYPE).astype(jnp.float32))
+            elif self._is_fp8(k, x):
                 out[k] = quant.quantize_rollout_fp8(x, fmt=self.fmt, block=self.fp8_block)
             elif jnp.issubdtype(x.dtype, jnp.floating) and not _KEEP_F32.search(k):
                 out[k] = x.astype(self.compute_dtype)
@@ -313,7 +330,11 @@ class Sampler:
             return self._quantize_jit(raw)
 
     def set_weights(self, wstate: dict, version: int) -> None:
-        """Swap in an already quantised weight state (from `quantize_weights`) as weight `version`."""
+        """Swap in an already quantised weight state (from `quantize_weights`) as weight `version`.
+
+        Raises ValueError under `fp8+fp4experts` when the routed experts are not FP4 (`check_fp4_experts`)."""
+        if self.fp4_experts:
+            check_fp4_experts(wstate)
         self._w = wstate
         self.weight_version = int(version)
 
@@ -351,10 +372,13 @@ class Sampler:
         b, p, t_cap = shape
         keys = jax.random.wrap_key_data(key_data)
         cache_len = p + t_cap
-        is_q = lambda x: isinstance(x, quant.QuantizedTensor)  # noqa: E731
-        model = self._model(wstate)
+        layerwise = self.dequant == "per_layer"
+        # per_layer: the model outside the layers as stored, each layer built (dequantised) right before it runs
+        model = self._layerwise.shell(wstate) if layerwise else self._model(wstate)
+        layer_fn = self._layerwise.layer_fn(wstate) if layerwise else None
         with jax.named_scope("prefill"):  # names the ops in profiles and compiled HLO (benchmarks/sampler.py)
-            logits, prompt_routing, caches = prefill(model, ids, lens, cache_len, dispatch_fn=self.dispatch_fn)
+            logits, prompt_routing, caches = prefill(model, ids, lens, cache_len, dispatch_fn=self.dispatch_fn,
+                                                     layer_fn=layer_fn)
 
         def is_stop(tok):
             return jnp.any(tok[:, None] == stop_ids[None, :], axis=-1)
@@ -382,7 +406,7 @@ class Sampler:
             m = self._model(jax.lax.optimization_barrier(wstate)) if per_step else model
             pos = lens + i - 1
             with jax.named_scope("decode_step"):
-                logits, r, caches = decode_step(m, cur, pos, caches, dispatch_fn=self.dispatch_fn)
+                logits, r, caches = decode_step(m, cur, pos, caches, dispatch_fn=self.dispatch_fn, layer_fn=layer_fn)
             fed_real = (i - 1) < length
             resp_routing = resp_routing.at[:, i - 1].set(jnp.where(fed_real[:, None, None], r, -1))
             active = (~done) & (i < max_new)
@@ -399,7 +423,6 @@ class Sampler:
             del model
         out = jax.lax.while_loop(cond, body, carry)
         _, _, _, length, out_tok, out_lp, resp_routing, caches, stopped = out
-        del is_q
         return (out_tok[:, :t_cap], out_lp[:, :t_cap], prompt_routing, resp_routing[:, :t_cap], length, stopped,
                 caches)
 
