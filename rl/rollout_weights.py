@@ -11,8 +11,8 @@
 Layer-wise dequantisation (`LayerwiseWeights`, the sampler's default `dequant="per_layer"`): the sampler's weight
 state stays as it is stored (FP8 / FP4 blocks + scales, `{path key: QuantizedTensor | array}`, the push's
 contract); inside the prefill and every decode step, layer i's weights are dequantised right before layer i runs.
-`jax.lax.optimization_barrier` ties the dequantisation of layer i to the residual stream entering it, so XLA can
-neither hoist it out of the decode loop nor start it before layer i - 1 has produced its output: at most one
+A data dependence of the scales on the residual stream entering layer i (`_after`) ties the dequantisation to it,
+so XLA can neither hoist it out of the decode loop nor start it before layer i - 1 has produced its output: at most one
 layer's dequantised weights (plus the next one's while it is built) are alive at a time, and the model outside
 the layers (embedding, head; never quantised) is used as stored. The layers run in a Python loop (unrolled), not
 under `dsv4.scan`: scanning needs the weights stacked per layer group, i.e. either a stacked resident state (the
@@ -33,6 +33,7 @@ import logging
 import re
 
 import jax
+import jax.numpy as jnp
 from flax import nnx
 
 from dsv4 import quant
@@ -91,6 +92,20 @@ def _key(path) -> str:
     return "/".join(str(p) for p in path)
 
 
+def _after(x: jax.Array, v):
+    """`v` with a data dependence on `x`: a QuantizedTensor's bytes OR-ed with (x_0 != x_0) (0, so bitwise the
+    same bytes; 1 only when x's first element is NaN, whose output is NaN anyway). XLA can then neither hoist the
+    dequantisation (or the bytes' conversion) out of the decode loop nor schedule it before x exists;
+    `jax.lax.optimization_barrier` does not do this on XLA:CPU, which removes barriers before scheduling. Dense
+    leaves are returned as they are."""
+    if not isinstance(v, quant.QuantizedTensor):
+        return v
+    x0 = x.reshape(-1)[0]
+    flag = (x0 != x0).astype(jnp.uint8)
+    q = jax.lax.bitcast_convert_type(jax.lax.bitcast_convert_type(v.q, jnp.uint8) | flag, v.q.dtype)
+    return dataclasses.replace(v, q=q)
+
+
 def _value(v, dtype, keep: bool):
     if isinstance(v, quant.QuantizedTensor) and not keep:
         return v.dequantize(dtype)
@@ -128,8 +143,7 @@ class LayerwiseWeights:
     def layer(self, wstate: dict, i: int, x: jax.Array):
         """(Block i with dense (or FP8-GEMM) weights, x): the dequantisation starts only once x is known."""
         lgd, flat = self._layers[i]
-        leaves = {k: wstate[k] for _, _, k in flat}
-        x, leaves = jax.lax.optimization_barrier((x, leaves))
+        leaves = {k: _after(x, wstate[k]) for _, _, k in flat}
         vals = [(p, var.replace(_value(leaves[k], self.compute_dtype, self._keep(k, leaves[k]))))
                 for p, var, k in flat]
         return nnx.merge(lgd, nnx.from_flat_state(vals)), x

@@ -252,12 +252,15 @@ class Sampler:
             dispatch_fn = moe.default_dispatch(devs, self._raw_shardings)
         self.dispatch_fn = dispatch_fn
         self._quantize_jit = jax.jit(self._quantize_fn, out_shardings=self._wstate_shardings())
-        # Outputs (and the donated caches) are replicated on the rollout mesh: readable on every host, and the
-        # next call's inputs have the same signature (no recompilation).
-        rep = None if mesh is None else NamedSharding(mesh, PartitionSpec())
-        self._generate_jit = jax.jit(self._generate_fn, static_argnums=(0,), donate_argnums=(2,),
-                                     out_shardings=rep)
+        # Outputs are replicated on the rollout mesh (readable on every host); the donated caches keep their
+        # batch-sharded placement (`_cache_shardings`), so the next call's inputs have the same signature.
         self._cache_shapes: dict = {}
+        out_sh = None
+        if mesh is not None:
+            rep = NamedSharding(mesh, PartitionSpec())
+            out_sh = (rep,) * 6 + (self._cache_shardings(self._abstract_caches(1, 1)),)
+        self._generate_jit = jax.jit(self._generate_fn, static_argnums=(0,), donate_argnums=(2,),
+                                     out_shardings=out_sh)
         self.weight_version = -1
         self._w = None
         if not any(isinstance(x, jax.ShapeDtypeStruct) for x in jax.tree.leaves(nnx.state(model))):
@@ -426,16 +429,96 @@ class Sampler:
         return (out_tok[:, :t_cap], out_lp[:, :t_cap], prompt_routing, resp_routing[:, :t_cap], length, stopped,
                 caches)
 
-    def _empty_caches(self, b, cache_len):
-        """Zeroed decode caches for (batch, cache_len), placed like every call's (replicated on the rollout mesh,
-        so the jit's input signature never changes); donated to the generate jit."""
+    def _abstract_caches(self, b, cache_len):
+        """ShapeDtypeStructs of the decode caches for (batch, cache_len) (list over layers of dicts)."""
         key = (b, cache_len)
         if key not in self._cache_shapes:
             model_abs = nnx.merge(self.graphdef, nnx.from_flat_state(self._abs_flat))
             self._cache_shapes[key] = jax.eval_shape(
                 lambda: [cache_shapes(l.attn, b, cache_len, self.compute_dtype) for l in model_abs.layers])
-        sh = None if self.mesh is None else NamedSharding(self.mesh, PartitionSpec())
-        return jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype, device=sh), self._cache_shapes[key])
+        return self._cache_shapes[key]
+
+    def _cache_shardings(self, caches):
+        """Placement of the caches from the rule table (`sharding.rules.cache_shardings`: batch over the
+        `ACT_BATCH` mesh axes, never replicated over them); None without a mesh."""
+        if self.mesh is None:
+            return None
+        from sharding.rules import cache_shardings
+        return cache_shardings(caches, self.mesh, self.rules)
+
+    def _empty_caches(self, b, cache_len):
+        """Zeroed decode caches for (batch, cache_len), placed like every call's (batch-sharded on the rollout
+        mesh, so the jit's input signature never changes); donated to the generate jit."""
+        shapes = self._abstract_caches(b, cache_len)
+        sh = self._cache_shardings(shapes)
+        if sh is None:
+            return jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), shapes)
+        return jax.tree.map(lambda x, d: jnp.zeros(x.shape, x.dtype, device=d), shapes, sh)
+
+    def _buckets(self, n: int, prompt_len: int, max_new_tokens: int) -> tuple[int, int, int]:
+        """(batch, prompt, response) buckets of a call: powers of two (prompts from 16, capped by max_prompt_len's
+        bucket; responses from 16); the batch also a multiple of the rollout mesh's batch shards."""
+        p_bucket = min(_next_pow2(prompt_len, 16), _next_pow2(self.max_prompt_len, 16))
+        b = _next_pow2(n)
+        if self.mesh is not None:
+            from sharding.rules import batch_shards
+            k = batch_shards(self.rules, self.mesh)
+            b = -(-b // k) * k
+        return b, p_bucket, _next_pow2(max_new_tokens, 16)
+
+    def _input_shardings(self):
+        """Shardings of (ids, lens, key_data, temperature, top_p, top_k, max_new, stop): per-row inputs split
+        like the batch (`ACT_BATCH`), scalars and stop ids replicated; None without a mesh."""
+        if self.mesh is None:
+            return None
+        from sharding import axes as ax
+        from sharding.rules import activation_spec
+        rep = NamedSharding(self.mesh, PartitionSpec())
+        rows = NamedSharding(self.mesh, activation_spec(ax.ACT_BATCH, rules=self.rules, mesh=self.mesh))
+        return (rows, rows, rows, rep, rep, rep, rep, rep)
+
+    def _abstract_wstate(self):
+        """ShapeDtypeStructs (with shardings) of the weight state: the live one's, or the quantised layout of
+        an abstract model's (no weights needed)."""
+        if self._w is not None:
+            return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), self._w)
+        raw = {_key(p): jax.ShapeDtypeStruct(v.get_value().shape, v.get_value().dtype) for p, v in self._abs_flat}
+        w_abs = jax.eval_shape(self._quantize_fn, raw)
+        sh = self._wstate_shardings()
+        if sh is None:
+            return w_abs
+        return jax.tree.map(lambda a, d: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=d), w_abs, sh)
+
+    def lower(self, batch_size: int, prompt_len: int, max_new_tokens: int) -> jax.stages.Lowered:
+        """The generate program for `batch_size` prompts of up to `prompt_len` tokens and `max_new_tokens` new
+        tokens, lowered with abstract inputs (no weights or caches are allocated; works on a sampler built from
+        an abstract model). Shapes are bucketed as `generate` buckets them, so `.compile().memory_analysis()`
+        gives XLA's per-device figures of exactly the program a `generate` call of that size runs: arguments =
+        weight state + caches + inputs, temporaries = activations and dequantised weights.
+
+        Raises ValueError when prompt_len > max_prompt_len or any size is < 1.
+        """
+        if min(batch_size, prompt_len, max_new_tokens) < 1:
+            raise ValueError(f"Sampler.lower: sizes must be >= 1, got batch_size={batch_size} "
+                             f"prompt_len={prompt_len} max_new_tokens={max_new_tokens}")
+        if prompt_len > self.max_prompt_len:
+            raise ValueError(f"Sampler.lower: prompt_len {prompt_len} > max_prompt_len {self.max_prompt_len}")
+        b, p, t_cap = self._buckets(batch_size, prompt_len, max_new_tokens)
+        sds = jax.ShapeDtypeStruct
+        caches = self._abstract_caches(b, p + t_cap)
+        c_sh = self._cache_shardings(caches)
+        if c_sh is not None:
+            caches = jax.tree.map(lambda x, d: sds(x.shape, x.dtype, sharding=d), caches, c_sh)
+        key_shape = jax.random.key_data(jax.random.key(0)).shape
+        inputs = (sds((b, p), jnp.int32), sds((b,), jnp.int32), sds((b, *key_shape), jnp.uint32),
+                  sds((), jnp.float32), sds((), jnp.float32), sds((), jnp.int32), sds((), jnp.int32),
+                  sds((MAX_STOP_IDS,), jnp.int32))
+        in_sh = self._input_shardings()
+        if in_sh is not None:
+            inputs = tuple(sds(x.shape, x.dtype, sharding=d) for x, d in zip(inputs, in_sh))
+        ctx = jax.set_mesh(self.mesh) if self.mesh is not None else _null()
+        with ctx, _rules_ctx(self.rules, self.mesh):
+            return self._generate_jit.lower((b, p, t_cap), self._abstract_wstate(), caches, *inputs)
 
     def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams, *, seed: int, step: int = 0,
                  prompt_index: Sequence[int] | None = None, sample_index: Sequence[int] | None = None) -> RolloutBatch:
@@ -462,9 +545,7 @@ class Sampler:
                                  f"{self.max_prompt_len} (Sampler(max_prompt_len=...))")
             if min(p) < 0 or max(p) >= self.config.vocab_size:
                 raise ValueError(f"generate: prompt {i} has token ids outside [0, {self.config.vocab_size})")
-        p_bucket = min(_next_pow2(int(lens_np.max()), 16), _next_pow2(self.max_prompt_len, 16))
-        t_cap = _next_pow2(params.max_new_tokens, 16)
-        b = _next_pow2(n)
+        b, p_bucket, t_cap = self._buckets(n, int(lens_np.max()), params.max_new_tokens)
         ids = np.zeros((b, p_bucket), np.int32)
         lens = np.ones((b,), np.int32)
         for i, p in enumerate(prompts):
@@ -482,8 +563,8 @@ class Sampler:
         ctx = jax.set_mesh(self.mesh) if self.mesh is not None else _null()
         inputs = (ids, lens, jax.random.key_data(keys), np.float32(params.temperature), np.float32(params.top_p),
                   np.int32(params.top_k), np.int32(params.max_new_tokens), stop)
-        # identical host values on every process -> one global (replicated) array each
-        inputs = jax.device_put(inputs, None if self.mesh is None else NamedSharding(self.mesh, PartitionSpec()))
+        # identical host values on every process -> one global array each (rows split like the batch)
+        inputs = jax.device_put(inputs, self._input_shardings())
         with ctx, _rules_ctx(self.rules, self.mesh):
             out = self._generate_jit((b, p_bucket, t_cap), self._w, caches, *inputs)
         tok, lp, prompt_routing, resp_routing, length, stopped, caches = out
