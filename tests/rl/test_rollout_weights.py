@@ -164,3 +164,19 @@ def test_lower_and_memory_analysis(model):
     assert args["fp8"] < 0.5 * args["fp32"]
     with pytest.raises(ValueError, match="max_prompt_len"):
         _sampler(model).lower(4, 64, 12)
+
+
+@pytest.mark.slow
+def test_planner_compiles_the_rollout_program():
+    """launch.aot.compile_rollout (the planner's --compile, rollout side): XLA's figures on the rollout mesh, the
+    weights and caches counted per device from their shardings (caches split over data x expert)."""
+    from launch.aot import compile_rollout
+
+    rx = compile_rollout(CFG, "actor:fsdp=4/rollout:data=2,expert=2", batch=6, context=80, prompt_len=16)
+    assert (rx.batch, rx.prompt_len, rx.max_new_tokens, rx.batch_shards) == (8, 16, 64, 4)
+    assert rx.temp > 0 and rx.argument > 0 and rx.total > rx.kv > 0
+    s = Sampler(nnx.eval_shape(lambda: DSV4ForCausalLM(CFG, rngs=nnx.Rngs(0))), weights="fp8",
+                compute_dtype=jnp.bfloat16, max_prompt_len=16)
+    full = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(s._abstract_caches(8, 80)))
+    assert rx.kv * 4 == full
+    assert any("KV capacity left" in line for line in rx.lines(usable=2**30))
