@@ -8,8 +8,11 @@ Usage:
     sampler.update_weights(actor_params, version=1)
 
 Design (docs/jax-stack.md §5; Tunix `sampler.py`, MaxText `maxengine` read for ideas):
-- Static batching. Prompt lengths, the batch size and max_new_tokens are bucketed to powers of two, so steady
-  state never recompiles; temperature, top-p, top-k, max_new_tokens and stop ids are traced values.
+- Static batching by default (`slots=0`); `slots=N` (`--rollout-slots`) runs continuous batching instead
+  (rl/slots.py: N decode slots refilled as samples finish, cache sized to prompt + max_new_tokens rounded to the
+  compression ratios; same per-sample results). Static: prompt lengths, the batch size and max_new_tokens are
+  bucketed to powers of two, so steady state never recompiles; temperature, top-p, top-k, max_new_tokens (per
+  row) and stop ids are traced values.
 - Prompts are laid out right-padded internally (each row has its own positions), so a row's result does not
   depend on the other rows: the output is the same for any batch composition, padding included.
 - Weights: `fp8` = weight-only FP8 e4m3fn 128x128 blocks (f32 scales) for the released FP8 set (attention
@@ -25,7 +28,7 @@ Design (docs/jax-stack.md §5; Tunix `sampler.py`, MaxText `maxengine` read for 
   change when the batch around it changes.
 - Routing: expert ids of every main MoE layer for every prompt and response token; the last response token is
   fed once more after sampling stops so that its routing is recorded too.
-- Routed experts: `dsv4.moe.default_dispatch` (on CPU with unsharded experts `routed_experts_cpu`, else the
+- Routed experts: `parallel.expert.default_dispatch` (on CPU with unsharded experts `routed_experts_cpu`, else the
   model's `ragged_dot`); prefill and decode ops sit under the `prefill` / `decode_step` name scopes (profiles,
   compiled HLO; benchmarks/sampler.py counts the decode step's bytes from them).
 """
@@ -46,6 +49,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 from dsv4 import moe, quant
 from dsv4.cache import cache_shapes, decode_step, prefill
 from dsv4.model import DSV4ForCausalLM
+from parallel import expert as expert_lib
 from rl.rollout_weights import (DEQUANT_MODES, LayerwiseWeights, check_fp4_experts, parse_rollout_dtype,
                                 select_fp8_matmul)
 
@@ -210,13 +214,16 @@ class Sampler:
         (float32 suits CPUs, where bf16 matmuls are emulated). dispatch_fn: routed-expert implementation for
         prefill and decode (`dsv4.moe` contract); None picks `moe.routed_experts_cpu` on CPU with
         unsharded experts and the model's stock `ragged_dot` elsewhere.
+      slots: 0 = static batching; N >= 1 = continuous batching over N decode slots (rl/slots.py).
+      kv_budget_bytes: KV-cache bytes per rollout device the memory plan allows (None = unchecked); `generate`
+        raises ValueError naming --rollout-slots when N slots of its cache length need more.
     Raises:
-      ValueError: unknown `weights` / `dequant` / `matmul`.
+      ValueError: unknown `weights` / `dequant` / `matmul`, slots < 0.
     """
 
     def __init__(self, model: DSV4ForCausalLM, *, mesh=None, weights: str = "fp8", rules=None,
                  max_prompt_len: int = 1024, fp8_block=(128, 128), dequant: str = "per_layer", dispatch_fn=None,
-                 compute_dtype=None, matmul: str = "auto"):
+                 compute_dtype=None, slots: int = 0, kv_budget_bytes: float | None = None, matmul: str = "auto"):
         rdt = parse_rollout_dtype(weights)
         if dequant not in DEQUANT_MODES:
             raise ValueError(f"Sampler dequant={dequant!r}: expected {' | '.join(DEQUANT_MODES)}")
@@ -240,6 +247,10 @@ class Sampler:
         self.fp8_block = tuple(fp8_block)
         self.dequant = dequant
         self.max_prompt_len = max_prompt_len
+        if isinstance(slots, bool) or not isinstance(slots, (int, np.integer)) or slots < 0:
+            raise ValueError(f"Sampler slots={slots!r} (--rollout-slots): expected an int >= 0 (0 = static batching)")
+        self.slots, self.kv_budget_bytes = int(slots), kv_budget_bytes
+        self.last_stats: dict = {}
         cfg = self.config
         abstract = nnx.eval_shape(lambda: DSV4ForCausalLM(cfg, rngs=nnx.Rngs(0), param_dtype=jnp.float32,
                                                           dtype=self.compute_dtype))
@@ -249,18 +260,21 @@ class Sampler:
         self._raw_shardings = self._shardings_for(abs_state)
         if dispatch_fn is None:  # CPU + unsharded experts: moe.routed_experts_cpu; else ragged_dot
             devs = [jax.devices()[0]] if mesh is None else list(mesh.devices.flat)
-            dispatch_fn = moe.default_dispatch(devs, self._raw_shardings)
+            dispatch_fn = expert_lib.default_dispatch(devs, self._raw_shardings)
         self.dispatch_fn = dispatch_fn
         self._quantize_jit = jax.jit(self._quantize_fn, out_shardings=self._wstate_shardings())
         # Outputs are replicated on the rollout mesh (readable on every host); the donated caches keep their
         # batch-sharded placement (`_cache_shardings`), so the next call's inputs have the same signature.
         self._cache_shapes: dict = {}
-        out_sh = None
+        out_sh = rep = None
         if mesh is not None:
             rep = NamedSharding(mesh, PartitionSpec())
             out_sh = (rep,) * 6 + (self._cache_shardings(self._abstract_caches(1, 1)),)
         self._generate_jit = jax.jit(self._generate_fn, static_argnums=(0,), donate_argnums=(2,),
                                      out_shardings=out_sh)
+        from rl import slots as _slots  # continuous batching (rl/slots.py); its slot caches stay replicated
+        self._slots_jit = jax.jit(lambda *a: _slots.slots_program(self, *a), static_argnums=(0,), donate_argnums=(2,),
+                                  out_shardings=rep)
         self.weight_version = -1
         self._w = None
         if not any(isinstance(x, jax.ShapeDtypeStruct) for x in jax.tree.leaves(nnx.state(model))):
@@ -324,7 +338,7 @@ class Sampler:
         """Jitted quantisation on the rollout mesh: {key: array on the rollout mesh} -> rollout weight state.
 
         The single function that builds rollout weights: version 0 (`Sampler(model)`), `update_weights` (a
-        rebuilt sampler, a resumed run without a pusher) and every push (sharding/push.py) all call it; FP8
+        rebuilt sampler, a resumed run without a pusher) and every push (parallel/push.py) all call it; FP8
         tensors go through `dsv4.quant.quantize_rollout_fp8` (bf16 rounding, e4m3fn blocks, exact fnuz
         conversion), so the result does not depend on how the weights arrived (fp32 master or bf16 wire copy).
         """
@@ -402,7 +416,7 @@ class Sampler:
 
         def cond(c):
             i, _, _, length = c[:4]
-            return (i <= max_new) & jnp.any(i - 1 < length)
+            return jnp.any((i <= max_new) & (i - 1 < length))  # max_new: per row
 
         def body(c):
             i, cur, done, length, out_tok, out_lp, resp_routing, caches, stopped = c
@@ -446,11 +460,14 @@ class Sampler:
         from sharding.rules import cache_shardings
         return cache_shardings(caches, self.mesh, self.rules)
 
-    def _empty_caches(self, b, cache_len):
+    def _empty_caches(self, b, cache_len, replicated: bool = False):
         """Zeroed decode caches for (batch, cache_len), placed like every call's (batch-sharded on the rollout
-        mesh, so the jit's input signature never changes); donated to the generate jit."""
+        mesh, so the jit's input signature never changes; `replicated`: the continuous-batching slots' layout);
+        donated to the generate jit."""
         shapes = self._abstract_caches(b, cache_len)
         sh = self._cache_shardings(shapes)
+        if sh is not None and replicated:
+            sh = jax.tree.map(lambda _: NamedSharding(self.mesh, PartitionSpec()), shapes)
         if sh is None:
             return jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), shapes)
         return jax.tree.map(lambda x, d: jnp.zeros(x.shape, x.dtype, device=d), shapes, sh)
@@ -467,7 +484,7 @@ class Sampler:
         return b, p_bucket, _next_pow2(max_new_tokens, 16)
 
     def _input_shardings(self):
-        """Shardings of (ids, lens, key_data, temperature, top_p, top_k, max_new, stop): per-row inputs split
+        """Shardings of (ids, lens, key_data, temperature, top_p, top_k, max_new [B], stop): per-row inputs split
         like the batch (`ACT_BATCH`), scalars and stop ids replicated; None without a mesh."""
         if self.mesh is None:
             return None
@@ -475,7 +492,7 @@ class Sampler:
         from sharding.rules import activation_spec
         rep = NamedSharding(self.mesh, PartitionSpec())
         rows = NamedSharding(self.mesh, activation_spec(ax.ACT_BATCH, rules=self.rules, mesh=self.mesh))
-        return (rows, rows, rows, rep, rep, rep, rep, rep)
+        return (rows, rows, rows, rep, rep, rep, rows, rep)
 
     def _abstract_wstate(self):
         """ShapeDtypeStructs (with shardings) of the weight state: the live one's, or the quantised layout of
@@ -511,7 +528,7 @@ class Sampler:
             caches = jax.tree.map(lambda x, d: sds(x.shape, x.dtype, sharding=d), caches, c_sh)
         key_shape = jax.random.key_data(jax.random.key(0)).shape
         inputs = (sds((b, p), jnp.int32), sds((b,), jnp.int32), sds((b, *key_shape), jnp.uint32),
-                  sds((), jnp.float32), sds((), jnp.float32), sds((), jnp.int32), sds((), jnp.int32),
+                  sds((), jnp.float32), sds((), jnp.float32), sds((), jnp.int32), sds((b,), jnp.int32),
                   sds((MAX_STOP_IDS,), jnp.int32))
         in_sh = self._input_shardings()
         if in_sh is not None:
@@ -521,13 +538,16 @@ class Sampler:
             return self._generate_jit.lower((b, p, t_cap), self._abstract_wstate(), caches, *inputs)
 
     def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams, *, seed: int, step: int = 0,
-                 prompt_index: Sequence[int] | None = None, sample_index: Sequence[int] | None = None) -> RolloutBatch:
+                 prompt_index: Sequence[int] | None = None, sample_index: Sequence[int] | None = None,
+                 max_new_tokens_per_row: Sequence[int] | None = None) -> RolloutBatch:
         """Sample one continuation per prompt.
 
         Args:
           prompts: N token-id lists (1 <= len <= max_prompt_len, ids < vocab_size).
           params: SamplingParams. seed, step: randomness; prompt_index / sample_index [N]: the (prompt, sample)
             identity of each row for per-sample randomness (default: row index, 0).
+          max_new_tokens_per_row: optional [N] length limits (1 <= each <= params.max_new_tokens; a length
+            schedule, e.g. benchmarks/rollout_lengths.py); default params.max_new_tokens for every row.
         Returns:
           RolloutBatch (see its docstring).
         Raises:
@@ -540,17 +560,28 @@ class Sampler:
         for i, p in enumerate(prompts):
             if len(p) == 0:
                 raise ValueError(f"generate: prompt {i} is empty (at least one token is needed)")
+            if len(p) > self.max_prompt_len and self.slots:
+                raise ValueError(f"generate: prompt {i} has {len(p)} tokens; the rollout KV cache holds prompts of "
+                                 f"at most {self.max_prompt_len} (+ max_new_tokens) tokens (--max-prompt-len)")
             if len(p) > self.max_prompt_len:
                 raise ValueError(f"generate: prompt {i} has {len(p)} tokens; the largest prompt bucket is "
                                  f"{self.max_prompt_len} (Sampler(max_prompt_len=...))")
             if min(p) < 0 or max(p) >= self.config.vocab_size:
                 raise ValueError(f"generate: prompt {i} has token ids outside [0, {self.config.vocab_size})")
         b, p_bucket, t_cap = self._buckets(n, int(lens_np.max()), params.max_new_tokens)
+        if self.slots:
+            t_cap = params.max_new_tokens
         ids = np.zeros((b, p_bucket), np.int32)
         lens = np.ones((b,), np.int32)
         for i, p in enumerate(prompts):
             ids[i, : len(p)] = p
         lens[:n] = lens_np
+        mx = np.full((b,), params.max_new_tokens, np.int32)
+        if max_new_tokens_per_row is not None:
+            mx[:n] = np.asarray(max_new_tokens_per_row, np.int64)
+            if len(max_new_tokens_per_row) != n or mx.min() < 1 or mx.max() > params.max_new_tokens:
+                raise ValueError(f"generate: max_new_tokens_per_row must be {n} ints in [1, "
+                                 f"{params.max_new_tokens}] (SamplingParams.max_new_tokens)")
         pi = np.arange(n) if prompt_index is None else np.asarray(prompt_index)
         si = np.zeros(n, np.int64) if sample_index is None else np.asarray(sample_index)
         base = jax.random.fold_in(jax.random.key(seed), step)
@@ -559,15 +590,37 @@ class Sampler:
         keys = jax.device_get(jnp.stack(keys))
         stop = np.full((MAX_STOP_IDS,), -1, np.int32)
         stop[: len(params.stop_token_ids)] = params.stop_token_ids
-        caches = self._empty_caches(b, p_bucket + t_cap)
         ctx = jax.set_mesh(self.mesh) if self.mesh is not None else _null()
-        inputs = (ids, lens, jax.random.key_data(keys), np.float32(params.temperature), np.float32(params.top_p),
-                  np.int32(params.top_k), np.int32(params.max_new_tokens), stop)
-        # identical host values on every process -> one global array each (rows split like the batch)
-        inputs = jax.device_put(inputs, self._input_shardings())
-        with ctx, _rules_ctx(self.rules, self.mesh):
-            out = self._generate_jit((b, p_bucket, t_cap), self._w, caches, *inputs)
-        tok, lp, prompt_routing, resp_routing, length, stopped, caches = out
+        rep = None if self.mesh is None else NamedSharding(self.mesh, PartitionSpec())
+        if self.slots:
+            from rl import slots as _slots
+
+            s_n = self.slots
+            p_max = self.max_prompt_len  # one prefill width per sampler: a row's result does not depend on the
+            cache_len = _slots.cache_len_for(self.config, p_max, t_cap)  # call's longest prompt
+            _slots.plan_slots(s_n, per_slot_bytes=_slots.cache_bytes_per_slot(self, cache_len),
+                              budget_bytes=self.kv_budget_bytes, seq_len=cache_len)
+            caches = self._empty_caches(s_n, cache_len, replicated=True)
+            ids = np.pad(ids, ((0, 0), (0, max(0, p_max - p_bucket))))[:, :p_max]
+            inputs = jax.device_put((ids, lens, jax.random.key_data(keys), np.int32(n), np.float32(params.temperature),
+                                     np.float32(params.top_p), np.int32(params.top_k), mx, stop), rep)
+            with ctx, _rules_ctx(self.rules, self.mesh):
+                out = self._slots_jit((b, p_max, t_cap, s_n), self._w, caches, *inputs)
+            tok, lp, prompt_routing, resp_routing, length, stopped, stats, caches = out
+            pr_w = prompt_routing.shape[1]  # right-padded rows -> the static layout's width p_bucket (exact)
+            prompt_routing = jnp.pad(prompt_routing, ((0, 0), (0, max(0, p_bucket - pr_w)), (0, 0), (0, 0)),
+                                     constant_values=-1)[:, :p_bucket]
+            self.last_stats = _slots.slot_stats(jax.device_get(stats), s_n)
+        else:
+            caches = self._empty_caches(b, p_bucket + t_cap)
+            inputs = (ids, lens, jax.random.key_data(keys), np.float32(params.temperature), np.float32(params.top_p),
+                      np.int32(params.top_k), mx, stop)
+            # identical host values on every process -> one global array each (rows split like the batch)
+            inputs = jax.device_put(inputs, self._input_shardings())
+            with ctx, _rules_ctx(self.rules, self.mesh):
+                out = self._generate_jit((b, p_bucket, t_cap), self._w, caches, *inputs)
+            tok, lp, prompt_routing, resp_routing, length, stopped, caches = out
+            self.last_stats = {}
         del caches
         tok, lp, pr, rr, length, stopped = jax.device_get((tok, lp, prompt_routing, resp_routing, length, stopped))
         t = params.max_new_tokens
@@ -587,7 +640,7 @@ class Sampler:
 
     def compile_count(self) -> int:
         """Number of compiled variants of the generate function (for recompilation tests)."""
-        return self._generate_jit._cache_size()
+        return self._generate_jit._cache_size() + self._slots_jit._cache_size()
 
 
 class _null:
