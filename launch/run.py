@@ -65,7 +65,8 @@ _HELP = {
     "steps": "GRPO steps", "prompts_per_step": "prompts per step", "group_size": "samples per prompt (G)",
     "max_new_tokens": "response length limit", "temperature": "sampling temperature (0 = greedy)",
     "top_p": "nucleus sampling", "top_k": "top-k sampling (0 = off)",
-    "rollout_dtype": "rollout weights: fp8 | fp8_e4m3fnuz (MI300/MI308) | bf16 | fp32 | auto",
+    "rollout_dtype": ("rollout weights: fp8 | fp8_e4m3fnuz (MI300/MI308) | fp8+fp4experts (FP4 routed "
+                      "experts) | bf16 | fp32 | auto"),
     "rollout_compute_dtype": "rollout matmul dtype: auto (fp32 on CPU, bf16 on GPU) | bfloat16 | float32",
     "rollout_slots": "rollout batching: 0 = static (all rows until the longest ends) | N = continuous batching over "
                      "N decode slots refilled as samples finish | auto = as many slots as the memory plan's KV "

@@ -347,7 +347,8 @@ class RunConfig:
       apply_chat_template (the tokenizer folder's Jinja template, rl/chat.py) with system_prompt and thinking
       (auto|on|off), on_overlong_prompt (drop|fail).
     Rollout: prompts_per_step x group_size samples per step, max_new_tokens, temperature / top_p / top_k,
-      rollout_dtype (fp8|fp8_e4m3fnuz|bf16|fp32|auto); rollout_slots: 0 = static batching (default: every row of a
+      rollout_dtype (fp8|fp8_e4m3fnuz|fp8+fp4experts|bf16|fp32|auto);
+      rollout_slots: 0 = static batching (default: every row of a
       rollout decodes until the longest ends), N >= 1 = continuous batching over N decode slots refilled as samples
       finish (rl/slots.py), "auto" = as many slots as the memory plan's KV budget holds (capped by the rows).
     Algorithm: algo (grpo|dr_grpo|dapo|gspo; dapo adds dynamic sampling bounded by dapo_max_resample_batches,
@@ -446,8 +447,10 @@ class RunConfig:
                              f"got {self.group_size}")
         if self.algo not in ALGOS:
             raise ValueError(f"{owner}.algo (--algo) must be one of {ALGOS}, got {self.algo!r}")
-        if self.rollout_dtype not in ("fp8", "fp8_e4m3fn", "fp8_e4m3fnuz", "bf16", "fp32", "auto"):
-            raise ValueError(f"{owner}.rollout_dtype (--rollout-dtype) must be fp8|fp8_e4m3fnuz|bf16|fp32|auto, "
+        if self.rollout_dtype not in ("fp8", "fp8_e4m3fn", "fp8_e4m3fnuz", "fp8+fp4experts", "bf16", "fp32",
+                                      "auto"):
+            raise ValueError(f"{owner}.rollout_dtype (--rollout-dtype) must be "
+                             f"fp8|fp8_e4m3fnuz|fp8+fp4experts|bf16|fp32|auto, "
                              f"got {self.rollout_dtype!r}")
         slots = self.rollout_slots
         if isinstance(slots, str) and slots.strip().lower() != "auto":

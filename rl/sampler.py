@@ -18,9 +18,13 @@ Design (docs/jax-stack.md §5; Tunix `sampler.py`, MaxText `maxengine` read for 
 - Weights: `fp8` = weight-only FP8 e4m3fn 128x128 blocks (f32 scales) for the released FP8 set (attention
   projections, indexer wq_b, shared experts, MTP projections) and the routed experts, always built by
   `quantize_weights` -> `dsv4.quant.quantize_rollout_fp8` (version 0, pushes, rebuilt samplers alike);
-  `fp8_e4m3fnuz` for MI300/MI308 (gfx942) is the exact byte conversion of the e4m3fn result; `auto` picks by device kind; `bf16` / `fp32` dense. FP8 weights are dequantised
-  inside the jit: once per `generate` call (`dequant="per_call"`, faster) or inside every decode step
-  (`dequant="per_step"`, only the FP8 copy stays resident: the memory-saving mode for large models).
+  `fp8_e4m3fnuz` for MI300/MI308 (gfx942) is the exact byte conversion of the e4m3fn result; `auto` picks by
+  device kind; `fp8+fp4experts` keeps the routed experts FP4 e2m1 (1x32 ue8m0 scales); `bf16` / `fp32` dense. Each
+  layer's weights are dequantised right before it runs, in the prefill and in every decode step
+  (`dequant="per_layer"`, default: rl/rollout_weights.py), or, as references, the whole model once per call
+  (`"per_call"`) / per decode step (`"per_step"`). FP8 GEMMs where the backend has them (`matmul="auto"`, logged).
+- Placement: the batch, its inputs and the KV caches are split over the rule table's `ACT_BATCH` mesh axes (rollout:
+  data x fsdp x expert, "EP as DP"; `sharding.rules.cache_shardings`), never replicated; outputs are replicated.
 - Logprobs: `log_softmax(logits / T)` over the full vocabulary at the sampled token, i.e. after temperature and
   before top-k/top-p truncation: the distribution the learner recomputes (training logits / T). Temperature 0
   means greedy; its logprobs are then those of T = 1.
