@@ -7,7 +7,6 @@ Run: `.venv/bin/python -m pytest -q tests/sharding/test_plan_compile.py`.
 
 import math
 
-import numpy as np
 
 import dsv4
 from launch.aot import compile_actor, reduced_depth
