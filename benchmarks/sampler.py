@@ -4,7 +4,9 @@ same CPU, same run; plus the memory-bandwidth roofline and the resident weight b
 What is measured, per config (tiny, small) and batch B (1, 8, 32), prompts of P = 32 random tokens, greedy:
 - ours: `Sampler(model, weights=..., max_prompt_len=P, dequant=..., compute_dtype=...)`, weight modes
     bf16          bf16 weights and matmuls
-    fp8           FP8 e4m3 128x128-block weights, dequantised to bf16 once per `generate` (dequant="per_call")
+    fp8           FP8 e4m3 128x128-block weights, each layer dequantised to bf16 right before it runs, in the
+                  prefill and every decode step (dequant="per_layer", the sampler's default)
+    fp8_call      (optional) the same dequantised once per `generate` (dequant="per_call", the old default)
     fp8_step      the same with dequant="per_step" (timed at --per-step-batches only)
     fp8_f32       (optional) FP8 weights dequantised to f32 (`compute_dtype=float32`)
     fp32          (optional) f32 weights
@@ -31,7 +33,7 @@ What is measured, per config (tiny, small) and batch B (1, 8, 32), prompts of P 
   indexer, shared experts, gates, norms, mHC, lm head) in the dtype the step reads (the compute dtype: fp8
   modes read their dequantised copy), the B embedding rows, min(E, B * k) routed experts per layer, and every
   cache leaf of `dsv4.cache.cache_shapes` at cache_len = P + 64 (the decode step reads the whole window ring,
-  compressed entries and indexer keys); fp8_step is counted at its FP8 bytes (q + f32 scales), what a fused
+  compressed entries and indexer keys); fp8 and fp8_step are counted at their FP8 bytes (q + f32 scales), what a fused
   dequantising matmul would read. Bandwidth = the best over the run (measured at the start, before every
   (config, B) block and at the end) of a numpy 512 MB copy and a jitted, donated jnp 512 MB read+write, as
   bytes copied / time (the DRAM traffic is twice that); the higher of the two is used.
@@ -52,7 +54,13 @@ reruns start faster.
   scope are summed (weights in the dtype XLA feeds the dot: XLA:CPU upcasts some bf16 weights to f32 once per
   call, outside the loop, so the loop reads f32 copies; plus the cache tensors attention contracts with). At
   B = 1 XLA rewrites the matrix-vector dots as multiply + reduce and there is nothing to count (nan).
+- compiled memory (`--memory-only` runs just this): XLA's `memory_analysis()` of the generate program from
+  `Sampler.lower(8, 32, 64)` on small with abstract weights, f32 compute, per weight mode (fp32 = unquantised,
+  bf16, fp8 per_layer, fp8+fp4experts, and the old whole-model fp8 per_call / per_step), plus bf16 weights at
+  bf16 compute. Reported as fractions of the fp32 program's argument bytes (its weights):
+  `<mode>_temp_excess` = (temp - fp32 temp) / fp32 args and `<mode>_args_frac` = args / fp32 args.
 The last line is `RESULT ours_tok_s=.. hf_tok_s=.. ratio_vs_hf=.. roofline_frac=.. roofline_frac_model_bytes=..`
+followed by the memory fields
 for small, B = 8, bf16 weights: ours decode tok/s, transformers decode tok/s (its fastest --hf-dtypes x
 --hf-threads row), their ratio, and ours as a fraction of the roofline from the HLO bytes and from the model's
 bf16 bytes.
@@ -92,7 +100,8 @@ from hf_ref import hf_model  # noqa: E402
 CONFIGS = {"tiny": DSV4Config.tiny, "small": DSV4Config.small}
 MODES = {  # name -> (Sampler weights, dequant, compute dtype, stock ragged_dot routed experts)
     "bf16": ("bf16", "per_call", "bfloat16", False),
-    "fp8": ("fp8", "per_call", "bfloat16", False),
+    "fp8": ("fp8", "per_layer", "bfloat16", False),
+    "fp8_call": ("fp8", "per_call", "bfloat16", False),
     "fp8_step": ("fp8", "per_step", "bfloat16", False),
     "fp8_f32": ("fp8", "per_call", "float32", False),
     "fp32": ("fp32", "per_call", "float32", False),
@@ -113,6 +122,46 @@ def make_sampler(model, mode: str) -> Sampler:
     weights, dequant, compute, ragged = MODES[mode]
     return Sampler(model, weights=weights, max_prompt_len=PROMPT_LEN, dequant=dequant, compute_dtype=compute,
                    dispatch_fn=routed_experts_ragged if ragged else None)
+
+
+# ------------------------------------------------------------------------------------------ compiled memory
+MEMORY_MODES = {  # name -> (Sampler weights, dequant): compiled at f32 compute (XLA:CPU upcasts bf16 dots)
+    "fp32": ("fp32", "per_layer"),
+    "bf16": ("bf16", "per_layer"),
+    "fp8": ("fp8", "per_layer"),
+    "fp8+fp4experts": ("fp8+fp4experts", "per_layer"),
+    "fp8_per_call": ("fp8", "per_call"),
+    "fp8_per_step": ("fp8", "per_step"),
+}
+
+
+def compiled_memory(name: str = "small", batch: int = 8, new_tokens: int = T_CAP) -> dict:
+    """XLA's `memory_analysis()` of the generate program (`Sampler.lower(batch, PROMPT_LEN, new_tokens)`) per
+    memory mode, abstract weights (nothing is allocated), f32 compute; bf16 also at bf16 compute ("bf16@bf16":
+    bf16 weights stored; XLA:CPU then upcasts its dots, so its temp holds f32 copies)."""
+    cfg = CONFIGS[name]()
+    model = _abstract_model(cfg)
+    out = {}
+    for mode, (weights, dequant) in list(MEMORY_MODES.items()) + [("bf16@bf16", ("bf16", "per_layer"))]:
+        compute = "bfloat16" if mode == "bf16@bf16" else "float32"
+        s = Sampler(model, weights=weights, dequant=dequant, compute_dtype=compute, max_prompt_len=PROMPT_LEN)
+        ma = s.lower(batch, PROMPT_LEN, new_tokens).compile().memory_analysis()
+        out[mode] = {"args": ma.argument_size_in_bytes, "temp": ma.temp_size_in_bytes}
+        print(f"  {mode:<16s} arguments {ma.argument_size_in_bytes / 2**20:8.1f} MiB  temp "
+              f"{ma.temp_size_in_bytes / 2**20:8.1f} MiB", flush=True)
+    return out
+
+
+def memory_result(mem: dict) -> str:
+    """The memory targets against the unquantised (fp32) program: temp excess and argument bytes as fractions
+    of the fp32 program's argument bytes (= its weight bytes plus the small inputs and caches)."""
+    ref = mem["fp32"]
+    parts = []
+    for mode, key in (("fp8", "fp8"), ("fp8+fp4experts", "fp4"), ("bf16@bf16", "bf16"), ("fp8_per_call", "fp8_call")):
+        m = mem[mode]
+        parts.append(f"{key}_temp_excess={(m['temp'] - ref['temp']) / ref['args']:.3f} "
+                     f"{key}_args_frac={m['args'] / ref['args']:.3f}")
+    return " ".join(parts)
 
 
 # ------------------------------------------------------------------------------------------ bytes
@@ -139,7 +188,7 @@ def step_bytes(sampler: Sampler, mode: str, batch: int, cache_len: int) -> dict:
     for key, v in sampler.weight_state().items():
         if isinstance(v, quant.QuantizedTensor):
             n = math.prod(v.shape)
-            b = _leaf_bytes(v) if dequant == "per_step" else n * compute_item
+            b = _leaf_bytes(v) if dequant in ("per_step", "per_layer") else n * compute_item
             shape = v.shape
         else:
             b, shape = int(v.nbytes), v.shape
@@ -548,6 +597,9 @@ def main(argv=None) -> int:
     ap.add_argument("--compile-cache", default=os.path.join(tempfile.gettempdir(), "dsv4_rl_bench_jax_cache"),
                     help="jax persistent compilation cache dir: compiling is not timed, the cache only makes "
                          "reruns faster ('' = off)")
+    ap.add_argument("--memory-only", action="store_true",
+                    help="only XLA's compiled memory of the generate program per mode (small, B=8); last line "
+                         "RESULT fp8_temp_excess=.. fp8_args_frac=.. (fractions of the fp32 program's argument bytes)")
     ap.add_argument("--rss-child", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.compile_cache:
@@ -555,6 +607,10 @@ def main(argv=None) -> int:
         jax.config.update("jax_persistent_cache_min_compile_time_secs", 1.0)
     if args.rss_child:
         rss_child(args.rss_child)
+        return 0
+    if args.memory_only:
+        print(f"XLA memory_analysis of the generate program (small, B=8, P={PROMPT_LEN}, N={T_CAP}, abstract weights):")
+        print("RESULT " + memory_result(compiled_memory()))
         return 0
     if len(set(args.ns)) < 2 or not all(T_CAP // 2 < n <= T_CAP for n in args.ns):
         ap.error(f"--ns: at least two distinct values in ({T_CAP // 2}, {T_CAP}] (one compiled bucket)")
@@ -627,13 +683,15 @@ def main(argv=None) -> int:
                       + ("" if r["peak_reset"] else " (peak not reset: includes model build)"))
     print(f"\nwall time of the benchmark: {time.perf_counter() - t_start:.0f} s; load average now "
           + " ".join(f"{x:.2f}" for x in os.getloadavg()))
+    print("\nXLA memory_analysis of the generate program (small, B=8, abstract weights):")
+    mem_line = memory_result(compiled_memory())
     pick = {r["engine"]: r for r in rows if r["config"] == "small" and r["B"] == 8}
     if "bf16" in pick:
         ours = pick["bf16"]
         hf_best = max((r["decode_tok_s"] for e, r in pick.items() if e.startswith("hf_")), default=float("nan"))
         print(f"RESULT ours_tok_s={ours['decode_tok_s']:.1f} hf_tok_s={hf_best:.1f} "
               f"ratio_vs_hf={ours['decode_tok_s'] / hf_best:.2f} roofline_frac={ours['hlo_roof_frac']:.3f} "
-              f"roofline_frac_model_bytes={ours['roof_frac']:.3f}")
+              f"roofline_frac_model_bytes={ours['roof_frac']:.3f} {mem_line}")
     return 0
 
 

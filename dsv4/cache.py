@@ -142,19 +142,31 @@ def decode_attention(attn: Attention, x: jax.Array, t: jax.Array, cache: LayerCa
 
 # ------------------------------------------------------------------------------------------ model level
 
+def _layers(model, layer_fn):
+    """(i, x) -> (layer i, x): `layer_fn` when given (the sampler builds layer i there, e.g. dequantising its
+    weights once x is known), else `model.layers[i]` with x unchanged."""
+    if layer_fn is not None:
+        return layer_fn
+    return lambda i, x: (model.layers[i], x)
+
+
 def prefill(model, ids: jax.Array, lengths: jax.Array, cache_len: int, routing_replay: jax.Array | None = None,
-            dispatch_fn=None):
+            dispatch_fn=None, layer_fn=None):
     """Full forward over right-padded prompts and the decode caches.
 
     ids [B, P] int32 (row b real at [0, lengths[b])), lengths [B] int32 >= 1, cache_len >= P + max new tokens.
-    Returns (logits [B, V] float32 at each row's last real token, routing [B, P, L, k] int32, caches list[L]).
+    layer_fn: optional (i, x) -> (Block, x) giving main layer i (then `model.layers` is not read; see
+    `rl.rollout_weights.LayerwiseWeights`). Returns (logits [B, V] float32 at each row's last real token,
+    routing [B, P, L, k] int32, caches list[L]).
     """
     cfg = model.config
     b, p = ids.shape
     positions = jnp.broadcast_to(jnp.arange(p, dtype=jnp.int32)[None], (b, p))
     x = jnp.broadcast_to(model.embed_tokens(ids)[:, :, None, :], (b, p, cfg.hc_mult, cfg.hidden_size))
     caches, routes = [], []
-    for i, blk in enumerate(model.layers):
+    get = _layers(model, layer_fn)
+    for i in range(cfg.num_hidden_layers):
+        blk, x = get(i, x)
         y, post, comb = blk._pre(x, "attn")
         a, aux = blk.attn(blk.attn_norm(y), positions, return_aux=True)
         caches.append(build_layer_cache(blk.attn, aux, lengths, cache_len))
@@ -171,14 +183,17 @@ def prefill(model, ids: jax.Array, lengths: jax.Array, cache_len: int, routing_r
     return logits, routing, caches
 
 
-def decode_step(model, tokens: jax.Array, t: jax.Array, caches: list, dispatch_fn=None):
-    """Feed one token per row: tokens [B] int32 at positions t [B] -> (logits [B, V] f32, routing [B, L, k], caches)."""
+def decode_step(model, tokens: jax.Array, t: jax.Array, caches: list, dispatch_fn=None, layer_fn=None):
+    """Feed one token per row: tokens [B] int32 at positions t [B] -> (logits [B, V] f32, routing [B, L, k], caches).
+    layer_fn: as in `prefill`."""
     cfg = model.config
     b = tokens.shape[0]
     ids = tokens[:, None]
     x = jnp.broadcast_to(model.embed_tokens(ids)[:, :, None, :], (b, 1, cfg.hc_mult, cfg.hidden_size))
     new_caches, routes = [], []
-    for blk, cache in zip(model.layers, caches):
+    get = _layers(model, layer_fn)
+    for i, cache in enumerate(caches):
+        blk, x = get(i, x)
         y, post, comb = blk._pre(x, "attn")
         a, cache = decode_attention(blk.attn, blk.attn_norm(y), t, cache)
         new_caches.append(cache)

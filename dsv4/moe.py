@@ -360,7 +360,8 @@ class MoE(nnx.Module):
         y = fn(uf, ids, w, e.w1[...], e.w3[...], e.w2[...], limit=self.limit, dtype=self.dtype)
         if self.shared_experts is not None:
             se = self.shared_experts
-            h = swiglu(linear(uf, se.w1.weight[...], self.dtype), linear(uf, se.w3.weight[...], self.dtype),
+            h = swiglu(linear(uf, se.w1.weight.get_value(), self.dtype),
+                       linear(uf, se.w3.weight.get_value(), self.dtype),
                        self.limit)
-            y = y + linear(h, se.w2.weight[...], self.dtype).astype(jnp.float32)
+            y = y + linear(h, se.w2.weight.get_value(), self.dtype).astype(jnp.float32)
         return y.astype(u.dtype).reshape(b, s, d), ids.reshape(b, s, -1)

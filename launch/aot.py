@@ -118,3 +118,94 @@ def compile_actor(config, mesh_spec: str, *, seq_len: int, micro_batch_tokens: i
     return CompileReport(argument=ma.argument_size_in_bytes, output=ma.output_size_in_bytes,
                          alias=ma.alias_size_in_bytes, temp=ma.temp_size_in_bytes, host=host, rows=n,
                          seq_len=seq_len, micro_batches=lay.micro_batches, compile_s=dt)
+
+
+# ------------------------------------------------------------------------------------------------ rollout side
+@dataclasses.dataclass(frozen=True)
+class RolloutCompileReport:
+    """Per-device bytes from XLA (`memory_analysis`) of the rollout's generate program (`Sampler.lower`), the
+    per-device bytes of its weight state and KV caches (from their shardings), and how it was built."""
+
+    argument: int
+    output: int
+    alias: int
+    temp: int
+    weights: int
+    kv: int
+    batch: int
+    prompt_len: int
+    max_new_tokens: int
+    cache_len: int
+    rollout_dtype: str
+    compile_s: float
+    batch_shards: int = 1  # the batch (and its caches) split over data x expert: sequences per device = batch / this
+
+    @property
+    def total(self) -> int:
+        return self.argument + self.output - self.alias + self.temp
+
+    def lines(self, usable: float | None = None) -> list[str]:
+        g = lambda b: f"{b / GiB:10.2f}"  # noqa: E731
+        out = [f"XLA memory analysis of the rollout generate program (per device; {self.batch} sequences x "
+               f"{self.prompt_len} prompt + {self.max_new_tokens} new tokens, cache {self.cache_len} tokens; "
+               f"--rollout-dtype {self.rollout_dtype}; compiled in {self.compile_s:.0f} s)",
+               f"  arguments (weights + KV caches + inputs)                 {g(self.argument)}",
+               f"    of which weights (resident, quantised)                 {g(self.weights)}",
+               f"    of which KV caches (batch split over data x expert)    {g(self.kv)}",
+               f"  outputs (tokens, logprobs, routing, caches)              {g(self.output)}",
+               f"  aliased (donated caches)                                 {g(-self.alias)}",
+               f"  temporaries (activations, per-layer dequantised weights) {g(self.temp)}",
+               f"  total on the device                                      {g(self.total)}"]
+        if usable is not None:
+            left = usable - self.total
+            per_seq = self.kv * self.batch_shards / max(1, self.batch)  # one sequence's cache on its device
+            extra = max(0, int(left // per_seq)) if per_seq > 0 else 0
+            out.append(f"  KV capacity left: {left / GiB:.2f} GiB of {usable / GiB:.1f} GiB usable = {extra:,} more "
+                       f"sequences of {self.cache_len} tokens per device")
+        return out
+
+
+def compile_rollout(config, mesh_spec: str, *, batch: int = 1024, context: int = 32768, prompt_len: int = 1024,
+                    rollout_dtype: str = "fp8") -> RolloutCompileReport:
+    """Lower and compile the sampler's generate program for `config` on the rollout mesh of `mesh_spec` with an
+    abstract model (no weights): `batch` sequences of `prompt_len` prompt tokens and `context - prompt_len` new
+    tokens (bucketed as `Sampler.generate` buckets them), bf16 compute, FP8-resident weights dequantised layer by
+    layer. Needs `spec.n_devices` local devices. Raises ValueError for sizes the sampler rejects, and XLA's errors.
+    """
+    import dsv4
+    from rl.sampler import Sampler
+    from sharding.mesh import build_mesh_plan, parse_mesh_spec
+    from sharding.rules import batch_shards
+
+    if isinstance(config, str):
+        config = dsv4.DSV4Config.preset(config)
+    if not 1 <= prompt_len < context:
+        raise ValueError(f"--rollout-context {context} must exceed the prompt length {prompt_len}")
+    spec = parse_mesh_spec(mesh_spec)
+    plan = build_mesh_plan(spec, devices=jax.devices()[:spec.n_devices], config=config)
+    model = nnx.eval_shape(lambda: dsv4.DSV4ForCausalLM(config, rngs=nnx.Rngs(0), param_dtype=jnp.bfloat16,
+                                                         dtype=jnp.bfloat16))
+    sampler = Sampler(model, mesh=plan.rollout, weights=rollout_dtype, max_prompt_len=prompt_len,
+                      compute_dtype=jnp.bfloat16)
+    new = context - prompt_len
+    t0 = time.perf_counter()
+    lowered = sampler.lower(batch, prompt_len, new)
+    compiled = lowered.compile()
+    dt = time.perf_counter() - t0
+    ma = compiled.memory_analysis()
+    b, p, t_cap = sampler._buckets(batch, prompt_len, new)
+    caches = sampler._abstract_caches(b, p + t_cap)
+    c_sh = sampler._cache_shardings(caches)
+
+    def dev_bytes(x, sh):
+        shape = x.shape if sh is None else sh.shard_shape(x.shape)
+        return math.prod(shape) * jnp.dtype(x.dtype).itemsize
+
+    kv = sum(dev_bytes(x, s) for x, s in zip(jax.tree.leaves(caches), jax.tree.leaves(c_sh)))
+    w_abs = sampler._abstract_wstate()
+    weights = sum(dev_bytes(x, x.sharding) for x in jax.tree.leaves(w_abs))
+    return RolloutCompileReport(argument=ma.argument_size_in_bytes, output=ma.output_size_in_bytes,
+                                alias=ma.alias_size_in_bytes, temp=ma.temp_size_in_bytes, weights=weights, kv=kv,
+                                batch=b, prompt_len=p, max_new_tokens=t_cap, cache_len=p + t_cap,
+                                rollout_dtype=rollout_dtype, compile_s=dt,
+                                batch_shards=batch_shards(sampler.rules, sampler.mesh))

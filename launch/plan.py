@@ -19,7 +19,7 @@ from collections.abc import Sequence
 import jax
 
 import dsv4
-from launch.aot import compile_actor, reduced_depth
+from launch.aot import compile_actor, compile_rollout, reduced_depth
 from parallel.plan import _BYTES, GPUS, GPUS_PER_NODE, GiB, plan
 from parallel.plan import __doc__ as _PLAN_DOC
 from sharding import mesh as mesh_lib
@@ -61,6 +61,11 @@ def main(argv: Sequence[str] | None = None) -> int:
                    help="--compile: the learner's --max-tokens-per-micro-batch (default: one row per device)")
     p.add_argument("--scan-layers", action=argparse.BooleanOptionalAction, default=False,
                    help="--compile: the learner's --scan-layers (layers under lax.scan; compile time flat in depth)")
+    p.add_argument("--rollout-batch", type=int, default=1024, help="--compile: sequences of the rollout program")
+    p.add_argument("--rollout-context", type=int, default=32768,
+                   help="--compile: prompt + new tokens per rollout sequence")
+    p.add_argument("--rollout-prompt-len", type=int, default=1024, help="--compile: prompt tokens per sequence")
+    p.add_argument("--rollout-dtype", default="fp8", help="--compile: the sampler's --rollout-dtype")
     p.add_argument("--num-layers", type=int, default=None,
                    help="plan/compile a reduced-depth copy of the config (first N main layers; labelled)")
     args = p.parse_args(argv)
@@ -106,14 +111,34 @@ def main(argv: Sequence[str] | None = None) -> int:
     print("\n".join(xla.lines()))
     print(f"  planner arithmetic for the same step: {a.total / GiB:.2f} GiB (XLA/plan = {xla.total / a.total:.2f}); "
           "XLA:CPU upcasts bf16 dots to f32 (temporaries above a GPU's)")
-    fits = xla.total <= a.usable and r.fits
+    r_xla = _compile_rollout(config, report, args)
+    r_fits = r.fits if r_xla is None else r_xla <= r.usable
+    fits = xla.total <= a.usable and r_fits
     print(f"  verdict (XLA figures): actor {'fits' if xla.total <= a.usable else 'does not fit'} "
-          f"({xla.total / GiB:.2f} of {a.usable / GiB:.1f} GiB usable); rollout (plan; its step is not compiled "
-          f"yet) {'fits' if r.fits else 'does not fit'}")
+          f"({xla.total / GiB:.2f} of {a.usable / GiB:.1f} GiB usable); rollout "
+          f"{'fits' if r_fits else 'does not fit'}")
+    r_gib = float("nan") if r_xla is None else r_xla / GiB
     print(f"RESULT actor_xla_gib={xla.total / GiB:.2f} actor_plan_gib={a.total / GiB:.2f} "
-          f"actor_usable_gib={a.usable / GiB:.2f} rollout_xla_gib=nan rollout_plan_gib={r.total / GiB:.2f} "
+          f"actor_usable_gib={a.usable / GiB:.2f} rollout_xla_gib={r_gib:.2f} rollout_plan_gib={r.total / GiB:.2f} "
           f"rollout_usable_gib={r.usable / GiB:.2f} fits={'yes' if fits else 'no'}")
     return 0
+
+
+def _compile_rollout(config, report, args) -> float | None:
+    """--compile, rollout side: XLA's figures of the sampler's generate program on the rollout mesh
+    (`launch.aot.compile_rollout`, `--rollout-batch` x `--rollout-context`), printed with the KV capacity left;
+    returns its per-device total bytes (None, with the error printed, when it cannot be compiled)."""
+    try:
+        rx = compile_rollout(config, report.mesh_spec, batch=args.rollout_batch, context=args.rollout_context,
+                             prompt_len=args.rollout_prompt_len, rollout_dtype=args.rollout_dtype)
+    except ValueError as e:
+        print(f"error (rollout compile): {e}", file=sys.stderr)
+        return None
+    r = report.rollout
+    print("\n".join(rx.lines(usable=r.usable)))
+    print(f"  planner arithmetic for the rollout: {r.total / GiB:.2f} GiB counted (weights + reserve) of "
+          f"{r.usable / GiB:.1f} GiB usable")
+    return rx.total
 
 
 _CHILD = "DSV4_PLAN_COMPILE_CHILD"

@@ -284,9 +284,11 @@ class PlanReport:
                 seq_mib = r.kv_per_seq / 2**20
                 lines.append(f"  KV cache per sequence of {o['rollout_seq_len']} tokens: {seq_mib:.1f} MiB "
                              f"({o['kv_dtype']} entries, f32 compressor states and indexer keys; dsv4.cache layout)")
+                lines.append(f"  KV cache bytes per token: {r.kv_per_seq / o['rollout_seq_len']:,.0f} B "
+                             f"(at {o['rollout_seq_len']} tokens, fixed states included)")
                 lines.append(f"  KV capacity: {r.kv_seqs_per_device:,} sequences = {r.kv_tokens_per_device:,} tokens "
-                             f"per device (rl/sampler.py replicates caches over the mesh: the same rollout-wide; "
-                             f"x{shards} with batch-split caches)")
+                             f"per device (rl/sampler.py splits the batch and its caches over data x expert: "
+                             f"x{shards} rollout-wide)")
             verdict = "fits" if r.fits else "does not fit"
             what = "left for the KV cache" if r.kv_per_seq is not None else "GPU margin"
             host_note = ""

@@ -35,7 +35,7 @@ from rl.config_tree import knob
 
 ALGOS = ("grpo", "dr_grpo", "dapo", "gspo")
 REWARDS = ("auto", "task", "gsm8k", "gsm8k+format", "math", "dapo", "aime")  # the reward table: rl/math_rewards.py
-ROLLOUT_DTYPES = ("fp8", "fp8_e4m3fn", "fp8_e4m3fnuz", "bf16", "fp32", "auto")
+ROLLOUT_DTYPES = ("fp8", "fp8_e4m3fn", "fp8_e4m3fnuz", "fp8+fp4experts", "bf16", "fp32", "auto")
 
 
 def _flag(path: str) -> str:
@@ -136,7 +136,8 @@ class RolloutConfig:
     temperature: float = knob(1.0, "sampling temperature (0 = greedy)")
     top_p: float = knob(1.0, "nucleus sampling")
     top_k: int = knob(0, "top-k sampling (0 = off)")
-    dtype: str = knob("fp8", "rollout weights: fp8 | fp8_e4m3fnuz (MI300/MI308) | bf16 | fp32 | auto")
+    dtype: str = knob("fp8", "rollout weights: fp8 | fp8_e4m3fnuz (MI300/MI308) | fp8+fp4experts (FP4 routed "
+                              "experts, the release's format) | bf16 | fp32 | auto")
     compute_dtype: Literal["auto", "bfloat16", "float32"] = knob(
         "auto", "rollout matmul dtype: auto (fp32 on CPU, bf16 on GPU) | bfloat16 | float32")
     push_verify_every: int = knob(10, "verify the pushed FP8 weights against the learner's every N-th push "
@@ -172,7 +173,7 @@ class RolloutConfig:
             raise ValueError(f"rollout.group_size (--group-size) must be >= 2 for group advantages, "
                              f"got {self.group_size}")
         if self.dtype not in ROLLOUT_DTYPES:
-            raise ValueError(f"rollout.dtype (--rollout-dtype) must be fp8|fp8_e4m3fnuz|bf16|fp32|auto, "
+            raise ValueError(f"rollout.dtype (--rollout-dtype) must be fp8|fp8_e4m3fnuz|fp8+fp4experts|bf16|fp32|auto, "
                              f"got {self.dtype!r}")
         if _check_real("rollout", "temperature", self.temperature) < 0 or not 0 < self.top_p <= 1:
             raise ValueError("rollout: --temperature must be >= 0 and --top-p in (0, 1]")

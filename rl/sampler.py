@@ -18,9 +18,13 @@ Design (docs/jax-stack.md §5; Tunix `sampler.py`, MaxText `maxengine` read for 
 - Weights: `fp8` = weight-only FP8 e4m3fn 128x128 blocks (f32 scales) for the released FP8 set (attention
   projections, indexer wq_b, shared experts, MTP projections) and the routed experts, always built by
   `quantize_weights` -> `dsv4.quant.quantize_rollout_fp8` (version 0, pushes, rebuilt samplers alike);
-  `fp8_e4m3fnuz` for MI300/MI308 (gfx942) is the exact byte conversion of the e4m3fn result; `auto` picks by device kind; `bf16` / `fp32` dense. FP8 weights are dequantised
-  inside the jit: once per `generate` call (`dequant="per_call"`, faster) or inside every decode step
-  (`dequant="per_step"`, only the FP8 copy stays resident: the memory-saving mode for large models).
+  `fp8_e4m3fnuz` for MI300/MI308 (gfx942) is the exact byte conversion of the e4m3fn result; `auto` picks by
+  device kind; `fp8+fp4experts` keeps the routed experts FP4 e2m1 (1x32 ue8m0 scales); `bf16` / `fp32` dense. Each
+  layer's weights are dequantised right before it runs, in the prefill and in every decode step
+  (`dequant="per_layer"`, default: rl/rollout_weights.py), or, as references, the whole model once per call
+  (`"per_call"`) / per decode step (`"per_step"`). FP8 GEMMs where the backend has them (`matmul="auto"`, logged).
+- Placement: the batch, its inputs and the KV caches are split over the rule table's `ACT_BATCH` mesh axes (rollout:
+  data x fsdp x expert, "EP as DP"; `sharding.rules.cache_shardings`), never replicated; outputs are replicated.
 - Logprobs: `log_softmax(logits / T)` over the full vocabulary at the sampled token, i.e. after temperature and
   before top-k/top-p truncation: the distribution the learner recomputes (training logits / T). Temperature 0
   means greedy; its logprobs are then those of T = 1.
@@ -51,6 +55,8 @@ from dsv4.cache import cache_shapes, decode_step, prefill
 from dsv4.model import DSV4ForCausalLM
 from parallel import expert as expert_lib
 from rl.batch import RolloutBatch, concat_rollouts  # noqa: F401  (re-exported: rl.sampler.RolloutBatch)
+from rl.rollout_weights import (DEQUANT_MODES, LayerwiseWeights, check_fp4_experts, parse_rollout_dtype,
+                                select_fp8_matmul)
 
 log = logging.getLogger(__name__)
 
@@ -128,9 +134,13 @@ class Sampler:
         (`nnx.eval_shape`): no weights until `set_weights` (e.g. `rl.rollout_init.checkpoint_rollout_weights`).
       mesh: rollout `jax.sharding.Mesh` (None = default device). rules: logical-axis rules (default
         `sharding.rules.ROLLOUT_RULES`).
-      weights: "fp8" | "fp8_e4m3fn" | "fp8_e4m3fnuz" | "auto" | "bf16" | "fp32".
+      weights: "fp8" | "fp8_e4m3fn" | "fp8_e4m3fnuz" | "auto" | "fp8+fp4experts" | "bf16" | "fp32"
+        (`rl.rollout_weights.parse_rollout_dtype`).
       max_prompt_len: largest prompt bucket (longer prompts raise ValueError); prompt buckets are powers of two
-        from 16. fp8_block: block of the FP8 scales. dequant: "per_call" | "per_step" (see module docstring).
+        from 16. fp8_block: block of the FP8 scales. dequant: "per_layer" (default: each layer's weights are
+        dequantised right before it runs, `rl.rollout_weights.LayerwiseWeights`) | "per_call" | "per_step" (the
+        whole model at once, per call / per decode step; kept as references).
+      matmul: "auto" (FP8 GEMMs where the backend has them, logged) | "dequant" | "fp8" (forced; per_layer only).
       compute_dtype: matmul dtype (default bf16, fp32 for `weights="fp32"`); FP8 weights are dequantised to it
         (float32 suits CPUs, where bf16 matmuls are emulated). dispatch_fn: routed-expert implementation for
         prefill and decode (`dsv4.moe` contract); None picks `moe.routed_experts_cpu` on CPU with
@@ -139,27 +149,28 @@ class Sampler:
       kv_budget_bytes: KV-cache bytes per rollout device the memory plan allows (None = unchecked); `generate`
         raises ValueError naming --rollout-slots when N slots of its cache length need more.
     Raises:
-      ValueError: unknown `weights` / `dequant`, slots < 0.
+      ValueError: unknown `weights` / `dequant` / `matmul`, slots < 0.
     """
 
     def __init__(self, model: DSV4ForCausalLM, *, mesh=None, weights: str = "fp8", rules=None,
-                 max_prompt_len: int = 1024, fp8_block=(128, 128), dequant: str = "per_call", dispatch_fn=None,
-                 compute_dtype=None, slots: int = 0, kv_budget_bytes: float | None = None):
-        if weights not in ("fp8", "fp8_e4m3fn", "fp8_e4m3fnuz", "e4m3fn", "e4m3fnuz", "auto", "bf16", "fp32"):
-            raise ValueError(f"Sampler weights={weights!r}: expected fp8 | fp8_e4m3fnuz | auto | bf16 | fp32")
-        if dequant not in ("per_call", "per_step"):
-            raise ValueError(f"Sampler dequant={dequant!r}: expected per_call | per_step")
+                 max_prompt_len: int = 1024, fp8_block=(128, 128), dequant: str = "per_layer", dispatch_fn=None,
+                 compute_dtype=None, slots: int = 0, kv_budget_bytes: float | None = None, matmul: str = "auto"):
+        rdt = parse_rollout_dtype(weights)
+        if dequant not in DEQUANT_MODES:
+            raise ValueError(f"Sampler dequant={dequant!r}: expected {' | '.join(DEQUANT_MODES)}")
         self.config = model.config
         self.mesh = mesh
         if rules is None and mesh is not None:
             from sharding.rules import ROLLOUT_RULES
             rules = ROLLOUT_RULES
         self.rules = rules
-        self.fp8 = weights not in ("bf16", "fp32")
+        self.fp8 = rdt.fp8
+        self.fp4_experts = rdt.fp4_experts
         self.fmt = None
+        devs = None if mesh is None else list(mesh.devices.flat)
         if self.fp8:
-            devs = None if mesh is None else list(mesh.devices.flat)
-            self.fmt = quant.select_fp8_format(weights, devs)
+            self.fmt = quant.select_fp8_format(rdt.fp8_name, devs)
+        self.fp8_gemm = select_fp8_matmul(matmul, self.fp8, devs) and dequant == "per_layer"
         self.weights = weights
         if compute_dtype is None:
             compute_dtype = jnp.float32 if weights == "fp32" else jnp.bfloat16
@@ -174,6 +185,7 @@ class Sampler:
         cfg = self.config
         abstract = nnx.eval_shape(lambda: DSV4ForCausalLM(cfg, rngs=nnx.Rngs(0), param_dtype=jnp.float32,
                                                           dtype=self.compute_dtype))
+        self._layerwise = LayerwiseWeights(abstract, self.compute_dtype, fp8_gemm=self.fp8_gemm)
         self.graphdef, abs_state = nnx.split(abstract)
         self._abs_flat = list(nnx.to_flat_state(abs_state))
         self._raw_shardings = self._shardings_for(abs_state)
@@ -182,13 +194,16 @@ class Sampler:
             dispatch_fn = expert_lib.default_dispatch(devs, self._raw_shardings)
         self.dispatch_fn = dispatch_fn
         self._quantize_jit = jax.jit(self._quantize_fn, out_shardings=self._wstate_shardings())
-        # Outputs (and the donated caches) are replicated on the rollout mesh: readable on every host, and the
-        # next call's inputs have the same signature (no recompilation).
-        rep = None if mesh is None else NamedSharding(mesh, PartitionSpec())
-        self._generate_jit = jax.jit(self._generate_fn, static_argnums=(0,), donate_argnums=(2,),
-                                     out_shardings=rep)
+        # Outputs are replicated on the rollout mesh (readable on every host); the donated caches keep their
+        # batch-sharded placement (`_cache_shardings`), so the next call's inputs have the same signature.
         self._cache_shapes: dict = {}
-        from rl import slots as _slots  # continuous batching (rl/slots.py)
+        out_sh = rep = None
+        if mesh is not None:
+            rep = NamedSharding(mesh, PartitionSpec())
+            out_sh = (rep,) * 6 + (self._cache_shardings(self._abstract_caches(1, 1)),)
+        self._generate_jit = jax.jit(self._generate_fn, static_argnums=(0,), donate_argnums=(2,),
+                                     out_shardings=out_sh)
+        from rl import slots as _slots  # continuous batching (rl/slots.py); its slot caches stay replicated
         self._slots_jit = jax.jit(lambda *a: _slots.slots_program(self, *a), static_argnums=(0,), donate_argnums=(2,),
                                   out_shardings=rep)
         self.weight_version = -1
@@ -205,7 +220,12 @@ class Sampler:
         return {_key(p): v.get_value() if isinstance(v, nnx.Variable) else v for p, v in nnx.to_flat_state(sh)}
 
     def _is_fp8(self, key: str, leaf) -> bool:
-        return self.fp8 and leaf.ndim >= 2 and bool(quant.FP8_WEIGHT_RE.search(key) or quant.ROUTED_EXPERT_RE.search(key))
+        """Quantised on the rollout side (FP8 blocks, or FP4 for the routed experts under `fp8+fp4experts`)."""
+        return self.fp8 and leaf.ndim >= 2 and bool(quant.FP8_WEIGHT_RE.search(key)
+                                                     or quant.ROUTED_EXPERT_RE.search(key))
+
+    def _is_fp4(self, key: str) -> bool:
+        return self.fp4_experts and bool(quant.ROUTED_EXPERT_RE.search(key))
 
     def _wstate_shardings(self):
         if self.mesh is None:
@@ -215,7 +235,10 @@ class Sampler:
         for p, v in self._abs_flat:
             k = _key(p)
             sh = self._raw_shardings[k]
-            if self._is_fp8(k, v.get_value()):
+            if self._is_fp8(k, v.get_value()) and self._is_fp4(k):  # scales [E, out, in/32]: split like q
+                out[k] = quant.QuantizedTensor(q=sh, scale=sh, kind="fp4", fmt="e2m1", block=(1, quant.FP4_BLOCK),
+                                               shape=v.get_value().shape)
+            elif self._is_fp8(k, v.get_value()):
                 block = self.fp8_block
                 out[k] = quant.QuantizedTensor(q=sh, scale=rep, kind="fp8", fmt=self.fmt, block=block,
                                                shape=v.get_value().shape)
@@ -229,7 +252,9 @@ class Sampler:
         for p, v in self._abs_flat:
             k = _key(p)
             x = raw[k]
-            if self._is_fp8(k, x):
+            if self._is_fp8(k, x) and self._is_fp4(k):  # bf16-rounded like the FP8 path, then e2m1 + 1x32 scales
+                out[k] = quant.QuantizedTensor.from_fp4(x.astype(quant.ROLLOUT_FP8_SOURCE_DTYPE).astype(jnp.float32))
+            elif self._is_fp8(k, x):
                 out[k] = quant.quantize_rollout_fp8(x, fmt=self.fmt, block=self.fp8_block)
             elif jnp.issubdtype(x.dtype, jnp.floating) and not _KEEP_F32.search(k):
                 out[k] = x.astype(self.compute_dtype)
@@ -254,7 +279,11 @@ class Sampler:
             return self._quantize_jit(raw)
 
     def set_weights(self, wstate: dict, version: int) -> None:
-        """Swap in an already quantised weight state (from `quantize_weights`) as weight `version`."""
+        """Swap in an already quantised weight state (from `quantize_weights`) as weight `version`.
+
+        Raises ValueError under `fp8+fp4experts` when the routed experts are not FP4 (`check_fp4_experts`)."""
+        if self.fp4_experts:
+            check_fp4_experts(wstate)
         self._w = wstate
         self.weight_version = int(version)
 
@@ -268,7 +297,8 @@ class Sampler:
         if isinstance(params, dict) and all(isinstance(k, str) for k in params):
             flat = params
         else:
-            flat = {_key(p): (v.get_value() if isinstance(v, nnx.Variable) else v) for p, v in nnx.to_flat_state(params)}
+            flat = {_key(p): (v.get_value() if isinstance(v, nnx.Variable) else v)
+                    for p, v in nnx.to_flat_state(params)}
         missing = [_key(p) for p, _ in self._abs_flat if _key(p) not in flat]
         if missing:
             raise ValueError(f"update_weights: {len(missing)} tensors missing, e.g. {missing[:5]}")
@@ -292,10 +322,13 @@ class Sampler:
         b, p, t_cap = shape
         keys = jax.random.wrap_key_data(key_data)
         cache_len = p + t_cap
-        is_q = lambda x: isinstance(x, quant.QuantizedTensor)  # noqa: E731
-        model = self._model(wstate)
+        layerwise = self.dequant == "per_layer"
+        # per_layer: the model outside the layers as stored, each layer built (dequantised) right before it runs
+        model = self._layerwise.shell(wstate) if layerwise else self._model(wstate)
+        layer_fn = self._layerwise.layer_fn(wstate) if layerwise else None
         with jax.named_scope("prefill"):  # names the ops in profiles and compiled HLO (benchmarks/sampler.py)
-            logits, prompt_routing, caches = prefill(model, ids, lens, cache_len, dispatch_fn=self.dispatch_fn)
+            logits, prompt_routing, caches = prefill(model, ids, lens, cache_len, dispatch_fn=self.dispatch_fn,
+                                                     layer_fn=layer_fn)
 
         def is_stop(tok):
             return jnp.any(tok[:, None] == stop_ids[None, :], axis=-1)
@@ -323,7 +356,7 @@ class Sampler:
             m = self._model(jax.lax.optimization_barrier(wstate)) if per_step else model
             pos = lens + i - 1
             with jax.named_scope("decode_step"):
-                logits, r, caches = decode_step(m, cur, pos, caches, dispatch_fn=self.dispatch_fn)
+                logits, r, caches = decode_step(m, cur, pos, caches, dispatch_fn=self.dispatch_fn, layer_fn=layer_fn)
             fed_real = (i - 1) < length
             resp_routing = resp_routing.at[:, i - 1].set(jnp.where(fed_real[:, None, None], r, -1))
             active = (~done) & (i < max_new)
@@ -340,20 +373,102 @@ class Sampler:
             del model
         out = jax.lax.while_loop(cond, body, carry)
         _, _, _, length, out_tok, out_lp, resp_routing, caches, stopped = out
-        del is_q
         return (out_tok[:, :t_cap], out_lp[:, :t_cap], prompt_routing, resp_routing[:, :t_cap], length, stopped,
                 caches)
 
-    def _empty_caches(self, b, cache_len):
-        """Zeroed decode caches for (batch, cache_len), placed like every call's (replicated on the rollout mesh,
-        so the jit's input signature never changes); donated to the generate jit."""
+    def _abstract_caches(self, b, cache_len):
+        """ShapeDtypeStructs of the decode caches for (batch, cache_len) (list over layers of dicts)."""
         key = (b, cache_len)
         if key not in self._cache_shapes:
             model_abs = nnx.merge(self.graphdef, nnx.from_flat_state(self._abs_flat))
             self._cache_shapes[key] = jax.eval_shape(
                 lambda: [cache_shapes(l.attn, b, cache_len, self.compute_dtype) for l in model_abs.layers])
-        sh = None if self.mesh is None else NamedSharding(self.mesh, PartitionSpec())
-        return jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype, device=sh), self._cache_shapes[key])
+        return self._cache_shapes[key]
+
+    def _cache_shardings(self, caches):
+        """Placement of the caches from the rule table (`sharding.rules.cache_shardings`: batch over the
+        `ACT_BATCH` mesh axes, never replicated over them); None without a mesh."""
+        if self.mesh is None:
+            return None
+        from sharding.rules import cache_shardings
+        return cache_shardings(caches, self.mesh, self.rules)
+
+    def _empty_caches(self, b, cache_len, replicated: bool = False):
+        """Zeroed decode caches for (batch, cache_len), placed like every call's (batch-sharded on the rollout
+        mesh, so the jit's input signature never changes; `replicated`: the continuous-batching slots' layout);
+        donated to the generate jit."""
+        shapes = self._abstract_caches(b, cache_len)
+        sh = self._cache_shardings(shapes)
+        if sh is not None and replicated:
+            sh = jax.tree.map(lambda _: NamedSharding(self.mesh, PartitionSpec()), shapes)
+        if sh is None:
+            return jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), shapes)
+        return jax.tree.map(lambda x, d: jnp.zeros(x.shape, x.dtype, device=d), shapes, sh)
+
+    def _buckets(self, n: int, prompt_len: int, max_new_tokens: int) -> tuple[int, int, int]:
+        """(batch, prompt, response) buckets of a call: powers of two (prompts from 16, capped by max_prompt_len's
+        bucket; responses from 16); the batch also a multiple of the rollout mesh's batch shards."""
+        p_bucket = min(_next_pow2(prompt_len, 16), _next_pow2(self.max_prompt_len, 16))
+        b = _next_pow2(n)
+        if self.mesh is not None:
+            from sharding.rules import batch_shards
+            k = batch_shards(self.rules, self.mesh)
+            b = -(-b // k) * k
+        return b, p_bucket, _next_pow2(max_new_tokens, 16)
+
+    def _input_shardings(self):
+        """Shardings of (ids, lens, key_data, temperature, top_p, top_k, max_new [B], stop): per-row inputs split
+        like the batch (`ACT_BATCH`), scalars and stop ids replicated; None without a mesh."""
+        if self.mesh is None:
+            return None
+        from sharding import axes as ax
+        from sharding.rules import activation_spec
+        rep = NamedSharding(self.mesh, PartitionSpec())
+        rows = NamedSharding(self.mesh, activation_spec(ax.ACT_BATCH, rules=self.rules, mesh=self.mesh))
+        return (rows, rows, rows, rep, rep, rep, rows, rep)
+
+    def _abstract_wstate(self):
+        """ShapeDtypeStructs (with shardings) of the weight state: the live one's, or the quantised layout of
+        an abstract model's (no weights needed)."""
+        if self._w is not None:
+            return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), self._w)
+        raw = {_key(p): jax.ShapeDtypeStruct(v.get_value().shape, v.get_value().dtype) for p, v in self._abs_flat}
+        w_abs = jax.eval_shape(self._quantize_fn, raw)
+        sh = self._wstate_shardings()
+        if sh is None:
+            return w_abs
+        return jax.tree.map(lambda a, d: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=d), w_abs, sh)
+
+    def lower(self, batch_size: int, prompt_len: int, max_new_tokens: int) -> jax.stages.Lowered:
+        """The generate program for `batch_size` prompts of up to `prompt_len` tokens and `max_new_tokens` new
+        tokens, lowered with abstract inputs (no weights or caches are allocated; works on a sampler built from
+        an abstract model). Shapes are bucketed as `generate` buckets them, so `.compile().memory_analysis()`
+        gives XLA's per-device figures of exactly the program a `generate` call of that size runs: arguments =
+        weight state + caches + inputs, temporaries = activations and dequantised weights.
+
+        Raises ValueError when prompt_len > max_prompt_len or any size is < 1.
+        """
+        if min(batch_size, prompt_len, max_new_tokens) < 1:
+            raise ValueError(f"Sampler.lower: sizes must be >= 1, got batch_size={batch_size} "
+                             f"prompt_len={prompt_len} max_new_tokens={max_new_tokens}")
+        if prompt_len > self.max_prompt_len:
+            raise ValueError(f"Sampler.lower: prompt_len {prompt_len} > max_prompt_len {self.max_prompt_len}")
+        b, p, t_cap = self._buckets(batch_size, prompt_len, max_new_tokens)
+        sds = jax.ShapeDtypeStruct
+        caches = self._abstract_caches(b, p + t_cap)
+        c_sh = self._cache_shardings(caches)
+        if c_sh is not None:
+            caches = jax.tree.map(lambda x, d: sds(x.shape, x.dtype, sharding=d), caches, c_sh)
+        key_shape = jax.random.key_data(jax.random.key(0)).shape
+        inputs = (sds((b, p), jnp.int32), sds((b,), jnp.int32), sds((b, *key_shape), jnp.uint32),
+                  sds((), jnp.float32), sds((), jnp.float32), sds((), jnp.int32), sds((b,), jnp.int32),
+                  sds((MAX_STOP_IDS,), jnp.int32))
+        in_sh = self._input_shardings()
+        if in_sh is not None:
+            inputs = tuple(sds(x.shape, x.dtype, sharding=d) for x, d in zip(inputs, in_sh))
+        ctx = jax.set_mesh(self.mesh) if self.mesh is not None else _null()
+        with ctx, _rules_ctx(self.rules, self.mesh):
+            return self._generate_jit.lower((b, p, t_cap), self._abstract_wstate(), caches, *inputs)
 
     def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams, *, seed: int, step: int = 0,
                  prompt_index: Sequence[int] | None = None, sample_index: Sequence[int] | None = None,
@@ -386,9 +501,9 @@ class Sampler:
                                  f"{self.max_prompt_len} (Sampler(max_prompt_len=...))")
             if min(p) < 0 or max(p) >= self.config.vocab_size:
                 raise ValueError(f"generate: prompt {i} has token ids outside [0, {self.config.vocab_size})")
-        p_bucket = min(_next_pow2(int(lens_np.max()), 16), _next_pow2(self.max_prompt_len, 16))
-        t_cap = params.max_new_tokens if self.slots else _next_pow2(params.max_new_tokens, 16)
-        b = _next_pow2(n)
+        b, p_bucket, t_cap = self._buckets(n, int(lens_np.max()), params.max_new_tokens)
+        if self.slots:
+            t_cap = params.max_new_tokens
         ids = np.zeros((b, p_bucket), np.int32)
         lens = np.ones((b,), np.int32)
         for i, p in enumerate(prompts):
@@ -418,7 +533,7 @@ class Sampler:
             cache_len = _slots.cache_len_for(self.config, p_max, t_cap)  # call's longest prompt
             _slots.plan_slots(s_n, per_slot_bytes=_slots.cache_bytes_per_slot(self, cache_len),
                               budget_bytes=self.kv_budget_bytes, seq_len=cache_len)
-            caches = self._empty_caches(s_n, cache_len)
+            caches = self._empty_caches(s_n, cache_len, replicated=True)
             ids = np.pad(ids, ((0, 0), (0, max(0, p_max - p_bucket))))[:, :p_max]
             inputs = jax.device_put((ids, lens, jax.random.key_data(keys), np.int32(n), np.float32(params.temperature),
                                      np.float32(params.top_p), np.int32(params.top_k), mx, stop), rep)
@@ -433,8 +548,8 @@ class Sampler:
             caches = self._empty_caches(b, p_bucket + t_cap)
             inputs = (ids, lens, jax.random.key_data(keys), np.float32(params.temperature), np.float32(params.top_p),
                       np.int32(params.top_k), mx, stop)
-            # identical host values on every process -> one global (replicated) array each
-            inputs = jax.device_put(inputs, rep)
+            # identical host values on every process -> one global array each (rows split like the batch)
+            inputs = jax.device_put(inputs, self._input_shardings())
             with ctx, _rules_ctx(self.rules, self.mesh):
                 out = self._generate_jit((b, p_bucket, t_cap), self._w, caches, *inputs)
             tok, lp, prompt_routing, resp_routing, length, stopped, caches = out

@@ -121,7 +121,9 @@ def slots_program(sampler, shape, wstate, caches, ids, lens, key_data, n_real, t
     cache_len = cache_len_for(cfg, p, t_cap)
     keys = jax.random.wrap_key_data(key_data)
     per_step = sampler.dequant == "per_step"
-    model = None if per_step else sampler._model(wstate)
+    layerwise = sampler.dequant == "per_layer"  # each layer dequantised right before it runs (rl/rollout_weights.py)
+    layer_fn = sampler._layerwise.layer_fn(wstate) if layerwise else None
+    model = None if per_step else sampler._layerwise.shell(wstate) if layerwise else sampler._model(wstate)
 
     def model_now():
         return sampler._model(jax.lax.optimization_barrier(wstate)) if per_step else model
@@ -137,7 +139,8 @@ def slots_program(sampler, shape, wstate, caches, ids, lens, key_data, n_real, t
         row_ids = jax.lax.dynamic_slice_in_dim(ids, r, 1, 0)
         row_len = jax.lax.dynamic_slice_in_dim(lens, r, 1, 0)
         with jax.named_scope("prefill"):
-            logits, pr, c1 = prefill(m, row_ids, row_len, cache_len, dispatch_fn=sampler.dispatch_fn)
+            logits, pr, c1 = prefill(m, row_ids, row_len, cache_len, dispatch_fn=sampler.dispatch_fn,
+                                     layer_fn=layer_fn)
         st = dict(st)
         st["caches"] = jax.tree.map(lambda big, sm: _put_row(big, sm, j), st["caches"], c1)
         key0 = jax.random.fold_in(keys[r], 0)[None]
@@ -164,7 +167,8 @@ def slots_program(sampler, shape, wstate, caches, ids, lens, key_data, n_real, t
         pos = jnp.where(live, lens[req] + st["fed"], 0)
         cur = jnp.where(live, st["cur"], 0)
         with jax.named_scope("decode_step"):
-            logits, rt, caches = decode_step(m, cur, pos, st["caches"], dispatch_fn=sampler.dispatch_fn)
+            logits, rt, caches = decode_step(m, cur, pos, st["caches"], dispatch_fn=sampler.dispatch_fn,
+                                             layer_fn=layer_fn)
         st = dict(st, caches=caches)
         drop = jnp.where(live, st["req"], nb)  # out-of-range rows are dropped by the scatters
         st["out_rr"] = st["out_rr"].at[drop, st["fed"]].set(rt, mode="drop")

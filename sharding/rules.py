@@ -264,3 +264,22 @@ def constrain(x: jax.Array, logical_axes: Sequence[str | None]) -> jax.Array:
                          f"shape {x.shape}")
     rules, mesh = active
     return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, logical_to_spec(logical_axes, rules, mesh)))
+
+
+def batch_shards(rules: Rules, mesh: Mesh) -> int:
+    """Number of shards of an activation's batch dim (`ACT_BATCH`) under `rules` on `mesh` (1 = replicated):
+    the rollout's batch is padded to a multiple of it."""
+    spec = logical_to_spec((ax.ACT_BATCH,), rules, mesh)
+    return math.prod(mesh.shape[a] for a in _as_tuple(spec[0]))
+
+
+def cache_shardings(caches: Any, mesh: Mesh, rules: Rules) -> Any:
+    """NamedShardings for decode caches (`dsv4.cache` layout: every leaf [B, ...], one K=V head, so no head dim):
+    the batch dim over the mesh axes of `ACT_BATCH` (rollout rules: `data`, `fsdp`, `expert`: "EP as DP", the
+    attention and its caches outside the MoE are data-parallel over the expert ranks), every other dim
+    replicated. Works on arrays, ShapeDtypeStructs or any pytree of them. Per device a cache holds
+    1 / `batch_shards(rules, mesh)` of the batch."""
+    def one(x):
+        return NamedSharding(mesh, logical_to_spec((ax.ACT_BATCH,) + (None,) * (len(x.shape) - 1), rules, mesh))
+
+    return jax.tree.map(one, caches)

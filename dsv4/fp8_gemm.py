@@ -1,0 +1,81 @@
+"""FP8 GEMM on block-scaled weights: y = x W^T with W = q * S (128x128 blocks) without dequantising W.
+
+`fp8_linear(x, w)` quantises the activation per (row, 128-column block) to e4m3 (scale = amax / fmax, f32),
+runs one `dot_general` on FP8 operands with `preferred_element_type=float32`, batched over the K blocks, and
+combines the per-block partial sums with both scales:
+
+    y[t, o] = sum_kb  sx[t, kb] * S[o // b0, kb] * sum_{c in kb} qx[t, c] q[o, c]
+
+(the DeepSeek-V3 / DeepGEMM "fine-grained" scaling: 1x128 activation tiles, 128x128 weight tiles; f32 partials
+per K block). The [KB, T, O] f32 partials are KB times the output (KB = in / 128): fine for decode batches, the
+case the rollout spends its time in. Where XLA has FP8 GEMMs (CUDA sm90+, ROCm gfx942 / gfx950) the dot runs in
+FP8; elsewhere (CPU) XLA upcasts the operands, so the result is the same math at FP8 operand precision.
+
+Error against the dequantised reference `x @ dequant(W)^T`: only the activation is rounded (weights are used
+exactly as stored); e4m3 has a relative rounding error <= 2^-4 per element, so |y - y_ref| <= 2^-4 * sum_i
+|x_i| |W_oi| (a loose bound; typical errors are ~2^-4 / sqrt(K) relative). tests/rl/test_rollout_weights.py.
+Sources: DeepSeek-V3 report §3.3 (fine-grained FP8 quantisation); OCP OFP8 spec (e4m3 ranges).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from dsv4.quant import FP8_FORMATS, FP8_MAX, QuantizedTensor, saturating_cast_fp8
+
+# Backends whose XLA runs dot_general on f8 operands as an FP8 GEMM.
+_FP8_ROCM_MARKERS = ("gfx942", "gfx950", "mi300", "mi308", "mi325", "mi350", "mi355")
+
+
+def fp8_gemm_available(devices=None) -> tuple[bool, str]:
+    """(True, why) when every device has FP8 GEMMs in XLA (CUDA compute capability >= 9.0, or ROCm gfx942 /
+    gfx950 device kinds), else (False, why). devices: default `jax.devices()`."""
+    devs = list(jax.devices() if devices is None else devices)
+    d = devs[0]
+    if d.platform == "cpu":
+        return False, "CPU: XLA:CPU has no FP8 GEMM (it upcasts f8 dots)"
+    kind = d.device_kind.lower()
+    cc = getattr(d, "compute_capability", None)
+    if cc is not None:
+        try:
+            major = int(str(cc).split(".")[0])
+        except ValueError:
+            major = 0
+        if major >= 9:
+            return True, f"CUDA compute capability {cc} ({d.device_kind}) >= 9.0"
+        return False, f"CUDA compute capability {cc} ({d.device_kind}) < 9.0"
+    if any(m in kind for m in _FP8_ROCM_MARKERS):
+        return True, f"ROCm {d.device_kind} (gfx942 / gfx950 FP8)"
+    return False, f"{d.platform} {d.device_kind}: no FP8 GEMM known"
+
+
+def fp8_linear(x: jax.Array, w: QuantizedTensor, dtype) -> jax.Array:
+    """y[..., o] = sum_i x[..., i] W[o, i] for a block-FP8 `w` (kind 'fp8', q [O, K], scale [ceil(O/b0),
+    ceil(K/b1)] f32), in `dtype`. x [..., K] any float dtype. The activation is quantised to w's fp8 format
+    per 1 x b1 tile; the weight bytes are used as stored (no dequantised copy). Jittable.
+
+    Raises ValueError for a non-fp8 or non-2-d weight.
+    """
+    if w.kind != "fp8" or len(w.shape) != 2:
+        raise ValueError(f"fp8_linear needs a 2-d fp8 QuantizedTensor, got kind={w.kind} shape={w.shape}")
+    o, k = w.shape
+    b0, b1 = w.block
+    kb = -(-k // b1)
+    lead = x.shape[:-1]
+    xf = x.reshape(-1, k).astype(jnp.float32)
+    q = w.q
+    if kb * b1 != k:  # zero-pad K to whole blocks (zeros add nothing to either dot)
+        xf = jnp.pad(xf, ((0, 0), (0, kb * b1 - k)))
+        q = jnp.pad(q, ((0, 0), (0, kb * b1 - k)))
+    t = xf.shape[0]
+    xb = xf.reshape(t, kb, b1)
+    amax = jnp.max(jnp.abs(xb), axis=-1)  # [T, KB]
+    sx = jnp.where(amax > 0, amax / FP8_MAX[w.fmt], 1.0)
+    qx = saturating_cast_fp8(xb / sx[..., None], w.fmt)
+    assert qx.dtype == FP8_FORMATS[w.fmt]
+    part = jax.lax.dot_general(qx, q.reshape(o, kb, b1), (((2,), (2,)), ((1,), (1,))),
+                               preferred_element_type=jnp.float32)  # [KB, T, O]
+    sw = jnp.repeat(w.scale.astype(jnp.float32), b0, axis=0)[:o]  # [O, KB]
+    y = jnp.einsum("kto,tk,ok->to", part, sx, sw)
+    return y.reshape(*lead, o).astype(dtype)

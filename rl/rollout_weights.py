@@ -1,0 +1,171 @@
+"""Rollout weight formats and the layer-by-layer model the sampler runs (rl/sampler.py).
+
+`--rollout-dtype` (`Sampler(weights=...)`, `parse_rollout_dtype`):
+  fp8 | fp8_e4m3fn   FP8 e4m3fn 128x128 blocks (f32 scales) for the released FP8 set and the routed experts
+  fp8_e4m3fnuz       the same, exactly converted to e4m3fnuz (AMD gfx942)
+  auto               fp8 in the format of the device (`dsv4.quant.select_fp8_format`)
+  fp8+fp4experts     FP8 blocks for the FP8 set, routed experts FP4 e2m1 with 1x32 power-of-two (ue8m0) scales,
+                     as the official checkpoint stores them (half the expert bytes of FP8)
+  bf16 | fp32        dense
+
+Layer-wise dequantisation (`LayerwiseWeights`, the sampler's default `dequant="per_layer"`): the sampler's weight
+state stays as it is stored (FP8 / FP4 blocks + scales, `{path key: QuantizedTensor | array}`, the push's
+contract); inside the prefill and every decode step, layer i's weights are dequantised right before layer i runs.
+A data dependence of the scales on the residual stream entering layer i (`_after`) ties the dequantisation to it,
+so XLA can neither hoist it out of the decode loop nor start it before layer i - 1 has produced its output: at most one
+layer's dequantised weights (plus the next one's while it is built) are alive at a time, and the model outside
+the layers (embedding, head; never quantised) is used as stored. The layers run in a Python loop (unrolled), not
+under `dsv4.scan`: scanning needs the weights stacked per layer group, i.e. either a stacked resident state (the
+push and checkpoint paths, and every reader of `Sampler.weight_state()`, use per-layer keys) or a stacked copy
+inside the program (one more copy of the FP8 weights, the bytes this module exists to save).
+
+FP8 GEMMs (`matmul="auto"`): where XLA has FP8 GEMMs (`dsv4.fp8_gemm.fp8_gemm_available`: CUDA sm90+, ROCm
+gfx942/gfx950) the Linear projections of the FP8 set (attention wq_a, wq_b, wkv, wo_b; shared experts w1, w2, w3)
+stay quantised and run as `dsv4.fp8_gemm.fp8_linear` (FP8 operands, f32 accumulation); the grouped wo_a, the
+indexer's f32 wq_b and the routed experts are dequantised per layer. `matmul="dequant"` is the reference path
+everywhere; `matmul="fp8"` forces the FP8 GEMMs (also on CPU, where XLA upcasts: a numerics check).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import re
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from dsv4 import quant
+from dsv4.fp8_gemm import fp8_gemm_available
+
+log = logging.getLogger(__name__)
+
+ROLLOUT_DTYPES = ("fp8", "fp8_e4m3fn", "fp8_e4m3fnuz", "e4m3fn", "e4m3fnuz", "auto", "fp8+fp4experts", "bf16",
+                  "fp32")
+DEQUANT_MODES = ("per_layer", "per_call", "per_step")
+MATMUL_MODES = ("auto", "dequant", "fp8")
+FP4_EXPERTS = "fp8+fp4experts"
+# Quantised weights that run through `dsv4.layers.linear` and so can stay FP8 for an FP8 GEMM.
+GEMM_KEYS = re.compile(r"(attn/(wq_a|wq_b|wkv|wo_b)/weight|ffn/shared_experts/w[123]/weight)$")
+
+
+@dataclasses.dataclass(frozen=True)
+class RolloutDtype:
+    """A parsed `--rollout-dtype`: fp8 (FP8 blocks resident), fp8_name (the format name for
+    `quant.select_fp8_format`, None when dense), fp4_experts (routed experts as FP4 e2m1)."""
+
+    name: str
+    fp8: bool
+    fp8_name: str | None
+    fp4_experts: bool
+
+
+def parse_rollout_dtype(weights: str) -> RolloutDtype:
+    """`--rollout-dtype` value -> RolloutDtype. Raises ValueError naming the flag and the accepted values."""
+    if weights not in ROLLOUT_DTYPES:
+        raise ValueError(f"--rollout-dtype / Sampler weights={weights!r}: expected one of {' | '.join(ROLLOUT_DTYPES)}")
+    if weights in ("bf16", "fp32"):
+        return RolloutDtype(weights, False, None, False)
+    if weights == FP4_EXPERTS:
+        return RolloutDtype(weights, True, "fp8", True)
+    return RolloutDtype(weights, True, weights, False)
+
+
+def select_fp8_matmul(matmul: str, fp8: bool, devices=None) -> bool:
+    """Whether the FP8-set projections run as FP8 GEMMs: `matmul` "auto" (where `fp8_gemm_available`),
+    "fp8" (always), "dequant" (never); always False for dense weights. Logs the choice and the reason.
+    Raises ValueError for an unknown `matmul`."""
+    if matmul not in MATMUL_MODES:
+        raise ValueError(f"Sampler matmul={matmul!r}: expected {' | '.join(MATMUL_MODES)}")
+    if not fp8:
+        return False
+    if matmul != "auto":
+        log.info("rollout matmuls: %s (configured)", "FP8 GEMM" if matmul == "fp8" else "dequantise per layer")
+        return matmul == "fp8"
+    ok, why = fp8_gemm_available(devices)
+    log.info("rollout matmuls: %s (auto: %s)", "FP8 GEMM" if ok else "dequantise per layer", why)
+    return ok
+
+
+def _key(path) -> str:
+    return "/".join(str(p) for p in path)
+
+
+def _after(x: jax.Array, v):
+    """`v` with a data dependence on `x`: a QuantizedTensor's bytes OR-ed with (x_0 != x_0) (0, so bitwise the
+    same bytes; 1 only when x's first element is NaN, whose output is NaN anyway). XLA can then neither hoist the
+    dequantisation (or the bytes' conversion) out of the decode loop nor schedule it before x exists;
+    `jax.lax.optimization_barrier` does not do this on XLA:CPU, which removes barriers before scheduling. Dense
+    leaves are returned as they are."""
+    if not isinstance(v, quant.QuantizedTensor):
+        return v
+    x0 = x.reshape(-1)[0]
+    flag = (x0 != x0).astype(jnp.uint8)
+    q = jax.lax.bitcast_convert_type(jax.lax.bitcast_convert_type(v.q, jnp.uint8) | flag, v.q.dtype)
+    return dataclasses.replace(v, q=q)
+
+
+def _value(v, dtype, keep: bool):
+    if isinstance(v, quant.QuantizedTensor) and not keep:
+        return v.dequantize(dtype)
+    return v
+
+
+class LayerwiseWeights:
+    """Builds the rollout model from a weight state one main layer at a time (see the module docstring).
+
+    Args:
+      abstract_model: the sampler's `nnx.eval_shape`d DSV4ForCausalLM (graph and variable types).
+      compute_dtype: dtype quantised weights are dequantised to. fp8_gemm: keep `GEMM_KEYS` weights quantised.
+    Use inside a jit: `shell = lw.shell(wstate)` (the model without its layers: embedding, hyper head, norm,
+    head) and `layer_fn = lw.layer_fn(wstate)` for `dsv4.cache.prefill/decode_step(..., layer_fn=...)`.
+    """
+
+    def __init__(self, abstract_model, compute_dtype, *, fp8_gemm: bool = False):
+        self.compute_dtype = compute_dtype
+        self.fp8_gemm = fp8_gemm
+        gd, st = nnx.split(abstract_model)
+        shell = nnx.merge(gd, st)
+        shell.layers = nnx.List([])
+        self._shell_gd, shell_state = nnx.split(shell)
+        self._shell_flat = list(nnx.to_flat_state(shell_state))
+        self._layers = []
+        for i, layer in enumerate(abstract_model.layers):
+            lgd, lst = nnx.split(layer)
+            self._layers.append((lgd, [(p, var, f"layers/{i}/{_key(p)}") for p, var in nnx.to_flat_state(lst)]))
+
+    def shell(self, wstate: dict):
+        """The model without its main layers, from `wstate` ({path key: QuantizedTensor | array})."""
+        flat = [(p, var.replace(_value(wstate[_key(p)], self.compute_dtype, False))) for p, var in self._shell_flat]
+        return nnx.merge(self._shell_gd, nnx.from_flat_state(flat))
+
+    def layer(self, wstate: dict, i: int, x: jax.Array):
+        """(Block i with dense (or FP8-GEMM) weights, x): the dequantisation starts only once x is known."""
+        lgd, flat = self._layers[i]
+        leaves = {k: _after(x, wstate[k]) for _, _, k in flat}
+        vals = [(p, var.replace(_value(leaves[k], self.compute_dtype, self._keep(k, leaves[k]))))
+                for p, var, k in flat]
+        return nnx.merge(lgd, nnx.from_flat_state(vals)), x
+
+    def layer_fn(self, wstate: dict):
+        return lambda i, x: self.layer(wstate, i, x)
+
+    def _keep(self, key: str, v) -> bool:
+        return (self.fp8_gemm and isinstance(v, quant.QuantizedTensor) and v.kind == "fp8"
+                and bool(GEMM_KEYS.search(key)))
+
+
+def check_fp4_experts(wstate: dict, *, source: str = "weights") -> None:
+    """ValueError unless every routed-expert tensor of `wstate` is an FP4 `QuantizedTensor` (what
+    `--rollout-dtype fp8+fp4experts` runs on); names the first offending key and what it holds."""
+    found = False
+    for k, v in wstate.items():
+        if quant.ROUTED_EXPERT_RE.search(k):
+            found = True
+            if not (isinstance(v, quant.QuantizedTensor) and v.kind == "fp4"):
+                held = f"{v.kind} blocks" if isinstance(v, quant.QuantizedTensor) else f"dense {v.dtype}"
+                raise ValueError(f"--rollout-dtype {FP4_EXPERTS}: {source} have no FP4 routed experts ({k} holds "
+                                 f"{held}); use --rollout-dtype fp8, or a checkpoint with FP4 (e2m1) experts")
+    if not found:
+        raise ValueError(f"--rollout-dtype {FP4_EXPERTS}: {source} hold no routed-expert tensors")
