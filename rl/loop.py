@@ -149,8 +149,7 @@ def dynamic_rollout(job: Job, step: int, first: dict):
     Returns (rb, rewards [N], train_rows [N] bool, metrics) with N = prompts_per_step x group_size, or
     (None, None, None, metrics) when the step is to be skipped. The reward statistics in the metrics are those
     of the first round (the on-policy sample of the data, comparable with the other algorithms). The batch always
-    has N rows,
-    so the learner never recompiles: kept groups first, then (when the budget ran out with fewer kept groups)
+    has N rows, so the learner never recompiles: kept groups first, then (when the budget ran out with fewer kept groups)
     filler groups from the dropped ones whose `train_rows` are False. Budget exhausted
     (`dapo_on_budget_exhausted`): "train" trains on the kept groups alone (the fillers' response tokens are
     masked out of the loss), "skip" skips the update and the push; with no kept group at all the step is skipped
