@@ -86,6 +86,8 @@ _HELP = {
     "metrics_jsonl": "per-step metrics file ('' = none)", "tensorboard_dir": "TensorBoard dir ('' = none)",
     "seed": "seed of data order, sampling and init", "progress": "progress bar",
     "remat": "per-layer rematerialisation of the learner: block | dots | none",
+    "push_timeout": "MPMD runs (actor and rollout on separate processes): seconds either side waits for the other "
+                    "(weight push, rollout results) before exiting with an error naming the silent side",
     "scan_layers": "run the learner's layers under lax.scan per group of identical layers (compile time flat in "
                    "depth; the learner state and its checkpoints are then in the stacked layout)",
 }
@@ -226,10 +228,13 @@ def main(argv=None) -> int:
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     for noisy in ("absl", "orbax", "jax._src", "grain"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
+    from sharding.mpmd import PeerTimeoutError
+
+    info = None
     try:
         from sharding.distributed import initialize_from_args
 
-        info = initialize_from_args(args)
+        info = initialize_from_args(args, transfer_timeout_s=cfg.push_timeout)
         if info.process_count > 1:
             log.info("process %d of %d (%s)", info.process_id, info.process_count, info.source)
         if args.dry_run:
@@ -244,9 +249,23 @@ def main(argv=None) -> int:
             run_eval(job)
             return 0
         summary = run(job)
+    except PeerTimeoutError as e:  # MPMD: the other role's processes stopped answering (sharding/mpmd.py)
+        print(f"error: {e}", file=sys.stderr)
+        sys.stderr.flush()
+        sys.stdout.flush()
+        logging.shutdown()
+        os._exit(1)  # not sys.exit: jax's shutdown barrier would wait for the dead processes
     except (ValueError, OSError) as e:  # user errors (bad input, files, permissions): one line, no traceback
         print(f"error: {e}", file=sys.stderr)
         return 2
+    except Exception:  # noqa: BLE001
+        if info is None or info.process_count == 1:
+            raise
+        import traceback  # multi-process: exit now, or jax's shutdown barrier waits minutes for the other processes
+
+        traceback.print_exc()
+        sys.stderr.flush()
+        os._exit(1)
     except KeyboardInterrupt:  # Ctrl-C before the loop's own handler is installed (startup, compiles)
         print("interrupted (Ctrl-C) before the first step: nothing to save", file=sys.stderr)
         return 130

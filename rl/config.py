@@ -359,6 +359,8 @@ class RunConfig:
       resume (auto|never), allow_dataset_change (resume although the dataset file changed: keeps the learner
       state, restarts the data order; otherwise a changed file is an error), metrics_jsonl, tensorboard_dir, seed;
       eval_only (evaluate, no training), eval_before_train; wandb_project (Weights & Biases, optional extra `[wandb]`).
+    Multi-process: push_timeout (seconds the actor and rollout processes of an MPMD run wait for each other: weight
+      push, rollout results; a timeout names the side that did not answer; sharding/mpmd.py).
     Raises ValueError naming the field for impossible values.
     """
 
@@ -427,9 +429,12 @@ class RunConfig:
     progress: bool = True
     remat: Literal["block", "dots", "none"] = "block"
     scan_layers: bool = False
+    push_timeout: float = 600.0  # MPMD (rollout on its own processes): seconds either role waits for the other
 
     def __post_init__(self):
         owner = "RunConfig"
+        if not self.push_timeout > 0:
+            raise ValueError(f"{owner}.push_timeout (--push-timeout) must be > 0 seconds, got {self.push_timeout}")
         _check_remat(self.remat)
         for f in ("steps", "prompts_per_step", "max_new_tokens", "max_prompt_len", "eval_prompts", "eval_samples",
                   "keep_checkpoints", "task_digits"):

@@ -65,6 +65,10 @@ class Job:
     weight_version: int = 0
     data_identity: dict = dataclasses.field(default_factory=dict)
     data_metrics: dict = dataclasses.field(default_factory=dict)
+    layout: Any = None   # sharding.mpmd.RoleLayout: which processes run the actor / the rollout
+    channel: Any = None  # sharding.mpmd.HostChannel (MPMD runs only)
+    counters: dict = dataclasses.field(default_factory=lambda: {"generate": 0, "train_steps": 0})
+    mpmd_step: Any = None  # the step an MPMD push belongs to (rl/roles.py)
 
 
 # ------------------------------------------------------------------------------------------------ build
@@ -142,6 +146,13 @@ def build(cfg: RunConfig) -> Job:
     model_cfg = resolve_model_config(cfg, tok.vocab_size)
     plan = build_mesh_plan(cfg.mesh, config=model_cfg)
     log.info("meshes: %s", plan.describe())
+    from sharding.mpmd import role_layout
+
+    layout = role_layout(plan)  # MPMD (whole processes per role) or both roles here; bad layouts fail now
+    if layout.mpmd:
+        from rl.roles import check_mpmd_config
+
+        check_mpmd_config(cfg, layout)
     ckpt = Checkpointer(cfg.ckpt_dir, keep=cfg.keep_checkpoints, fingerprint=fingerprint(cfg, model_cfg)) \
         if cfg.ckpt_dir else None
     data_identity = {"dataset": file_identity(cfg.dataset), "eval_dataset": file_identity(cfg.eval_dataset)}
@@ -158,6 +169,11 @@ def build(cfg: RunConfig) -> Job:
     # created in the actor's shardings (each process reads / computes only its shards), in the learner's param
     # dtype (the fp32 masters are made from these values by the optimizer: exact for a bf16 / FP8 checkpoint)
     load_dtype = jnp.bfloat16 if param_dtype == "bfloat16" else jnp.float32
+    if layout.mpmd:  # each process builds its role only (rl/roles.py)
+        from rl.roles import build_mpmd
+
+        return build_mpmd(cfg, model_cfg, plan, layout, tok, task, train, ev_prompts, ev_refs, reward, ev_data,
+                          param_dtype, data_identity)
     if cfg.init == "random":
         model = init_model(model_cfg, seed=cfg.seed, param_dtype=load_dtype, mesh=plan.actor)
     else:
@@ -191,7 +207,7 @@ def build(cfg: RunConfig) -> Job:
     job = Job(cfg=cfg, model_cfg=model_cfg, plan=plan, tokenizer=tok, task=task, train_data=train,
               eval_prompts=ev_prompts, eval_refs=ev_refs, reward=reward, learner=learner, sampler=sampler,
               pusher=pusher, iterator=it, ckpt=ckpt, logger=MetricsLogger(cfg), data_identity=data_identity,
-              data_metrics=data_metrics(train, *([ev_data] if ev_data is not None else [])))
+              data_metrics=data_metrics(train, *([ev_data] if ev_data is not None else [])), layout=layout)
     if ckpt is not None and cfg.resume == "auto":
         restored = ckpt.restore(learner.state_dict())
         if restored is not None:
@@ -253,6 +269,10 @@ def make_pusher(plan, learner, sampler):
 
 def push(job: Job) -> dict:
     """Push the learner's current params to the sampler as version `job.weight_version`."""
+    if job.layout is not None and job.layout.mpmd:
+        from rl.roles import push_mpmd
+
+        return push_mpmd(job)
     t0 = time.perf_counter()
     params = job.learner.params_for_push()
     nbytes = sum(int(np.prod(x.shape)) * 2 for x in jax.tree.leaves(params))  # bf16 on the wire
@@ -299,6 +319,7 @@ def rollout(job: Job, prompts: list[list[int]], refs: list[str], step: int, roun
     sp = SamplingParams(temperature=job.cfg.temperature, top_p=job.cfg.top_p, top_k=job.cfg.top_k,
                         max_new_tokens=job.cfg.max_new_tokens, stop_token_ids=(job.tokenizer.eos_id,))
     t0 = time.perf_counter()
+    job.counters["generate"] += 1
     rb = job.sampler.generate(rows, sp, seed=job.cfg.seed, step=step,
                               prompt_index=[off + i for i in range(len(prompts)) for _ in range(g)],
                               sample_index=[j for _ in prompts for j in range(g)])
@@ -316,13 +337,18 @@ def train_batch(rb, advantages: np.ndarray, replay: bool):
                       advantages=np.asarray(advantages, np.float32), routing=rb.routing if replay else None)
 
 
-def evaluate(job: Job, step: int) -> dict:
+def evaluate(job: Job, step: int, here: bool = False) -> dict:
     """pass@1 (greedy and sampled, unbiased) and pass@k (k = eval_samples) on the held-out prompts."""
+    if job.layout is not None and job.layout.mpmd and not here:  # rollout processes sample, the actor receives
+        from rl.roles import evaluate_mpmd
+
+        return evaluate_mpmd(job, step)
     from rl.metrics import pass_at_k
     from rl.sampler import SamplingParams
 
     cfg = job.cfg
     eos = (job.tokenizer.eos_id,)
+    job.counters["generate"] += 2
     greedy = job.sampler.generate(job.eval_prompts, SamplingParams(temperature=0.0, max_new_tokens=cfg.max_new_tokens,
                                                                    stop_token_ids=eos), seed=cfg.seed)
     g_r, g_exact, _ = score(job, greedy, job.eval_refs)
@@ -343,7 +369,7 @@ def evaluate(job: Job, step: int) -> dict:
 def global_batch(job: Job, batch: dict) -> dict:
     """Multi-host: every host reads its own shard of prompts (grain, per-host sharding); the hosts then share
     them so that every process feeds the same global batch to the jits that span all processes."""
-    if jax.process_count() == 1:
+    if jax.process_count() == 1 or (job.layout is not None and job.layout.mpmd):  # MPMD: one unsharded stream
         return batch
     from jax.experimental import multihost_utils
 
@@ -413,22 +439,38 @@ def dynamic_rollout(job: Job, step: int, first: dict):
 
 def train_step(job: Job, step: int) -> dict:
     """One GRPO step (stages 1-6); returns its metrics."""
-    from rl.advantages import compute_advantages
-    from rl.metrics import response_stats, reward_stats, to_python
+    if job.layout is not None and job.layout.mpmd:
+        from rl.roles import train_step_mpmd
+
+        return train_step_mpmd(job, step)
+    t_step = time.perf_counter()
+    rb, rewards, train_rows, metrics = sample_step(job, step)
+    if rb is None:  # DAPO, nothing to learn from: no update, no push, same weight version
+        metrics["weight_version"] = job.weight_version
+        metrics["perf/step_s"] = time.perf_counter() - t_step
+        return metrics
+    return learn_step(job, rb, rewards, train_rows, metrics, t_step)
+
+
+def sample_step(job: Job, step: int):
+    """Stages 1-3 of a step: (rb, rewards [N], train_rows [N] bool or None, metrics); rb None = skip the step."""
+    from rl.metrics import reward_stats, to_python
 
     cfg = job.cfg
-    t_step = time.perf_counter()
     batch = global_batch(job, next(job.iterator))
-    train_rows = None
     if cfg.algo == "dapo":
-        rb, rewards, train_rows, metrics = dynamic_rollout(job, step, batch)
-        if rb is None:  # nothing to learn from: no update, no push, same weight version
-            metrics["weight_version"] = job.weight_version
-            metrics["perf/step_s"] = time.perf_counter() - t_step
-            return metrics
-    else:
-        rb, rewards, metrics = rollout(job, _prompt_lists(batch), batch["reference"], step)
-        metrics.update(to_python(reward_stats(jnp.asarray(rewards), cfg.group_size)))
+        return dynamic_rollout(job, step, batch)
+    rb, rewards, metrics = rollout(job, _prompt_lists(batch), batch["reference"], step)
+    metrics.update(to_python(reward_stats(jnp.asarray(rewards), cfg.group_size)))
+    return rb, rewards, None, metrics
+
+
+def learn_step(job: Job, rb, rewards, train_rows, metrics: dict, t_step: float) -> dict:
+    """Stages 4-6 of a step on a sampled batch (see `sample_step`); returns the step's metrics."""
+    from rl.advantages import compute_advantages
+    from rl.metrics import response_stats, to_python
+
+    cfg = job.cfg
     metrics.update(to_python(response_stats(jnp.asarray(rb.lengths), cfg.max_new_tokens, rb.finish_reasons)))
     adv, am = compute_advantages(jnp.asarray(rewards), cfg.group_size, cfg.advantage_config())
     metrics.update(to_python(am))
@@ -460,6 +502,7 @@ def learn_and_push(job: Job, rb, adv: np.ndarray, train_rows: np.ndarray | None 
     if train_rows is not None:
         tb.response_mask[~np.asarray(train_rows)] = 0
     t0 = time.perf_counter()
+    job.counters["train_steps"] += 1
     tm = to_python(job.learner.update(tb))
     metrics = {**tm, "train/skipped_no_signal": 0.0, "perf/train_s": time.perf_counter() - t0}
     if not tm.get("train/skipped_nonfinite", 0):
@@ -595,6 +638,9 @@ def run(job: Job) -> dict:
         if job.ckpt is not None:
             job.ckpt.wait()
         job.logger.close()
+        if job.layout is not None and job.layout.mpmd:  # the roles' programs, counted (tests read this line)
+            log.info("role %s (process %d): generate calls %d, train steps %d", job.layout.role,
+                     job.layout.process, job.counters["generate"], job.counters["train_steps"])
         if old is not None:
             for s, handler in old.items():
                 signal.signal(s, handler)
