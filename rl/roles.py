@@ -127,6 +127,8 @@ def train_step_mpmd(job, step: int) -> dict:
     job.mpmd_step = step
     if lay.is_rollout:
         rb, rewards, train_rows, metrics = sample_step(job, step)
+        metrics["mpmd/rollout_generate_calls"] = float(job.counters["generate"])  # this role's programs, counted
+        metrics["mpmd/rollout_train_steps"] = float(job.counters["train_steps"])
         if lay.process == min(lay.rollout_processes):
             ch.publish(f"rollout/{step}", {"rb": rb, "rewards": rewards, "train_rows": train_rows,
                                            "metrics": metrics, "iterator": job.iterator.get_state()})

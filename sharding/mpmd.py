@@ -102,22 +102,25 @@ class RoleLayout:
         return self.actor_processes if role == ACTOR else self.rollout_processes
 
 
-def role_layout(plan, process_index: int | None = None, process_count: int | None = None) -> RoleLayout:
+def role_layout(plan, process_index: int | None = None, process_count: int | None = None,
+                process_of=None) -> RoleLayout:
     """The RoleLayout of a MeshPlan. Single-process and colocated plans are not MPMD. A disjoint plan on several
-    processes must give each process's devices to one role only, and every process a role.
+    processes must give each process's devices to one role only, and every process a role. `process_of(device)`
+    (default `device.process_index`) and the counts are overridable for tests.
 
     Raises MeshSpecError naming the process and the devices when a process holds devices of both roles or of none."""
     pid = jax.process_index() if process_index is None else process_index
     count = jax.process_count() if process_count is None else process_count
-    a = sorted({d.process_index for d in plan.actor.devices.flat})
-    r = sorted({d.process_index for d in plan.rollout.devices.flat})
+    proc = process_of or (lambda d: d.process_index)
+    a = sorted({proc(d) for d in plan.actor.devices.flat})
+    r = sorted({proc(d) for d in plan.rollout.devices.flat})
     if count == 1 or plan.colocated:
         return RoleLayout(process=pid, actor_processes=tuple(a), rollout_processes=tuple(r), mpmd=False)
     spec = str(plan.spec)
     both = sorted(set(a) & set(r))
     if both:
         p = both[0]
-        ids = lambda m: [d.id for d in m.devices.flat if d.process_index == p]  # noqa: E731
+        ids = lambda m: [d.id for d in m.devices.flat if proc(d) == p]  # noqa: E731
         raise MeshSpecError(
             f"mesh spec {spec!r}: process {p} holds actor devices {ids(plan.actor)} and rollout devices "
             f"{ids(plan.rollout)}; a multi-process run with a separate rollout needs whole processes per role "
