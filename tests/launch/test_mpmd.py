@@ -102,8 +102,8 @@ def test_mpmd_three_processes_steps_parity_and_rollout_killed(tmp_path):
 @pytest.mark.slow
 def test_mpmd_bad_spec_fails_before_step_one(tmp_path):
     metrics = tmp_path / "m.jsonl"
-    # process 1 would hold one actor and one rollout device: the transfer cannot serve it
-    procs, logs = _launch("actor:fsdp=3/rollout:expert=3", 3, metrics, tmp_path)
+    # process 0 would hold one actor and one rollout device (process 2 none): the transfer cannot serve it
+    procs, logs = _launch("actor:fsdp=1/rollout:expert=2", 3, metrics, tmp_path)
     try:
         for p in procs:
             p.wait(timeout=600)
@@ -115,7 +115,7 @@ def test_mpmd_bad_spec_fails_before_step_one(tmp_path):
     for i, p in enumerate(procs):
         out = (tmp_path / f"p{i}.log").read_text()
         assert p.returncode == 2, out[-2000:]
-        assert "error: mesh spec 'actor:fsdp=3/rollout:expert=3': process 1 holds actor devices [2048] and " \
-               "rollout devices [2049]" in out, out[-2000:]
+        assert "error: mesh spec 'actor:data=1/rollout:expert=2': process 0 holds actor devices [0] and " \
+               "rollout devices [1]" in out, out[-2000:]
         assert "Traceback" not in out
     assert not metrics.exists()
