@@ -2,7 +2,7 @@
 --compile`): XLA's own per-device memory figures next to the planner's arithmetic.
 
 How (the idea of MaxText's `train_compile.py`: compile against a topology you do not have): the process gets as
-many XLA:CPU devices as the mesh spec needs (`--xla_force_host_platform_device_count`, set by sharding/plan.py
+many XLA:CPU devices as the mesh spec needs (`--xla_force_host_platform_device_count`, set by parallel/plan.py
 before JAX starts), the real meshes are built on them (`sharding.mesh.build_mesh_plan`), the model is
 `nnx.eval_shape`d (no weights exist), `rl.learner.Learner(..., abstract=True)` places the abstract train state with
 the learner's real shardings (actor rules, bf16 params, fp32 masters + moments, host offload), and

@@ -67,6 +67,9 @@ _HELP = {
     "top_p": "nucleus sampling", "top_k": "top-k sampling (0 = off)",
     "rollout_dtype": "rollout weights: fp8 | fp8_e4m3fnuz (MI300/MI308) | bf16 | fp32 | auto",
     "rollout_compute_dtype": "rollout matmul dtype: auto (fp32 on CPU, bf16 on GPU) | bfloat16 | float32",
+    "rollout_slots": "rollout batching: 0 = static (all rows until the longest ends) | N = continuous batching over "
+                     "N decode slots refilled as samples finish | auto = as many slots as the memory plan's KV "
+                     "budget holds",
     "algo": "grpo | dr_grpo | dapo | gspo", "lr": "peak learning rate",
     "dapo_max_resample_batches": "DAPO: extra prompt batches sampled per step to fill the batch with groups "
                                  "whose rewards differ",
@@ -94,6 +97,8 @@ _HELP = {
 
 
 def _type_of(field) -> tuple[type, bool]:
+    if field.name == "rollout_slots":  # int | "auto": parsed by RunConfig
+        return str, False
     t = typing.get_type_hints(RunConfig)[field.name]
     optional = type(None) in typing.get_args(t)
     args = [a for a in typing.get_args(t) if a is not type(None)]
@@ -191,11 +196,11 @@ def dry_run(cfg: RunConfig) -> None:
 
 
 def _memory_plan(cfg: RunConfig, model_cfg, spec: str) -> str:
-    """sharding/plan.py's table for this mesh, on the detected GPU (else MI308X for fp8_e4m3fnuz, else H200)."""
+    """parallel/plan.py's table for this mesh, on the detected GPU (else MI308X for fp8_e4m3fnuz, else H200)."""
     try:
-        from sharding.plan import GPUS, plan
+        from parallel.plan import GPUS, plan
     except ImportError as e:
-        return f"memory plan: unavailable (sharding/plan.py cannot be imported: {e})"
+        return f"memory plan: unavailable (parallel/plan.py cannot be imported: {e})"
     import jax
 
     kind = jax.devices()[0].device_kind.lower().replace(" ", "")

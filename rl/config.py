@@ -347,7 +347,9 @@ class RunConfig:
       apply_chat_template (the tokenizer folder's Jinja template, rl/chat.py) with system_prompt and thinking
       (auto|on|off), on_overlong_prompt (drop|fail).
     Rollout: prompts_per_step x group_size samples per step, max_new_tokens, temperature / top_p / top_k,
-      rollout_dtype (fp8|fp8_e4m3fnuz|bf16|fp32|auto).
+      rollout_dtype (fp8|fp8_e4m3fnuz|bf16|fp32|auto); rollout_slots: 0 = static batching (default: every row of a
+      rollout decodes until the longest ends), N >= 1 = continuous batching over N decode slots refilled as samples
+      finish (rl/slots.py), "auto" = as many slots as the memory plan's KV budget holds (capped by the rows).
     Algorithm: algo (grpo|dr_grpo|dapo|gspo; dapo adds dynamic sampling bounded by dapo_max_resample_batches,
       with dapo_on_budget_exhausted = train|skip), lr, warmup_steps, kl_coef / kl_estimator, correction (none|tis|mis)
       with tis_clip / mis_low / mis_high, routing_replay, freeze_router, micro_batch_size.
@@ -392,6 +394,7 @@ class RunConfig:
     top_k: int = 0
     rollout_dtype: str = "fp8"
     rollout_compute_dtype: Literal["auto", "bfloat16", "float32"] = "auto"
+    rollout_slots: int | str = 0
     algo: str = "grpo"
     dapo_max_resample_batches: int = 3
     dapo_on_budget_exhausted: Literal["train", "skip"] = "train"
@@ -451,6 +454,18 @@ class RunConfig:
         if self.rollout_dtype not in ("fp8", "fp8_e4m3fn", "fp8_e4m3fnuz", "bf16", "fp32", "auto"):
             raise ValueError(f"{owner}.rollout_dtype (--rollout-dtype) must be fp8|fp8_e4m3fnuz|bf16|fp32|auto, "
                              f"got {self.rollout_dtype!r}")
+        slots = self.rollout_slots
+        if isinstance(slots, str) and slots.strip().lower() != "auto":
+            try:
+                slots = int(slots)
+            except ValueError:
+                slots = None
+        elif isinstance(slots, str):
+            slots = "auto"
+        if slots is None or isinstance(slots, bool) or (slots != "auto" and (not isinstance(slots, int) or slots < 0)):
+            raise ValueError(f"{owner}.rollout_slots (--rollout-slots) must be auto or an int >= 0 (0 = static "
+                             f"batching), got {self.rollout_slots!r}")
+        object.__setattr__(self, "rollout_slots", slots)
         if self.dapo_max_resample_batches < 0:
             raise ValueError(f"{owner}.dapo_max_resample_batches (--dapo-max-resample-batches) must be >= 0, "
                              f"got {self.dapo_max_resample_batches}")

@@ -145,6 +145,8 @@ def build(cfg: RunConfig) -> Job:
     tok, task, train, ev_prompts, ev_refs, reward, ev_data = _data(cfg)
     model_cfg = resolve_model_config(cfg, tok.vocab_size)
     plan = build_mesh_plan(cfg.mesh, config=model_cfg)
+    max_prompt = max(train.max_prompt_len, max(len(p) for p in ev_prompts))
+    slots, kv_budget = _rollout_slots(cfg, model_cfg, plan, max_prompt)  # --rollout-slots checked before any model
     log.info("meshes: %s", plan.describe())
     from sharding.mpmd import role_layout
 
@@ -197,7 +199,8 @@ def build(cfg: RunConfig) -> Job:
     abstract = nnx.eval_shape(lambda: DSV4ForCausalLM(model.config, rngs=nnx.Rngs(0)))
     sampler = Sampler(abstract if ckpt_init else model, mesh=plan.rollout,
                       weights=cfg.rollout_dtype, max_prompt_len=max_prompt,
-                      compute_dtype=None if cfg.rollout_dtype == "fp32" else rcd)
+                      compute_dtype=None if cfg.rollout_dtype == "fp32" else rcd, slots=slots,
+                      kv_budget_bytes=kv_budget)
     if ckpt_init:
         sampler.set_weights(checkpoint_rollout_weights(sampler, cfg.init, config=model.config,
                                                        progress=cfg.progress), version=0)
@@ -224,6 +227,29 @@ def build(cfg: RunConfig) -> Job:
     if job.weight_version > 0:  # resumed: the sampler serves the restored params (a fresh run's sampler
         push(job)                # already holds version 0, built from the same model)
     return job
+
+
+def _rollout_slots(cfg: RunConfig, model_cfg, plan, max_prompt: int) -> tuple[int, float | None]:
+    """--rollout-slots -> (slots for the Sampler, KV budget per rollout device from the memory plan or None).
+    0 stays static batching; N is checked against the plan here, before any model is built (rl/slots.py)."""
+    if cfg.rollout_slots == 0:
+        return 0, None
+    from rl import slots as sl
+
+    rcd = cfg.rollout_compute_dtype  # the cache dtype is the sampler's compute dtype (as build() resolves it)
+    if cfg.rollout_dtype == "fp32" or (rcd == "auto" and jax.devices()[0].platform == "cpu"):
+        rcd = "float32"
+    dtype = "bfloat16" if rcd == "auto" else rcd
+
+    seq = sl.cache_len_for(model_cfg, max_prompt, cfg.max_new_tokens)  # as Sampler.generate sizes it
+    budget, note = sl.kv_budget_from_plan(model_cfg, str(plan.spec), seq, rollout_dtype=cfg.rollout_dtype)
+    n = sl.plan_slots(cfg.rollout_slots, per_slot_bytes=sl.cache_bytes_per_slot_for(model_cfg, seq, dtype),
+                      budget_bytes=budget, seq_len=seq)
+    rows = cfg.prompts_per_step * cfg.group_size
+    n = min(n, rows) if cfg.rollout_slots == "auto" else n
+    log.info("rollout: %s (--rollout-slots %s; %s)", f"continuous batching over {n} slots" if n else
+             "static batching", cfg.rollout_slots, note)
+    return n, budget
 
 
 def data_metrics(*datasets) -> dict:
@@ -260,9 +286,9 @@ def same_data(cfg: RunConfig, meta: dict, identity: dict) -> bool:
 
 
 def make_pusher(plan, learner, sampler):
-    """The actor -> rollout weight push (sharding/push.py): compiled and warmed up here; verification of the
+    """The actor -> rollout weight push (parallel/push.py): compiled and warmed up here; verification of the
     pushed FP8 weights is sampled (every 10th push) in production runs."""
-    from sharding.push import WeightPusher
+    from parallel.push import WeightPusher
 
     return WeightPusher(plan, sampler, learner.params_for_push(), verify_every=10)
 
@@ -277,7 +303,7 @@ def push(job: Job) -> dict:
     params = job.learner.params_for_push()
     nbytes = sum(int(np.prod(x.shape)) * 2 for x in jax.tree.leaves(params))  # bf16 on the wire
     if job.pusher is not None:
-        from sharding.push import push_weights
+        from parallel.push import push_weights
 
         stats = push_weights(job.pusher, params, job.sampler, job.weight_version)
         nbytes = stats.bytes
@@ -326,7 +352,8 @@ def rollout(job: Job, prompts: list[list[int]], refs: list[str], step: int, roun
     dt = time.perf_counter() - t0
     rewards, _, rm = score(job, rb, row_refs)
     n_tok = int(rb.lengths.sum())
-    return rb, rewards, {**rm, "perf/rollout_s": dt, "perf/rollout_tok_per_s": n_tok / dt}
+    slot_m = dict(getattr(job.sampler, "last_stats", None) or {})  # continuous batching counters (rl/slots.py)
+    return rb, rewards, {**rm, **slot_m, "perf/rollout_s": dt, "perf/rollout_tok_per_s": n_tok / dt}
 
 
 def train_batch(rb, advantages: np.ndarray, replay: bool):

@@ -179,6 +179,13 @@ def test_unknown_remat_policy(tmp_path, capsys, lt):
     assert_user_error(rc, err, "--remat", "block|dots|none", "'full'")
 
 
+def test_rollout_slots_flag(tmp_path, capsys, lt):
+    rc, _, err = main(["--rollout-slots", "many", *TINY, *lt.outputs(tmp_path)], capsys)
+    assert_user_error(rc, err, "--rollout-slots", "'many'")
+    rc, _, err = main(["--rollout-slots", "1000000000", *TINY, *lt.outputs(tmp_path)], capsys)
+    assert_user_error(rc, err, "--rollout-slots 1000000000", "memory plan")
+
+
 def test_yaml_errors(tmp_path, capsys):
     f = tmp_path / "bad.yaml"
     f.write_text("steps: 3\ngrup_size: 4\n")
@@ -229,10 +236,10 @@ def test_dry_run_prints_config_meshes_and_memory_plan(tmp_path, capsys, lt):
 
 
 def test_dry_run_without_the_planner_says_so(tmp_path, capsys, lt, monkeypatch):
-    monkeypatch.setitem(sys.modules, "sharding.plan", None)  # import fails
+    monkeypatch.setitem(sys.modules, "parallel.plan", None)  # import fails
     rc, out, err = main(["--dry-run", *TINY, *lt.outputs(tmp_path)], capsys)
     assert rc == 0, err
-    assert "meshes: actor:" in out and "memory plan: unavailable (sharding/plan.py cannot be imported" in out
+    assert "meshes: actor:" in out and "memory plan: unavailable (parallel/plan.py cannot be imported" in out
 
 
 def test_dry_run_of_a_mesh_larger_than_the_machine_still_plans(tmp_path, capsys, lt):
