@@ -44,7 +44,8 @@ def worker(pid: int, port: int, runs: int, config: str) -> None:
     from dsv4.load import init_model
     from rl.sampler import Sampler
     from sharding.mesh import build_mesh_plan
-    from sharding.mpmd import HostChannel, MpmdPusher, role_layout
+    from parallel.mpmd_push import MpmdPusher
+    from sharding.mpmd import HostChannel, role_layout
 
     mc = DSV4Config.preset(config)
     plan = build_mesh_plan("actor:expert=2/rollout:expert=2", config=mc)

@@ -57,7 +57,8 @@ def build_mpmd(cfg, model_cfg, plan, layout, tok, task, train, ev_prompts, ev_re
     from rl.data import make_prompt_iterator
     from rl.loop import Job, MetricsLogger, data_metrics, push
     from rl.sampler import Sampler
-    from sharding.mpmd import HostChannel, MpmdPusher
+    from parallel.mpmd_push import MpmdPusher
+    from sharding.mpmd import HostChannel
 
     channel = HostChannel(layout, timeout_s=cfg.push_timeout)  # heartbeats from now on: builds and compiles are long
     load_dtype = jnp.bfloat16 if param_dtype == "bfloat16" else jnp.float32

@@ -202,7 +202,8 @@ def _configure_transfer(coordinator: str | None, address: str | None, timeout_s:
 
     from sharding.mpmd import configure_transfer, transfer_socket_address
 
-    coordinator = coordinator or os.environ.get(ENV_COORDINATOR) or getattr(jd.global_state, "coordinator_address", None)
+    coordinator = (coordinator or os.environ.get(ENV_COORDINATOR)
+                   or getattr(jd.global_state, "coordinator_address", None))
     if address is None and not coordinator:
         return
     if address is not None:

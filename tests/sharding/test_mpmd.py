@@ -8,7 +8,8 @@ import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from sharding.mesh import MeshSpecError, build_mesh_plan
-from sharding.mpmd import plan_transfer, role_layout, transfer_socket_address
+from parallel.mpmd_push import plan_transfer
+from sharding.mpmd import role_layout, transfer_socket_address
 
 
 def _two_per_process(d):
