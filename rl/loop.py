@@ -13,6 +13,8 @@ One call per stage, top to bottom (docs/style.md rule 8). Each step:
 5. `Learner.update` on the actor mesh with routing replay and the off-policy correction;
 6. weight push actor -> rollout (bf16 -> device_put -> FP8), a new weight version;
 7. metrics (JSONL, TensorBoard, progress bar); eval every `eval_every`; checkpoint every `ckpt_every`.
+A rollout on its own processes (MPMD: `--mesh actor:.../rollout:...` with whole processes per role) runs each
+role's stages on its own processes (rl/roles.py; the hooks below hand over when `job.layout.mpmd`).
 Resume (`resume="auto"`) restores the newest usable checkpoint and continues bitwise-identically on CPU:
 randomness is a function of (seed, step, prompt, sample). SIGTERM finishes the current step, saves, exits 0.
 """
