@@ -259,6 +259,9 @@ def main(argv=None) -> int:
         sys.stderr.flush()
         sys.stdout.flush()
         logging.shutdown()
+        from sharding.mpmd import report_failure
+
+        report_failure(e)  # the other processes of this side fail with the same message
         os._exit(1)  # not sys.exit: jax's shutdown barrier would wait for the dead processes
     except (ValueError, OSError) as e:  # user errors (bad input, files, permissions): one line, no traceback
         print(f"error: {e}", file=sys.stderr)

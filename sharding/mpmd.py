@@ -55,11 +55,30 @@ PIECE_BYTES = 2 * 2**20  # key-value store values stay well under gRPC's default
 class PeerTimeoutError(RuntimeError):
     """The other role did not answer within the timeout. `side`: "actor" | "rollout" (the side that did not)."""
 
-    def __init__(self, side: str, processes: Sequence[int], what: str, timeout_s: float, cause: str = ""):
+    def __init__(self, side: str, processes: Sequence[int], what: str, timeout_s: float, cause: str = "",
+                 message: str | None = None):
         self.side = side
         why = f" ({cause.splitlines()[0][:200]})" if cause else ""
-        super().__init__(f"the {side} side (processes {list(processes)}) did not answer within {timeout_s:g} s: "
-                         f"{what}{why}; did a {side} process die? (--push-timeout)")
+        super().__init__(message or f"the {side} side (processes {list(processes)}) did not answer within "
+                         f"{timeout_s:g} s: {what}{why}; did a {side} process die? (--push-timeout)")
+
+
+FAILED_KEY = "dsv4/failed"
+GRACE_S = 5.0
+
+
+def report_failure(error: PeerTimeoutError) -> None:
+    """Before exiting on a PeerTimeoutError: post it for the other waiting processes (they raise it at their next
+    poll instead of being torn down by jax when the coordinator's process exits), and on process 0, which hosts
+    the coordination service, give them `GRACE_S` to do so."""
+    try:
+        from jax._src import distributed
+
+        _client().key_value_set(FAILED_KEY, f"{error.side}\n{error}", allow_overwrite=True)
+        if distributed.global_state.process_id == 0:
+            time.sleep(GRACE_S)
+    except Exception:  # noqa: BLE001 - best effort: the service may already be gone
+        pass
 
 
 # ------------------------------------------------------------------------------------------ roles
@@ -236,6 +255,13 @@ class HostChannel:
             except jax.errors.JaxRuntimeError as e:
                 if "DEADLINE_EXCEEDED" not in str(e):
                     raise PeerTimeoutError(sender, procs, what, self.timeout_s, str(e)) from None
+            try:
+                failed = client.key_value_try_get(FAILED_KEY)  # another process already found a dead peer
+            except jax.errors.JaxRuntimeError:
+                failed = None
+            if failed:
+                side, message = failed.split("\n", 1)
+                raise PeerTimeoutError(side, self.layout.processes(side), what, self.timeout_s, message=message)
             now = time.monotonic()
             for p in procs:
                 try:
