@@ -239,7 +239,8 @@ def main(argv=None) -> int:
     try:
         from sharding.distributed import initialize_from_args
 
-        info = initialize_from_args(args, transfer_timeout_s=cfg.push_timeout)
+        separate = "rollout:" in cfg.mesh or cfg.mesh.strip() == "auto"  # a rollout mesh of its own may span processes
+        info = initialize_from_args(args, transfer_timeout_s=cfg.push_timeout, transfers=separate)
         if info.process_count > 1:
             log.info("process %d of %d (%s)", info.process_id, info.process_count, info.source)
         if args.dry_run:

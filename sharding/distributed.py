@@ -151,7 +151,7 @@ def maybe_initialize_distributed(coordinator: str | None = None, num_processes: 
                                  process_id: int | None = None, local_device_ids: Sequence[int] | None = None,
                                  *, cpu_devices_per_process: int | None = None,
                                  initialization_timeout: int = 300, transfer_address: str | None = None,
-                                 transfer_timeout_s: float | None = None) -> DistributedInfo:
+                                 transfer_timeout_s: float | None = None, transfers: bool = True) -> DistributedInfo:
     """Join the processes of a multi-process run, or do nothing on a single process.
 
     Args:
@@ -162,6 +162,7 @@ def maybe_initialize_distributed(coordinator: str | None = None, num_processes: 
       transfer_address: HOST:PORT this process serves cross-process device transfers on (multi-process runs;
         default: the address towards the coordinator, port = coordinator port + 1 + process id;
         `sharding.mpmd.configure_transfer`). transfer_timeout_s: jax's cross-host transfer timeout.
+      transfers: False skips the transfer setup (a colocated mesh never moves arrays between processes).
     Returns:
       DistributedInfo(process_id, process_count, coordinator, source).
     Raises:
@@ -189,7 +190,8 @@ def maybe_initialize_distributed(coordinator: str | None = None, num_processes: 
         local_device_ids=list(local_device_ids) if local_device_ids is not None else None,
         initialization_timeout=initialization_timeout,
     )
-    _configure_transfer(settings.coordinator, transfer_address, transfer_timeout_s)
+    if transfers:
+        _configure_transfer(settings.coordinator, transfer_address, transfer_timeout_s)
     return DistributedInfo(process_id=jax.process_index(), process_count=jax.process_count(),
                            coordinator=settings.coordinator or os.environ.get(ENV_COORDINATOR),
                            source=settings.source)
@@ -236,9 +238,10 @@ def add_distributed_args(parser: argparse.ArgumentParser) -> argparse.ArgumentPa
     return parser
 
 
-def initialize_from_args(args: argparse.Namespace, transfer_timeout_s: float | None = None) -> DistributedInfo:
+def initialize_from_args(args: argparse.Namespace, transfer_timeout_s: float | None = None,
+                         transfers: bool = True) -> DistributedInfo:
     """`maybe_initialize_distributed` with the values parsed from `add_distributed_args`' flags."""
     return maybe_initialize_distributed(args.coordinator, args.num_processes, args.process_id,
                                         args.local_device_ids, cpu_devices_per_process=args.cpu_devices_per_process,
                                         transfer_address=getattr(args, "transfer_address", None),
-                                        transfer_timeout_s=transfer_timeout_s)
+                                        transfer_timeout_s=transfer_timeout_s, transfers=transfers)
