@@ -182,10 +182,14 @@ def main(argv=None) -> int:
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     for noisy in ("absl", "orbax", "jax._src", "grain"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
+    from sharding.mpmd import PeerTimeoutError
+
+    info = None
     try:
         from sharding.distributed import initialize_from_args
 
-        info = initialize_from_args(args)
+        separate = "rollout:" in cfg.mesh or cfg.mesh.strip() == "auto"  # a rollout mesh of its own may span processes
+        info = initialize_from_args(args, transfer_timeout_s=cfg.push_timeout, transfers=separate)
         if info.process_count > 1:
             log.info("process %d of %d (%s)", info.process_id, info.process_count, info.source)
         if args.dry_run:
@@ -200,9 +204,26 @@ def main(argv=None) -> int:
             run_eval(job)
             return 0
         summary = run(job)
+    except PeerTimeoutError as e:  # MPMD: the other role's processes stopped answering (sharding/mpmd.py)
+        print(f"error: {e}", file=sys.stderr)
+        sys.stderr.flush()
+        sys.stdout.flush()
+        logging.shutdown()
+        from sharding.mpmd import report_failure
+
+        report_failure(e)  # the other processes of this side fail with the same message
+        os._exit(1)  # not sys.exit: jax's shutdown barrier would wait for the dead processes
     except (ValueError, OSError) as e:  # user errors (bad input, files, permissions): one line, no traceback
         print(f"error: {e}", file=sys.stderr)
         return 2
+    except Exception:  # noqa: BLE001
+        if info is None or info.process_count == 1:
+            raise
+        import traceback  # multi-process: exit now, or jax's shutdown barrier waits minutes for the other processes
+
+        traceback.print_exc()
+        sys.stderr.flush()
+        os._exit(1)
     except KeyboardInterrupt:  # Ctrl-C before the loop's own handler is installed (startup, compiles)
         print("interrupted (Ctrl-C) before the first step: nothing to save", file=sys.stderr)
         return 130

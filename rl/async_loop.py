@@ -79,23 +79,13 @@ class RolloutRecord:
 
 
 def produce(job, step: int) -> RolloutRecord:
-    """Stages 1-3 of step `step` (the synchronous `train_step`'s): next prompt batch, generate (DAPO: the dynamic
-    sampling rounds), rewards, reward and response statistics."""
-    from rl.loop import _prompt_lists, dynamic_rollout, global_batch, rollout
-    from rl.metrics import response_stats, reward_stats, to_python
+    """Stages 1-3 of step `step`, exactly the synchronous loop's (`rl.loop.sample_step`: next prompt batch,
+    generate (DAPO: the dynamic sampling rounds), rewards, reward and response statistics), plus the weight
+    version of every sample."""
+    from rl.loop import sample_step
 
-    cfg = job.cfg
-    batch = global_batch(job, next(job.iterator))
-    train_rows = None
-    if cfg.advantage.dynamic_sampling:  # DAPO's dynamic sampling (the preset of --algo dapo)
-        rb, rewards, train_rows, metrics = dynamic_rollout(job, step, batch)
-    else:
-        rb, rewards, metrics = rollout(job, _prompt_lists(batch), batch["reference"], step)
-        metrics.update(to_python(reward_stats(jnp.asarray(rewards), cfg.group_size)))
-    versions = None
-    if rb is not None:
-        metrics.update(to_python(response_stats(jnp.asarray(rb.lengths), cfg.max_new_tokens, rb.finish_reasons)))
-        versions = np.full(len(rewards), rb.weight_version, np.int64)
+    rb, rewards, train_rows, metrics = sample_step(job, step)
+    versions = None if rb is None else np.full(len(rewards), rb.weight_version, np.int64)
     return RolloutRecord(step=step, rb=rb, rewards=rewards, train_rows=train_rows, versions=versions, metrics=metrics)
 
 

@@ -149,6 +149,9 @@ class RolloutConfig:
                                  "the actor trains, with weights at most K versions old (needs --correction tis|mis); "
                                  "0 = synchronous")
     async_rollout: bool = knob(False, "one-step-off asynchronous rollout: shorthand for --max-staleness 1")
+    push_timeout: float = knob(600.0, "MPMD runs (actor and rollout on separate processes, sharding/mpmd.py): "
+                                      "seconds either side waits for the other (weight push, rollout results) "
+                                      "before exiting with an error naming the silent side")
 
     def __post_init__(self):
         _choices("rollout", self)
@@ -164,6 +167,8 @@ class RolloutConfig:
             raise ValueError(f"rollout.slots (--rollout-slots) must be auto or an int >= 0 (0 = static batching), "
                              f"got {self.slots!r}")
         object.__setattr__(self, "slots", slots)
+        if not _check_real("rollout", "push_timeout", self.push_timeout) > 0:
+            raise ValueError(f"rollout.push_timeout (--push-timeout) must be > 0 seconds, got {self.push_timeout}")
         if isinstance(self.max_staleness, bool) or not isinstance(self.max_staleness, int) or self.max_staleness < 0:
             raise ValueError(f"rollout.max_staleness (--max-staleness) must be an int >= 0, "
                              f"got {self.max_staleness!r}")
@@ -269,7 +274,7 @@ FLAT = {
     **{k: "log." + k for k in ("metrics_jsonl", "tensorboard_dir", "wandb_project")},
     "seed": "seed", "progress": "log.progress", "remat": "learner.remat", "scan_layers": "learner.scan_layers",
     "rollout_slots": "rollout.slots", "max_staleness": "rollout.max_staleness",
-    "async_rollout": "rollout.async_rollout",
+    "async_rollout": "rollout.async_rollout", "push_timeout": "rollout.push_timeout",
 }
 _FLAT_OF = {v: k for k, v in FLAT.items()}
 DERIVED = {"learner.temperature": "rollout.temperature",

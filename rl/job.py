@@ -36,6 +36,7 @@ if TYPE_CHECKING:  # annotations only: importing these modules here would start 
     from rl.tasks import DigitTask
     from rl.tokenizer import TokenizerLike
     from sharding.mesh import MeshPlan
+    from sharding.mpmd import HostChannel, RoleLayout
     from parallel.push import WeightPusher
 
 log = logging.getLogger("dsv4rl")
@@ -55,6 +56,8 @@ class Job:
     metric sinks. start_step / weight_version: where the run starts (0, or the restored checkpoint's).
     data_identity: the dataset files' identity (checked on resume). data_metrics: load-time data counters.
     inflight: the asynchronous rollout (rl/async_loop.py) while `rl.loop.run` runs with --max-staleness K >= 1.
+    layout / channel / mpmd_step: the process roles and, when the rollout has processes of its own (MPMD), the
+    channel between them (rl/roles.py). counters: generate calls and train steps run by this process.
     """
 
     cfg: RunConfig
@@ -77,6 +80,10 @@ class Job:
     data_identity: dict = dataclasses.field(default_factory=dict)
     data_metrics: dict = dataclasses.field(default_factory=dict)
     inflight: AsyncRollout | None = None  # --max-staleness K >= 1: batches generated ahead (checkpointed with it)
+    layout: RoleLayout | None = None  # which processes run the actor / the rollout (sharding/mpmd.py)
+    channel: HostChannel | None = None  # MPMD runs only: the host messages between the roles
+    counters: dict = dataclasses.field(default_factory=lambda: {"generate": 0, "train_steps": 0})
+    mpmd_step: int | None = None  # the step an MPMD push belongs to (rl/roles.py)
 
 
 def _rollout_slots(cfg: RunConfig, model_cfg, plan, max_prompt: int) -> tuple[int, float | None]:
@@ -170,6 +177,7 @@ def build(cfg: RunConfig) -> Job:
     from rl.learner import Learner
     from rl.sampler import Sampler
     from sharding.mesh import build_mesh_plan
+    from sharding.mpmd import role_layout
 
     for path, flag in ((cfg.metrics_jsonl, "--metrics-jsonl"), (cfg.tensorboard_dir, "--tensorboard-dir")):
         if path:
@@ -181,6 +189,11 @@ def build(cfg: RunConfig) -> Job:
     log.info("meshes: %s", plan.describe())
     max_prompt = max(train.max_prompt_len, max(len(p) for p in ev_prompts))
     slots, kv_budget = _rollout_slots(cfg, model_cfg, plan, max_prompt)  # --rollout-slots checked before any model
+    layout = role_layout(plan)  # MPMD (whole processes per role) or both roles here; bad layouts fail now
+    if layout.mpmd:
+        from rl.roles import check_mpmd_config
+
+        check_mpmd_config(cfg, layout)
     ckpt = Checkpointer(cfg.ckpt_dir, keep=cfg.keep_checkpoints, fingerprint=fingerprint(cfg, model_cfg)) \
         if cfg.ckpt_dir else None
     data_identity = {"dataset": file_identity(cfg.dataset), "eval_dataset": file_identity(cfg.eval_dataset)}
@@ -197,6 +210,11 @@ def build(cfg: RunConfig) -> Job:
     # created in the actor's shardings (each process reads / computes only its shards), in the learner's param
     # dtype (the fp32 masters are made from these values by the optimizer: exact for a bf16 / FP8 checkpoint)
     load_dtype = jnp.bfloat16 if param_dtype == "bfloat16" else jnp.float32
+    if layout.mpmd:  # each process builds its role only (rl/roles.py)
+        from rl.roles import build_mpmd
+
+        return build_mpmd(cfg, model_cfg, plan, layout, tok, task, train, ev_prompts, ev_refs, reward, ev_data,
+                          param_dtype, data_identity)
     if cfg.init == "random":
         model = init_model(model_cfg, seed=cfg.seed, param_dtype=load_dtype, mesh=plan.actor)
     else:
@@ -223,7 +241,7 @@ def build(cfg: RunConfig) -> Job:
     job = Job(cfg=cfg, model_cfg=model_cfg, plan=plan, tokenizer=tok, task=task, train_data=train,
               eval_prompts=ev_prompts, eval_refs=ev_refs, reward=reward, learner=learner, sampler=sampler,
               pusher=pusher, iterator=it, ckpt=ckpt, logger=MetricsLogger(cfg), data_identity=data_identity,
-              data_metrics=data_metrics(train, *([ev_data] if ev_data is not None else [])))
+              data_metrics=data_metrics(train, *([ev_data] if ev_data is not None else [])), layout=layout)
     if ckpt is not None and cfg.resume == "auto":
         restored = ckpt.restore(learner.state_dict())
         if restored is not None:
@@ -317,6 +335,10 @@ def make_pusher(plan, learner, sampler, verify_every: int = 10):
 
 def push(job: Job) -> dict:
     """Push the learner's current params to the sampler as version `job.weight_version`."""
+    if job.layout is not None and job.layout.mpmd:
+        from rl.roles import push_mpmd
+
+        return push_mpmd(job)
     t0 = time.perf_counter()
     params = job.learner.params_for_push()
     nbytes = sum(int(np.prod(x.shape)) * 2 for x in jax.tree.leaves(params))  # bf16 on the wire

@@ -66,6 +66,7 @@ def sample(job: Job, prompts: list[list[int]], step: int, round_index: int = 0) 
     sp = SamplingParams(temperature=job.cfg.temperature, top_p=job.cfg.top_p, top_k=job.cfg.top_k,
                         max_new_tokens=job.cfg.max_new_tokens, stop_token_ids=(job.tokenizer.eos_id,))
     t0 = time.perf_counter()
+    job.counters["generate"] += 1
     rb = job.sampler.generate(rows, sp, seed=job.cfg.seed, step=step,
                               prompt_index=[off + i for i in range(len(prompts)) for _ in range(g)],
                               sample_index=[j for _ in prompts for j in range(g)])
@@ -99,13 +100,19 @@ def train_batch(rb: RolloutBatch, advantages: np.ndarray, replay: bool, train_ro
     return TrainBatch.from_rollout(rb, advantages, routing=replay, train_rows=train_rows)
 
 
-def evaluate(job: Job, step: int) -> dict:
-    """pass@1 (greedy and sampled, unbiased) and pass@k (k = eval_samples) on the held-out prompts."""
+def evaluate(job: Job, step: int, here: bool = False) -> dict:
+    """pass@1 (greedy and sampled, unbiased) and pass@k (k = eval_samples) on the held-out prompts. MPMD: the
+    rollout processes sample and score, the actor's receive the metrics (`here` = evaluate on this process)."""
+    if job.layout is not None and job.layout.mpmd and not here:
+        from rl.roles import evaluate_mpmd
+
+        return evaluate_mpmd(job, step)
     from rl.metrics import pass_at_k
     from rl.sampler import SamplingParams
 
     cfg = job.cfg
     eos = (job.tokenizer.eos_id,)
+    job.counters["generate"] += 2
     greedy = job.sampler.generate(job.eval_prompts, SamplingParams(temperature=0.0, max_new_tokens=cfg.max_new_tokens,
                                                                    stop_token_ids=eos), seed=cfg.seed)
     g_r, g_exact, _ = score(job, greedy, job.eval_refs)
@@ -126,7 +133,7 @@ def evaluate(job: Job, step: int) -> dict:
 def global_batch(job: Job, batch: dict) -> dict:
     """Multi-host: every host reads its own shard of prompts (grain, per-host sharding); the hosts then share
     them so that every process feeds the same global batch to the jits that span all processes."""
-    if jax.process_count() == 1:
+    if jax.process_count() == 1 or (job.layout is not None and job.layout.mpmd):  # MPMD: one unsharded stream
         return batch
     from jax.experimental import multihost_utils
 
@@ -195,25 +202,45 @@ def dynamic_rollout(job: Job, step: int, first: dict):
 
 
 def train_step(job: Job, step: int) -> dict:
-    """One GRPO step: batch -> sample -> score -> advantages -> update -> push; returns its metrics."""
+    """One GRPO step: batch -> sample -> score (`sample_step`) -> advantages -> update -> push (`learn_step`);
+    returns its metrics. MPMD: each role runs its half on its own processes (rl/roles.py)."""
+    if job.layout is not None and job.layout.mpmd:
+        from rl.roles import train_step_mpmd
+
+        return train_step_mpmd(job, step)
+    t_step = time.perf_counter()
+    rb, rewards, train_rows, metrics = sample_step(job, step)
+    if rb is None:  # DAPO, nothing to learn from: no update, no push, same weight version
+        metrics["weight_version"] = job.weight_version
+        metrics["perf/step_s"] = time.perf_counter() - t_step
+        return metrics
+    return learn_step(job, rb, rewards, train_rows, metrics, t_step)
+
+
+def sample_step(job: Job, step: int):
+    """Stages 1-3 of step `step` -> (RolloutBatch, rewards [N], train_rows [N] bool or None, metrics); the
+    RolloutBatch is None when DAPO skips the step."""
     from rl.metrics import response_stats, reward_stats, to_python
 
     cfg = job.cfg
-    t_step = time.perf_counter()
     batch = global_batch(job, next(job.iterator))  # 1. batch (every host: the same global batch)
-    train_rows = None
     if cfg.advantage.dynamic_sampling:  # 2-3. DAPO: sample and score rounds until the groups have signal
         rb, rewards, train_rows, metrics = dynamic_rollout(job, step, batch)
-        if rb is None:  # nothing to learn from: no update, no push, same weight version
-            metrics["weight_version"] = job.weight_version
-            metrics["perf/step_s"] = time.perf_counter() - t_step
-            return metrics
     else:
         rb, metrics = sample(job, _prompt_lists(batch), step)  # 2. sample
         rewards, _, rm = score(job, rb, [r for r in batch["reference"] for _ in range(cfg.group_size)])  # 3.
         metrics.update(rm)
         metrics.update(to_python(reward_stats(jnp.asarray(rewards), cfg.group_size)))
-    metrics.update(to_python(response_stats(jnp.asarray(rb.lengths), cfg.max_new_tokens, rb.finish_reasons)))
+        train_rows = None
+    if rb is not None:
+        metrics.update(to_python(response_stats(jnp.asarray(rb.lengths), cfg.max_new_tokens, rb.finish_reasons)))
+    return rb, rewards, train_rows, metrics
+
+
+def learn_step(job: Job, rb: RolloutBatch, rewards: np.ndarray, train_rows: np.ndarray | None, metrics: dict,
+               t_step: float) -> dict:
+    """Stages 4-6 on a sampled batch (`sample_step`'s outputs): advantages, update, push. Returns the step's
+    metrics (`metrics` + the learner's, the weight version and `perf/step_s` since `t_step`)."""
     adv, am = advantages(job, rewards, train_rows)  # 4. advantages
     metrics.update(am)
     metrics.update(job.data_metrics)
@@ -243,6 +270,7 @@ def learn_and_push(job: Job, rb, adv: np.ndarray, train_rows: np.ndarray | None 
         return {"train/skipped_no_signal": 1.0}
     tb = TrainBatch.from_rollout(rb, adv, routing=job.cfg.learner.routing_replay, train_rows=train_rows)
     t0 = time.perf_counter()
+    job.counters["train_steps"] += 1
     tm = to_python(job.learner.update(tb))
     metrics = {**tm, "train/skipped_no_signal": 0.0, "perf/train_s": time.perf_counter() - t0}
     if not tm.get("train/skipped_nonfinite", 0):
@@ -328,6 +356,9 @@ def run(job: Job) -> dict:
         if job.ckpt is not None:
             job.ckpt.wait()
         job.logger.close()
+        if job.layout is not None and job.layout.mpmd:  # the roles' programs, counted (tests read this line)
+            log.info("role %s (process %d): generate calls %d, train steps %d", job.layout.role,
+                     job.layout.process, job.counters["generate"], job.counters["train_steps"])
         if old is not None:
             for s, handler in old.items():
                 signal.signal(s, handler)

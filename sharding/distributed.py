@@ -150,7 +150,8 @@ def _backend_initialized() -> bool:
 def maybe_initialize_distributed(coordinator: str | None = None, num_processes: int | None = None,
                                  process_id: int | None = None, local_device_ids: Sequence[int] | None = None,
                                  *, cpu_devices_per_process: int | None = None,
-                                 initialization_timeout: int = 300) -> DistributedInfo:
+                                 initialization_timeout: int = 300, transfer_address: str | None = None,
+                                 transfer_timeout_s: float | None = None, transfers: bool = True) -> DistributedInfo:
     """Join the processes of a multi-process run, or do nothing on a single process.
 
     Args:
@@ -158,6 +159,10 @@ def maybe_initialize_distributed(coordinator: str | None = None, num_processes: 
       local_device_ids: accelerator ids this process uses (default: all it sees).
       cpu_devices_per_process: CPU-only runs/tests: this many CPU devices per process (+ gloo collectives).
       initialization_timeout: seconds to wait for all processes to reach the coordinator.
+      transfer_address: HOST:PORT this process serves cross-process device transfers on (multi-process runs;
+        default: the address towards the coordinator, port = coordinator port + 1 + process id;
+        `sharding.mpmd.configure_transfer`). transfer_timeout_s: jax's cross-host transfer timeout.
+      transfers: False skips the transfer setup (a colocated mesh never moves arrays between processes).
     Returns:
       DistributedInfo(process_id, process_count, coordinator, source).
     Raises:
@@ -185,9 +190,27 @@ def maybe_initialize_distributed(coordinator: str | None = None, num_processes: 
         local_device_ids=list(local_device_ids) if local_device_ids is not None else None,
         initialization_timeout=initialization_timeout,
     )
+    if transfers:
+        _configure_transfer(settings.coordinator, transfer_address, transfer_timeout_s)
     return DistributedInfo(process_id=jax.process_index(), process_count=jax.process_count(),
                            coordinator=settings.coordinator or os.environ.get(ENV_COORDINATOR),
                            source=settings.source)
+
+
+def _configure_transfer(coordinator: str | None, address: str | None, timeout_s: float | None) -> None:
+    """Cross-process device_put (an MPMD rollout on its own processes) needs jax's socket-transfer flags before the
+    backend starts; set them for every multi-process run (sharding/mpmd.py)."""
+    from jax._src import distributed as jd
+
+    from sharding.mpmd import configure_transfer, transfer_socket_address
+
+    coordinator = (coordinator or os.environ.get(ENV_COORDINATOR)
+                   or getattr(jd.global_state, "coordinator_address", None))
+    if address is None and not coordinator:
+        return
+    if address is not None:
+        check_coordinator(address)
+    configure_transfer(transfer_socket_address(coordinator or "", jd.global_state.process_id, address), timeout_s)
 
 
 def _device_ids(text: str) -> list[int]:
@@ -207,12 +230,18 @@ def add_distributed_args(parser: argparse.ArgumentParser) -> argparse.ArgumentPa
     group.add_argument("--process-id", type=int, default=None, metavar="I", help="this process, in [0, N)")
     group.add_argument("--local-device-ids", type=_device_ids, default=None, metavar="0,1,...",
                        help="accelerators this process uses")
+    group.add_argument("--transfer-address", default=None, metavar="HOST:PORT",
+                       help="this process's socket for cross-process weight transfers (MPMD rollout); default: the "
+                            "address towards the coordinator, port = coordinator port + 1 + process id")
     group.add_argument("--cpu-devices-per-process", type=int, default=None, metavar="K",
                        help="CPU devices per process (CPU runs and tests)")
     return parser
 
 
-def initialize_from_args(args: argparse.Namespace) -> DistributedInfo:
+def initialize_from_args(args: argparse.Namespace, transfer_timeout_s: float | None = None,
+                         transfers: bool = True) -> DistributedInfo:
     """`maybe_initialize_distributed` with the values parsed from `add_distributed_args`' flags."""
     return maybe_initialize_distributed(args.coordinator, args.num_processes, args.process_id,
-                                        args.local_device_ids, cpu_devices_per_process=args.cpu_devices_per_process)
+                                        args.local_device_ids, cpu_devices_per_process=args.cpu_devices_per_process,
+                                        transfer_address=getattr(args, "transfer_address", None),
+                                        transfer_timeout_s=transfer_timeout_s, transfers=transfers)

@@ -1,0 +1,292 @@
+"""MPMD roles: the actor and the rollout on their own processes of one `jax.distributed` job.
+
+    layout = role_layout(plan)                  # which processes are actor, which are rollout (whole processes)
+    channel = HostChannel(layout, timeout_s=600)  # host messages + heartbeats; publish(tag, value) / receive(...)
+    pusher = parallel.mpmd_push.MpmdPusher(plan, layout, sampler, abstract_state, actor_shardings, channel)
+    pusher.push(params if layout.is_actor else None, version)       # called by every process, same order
+
+A mesh spec with a disjoint rollout (`actor:fsdp=2,expert=8/rollout:expert=8`) on a multi-process job is MPMD when
+every process holds devices of one role only: the seed layout (nodes 0-1 actor, node 2 rollout) in miniature is
+three local processes x 2 CPU devices with `actor:fsdp=2,expert=2/rollout:expert=2`. Each process then runs only its
+role's programs (the learner's jits on actor processes, `Sampler.generate` on rollout processes); the roles meet at
+
+1. the weight push (`parallel/mpmd_push.py::MpmdPusher`): a cross-process `jax.device_put` per tensor from an
+   actor-side staging in exactly the rollout's tiling (the only kind jax moves between processes, docs/jax-stack.md
+   §2.4); the rollout acks each chunk before the actor frees its staged copies. A layout the transfer cannot serve
+   is a `MeshSpecError` at start-up: a process holding devices of both roles or of none (`role_layout`), a tensor
+   the actor mesh cannot cut as the rollout does (`parallel.mpmd_push.plan_transfer`).
+2. host messages (`HostChannel`): pickled, chunked values in the coordination service's key-value store (rollout
+   results: tokens, logprobs, routing, rewards, the rollout's metrics; the actor's push decisions; push receipts).
+   Small next to the weights. Each process bumps a heartbeat key every second from a thread, so a wait tolerates
+   long compiles and steps of a live peer and fails once the peer's heartbeat stopped for the timeout, with an
+   error naming the side that did not answer (`PeerTimeoutError`).
+
+Transfer options (`configure_transfer`, before the backend starts): `jax_cross_host_transfer_socket_address` =
+this process's `--transfer-address`, else the local address that routes to the coordinator's host with port
+coordinator port + 1 + process id (distinct per process on one machine); `jax_cross_host_transport_addresses` on
+the same host with port 0; `jax_cross_host_transfer_timeout_seconds` = the push timeout.
+
+Sources: docs/jax-stack.md §2.4 and §8 (measured there), jax's `dispatch.py` and `xla_bridge.py` (the flags), the
+coordination-service client (`key_value_set_bytes`, `blocking_key_value_get_bytes`, `key_value_try_get`).
+Tests: `.venv/bin/python -m pytest -q tests/sharding/test_mpmd.py` (+ `-m slow tests/launch/test_mpmd.py`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import math
+import pickle
+import socket
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+
+from sharding.mesh import MeshSpecError
+from sharding.rules import ACTOR, ROLLOUT
+
+log = logging.getLogger("dsv4rl")
+
+PIECE_BYTES = 2 * 2**20  # key-value store values stay well under gRPC's default message limit
+
+
+class PeerTimeoutError(RuntimeError):
+    """The other role did not answer within the timeout. `side`: "actor" | "rollout" (the side that did not)."""
+
+    def __init__(self, side: str, processes: Sequence[int], what: str, timeout_s: float, cause: str = "",
+                 message: str | None = None):
+        self.side = side
+        why = f" ({cause.splitlines()[0][:200]})" if cause else ""
+        super().__init__(message or f"the {side} side (processes {list(processes)}) did not answer within "
+                         f"{timeout_s:g} s: {what}{why}; did a {side} process die? (--push-timeout)")
+
+
+FAILED_KEY = "dsv4/failed"
+GRACE_S = 5.0
+
+
+def report_failure(error: PeerTimeoutError) -> None:
+    """Before exiting on a PeerTimeoutError: post it for the other waiting processes (they raise it at their next
+    poll instead of being torn down by jax when the coordinator's process exits), and on process 0, which hosts
+    the coordination service, give them `GRACE_S` to do so."""
+    try:
+        from jax._src import distributed
+
+        _client().key_value_set(FAILED_KEY, f"{error.side}\n{error}", allow_overwrite=True)
+        if distributed.global_state.process_id == 0:
+            time.sleep(GRACE_S)
+    except Exception:  # noqa: BLE001 - best effort: the service may already be gone
+        pass
+
+
+# ------------------------------------------------------------------------------------------ roles
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class RoleLayout:
+    """Processes per role. `mpmd`: the roles live on disjoint processes (else every process runs both roles'
+    programs, as single-process and colocated runs do). `process`: this process's index."""
+
+    process: int
+    actor_processes: tuple[int, ...]
+    rollout_processes: tuple[int, ...]
+    mpmd: bool
+
+    @property
+    def is_actor(self) -> bool:
+        return not self.mpmd or self.process in self.actor_processes
+
+    @property
+    def is_rollout(self) -> bool:
+        return not self.mpmd or self.process in self.rollout_processes
+
+    @property
+    def role(self) -> str:
+        return "both" if not self.mpmd else ACTOR if self.is_actor else ROLLOUT
+
+    @property
+    def writer(self) -> int:
+        """The one process that writes metrics: the first actor process."""
+        return min(self.actor_processes)
+
+    def processes(self, role: str) -> tuple[int, ...]:
+        return self.actor_processes if role == ACTOR else self.rollout_processes
+
+
+def role_layout(plan, process_index: int | None = None, process_count: int | None = None,
+                process_of=None) -> RoleLayout:
+    """The RoleLayout of a MeshPlan. Single-process and colocated plans are not MPMD. A disjoint plan on several
+    processes must give each process's devices to one role only, and every process a role. `process_of(device)`
+    (default `device.process_index`) and the counts are overridable for tests.
+
+    Raises MeshSpecError naming the process and the devices when a process holds devices of both roles or of none."""
+    pid = jax.process_index() if process_index is None else process_index
+    count = jax.process_count() if process_count is None else process_count
+    proc = process_of or (lambda d: d.process_index)
+    a = sorted({proc(d) for d in plan.actor.devices.flat})
+    r = sorted({proc(d) for d in plan.rollout.devices.flat})
+    if count == 1 or plan.colocated:
+        return RoleLayout(process=pid, actor_processes=tuple(a), rollout_processes=tuple(r), mpmd=False)
+    spec = str(plan.spec)
+    both = sorted(set(a) & set(r))
+    if both:
+        p = both[0]
+        ids = lambda m: [d.id for d in m.devices.flat if proc(d) == p]  # noqa: E731
+        raise MeshSpecError(
+            f"mesh spec {spec!r}: process {p} holds actor devices {ids(plan.actor)} and rollout devices "
+            f"{ids(plan.rollout)}; a multi-process run with a separate rollout needs whole processes per role "
+            f"(the actor's and the rollout's device counts multiples of the devices per process)")
+    idle = sorted(set(range(count)) - set(a) - set(r))
+    if idle:
+        raise MeshSpecError(f"mesh spec {spec!r}: process {idle[0]} holds no device of either role (actor on "
+                            f"processes {a}, rollout on {r}); size the meshes to use every process")
+    return RoleLayout(process=pid, actor_processes=tuple(a), rollout_processes=tuple(r), mpmd=True)
+
+
+# ------------------------------------------------------------------------------------------ transfer options
+
+
+def _route_host(coordinator_host: str) -> str:
+    """The local address this host uses to reach `coordinator_host` (no packet is sent)."""
+    if coordinator_host in ("127.0.0.1", "localhost", "::1"):
+        return "127.0.0.1"
+    try:
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+            s.connect((coordinator_host, 9))
+            return s.getsockname()[0]
+    except OSError:
+        return socket.gethostbyname(socket.gethostname())
+
+
+def transfer_socket_address(coordinator: str, process_id: int, address: str | None = None) -> str:
+    """`address` if given, else "<local address towards the coordinator>:<coordinator port + 1 + process_id>"."""
+    if address:
+        return address
+    host, port = coordinator.rsplit(":", 1)
+    return f"{_route_host(host.strip('[]'))}:{int(port) + 1 + int(process_id)}"
+
+
+def configure_transfer(socket_address: str, timeout_s: float | None = None) -> None:
+    """Set jax's cross-process transfer flags (before the backend is created, i.e. before `jax.devices()`)."""
+    host = socket_address.rsplit(":", 1)[0]
+    jax.config.update("jax_cross_host_transfer_socket_address", socket_address)
+    jax.config.update("jax_cross_host_transport_addresses", f"{host}:0")
+    if timeout_s is not None:
+        jax.config.update("jax_cross_host_transfer_timeout_seconds", max(1, int(math.ceil(timeout_s))))
+
+
+# ------------------------------------------------------------------------------------------ host messages
+
+
+def _client():
+    from jax._src import distributed
+
+    client = distributed.global_state.client
+    if client is None:
+        raise RuntimeError("MPMD messages need jax.distributed (sharding.distributed.maybe_initialize_distributed)")
+    return client
+
+
+class HostChannel:
+    """Pickled values between processes through the coordination service's key-value store, with liveness.
+
+    `publish(tag, value)` once per tag (tags are unique per run: e.g. "rollout/<step>"); `receive(tag, sender)` on
+    any number of processes waits for it. Every process runs a heartbeat thread (a counter in the store, bumped
+    every `HEARTBEAT_S`; it ticks through long compiles and steps), so a wait fails only when the sender side's
+    heartbeat has not moved for `timeout_s`: PeerTimeoutError naming that side. A publisher deletes its values two
+    publications later (by then every reader has them in the loop's order)."""
+
+    HEARTBEAT_S = 1.0
+
+    def __init__(self, layout: RoleLayout, timeout_s: float, prefix: str = "dsv4"):
+        import threading
+
+        self.layout, self.timeout_s, self.prefix = layout, float(timeout_s), prefix
+        self._published: list[tuple[str, int]] = []
+        self._stop = threading.Event()
+        self._beat = threading.Thread(target=self._heartbeat, name="dsv4-mpmd-heartbeat", daemon=True)
+        self._heartbeat_once(0)
+        self._beat.start()
+        import atexit
+
+        atexit.register(self.close)  # runs before jax's shutdown barrier: a dying process stops looking alive
+
+    def _heartbeat_once(self, n: int) -> None:
+        _client().key_value_set(f"{self.prefix}/alive/{self.layout.process}", str(n), allow_overwrite=True)
+
+    def _heartbeat(self) -> None:
+        n = 0
+        while not self._stop.wait(self.HEARTBEAT_S):
+            n += 1
+            try:
+                self._heartbeat_once(n)
+            except Exception:  # noqa: BLE001 - the service is gone (shutdown); the waits report it
+                return
+
+    def close(self) -> None:
+        self._stop.set()
+
+    def publish(self, tag: str, value: Any) -> None:
+        client = _client()
+        data = pickle.dumps(value, protocol=pickle.HIGHEST_PROTOCOL)
+        n = max(1, -(-len(data) // PIECE_BYTES))
+        for i in range(n):
+            client.key_value_set_bytes(f"{self.prefix}/{tag}/{i}", data[i * PIECE_BYTES:(i + 1) * PIECE_BYTES])
+        client.key_value_set_bytes(f"{self.prefix}/{tag}/n", str(n).encode())
+        self._published.append((tag, n))
+        while len(self._published) > 2:
+            old, m = self._published.pop(0)
+            for i in [*range(m), "n"]:
+                client.key_value_delete(f"{self.prefix}/{old}/{i}")
+
+    def _wait_key(self, key: str, sender: str, what: str) -> bytes:
+        """The value of `key`, polling while the sender side's heartbeats move; PeerTimeoutError once they stopped
+        for `timeout_s`."""
+        client = _client()
+        procs = self.layout.processes(sender)
+        seen: dict[int, Any] = {p: None for p in procs}
+        changed = {p: time.monotonic() for p in procs}
+        poll_ms = int(min(self.timeout_s, 2 * self.HEARTBEAT_S) * 1000)
+        while True:
+            try:
+                return client.blocking_key_value_get_bytes(key, poll_ms)
+            except jax.errors.JaxRuntimeError as e:
+                if "DEADLINE_EXCEEDED" not in str(e):
+                    raise PeerTimeoutError(sender, procs, what, self.timeout_s, str(e)) from None
+            try:
+                failed = client.key_value_try_get(FAILED_KEY)  # another process already found a dead peer
+            except jax.errors.JaxRuntimeError:
+                failed = None
+            if failed:
+                side, message = failed.split("\n", 1)
+                raise PeerTimeoutError(side, self.layout.processes(side), what, self.timeout_s, message=message)
+            now = time.monotonic()
+            for p in procs:
+                try:
+                    beat = client.key_value_try_get(f"{self.prefix}/alive/{p}")
+                except jax.errors.JaxRuntimeError:
+                    beat = None
+                if beat is not None and beat != seen[p]:
+                    seen[p], changed[p] = beat, now
+            silent = [p for p in procs if now - changed[p] > self.timeout_s]
+            if silent:
+                raise PeerTimeoutError(sender, procs, f"{what}; no heartbeat from process(es) {silent}",
+                                       self.timeout_s)
+
+    def receive(self, tag: str, sender: str, what: str = "") -> Any:
+        what = what or f"message {tag!r}"
+        n = int(self._wait_key(f"{self.prefix}/{tag}/n", sender, what))
+        client = _client()
+        parts = [client.key_value_try_get_bytes(f"{self.prefix}/{tag}/{i}") for i in range(n)]
+        return pickle.loads(b"".join(parts))
+
+    def ack(self, tag: str) -> None:
+        """This process confirms `tag` (e.g. a received push chunk); see `wait_acks`."""
+        _client().key_value_set(f"{self.prefix}/ack/{tag}/{self.layout.process}", "1")
+
+    def wait_acks(self, tag: str, sender: str, what: str) -> None:
+        """Wait until every process of `sender`'s side has called `ack(tag)`; then drop the acks."""
+        for p in self.layout.processes(sender):
+            self._wait_key(f"{self.prefix}/ack/{tag}/{p}", sender, what)
