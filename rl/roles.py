@@ -18,7 +18,7 @@ then exits with status 1 at once (jax's shutdown barrier would wait for the dead
 
 Not supported yet in MPMD (a one-line error at start-up): checkpoints (`--ckpt-dir`: orbax would need the rollout
 processes in its barriers) and `--init` from a checkpoint (the rollout reads the file's FP8 blocks on its mesh).
-Tests: `.venv/bin/python -m pytest -q -m slow tests/launch/test_mpmd.py`.
+Tests: `.venv/bin/python -m pytest -q -m slow tests/launch/test_mpmd_run.py`.
 """
 
 from __future__ import annotations

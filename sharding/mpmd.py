@@ -28,7 +28,7 @@ the same host with port 0; `jax_cross_host_transfer_timeout_seconds` = the push 
 
 Sources: docs/jax-stack.md §2.4 and §8 (measured there), jax's `dispatch.py` and `xla_bridge.py` (the flags), the
 coordination-service client (`key_value_set_bytes`, `blocking_key_value_get_bytes`, `key_value_try_get`).
-Tests: `.venv/bin/python -m pytest -q tests/sharding/test_mpmd.py` (+ `-m slow tests/launch/test_mpmd.py`).
+Tests: `.venv/bin/python -m pytest -q tests/sharding/test_mpmd.py` (+ `-m slow tests/launch/test_mpmd_run.py`).
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """sharding/mpmd.py on one process: role layouts (whole processes per role, clear errors otherwise), transfer
 layouts whose tiling is identical to the rollout's (the condition of jax's cross-process device_put), transfer
-socket addresses. The multi-process run itself: tests/launch/test_mpmd.py (slow)."""
+socket addresses. The multi-process run itself: tests/launch/test_mpmd_run.py (slow)."""
 
 import jax
 import numpy as np
