@@ -264,12 +264,16 @@ def routed_experts_cpu(x: jax.Array, ids: jax.Array, weights: jax.Array, w1: jax
     return routed_experts_tiled(x, ids, weights, w1, w3, w2, limit=limit, dtype=dtype)
 
 
-def default_dispatch(devices: Sequence[Any], param_shardings: Mapping[str, Any] | None = None):
+def default_dispatch(devices: Sequence[Any], param_shardings: Mapping[str, Any] | None = None, *,
+                     ep_backend: str | None = None, ep_capacity_factor: float | None = None):
     """The routed-expert implementation the sampler and the learner use when none is given (the one place that
     decides).
 
     Args:
       devices: the devices the model runs on (`jax.Device`s; only `.platform` is read).
+      ep_backend: expert-parallel backend of `sharding.expert.make_ep_dispatch` ("capacity", "ragged", "padded");
+        None = "capacity" on CPU, "ragged" elsewhere. ep_capacity_factor: its `capacity_factor` (None = dropless).
+        Both only matter on expert meshes.
       param_shardings: {"/"-joined parameter path, e.g. "layers/1/ffn/experts/w1": its sharding (None or a
         sharding without `.spec` = not sharded)}, or None for a single device.
     Returns:
@@ -284,7 +288,7 @@ def default_dispatch(devices: Sequence[Any], param_shardings: Mapping[str, Any] 
     """
     expert_sh = [sh for k, sh in (param_shardings or {}).items() if ROUTED_EXPERT_RE.search(k)]
     sharded = any(getattr(sh, "spec", None) and sh.spec[0] is not None for sh in expert_sh)
-    ep = _ep_dispatch(expert_sh, devices)
+    ep = _ep_dispatch(expert_sh, devices, ep_backend, ep_capacity_factor)
     if ep is not None:
         return ep
     if sharded or any(d.platform != "cpu" for d in devices):
@@ -292,7 +296,8 @@ def default_dispatch(devices: Sequence[Any], param_shardings: Mapping[str, Any] 
     return routed_experts_cpu
 
 
-def _ep_dispatch(expert_shardings: Sequence[Any], devices: Sequence[Any]):
+def _ep_dispatch(expert_shardings: Sequence[Any], devices: Sequence[Any], backend: str | None = None,
+                 capacity_factor: float | None = None):
     """`make_ep_dispatch` for experts sharded over a mesh's `expert` axis (> 1) by a known rule table, else None."""
     from sharding import expert as ep_lib
     from sharding import rules as rl
@@ -304,13 +309,14 @@ def _ep_dispatch(expert_shardings: Sequence[Any], devices: Sequence[Any]):
     if mesh.shape.get(rl.EXPERT, 1) <= 1 or any(sh.mesh != mesh for sh in named):
         return None
     norm = lambda spec: tuple(spec) + (None,) * (3 - len(spec))  # noqa: E731
-    backend = "capacity" if all(d.platform == "cpu" for d in devices) else "ragged"
+    if backend is None:
+        backend = "capacity" if all(d.platform == "cpu" for d in devices) else "ragged"
     for rules in (rl.ACTOR_RULES, rl.ROLLOUT_RULES):
         w13 = norm(rl.logical_to_spec((ax.EXPERT, ax.MLP, ax.EMBED), rules, mesh))
         w2 = norm(rl.logical_to_spec((ax.EXPERT, ax.EMBED, ax.MLP), rules, mesh))
         if all(norm(sh.spec) in (w13, w2) for sh in named):
             try:
-                return ep_lib.make_ep_dispatch(mesh, backend=backend, rules=rules)
+                return ep_lib.make_ep_dispatch(mesh, backend=backend, capacity_factor=capacity_factor, rules=rules)
             except ValueError:  # a layout the EP dispatch cannot take (e.g. tokens split over tensor): GSPMD
                 return None
     return None
