@@ -299,20 +299,41 @@ class PlanReport:
         return "\n".join(lines)
 
 
-def _actor_activations(cfg, sizes: dict[str, int], tokens: int, seq_len: int, ep_capacity: float | None) -> float:
+EP_BACKENDS = ("capacity", "ragged", "padded")  # sharding.expert.BACKENDS (not imported: plan stays jax-light)
+BLOCK_Q = 128  # dsv4.attention.Attention(block_q=): queries per block of the blocked attention
+LOGPROB_CHUNK = 1024  # rl.config.LearnerConfig.logprob_chunk_size default
+
+
+def ep_rows_per_token(cfg, sizes: dict[str, int], ep_backend: str, ep_capacity: float | None) -> float:
+    """Expert-FFN rows per local token on one rank (sharding/expert.py's buffers), k = picks per token:
+    padded: f * k (dropless: E * k, every expert's buffer sized for all pairs); capacity: ep * C / T = min(ep, f) * k;
+    ragged: its receive buffer, ep * k dropless or f * k."""
+    k, ep, e = cfg.num_experts_per_tok, sizes[rl.EXPERT], cfg.n_routed_experts
+    if ep_backend == "padded":
+        return k * (e if ep_capacity is None else min(ep_capacity, e))
+    if ep_backend == "capacity":
+        return k * (ep if ep_capacity is None else min(ep_capacity, ep))
+    return k * (ep if ep_capacity is None else ep_capacity)
+
+
+def _actor_activations(cfg, sizes: dict[str, int], tokens: int, seq_len: int, ep_capacity: float | None,
+                       ep_backend: str = "ragged") -> float:
     """Bytes per device of the activation estimate (module docstring formula)."""
-    tp, ep = sizes[rl.TENSOR], sizes[rl.EXPERT]
-    d, n, h, hd, k = cfg.hidden_size, cfg.hc_mult, cfg.num_attention_heads, cfg.head_dim, cfg.num_experts_per_tok
+    tp = sizes[rl.TENSOR]
+    d, n, h, hd = cfg.hidden_size, cfg.hc_mult, cfg.num_attention_heads, cfg.head_dim
+    i_ = cfg.moe_intermediate_size / tp
     layers = cfg.num_hidden_layers + cfg.num_nextn_predict_layers
-    c = ep if ep_capacity is None else min(ep_capacity, ep)
-    per_tok = (layers * n * d * 2
-               + 4 * h * hd * 4 / tp
-               + 3 * h * (seq_len + math.ceil(seq_len / cfg.csa_compress_ratio)) * 4 / tp
-               + 2 * k * (6 * d + 10 * cfg.moe_intermediate_size / tp)
-               + 2 * k * c * d * (8 if tp == 1 else 12)
-               + 6 * n * d * 4
-               + 3 * cfg.vocab_size * 4 / tp)
-    return tokens * per_tok
+    rows = ep_rows_per_token(cfg, sizes, ep_backend, ep_capacity)
+    keys = cfg.sliding_window + BLOCK_Q + (cfg.index_topk if cfg.csa_compress_ratio in cfg.compress_ratios else 0)
+    per_tok = (layers * n * d * 2                        # saved block inputs (bf16 residual streams)
+               + 4 * h * hd * 4 / tp                     # q, attention output and their grads (f32), one layer
+               + 2 * h * keys * 4 / tp                   # blocked attention: logits + probs per query (f32)
+               + 2 * rows * (4 * d * 2 + d * 4 + 3 * i_ * 4 + i_ * 2)  # EP rows: sent/received/back (bf16),
+                                                          # y (f32), h1/h3/h (f32, bf16), fwd + bwd
+               + 6 * n * d * 4)                          # mHC f32 temporaries
+    n_rows = max(1, math.ceil(tokens / seq_len))
+    logits = n_rows * min(seq_len, LOGPROB_CHUNK) * 3 * cfg.vocab_size * 4 / tp  # one chunk: logits, lse, grad
+    return tokens * per_tok + logits
 
 
 def _role_nodes(devices: int) -> float:
@@ -324,7 +345,7 @@ def plan(config, mesh_spec: str, gpu: str, *, nodes: int | None = None, optimize
          train_seq_len: int | None = None, rollout_experts: str = "fp8", fp8_scale_bytes: float = 4.0,
          fp4_scale_bytes: float = 1.0, rollout_dequant: str = "per_step", kv_dtype: str = "bf16",
          usable_fraction: float = 0.90, rollout_reserve: float = 0.10,
-         rollout_seqs_per_device: int = 1, ep_capacity_factor: float | None = None,
+         rollout_seqs_per_device: int = 1, ep_capacity_factor: float | None = None, ep_backend: str = "ragged",
          host_gib_per_node: float | None = None, config_name: str | None = None, train_mtp: bool = True,
          freeze_router: bool = False) -> PlanReport:
     """Plan the per-device memory of both roles. Arguments as the CLI flags (module docstring).
@@ -382,7 +403,7 @@ def plan(config, mesh_spec: str, gpu: str, *, nodes: int | None = None, optimize
                 fp8_scale_bytes=fp8_scale_bytes, fp4_scale_bytes=fp4_scale_bytes, rollout_dequant=rollout_dequant,
                 kv_dtype=kv_dtype, usable_fraction=usable_fraction,
                 rollout_reserve=rollout_reserve, rollout_seqs_per_device=rollout_seqs_per_device,
-                ep_capacity_factor=ep_capacity_factor, host_gib_per_node=host_gib_per_node)
+                ep_capacity_factor=ep_capacity_factor, ep_backend=ep_backend, host_gib_per_node=host_gib_per_node)
 
     # ---- actor
     a_sizes = spec.axes(rl.ACTOR)
@@ -410,7 +431,9 @@ def plan(config, mesh_spec: str, gpu: str, *, nodes: int | None = None, optimize
                 off_master, off_mom = off_master + ms, off_mom + mo
             else:
                 master, mom = master + ms, mom + mo
-    act = _actor_activations(config, a_sizes, tokens_per_device, opts["train_seq_len"], ep_capacity_factor)
+    if ep_backend not in EP_BACKENDS:
+        raise ValueError(f"--ep-backend must be one of {list(EP_BACKENDS)}, got {ep_backend!r}")
+    act = _actor_activations(config, a_sizes, tokens_per_device, opts["train_seq_len"], ep_capacity_factor, ep_backend)
     off = off_master + off_mom
     on_gpu = " (rest in host memory)" if off else ""
     a_items = {
@@ -418,7 +441,8 @@ def plan(config, mesh_spec: str, gpu: str, *, nodes: int | None = None, optimize
         "gradients (param dtype)": g,
         f"fp32 master weights{on_gpu}": master,
         f"Adam moments (2 x {optimizer_dtype}){on_gpu}": mom,
-        f"activations ({tokens_per_device} tokens, seq {opts['train_seq_len']}, full remat)": act,
+        f"activations ({tokens_per_device} tokens, seq {opts['train_seq_len']}, remat block, EP {ep_backend})": act,
+        "optimizer update: offloaded state moved to the device (learner's step)": off,
     }
     a_total = sum(a_items.values())
     a_dev = spec.size(rl.ACTOR)
@@ -440,7 +464,7 @@ def plan(config, mesh_spec: str, gpu: str, *, nodes: int | None = None, optimize
     if rollout_dequant == "per_call":
         r_items["bf16 copy of the quantised weights (dequant=per_call)"] = dequant_copy
     if spec.colocated:
-        r_items["actor state resident (colocated; activations excluded)"] = a_total - act
+        r_items["actor state resident (colocated; activations excluded)"] = a_total - act - off
     r_items[f"reserve for activations / fragmentation ({rollout_reserve:.0%} of usable)"] = rollout_reserve * usable
     kv = KVCache.for_config(config, jnp.bfloat16 if kv_dtype == "bf16" else jnp.float32)
     free = usable - sum(r_items.values())
@@ -480,6 +504,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--rollout-reserve", type=float, default=0.10)
     p.add_argument("--rollout-seqs-per-device", type=int, default=1, help="sequences that must fit for 'fits'")
     p.add_argument("--ep-capacity-factor", type=float, default=None, help="EP buffer factor (default dropless)")
+    p.add_argument("--ep-backend", choices=EP_BACKENDS, default=None,
+                   help="expert-parallel dispatch (sharding/expert.py): padded | capacity | ragged (default: the "
+                        "learner's, dsv4.moe.default_dispatch: ragged on GPUs, capacity on XLA:CPU for --compile)")
     p.add_argument("--host-gib-per-node", type=float, default=None,
                    help="host RAM per node for the offloaded optimizer; checked only when given")
     p.add_argument("--train-mtp", action=argparse.BooleanOptionalAction, default=True,
@@ -491,7 +518,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                    "or --rollout-seq-len)")
     p.add_argument("--micro-batch-tokens", type=int, default=None,
                    help="--compile: the learner's --max-tokens-per-micro-batch (default: one row per device)")
-    p.add_argument("--scan-layers", action=argparse.BooleanOptionalAction, default=False,
+    p.add_argument("--scan-layers", action=argparse.BooleanOptionalAction, default=True,
                    help="--compile: the learner's --scan-layers (layers under lax.scan; compile time flat in depth)")
     p.add_argument("--num-layers", type=int, default=None,
                    help="plan/compile a reduced-depth copy of the config (first N main layers; labelled)")
@@ -522,6 +549,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                       usable_fraction=args.usable_fraction, rollout_reserve=args.rollout_reserve,
                       rollout_seqs_per_device=args.rollout_seqs_per_device,
                       ep_capacity_factor=args.ep_capacity_factor, host_gib_per_node=args.host_gib_per_node,
+                      ep_backend=args.ep_backend or ("capacity" if args.compile else "ragged"),
                       config_name=name, train_mtp=args.train_mtp, freeze_router=args.freeze_router)
     except ValueError as e:  # MeshSpecError is a ValueError
         print(f"error: {e}", file=sys.stderr)
@@ -535,7 +563,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         xla = compile_actor(config, report.mesh_spec, seq_len=seq, micro_batch_tokens=args.micro_batch_tokens,
                             offload_optimizer=args.offload_optimizer, train_mtp=args.train_mtp,
-                            freeze_router=args.freeze_router, scan_layers=args.scan_layers)
+                            freeze_router=args.freeze_router, scan_layers=args.scan_layers,
+                            ep_backend=args.ep_backend, ep_capacity_factor=args.ep_capacity_factor)
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
