@@ -76,14 +76,15 @@ class CompileReport:
 def compile_actor(config, mesh_spec: str, *, seq_len: int, micro_batch_tokens: int | None = None,
                   offload_optimizer: float = 0.0, train_mtp: bool = True, freeze_router: bool = False,
                   routing_replay: bool = True, scan_layers: bool = False, ep_backend: str | None = None,
-                  ep_capacity_factor: float | None = None) -> CompileReport:
+                  ep_capacity_factor: float | None = None, stream_optimizer: bool = True) -> CompileReport:
     """Lower and compile the learner's train step for `config` on the actor mesh of `mesh_spec`.
 
     Needs `spec.n_devices` local devices (XLA:CPU with the device-count flag). Rows per device of the batch
     axes: max(1, micro_batch_tokens // seq_len) (1 without a budget). `scan_layers`: the learner's
     `--scan-layers` (layers under lax.scan: compile time flat in depth). `ep_backend` / `ep_capacity_factor`: the
     expert-parallel dispatch (`dsv4.moe.default_dispatch`, i.e. `sharding.expert.make_ep_dispatch`; None = its
-    default: "capacity", dropless, on CPU). Raises whatever the learner raises for a layout it cannot take
+    default: "capacity", dropless, on CPU). `stream_optimizer`: the learner's streamed update of the offloaded
+    stacked state (`rl.optim.update_streamed`; only with offload and scanned layers). Raises whatever the learner raises for a layout it cannot take
     (ValueError), and XLA's errors.
     """
     import dsv4
@@ -100,7 +101,8 @@ def compile_actor(config, mesh_spec: str, *, seq_len: int, micro_batch_tokens: i
                                                          dtype=jnp.bfloat16))
     cfg = LearnerConfig(compute_dtype="bfloat16", param_dtype="bfloat16", offload_optimizer=offload_optimizer,
                         train_mtp=train_mtp, freeze_router=freeze_router, routing_replay=routing_replay,
-                        max_tokens_per_micro_batch=micro_batch_tokens, scan_layers=scan_layers)
+                        max_tokens_per_micro_batch=micro_batch_tokens, scan_layers=scan_layers,
+                        stream_optimizer=stream_optimizer)
     learner = Learner(model, cfg, mesh=plan.actor, abstract=True)
     if ep_backend is not None or ep_capacity_factor is not None:
         from dsv4 import moe

@@ -22,20 +22,25 @@ bf16 params, Adam moments (2 x optimizer dtype) of the trained params (frozen on
 optimizer state (master + moments) of the params `sharding.offload.select_offloaded` picks (largest first, <= F of
 the bytes) to host memory (`pinned_host`, the learner's `--offload-optimizer`; reported per node, not counted on
 the GPU; with `host_gib_per_node` given, an actor needing more host RAM than that does not fit).
-Activation estimate for T = tokens per device, S = sequence length, full rematerialisation of every decoder block
-(the learner must `jax.checkpoint` each block; only block inputs are kept), tp = tensor size, L' = L + MTP layers:
-    A = T * [ L' * n_hc * D * 2                          block inputs: the [n_hc, D] bf16 residual streams
-            + 4 * H * d * 4 / tp                         q, attention output and their grads (f32), one block
-            + 3 * H * (S + ceil(S / m_csa)) * 4 / tp      dense scores [B, H, S, S + S/m] f32: logits, probs, grad
-                                                          (dsv4/attention.py materialises them; a flash kernel
-                                                          would drop this term)
-            + 2 * k * (6 * D + 10 * I / tp)              MoE token copies, h1/h3/h, y and their grads
-            + 2 * k * c * D * (8 | 12)                   EP buffers (sharding/expert.py): tokens out and expert
-                                                          outputs back in bf16 (f32 back with tensor-parallel
-                                                          experts), fwd + bwd; c = ep dropless, or the capacity factor
-            + 6 * n_hc * D * 4                           mHC f32 temporaries
-            + 3 * V * 4 / tp ]                           f32 logits, log-softmax and grad (vocab over tensor)
-It is an order-of-magnitude estimate (+-50%): XLA fusion, buffer reuse and the loss chunking change it.
+Activation estimate for T = tokens per device in one micro-batch, S = sequence length, as the learner runs
+(`--remat block`: only each layer's input is kept, the layer is recomputed in the backward; blocked attention,
+dsv4/blocked.py; log-probs in chunks of 1024 positions), tp = tensor size, L' = L + MTP layers, R = expert-FFN
+rows per local token on a rank (`ep_rows_per_token`: "padded" f * k, dropless E * k; "capacity" min(ep, f) * k;
+"ragged" ep * k dropless or f * k; f = --ep-capacity-factor, k = experts per token):
+    A = T * [ L' * n_hc * D * 2                          saved layer inputs: the [n_hc, D] bf16 residual streams
+            + 4 * H * d * 4 / tp                         q, attention output and their grads (f32), one layer
+            + 2 * H * (W + 128 + topk) * 4 / tp          blocked attention logits + probs per query (window + one
+                                                          query block + the CSA top-k entries), f32
+            + 2 * R * (8 * D + 4 * D + 14 * I / tp)      EP rows: sent / received / returned (bf16), y (f32),
+                                                          h1 / h3 (f32) and h (bf16), forward + backward
+            + 6 * n_hc * D * 4 ]                         mHC f32 temporaries
+        + rows * min(S, 1024) * 3 * V * 4 / tp           one log-prob chunk: logits, log-sum-exp, grad (f32)
+Optimizer update transient: the step moves the offloaded optimizer state (fp32 masters + moments) to the device
+for the update and back (`rl.learner.Learner._opt_state_to`); nothing streams it, and XLA's memory analysis of the
+Flash step keeps most of it live at once (launch/aot.py), so the plan counts all offloaded bytes on the device:
+host offload saves device memory between steps (for the rollout, colocated), not at the update's peak.
+Against XLA (`--compile`, Flash, seed layout, padded EP): plan / XLA = 1.16; the plan is an estimate within a
+factor 1.5 of XLA's figure (XLA:CPU upcasts bf16 dots to f32; fusion and buffer reuse differ by backend).
 
 Rollout, per device, as rl/sampler.py holds it: FP8 e4m3 (1 byte per weight) for the checkpoint's FP8 set
 (`dsv4.quant.FP8_WEIGHT_RE`: attention wq_a/wq_b/wkv/wo_a/wo_b, indexer wq_b, shared experts, MTP e/h_proj) and
