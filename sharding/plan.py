@@ -107,6 +107,7 @@ GPUS: dict[str, GpuSpec] = {
     "h200": GpuSpec(name="NVIDIA H200 SXM", hbm_gib=140, source="NVIDIA product page: 141 GB HBM3e (~140 GiB visible)"),
 }
 _BYTES = {"fp32": 4, "bf16": 2}
+_LAYER = re.compile(r"layers\.\d+\.")  # a decoder layer's leaf: stacked under --scan-layers, hence streamed
 _EXPERTS = re.compile(r"\.ffn\.experts\.w[123]$")  # the stacked routed experts (NNX paths joined with ".")
 
 
@@ -351,6 +352,7 @@ def plan(config, mesh_spec: str, gpu: str, *, nodes: int | None = None, optimize
          fp4_scale_bytes: float = 1.0, rollout_dequant: str = "per_step", kv_dtype: str = "bf16",
          usable_fraction: float = 0.90, rollout_reserve: float = 0.10,
          rollout_seqs_per_device: int = 1, ep_capacity_factor: float | None = None, ep_backend: str = "ragged",
+         stream_optimizer: bool = False,
          host_gib_per_node: float | None = None, config_name: str | None = None, train_mtp: bool = True,
          freeze_router: bool = False) -> PlanReport:
     """Plan the per-device memory of both roles. Arguments as the CLI flags (module docstring).
@@ -408,12 +410,13 @@ def plan(config, mesh_spec: str, gpu: str, *, nodes: int | None = None, optimize
                 fp8_scale_bytes=fp8_scale_bytes, fp4_scale_bytes=fp4_scale_bytes, rollout_dequant=rollout_dequant,
                 kv_dtype=kv_dtype, usable_fraction=usable_fraction,
                 rollout_reserve=rollout_reserve, rollout_seqs_per_device=rollout_seqs_per_device,
-                ep_capacity_factor=ep_capacity_factor, ep_backend=ep_backend, host_gib_per_node=host_gib_per_node)
+                ep_capacity_factor=ep_capacity_factor, ep_backend=ep_backend, stream_optimizer=stream_optimizer,
+                host_gib_per_node=host_gib_per_node)
 
     # ---- actor
     a_sizes = spec.axes(rl.ACTOR)
     a_mesh = abstract_mesh(a_sizes)
-    w = g = master = mom = off_master = off_mom = 0.0
+    w = g = master = mom = off_master = off_mom = whole = slice_peak = 0.0
     # optimizer state as rl/learner.py + rl/optim.py hold it: an fp32 master for trained non-fp32 params, two
     # moments for every trained param (frozen ones: none), whole params offloaded by `select_offloaded`
     def _state(leaf, n):
@@ -434,6 +437,10 @@ def plan(config, mesh_spec: str, gpu: str, *, nodes: int | None = None, optimize
             ms, mo = _state(leaf, n)
             if leaf.path in chosen:
                 off_master, off_mom = off_master + ms, off_mom + mo
+                if stream_optimizer and _LAYER.match(leaf.path) and len(leaf.shape) >= 2:
+                    slice_peak = max(slice_peak, 2 * (ms + mo))  # one layer's state in + out
+                else:
+                    whole += ms + mo
             else:
                 master, mom = master + ms, mom + mo
     if ep_backend not in EP_BACKENDS:
@@ -447,7 +454,7 @@ def plan(config, mesh_spec: str, gpu: str, *, nodes: int | None = None, optimize
         f"fp32 master weights{on_gpu}": master,
         f"Adam moments (2 x {optimizer_dtype}){on_gpu}": mom,
         f"activations ({tokens_per_device} tokens, seq {opts['train_seq_len']}, remat block, EP {ep_backend})": act,
-        "optimizer update: offloaded state moved to the device (learner's step)": off,
+        "optimizer update: offloaded state moved to the device (learner's step)": whole + slice_peak,
     }
     a_total = sum(a_items.values())
     a_dev = spec.size(rl.ACTOR)
@@ -509,6 +516,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--rollout-reserve", type=float, default=0.10)
     p.add_argument("--rollout-seqs-per-device", type=int, default=1, help="sequences that must fit for 'fits'")
     p.add_argument("--ep-capacity-factor", type=float, default=None, help="EP buffer factor (default dropless)")
+    p.add_argument("--stream-optimizer", action=argparse.BooleanOptionalAction, default=True,
+                   help="the learner's stream_optimizer (offloaded state of the stacked layers updated one layer at a "
+                        "time); --no-stream-optimizer: the whole offloaded state transits the device in the update")
     p.add_argument("--ep-backend", choices=EP_BACKENDS, default=None,
                    help="expert-parallel dispatch (sharding/expert.py): padded | capacity | ragged (default: the "
                         "learner's, dsv4.moe.default_dispatch: ragged on GPUs, capacity on XLA:CPU for --compile)")
@@ -555,6 +565,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                       rollout_seqs_per_device=args.rollout_seqs_per_device,
                       ep_capacity_factor=args.ep_capacity_factor, host_gib_per_node=args.host_gib_per_node,
                       ep_backend=args.ep_backend or ("capacity" if args.compile else "ragged"),
+                      stream_optimizer=args.stream_optimizer,
                       config_name=name, train_mtp=args.train_mtp, freeze_router=args.freeze_router)
     except ValueError as e:  # MeshSpecError is a ValueError
         print(f"error: {e}", file=sys.stderr)
@@ -569,7 +580,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         xla = compile_actor(config, report.mesh_spec, seq_len=seq, micro_batch_tokens=args.micro_batch_tokens,
                             offload_optimizer=args.offload_optimizer, train_mtp=args.train_mtp,
                             freeze_router=args.freeze_router, scan_layers=args.scan_layers,
-                            ep_backend=args.ep_backend, ep_capacity_factor=args.ep_capacity_factor)
+                            ep_backend=args.ep_backend, ep_capacity_factor=args.ep_capacity_factor,
+                            stream_optimizer=args.stream_optimizer)
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
