@@ -2,7 +2,7 @@
 
 What is measured, per config (tiny: B=2, S=64; small: `DSV4Config.small()`, B=2, S=256), fp32 on both sides:
 - fwd: logits of the full sequence (ours: jitted `model(ids, dispatch_fn=...).logits` with the routed-expert
-  implementation our learner uses on this backend, `dsv4.moe.default_dispatch`: on CPU `routed_experts_cpu`;
+  implementation our learner uses on this backend, `parallel.expert.default_dispatch`: on CPU `routed_experts_cpu`;
   `--ragged` also times the stock `ragged_dot`; transformers: `model(ids, use_cache=False)`
   under `torch.no_grad()`, eager attention);
 - fwdbwd: the gradient of the mean next-token NLL w.r.t. every parameter (ours: jitted `jax.value_and_grad`
@@ -39,6 +39,7 @@ from flax import nnx  # noqa: E402
 
 from dsv4 import DSV4Config, load_hf_checkpoint  # noqa: E402
 from dsv4 import moe  # noqa: E402
+from parallel import expert as expert_lib  # noqa: E402
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests", "dsv4"))
 from hf_ref import hf_model  # noqa: E402
@@ -123,8 +124,8 @@ def bench_config(name: str, runs: int, bf16: bool, ragged: bool = False) -> dict
         hf.save_pretrained(d)
         ours = load_hf_checkpoint(d, dtype=jnp.float32)
     ids = np.random.RandomState(0).randint(0, cfg.vocab_size, (b, s))
-    # ours = what rl.learner.Learner runs on this backend: dsv4.moe.default_dispatch (CPU: routed_experts_cpu)
-    dispatch = moe.default_dispatch(jax.devices()[:1])
+    # ours = what rl.learner.Learner runs on this backend: parallel.expert.default_dispatch (CPU: routed_experts_cpu)
+    dispatch = expert_lib.default_dispatch(jax.devices()[:1])
     of, ob = ours_fns(ours, ids, dispatch)
     hf_f, hf_b = hf_fns(hf, ids)
     ref = hf_f().float().numpy()

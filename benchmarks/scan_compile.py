@@ -5,7 +5,7 @@ w.r.t. every `nnx.Param` of a model with `DSV4Config.small()` dims (D = 512, 16 
 HCA m = 16) at 4 / 12 / 24 / 43 main layers, laid out in DeepSeek-V4-Flash's schedule (3 hash layers, sliding
 layers 0-1, then CSA / HCA alternating: `(0, 0) + (4, 16) * 21`, truncated). Abstract parameters
 (`jax.ShapeDtypeStruct`s): nothing is allocated or run. One row of B x S = 1 x 256 tokens, fp32, the routed-expert
-implementation the learner uses on this backend (`dsv4.moe.default_dispatch`), XLA's default optimisation level.
+implementation the learner uses on this backend (`parallel.expert.default_dispatch`), XLA's default optimisation level.
 unrolled = `model(ids)` (Python loop over `model.layers`); scanned = the same model through
 `dsv4.scan.merge_stacked` + `layer_stack=` (one `lax.scan` per group of identical layers; Flash's schedule gives 4
 traced layer bodies at any depth >= 4).
@@ -37,6 +37,7 @@ from flax import nnx  # noqa: E402
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from dsv4 import DSV4Config, DSV4ForCausalLM  # noqa: E402
 from dsv4 import moe, scan  # noqa: E402
+from parallel import expert as expert_lib  # noqa: E402
 from dsv4.layers import Buffer  # noqa: E402
 
 
@@ -58,7 +59,7 @@ def compile_seconds(n_layers: int, scanned: bool, *, seq: int, remat: str | None
     cfg = config(n_layers)
     model = nnx.eval_shape(lambda: DSV4ForCausalLM(cfg, rngs=nnx.Rngs(0)))
     graphdef, params, buffers = nnx.split(model, nnx.Param, Buffer)
-    dispatch = moe.default_dispatch(jax.devices())
+    dispatch = expert_lib.default_dispatch(jax.devices())
     ids = jax.ShapeDtypeStruct((1, seq), jnp.int32)
     if scanned:
         sdef = scan.stack_def(model)

@@ -1,4 +1,4 @@
-"""Weight push speed (`sharding/push.py`): actor fp32 -> bf16 -> rollout mesh -> FP8, against memcpy, CPU.
+"""Weight push speed (`parallel/push.py`): actor fp32 -> bf16 -> rollout mesh -> FP8, against memcpy, CPU.
 
 What is measured, per layout, for `DSV4Config.small()` (~94M parameters) on 8 forced host devices:
 - push: wall time of `push_weights(..., verify=False)` (cast on the actor mesh, chunked device_put, FP8 block
@@ -41,7 +41,7 @@ from jax import monitoring  # noqa: E402
 from dsv4 import DSV4Config, DSV4ForCausalLM  # noqa: E402
 from rl.sampler import Sampler  # noqa: E402
 from sharding.mesh import build_mesh_plan  # noqa: E402
-from sharding.push import WeightPusher, push_weights  # noqa: E402
+from parallel.push import WeightPusher, push_weights  # noqa: E402
 
 _COMPILES = [0]
 

@@ -217,7 +217,7 @@ class DSV4ForCausalLM(nnx.Module):
           routing_replay: [B, S, L, k] int32 expert ids to force in every main MoE layer (entries < 0 route
             normally), as returned in `.routing` by an earlier call or the sampler; None = route freely.
           return_mtp: also compute the MTP head (`mtp_logits`).
-          dispatch_fn: routed-expert implementation (default: single-device ragged_dot; EP: sharding.expert).
+          dispatch_fn: routed-expert implementation (default: single-device ragged_dot; EP: parallel.expert).
           layer_stack: a `dsv4.scan.LayerStack` (stacked layer weights, run under `jax.lax.scan` per group of
             identical layers) used instead of `self.layers`; None = the Python loop over `self.layers`.
         Returns:

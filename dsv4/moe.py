@@ -8,7 +8,7 @@ hash layers included; the weights still come from the router so it keeps its gra
 
 Experts are stacked: w1, w3 [E, I, D], w2 [E, D, I] (official per-expert `w1/w3/w2`, [out, in]).
 The model's routed computation is sort-by-expert + `jax.lax.ragged_dot_general` (dropless; a grouped matmul on
-GPU/TPU). `dispatch_fn` substitutes another implementation with the same contract: `sharding/expert.py`'s
+GPU/TPU). `dispatch_fn` substitutes another implementation with the same contract: `parallel/expert.py`'s
 expert-parallel all-to-all, or the XLA:CPU ones here (`routed_experts_cpu`: gathered / dense / tiled with a custom
 VJP; XLA:CPU's `ragged_dot` is a slow generic fallback), which `default_dispatch` picks for the sampler and the
 learner on CPU. All of them are dropless and equal to `routed_experts_ragged` up to summation order.
@@ -264,62 +264,25 @@ def routed_experts_cpu(x: jax.Array, ids: jax.Array, weights: jax.Array, w1: jax
     return routed_experts_tiled(x, ids, weights, w1, w3, w2, limit=limit, dtype=dtype)
 
 
-def default_dispatch(devices: Sequence[Any], param_shardings: Mapping[str, Any] | None = None, *,
-                     ep_backend: str | None = None, ep_capacity_factor: float | None = None):
-    """The routed-expert implementation the sampler and the learner use when none is given (the one place that
-    decides).
+def routed_experts_local(devices: Sequence[Any], param_shardings: Mapping[str, Any] | None = None):
+    """The routed-expert implementation when the experts are not split over an `expert` mesh axis (the model's
+    part of `parallel.expert.default_dispatch`, the one place that decides; that function adds expert parallelism).
 
     Args:
       devices: the devices the model runs on (`jax.Device`s; only `.platform` is read).
-      ep_backend: expert-parallel backend of `sharding.expert.make_ep_dispatch` ("capacity", "ragged", "padded");
-        None = "capacity" on CPU, "ragged" elsewhere. ep_capacity_factor: its `capacity_factor` (None = dropless).
-        Both only matter on expert meshes.
       param_shardings: {"/"-joined parameter path, e.g. "layers/1/ffn/experts/w1": its sharding (None or a
         sharding without `.spec` = not sharded)}, or None for a single device.
     Returns:
-      - experts split over the `expert` mesh axis (size > 1) of a NamedSharding laid out by the actor or the
-        rollout rule table: `sharding.expert.make_ep_dispatch(mesh, rules=that table)`, the shard_map all-to-all
-        expert parallelism (backend "capacity" on CPU, which lacks ragged-all-to-all; "ragged" elsewhere), so no
-        device ever gathers other devices' experts;
-      - `routed_experts_cpu` when every device is a CPU and no routed-expert weight is sharded on its expert axis
-        (a gather or a dynamic index over a sharded expert axis would make XLA all-gather the weights);
-      - otherwise None, i.e. the model's stock `routed_experts_ragged` (`ragged_dot`: a grouped matmul on
-        GPU/TPU, partitioned by GSPMD; also the fallback for an expert layout the EP dispatch cannot take).
+      `routed_experts_cpu` when every device is a CPU and no routed-expert weight is sharded on its expert axis
+      (a gather or a dynamic index over a sharded expert axis would make XLA all-gather the weights); otherwise
+      None, i.e. the model's stock `routed_experts_ragged` (`ragged_dot`: a grouped matmul on GPU/TPU,
+      partitioned by GSPMD).
     """
     expert_sh = [sh for k, sh in (param_shardings or {}).items() if ROUTED_EXPERT_RE.search(k)]
     sharded = any(getattr(sh, "spec", None) and sh.spec[0] is not None for sh in expert_sh)
-    ep = _ep_dispatch(expert_sh, devices, ep_backend, ep_capacity_factor)
-    if ep is not None:
-        return ep
     if sharded or any(d.platform != "cpu" for d in devices):
         return None
     return routed_experts_cpu
-
-
-def _ep_dispatch(expert_shardings: Sequence[Any], devices: Sequence[Any], backend: str | None = None,
-                 capacity_factor: float | None = None):
-    """`make_ep_dispatch` for experts sharded over a mesh's `expert` axis (> 1) by a known rule table, else None."""
-    from sharding import expert as ep_lib
-    from sharding import rules as rl
-
-    named = [sh for sh in expert_shardings if isinstance(sh, jax.sharding.NamedSharding)]
-    if not named or len(named) != len(expert_shardings):
-        return None
-    mesh = named[0].mesh
-    if mesh.shape.get(rl.EXPERT, 1) <= 1 or any(sh.mesh != mesh for sh in named):
-        return None
-    norm = lambda spec: tuple(spec) + (None,) * (3 - len(spec))  # noqa: E731
-    if backend is None:
-        backend = "capacity" if all(d.platform == "cpu" for d in devices) else "ragged"
-    for rules in (rl.ACTOR_RULES, rl.ROLLOUT_RULES):
-        w13 = norm(rl.logical_to_spec((ax.EXPERT, ax.MLP, ax.EMBED), rules, mesh))
-        w2 = norm(rl.logical_to_spec((ax.EXPERT, ax.EMBED, ax.MLP), rules, mesh))
-        if all(norm(sh.spec) in (w13, w2) for sh in named):
-            try:
-                return ep_lib.make_ep_dispatch(mesh, backend=backend, capacity_factor=capacity_factor, rules=rules)
-            except ValueError:  # a layout the EP dispatch cannot take (e.g. tokens split over tensor): GSPMD
-                return None
-    return None
 
 
 DispatchFn = Callable[..., jax.Array]

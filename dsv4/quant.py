@@ -216,7 +216,7 @@ def quantize_fp8_blockwise(w, *, fmt: str = "e4m3fn", block: tuple[int, int] = (
 
 
 # The precision learner weights are rounded to before FP8 rollout quantisation: the learner's compute precision,
-# and what the actor -> rollout push sends FP8-stored tensors as (sharding/push.py FP8_SOURCE_DTYPE).
+# and what the actor -> rollout push sends FP8-stored tensors as (parallel/push.py FP8_SOURCE_DTYPE).
 ROLLOUT_FP8_SOURCE_DTYPE = jnp.bfloat16
 
 

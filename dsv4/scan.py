@@ -33,7 +33,7 @@ Use in a learner (the learner holds the stacked form; everything else keeps the 
     shell, stack = merge_stacked(sdef, params, buffers, remat="block")   # inside the loss (traced)
     out = shell(ids, attention_mask=m, routing_replay=r, dispatch_fn=f, layer_stack=stack)
     per_layer = unstack_params(nnx.merge_state(params, buffers), sdef.groups)   # push, official checkpoint
-        # names, and path-based lookups such as `moe.default_dispatch(devices, shardings)` (expert axis = dim 0)
+        # names, and path-based lookups such as `parallel.expert.default_dispatch(devices, shardings)` (expert axis = dim 0)
 Sources (ideas, not code): MaxText's `scan_layers` (`nn.scan` over a decoder block, params with a leading layer
 axis); Flax NNX's "scan over layers" guide (`nnx.split` a layer, `jax.lax.scan` over its stacked state).
 """

@@ -2,7 +2,7 @@
 --compile`): XLA's own per-device memory figures next to the planner's arithmetic.
 
 How (the idea of MaxText's `train_compile.py`: compile against a topology you do not have): the process gets as
-many XLA:CPU devices as the mesh spec needs (`--xla_force_host_platform_device_count`, set by sharding/plan.py
+many XLA:CPU devices as the mesh spec needs (`--xla_force_host_platform_device_count`, set by parallel/plan.py
 before JAX starts), the real meshes are built on them (`sharding.mesh.build_mesh_plan`), the model is
 `nnx.eval_shape`d (no weights exist), `rl.learner.Learner(..., abstract=True)` places the abstract train state with
 the learner's real shardings (actor rules, bf16 params, fp32 masters + moments, host offload), and
@@ -82,7 +82,7 @@ def compile_actor(config, mesh_spec: str, *, seq_len: int, micro_batch_tokens: i
     Needs `spec.n_devices` local devices (XLA:CPU with the device-count flag). Rows per device of the batch
     axes: max(1, micro_batch_tokens // seq_len) (1 without a budget). `scan_layers`: the learner's
     `--scan-layers` (layers under lax.scan: compile time flat in depth). `ep_backend` / `ep_capacity_factor`: the
-    expert-parallel dispatch (`dsv4.moe.default_dispatch`, i.e. `sharding.expert.make_ep_dispatch`; None = its
+    expert-parallel dispatch (`parallel.expert.default_dispatch`, i.e. `make_ep_dispatch`; None = its
     default: "capacity", dropless, on CPU). `stream_optimizer`: the learner's streamed update of the offloaded
     stacked state (`rl.optim.update_streamed`; only with offload and scanned layers). Raises whatever the learner raises for a layout it cannot take
     (ValueError), and XLA's errors.
@@ -105,12 +105,12 @@ def compile_actor(config, mesh_spec: str, *, seq_len: int, micro_batch_tokens: i
                         stream_optimizer=stream_optimizer)
     learner = Learner(model, cfg, mesh=plan.actor, abstract=True)
     if ep_backend is not None or ep_capacity_factor is not None:
-        from dsv4 import moe
+        from parallel.expert import default_dispatch
         from rl.learner import _path
 
         shardings = {_path(p): sh for p, sh in jax.tree_util.tree_leaves_with_path(learner._param_shardings())}
-        learner.dispatch_fn = moe.default_dispatch(list(plan.actor.devices.flat), shardings, ep_backend=ep_backend,
-                                                   ep_capacity_factor=ep_capacity_factor)
+        learner.dispatch_fn = default_dispatch(list(plan.actor.devices.flat), shardings, ep_backend=ep_backend,
+                                               ep_capacity_factor=ep_capacity_factor)
     per_dev = 1 if micro_batch_tokens is None else max(1, micro_batch_tokens // seq_len)
     n = per_dev * learner._batch_devices()
     sds = jax.ShapeDtypeStruct

@@ -189,11 +189,11 @@ def dry_run(cfg: RunConfig) -> None:
 
 
 def _memory_plan(cfg: RunConfig, model_cfg, spec: str) -> str:
-    """sharding/plan.py's table for this mesh, on the detected GPU (else MI308X for fp8_e4m3fnuz, else H200)."""
+    """parallel/plan.py's table for this mesh, on the detected GPU (else MI308X for fp8_e4m3fnuz, else H200)."""
     try:
-        from sharding.plan import GPUS, plan
+        from parallel.plan import GPUS, plan
     except ImportError as e:
-        return f"memory plan: unavailable (sharding/plan.py cannot be imported: {e})"
+        return f"memory plan: unavailable (parallel/plan.py cannot be imported: {e})"
     import jax
 
     kind = jax.devices()[0].device_kind.lower().replace(" ", "")

@@ -28,7 +28,7 @@ Choices (and why):
   neutral); a batch whose longest row exceeds B is a ValueError naming --max-tokens-per-micro-batch.
 - Optimizer offload: `offload_optimizer` F puts the optimizer state (masters + moments) of the params
   `sharding.offload.select_offloaded` picks into `pinned_host` memory; the step moves it to the device, updates
-  it and writes it back (jit out_shardings carry the memory kind). sharding/plan.py counts the same bytes.
+  it and writes it back (jit out_shardings carry the memory kind). parallel/plan.py counts the same bytes.
 - Micro-batches: `lax.scan` over M = N / micro_batch_size micro-batches inside the one jitted step (one
   compile, one dispatch). Micro-batch m takes rows m, m + M, m + 2M, ... (strided), so with the batch sharded
   in blocks over the data axes every device holds an equal share of each micro-batch. Every micro-batch loss
@@ -89,6 +89,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from dsv4 import moe
 from dsv4 import scan
 from dsv4.layers import Buffer
+from parallel import expert as expert_lib
 from rl import batching, optim
 from rl.config import LearnerConfig
 from rl.logprobs import token_logprobs
@@ -192,13 +193,13 @@ class Learner:
         mesh: the actor mesh (e.g. `sharding.mesh.build_mesh_plan(...).actor`) or None (default device).
         rules: rule table for `mesh` (default `sharding.rules.ACTOR_RULES`).
         dispatch_fn: routed-expert implementation passed to the model, e.g. the expert-parallel
-            `sharding.expert.make_ep_dispatch(mesh)`; None = `dsv4.moe.default_dispatch`: the tiled/dense CPU
+            `parallel.expert.make_ep_dispatch(mesh)`; None = `parallel.expert.default_dispatch`: the tiled/dense CPU
             implementation `moe.routed_experts_cpu` on CPU with unsharded experts, else the model's single-program
             ragged_dot path (on a mesh XLA then partitions it on its own); experts split over a mesh's `expert`
-            axis get the all-to-all `sharding.expert.make_ep_dispatch` (`moe.default_dispatch` decides).
+            axis get the all-to-all `parallel.expert.make_ep_dispatch` (`parallel.expert.default_dispatch` decides).
         abstract: build only the state's shapes, dtypes and shardings (`jax.ShapeDtypeStruct`s; `model` may be
             an `nnx.eval_shape` model): for `lower` / AOT memory analysis of models larger than this machine
-            (sharding/plan.py --compile). Such a learner cannot `update`.
+            (python -m sharding.plan --compile). Such a learner cannot `update`.
     Attributes:
         state: the current TrainState (replaced by `update`). graphdef: the learner's model graph (compute
         dtype, per layer); `nnx.merge(graphdef, params_for_push())` is the current policy (without scan_layers
@@ -278,14 +279,14 @@ class Learner:
         if dispatch_fn is None:
             devices = [jax.devices()[0]] if mesh is None else list(mesh.devices.flat)
             shardings = {_path(p): sh for p, sh in jax.tree_util.tree_leaves_with_path(self._param_shardings())}
-            self.dispatch_fn = moe.default_dispatch(devices, shardings)
+            self.dispatch_fn = expert_lib.default_dispatch(devices, shardings)
         self._jits: dict[Any, Any] = {}
         self._hash_buffers = {int(m.group(1)): leaf for p, leaf in jax.tree_util.tree_leaves_with_path(buffers)
                               if (m := _HASH_TABLE.fullmatch(_path(p)))}
         self._replay_metrics: dict[str, Any] = {}
 
     def _param_shardings(self) -> Any:
-        """The params' shardings in the per-layer layout (official paths, e.g. for `moe.default_dispatch`)."""
+        """The params' shardings in the per-layer layout (official paths, e.g. for `expert_lib.default_dispatch`)."""
         sh = self._state_shardings.params
         if self.sdef is None:
             return sh
@@ -498,7 +499,7 @@ class Learner:
         lowered for `batch`, whose fields may be `jax.ShapeDtypeStruct`s (then no trimming: the batch is taken
         to be as long as its real rows, and the token budget is checked against S). state: default the learner's
         (its arrays are not touched; `jax.ShapeDtypeStruct`s with shardings work too).
-        `.compile().memory_analysis()` gives XLA's per-device figures (sharding/plan.py --compile).
+        `.compile().memory_analysis()` gives XLA's per-device figures (python -m sharding.plan --compile).
         Raises ValueError as `train_step` (mis-shaped batch, token budget below the longest row)."""
         batch = self._check_batch(batch, self.cfg.routing_replay)
         abstract = any(isinstance(x, jax.ShapeDtypeStruct) for x in jax.tree.leaves(batch))

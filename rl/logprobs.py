@@ -106,7 +106,7 @@ def token_logprobs(
         chunk_size: None for the full-logits path, or C >= 1 to run head + log-softmax over chunks of C positions
             (see the module docstring; bounds the logits memory to [N, C, V]).
         dispatch_fn: the model's routed-expert implementation (None: its default; on a mesh e.g.
-            `sharding.expert.make_ep_dispatch(mesh)`).
+            `parallel.expert.make_ep_dispatch(mesh)`).
         layer_stack: a `dsv4.scan.LayerStack` when `model` is a `dsv4.scan.merge_stacked` shell (scanned layers),
             passed to the model as `layer_stack=`; None = not passed (the model's own layers).
     Returns:

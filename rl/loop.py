@@ -244,9 +244,9 @@ def same_data(cfg: RunConfig, meta: dict, identity: dict) -> bool:
 
 
 def make_pusher(plan, learner, sampler):
-    """The actor -> rollout weight push (sharding/push.py): compiled and warmed up here; verification of the
+    """The actor -> rollout weight push (parallel/push.py): compiled and warmed up here; verification of the
     pushed FP8 weights is sampled (every 10th push) in production runs."""
-    from sharding.push import WeightPusher
+    from parallel.push import WeightPusher
 
     return WeightPusher(plan, sampler, learner.params_for_push(), verify_every=10)
 
@@ -257,7 +257,7 @@ def push(job: Job) -> dict:
     params = job.learner.params_for_push()
     nbytes = sum(int(np.prod(x.shape)) * 2 for x in jax.tree.leaves(params))  # bf16 on the wire
     if job.pusher is not None:
-        from sharding.push import push_weights
+        from parallel.push import push_weights
 
         stats = push_weights(job.pusher, params, job.sampler, job.weight_version)
         nbytes = stats.bytes

@@ -25,7 +25,7 @@ Design (docs/jax-stack.md §5; Tunix `sampler.py`, MaxText `maxengine` read for 
   change when the batch around it changes.
 - Routing: expert ids of every main MoE layer for every prompt and response token; the last response token is
   fed once more after sampling stops so that its routing is recorded too.
-- Routed experts: `dsv4.moe.default_dispatch` (on CPU with unsharded experts `routed_experts_cpu`, else the
+- Routed experts: `parallel.expert.default_dispatch` (on CPU with unsharded experts `routed_experts_cpu`, else the
   model's `ragged_dot`); prefill and decode ops sit under the `prefill` / `decode_step` name scopes (profiles,
   compiled HLO; benchmarks/sampler.py counts the decode step's bytes from them).
 """
@@ -46,6 +46,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 from dsv4 import moe, quant
 from dsv4.cache import cache_shapes, decode_step, prefill
 from dsv4.model import DSV4ForCausalLM
+from parallel import expert as expert_lib
 
 log = logging.getLogger(__name__)
 
@@ -241,7 +242,7 @@ class Sampler:
         self._raw_shardings = self._shardings_for(abs_state)
         if dispatch_fn is None:  # CPU + unsharded experts: moe.routed_experts_cpu; else ragged_dot
             devs = [jax.devices()[0]] if mesh is None else list(mesh.devices.flat)
-            dispatch_fn = moe.default_dispatch(devs, self._raw_shardings)
+            dispatch_fn = expert_lib.default_dispatch(devs, self._raw_shardings)
         self.dispatch_fn = dispatch_fn
         self._quantize_jit = jax.jit(self._quantize_fn, out_shardings=self._wstate_shardings())
         # Outputs (and the donated caches) are replicated on the rollout mesh: readable on every host, and the
@@ -304,7 +305,7 @@ class Sampler:
         """Jitted quantisation on the rollout mesh: {key: array on the rollout mesh} -> rollout weight state.
 
         The single function that builds rollout weights: version 0 (`Sampler(model)`), `update_weights` (a
-        rebuilt sampler, a resumed run without a pusher) and every push (sharding/push.py) all call it; FP8
+        rebuilt sampler, a resumed run without a pusher) and every push (parallel/push.py) all call it; FP8
         tensors go through `dsv4.quant.quantize_rollout_fp8` (bf16 rounding, e4m3fn blocks, exact fnuz
         conversion), so the result does not depend on how the weights arrived (fp32 master or bf16 wire copy).
         """

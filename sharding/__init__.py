@@ -1,16 +1,17 @@
-"""Placement of the model on devices: logical axes, per-role rule tables, meshes, expert parallelism, planning.
+"""Placement on devices, the ground layer (knows no model): logical axes, per-role rule tables, meshes.
 
     axes.py         logical axis names (the only place they are spelled)
     rules.py        ACTOR_RULES / ROLLOUT_RULES, param_shardings, use_rules / constrain
     mesh.py         mesh specs and MeshPlan (actor and rollout meshes)
     distributed.py  multi-process start-up (jax.distributed)
-    expert.py       expert-parallel MoE dispatch (shard_map all-to-all): make_ep_dispatch
-    plan.py         memory planner (`python -m sharding.plan`): plan(...) -> PlanReport
+    offload.py      which optimizer state lives in host memory (pinned_host)
+    plan/           only the entry point `python -m sharding.plan` (forwards to launch/plan.py; the planner is
+                    parallel/plan.py)
 
-The names below are re-exported for convenience; `sharding.plan` stays a module (import its `plan` from there).
+The names below are re-exported for convenience. Expert parallelism, the push and the planner live one layer up,
+in `parallel/` (they need the model).
 """
 
-from sharding.expert import make_ep_dispatch
 from sharding.mesh import MeshPlan, MeshSpec, MeshSpecError, build_mesh_plan, parse_mesh_spec
 from sharding.rules import ACTOR_RULES, ROLLOUT_RULES, constrain, param_shardings, use_rules
 
@@ -22,7 +23,6 @@ __all__ = [
     "MeshSpecError",
     "build_mesh_plan",
     "constrain",
-    "make_ep_dispatch",
     "param_shardings",
     "parse_mesh_spec",
     "use_rules",

@@ -1,5 +1,5 @@
 """Which parameters carry optimizer state, and which of it lives in host memory: one rule for the learner
-(rl/learner.py, rl/optim.py) and the planner (sharding/plan.py), so the plan describes what the learner holds.
+(rl/learner.py, rl/optim.py) and the planner (parallel/plan.py), so the plan describes what the learner holds.
 
 Optimizer state of one trained parameter of n elements (rl/optim.py): Adam moments 2 x n fp32, plus an fp32
 master copy (n x 4 bytes) when the parameter itself is not fp32. Frozen parameters (the MTP module unless

@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 from dsv4 import moe
+from parallel import expert as expert_lib
 
 E, I, D, K, LIMIT = 16, 24, 32, 2, 7.0
 
@@ -101,13 +102,13 @@ def test_default_dispatch_sampler_and_learner():
     assert Sampler(model, max_prompt_len=16, dispatch_fn=custom).dispatch_fn is custom
     assert Learner(model, LearnerConfig(), dispatch_fn=custom).dispatch_fn is custom
     plan = build_mesh_plan("actor:fsdp=2,expert=2/rollout:expert=2,tensor=2")
-    # issue 11 item 5: experts split over expert > 1 -> sharding/expert.py's all-to-all (was: None = ragged_dot)
+    # issue 11 item 5: experts split over expert > 1 -> parallel/expert.py's all-to-all (was: None = ragged_dot)
     for fn in (Sampler(model, mesh=plan.rollout, max_prompt_len=16).dispatch_fn,
                Learner(model, LearnerConfig(), mesh=plan.actor).dispatch_fn):
         assert "EP dispatch (capacity) over expert=2" in fn.__doc__
-    assert moe.default_dispatch(jax.devices()[:1]) is moe.routed_experts_cpu
+    assert expert_lib.default_dispatch(jax.devices()[:1]) is moe.routed_experts_cpu
 
     class _Gpu:
         platform = "gpu"
 
-    assert moe.default_dispatch([_Gpu()]) is None
+    assert expert_lib.default_dispatch([_Gpu()]) is None

@@ -229,10 +229,10 @@ def test_dry_run_prints_config_meshes_and_memory_plan(tmp_path, capsys, lt):
 
 
 def test_dry_run_without_the_planner_says_so(tmp_path, capsys, lt, monkeypatch):
-    monkeypatch.setitem(sys.modules, "sharding.plan", None)  # import fails
+    monkeypatch.setitem(sys.modules, "parallel.plan", None)  # import fails
     rc, out, err = main(["--dry-run", *TINY, *lt.outputs(tmp_path)], capsys)
     assert rc == 0, err
-    assert "meshes: actor:" in out and "memory plan: unavailable (sharding/plan.py cannot be imported" in out
+    assert "meshes: actor:" in out and "memory plan: unavailable (parallel/plan.py cannot be imported" in out
 
 
 def test_dry_run_of_a_mesh_larger_than_the_machine_still_plans(tmp_path, capsys, lt):

@@ -17,7 +17,7 @@ from rl.advantages import grpo_advantages
 from rl.config import LearnerConfig, LossConfig
 from rl.learner import METRIC_NAMES, Learner, TrainBatch
 from rl.logprobs import token_logprobs
-from sharding.expert import make_ep_dispatch
+from parallel.expert import make_ep_dispatch
 from sharding.mesh import build_mesh_plan
 
 CFG = dsv4.DSV4Config.tiny(num_hidden_layers=2, compress_ratios=(0, 4, 0))
@@ -225,7 +225,7 @@ def test_grpo_steps_raise_the_reward_of_a_fixed_batch(model):
 @pytest.mark.parametrize("dispatch", ["ep", pytest.param("auto", marks=pytest.mark.slow)])
 def test_sharded_step_equals_unsharded(model, batch, dispatch):
     """One step on the actor mesh (fsdp=2, expert=2, tensor=2; batch over fsdp x expert) vs one device, with the
-    expert-parallel dispatch of sharding/expert.py ("ep", what the loop uses) or XLA's own partitioning of the
+    expert-parallel dispatch of parallel/expert.py ("ep", what the loop uses) or XLA's own partitioning of the
     single-program ragged_dot path ("auto", slow). The one-device learner uses its CPU default,
     `dsv4.moe.routed_experts_cpu`, so this also checks that path against both.
 

@@ -136,7 +136,7 @@ def test_bf16_params_fp32_masters_and_offloaded_state(model, batch):
     on_host = state_bytes(x for x in jax.tree.leaves(half.state.opt_state) if x.sharding.memory_kind == "pinned_host")
     total = state_bytes(x for x in jax.tree.leaves(half.state.opt_state) if x.ndim)
     assert 0 < on_host <= 0.5 * total and half.offloaded and len(half.offloaded) < len(master)
-    from sharding import plan as pl
+    from parallel import plan as pl
 
     report = pl.plan(CFG, "actor:data=1", "h200", offload_optimizer=0.5, train_mtp=False)
     assert report.actor.host == on_host
@@ -157,7 +157,7 @@ def test_lower_on_abstract_batch_is_the_update(model, batch):
 
 
 def test_expert_mesh_uses_the_all_to_all_and_equals_unsharded(model, batch):
-    """actor:data=2,expert=4: the learner's default dispatch is sharding/expert.py's EP; its compiled step holds
+    """actor:data=2,expert=4: the learner's default dispatch is parallel/expert.py's EP; its compiled step holds
     all-to-alls and no all-gather of routed-expert weights; one step equals the one-device learner."""
     plan = build_mesh_plan("actor:data=2,expert=4", config=CFG)
     cfg = LearnerConfig(lr=1e-3, compute_dtype="float32", routing_replay=True)

@@ -19,7 +19,7 @@ from dsv4 import scan as sc
 from rl.config import LearnerConfig, LossConfig
 from rl.learner import Learner, TrainBatch
 from rl.logprobs import token_logprobs
-from sharding.expert import make_ep_dispatch
+from parallel.expert import make_ep_dispatch
 from sharding.mesh import build_mesh_plan
 
 CFG = dsv4.DSV4Config.tiny(num_hidden_layers=4, num_hash_layers=2, compress_ratios=(0, 0, 4, 4, 0))

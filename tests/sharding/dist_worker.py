@@ -7,7 +7,7 @@ Each process joins via `sharding.distributed`, builds the mesh plan for `MESH_SP
 (`fsdp` spans the two processes, so FSDP gathers and the EP dispatch's weight all-gather cross them), initialises
 the model *sharded* on that mesh from the same seed (each process computes only its own shards), builds the
 input ids with `jax.make_array_from_callback`, runs a jitted forward with the expert-parallel dispatch
-(`sharding.expert`, capacity backend) and explicit in/out shardings, and process 0 saves the logits gathered
+(`parallel.expert`, capacity backend) and explicit in/out shardings, and process 0 saves the logits gathered
 with `process_allgather`. The test runs the same `compute` on 8 in-process devices and compares (<= 1e-5).
 Config `CFG`: tiny() with one CSA and one HCA layer and no MTP (as tests/sharding/test_sharded_model.py), to
 keep two concurrent compiles short on two cores.
@@ -31,7 +31,7 @@ from jax.sharding import NamedSharding  # noqa: E402
 import dsv4  # noqa: E402
 from sharding import axes as ax  # noqa: E402
 from sharding import distributed, mesh as mesh_lib  # noqa: E402
-from sharding.expert import make_ep_dispatch  # noqa: E402
+from parallel.expert import make_ep_dispatch  # noqa: E402
 from sharding.rules import ACTOR_RULES, activation_spec, param_shardings  # noqa: E402
 
 MESH_SPEC = "actor:fsdp=2,expert=2,tensor=2"  # 8 global devices: fsdp spans the two processes

@@ -1,4 +1,4 @@
-"""Tests for sharding/expert.py on the 8 forced CPU devices: the EP dispatch equals the single-device reference
+"""Tests for parallel/expert.py on the 8 forced CPU devices: the EP dispatch equals the single-device reference
 `dsv4.moe.routed_experts_ragged` (fp32, <= 1e-5) for both backends (ragged through the all_gather reference of
 ragged_all_to_all, since XLA:CPU lacks the op), including when every token picks the same experts, with padding
 and skipped pairs, with a bounded capacity (drops predicted by hand), on actor and rollout layouts; gradients
@@ -15,7 +15,7 @@ import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from dsv4 import moe
-from sharding.expert import _ragged_all_to_all_reference, make_ep_dispatch, padded_capacity
+from parallel.expert import _ragged_all_to_all_reference, make_ep_dispatch, padded_capacity
 from sharding.mesh import build_mesh_plan
 from sharding.rules import ACTOR_RULES, ROLLOUT_RULES, param_shardings
 

@@ -1,4 +1,4 @@
-"""Tests for sharding/plan.py: Flash weight bytes per device equal hand arithmetic from the spec's parameter
+"""Tests for parallel/plan.py: Flash weight bytes per device equal hand arithmetic from the spec's parameter
 counts (docs/dsv4-architecture.md §10) on two actor meshes and the rollout FP8/FP4 expert bytes; per-device bytes
 agree with jax's own NamedSharding shard shapes on the tiny model; the KV-cache formula by hand; impossible
 layouts are reported as not fitting; the CLI runs for the seed layouts; errors name the problem.
@@ -11,7 +11,8 @@ import pytest
 from flax import nnx
 
 import dsv4
-from sharding import plan as pl
+from parallel import plan as pl
+from launch.plan import main as plan_main
 from sharding.mesh import MeshSpecError, build_mesh_plan
 
 GiB = 2**30
@@ -166,7 +167,7 @@ SEEDS = [
 
 @pytest.mark.parametrize("argv, actor_fits, rollout_fits", SEEDS)
 def test_cli_seed_layouts(capsys, argv, actor_fits, rollout_fits):
-    assert pl.main(["--config", "flash", *argv]) == 0
+    assert plan_main(["--config", "flash", *argv]) == 0
     out = capsys.readouterr().out
     line = out.strip().splitlines()[-1]
     assert line.startswith("PLAN role=actor per_device_gib=")
@@ -177,12 +178,12 @@ def test_cli_seed_layouts(capsys, argv, actor_fits, rollout_fits):
 
 
 def test_cli_error_exit(capsys):
-    assert pl.main(["--mesh", "actor:fsdp=3", "--gpu", "h200"]) == 2
+    assert plan_main(["--mesh", "actor:fsdp=3", "--gpu", "h200"]) == 2
     assert "error:" in capsys.readouterr().err
 
 
 def test_ep_rows_follow_the_dispatch_backend():
-    """Expert-FFN rows per local token, as sharding/expert.py sizes its buffers: padded f * k (dropless E * k),
+    """Expert-FFN rows per local token, as parallel/expert.py sizes its buffers: padded f * k (dropless E * k),
     capacity min(ep, f) * k (dropless ep * k), ragged ep * k dropless or f * k; the activations grow with them."""
     cfg = dsv4.DSV4Config.preset("flash")
     sizes = {"data": 1, "fsdp": 2, "expert": 8, "tensor": 1}

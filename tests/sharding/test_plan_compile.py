@@ -1,4 +1,4 @@
-"""sharding/plan.py --compile (launch/aot.py): the real actor train step AOT-compiled for a mesh with abstract
+"""python -m sharding.plan --compile (launch/aot.py): the real actor train step AOT-compiled for a mesh with abstract
 parameters. XLA's per-device argument bytes are exactly the planner's state arithmetic (weights + fp32 masters +
 moments on the device, offloaded state subtracted) plus the batch and a few scalars; the CLI prints the RESULT
 line. Tiny config, short rows: each compile takes seconds.
@@ -11,7 +11,8 @@ import numpy as np
 
 import dsv4
 from launch.aot import compile_actor, reduced_depth
-from sharding import plan as pl
+from parallel import plan as pl
+from launch.plan import main as plan_main
 
 GiB = 2**30
 MESH = "actor:fsdp=2,expert=2/rollout:expert=2"
@@ -40,7 +41,7 @@ def test_xla_arguments_equal_the_planned_state():
 def test_cli_compile_prints_the_result_line(capsys):
     argv = ["--config", "tiny", "--mesh", MESH, "--gpu", "mi308x", "--compile", "--seq-len", "16",
             "--micro-batch-tokens", "32", "--num-layers", "2"]
-    assert pl.main(argv) == 0
+    assert plan_main(argv) == 0
     out = capsys.readouterr().out
     last = out.strip().splitlines()[-1]
     fields = dict(kv.split("=", 1) for kv in last.split()[1:])

@@ -1,4 +1,4 @@
-"""Actor -> rollout weight push (`sharding/push.py`) on 8 CPU devices.
+"""Actor -> rollout weight push (`parallel/push.py`) on 8 CPU devices.
 
 Config: `DSV4Config.tiny(num_hidden_layers=2, compress_ratios=(4, 8), num_nextn_predict_layers=0)` (a hash-routed
 layer with `tid2eid`, a top-k layer with the selection `bias`, CSA + indexer and HCA; the MTP block is left out to
@@ -13,7 +13,7 @@ one by an ulp on some scales: XLA rewrites `amax / 448` as `amax * (1/448)`).
 
 Transfer guards around every push: `jax.transfer_guard("disallow")` (implicit transfers),
 `transfer_guard_host_to_device("disallow_explicit")` (on CPU the only guard that sees a host round trip inside a
-cross-mesh device_put) and `transfer_guard_device_to_host("disallow")` (never fires on CPU, see sharding/push.py;
+cross-mesh device_put) and `transfer_guard_device_to_host("disallow")` (never fires on CPU, see parallel/push.py;
 kept for GPU runs); unverified pushes run under device-to-host "disallow_explicit".
 """
 
@@ -33,9 +33,9 @@ from jax.sharding import PartitionSpec as P
 import dsv4
 from dsv4 import quant
 from rl.sampler import Sampler, SamplingParams
-from sharding import push as push_lib
+from parallel import push as push_lib
 from sharding.mesh import build_mesh_plan
-from sharding.push import PushVerificationError, WeightPusher, push_weights
+from parallel.push import PushVerificationError, WeightPusher, push_weights
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "dsv4"))
 from randomize import randomize  # noqa: E402

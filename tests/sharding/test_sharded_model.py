@@ -24,7 +24,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 import dsv4
 from sharding import axes as ax
-from sharding.expert import make_ep_dispatch
+from parallel.expert import make_ep_dispatch
 from sharding.mesh import build_mesh_plan
 from sharding.rules import activation_spec
 

@@ -36,11 +36,13 @@ rows per local token on a rank (`ep_rows_per_token`: "padded" f * k, dropless E 
             + 6 * n_hc * D * 4 ]                         mHC f32 temporaries
         + rows * min(S, 1024) * 3 * V * 4 / tp           one log-prob chunk: logits, log-sum-exp, grad (f32)
 Optimizer update transient: the step moves the offloaded optimizer state (fp32 masters + moments) to the device
-for the update and back (`rl.learner.Learner._opt_state_to`); nothing streams it, and XLA's memory analysis of the
-Flash step keeps most of it live at once (launch/aot.py), so the plan counts all offloaded bytes on the device:
-host offload saves device memory between steps (for the rollout, colocated), not at the update's peak.
-Against XLA (`--compile`, Flash, seed layout, padded EP): plan / XLA = 1.16; the plan is an estimate within a
-factor 1.5 of XLA's figure (XLA:CPU upcasts bf16 dots to f32; fusion and buffer reuse differ by backend).
+for the update and back (`rl.learner.Learner._opt_state_to`). Without `stream_optimizer` nothing bounds how much
+of it is there at once (XLA's memory analysis of the Flash step keeps most of it live: launch/aot.py), so the plan
+counts all offloaded bytes on the device. With the learner's `stream_optimizer` (`rl.optim.update_streamed`) the
+offloaded state of the decoder layers (stacked under `scan_layers`) is updated one layer at a time: the plan
+counts one layer's largest state slice in + out, plus the offloaded state of everything else (embedding, head,
+1-D leaves) whole. The plan is an estimate: against XLA (`--compile`) it is within a factor 1.5 (README figures;
+XLA:CPU upcasts bf16 dots to f32, fusion and buffer reuse differ by backend).
 
 Rollout, per device, as rl/sampler.py holds it: FP8 e4m3 (1 byte per weight) for the checkpoint's FP8 set
 (`dsv4.quant.FP8_WEIGHT_RE`: attention wq_a/wq_b/wkv/wo_a/wo_b, indexer wq_b, shared experts, MTP e/h_proj) and
@@ -70,12 +72,10 @@ Tests: `.venv/bin/python -m pytest -q tests/sharding/test_plan.py`.
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import functools
 import math
 import re
-import sys
 from collections.abc import Sequence
 from typing import Any
 
@@ -85,6 +85,9 @@ import numpy as np
 from flax import nnx
 from jax.sharding import AbstractMesh, AxisType
 
+import dsv4
+from dsv4.cache import cache_shapes
+from dsv4.quant import FP8_WEIGHT_RE
 from sharding import mesh as mesh_lib
 from sharding import offload as offload_lib
 from sharding import rules as rl
@@ -112,9 +115,7 @@ _EXPERTS = re.compile(r"\.ffn\.experts\.w[123]$")  # the stacked routed experts 
 
 
 def _fp8_keys() -> re.Pattern:
-    """The release's FP8 set, as defined once in `dsv4.quant` (imported lazily: sharding/ loads before dsv4)."""
-    from dsv4.quant import FP8_WEIGHT_RE
-
+    """The release's FP8 set, as defined once in `dsv4.quant`."""
     return FP8_WEIGHT_RE
 
 
@@ -133,7 +134,6 @@ class Leaf:
 def abstract_model(config):
     """`nnx.eval_shape` of `DSV4ForCausalLM(config)` with bf16 weights (no memory used). Cached per config: the
     Flash trace takes 10-35 s (flax compares each RNG draw's tracer sharding, which makes jax walk the jaxpr)."""
-    import dsv4  # local: dsv4 imports sharding, so sharding must not import dsv4 at import time
 
     return nnx.eval_shape(lambda: dsv4.DSV4ForCausalLM(config, rngs=nnx.Rngs(0), param_dtype=jnp.bfloat16,
                                                         dtype=jnp.bfloat16))
@@ -209,7 +209,6 @@ class KVCache:
     def for_config(cls, config, dtype=jnp.bfloat16) -> "KVCache":
         """From `dsv4.cache.cache_shapes` of every main layer (the sampler's layout: rl/sampler.py builds one cache
         per `model.layers` entry; the MTP block has none), evaluated abstractly at two cache lengths."""
-        from dsv4.cache import cache_shapes
 
         model = abstract_model(config)
         step = math.lcm(*(r for r in config.compress_ratios if r) or (1,))
@@ -305,13 +304,13 @@ class PlanReport:
         return "\n".join(lines)
 
 
-EP_BACKENDS = ("capacity", "ragged", "padded")  # sharding.expert.BACKENDS (not imported: plan stays jax-light)
+EP_BACKENDS = ("capacity", "ragged", "padded")  # parallel.expert.BACKENDS
 BLOCK_Q = 128  # dsv4.attention.Attention(block_q=): queries per block of the blocked attention
 LOGPROB_CHUNK = 1024  # rl.config.LearnerConfig.logprob_chunk_size default
 
 
 def ep_rows_per_token(cfg, sizes: dict[str, int], ep_backend: str, ep_capacity: float | None) -> float:
-    """Expert-FFN rows per local token on one rank (sharding/expert.py's buffers), k = picks per token:
+    """Expert-FFN rows per local token on one rank (parallel/expert.py's buffers), k = picks per token:
     padded: f * k (dropless: E * k, every expert's buffer sized for all pairs); capacity: ep * C / T = min(ep, f) * k;
     ragged: its receive buffer, ep * k dropless or f * k."""
     k, ep, e = cfg.num_experts_per_tok, sizes[rl.EXPERT], cfg.n_routed_experts
@@ -369,7 +368,6 @@ def plan(config, mesh_spec: str, gpu: str, *, nodes: int | None = None, optimize
       MeshSpecError: unparsable spec, device count != nodes * 8, or a model dim the mesh does not divide.
       ValueError: unknown gpu / dtype / expert format, or an option out of range.
     """
-    import dsv4
 
     if isinstance(config, str):
         config_name = config_name or config
@@ -491,144 +489,3 @@ def plan(config, mesh_spec: str, gpu: str, *, nodes: int | None = None, optimize
     n_params = sum(math.prod(lf.shape) for lf in leaves if lf.dtype != "int32")
     return PlanReport(config_name=config_name, n_params=n_params, gpu=GPUS[gpu], nodes=nodes, mesh_spec=str(spec),
                       options=opts, actor=actor, rollout=rollout)
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m sharding.plan", description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--config", default="flash", help="preset name: flash | small | tiny (default flash)")
-    p.add_argument("--mesh", required=True, help="mesh spec, e.g. 'actor:fsdp=2,expert=8/rollout:expert=8'")
-    p.add_argument("--gpu", required=True, choices=sorted(GPUS))
-    p.add_argument("--nodes", type=int, default=None, help=f"nodes of {GPUS_PER_NODE} GPUs (default: from the mesh)")
-    p.add_argument("--optimizer-dtype", choices=sorted(_BYTES), default="fp32")
-    p.add_argument("--offload-optimizer", type=float, default=0.0, metavar="FRACTION",
-                   help="fraction of fp32 master + Adam moments kept in host memory")
-    p.add_argument("--tokens-per-device", type=int, default=4096, help="actor tokens per device per micro-step")
-    p.add_argument("--rollout-seq-len", type=int, default=4096, help="max prompt + completion length (KV cache)")
-    p.add_argument("--train-seq-len", type=int, default=None, help="actor sequence length (default: rollout's)")
-    p.add_argument("--rollout-experts", choices=("fp8", "fp4"), default="fp8")
-    p.add_argument("--fp8-scale-bytes", type=float, default=4.0, help="bytes per FP8 block scale (sampler: f32 = 4)")
-    p.add_argument("--fp4-scale-bytes", type=float, default=1.0, help="bytes per FP4 1x32 scale (E8M0 = 1)")
-    p.add_argument("--rollout-dequant", choices=("per_step", "per_call"), default="per_step",
-                   help="sampler dequant mode; per_call keeps a bf16 copy of the quantised weights")
-    p.add_argument("--kv-dtype", choices=sorted(_BYTES), default="bf16", help="sampler compute dtype (KV entries)")
-    p.add_argument("--usable-fraction", type=float, default=0.90)
-    p.add_argument("--rollout-reserve", type=float, default=0.10)
-    p.add_argument("--rollout-seqs-per-device", type=int, default=1, help="sequences that must fit for 'fits'")
-    p.add_argument("--ep-capacity-factor", type=float, default=None, help="EP buffer factor (default dropless)")
-    p.add_argument("--stream-optimizer", action=argparse.BooleanOptionalAction, default=True,
-                   help="the learner's stream_optimizer (offloaded state of the stacked layers updated one layer at a "
-                        "time); --no-stream-optimizer: the whole offloaded state transits the device in the update")
-    p.add_argument("--ep-backend", choices=EP_BACKENDS, default=None,
-                   help="expert-parallel dispatch (sharding/expert.py): padded | capacity | ragged (default: the "
-                        "learner's, dsv4.moe.default_dispatch: ragged on GPUs, capacity on XLA:CPU for --compile)")
-    p.add_argument("--host-gib-per-node", type=float, default=None,
-                   help="host RAM per node for the offloaded optimizer; checked only when given")
-    p.add_argument("--train-mtp", action=argparse.BooleanOptionalAction, default=True,
-                   help="plan optimizer state for the MTP module (the learner's default is --no-train-mtp)")
-    p.add_argument("--freeze-router", action=argparse.BooleanOptionalAction, default=False)
-    p.add_argument("--compile", action="store_true",
-                   help="also AOT-compile the real actor train step on CPU devices and print XLA's memory analysis")
-    p.add_argument("--seq-len", type=int, default=None, help="--compile: tokens per row (default --train-seq-len "
-                   "or --rollout-seq-len)")
-    p.add_argument("--micro-batch-tokens", type=int, default=None,
-                   help="--compile: the learner's --max-tokens-per-micro-batch (default: one row per device)")
-    p.add_argument("--scan-layers", action=argparse.BooleanOptionalAction, default=True,
-                   help="--compile: the learner's --scan-layers (layers under lax.scan; compile time flat in depth)")
-    p.add_argument("--num-layers", type=int, default=None,
-                   help="plan/compile a reduced-depth copy of the config (first N main layers; labelled)")
-    args = p.parse_args(argv)
-    if args.compile:
-        rc = _compile_in_child(argv)
-        if rc is not None:
-            return rc
-    try:
-        config = args.config
-        if args.num_layers is not None:
-            import dsv4
-            from launch.aot import reduced_depth
-
-            config = reduced_depth(dsv4.DSV4Config.preset(args.config), args.num_layers)
-        seq = args.seq_len or args.train_seq_len or args.rollout_seq_len
-        tokens = args.tokens_per_device
-        if args.compile:  # the plan of exactly what is compiled: rows per device x seq tokens
-            tokens = seq * (1 if args.micro_batch_tokens is None else max(1, args.micro_batch_tokens // seq))
-        name = args.config + (f" (reduced to {args.num_layers} layers)" if args.num_layers is not None else "")
-        report = plan(config, args.mesh, args.gpu, nodes=args.nodes, optimizer_dtype=args.optimizer_dtype,
-                      offload_optimizer=args.offload_optimizer, tokens_per_device=tokens,
-                      rollout_seq_len=args.rollout_seq_len,
-                      train_seq_len=seq if args.compile else args.train_seq_len,
-                      rollout_experts=args.rollout_experts, fp8_scale_bytes=args.fp8_scale_bytes,
-                      fp4_scale_bytes=args.fp4_scale_bytes, rollout_dequant=args.rollout_dequant,
-                      kv_dtype=args.kv_dtype,
-                      usable_fraction=args.usable_fraction, rollout_reserve=args.rollout_reserve,
-                      rollout_seqs_per_device=args.rollout_seqs_per_device,
-                      ep_capacity_factor=args.ep_capacity_factor, host_gib_per_node=args.host_gib_per_node,
-                      ep_backend=args.ep_backend or ("capacity" if args.compile else "ragged"),
-                      stream_optimizer=args.stream_optimizer,
-                      config_name=name, train_mtp=args.train_mtp, freeze_router=args.freeze_router)
-    except ValueError as e:  # MeshSpecError is a ValueError
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    print(report.table())
-    print(report.line())
-    if not args.compile:
-        return 0
-    from launch.aot import compile_actor
-
-    try:
-        xla = compile_actor(config, report.mesh_spec, seq_len=seq, micro_batch_tokens=args.micro_batch_tokens,
-                            offload_optimizer=args.offload_optimizer, train_mtp=args.train_mtp,
-                            freeze_router=args.freeze_router, scan_layers=args.scan_layers,
-                            ep_backend=args.ep_backend, ep_capacity_factor=args.ep_capacity_factor,
-                            stream_optimizer=args.stream_optimizer)
-    except ValueError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    a, r = report.actor, report.rollout
-    print("\n".join(xla.lines()))
-    print(f"  planner arithmetic for the same step: {a.total / GiB:.2f} GiB (XLA/plan = {xla.total / a.total:.2f}); "
-          "XLA:CPU upcasts bf16 dots to f32 (temporaries above a GPU's)")
-    fits = xla.total <= a.usable and r.fits
-    print(f"  verdict (XLA figures): actor {'fits' if xla.total <= a.usable else 'does not fit'} "
-          f"({xla.total / GiB:.2f} of {a.usable / GiB:.1f} GiB usable); rollout (plan; its step is not compiled "
-          f"yet) {'fits' if r.fits else 'does not fit'}")
-    print(f"RESULT actor_xla_gib={xla.total / GiB:.2f} actor_plan_gib={a.total / GiB:.2f} "
-          f"actor_usable_gib={a.usable / GiB:.2f} rollout_xla_gib=nan rollout_plan_gib={r.total / GiB:.2f} "
-          f"rollout_usable_gib={r.usable / GiB:.2f} fits={'yes' if fits else 'no'}")
-    return 0
-
-
-_CHILD = "DSV4_PLAN_COMPILE_CHILD"
-
-
-def _compile_in_child(argv: Sequence[str] | None) -> int | None:
-    """--compile needs as many XLA:CPU devices as the mesh spec. XLA reads the device-count flag when its CPU
-    backend starts, so unless this process already has enough CPU devices (e.g. under the tests' 8), the same
-    command is re-run in a child process with `--xla_force_host_platform_device_count` and JAX_PLATFORMS=cpu.
-    Returns the child's exit status, or None to compile here."""
-    import os
-    import subprocess
-
-    argv = list(sys.argv[1:] if argv is None else argv)
-    try:
-        i = argv.index("--mesh")
-        n_dev = mesh_lib.parse_mesh_spec(argv[i + 1]).n_devices
-    except (ValueError, IndexError):
-        return None  # let the normal path report the bad spec
-    if os.environ.get(_CHILD) or "xla_force_host_platform_device_count" in os.environ.get("XLA_FLAGS", ""):
-        if all(d.platform == "cpu" for d in jax.devices()) and jax.device_count() >= n_dev:
-            return None
-        if os.environ.get(_CHILD):
-            print(f"error: --compile needs {n_dev} CPU devices, this process has {jax.device_count()}",
-                  file=sys.stderr)
-            return 2
-    flags = " ".join(f for f in os.environ.get("XLA_FLAGS", "").split()
-                     if "xla_force_host_platform_device_count" not in f)
-    env = {**os.environ, _CHILD: "1", "JAX_PLATFORMS": "cpu",
-           "XLA_FLAGS": f"{flags} --xla_force_host_platform_device_count={n_dev}".strip()}
-    return subprocess.run([sys.executable, "-m", "sharding.plan", *argv], env=env).returncode
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -61,12 +61,15 @@ from __future__ import annotations
 
 import functools
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh, PartitionSpec
 
+from dsv4.layers import dot_out
+from dsv4.moe import ROUTED_EXPERT_RE, routed_experts_local, swiglu
 from sharding import axes as ax
 from sharding import rules as rl
 
@@ -75,19 +78,6 @@ DEFAULT_TOKEN_AXES = (rl.DATA, rl.FSDP, rl.EXPERT)
 
 _RAGGED_DN = jax.lax.RaggedDotDimensionNumbers(
     dot_dimension_numbers=(([1], [2]), ([], [])), lhs_ragged_dimensions=[0], rhs_group_dimensions=[0])
-
-
-def _swiglu(gate: jax.Array, up: jax.Array, limit: float) -> jax.Array:
-    """SiLU(min(gate, limit)) * clip(up, -limit, limit) in float32; same math as `dsv4.moe.swiglu`."""
-    gate = jnp.minimum(gate.astype(jnp.float32), limit)
-    up = jnp.clip(up.astype(jnp.float32), -limit, limit)
-    return jax.nn.silu(gate) * up
-
-
-def _dot_out(dtype):
-    """`preferred_element_type` of the model's dots: float32 for float32 inputs, else the input dtype (the rule of
-    `dsv4.layers.dot_out`, restated here because sharding/ is imported by dsv4 and must not import it back)."""
-    return jnp.float32 if jnp.dtype(dtype) == jnp.float32 else None
 
 
 def grouped_ffn(rows: jax.Array, eid: jax.Array, gate_w: jax.Array, w1: jax.Array, w3: jax.Array, w2: jax.Array,
@@ -112,9 +102,9 @@ def grouped_ffn(rows: jax.Array, eid: jax.Array, gate_w: jax.Array, w1: jax.Arra
                                           preferred_element_type=out).astype(jnp.float32)
 
     xs = rows[order].astype(dtype)
-    h = _swiglu(gmm(xs, w1, _dot_out(dtype)), gmm(xs, w3, _dot_out(dtype)), limit)
+    h = swiglu(gmm(xs, w1, dot_out(dtype)), gmm(xs, w3, dot_out(dtype)), limit)
     h = (h * gate_w[order][:, None]).astype(dtype)
-    y = gmm(h, w2, jnp.float32 if partial else _dot_out(dtype))
+    y = gmm(h, w2, jnp.float32 if partial else dot_out(dtype))
     y = jnp.where((eid[order] < n)[:, None], y, 0.0)  # rows past the groups: never garbage, whatever the backend
     return jnp.zeros_like(y).at[order].set(y)
 
@@ -166,11 +156,11 @@ def padded_ffn(xs: jax.Array, gate_w: jax.Array, w1: jax.Array, w3: jax.Array, w
     Returns [n, R, D] float32; empty slots are exactly 0 (their routing weight is 0). Same math as `grouped_ffn`.
     """
     bd = lambda c: ((c, ((0,), (0,))))  # noqa: E731  batch over the local expert dim
-    g = jax.lax.dot_general(xs, w1.astype(dtype), bd(((2,), (2,))), preferred_element_type=_dot_out(dtype))
-    u = jax.lax.dot_general(xs, w3.astype(dtype), bd(((2,), (2,))), preferred_element_type=_dot_out(dtype))
-    h = (_swiglu(g, u, limit) * gate_w[..., None]).astype(dtype)  # [n, R, I']
+    g = jax.lax.dot_general(xs, w1.astype(dtype), bd(((2,), (2,))), preferred_element_type=dot_out(dtype))
+    u = jax.lax.dot_general(xs, w3.astype(dtype), bd(((2,), (2,))), preferred_element_type=dot_out(dtype))
+    h = (swiglu(g, u, limit) * gate_w[..., None]).astype(dtype)  # [n, R, I']
     y = jax.lax.dot_general(h, w2.astype(dtype), bd(((2,), (2,))),
-                            preferred_element_type=jnp.float32 if partial else _dot_out(dtype))
+                            preferred_element_type=jnp.float32 if partial else dot_out(dtype))
     return y.astype(jnp.float32)
 
 
@@ -379,3 +369,53 @@ def make_ep_dispatch(mesh: Mesh, *, backend: str = "capacity", capacity_factor: 
 
     dispatch.__doc__ = f"EP dispatch ({backend}) over {expert_axis}={ep}, tokens split over {tok_axes}."
     return dispatch
+
+
+def default_dispatch(devices: Sequence[Any], param_shardings: Mapping[str, Any] | None = None, *,
+                     ep_backend: str | None = None, ep_capacity_factor: float | None = None):
+    """The routed-expert implementation the sampler and the learner use when none is given (the one place that
+    decides).
+
+    Args:
+      devices: the devices the model runs on (`jax.Device`s; only `.platform` is read).
+      param_shardings: {"/"-joined parameter path, e.g. "layers/1/ffn/experts/w1": its sharding (None or a
+        sharding without `.spec` = not sharded)}, or None for a single device.
+      ep_backend: backend of `make_ep_dispatch` ("capacity", "ragged", "padded"); None = "capacity" on CPU,
+        "ragged" elsewhere. ep_capacity_factor: its `capacity_factor` (None = dropless). Expert meshes only.
+    Returns:
+      - experts split over the `expert` mesh axis (size > 1) of a NamedSharding laid out by the actor or the
+        rollout rule table: `make_ep_dispatch(mesh, rules=that table)`, the shard_map all-to-all expert
+        parallelism (backend "capacity" on CPU, which lacks ragged-all-to-all; "ragged" elsewhere), so no device
+        ever gathers other devices' experts;
+      - otherwise `dsv4.moe.routed_experts_local(devices, param_shardings)`: `routed_experts_cpu` on CPU with
+        unsharded experts, else None (the model's stock `routed_experts_ragged`; also the fallback for an expert
+        layout the EP dispatch cannot take).
+    """
+    expert_sh = [sh for k, sh in (param_shardings or {}).items() if ROUTED_EXPERT_RE.search(k)]
+    ep = _ep_dispatch(expert_sh, devices, ep_backend, ep_capacity_factor)
+    if ep is not None:
+        return ep
+    return routed_experts_local(devices, param_shardings)
+
+
+def _ep_dispatch(expert_shardings: Sequence[Any], devices: Sequence[Any], backend: str | None = None,
+                 capacity_factor: float | None = None):
+    """`make_ep_dispatch` for experts sharded over a mesh's `expert` axis (> 1) by a known rule table, else None."""
+    named = [sh for sh in expert_shardings if isinstance(sh, jax.sharding.NamedSharding)]
+    if not named or len(named) != len(expert_shardings):
+        return None
+    mesh = named[0].mesh
+    if mesh.shape.get(rl.EXPERT, 1) <= 1 or any(sh.mesh != mesh for sh in named):
+        return None
+    norm = lambda spec: tuple(spec) + (None,) * (3 - len(spec))  # noqa: E731
+    if backend is None:
+        backend = "capacity" if all(d.platform == "cpu" for d in devices) else "ragged"
+    for rules in (rl.ACTOR_RULES, rl.ROLLOUT_RULES):
+        w13 = norm(rl.logical_to_spec((ax.EXPERT, ax.MLP, ax.EMBED), rules, mesh))
+        w2 = norm(rl.logical_to_spec((ax.EXPERT, ax.EMBED, ax.MLP), rules, mesh))
+        if all(norm(sh.spec) in (w13, w2) for sh in named):
+            try:
+                return make_ep_dispatch(mesh, backend=backend, capacity_factor=capacity_factor, rules=rules)
+            except ValueError:  # a layout the EP dispatch cannot take (e.g. tokens split over tensor): GSPMD
+                return None
+    return None

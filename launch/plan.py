@@ -1,0 +1,157 @@
+"""`python -m sharding.plan`: the memory planner's command line (the planner itself is `parallel/plan.py`).
+
+    python -m sharding.plan --config flash --mesh 'actor:fsdp=2,expert=8/rollout:expert=8' --gpu mi308x --nodes 3
+
+prints the planner's table and its `PLAN` line; with `--compile` also the real train step AOT-compiled on CPU
+devices (`launch/aot.py`) and XLA's memory analysis, last line `RESULT actor_xla_gib=.. ... fits=yes|no`.
+It lives in launch/ because `--compile` builds the learner (rl/); `sharding/plan.py` forwards the documented
+module name to `main` here.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+from collections.abc import Sequence
+
+import jax
+
+import dsv4
+from launch.aot import compile_actor, reduced_depth
+from parallel.plan import _BYTES, EP_BACKENDS, GPUS, GPUS_PER_NODE, GiB, plan
+from parallel.plan import __doc__ as _PLAN_DOC
+from sharding import mesh as mesh_lib
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m sharding.plan", description=_PLAN_DOC.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--config", default="flash", help="preset name: flash | small | tiny (default flash)")
+    p.add_argument("--mesh", required=True, help="mesh spec, e.g. 'actor:fsdp=2,expert=8/rollout:expert=8'")
+    p.add_argument("--gpu", required=True, choices=sorted(GPUS))
+    p.add_argument("--nodes", type=int, default=None, help=f"nodes of {GPUS_PER_NODE} GPUs (default: from the mesh)")
+    p.add_argument("--optimizer-dtype", choices=sorted(_BYTES), default="fp32")
+    p.add_argument("--offload-optimizer", type=float, default=0.0, metavar="FRACTION",
+                   help="fraction of fp32 master + Adam moments kept in host memory")
+    p.add_argument("--tokens-per-device", type=int, default=4096, help="actor tokens per device per micro-step")
+    p.add_argument("--rollout-seq-len", type=int, default=4096, help="max prompt + completion length (KV cache)")
+    p.add_argument("--train-seq-len", type=int, default=None, help="actor sequence length (default: rollout's)")
+    p.add_argument("--rollout-experts", choices=("fp8", "fp4"), default="fp8")
+    p.add_argument("--fp8-scale-bytes", type=float, default=4.0, help="bytes per FP8 block scale (sampler: f32 = 4)")
+    p.add_argument("--fp4-scale-bytes", type=float, default=1.0, help="bytes per FP4 1x32 scale (E8M0 = 1)")
+    p.add_argument("--rollout-dequant", choices=("per_step", "per_call"), default="per_step",
+                   help="sampler dequant mode; per_call keeps a bf16 copy of the quantised weights")
+    p.add_argument("--kv-dtype", choices=sorted(_BYTES), default="bf16", help="sampler compute dtype (KV entries)")
+    p.add_argument("--usable-fraction", type=float, default=0.90)
+    p.add_argument("--rollout-reserve", type=float, default=0.10)
+    p.add_argument("--rollout-seqs-per-device", type=int, default=1, help="sequences that must fit for 'fits'")
+    p.add_argument("--ep-capacity-factor", type=float, default=None, help="EP buffer factor (default dropless)")
+    p.add_argument("--ep-backend", choices=EP_BACKENDS, default=None,
+                   help="expert-parallel dispatch (parallel/expert.py): padded | capacity | ragged (default: the "
+                        "learner's, parallel.expert.default_dispatch: ragged on GPUs, capacity on XLA:CPU for --compile)")
+    p.add_argument("--stream-optimizer", action=argparse.BooleanOptionalAction, default=True,
+                   help="the learner's stream_optimizer (offloaded state of the stacked layers updated one layer at a "
+                        "time); --no-stream-optimizer: the whole offloaded state transits the device in the update")
+    p.add_argument("--host-gib-per-node", type=float, default=None,
+                   help="host RAM per node for the offloaded optimizer; checked only when given")
+    p.add_argument("--train-mtp", action=argparse.BooleanOptionalAction, default=True,
+                   help="plan optimizer state for the MTP module (the learner's default is --no-train-mtp)")
+    p.add_argument("--freeze-router", action=argparse.BooleanOptionalAction, default=False)
+    p.add_argument("--compile", action="store_true",
+                   help="also AOT-compile the real actor train step on CPU devices and print XLA's memory analysis")
+    p.add_argument("--seq-len", type=int, default=None, help="--compile: tokens per row (default --train-seq-len "
+                   "or --rollout-seq-len)")
+    p.add_argument("--micro-batch-tokens", type=int, default=None,
+                   help="--compile: the learner's --max-tokens-per-micro-batch (default: one row per device)")
+    p.add_argument("--scan-layers", action=argparse.BooleanOptionalAction, default=True,
+                   help="--compile: the learner's --scan-layers (layers under lax.scan; compile time flat in depth)")
+    p.add_argument("--num-layers", type=int, default=None,
+                   help="plan/compile a reduced-depth copy of the config (first N main layers; labelled)")
+    args = p.parse_args(argv)
+    if args.compile:
+        rc = _compile_in_child(argv)
+        if rc is not None:
+            return rc
+    try:
+        config = args.config
+        if args.num_layers is not None:
+            config = reduced_depth(dsv4.DSV4Config.preset(args.config), args.num_layers)
+        seq = args.seq_len or args.train_seq_len or args.rollout_seq_len
+        tokens = args.tokens_per_device
+        if args.compile:  # the plan of exactly what is compiled: rows per device x seq tokens
+            tokens = seq * (1 if args.micro_batch_tokens is None else max(1, args.micro_batch_tokens // seq))
+        name = args.config + (f" (reduced to {args.num_layers} layers)" if args.num_layers is not None else "")
+        report = plan(config, args.mesh, args.gpu, nodes=args.nodes, optimizer_dtype=args.optimizer_dtype,
+                      offload_optimizer=args.offload_optimizer, tokens_per_device=tokens,
+                      rollout_seq_len=args.rollout_seq_len,
+                      train_seq_len=seq if args.compile else args.train_seq_len,
+                      rollout_experts=args.rollout_experts, fp8_scale_bytes=args.fp8_scale_bytes,
+                      fp4_scale_bytes=args.fp4_scale_bytes, rollout_dequant=args.rollout_dequant,
+                      kv_dtype=args.kv_dtype,
+                      usable_fraction=args.usable_fraction, rollout_reserve=args.rollout_reserve,
+                      rollout_seqs_per_device=args.rollout_seqs_per_device,
+                      ep_capacity_factor=args.ep_capacity_factor, host_gib_per_node=args.host_gib_per_node,
+                      ep_backend=args.ep_backend or ("capacity" if args.compile else "ragged"),
+                      stream_optimizer=args.stream_optimizer, config_name=name, train_mtp=args.train_mtp, freeze_router=args.freeze_router)
+    except ValueError as e:  # MeshSpecError is a ValueError
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print(report.table())
+    print(report.line())
+    if not args.compile:
+        return 0
+    try:
+        xla = compile_actor(config, report.mesh_spec, seq_len=seq, micro_batch_tokens=args.micro_batch_tokens,
+                            offload_optimizer=args.offload_optimizer, train_mtp=args.train_mtp,
+                            freeze_router=args.freeze_router, scan_layers=args.scan_layers,
+                            ep_backend=args.ep_backend, ep_capacity_factor=args.ep_capacity_factor,
+                            stream_optimizer=args.stream_optimizer)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    a, r = report.actor, report.rollout
+    print("\n".join(xla.lines()))
+    print(f"  planner arithmetic for the same step: {a.total / GiB:.2f} GiB (XLA/plan = {xla.total / a.total:.2f}); "
+          "XLA:CPU upcasts bf16 dots to f32 (temporaries above a GPU's)")
+    fits = xla.total <= a.usable and r.fits
+    print(f"  verdict (XLA figures): actor {'fits' if xla.total <= a.usable else 'does not fit'} "
+          f"({xla.total / GiB:.2f} of {a.usable / GiB:.1f} GiB usable); rollout (plan; its step is not compiled "
+          f"yet) {'fits' if r.fits else 'does not fit'}")
+    print(f"RESULT actor_xla_gib={xla.total / GiB:.2f} actor_plan_gib={a.total / GiB:.2f} "
+          f"actor_usable_gib={a.usable / GiB:.2f} rollout_xla_gib=nan rollout_plan_gib={r.total / GiB:.2f} "
+          f"rollout_usable_gib={r.usable / GiB:.2f} fits={'yes' if fits else 'no'}")
+    return 0
+
+
+_CHILD = "DSV4_PLAN_COMPILE_CHILD"
+
+
+def _compile_in_child(argv: Sequence[str] | None) -> int | None:
+    """--compile needs as many XLA:CPU devices as the mesh spec. XLA reads the device-count flag when its CPU
+    backend starts, so unless this process already has enough CPU devices (e.g. under the tests' 8), the same
+    command is re-run in a child process with `--xla_force_host_platform_device_count` and JAX_PLATFORMS=cpu.
+    Returns the child's exit status, or None to compile here."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    try:
+        i = argv.index("--mesh")
+        n_dev = mesh_lib.parse_mesh_spec(argv[i + 1]).n_devices
+    except (ValueError, IndexError):
+        return None  # let the normal path report the bad spec
+    if os.environ.get(_CHILD) or "xla_force_host_platform_device_count" in os.environ.get("XLA_FLAGS", ""):
+        if all(d.platform == "cpu" for d in jax.devices()) and jax.device_count() >= n_dev:
+            return None
+        if os.environ.get(_CHILD):
+            print(f"error: --compile needs {n_dev} CPU devices, this process has {jax.device_count()}",
+                  file=sys.stderr)
+            return 2
+    flags = " ".join(f for f in os.environ.get("XLA_FLAGS", "").split()
+                     if "xla_force_host_platform_device_count" not in f)
+    env = {**os.environ, _CHILD: "1", "JAX_PLATFORMS": "cpu",
+           "XLA_FLAGS": f"{flags} --xla_force_host_platform_device_count={n_dev}".strip()}
+    return subprocess.run([sys.executable, "-m", "sharding.plan", *argv], env=env).returncode
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,9 @@
+"""Parallelism above the model: what needs both the placement ground (`sharding/`) and the model (`dsv4/`).
+
+    expert.py   expert parallelism (shard_map all-to-all dispatch, reusing `dsv4.moe`'s expert math) and
+                `default_dispatch`, the one place that picks the routed-expert implementation for a layout
+    push.py     the actor -> rollout weight push (transfer layouts, FP8 quantisation, verification)
+    plan.py     the memory planner's arithmetic (`plan(...) -> PlanReport`; CLI `python -m sharding.plan`)
+
+Layers import downward only: sharding -> dsv4 -> parallel -> rl -> launch (`tests/test_layers.py`).
+"""
