@@ -41,8 +41,9 @@ of it is there at once (XLA's memory analysis of the Flash step keeps most of it
 counts all offloaded bytes on the device. With the learner's `stream_optimizer` (`rl.optim.update_streamed`) the
 offloaded state of the decoder layers (stacked under `scan_layers`) is updated one layer at a time: the plan
 counts one layer's largest state slice in + out, plus the offloaded state of everything else (embedding, head,
-1-D leaves) whole. The plan is an estimate: against XLA (`--compile`) it is within a factor 1.5 (README figures;
-XLA:CPU upcasts bf16 dots to f32, fusion and buffer reuse differ by backend).
+1-D leaves) whole. The plan is an estimate. Against XLA (`--compile`, Flash, 8K tokens per device, padded EP,
+streamed update) XLA:CPU's figure is 1.90x the plan (239.62 vs 126.19 GiB; the aim is a factor <= 1.5, not met:
+XLA:CPU upcasts bf16 dots to f32 and ~3.8 GiB per layer of its temporaries are not explained yet, README).
 
 Rollout, per device, as rl/sampler.py holds it: FP8 e4m3 (1 byte per weight) for the checkpoint's FP8 set
 (`dsv4.quant.FP8_WEIGHT_RE`: attention wq_a/wq_b/wkv/wo_a/wo_b, indexer wq_b, shared experts, MTP e/h_proj) and
