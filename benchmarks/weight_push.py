@@ -1,10 +1,15 @@
-"""Weight push speed (`parallel/push.py`): actor fp32 -> bf16 -> rollout mesh -> FP8, against memcpy, CPU.
+"""Weight push speed (`parallel/push.py`): actor fp32 -> FP8 rollout weights, against memcpy, CPU.
 
-What is measured, per layout, for `DSV4Config.small()` (~94M parameters) on 8 forced host devices:
-- push: wall time of `push_weights(..., verify=False)` (cast on the actor mesh, chunked device_put, FP8 block
-  quantisation on the rollout mesh, swap), after the `WeightPusher` warm-up; GB/s = wire bytes (bf16 for the FP8 /
-  bf16 tensors, f32 for the few the sampler keeps in f32, int32 tables) / seconds. The stage split (cast,
-  transfer, quantise) comes from `PushStats`; a verified push is timed too.
+What is measured, per layout and per quantisation site, for `DSV4Config.small()` (109M parameters pushed) on 8 forced
+host devices:
+- push: wall time of `push_weights(..., verify=False)` after the `WeightPusher` warm-up. Two sites
+  (`--quantize-on`): `actor` (the default of `WeightPusher`: FP8 blocks quantised on the actor mesh, fp8 q + f32
+  scales on the wire) and `rollout` (bf16 on the wire, quantised chunk by chunk on arrival). GB/s = wire bytes /
+  seconds; wire bytes per parameter = wire bytes / parameters (fp8 + scales for the FP8 tensors quantised on the
+  actor, bf16 for those quantised on arrival and for bf16-stored tensors, f32 for the few the sampler keeps in
+  f32, int32 tables). The stage split (cast = actor jits incl. actor-side quantisation, transfer, quantise =
+  rollout jits) comes from `PushStats`; a verified push is timed too. rollout_peak_mib: `WeightPusher.memory()`
+  (per rollout device, 2 quantised states + the largest chunk extra, from the compiled programs).
 - memcpy, in the same run and interleaved with the pushes (so load changes on a shared machine hit both alike):
   (a) `jax.device_put` of one bf16 buffer of the same byte count from device 0 to device 7 (device to device);
   (b) a jitted copy (`x + 0` cannot be elided; `x * 1` either) of that buffer on device 0. memcpy = the faster.
@@ -18,7 +23,9 @@ timed pushes and probes (0 expected: everything compiles in the warm-up or befor
 
 Run:   .venv/bin/python benchmarks/weight_push.py            (about 3-6 minutes on 2 shared cores)
        .venv/bin/python benchmarks/weight_push.py --layouts 6/2 --runs 3
-The last line is `RESULT push_gbps=.. memcpy_gbps=.. ratio=..` (6/2 layout, medians).
+The last line is `RESULT push_gbps=.. memcpy_gbps=.. ratio=.. wire_bytes_per_param=.. push_s=..
+arrival_push_s=.. arrival_wire_bytes_per_param=.. rollout_peak_mib=.. arrival_rollout_peak_mib=..` (6/2 layout,
+medians; the unprefixed fields are the default `actor` site, `arrival_` the `rollout` site).
 """
 
 from __future__ import annotations
@@ -75,7 +82,7 @@ def memcpy_probes(nbytes: int):
     return d2d, jcopy
 
 
-def bench_layout(name: str, spec: str, cfg: DSV4Config, runs: int, chunk_mib: int) -> dict:
+def bench_layout(name: str, spec: str, cfg: DSV4Config, runs: int, chunk_mib: int, quantize_on: str) -> dict:
     plan = build_mesh_plan(spec, config=cfg)
     make = lambda: DSV4ForCausalLM(cfg, rngs=nnx.Rngs(0), param_dtype=jnp.float32)  # noqa: E731
     graphdef, abstract = nnx.split(nnx.eval_shape(make))
@@ -83,7 +90,8 @@ def bench_layout(name: str, spec: str, cfg: DSV4Config, runs: int, chunk_mib: in
         state = jax.jit(lambda: nnx.state(make()), out_shardings=plan.param_shardings("actor", abstract))()
     sampler = Sampler(nnx.merge(graphdef, state), mesh=plan.rollout, weights="fp8", max_prompt_len=16)
     t0 = time.perf_counter()
-    pusher = WeightPusher(plan, sampler, abstract, chunk_bytes=chunk_mib * 2**20, verify_every=0)
+    pusher = WeightPusher(plan, sampler, abstract, chunk_bytes=chunk_mib * 2**20, verify_every=0,
+                          quantize_on=quantize_on)
     warmup_s = time.perf_counter() - t0
     d2d, jcopy = memcpy_probes(pusher.wire_bytes)
     version = sampler.weight_version
@@ -100,8 +108,12 @@ def bench_layout(name: str, spec: str, cfg: DSV4Config, runs: int, chunk_mib: in
     med = lambda xs: statistics.median(xs)  # noqa: E731
     gb = pusher.wire_bytes / 1e9
     push_s = [p.seconds for p in pushes]
-    row = dict(layout=name, spec=spec, wire_mb=pusher.wire_bytes / 1e6, tensors=len(pusher.tensors),
-               chunks=len(pusher.chunks), warmup_s=warmup_s, push_best_s=min(push_s), push_med_s=med(push_s),
+    mem = pusher.memory()  # after the compile count: it compiles for memory_analysis()
+    row = dict(layout=name, site=quantize_on, spec=spec, wire_mb=pusher.wire_bytes / 1e6,
+               wire_bytes_per_param=pusher.wire_bytes / pusher.n_params, rollout_peak_mib=mem.peak / 2**20,
+               rollout_state_mib=mem.state / 2**20, rollout_chunk_mib=mem.chunk / 2**20,
+               rollout_check_mib=mem.check / 2**20, actor_chunk_mib=mem.actor_chunk / 2**20,
+               tensors=len(pusher.tensors), chunks=len(pusher.chunks), warmup_s=warmup_s, push_best_s=min(push_s), push_med_s=med(push_s),
                push_gbps=gb / med(push_s), push_best_gbps=gb / min(push_s),
                cast_s=med([p.cast_s for p in pushes]), transfer_s=med([p.transfer_s for p in pushes]),
                quantize_s=med([p.quantize_s for p in pushes]), verified_s=verified.seconds,
@@ -117,6 +129,8 @@ def main(argv=None) -> int:
     ap.add_argument("--layouts", default="6/2,4/4", help="comma list of " + ", ".join(LAYOUTS))
     ap.add_argument("--runs", type=int, default=5)
     ap.add_argument("--chunk-mib", type=int, default=256)
+    ap.add_argument("--quantize-on", default="actor,rollout", help="comma list of actor, rollout (where the FP8 "
+                    "blocks are quantised; RESULT: actor unprefixed, rollout as arrival_*)")
     args = ap.parse_args(argv)
     names = [n.strip() for n in args.layouts.split(",") if n.strip()]
     unknown = [n for n in names if n not in LAYOUTS]
@@ -126,23 +140,39 @@ def main(argv=None) -> int:
     monitoring.register_event_duration_secs_listener(_count_compiles)
     print(f"jax {jax.__version__}, {jax.device_count()} x {jax.devices()[0].platform}, config small, "
           f"runs {args.runs}, chunk {args.chunk_mib} MiB", flush=True)
+    sites = [q.strip() for q in args.quantize_on.split(",") if q.strip()]
+    if not sites or any(q not in ("actor", "rollout") for q in sites):
+        ap.error(f"--quantize-on {args.quantize_on!r}: expected a comma list of actor, rollout")
     rows = []
     for name in names:
-        rows.append(bench_layout(name, LAYOUTS[name], cfg, args.runs, args.chunk_mib))
-        print(f"  done {name}", flush=True)
-    cols = [("layout", "{:>6}"), ("wire_mb", "{:>8.1f}"), ("tensors", "{:>7d}"), ("chunks", "{:>6d}"),
+        for site in sites:
+            rows.append(bench_layout(name, LAYOUTS[name], cfg, args.runs, args.chunk_mib, site))
+            print(f"  done {name} {site}", flush=True)
+    cols = [("layout", "{:>6}"), ("site", "{:>7}"), ("wire_mb", "{:>8.1f}"), ("wire_bytes_per_param", "{:>20.3f}"),
+            ("tensors", "{:>7d}"), ("chunks", "{:>6d}"),
             ("warmup_s", "{:>8.1f}"), ("push_med_s", "{:>10.3f}"), ("push_best_s", "{:>11.3f}"),
             ("cast_s", "{:>6.3f}"), ("transfer_s", "{:>10.3f}"), ("quantize_s", "{:>10.3f}"),
             ("verified_s", "{:>10.3f}"), ("push_gbps", "{:>9.3f}"), ("transfer_gbps", "{:>13.3f}"),
             ("d2d_gbps", "{:>8.3f}"), ("compiles", "{:>8d}"),
-            ("copy_gbps", "{:>9.3f}"), ("ratio", "{:>5.2f}")]
+            ("copy_gbps", "{:>9.3f}"), ("ratio", "{:>5.2f}"), ("rollout_peak_mib", "{:>16.1f}"),
+            ("rollout_state_mib", "{:>17.1f}"), ("rollout_chunk_mib", "{:>17.2f}"), ("rollout_check_mib", "{:>17.2f}"),
+            ("actor_chunk_mib", "{:>15.2f}")]
     print(" ".join(f"{c:>{len(f.format(rows[0][c]))}}" for c, f in cols))
     for r in rows:
         print(" ".join(f.format(r[c]) for c, f in cols))
     for r in rows:
         print(f"{r['layout']}: {r['spec']}")
-    head = next((r for r in rows if r["layout"] == "6/2"), rows[0])
-    print(f"RESULT push_gbps={head['push_gbps']:.3f} memcpy_gbps={head['memcpy_gbps']:.3f} ratio={head['ratio']:.2f}")
+    layout = "6/2" if any(r["layout"] == "6/2" for r in rows) else rows[0]["layout"]
+    by_site = {r["site"]: r for r in rows if r["layout"] == layout}
+    head = by_site.get("actor", rows[0])
+    fields = [f"push_gbps={head['push_gbps']:.3f}", f"memcpy_gbps={head['memcpy_gbps']:.3f}",
+              f"ratio={head['ratio']:.2f}"]
+    for prefix, site in (("", "actor"), ("arrival_", "rollout")):
+        r = by_site.get(site)
+        if r is not None:
+            fields += [f"{prefix}wire_bytes_per_param={r['wire_bytes_per_param']:.3f}",
+                       f"{prefix}push_s={r['push_med_s']:.3f}", f"{prefix}rollout_peak_mib={r['rollout_peak_mib']:.1f}"]
+    print("RESULT " + " ".join(fields))
     return 0
 
 

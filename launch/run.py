@@ -6,8 +6,9 @@
         --tokenizer /ckpt/DeepSeek-V4-Flash/tokenizer.json --mesh actor:fsdp=2,expert=8/rollout:expert=8 \
         --coordinator host0:1234 --num-processes 3 --process-id $RANK
 
-Every flag is a field of `rl.config.RunConfig` (`--group-size` <-> `group_size`); `--config-file FILE.yaml`
-sets fields from a YAML mapping and flags given on the command line override it. `--dry-run` prints the
+Every flag is a knob of the nested `rl.config.RunConfig` (`--group-size` <-> `rollout.group_size`); any knob
+also takes a dotted flag (`--learner.lr 1e-6`). `--config-file FILE.yaml` sets knobs from a YAML mapping (nested
+sections, or the flat flag names); precedence: defaults < `--algo` preset < YAML < flat flags < dotted flags. `--dry-run` prints the
 resolved config, the meshes and the memory plan, then exits. Bad input (files, fields, flags) ends with a
 one-line error naming what is wrong and exit status 2, never a traceback.
 """
@@ -15,135 +16,89 @@ one-line error naming what is wrong and exit status 2, never a traceback.
 from __future__ import annotations
 
 import argparse
-import dataclasses
+import difflib
 import json
 import logging
 import os
 import pathlib
 import sys
-import typing
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))  # runnable as a script from a fresh clone
 
-from rl.config import RunConfig  # noqa: E402  (pure dataclasses: importing it starts no JAX backend)
+from rl.config import FLAT, RunConfig  # noqa: E402  (pure dataclasses: importing it starts no JAX backend)
 
 log = logging.getLogger("dsv4rl")
 
-_HELP = {
-    "mesh": "device meshes: 'auto', or e.g. actor:fsdp=2,expert=2/rollout:expert=2,tensor=2 (actor only = colocated)",
-    "config": "model config: tiny | small | flash | PATH/config.json",
-    "init": "random, or an official-format DeepSeek-V4 checkpoint directory (safetensors + config.json)",
-    "task": "built-in verifiable task when no --dataset is given: copy | reverse (3 digits, partial credit)",
-    "task_digits": "digits per built-in task prompt",
-    "dataset": "prompt dataset (jsonl or parquet; GSM8K layout by default)",
-    "tokenizer": "Hugging Face tokenizer.json (required with --dataset)",
-    "prompt_field": "dataset field of the prompt: a string or a list of chat messages; dotted path "
-                    "(default: the --data-format's)",
-    "answer_field": "dataset field of the answer, dotted path, e.g. reward_model.ground_truth (default: the "
-                    "--data-format's)",
-    "data_format": "dataset layout: gsm8k (question, answer '... #### n') | verl (prompt = chat messages, "
-                   "reward_model.ground_truth) | miles (prompt, label); sets field defaults and --reward auto",
-    "apply_chat_template": "render each prompt as a one-turn conversation with the tokenizer folder's Jinja chat "
-                           "template (tokenizer_config.json or chat_template.jinja), as transformers does; DeepSeek-V4's format "
-                           "when the folder ships encoding/encoding_dsv4.py",
-    "system_prompt": "system message of the conversation (with --apply-chat-template)",
-    "thinking": "with --apply-chat-template: on | off sets the template's enable_thinking / thinking switch; "
-                "auto leaves the template's default",
-    "on_overlong_prompt": "prompt longer than --max-prompt-len: drop (counted: log + metric data/dropped_overlong) "
-                          "| fail",
-    "eval_only": "no training: evaluate --init (or the newest checkpoint in --ckpt-dir) on the eval prompts, "
-                 "print the table, write the metrics, exit",
-    "eval_before_train": "evaluate once before the first step (veRL's val_before_train; ignored by --eval-only)",
-    "wandb_project": "Weights & Biases project (optional extra: pip install -e '.[wandb]'; WANDB_MODE=offline "
-                     "needs no network)",
-    "chat_template": "python format string for the prompt, e.g. 'Question: {prompt}\\nAnswer:'",
-    "eval_dataset": "held-out prompts for eval (default: the first --eval-prompts training prompts)",
-    "reward": "auto (the --data-format's) | task | gsm8k | gsm8k+format | math (last \\boxed{}) | dapo "
-              "('Answer:' line, else boxed) | aime (integer); rl/math_rewards.py",
-    "max_prompt_len": "longest prompt in tokens",
-    "on_bad_record": "malformed dataset record: fail (error with file:line) | skip (counted)",
-    "steps": "GRPO steps", "prompts_per_step": "prompts per step", "group_size": "samples per prompt (G)",
-    "max_new_tokens": "response length limit", "temperature": "sampling temperature (0 = greedy)",
-    "top_p": "nucleus sampling", "top_k": "top-k sampling (0 = off)",
-    "rollout_dtype": "rollout weights: fp8 | fp8_e4m3fnuz (MI300/MI308) | bf16 | fp32 | auto",
-    "rollout_compute_dtype": "rollout matmul dtype: auto (fp32 on CPU, bf16 on GPU) | bfloat16 | float32",
-    "algo": "grpo | dr_grpo | dapo | gspo", "lr": "peak learning rate",
-    "dapo_max_resample_batches": "DAPO: extra prompt batches sampled per step to fill the batch with groups "
-                                 "whose rewards differ",
-    "dapo_on_budget_exhausted": "DAPO, fewer such groups than --prompts-per-step after the resampling budget: "
-                                "train (on the kept groups) | skip (the step)", "warmup_steps": "linear LR warmup",
-    "kl_coef": "KL-to-reference coefficient (0: no reference model kept)", "kl_estimator": "k1 | k2 | k3",
-    "correction": "rollout/train mismatch correction: none | tis | mis (IcePop)",
-    "correction_level": "token | sequence | geometric", "tis_clip": "TIS weight clamp C",
-    "mis_low": "MIS lower bound", "mis_high": "MIS upper bound",
-    "routing_replay": "force the rollout's experts in training", "freeze_router": "freeze router weights",
-    "micro_batch_size": "rows per micro-batch (exact accumulation)", "compute_dtype": "learner matmul dtype",
-    "eval_every": "eval every N steps (0 = never)", "eval_prompts": "held-out prompts",
-    "eval_samples": "k of pass@k (samples per eval prompt)", "ckpt_dir": "checkpoint directory ('' = none)",
-    "ckpt_every": "checkpoint every N steps", "resume": "auto | never", "keep_checkpoints": "checkpoints kept",
-    "allow_dataset_change": "resume although --dataset / --eval-dataset changed since the checkpoint (keeps the "
-                            "learner state, restarts the data order); otherwise that is an error",
-    "metrics_jsonl": "per-step metrics file ('' = none)", "tensorboard_dir": "TensorBoard dir ('' = none)",
-    "seed": "seed of data order, sampling and init", "progress": "progress bar",
-    "remat": "per-layer rematerialisation of the learner: block | dots | none",
-    "scan_layers": "run the learner's layers under lax.scan per group of identical layers (compile time flat in "
-                   "depth; the learner state and its checkpoints are then in the stacked layout)",
-}
 
+def _leaf(path: str):
+    from rl import config_tree
 
-def _type_of(field) -> tuple[type, bool]:
-    t = typing.get_type_hints(RunConfig)[field.name]
-    optional = type(None) in typing.get_args(t)
-    args = [a for a in typing.get_args(t) if a is not type(None)]
-    base = args[0] if optional and args else t
-    if typing.get_origin(base) is typing.Literal:
-        base = str
-    return base, optional
+    return config_tree.paths(RunConfig)[path]
 
 
 def parser() -> argparse.ArgumentParser:
+    """The flat flags (`rl.config.FLAT`: `--group-size` <-> `rollout.group_size`), help and type from the knob's
+    field. Dotted flags (`--learner.lr 1e-6`, any path of the config tree) are read by `resolve`."""
     p = argparse.ArgumentParser(prog="launch/run.py", description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument("--config-file", help="YAML file of RunConfig fields (flags override it)")
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+                                epilog="Any knob of the nested config also takes a dotted flag, e.g. --learner.lr "
+                                       "1e-6, --learner.loss.clip_eps_high 0.28, --rollout.push_verify_every 0 "
+                                       "(it wins over the flat flag and the YAML file).")
+    p.add_argument("--config-file", help="YAML file of the config: nested sections (learner: {lr: ...}) and/or "
+                                         "the flat keys of the flags (flags override it)")
     p.add_argument("--dry-run", action="store_true", help="print config, meshes and memory plan, then exit")
     p.add_argument("--log-level", default="INFO")
-    defaults = RunConfig()
-    for f in dataclasses.fields(RunConfig):
-        base, optional = _type_of(f)
-        flag = "--" + f.name.replace("_", "-")
-        if base is bool:
+    flat = RunConfig().flat()
+    for name, path in FLAT.items():
+        leaf = _leaf(path)
+        flag = "--" + name.replace("_", "-")
+        if leaf.base is bool:
             p.add_argument(flag, action=argparse.BooleanOptionalAction, default=None,
-                           help=f"{_HELP.get(f.name, '')} (default: {getattr(defaults, f.name)})")
+                           help=f"{leaf.help} (default: {flat[name]})")
         else:
-            p.add_argument(flag, type=str, default=None, metavar=base.__name__.upper(),
-                           help=f"{_HELP.get(f.name, '')} (default: {getattr(defaults, f.name)})")
+            p.add_argument(flag, type=str, default=None, metavar=leaf.base.__name__.upper(),
+                           help=f"{leaf.help} (default: {flat[name]})")
     from sharding.distributed import add_distributed_args
 
     add_distributed_args(p)
     return p
 
 
-def _convert(name: str, raw, source: str):
-    field = {f.name: f for f in dataclasses.fields(RunConfig)}[name]
-    base, optional = _type_of(field)
-    if raw is None or (optional and isinstance(raw, str) and raw.lower() in ("", "none", "null")):
-        return None
-    if name == "thinking" and isinstance(raw, bool):  # YAML 1.1 reads an unquoted `thinking: on` as true
-        return "on" if raw else "off"
-    if isinstance(raw, base) and not (base is int and isinstance(raw, bool)):
-        return raw
-    try:
-        if base is bool:
-            return {"true": True, "false": False, "1": True, "0": False}[str(raw).lower()]
-        return base(raw)
-    except (ValueError, KeyError):
-        raise ValueError(f"{source}: {name} must be {base.__name__}, got {raw!r}") from None
+def _dotted(extra: list[str]) -> list[tuple[str, str]]:
+    """`--a.b VALUE` / `--a.b=VALUE` (a bool knob alone: true) -> [(path, raw)]. ValueError names a bad one."""
+    from rl import config_tree
+
+    leaves, out, i = config_tree.paths(RunConfig), [], 0
+    while i < len(extra):
+        tok = extra[i]
+        if not tok.startswith("--") or "." not in tok.split("=", 1)[0]:
+            raise ValueError(f"unrecognized argument {tok!r} (see --help)")
+        key, eq, raw = tok[2:].partition("=")
+        path = key.replace("-", "_")
+        if path not in leaves:
+            near = difflib.get_close_matches(path, list(leaves), n=3)
+            raise ValueError(f"--{key}: unknown config key {path!r}" + (f" (did you mean {' or '.join(near)}?)"
+                                                                         if near else ""))
+        if not eq:
+            if i + 1 < len(extra) and not (extra[i + 1].startswith("--") and leaves[path].base is bool):
+                raw, i = extra[i + 1], i + 1
+            elif leaves[path].base is bool:
+                raw = "true"
+            else:
+                raise ValueError(f"--{key}: expected a value")
+        out.append((path, raw))
+        i += 1
+    return out
 
 
 def resolve(argv=None) -> tuple[RunConfig, argparse.Namespace]:
-    """argv -> RunConfig (YAML file, then command-line overrides). ValueError names the bad key/flag."""
-    args = parser().parse_args(argv)
-    values = {}
+    """argv -> RunConfig: defaults < `algo` preset < YAML file < flat flags < dotted flags. ValueError names the
+    bad key, flag or file (one line)."""
+    from rl import config_tree
+
+    args, extra = parser().parse_known_args(argv)
+    dotted = _dotted(extra)
+    items: list[tuple[str, object]] = []
     if args.config_file:
         import yaml
 
@@ -154,21 +109,21 @@ def resolve(argv=None) -> tuple[RunConfig, argparse.Namespace]:
         except yaml.YAMLError as e:
             raise ValueError(f"--config-file {args.config_file}: not valid YAML ({e})") from None
         if not isinstance(data, dict):
-            raise ValueError(f"--config-file {args.config_file}: expected a mapping of RunConfig fields")
-        names = {f.name for f in dataclasses.fields(RunConfig)}
-        for k, v in data.items():
-            key = k.replace("-", "_")
-            if key not in names:
-                raise ValueError(f"--config-file {args.config_file}: unknown key {k!r}")
-            values[key] = _convert(key, v, args.config_file)
-    for f in dataclasses.fields(RunConfig):
-        raw = getattr(args, f.name)
+            raise ValueError(f"--config-file {args.config_file}: expected a mapping of config keys")
+        for path, (key, v) in config_tree.flatten(data, RunConfig, f"--config-file {args.config_file}",
+                                                  FLAT).items():
+            items.append((path, config_tree.convert(_leaf(path), v, args.config_file, key)))
+    for name, path in FLAT.items():
+        raw = getattr(args, name)
         if raw is not None:
-            values[f.name] = _convert(f.name, raw, "--" + f.name.replace("_", "-"))
-    for k in ("ckpt_dir", "metrics_jsonl", "tensorboard_dir"):
-        if values.get(k) == "":
-            values[k] = None
-    return RunConfig(**values), args
+            items.append((path, config_tree.convert(_leaf(path), raw, "--" + name.replace("_", "-"), name)))
+    for path, raw in dotted:
+        items.append((path, config_tree.convert(_leaf(path), raw, "--" + path)))
+    items = [(p, None if p in _EMPTY_IS_NONE and v == "" else v) for p, v in items]
+    return RunConfig.from_overrides(items, source="launch/run.py"), args
+
+
+_EMPTY_IS_NONE = ("ckpt.dir", "log.metrics_jsonl", "log.tensorboard_dir")
 
 
 def dry_run(cfg: RunConfig) -> None:
@@ -177,7 +132,8 @@ def dry_run(cfg: RunConfig) -> None:
     from rl.loop import _data, resolve_model_config
     from sharding.mesh import build_mesh_plan, parse_mesh_spec
 
-    print("config:", json.dumps(dataclasses.asdict(cfg), indent=1, default=str))
+    print("config:", json.dumps(cfg.flat(), indent=1, default=str))  # the flags' names
+    print("config tree:", json.dumps(cfg.to_tree(), indent=1, default=str))  # every knob, nested
     tok, *_ = _data(cfg)
     mc = resolve_model_config(cfg, tok.vocab_size)
     spec = parse_mesh_spec(cfg.mesh)  # a malformed spec is an error (exit 2), not a planning note

@@ -4,23 +4,48 @@
     stats = push_weights(pusher, learner.params_for_push(), sampler, version=step)
     log({"perf/weight_push_s": stats.seconds, "perf/weight_push_gbps": stats.gbps})
 
-What a push does, per tensor (shapes are the model's, e.g. experts w1 [E, I, D]; keys are nnx paths joined by
-"/", e.g. "layers/1/ffn/experts/w1", "layers/0/ffn/gate/tid2eid"):
+What a push does, chunk by chunk (`chunk_bytes` of wire bytes; a tensor larger than that travels alone); keys are
+nnx paths joined by "/", e.g. "layers/1/ffn/experts/w1" [E, I, D], "layers/0/ffn/gate/tid2eid":
 
-1. Actor mesh (`jax.set_mesh`): one jit casts the fp32 master weight to its *wire dtype* and reshards it to a
-   *transfer layout*. Wire dtype = the dtype the sampler stores the tensor in (bf16; f32 for the tensors the
-   sampler keeps in f32: mHC, sinks, ape, router selection bias, which decides routing and must not be rounded;
-   int32 for `tid2eid`), except FP8-stored tensors, which travel as bf16 and are quantised on arrival. Tensors
-   whose dtype and layout need no change skip the jit (no copy on the actor side). The jit runs on one replica
-   only: a tensor the actor replicates over some mesh axes (e.g. `data=3`) is viewed, without a copy, as an
-   array on the sub-mesh at index 0 of those axes, so replicas are not cast (and do not hold copies) 3 times.
-2. `jax.device_put` onto the sampler's `rollout_shardings()` (disjoint rollout mesh), a chunk of tensors at a
-   time (`chunk_bytes` of wire bytes), `block_until_ready`, then the chunk's actor-side bf16 copies are deleted
-   explicitly (cross-mesh donation does not free the source on CPU, docs/jax-stack.md §2.3). Colocated plans
-   (rollout mesh = actor mesh): step 1 writes the rollout layout directly and nothing crosses meshes.
-3. Rollout mesh: `sampler.quantize_weights` (one jit: FP8 e4m3 128x128 blocks, f32 scales).
-4. Optional verification (below); then `sampler.set_weights(wstate, version)`: the swap happens only after
+1. Stage (actor mesh, `_stage_chunk`): one jit per tensor reads the fp32 master weight and writes its *wire
+   arrays* in a *transfer layout*. Dense tensors travel in the dtype the sampler stores them in (bf16; f32 for
+   mHC, sinks, ape and the router selection bias, which decides routing and must not be rounded; int32
+   `tid2eid`). Quantised tensors (the sampler stores a `dsv4.quant.QuantizedTensor`), with `quantize_on="actor"`
+   (the default): quantised right here by `dsv4.quant.quantize_rollout_fp8` (the one path from learner weights to
+   rollout FP8 weights: bf16 rounding, e4m3 128x128 blocks, f32 scales, exact fnuz conversion) and sent as
+   (q fp8, scale f32): 1 B per parameter + 4 B per 16,384, about half of bf16. With `quantize_on="rollout"` they
+   travel as bf16 and step 3 quantises them. Only one replica works: a tensor the actor replicates over some axes
+   (e.g. `data=3`) is viewed, without a copy, on the sub-mesh at index 0 of those axes. Dense tensors whose dtype
+   and layout need no change skip the jit.
+2. Transfer (`_transfer_chunk`): one `jax.device_put` of the chunk's wire arrays onto the rollout mesh,
+   `block_until_ready`, then the actor-side copies are deleted explicitly (cross-mesh donation does not free the
+   source on CPU, docs/jax-stack.md §2.3). Colocated plans (rollout mesh = actor mesh): step 1 writes the final
+   rollout layout and nothing crosses meshes (quantisation then always runs in step 1).
+3. Land (rollout mesh, `_land_chunk`): where needed, one jit per tensor finishes a reshard (below) or, with
+   `quantize_on="rollout"`, quantises the bf16 arrival with the same `quantize_rollout_fp8`; the arrivals it
+   replaced are deleted before the next chunk. The outputs are the next weight version's own buffers.
+4. Optional verification (below); then `sampler.set_weights(new_state, version)`: the swap happens only after
    every tensor arrived and passed, so a failed push leaves the previous version live.
+
+Where to quantise (measured: benchmarks/weight_push.py, benchmarks/README.md "Weight push"): on the actor.
+- Wire bytes: 1 B + 4 B per 16,384 instead of 2 B per FP8-stored parameter (small config, whole model: 1.10
+  instead of 2.01 B per parameter; embedding and head stay bf16).
+- Rollout memory: the arrivals of an actor-quantised tensor already are the stored (q, scale), so a push adds
+  nothing on a rollout device beyond the new state, except arrivals that need a rollout-side reshard (small config
+  6/2: peak = exactly 2 states); quantising on arrival keeps a bf16 chunk plus the quantise jit's temporaries live
+  (+131 MiB there, with the whole small model in one 256 MiB chunk).
+- Work: the same arithmetic either way; on the seed layout 16 actor devices share the quantisation that 8 rollout
+  devices would do, and the rollout mesh is free for generation meanwhile. On 8 CPU host devices sharing 2 loaded
+  cores the two take about the same time (best of 3: 0.86 vs 0.78 s), so CPU time did not decide it.
+`quantize_on="rollout"` stays available (benchmark comparisons; meshes where the actor is the bottleneck).
+
+Peak memory (`WeightPusher.memory()`, per device, from the array layouts and XLA's `memory_analysis()` of every
+compiled push program): rollout = 2 quantised states (the live one and the one being built) + the largest chunk
+extra (arrivals that a land jit replaces + the largest temp of that chunk's rollout programs); a verified push
+adds the largest per-tensor verification temp instead when that is larger (on XLA:CPU, which materialises the u32
+input of every integer reduction, about 2-10 B per element of the largest stored tensor on a device; its digests
+loop over slabs of <= chunk_bytes / 16 elements to bound it, which XLA:CPU only partly honours). Never a bf16 copy of
+the model. Actor = one chunk of staged wire arrays + the largest stage temp, on top of the learner's own state.
 
 Why a transfer layout. In jax 0.10.2 a single-process `device_put` between meshes takes one of two paths
 (`jax/_src/array.py::_array_shard_arg`): if every destination shard's index range exists as a source shard, the
@@ -29,34 +54,32 @@ uploads it (seen on CPU: `transfer_guard_host_to_device("disallow_explicit")` tr
 and the device-to-host guard do not, so this round trip is easy to miss). So step 1 reshards on the actor mesh
 to a spec that cuts every dim into the same number of pieces as the rollout spec (same index ranges, any device
 order); if the actor mesh cannot express that split (e.g. actor axes 3 x 2, rollout tensor=4), it uses the
-largest split both meshes can express that divides the rollout's, and a rollout-side jit finishes the reshard.
+largest split both meshes can express that divides the rollout's, and step 3 finishes the reshard. The scales of
+an actor-quantised tensor get their own transfer layout (the sampler replicates them today).
 
-Verification (`verify=True`, or every `verify_every`-th push): per tensor a position-weighted 32-bit checksum
-pair of the wire bits is computed on the actor mesh and compared with the same checksum of what arrived
-(FP8 tensors) or of what the sampler stores (everything else: int hash tables and f32/bf16 tensors must be
-bitwise equal); nothing may be NaN/inf (wire copy, and FP8 tensors after dequantisation); integer tables must
-not be all zero (an all-zero `tid2eid` routes every token to expert 0: the failure of stacks that forget
-buffers); and every FP8 element must satisfy the e4m3 rounding bound
+Verification (`verify=True`, or every `verify_every`-th push): per tensor a row of 10 uint32 terms is computed on
+the actor side (in the stage jit, from exactly the wire arrays it sends) and on the rollout side (for tensors
+quantised on arrival: in the land jit, from the bf16 that arrived; for everything else: one program over the
+stored new state), see `_row`. They must agree on the position-weighted 32-bit checksum pair of every wire array
+(fp8 q and f32 scales bitwise; int hash tables and f32/bf16 tensors bitwise); nothing may be NaN/inf (the actor
+weight, the rollout copy, FP8 after dequantisation); integer tables must not be all zero (an all-zero `tid2eid`
+routes every token to expert 0: the failure of stacks that forget buffers); and every FP8 element must satisfy
+the e4m3 rounding bound
     |q * s - w| <= (eps/2 + 2^-20) |w| + (1 + 2^-20) * (smallest_subnormal/2) * s + tiny_f32
-where w is the bf16 weight that arrived, s its block's scale, eps/smallest_subnormal from `jnp.finfo` of the
+where w is the bf16 weight that was quantised, s its block's scale, eps/smallest_subnormal from `jnp.finfo` of the
 fp8 dtype (e4m3fn: eps = 2^-3, subnormal step 2^-9; e4m3fnuz: 2^-3, 2^-10). Derivation: y = fl(w / s) has
 relative error 2^-24; clipping at +-fmax moves y by at most 2^-22 fmax because s >= amax/fmax up to rounding;
 round-to-nearest-even to e4m3 errs by at most half a spacing, i.e. eps/2 |y| for normals and
 smallest_subnormal/2 below the normal range; q * s adds another 2^-24 relative; tiny_f32 covers the FTZ of
 f32-subnormal inputs on XLA:CPU. Failure raises `PushVerificationError` naming every bad tensor and the reason;
 the new state is deleted and the old version stays live. The verdicts come to the host as one small
-`device_get` (4-6 uint32 per tensor), the only device-to-host traffic of a push.
+`device_get` (10 uint32 per tensor and side), the only device-to-host traffic of a push.
 
-Compilation: the cast jit is keyed by (shape, dtype, sharding, wire dtype, transfer sharding), so repeated layer
-shapes share programs; the verification programs (one per actor sub-mesh, one on the rollout mesh, for the whole
-model) are compiled ahead of time. `WeightPusher.__init__` runs a dry push of zeros (chunk by chunk, built per
-shard with `jax.make_array_from_callback`, never a whole-model host copy) through every stage, verification
-included, and drops the result, so the first real push is steady state and later pushes compile nothing
-(tests/sharding/test_push.py counts backend compiles).
-
-Memory (per push): actor side, at most one chunk of wire copies at a time; rollout side, the bf16 copy of every
-tensor (kept until quantisation and verification finish; `Sampler.quantize_weights` takes the full dict) plus
-the new and the old weight state until the swap.
+Compilation: stage, land and reshard jits are keyed by shapes, dtypes and shardings, so repeated layer shapes
+share programs; the stored-state verification program is compiled ahead of time. `WeightPusher.__init__` runs two
+dry pushes of zeros (verified and not; chunk by chunk, built per shard with `jax.make_array_from_callback`, never
+a whole-model host copy) through every stage and drops them, so the first real push is steady state and later
+pushes compile nothing (tests/sharding/test_push.py counts backend compiles).
 
 Ideas from Tunix (`rl/reshard.py::reshard_pytree`: device_put fallback, PRNG keys unwrapped;
 `generate/utils.py::_reshard_in_chunks`: key groups with `block_until_ready` between them; `rl_cluster.py::
@@ -84,7 +107,10 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from dsv4 import quant
 
 DEFAULT_CHUNK_BYTES = 256 * 2**20
-FP8_SOURCE_DTYPE = quant.ROLLOUT_FP8_SOURCE_DTYPE  # what FP8-stored tensors travel as (learner compute precision)
+FP8_SOURCE_DTYPE = quant.ROLLOUT_FP8_SOURCE_DTYPE  # the bf16 value quantised tensors are quantised from
+QUANTIZE_ON = ("actor", "rollout")
+DEFAULT_QUANTIZE_ON = "actor"  # chosen by measurement: module docstring, benchmarks/README.md
+ROW_TERMS = 10  # uint32 verification terms per tensor and side (`_row`)
 
 
 class PushVerificationError(RuntimeError):
@@ -100,10 +126,12 @@ class PushVerificationError(RuntimeError):
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class PushStats:
-    """One push. bytes: logical wire bytes (global sizes x wire itemsize; bf16 for FP8/bf16 tensors); gbps =
+    """One push. bytes: wire bytes (global sizes x itemsize of what crossed: fp8 q + f32 scales for tensors
+    quantised on the actor, bf16 for those quantised on arrival, the stored dtype for dense tensors); gbps =
     bytes / seconds / 1e9 with seconds the wall time of the whole push (incl. quantisation, and verification when
-    `verified`). Stage times: cast_s (actor jits), transfer_s (device_put + rollout-side reshards), quantize_s,
-    verify_s. colocated: no cross-mesh transfer happened."""
+    `verified`); n_params: parameters pushed (so `wire_bytes_per_param` = bytes / n_params). Stage times: cast_s
+    (actor jits: casts, actor-side quantisation), transfer_s (device_put), quantize_s (rollout jits: reshards,
+    quantisation on arrival), verify_s. colocated: no cross-mesh transfer happened."""
 
     version: int
     seconds: float
@@ -117,31 +145,91 @@ class PushStats:
     transfer_s: float = 0.0
     quantize_s: float = 0.0
     verify_s: float = 0.0
+    n_params: int = 0
+    quantize_on: str = DEFAULT_QUANTIZE_ON
+
+    @property
+    def wire_bytes_per_param(self) -> float:
+        return self.bytes / max(self.n_params, 1)
 
     def metrics(self) -> dict[str, float]:
         return {"perf/weight_push_s": self.seconds, "perf/weight_push_gbps": self.gbps}
 
 
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class PushMemory:
+    """Per-device bytes of a push (`WeightPusher.memory()`), from array layouts and XLA's `memory_analysis()` of the
+    compiled push programs (worst device).
+
+    state: one quantised rollout weight state. chunk: the most one chunk adds on a rollout device on top of the
+    live and the new state (arrivals that a land jit replaces + the largest temp among that chunk's rollout
+    programs). check: the largest temp of the rollout-side verification programs (one per tensor, run after its
+    chunk landed; XLA:CPU materialises the u32 inputs of integer reductions, so this is about 2-10 B per element of
+    the largest stored tensor on a device). peak = 2 * state + chunk (a push without verification);
+    peak_verified = 2 * state + max(chunk, check). chunk_wire: the most wire bytes one chunk lands on a rollout
+    device (the "one chunk" of the bound peak <= 2 * state + chunk_wire). actor_chunk: the most one chunk holds on
+    an actor device (staged wire arrays + the largest stage temp, verification included)."""
+
+    state: int
+    chunk: int
+    check: int
+    peak: int
+    peak_verified: int
+    chunk_wire: int
+    actor_chunk: int
+
+
+@dataclasses.dataclass(frozen=True)
+class _Wire:
+    """One array on the wire: global shape, dtype, layout on the actor mesh (transfer), where it lands on the
+    rollout mesh (same pieces as transfer), and its final rollout layout."""
+
+    shape: tuple[int, ...]
+    dtype: Any
+    transfer_sharding: NamedSharding
+    landing_sharding: NamedSharding
+    rollout_sharding: NamedSharding
+
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.shape) * np.dtype(self.dtype).itemsize
+
+
 @dataclasses.dataclass(frozen=True)
 class _Tensor:
-    """Static plan of one tensor: key, global shape, actor dtype/sharding, wire dtype, actor-side transfer layout,
-    rollout landing sharding (= final unless the meshes need a rollout-side reshard), final rollout sharding."""
+    """Static plan of one tensor. dense_dtype: what the actor checks and sends dense (the stored dtype; bf16 for
+    quantised tensors). qmeta: (kind, fmt, block, shape) of the stored QuantizedTensor, None = dense (metadata only:
+    a plan never holds a weight). quantize_on: "actor" | "rollout" for quantised tensors, None for dense. wires: what
+    crosses, (dense,) or (q, scale). out_shardings: the stored arrays' shardings, (array,) or (q, scale)."""
 
     key: str
     shape: tuple[int, ...]
     actor_dtype: Any
-    wire_dtype: Any
+    dense_dtype: Any
     actor_sharding: NamedSharding
     source_sharding: NamedSharding  # one copy of the actor array (a sub-mesh view when the actor replicates it)
-    transfer_sharding: NamedSharding
-    landing_sharding: NamedSharding
-    rollout_sharding: NamedSharding
-    quantized: bool
-    actor_jit: bool  # a cast or an actor-side reshard is needed (else the actor array itself is device_put)
+    qmeta: tuple | None
+    quantize_on: str | None
+    wires: tuple[_Wire, ...]
+    out_shardings: tuple[NamedSharding, ...]
+    actor_jit: bool  # a cast, quantisation or actor-side reshard is needed (else the actor array itself is sent)
 
     @property
     def nbytes(self) -> int:
-        return math.prod(self.shape) * np.dtype(self.wire_dtype).itemsize
+        return sum(w.nbytes for w in self.wires)
+
+    @property
+    def quantized(self) -> bool:
+        return self.qmeta is not None
+
+    @property
+    def land_quantize(self) -> bool:
+        return self.quantize_on == "rollout"
+
+    @property
+    def land_jit(self) -> bool:
+        """A rollout-side jit replaces the arrivals (quantisation on arrival, or a reshard to finish)."""
+        return self.land_quantize or any(w.landing_sharding != w.rollout_sharding for w in self.wires)
 
 
 # ------------------------------------------------------------------------------------------ layouts
@@ -200,6 +288,15 @@ def _view(x: jax.Array, sharding: NamedSharding) -> jax.Array:
     return jax.make_array_from_single_device_arrays(x.shape, sharding, shards)
 
 
+def _as_sharding(x: jax.Array, sharding: NamedSharding) -> jax.Array:
+    """x rewrapped, without a copy, with `sharding` when that is an equivalent spelling of x's own (e.g. jit outputs
+    come back as P("tensor",) for a requested P("tensor", None)): the sampler's programs see the exact shardings of
+    the state they were compiled for, so a pushed state never recompiles them."""
+    if x.sharding == sharding or not x.sharding.is_equivalent_to(sharding, x.ndim):
+        return x
+    return _view(x, sharding)
+
+
 def _divisor_vectors(splits: tuple[int, ...]):
     """Every vector s with s[d] dividing splits[d], most pieces first."""
     divs = [[k for k in range(n, 0, -1) if n % k == 0] for n in splits]
@@ -219,6 +316,7 @@ def _transfer_layout(actor_sh: NamedSharding, rollout_sh: NamedSharding, ndim: i
     raise AssertionError("unreachable: the all-ones split is always realisable")
 
 
+
 # ------------------------------------------------------------------------------------------ jitted steps
 
 
@@ -228,54 +326,168 @@ def _cast_reshard(x, dtype, sharding):
     return jax.lax.with_sharding_constraint(x.astype(dtype), sharding)
 
 
+def _quantize_as(w, qmeta):
+    """w [..., out, in] (bf16) -> (q, scale) exactly as the sampler stores the tensor (`Sampler.quantize_weights`):
+    fp8 via `quant.quantize_rollout_fp8`; fp4 via `quant.QuantizedTensor.from_fp4` of the bf16 values."""
+    kind, fmt, block, _ = qmeta
+    if kind == "fp8":
+        qt = quant.quantize_rollout_fp8(w, fmt=fmt, block=block)
+    else:
+        qt = quant.QuantizedTensor.from_fp4(w.astype(FP8_SOURCE_DTYPE).astype(jnp.float32), block=block[1])
+    return qt.q, qt.scale
+
+
 def _bits_u32(x):
     width = {1: jnp.uint8, 2: jnp.uint16, 4: jnp.uint32}[np.dtype(x.dtype).itemsize]
     return jax.lax.bitcast_convert_type(x, width).astype(jnp.uint32)
 
 
-def _digest_terms(x):
-    """x [...] -> uint32[4]: (sum of the bit words b_i, sum of b_i * (i + 1) with i the row-major position, any
-    non-finite, any nonzero). Sums wrap mod 2^32, so the reduction order (and the sharding) does not matter; the
-    position weight catches permuted blocks (swapping elements i, j changes the second sum by (b_i - b_j)(j - i))."""
+def _digest_block(x, shape, dim: int = 0, offset=0):
+    """Digest terms (`_digest_terms`) of the slab x of a tensor of global `shape` that starts at `offset` along
+    `dim` (positions are those of the whole tensor)."""
     bits = _bits_u32(x)
     pos = jnp.ones(x.shape, jnp.uint32)
     stride = 1
     for d in reversed(range(x.ndim)):
-        pos = pos + jax.lax.broadcasted_iota(jnp.uint32, x.shape, d) * jnp.uint32(stride % 2**32)
-        stride *= x.shape[d]
-    nonfinite = jnp.any(~jnp.isfinite(x)) if jnp.issubdtype(x.dtype, jnp.floating) else jnp.bool_(False)
+        idx = jax.lax.broadcasted_iota(jnp.uint32, x.shape, d)
+        if d == dim:
+            idx = idx + jnp.asarray(offset, jnp.uint32)
+        pos = pos + idx * jnp.uint32(stride % 2**32)
+        stride *= shape[d]
     return jnp.stack([jnp.sum(bits, dtype=jnp.uint32), jnp.sum(bits * pos, dtype=jnp.uint32),
-                      nonfinite.astype(jnp.uint32), jnp.any(x != 0).astype(jnp.uint32)])
+                      jnp.any(_nonfinite_bits(bits, x.dtype)).astype(jnp.uint32),
+                      jnp.any(_nonzero_bits(bits, x.dtype)).astype(jnp.uint32)])
+
+
+def _nonfinite_bits(bits, dtype):
+    """NaN/inf from the bit words (no float compare: XLA:CPU would upcast a whole bf16 tensor to f32 for it)."""
+    dt = np.dtype(dtype)
+    if not jnp.issubdtype(dt, jnp.floating):
+        return jnp.zeros(bits.shape, bool)
+    if dt == np.dtype(jnp.float8_e4m3fnuz):
+        return bits == 0x80
+    if dt == np.dtype(jnp.float8_e4m3fn):
+        return (bits & 0x7F) == 0x7F
+    fi = jnp.finfo(dt)
+    exp_mask = ((1 << fi.nexp) - 1) << fi.nmant
+    return (bits & jnp.uint32(exp_mask)) == jnp.uint32(exp_mask)
+
+
+def _nonzero_bits(bits, dtype):
+    """Any value != 0 (floats: -0 is zero)."""
+    if jnp.issubdtype(np.dtype(dtype), jnp.floating):
+        sign = jnp.uint32(1 << (8 * np.dtype(dtype).itemsize - 1))
+        return (bits & ~sign) != 0
+    return bits != 0
+
+
+def _digest_terms(x, slab: tuple[int, int] | None = None):
+    """x [...] -> uint32[4]: (sum of the bit words b_i, sum of b_i * (i + 1) with i the row-major position, any
+    non-finite, any nonzero). Sums wrap mod 2^32, so the reduction order (and the sharding) does not matter; the
+    position weight catches permuted blocks (swapping elements i, j changes the second sum by (b_i - b_j)(j - i)).
+    slab=(dim, k): the same terms from a loop over k slabs along `dim` (an unsharded dim), so the program's
+    temporaries are those of one slab (XLA:CPU materialises every integer reduction's input), not of the tensor."""
+    if slab is None:
+        return _digest_block(x, x.shape)
+    dim, k = slab
+    n = x.shape[dim] // k
+
+    def body(i, acc):
+        part = jax.lax.dynamic_slice_in_dim(x, i * n, n, axis=dim)
+        d = _digest_block(part, x.shape, dim, i * n)
+        return jnp.concatenate([acc[:2] + d[:2], jnp.maximum(acc[2:], d[2:])])
+
+    return jax.lax.fori_loop(0, k, body, jnp.zeros(4, jnp.uint32))
+
+
+def _slab(shape: tuple[int, ...], sharding: NamedSharding, max_elems: int) -> tuple[int, int] | None:
+    """(dim, k): cut the largest unsharded dim of `shape` into k equal slabs so that one slab holds at most
+    `max_elems` elements per device; None when the whole tensor already does (or no dim can be cut)."""
+    splits = _splits(sharding, len(shape))
+    per_dev = math.prod(shape) // max(math.prod(splits), 1)
+    dims = [d for d in range(len(shape)) if splits[d] == 1 and shape[d] > 1]
+    if per_dev <= max_elems or not dims:
+        return None
+    d = max(dims, key=lambda d: shape[d])
+    k = next((k for k in range(2, shape[d] + 1) if shape[d] % k == 0 and per_dev // k <= max_elems), shape[d])
+    return d, k
+
+
+def _quant_flags(w, q, scale, qmeta):
+    """w [..., out, in] (the bf16 that was quantised), (q, scale) of it -> uint32[2]: any non-finite after
+    dequantisation, any element over the e4m3 bound (module docstring; FP4: not checked, 0)."""
+    kind, _, block, shape = qmeta
+    deq = quant.QuantizedTensor(q=q, scale=scale, kind=kind, fmt=qmeta[1], block=block,
+                                shape=shape).dequantize(jnp.float32)
+    over = jnp.bool_(False)
+    if kind == "fp8":
+        fi = jnp.finfo(q.dtype)
+        b0, b1 = block
+        *_, rows, cols = q.shape
+        s = jnp.repeat(jnp.repeat(scale, b0, axis=-2), b1, axis=-1)[..., :rows, :cols]  # -> [..., out, in]
+        wf = w.astype(jnp.float32)
+        bound = ((float(fi.eps) / 2 + 2**-20) * jnp.abs(wf) + (1 + 2**-20) * (float(fi.smallest_subnormal) / 2) * s
+                 + float(jnp.finfo(jnp.float32).tiny))
+        over = jnp.any(jnp.abs(deq - wf) > bound)
+    return jnp.stack([jnp.any(~jnp.isfinite(deq)), over]).astype(jnp.uint32)
+
+
+_ZEROS = functools.partial(jnp.zeros, dtype=jnp.uint32)
+
+
+def _row(w=None, q=None, scale=None, qmeta=None):
+    """Verification terms of one tensor -> uint32[ROW_TERMS]:
+      [0:4] digest (`_digest_terms`) of the first wire array: the dense w, or q;
+      [4:8] digest of the second (the scales), zeros for a dense wire;
+      [8] any non-finite after dequantisation, [9] any FP8 element over the e4m3 bound (both 0 unless w and q given).
+    With w and q (the side that quantised), term 2 is w's non-finite flag (the weight the quantisation read).
+    Sides agree when terms 0, 1, 4, 5 match."""
+    if q is None:  # dense wire (also a bf16 arrival before its quantisation)
+        return jnp.concatenate([_digest_terms(w), _ZEROS(6)])
+    dq, ds = _digest_terms(q), _digest_terms(scale)
+    if w is None:  # stored (q, scale) on the rollout
+        return jnp.concatenate([dq, ds, _ZEROS(2)])
+    nonfinite_w = jnp.any(~jnp.isfinite(w)).astype(jnp.uint32)
+    return jnp.concatenate([dq[:2], nonfinite_w[None], dq[3:], ds, _quant_flags(w, q, scale, qmeta)])
+
+
+@functools.partial(jax.jit, static_argnums=(1, 2, 3, 4))
+def _stage(x, dense_dtype, qmeta, shardings, verify):
+    """Actor side, one tensor: x (actor dtype, one-copy view) -> (wire arrays laid out as `shardings`, row | None).
+    qmeta None (or quantisation on arrival: pass None): the dense wire x.astype(dense_dtype); else (q, scale) of
+    the bf16 value (`_quantize_as`)."""
+    w = x.astype(dense_dtype)
+    outs = (w,) if qmeta is None else _quantize_as(w, qmeta)
+    outs = tuple(jax.lax.with_sharding_constraint(o, s) for o, s in zip(outs, shardings))
+    if not verify:
+        return outs, None
+    return outs, (_row(w) if qmeta is None else _row(w, *outs, qmeta=qmeta))
+
+
+@jax.jit
+def _dense_row(x):
+    """Actor side, a tensor sent as it is (no stage jit): its verification row."""
+    return _row(x)
+
+
+@functools.partial(jax.jit, static_argnums=(1, 2, 3))
+def _land_quantize(w, qmeta, shardings, verify):
+    """Rollout side, quantisation on arrival: w (bf16 as landed) -> ((q, scale) in the stored `shardings`,
+    row of the arrival | None)."""
+    q, scale = _quantize_as(w, qmeta)
+    outs = tuple(jax.lax.with_sharding_constraint(o, s) for o, s in zip((q, scale), shardings))
+    if not verify:
+        return outs, None
+    d = _digest_terms(w)
+    return outs, jnp.concatenate([d, _ZEROS(4), _quant_flags(w, q, scale, qmeta)])
 
 
 @functools.partial(jax.jit, static_argnums=(1,))
-def _digests(xs, dtypes):
-    """Digests of [x.astype(dtype)] (the wire values), computed where the xs live -> uint32[n, 4]. One program for
-    the whole model (a compile per tensor shape would dominate start-up)."""
-    return jnp.stack([_digest_terms(x.astype(d)) for x, d in zip(xs, dtypes)])
-
-
-def _fp8_terms(w, q, scale, block):
-    """w [..., out, in] (bf16 as arrived), q/scale of its QuantizedTensor -> uint32[6]: digest(w) (4 terms),
-    any non-finite after dequantisation, any element over the e4m3 bound (module docstring)."""
-    fi = jnp.finfo(q.dtype)
-    b0, b1 = block
-    *_, rows, cols = q.shape
-    s = jnp.repeat(jnp.repeat(scale, b0, axis=-2), b1, axis=-1)[..., :rows, :cols]  # -> [..., out, in]
-    wf, deq = w.astype(jnp.float32), q.astype(jnp.float32) * s
-    bound = ((float(fi.eps) / 2 + 2**-20) * jnp.abs(wf) + (1 + 2**-20) * (float(fi.smallest_subnormal) / 2) * s
-             + float(jnp.finfo(jnp.float32).tiny))
-    over = jnp.any(jnp.abs(deq - wf) > bound)
-    return jnp.concatenate([_digest_terms(w), jnp.stack([jnp.any(~jnp.isfinite(deq)), over]).astype(jnp.uint32)])
-
-
-@functools.partial(jax.jit, static_argnums=(2, 3))
-def _rollout_checks(plain, fp8, plain_dtypes, blocks):
-    """Rollout-side checks in one program: plain [arrays as stored] -> uint32[n_plain, 4] digests; fp8
-    [(w, q, scale)] -> uint32[n_fp8, 6] (`_fp8_terms`)."""
-    d = jnp.stack([_digest_terms(x.astype(t)) for x, t in zip(plain, plain_dtypes)]) if plain else None
-    f = jnp.stack([_fp8_terms(w, q, sc, b) for (w, q, sc), b in zip(fp8, blocks)]) if fp8 else None
-    return d, f
+def _stored_row(arrays, slabs):
+    """Rollout side, one tensor as stored: arrays (array,) | (q, scale) -> uint32[ROW_TERMS] (`_row` terms 0-7),
+    each digest looping over its `slabs` entry (`_slab`)."""
+    d = [_digest_terms(x, sl) for x, sl in zip(arrays, slabs)]
+    return jnp.concatenate([d[0], d[1] if len(d) > 1 else _ZEROS(4), _ZEROS(2)])
 
 
 # ------------------------------------------------------------------------------------------ the pusher
@@ -318,29 +530,32 @@ def _check_keys(got, expected, what: str) -> None:
         raise ValueError(f"{what}: the actor state does not match the sampler's tensors: "
                          f"{len(missing)} missing {missing}, {len(extra)} unexpected {extra}")
 
-
 class WeightPusher:
     """Plans, compiles and warms up the actor -> rollout push for one sampler; call `push_weights` to push.
 
     Args:
       plan_or_meshes: a `sharding.mesh.MeshPlan` or an (actor_mesh, rollout_mesh) pair (the same Mesh twice, or a
         colocated plan, = colocated). The rollout mesh must be `sampler.mesh`.
-      sampler: an `rl.sampler.Sampler` built on a mesh (its `rollout_shardings()`, `quantize_weights`,
-        `set_weights` are used).
+      sampler: an `rl.sampler.Sampler` built on a mesh, holding a weight state (version 0 at the latest): its
+        `rollout_shardings()`, `weight_state()` (dtypes, quantisation format and shardings of what it stores) and
+        `set_weights` are used.
       abstract_actor_state: nnx.State / Module / {key: ShapeDtypeStruct or array} of every tensor the learner
         pushes (fp32 master Params + Buffers), e.g. `nnx.state(nnx.eval_shape(make_model))`.
       actor_shardings: {key: NamedSharding} of the actor arrays; default: each leaf's own `.sharding` when it has
         one, else `plan.param_shardings("actor", abstract_actor_state)` (needs a MeshPlan).
       chunk_bytes: wire bytes per device_put group (a tensor larger than that travels alone).
       verify_every: verify every k-th push when `push_weights(verify=None)` (1 = always, 0 = never).
-      warmup: run the dry push now (default True).
+      quantize_on: "actor" (default: quantised tensors cross as fp8 blocks + scales) or "rollout" (they cross as
+        bf16 and are quantised chunk by chunk on arrival); colocated plans always quantise in the one jit.
+      warmup: run the dry pushes now (default True).
     Raises:
       ValueError: a key-set mismatch with the sampler (lists missing and unexpected keys), a shape mismatch, a
-        sampler without a mesh or on another mesh, missing actor shardings.
+        sampler without a mesh, weights or on another mesh, missing actor shardings, an unknown quantize_on.
     """
 
     def __init__(self, plan_or_meshes, sampler, abstract_actor_state, *, actor_shardings=None,
-                 chunk_bytes: int = DEFAULT_CHUNK_BYTES, verify_every: int = 1, warmup: bool = True):
+                 chunk_bytes: int = DEFAULT_CHUNK_BYTES, verify_every: int = 1,
+                 quantize_on: str = DEFAULT_QUANTIZE_ON, warmup: bool = True):
         if isinstance(plan_or_meshes, tuple):
             actor_mesh, rollout_mesh = plan_or_meshes
             plan = None
@@ -352,11 +567,16 @@ class WeightPusher:
         if chunk_bytes < 1 or verify_every < 0:
             raise ValueError(f"WeightPusher: chunk_bytes must be >= 1 and verify_every >= 0, got {chunk_bytes}, "
                              f"{verify_every}")
+        if quantize_on not in QUANTIZE_ON:
+            raise ValueError(f"WeightPusher: quantize_on={quantize_on!r}; expected one of {', '.join(QUANTIZE_ON)}")
+        if sampler.weight_state() is None:
+            raise ValueError("WeightPusher: the sampler holds no weights yet (set_weights first): the push copies "
+                             "the stored dtypes, quantisation format and shardings from its weight state")
         self.sampler, self.actor_mesh, self.rollout_mesh = sampler, actor_mesh, rollout_mesh
         self.colocated = actor_mesh == rollout_mesh
+        self.quantize_on = "actor" if self.colocated else quantize_on
         self.chunk_bytes, self.verify_every = int(chunk_bytes), int(verify_every)
         self.n_pushes = 0
-        self._compiled: dict[Any, Any] = {}
         # XLA:CPU runs the per-device parts of every multi-device program on one shared thread pool; with hundreds
         # of small collective programs in flight on few cores their rendezvous starve each other (seen: a 40 s
         # all-gather rendezvous abort with a 6-device actor on 2 cores). On CPU each reshard program is therefore
@@ -376,32 +596,51 @@ class WeightPusher:
         self.tensors = self._plan(abstract, actor_shardings, rollout_sh)
         self.chunks = self._group(self.tensors)
         self.wire_bytes = sum(t.nbytes for t in self.tensors)
+        self.n_params = sum(math.prod(t.shape) for t in self.tensors)
         if warmup:
             self.warmup()
 
     def _plan(self, abstract, actor_sh, rollout_sh) -> list[_Tensor]:
-        """Wire dtypes from what the sampler stores now (`weight_state()`, version 0 at the latest: its dtypes do not
-        depend on the input dtypes), transfer layouts per tensor."""
+        """Stored dtypes / formats / shardings from what the sampler holds now (`weight_state()`: metadata only,
+        they do not depend on the input dtypes), transfer layouts per wire array."""
         stored = self.sampler.weight_state()
         tensors = []
         for k, r_sh in rollout_sh.items():
-            a = abstract[k]
-            out = stored[k]
-            quantized = isinstance(out, quant.QuantizedTensor)
-            wire = np.dtype(FP8_SOURCE_DTYPE if quantized else out.dtype)
-            if not quantized and tuple(out.shape) != tuple(a.shape):
-                raise ValueError(f"WeightPusher: {k}: sampler stores shape {out.shape}, actor has {a.shape}")
+            a, out = abstract[k], stored[k]
+            ndim = len(a.shape)
+            if isinstance(out, quant.QuantizedTensor):
+                if out.kind not in ("fp8", "fp4"):
+                    raise ValueError(f"WeightPusher: {k}: unknown stored kind {out.kind!r}")
+                qmeta = (out.kind, out.fmt, tuple(out.block), tuple(out.shape))
+                outs = (r_sh, out.scale.sharding)  # q as the dense tensor; scales as the sampler keeps them
+                dense = np.dtype(FP8_SOURCE_DTYPE)
+                if self.quantize_on == "actor":
+                    arrays = [(out.q.shape, out.q.dtype, outs[0]), (out.scale.shape, out.scale.dtype, outs[1])]
+                else:
+                    arrays = [(tuple(a.shape), dense, r_sh)]
+                where = self.quantize_on
+            else:
+                if tuple(out.shape) != tuple(a.shape):
+                    raise ValueError(f"WeightPusher: {k}: sampler stores shape {out.shape}, actor has {a.shape}")
+                qmeta, where, dense, outs = None, None, np.dtype(out.dtype), (r_sh,)
+                arrays = [(tuple(a.shape), dense, r_sh)]
             if self.colocated:  # the rollout layout is written by the actor-side jit itself, on the whole mesh
-                source, transfer, landing = actor_sh[k], r_sh, r_sh
+                source = actor_sh[k]
+                wires = tuple(_Wire(tuple(s), np.dtype(d), sh, sh, sh) for s, d, sh in arrays)
             else:
                 source = _one_copy(actor_sh[k])
-                transfer, landing = _transfer_layout(source, r_sh, len(a.shape))
-            same_layout = transfer.is_equivalent_to(source, len(a.shape))
-            tensors.append(_Tensor(key=k, shape=tuple(a.shape), actor_dtype=np.dtype(a.dtype), wire_dtype=wire,
-                                   actor_sharding=actor_sh[k], source_sharding=source,
-                                   transfer_sharding=source if same_layout else transfer,
-                                   landing_sharding=landing, rollout_sharding=r_sh, quantized=quantized,
-                                   actor_jit=wire != np.dtype(a.dtype) or not same_layout))
+                wires = []
+                for s, d, sh in arrays:
+                    transfer, landing = _transfer_layout(source, sh, ndim)
+                    if qmeta is None and transfer.is_equivalent_to(source, ndim):
+                        transfer = source
+                    wires.append(_Wire(tuple(s), np.dtype(d), transfer, landing, sh))
+                wires = tuple(wires)
+            actor_jit = (qmeta is not None or dense != np.dtype(a.dtype)
+                         or not wires[0].transfer_sharding.is_equivalent_to(source, ndim))
+            tensors.append(_Tensor(key=k, shape=tuple(a.shape), actor_dtype=np.dtype(a.dtype), dense_dtype=dense,
+                                   actor_sharding=actor_sh[k], source_sharding=source, qmeta=qmeta,
+                                   quantize_on=where, wires=wires, out_shardings=tuple(outs), actor_jit=actor_jit))
         return tensors
 
     def _group(self, tensors) -> list[list[_Tensor]]:
@@ -414,141 +653,162 @@ class WeightPusher:
             size += t.nbytes
         return chunks + ([cur] if cur else [])
 
-    # -------------------------------------------------------------- stages
+    # -------------------------------------------------------------- the three steps of a chunk
 
-    def _move_chunk(self, chunk: list[_Tensor], src: dict, times: dict) -> dict:
-        """Cast + reshard on the actor mesh, device_put to the rollout mesh, finish any rollout-side reshard.
-        Returns {key: array in the final rollout sharding}; actor-side intermediates are deleted."""
-        t0 = time.perf_counter()
-        staged = {}
+    def _stage_args(self, t: _Tensor, verify: bool):
+        qmeta = t.qmeta if t.quantize_on == "actor" else None
+        return (t.dense_dtype, qmeta, tuple(w.transfer_sharding for w in t.wires), verify)
+
+    def _stage_chunk(self, chunk: list[_Tensor], src: dict, verify: bool) -> tuple[dict, dict]:
+        """Step 1, actor mesh: {key: tuple of wire arrays in their transfer layouts}, {key: row} (verify).
+        Wire arrays made by a jit are owned by the push (deleted after the transfer); the others are views."""
+        staged, rows = {}, {}
         for t in chunk:
             x = _view(src[t.key], t.source_sharding)
             if not t.actor_jit:
-                staged[t.key] = x
+                staged[t.key] = (x,)
+                if verify:
+                    with jax.set_mesh(t.source_sharding.mesh):
+                        rows[t.key] = _dense_row(x)
                 continue
             with jax.set_mesh(t.source_sharding.mesh):
-                staged[t.key] = _cast_reshard(x, t.wire_dtype, t.transfer_sharding)
+                staged[t.key], row = _stage(x, *self._stage_args(t, verify))
+            if verify:
+                rows[t.key] = row
             if self._one_at_a_time:
-                staged[t.key].block_until_ready()
+                jax.block_until_ready(staged[t.key])
         jax.block_until_ready(list(staged.values()))
-        t1 = time.perf_counter()
-        owned = {t.key for t in chunk if t.actor_jit}
-        # Colocated: a jit output already is the rollout copy; anything else is copied (never aliased to the actor's
-        # buffers, which the learner may donate). Disjoint: a device-to-device copy between the meshes.
-        put = [t for t in chunk if not (self.colocated and t.key in owned)]
+        return staged, rows
+
+    def _transfer_chunk(self, chunk: list[_Tensor], staged: dict) -> dict:
+        """Step 2: the chunk's wire arrays onto their landing layouts (one device_put, device to device), then the
+        actor-side copies the push owns are deleted. Colocated: jit outputs already are the rollout copy; views of
+        the actor's arrays are copied (never aliased: the learner may donate its params)."""
         landed = dict(staged)
+        put = [(t, i) for t in chunk if not (self.colocated and t.actor_jit) for i in range(len(t.wires))]
         if put:
-            arrays = jax.device_put([staged[t.key] for t in put], [t.landing_sharding for t in put], may_alias=False)
-            landed.update(zip((t.key for t in put), arrays))
+            arrays = jax.device_put([staged[t.key][i] for t, i in put],
+                                    [t.wires[i].landing_sharding for t, i in put], may_alias=False)
+            got: dict = {}
+            for (t, i), y in zip(put, arrays):
+                got.setdefault(t.key, [None] * len(t.wires))[i] = y
+            landed.update({k: tuple(v) for k, v in got.items()})
         jax.block_until_ready(list(landed.values()))
-        for t in put:
-            if t.key in owned:
-                staged[t.key].delete()
-        finish = [t for t in chunk if t.landing_sharding != t.rollout_sharding]
-        if finish:
-            done = {}
-            with jax.set_mesh(self.rollout_mesh):
-                for t in finish:
-                    done[t.key] = _cast_reshard(landed[t.key], t.wire_dtype, t.rollout_sharding)
-                    if self._one_at_a_time:
-                        done[t.key].block_until_ready()
-            jax.block_until_ready(list(done.values()))
-            for t in finish:
-                landed[t.key].delete()
-            landed.update(done)
-        times["cast_s"] += t1 - t0
-        times["transfer_s"] += time.perf_counter() - t1
+        for t in chunk:
+            if t.actor_jit and not self.colocated:
+                for x in staged[t.key]:
+                    x.delete()
         return landed
 
-    def _checker(self, name, mesh: Mesh, jitted, dynamic: tuple, static: tuple, run: bool = True):
-        """Run a verification program, compiled ahead of time on first use (the warm-up, from shapes and shardings)
-        and reused after: a call with other shapes/shardings raises instead of recompiling."""
-        with jax.set_mesh(mesh):
-            if name not in self._compiled:
-                self._compiled[name] = jitted.lower(*dynamic, *static).compile()
-            return self._compiled[name](*dynamic) if run else None
+    def _land_chunk(self, chunk: list[_Tensor], landed: dict, verify: bool) -> tuple[dict, dict]:
+        """Step 3, rollout mesh: quantisation on arrival / reshards to the stored layouts; the replaced arrivals are
+        deleted. Returns ({key: tuple of stored arrays}, {key: row of the arrival} for tensors quantised here)."""
+        out, rows = dict(landed), {}
+        todo = [t for t in chunk if t.land_jit]
+        with jax.set_mesh(self.rollout_mesh):
+            for t in todo:
+                arrived = landed[t.key]
+                if t.land_quantize:
+                    out[t.key], row = _land_quantize(arrived[0], t.qmeta, t.out_shardings, verify)
+                    if verify:
+                        rows[t.key] = row
+                else:
+                    out[t.key] = tuple(x if w.landing_sharding == w.rollout_sharding
+                                       else _cast_reshard(x, w.dtype, w.rollout_sharding)
+                                       for x, w in zip(arrived, t.wires))
+                if self._one_at_a_time:
+                    jax.block_until_ready(out[t.key])
+        jax.block_until_ready([out[t.key] for t in todo])
+        for t in todo:
+            kept = set().union(*(_buffers(y) for y in out[t.key]))
+            for x in landed[t.key]:
+                if not x.is_deleted() and not (_buffers(x) & kept):
+                    x.delete()
+        for t in chunk:
+            out[t.key] = tuple(_as_sharding(y, sh) for y, sh in zip(out[t.key], t.out_shardings))
+            if verify and not t.land_quantize:  # the checksums of what the sampler will store
+                with jax.set_mesh(self.rollout_mesh):
+                    rows[t.key] = _stored_row(out[t.key], self._slabs(t))
+                if self._one_at_a_time:
+                    rows[t.key].block_until_ready()
+        return out, rows
 
-    def _actor_digests(self, src: dict | None) -> list:
-        """[(tensors, uint32[n, 4])]: one program per sub-mesh of one-copy views (so replicas are not re-read).
-        src=None: compile only (from ShapeDtypeStructs)."""
-        groups: dict[Mesh, list[_Tensor]] = {}
+    def _slabs(self, t: _Tensor) -> tuple:
+        """Per stored array, the slab loop of its rollout-side digest: one slab <= chunk_bytes / 16 elements per
+        device (the digest's u32 temporaries take about 12 B per element), so verification adds at most about one
+        chunk on a rollout device."""
+        return tuple(_slab(w.shape, w.rollout_sharding, max(self.chunk_bytes // 16, 1024)) for w in t.wires)
+
+    def _move_chunk(self, chunk: list[_Tensor], src: dict, times: dict, verify: bool = False):
+        """One chunk through steps 1-3 -> ({key: tuple of stored arrays}, actor rows, rollout rows)."""
+        t0 = time.perf_counter()
+        staged, actor_rows = self._stage_chunk(chunk, src, verify)
+        t1 = time.perf_counter()
+        landed = self._transfer_chunk(chunk, staged)
+        t2 = time.perf_counter()
+        stored, rollout_rows = self._land_chunk(chunk, landed, verify)
+        times["cast_s"] += t1 - t0
+        times["transfer_s"] += t2 - t1
+        times["quantize_s"] += time.perf_counter() - t2
+        return stored, actor_rows, rollout_rows
+
+    # -------------------------------------------------------------- the new state and its checks
+
+    def _assemble(self, arrays: dict) -> dict:
+        """{key: tuple of stored arrays} -> the sampler's weight state {key: QuantizedTensor | array}."""
+        out = {}
         for t in self.tensors:
-            groups.setdefault(t.source_sharding.mesh, []).append(t)
-        out = []
-        for i, (mesh, ts) in enumerate(groups.items()):
-            if src is None:
-                views = [jax.ShapeDtypeStruct(t.shape, t.actor_dtype, sharding=t.source_sharding) for t in ts]
+            a = arrays[t.key]
+            if t.quantized:
+                kind, fmt, block, shape = t.qmeta
+                out[t.key] = quant.QuantizedTensor(q=a[0], scale=a[1], kind=kind, fmt=fmt, block=block, shape=shape)
             else:
-                views = [_view(src[t.key], t.source_sharding) for t in ts]
-            dtypes = (tuple(t.wire_dtype for t in ts),)
-            out.append((ts, self._checker(("actor", i), mesh, _digests, (views,), dtypes, run=src is not None)))
+                out[t.key] = a[0]
         return out
 
-    def _rollout_digests(self, raw: dict, wstate: dict):
-        """(plain tensors, fp8 tensors) checks; fp4 is not produced by the sampler today and would be checked as a
-        plain tensor on its raw copy."""
-        plain, plain_t, fp8, fp8_t = [], [], [], []
-        for t in self.tensors:
-            w = wstate[t.key]
-            if isinstance(w, quant.QuantizedTensor) and w.kind == "fp8":
-                fp8.append((raw[t.key], w.q, w.scale))
-                fp8_t.append(t)
-            else:
-                plain.append(raw[t.key] if t.quantized else w)
-                plain_t.append(t)
-        d, f = self._checker("rollout", self.rollout_mesh, _rollout_checks, (plain, fp8),
-                             (tuple(t.wire_dtype for t in plain_t), tuple(wstate[t.key].block for t in fp8_t)))
-        return plain_t + fp8_t, d, f
-
-    def _verdict(self, actor_d, rollout) -> list[tuple[str, str]]:
-        order, d, f = rollout
-        # one small explicit transfer: 4-6 uint32 per tensor
-        actor_ts = [ts for ts, _ in actor_d]
-        actor_d, d, f = jax.device_get(([r for _, r in actor_d], d, f))
-        rows = dict(zip((t.key for t in order), list(d if d is not None else []) + list(f if f is not None else [])))
-        arows = {t.key: row for ts, res in zip(actor_ts, actor_d) for t, row in zip(ts, res)}
+    def _verdict(self, actor_rows: dict, rollout_rows: dict) -> list[tuple[str, str]]:
+        # one small explicit transfer: ROW_TERMS uint32 per tensor and side
+        a_vals, r_vals = jax.device_get((list(actor_rows.values()), list(rollout_rows.values())))
+        arows, rows = dict(zip(actor_rows, a_vals)), dict(zip(rollout_rows, r_vals))
         failures = []
         for t in self.tensors:
             a, r = arows[t.key], rows[t.key]
             reasons = []
             if a[2] or r[2]:
                 reasons.append("NaN/inf in the " + ("actor weight" if a[2] else "rollout copy"))
-            if (a[0], a[1]) != (r[0], r[1]):
+            if (a[0], a[1], a[4], a[5]) != (r[0], r[1], r[4], r[5]):
                 reasons.append("rollout copy differs from the actor's wire value (checksum mismatch)")
-            if np.issubdtype(t.wire_dtype, np.integer) and not r[3]:
+            if np.issubdtype(t.dense_dtype, np.integer) and not r[3]:
                 reasons.append("integer table is all zero (uninitialised hash table?)")
-            if len(r) > 4 and r[4]:
+            if a[8] or r[8]:
                 reasons.append("NaN/inf after FP8 dequantisation")
-            if len(r) > 4 and r[5]:
+            if a[9] or r[9]:
                 reasons.append("FP8 error above the e4m3 rounding bound")
             failures += [(t.key, why) for why in reasons]
         return failures
 
-    def _quantize(self, raw: dict, times: dict) -> dict:
-        t0 = time.perf_counter()
-        wstate = self.sampler.quantize_weights(raw)
-        jax.block_until_ready(wstate)
-        times["quantize_s"] = time.perf_counter() - t0
-        return wstate
+    # -------------------------------------------------------------- a push
 
     def _run(self, src: dict, version: int, verify: bool) -> PushStats:
         """The push proper (see push_weights)."""
         start = time.perf_counter()
         times = dict(cast_s=0.0, transfer_s=0.0, quantize_s=0.0, verify_s=0.0)
-        actor_d = self._actor_digests(src) if verify else None
-        raw: dict = {}
-        for chunk in self.chunks:
-            raw.update(self._move_chunk(chunk, src, times))
-        wstate = self._quantize(raw, times)
+        arrays, actor_rows, rollout_rows = {}, {}, {}
+        try:
+            for chunk in self.chunks:
+                stored, ra, rr = self._move_chunk(chunk, src, times, verify)
+                arrays.update(stored)
+                actor_rows.update(ra)
+                rollout_rows.update(rr)
+        except BaseException:
+            _delete(arrays)
+            raise
+        wstate = self._assemble(arrays)
         t1 = time.perf_counter()
-        failures = self._verdict(actor_d, self._rollout_digests(raw, wstate)) if verify else []
+        failures = self._verdict(actor_rows, rollout_rows) if verify else []
         times["verify_s"] = time.perf_counter() - t1
-        kept = set().union(*(_buffers(leaf) for leaf in jax.tree.leaves(wstate)))
-        for x in raw.values():  # a stored tensor may share its buffer with the landed one (jit input forwarding)
-            if not x.is_deleted() and not (_buffers(x) & kept):
-                x.delete()
         if failures:
-            jax.tree.map(lambda x: x.delete(), wstate)
+            _delete(wstate)
             raise PushVerificationError(version, failures)
         self.sampler.set_weights(wstate, version)
         if verify and self.sampler.weight_version != version:
@@ -556,38 +816,105 @@ class WeightPusher:
         seconds = time.perf_counter() - start
         return PushStats(version=version, seconds=seconds, bytes=self.wire_bytes,
                          gbps=self.wire_bytes / seconds / 1e9, n_chunks=len(self.chunks), n_tensors=len(self.tensors),
-                         verified=verify, colocated=self.colocated, **times)
+                         verified=verify, colocated=self.colocated, n_params=self.n_params,
+                         quantize_on=self.quantize_on, **times)
+
+    def _zeros(self, chunk: list[_Tensor]) -> dict:
+        """Actor-side zeros of a chunk, made shard by shard (never a whole-model host copy)."""
+        out = {}
+        for t in chunk:
+            sh = t.actor_sharding
+            out[t.key] = jax.make_array_from_callback(
+                t.shape, sh, lambda idx, t=t, sh=sh: np.zeros(sh.shard_shape(t.shape), t.actor_dtype),
+                dtype=t.actor_dtype)
+        return out
 
     def warmup(self) -> float:
-        """Dry push of zeros through every stage, verification included, then dropped; returns its seconds.
+        """Two dry pushes of zeros (verified, then not) through every step, then dropped; returns their seconds.
 
-        Zeros are made one chunk at a time, shard by shard (`jax.make_array_from_callback`; never a whole-model host
-        copy), so the actor side holds at most one chunk of extra arrays, as in a real push; the actor-side
-        verification program is compiled from shapes and shardings alone."""
+        Zeros are made one chunk at a time, shard by shard, so the actor side holds at most one chunk of extra
+        arrays, as in a real push; every program of a real push is compiled here."""
         start = time.perf_counter()
-        times = dict(cast_s=0.0, transfer_s=0.0, quantize_s=0.0)
-        self._actor_digests(None)
-        raw: dict = {}
-        for chunk in self.chunks:
-            zeros = {}
-            for t in chunk:
-                sh = t.actor_sharding
-                zeros[t.key] = jax.make_array_from_callback(
-                    t.shape, sh, lambda idx, t=t, sh=sh: np.zeros(sh.shard_shape(t.shape), t.actor_dtype))
-            raw.update(self._move_chunk(chunk, zeros, times))
-            for x in zeros.values():
-                x.delete()
-        wstate = self._quantize(raw, times)
-        jax.block_until_ready(self._rollout_digests(raw, wstate))
-        jax.tree.map(lambda x: x.delete(), wstate)
-        for x in raw.values():
-            if not x.is_deleted():
-                x.delete()
+        for verify in (True, False):
+            times = dict(cast_s=0.0, transfer_s=0.0, quantize_s=0.0)
+            arrays, rows = {}, []
+            for chunk in self.chunks:
+                zeros = self._zeros(chunk)
+                stored, ra, rr = self._move_chunk(chunk, zeros, times, verify)
+                arrays.update(stored)
+                rows += [*ra.values(), *rr.values()]
+                _delete(zeros)
+            wstate = self._assemble(arrays)
+            jax.block_until_ready(rows)
+            _delete(wstate)
         return time.perf_counter() - start
 
     def wants_verify(self) -> bool:
         """Whether the next `push_weights(verify=None)` verifies (every `verify_every`-th push, the first included)."""
         return self.verify_every > 0 and self.n_pushes % self.verify_every == 0
+
+    # -------------------------------------------------------------- memory
+
+    def memory(self) -> PushMemory:
+        """Per-device peak bytes of a push (`PushMemory`), from the array layouts and XLA's
+        `memory_analysis()` of the compiled stage, land and check programs (compiled here from shapes and
+        shardings; the jit caches make this free after the warm-up's compiles except for the lowering)."""
+
+        def dev_bytes(shape, dtype, sharding) -> int:
+            return math.prod(sharding.shard_shape(tuple(shape))) * np.dtype(dtype).itemsize
+
+        def temp(jitted, *args) -> int:
+            mem = jitted.lower(*args).compile().memory_analysis()
+            return int(getattr(mem, "temp_size_in_bytes", 0) or 0)
+
+        state = sum(dev_bytes(w.shape, w.dtype, w.rollout_sharding) if not t.land_quantize else 0
+                    for t in self.tensors for w in t.wires)
+        for t in self.tensors:  # tensors quantised on arrival: their stored (q, scale)
+            if t.land_quantize:
+                q, s = jax.eval_shape(lambda x, m=t.qmeta: _quantize_as(x, m),
+                                      jax.ShapeDtypeStruct(t.shape, t.dense_dtype))
+                state += dev_bytes(q.shape, q.dtype, t.out_shardings[0]) + dev_bytes(s.shape, s.dtype,
+                                                                                     t.out_shardings[1])
+        chunk_extra = chunk_wire = actor_chunk = 0
+        for chunk in self.chunks:
+            wire = sum(dev_bytes(w.shape, w.dtype, w.landing_sharding) for t in chunk for w in t.wires)
+            replaced = sum(dev_bytes(w.shape, w.dtype, w.landing_sharding) for t in chunk if t.land_jit
+                           for w in t.wires)
+            temps, a_temps, staged = [0], [0], 0
+            for t in chunk:
+                if t.land_quantize:
+                    arg = jax.ShapeDtypeStruct(t.shape, t.dense_dtype, sharding=t.wires[0].landing_sharding)
+                    with jax.set_mesh(self.rollout_mesh):
+                        temps.append(temp(_land_quantize, arg, t.qmeta, t.out_shardings, True))
+                elif t.land_jit:
+                    for w in t.wires:
+                        if w.landing_sharding != w.rollout_sharding:
+                            arg = jax.ShapeDtypeStruct(w.shape, w.dtype, sharding=w.landing_sharding)
+                            with jax.set_mesh(self.rollout_mesh):
+                                temps.append(temp(_cast_reshard, arg, w.dtype, w.rollout_sharding))
+                if t.actor_jit:
+                    staged += sum(dev_bytes(w.shape, w.dtype, w.transfer_sharding) for w in t.wires)
+                    arg = jax.ShapeDtypeStruct(t.shape, t.actor_dtype, sharding=t.source_sharding)
+                    with jax.set_mesh(t.source_sharding.mesh):
+                        a_temps.append(temp(_stage, arg, *self._stage_args(t, True)))
+            chunk_extra = max(chunk_extra, replaced + max(temps))
+            chunk_wire = max(chunk_wire, wire)
+            actor_chunk = max(actor_chunk, staged + max(a_temps))
+        check = 0
+        with jax.set_mesh(self.rollout_mesh):
+            for t in self.tensors:
+                if not t.land_quantize:
+                    args = tuple(jax.ShapeDtypeStruct(w.shape, w.dtype, sharding=w.rollout_sharding) for w in t.wires)
+                    check = max(check, temp(_stored_row, args, self._slabs(t)))
+        return PushMemory(state=state, chunk=chunk_extra, check=check, peak=2 * state + chunk_extra,
+                          peak_verified=2 * state + max(chunk_extra, check), chunk_wire=chunk_wire,
+                          actor_chunk=actor_chunk)
+
+
+def _delete(tree) -> None:
+    for x in jax.tree.leaves(tree):
+        if isinstance(x, jax.Array) and not x.is_deleted():
+            x.delete()
 
 
 def push_weights(pusher: WeightPusher, actor_params, sampler, version: int, *, verify: bool | None = None) -> PushStats:

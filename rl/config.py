@@ -1,527 +1,429 @@
-"""Frozen, kw-only configuration dataclasses for the RL stack, one per concern, validated on construction.
+"""The run's configuration: one nested, frozen `RunConfig`, each knob declared once (default + help in the field).
 
-Every config is `@dataclass(frozen=True, kw_only=True)` and checks itself in `__post_init__`, raising
-`ValueError` that names the offending field. Frozen dataclasses are hashable, so a config can be passed as a
-static argument to `jax.jit` (e.g. `jax.jit(policy_loss, static_argnames="cfg")`).
+    RunConfig
+    ├── mesh, steps, seed, algo            the run itself
+    ├── model      ModelConfig             config (tiny|small|flash|config.json), init (random|checkpoint dir)
+    ├── data       DataConfig              built-in task or dataset + tokenizer, formats, templates, reward
+    ├── rollout    RolloutConfig           prompts x group per step, sampling, rollout weights, push checks
+    ├── dapo       DapoConfig              DAPO's dynamic-sampling budget
+    ├── advantage  AdvantageConfig         rl/algo_config.py (filled by the algo preset)
+    ├── learner    LearnerConfig           rl/algo_config.py, with learner.loss = LossConfig (algo preset)
+    ├── eval       EvalConfig              held-out eval: every, prompts, samples (pass@k), only, before_train
+    ├── ckpt       CheckpointConfig        dir, every, resume, keep, allow_dataset_change
+    └── log        LogConfig               metrics JSONL, TensorBoard, W&B, progress bar
+
+Precedence (`RunConfig.from_overrides`): defaults < the `algo` preset < overrides in order (launch/run.py passes
+the YAML file, then the flat flags, then the dotted flags). Every knob has a dotted path (`learner.lr`); the
+historic flat names (`lr`, `group_size`, `eval_every`, ...: `FLAT`) are aliases of one path each and still work as
+`RunConfig(lr=...)`, `cfg.lr`, `--lr` and flat YAML keys. The run's defaults are the embedded default run (tiny
+DeepSeek-V4 from random init on the built-in digit-copy task, on CPU): where they differ from the library
+defaults of LearnerConfig / LossConfig (lr 2e-3, fp32 compute, routing replay, TIS, b2 0.99) they are values of
+the `learner` section's default (`DEFAULT_LEARNER`), not second declarations of those knobs.
+Derived (not settable): `learner.temperature` = `rollout.temperature`; `advantage.dynamic_sampling_max_rounds`
+= 1 + `dapo.max_resample_batches`. Impossible values raise ValueError naming the field and its flag.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import math
-from typing import Literal
+from typing import Any, Literal
 
-# ---------------------------------------------------------------------------------------------------------------
-# RL algorithm configs: advantages (rl/advantages.py) and policy loss (rl/losses.py).
-# ---------------------------------------------------------------------------------------------------------------
-
-
-def _check_real(owner: str, name: str, value: object) -> float:
-    """`value` must be a finite real number (bools are rejected); returns it as float."""
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-        raise ValueError(f"{owner}.{name} must be a finite number, got {value!r}")
-    return float(value)
-
-
-def _check_choice(owner: str, name: str, value: object, choices: tuple[str, ...]) -> None:
-    if value not in choices:
-        raise ValueError(f"{owner}.{name} must be one of {choices}, got {value!r}")
-
-
-def _check_remat(value: object) -> None:
-    """`--remat` (LearnerConfig.remat / RunConfig.remat): one of block|dots|none, else a one-line ValueError."""
-    if value not in ("block", "dots", "none"):
-        raise ValueError(f"--remat must be one of block|dots|none, got {value!r}")
-
-
-def _check_int(owner: str, name: str, value: object, minimum: int) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise ValueError(f"{owner}.{name} must be an int >= {minimum}, got {value!r}")
-
-
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class AdvantageConfig:
-    """How per-sample rewards become advantages (`rl.advantages.compute_advantages`).
-
-    estimator:
-        "grpo": A_i = (r_i - mean(r_group)) / (std(r_group) + eps), DeepSeekMath (arXiv 2402.03300) §4.1.
-                With `scale_by_std=False` this is Dr.GRPO (arXiv 2503.20783 §3): A_i = r_i - mean(r_group).
-        "rloo": leave-one-out baseline, A_i = r_i - mean_{j != i} r_j (Ahmadian et al. 2024, arXiv 2402.14740).
-    scale_by_std: divide by the group's unbiased std (ddof=1) + eps; GRPO only.
-    eps: added to every std denominator.
-    batch_norm: afterwards whiten advantages over the whole batch (REINFORCE++ / "batch" normalisation),
-        per sample: each response counts once. Deliberate difference: verl whitens the token-level advantages
-        (`masked_whiten`), so there a long response weighs as many times as it has tokens.
-    dynamic_sampling: DAPO (arXiv 2503.14476 §3.2) — resample until `target` groups with non-constant rewards
-        are collected, at most `dynamic_sampling_max_rounds` sampling rounds (see `rl.advantages.DynamicSampler`).
-    """
-
-    estimator: Literal["grpo", "rloo"] = "grpo"
-    scale_by_std: bool = True
-    eps: float = 1e-6
-    batch_norm: bool = False
-    dynamic_sampling: bool = False
-    dynamic_sampling_max_rounds: int = 4
-
-    def __post_init__(self):
-        owner = type(self).__name__
-        _check_choice(owner, "estimator", self.estimator, ("grpo", "rloo"))
-        for name in ("scale_by_std", "batch_norm", "dynamic_sampling"):
-            if not isinstance(getattr(self, name), bool):
-                raise ValueError(f"{owner}.{name} must be a bool, got {getattr(self, name)!r}")
-        if _check_real(owner, "eps", self.eps) < 0:
-            raise ValueError(f"{owner}.eps must be >= 0, got {self.eps!r}")
-        _check_int(owner, "dynamic_sampling_max_rounds", self.dynamic_sampling_max_rounds, 1)
-
-    @classmethod
-    def grpo(cls) -> AdvantageConfig:
-        """GRPO: group mean and unbiased group std."""
-        return cls()
-
-    @classmethod
-    def dr_grpo(cls) -> AdvantageConfig:
-        """Dr.GRPO: group mean only (no std division)."""
-        return cls(scale_by_std=False)
-
-    @classmethod
-    def dapo(cls) -> AdvantageConfig:
-        """DAPO: GRPO advantages plus dynamic sampling of groups with non-constant rewards."""
-        return cls(dynamic_sampling=True)
-
-
-PolicyLossKind = Literal["ppo", "gspo"]
-LossAggMode = Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"]
-KLEstimator = Literal["k1", "k2", "k3"]
-Correction = Literal["none", "tis", "mis"]
-CorrectionLevel = Literal["token", "sequence", "geometric"]
-
-
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class LossConfig:
-    """The policy loss of `rl.losses.policy_loss` (symbols as in the cited papers).
-
-    policy_loss:
-        "ppo":  per-token ratio r_t = pi/pi_old, PPO clip (Schulman et al. 2017) with asymmetric bounds
-                [1 - clip_eps_low, 1 + clip_eps_high] ("clip-higher", DAPO arXiv 2503.14476 §3.1, eps_high=0.28).
-        "gspo": sequence ratio s_i = exp(mean_t log r_t) (GSPO arXiv 2507.18071 §4), token form with
-                stop-gradient, clipped to [1 - gspo_clip_eps_low, 1 + gspo_clip_eps_high] (paper: 3e-4 / 4e-4).
-                The paper's objective is the sequence mean: use loss_agg_mode="seq-mean-token-mean".
-    dual_clip_c: dual-clip constant c > 1 (Ye et al. 2019, arXiv 1912.09729): for A < 0 the per-token loss is
-        bounded by -A * c. None disables it.
-    loss_agg_mode: how per-token losses become a scalar (as verl's `agg_loss`):
-        "token-mean"              sum(l m) / sum(m)                                  (DAPO token-level loss)
-        "seq-mean-token-mean"     mean over non-empty sequences of sum_t(l m) / sum_t(m)   (GRPO paper)
-        "seq-mean-token-sum-norm" sum(l m) / (N * norm_length)   (Dr.GRPO as TRL "dr_grpo" and Tunix; verl's
-                                  mode of this name divides by norm_length only)
-    kl_coef, kl_estimator, kl_clamp: KL(pi || pi_ref) penalty added to the loss, estimator k1/k2/k3 (Schulman,
-        "Approximating KL divergence", 2020); log(pi/pi_ref) is clamped to [-kl_clamp, kl_clamp] and k3 to
-        [-10, 10]; with the default kl_clamp=20 k3 equals verl's low_var_kl exactly (see `rl.losses.kl_penalty`
-        for the deliberate k1/k2 difference). kl_coef=0 disables it (no reference log-probs needed).
-    correction: train/rollout mismatch correction with w_t = pi_old_train / pi_rollout per token:
-        "none"; "tis" truncated importance sampling, weight min(w, tis_clip_high) (Yao et al. 2025, "Your
-        efficient RL framework secretly brings you off-policy RL training"); "mis" masked importance sampling /
-        IcePop (Ling team 2025): tokens with w inside [mis_low, mis_high] are weighted by w, the others get
-        zero loss (they still count in the normaliser).
-    correction_level: "token" (w_t), "sequence" (prod_t w_t), "geometric" (exp(mean_t log w_t)); sequence-level
-        weights are broadcast to every token of the sequence.
-    entropy_coef: weight of the entropy bonus (subtracted from the loss).
-    norm_length: the constant of seq-mean-token-sum-norm; None uses the token axis length T of the batch.
-    """
-
-    policy_loss: PolicyLossKind = "ppo"
-    clip_eps_low: float = 0.2
-    clip_eps_high: float = 0.2
-    dual_clip_c: float | None = None
-    gspo_clip_eps_low: float = 3e-4
-    gspo_clip_eps_high: float = 4e-4
-    loss_agg_mode: LossAggMode = "token-mean"
-    kl_coef: float = 0.0
-    kl_estimator: KLEstimator = "k3"
-    kl_clamp: float = 20.0
-    correction: Correction = "none"
-    correction_level: CorrectionLevel = "token"
-    tis_clip_high: float = 2.0
-    mis_low: float = 0.5
-    mis_high: float = 2.0
-    entropy_coef: float = 0.0
-    norm_length: int | None = None
-
-    def __post_init__(self):
-        owner = type(self).__name__
-        _check_choice(owner, "policy_loss", self.policy_loss, ("ppo", "gspo"))
-        _check_choice(owner, "loss_agg_mode", self.loss_agg_mode,
-                      ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"))
-        _check_choice(owner, "kl_estimator", self.kl_estimator, ("k1", "k2", "k3"))
-        _check_choice(owner, "correction", self.correction, ("none", "tis", "mis"))
-        _check_choice(owner, "correction_level", self.correction_level, ("token", "sequence", "geometric"))
-        # The lower clip bound 1 - eps must stay a positive ratio.
-        for name in ("clip_eps_low", "gspo_clip_eps_low"):
-            value = _check_real(owner, name, getattr(self, name))
-            if not 0.0 <= value < 1.0:
-                raise ValueError(f"{owner}.{name} must be in [0, 1), got {value!r}")
-        for name in ("clip_eps_high", "gspo_clip_eps_high"):
-            if _check_real(owner, name, getattr(self, name)) < 0.0:
-                raise ValueError(f"{owner}.{name} must be >= 0, got {getattr(self, name)!r}")
-        if self.dual_clip_c is not None and _check_real(owner, "dual_clip_c", self.dual_clip_c) <= 1.0:
-            raise ValueError(f"{owner}.dual_clip_c must be > 1 (or None), got {self.dual_clip_c!r}")
-        for name in ("kl_coef", "entropy_coef"):
-            if _check_real(owner, name, getattr(self, name)) < 0.0:
-                raise ValueError(f"{owner}.{name} must be >= 0, got {getattr(self, name)!r}")
-        for name in ("kl_clamp", "tis_clip_high"):
-            if _check_real(owner, name, getattr(self, name)) <= 0.0:
-                raise ValueError(f"{owner}.{name} must be > 0, got {getattr(self, name)!r}")
-        if _check_real(owner, "mis_low", self.mis_low) <= 0.0:
-            raise ValueError(f"{owner}.mis_low must be > 0, got {self.mis_low!r}")
-        if _check_real(owner, "mis_high", self.mis_high) <= self.mis_low:
-            raise ValueError(f"{owner}.mis_high must be > mis_low={self.mis_low!r}, got {self.mis_high!r}")
-        if self.norm_length is not None:
-            _check_int(owner, "norm_length", self.norm_length, 1)
-
-    @classmethod
-    def grpo(cls, *, kl_coef: float = 0.04) -> LossConfig:
-        """GRPO (DeepSeekMath §4.1): symmetric clip 0.2, per-sequence mean, k3 KL to the reference."""
-        return cls(loss_agg_mode="seq-mean-token-mean", kl_coef=kl_coef, kl_estimator="k3")
-
-    @classmethod
-    def dapo(cls) -> LossConfig:
-        """DAPO: clip-higher (0.2 / 0.28), token-level loss, no KL."""
-        return cls(clip_eps_low=0.2, clip_eps_high=0.28, loss_agg_mode="token-mean")
-
-    @classmethod
-    def dr_grpo(cls, *, norm_length: int | None = None) -> LossConfig:
-        """Dr.GRPO: token sums normalised by a constant length, no KL."""
-        return cls(loss_agg_mode="seq-mean-token-sum-norm", norm_length=norm_length)
-
-    @classmethod
-    def gspo(cls) -> LossConfig:
-        """GSPO: sequence-level ratio, clip 3e-4 / 4e-4, per-sequence mean."""
-        return cls(policy_loss="gspo", loss_agg_mode="seq-mean-token-mean")
-
-
-# ---------------------------------------------------------------------------------------------------------------
-# Learner config: the optimizer and update step of rl/learner.py.
-# ---------------------------------------------------------------------------------------------------------------
-
-LRSchedule = Literal["constant", "cosine"]
-DTypeName = Literal["bfloat16", "float32"]
-
-
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class LearnerConfig:
-    """One optimizer update per `rl.learner.Learner.train_step` (AdamW on fp32 master weights).
-
-    Optimizer (optax docs: `optax.adamw`, `optax.clip_by_global_norm`, `optax.multi_transform`):
-        lr: peak learning rate. warmup_steps: linear warmup, lr * (u + 1) / warmup_steps for update u <
-            warmup_steps (the first update already moves). schedule: "constant" after warmup, or "cosine" decay
-            from lr to lr * min_lr_ratio at update `total_steps` (required for cosine, > warmup_steps).
-        weight_decay: decoupled AdamW decay (Loshchilov & Hutter, arXiv 1711.05101), applied to matrices only
-            (ndim >= 2; norms, scales and biases are not decayed). b1, b2, eps: Adam (Kingma & Ba, arXiv 1412.6980).
-        max_grad_norm: clip the global gradient norm of the trained params to this (None: no clipping).
-    Batch:
-        micro_batch_size: rows per forward/backward; the batch's N must be a multiple. None = the whole batch.
-            Accumulation is exact (sum losses with the full batch's normalisers, `rl.losses.loss_normalizers`).
-    loss: the policy loss (`rl.losses.policy_loss`); `loss.kl_coef > 0` makes the learner keep a frozen reference.
-    MoE:
-        routing_replay: force the sampler's recorded experts (`TrainBatch.routing`) in the learner's forward
-            ("rollout routing replay", R3, arXiv 2510.11370); the batch must then carry routing.
-        freeze_router: no update for the router weights `layers/*/ffn/gate/weight` (and `mtp/*/ffn/gate/weight`).
-            The selection bias is a `Buffer` and is never updated by the optimizer in any case.
-        train_mtp: update the multi-token-prediction module `mtp/*`. The RL loss does not use it, so its gradient
-            is 0 and only weight decay would move it; False (default) leaves it exactly as loaded.
-    Precision:
-        compute_dtype: matmul dtype of the learner's forward/backward; master params, gradients and Adam state
-            are always float32. ref_dtype: storage dtype of the reference copy's matrices (kl_coef > 0 only).
-    temperature: the sampler's temperature; training logits are divided by it (0 = greedy, treated as 1).
-    logprob_chunk_size: sequence chunk of the head + log-softmax (`rl.logprobs.token_logprobs`); None = whole
-        (the full [N, S, V] float32 logits). Default 1024: never the full logits of a long row.
-    Input size (rl/learner.py "Input size"):
-        trim: cut the batch's columns to its longest real row (bucketed to powers of two, at most S), so the step
-            runs at the real length; exact (padding never reaches a real token).
-        max_tokens_per_micro_batch: token budget B of one micro-batch per device of the batch axes (as Miles'
-            --max-tokens-per-gpu): micro-batches of floor(B / W) rows per device at the trimmed width W. Error
-            when the longest real row is longer than B. None = no budget (micro_batch_size or the whole batch);
-            when set, it decides the micro-batches and micro_batch_size is not used.
-    State (rl/optim.py):
-        param_dtype: dtype of the on-device params and gradients. "float32": fp32 params are their own masters
-            (as before). "bfloat16": bf16 params and grads on device; the optimizer keeps fp32 master copies of
-            them and fp32 Adam moments (mixed-precision optimizer, Megatron-style). Leaves the model keeps in fp32
-            (mHC, sinks, ...) stay fp32 params without a master.
-        offload_optimizer: fraction in [0, 1] of the optimizer state (fp32 masters + Adam moments, by bytes,
-            whole parameters largest first; `sharding.offload.select_offloaded`) kept in host memory
-            (`pinned_host`) when the backend has host memory kinds.
-    remat: per-layer rematerialisation of the learner's forward (`--remat`): "block" (default: keep each layer's
-        input, recompute the layer in the backward), "dots" (also keep the weight matmuls' outputs) or "none"
-        (`dsv4.model.REMAT_POLICIES`; same gradients, less activation memory).
-    scan_layers: run the decoder layers under `jax.lax.scan` per group of identical layers (`dsv4/scan.py`;
-        `--scan-layers`), so the step's compile time does not grow with depth. The learner then holds params,
-        buffers, optimizer state and reference in the stacked layout (`params_for_push()` is per layer; its
-        checkpoints load only with the same setting). False (default): the Python loop over the layers.
-    stream_optimizer: with `offload_optimizer`, update the offloaded state of stacked params (ndim >= 3, leading
-        dim unsplit: the scanned layers) one leading-dim slice at a time in a loop (`rl.optim.update_streamed`),
-        so only one layer's masters + moments are on the device at once; otherwise the step moves the whole
-        offloaded state to the device for the update (XLA's memory analysis of the Flash step: that is its
-        peak). Same values up to f32 rounding (the loop's fusions round differently: <= 1 ulp seen).
-    """
-
-    lr: float = 1e-6
-    warmup_steps: int = 0
-    schedule: LRSchedule = "constant"
-    total_steps: int | None = None
-    min_lr_ratio: float = 0.0
-    weight_decay: float = 0.0
-    b1: float = 0.9
-    b2: float = 0.999
-    eps: float = 1e-8
-    max_grad_norm: float | None = 1.0
-    micro_batch_size: int | None = None
-    loss: LossConfig = dataclasses.field(default_factory=LossConfig)
-    routing_replay: bool = False
-    freeze_router: bool = False
-    train_mtp: bool = False
-    compute_dtype: DTypeName = "bfloat16"
-    ref_dtype: DTypeName = "bfloat16"
-    temperature: float = 1.0
-    logprob_chunk_size: int | None = 1024
-    trim: bool = True
-    max_tokens_per_micro_batch: int | None = None
-    param_dtype: DTypeName = "float32"
-    offload_optimizer: float = 0.0
-    remat: Literal["block", "dots", "none"] = "block"
-    scan_layers: bool = False
-    stream_optimizer: bool = False
-
-    def __post_init__(self):
-        owner = type(self).__name__
-        _check_remat(self.remat)
-        if _check_real(owner, "lr", self.lr) <= 0.0:
-            raise ValueError(f"{owner}.lr must be > 0, got {self.lr!r}")
-        _check_int(owner, "warmup_steps", self.warmup_steps, 0)
-        _check_choice(owner, "schedule", self.schedule, ("constant", "cosine"))
-        if self.total_steps is not None:
-            _check_int(owner, "total_steps", self.total_steps, 1)
-        if self.schedule == "cosine" and (self.total_steps is None or self.total_steps <= self.warmup_steps):
-            raise ValueError(f"{owner}.total_steps must be > warmup_steps={self.warmup_steps} for the cosine "
-                             f"schedule, got {self.total_steps!r}")
-        if not 0.0 <= _check_real(owner, "min_lr_ratio", self.min_lr_ratio) <= 1.0:
-            raise ValueError(f"{owner}.min_lr_ratio must be in [0, 1], got {self.min_lr_ratio!r}")
-        if _check_real(owner, "weight_decay", self.weight_decay) < 0.0:
-            raise ValueError(f"{owner}.weight_decay must be >= 0, got {self.weight_decay!r}")
-        for name in ("b1", "b2"):
-            if not 0.0 <= _check_real(owner, name, getattr(self, name)) < 1.0:
-                raise ValueError(f"{owner}.{name} must be in [0, 1), got {getattr(self, name)!r}")
-        if _check_real(owner, "eps", self.eps) <= 0.0:
-            raise ValueError(f"{owner}.eps must be > 0, got {self.eps!r}")
-        if self.max_grad_norm is not None and _check_real(owner, "max_grad_norm", self.max_grad_norm) <= 0.0:
-            raise ValueError(f"{owner}.max_grad_norm must be > 0 (or None), got {self.max_grad_norm!r}")
-        for name in ("micro_batch_size", "logprob_chunk_size", "max_tokens_per_micro_batch"):
-            if getattr(self, name) is not None:
-                _check_int(owner, name, getattr(self, name), 1)
-        if not isinstance(self.loss, LossConfig):
-            raise ValueError(f"{owner}.loss must be a LossConfig, got {type(self.loss).__name__}")
-        for name in ("routing_replay", "freeze_router", "train_mtp"):
-            if not isinstance(getattr(self, name), bool):
-                raise ValueError(f"{owner}.{name} must be a bool, got {getattr(self, name)!r}")
-        _check_choice(owner, "compute_dtype", self.compute_dtype, ("bfloat16", "float32"))
-        _check_choice(owner, "ref_dtype", self.ref_dtype, ("bfloat16", "float32"))
-        _check_choice(owner, "param_dtype", self.param_dtype, ("bfloat16", "float32"))
-        if not isinstance(self.trim, bool):
-            raise ValueError(f"{owner}.trim must be a bool, got {self.trim!r}")
-        if not 0.0 <= _check_real(owner, "offload_optimizer", self.offload_optimizer) <= 1.0:
-            raise ValueError(f"{owner}.offload_optimizer (--offload-optimizer) must be in [0, 1], "
-                             f"got {self.offload_optimizer!r}")
-        if _check_real(owner, "temperature", self.temperature) < 0.0:
-            raise ValueError(f"{owner}.temperature must be >= 0, got {self.temperature!r}")
-
-
-# ---------------------------------------------------------------------------------------------------------------
-# Run config: every knob of `launch/run.py` (one flag per field, YAML keys = field names).
-# ---------------------------------------------------------------------------------------------------------------
+from rl.algo_config import (AdvantageConfig, Correction, CorrectionLevel, DTypeName, KLEstimator,  # noqa: F401
+                            LearnerConfig, LossAggMode, LossConfig, LRSchedule, PolicyLossKind, _check_real)
+from rl import config_tree as tree
+from rl.config_tree import knob
 
 ALGOS = ("grpo", "dr_grpo", "dapo", "gspo")
 REWARDS = ("auto", "task", "gsm8k", "gsm8k+format", "math", "dapo", "aime")  # the reward table: rl/math_rewards.py
+ROLLOUT_DTYPES = ("fp8", "fp8_e4m3fn", "fp8_e4m3fnuz", "bf16", "fp32", "auto")
+
+
+def _flag(path: str) -> str:
+    """The command-line flag of a path: its flat alias when it has one (`--group-size`), else `--a.b`."""
+    flat = _FLAT_OF.get(path)
+    return "--" + flat.replace("_", "-") if flat else "--" + path
+
+
+def _min(section: str, obj: Any, names: tuple[str, ...], minimum: int) -> None:
+    for name in names:
+        v = getattr(obj, name)
+        if isinstance(v, bool) or not isinstance(v, int) or v < minimum:
+            raise ValueError(f"{section}.{name} ({_flag(section + '.' + name)}) must be an int >= {minimum}, "
+                             f"got {v!r}")
+
+
+def _choices(section: str, obj: Any) -> None:
+    """Every Literal-typed knob of the section holds one of its choices."""
+    for path, leaf in tree.paths(type(obj), section + ".").items():
+        v = getattr(obj, leaf.field.name)
+        if leaf.owner is type(obj) and leaf.choices and v not in leaf.choices and not (leaf.optional and v is None):
+            raise ValueError(f"{path} ({_flag(path)}) must be {'|'.join(leaf.choices)}, got {v!r}")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class RunConfig:
-    """The whole GRPO job (launch/run.py). Defaults = the embedded default run: tiny DeepSeek-V4 from random
-    init learning the built-in digit-copy task on CPU in a few minutes.
+class ModelConfig:
+    """The model: architecture and initial weights."""
 
-    Model: config (tiny|small|flash|path to config.json), init (random|checkpoint dir), param/compute dtypes.
-    Data: task (built-in, used when dataset is None) or dataset (jsonl/parquet) + tokenizer (tokenizer.json),
-      prompt_field / answer_field / chat_template, eval_dataset, max_prompt_len, on_bad_record; data_format
-      (gsm8k|verl|miles: field presets, rl/data_formats.py; prompt_field / answer_field None = the preset's),
-      apply_chat_template (the tokenizer folder's Jinja template, rl/chat.py) with system_prompt and thinking
-      (auto|on|off), on_overlong_prompt (drop|fail).
-    Rollout: prompts_per_step x group_size samples per step, max_new_tokens, temperature / top_p / top_k,
-      rollout_dtype (fp8|fp8_e4m3fnuz|bf16|fp32|auto).
-    Algorithm: algo (grpo|dr_grpo|dapo|gspo; dapo adds dynamic sampling bounded by dapo_max_resample_batches,
-      with dapo_on_budget_exhausted = train|skip), lr, warmup_steps, kl_coef / kl_estimator, correction (none|tis|mis)
-      with tis_clip / mis_low / mis_high, routing_replay, freeze_router, micro_batch_size.
-    Learner size/state: max_tokens_per_micro_batch (token budget per device and micro-batch), logprob_chunk_size,
-      param_dtype (auto = bfloat16 params + fp32 masters off CPU, float32 on CPU, where bf16 matmuls are
-      emulated and the default run was tuned), offload_optimizer (fraction of masters + moments in host memory),
-      remat, scan_layers (layers under lax.scan, state stacked; LearnerConfig).
-    Eval / checkpoints / logs: eval_every, eval_prompts, eval_samples (k of pass@k), ckpt_dir, ckpt_every,
-      resume (auto|never), allow_dataset_change (resume although the dataset file changed: keeps the learner
-      state, restarts the data order; otherwise a changed file is an error), metrics_jsonl, tensorboard_dir, seed;
-      eval_only (evaluate, no training), eval_before_train; wandb_project (Weights & Biases, optional extra `[wandb]`).
-    Raises ValueError naming the field for impossible values.
-    """
+    config: str = knob("tiny", "model config: tiny | small | flash | PATH/config.json")
+    init: str = knob("random", "random, or an official-format DeepSeek-V4 checkpoint directory (safetensors + "
+                               "config.json)")
 
-    mesh: str = "auto"
-    config: str = "tiny"
-    init: str = "random"
-    task: str = "copy"
-    task_digits: int = 3
-    dataset: str | None = None
-    tokenizer: str | None = None
-    data_format: Literal["gsm8k", "verl", "miles"] = "gsm8k"
-    prompt_field: str | None = None
-    answer_field: str | None = None
-    chat_template: str | None = None
-    eval_dataset: str | None = None
-    reward: str = "auto"
-    max_prompt_len: int = 256
-    on_bad_record: Literal["skip", "fail"] = "fail"
-    on_overlong_prompt: Literal["drop", "fail"] = "drop"
-    apply_chat_template: bool = False
-    system_prompt: str | None = None
-    thinking: Literal["auto", "on", "off"] = "auto"
-    steps: int = 80
-    prompts_per_step: int = 32
-    group_size: int = 16
-    max_new_tokens: int = 4
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = 0
-    rollout_dtype: str = "fp8"
-    rollout_compute_dtype: Literal["auto", "bfloat16", "float32"] = "auto"
-    algo: str = "grpo"
-    dapo_max_resample_batches: int = 3
-    dapo_on_budget_exhausted: Literal["train", "skip"] = "train"
-    lr: float = 2e-3
-    warmup_steps: int = 0
-    kl_coef: float = 0.0
-    kl_estimator: Literal["k1", "k2", "k3"] = "k3"
-    correction: Literal["none", "tis", "mis"] = "tis"
-    correction_level: Literal["token", "sequence", "geometric"] = "token"
-    tis_clip: float = 2.0
-    mis_low: float = 0.5
-    mis_high: float = 2.0
-    routing_replay: bool = True
-    freeze_router: bool = False
-    micro_batch_size: int | None = None
-    max_tokens_per_micro_batch: int | None = None
-    logprob_chunk_size: int | None = 1024
-    compute_dtype: Literal["bfloat16", "float32"] = "float32"
-    param_dtype: Literal["auto", "bfloat16", "float32"] = "auto"
-    offload_optimizer: float = 0.0
-    eval_every: int = 20
-    eval_prompts: int = 64
-    eval_samples: int = 4
-    eval_only: bool = False
-    eval_before_train: bool = False
-    ckpt_dir: str | None = "runs/default/ckpt"
-    ckpt_every: int = 20
-    resume: Literal["auto", "never"] = "auto"
-    allow_dataset_change: bool = False
-    keep_checkpoints: int = 2
-    metrics_jsonl: str | None = "runs/default/metrics.jsonl"
-    tensorboard_dir: str | None = "runs/default/tb"
-    wandb_project: str | None = None
-    seed: int = 0
-    progress: bool = True
-    remat: Literal["block", "dots", "none"] = "block"
-    scan_layers: bool = False
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class DataConfig:
+    """Prompts and rewards: the built-in task (no dataset) or a dataset file + tokenizer (rl/data.py,
+    rl/data_formats.py, rl/chat.py); the reward (rl/rewards.py, rl/math_rewards.py)."""
+
+    task: Literal["copy", "reverse"] = knob("copy", "built-in verifiable task when no --dataset is given: copy | "
+                                                    "reverse (3 digits, partial credit)")
+    task_digits: int = knob(3, "digits per built-in task prompt")
+    dataset: str | None = knob(None, "prompt dataset (jsonl or parquet; GSM8K layout by default)")
+    tokenizer: str | None = knob(None, "Hugging Face tokenizer.json (required with --dataset)")
+    data_format: Literal["gsm8k", "verl", "miles"] = knob(
+        "gsm8k", "dataset layout: gsm8k (question, answer '... #### n') | verl (prompt = chat messages, "
+                 "reward_model.ground_truth) | miles (prompt, label); sets field defaults and --reward auto")
+    prompt_field: str | None = knob(None, "dataset field of the prompt: a string or a list of chat messages; "
+                                          "dotted path (default: the --data-format's)")
+    answer_field: str | None = knob(None, "dataset field of the answer, dotted path, e.g. "
+                                          "reward_model.ground_truth (default: the --data-format's)")
+    chat_template: str | None = knob(None, "python format string for the prompt, e.g. "
+                                           "'Question: {prompt}\\nAnswer:'")
+    eval_dataset: str | None = knob(None, "held-out prompts for eval (default: the first --eval-prompts training "
+                                          "prompts)")
+    reward: str = knob("auto", "auto (the --data-format's) | task | gsm8k | gsm8k+format | math (last \\boxed{}) "
+                               "| dapo ('Answer:' line, else boxed) | aime (integer); rl/math_rewards.py")
+    reward_timeout_s: float = knob(5.0, "per-response time limit of a dataset reward (worker process), seconds")
+    max_prompt_len: int = knob(256, "longest prompt in tokens")
+    on_bad_record: Literal["skip", "fail"] = knob("fail", "malformed dataset record: fail (error with file:line) "
+                                                          "| skip (counted)")
+    on_overlong_prompt: Literal["drop", "fail"] = knob(
+        "drop", "prompt longer than --max-prompt-len: drop (counted: log + metric data/dropped_overlong) | fail")
+    apply_chat_template: bool = knob(
+        False, "render each prompt as a one-turn conversation with the tokenizer folder's Jinja chat template "
+               "(tokenizer_config.json or chat_template.jinja), as transformers does; DeepSeek-V4's format when "
+               "the folder ships encoding/encoding_dsv4.py")
+    system_prompt: str | None = knob(None, "system message of the conversation (with --apply-chat-template)")
+    thinking: Literal["auto", "on", "off"] = knob("auto", "with --apply-chat-template: on | off sets the "
+                                                          "template's enable_thinking / thinking switch; auto "
+                                                          "leaves the template's default")
 
     def __post_init__(self):
-        owner = "RunConfig"
-        _check_remat(self.remat)
-        for f in ("steps", "prompts_per_step", "max_new_tokens", "max_prompt_len", "eval_prompts", "eval_samples",
-                  "keep_checkpoints", "task_digits"):
-            if int(getattr(self, f)) < 1:
-                raise ValueError(f"{owner}.{f} (--{f.replace('_', '-')}) must be >= 1, got {getattr(self, f)}")
-        for f in ("eval_every", "ckpt_every", "warmup_steps", "top_k"):
-            if int(getattr(self, f)) < 0:
-                raise ValueError(f"{owner}.{f} (--{f.replace('_', '-')}) must be >= 0, got {getattr(self, f)}")
-        if self.group_size < 2:
-            raise ValueError(f"{owner}.group_size (--group-size) must be >= 2 for group advantages, "
-                             f"got {self.group_size}")
-        if self.algo not in ALGOS:
-            raise ValueError(f"{owner}.algo (--algo) must be one of {ALGOS}, got {self.algo!r}")
-        if self.rollout_dtype not in ("fp8", "fp8_e4m3fn", "fp8_e4m3fnuz", "bf16", "fp32", "auto"):
-            raise ValueError(f"{owner}.rollout_dtype (--rollout-dtype) must be fp8|fp8_e4m3fnuz|bf16|fp32|auto, "
-                             f"got {self.rollout_dtype!r}")
-        if self.dapo_max_resample_batches < 0:
-            raise ValueError(f"{owner}.dapo_max_resample_batches (--dapo-max-resample-batches) must be >= 0, "
-                             f"got {self.dapo_max_resample_batches}")
-        if self.dapo_on_budget_exhausted not in ("train", "skip"):
-            raise ValueError(f"{owner}.dapo_on_budget_exhausted (--dapo-on-budget-exhausted) must be train|skip, "
-                             f"got {self.dapo_on_budget_exhausted!r}")
-        if self.resume not in ("auto", "never"):
-            raise ValueError(f"{owner}.resume (--resume) must be auto|never, got {self.resume!r}")
-        if self.on_bad_record not in ("skip", "fail"):
-            raise ValueError(f"{owner}.on_bad_record (--on-bad-record) must be skip|fail, got {self.on_bad_record!r}")
-        if not self.lr > 0:
-            raise ValueError(f"{owner}.lr (--lr) must be > 0, got {self.lr}")
-        if self.temperature < 0 or not 0 < self.top_p <= 1:
-            raise ValueError(f"{owner}: --temperature must be >= 0 and --top-p in (0, 1]")
-        if self.dataset is not None and self.tokenizer is None:
-            raise ValueError(f"{owner}.tokenizer (--tokenizer) is required with --dataset {self.dataset}")
-        if self.task not in ("copy", "reverse"):
-            raise ValueError(f"{owner}.task (--task) must be copy|reverse, got {self.task!r}")
+        _choices("data", self)
+        _min("data", self, ("task_digits", "max_prompt_len"), 1)
         if self.reward not in REWARDS:
-            raise ValueError(f"{owner}.reward (--reward) must be {'|'.join(REWARDS)}, got {self.reward!r}")
-        self._check_data_flags(owner)
-        if self.micro_batch_size is not None and self.micro_batch_size < 1:
-            raise ValueError(f"{owner}.micro_batch_size must be >= 1")
-        for f in ("max_tokens_per_micro_batch", "logprob_chunk_size"):
-            if getattr(self, f) is not None and int(getattr(self, f)) < 1:
-                raise ValueError(f"{owner}.{f} (--{f.replace('_', '-')}) must be >= 1, got {getattr(self, f)}")
-        if self.param_dtype not in ("auto", "bfloat16", "float32"):
-            raise ValueError(f"{owner}.param_dtype (--param-dtype) must be auto|bfloat16|float32, "
-                             f"got {self.param_dtype!r}")
-        if not 0.0 <= float(self.offload_optimizer) <= 1.0:
-            raise ValueError(f"{owner}.offload_optimizer (--offload-optimizer) must be in [0, 1], "
-                             f"got {self.offload_optimizer}")
-
-    def _check_data_flags(self, owner: str) -> None:
-        """The flags of issue 16 (data layouts, chat templates, eval-only, W&B)."""
-        for name, choices in (("data_format", ("gsm8k", "verl", "miles")), ("on_overlong_prompt", ("drop", "fail")),
-                              ("thinking", ("auto", "on", "off"))):
-            if getattr(self, name) not in choices:
-                raise ValueError(f"{owner}.{name} (--{name.replace('_', '-')}) must be {'|'.join(choices)}, "
-                                 f"got {getattr(self, name)!r}")
-        if self.eval_dataset is not None and self.dataset is None and self.tokenizer is None:
-            raise ValueError(f"{owner}.tokenizer (--tokenizer) is required with --eval-dataset {self.eval_dataset}")
-        if self.eval_dataset is not None and self.dataset is None and not self.eval_only:
-            raise ValueError(f"{owner}: --eval-dataset without --dataset is for --eval-only runs (training on the "
-                             f"built-in task would evaluate on another vocabulary)")
+            raise ValueError(f"data.reward (--reward) must be {'|'.join(REWARDS)}, got {self.reward!r}")
+        if _check_real("data", "reward_timeout_s", self.reward_timeout_s) <= 0:
+            raise ValueError(f"data.reward_timeout_s must be > 0, got {self.reward_timeout_s!r}")
+        if self.dataset is not None and self.tokenizer is None:
+            raise ValueError(f"data.tokenizer (--tokenizer) is required with --dataset {self.dataset}")
         if (self.system_prompt is not None or self.thinking != "auto") and not self.apply_chat_template:
-            raise ValueError(f"{owner}: --system-prompt and --thinking apply to chat templates; add "
-                             f"--apply-chat-template")
+            raise ValueError("data: --system-prompt and --thinking apply to chat templates; add "
+                             "--apply-chat-template")
         if self.apply_chat_template and self.dataset is None and self.eval_dataset is None:
-            raise ValueError(f"{owner}.apply_chat_template (--apply-chat-template) needs --dataset and --tokenizer "
-                             f"(the built-in task has no chat template)")
+            raise ValueError("data.apply_chat_template (--apply-chat-template) needs --dataset and --tokenizer "
+                             "(the built-in task has no chat template)")
+        if self.eval_dataset is not None and self.dataset is None and self.tokenizer is None:
+            raise ValueError(f"data.tokenizer (--tokenizer) is required with --eval-dataset {self.eval_dataset}")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class RolloutConfig:
+    """Sampling on the rollout mesh (rl/sampler.py) and the weight push to it (parallel/push.py)."""
+
+    prompts_per_step: int = knob(32, "prompts per step")
+    group_size: int = knob(16, "samples per prompt (G)")
+    max_new_tokens: int = knob(4, "response length limit")
+    temperature: float = knob(1.0, "sampling temperature (0 = greedy)")
+    top_p: float = knob(1.0, "nucleus sampling")
+    top_k: int = knob(0, "top-k sampling (0 = off)")
+    dtype: str = knob("fp8", "rollout weights: fp8 | fp8_e4m3fnuz (MI300/MI308) | bf16 | fp32 | auto")
+    compute_dtype: Literal["auto", "bfloat16", "float32"] = knob(
+        "auto", "rollout matmul dtype: auto (fp32 on CPU, bf16 on GPU) | bfloat16 | float32")
+    push_verify_every: int = knob(10, "verify the pushed FP8 weights against the learner's every N-th push "
+                                      "(0 = never)")
+    slots: int | str = knob(0, "rollout batching: 0 = static (all rows until the longest ends) | N = continuous "
+                               "batching over N decode slots refilled as samples finish (rl/slots.py) | auto = as "
+                               "many slots as the memory plan's KV budget holds (capped by the rows)")
+    max_staleness: int = knob(0, "asynchronous rollout (rl/async_loop.py): K >= 1 generates the next batches while "
+                                 "the actor trains, with weights at most K versions old (needs --correction tis|mis); "
+                                 "0 = synchronous")
+    async_rollout: bool = knob(False, "one-step-off asynchronous rollout: shorthand for --max-staleness 1")
+
+    def __post_init__(self):
+        _choices("rollout", self)
+        slots = self.slots
+        if isinstance(slots, str) and slots.strip().lower() != "auto":
+            try:
+                slots = int(slots)
+            except ValueError:
+                slots = None
+        elif isinstance(slots, str):
+            slots = "auto"
+        if slots is None or isinstance(slots, bool) or (slots != "auto" and (not isinstance(slots, int) or slots < 0)):
+            raise ValueError(f"rollout.slots (--rollout-slots) must be auto or an int >= 0 (0 = static batching), "
+                             f"got {self.slots!r}")
+        object.__setattr__(self, "slots", slots)
+        if isinstance(self.max_staleness, bool) or not isinstance(self.max_staleness, int) or self.max_staleness < 0:
+            raise ValueError(f"rollout.max_staleness (--max-staleness) must be an int >= 0, "
+                             f"got {self.max_staleness!r}")
+        _min("rollout", self, ("prompts_per_step", "max_new_tokens"), 1)
+        _min("rollout", self, ("top_k", "push_verify_every"), 0)
+        if not isinstance(self.group_size, int) or self.group_size < 2:
+            raise ValueError(f"rollout.group_size (--group-size) must be >= 2 for group advantages, "
+                             f"got {self.group_size}")
+        if self.dtype not in ROLLOUT_DTYPES:
+            raise ValueError(f"rollout.dtype (--rollout-dtype) must be fp8|fp8_e4m3fnuz|bf16|fp32|auto, "
+                             f"got {self.dtype!r}")
+        if _check_real("rollout", "temperature", self.temperature) < 0 or not 0 < self.top_p <= 1:
+            raise ValueError("rollout: --temperature must be >= 0 and --top-p in (0, 1]")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class DapoConfig:
+    """DAPO dynamic sampling (arXiv 2503.14476 §3.2; `rl.loop.dynamic_rollout`)."""
+
+    max_resample_batches: int = knob(3, "DAPO: extra prompt batches sampled per step to fill the batch with "
+                                        "groups whose rewards differ")
+    on_budget_exhausted: Literal["train", "skip"] = knob(
+        "train", "DAPO, fewer such groups than --prompts-per-step after the resampling budget: train (on the "
+                 "kept groups) | skip (the step)")
+
+    def __post_init__(self):
+        _min("dapo", self, ("max_resample_batches",), 0)
+        _choices("dapo", self)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class EvalConfig:
+    """Held-out evaluation (`rl.loop.evaluate`): greedy pass@1, sampled pass@1 and pass@k."""
+
+    every: int = knob(20, "eval every N steps (0 = never)")
+    prompts: int = knob(64, "held-out prompts")
+    samples: int = knob(4, "k of pass@k (samples per eval prompt)")
+    only: bool = knob(False, "no training: evaluate --init (or the newest checkpoint in --ckpt-dir) on the eval "
+                             "prompts, print the table, write the metrics, exit")
+    before_train: bool = knob(False, "evaluate once before the first step (veRL's val_before_train; ignored by "
+                                     "--eval-only)")
+
+    def __post_init__(self):
+        _min("eval", self, ("prompts", "samples"), 1)
+        _min("eval", self, ("every",), 0)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class CheckpointConfig:
+    """Checkpoints (rl/checkpoint.py) and resuming."""
+
+    dir: str | None = knob("runs/default/ckpt", "checkpoint directory ('' = none)")
+    every: int = knob(20, "checkpoint every N steps")
+    resume: Literal["auto", "never"] = knob("auto", "auto | never")
+    allow_dataset_change: bool = knob(False, "resume although --dataset / --eval-dataset changed since the "
+                                             "checkpoint (keeps the learner state, restarts the data order); "
+                                             "otherwise that is an error")
+    keep: int = knob(2, "checkpoints kept")
+
+    def __post_init__(self):
+        _choices("ckpt", self)
+        _min("ckpt", self, ("keep",), 1)
+        _min("ckpt", self, ("every",), 0)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class LogConfig:
+    """Metric sinks (rl/sinks.py)."""
+
+    metrics_jsonl: str | None = knob("runs/default/metrics.jsonl", "per-step metrics file ('' = none)")
+    tensorboard_dir: str | None = knob("runs/default/tb", "TensorBoard dir ('' = none)")
+    wandb_project: str | None = knob(None, "Weights & Biases project (optional extra: pip install -e '.[wandb]'; "
+                                           "WANDB_MODE=offline needs no network)")
+    progress: bool = knob(True, "progress bar")
+
+
+# The default run's learner: the knobs are LearnerConfig's / LossConfig's; these are the default run's values.
+DEFAULT_LEARNER = LearnerConfig(lr=2e-3, compute_dtype="float32", routing_replay=True, b2=0.99, weight_decay=0.0,
+                                param_dtype="auto", loss=LossConfig(correction="tis"))
+
+# flat name (flag --a-b, flat YAML key, RunConfig(a_b=...), cfg.a_b) -> the one dotted path it stands for
+FLAT = {
+    "mesh": "mesh", "config": "model.config", "init": "model.init",
+    **{k: "data." + k for k in ("task", "task_digits", "dataset", "tokenizer", "data_format", "prompt_field",
+                                 "answer_field", "chat_template", "eval_dataset", "reward", "max_prompt_len",
+                                 "on_bad_record", "on_overlong_prompt", "apply_chat_template", "system_prompt",
+                                 "thinking")},
+    "steps": "steps",
+    **{k: "rollout." + k for k in ("prompts_per_step", "group_size", "max_new_tokens", "temperature", "top_p",
+                                    "top_k")},
+    "rollout_dtype": "rollout.dtype", "rollout_compute_dtype": "rollout.compute_dtype",
+    "algo": "algo", "dapo_max_resample_batches": "dapo.max_resample_batches",
+    "dapo_on_budget_exhausted": "dapo.on_budget_exhausted",
+    "lr": "learner.lr", "warmup_steps": "learner.warmup_steps",
+    **{k: "learner.loss." + k for k in ("kl_coef", "kl_estimator", "correction", "correction_level", "mis_low",
+                                         "mis_high")},
+    "tis_clip": "learner.loss.tis_clip_high",
+    **{k: "learner." + k for k in ("routing_replay", "freeze_router", "micro_batch_size", "max_tokens_per_micro_batch",
+                                    "logprob_chunk_size", "compute_dtype", "param_dtype", "offload_optimizer")},
+    **{"eval_" + k: "eval." + k for k in ("every", "prompts", "samples", "only", "before_train")},
+    "ckpt_dir": "ckpt.dir", "ckpt_every": "ckpt.every", "resume": "ckpt.resume",
+    "allow_dataset_change": "ckpt.allow_dataset_change", "keep_checkpoints": "ckpt.keep",
+    **{k: "log." + k for k in ("metrics_jsonl", "tensorboard_dir", "wandb_project")},
+    "seed": "seed", "progress": "log.progress", "remat": "learner.remat", "scan_layers": "learner.scan_layers",
+    "rollout_slots": "rollout.slots", "max_staleness": "rollout.max_staleness",
+    "async_rollout": "rollout.async_rollout",
+}
+_FLAT_OF = {v: k for k, v in FLAT.items()}
+DERIVED = {"learner.temperature": "rollout.temperature",
+           "advantage.dynamic_sampling_max_rounds": "dapo.max_resample_batches"}
+# the loss knobs an algo preset sets (KL and the off-policy correction are the run's own knobs)
+_PRESET_LOSS = ("policy_loss", "clip_eps_low", "clip_eps_high", "gspo_clip_eps_low", "gspo_clip_eps_high",
+                "dual_clip_c", "loss_agg_mode", "norm_length", "entropy_coef")
+
+
+def algo_preset(algo: str, max_new_tokens: int) -> dict[str, Any]:
+    """The dotted knobs `algo` sets (rl/algo_config.py's presets): the loss shape and the advantage estimator.
+
+    grpo: clip 0.2, per-sequence mean (DeepSeekMath §4.1). dr_grpo: token sums / max_new_tokens, no std
+    (arXiv 2503.20783). dapo: clip-higher 0.2 / 0.28, token-level loss, dynamic sampling (arXiv 2503.14476).
+    gspo: sequence ratio, clip 3e-4 / 4e-4 (arXiv 2507.18071)."""
+    loss = {"grpo": LossConfig.grpo, "dapo": LossConfig.dapo, "gspo": LossConfig.gspo,
+            "dr_grpo": lambda: LossConfig.dr_grpo(norm_length=max_new_tokens)}[algo]()
+    adv = {"grpo": AdvantageConfig.grpo, "dr_grpo": AdvantageConfig.dr_grpo, "dapo": AdvantageConfig.dapo,
+           "gspo": AdvantageConfig.grpo}[algo]()
+    out = {"learner.loss." + k: getattr(loss, k) for k in _PRESET_LOSS}
+    out.update({"advantage." + f.name: getattr(adv, f.name) for f in dataclasses.fields(adv)
+                if "advantage." + f.name not in DERIVED})
+    return out
+
+
+def _rename(owner: type, e: ValueError) -> ValueError:
+    """Reword `Owner.field ...` errors of LearnerConfig / LossConfig to name the run's path and flag."""
+    msg = str(e)
+    prefix = {LearnerConfig: "learner.", LossConfig: "learner.loss.", AdvantageConfig: "advantage."}.get(owner)
+    if prefix:
+        for f in dataclasses.fields(owner):
+            old = f"{owner.__name__}.{f.name}"
+            if msg.startswith(old + " ") and not msg.startswith(old + " (--"):
+                return ValueError(f"{prefix}{f.name} ({_flag(prefix + f.name)}) " + msg[len(old) + 1:])
+    return e
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True, init=False)
+class RunConfig:
+    """The whole GRPO job (launch/run.py); see the module docstring for the tree, the presets and precedence.
+
+    `RunConfig(**kw)`: keys are top-level fields or whole sections (`learner=LearnerConfig(...)`), flat names
+    (`lr=1e-6`, `FLAT`) or dotted paths given as a dict (`RunConfig(**{"learner.lr": 1e-6})`); later keys win,
+    all of them over the `algo` preset. Flat names read back as attributes (`cfg.lr` is `cfg.learner.lr`).
+    Raises ValueError naming the field and flag for impossible values and unknown keys.
+    """
+
+    mesh: str = knob("auto", "device meshes: 'auto', or e.g. actor:fsdp=2,expert=2/rollout:expert=2,tensor=2 "
+                             "(actor only = colocated)")
+    steps: int = knob(80, "GRPO steps")
+    seed: int = knob(0, "seed of data order, sampling and init")
+    algo: str = knob("grpo", "grpo | dr_grpo | dapo | gspo (a preset of learner.loss and advantage)")
+    model: ModelConfig = knob(factory=ModelConfig)
+    data: DataConfig = knob(factory=DataConfig)
+    rollout: RolloutConfig = knob(factory=RolloutConfig)
+    dapo: DapoConfig = knob(factory=DapoConfig)
+    advantage: AdvantageConfig = knob(factory=AdvantageConfig)
+    learner: LearnerConfig = knob(factory=lambda: DEFAULT_LEARNER)
+    eval: EvalConfig = knob(factory=EvalConfig)
+    ckpt: CheckpointConfig = knob(factory=CheckpointConfig)
+    log: LogConfig = knob(factory=LogConfig)
+
+    def __init__(self, **kw):
+        cfg = RunConfig.from_overrides(kw.items(), source="RunConfig")
+        for f in dataclasses.fields(RunConfig):
+            object.__setattr__(self, f.name, getattr(cfg, f.name))
+
+    @classmethod
+    def from_overrides(cls, items, source: str = "RunConfig") -> RunConfig:
+        """Resolve (key, value) pairs in precedence order (later wins) over defaults + the algo preset.
+
+        Keys: dotted paths, flat names (`FLAT`), or whole sections. Values must already have the knob's type
+        (`rl.config_tree.convert` turns strings into it). ValueError names `source` and an unknown key."""
+        leaves, secs = tree.paths(cls), tree.sections(cls)
+        user: dict[str, Any] = {}
+        for k, v in items:
+            path = FLAT.get(k, k)
+            if path in DERIVED:
+                raise ValueError(f"{source}: {k} is derived from {DERIVED[path]} and cannot be set")
+            if path not in leaves and path not in secs:
+                raise ValueError(f"{source}: unknown key {k!r}")
+            user.pop(path, None)  # re-inserted last: dict order = precedence
+            user[path] = v
+        algo = user.get("algo", cls.__dataclass_fields__["algo"].default)
+        if algo not in ALGOS:
+            raise ValueError(f"algo (--algo) must be one of {ALGOS}, got {algo!r}")
+        mnt = user.get("rollout.max_new_tokens", user["rollout"].max_new_tokens if "rollout" in user
+                       else RolloutConfig().max_new_tokens)
+        whole = [p for p in user if p in secs]  # a whole section replaces the preset's values in it
+        values = {p: v for p, v in algo_preset(algo, mnt).items()
+                  if not any(p.startswith(w + ".") for w in whole)}
+        values.update(user)
+        self = object.__new__(cls)
+        top = {f.name: (f.default if f.default is not dataclasses.MISSING else f.default_factory())
+               for f in dataclasses.fields(cls)}
+        grouped: dict[str, dict] = {}
+        for p, v in values.items():
+            head, _, rest = p.partition(".")
+            if rest:
+                grouped.setdefault(head, {})[rest] = v
+            else:
+                top[head] = v
+        for head, sub in grouped.items():
+            top[head] = tree.build(top[head], sub, _rename)
+        for name, v in top.items():
+            object.__setattr__(self, name, v)
+        self._derive()
+        self._check()
+        return self
+
+    def _derive(self) -> None:
+        object.__setattr__(self, "learner", tree.build(self.learner, {"temperature": self.rollout.temperature},
+                                                        _rename))
+        rounds = 1 + self.dapo.max_resample_batches
+        object.__setattr__(self, "advantage", tree.build(self.advantage, {"dynamic_sampling_max_rounds": rounds}))
+
+    def _check(self) -> None:
+        if isinstance(self.steps, bool) or not isinstance(self.steps, int) or self.steps < 1:
+            raise ValueError(f"steps (--steps) must be an int >= 1, got {self.steps!r}")
+        if self.algo not in ALGOS:
+            raise ValueError(f"algo (--algo) must be one of {ALGOS}, got {self.algo!r}")
+        if self.staleness() > 0 and self.learner.loss.correction == "none":
+            raise ValueError(f"RunConfig: --max-staleness {self.staleness()} (--async-rollout) trains on samples of "
+                             f"older weights and needs an off-policy correction: --correction tis or --correction "
+                             f"mis, not --correction none")
+        d = self.data
+        if d.eval_dataset is not None and d.dataset is None and not self.eval.only:
+            raise ValueError("RunConfig: --eval-dataset without --dataset is for --eval-only runs (training on the "
+                             "built-in task would evaluate on another vocabulary)")
+
+    def staleness(self) -> int:
+        """K of the one-step-off asynchronous loop (rl/async_loop.py): `rollout.max_staleness`, or 1 for
+        `rollout.async_rollout` alone; 0 = the synchronous loop."""
+        return int(self.rollout.max_staleness) or int(bool(self.rollout.async_rollout))
+
+    def __getattr__(self, name: str):
+        """Flat names read their path: `cfg.group_size` is `cfg.rollout.group_size` (`FLAT`)."""
+        path = FLAT.get(name)
+        if path is None or "." not in path:
+            raise AttributeError(f"RunConfig has no field {name!r}")
+        return tree.get(self, path)
+
+    def flat(self) -> dict[str, Any]:
+        """{flat name: value} of every flat name (the W&B config keys, the historic RunConfig fields)."""
+        return {k: tree.get(self, p) for k, p in FLAT.items()}
+
+    def to_tree(self) -> dict:
+        """The resolved config as nested dicts, derived knobs left out: a YAML of it loads back
+        (`launch/run.py --config-file`) to an equal RunConfig."""
+        return tree.to_tree(self, frozenset(DERIVED))
 
     def loss_config(self) -> LossConfig:
-        """The LossConfig of `algo` with this run's KL and off-policy correction knobs."""
-        base = {"grpo": LossConfig.grpo, "dr_grpo": LossConfig.dr_grpo, "dapo": LossConfig.dapo,
-                "gspo": LossConfig.gspo}[self.algo]
-        kw = dict(kl_coef=self.kl_coef, kl_estimator=self.kl_estimator, correction=self.correction,
-                  correction_level=self.correction_level, tis_clip_high=self.tis_clip, mis_low=self.mis_low,
-                  mis_high=self.mis_high)
-        try:
-            cfg = base(kl_coef=self.kl_coef)
-        except TypeError:
-            cfg = base()
-        if self.algo == "dr_grpo":
-            kw["norm_length"] = self.max_new_tokens
-        return dataclasses.replace(cfg, **kw)
+        """The policy loss: `learner.loss` (the algo preset + the run's KL and correction knobs)."""
+        return self.learner.loss
 
     def advantage_config(self) -> AdvantageConfig:
-        adv = {"grpo": AdvantageConfig.grpo, "dr_grpo": AdvantageConfig.dr_grpo, "dapo": AdvantageConfig.dapo,
-               "gspo": AdvantageConfig.grpo}[self.algo]()
-        if adv.dynamic_sampling:
-            adv = dataclasses.replace(adv, dynamic_sampling_max_rounds=1 + self.dapo_max_resample_batches)
-        return adv
+        """The advantage estimator: `advantage` (the algo preset; DAPO's max rounds from `dapo`)."""
+        return self.advantage

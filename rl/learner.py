@@ -91,6 +91,7 @@ from dsv4 import scan
 from dsv4.layers import Buffer
 from parallel import expert as expert_lib
 from rl import batching, optim
+from rl.batch import TrainBatch  # noqa: F401  (re-exported: rl.learner.TrainBatch, fields unchanged)
 from rl.config import LearnerConfig
 from rl.logprobs import token_logprobs
 from rl.losses import kl_penalty, loss_normalizers, policy_loss
@@ -107,26 +108,6 @@ _HASH_TABLE = re.compile(r"layers/(\d+)/ffn/gate/tid2eid")
 METRIC_NAMES = ("train/pg_loss", "train/pg_clipfrac", "train/ppo_kl", "train/kl_loss", "train/entropy",
                 "train/grad_norm", "train/train_rollout_logprob_abs_diff", "train/train_rollout_kl",
                 "train/tis_clipfrac", "train/skipped_nonfinite", "train/lr")
-
-
-@struct.dataclass
-class TrainBatch:
-    """One learner batch (N rows of length S = P + T; see the module docstring for the layout).
-
-    input_ids [N, S] int32; attention_mask [N, S] (1 on real prompt + response tokens, contiguous);
-    response_mask [N, S] (1 on response tokens whose logprob counts); rollout_logprobs [N, S] float32 (the
-    sampler's logprob of each response token at its own position, anything elsewhere); advantages [N] (or
-    [N, S]) float32; routing [N, S, L, k] int32 recorded expert ids (< 0 = unknown) or None; old_logprobs
-    [N, S] float32 (pi_old for multi-epoch updates, from `Learner.compute_logprobs`) or None (on-policy).
-    """
-
-    input_ids: jax.Array
-    attention_mask: jax.Array
-    response_mask: jax.Array
-    rollout_logprobs: jax.Array
-    advantages: jax.Array
-    routing: jax.Array | None = None
-    old_logprobs: jax.Array | None = None
 
 
 @struct.dataclass

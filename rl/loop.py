@@ -1,292 +1,60 @@
-"""The GRPO loop: dataset -> sampler -> rewards -> advantages -> update -> push -> (eval, checkpoint).
+"""The GRPO loop: batch -> sample -> score -> advantages -> update -> push, then eval and checkpoint.
 
-    job = build(RunConfig(...))     # meshes, model, learner (actor mesh), sampler (rollout mesh), data, ckpt
+    job = build(RunConfig(...))     # rl/job.py: meshes, model, learner (actor mesh), sampler (rollout mesh), data
     summary = run(job)              # the loop; returns {"reward_curve": [...], ...}
 
-One call per stage, top to bottom (docs/style.md rule 8). Each step:
-1. next prompt batch from the grain iterator (checkpointable), each prompt repeated `group_size` times;
-2. `Sampler.generate` on the rollout mesh (FP8 weights by default): tokens, logprobs, routing;
-3. rewards: the built-in task's exact partial-credit reward, or GSM8K answer verification (+ format) in a
-   worker process with a per-sample time limit;
-4. group advantages (GRPO / Dr.GRPO); DAPO (`--algo dapo`) first resamples until the batch holds
+One call per stage, top to bottom (docs/style.md rule 8); `train_step` reads as the algorithm:
+1. batch: the next prompt batch from the grain iterator (checkpointable), the same on every host (`global_batch`);
+2. sample: `Sampler.generate` on the rollout mesh (FP8 weights by default), `group_size` rows per prompt:
+   a `RolloutBatch` (rl/batch.py: tokens, logprobs, routing in the one layout);
+3. score: the run's one `rl.rewards.RewardFn` (the built-in task's exact partial credit, or a dataset reward
+   in a worker process with a per-sample time limit `--data.reward_timeout_s`); DAPO (`--algo dapo`: the
+   `advantage.dynamic_sampling` preset) samples and scores further rounds until the batch holds
    `prompts_per_step` groups whose rewards differ (`dynamic_rollout`, bounded by `--dapo-max-resample-batches`);
-5. `Learner.update` on the actor mesh with routing replay and the off-policy correction;
-6. weight push actor -> rollout (bf16 -> device_put -> FP8), a new weight version;
-7. metrics (JSONL, TensorBoard, progress bar); eval every `eval_every`; checkpoint every `ckpt_every`.
-Resume (`resume="auto"`) restores the newest usable checkpoint and continues bitwise-identically on CPU:
-randomness is a function of (seed, step, prompt, sample). SIGTERM finishes the current step, saves, exits 0.
+4. advantages: group advantages (GRPO / Dr.GRPO / RLOO, `cfg.advantage`), host numpy;
+5. update: `Learner.update(TrainBatch.from_rollout(...))` on the actor mesh (routing replay, off-policy
+   correction); the learner places the host batch once;
+6. push: actor -> rollout weights (bf16 -> device_put -> FP8), a new weight version;
+then metrics (rl/sinks.py: JSONL, TensorBoard, W&B, progress bar), eval every `eval.every`, a checkpoint
+every `ckpt.every`. Resume (`resume="auto"`) restores the newest usable checkpoint and continues
+bitwise-identically on CPU: randomness is a function of (seed, step, prompt, sample). SIGTERM finishes the
+current step, saves, exits 0. `--max-staleness K` / `--async-rollout` (K = 1): stages 1-3 run ahead in a
+thread, K steps off (rl/async_loop.py).
 """
 
 from __future__ import annotations
 
-import dataclasses
-import json
 import logging
-import math
 import os
-import pathlib
-import re
 import signal
 import sys
-import tempfile
 import time
-from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-from flax import nnx
 
-from rl.config import LearnerConfig, RunConfig
+from rl.batch import RolloutBatch, TrainBatch
+from rl.config import RunConfig
+# The wiring (rl/job.py) and the sinks (rl/sinks.py) are re-exported: `rl.loop.build`, `rl.loop.Job`, ... stay
+from rl.job import (Job, _data, _rollout_slots, build, data_metrics, fingerprint, make_pusher, push,  # noqa: F401
+                    resolve_model_config, same_data)
+from rl.sinks import MetricsLogger, progress_bar  # noqa: F401
 
 log = logging.getLogger("dsv4rl")
 
 
-@dataclasses.dataclass
-class Job:
-    """Everything `run` needs, built once by `build`."""
-
-    cfg: RunConfig
-    model_cfg: Any
-    plan: Any
-    tokenizer: Any
-    task: Any
-    train_data: Any
-    eval_prompts: list
-    eval_refs: list
-    reward: Any
-    learner: Any
-    sampler: Any
-    pusher: Any
-    iterator: Any
-    ckpt: Any
-    logger: Any
-    start_step: int = 0
-    weight_version: int = 0
-    data_identity: dict = dataclasses.field(default_factory=dict)
-    data_metrics: dict = dataclasses.field(default_factory=dict)
-
-
-# ------------------------------------------------------------------------------------------------ build
-
-def resolve_model_config(cfg: RunConfig, tokenizer_vocab: int):
-    """The DSV4Config of `--config` (preset or config.json). With `--init random` and a tokenizer smaller
-    than the preset's vocabulary, the vocabulary is shrunk to the tokenizer's (no untrainable dead logits)."""
-    from dsv4 import DSV4Config
-
-    if cfg.init != "random" and cfg.config in ("tiny", "small", "flash"):
-        mc = DSV4Config.from_hf(cfg.init)
-    elif cfg.config in ("tiny", "small", "flash"):
-        mc = DSV4Config.preset(cfg.config)
-    else:
-        mc = DSV4Config.from_hf(cfg.config)
-    if cfg.init == "random" and tokenizer_vocab < mc.vocab_size:
-        log.info("random init: vocab_size %d -> %d (the tokenizer's)", mc.vocab_size, tokenizer_vocab)
-        mc = dataclasses.replace(mc, vocab_size=tokenizer_vocab)
-    if tokenizer_vocab > mc.vocab_size:
-        raise ValueError(f"the tokenizer has {tokenizer_vocab} tokens but the model's vocab_size is "
-                         f"{mc.vocab_size} (--tokenizer / --config)")
-    return mc
-
-
-def _data(cfg: RunConfig):
-    """(tokenizer, task or None, train PromptDataset, eval prompts [list[int]], eval references, reward, eval
-    PromptDataset when it is a separate file else None)."""
-    from rl.data import PromptDataset
-    from rl.tasks import DigitTask
-
-    if cfg.dataset is None and cfg.eval_dataset is None:
-        task = DigitTask(kind=cfg.task, n_digits=cfg.task_digits, seed=cfg.seed)
-        tok = task.tokenizer
-        train = PromptDataset.from_task(task, "train")
-        ev = task.prompts("eval", min(cfg.eval_prompts, len(task.prompts("eval"))))
-        return tok, task, train, [p.prompt_ids for p in ev], [p.answer for p in ev], None, None
-    from rl.data_formats import build_datasets, resolve_reward_name
-    from rl.math_rewards import make_reward, prompt_independent_best
-    from rl.tokenizer import load_tokenizer
-
-    tok = load_tokenizer(cfg.tokenizer, chat_template=cfg.chat_template)
-    train, evd = build_datasets(cfg, tok)  # --data-format fields, chat template, overlong prompts
-    n = min(cfg.eval_prompts, len(evd))
-    name = resolve_reward_name(cfg)
-    log.info("reward %s: the best prompt-independent response scores %.4f on %s", name,
-             prompt_independent_best(name, train.references), train.source)
-    return (tok, None, train, [evd.prompt(i) for i in range(n)], evd.references[:n], make_reward(name),
-            evd if evd is not train else None)
-
-
-def fingerprint(cfg: RunConfig, model_cfg) -> dict:
-    """What must match between a checkpoint and the run restoring it."""
-    keep = ("config", "init", "task", "task_digits", "dataset", "prompts_per_step", "group_size", "max_new_tokens",
-            "algo", "seed", "routing_replay", "kl_coef", "lr")
-    return {"model": json.dumps(model_cfg.to_dict(), sort_keys=True, default=str),
-            **{k: getattr(cfg, k) for k in keep},
-            **({"scan_layers": True} if cfg.scan_layers else {})}  # stacked state (absent: earlier fingerprints)
-
-
-def build(cfg: RunConfig) -> Job:
-    """Set up meshes, data, model, learner, sampler, push, checkpoints and metric sinks (errors before step 1)."""
-    from dsv4 import DSV4ForCausalLM
-    from dsv4.load import init_model, load_hf_checkpoint
-    from rl.checkpoint import Checkpointer, check_writable, file_identity
-    from rl.rollout_init import checkpoint_rollout_weights
-    from rl.data import make_prompt_iterator
-    from rl.learner import Learner
-    from rl.sampler import Sampler
-    from sharding.mesh import build_mesh_plan
-
-    for path, flag in ((cfg.metrics_jsonl, "--metrics-jsonl"), (cfg.tensorboard_dir, "--tensorboard-dir")):
-        if path:
-            check_writable(pathlib.Path(path).parent if flag == "--metrics-jsonl" else path, flag)
-    tok, task, train, ev_prompts, ev_refs, reward, ev_data = _data(cfg)
-    model_cfg = resolve_model_config(cfg, tok.vocab_size)
-    plan = build_mesh_plan(cfg.mesh, config=model_cfg)
-    log.info("meshes: %s", plan.describe())
-    ckpt = Checkpointer(cfg.ckpt_dir, keep=cfg.keep_checkpoints, fingerprint=fingerprint(cfg, model_cfg)) \
-        if cfg.ckpt_dir else None
-    data_identity = {"dataset": file_identity(cfg.dataset), "eval_dataset": file_identity(cfg.eval_dataset)}
-    if ckpt is not None and cfg.resume == "auto":
-        latest = ckpt.check_latest()  # a checkpoint of another config is an error now, not after the model is built
-        if latest is not None:
-            same_data(cfg, latest, data_identity)
-    elif ckpt is not None and ckpt.all_steps():
-        raise ValueError(f"--ckpt-dir {ckpt.dir} already holds checkpoints (steps {ckpt.all_steps()}); --resume never "
-                         f"would collide with them: use another --ckpt-dir or --resume auto")
-    param_dtype = cfg.param_dtype
-    if param_dtype == "auto":  # bf16 params + fp32 masters on accelerators; fp32 on CPU (emulated bf16 matmuls)
-        param_dtype = "float32" if plan.actor.devices.flat[0].platform == "cpu" else "bfloat16"
-    # created in the actor's shardings (each process reads / computes only its shards), in the learner's param
-    # dtype (the fp32 masters are made from these values by the optimizer: exact for a bf16 / FP8 checkpoint)
-    load_dtype = jnp.bfloat16 if param_dtype == "bfloat16" else jnp.float32
-    if cfg.init == "random":
-        model = init_model(model_cfg, seed=cfg.seed, param_dtype=load_dtype, mesh=plan.actor)
-    else:
-        model = load_hf_checkpoint(cfg.init, dtype=load_dtype, config=model_cfg, mesh=plan.actor,
-                                   progress=cfg.progress)
-    lcfg = LearnerConfig(lr=cfg.lr, warmup_steps=cfg.warmup_steps, loss=cfg.loss_config(),
-                         routing_replay=cfg.routing_replay, freeze_router=cfg.freeze_router,
-                         micro_batch_size=cfg.micro_batch_size, compute_dtype=cfg.compute_dtype,
-                         temperature=cfg.temperature, b2=0.99, weight_decay=0.0,
-                         max_tokens_per_micro_batch=cfg.max_tokens_per_micro_batch,
-                         logprob_chunk_size=cfg.logprob_chunk_size, param_dtype=param_dtype,
-                         offload_optimizer=cfg.offload_optimizer, remat=cfg.remat,
-                         scan_layers=cfg.scan_layers)
-    learner = Learner(model, lcfg, mesh=plan.actor)
-    max_prompt = max(train.max_prompt_len, max(len(p) for p in ev_prompts))
-    rcd = cfg.rollout_compute_dtype
-    if rcd == "auto":  # bf16 matmuls are emulated (slow) on CPUs; FP8 weights are then dequantised to fp32
-        rcd = "float32" if jax.devices()[0].platform == "cpu" else "bfloat16"
-    # from a checkpoint, the rollout's first weights come from the file's own FP8 blocks, read on its mesh
-    ckpt_init = cfg.init != "random"
-    abstract = nnx.eval_shape(lambda: DSV4ForCausalLM(model.config, rngs=nnx.Rngs(0)))
-    sampler = Sampler(abstract if ckpt_init else model, mesh=plan.rollout,
-                      weights=cfg.rollout_dtype, max_prompt_len=max_prompt,
-                      compute_dtype=None if cfg.rollout_dtype == "fp32" else rcd)
-    if ckpt_init:
-        sampler.set_weights(checkpoint_rollout_weights(sampler, cfg.init, config=model.config,
-                                                       progress=cfg.progress), version=0)
-    del model
-    pusher = make_pusher(plan, learner, sampler)
-    it = make_prompt_iterator(train, batch_size=cfg.prompts_per_step, seed=cfg.seed)
-    job = Job(cfg=cfg, model_cfg=model_cfg, plan=plan, tokenizer=tok, task=task, train_data=train,
-              eval_prompts=ev_prompts, eval_refs=ev_refs, reward=reward, learner=learner, sampler=sampler,
-              pusher=pusher, iterator=it, ckpt=ckpt, logger=MetricsLogger(cfg), data_identity=data_identity,
-              data_metrics=data_metrics(train, *([ev_data] if ev_data is not None else [])))
-    if ckpt is not None and cfg.resume == "auto":
-        restored = ckpt.restore(learner.state_dict())
-        if restored is not None:
-            state, meta = restored
-            learner.load_state_dict(state)
-            if same_data(cfg, meta, data_identity):
-                it.set_state(meta["data"])
-            job.start_step = int(meta["step"])
-            job.weight_version = int(meta["weight_version"])
-            log.info("resumed from %s at step %d (weight version %d)", ckpt.dir, job.start_step, job.weight_version)
-    # A run that checkpoints owns its logs: records of steps >= start_step (written after the checkpoint it
-    # resumes from, or by a run killed before its first checkpoint) are dropped, since this run recomputes them.
-    job.logger.open(job.start_step if ckpt is not None and cfg.resume == "auto" and not cfg.eval_only else None)
-    if job.weight_version > 0:  # resumed: the sampler serves the restored params (a fresh run's sampler
-        push(job)                # already holds version 0, built from the same model)
-    return job
-
-
-def data_metrics(*datasets) -> dict:
-    """Records the run's datasets dropped at load time, summed over them (logged with every step):
-    data/skipped_records: malformed records skipped (--on-bad-record skip); data/dropped_overlong: prompts
-    longer than --max-prompt-len that were dropped."""
-    overlong = sum(getattr(d, "dropped_overlong", 0) for d in datasets)
-    skipped = sum(getattr(d, "skipped", 0) for d in datasets) - overlong  # `skipped` counts every cause
-    return {"data/skipped_records": float(skipped), "data/dropped_overlong": float(overlong)}
-
-
-def same_data(cfg: RunConfig, meta: dict, identity: dict) -> bool:
-    """Compare the datasets' identity recorded in a checkpoint's meta with this run's (`file_identity`).
-
-    Returns True when they match (or the checkpoint predates the record): resume the data order. A changed
-    file under the same path would silently repeat some prompts and skip others, so it raises ValueError naming
-    the flag, unless `cfg.allow_dataset_change`: then False (a warning is logged) and the caller restarts the
-    data order from the beginning while keeping the learner state.
-    """
-    saved = meta.get("data_identity")
-    if not saved:
-        return True
-    changed = [k for k in ("dataset", "eval_dataset") if saved.get(k) != identity.get(k)]
-    if not changed:
-        return True
-    what = "; ".join(f"--{k.replace('_', '-')} {getattr(cfg, k)}: checkpoint {saved.get(k)} vs now {identity.get(k)}"
-                     for k in changed)
-    if not cfg.allow_dataset_change:
-        raise ValueError(f"the dataset changed since checkpoint step {meta.get('step')} ({what}); resuming would "
-                         "repeat some prompts and skip others: restore the file, use another --ckpt-dir, or pass "
-                         "--allow-dataset-change to keep the learner state and restart the data order")
-    log.warning("dataset changed since the checkpoint (%s); --allow-dataset-change: the data order restarts", what)
-    return False
-
-
-def make_pusher(plan, learner, sampler):
-    """The actor -> rollout weight push (parallel/push.py): compiled and warmed up here; verification of the
-    pushed FP8 weights is sampled (every 10th push) in production runs."""
-    from parallel.push import WeightPusher
-
-    return WeightPusher(plan, sampler, learner.params_for_push(), verify_every=10)
-
-
-def push(job: Job) -> dict:
-    """Push the learner's current params to the sampler as version `job.weight_version`."""
-    t0 = time.perf_counter()
-    params = job.learner.params_for_push()
-    nbytes = sum(int(np.prod(x.shape)) * 2 for x in jax.tree.leaves(params))  # bf16 on the wire
-    if job.pusher is not None:
-        from parallel.push import push_weights
-
-        stats = push_weights(job.pusher, params, job.sampler, job.weight_version)
-        nbytes = stats.bytes
-    else:
-        job.sampler.update_weights(params, job.weight_version)
-        jax.block_until_ready(jax.tree.leaves(job.sampler.weight_state()))
-    dt = time.perf_counter() - t0
-    return {"perf/weight_push_s": dt, "perf/weight_push_gbps": nbytes / dt / 1e9}
-
-
 # ------------------------------------------------------------------------------------------------ stages
 
-def score(job: Job, rb, refs: list[str]) -> tuple[np.ndarray, np.ndarray, dict]:
-    """Rewards [N] and exactness [N] of a rollout batch against per-row references."""
-    responses = rb.response_lists()
-    if job.task is not None:
-        r = job.task.rewards(refs, responses)
-        exact = np.array([job.task.exact(a, x) for a, x in zip(refs, responses)])
-        return r.astype(np.float32), exact, {}
-    from rl.rewards import compute_rewards
-
-    eos = job.tokenizer.eos_id
-    texts = [job.tokenizer.decode([t for t in x if t != eos]) for x in responses]
-    r, m = compute_rewards(job.reward, texts, refs, timeout_s=5.0)
-    return r, r >= 0.999, m
+def score(job: Job, rb: RolloutBatch, refs: list[str]) -> tuple[np.ndarray, np.ndarray, dict]:
+    """Stage 3: the run's one `rl.rewards.RewardFn` on a rollout's responses against per-row references ->
+    (rewards [N] float32, exact [N] bool, metrics); host numpy throughout."""
+    return job.reward(refs, rb.response_lists())
 
 
-def rollout(job: Job, prompts: list[list[int]], refs: list[str], step: int, round_index: int = 0):
-    """Sample `group_size` responses per prompt -> (RolloutBatch, rewards [N], metrics).
+def sample(job: Job, prompts: list[list[int]], step: int, round_index: int = 0) -> tuple[RolloutBatch, dict]:
+    """Stage 2: `group_size` responses per prompt on the rollout mesh -> (RolloutBatch of N = len(prompts) x
+    group_size rows, prompt-major; perf metrics).
 
     `round_index` (DAPO resampling rounds within one step) offsets the prompt index of the sampler's randomness
     by round_index x len(prompts), so every round of a step draws fresh, reproducible samples."""
@@ -295,7 +63,6 @@ def rollout(job: Job, prompts: list[list[int]], refs: list[str], step: int, roun
     g = job.cfg.group_size
     off = round_index * len(prompts)
     rows = [p for p in prompts for _ in range(g)]
-    row_refs = [r for r in refs for _ in range(g)]
     sp = SamplingParams(temperature=job.cfg.temperature, top_p=job.cfg.top_p, top_k=job.cfg.top_k,
                         max_new_tokens=job.cfg.max_new_tokens, stop_token_ids=(job.tokenizer.eos_id,))
     t0 = time.perf_counter()
@@ -303,17 +70,33 @@ def rollout(job: Job, prompts: list[list[int]], refs: list[str], step: int, roun
                               prompt_index=[off + i for i in range(len(prompts)) for _ in range(g)],
                               sample_index=[j for _ in prompts for j in range(g)])
     dt = time.perf_counter() - t0
-    rewards, _, rm = score(job, rb, row_refs)
     n_tok = int(rb.lengths.sum())
-    return rb, rewards, {**rm, "perf/rollout_s": dt, "perf/rollout_tok_per_s": n_tok / dt}
+    slot_m = dict(getattr(job.sampler, "last_stats", None) or {})  # continuous batching counters (rl/slots.py)
+    return rb, {**slot_m, "perf/rollout_s": dt, "perf/rollout_tok_per_s": n_tok / dt}
 
 
-def train_batch(rb, advantages: np.ndarray, replay: bool):
-    from rl.learner import TrainBatch
+def rollout(job: Job, prompts: list[list[int]], refs: list[str], step: int, round_index: int = 0):
+    """Stages 2-3 for one round of prompts: `sample`, then `score` -> (RolloutBatch, rewards [N], metrics)."""
+    rb, metrics = sample(job, prompts, step, round_index)
+    rewards, _, rm = score(job, rb, [r for r in refs for _ in range(job.cfg.group_size)])
+    return rb, rewards, {**rm, **metrics}
 
-    ids, mask, resp, rlp = rb.sequences()  # host numpy: the learner places them on the actor mesh
-    return TrainBatch(input_ids=ids, attention_mask=mask, response_mask=resp, rollout_logprobs=rlp.astype(np.float32),
-                      advantages=np.asarray(advantages, np.float32), routing=rb.routing if replay else None)
+
+def advantages(job: Job, rewards: np.ndarray, train_rows: np.ndarray | None = None) -> tuple[np.ndarray, dict]:
+    """Stage 4: group advantages of rewards [N] (`cfg.advantage`: GRPO / Dr.GRPO / RLOO, rl/advantages.py) ->
+    (advantages [N] float32 host, metrics). Rows where `train_rows` is False (DAPO fillers) get 0."""
+    from rl.advantages import compute_advantages
+    from rl.metrics import to_python
+
+    adv, am = compute_advantages(jnp.asarray(rewards), job.cfg.group_size, job.cfg.advantage)
+    if train_rows is not None:  # DAPO filler groups: out of the loss (tokens, normalisers, metrics)
+        adv = jnp.where(jnp.asarray(train_rows), adv, 0.0)
+    return np.asarray(adv), to_python(am)
+
+
+def train_batch(rb: RolloutBatch, advantages: np.ndarray, replay: bool, train_rows=None) -> TrainBatch:
+    """`TrainBatch.from_rollout` (rl/batch.py): the learner's batch, host numpy, routing when `replay`."""
+    return TrainBatch.from_rollout(rb, advantages, routing=replay, train_rows=train_rows)
 
 
 def evaluate(job: Job, step: int) -> dict:
@@ -412,36 +195,36 @@ def dynamic_rollout(job: Job, step: int, first: dict):
 
 
 def train_step(job: Job, step: int) -> dict:
-    """One GRPO step (stages 1-6); returns its metrics."""
-    from rl.advantages import compute_advantages
+    """One GRPO step: batch -> sample -> score -> advantages -> update -> push; returns its metrics."""
     from rl.metrics import response_stats, reward_stats, to_python
 
     cfg = job.cfg
     t_step = time.perf_counter()
-    batch = global_batch(job, next(job.iterator))
+    batch = global_batch(job, next(job.iterator))  # 1. batch (every host: the same global batch)
     train_rows = None
-    if cfg.algo == "dapo":
+    if cfg.advantage.dynamic_sampling:  # 2-3. DAPO: sample and score rounds until the groups have signal
         rb, rewards, train_rows, metrics = dynamic_rollout(job, step, batch)
         if rb is None:  # nothing to learn from: no update, no push, same weight version
             metrics["weight_version"] = job.weight_version
             metrics["perf/step_s"] = time.perf_counter() - t_step
             return metrics
     else:
-        rb, rewards, metrics = rollout(job, _prompt_lists(batch), batch["reference"], step)
+        rb, metrics = sample(job, _prompt_lists(batch), step)  # 2. sample
+        rewards, _, rm = score(job, rb, [r for r in batch["reference"] for _ in range(cfg.group_size)])  # 3.
+        metrics.update(rm)
         metrics.update(to_python(reward_stats(jnp.asarray(rewards), cfg.group_size)))
     metrics.update(to_python(response_stats(jnp.asarray(rb.lengths), cfg.max_new_tokens, rb.finish_reasons)))
-    adv, am = compute_advantages(jnp.asarray(rewards), cfg.group_size, cfg.advantage_config())
-    metrics.update(to_python(am))
-    if train_rows is not None:  # DAPO filler groups: out of the loss (tokens, normalisers, metrics)
-        adv = jnp.where(jnp.asarray(train_rows), adv, 0.0)
+    adv, am = advantages(job, rewards, train_rows)  # 4. advantages
+    metrics.update(am)
     metrics.update(job.data_metrics)
-    metrics.update(learn_and_push(job, rb, np.asarray(adv), train_rows))
+    metrics.update(learn_and_push(job, rb, adv, train_rows))  # 5-6. update, push
     metrics["weight_version"] = job.weight_version
     metrics["perf/step_s"] = time.perf_counter() - t_step
     return metrics
 
 
-def learn_and_push(job: Job, rb, adv: np.ndarray, train_rows: np.ndarray | None = None) -> dict:
+def learn_and_push(job: Job, rb, adv: np.ndarray, train_rows: np.ndarray | None = None, *,
+                   defer_push: bool = False) -> dict:
     """Stages 5-6: one learner update on the rollout batch, then push the new weights as the next version.
 
     A step without learning signal (every advantage exactly 0: all groups zero-std or filtered by DAPO's
@@ -449,93 +232,33 @@ def learn_and_push(job: Job, rb, adv: np.ndarray, train_rows: np.ndarray | None 
     the KL/entropy terms alone are not a reason to step), no push, the weight version stays;
     `train/skipped_no_signal` is 1. Likewise a non-finite step (`train/skipped_nonfinite`, the learner's guard)
     is not pushed. `train_rows` [N] bool (DAPO fillers = False) takes rows out of the loss: their response
-    tokens are masked, so they count in no normaliser. Returns the step's train/perf metrics.
+    tokens are masked, so they count in no normaliser. `defer_push` (the asynchronous loop, rl/async_loop.py):
+    the version is bumped but the caller pushes (`push(job)`) once the rollout is between generations.
+    Returns the step's train/perf metrics.
     """
     from rl.metrics import to_python
 
     if not np.any(np.asarray(adv) != 0):
         log.info("no learning signal in this batch (all advantages 0): update and push skipped")
         return {"train/skipped_no_signal": 1.0}
-    tb = train_batch(rb, adv, job.cfg.routing_replay)
-    if train_rows is not None:
-        tb.response_mask[~np.asarray(train_rows)] = 0
+    tb = TrainBatch.from_rollout(rb, adv, routing=job.cfg.learner.routing_replay, train_rows=train_rows)
     t0 = time.perf_counter()
     tm = to_python(job.learner.update(tb))
     metrics = {**tm, "train/skipped_no_signal": 0.0, "perf/train_s": time.perf_counter() - t0}
     if not tm.get("train/skipped_nonfinite", 0):
         job.weight_version += 1
-        metrics.update(push(job))
+        if not defer_push:
+            metrics.update(push(job))
     return metrics
 
 
 # ------------------------------------------------------------------------------------------------ run
 
-class MetricsLogger:
-    """JSONL (one line per step, flushed) + TensorBoard (tensorboardX) sinks."""
-
-    def __init__(self, cfg: RunConfig):
-        primary = jax.process_index() == 0  # one writer in multi-host runs
-        self.jsonl = pathlib.Path(cfg.metrics_jsonl) if cfg.metrics_jsonl and primary else None
-        self.tb_dir = cfg.tensorboard_dir if primary else None
-        self.tb = None
-        self.cfg, self.wandb = cfg, None
-        self.wandb_project = cfg.wandb_project if primary else None
-
-    def open(self, first_step: int | None) -> None:
-        """Open the sinks. `first_step` (not None): drop the records of steps >= first_step, which this run writes
-        again: JSONL rewritten atomically, TensorBoard told to purge them (`purge_step`)."""
-        if first_step is not None:
-            self.truncate(first_step)
-        if self.tb_dir:
-            from tensorboardX import SummaryWriter
-
-            self.tb = SummaryWriter(self.tb_dir, purge_step=first_step)
-        if self.wandb_project:
-            from rl.wandb_sink import WandbSink
-
-            self.wandb = WandbSink(self.wandb_project, dataclasses.asdict(self.cfg),
-                                   run_dir=self.jsonl.parent if self.jsonl else None)
-
-    def truncate(self, last_step: int) -> None:
-        """Keep only the records of steps < last_step (a resumed run recomputes the rest); atomic rewrite.
-        A line cut short by a kill mid-write is dropped too."""
-        if not self.jsonl or not self.jsonl.exists():
-            return
-        keep = []
-        for ln in self.jsonl.read_text().splitlines():
-            try:
-                if json.loads(ln)["step"] < last_step:
-                    keep.append(ln)
-            except (json.JSONDecodeError, KeyError, TypeError):
-                continue
-        fd, tmp = tempfile.mkstemp(dir=self.jsonl.parent, prefix=".metrics.")
-        with os.fdopen(fd, "w") as f:
-            f.write("".join(ln + "\n" for ln in keep))
-        os.replace(tmp, self.jsonl)
-
-    def log(self, step: int, metrics: dict) -> None:
-        if self.jsonl:
-            with open(self.jsonl, "a") as f:
-                f.write(json.dumps({"step": step, **metrics}, sort_keys=True) + "\n")
-        if self.tb is not None:
-            for k, v in metrics.items():
-                if isinstance(v, (int, float)) and math.isfinite(v):
-                    # TensorBoard tags allow [\w./-]: "eval/pass@k" is logged as "eval/pass_k" (the jsonl keeps it)
-                    self.tb.add_scalar(re.sub(r"[^\w./-]", "_", k), v, step)
-            self.tb.flush()
-        if self.wandb is not None:
-            self.wandb.log(step, metrics)
-
-    def close(self) -> None:
-        if self.tb is not None:
-            self.tb.close()
-        if self.wandb is not None:
-            self.wandb.close()
-
-
 def save(job: Job, step: int, *, force: bool = False) -> None:
     if job.ckpt is None:
         return
+    if job.inflight is not None:  # async mode: the batches generated ahead of the learner go with the checkpoint
+        job.inflight.save(job.ckpt, step)
     job.ckpt.save(step, job.learner.state_dict(), {"data": job.iterator.get_state(),
                                                    "weight_version": job.weight_version, "seed": job.cfg.seed,
                                                    "data_identity": job.data_identity},
@@ -565,16 +288,24 @@ def run(job: Job) -> dict:
     handled = (signal.SIGTERM, signal.SIGINT)
     old = {s: signal.signal(s, on_signal) for s in handled} if _main_thread() else None
     curve = []
-    bar = _progress(cfg, job.start_step)
+    bar = progress_bar(cfg, job.start_step)
     try:
         if cfg.eval_before_train and job.start_step == 0:  # veRL's val_before_train
             ev = evaluate(job, 0)
             log.info("eval before training:\n%s", eval_table(ev, job))
             job.logger.log(0, {**ev, "eval/before_train": 1.0})
+        if cfg.staleness() > 0:  # --max-staleness / --async-rollout: rollouts run ahead in a thread
+            from rl.async_loop import AsyncRollout
+
+            job.inflight = AsyncRollout(job).start()
         for step in range(job.start_step, cfg.steps):
-            metrics = train_step(job, step)
-            if cfg.eval_every and ((step + 1) % cfg.eval_every == 0 or step + 1 == cfg.steps):
-                metrics.update(evaluate(job, step))
+            eval_due = bool(cfg.eval_every) and ((step + 1) % cfg.eval_every == 0 or step + 1 == cfg.steps)
+            if job.inflight is None:
+                metrics = train_step(job, step)
+                if eval_due:
+                    metrics.update(evaluate(job, step))
+            else:
+                metrics = job.inflight.step(step, eval_due)
             job.logger.log(step, metrics)
             curve.append(metrics["rollout/reward_mean"])
             if bar is not None:
@@ -590,6 +321,8 @@ def run(job: Job) -> dict:
                     save(job, done, force=True)
                 break
     finally:
+        if job.inflight is not None:
+            job.inflight.close()
         if bar is not None:
             bar.close()
         if job.ckpt is not None:
@@ -629,11 +362,3 @@ def _main_thread() -> bool:
     import threading
 
     return threading.current_thread() is threading.main_thread()
-
-
-def _progress(cfg: RunConfig, start: int):
-    if not cfg.progress or jax.process_index() != 0:
-        return None
-    from tqdm import tqdm
-
-    return tqdm(total=cfg.steps, initial=start, desc="grpo", unit="step", dynamic_ncols=True)

@@ -45,12 +45,43 @@ import time
 from collections import deque
 from collections.abc import Callable, Sequence
 from multiprocessing.reduction import ForkingPickler
+from typing import Any, Protocol
 
 import numpy as np
 
 logger = logging.getLogger(__name__)
 
-RewardFn = Callable[[str, str], float]
+TextRewardFn = Callable[[str, str], float]  # (response_text, reference) -> reward, picklable for the pool
+
+
+class RewardFn(Protocol):
+    """The loop's one reward interface (`rl.loop.score`): a whole batch of responses scored at once.
+
+    `reward(references, responses)` with references [N] str (one per row) and responses [N] token-id lists
+    (unpadded; a stop token, when generated, is included) returns (rewards [N] float32, exact [N] bool: the
+    row fully solves its prompt (pass@k counts these), metrics {name: float} of this batch). Implementations:
+    `TextReward` (dataset rewards on decoded text, in the time-limited worker pool) and `rl.tasks.TaskReward`
+    (the built-in task's exact partial credit)."""
+
+    def __call__(self, references: Sequence[str],
+                 responses: Sequence[Sequence[int]]) -> tuple[np.ndarray, np.ndarray, dict[str, float]]: ...
+
+
+@dataclasses.dataclass(frozen=True)
+class TextReward:
+    """`RewardFn` of a text reward `fn(response_text, reference) -> float` (rl/math_rewards.py's table): each
+    response is decoded (stop token dropped) and scored by `compute_rewards` under `timeout_s` seconds.
+    exact = reward >= 0.999 (a full-credit answer). Metrics: reward/errors, reward/timeouts."""
+
+    fn: TextRewardFn
+    tokenizer: Any  # rl.tokenizer.TokenizerLike: eos_id, decode
+    timeout_s: float | None = 5.0  # None: in this process (cheap trusted rewards, tests)
+
+    def __call__(self, references, responses):
+        eos = self.tokenizer.eos_id
+        texts = [self.tokenizer.decode([t for t in x if t != eos]) for x in responses]
+        r, m = compute_rewards(self.fn, texts, list(references), timeout_s=self.timeout_s)
+        return r, r >= 0.999, m
 
 # Answers longer than this are not worth parsing: GSM8K answers are short integers, and long
 # expressions are where sympy spends seconds (300 nested parentheses take ~2.5 s).
@@ -176,14 +207,14 @@ def format_reward(response_text: str, reference: str | None = None) -> float:
 class CombinedReward:
     """sum_i weights[i] * fns[i](response_text, reference); picklable when its functions are."""
 
-    fns: tuple[RewardFn, ...]
+    fns: tuple[TextRewardFn, ...]
     weights: tuple[float, ...]
 
     def __call__(self, response_text: str, reference: str) -> float:
         return float(sum(w * fn(response_text, reference) for fn, w in zip(self.fns, self.weights)))
 
 
-def combine_rewards(fns: Sequence[RewardFn], weights: Sequence[float] | None = None) -> CombinedReward:
+def combine_rewards(fns: Sequence[TextRewardFn], weights: Sequence[float] | None = None) -> CombinedReward:
     """A reward function that is the weighted sum of `fns` (default weights: equal, summing to 1).
 
     Raises ValueError on an empty list, a length mismatch, or a non-finite weight.
@@ -424,7 +455,7 @@ def safe_reward(fn: Callable, *args, timeout_s: float | None = 2.0, pool: Reward
     return value, status
 
 
-def compute_rewards(fn: RewardFn, responses: Sequence[str], references: Sequence[str], *, timeout_s: float | None = 2.0,
+def compute_rewards(fn: TextRewardFn, responses: Sequence[str], references: Sequence[str], *, timeout_s: float | None = 2.0,
                     pool: RewardPool | None = None, stats: RewardStats | None = None
                     ) -> tuple[np.ndarray, dict[str, float]]:
     """Rewards of a batch: fn(responses[i], references[i]) for i < N, each under `timeout_s`.

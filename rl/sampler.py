@@ -8,8 +8,11 @@ Usage:
     sampler.update_weights(actor_params, version=1)
 
 Design (docs/jax-stack.md §5; Tunix `sampler.py`, MaxText `maxengine` read for ideas):
-- Static batching. Prompt lengths, the batch size and max_new_tokens are bucketed to powers of two, so steady
-  state never recompiles; temperature, top-p, top-k, max_new_tokens and stop ids are traced values.
+- Static batching by default (`slots=0`); `slots=N` (`--rollout-slots`) runs continuous batching instead
+  (rl/slots.py: N decode slots refilled as samples finish, cache sized to prompt + max_new_tokens rounded to the
+  compression ratios; same per-sample results). Static: prompt lengths, the batch size and max_new_tokens are
+  bucketed to powers of two, so steady state never recompiles; temperature, top-p, top-k, max_new_tokens (per
+  row) and stop ids are traced values.
 - Prompts are laid out right-padded internally (each row has its own positions), so a row's result does not
   depend on the other rows: the output is the same for any batch composition, padding included.
 - Weights: `fp8` = weight-only FP8 e4m3fn 128x128 blocks (f32 scales) for the released FP8 set (attention
@@ -47,6 +50,7 @@ from dsv4 import moe, quant
 from dsv4.cache import cache_shapes, decode_step, prefill
 from dsv4.model import DSV4ForCausalLM
 from parallel import expert as expert_lib
+from rl.batch import RolloutBatch, concat_rollouts  # noqa: F401  (re-exported: rl.sampler.RolloutBatch)
 
 log = logging.getLogger(__name__)
 
@@ -80,80 +84,6 @@ class SamplingParams:
             raise ValueError(f"SamplingParams.max_new_tokens must be >= 1, got {self.max_new_tokens}")
         if len(self.stop_token_ids) > MAX_STOP_IDS:
             raise ValueError(f"SamplingParams.stop_token_ids: at most {MAX_STOP_IDS}, got {len(self.stop_token_ids)}")
-
-
-@dataclasses.dataclass
-class RolloutBatch:
-    """Sampler output for N samples (numpy, on the host).
-
-    tokens [N, T] int32 response tokens (0 after `lengths`); T = max_new_tokens.
-    logprobs [N, T] float32 sampler logprob of each response token (0 after `lengths`).
-    routing [N, P+T, L, k] int32 expert ids for the layout of `sequences()`: the prompt left-padded to P (the
-      prompt bucket) then the response; -1 at padding.
-    lengths [N] int32 generated tokens (a stop token, when hit, is included); finish_reasons: "stop" | "length".
-    prompt_tokens [N, P] int32 left-padded prompts; prompt_lengths [N]; weight_version: the weights used.
-    """
-
-    tokens: np.ndarray
-    logprobs: np.ndarray
-    routing: np.ndarray
-    lengths: np.ndarray
-    finish_reasons: list[str]
-    prompt_tokens: np.ndarray
-    prompt_lengths: np.ndarray
-    weight_version: int = 0
-
-    def sequences(self):
-        """The learner's layout: (input_ids [N, P+T], attention_mask [N, P+T], response_mask [N, P+T],
-        rollout_logprobs [N, P+T]) with prompts left-padded and responses right-padded."""
-        n, p = self.prompt_tokens.shape
-        t = self.tokens.shape[1]
-        ids = np.concatenate([self.prompt_tokens, self.tokens], axis=1).astype(np.int32)
-        pos = np.arange(p + t)[None]
-        prompt_real = (pos >= p - self.prompt_lengths[:, None]) & (pos < p)
-        resp = (pos >= p) & (pos < p + self.lengths[:, None])
-        lp = np.zeros((n, p + t), np.float32)
-        lp[:, p:] = self.logprobs
-        return ids, (prompt_real | resp).astype(np.int32), resp.astype(np.int32), np.where(resp, lp, 0.0)
-
-    def response_lists(self) -> list[list[int]]:
-        return [self.tokens[i, : self.lengths[i]].tolist() for i in range(len(self.lengths))]
-
-
-def concat_rollouts(parts: Sequence[tuple[RolloutBatch, np.ndarray]]) -> RolloutBatch:
-    """Rows `rows_j` of batch `b_j`, for each (b_j, rows_j) in order, as one RolloutBatch (DAPO's resampling
-    rounds). Prompts are re-left-padded to the widest prompt bucket P and responses right-padded to the widest
-    T of the parts (tokens 0, logprobs 0, routing -1 at the new padding), so `sequences()` keeps its layout.
-
-    Raises ValueError when the parts come from different weight versions or disagree on routing's [L, k].
-    """
-    if not parts:
-        raise ValueError("concat_rollouts needs at least one part")
-    versions = {b.weight_version for b, _ in parts}
-    if len(versions) != 1:
-        raise ValueError(f"concat_rollouts: parts come from different weight versions {sorted(versions)}")
-    p = max(b.prompt_tokens.shape[1] for b, _ in parts)
-    t = max(b.tokens.shape[1] for b, _ in parts)
-    lk = {b.routing.shape[2:] for b, _ in parts}
-    if len(lk) != 1:
-        raise ValueError(f"concat_rollouts: routing [L, k] differ between parts: {sorted(lk)}")
-    out = {"tokens": [], "logprobs": [], "routing": [], "prompt_tokens": [], "lengths": [], "prompt_lengths": []}
-    reasons: list[str] = []
-    for b, rows in parts:
-        rows = np.asarray(rows, np.int64)
-        bp, bt = b.prompt_tokens.shape[1], b.tokens.shape[1]
-        out["prompt_tokens"].append(np.pad(b.prompt_tokens[rows], ((0, 0), (p - bp, 0))))  # left pad
-        out["tokens"].append(np.pad(b.tokens[rows], ((0, 0), (0, t - bt))))
-        out["logprobs"].append(np.pad(b.logprobs[rows], ((0, 0), (0, t - bt))))
-        r = b.routing[rows]  # [n, bp + bt, L, k]
-        out["routing"].append(np.concatenate([
-            np.full((len(rows), p - bp) + r.shape[2:], -1, r.dtype), r[:, :bp],
-            r[:, bp:], np.full((len(rows), t - bt) + r.shape[2:], -1, r.dtype)], axis=1))
-        out["lengths"].append(b.lengths[rows])
-        out["prompt_lengths"].append(b.prompt_lengths[rows])
-        reasons += [b.finish_reasons[i] for i in rows]
-    cat = {k: np.concatenate(v, axis=0) for k, v in out.items()}
-    return RolloutBatch(finish_reasons=reasons, weight_version=versions.pop(), **cat)
 
 
 def _next_pow2(n: int, lo: int = 1) -> int:
@@ -205,13 +135,16 @@ class Sampler:
         (float32 suits CPUs, where bf16 matmuls are emulated). dispatch_fn: routed-expert implementation for
         prefill and decode (`dsv4.moe` contract); None picks `moe.routed_experts_cpu` on CPU with
         unsharded experts and the model's stock `ragged_dot` elsewhere.
+      slots: 0 = static batching; N >= 1 = continuous batching over N decode slots (rl/slots.py).
+      kv_budget_bytes: KV-cache bytes per rollout device the memory plan allows (None = unchecked); `generate`
+        raises ValueError naming --rollout-slots when N slots of its cache length need more.
     Raises:
-      ValueError: unknown `weights` / `dequant`.
+      ValueError: unknown `weights` / `dequant`, slots < 0.
     """
 
     def __init__(self, model: DSV4ForCausalLM, *, mesh=None, weights: str = "fp8", rules=None,
                  max_prompt_len: int = 1024, fp8_block=(128, 128), dequant: str = "per_call", dispatch_fn=None,
-                 compute_dtype=None):
+                 compute_dtype=None, slots: int = 0, kv_budget_bytes: float | None = None):
         if weights not in ("fp8", "fp8_e4m3fn", "fp8_e4m3fnuz", "e4m3fn", "e4m3fnuz", "auto", "bf16", "fp32"):
             raise ValueError(f"Sampler weights={weights!r}: expected fp8 | fp8_e4m3fnuz | auto | bf16 | fp32")
         if dequant not in ("per_call", "per_step"):
@@ -234,6 +167,10 @@ class Sampler:
         self.fp8_block = tuple(fp8_block)
         self.dequant = dequant
         self.max_prompt_len = max_prompt_len
+        if isinstance(slots, bool) or not isinstance(slots, (int, np.integer)) or slots < 0:
+            raise ValueError(f"Sampler slots={slots!r} (--rollout-slots): expected an int >= 0 (0 = static batching)")
+        self.slots, self.kv_budget_bytes = int(slots), kv_budget_bytes
+        self.last_stats: dict = {}
         cfg = self.config
         abstract = nnx.eval_shape(lambda: DSV4ForCausalLM(cfg, rngs=nnx.Rngs(0), param_dtype=jnp.float32,
                                                           dtype=self.compute_dtype))
@@ -251,6 +188,9 @@ class Sampler:
         self._generate_jit = jax.jit(self._generate_fn, static_argnums=(0,), donate_argnums=(2,),
                                      out_shardings=rep)
         self._cache_shapes: dict = {}
+        from rl import slots as _slots  # continuous batching (rl/slots.py)
+        self._slots_jit = jax.jit(lambda *a: _slots.slots_program(self, *a), static_argnums=(0,), donate_argnums=(2,),
+                                  out_shardings=rep)
         self.weight_version = -1
         self._w = None
         if not any(isinstance(x, jax.ShapeDtypeStruct) for x in jax.tree.leaves(nnx.state(model))):
@@ -376,7 +316,7 @@ class Sampler:
 
         def cond(c):
             i, _, _, length = c[:4]
-            return (i <= max_new) & jnp.any(i - 1 < length)
+            return jnp.any((i <= max_new) & (i - 1 < length))  # max_new: per row
 
         def body(c):
             i, cur, done, length, out_tok, out_lp, resp_routing, caches, stopped = c
@@ -416,13 +356,16 @@ class Sampler:
         return jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype, device=sh), self._cache_shapes[key])
 
     def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams, *, seed: int, step: int = 0,
-                 prompt_index: Sequence[int] | None = None, sample_index: Sequence[int] | None = None) -> RolloutBatch:
+                 prompt_index: Sequence[int] | None = None, sample_index: Sequence[int] | None = None,
+                 max_new_tokens_per_row: Sequence[int] | None = None) -> RolloutBatch:
         """Sample one continuation per prompt.
 
         Args:
           prompts: N token-id lists (1 <= len <= max_prompt_len, ids < vocab_size).
           params: SamplingParams. seed, step: randomness; prompt_index / sample_index [N]: the (prompt, sample)
             identity of each row for per-sample randomness (default: row index, 0).
+          max_new_tokens_per_row: optional [N] length limits (1 <= each <= params.max_new_tokens; a length
+            schedule, e.g. benchmarks/rollout_lengths.py); default params.max_new_tokens for every row.
         Returns:
           RolloutBatch (see its docstring).
         Raises:
@@ -435,19 +378,28 @@ class Sampler:
         for i, p in enumerate(prompts):
             if len(p) == 0:
                 raise ValueError(f"generate: prompt {i} is empty (at least one token is needed)")
+            if len(p) > self.max_prompt_len and self.slots:
+                raise ValueError(f"generate: prompt {i} has {len(p)} tokens; the rollout KV cache holds prompts of "
+                                 f"at most {self.max_prompt_len} (+ max_new_tokens) tokens (--max-prompt-len)")
             if len(p) > self.max_prompt_len:
                 raise ValueError(f"generate: prompt {i} has {len(p)} tokens; the largest prompt bucket is "
                                  f"{self.max_prompt_len} (Sampler(max_prompt_len=...))")
             if min(p) < 0 or max(p) >= self.config.vocab_size:
                 raise ValueError(f"generate: prompt {i} has token ids outside [0, {self.config.vocab_size})")
         p_bucket = min(_next_pow2(int(lens_np.max()), 16), _next_pow2(self.max_prompt_len, 16))
-        t_cap = _next_pow2(params.max_new_tokens, 16)
+        t_cap = params.max_new_tokens if self.slots else _next_pow2(params.max_new_tokens, 16)
         b = _next_pow2(n)
         ids = np.zeros((b, p_bucket), np.int32)
         lens = np.ones((b,), np.int32)
         for i, p in enumerate(prompts):
             ids[i, : len(p)] = p
         lens[:n] = lens_np
+        mx = np.full((b,), params.max_new_tokens, np.int32)
+        if max_new_tokens_per_row is not None:
+            mx[:n] = np.asarray(max_new_tokens_per_row, np.int64)
+            if len(max_new_tokens_per_row) != n or mx.min() < 1 or mx.max() > params.max_new_tokens:
+                raise ValueError(f"generate: max_new_tokens_per_row must be {n} ints in [1, "
+                                 f"{params.max_new_tokens}] (SamplingParams.max_new_tokens)")
         pi = np.arange(n) if prompt_index is None else np.asarray(prompt_index)
         si = np.zeros(n, np.int64) if sample_index is None else np.asarray(sample_index)
         base = jax.random.fold_in(jax.random.key(seed), step)
@@ -456,15 +408,37 @@ class Sampler:
         keys = jax.device_get(jnp.stack(keys))
         stop = np.full((MAX_STOP_IDS,), -1, np.int32)
         stop[: len(params.stop_token_ids)] = params.stop_token_ids
-        caches = self._empty_caches(b, p_bucket + t_cap)
         ctx = jax.set_mesh(self.mesh) if self.mesh is not None else _null()
-        inputs = (ids, lens, jax.random.key_data(keys), np.float32(params.temperature), np.float32(params.top_p),
-                  np.int32(params.top_k), np.int32(params.max_new_tokens), stop)
-        # identical host values on every process -> one global (replicated) array each
-        inputs = jax.device_put(inputs, None if self.mesh is None else NamedSharding(self.mesh, PartitionSpec()))
-        with ctx, _rules_ctx(self.rules, self.mesh):
-            out = self._generate_jit((b, p_bucket, t_cap), self._w, caches, *inputs)
-        tok, lp, prompt_routing, resp_routing, length, stopped, caches = out
+        rep = None if self.mesh is None else NamedSharding(self.mesh, PartitionSpec())
+        if self.slots:
+            from rl import slots as _slots
+
+            s_n = self.slots
+            p_max = self.max_prompt_len  # one prefill width per sampler: a row's result does not depend on the
+            cache_len = _slots.cache_len_for(self.config, p_max, t_cap)  # call's longest prompt
+            _slots.plan_slots(s_n, per_slot_bytes=_slots.cache_bytes_per_slot(self, cache_len),
+                              budget_bytes=self.kv_budget_bytes, seq_len=cache_len)
+            caches = self._empty_caches(s_n, cache_len)
+            ids = np.pad(ids, ((0, 0), (0, max(0, p_max - p_bucket))))[:, :p_max]
+            inputs = jax.device_put((ids, lens, jax.random.key_data(keys), np.int32(n), np.float32(params.temperature),
+                                     np.float32(params.top_p), np.int32(params.top_k), mx, stop), rep)
+            with ctx, _rules_ctx(self.rules, self.mesh):
+                out = self._slots_jit((b, p_max, t_cap, s_n), self._w, caches, *inputs)
+            tok, lp, prompt_routing, resp_routing, length, stopped, stats, caches = out
+            pr_w = prompt_routing.shape[1]  # right-padded rows -> the static layout's width p_bucket (exact)
+            prompt_routing = jnp.pad(prompt_routing, ((0, 0), (0, max(0, p_bucket - pr_w)), (0, 0), (0, 0)),
+                                     constant_values=-1)[:, :p_bucket]
+            self.last_stats = _slots.slot_stats(jax.device_get(stats), s_n)
+        else:
+            caches = self._empty_caches(b, p_bucket + t_cap)
+            inputs = (ids, lens, jax.random.key_data(keys), np.float32(params.temperature), np.float32(params.top_p),
+                      np.int32(params.top_k), mx, stop)
+            # identical host values on every process -> one global (replicated) array each
+            inputs = jax.device_put(inputs, rep)
+            with ctx, _rules_ctx(self.rules, self.mesh):
+                out = self._generate_jit((b, p_bucket, t_cap), self._w, caches, *inputs)
+            tok, lp, prompt_routing, resp_routing, length, stopped, caches = out
+            self.last_stats = {}
         del caches
         tok, lp, pr, rr, length, stopped = jax.device_get((tok, lp, prompt_routing, resp_routing, length, stopped))
         t = params.max_new_tokens
@@ -484,7 +458,7 @@ class Sampler:
 
     def compile_count(self) -> int:
         """Number of compiled variants of the generate function (for recompilation tests)."""
-        return self._generate_jit._cache_size()
+        return self._generate_jit._cache_size() + self._slots_jit._cache_size()
 
 
 class _null:

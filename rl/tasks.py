@@ -253,3 +253,16 @@ class DigitTask:
             right = (chunk[:, None, :] == answers[None, :, :]).sum(-1)  # -> [c, P]
             best = max(best, float(right.mean(axis=1).max()) / n)
         return best
+
+
+@dataclasses.dataclass(frozen=True)
+class TaskReward:
+    """`rl.rewards.RewardFn` of the built-in task: `DigitTask.rewards` (exact partial credit, float32 [N]) and
+    `DigitTask.exact` per row; no worker process, no metrics."""
+
+    task: DigitTask
+
+    def __call__(self, references, responses):
+        r = self.task.rewards(references, responses)
+        exact = np.array([self.task.exact(a, x) for a, x in zip(references, responses)])
+        return r.astype(np.float32), exact, {}

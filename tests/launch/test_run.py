@@ -179,6 +179,13 @@ def test_unknown_remat_policy(tmp_path, capsys, lt):
     assert_user_error(rc, err, "--remat", "block|dots|none", "'full'")
 
 
+def test_rollout_slots_flag(tmp_path, capsys, lt):
+    rc, _, err = main(["--rollout-slots", "many", *TINY, *lt.outputs(tmp_path)], capsys)
+    assert_user_error(rc, err, "--rollout-slots", "'many'")
+    rc, _, err = main(["--rollout-slots", "1000000000", *TINY, *lt.outputs(tmp_path)], capsys)
+    assert_user_error(rc, err, "--rollout-slots 1000000000", "memory plan")
+
+
 def test_yaml_errors(tmp_path, capsys):
     f = tmp_path / "bad.yaml"
     f.write_text("steps: 3\ngrup_size: 4\n")

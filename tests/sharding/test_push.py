@@ -122,10 +122,14 @@ def test_disjoint_fp8_push_is_exact(disjoint):
     assert sampler.weight_version == 1 and stats.version == 1 and stats.verified and not stats.colocated
     flat = _flat(state)
     assert _assert_exact(sampler, flat) > 10
-    # bytes on the wire: bf16 for FP8 and bf16-stored tensors, f32 for mHC / sinks / ape / bias, int32 tables
-    wire = {k: (2 if isinstance(w, quant.QuantizedTensor) else w.dtype.itemsize)
-            for k, w in sampler.weight_state().items()}
-    assert stats.bytes == sum(flat[k].size * wire[k] for k in flat)
+    # bytes on the wire: FP8 tensors quantised on the actor cross as fp8 q + f32 scales (bf16 when quantised on
+    # arrival); bf16-stored tensors bf16, f32 for mHC / sinks / ape / bias, int32 tables
+    assert pusher.quantize_on == "actor"
+    ws = sampler.weight_state()
+    wire = {k: (w.q.size + 4 * w.scale.size if isinstance(w, quant.QuantizedTensor) else w.size * w.dtype.itemsize)
+            for k, w in ws.items()}
+    assert stats.bytes == sum(wire.values()) and stats.n_params == sum(flat[k].size for k in flat)
+    assert stats.wire_bytes_per_param < 1.8  # bf16 on the wire for the FP8 tensors would be about 2.2 here
     assert stats.n_chunks == len(pusher.chunks) > 1 and stats.n_tensors == len(flat)
     assert set(stats.metrics()) == {"perf/weight_push_s", "perf/weight_push_gbps"} and stats.gbps > 0
 
@@ -306,3 +310,66 @@ def test_fresh_sampler_from_learner_params_equals_pushed(disjoint):
     a, b = sampler.generate(prompts, sp, seed=0), fresh.generate(prompts, sp, seed=0)
     np.testing.assert_array_equal(a.tokens, b.tokens)
     np.testing.assert_array_equal(a.logprobs, b.logprobs)
+
+
+def _device_bytes(tree, device):
+    return sum(s.data.nbytes for x in jax.tree.leaves(tree) for s in x.addressable_shards if s.device == device)
+
+
+def test_push_memory_bound_from_compiled_programs(disjoint):
+    """The rollout side of a push holds at most the live and the new quantised state plus one chunk: from the
+    layouts and XLA's memory_analysis() of every compiled rollout-side program of the push (`WeightPusher.memory`)."""
+    plan, state, sampler, _, pusher = disjoint
+    _guarded_push(pusher, state, sampler, version=sampler.weight_version + 1)
+    m = pusher.memory()
+    dev = plan.rollout.devices.flat[0]
+    assert m.state == _device_bytes(sampler.weight_state(), dev)  # the layouts' figure is what is stored
+    assert m.peak == 2 * m.state + m.chunk <= 2 * m.state + m.chunk_wire, m
+    assert m.peak_verified == 2 * m.state + max(m.chunk, m.check)
+    # never a bf16 copy of the model on the rollout: what a push adds is far below one (bf16 of the FP8 tensors)
+    bf16_fp8 = sum(2 * w.q.addressable_data(0).size for w in sampler.weight_state().values()
+                   if isinstance(w, quant.QuantizedTensor))
+    assert m.chunk < bf16_fp8 / 2, (m, bf16_fp8)
+    assert m.check < m.state / 2, m  # verification: the largest tensor's digest temporaries, not a model copy
+    assert m.actor_chunk > 0
+
+
+def test_ten_pushes_add_no_live_buffers(disjoint):
+    plan, state, sampler, _, pusher = disjoint
+    _guarded_push(pusher, state, sampler, version=sampler.weight_version + 1)
+    gc.collect()
+    n0 = len(jax.live_arrays())
+    for i in range(10):
+        _guarded_push(pusher, state, sampler, version=sampler.weight_version + 1, verify=i % 3 == 0)
+    gc.collect()
+    assert len(jax.live_arrays()) == n0, "a push left live buffers behind"
+
+
+def test_quantize_on_arrival_equals_actor_side_and_direct_quantisation(disjoint):
+    """quantize_on="rollout" (bf16 on the wire, quantised chunk by chunk on arrival) and the default actor-side
+    quantisation store bitwise the state `Sampler.quantize_weights` makes from the actor's params directly, hash
+    tables and biases included; the actor side moves fewer bytes."""
+    plan, state, sampler, _, pusher = disjoint
+    _guarded_push(pusher, state, sampler, version=sampler.weight_version + 1)
+    by_actor = jax.device_get(sampler.weight_state())
+    arrival = WeightPusher(plan, sampler, state, chunk_bytes=CHUNK, quantize_on="rollout")
+    stats = _guarded_push(arrival, state, sampler, version=sampler.weight_version + 1)
+    assert stats.quantize_on == "rollout" and stats.verified
+    assert pusher.wire_bytes < 0.75 * arrival.wire_bytes
+    by_arrival = jax.device_get(sampler.weight_state())
+    flat = _flat(state)
+    shardings = sampler.rollout_shardings()
+    direct = jax.device_get(sampler.quantize_weights({k: jax.device_put(v, shardings[k]) for k, v in flat.items()}))
+    for k, want in direct.items():
+        for got in (by_actor[k], by_arrival[k]):
+            for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+                assert a.dtype == b.dtype, k
+                np.testing.assert_array_equal(np.asarray(a).view(np.uint8), np.asarray(b).view(np.uint8), err_msg=k)
+    m = arrival.memory()
+    assert m.state == pusher.memory().state
+    # bad corrupted input is caught on arrival as well
+    bad = _replace(flat, "layers/1/attn/wq_a/weight", lambda x: x.at[0, 1].set(jnp.nan))
+    with pytest.raises(PushVerificationError, match="NaN/inf"):
+        _guarded_push(arrival, bad, sampler, version=sampler.weight_version + 1)
+    with pytest.raises(ValueError, match="quantize_on"):
+        WeightPusher(plan, sampler, state, quantize_on="host", warmup=False)

@@ -1,0 +1,164 @@
+"""Synchronous vs one-step-off asynchronous GRPO (issue 14): same job, same steps, one invocation.
+
+    .venv/bin/python benchmarks/async_overlap.py                # one process, the default run's 2 CPU devices
+    .venv/bin/python benchmarks/async_overlap.py --steps 80     # + the learning criterion over the default length
+    .venv/bin/python benchmarks/async_overlap.py --mpmd         # 2 processes: actor = process 0, rollout = process 1
+
+Each mode runs `launch/run.py` as a real job twice (the default task and model; `--async-rollout` the second
+time; no eval, no checkpoints), both sharing one JAX compilation cache, and reads the per-step metrics:
+- step time = median `perf/step_s` over the steps after the first `--warmup` (compiles);
+- overlap_frac = mean `perf/overlap_frac` of the async run over the same steps, the last step excluded (nothing
+  is generated after it); rollout / update = median `perf/rollout_s` / `perf/train_s` (the ideal speedup is
+  (rollout + update) / max(rollout, update));
+- the async run's learning figures: reward mean of the first and last 10% of the steps (the default criterion:
+  last >= 0.5 and >= 3x first, meaningful at the default 80 steps).
+
+Layouts. Default: one process, `--mesh auto` on 2 forced host devices (actor 1 + rollout 1). The two meshes share
+the process's XLA:CPU thread pool, so concurrency buys little there (reported, no target). `--mpmd`: the real
+layout in miniature, 2 local processes (`--num-processes 2 --cpu-devices-per-process 1`, mesh
+`actor:data=1/rollout:data=1`: device 0 on process 0 = actor, device 1 on process 1 = rollout), each pinned to its
+own core (`sched_setaffinity`) with XLA single-threaded (`--xla_cpu_multi_thread_eigen=false
+intra_op_parallelism_threads=1`); it needs the rollout to live on its own process (issue 14 point 1): until then
+the job fails and the benchmark says so (exit 1).
+
+Last line: `RESULT sync_step_s=.. async_step_s=.. speedup=.. overlap_frac=..` (target in the --mpmd layout:
+speedup >= 1.3). Timings are wall-clock on whatever else the machine runs: note the load next to them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import pathlib
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+REPO = pathlib.Path(__file__).resolve().parents[1]
+RUN_PY = REPO / "launch" / "run.py"
+SINGLE_THREAD = "--xla_cpu_multi_thread_eigen=false intra_op_parallelism_threads=1"
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _env(cache: str, xla_flags: str | None) -> dict:
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    env.update(JAX_PLATFORMS="cpu", PYTHONUNBUFFERED="1", JAX_COMPILATION_CACHE_DIR=cache,
+               JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0", JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="-1")
+    if xla_flags:
+        env["XLA_FLAGS"] = xla_flags
+    return env
+
+
+def _pin(core: int):
+    def fn():
+        cores = sorted(os.sched_getaffinity(0))
+        os.sched_setaffinity(0, {cores[core % len(cores)]})
+    return fn
+
+
+def run_job(extra: list[str], out: pathlib.Path, cache: str, mpmd: bool, timeout: float) -> list[dict]:
+    """One `launch/run.py` job (2 processes with --mpmd); returns its per-step metrics. Raises RuntimeError with the
+    failing process's last lines."""
+    out.mkdir(parents=True, exist_ok=True)
+    metrics = out / "metrics.jsonl"
+    common = [sys.executable, str(RUN_PY), "--no-progress", "--eval-every", "0", "--ckpt-dir", "",
+              "--tensorboard-dir", "", "--metrics-jsonl", str(metrics), *extra]
+    if not mpmd:
+        cmds = [(common, None, None)]
+    else:
+        port = _free_port()
+        cmds = [([*common, "--mesh", "actor:data=1/rollout:data=1", "--coordinator", f"127.0.0.1:{port}",
+                  "--num-processes", "2", "--process-id", str(i), "--cpu-devices-per-process", "1"],
+                 SINGLE_THREAD, _pin(i)) for i in range(2)]
+    procs = []
+    for i, (cmd, flags, pin) in enumerate(cmds):
+        log = open(out / f"process{i}.log", "wb")
+        procs.append((subprocess.Popen(cmd, cwd=REPO, env=_env(cache, flags), stdout=log, stderr=subprocess.STDOUT,
+                                       preexec_fn=pin), log))
+    end = time.monotonic() + timeout
+    failed = None
+    for i, (p, log) in enumerate(procs):
+        try:
+            rc = p.wait(timeout=max(1.0, end - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            rc = "timeout"
+        log.close()
+        if rc != 0 and failed is None:
+            failed = (i, rc)
+    if failed is not None:
+        for p, _ in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+        i, rc = failed
+        tail = (out / f"process{i}.log").read_text(errors="replace").strip().splitlines()[-5:]
+        raise RuntimeError(f"process {i} of {' '.join(map(str, extra)) or 'sync'} ended with {rc}: " + " | ".join(tail))
+    return [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()]
+
+
+def summarize(rows: list[dict], warmup: int) -> dict:
+    body = rows[warmup:] or rows
+    n = max(1, len(rows) // 10)
+    curve = [r["rollout/reward_mean"] for r in rows]
+    out = {"step_s": statistics.median(r["perf/step_s"] for r in body),
+           "rollout_s": statistics.median(r["perf/rollout_s"] for r in body),
+           "train_s": statistics.median(r.get("perf/train_s", 0.0) for r in body),
+           "first10": sum(curve[:n]) / n, "last10": sum(curve[-n:]) / n}
+    ov = [r["perf/overlap_frac"] for r in body[:-1] if "perf/overlap_frac" in r]
+    if ov:
+        out["overlap_frac"] = sum(ov) / len(ov)
+        out["train_wait_s"] = statistics.median(r["perf/train_wait_s"] for r in body)
+        out["rollout_wait_s"] = statistics.median(r["perf/rollout_wait_s"] for r in body)
+        out["staleness_max"] = max(r["weight_version/staleness_max"] for r in rows)
+    return out
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--steps", type=int, default=20, help="GRPO steps of each run (the default run has 80)")
+    p.add_argument("--warmup", type=int, default=3, help="first steps left out of the timings (compiles)")
+    p.add_argument("--mpmd", action="store_true", help="actor = process 0, rollout = process 1, one core each")
+    p.add_argument("--timeout", type=float, default=3600, help="seconds per job")
+    p.add_argument("--out", default=None, help="directory of the jobs' logs and metrics (default: a temp dir)")
+    p.add_argument("extra", nargs="*", help="more launch/run.py flags for both runs (after --)")
+    args = p.parse_args(argv)
+    out = pathlib.Path(args.out or tempfile.mkdtemp(prefix="async_overlap_"))
+    cache = str(out / "jax_cache")
+    layout = "mpmd (2 processes, 1 core each, XLA single-threaded)" if args.mpmd else "one process, 2 host devices"
+    print(f"layout: {layout}; {args.steps} steps each; load average {os.getloadavg()[0]:.1f} on "
+          f"{os.cpu_count()} cores; logs in {out}", flush=True)
+    base = ["--steps", str(args.steps), *args.extra]
+    res = {}
+    for name, flags in (("sync", []), ("async", ["--async-rollout"])):
+        t0 = time.perf_counter()
+        try:
+            rows = run_job([*base, *flags], out / name, cache, args.mpmd, args.timeout)
+        except RuntimeError as e:
+            print(f"{name}: FAILED: {e}", flush=True)
+            print(f"RESULT sync_step_s=nan async_step_s=nan speedup=nan overlap_frac=nan failed={name}")
+            return 1
+        res[name] = summarize(rows, args.warmup)
+        print(f"{name}: {json.dumps({k: round(v, 4) for k, v in res[name].items()})} "
+              f"(wall {time.perf_counter() - t0:.0f} s incl. start-up and compiles)", flush=True)
+    s, a = res["sync"], res["async"]
+    ideal = (a["rollout_s"] + a["train_s"]) / max(a["rollout_s"], a["train_s"], 1e-9)
+    crit = a["last10"] >= 0.5 and a["last10"] >= 3 * a["first10"]
+    print(f"ideal speedup (rollout + update) / max = {ideal:.2f}; async learning: first 10% {a['first10']:.3f}, "
+          f"last 10% {a['last10']:.3f} ({'meets' if crit else 'does not meet'} the default criterion); "
+          f"load average now {os.getloadavg()[0]:.1f}")
+    print(f"RESULT sync_step_s={s['step_s']:.4f} async_step_s={a['step_s']:.4f} "
+          f"speedup={s['step_s'] / a['step_s']:.3f} overlap_frac={a['overlap_frac']:.3f}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

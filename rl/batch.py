@@ -1,0 +1,149 @@
+"""The one batch layout from the sampler to the learner: `RolloutBatch` (sampler output) -> `TrainBatch`.
+
+Layout of row i (S = P + T columns; P = the prompt bucket, T = max_new_tokens):
+
+    [ 0 .. 0 | prompt_i (P_i tokens) | response_i (T_i tokens) | 0 .. 0 ]
+      left pad to P                     right pad to T
+      <---------------- P ------------> <------------ T --------------->
+
+`RolloutBatch` keeps the two halves (`prompt_tokens` [N, P] left-padded, `tokens` [N, T] right-padded) and the
+recorded routing [N, S, L, k] already in the joined layout (-1 at padding); `RolloutBatch.sequences()` joins
+them, and `TrainBatch.from_rollout` is the one place that turns a rollout (+ advantages) into the learner's
+batch. Per-token arrays sit at each token's own position, so `response_mask` selects the same tokens in the
+rollout's logprobs, the learner's logprobs and the loss (rl/learner.py "Data"; rl/logprobs.py).
+All arrays are host numpy until `rl.learner.Learner` places the batch on the actor mesh, once.
+`rl.sampler.RolloutBatch` / `rl.sampler.concat_rollouts` and `rl.learner.TrainBatch` re-export these names.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Sequence
+
+import jax
+import numpy as np
+from flax import struct
+
+
+@dataclasses.dataclass
+class RolloutBatch:
+    """Sampler output for N samples (numpy, on the host).
+
+    tokens [N, T] int32 response tokens (0 after `lengths`); T = max_new_tokens.
+    logprobs [N, T] float32 sampler logprob of each response token (0 after `lengths`).
+    routing [N, P+T, L, k] int32 expert ids for the layout of `sequences()`: the prompt left-padded to P (the
+      prompt bucket) then the response; -1 at padding.
+    lengths [N] int32 generated tokens (a stop token, when hit, is included); finish_reasons: "stop" | "length".
+    prompt_tokens [N, P] int32 left-padded prompts; prompt_lengths [N]; weight_version: the weights used.
+    """
+
+    tokens: np.ndarray
+    logprobs: np.ndarray
+    routing: np.ndarray
+    lengths: np.ndarray
+    finish_reasons: list[str]
+    prompt_tokens: np.ndarray
+    prompt_lengths: np.ndarray
+    weight_version: int = 0
+
+    def sequences(self):
+        """The learner's layout: (input_ids [N, P+T], attention_mask [N, P+T], response_mask [N, P+T],
+        rollout_logprobs [N, P+T]) with prompts left-padded and responses right-padded."""
+        n, p = self.prompt_tokens.shape
+        t = self.tokens.shape[1]
+        ids = np.concatenate([self.prompt_tokens, self.tokens], axis=1).astype(np.int32)
+        pos = np.arange(p + t)[None]
+        prompt_real = (pos >= p - self.prompt_lengths[:, None]) & (pos < p)
+        resp = (pos >= p) & (pos < p + self.lengths[:, None])
+        lp = np.zeros((n, p + t), np.float32)
+        lp[:, p:] = self.logprobs
+        return ids, (prompt_real | resp).astype(np.int32), resp.astype(np.int32), np.where(resp, lp, 0.0)
+
+    def response_lists(self) -> list[list[int]]:
+        return [self.tokens[i, : self.lengths[i]].tolist() for i in range(len(self.lengths))]
+
+
+def concat_rollouts(parts: Sequence[tuple[RolloutBatch, np.ndarray]]) -> RolloutBatch:
+    """Rows `rows_j` of batch `b_j`, for each (b_j, rows_j) in order, as one RolloutBatch (DAPO's resampling
+    rounds). Prompts are re-left-padded to the widest prompt bucket P and responses right-padded to the widest
+    T of the parts (tokens 0, logprobs 0, routing -1 at the new padding), so `sequences()` keeps its layout.
+
+    Raises ValueError when the parts come from different weight versions or disagree on routing's [L, k].
+    """
+    if not parts:
+        raise ValueError("concat_rollouts needs at least one part")
+    versions = {b.weight_version for b, _ in parts}
+    if len(versions) != 1:
+        raise ValueError(f"concat_rollouts: parts come from different weight versions {sorted(versions)}")
+    p = max(b.prompt_tokens.shape[1] for b, _ in parts)
+    t = max(b.tokens.shape[1] for b, _ in parts)
+    lk = {b.routing.shape[2:] for b, _ in parts}
+    if len(lk) != 1:
+        raise ValueError(f"concat_rollouts: routing [L, k] differ between parts: {sorted(lk)}")
+    out = {"tokens": [], "logprobs": [], "routing": [], "prompt_tokens": [], "lengths": [], "prompt_lengths": []}
+    reasons: list[str] = []
+    for b, rows in parts:
+        rows = np.asarray(rows, np.int64)
+        bp, bt = b.prompt_tokens.shape[1], b.tokens.shape[1]
+        out["prompt_tokens"].append(np.pad(b.prompt_tokens[rows], ((0, 0), (p - bp, 0))))  # left pad
+        out["tokens"].append(np.pad(b.tokens[rows], ((0, 0), (0, t - bt))))
+        out["logprobs"].append(np.pad(b.logprobs[rows], ((0, 0), (0, t - bt))))
+        r = b.routing[rows]  # [n, bp + bt, L, k]
+        out["routing"].append(np.concatenate([
+            np.full((len(rows), p - bp) + r.shape[2:], -1, r.dtype), r[:, :bp],
+            r[:, bp:], np.full((len(rows), t - bt) + r.shape[2:], -1, r.dtype)], axis=1))
+        out["lengths"].append(b.lengths[rows])
+        out["prompt_lengths"].append(b.prompt_lengths[rows])
+        reasons += [b.finish_reasons[i] for i in rows]
+    cat = {k: np.concatenate(v, axis=0) for k, v in out.items()}
+    return RolloutBatch(finish_reasons=reasons, weight_version=versions.pop(), **cat)
+
+
+@struct.dataclass
+class TrainBatch:
+    """One learner batch (N rows of length S = P + T in the module's layout; `from_rollout` makes it).
+
+    input_ids [N, S] int32; attention_mask [N, S] (1 on real prompt + response tokens, contiguous);
+    response_mask [N, S] (1 on response tokens whose logprob counts); rollout_logprobs [N, S] float32 (the
+    sampler's logprob of each response token at its own position, anything elsewhere); advantages [N] (or
+    [N, S]) float32; routing [N, S, L, k] int32 recorded expert ids (< 0 = unknown) or None; old_logprobs
+    [N, S] float32 (pi_old for multi-epoch updates, from `Learner.compute_logprobs`) or None (on-policy).
+    """
+
+    input_ids: jax.Array
+    attention_mask: jax.Array
+    response_mask: jax.Array
+    rollout_logprobs: jax.Array
+    advantages: jax.Array
+    routing: jax.Array | None = None
+    old_logprobs: jax.Array | None = None
+
+    @classmethod
+    def from_rollout(cls, rollout: RolloutBatch, advantages, *, routing: bool = True,
+                     train_rows=None) -> TrainBatch:
+        """The learner's batch of a rollout, in the same layout (no copy of the layout logic elsewhere).
+
+        rollout: N rows from the sampler. advantages: [N] (or [N, S]) per-sample advantages. routing: carry the
+        sampler's recorded experts (routing replay; False: None). train_rows: [N] bool or None; rows that are
+        False (DAPO's filler groups) get a zero response_mask, so they count in no loss term or normaliser.
+        Every array stays a host numpy array (int32 / float32): the learner places the batch on the actor mesh
+        once. Returns a TrainBatch with old_logprobs None (on-policy)."""
+        ids, mask, resp, rlp = rollout.sequences()
+        if train_rows is not None:
+            resp[~np.asarray(train_rows, bool)] = 0
+        return cls(input_ids=ids, attention_mask=mask, response_mask=resp, rollout_logprobs=rlp.astype(np.float32),
+                   advantages=np.asarray(advantages, np.float32), routing=rollout.routing if routing else None)
+
+    def rows(self) -> list[dict]:
+        """Each row without its padding: {"prompt": [P_i] int, "response": [T_i] int, "response_logprobs":
+        [T_i] float32, "routing": [P_i + T_i, L, k] or None}, read back through the masks (the inverse of
+        `from_rollout` on the rows it trains on; for checks and debugging, host arrays only)."""
+        ids, mask, resp = (np.asarray(x) for x in (self.input_ids, self.attention_mask, self.response_mask))
+        lp = np.asarray(self.rollout_logprobs)
+        out = []
+        for i in range(ids.shape[0]):
+            real, r = mask[i].astype(bool), resp[i].astype(bool)
+            prompt = real & ~r & (np.cumsum(r) == 0)  # real tokens before the first response token
+            out.append({"prompt": ids[i][prompt], "response": ids[i][r], "response_logprobs": lp[i][r],
+                        "routing": None if self.routing is None else np.asarray(self.routing)[i][real]})
+        return out
