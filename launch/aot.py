@@ -75,13 +75,17 @@ class CompileReport:
 
 def compile_actor(config, mesh_spec: str, *, seq_len: int, micro_batch_tokens: int | None = None,
                   offload_optimizer: float = 0.0, train_mtp: bool = True, freeze_router: bool = False,
-                  routing_replay: bool = True, scan_layers: bool = False) -> CompileReport:
+                  routing_replay: bool = True, scan_layers: bool = False, ep_backend: str | None = None,
+                  ep_capacity_factor: float | None = None, stream_optimizer: bool = True) -> CompileReport:
     """Lower and compile the learner's train step for `config` on the actor mesh of `mesh_spec`.
 
     Needs `spec.n_devices` local devices (XLA:CPU with the device-count flag). Rows per device of the batch
     axes: max(1, micro_batch_tokens // seq_len) (1 without a budget). `scan_layers`: the learner's
-    `--scan-layers` (layers under lax.scan: compile time flat in depth). Raises whatever the learner raises for a
-    layout it cannot take (ValueError), and XLA's errors.
+    `--scan-layers` (layers under lax.scan: compile time flat in depth). `ep_backend` / `ep_capacity_factor`: the
+    expert-parallel dispatch (`parallel.expert.default_dispatch`, i.e. `make_ep_dispatch`; None = its
+    default: "capacity", dropless, on CPU). `stream_optimizer`: the learner's streamed update of the offloaded
+    stacked state (`rl.optim.update_streamed`; only with offload and scanned layers). Raises whatever the learner raises for a layout it cannot take
+    (ValueError), and XLA's errors.
     """
     import dsv4
     from rl.config import LearnerConfig
@@ -97,8 +101,16 @@ def compile_actor(config, mesh_spec: str, *, seq_len: int, micro_batch_tokens: i
                                                          dtype=jnp.bfloat16))
     cfg = LearnerConfig(compute_dtype="bfloat16", param_dtype="bfloat16", offload_optimizer=offload_optimizer,
                         train_mtp=train_mtp, freeze_router=freeze_router, routing_replay=routing_replay,
-                        max_tokens_per_micro_batch=micro_batch_tokens, scan_layers=scan_layers)
+                        max_tokens_per_micro_batch=micro_batch_tokens, scan_layers=scan_layers,
+                        stream_optimizer=stream_optimizer)
     learner = Learner(model, cfg, mesh=plan.actor, abstract=True)
+    if ep_backend is not None or ep_capacity_factor is not None:
+        from parallel.expert import default_dispatch
+        from rl.learner import _path
+
+        shardings = {_path(p): sh for p, sh in jax.tree_util.tree_leaves_with_path(learner._param_shardings())}
+        learner.dispatch_fn = default_dispatch(list(plan.actor.devices.flat), shardings, ep_backend=ep_backend,
+                                               ep_capacity_factor=ep_capacity_factor)
     per_dev = 1 if micro_batch_tokens is None else max(1, micro_batch_tokens // seq_len)
     n = per_dev * learner._batch_devices()
     sds = jax.ShapeDtypeStruct

@@ -20,7 +20,7 @@ import jax
 
 import dsv4
 from launch.aot import compile_actor, compile_rollout, reduced_depth
-from parallel.plan import _BYTES, GPUS, GPUS_PER_NODE, GiB, plan
+from parallel.plan import _BYTES, EP_BACKENDS, GPUS, GPUS_PER_NODE, GiB, plan
 from parallel.plan import __doc__ as _PLAN_DOC
 from sharding import mesh as mesh_lib
 
@@ -48,6 +48,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--rollout-reserve", type=float, default=0.10)
     p.add_argument("--rollout-seqs-per-device", type=int, default=1, help="sequences that must fit for 'fits'")
     p.add_argument("--ep-capacity-factor", type=float, default=None, help="EP buffer factor (default dropless)")
+    p.add_argument("--ep-backend", choices=EP_BACKENDS, default=None,
+                   help="expert-parallel dispatch (parallel/expert.py): padded | capacity | ragged (default: the "
+                        "learner's, parallel.expert.default_dispatch: ragged on GPUs, capacity on XLA:CPU for --compile)")
+    p.add_argument("--stream-optimizer", action=argparse.BooleanOptionalAction, default=True,
+                   help="the learner's stream_optimizer (offloaded state of the stacked layers updated one layer at a "
+                        "time); --no-stream-optimizer: the whole offloaded state transits the device in the update")
     p.add_argument("--host-gib-per-node", type=float, default=None,
                    help="host RAM per node for the offloaded optimizer; checked only when given")
     p.add_argument("--train-mtp", action=argparse.BooleanOptionalAction, default=True,
@@ -59,7 +65,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                    "or --rollout-seq-len)")
     p.add_argument("--micro-batch-tokens", type=int, default=None,
                    help="--compile: the learner's --max-tokens-per-micro-batch (default: one row per device)")
-    p.add_argument("--scan-layers", action=argparse.BooleanOptionalAction, default=False,
+    p.add_argument("--scan-layers", action=argparse.BooleanOptionalAction, default=True,
                    help="--compile: the learner's --scan-layers (layers under lax.scan; compile time flat in depth)")
     p.add_argument("--rollout-batch", type=int, default=1024, help="--compile: sequences of the rollout program")
     p.add_argument("--rollout-context", type=int, default=32768,
@@ -92,7 +98,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                       usable_fraction=args.usable_fraction, rollout_reserve=args.rollout_reserve,
                       rollout_seqs_per_device=args.rollout_seqs_per_device,
                       ep_capacity_factor=args.ep_capacity_factor, host_gib_per_node=args.host_gib_per_node,
-                      config_name=name, train_mtp=args.train_mtp, freeze_router=args.freeze_router)
+                      ep_backend=args.ep_backend or ("capacity" if args.compile else "ragged"),
+                      stream_optimizer=args.stream_optimizer, config_name=name, train_mtp=args.train_mtp,
+                      freeze_router=args.freeze_router)
     except ValueError as e:  # MeshSpecError is a ValueError
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -103,7 +111,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         xla = compile_actor(config, report.mesh_spec, seq_len=seq, micro_batch_tokens=args.micro_batch_tokens,
                             offload_optimizer=args.offload_optimizer, train_mtp=args.train_mtp,
-                            freeze_router=args.freeze_router, scan_layers=args.scan_layers)
+                            freeze_router=args.freeze_router, scan_layers=args.scan_layers,
+                            ep_backend=args.ep_backend, ep_capacity_factor=args.ep_capacity_factor,
+                            stream_optimizer=args.stream_optimizer)
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -26,6 +26,16 @@ Backends (`backend=`):
   fits. The price is memory and traffic O(ep * T_local * k * D) per rank, so on large EP meshes pass
   `capacity_factor=f`: C = ceil(f * T_local * k / ep); pairs beyond a rank's C are dropped (they contribute 0,
   the token keeps its other picks and the shared expert): NOT equal to the reference any more, a rollout knob.
+* "padded" (every backend; GShard/Switch-style, the path with memory bounded by the capacity): each rank writes
+  its pairs into per-expert slots [E, C, D] (C = ceil(f * T_local * k / E), `padded_capacity`; pairs past an
+  expert's C dropped, first come in (token, k) order), one all_to_all over the expert axis gives each rank
+  [n_local, ep * C, D], and the FFN is three batched dense matmuls (`padded_ffn`) instead of `ragged_dot`. Memory
+  and traffic per rank O(f * T_local * k * D). Why it exists: XLA:CPU (and CUDA jaxlib 0.10) lower `ragged_dot`
+  densely, every row through every local expert ([n_local, rows, I] f32: at Flash scale, 96-192 GiB per buffer,
+  measured with `python -m sharding.plan --compile`), and on MI300X a grouped `ragged_dot` has been reported
+  5-12x slower than capacity-padded dense matmuls. Dropless only with `capacity_factor=None` (C = T_local * k:
+  E times the work; for tests), so at scale it is a capacity-factor dispatch: dropped pairs contribute 0 (the
+  token keeps its other picks and the shared expert).
 * "ragged" (GPU): pairs sorted by expert are sent with `jax.lax.ragged_all_to_all` (only the real rows move);
   send/receive offsets come from an all_gather of the [ep] per-rank counts. The receive buffer is
   ep * T_local * k rows (dropless) or ceil(f * T_local * k) with `capacity_factor` (every rank knows all counts,
@@ -63,7 +73,7 @@ from dsv4.moe import ROUTED_EXPERT_RE, routed_experts_local, swiglu
 from sharding import axes as ax
 from sharding import rules as rl
 
-BACKENDS = ("capacity", "ragged")
+BACKENDS = ("capacity", "ragged", "padded")
 DEFAULT_TOKEN_AXES = (rl.DATA, rl.FSDP, rl.EXPERT)
 
 _RAGGED_DN = jax.lax.RaggedDotDimensionNumbers(
@@ -137,6 +147,59 @@ def _capacity_body(x, ids, w, w1, w3, w2, *, ep, n_local, capacity, expert_axis,
     return jnp.zeros((t_loc, d), jnp.float32).at[tok.reshape(-1)].add(y.reshape(-1, d).astype(jnp.float32))
 
 
+def padded_ffn(xs: jax.Array, gate_w: jax.Array, w1: jax.Array, w3: jax.Array, w2: jax.Array, *, limit: float,
+               dtype, partial: bool = False) -> jax.Array:
+    """Clamped-SwiGLU FFN of capacity-padded per-expert buffers as batched dense matmuls (no `ragged_dot`).
+
+    xs [n, R, D] rows of each local expert (compute dtype; empty slots are zero rows with gate_w 0);
+    gate_w [n, R] float32; w1, w3 [n, I', D]; w2 [n, D, I'] (I' may be a tensor-parallel slice: then `partial`).
+    Returns [n, R, D] float32; empty slots are exactly 0 (their routing weight is 0). Same math as `grouped_ffn`.
+    """
+    bd = lambda c: ((c, ((0,), (0,))))  # noqa: E731  batch over the local expert dim
+    g = jax.lax.dot_general(xs, w1.astype(dtype), bd(((2,), (2,))), preferred_element_type=dot_out(dtype))
+    u = jax.lax.dot_general(xs, w3.astype(dtype), bd(((2,), (2,))), preferred_element_type=dot_out(dtype))
+    h = (swiglu(g, u, limit) * gate_w[..., None]).astype(dtype)  # [n, R, I']
+    y = jax.lax.dot_general(h, w2.astype(dtype), bd(((2,), (2,))),
+                            preferred_element_type=jnp.float32 if partial else dot_out(dtype))
+    return y.astype(jnp.float32)
+
+
+def _padded_body(x, ids, w, w1, w3, w2, *, ep, n_local, capacity, expert_axis, limit, dtype, partial):
+    """One rank, padded backend. x [Tl, D], ids/w [Tl, k] -> [Tl, D] float32 (partial over I if TP).
+
+    Each (token, pick) pair gets a slot in its global expert's buffer of `capacity` rows (first come, in (token, k)
+    order; pairs past the capacity are dropped); the [E, C, D] buffer is [ep, n_local, C, D], so one all_to_all
+    over the expert axis delivers every rank its experts' rows from every source: [n_local, ep * C, D], run as
+    batched dense matmuls (`padded_ffn`), and back.
+    """
+    t_loc, k = ids.shape
+    n_exp = ep * n_local
+    n_pairs = t_loc * k
+    flat = ids.reshape(-1)
+    key = jnp.where(flat >= 0, flat, n_exp)  # skipped pairs sort last, outside every expert
+    order = jnp.argsort(key, stable=True)
+    counts = jnp.bincount(key, length=n_exp)  # [E]
+    starts = _exclusive_cumsum(counts)
+    slot = jnp.arange(capacity)
+    valid = slot[None, :] < jnp.minimum(counts, capacity)[:, None]  # [E, C]
+    pair = order[jnp.clip(starts[:, None] + slot[None, :], 0, n_pairs - 1)]  # [E, C]
+    tok = pair // k
+    d = x.shape[-1]
+    send_x = jnp.where(valid[..., None], x[tok].astype(dtype), 0).reshape(ep, n_local, capacity, d)
+    send_w = jnp.where(valid, w.reshape(-1)[pair], 0.0).reshape(ep, n_local, capacity)
+    if ep > 1:
+        a2a = functools.partial(jax.lax.all_to_all, axis_name=expert_axis, split_axis=0, concat_axis=0, tiled=True)
+        send_x, send_w = a2a(send_x), a2a(send_w)  # now [source rank, n_local, C, ...]
+    xs = jnp.swapaxes(send_x, 0, 1).reshape(n_local, ep * capacity, d)
+    gw = jnp.swapaxes(send_w, 0, 1).reshape(n_local, ep * capacity)
+    y = padded_ffn(xs, gw, w1, w3, w2, limit=limit, dtype=dtype, partial=partial)
+    y = jnp.swapaxes(y.reshape(n_local, ep, capacity, d), 0, 1)  # [source rank, n_local, C, D]
+    if ep > 1:  # back to [destination rank, n_local, C, D]
+        y = jax.lax.all_to_all(y.astype(_return_dtype(dtype, partial)), expert_axis, 0, 0, tiled=True)
+    y = jnp.where(valid[..., None], y.reshape(n_exp, capacity, d), 0.0)
+    return jnp.zeros((t_loc, d), jnp.float32).at[tok.reshape(-1)].add(y.reshape(-1, d).astype(jnp.float32))
+
+
 def _ragged_all_to_all_reference(operand, output, input_offsets, send_sizes, output_offsets, recv_sizes, *,
                                  axis_name):
     """Same result as `jax.lax.ragged_all_to_all` (without axis_index_groups), built from all_gather + gather.
@@ -193,6 +256,16 @@ def _ragged_body(x, ids, w, w1, w3, w2, *, ep, n_local, buffer_rows, expert_axis
     return jnp.zeros((t_loc, d), jnp.float32).at[tok].add(back.astype(jnp.float32))
 
 
+def padded_capacity(t_local: int, k: int, n_experts: int, capacity_factor: float | None) -> int:
+    """Rows per (source rank, expert) of the padded backend: ceil(f * T_local * k / E) (f = `capacity_factor`,
+    the mean load of an expert times f, GShard/Switch), at most T_local * k; None = T_local * k (dropless: every
+    local pair fits in one expert's buffer, whatever the routing)."""
+    n_pairs = t_local * k
+    if capacity_factor is None:
+        return n_pairs
+    return min(n_pairs, max(1, math.ceil(capacity_factor * n_pairs / n_experts)))
+
+
 def _axes_tuple(entry) -> tuple[str, ...]:
     if entry is None:
         return ()
@@ -206,9 +279,13 @@ def make_ep_dispatch(mesh: Mesh, *, backend: str = "capacity", capacity_factor: 
 
     Args:
       mesh: the jax Mesh the model's jit runs on (actor or rollout mesh of `MeshPlan`; Auto axis types).
-      backend: "capacity" (all_to_all on a padded buffer; CPU and GPU) or "ragged" (ragged_all_to_all; GPU).
-      capacity_factor: None = dropless (default). f > 0 bounds the per-rank buffer (module docstring); pairs that
-        do not fit are dropped, so results differ from the reference once any rank overflows.
+      backend: "capacity" (all_to_all on a padded per-rank buffer, `ragged_dot` over the local experts; CPU and
+        GPU), "ragged" (ragged_all_to_all + `ragged_dot`; GPU) or "padded" (all_to_all on per-expert buffers and
+        batched dense matmuls, no `ragged_dot`: GShard-style; every backend; the one with bounded memory on XLA:CPU
+        and with a `capacity_factor`).
+      capacity_factor: None = dropless (default). f > 0 bounds the buffers (module docstring; "padded": C =
+        `padded_capacity`); pairs that do not fit are dropped, so results differ from the reference once any
+        buffer overflows.
       token_axes: mesh axes splitting the flattened tokens T (the act_batch axes); axes the mesh lacks are
         ignored. Must include `expert_axis` and the axes that split the weights' `embed` dim, and exclude the
         axes that split `mlp` (tokens must be replicated where the FFN is tensor-parallel).
@@ -271,6 +348,8 @@ def make_ep_dispatch(mesh: Mesh, *, backend: str = "capacity", capacity_factor: 
             cap = n_pairs if capacity_factor is None else min(n_pairs, max(1, math.ceil(capacity_factor * n_pairs
                                                                                          / ep)))
             local = functools.partial(_capacity_body, capacity=cap, **kw)
+        elif backend == "padded":
+            local = functools.partial(_padded_body, capacity=padded_capacity(t_loc, k, n_exp, capacity_factor), **kw)
         else:
             rows = ep * n_pairs if capacity_factor is None else max(1, math.ceil(capacity_factor * n_pairs))
             local = functools.partial(_ragged_body, buffer_rows=rows, ra2a=ra2a, **kw)
@@ -292,7 +371,8 @@ def make_ep_dispatch(mesh: Mesh, *, backend: str = "capacity", capacity_factor: 
     return dispatch
 
 
-def default_dispatch(devices: Sequence[Any], param_shardings: Mapping[str, Any] | None = None):
+def default_dispatch(devices: Sequence[Any], param_shardings: Mapping[str, Any] | None = None, *,
+                     ep_backend: str | None = None, ep_capacity_factor: float | None = None):
     """The routed-expert implementation the sampler and the learner use when none is given (the one place that
     decides).
 
@@ -300,6 +380,8 @@ def default_dispatch(devices: Sequence[Any], param_shardings: Mapping[str, Any] 
       devices: the devices the model runs on (`jax.Device`s; only `.platform` is read).
       param_shardings: {"/"-joined parameter path, e.g. "layers/1/ffn/experts/w1": its sharding (None or a
         sharding without `.spec` = not sharded)}, or None for a single device.
+      ep_backend: backend of `make_ep_dispatch` ("capacity", "ragged", "padded"); None = "capacity" on CPU,
+        "ragged" elsewhere. ep_capacity_factor: its `capacity_factor` (None = dropless). Expert meshes only.
     Returns:
       - experts split over the `expert` mesh axis (size > 1) of a NamedSharding laid out by the actor or the
         rollout rule table: `make_ep_dispatch(mesh, rules=that table)`, the shard_map all-to-all expert
@@ -310,13 +392,14 @@ def default_dispatch(devices: Sequence[Any], param_shardings: Mapping[str, Any] 
         layout the EP dispatch cannot take).
     """
     expert_sh = [sh for k, sh in (param_shardings or {}).items() if ROUTED_EXPERT_RE.search(k)]
-    ep = _ep_dispatch(expert_sh, devices)
+    ep = _ep_dispatch(expert_sh, devices, ep_backend, ep_capacity_factor)
     if ep is not None:
         return ep
     return routed_experts_local(devices, param_shardings)
 
 
-def _ep_dispatch(expert_shardings: Sequence[Any], devices: Sequence[Any]):
+def _ep_dispatch(expert_shardings: Sequence[Any], devices: Sequence[Any], backend: str | None = None,
+                 capacity_factor: float | None = None):
     """`make_ep_dispatch` for experts sharded over a mesh's `expert` axis (> 1) by a known rule table, else None."""
     named = [sh for sh in expert_shardings if isinstance(sh, jax.sharding.NamedSharding)]
     if not named or len(named) != len(expert_shardings):
@@ -325,13 +408,14 @@ def _ep_dispatch(expert_shardings: Sequence[Any], devices: Sequence[Any]):
     if mesh.shape.get(rl.EXPERT, 1) <= 1 or any(sh.mesh != mesh for sh in named):
         return None
     norm = lambda spec: tuple(spec) + (None,) * (3 - len(spec))  # noqa: E731
-    backend = "capacity" if all(d.platform == "cpu" for d in devices) else "ragged"
+    if backend is None:
+        backend = "capacity" if all(d.platform == "cpu" for d in devices) else "ragged"
     for rules in (rl.ACTOR_RULES, rl.ROLLOUT_RULES):
         w13 = norm(rl.logical_to_spec((ax.EXPERT, ax.MLP, ax.EMBED), rules, mesh))
         w2 = norm(rl.logical_to_spec((ax.EXPERT, ax.EMBED, ax.MLP), rules, mesh))
         if all(norm(sh.spec) in (w13, w2) for sh in named):
             try:
-                return make_ep_dispatch(mesh, backend=backend, rules=rules)
+                return make_ep_dispatch(mesh, backend=backend, capacity_factor=capacity_factor, rules=rules)
             except ValueError:  # a layout the EP dispatch cannot take (e.g. tokens split over tensor): GSPMD
                 return None
     return None

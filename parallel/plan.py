@@ -22,20 +22,28 @@ bf16 params, Adam moments (2 x optimizer dtype) of the trained params (frozen on
 optimizer state (master + moments) of the params `sharding.offload.select_offloaded` picks (largest first, <= F of
 the bytes) to host memory (`pinned_host`, the learner's `--offload-optimizer`; reported per node, not counted on
 the GPU; with `host_gib_per_node` given, an actor needing more host RAM than that does not fit).
-Activation estimate for T = tokens per device, S = sequence length, full rematerialisation of every decoder block
-(the learner must `jax.checkpoint` each block; only block inputs are kept), tp = tensor size, L' = L + MTP layers:
-    A = T * [ L' * n_hc * D * 2                          block inputs: the [n_hc, D] bf16 residual streams
-            + 4 * H * d * 4 / tp                         q, attention output and their grads (f32), one block
-            + 3 * H * (S + ceil(S / m_csa)) * 4 / tp      dense scores [B, H, S, S + S/m] f32: logits, probs, grad
-                                                          (dsv4/attention.py materialises them; a flash kernel
-                                                          would drop this term)
-            + 2 * k * (6 * D + 10 * I / tp)              MoE token copies, h1/h3/h, y and their grads
-            + 2 * k * c * D * (8 | 12)                   EP buffers (parallel/expert.py): tokens out and expert
-                                                          outputs back in bf16 (f32 back with tensor-parallel
-                                                          experts), fwd + bwd; c = ep dropless, or the capacity factor
-            + 6 * n_hc * D * 4                           mHC f32 temporaries
-            + 3 * V * 4 / tp ]                           f32 logits, log-softmax and grad (vocab over tensor)
-It is an order-of-magnitude estimate (+-50%): XLA fusion, buffer reuse and the loss chunking change it.
+Activation estimate for T = tokens per device in one micro-batch, S = sequence length, as the learner runs
+(`--remat block`: only each layer's input is kept, the layer is recomputed in the backward; blocked attention,
+dsv4/blocked.py; log-probs in chunks of 1024 positions), tp = tensor size, L' = L + MTP layers, R = expert-FFN
+rows per local token on a rank (`ep_rows_per_token`: "padded" f * k, dropless E * k; "capacity" min(ep, f) * k;
+"ragged" ep * k dropless or f * k; f = --ep-capacity-factor, k = experts per token):
+    A = T * [ L' * n_hc * D * 2                          saved layer inputs: the [n_hc, D] bf16 residual streams
+            + 4 * H * d * 4 / tp                         q, attention output and their grads (f32), one layer
+            + 2 * H * (W + 128 + topk) * 4 / tp          blocked attention logits + probs per query (window + one
+                                                          query block + the CSA top-k entries), f32
+            + 2 * R * (8 * D + 4 * D + 14 * I / tp)      EP rows: sent / received / returned (bf16), y (f32),
+                                                          h1 / h3 (f32) and h (bf16), forward + backward
+            + 6 * n_hc * D * 4 ]                         mHC f32 temporaries
+        + rows * min(S, 1024) * 3 * V * 4 / tp           one log-prob chunk: logits, log-sum-exp, grad (f32)
+Optimizer update transient: the step moves the offloaded optimizer state (fp32 masters + moments) to the device
+for the update and back (`rl.learner.Learner._opt_state_to`). Without `stream_optimizer` nothing bounds how much
+of it is there at once (XLA's memory analysis of the Flash step keeps most of it live: launch/aot.py), so the plan
+counts all offloaded bytes on the device. With the learner's `stream_optimizer` (`rl.optim.update_streamed`) the
+offloaded state of the decoder layers (stacked under `scan_layers`) is updated one layer at a time: the plan
+counts one layer's largest state slice in + out, plus the offloaded state of everything else (embedding, head,
+1-D leaves) whole. The plan is an estimate. Against XLA (`--compile`, Flash, 8K tokens per device, padded EP,
+streamed update) XLA:CPU's figure is 1.90x the plan (239.62 vs 126.19 GiB; the aim is a factor <= 1.5, not met:
+XLA:CPU upcasts bf16 dots to f32 and ~3.8 GiB per layer of its temporaries are not explained yet, README).
 
 Rollout, per device, as rl/sampler.py holds it: FP8 e4m3 (1 byte per weight) for the checkpoint's FP8 set
 (`dsv4.quant.FP8_WEIGHT_RE`: attention wq_a/wq_b/wkv/wo_a/wo_b, indexer wq_b, shared experts, MTP e/h_proj) and
@@ -103,6 +111,7 @@ GPUS: dict[str, GpuSpec] = {
     "h200": GpuSpec(name="NVIDIA H200 SXM", hbm_gib=140, source="NVIDIA product page: 141 GB HBM3e (~140 GiB visible)"),
 }
 _BYTES = {"fp32": 4, "bf16": 2}
+_LAYER = re.compile(r"layers\.\d+\.")  # a decoder layer's leaf: stacked under --scan-layers, hence streamed
 _EXPERTS = re.compile(r"\.ffn\.experts\.w[123]$")  # the stacked routed experts (NNX paths joined with ".")
 
 
@@ -298,20 +307,41 @@ class PlanReport:
         return "\n".join(lines)
 
 
-def _actor_activations(cfg, sizes: dict[str, int], tokens: int, seq_len: int, ep_capacity: float | None) -> float:
+EP_BACKENDS = ("capacity", "ragged", "padded")  # parallel.expert.BACKENDS
+BLOCK_Q = 128  # dsv4.attention.Attention(block_q=): queries per block of the blocked attention
+LOGPROB_CHUNK = 1024  # rl.config.LearnerConfig.logprob_chunk_size default
+
+
+def ep_rows_per_token(cfg, sizes: dict[str, int], ep_backend: str, ep_capacity: float | None) -> float:
+    """Expert-FFN rows per local token on one rank (parallel/expert.py's buffers), k = picks per token:
+    padded: f * k (dropless: E * k, every expert's buffer sized for all pairs); capacity: ep * C / T = min(ep, f) * k;
+    ragged: its receive buffer, ep * k dropless or f * k."""
+    k, ep, e = cfg.num_experts_per_tok, sizes[rl.EXPERT], cfg.n_routed_experts
+    if ep_backend == "padded":
+        return k * (e if ep_capacity is None else min(ep_capacity, e))
+    if ep_backend == "capacity":
+        return k * (ep if ep_capacity is None else min(ep_capacity, ep))
+    return k * (ep if ep_capacity is None else ep_capacity)
+
+
+def _actor_activations(cfg, sizes: dict[str, int], tokens: int, seq_len: int, ep_capacity: float | None,
+                       ep_backend: str = "ragged") -> float:
     """Bytes per device of the activation estimate (module docstring formula)."""
-    tp, ep = sizes[rl.TENSOR], sizes[rl.EXPERT]
-    d, n, h, hd, k = cfg.hidden_size, cfg.hc_mult, cfg.num_attention_heads, cfg.head_dim, cfg.num_experts_per_tok
+    tp = sizes[rl.TENSOR]
+    d, n, h, hd = cfg.hidden_size, cfg.hc_mult, cfg.num_attention_heads, cfg.head_dim
+    i_ = cfg.moe_intermediate_size / tp
     layers = cfg.num_hidden_layers + cfg.num_nextn_predict_layers
-    c = ep if ep_capacity is None else min(ep_capacity, ep)
-    per_tok = (layers * n * d * 2
-               + 4 * h * hd * 4 / tp
-               + 3 * h * (seq_len + math.ceil(seq_len / cfg.csa_compress_ratio)) * 4 / tp
-               + 2 * k * (6 * d + 10 * cfg.moe_intermediate_size / tp)
-               + 2 * k * c * d * (8 if tp == 1 else 12)
-               + 6 * n * d * 4
-               + 3 * cfg.vocab_size * 4 / tp)
-    return tokens * per_tok
+    rows = ep_rows_per_token(cfg, sizes, ep_backend, ep_capacity)
+    keys = cfg.sliding_window + BLOCK_Q + (cfg.index_topk if cfg.csa_compress_ratio in cfg.compress_ratios else 0)
+    per_tok = (layers * n * d * 2                        # saved block inputs (bf16 residual streams)
+               + 4 * h * hd * 4 / tp                     # q, attention output and their grads (f32), one layer
+               + 2 * h * keys * 4 / tp                   # blocked attention: logits + probs per query (f32)
+               + 2 * rows * (4 * d * 2 + d * 4 + 3 * i_ * 4 + i_ * 2)  # EP rows: sent/received/back (bf16),
+                                                          # y (f32), h1/h3/h (f32, bf16), fwd + bwd
+               + 6 * n * d * 4)                          # mHC f32 temporaries
+    n_rows = max(1, math.ceil(tokens / seq_len))
+    logits = n_rows * min(seq_len, LOGPROB_CHUNK) * 3 * cfg.vocab_size * 4 / tp  # one chunk: logits, lse, grad
+    return tokens * per_tok + logits
 
 
 def _role_nodes(devices: int) -> float:
@@ -323,7 +353,8 @@ def plan(config, mesh_spec: str, gpu: str, *, nodes: int | None = None, optimize
          train_seq_len: int | None = None, rollout_experts: str = "fp8", fp8_scale_bytes: float = 4.0,
          fp4_scale_bytes: float = 1.0, rollout_dequant: str = "per_step", kv_dtype: str = "bf16",
          usable_fraction: float = 0.90, rollout_reserve: float = 0.10,
-         rollout_seqs_per_device: int = 1, ep_capacity_factor: float | None = None,
+         rollout_seqs_per_device: int = 1, ep_capacity_factor: float | None = None, ep_backend: str = "ragged",
+         stream_optimizer: bool = False,
          host_gib_per_node: float | None = None, config_name: str | None = None, train_mtp: bool = True,
          freeze_router: bool = False) -> PlanReport:
     """Plan the per-device memory of both roles. Arguments as the CLI flags (module docstring).
@@ -380,12 +411,13 @@ def plan(config, mesh_spec: str, gpu: str, *, nodes: int | None = None, optimize
                 fp8_scale_bytes=fp8_scale_bytes, fp4_scale_bytes=fp4_scale_bytes, rollout_dequant=rollout_dequant,
                 kv_dtype=kv_dtype, usable_fraction=usable_fraction,
                 rollout_reserve=rollout_reserve, rollout_seqs_per_device=rollout_seqs_per_device,
-                ep_capacity_factor=ep_capacity_factor, host_gib_per_node=host_gib_per_node)
+                ep_capacity_factor=ep_capacity_factor, ep_backend=ep_backend, stream_optimizer=stream_optimizer,
+                host_gib_per_node=host_gib_per_node)
 
     # ---- actor
     a_sizes = spec.axes(rl.ACTOR)
     a_mesh = abstract_mesh(a_sizes)
-    w = g = master = mom = off_master = off_mom = 0.0
+    w = g = master = mom = off_master = off_mom = whole = slice_peak = 0.0
     # optimizer state as rl/learner.py + rl/optim.py hold it: an fp32 master for trained non-fp32 params, two
     # moments for every trained param (frozen ones: none), whole params offloaded by `select_offloaded`
     def _state(leaf, n):
@@ -406,9 +438,15 @@ def plan(config, mesh_spec: str, gpu: str, *, nodes: int | None = None, optimize
             ms, mo = _state(leaf, n)
             if leaf.path in chosen:
                 off_master, off_mom = off_master + ms, off_mom + mo
+                if stream_optimizer and _LAYER.match(leaf.path) and len(leaf.shape) >= 2:
+                    slice_peak = max(slice_peak, 2 * (ms + mo))  # one layer's state in + out
+                else:
+                    whole += ms + mo
             else:
                 master, mom = master + ms, mom + mo
-    act = _actor_activations(config, a_sizes, tokens_per_device, opts["train_seq_len"], ep_capacity_factor)
+    if ep_backend not in EP_BACKENDS:
+        raise ValueError(f"--ep-backend must be one of {list(EP_BACKENDS)}, got {ep_backend!r}")
+    act = _actor_activations(config, a_sizes, tokens_per_device, opts["train_seq_len"], ep_capacity_factor, ep_backend)
     off = off_master + off_mom
     on_gpu = " (rest in host memory)" if off else ""
     a_items = {
@@ -416,7 +454,8 @@ def plan(config, mesh_spec: str, gpu: str, *, nodes: int | None = None, optimize
         "gradients (param dtype)": g,
         f"fp32 master weights{on_gpu}": master,
         f"Adam moments (2 x {optimizer_dtype}){on_gpu}": mom,
-        f"activations ({tokens_per_device} tokens, seq {opts['train_seq_len']}, full remat)": act,
+        f"activations ({tokens_per_device} tokens, seq {opts['train_seq_len']}, remat block, EP {ep_backend})": act,
+        "optimizer update: offloaded state moved to the device (learner's step)": whole + slice_peak,
     }
     a_total = sum(a_items.values())
     a_dev = spec.size(rl.ACTOR)
@@ -438,7 +477,7 @@ def plan(config, mesh_spec: str, gpu: str, *, nodes: int | None = None, optimize
     if rollout_dequant == "per_call":
         r_items["bf16 copy of the quantised weights (dequant=per_call)"] = dequant_copy
     if spec.colocated:
-        r_items["actor state resident (colocated; activations excluded)"] = a_total - act
+        r_items["actor state resident (colocated; activations excluded)"] = a_total - act - off
     r_items[f"reserve for activations / fragmentation ({rollout_reserve:.0%} of usable)"] = rollout_reserve * usable
     kv = KVCache.for_config(config, jnp.bfloat16 if kv_dtype == "bf16" else jnp.float32)
     free = usable - sum(r_items.values())

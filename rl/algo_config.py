@@ -264,6 +264,11 @@ class LearnerConfig:
         `--scan-layers`), so the step's compile time does not grow with depth. The learner then holds params,
         buffers, optimizer state and reference in the stacked layout (`params_for_push()` is per layer; its
         checkpoints load only with the same setting). False (default): the Python loop over the layers.
+    stream_optimizer: with `offload_optimizer`, update the offloaded state of stacked params (ndim >= 3, leading
+        dim unsplit: the scanned layers) one leading-dim slice at a time in a loop (`rl.optim.update_streamed`),
+        so only one layer's masters + moments are on the device at once; otherwise the step moves the whole
+        offloaded state to the device for the update (XLA's memory analysis of the Flash step: that was its
+        peak). Same values up to f32 rounding (the loop's fusions round differently).
     """
 
     lr: float = knob(1e-6, "peak learning rate")
@@ -297,6 +302,7 @@ class LearnerConfig:
     scan_layers: bool = knob(False, "run the learner's layers under lax.scan per group of identical layers "
                                     "(compile time flat in depth; the learner state and its checkpoints are then "
                                     "in the stacked layout)")
+    stream_optimizer: bool = False
 
     def __post_init__(self):
         owner = type(self).__name__

@@ -256,6 +256,7 @@ class Learner:
                 with self._context():
                     self.state = jax.jit(init, out_shardings=self._state_shardings)(params, buffers)
         self.offloaded = self._offload(trained)
+        self.streamed = self._streamable() if cfg.stream_optimizer else frozenset()
         if dispatch_fn is None:
             devices = [jax.devices()[0]] if mesh is None else list(mesh.devices.flat)
             shardings = {_path(p): sh for p, sh in jax.tree_util.tree_leaves_with_path(self._param_shardings())}
@@ -308,17 +309,33 @@ class Learner:
             self.state = jax.device_put(self.state, self._state_shardings)
         return chosen
 
+    def _streamable(self) -> frozenset[str]:
+        """Offloaded params whose state the step streams slice by slice (`rl.optim.update_streamed`): ndim >= 3
+        (a slice keeps ndim >= 2: the weight-decay mask is unchanged) and a leading dim > 1 that no mesh axis
+        splits (with `scan_layers`: the stacked layer dim)."""
+        out = set()
+        for p, x in jax.tree_util.tree_leaves_with_path(self.state.params):
+            name = _path(p)
+            sh = getattr(x, "sharding", None)
+            spec = getattr(sh, "spec", None)
+            lead_split = spec is not None and len(spec) > 0 and spec[0] is not None
+            if name in self.offloaded and x.ndim >= 3 and x.shape[0] > 1 and not lead_split:
+                out.add(name)
+        return frozenset(out)
+
     def _opt_state_to(self, opt_state, kind: str):
-        """Inside the step: offloaded optimizer state to device memory (kind "device") or back (kind "host")."""
+        """Inside the step: offloaded optimizer state to device memory (kind "device") or back (kind "host");
+        the state of `self.streamed` params stays where it is (the streamed update moves it slice by slice)."""
         if not self.offloaded:
             return opt_state
+        owner = optim._owner({_path(p) for p, _ in jax.tree_util.tree_leaves_with_path(self.state.params)})
 
-        def move(x, sh):
-            if sh.memory_kind != so.HOST_MEMORY_KIND:
+        def move(path, x, sh):
+            if sh.memory_kind != so.HOST_MEMORY_KIND or owner(path) in self.streamed:
                 return x
             return jax.device_put(x, sh if kind == "host" else sh.with_memory_kind("device"))
 
-        return jax.tree.map(move, opt_state, self._state_shardings.opt_state)
+        return jax.tree_util.tree_map_with_path(move, opt_state, self._state_shardings.opt_state)
 
     # ------------------------------------------------------------------ optimizer
     def _label(self, path, _leaf) -> str:
@@ -326,14 +343,18 @@ class Learner:
         trained = so.is_trained(_path(path), train_mtp=self.cfg.train_mtp, freeze_router=self.cfg.freeze_router)
         return TRAIN if trained else FROZEN
 
-    def _train_tx(self) -> optax.GradientTransformation:
+    def _train_tx(self, clip: bool = True) -> optax.GradientTransformation:
+        """AdamW (+ the global-norm clip; clip=False: `optax.identity()` in its place, same state structure, for
+        `rl.optim.update_streamed`, which clips itself)."""
         c = self.cfg
         if c.scan_layers:  # stacked leaves have one more dim: the per-layer decision, by path
             mask = lambda p: jax.tree_util.tree_map_with_path(lambda q, x: self._matrix[_path(q)], p)  # noqa: E731
         else:
             mask = lambda p: jax.tree.map(lambda x: x.ndim >= 2, p)  # noqa: E731
         adamw = optax.adamw(lr_schedule(c), b1=c.b1, b2=c.b2, eps=c.eps, weight_decay=c.weight_decay, mask=mask)
-        return adamw if c.max_grad_norm is None else optax.chain(optax.clip_by_global_norm(c.max_grad_norm), adamw)
+        if c.max_grad_norm is None:
+            return adamw
+        return optax.chain(optax.clip_by_global_norm(c.max_grad_norm) if clip else optax.identity(), adamw)
 
     # ------------------------------------------------------------------ the math (traced inside jit)
     def _logprobs(self, params, buffers, mb: TrainBatch, replay: bool):
@@ -394,13 +415,23 @@ class Learner:
         grad_norm = optax.tree.norm([g.astype(jnp.float32) for g, label in
                                      zip(jax.tree.leaves(grads), jax.tree.leaves(self.labels)) if label == TRAIN])
         old_opt = self._opt_state_to(state.opt_state, "device")
-        stepped, opt_state = optim.update(self.tx, grads, old_opt, state.params)
-        params = jax.tree.map(lambda new, old, label: new if label == TRAIN else old, stepped, state.params,
-                              self.labels)
         finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
         keep = lambda new, old: jax.tree.map(lambda a, b: jnp.where(finite, a, b), new, old)  # noqa: E731
-        new_state = state.replace(step=keep(state.step + 1, state.step), params=keep(params, state.params),
-                                  opt_state=self._opt_state_to(keep(opt_state, old_opt), "host"))
+        if self.streamed:  # offloaded stacked state: one slice at a time on the device (rl.optim.update_streamed)
+            tx = optax.multi_transform({TRAIN: self._train_tx(clip=False), FROZEN: optax.set_to_zero()}, self.labels)
+            stepped, opt_state = optim.update_streamed(
+                tx, grads, old_opt, state.params, self.streamed, finite=finite, g_norm=grad_norm,
+                max_norm=self.cfg.max_grad_norm, to_device=lambda x: jax.device_put(x, jax.memory.Space.Device),
+                to_host=lambda x: jax.device_put(x, jax.memory.Space.Host))
+            params = jax.tree.map(lambda new, old, label: new if label == TRAIN else old, stepped, state.params,
+                                  self.labels)
+        else:
+            stepped, opt_state = optim.update(self.tx, grads, old_opt, state.params)
+            params = jax.tree.map(lambda new, old, label: new if label == TRAIN else old, stepped, state.params,
+                                  self.labels)
+            params, opt_state = keep(params, state.params), keep(opt_state, old_opt)
+        new_state = state.replace(step=keep(state.step + 1, state.step), params=params,
+                                  opt_state=self._opt_state_to(opt_state, "host"))
         out = {name: jnp.zeros((), jnp.float32) for name in METRIC_NAMES}
         out.update(metrics)
         out["train/grad_norm"] = grad_norm

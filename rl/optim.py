@@ -80,3 +80,100 @@ def offload_shardings(opt_shardings, param_paths: set[str], chosen: frozenset[st
 
     return jax.tree_util.tree_map_with_path(
         lambda path, sh: sh.with_memory_kind(memory_kind) if owner(path) in chosen else sh, opt_shardings)
+
+
+def _owner(param_paths: set[str]):
+    """Key path of an optimizer-state leaf -> the param path it belongs to (longest dict-key suffix), or None."""
+
+    def owner(path) -> str | None:
+        keys = [str(k.key) for k in path if isinstance(k, jax.tree_util.DictKey)]
+        for i in range(len(keys)):
+            if (cand := "/".join(keys[i:])) in param_paths:
+                return cand
+        return None
+
+    return owner
+
+
+def update_streamed(tx: optax.GradientTransformation, grads, opt_state, params, streamed: frozenset[str], *,
+                    finite: jax.Array, g_norm: jax.Array | None = None, max_norm: float | None = None,
+                    to_device=None, to_host=None) -> tuple[Any, Any]:
+    """`update` with the state of the `streamed` params updated one slice of their leading dim at a time.
+
+    Same result as `update` with `optax.clip_by_global_norm(max_norm)` in front of `tx` followed by the
+    non-finite guard (`jnp.where(finite, new, old)` on params and state), bit for bit: every optax transform used
+    after the clip (Adam, decoupled weight decay, learning rate) is elementwise given the step count, and the clip
+    is applied here, elementwise, from the global norm `g_norm` the caller computed over the same leaves
+    (`optax.clip_by_global_norm`'s formula).
+
+    Args:
+      tx: the optimizer *without* its clip (`optax.identity()` in the clip's place, so the state has the same
+        structure). grads, opt_state, params: as `update` (params an nnx.State; grads like it).
+      streamed: '/'-joined param paths (trained, ndim >= 3, leading dim not sharded) whose master / moments are
+        updated in a `lax.fori_loop` over their leading dim (the stacked layers with `scan_layers`): per step only
+        one slice of their optimizer state is in flight, moved in by `to_device(x)` and back by `to_host(x)`
+        (`jax.device_put` to a memory space; None = no move). Without this the step materialises the whole
+        offloaded state on the device (XLA's memory analysis of the Flash step: launch/aot.py).
+      finite: bool scalar, the non-finite guard: False keeps old params and state.
+      g_norm, max_norm: the global gradient norm and the clip threshold (max_norm None = no clip).
+    Returns:
+      (new params, new opt_state), the guard applied.
+    """
+    f32 = jnp.float32
+    move_in = to_device or (lambda x: x)
+    move_out = to_host or (lambda x: x)
+
+    def clip(t):
+        t = t.astype(f32)
+        return t if max_norm is None else jax.lax.select(g_norm < max_norm, t, (t / g_norm.astype(f32)) * max_norm)
+
+    def keep(new, old):
+        return jnp.where(finite, new, old)
+
+    p_flat, p_def = jax.tree_util.tree_flatten_with_path(params)
+    p_paths = [path_str(p) for p, _ in p_flat]
+    g_leaves = jax.tree.leaves(grads)
+    o_flat, o_def = jax.tree_util.tree_flatten_with_path(opt_state)
+    owner = _owner(set(p_paths))
+    o_owner = [owner(p) for p, _ in o_flat]
+    p_vals = [x for _, x in p_flat]
+    o_vals = [x for _, x in o_flat]
+    hole = lambda x: jnp.zeros((0,) * x.ndim, x.dtype)  # noqa: E731  zero-size stand-in: costs nothing
+
+    def run(p_list, g_list, o_list):
+        new_p, new_o = update(tx, jax.tree.unflatten(p_def, g_list), jax.tree.unflatten(o_def, o_list),
+                              jax.tree.unflatten(p_def, p_list))
+        return jax.tree.leaves(new_p), jax.tree.leaves(new_o)
+
+    # every leaf not streamed, in one call (streamed ones as zero-size stand-ins)
+    side = [pp in streamed for pp in p_paths]
+    new_p, new_o = run([hole(x) if s else x for x, s in zip(p_vals, side)],
+                       [hole(g) if s else clip(g) for g, s in zip(g_leaves, side)],
+                       [hole(x) if ow in streamed else x for x, ow in zip(o_vals, o_owner)])
+    out_p = [x if s else keep(n, x) for n, x, s in zip(new_p, p_vals, side)]
+    out_o = [x if ow in streamed else keep(n, x) for n, x, ow in zip(new_o, o_vals, o_owner)]
+
+    for name in sorted(streamed):
+        pi = p_paths.index(name)
+        oi = [j for j, ow in enumerate(o_owner) if ow == name]
+        n = p_vals[pi].shape[0]
+
+        def body(i, carry, pi=pi, oi=oi):
+            p_full, o_full = carry
+            take = lambda x: jax.lax.dynamic_index_in_dim(x, i, keepdims=False)  # noqa: E731
+            p_i, g_i, o_i = take(p_full), clip(take(g_leaves[pi])), [move_in(take(x)) for x in o_full]
+            p_list = [p_i if j == pi else hole(x) for j, x in enumerate(p_vals)]
+            g_list = [g_i if j == pi else hole(g) for j, g in enumerate(g_leaves)]
+            o_list = [hole(x) if ow is not None else x for x, ow in zip(o_vals, o_owner)]
+            for j, x in zip(oi, o_i):
+                o_list[j] = x
+            np_, no_ = run(p_list, g_list, o_list)
+            put = lambda full, v: jax.lax.dynamic_update_index_in_dim(full, v, i, 0)  # noqa: E731
+            return (put(p_full, keep(np_[pi], p_i)),
+                    [put(full, move_out(keep(no_[j], x))) for full, j, x in zip(o_full, oi, o_i)])
+
+        p_new, o_new = jax.lax.fori_loop(0, n, body, (p_vals[pi], [o_vals[j] for j in oi]))
+        out_p[pi] = p_new
+        for j, x in zip(oi, o_new):
+            out_o[j] = x
+    return jax.tree.unflatten(p_def, out_p), jax.tree.unflatten(o_def, out_o)

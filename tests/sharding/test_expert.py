@@ -15,7 +15,7 @@ import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from dsv4 import moe
-from parallel.expert import _ragged_all_to_all_reference, make_ep_dispatch
+from parallel.expert import _ragged_all_to_all_reference, make_ep_dispatch, padded_capacity
 from sharding.mesh import build_mesh_plan
 from sharding.rules import ACTOR_RULES, ROLLOUT_RULES, param_shardings
 
@@ -62,7 +62,7 @@ def _inputs(seed=0, t=T, same=False):
 
 def _backend(name):
     """(backend, hook): the ragged backend on CPU goes through the all_gather reference of ragged_all_to_all."""
-    return ("ragged", _ragged_all_to_all_reference) if name == "ragged" else ("capacity", None)
+    return ("ragged", _ragged_all_to_all_reference) if name == "ragged" else (name, None)
 
 
 def _run(mesh, fn, x, ids, w, w1, w3, w2, rules=ACTOR_RULES):
@@ -84,7 +84,7 @@ def _weight_specs(mesh, rules):
     return sh["w1"].get_value().spec, sh["w1"].get_value().spec, sh["w2"].get_value().spec
 
 
-@pytest.mark.parametrize("backend", ["capacity", "ragged"])
+@pytest.mark.parametrize("backend", ["capacity", "ragged", "padded"])
 @pytest.mark.parametrize("same", [False, True], ids=["random", "all_same_expert"])
 def test_matches_reference(actor_mesh, backend, same):
     args = _inputs(same=same)
@@ -99,7 +99,7 @@ def test_matches_reference(actor_mesh, backend, same):
 @pytest.mark.parametrize("spec, rules, backends", [
     ("actor:expert=8", ACTOR_RULES, ("capacity",)),  # EP over all 8 devices, one expert each
     ("actor:data=2,expert=4", ACTOR_RULES, ("capacity", "ragged")),  # two EP groups of 4 (offsets per group)
-    ("actor:fsdp=4/rollout:expert=2,tensor=2", ROLLOUT_RULES, ("capacity",)),  # rollout layout: TP, no FSDP
+    ("actor:fsdp=4/rollout:expert=2,tensor=2", ROLLOUT_RULES, ("capacity", "padded")),  # rollout layout: TP, no FSDP
 ])
 def test_other_layouts(spec, rules, backends):
     plan = build_mesh_plan(spec)
@@ -130,7 +130,7 @@ def test_bf16_matches_reference(spec, exact):
         assert np.abs(out - ref).max() <= K * 2.0**-8 * np.abs(ref).max()
 
 
-@pytest.mark.parametrize("backend", ["capacity", "ragged"])
+@pytest.mark.parametrize("backend", ["capacity", "ragged", "padded"])
 def test_gradients_match(actor_mesh, backend):
     x, ids, w, w1, w3, w2 = _inputs(seed=2)
     name, hook = _backend(backend)
@@ -162,7 +162,7 @@ def test_padding_and_skipped_pairs(actor_mesh):
     keep = ids >= 0
     ref = routed_experts_ragged(x, jnp.where(keep, ids, 0), jnp.where(keep, w, 0.0), w1, w3, w2, limit=LIMIT,
                                 dtype=jnp.float32)
-    for name in ("capacity", "ragged"):
+    for name in ("capacity", "ragged", "padded"):
         backend, hook = _backend(name)
         out = _run(actor_mesh, make_ep_dispatch(actor_mesh, backend=backend, _ragged_all_to_all=hook),
                    x, ids, w, w1, w3, w2)
@@ -187,6 +187,15 @@ def _kept_pairs(ids, n_shards, ep, n_local, backend, cf):
                     keep[row, j] = used[dst] < cap
                     used[dst] += 1
         return keep
+    if backend == "padded":  # per source shard, per global expert: the first C pairs in (token, k) order
+        cap = padded_capacity(tl, k, ep * n_local, cf)
+        for s in range(n_shards):
+            used = np.zeros(ep * n_local, int)
+            for row in range(s * tl, (s + 1) * tl):
+                for j in range(k):
+                    keep[row, j] = used[ids[row, j]] < cap
+                    used[ids[row, j]] += 1
+        return keep
     rows = max(1, math.ceil(cf * n))  # ragged: receivers fill from source rank 0 upward, pairs sorted by expert
     for g in range(n_shards // ep):
         filled = np.zeros(ep, int)
@@ -200,7 +209,7 @@ def _kept_pairs(ids, n_shards, ep, n_local, backend, cf):
     return keep
 
 
-@pytest.mark.parametrize("backend", ["capacity", "ragged"])
+@pytest.mark.parametrize("backend", ["capacity", "ragged", "padded"])
 def test_bounded_capacity_drops_predictably(actor_mesh, backend):
     x, ids, w, w1, w3, w2 = _inputs(seed=4)
     ids = ids.at[: T // 2].set(jnp.array([0, 1], jnp.int32))  # half the tokens crowd rank 0's experts

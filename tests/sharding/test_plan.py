@@ -158,6 +158,10 @@ SEEDS = [
     (["--mesh", "actor:fsdp=2,expert=2,tensor=4/rollout:data=2,expert=8", "--gpu", "mi355x", "--nodes", "4",
       "--offload-optimizer", "0.5"], "yes", "yes"),
     (["--mesh", "actor:fsdp=2,expert=8,tensor=2", "--gpu", "mi355x", "--nodes", "4"], "yes", "yes"),
+    # without the streamed update the whole offloaded state transits the device in the step (XLA's memory analysis
+    # of the Flash step, launch/aot.py): host offload then saves nothing at the update's peak
+    (["--mesh", "actor:fsdp=2,expert=8/rollout:expert=8", "--gpu", "mi308x", "--nodes", "3",
+      "--offload-optimizer", "1.0", "--no-stream-optimizer"], "no", "yes"),
 ]
 
 
@@ -176,3 +180,21 @@ def test_cli_seed_layouts(capsys, argv, actor_fits, rollout_fits):
 def test_cli_error_exit(capsys):
     assert plan_main(["--mesh", "actor:fsdp=3", "--gpu", "h200"]) == 2
     assert "error:" in capsys.readouterr().err
+
+
+def test_ep_rows_follow_the_dispatch_backend():
+    """Expert-FFN rows per local token, as parallel/expert.py sizes its buffers: padded f * k (dropless E * k),
+    capacity min(ep, f) * k (dropless ep * k), ragged ep * k dropless or f * k; the activations grow with them."""
+    cfg = dsv4.DSV4Config.preset("flash")
+    sizes = {"data": 1, "fsdp": 2, "expert": 8, "tensor": 1}
+    k, e = cfg.num_experts_per_tok, cfg.n_routed_experts
+    assert pl.ep_rows_per_token(cfg, sizes, "padded", 1.25) == 1.25 * k
+    assert pl.ep_rows_per_token(cfg, sizes, "padded", None) == e * k
+    assert pl.ep_rows_per_token(cfg, sizes, "capacity", None) == 8 * k
+    assert pl.ep_rows_per_token(cfg, sizes, "capacity", 2.0) == 2.0 * k
+    assert pl.ep_rows_per_token(cfg, sizes, "ragged", None) == 8 * k
+    act = {b: pl._actor_activations(cfg, sizes, 8192, 8192, None if b == "ragged" else 1.25, b)
+           for b in ("padded", "ragged")}
+    assert act["padded"] < act["ragged"]
+    with pytest.raises(ValueError, match="--ep-backend must be one of"):
+        pl.plan("flash", "actor:fsdp=2,expert=8/rollout:expert=8", "mi308x", nodes=3, ep_backend="dense")

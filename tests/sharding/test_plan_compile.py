@@ -28,7 +28,7 @@ def test_xla_arguments_equal_the_planned_state():
     report = pl.plan(cfg, MESH, "h200", offload_optimizer=0.5, train_mtp=False, tokens_per_device=seq,
                      train_seq_len=seq)
     items = report.actor.items
-    state = sum(v for k, v in items.items() if not k.startswith(("gradients", "activations")))
+    state = sum(v for k, v in items.items() if not k.startswith(("gradients", "activations", "optimizer update")))
     rows_per_device = xla.rows // 4  # batch over fsdp x expert, split in blocks
     batch = rows_per_device * seq * (4 * 4 + cfg.num_hidden_layers * cfg.num_experts_per_tok * 4) + rows_per_device * 4
     scalars = xla.argument - batch - state - report.actor.host
@@ -54,3 +54,21 @@ def test_cli_compile_prints_the_result_line(capsys):
     assert float(fields["actor_usable_gib"]) == 192 * 0.9 and float(fields["actor_xla_gib"]) > 0
     assert "reduced to 2 layers" in out and "8 rows x 16 tokens" in out and "XLA:CPU upcasts bf16" in out
     assert math.isfinite(float(fields["actor_plan_gib"])) and math.isfinite(float(fields["rollout_xla_gib"]))
+
+
+def test_padded_ep_compiles_without_ragged_dot_temporaries():
+    """The padded EP backend (per-expert capacity buffers, batched dense matmuls) needs less temp memory than the
+    dropless capacity backend, whose `ragged_dot` XLA:CPU expands densely over the local experts; the plan's
+    arithmetic follows the backend (fewer EP rows) and the optimizer-update transient is the offloaded state."""
+    cfg = reduced_depth(dsv4.DSV4Config.tiny(), 2)
+    seq = 32
+    cap = compile_actor(cfg, MESH, seq_len=seq, train_mtp=False, ep_backend="capacity")
+    pad = compile_actor(cfg, MESH, seq_len=seq, train_mtp=False, ep_backend="padded", ep_capacity_factor=1.0)
+    assert pad.argument == cap.argument and pad.temp < cap.temp
+    plans = {b: pl.plan(cfg, MESH, "h200", train_mtp=False, tokens_per_device=seq, train_seq_len=seq, ep_backend=b,
+                        ep_capacity_factor=1.0 if b == "padded" else None, offload_optimizer=0.5)
+             for b in ("capacity", "padded")}
+    act = {b: next(v for k, v in p.actor.items.items() if k.startswith("activations")) for b, p in plans.items()}
+    assert act["padded"] < act["capacity"]
+    assert plans["padded"].actor.items["optimizer update: offloaded state moved to the device (learner's step)"] \
+        == plans["padded"].actor.host > 0
