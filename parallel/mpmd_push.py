@@ -31,7 +31,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding
 
 from dsv4 import quant
-from parallel.push import FP8_SOURCE_DTYPE, _cast_reshard, _flat, _realize, _splits
+from parallel.transfer import FP8_SOURCE_DTYPE, _cast_reshard, _flat, _realize, _splits
 from sharding.mesh import MeshSpecError
 from sharding.mpmd import HostChannel, RoleLayout
 from sharding.rules import ROLLOUT

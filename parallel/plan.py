@@ -77,7 +77,6 @@ import dataclasses
 import functools
 import math
 import re
-from collections.abc import Sequence
 from typing import Any
 
 import jax

@@ -58,7 +58,6 @@ import time
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 log = logging.getLogger("dsv4rl")
@@ -173,7 +172,7 @@ class AsyncRollout:
         data iterator does not move) until the next `step`, so the caller may checkpoint."""
         from rl.loop import advantages, evaluate, learn_and_push, push
 
-        job, cfg = self.job, self.job.cfg
+        job = self.job
         t_step = time.perf_counter()
         with self.cond:
             self.released = step  # the sampler holds P(step): batches up to step + K may be generated

@@ -86,7 +86,6 @@ import optax
 from flax import nnx, struct
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from dsv4 import moe
 from dsv4 import scan
 from dsv4.layers import Buffer
 from parallel import expert as expert_lib

@@ -50,7 +50,7 @@ import numpy as np
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
-from dsv4 import moe, quant
+from dsv4 import quant
 from dsv4.cache import cache_shapes, decode_step, prefill
 from dsv4.model import DSV4ForCausalLM
 from parallel import expert as expert_lib
