@@ -76,7 +76,8 @@ def _view(x: jax.Array, sharding: NamedSharding) -> jax.Array:
     if sharding == x.sharding:
         return x
     by_device = {shard.device: shard.data for shard in x.addressable_shards}
-    shards = [by_device[d] for d in sharding.mesh.devices.flat]
+    here = jax.process_index()  # multi-process: this process holds (and passes) only its own devices' buffers
+    shards = [by_device[d] for d in sharding.mesh.devices.flat if d.process_index == here]
     return jax.make_array_from_single_device_arrays(x.shape, sharding, shards)
 
 
