@@ -15,9 +15,11 @@ venv: $(STAMP)
 run: $(STAMP)
 	$(PY) launch/run.py --mesh auto
 
-# Everything, the slow tests too (kill/resume, multi-host): what CI runs.
+# Everything, the slow tests too (kill/resume, multi-host): what CI runs. Two workers (pytest-xdist, one test
+# file per worker at a time): the tests are compile-bound and XLA compiles on one core; --durations lists the
+# slowest tests so that CI logs show where the time goes.
 test: $(STAMP)
-	$(PY) -m pytest -q -m "slow or not slow" tests
+	$(PY) -m pytest -q -n 2 --dist loadfile --durations=25 -m "slow or not slow" tests
 
 # The default suite without the tests marked slow (development loop).
 test-fast: $(STAMP)
