@@ -10,10 +10,12 @@ same shapes load the executables (tens of seconds). Loading an executable does n
 from __future__ import annotations
 
 import json
+import math
 import os
 import pathlib
 import subprocess
 import sys
+import time
 
 import numpy as np
 import pytest
@@ -148,3 +150,22 @@ def load_state(ckpt_dir: pathlib.Path, step: int) -> dict[str, np.ndarray]:
     with ocp.PyTreeCheckpointer() as c:
         tree = c.metadata(path).item_metadata.tree
         return c.restore(path, restore_args={k: ocp.RestoreArgs(restore_type=np.ndarray) for k in tree})
+
+
+def wait_for_checkpoint_after(proc, ckpt_dir: pathlib.Path, after: int, timeout: float = 900) -> int:
+    """Poll until a checkpoint newer than `after` is complete or the process ends; the newest step."""
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        newest = max(ckpt_steps(ckpt_dir), default=0)
+        if newest > after or proc.poll() is not None:
+            return newest
+        time.sleep(0.05)
+    proc.kill()
+    raise TimeoutError(f"no checkpoint after step {after} in {ckpt_dir} within {timeout} s")
+
+
+def same_value(a, b) -> bool:
+    """Bitwise-equal metric values (NaN equals NaN; 1 and 1.0 differ)."""
+    if isinstance(a, float) and isinstance(b, float) and math.isnan(a) and math.isnan(b):
+        return True
+    return type(a) is type(b) and a == b

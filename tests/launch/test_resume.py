@@ -19,7 +19,6 @@ the others load the compile cache), hence `slow`.
 
 from __future__ import annotations
 
-import math
 import random
 import signal
 import time
@@ -30,24 +29,6 @@ import pytest
 STEPS = 12
 EVAL_EVERY = 5
 JOB = ["--steps", str(STEPS), "--ckpt-every", "1", "--keep-checkpoints", "2", "--eval-every", str(EVAL_EVERY)]
-
-
-def _wait_for_checkpoint_after(proc, ckpt_dir, after: int, lt, timeout: float = 900) -> int:
-    """Poll until a checkpoint newer than `after` is complete or the process ends; the newest step."""
-    end = time.monotonic() + timeout
-    while time.monotonic() < end:
-        newest = max(lt.ckpt_steps(ckpt_dir), default=0)
-        if newest > after or proc.poll() is not None:
-            return newest
-        time.sleep(0.05)
-    proc.kill()
-    raise TimeoutError(f"no checkpoint after step {after} in {ckpt_dir} within {timeout} s")
-
-
-def _same(a, b) -> bool:
-    if isinstance(a, float) and isinstance(b, float) and math.isnan(a) and math.isnan(b):
-        return True
-    return type(a) is type(b) and a == b
 
 
 @pytest.mark.slow
@@ -67,7 +48,7 @@ def test_interrupted_run_reproduces_uninterrupted_run(tmp_path, run_env, lt, cap
     for sig in (signal.SIGKILL, signal.SIGTERM, signal.SIGKILL):
         offset = log.stat().st_size if log.exists() else 0
         proc = lt.start(cmd, run_env, log)
-        newest = _wait_for_checkpoint_after(proc, got / "ckpt", newest, lt)
+        newest = lt.wait_for_checkpoint_after(proc, got / "ckpt", newest)
         assert proc.poll() is None and newest < STEPS, ("ended before it could be interrupted", log.read_text()[-3000:])
         time.sleep(rng.uniform(0.0, step_s))
         proc.send_signal(sig)
@@ -107,7 +88,7 @@ def test_interrupted_run_reproduces_uninterrupted_run(tmp_path, run_env, lt, cap
     for ra, rb in zip(ma, mb):
         keys = {k for k in ra if not k.startswith("perf/")}
         assert keys == {k for k in rb if not k.startswith("perf/")}
-        bad = {k: (ra[k], rb[k]) for k in keys if not _same(ra[k], rb[k])}
+        bad = {k: (ra[k], rb[k]) for k in keys if not lt.same_value(ra[k], rb[k])}
         assert not bad, (ra["step"], bad)
     assert {"eval/pass@1", "eval/pass@k"} <= set(ma[EVAL_EVERY - 1]) and "eval/pass@1" in ma[-1]
     assert len(list((got / "tb").glob("events.out.tfevents.*"))) == 4  # one per process; resumed ones purge
