@@ -52,3 +52,10 @@ def test_allowed_exceptions_still_exist():
     """An allowance that is no longer needed is removed, so the list stays the truth."""
     for rel, pkg in ALLOWED:
         assert pkg in {p for _, p in _imported_packages(ROOT / rel)}, f"{rel} no longer imports {pkg}"
+
+
+def test_test_module_basenames_are_unique():
+    """tests/ has no __init__.py files, so pytest imports each test module by its basename: two test files with
+    one name in different folders fail at collection ("import file mismatch")."""
+    names = [p.name for p in (ROOT / "tests").rglob("*.py") if p.name != "conftest.py"]
+    assert sorted({n for n in names if names.count(n) > 1}) == []
