@@ -40,6 +40,10 @@ def check_mpmd_config(cfg, layout) -> None:
     if cfg.ckpt_dir:
         raise ValueError(f"--ckpt-dir with the rollout on its own processes (--mesh {cfg.mesh}, processes "
                          f"{list(layout.rollout_processes)}) is not supported yet: pass --ckpt-dir ''")
+    if cfg.staleness() > 0:
+        raise ValueError(f"--max-staleness {cfg.staleness()} (--async-rollout) with the rollout on its own processes "
+                         f"(--mesh {cfg.mesh}) is not supported yet: the asynchronous loop runs both roles in one "
+                         "process; drop the flag or use a single-process mesh")
     if cfg.init != "random":
         raise ValueError(f"--init {cfg.init} with the rollout on its own processes (--mesh {cfg.mesh}) is not "
                          "supported yet: the rollout cannot read the checkpoint's FP8 blocks; use --init random")

@@ -182,3 +182,15 @@ def test_cli_refuses_async_without_correction(tmp_path, capsys):
     assert len(err.strip().splitlines()) == 1
     assert main(["--max-staleness", "x", *out]) == 2
     assert "max_staleness must be int" in capsys.readouterr().err
+
+
+def test_async_with_rollout_processes_is_a_clear_error():
+    """MPMD runs (rollout on its own processes) are synchronous for now: the flag is refused before step 1."""
+    from rl.roles import check_mpmd_config
+
+    class Layout:
+        rollout_processes = (2,)
+
+    check_mpmd_config(RunConfig(ckpt_dir=""), Layout())
+    with pytest.raises(ValueError, match=r"--max-staleness 1 \(--async-rollout\) with the rollout on its own"):
+        check_mpmd_config(RunConfig(ckpt_dir="", async_rollout=True), Layout())
