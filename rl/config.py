@@ -370,13 +370,8 @@ class RunConfig:
         self = object.__new__(cls)
         top = {f.name: (f.default if f.default is not dataclasses.MISSING else f.default_factory())
                for f in dataclasses.fields(cls)}
-        grouped: dict[str, dict] = {}
-        for p, v in values.items():
-            head, _, rest = p.partition(".")
-            if rest:
-                grouped.setdefault(head, {})[rest] = v
-            else:
-                top[head] = v
+        direct, grouped = tree.split_paths(values)
+        top.update(direct)
         for head, sub in grouped.items():
             top[head] = tree.build(top[head], sub, _rename)
         for name, v in top.items():

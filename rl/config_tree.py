@@ -132,17 +132,24 @@ def flatten(mapping: dict, cls: type, source: str, aliases: dict[str, str] | Non
     return out
 
 
-def build(obj: Any, values: dict[str, Any], rename=None) -> Any:
-    """A copy of the dataclass `obj` with the leaves `values` ({path relative to obj: value}; a section path
-    replaces the whole section) set. Each changed section is rebuilt once (one `__post_init__` on the final
-    values). `rename(owner, ValueError)` may reword a section's error (e.g. to name the command-line flag)."""
-    direct, nested = {}, {}
+def split_paths(values: dict[str, Any]) -> tuple[dict[str, Any], dict[str, dict[str, Any]]]:
+    """{dotted path: value} -> ({top-level name: value}, {section name: {path inside it: value}}), order kept."""
+    direct: dict[str, Any] = {}
+    nested: dict[str, dict[str, Any]] = {}
     for path, v in values.items():
         head, _, rest = path.partition(".")
         if rest:
             nested.setdefault(head, {})[rest] = v
         else:
             direct[head] = v
+    return direct, nested
+
+
+def build(obj: Any, values: dict[str, Any], rename=None) -> Any:
+    """A copy of the dataclass `obj` with the leaves `values` ({path relative to obj: value}; a section path
+    replaces the whole section) set. Each changed section is rebuilt once (one `__post_init__` on the final
+    values). `rename(owner, ValueError)` may reword a section's error (e.g. to name the command-line flag)."""
+    direct, nested = split_paths(values)
     for head, sub in nested.items():
         base = direct.get(head, getattr(obj, head))
         direct[head] = build(base, sub, rename)

@@ -95,11 +95,6 @@ def advantages(job: Job, rewards: np.ndarray, train_rows: np.ndarray | None = No
     return np.asarray(adv), to_python(am)
 
 
-def train_batch(rb: RolloutBatch, advantages: np.ndarray, replay: bool, train_rows=None) -> TrainBatch:
-    """`TrainBatch.from_rollout` (rl/batch.py): the learner's batch, host numpy, routing when `replay`."""
-    return TrainBatch.from_rollout(rb, advantages, routing=replay, train_rows=train_rows)
-
-
 def evaluate(job: Job, step: int, here: bool = False) -> dict:
     """pass@1 (greedy and sampled, unbiased) and pass@k (k = eval_samples) on the held-out prompts. MPMD: the
     rollout processes sample and score, the actor's receive the metrics (`here` = evaluate on this process)."""

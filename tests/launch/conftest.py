@@ -13,6 +13,8 @@ import json
 import math
 import os
 import pathlib
+import random
+import signal
 import subprocess
 import sys
 import time
@@ -169,3 +171,30 @@ def same_value(a, b) -> bool:
     if isinstance(a, float) and isinstance(b, float) and math.isnan(a) and math.isnan(b):
         return True
     return type(a) is type(b) and a == b
+
+
+def interrupted_starts(cmd: list[str], env: dict, log: pathlib.Path, ckpt_dir: pathlib.Path, steps: int,
+                       step_s: float, seed: int, signals=(signal.SIGKILL, signal.SIGTERM, signal.SIGKILL)):
+    """Start the checkpointing run `cmd` once per signal: wait until a checkpoint newer than the last one is
+    complete, sleep a random fraction (`seed`) of one step (`step_s` seconds), send the signal. Each start after
+    the first must resume; SIGKILL must kill it, SIGTERM must finish the step and exit 0. Yields (signal, newest
+    completed checkpoint step) after each start, for the caller's own checks."""
+    rng = random.Random(seed)
+    newest = 0
+    for sig in signals:
+        offset = log.stat().st_size if log.exists() else 0
+        proc = start(cmd, env, log)
+        newest = wait_for_checkpoint_after(proc, ckpt_dir, newest)
+        assert proc.poll() is None and newest < steps, ("ended before it could be interrupted", log.read_text()[-3000:])
+        time.sleep(rng.uniform(0.0, step_s))
+        proc.send_signal(sig)
+        rc = proc.wait(timeout=600)
+        text = log.read_bytes()[offset:].decode(errors="replace")
+        if offset:  # a restart: it resumed from the newest checkpoint the previous process completed
+            assert "resumed from" in text, text[-3000:]
+        newest = max(ckpt_steps(ckpt_dir))
+        if sig == signal.SIGKILL:
+            assert rc == -signal.SIGKILL, text[-3000:]
+        else:  # SIGTERM: the current step is finished and checkpointed, exit 0
+            assert rc == 0 and "SIGTERM" in text, text[-3000:]
+        yield sig, newest

@@ -15,9 +15,6 @@ Runtime: 5.6 min wall on 2 cores at load ~10 (11 min at load 13-14): 5 processes
 
 from __future__ import annotations
 
-import random
-import signal
-import time
 
 import numpy as np
 import pytest
@@ -39,26 +36,9 @@ def test_interrupted_async_run_reproduces_uninterrupted_async_run(tmp_path, run_
     assert all(0.0 <= r["perf/overlap_frac"] <= 1.0 for r in ma)
 
     step_s = float(np.median([r["perf/step_s"] for r in ma]))
-    rng = random.Random(20261201)
     cmd = [*args, *lt.outputs(got)]
-    newest = 0
-    for sig in (signal.SIGKILL, signal.SIGTERM, signal.SIGKILL):
-        offset = log.stat().st_size if log.exists() else 0
-        proc = lt.start(cmd, run_env, log)
-        newest = lt.wait_for_checkpoint_after(proc, got / "ckpt", newest)
-        assert proc.poll() is None and newest < STEPS, ("ended before it could be interrupted", log.read_text()[-3000:])
-        time.sleep(rng.uniform(0.0, step_s))
-        proc.send_signal(sig)
-        rc = proc.wait(timeout=600)
-        text = log.read_bytes()[offset:].decode(errors="replace")
-        if offset:
-            assert "resumed from" in text, text[-3000:]
-        newest = max(lt.ckpt_steps(got / "ckpt"))
+    for _, newest in lt.interrupted_starts(cmd, run_env, log, got / "ckpt", STEPS, step_s, seed=20261201):
         assert (got / "ckpt" / "inflight" / f"{newest}.npz").is_file()  # the in-flight batch of that checkpoint
-        if sig == signal.SIGKILL:
-            assert rc == -signal.SIGKILL, text[-3000:]
-        else:
-            assert rc == 0 and "SIGTERM" in text, text[-3000:]
     rc, text = lt.launch(cmd, run_env, log)
     assert rc == 0 and "resumed from" in text, text[-3000:]
 

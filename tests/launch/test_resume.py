@@ -19,9 +19,7 @@ the others load the compile cache), hence `slow`.
 
 from __future__ import annotations
 
-import random
 import signal
-import time
 
 import numpy as np
 import pytest
@@ -42,28 +40,11 @@ def test_interrupted_run_reproduces_uninterrupted_run(tmp_path, run_env, lt, cap
 
     # interrupt within ~1 step after a checkpoint completes (median step time of the reference run)
     step_s = float(np.median([r["perf/step_s"] for r in lt.read_metrics(ref / "metrics.jsonl")]))
-    rng = random.Random(20261130)
     cmd = [*args, *lt.outputs(got)]
-    newest = 0
-    for sig in (signal.SIGKILL, signal.SIGTERM, signal.SIGKILL):
-        offset = log.stat().st_size if log.exists() else 0
-        proc = lt.start(cmd, run_env, log)
-        newest = lt.wait_for_checkpoint_after(proc, got / "ckpt", newest)
-        assert proc.poll() is None and newest < STEPS, ("ended before it could be interrupted", log.read_text()[-3000:])
-        time.sleep(rng.uniform(0.0, step_s))
-        proc.send_signal(sig)
-        rc = proc.wait(timeout=600)
-        text = log.read_bytes()[offset:].decode(errors="replace")
-        if offset:  # a restart: it resumed from the newest checkpoint the previous process completed
-            assert "resumed from" in text, text[-3000:]
-        newest = max(lt.ckpt_steps(got / "ckpt"))
-        logged = [r["step"] for r in lt.read_metrics(got / "metrics.jsonl")] if sig == signal.SIGTERM else None
-        if sig == signal.SIGKILL:
-            assert rc == -signal.SIGKILL, text[-3000:]
-        else:  # SIGTERM: the current step is finished and checkpointed, exit 0
-            assert rc == 0, text[-3000:]
-            assert "SIGTERM" in text
-            assert logged == list(range(newest)), (logged, newest)  # the last completed step is checkpointed
+    for sig, newest in lt.interrupted_starts(cmd, run_env, log, got / "ckpt", STEPS, step_s, seed=20261130):
+        if sig == signal.SIGTERM:  # the last completed step is checkpointed
+            logged = [r["step"] for r in lt.read_metrics(got / "metrics.jsonl")]
+            assert logged == list(range(newest)), (logged, newest)
 
     # corrupt the newest checkpoint: the restart falls back to the one before it
     data = sorted((got / "ckpt" / str(newest) / "state").rglob("d/*"), key=lambda p: p.stat().st_size)[-1]
