@@ -198,3 +198,22 @@ def interrupted_starts(cmd: list[str], env: dict, log: pathlib.Path, ckpt_dir: p
         else:  # SIGTERM: the current step is finished and checkpointed, exit 0
             assert rc == 0 and "SIGTERM" in text, text[-3000:]
         yield sig, newest
+
+
+def assert_same_run(ref: pathlib.Path, got: pathlib.Path, steps: int) -> tuple[dict, list[dict]]:
+    """Bitwise: every array of the final (step `steps`) checkpoint of the run directories `ref` and `got`, and
+    every non-perf metric of every step. Returns (ref's final state, ref's metrics) for further checks."""
+    assert ckpt_steps(ref / "ckpt")[-1] == ckpt_steps(got / "ckpt")[-1] == steps
+    a, b = load_state(ref / "ckpt", steps), load_state(got / "ckpt", steps)
+    assert sorted(a) == sorted(b) and len(a) > 100
+    differ = [k for k in a if a[k].dtype != b[k].dtype or a[k].shape != b[k].shape
+              or a[k].tobytes() != b[k].tobytes()]
+    assert not differ, f"{len(differ)} arrays differ, e.g. {differ[:5]}"
+    ma, mb = read_metrics(ref / "metrics.jsonl"), read_metrics(got / "metrics.jsonl")
+    assert [r["step"] for r in ma] == [r["step"] for r in mb] == list(range(steps))
+    for ra, rb in zip(ma, mb):
+        keys = {k for k in ra if not k.startswith("perf/")}
+        assert keys == {k for k in rb if not k.startswith("perf/")}
+        bad = {k: (ra[k], rb[k]) for k in keys if not same_value(ra[k], rb[k])}
+        assert not bad, (ra["step"], bad)
+    return a, ma

@@ -42,18 +42,5 @@ def test_interrupted_async_run_reproduces_uninterrupted_async_run(tmp_path, run_
     rc, text = lt.launch(cmd, run_env, log)
     assert rc == 0 and "resumed from" in text, text[-3000:]
 
-    assert lt.ckpt_steps(ref / "ckpt")[-1] == lt.ckpt_steps(got / "ckpt")[-1] == STEPS
-    a, b = lt.load_state(ref / "ckpt", STEPS), lt.load_state(got / "ckpt", STEPS)
-    assert sorted(a) == sorted(b) and len(a) > 100
-    differ = [k for k in a if a[k].dtype != b[k].dtype or a[k].shape != b[k].shape
-              or a[k].tobytes() != b[k].tobytes()]
-    assert not differ, f"{len(differ)} arrays differ, e.g. {differ[:5]}"
-
-    mb = lt.read_metrics(got / "metrics.jsonl")
-    assert [r["step"] for r in ma] == [r["step"] for r in mb] == list(range(STEPS))
-    for ra, rb in zip(ma, mb):
-        keys = {k for k in ra if not k.startswith("perf/")}
-        assert keys == {k for k in rb if not k.startswith("perf/")}
-        bad = {k: (ra[k], rb[k]) for k in keys if not lt.same_value(ra[k], rb[k])}
-        assert not bad, (ra["step"], bad)
+    lt.assert_same_run(ref, got, STEPS)
     assert "eval/pass@1" in ma[3] and "eval/pass@1" in ma[-1]
