@@ -102,15 +102,9 @@ def compile_actor(config, mesh_spec: str, *, seq_len: int, micro_batch_tokens: i
     cfg = LearnerConfig(compute_dtype="bfloat16", param_dtype="bfloat16", offload_optimizer=offload_optimizer,
                         train_mtp=train_mtp, freeze_router=freeze_router, routing_replay=routing_replay,
                         max_tokens_per_micro_batch=micro_batch_tokens, scan_layers=scan_layers,
-                        stream_optimizer=stream_optimizer)
+                        stream_optimizer=stream_optimizer, ep_backend=ep_backend or "auto",
+                        ep_capacity_factor=ep_capacity_factor)
     learner = Learner(model, cfg, mesh=plan.actor, abstract=True)
-    if ep_backend is not None or ep_capacity_factor is not None:
-        from parallel.expert import default_dispatch
-        from rl.learner import _path
-
-        shardings = {_path(p): sh for p, sh in jax.tree_util.tree_leaves_with_path(learner._param_shardings())}
-        learner.dispatch_fn = default_dispatch(list(plan.actor.devices.flat), shardings, ep_backend=ep_backend,
-                                               ep_capacity_factor=ep_capacity_factor)
     per_dev = 1 if micro_batch_tokens is None else max(1, micro_batch_tokens // seq_len)
     n = per_dev * learner._batch_devices()
     sds = jax.ShapeDtypeStruct

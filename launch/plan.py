@@ -20,9 +20,19 @@ import jax
 
 import dsv4
 from launch.aot import compile_actor, compile_rollout, reduced_depth
-from parallel.plan import _BYTES, EP_BACKENDS, GPUS, GPUS_PER_NODE, GiB, plan
+from parallel.plan import _BYTES, GPUS, GPUS_PER_NODE, GiB, plan
 from parallel.plan import __doc__ as _PLAN_DOC
+from rl import config_tree
+from rl.config import DEFAULT_LEARNER, LearnerConfig
 from sharding import mesh as mesh_lib
+
+
+_LEARNER = config_tree.paths(LearnerConfig)
+
+
+def _knob_help(name: str) -> str:
+    """The run's help of the learner knob `name` and its launch/run.py flag (rl/config.py, one definition)."""
+    return f"{_LEARNER[name].help} (launch/run.py --{name.replace('_', '-')}; default %(default)s)"
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -47,13 +57,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--usable-fraction", type=float, default=0.90)
     p.add_argument("--rollout-reserve", type=float, default=0.10)
     p.add_argument("--rollout-seqs-per-device", type=int, default=1, help="sequences that must fit for 'fits'")
-    p.add_argument("--ep-capacity-factor", type=float, default=None, help="EP buffer factor (default dropless)")
-    p.add_argument("--ep-backend", choices=EP_BACKENDS, default=None,
-                   help="expert-parallel dispatch (parallel/expert.py): padded | capacity | ragged (default: the "
-                        "learner's, parallel.expert.default_dispatch: ragged on GPUs, capacity on XLA:CPU for --compile)")
-    p.add_argument("--stream-optimizer", action=argparse.BooleanOptionalAction, default=True,
-                   help="the learner's stream_optimizer (offloaded state of the stacked layers updated one layer at a "
-                        "time); --no-stream-optimizer: the whole offloaded state transits the device in the update")
+    # the learner's scale knobs: the run's definitions (rl.config: help, choices, defaults of the run's learner)
+    p.add_argument("--ep-capacity-factor", type=float, default=DEFAULT_LEARNER.ep_capacity_factor,
+                   help=_knob_help("ep_capacity_factor"))
+    p.add_argument("--ep-backend", choices=_LEARNER["ep_backend"].choices, default=DEFAULT_LEARNER.ep_backend,
+                   help=_knob_help("ep_backend") + "; the plan without --compile counts auto as ragged (GPUs)")
+    p.add_argument("--stream-optimizer", action=argparse.BooleanOptionalAction,
+                   default=DEFAULT_LEARNER.stream_optimizer, help=_knob_help("stream_optimizer"))
     p.add_argument("--host-gib-per-node", type=float, default=None,
                    help="host RAM per node for the offloaded optimizer; checked only when given")
     p.add_argument("--train-mtp", action=argparse.BooleanOptionalAction, default=True,
@@ -65,8 +75,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                    "or --rollout-seq-len)")
     p.add_argument("--micro-batch-tokens", type=int, default=None,
                    help="--compile: the learner's --max-tokens-per-micro-batch (default: one row per device)")
-    p.add_argument("--scan-layers", action=argparse.BooleanOptionalAction, default=True,
-                   help="--compile: the learner's --scan-layers (layers under lax.scan; compile time flat in depth)")
+    p.add_argument("--scan-layers", action=argparse.BooleanOptionalAction, default=DEFAULT_LEARNER.scan_layers,
+                   help="--compile: " + _knob_help("scan_layers"))
     p.add_argument("--rollout-batch", type=int, default=1024, help="--compile: sequences of the rollout program")
     p.add_argument("--rollout-context", type=int, default=32768,
                    help="--compile: prompt + new tokens per rollout sequence")
@@ -79,7 +89,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         rc = _compile_in_child(argv)
         if rc is not None:
             return rc
+    ep_backend = None if args.ep_backend == "auto" else args.ep_backend
     try:
+        LearnerConfig(scan_layers=args.scan_layers, stream_optimizer=args.stream_optimizer,  # the run's checks
+                      ep_backend=args.ep_backend, ep_capacity_factor=args.ep_capacity_factor)
         config = args.config
         if args.num_layers is not None:
             config = reduced_depth(dsv4.DSV4Config.preset(args.config), args.num_layers)
@@ -98,7 +111,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                       usable_fraction=args.usable_fraction, rollout_reserve=args.rollout_reserve,
                       rollout_seqs_per_device=args.rollout_seqs_per_device,
                       ep_capacity_factor=args.ep_capacity_factor, host_gib_per_node=args.host_gib_per_node,
-                      ep_backend=args.ep_backend or ("capacity" if args.compile else "ragged"),
+                      ep_backend=ep_backend or ("capacity" if args.compile else "ragged"),
                       stream_optimizer=args.stream_optimizer, config_name=name, train_mtp=args.train_mtp,
                       freeze_router=args.freeze_router)
     except ValueError as e:  # MeshSpecError is a ValueError
@@ -112,7 +125,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         xla = compile_actor(config, report.mesh_spec, seq_len=seq, micro_batch_tokens=args.micro_batch_tokens,
                             offload_optimizer=args.offload_optimizer, train_mtp=args.train_mtp,
                             freeze_router=args.freeze_router, scan_layers=args.scan_layers,
-                            ep_backend=args.ep_backend, ep_capacity_factor=args.ep_capacity_factor,
+                            ep_backend=ep_backend, ep_capacity_factor=args.ep_capacity_factor,
                             stream_optimizer=args.stream_optimizer)
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)

@@ -263,12 +263,19 @@ class LearnerConfig:
     scan_layers: run the decoder layers under `jax.lax.scan` per group of identical layers (`dsv4/scan.py`;
         `--scan-layers`), so the step's compile time does not grow with depth. The learner then holds params,
         buffers, optimizer state and reference in the stacked layout (`params_for_push()` is per layer; its
-        checkpoints load only with the same setting). False (default): the Python loop over the layers.
+        checkpoints load only with the same setting). False: the Python loop over the layers (this class's
+        default; the run's learner, `rl.config.DEFAULT_LEARNER`, and the planner's `--compile` scan by default).
     stream_optimizer: with `offload_optimizer`, update the offloaded state of stacked params (ndim >= 3, leading
         dim unsplit: the scanned layers) one leading-dim slice at a time in a loop (`rl.optim.update_streamed`),
         so only one layer's masters + moments are on the device at once; otherwise the step moves the whole
         offloaded state to the device for the update (XLA's memory analysis of the Flash step: that was its
-        peak). Same values up to f32 rounding (the loop's fusions round differently).
+        peak). Same values up to f32 rounding (the loop's fusions round differently). False here; True in the
+        run's learner (`DEFAULT_LEARNER`) and the planner, as the planner's arithmetic assumes.
+    Expert parallelism (experts split over an `expert` mesh axis > 1; `parallel.expert.default_dispatch`):
+        ep_backend: "auto" (default: "capacity" on XLA:CPU, which lacks ragged all-to-all; "ragged" elsewhere),
+            "capacity", "ragged" or "padded" (`parallel.expert.make_ep_dispatch`'s backends).
+        ep_capacity_factor: None = dropless (default); f > 0 bounds the dispatch buffers (pairs past a rank's or
+            expert's capacity are dropped: they contribute 0).
     """
 
     lr: float = knob(1e-6, "peak learning rate")
@@ -302,7 +309,15 @@ class LearnerConfig:
     scan_layers: bool = knob(False, "run the learner's layers under lax.scan per group of identical layers "
                                     "(compile time flat in depth; the learner state and its checkpoints are then "
                                     "in the stacked layout)")
-    stream_optimizer: bool = False
+    stream_optimizer: bool = knob(False, "with --offload-optimizer: update the offloaded state of the scanned "
+                                         "(stacked) layers one layer at a time (rl.optim.update_streamed), so only "
+                                         "one layer's masters + moments are on the device at once")
+    ep_backend: Literal["auto", "capacity", "ragged", "padded"] = knob(
+        "auto", "expert-parallel dispatch of the routed experts on an expert mesh (parallel/expert.py): auto "
+                "(capacity on XLA:CPU, ragged elsewhere) | capacity | ragged | padded (per-expert capacity "
+                "buffers, no ragged_dot)")
+    ep_capacity_factor: float | None = knob(None, "EP buffer factor f > 0 (pairs past the capacity are dropped); "
+                                                  "none = dropless")
 
     def __post_init__(self):
         owner = type(self).__name__
@@ -345,3 +360,12 @@ class LearnerConfig:
                              f"got {self.offload_optimizer!r}")
         if _check_real(owner, "temperature", self.temperature) < 0.0:
             raise ValueError(f"{owner}.temperature must be >= 0, got {self.temperature!r}")
+        for name in ("scan_layers", "stream_optimizer"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{owner}.{name} must be a bool, got {getattr(self, name)!r}")
+        _check_choice(owner, "ep_backend", self.ep_backend, ("auto", "capacity", "ragged", "padded"))
+        if self.ep_capacity_factor is not None and not (
+                not isinstance(self.ep_capacity_factor, bool) and isinstance(self.ep_capacity_factor, (int, float))
+                and math.isfinite(self.ep_capacity_factor) and self.ep_capacity_factor > 0):
+            raise ValueError(f"{owner}.ep_capacity_factor (--ep-capacity-factor) must be > 0, or none (dropless), "
+                             f"got {self.ep_capacity_factor!r}")

@@ -17,7 +17,8 @@ the YAML file, then the flat flags, then the dotted flags). Every knob has a dot
 historic flat names (`lr`, `group_size`, `eval_every`, ...: `FLAT`) are aliases of one path each and still work as
 `RunConfig(lr=...)`, `cfg.lr`, `--lr` and flat YAML keys. The run's defaults are the embedded default run (tiny
 DeepSeek-V4 from random init on the built-in digit-copy task, on CPU): where they differ from the library
-defaults of LearnerConfig / LossConfig (lr 2e-3, fp32 compute, routing replay, TIS, b2 0.99) they are values of
+defaults of LearnerConfig / LossConfig (lr 2e-3, fp32 compute, routing replay, TIS, b2 0.99, layers under
+lax.scan, streamed offloaded update) they are values of
 the `learner` section's default (`DEFAULT_LEARNER`), not second declarations of those knobs.
 Derived (not settable): `learner.temperature` = `rollout.temperature`; `advantage.dynamic_sampling_max_rounds`
 = 1 + `dapo.max_resample_batches`. Impossible values raise ValueError naming the field and its flag.
@@ -246,8 +247,11 @@ class LogConfig:
 
 
 # The default run's learner: the knobs are LearnerConfig's / LossConfig's; these are the default run's values.
+# Layers under lax.scan (compile time flat in depth) and the streamed update of offloaded state: the run's defaults
+# (the planner's `--compile` compiles the same learner); `--no-scan-layers` / `--no-stream-optimizer` turn them off.
 DEFAULT_LEARNER = LearnerConfig(lr=2e-3, compute_dtype="float32", routing_replay=True, b2=0.99, weight_decay=0.0,
-                                param_dtype="auto", loss=LossConfig(correction="tis"))
+                                param_dtype="auto", loss=LossConfig(correction="tis"), scan_layers=True,
+                                stream_optimizer=True)
 
 # flat name (flag --a-b, flat YAML key, RunConfig(a_b=...), cfg.a_b) -> the one dotted path it stands for
 FLAT = {
@@ -273,6 +277,8 @@ FLAT = {
     "allow_dataset_change": "ckpt.allow_dataset_change", "keep_checkpoints": "ckpt.keep",
     **{k: "log." + k for k in ("metrics_jsonl", "tensorboard_dir", "wandb_project")},
     "seed": "seed", "progress": "log.progress", "remat": "learner.remat", "scan_layers": "learner.scan_layers",
+    "stream_optimizer": "learner.stream_optimizer", "ep_backend": "learner.ep_backend",
+    "ep_capacity_factor": "learner.ep_capacity_factor",
     "rollout_slots": "rollout.slots", "max_staleness": "rollout.max_staleness",
     "async_rollout": "rollout.async_rollout", "push_timeout": "rollout.push_timeout",
 }

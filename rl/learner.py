@@ -50,7 +50,7 @@ Choices (and why):
   bitwise the old one (the step counter does not advance either) and `train/skipped_nonfinite` is 1.
 - Donation: `train_step` donates the old state (`donate_argnums=0`): never reuse a state passed to it, nor
   arrays taken from it (`params_for_push()` returns live arrays: push them before the next step).
-- Scanned layers (`scan_layers`, opt-in): the state (params, buffers, fp32 masters, Adam moments, reference)
+- Scanned layers (`scan_layers`; the run's default, `rl.config.DEFAULT_LEARNER`): the state (params, buffers, fp32 masters, Adam moments, reference)
   holds the decoder layers stacked per group of identical layers (`dsv4.scan.stack_params`, built inside the
   init jit, so there is no per-step re-stacking), and the forward runs `dsv4.scan.merge_stacked`'s shell with
   `layer_stack=` (one `lax.scan` per group, `remat` per sub-layer): compile time flat in depth. Labels (frozen /
@@ -176,7 +176,8 @@ class Learner:
             `parallel.expert.make_ep_dispatch(mesh)`; None = `parallel.expert.default_dispatch`: the tiled/dense CPU
             implementation `moe.routed_experts_cpu` on CPU with unsharded experts, else the model's single-program
             ragged_dot path (on a mesh XLA then partitions it on its own); experts split over a mesh's `expert`
-            axis get the all-to-all `parallel.expert.make_ep_dispatch` (`parallel.expert.default_dispatch` decides).
+            axis get the all-to-all `parallel.expert.make_ep_dispatch` (`parallel.expert.default_dispatch` decides,
+            with `cfg.ep_backend` / `cfg.ep_capacity_factor`).
         abstract: build only the state's shapes, dtypes and shardings (`jax.ShapeDtypeStruct`s; `model` may be
             an `nnx.eval_shape` model): for `lower` / AOT memory analysis of models larger than this machine
             (python -m sharding.plan --compile). Such a learner cannot `update`.
@@ -259,7 +260,9 @@ class Learner:
         if dispatch_fn is None:
             devices = [jax.devices()[0]] if mesh is None else list(mesh.devices.flat)
             shardings = {_path(p): sh for p, sh in jax.tree_util.tree_leaves_with_path(self._param_shardings())}
-            self.dispatch_fn = expert_lib.default_dispatch(devices, shardings)
+            self.dispatch_fn = expert_lib.default_dispatch(  # --ep-backend / --ep-capacity-factor: expert meshes
+                devices, shardings, ep_backend=None if cfg.ep_backend == "auto" else cfg.ep_backend,
+                ep_capacity_factor=cfg.ep_capacity_factor)
         self._jits: dict[Any, Any] = {}
         self._hash_buffers = {int(m.group(1)): leaf for p, leaf in jax.tree_util.tree_leaves_with_path(buffers)
                               if (m := _HASH_TABLE.fullmatch(_path(p)))}

@@ -165,16 +165,20 @@ def test_sharded_scanned_step_equals_one_device(model, batch, pair):
 
 
 def test_scan_layers_flag_config_and_fingerprint():
-    """`--scan-layers` sets RunConfig.scan_layers (default False, help text present); the run's checkpoint
-    fingerprint records it only when on (earlier fingerprints unchanged), so a stacked checkpoint is refused by an
-    unscanned run and vice versa (rl/checkpoint.py compares every key)."""
+    """RunConfig.scan_layers is the run's default (issue 11: layers under lax.scan); `--no-scan-layers` (or
+    `--scan-layers false` as a dotted flag) turns it off, `--scan-layers` still works (help text present); the
+    run's checkpoint fingerprint records it only when on (unscanned fingerprints as before), so a stacked
+    checkpoint is refused by an unscanned run and vice versa (rl/checkpoint.py compares every key)."""
     from launch import run as launch_run
     from rl.config import RunConfig
     from rl.loop import fingerprint, resolve_model_config
 
-    off, _ = launch_run.resolve(["--ckpt-dir", ""])
+    default, _ = launch_run.resolve(["--ckpt-dir", ""])
+    off, _ = launch_run.resolve(["--ckpt-dir", "", "--no-scan-layers"])
     on, _ = launch_run.resolve(["--ckpt-dir", "", "--scan-layers"])
-    assert (RunConfig().scan_layers, off.scan_layers, on.scan_layers) == (False, False, True)
+    dotted_off, _ = launch_run.resolve(["--ckpt-dir", "", "--learner.scan_layers", "false"])
+    assert (RunConfig().scan_layers, default.scan_layers, on.scan_layers) == (True, True, True)
+    assert not off.scan_layers and not dotted_off.scan_layers
     assert "lax.scan" in launch_run.parser().format_help().replace("\n", " ")
     mc = resolve_model_config(off, 16)
     assert "scan_layers" not in fingerprint(off, mc) and fingerprint(on, mc)["scan_layers"] is True
