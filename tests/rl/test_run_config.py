@@ -84,3 +84,40 @@ def test_resolved_config_written_atomically_and_loads_back(tmp_path):
     assert sorted(p.name for p in path.parent.iterdir()) == ["config.yaml"]  # no temp file left
     again, _ = launch_run.resolve(["--config-file", str(path)])
     assert again == cfg
+
+
+@pytest.mark.parametrize("argv, needle", [
+    (["--ep-backend", "dense"], "learner.ep_backend (--ep-backend) must be one of"),
+    (["--ep-capacity-factor", "0"], "ep_capacity_factor (--ep-capacity-factor) must be > 0, or none (dropless)"),
+    (["--ep-capacity-factor", "big"], "--ep-capacity-factor: ep_capacity_factor must be float, got 'big'"),
+    (["--learner.stream_optimizer", "sometimes"], "learner.stream_optimizer must be bool, got 'sometimes'"),
+    (["--learner.scan_layers", "2"], "learner.scan_layers must be bool, got '2'"),
+])
+def test_bad_learner_scale_flag_is_a_one_line_error(argv, needle, capsys):
+    """The learner's scale knobs on the run's command line (issue 11): a bad value ends in one line naming the
+    flag, exit status 2, before any model is built."""
+    rc = launch_run.main([*argv, "--ckpt-dir", "", "--metrics-jsonl", "", "--tensorboard-dir", ""])
+    err = capsys.readouterr().err
+    lines = [ln for ln in err.splitlines() if ln.startswith("error: ")]
+    assert rc == 2 and len(lines) == 1 and "Traceback" not in err, err
+    assert needle in lines[0], lines[0]
+
+
+def test_learner_scale_knobs_are_flags_with_the_runs_defaults():
+    """--scan-layers / --no-scan-layers, --stream-optimizer / --no-stream-optimizer, --ep-backend and
+    --ep-capacity-factor are knobs of the learner section (one FLAT alias each); the run scans and streams by
+    default, EP picks its backend itself and is dropless."""
+    assert {FLAT[k] for k in ("scan_layers", "stream_optimizer", "ep_backend", "ep_capacity_factor")} == \
+        {"learner.scan_layers", "learner.stream_optimizer", "learner.ep_backend", "learner.ep_capacity_factor"}
+    d = RunConfig().learner
+    assert (d.scan_layers, d.stream_optimizer, d.ep_backend, d.ep_capacity_factor) == (True, True, "auto", None)
+    cfg, _ = launch_run.resolve(["--no-scan-layers", "--no-stream-optimizer", "--ep-backend", "padded",
+                                 "--ep-capacity-factor", "1.25"])
+    lc = cfg.learner
+    assert (lc.scan_layers, lc.stream_optimizer, lc.ep_backend, lc.ep_capacity_factor) == (False, False, "padded",
+                                                                                           1.25)
+    none, _ = launch_run.resolve(["--ep-capacity-factor", "none"])
+    assert none.learner.ep_capacity_factor is None
+    help_text = launch_run.parser().format_help()
+    assert all(f in help_text for f in ("--no-scan-layers", "--stream-optimizer", "--ep-backend",
+                                        "--ep-capacity-factor"))
