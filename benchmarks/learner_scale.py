@@ -6,12 +6,13 @@ forward, `rl.logprobs.token_logprobs` with sequence chunks of 256, GRPO loss, ba
    step of `DSV4Config.small()` (6 layers: sliding, CSA m=4 top-16, HCA m=16; window 64; fp32 compute; remat
    `block`) at S = 1K, 2K, 4K, 8K with the blocked attention, and with the dense reference at 1K and 2K (compile
    only; dense at 4K would need ~15 GB of temp). temp_ratio_8k_1k = temp(8K) / temp(1K), blocked (linear: 8,
-   quadratic: 64).
+   quadratic: 64). Sections 1 and 3 run the run's default learner path too (scanned layers).
 2. compile time: `lower(...).compile()` wall time of the train step of a tiny-dimension model with 4, 12, 24 and 43
-   layers (the Flash schedule of layer kinds: 2 sliding, then CSA/HCA alternating; S = 256). By default the
-   layers are a Python loop, so compile time grows with depth; with `--scan` the learner runs them under
-   `lax.scan` per group of identical layers (`LearnerConfig.scan_layers`, dsv4/scan.py: 3 traced layer bodies at
-   4 layers, 4 at 12-43), holding its state stacked. compile_ratio_43_4 = t(43) / t(4).
+   layers (the Flash schedule of layer kinds: 2 sliding, then CSA/HCA alternating; S = 256), on the run's default
+   path: layers under `lax.scan` per group of identical layers (`LearnerConfig.scan_layers`, the run's default
+   `rl.config.DEFAULT_LEARNER`; dsv4/scan.py: 3 traced layer bodies at 4 layers, 4 at 12-43), state stacked.
+   compile_ratio_43_4 = t(43) / t(4) scanned. Also (`--layers both`, default) the Python layer loop
+   (`--no-scan-layers`), whose compile time grows with depth: compile_ratio_43_4_unrolled.
 3. step time: median wall time of the compiled train step (`block_until_ready`, after a warm-up call) with dense
    and blocked attention at S = 1K and 4K, on a 3-layer `small` (one sliding, one CSA, one HCA layer: the 6-layer
    dense step at 4K does not fit the shared 24 GB machine). blocked_vs_dense_step_4k = dense time / blocked time
@@ -20,9 +21,10 @@ XLA:CPU upcasts bf16 dots to f32, hence fp32 compute here. The machine may be sh
 
 Run:   .venv/bin/python benchmarks/learner_scale.py              (about 5-10 minutes on 2 busy cores)
        .venv/bin/python benchmarks/learner_scale.py --quick      (fewer points; a smoke run)
-       .venv/bin/python benchmarks/learner_scale.py --sections compile --scan   (compile times, scanned layers)
-Last line: `RESULT temp_ratio_8k_1k=.. compile_ratio_43_4=.. blocked_vs_dense_step_4k=..` (+ ` scan_layers=1` with
---scan; fields of sections not run are nan).
+       .venv/bin/python benchmarks/learner_scale.py --sections compile               (compile times only)
+       .venv/bin/python benchmarks/learner_scale.py --sections compile --layers scan (scanned only; `--scan` too)
+Last line: `RESULT temp_ratio_8k_1k=.. compile_ratio_43_4=.. blocked_vs_dense_step_4k=.. compile_ratio_43_4_unrolled=..`
+(fields of sections or layer paths not run are nan).
 """
 
 from __future__ import annotations
@@ -40,14 +42,15 @@ import jax.numpy as jnp  # noqa: E402
 from flax import nnx  # noqa: E402
 
 from dsv4 import DSV4Config, DSV4ForCausalLM  # noqa: E402
-from rl.config import LearnerConfig  # noqa: E402
+from rl.config import DEFAULT_LEARNER, LearnerConfig  # noqa: E402
 from rl.learner import Learner, TrainBatch  # noqa: E402
 
 MIB = 1 << 20
 MAX_RUN_TEMP_MIB = 8192  # do not execute a step whose temp exceeds this (the machine is shared, 24 GB)
 
 
-def make_learner(cfg: DSV4Config, impl: str, remat: str = "block", scan_layers: bool = False) -> Learner:
+def make_learner(cfg: DSV4Config, impl: str, remat: str = "block",
+                 scan_layers: bool = DEFAULT_LEARNER.scan_layers) -> Learner:
     model = DSV4ForCausalLM(cfg, rngs=nnx.Rngs(0), param_dtype=jnp.float32, attention_impl=impl)
     return Learner(model, LearnerConfig(lr=1e-5, compute_dtype="float32", logprob_chunk_size=256, remat=remat,
                                         scan_layers=scan_layers))
@@ -82,7 +85,9 @@ def main() -> None:
     ap.add_argument("--sections", default="memory,compile", help="memory (temp + step time), compile, or both")
     ap.add_argument("--depths", default=None, help="comma-separated layer counts of the compile section "
                                                    "(default 4,12,24,43; must include 4)")
-    ap.add_argument("--scan", action="store_true", help="compile section: the learner with scan_layers=True")
+    ap.add_argument("--layers", choices=("both", "scan", "unrolled"), default="both",
+                    help="compile section: scanned layers (the run's default; the headline), the Python loop, or both")
+    ap.add_argument("--scan", action="store_true", help="the same as --layers scan (earlier name)")
     args = ap.parse_args()
     sections = set(args.sections.split(","))
     seqs = (1024, 2048) if args.quick else (1024, 2048, 4096, 8192)
@@ -96,25 +101,29 @@ def main() -> None:
 
     temp: dict[tuple[str, int], float] = {}
     steps: dict[tuple[str, int], float] = {}
-    comp: dict[int, float] = {}
+    comp: dict[tuple[bool, int], float] = {}  # (scanned, layers) -> compile s
     if "memory" in sections:
         memory_and_steps(small, seqs, step_seqs, args.runs, temp, steps)
     if "compile" in sections:
-        print(f"\n{'scanned' if args.scan else 'Python-loop'} layers\n| layers | compile s | temp MiB |\n|---|---|---|")
-        for n in depths:
-            cfg = flash_like(n)
-            lr = make_learner(cfg, "blocked", scan_layers=args.scan)
-            _, comp[n], t = compile_step(lr, make_batch(256, cfg.vocab_size))
-            print(f"| {n} | {comp[n]:.1f} | {t:.1f} |", flush=True)
-            del lr
+        layer_paths = {"both": (True, False), "scan": (True,), "unrolled": (False,)}["scan" if args.scan else args.layers]
+        for scanned in layer_paths:
+            print(f"\n{'scanned (default)' if scanned else 'Python-loop'} layers\n| layers | compile s | temp MiB |\n"
+                  f"|---|---|---|")
+            for n in depths:
+                cfg = flash_like(n)
+                lr = make_learner(cfg, "blocked", scan_layers=scanned)
+                _, comp[scanned, n], t = compile_step(lr, make_batch(256, cfg.vocab_size))
+                print(f"| {n} | {comp[scanned, n]:.1f} | {t:.1f} |", flush=True)
+                del lr
     nan = float("nan")
-    s_hi, t_hi = seqs[-1], step_seqs[-1]
+    s_hi, t_hi, d_hi = seqs[-1], step_seqs[-1], depths[-1]
     print(f"load average at the end {os.getloadavg()[0]:.1f}")
     temp_ratio = temp.get(("blocked", s_hi), nan) / temp.get(("blocked", 1024), nan)
-    comp_ratio = comp.get(depths[-1], nan) / comp.get(4, nan)
+    comp_ratio = {sc: comp.get((sc, d_hi), nan) / comp.get((sc, 4), nan) for sc in (True, False)}
     step_ratio = steps.get(("dense", t_hi), nan) / steps.get(("blocked", t_hi), nan)
-    print(f"RESULT temp_ratio_{s_hi // 1024}k_1k={temp_ratio:.2f} compile_ratio_{depths[-1]}_4={comp_ratio:.2f} "
-          f"blocked_vs_dense_step_{t_hi // 1024}k={step_ratio:.2f}" + (" scan_layers=1" if args.scan else ""))
+    print(f"RESULT temp_ratio_{s_hi // 1024}k_1k={temp_ratio:.2f} compile_ratio_{d_hi}_4={comp_ratio[True]:.2f} "
+          f"blocked_vs_dense_step_{t_hi // 1024}k={step_ratio:.2f} "
+          f"compile_ratio_{d_hi}_4_unrolled={comp_ratio[False]:.2f}")
 
 
 def time_step(learner: Learner, batch: TrainBatch, runs: int) -> float:
