@@ -11,8 +11,9 @@ forward, `rl.logprobs.token_logprobs` with sequence chunks of 256, GRPO loss, ba
    layers (the Flash schedule of layer kinds: 2 sliding, then CSA/HCA alternating; S = 256), on the run's default
    path: layers under `lax.scan` per group of identical layers (`LearnerConfig.scan_layers`, the run's default
    `rl.config.DEFAULT_LEARNER`; dsv4/scan.py: 3 traced layer bodies at 4 layers, 4 at 12-43), state stacked.
-   compile_ratio_43_4 = t(43) / t(4) scanned. Also (`--layers both`, default) the Python layer loop
-   (`--no-scan-layers`), whose compile time grows with depth: compile_ratio_43_4_unrolled.
+   compile_ratio_43_4 = t(43) / t(4) scanned, t = this process's CPU seconds in `compile()` (XLA compiles on one
+   thread; CPU time is robust to a loaded machine, wall time is not). Also (`--layers both`, default) the Python
+   layer loop (`--no-scan-layers`), whose compile time grows with depth: compile_ratio_43_4_unrolled.
 3. step time: median wall time of the compiled train step (`block_until_ready`, after a warm-up call) with dense
    and blocked attention at S = 1K and 4K, on a 3-layer `small` (one sliding, one CSA, one HCA layer: the 6-layer
    dense step at 4K does not fit the shared 24 GB machine). blocked_vs_dense_step_4k = dense time / blocked time
@@ -63,12 +64,15 @@ def make_batch(s: int, vocab: int) -> TrainBatch:
                       rollout_logprobs=jnp.zeros((1, s), jnp.float32), advantages=jnp.ones((1,), jnp.float32))
 
 
-def compile_step(learner: Learner, batch: TrainBatch):
-    """-> (compiled step, compile seconds, temp MiB): `Learner.lower`, the train step exactly as `update` runs it."""
+def compile_step(learner: Learner, batch: TrainBatch, cpu_time: bool = False):
+    """-> (compiled step, compile seconds, temp MiB): `Learner.lower`, the train step exactly as `update` runs it.
+    Seconds are wall time, or with `cpu_time` this process's CPU time (`time.process_time`: what XLA's compile
+    costs, robust to other processes loading the machine)."""
     lowered = learner.lower(batch)
-    t0 = time.perf_counter()
+    clock = time.process_time if cpu_time else time.perf_counter
+    t0 = clock()
     compiled = lowered.compile()
-    dt = time.perf_counter() - t0
+    dt = clock() - t0
     return compiled, dt, compiled.memory_analysis().temp_size_in_bytes / MIB
 
 
@@ -107,12 +111,12 @@ def main() -> None:
     if "compile" in sections:
         layer_paths = {"both": (True, False), "scan": (True,), "unrolled": (False,)}["scan" if args.scan else args.layers]
         for scanned in layer_paths:
-            print(f"\n{'scanned (default)' if scanned else 'Python-loop'} layers\n| layers | compile s | temp MiB |\n"
-                  f"|---|---|---|")
+            print(f"\n{'scanned (default)' if scanned else 'Python-loop'} layers\n| layers | compile CPU s | "
+                  f"temp MiB |\n|---|---|---|")
             for n in depths:
                 cfg = flash_like(n)
                 lr = make_learner(cfg, "blocked", scan_layers=scanned)
-                _, comp[scanned, n], t = compile_step(lr, make_batch(256, cfg.vocab_size))
+                _, comp[scanned, n], t = compile_step(lr, make_batch(256, cfg.vocab_size), cpu_time=True)
                 print(f"| {n} | {comp[scanned, n]:.1f} | {t:.1f} |", flush=True)
                 del lr
     nan = float("nan")
