@@ -265,33 +265,6 @@ def _policy(remat: str | Callable | None):
                      f"policy")
 
 
-def pin_to_step(state: Any, x: jax.Array) -> tuple[Any, jax.Array]:
-    """(state, x) unchanged in value, each made data-dependent on the other (`where(NaN test, 0, v)`).
-
-    Why: XLA may move an elementwise op on one layer's slice of a stacked (scanned) weight out of the loop, onto
-    the whole stack. XLA:CPU upcasts bf16 dot operands to f32 and then converts every stacked weight, and the stack
-    of saved layer inputs, to f32 once before the loop (measured in the Flash train step's buffer dump: an f32 copy
-    of all layers' weights and saved inputs live at once, ~2 GiB per layer per device; `launch/aot.py`).
-    `jax.lax.optimization_barrier` does not stop it (XLA:CPU drops barriers early). A select whose predicate
-    depends on the other operand's value (the first element of x for the weights, of the first float weight for
-    x) ties each slice to its loop step, so such a conversion stays per layer. Values and gradients are exact:
-    the predicate is False unless that element is NaN (then the step's output is not finite anyway).
-    Args: state: a layer's pytree of arrays (non-float leaves are left alone); x: [B, S, n, D] streams.
-    Returns: (state, x).
-    """
-    floats = [a for a in jax.tree.leaves(state) if jnp.issubdtype(a.dtype, jnp.floating) and a.size]
-    if not floats or not x.size:
-        return state, x
-    x0, w0 = x.reshape(-1)[0], floats[0].reshape(-1)[0]
-
-    def pin(v, ref):
-        if not jnp.issubdtype(v.dtype, jnp.floating):
-            return v
-        return jnp.where(ref != ref, jnp.zeros((), v.dtype), v)
-
-    return jax.tree.map(lambda a: pin(a, x0), state), pin(x, w0)
-
-
 def run_layers(groups: Sequence[LayerGroup], graphdefs: Sequence[Sequence[Any]], stacked: Any, x: jax.Array,
                positions: jax.Array, ids: jax.Array, routing_replay: jax.Array | None = None,
                dispatch_fn: Callable | None = None, *, remat: str | Callable | None = None):
@@ -315,7 +288,6 @@ def run_layers(groups: Sequence[LayerGroup], graphdefs: Sequence[Sequence[Any]],
     for g, grp in enumerate(groups):
         def make_step(gdef, inline=grp.repeats == 1):
             def step(state, x, forced):
-                state, x = pin_to_step(state, x)
                 return block_step(nnx.merge(gdef, state), x, positions, ids, forced, dispatch_fn)
             # prevent_cse=False is only safe inside lax.scan; a group run inline (one repetition) needs the CSE
             # guard, else XLA merges the backward's recomputation with the forward and keeps the whole layer's
