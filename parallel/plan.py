@@ -88,6 +88,7 @@ from jax.sharding import AbstractMesh, AxisType
 import dsv4
 from dsv4.cache import cache_shapes
 from dsv4.quant import FP8_WEIGHT_RE
+from dsv4.scan import layer_groups
 from sharding import mesh as mesh_lib
 from sharding import offload as offload_lib
 from sharding import rules as rl
@@ -110,7 +111,7 @@ GPUS: dict[str, GpuSpec] = {
     "h200": GpuSpec(name="NVIDIA H200 SXM", hbm_gib=140, source="NVIDIA product page: 141 GB HBM3e (~140 GiB visible)"),
 }
 _BYTES = {"fp32": 4, "bf16": 2}
-_LAYER = re.compile(r"layers\.\d+\.")  # a decoder layer's leaf: stacked under --scan-layers, hence streamed
+_LAYER = re.compile(r"layers\.(\d+)\.")  # a decoder layer's leaf: stacked under --scan-layers, hence streamed
 _EXPERTS = re.compile(r"\.ffn\.experts\.w[123]$")  # the stacked routed experts (NNX paths joined with ".")
 
 
@@ -243,10 +244,16 @@ class RoleReport:
     kv_seqs_per_device: int | None = None
     kv_tokens_per_device: int | None = None
     kv_per_seq: float | None = None
+    cpu_only: float = 0.0  # bytes of the items labelled "XLA:CPU only" (in `items` with plan(xla_cpu=True))
 
     @property
     def total(self) -> float:
         return sum(self.items.values())
+
+    @property
+    def gpu_total(self) -> float:
+        """`total` without the XLA:CPU-only items: the plan for a GPU."""
+        return self.total - self.cpu_only
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -325,15 +332,14 @@ def ep_rows_per_token(cfg, sizes: dict[str, int], ep_backend: str, ep_capacity: 
 
 def _actor_activations(cfg, sizes: dict[str, int], tokens: int, seq_len: int, ep_capacity: float | None,
                        ep_backend: str = "ragged") -> float:
-    """Bytes per device of the activation estimate (module docstring formula)."""
+    """Bytes per device of one layer's backward working set plus one log-prob chunk (module docstring formula:
+    the per-token terms other than the saved layer inputs, and the chunk)."""
     tp = sizes[rl.TENSOR]
     d, n, h, hd = cfg.hidden_size, cfg.hc_mult, cfg.num_attention_heads, cfg.head_dim
     i_ = cfg.moe_intermediate_size / tp
-    layers = cfg.num_hidden_layers + cfg.num_nextn_predict_layers
     rows = ep_rows_per_token(cfg, sizes, ep_backend, ep_capacity)
     keys = cfg.sliding_window + BLOCK_Q + (cfg.index_topk if cfg.csa_compress_ratio in cfg.compress_ratios else 0)
-    per_tok = (layers * n * d * 2                        # saved block inputs (bf16 residual streams)
-               + 4 * h * hd * 4 / tp                     # q, attention output and their grads (f32), one layer
+    per_tok = (4 * h * hd * 4 / tp                       # q, attention output and their grads (f32), one layer
                + 2 * h * keys * 4 / tp                   # blocked attention: logits + probs per query (f32)
                + 2 * rows * (4 * d * 2 + d * 4 + 3 * i_ * 4 + i_ * 2)  # EP rows: sent/received/back (bf16),
                                                           # y (f32), h1/h3/h (f32, bf16), fwd + bwd
@@ -341,6 +347,12 @@ def _actor_activations(cfg, sizes: dict[str, int], tokens: int, seq_len: int, ep
     n_rows = max(1, math.ceil(tokens / seq_len))
     logits = n_rows * min(seq_len, LOGPROB_CHUNK) * 3 * cfg.vocab_size * 4 / tp  # one chunk: logits, lse, grad
     return tokens * per_tok + logits
+
+
+def saved_layer_inputs(cfg, tokens: int, itemsize: int = 2) -> float:
+    """Bytes per device of the remat'd layers' saved inputs: every main layer's [n_hc, D] streams per token in the
+    compute dtype (bf16: 2). The learner never runs the MTP block (`rl.logprobs.token_logprobs`)."""
+    return cfg.num_hidden_layers * tokens * cfg.hc_mult * cfg.hidden_size * itemsize
 
 
 def _role_nodes(devices: int) -> float:
@@ -355,7 +367,7 @@ def plan(config, mesh_spec: str, gpu: str, *, nodes: int | None = None, optimize
          rollout_seqs_per_device: int = 1, ep_capacity_factor: float | None = None, ep_backend: str = "ragged",
          stream_optimizer: bool = False,
          host_gib_per_node: float | None = None, config_name: str | None = None, train_mtp: bool = True,
-         freeze_router: bool = False) -> PlanReport:
+         freeze_router: bool = False, xla_cpu: bool = False) -> PlanReport:
     """Plan the per-device memory of both roles. Arguments as the CLI flags (module docstring).
 
     Args:
@@ -366,6 +378,8 @@ def plan(config, mesh_spec: str, gpu: str, *, nodes: int | None = None, optimize
       PlanReport (`.table()`, `.line()`).
       train_mtp, freeze_router: the learner's frozen set (`sharding.offload.is_trained`): frozen params get no
         master or moments. Default train_mtp=True (LearnerConfig's default is False: pass False to plan it).
+      xla_cpu: also count the buffers only XLA:CPU holds (items labelled "XLA:CPU only", `RoleReport.cpu_only`;
+        module docstring), to compare with `--compile`'s XLA:CPU figures; the actor's `fits` stays the GPU's.
     Raises:
       MeshSpecError: unparsable spec, device count != nodes * 8, or a model dim the mesh does not divide.
       ValueError: unknown gpu / dtype / expert format, or an option out of range.
@@ -445,7 +459,27 @@ def plan(config, mesh_spec: str, gpu: str, *, nodes: int | None = None, optimize
                 master, mom = master + ms, mom + mo
     if ep_backend not in EP_BACKENDS:
         raise ValueError(f"--ep-backend must be one of {list(EP_BACKENDS)}, got {ep_backend!r}")
-    act = _actor_activations(config, a_sizes, tokens_per_device, opts["train_seq_len"], ep_capacity_factor, ep_backend)
+    # one layer's weights gathered over the batch-only axes (FSDP / ZeRO-3: the layer's recompute and its weight
+    # grads before the reduce-scatter), the head gathered for the log-prob chunk; the stacked layers (scan groups
+    # of > 1 repetition) for XLA:CPU's f32 copies
+    g_mesh = abstract_mesh({**a_sizes, rl.DATA: 1, rl.FSDP: 1})
+    stacked = {grp.layer(r, j) for grp in layer_groups(config) if grp.repeats > 1
+               for r in range(grp.repeats) for j in range(grp.period)}
+    gathered: dict[int, float] = {}
+    head = cpu_stack = 0.0
+    for leaf in leaves:
+        item = np.dtype(leaf.dtype).itemsize
+        if (m := _LAYER.match(leaf.path)) and leaf.trained:
+            i = int(m.group(1))
+            gathered[i] = gathered.get(i, 0.0) + math.prod(local_shape(leaf, rl.ACTOR_RULES, g_mesh)) * item
+            if i in stacked and leaf.dtype == "bfloat16":
+                cpu_stack += math.prod(local_shape(leaf, rl.ACTOR_RULES, a_mesh)) * 4
+        elif leaf.path == "head.weight":
+            head = math.prod(local_shape(leaf, rl.ACTOR_RULES, g_mesh)) * item
+    layer_w = max(gathered.values(), default=0.0)
+    tokens = tokens_per_device
+    act = _actor_activations(config, a_sizes, tokens, opts["train_seq_len"], ep_capacity_factor, ep_backend)
+    saved = saved_layer_inputs(config, tokens)
     off = off_master + off_mom
     on_gpu = " (rest in host memory)" if off else ""
     a_items = {
@@ -454,13 +488,26 @@ def plan(config, mesh_spec: str, gpu: str, *, nodes: int | None = None, optimize
         f"fp32 master weights{on_gpu}": master,
         f"Adam moments (2 x {optimizer_dtype}){on_gpu}": mom,
         f"activations ({tokens_per_device} tokens, seq {opts['train_seq_len']}, remat block, EP {ep_backend})": act,
+        f"activations: saved layer inputs ({config.num_hidden_layers} layers x bf16 [n_hc, D] per token)": saved,
+        "activations: one layer's weights gathered (fsdp) + their grads; the head": 2 * layer_w + head,
         "optimizer update: offloaded state moved to the device (learner's step)": whole + slice_peak,
     }
+    cpu_only = 0.0
+    if xla_cpu:  # what XLA:CPU holds on top (module docstring): f32 copies of bf16 operands
+        n_stacked = len(stacked)
+        cpu = {"activations: XLA:CPU only: f32 copies of the stacked bf16 layer weights": cpu_stack,
+               f"activations: XLA:CPU only: f32 copy of the saved inputs ({n_stacked} stacked layers)":
+                   saved * 2 * n_stacked / max(1, config.num_hidden_layers),
+               "activations: XLA:CPU only: f32 copies of one layer's gathered weights + grads, the head":
+                   2 * layer_w + head}
+        a_items.update(cpu)
+        cpu_only = sum(cpu.values())
     a_total = sum(a_items.values())
+    a_gpu = a_total - cpu_only
     a_dev = spec.size(rl.ACTOR)
     host_ok = host_gib_per_node is None or off * GPUS_PER_NODE <= host_gib_per_node * GiB
     actor = RoleReport(role=rl.ACTOR, sizes=a_sizes, devices=a_dev, nodes=_role_nodes(a_dev), items=a_items, host=off,
-                       usable=usable, margin=usable - a_total, fits=a_total <= usable and host_ok)
+                       usable=usable, margin=usable - a_gpu, fits=a_gpu <= usable and host_ok, cpu_only=cpu_only)
 
     # ---- rollout (on its own devices, or on the actor's when colocated: then the actor state is resident too)
     r_sizes = spec.axes(rl.ROLLOUT)
@@ -476,7 +523,8 @@ def plan(config, mesh_spec: str, gpu: str, *, nodes: int | None = None, optimize
     if rollout_dequant == "per_call":
         r_items["bf16 copy of the quantised weights (dequant=per_call)"] = dequant_copy
     if spec.colocated:
-        r_items["actor state resident (colocated; activations excluded)"] = a_total - act - off
+        r_items["actor state resident (colocated; activations excluded)"] = (
+            a_gpu - off - sum(v for k, v in a_items.items() if k.startswith("activations") and "XLA:CPU" not in k))
     r_items[f"reserve for activations / fragmentation ({rollout_reserve:.0%} of usable)"] = rollout_reserve * usable
     kv = KVCache.for_config(config, jnp.bfloat16 if kv_dtype == "bf16" else jnp.float32)
     free = usable - sum(r_items.values())
