@@ -311,16 +311,15 @@ class Learner:
     def _streamable(self) -> frozenset[str]:
         """Offloaded params whose state the step streams slice by slice (`rl.optim.update_streamed`): ndim >= 3
         (a slice keeps ndim >= 2: the weight-decay mask is unchanged) and a leading dim that no mesh axis splits
-        (with `scan_layers`: the stacked layer dim). A leading dim of 1 (a group of one layer) is streamed too:
-        its state then moves inside the update loop, after the gradients exist, instead of whenever XLA schedules
-        the move (XLA:CPU moved it before the backward: launch/aot.py)."""
+        (with `scan_layers`: the stacked layer dim) > 1. (Streaming a group of one layer too was measured worse:
+        +11 GiB in XLA:CPU's figure of the 4-layer Flash step, so it is moved whole.)"""
         out = set()
         for p, x in jax.tree_util.tree_leaves_with_path(self.state.params):
             name = _path(p)
             sh = getattr(x, "sharding", None)
             spec = getattr(sh, "spec", None)
             lead_split = spec is not None and len(spec) > 0 and spec[0] is not None
-            if name in self.offloaded and x.ndim >= 3 and not lead_split:
+            if name in self.offloaded and x.ndim >= 3 and x.shape[0] > 1 and not lead_split:
                 out.add(name)
         return frozenset(out)
 
