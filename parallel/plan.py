@@ -24,17 +24,27 @@ the bytes) to host memory (`pinned_host`, the learner's `--offload-optimizer`; r
 the GPU; with `host_gib_per_node` given, an actor needing more host RAM than that does not fit).
 Activation estimate for T = tokens per device in one micro-batch, S = sequence length, as the learner runs
 (`--remat block`: only each layer's input is kept, the layer is recomputed in the backward; blocked attention,
-dsv4/blocked.py; log-probs in chunks of 1024 positions), tp = tensor size, L' = L + MTP layers, R = expert-FFN
-rows per local token on a rank (`ep_rows_per_token`: "padded" f * k, dropless E * k; "capacity" min(ep, f) * k;
-"ragged" ep * k dropless or f * k; f = --ep-capacity-factor, k = experts per token):
-    A = T * [ L' * n_hc * D * 2                          saved layer inputs: the [n_hc, D] bf16 residual streams
-            + 4 * H * d * 4 / tp                         q, attention output and their grads (f32), one layer
-            + 2 * H * (W + 128 + topk) * 4 / tp          blocked attention logits + probs per query (window + one
-                                                          query block + the CSA top-k entries), f32
-            + 2 * R * (8 * D + 4 * D + 14 * I / tp)      EP rows: sent / received / returned (bf16), y (f32),
-                                                          h1 / h3 (f32) and h (bf16), forward + backward
-            + 6 * n_hc * D * 4 ]                         mHC f32 temporaries
-        + rows * min(S, 1024) * 3 * V * 4 / tp           one log-prob chunk: logits, log-sum-exp, grad (f32)
+dsv4/blocked.py; log-probs in chunks of 1024 positions), tp = tensor size, L = main layers (the learner never runs
+the MTP block), R = expert-FFN rows per local token on a rank (`ep_rows_per_token`: "padded" f * k, dropless
+E * k; "capacity" min(ep, f) * k; "ragged" ep * k dropless or f * k; f = --ep-capacity-factor, k = experts per
+token):
+    saved layer inputs   L * T * n_hc * D * 2                        the [n_hc, D] bf16 residual streams
+    one layer's backward T * [ 4 * H * d * 4 / tp                    q, attention output and their grads (f32)
+                             + 2 * H * (W + 128 + topk) * 4 / tp     blocked attention logits + probs per query
+                                                                     (window + one query block + CSA top-k), f32
+                             + 2 * R * (8 * D + 4 * D + 14 * I / tp) EP rows: sent / received / returned (bf16),
+                                                                     y (f32), h1 / h3 (f32) and h (bf16), fwd + bwd
+                             + 6 * n_hc * D * 4 ]                    mHC f32 temporaries
+                         + rows * min(S, 1024) * 3 * V * 4 / tp      one log-prob chunk: logits, lse, grad (f32)
+    gathered weights     2 * (largest layer's weights gathered over data x fsdp) + the head gathered: FSDP's
+                         all-gather for the recompute and the weight grads before their reduce-scatter.
+With `xla_cpu=True` (`--compile`) three items labelled "XLA:CPU only" are added, the buffers XLA:CPU holds and a
+GPU does not (found in XLA's buffer assignment of the Flash step, `--xla_dump_to`; README "Learner memory knobs"):
+XLA:CPU copies each stacked weight that enters a `lax.scan` loop, and its float normalisation makes that copy f32
+(4 bytes per element of every bf16 weight of the layers in scan groups of > 1 repetition), the same for the
+stacked saved layer inputs the backward loop reads (4 bytes per element), and it upcasts the gathered weights and
+the head for its f32 dots (2 * gathered layer + head, again). `RoleReport.cpu_only` is their sum; the actor's
+`fits` is the GPU plan's (`gpu_total`).
 Optimizer update transient: the step moves the offloaded optimizer state (fp32 masters + moments) to the device
 for the update and back (`rl.learner.Learner._opt_state_to`). Without `stream_optimizer` nothing bounds how much
 of it is there at once (XLA's memory analysis of the Flash step keeps most of it live: launch/aot.py), so the plan
@@ -42,8 +52,9 @@ counts all offloaded bytes on the device. With the learner's `stream_optimizer` 
 offloaded state of the decoder layers (stacked under `scan_layers`) is updated one layer at a time: the plan
 counts one layer's largest state slice in + out, plus the offloaded state of everything else (embedding, head,
 1-D leaves) whole. The plan is an estimate. Against XLA (`--compile`, Flash, 8K tokens per device, padded EP,
-streamed update) XLA:CPU's figure is 1.90x the plan (239.62 vs 126.19 GiB; the aim is a factor <= 1.5, not met:
-XLA:CPU upcasts bf16 dots to f32 and ~3.8 GiB per layer of its temporaries are not explained yet, README).
+streamed update) the plan with the XLA:CPU-only items is within a few percent of XLA:CPU's figure at full depth
+(benchmarks/README.md); the GPU plan leaves them out. Not verified on a GPU: whether its XLA also copies a
+stacked weight entering the loop (in bf16 there, +1x the stacked layer weights if so).
 
 Rollout, per device, as rl/sampler.py holds it: FP8 e4m3 (1 byte per weight) for the checkpoint's FP8 set
 (`dsv4.quant.FP8_WEIGHT_RE`: attention wq_a/wq_b/wkv/wo_a/wo_b, indexer wq_b, shared experts, MTP e/h_proj) and
