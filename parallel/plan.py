@@ -282,7 +282,7 @@ class PlanReport:
         """The machine-readable `PLAN ...` line."""
         parts = ["PLAN"]
         for r in (self.actor, self.rollout):
-            parts += [f"role={r.role}", f"per_device_gib={r.total / GiB:.2f}", f"fits={'yes' if r.fits else 'no'}",
+            parts += [f"role={r.role}", f"per_device_gib={r.gpu_total / GiB:.2f}", f"fits={'yes' if r.fits else 'no'}",
                       f"margin_gib={r.margin / GiB:.2f}"]
             if r.kv_tokens_per_device is not None:
                 parts.append(f"kv_tokens_per_device={r.kv_tokens_per_device}")
@@ -300,7 +300,10 @@ class PlanReport:
             lines.append(f"\n{title}\n  {'':<58}{'GiB/device':>10}")
             for name, b in r.items.items():
                 lines.append(f"  {name:<58}{b / GiB:>10.2f}")
-            lines.append(f"  {'total on the GPU':<58}{r.total / GiB:>10.2f}   (usable {r.usable / GiB:.1f})")
+            lines.append(f"  {'total on the GPU':<58}{r.gpu_total / GiB:>10.2f}   (usable {r.usable / GiB:.1f})")
+            if r.cpu_only:
+                lines.append(f"  {'total with the XLA:CPU-only items (compare with XLA:CPU)':<58}"
+                             f"{r.total / GiB:>10.2f}")
             if r.host:
                 cap = o["host_gib_per_node"]
                 lines.append(f"  {'host memory (offloaded), per device / per node':<58}{r.host / GiB:>10.2f}"
