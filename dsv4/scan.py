@@ -286,10 +286,13 @@ def run_layers(groups: Sequence[LayerGroup], graphdefs: Sequence[Sequence[Any]],
     b, s = ids.shape
     routes = []
     for g, grp in enumerate(groups):
-        def make_step(gdef):
+        def make_step(gdef, inline=grp.repeats == 1):
             def step(state, x, forced):
                 return block_step(nnx.merge(gdef, state), x, positions, ids, forced, dispatch_fn)
-            return step if policy is None else jax.checkpoint(step, policy=policy, prevent_cse=False)
+            # prevent_cse=False is only safe inside lax.scan; a group run inline (one repetition) needs the CSE
+            # guard, else XLA merges the backward's recomputation with the forward and keeps the whole layer's
+            # activations alive until its backward (the remat silently undone)
+            return step if policy is None else jax.checkpoint(step, policy=policy, prevent_cse=inline)
 
         steps = [make_step(gdef) for gdef in graphdefs[g]]
 

@@ -113,7 +113,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                       ep_capacity_factor=args.ep_capacity_factor, host_gib_per_node=args.host_gib_per_node,
                       ep_backend=ep_backend or ("capacity" if args.compile else "ragged"),
                       stream_optimizer=args.stream_optimizer, config_name=name, train_mtp=args.train_mtp,
-                      freeze_router=args.freeze_router)
+                      freeze_router=args.freeze_router, xla_cpu=args.compile)
     except ValueError as e:  # MeshSpecError is a ValueError
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -132,8 +132,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     a, r = report.actor, report.rollout
     print("\n".join(xla.lines()))
-    print(f"  planner arithmetic for the same step: {a.total / GiB:.2f} GiB (XLA/plan = {xla.total / a.total:.2f}); "
-          "XLA:CPU upcasts bf16 dots to f32 (temporaries above a GPU's)")
+    print(f"  planner arithmetic for the same step: {a.total / GiB:.2f} GiB (XLA/plan = {xla.total / a.total:.2f}), "
+          f"of which {a.cpu_only / GiB:.2f} GiB are the items only XLA:CPU holds; XLA:CPU upcasts bf16 dots to f32 "
+          "(temporaries above a GPU's)")
+    print(f"  GPU estimate: plan {a.gpu_total / GiB:.2f} GiB; XLA:CPU figure less the planned XLA:CPU-only items "
+          f"(CPU-artefact-corrected, an estimate) {(xla.total - a.cpu_only) / GiB:.2f} GiB; raw XLA:CPU "
+          f"{xla.total / GiB:.2f} GiB")
     r_xla = _compile_rollout(config, report, args)
     r_fits = r.fits if r_xla is None else r_xla <= r.usable
     fits = xla.total <= a.usable and r_fits

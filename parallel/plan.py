@@ -24,17 +24,27 @@ the bytes) to host memory (`pinned_host`, the learner's `--offload-optimizer`; r
 the GPU; with `host_gib_per_node` given, an actor needing more host RAM than that does not fit).
 Activation estimate for T = tokens per device in one micro-batch, S = sequence length, as the learner runs
 (`--remat block`: only each layer's input is kept, the layer is recomputed in the backward; blocked attention,
-dsv4/blocked.py; log-probs in chunks of 1024 positions), tp = tensor size, L' = L + MTP layers, R = expert-FFN
-rows per local token on a rank (`ep_rows_per_token`: "padded" f * k, dropless E * k; "capacity" min(ep, f) * k;
-"ragged" ep * k dropless or f * k; f = --ep-capacity-factor, k = experts per token):
-    A = T * [ L' * n_hc * D * 2                          saved layer inputs: the [n_hc, D] bf16 residual streams
-            + 4 * H * d * 4 / tp                         q, attention output and their grads (f32), one layer
-            + 2 * H * (W + 128 + topk) * 4 / tp          blocked attention logits + probs per query (window + one
-                                                          query block + the CSA top-k entries), f32
-            + 2 * R * (8 * D + 4 * D + 14 * I / tp)      EP rows: sent / received / returned (bf16), y (f32),
-                                                          h1 / h3 (f32) and h (bf16), forward + backward
-            + 6 * n_hc * D * 4 ]                         mHC f32 temporaries
-        + rows * min(S, 1024) * 3 * V * 4 / tp           one log-prob chunk: logits, log-sum-exp, grad (f32)
+dsv4/blocked.py; log-probs in chunks of 1024 positions), tp = tensor size, L = main layers (the learner never runs
+the MTP block), R = expert-FFN rows per local token on a rank (`ep_rows_per_token`: "padded" f * k, dropless
+E * k; "capacity" min(ep, f) * k; "ragged" ep * k dropless or f * k; f = --ep-capacity-factor, k = experts per
+token):
+    saved layer inputs   L * T * n_hc * D * 2                        the [n_hc, D] bf16 residual streams
+    one layer's backward T * [ 4 * H * d * 4 / tp                    q, attention output and their grads (f32)
+                             + 2 * H * (W + 128 + topk) * 4 / tp     blocked attention logits + probs per query
+                                                                     (window + one query block + CSA top-k), f32
+                             + 2 * R * (8 * D + 4 * D + 14 * I / tp) EP rows: sent / received / returned (bf16),
+                                                                     y (f32), h1 / h3 (f32) and h (bf16), fwd + bwd
+                             + 6 * n_hc * D * 4 ]                    mHC f32 temporaries
+                         + rows * min(S, 1024) * 3 * V * 4 / tp      one log-prob chunk: logits, lse, grad (f32)
+    gathered weights     2 * (largest layer's weights gathered over data x fsdp) + the head gathered: FSDP's
+                         all-gather for the recompute and the weight grads before their reduce-scatter.
+With `xla_cpu=True` (`--compile`) three items labelled "XLA:CPU only" are added, the buffers XLA:CPU holds and a
+GPU does not (found in XLA's buffer assignment of the Flash step, `--xla_dump_to`; README "Learner memory knobs"):
+XLA:CPU copies each stacked weight that enters a `lax.scan` loop, and its float normalisation makes that copy f32
+(4 bytes per element of every bf16 weight of the layers in scan groups of > 1 repetition), the same for the
+stacked saved layer inputs the backward loop reads (4 bytes per element), and it upcasts the gathered weights and
+the head for its f32 dots (2 * gathered layer + head, again). `RoleReport.cpu_only` is their sum; the actor's
+`fits` is the GPU plan's (`gpu_total`).
 Optimizer update transient: the step moves the offloaded optimizer state (fp32 masters + moments) to the device
 for the update and back (`rl.learner.Learner._opt_state_to`). Without `stream_optimizer` nothing bounds how much
 of it is there at once (XLA's memory analysis of the Flash step keeps most of it live: launch/aot.py), so the plan
@@ -42,8 +52,9 @@ counts all offloaded bytes on the device. With the learner's `stream_optimizer` 
 offloaded state of the decoder layers (stacked under `scan_layers`) is updated one layer at a time: the plan
 counts one layer's largest state slice in + out, plus the offloaded state of everything else (embedding, head,
 1-D leaves) whole. The plan is an estimate. Against XLA (`--compile`, Flash, 8K tokens per device, padded EP,
-streamed update) XLA:CPU's figure is 1.90x the plan (239.62 vs 126.19 GiB; the aim is a factor <= 1.5, not met:
-XLA:CPU upcasts bf16 dots to f32 and ~3.8 GiB per layer of its temporaries are not explained yet, README).
+streamed update) the plan with the XLA:CPU-only items is within a few percent of XLA:CPU's figure at full depth
+(benchmarks/README.md); the GPU plan leaves them out. Not verified on a GPU: whether its XLA also copies a
+stacked weight entering the loop (in bf16 there, +1x the stacked layer weights if so).
 
 Rollout, per device, as rl/sampler.py holds it: FP8 e4m3 (1 byte per weight) for the checkpoint's FP8 set
 (`dsv4.quant.FP8_WEIGHT_RE`: attention wq_a/wq_b/wkv/wo_a/wo_b, indexer wq_b, shared experts, MTP e/h_proj) and
@@ -88,6 +99,7 @@ from jax.sharding import AbstractMesh, AxisType
 import dsv4
 from dsv4.cache import cache_shapes
 from dsv4.quant import FP8_WEIGHT_RE
+from dsv4.scan import layer_groups
 from sharding import mesh as mesh_lib
 from sharding import offload as offload_lib
 from sharding import rules as rl
@@ -110,7 +122,7 @@ GPUS: dict[str, GpuSpec] = {
     "h200": GpuSpec(name="NVIDIA H200 SXM", hbm_gib=140, source="NVIDIA product page: 141 GB HBM3e (~140 GiB visible)"),
 }
 _BYTES = {"fp32": 4, "bf16": 2}
-_LAYER = re.compile(r"layers\.\d+\.")  # a decoder layer's leaf: stacked under --scan-layers, hence streamed
+_LAYER = re.compile(r"layers\.(\d+)\.")  # a decoder layer's leaf: stacked under --scan-layers, hence streamed
 _EXPERTS = re.compile(r"\.ffn\.experts\.w[123]$")  # the stacked routed experts (NNX paths joined with ".")
 
 
@@ -243,10 +255,16 @@ class RoleReport:
     kv_seqs_per_device: int | None = None
     kv_tokens_per_device: int | None = None
     kv_per_seq: float | None = None
+    cpu_only: float = 0.0  # bytes of the items labelled "XLA:CPU only" (in `items` with plan(xla_cpu=True))
 
     @property
     def total(self) -> float:
         return sum(self.items.values())
+
+    @property
+    def gpu_total(self) -> float:
+        """`total` without the XLA:CPU-only items: the plan for a GPU."""
+        return self.total - self.cpu_only
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -264,7 +282,7 @@ class PlanReport:
         """The machine-readable `PLAN ...` line."""
         parts = ["PLAN"]
         for r in (self.actor, self.rollout):
-            parts += [f"role={r.role}", f"per_device_gib={r.total / GiB:.2f}", f"fits={'yes' if r.fits else 'no'}",
+            parts += [f"role={r.role}", f"per_device_gib={r.gpu_total / GiB:.2f}", f"fits={'yes' if r.fits else 'no'}",
                       f"margin_gib={r.margin / GiB:.2f}"]
             if r.kv_tokens_per_device is not None:
                 parts.append(f"kv_tokens_per_device={r.kv_tokens_per_device}")
@@ -282,7 +300,10 @@ class PlanReport:
             lines.append(f"\n{title}\n  {'':<58}{'GiB/device':>10}")
             for name, b in r.items.items():
                 lines.append(f"  {name:<58}{b / GiB:>10.2f}")
-            lines.append(f"  {'total on the GPU':<58}{r.total / GiB:>10.2f}   (usable {r.usable / GiB:.1f})")
+            lines.append(f"  {'total on the GPU':<58}{r.gpu_total / GiB:>10.2f}   (usable {r.usable / GiB:.1f})")
+            if r.cpu_only:
+                lines.append(f"  {'total with the XLA:CPU-only items (compare with XLA:CPU)':<58}"
+                             f"{r.total / GiB:>10.2f}")
             if r.host:
                 cap = o["host_gib_per_node"]
                 lines.append(f"  {'host memory (offloaded), per device / per node':<58}{r.host / GiB:>10.2f}"
@@ -325,15 +346,14 @@ def ep_rows_per_token(cfg, sizes: dict[str, int], ep_backend: str, ep_capacity: 
 
 def _actor_activations(cfg, sizes: dict[str, int], tokens: int, seq_len: int, ep_capacity: float | None,
                        ep_backend: str = "ragged") -> float:
-    """Bytes per device of the activation estimate (module docstring formula)."""
+    """Bytes per device of one layer's backward working set plus one log-prob chunk (module docstring formula:
+    the per-token terms other than the saved layer inputs, and the chunk)."""
     tp = sizes[rl.TENSOR]
     d, n, h, hd = cfg.hidden_size, cfg.hc_mult, cfg.num_attention_heads, cfg.head_dim
     i_ = cfg.moe_intermediate_size / tp
-    layers = cfg.num_hidden_layers + cfg.num_nextn_predict_layers
     rows = ep_rows_per_token(cfg, sizes, ep_backend, ep_capacity)
     keys = cfg.sliding_window + BLOCK_Q + (cfg.index_topk if cfg.csa_compress_ratio in cfg.compress_ratios else 0)
-    per_tok = (layers * n * d * 2                        # saved block inputs (bf16 residual streams)
-               + 4 * h * hd * 4 / tp                     # q, attention output and their grads (f32), one layer
+    per_tok = (4 * h * hd * 4 / tp                       # q, attention output and their grads (f32), one layer
                + 2 * h * keys * 4 / tp                   # blocked attention: logits + probs per query (f32)
                + 2 * rows * (4 * d * 2 + d * 4 + 3 * i_ * 4 + i_ * 2)  # EP rows: sent/received/back (bf16),
                                                           # y (f32), h1/h3/h (f32, bf16), fwd + bwd
@@ -341,6 +361,12 @@ def _actor_activations(cfg, sizes: dict[str, int], tokens: int, seq_len: int, ep
     n_rows = max(1, math.ceil(tokens / seq_len))
     logits = n_rows * min(seq_len, LOGPROB_CHUNK) * 3 * cfg.vocab_size * 4 / tp  # one chunk: logits, lse, grad
     return tokens * per_tok + logits
+
+
+def saved_layer_inputs(cfg, tokens: int, itemsize: int = 2) -> float:
+    """Bytes per device of the remat'd layers' saved inputs: every main layer's [n_hc, D] streams per token in the
+    compute dtype (bf16: 2). The learner never runs the MTP block (`rl.logprobs.token_logprobs`)."""
+    return cfg.num_hidden_layers * tokens * cfg.hc_mult * cfg.hidden_size * itemsize
 
 
 def _role_nodes(devices: int) -> float:
@@ -355,7 +381,7 @@ def plan(config, mesh_spec: str, gpu: str, *, nodes: int | None = None, optimize
          rollout_seqs_per_device: int = 1, ep_capacity_factor: float | None = None, ep_backend: str = "ragged",
          stream_optimizer: bool = False,
          host_gib_per_node: float | None = None, config_name: str | None = None, train_mtp: bool = True,
-         freeze_router: bool = False) -> PlanReport:
+         freeze_router: bool = False, xla_cpu: bool = False) -> PlanReport:
     """Plan the per-device memory of both roles. Arguments as the CLI flags (module docstring).
 
     Args:
@@ -366,6 +392,8 @@ def plan(config, mesh_spec: str, gpu: str, *, nodes: int | None = None, optimize
       PlanReport (`.table()`, `.line()`).
       train_mtp, freeze_router: the learner's frozen set (`sharding.offload.is_trained`): frozen params get no
         master or moments. Default train_mtp=True (LearnerConfig's default is False: pass False to plan it).
+      xla_cpu: also count the buffers only XLA:CPU holds (items labelled "XLA:CPU only", `RoleReport.cpu_only`;
+        module docstring), to compare with `--compile`'s XLA:CPU figures; the actor's `fits` stays the GPU's.
     Raises:
       MeshSpecError: unparsable spec, device count != nodes * 8, or a model dim the mesh does not divide.
       ValueError: unknown gpu / dtype / expert format, or an option out of range.
@@ -445,7 +473,27 @@ def plan(config, mesh_spec: str, gpu: str, *, nodes: int | None = None, optimize
                 master, mom = master + ms, mom + mo
     if ep_backend not in EP_BACKENDS:
         raise ValueError(f"--ep-backend must be one of {list(EP_BACKENDS)}, got {ep_backend!r}")
-    act = _actor_activations(config, a_sizes, tokens_per_device, opts["train_seq_len"], ep_capacity_factor, ep_backend)
+    # one layer's weights gathered over the batch-only axes (FSDP / ZeRO-3: the layer's recompute and its weight
+    # grads before the reduce-scatter), the head gathered for the log-prob chunk; the stacked layers (scan groups
+    # of > 1 repetition) for XLA:CPU's f32 copies
+    g_mesh = abstract_mesh({**a_sizes, rl.DATA: 1, rl.FSDP: 1})
+    stacked = {grp.layer(r, j) for grp in layer_groups(config) if grp.repeats > 1
+               for r in range(grp.repeats) for j in range(grp.period)}
+    gathered: dict[int, float] = {}
+    head = cpu_stack = 0.0
+    for leaf in leaves:
+        item = np.dtype(leaf.dtype).itemsize
+        if (m := _LAYER.match(leaf.path)) and leaf.trained:
+            i = int(m.group(1))
+            gathered[i] = gathered.get(i, 0.0) + math.prod(local_shape(leaf, rl.ACTOR_RULES, g_mesh)) * item
+            if i in stacked and leaf.dtype == "bfloat16":
+                cpu_stack += math.prod(local_shape(leaf, rl.ACTOR_RULES, a_mesh)) * 4
+        elif leaf.path == "head.weight":
+            head = math.prod(local_shape(leaf, rl.ACTOR_RULES, g_mesh)) * item
+    layer_w = max(gathered.values(), default=0.0)
+    tokens = tokens_per_device
+    act = _actor_activations(config, a_sizes, tokens, opts["train_seq_len"], ep_capacity_factor, ep_backend)
+    saved = saved_layer_inputs(config, tokens)
     off = off_master + off_mom
     on_gpu = " (rest in host memory)" if off else ""
     a_items = {
@@ -454,13 +502,26 @@ def plan(config, mesh_spec: str, gpu: str, *, nodes: int | None = None, optimize
         f"fp32 master weights{on_gpu}": master,
         f"Adam moments (2 x {optimizer_dtype}){on_gpu}": mom,
         f"activations ({tokens_per_device} tokens, seq {opts['train_seq_len']}, remat block, EP {ep_backend})": act,
+        f"activations: saved layer inputs ({config.num_hidden_layers} layers x bf16 [n_hc, D] per token)": saved,
+        "activations: one layer's weights gathered (fsdp) + their grads; the head": 2 * layer_w + head,
         "optimizer update: offloaded state moved to the device (learner's step)": whole + slice_peak,
     }
+    cpu_only = 0.0
+    if xla_cpu:  # what XLA:CPU holds on top (module docstring): f32 copies of bf16 operands
+        n_stacked = len(stacked)
+        cpu = {"activations: XLA:CPU only: f32 copies of the stacked bf16 layer weights": cpu_stack,
+               f"activations: XLA:CPU only: f32 copy of the saved inputs ({n_stacked} stacked layers)":
+                   saved * 2 * n_stacked / max(1, config.num_hidden_layers),
+               "activations: XLA:CPU only: f32 copies of one layer's gathered weights + grads, the head":
+                   2 * layer_w + head}
+        a_items.update(cpu)
+        cpu_only = sum(cpu.values())
     a_total = sum(a_items.values())
+    a_gpu = a_total - cpu_only
     a_dev = spec.size(rl.ACTOR)
     host_ok = host_gib_per_node is None or off * GPUS_PER_NODE <= host_gib_per_node * GiB
     actor = RoleReport(role=rl.ACTOR, sizes=a_sizes, devices=a_dev, nodes=_role_nodes(a_dev), items=a_items, host=off,
-                       usable=usable, margin=usable - a_total, fits=a_total <= usable and host_ok)
+                       usable=usable, margin=usable - a_gpu, fits=a_gpu <= usable and host_ok, cpu_only=cpu_only)
 
     # ---- rollout (on its own devices, or on the actor's when colocated: then the actor state is resident too)
     r_sizes = spec.axes(rl.ROLLOUT)
@@ -476,7 +537,8 @@ def plan(config, mesh_spec: str, gpu: str, *, nodes: int | None = None, optimize
     if rollout_dequant == "per_call":
         r_items["bf16 copy of the quantised weights (dequant=per_call)"] = dequant_copy
     if spec.colocated:
-        r_items["actor state resident (colocated; activations excluded)"] = a_total - act - off
+        r_items["actor state resident (colocated; activations excluded)"] = (
+            a_gpu - off - sum(v for k, v in a_items.items() if k.startswith("activations") and "XLA:CPU" not in k))
     r_items[f"reserve for activations / fragmentation ({rollout_reserve:.0%} of usable)"] = rollout_reserve * usable
     kv = KVCache.for_config(config, jnp.bfloat16 if kv_dtype == "bf16" else jnp.float32)
     free = usable - sum(r_items.values())

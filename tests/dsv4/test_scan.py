@@ -218,3 +218,42 @@ def test_stacked_shardings_and_sharded_forward(model, sdef):
         got = _scanned_jit(sdef, sp, sb, ids, mask, None)
     for a, b in zip(got, ref):  # a partitioned program sums in another order: the sharded-model tests' tolerance
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-5)
+
+
+def _layer_checkpoints(jaxpr, in_scan: bool = False) -> list[tuple[bool, bool]]:
+    """(inside a lax.scan?, prevent_cse) of every outermost jax.checkpoint (remat2) equation, in program order
+    (checkpoints nested in a checkpoint, e.g. blocked attention's, are not listed)."""
+    out = []
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name in ("checkpoint", "remat", "remat2"):
+            out.append((in_scan, bool(eqn.params["prevent_cse"])))
+            continue
+        for v in eqn.params.values():
+            for sub in (v if isinstance(v, (tuple, list)) else (v,)):
+                inner = sub if hasattr(sub, "eqns") else getattr(sub, "jaxpr", None)
+                if inner is not None:
+                    out += _layer_checkpoints(inner if hasattr(inner, "eqns") else inner.jaxpr,
+                                              in_scan or eqn.primitive.name == "scan")
+    return out
+
+
+def test_inline_groups_keep_the_checkpoint_cse_guard():
+    """A group of one repetition runs inline (no lax.scan): its jax.checkpoint keeps prevent_cse=True, else XLA
+    CSEs the backward's recomputation with the forward and the remat is undone (the whole layer's activations
+    stay alive: launch/aot.py's Flash compile); layers under lax.scan keep prevent_cse=False (safe there)."""
+    cfg = DSV4Config.tiny(num_hidden_layers=5, num_hash_layers=2, compress_ratios=(0, 0, 4, 8, 4, 0))
+    model = random_model(cfg, seed=1)
+    sdef = sc.stack_def(model)
+    params, buffers = nnx.state(model, nnx.Param), nnx.state(model, Buffer)
+    stacked_p, stacked_b = (sc.stack_params(t, sdef.groups) for t in (params, buffers))
+    ids = jnp.ones((1, 8), jnp.int32)
+
+    def loss(p):
+        shell, stack = sc.merge_stacked(sdef, p, stacked_b, remat="block")
+        return jnp.sum(shell(ids, layer_stack=stack).logits)
+
+    flags = _layer_checkpoints(jax.make_jaxpr(loss)(stacked_p).jaxpr)
+    inline = sum(grp.period for grp in sdef.groups if grp.repeats == 1)
+    scanned = sum(grp.period for grp in sdef.groups if grp.repeats > 1)
+    assert inline and scanned, sdef.groups
+    assert sorted(flags) == sorted([(False, True)] * inline + [(True, False)] * scanned), flags

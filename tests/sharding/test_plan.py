@@ -198,3 +198,20 @@ def test_ep_rows_follow_the_dispatch_backend():
     assert act["padded"] < act["ragged"]
     with pytest.raises(ValueError, match="--ep-backend must be one of"):
         pl.plan("flash", "actor:fsdp=2,expert=8/rollout:expert=8", "mi308x", nodes=3, ep_backend="dense")
+
+
+def test_xla_cpu_items_are_labelled_and_kept_out_of_the_gpu_plan():
+    """plan(xla_cpu=True) (what `--compile` compares with XLA:CPU) adds only items labelled "XLA:CPU only" (f32
+    copies of the stacked bf16 layer weights and saved inputs: the loop operands XLA:CPU upcasts); the GPU plan,
+    its verdict and every other item are unchanged; the saved layer inputs are L x T x n_hc x D bf16 bytes."""
+    cfg = dsv4.DSV4Config.preset("flash")
+    kw = dict(nodes=3, offload_optimizer=1.0, tokens_per_device=8192, train_seq_len=8192, ep_backend="padded",
+              ep_capacity_factor=1.25, stream_optimizer=True, train_mtp=False)
+    gpu = pl.plan("flash", "actor:fsdp=2,expert=8/rollout:expert=8", "mi308x", **kw).actor
+    cpu = pl.plan("flash", "actor:fsdp=2,expert=8/rollout:expert=8", "mi308x", xla_cpu=True, **kw).actor
+    extra = {k: v for k, v in cpu.items.items() if k not in gpu.items}
+    assert extra and all("XLA:CPU only" in k for k in extra) and gpu.cpu_only == 0
+    assert cpu.cpu_only == sum(extra.values()) > 0 and cpu.gpu_total == gpu.total and cpu.fits == gpu.fits
+    assert {k: v for k, v in cpu.items.items() if k in gpu.items} == gpu.items
+    saved = next(v for k, v in gpu.items.items() if k.startswith("activations: saved layer inputs"))
+    assert saved == cfg.num_hidden_layers * 8192 * cfg.hc_mult * cfg.hidden_size * 2
