@@ -298,6 +298,7 @@ class WeightPusher:
         self.tensors = self._plan(abstract, actor_shardings, rollout_sh)
         self.chunks = self._group(self.tensors)
         self.wire_bytes = sum(t.nbytes for t in self.tensors)
+        self._slab_elems = max(self._chunk_wire() // 32, 256)  # verification digests: `_slabs`
         self.n_params = sum(math.prod(t.shape) for t in self.tensors)
         if warmup:
             self.warmup()
@@ -436,10 +437,15 @@ class WeightPusher:
         return out, rows
 
     def _slabs(self, t: _Tensor) -> tuple:
-        """Per stored array, the slab loop of its rollout-side digest: one slab <= chunk_bytes / 16 elements per
-        device (the digest's u32 temporaries take about 12 B per element), so verification adds at most about one
-        chunk on a rollout device."""
-        return tuple(_slab(w.shape, w.rollout_sharding, max(self.chunk_bytes // 16, 1024)) for w in t.wires)
+        """Per stored array, the slab loop of its rollout-side digest: one slab <= `_slab_elems` elements per
+        device (1/32 of the largest chunk's wire bytes on a device; the digest's temporaries take about 12-14 B per
+        element of a slab), so verification adds less than one chunk on a rollout device."""
+        return tuple(_slab(w.shape, w.rollout_sharding, self._slab_elems) for w in t.wires)
+
+    def _chunk_wire(self) -> int:
+        """The most wire bytes one chunk lands on a rollout device (`PushMemory.chunk_wire`)."""
+        return max((sum(_dev_bytes(w.shape, w.dtype, w.landing_sharding) for t in chunk for w in t.wires)
+                    for chunk in self.chunks), default=0)
 
     def _move_chunk(self, chunk: list[_Tensor], src: dict, times: dict, verify: bool = False):
         """One chunk through steps 1-3 -> ({key: tuple of stored arrays}, actor rows, rollout rows)."""
@@ -562,8 +568,7 @@ class WeightPusher:
         `memory_analysis()` of the compiled stage, land and check programs (compiled here from shapes and
         shardings; the jit caches make this free after the warm-up's compiles except for the lowering)."""
 
-        def dev_bytes(shape, dtype, sharding) -> int:
-            return math.prod(sharding.shard_shape(tuple(shape))) * np.dtype(dtype).itemsize
+        dev_bytes = _dev_bytes
 
         def temp(jitted, *args) -> int:
             mem = jitted.lower(*args).compile().memory_analysis()
@@ -611,6 +616,11 @@ class WeightPusher:
         return PushMemory(state=state, chunk=chunk_extra, check=check, peak=2 * state + chunk_extra,
                           peak_verified=2 * state + max(chunk_extra, check), chunk_wire=chunk_wire,
                           actor_chunk=actor_chunk)
+
+
+def _dev_bytes(shape, dtype, sharding) -> int:
+    """Bytes of one device's piece of an array of `shape` / `dtype` laid out as `sharding`."""
+    return math.prod(sharding.shard_shape(tuple(shape))) * np.dtype(dtype).itemsize
 
 
 def _delete(tree) -> None:
