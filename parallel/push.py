@@ -42,10 +42,12 @@ Where to quantise (measured: benchmarks/weight_push.py, benchmarks/README.md "We
 Peak memory (`WeightPusher.memory()`, per device, from the array layouts and XLA's `memory_analysis()` of every
 compiled push program): rollout = 2 quantised states (the live one and the one being built) + the largest chunk
 extra (arrivals that a land jit replaces + the largest temp of that chunk's rollout programs); a verified push
-adds the largest per-tensor verification temp instead when that is larger (on XLA:CPU, which materialises the u32
-input of every integer reduction, about 2-10 B per element of the largest stored tensor on a device; its digests
-loop over slabs of <= chunk_bytes / 16 elements to bound it, which XLA:CPU only partly honours). Never a bf16 copy of
-the model. Actor = one chunk of staged wire arrays + the largest stage temp, on top of the learner's own state.
+adds the largest per-tensor verification temp instead when that is larger. The rollout-side digests loop over
+slabs of at most 1/32 of the largest chunk's wire bytes per device (in elements; XLA:CPU materialises the u32 input
+of every integer reduction, ~12-14 B per element of a slab, and each slab is cut inside a `lax.cond` so that no
+whole-tensor f32 / f16 copy of a bf16 / fp8 array is made, `push_verify._digest_terms`), so a verified push also
+stays within 2 states + one chunk (tests/sharding/test_push.py). Never a bf16 copy of the model. Actor = one chunk
+of staged wire arrays + the largest stage temp, on top of the learner's own state.
 
 Why a transfer layout. In jax 0.10.2 a single-process `device_put` between meshes takes one of two paths
 (`jax/_src/array.py::_array_shard_arg`): if every destination shard's index range exists as a source shard, the
@@ -161,8 +163,8 @@ class PushMemory:
     state: one quantised rollout weight state. chunk: the most one chunk adds on a rollout device on top of the
     live and the new state (arrivals that a land jit replaces + the largest temp among that chunk's rollout
     programs). check: the largest temp of the rollout-side verification programs (one per tensor, run after its
-    chunk landed; XLA:CPU materialises the u32 inputs of integer reductions, so this is about 2-10 B per element of
-    the largest stored tensor on a device). peak = 2 * state + chunk (a push without verification);
+    chunk landed; slab loops of <= 1/32 of chunk_wire in elements, ~12-14 B of temp per slab element on XLA:CPU,
+    so check < chunk_wire). peak = 2 * state + chunk (a push without verification);
     peak_verified = 2 * state + max(chunk, check). chunk_wire: the most wire bytes one chunk lands on a rollout
     device (the "one chunk" of the bound peak <= 2 * state + chunk_wire). actor_chunk: the most one chunk holds on
     an actor device (staged wire arrays + the largest stage temp, verification included)."""
