@@ -701,7 +701,7 @@ def main(argv=None) -> int:
         hf_best = max((r["decode_tok_s"] for e, r in pick.items() if e.startswith("hf_")), default=float("nan"))
         print(f"RESULT ours_tok_s={ours['decode_tok_s']:.1f} hf_tok_s={hf_best:.1f} "
               f"ratio_vs_hf={ours['decode_tok_s'] / hf_best:.2f} roofline_frac={ours['hlo_roof_frac']:.3f} "
-              f"roofline_frac_model_bytes={ours['roof_frac']:.3f} {mem_line}")
+              f"roofline_frac_model_bytes={ours['roof_frac']:.3f} {mem_line}".rstrip())
     return 0
 
 
