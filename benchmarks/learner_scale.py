@@ -18,14 +18,29 @@ forward, `rl.logprobs.token_logprobs` with sequence chunks of 256, GRPO loss, ba
    and blocked attention at S = 1K and 4K, on a 3-layer `small` (one sliding, one CSA, one HCA layer: the 6-layer
    dense step at 4K does not fit the shared 24 GB machine). blocked_vs_dense_step_4k = dense time / blocked time
    at 4K (> 1: blocked faster).
+4. MFU (`--sections mfu`): the median step time of the same train step on `--mfu-config` (default small, all
+   6 layers) with `--mfu-batch` rows x `--mfu-seq` tokens, compute dtype bf16 on accelerators (f32 on CPU), and
+   model FLOP utilisation mfu = model FLOPs / step s / peak FLOP/s (peak: `--peak-tflops`, default the datasheet
+   dense bf16 figure of the device kind in PEAK_BF16_TFLOPS, nan when unknown, e.g. on CPU). Model FLOPs
+   (`train_flops_per_token`, per token, x tokens = rows x seq; forward + backward = 3 x forward; rematerialised
+   recompute NOT counted, as MFU is defined):
+     matmul: 6 x (parameters of every float matrix a token goes through: attention and compressor / indexer
+       projections, mHC, shared experts, router, lm head; routed experts x k / E; the embedding is a gather and
+       the MTP block does not run in the RL step, so neither counts),
+     attention: 6 x per layer 2 x heads x head_dim x ctx (QK^T and PV, one kv head), ctx = the entries a token
+       attends: window + (CSA: index_topk; HCA: seq / (2 m), the mean over positions), plus CSA's indexer
+       scoring 6 x index_heads x index_head_dim x seq / (2 m).
+   XLA's own count of the compiled step (`cost_analysis()["flops"]`, remat and the loss included) is printed next
+   to it as hfu (hardware FLOP utilisation).
 XLA:CPU upcasts bf16 dots to f32, hence fp32 compute here. The machine may be shared and loaded: timings are noisy.
 
 Run:   .venv/bin/python benchmarks/learner_scale.py              (about 5-10 minutes on 2 busy cores)
        .venv/bin/python benchmarks/learner_scale.py --quick      (fewer points; a smoke run)
        .venv/bin/python benchmarks/learner_scale.py --sections compile               (compile times only)
        .venv/bin/python benchmarks/learner_scale.py --sections compile --layers scan (scanned only; `--scan` too)
-Last line: `RESULT temp_ratio_8k_1k=.. compile_ratio_43_4=.. blocked_vs_dense_step_4k=.. compile_ratio_43_4_unrolled=..`
-(fields of sections or layer paths not run are nan).
+       .venv/bin/python benchmarks/learner_scale.py --sections mfu --mfu-batch 8 --mfu-seq 2048   (on a GPU)
+Last line: `RESULT temp_ratio_8k_1k=.. compile_ratio_43_4=.. blocked_vs_dense_step_4k=.. compile_ratio_43_4_unrolled=..
+mfu=.. train_tflops=.. mfu_step_s=..` (fields of sections or layer paths not run are nan).
 """
 
 from __future__ import annotations
@@ -35,6 +50,7 @@ import os
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 import argparse  # noqa: E402
+import math  # noqa: E402
 import statistics  # noqa: E402
 import time  # noqa: E402
 
@@ -47,21 +63,86 @@ from rl.config import DEFAULT_LEARNER, LearnerConfig  # noqa: E402
 from rl.learner import Learner, TrainBatch  # noqa: E402
 
 MIB = 1 << 20
+# Datasheet dense bf16 TFLOP/s per device kind (lower-case substring of `device_kind`), for the MFU section.
+PEAK_BF16_TFLOPS = {"h200": 989.4, "h100": 989.4, "h800": 989.4, "a100": 312.0, "mi300x": 1307.4, "mi308x": 1307.4,
+                    "mi355x": 2516.6}
 MAX_RUN_TEMP_MIB = 8192  # do not execute a step whose temp exceeds this (the machine is shared, 24 GB)
 
 
 def make_learner(cfg: DSV4Config, impl: str, remat: str = "block",
-                 scan_layers: bool = DEFAULT_LEARNER.scan_layers) -> Learner:
+                 scan_layers: bool = DEFAULT_LEARNER.scan_layers, compute_dtype: str = "float32") -> Learner:
     model = DSV4ForCausalLM(cfg, rngs=nnx.Rngs(0), param_dtype=jnp.float32, attention_impl=impl)
-    return Learner(model, LearnerConfig(lr=1e-5, compute_dtype="float32", logprob_chunk_size=256, remat=remat,
+    return Learner(model, LearnerConfig(lr=1e-5, compute_dtype=compute_dtype, logprob_chunk_size=256, remat=remat,
                                         scan_layers=scan_layers))
 
 
-def make_batch(s: int, vocab: int) -> TrainBatch:
-    ids = jax.random.randint(jax.random.key(s), (1, s), 0, vocab, jnp.int32)
-    resp = (jnp.arange(s) >= s // 2).astype(jnp.int32)[None]
-    return TrainBatch(input_ids=ids, attention_mask=jnp.ones((1, s), jnp.int32), response_mask=resp,
-                      rollout_logprobs=jnp.zeros((1, s), jnp.float32), advantages=jnp.ones((1,), jnp.float32))
+def make_batch(s: int, vocab: int, rows: int = 1) -> TrainBatch:
+    ids = jax.random.randint(jax.random.key(s), (rows, s), 0, vocab, jnp.int32)
+    resp = jnp.broadcast_to((jnp.arange(s) >= s // 2).astype(jnp.int32)[None], (rows, s))
+    return TrainBatch(input_ids=ids, attention_mask=jnp.ones((rows, s), jnp.int32), response_mask=resp,
+                      rollout_logprobs=jnp.zeros((rows, s), jnp.float32), advantages=jnp.ones((rows,), jnp.float32))
+
+
+def train_flops_per_token(cfg: DSV4Config, seq: int) -> dict:
+    """Model FLOPs of one trained token (forward + backward, no recompute) at sequence length `seq`: {"matmul",
+    "attention", "total"} (the formulas in the module docstring, item 4)."""
+    abstract = nnx.eval_shape(lambda: DSV4ForCausalLM(cfg, rngs=nnx.Rngs(0)))
+    k_frac = cfg.num_experts_per_tok / cfg.n_routed_experts
+    params = 0.0
+    for path, v in nnx.to_flat_state(nnx.state(abstract, nnx.Param)):
+        key = "/".join(map(str, path))
+        x = v.get_value()
+        if len(x.shape) < 2 or not jnp.issubdtype(x.dtype, jnp.floating) or key.startswith(("mtp/", "embed/")):
+            continue
+        n = float(math.prod(x.shape))
+        params += n * k_frac if "/ffn/experts/" in key else n
+    attn = 0.0
+    for m in cfg.compress_ratios[:cfg.num_hidden_layers]:
+        ctx = min(cfg.sliding_window, seq)
+        if m == cfg.csa_compress_ratio:
+            ctx += min(cfg.index_topk, seq // m)
+            attn += 2.0 * cfg.index_n_heads * cfg.index_head_dim * seq / (2 * m)
+        elif m:
+            ctx += seq / (2 * m)
+        attn += 2.0 * 2 * cfg.num_attention_heads * cfg.head_dim * ctx
+    out = {"matmul": 6.0 * params, "attention": 3.0 * attn}
+    out["total"] = out["matmul"] + out["attention"]
+    return out
+
+
+def peak_tflops(flag: float | None) -> float:
+    """`--peak-tflops`, else PEAK_BF16_TFLOPS of the first device's kind, else nan."""
+    if flag:
+        return float(flag)
+    kind = jax.devices()[0].device_kind.lower().replace(" ", "")
+    return next((v for k, v in PEAK_BF16_TFLOPS.items() if k in kind), float("nan"))
+
+
+def mfu_section(args) -> dict:
+    """Train-step MFU (module docstring, item 4) -> {"mfu", "train_tflops", "step_s", "hfu"}."""
+    cfg = getattr(DSV4Config, args.mfu_config)(torch_dtype="float32")
+    dtype = args.mfu_dtype or ("float32" if jax.default_backend() == "cpu" else "bfloat16")
+    learner = make_learner(cfg, "blocked", compute_dtype=dtype)
+    batch = make_batch(args.mfu_seq, cfg.vocab_size, rows=args.mfu_batch)
+    compiled, comp_s, temp = compile_step(learner, batch)
+    cost = compiled.cost_analysis()
+    cost = cost[0] if isinstance(cost, (list, tuple)) else cost
+    xla_flops = float((cost or {}).get("flops", float("nan")))
+    del compiled
+    step_s = time_step(learner, batch, args.runs)
+    per_tok = train_flops_per_token(cfg, args.mfu_seq)
+    tokens = args.mfu_batch * args.mfu_seq
+    flops = per_tok["total"] * tokens
+    peak = peak_tflops(args.peak_tflops) * 1e12
+    out = {"mfu": flops / step_s / peak, "train_tflops": flops / step_s / 1e12, "step_s": step_s,
+           "hfu": xla_flops / step_s / peak}
+    print(f"\nMFU: {args.mfu_config} {cfg.num_hidden_layers} layers, {args.mfu_batch} x {args.mfu_seq} tokens, "
+          f"compute {dtype}, device {jax.devices()[0].device_kind}, peak {peak / 1e12:.1f} TFLOP/s\n"
+          f"  compile {comp_s:.1f} s, temp {temp:.1f} MiB, step {step_s:.4f} s (median of {args.runs})\n"
+          f"  model FLOPs {flops / 1e12:.3f} T (matmul {per_tok['matmul'] * tokens / 1e12:.3f} T, attention "
+          f"{per_tok['attention'] * tokens / 1e12:.3f} T) -> {out['train_tflops']:.2f} TFLOP/s, mfu {out['mfu']:.4f}\n"
+          f"  XLA cost_analysis FLOPs {xla_flops / 1e12:.3f} T -> hfu {out['hfu']:.4f}", flush=True)
+    return out
 
 
 def compile_step(learner: Learner, batch: TrainBatch, cpu_time: bool = False):
@@ -86,12 +167,20 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--quick", action="store_true", help="S up to 2K, depths 4/12, step time at 1K only")
     ap.add_argument("--runs", type=int, default=2, help="timed step calls per point (median)")
-    ap.add_argument("--sections", default="memory,compile", help="memory (temp + step time), compile, or both")
+    ap.add_argument("--sections", default="memory,compile",
+                    help="comma list of memory (temp + step time), compile, mfu")
     ap.add_argument("--depths", default=None, help="comma-separated layer counts of the compile section "
                                                    "(default 4,12,24,43; must include 4)")
     ap.add_argument("--layers", choices=("both", "scan", "unrolled"), default="both",
                     help="compile section: scanned layers (the run's default; the headline), the Python loop, or both")
     ap.add_argument("--scan", action="store_true", help="the same as --layers scan (earlier name)")
+    ap.add_argument("--mfu-config", default="small", choices=["tiny", "small"], help="mfu section: model config")
+    ap.add_argument("--mfu-batch", type=int, default=8, help="mfu section: rows per train step")
+    ap.add_argument("--mfu-seq", type=int, default=2048, help="mfu section: tokens per row")
+    ap.add_argument("--mfu-dtype", default=None, help="mfu section: compute dtype (default bfloat16 on "
+                                                       "accelerators, float32 on CPU)")
+    ap.add_argument("--peak-tflops", type=float, default=None, help="mfu section: peak TFLOP/s of one device "
+                                                                     "(default: PEAK_BF16_TFLOPS by device kind)")
     args = ap.parse_args()
     sections = set(args.sections.split(","))
     seqs = (1024, 2048) if args.quick else (1024, 2048, 4096, 8192)
@@ -120,6 +209,7 @@ def main() -> None:
                 print(f"| {n} | {comp[scanned, n]:.1f} | {t:.1f} |", flush=True)
                 del lr
     nan = float("nan")
+    mfu = mfu_section(args) if "mfu" in sections else {}
     s_hi, t_hi, d_hi = seqs[-1], step_seqs[-1], depths[-1]
     print(f"load average at the end {os.getloadavg()[0]:.1f}")
     temp_ratio = temp.get(("blocked", s_hi), nan) / temp.get(("blocked", 1024), nan)
@@ -127,7 +217,8 @@ def main() -> None:
     step_ratio = steps.get(("dense", t_hi), nan) / steps.get(("blocked", t_hi), nan)
     print(f"RESULT temp_ratio_{s_hi // 1024}k_1k={temp_ratio:.2f} compile_ratio_{d_hi}_4={comp_ratio[True]:.2f} "
           f"blocked_vs_dense_step_{t_hi // 1024}k={step_ratio:.2f} "
-          f"compile_ratio_{d_hi}_4_unrolled={comp_ratio[False]:.2f}")
+          f"compile_ratio_{d_hi}_4_unrolled={comp_ratio[False]:.2f} mfu={mfu.get('mfu', nan):.4f} "
+          f"train_tflops={mfu.get('train_tflops', nan):.4g} mfu_step_s={mfu.get('step_s', nan):.4f}")
 
 
 def time_step(learner: Learner, batch: TrainBatch, runs: int) -> float:

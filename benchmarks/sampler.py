@@ -61,7 +61,9 @@ reruns start faster.
   `<mode>_temp_excess` = (temp - fp32 temp) / fp32 args and `<mode>_args_frac` = args / fp32 args.
 The last line is `RESULT ours_tok_s=.. hf_tok_s=.. ratio_vs_hf=.. roofline_frac=.. roofline_frac_model_bytes=..`
 followed by the memory fields
-for small, B = 8, bf16 weights: ours decode tok/s, transformers decode tok/s (its fastest --hf-dtypes x
+for small, B = 8 (else the last config and first batch run), bf16 weights (`--hf-dtypes` with no value: no
+transformers run, hf fields nan; what benchmarks/gpu_check.sh does on a GPU, where the roofline's bandwidth is
+the jitted on-device copy's, i.e. HBM): ours decode tok/s, transformers decode tok/s (its fastest --hf-dtypes x
 --hf-threads row), their ratio, and ours as a fraction of the roofline from the HLO bytes and from the model's
 bf16 bytes.
 """
@@ -600,6 +602,10 @@ def main(argv=None) -> int:
     ap.add_argument("--memory-only", action="store_true",
                     help="only XLA's compiled memory of the generate program per mode (small, B=8); last line "
                          "RESULT fp8_temp_excess=.. fp8_args_frac=.. (fractions of the fp32 program's argument bytes)")
+    ap.add_argument("--memory-config", default="small", choices=sorted(CONFIGS),
+                    help="config of the compiled-memory figures (default small; tiny for smoke runs)")
+    ap.add_argument("--skip-memory", action="store_true",
+                    help="no compiled-memory figures at the end (the RESULT line then has no memory fields)")
     ap.add_argument("--rss-child", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.compile_cache:
@@ -609,8 +615,9 @@ def main(argv=None) -> int:
         rss_child(args.rss_child)
         return 0
     if args.memory_only:
-        print(f"XLA memory_analysis of the generate program (small, B=8, P={PROMPT_LEN}, N={T_CAP}, abstract weights):")
-        print("RESULT " + memory_result(compiled_memory()))
+        print(f"XLA memory_analysis of the generate program ({args.memory_config}, B=8, P={PROMPT_LEN}, N={T_CAP}, "
+              "abstract weights):")
+        print("RESULT " + memory_result(compiled_memory(args.memory_config)))
         return 0
     if len(set(args.ns)) < 2 or not all(T_CAP // 2 < n <= T_CAP for n in args.ns):
         ap.error(f"--ns: at least two distinct values in ({T_CAP // 2}, {T_CAP}] (one compiled bucket)")
@@ -683,15 +690,18 @@ def main(argv=None) -> int:
                       + ("" if r["peak_reset"] else " (peak not reset: includes model build)"))
     print(f"\nwall time of the benchmark: {time.perf_counter() - t_start:.0f} s; load average now "
           + " ".join(f"{x:.2f}" for x in os.getloadavg()))
-    print("\nXLA memory_analysis of the generate program (small, B=8, abstract weights):")
-    mem_line = memory_result(compiled_memory())
-    pick = {r["engine"]: r for r in rows if r["config"] == "small" and r["B"] == 8}
+    print(f"\nXLA memory_analysis of the generate program ({args.memory_config}, B=8, abstract weights):")
+    mem_line = "" if args.skip_memory else memory_result(compiled_memory(args.memory_config))
+    # the headline row: small at B = 8 (or the last config and first batch run, e.g. a smoke run)
+    head_cfg = "small" if "small" in args.configs else args.configs[-1]
+    head_b = 8 if 8 in args.batches else args.batches[0]
+    pick = {r["engine"]: r for r in rows if r["config"] == head_cfg and r["B"] == head_b}
     if "bf16" in pick:
         ours = pick["bf16"]
         hf_best = max((r["decode_tok_s"] for e, r in pick.items() if e.startswith("hf_")), default=float("nan"))
         print(f"RESULT ours_tok_s={ours['decode_tok_s']:.1f} hf_tok_s={hf_best:.1f} "
               f"ratio_vs_hf={ours['decode_tok_s'] / hf_best:.2f} roofline_frac={ours['hlo_roof_frac']:.3f} "
-              f"roofline_frac_model_bytes={ours['roof_frac']:.3f} {mem_line}")
+              f"roofline_frac_model_bytes={ours['roof_frac']:.3f} {mem_line}".rstrip())
     return 0
 
 

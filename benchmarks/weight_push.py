@@ -18,14 +18,17 @@ Layouts (every mesh axis must divide the small config's power-of-two dims, so a 
 `data` axis, which the actor rules never map onto a weight: 3 data-parallel replicas of an fsdp=2 layout):
   6/2  actor:data=3,fsdp=2/rollout:expert=2              (the RESULT line)
   4/4  actor:fsdp=2,expert=2/rollout:expert=2,tensor=2   (the `auto` spec for 8 devices)
+  1    actor:data=1                                      (one device, colocated: benchmarks/gpu_check.sh on one GPU)
 Best and median of `--runs` pushes are printed; RESULT uses the median. `compiles`: XLA compilations during the
 timed pushes and probes (0 expected: everything compiles in the warm-up or before).
 
 Run:   .venv/bin/python benchmarks/weight_push.py            (about 3-6 minutes on 2 shared cores)
        .venv/bin/python benchmarks/weight_push.py --layouts 6/2 --runs 3
 The last line is `RESULT push_gbps=.. memcpy_gbps=.. ratio=.. wire_bytes_per_param=.. push_s=..
-arrival_push_s=.. arrival_wire_bytes_per_param=.. rollout_peak_mib=.. arrival_rollout_peak_mib=..` (6/2 layout,
-medians; the unprefixed fields are the default `actor` site, `arrival_` the `rollout` site).
+arrival_push_s=.. arrival_wire_bytes_per_param=.. rollout_peak_mib=.. arrival_rollout_peak_mib=..
+rollout_peak_verified_mib=..` (6/2 layout, medians; the unprefixed fields are the default `actor` site, `arrival_`
+the `rollout` site; rollout_peak_verified_mib: `PushMemory.peak_verified` of the actor site, <= 2 states + one
+chunk).
 """
 
 from __future__ import annotations
@@ -57,7 +60,8 @@ def _count_compiles(event: str, secs: float, **kw) -> None:
     if event == "/jax/core/compile/backend_compile_duration":
         _COMPILES[0] += 1
 
-LAYOUTS = {"6/2": "actor:data=3,fsdp=2/rollout:expert=2", "4/4": "actor:fsdp=2,expert=2/rollout:expert=2,tensor=2"}
+LAYOUTS = {"6/2": "actor:data=3,fsdp=2/rollout:expert=2", "4/4": "actor:fsdp=2,expert=2/rollout:expert=2,tensor=2",
+           "1": "actor:data=1"}  # "1": one device, colocated (a single GPU: cast + quantise, nothing crosses)
 
 
 def _timed(fn) -> float:
@@ -71,10 +75,10 @@ def memcpy_probes(nbytes: int):
     devs = jax.devices()
     x = jax.device_put(jnp.ones((nbytes // 2,), jnp.bfloat16), devs[0])
     copy = jax.jit(lambda a: a + jnp.bfloat16(0))
-    jax.block_until_ready((copy(x), jax.device_put(x, devs[7])))  # compile / first touch
+    jax.block_until_ready((copy(x), jax.device_put(x, devs[-1])))  # compile / first touch
 
     def d2d():
-        return _timed(lambda: jax.device_put(x, devs[7]))
+        return _timed(lambda: jax.device_put(x, devs[-1]))
 
     def jcopy():
         return _timed(lambda: copy(x))
@@ -111,6 +115,7 @@ def bench_layout(name: str, spec: str, cfg: DSV4Config, runs: int, chunk_mib: in
     mem = pusher.memory()  # after the compile count: it compiles for memory_analysis()
     row = dict(layout=name, site=quantize_on, spec=spec, wire_mb=pusher.wire_bytes / 1e6,
                wire_bytes_per_param=pusher.wire_bytes / pusher.n_params, rollout_peak_mib=mem.peak / 2**20,
+               rollout_peak_verified_mib=mem.peak_verified / 2**20, rollout_chunk_wire_mib=mem.chunk_wire / 2**20,
                rollout_state_mib=mem.state / 2**20, rollout_chunk_mib=mem.chunk / 2**20,
                rollout_check_mib=mem.check / 2**20, actor_chunk_mib=mem.actor_chunk / 2**20,
                tensors=len(pusher.tensors), chunks=len(pusher.chunks), warmup_s=warmup_s, push_best_s=min(push_s), push_med_s=med(push_s),
@@ -155,6 +160,7 @@ def main(argv=None) -> int:
             ("verified_s", "{:>10.3f}"), ("push_gbps", "{:>9.3f}"), ("transfer_gbps", "{:>13.3f}"),
             ("d2d_gbps", "{:>8.3f}"), ("compiles", "{:>8d}"),
             ("copy_gbps", "{:>9.3f}"), ("ratio", "{:>5.2f}"), ("rollout_peak_mib", "{:>16.1f}"),
+            ("rollout_peak_verified_mib", "{:>25.1f}"), ("rollout_chunk_wire_mib", "{:>22.2f}"),
             ("rollout_state_mib", "{:>17.1f}"), ("rollout_chunk_mib", "{:>17.2f}"), ("rollout_check_mib", "{:>17.2f}"),
             ("actor_chunk_mib", "{:>15.2f}")]
     print(" ".join(f"{c:>{len(f.format(rows[0][c]))}}" for c, f in cols))
@@ -163,6 +169,8 @@ def main(argv=None) -> int:
     for r in rows:
         print(f"{r['layout']}: {r['spec']}")
     layout = "6/2" if any(r["layout"] == "6/2" for r in rows) else rows[0]["layout"]
+    fields_mem = [f"rollout_peak_verified_mib={r['rollout_peak_verified_mib']:.1f}" for r in rows
+                  if r["layout"] == layout and r["site"] == "actor"]
     by_site = {r["site"]: r for r in rows if r["layout"] == layout}
     head = by_site.get("actor", rows[0])
     fields = [f"push_gbps={head['push_gbps']:.3f}", f"memcpy_gbps={head['memcpy_gbps']:.3f}",
@@ -172,7 +180,7 @@ def main(argv=None) -> int:
         if r is not None:
             fields += [f"{prefix}wire_bytes_per_param={r['wire_bytes_per_param']:.3f}",
                        f"{prefix}push_s={r['push_med_s']:.3f}", f"{prefix}rollout_peak_mib={r['rollout_peak_mib']:.1f}"]
-    print("RESULT " + " ".join(fields))
+    print("RESULT " + " ".join(fields + fields_mem))
     return 0
 
 

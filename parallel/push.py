@@ -42,10 +42,12 @@ Where to quantise (measured: benchmarks/weight_push.py, benchmarks/README.md "We
 Peak memory (`WeightPusher.memory()`, per device, from the array layouts and XLA's `memory_analysis()` of every
 compiled push program): rollout = 2 quantised states (the live one and the one being built) + the largest chunk
 extra (arrivals that a land jit replaces + the largest temp of that chunk's rollout programs); a verified push
-adds the largest per-tensor verification temp instead when that is larger (on XLA:CPU, which materialises the u32
-input of every integer reduction, about 2-10 B per element of the largest stored tensor on a device; its digests
-loop over slabs of <= chunk_bytes / 16 elements to bound it, which XLA:CPU only partly honours). Never a bf16 copy of
-the model. Actor = one chunk of staged wire arrays + the largest stage temp, on top of the learner's own state.
+adds the largest per-tensor verification temp instead when that is larger. The rollout-side digests loop over
+slabs of at most 1/32 of the largest chunk's wire bytes per device (in elements; XLA:CPU materialises the u32 input
+of every integer reduction, ~12-14 B per element of a slab, and each slab is cut inside a `lax.cond` so that no
+whole-tensor f32 / f16 copy of a bf16 / fp8 array is made, `push_verify._digest_terms`), so a verified push also
+stays within 2 states + one chunk (tests/sharding/test_push.py). Never a bf16 copy of the model. Actor = one chunk
+of staged wire arrays + the largest stage temp, on top of the learner's own state.
 
 Why a transfer layout. In jax 0.10.2 a single-process `device_put` between meshes takes one of two paths
 (`jax/_src/array.py::_array_shard_arg`): if every destination shard's index range exists as a source shard, the
@@ -161,8 +163,8 @@ class PushMemory:
     state: one quantised rollout weight state. chunk: the most one chunk adds on a rollout device on top of the
     live and the new state (arrivals that a land jit replaces + the largest temp among that chunk's rollout
     programs). check: the largest temp of the rollout-side verification programs (one per tensor, run after its
-    chunk landed; XLA:CPU materialises the u32 inputs of integer reductions, so this is about 2-10 B per element of
-    the largest stored tensor on a device). peak = 2 * state + chunk (a push without verification);
+    chunk landed; slab loops of <= 1/32 of chunk_wire in elements, ~12-14 B of temp per slab element on XLA:CPU,
+    so check < chunk_wire). peak = 2 * state + chunk (a push without verification);
     peak_verified = 2 * state + max(chunk, check). chunk_wire: the most wire bytes one chunk lands on a rollout
     device (the "one chunk" of the bound peak <= 2 * state + chunk_wire). actor_chunk: the most one chunk holds on
     an actor device (staged wire arrays + the largest stage temp, verification included)."""
@@ -298,6 +300,7 @@ class WeightPusher:
         self.tensors = self._plan(abstract, actor_shardings, rollout_sh)
         self.chunks = self._group(self.tensors)
         self.wire_bytes = sum(t.nbytes for t in self.tensors)
+        self._slab_elems = max(self._chunk_wire() // 32, 256)  # verification digests: `_slabs`
         self.n_params = sum(math.prod(t.shape) for t in self.tensors)
         if warmup:
             self.warmup()
@@ -436,10 +439,15 @@ class WeightPusher:
         return out, rows
 
     def _slabs(self, t: _Tensor) -> tuple:
-        """Per stored array, the slab loop of its rollout-side digest: one slab <= chunk_bytes / 16 elements per
-        device (the digest's u32 temporaries take about 12 B per element), so verification adds at most about one
-        chunk on a rollout device."""
-        return tuple(_slab(w.shape, w.rollout_sharding, max(self.chunk_bytes // 16, 1024)) for w in t.wires)
+        """Per stored array, the slab loop of its rollout-side digest: one slab <= `_slab_elems` elements per
+        device (1/32 of the largest chunk's wire bytes on a device; the digest's temporaries take about 12-14 B per
+        element of a slab), so verification adds less than one chunk on a rollout device."""
+        return tuple(_slab(w.shape, w.rollout_sharding, self._slab_elems) for w in t.wires)
+
+    def _chunk_wire(self) -> int:
+        """The most wire bytes one chunk lands on a rollout device (`PushMemory.chunk_wire`)."""
+        return max((sum(_dev_bytes(w.shape, w.dtype, w.landing_sharding) for t in chunk for w in t.wires)
+                    for chunk in self.chunks), default=0)
 
     def _move_chunk(self, chunk: list[_Tensor], src: dict, times: dict, verify: bool = False):
         """One chunk through steps 1-3 -> ({key: tuple of stored arrays}, actor rows, rollout rows)."""
@@ -562,8 +570,7 @@ class WeightPusher:
         `memory_analysis()` of the compiled stage, land and check programs (compiled here from shapes and
         shardings; the jit caches make this free after the warm-up's compiles except for the lowering)."""
 
-        def dev_bytes(shape, dtype, sharding) -> int:
-            return math.prod(sharding.shard_shape(tuple(shape))) * np.dtype(dtype).itemsize
+        dev_bytes = _dev_bytes
 
         def temp(jitted, *args) -> int:
             mem = jitted.lower(*args).compile().memory_analysis()
@@ -611,6 +618,11 @@ class WeightPusher:
         return PushMemory(state=state, chunk=chunk_extra, check=check, peak=2 * state + chunk_extra,
                           peak_verified=2 * state + max(chunk_extra, check), chunk_wire=chunk_wire,
                           actor_chunk=actor_chunk)
+
+
+def _dev_bytes(shape, dtype, sharding) -> int:
+    """Bytes of one device's piece of an array of `shape` / `dtype` laid out as `sharding`."""
+    return math.prod(sharding.shard_shape(tuple(shape))) * np.dtype(dtype).itemsize
 
 
 def _delete(tree) -> None:

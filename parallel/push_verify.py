@@ -71,14 +71,20 @@ def _digest_terms(x, slab: tuple[int, int] | None = None):
     non-finite, any nonzero). Sums wrap mod 2^32, so the reduction order (and the sharding) does not matter; the
     position weight catches permuted blocks (swapping elements i, j changes the second sum by (b_i - b_j)(j - i)).
     slab=(dim, k): the same terms from a loop over k slabs along `dim` (an unsharded dim), so the program's
-    temporaries are those of one slab (XLA:CPU materialises every integer reduction's input), not of the tensor."""
+    temporaries are those of one slab (XLA:CPU materialises every integer reduction's input: ~12 B per element
+    of a slab), not of the tensor. Each slab is cut inside a `lax.cond` on the loop index: XLA:CPU rewrites a
+    bf16 / f8 dynamic slice as one of an f32 / f16 copy of the whole tensor, and would hoist that copy out of the
+    loop (2-4 B per element of the tensor); inside the cond's branch the conversion fuses into the slab's copy."""
     if slab is None:
         return _digest_block(x, x.shape)
     dim, k = slab
     n = x.shape[dim] // k
 
+    def cut(a, i):
+        return jax.lax.dynamic_slice_in_dim(a, i * n, n, axis=dim)
+
     def body(i, acc):
-        part = jax.lax.dynamic_slice_in_dim(x, i * n, n, axis=dim)
+        part = jax.lax.cond(i < 0, lambda a: jnp.zeros_like(cut(a, 0)), lambda a: cut(a, i), x)  # i < 0: never
         d = _digest_block(part, x.shape, dim, i * n)
         return jnp.concatenate([acc[:2] + d[:2], jnp.maximum(acc[2:], d[2:])])
 

@@ -11,10 +11,11 @@
 Layer-wise dequantisation (`LayerwiseWeights`, the sampler's default `dequant="per_layer"`): the sampler's weight
 state stays as it is stored (FP8 / FP4 blocks + scales, `{path key: QuantizedTensor | array}`, the push's
 contract); inside the prefill and every decode step, layer i's weights are dequantised right before layer i runs.
-A data dependence of the scales on the residual stream entering layer i (`_after`) ties the dequantisation to it,
-so XLA can neither hoist it out of the decode loop nor start it before layer i - 1 has produced its output: at most one
-layer's dequantised weights (plus the next one's while it is built) are alive at a time, and the model outside
-the layers (embedding, head; never quantised) is used as stored. The layers run in a Python loop (unrolled), not
+A data dependence of layer i's quantised bytes and scales on the residual stream entering layer i (`tie_to`: a
+`lax.cond` per layer on XLA:CPU) ties the dequantisation to it, so XLA can neither hoist it (or a conversion of the
+bytes) out of the decode loop nor start it before layer i - 1 has produced its output: at most one layer's
+dequantised weights (plus one layer's copied bytes) are alive at a time, and the model outside the layers
+(embedding, head; never quantised) is used as stored. The layers run in a Python loop (unrolled), not
 under `dsv4.scan`: scanning needs the weights stacked per layer group, i.e. either a stacked resident state (the
 push and checkpoint paths, and every reader of `Sampler.weight_state()`, use per-layer keys) or a stacked copy
 inside the program (one more copy of the FP8 weights, the bytes this module exists to save).
@@ -92,18 +93,41 @@ def _key(path) -> str:
     return "/".join(str(p) for p in path)
 
 
-def _after(x: jax.Array, v):
-    """`v` with a data dependence on `x`: a QuantizedTensor's bytes OR-ed with (x_0 != x_0) (0, so bitwise the
-    same bytes; 1 only when x's first element is NaN, whose output is NaN anyway). XLA can then neither hoist the
-    dequantisation (or the bytes' conversion) out of the decode loop nor schedule it before x exists;
-    `jax.lax.optimization_barrier` does not do this on XLA:CPU, which removes barriers before scheduling. Dense
-    leaves are returned as they are."""
-    if not isinstance(v, quant.QuantizedTensor):
-        return v
+TIE_MODES = ("cond", "select")
+
+
+def default_tie(devices=None) -> str:
+    """How `tie_to` makes a layer's quantised bytes depend on the residual stream: "cond" on XLA:CPU,
+    "select" elsewhere (see `tie_to`). devices: default `jax.devices()`."""
+    devs = list(jax.devices() if devices is None else devices)
+    return "cond" if devs[0].platform == "cpu" else "select"
+
+
+def tie_to(x: jax.Array, leaves: tuple, tie: str = "cond") -> tuple:
+    """`leaves` (a tuple of arrays: one layer's FP8 / FP4 bytes and scales) given a data dependence on `x`,
+    bitwise unchanged (zeros only when x's first element is NaN, whose output is NaN anyway). XLA can then
+    neither hoist the layer's dequantisation (nor any conversion of its bytes) out of the decode loop by
+    loop-invariant code motion, nor schedule it before x exists: at most one layer's dequantised weights are
+    alive at a time.
+
+    tie "cond": one `lax.cond` on (x_0 != x_0) per layer, whose taken branch returns the leaves: a copy of one
+    layer's quantised bytes per call, and nothing left for XLA to hoist. On XLA:CPU every op on f8 bytes is
+    rewritten through f16 and `optimization_barrier` is expanded before the loop passes, so an elementwise
+    dependence (a select or OR on the bytes) leaves a q-only conversion that XLA hoists out of the decode loop:
+    a converted copy of every layer's bytes held across the loop (u8: +0.22x the unquantised weights on
+    `small`, f16: +0.45x; benchmarks/README.md "Sampler compiled memory").
+    tie "select": `select(x_0 != x_0, 0, leaf)` per leaf (no copy, fuses into the dequantisation) for backends
+    with native f8 elementwise ops; unverified on a GPU so far (benchmarks/gpu_check.sh compiles it there).
+    Raises ValueError for an unknown `tie`."""
+    if tie not in TIE_MODES:
+        raise ValueError(f"tie={tie!r}: expected {' | '.join(TIE_MODES)}")
+    if not leaves:
+        return leaves
     x0 = x.reshape(-1)[0]
-    flag = (x0 != x0).astype(jnp.uint8)
-    q = jax.lax.bitcast_convert_type(jax.lax.bitcast_convert_type(v.q, jnp.uint8) | flag, v.q.dtype)
-    return dataclasses.replace(v, q=q)
+    bad = x0 != x0
+    if tie == "cond":
+        return jax.lax.cond(bad, lambda ls: tuple(jnp.zeros_like(v) for v in ls), lambda ls: tuple(ls), leaves)
+    return tuple(jax.lax.select(jnp.broadcast_to(bad, v.shape), jnp.zeros_like(v), v) for v in leaves)
 
 
 def _value(v, dtype, keep: bool):
@@ -118,13 +142,18 @@ class LayerwiseWeights:
     Args:
       abstract_model: the sampler's `nnx.eval_shape`d DSV4ForCausalLM (graph and variable types).
       compute_dtype: dtype quantised weights are dequantised to. fp8_gemm: keep `GEMM_KEYS` weights quantised.
+      tie: "cond" | "select", how each layer's quantised leaves are tied to its input (`tie_to`; the sampler
+        passes `default_tie(devices)`).
     Use inside a jit: `shell = lw.shell(wstate)` (the model without its layers: embedding, hyper head, norm,
     head) and `layer_fn = lw.layer_fn(wstate)` for `dsv4.cache.prefill/decode_step(..., layer_fn=...)`.
     """
 
-    def __init__(self, abstract_model, compute_dtype, *, fp8_gemm: bool = False):
+    def __init__(self, abstract_model, compute_dtype, *, fp8_gemm: bool = False, tie: str = "cond"):
+        if tie not in TIE_MODES:
+            raise ValueError(f"LayerwiseWeights tie={tie!r}: expected {' | '.join(TIE_MODES)}")
         self.compute_dtype = compute_dtype
         self.fp8_gemm = fp8_gemm
+        self.tie = tie
         gd, st = nnx.split(abstract_model)
         shell = nnx.merge(gd, st)
         shell.layers = nnx.List([])
@@ -141,9 +170,14 @@ class LayerwiseWeights:
         return nnx.merge(self._shell_gd, nnx.from_flat_state(flat))
 
     def layer(self, wstate: dict, i: int, x: jax.Array):
-        """(Block i with dense (or FP8-GEMM) weights, x): the dequantisation starts only once x is known."""
+        """(Block i with dense (or FP8-GEMM) weights, x): the dequantisation starts only once x is known
+        (`tie_to`: the layer's quantised bytes and scales depend on x)."""
         lgd, flat = self._layers[i]
-        leaves = {k: _after(x, wstate[k]) for _, _, k in flat}
+        leaves = {k: wstate[k] for _, _, k in flat}
+        qkeys = [k for _, _, k in flat if isinstance(leaves[k], quant.QuantizedTensor)]
+        tied = tie_to(x, tuple(a for k in qkeys for a in (leaves[k].q, leaves[k].scale)), self.tie)
+        for j, k in enumerate(qkeys):
+            leaves[k] = dataclasses.replace(leaves[k], q=tied[2 * j], scale=tied[2 * j + 1])
         vals = [(p, var.replace(_value(leaves[k], self.compute_dtype, self._keep(k, leaves[k]))))
                 for p, var, k in flat]
         return nnx.merge(lgd, nnx.from_flat_state(vals)), x

@@ -55,7 +55,7 @@ from dsv4.cache import cache_shapes, decode_step, prefill
 from dsv4.model import DSV4ForCausalLM
 from parallel import expert as expert_lib
 from rl.batch import RolloutBatch, concat_rollouts  # noqa: F401  (re-exported: rl.sampler.RolloutBatch)
-from rl.rollout_weights import (DEQUANT_MODES, LayerwiseWeights, check_fp4_experts, parse_rollout_dtype,
+from rl.rollout_weights import (DEQUANT_MODES, LayerwiseWeights, check_fp4_experts, default_tie, parse_rollout_dtype,
                                 select_fp8_matmul)
 
 log = logging.getLogger(__name__)
@@ -185,7 +185,7 @@ class Sampler:
         cfg = self.config
         abstract = nnx.eval_shape(lambda: DSV4ForCausalLM(cfg, rngs=nnx.Rngs(0), param_dtype=jnp.float32,
                                                           dtype=self.compute_dtype))
-        self._layerwise = LayerwiseWeights(abstract, self.compute_dtype, fp8_gemm=self.fp8_gemm)
+        self._layerwise = LayerwiseWeights(abstract, self.compute_dtype, fp8_gemm=self.fp8_gemm, tie=default_tie(devs))
         self.graphdef, abs_state = nnx.split(abstract)
         self._abs_flat = list(nnx.to_flat_state(abs_state))
         self._raw_shardings = self._shardings_for(abs_state)

@@ -204,6 +204,46 @@ def test_corrupted_push_is_rejected_and_old_version_kept(disjoint):
     assert sampler.weight_version == live_version
 
 
+def _flip_sign(x, index):
+    """x with the sign bit of element `index` flipped (any float dtype; never makes a NaN), same sharding."""
+    width = {1: jnp.uint8, 2: jnp.uint16, 4: jnp.uint32}[x.dtype.itemsize]
+    sign = np.array(1 << (8 * x.dtype.itemsize - 1)).astype(width)
+
+    def fn(a):
+        u = jax.lax.bitcast_convert_type(a, width)
+        return jax.lax.bitcast_convert_type(u.at[index].set(u[index] ^ sign), a.dtype)
+
+    with jax.set_mesh(x.sharding.mesh):
+        return jax.jit(fn, out_shardings=x.sharding)(x)
+
+
+def test_corruption_in_transit_is_caught_by_the_slabbed_checksums(disjoint, monkeypatch):
+    """One element changed on the wire (the last element: the last slab of the rollout-side digest loop) of a
+    bf16 tensor and of an FP8 q fails verification as a checksum mismatch; the old version stays live."""
+    plan, state, sampler, _, pusher = disjoint
+    _guarded_push(pusher, state, sampler, version=sampler.weight_version + 1)
+    live_version, live_state = sampler.weight_version, sampler.weight_state()
+    keys = {"embed/weight": 0, "layers/1/attn/wq_b/weight": 0}  # key -> which wire array (0: dense / q)
+    slabbed = {t.key: pusher._slabs(t)[0] for t in pusher.tensors if t.key in keys}
+    assert all(sl is not None for sl in slabbed.values()), slabbed  # both digests run as slab loops
+    move = pusher._transfer_chunk
+
+    def corrupting(chunk, staged):
+        landed = move(chunk, staged)
+        for k, i in keys.items():
+            if k in landed:
+                arrays = list(landed[k])
+                arrays[i] = _flip_sign(arrays[i], tuple(d - 1 for d in arrays[i].shape))
+                landed[k] = tuple(arrays)
+        return landed
+
+    monkeypatch.setattr(pusher, "_transfer_chunk", corrupting)
+    with pytest.raises(PushVerificationError, match="checksum mismatch") as err:
+        _guarded_push(pusher, state, sampler, version=live_version + 1)
+    assert {k for k, _ in err.value.failures} == set(keys), err.value.failures
+    assert sampler.weight_version == live_version and sampler.weight_state() is live_state
+
+
 def test_key_set_and_version_errors(disjoint):
     plan, state, sampler, _, pusher = disjoint
     flat = _flat(state)
@@ -331,6 +371,8 @@ def test_push_memory_bound_from_compiled_programs(disjoint):
                    if isinstance(w, quant.QuantizedTensor))
     assert m.chunk < bf16_fp8 / 2, (m, bf16_fp8)
     assert m.check < m.state / 2, m  # verification: the largest tensor's digest temporaries, not a model copy
+    # a verified push fits the same bound: its digests loop over slabs of 1/32 of a chunk
+    assert m.peak_verified <= 2 * m.state + m.chunk_wire, m
     assert m.actor_chunk > 0
 
 
