@@ -42,6 +42,19 @@ LayerCache = dict
 KV_FP8_BLOCK = 64  # dims per ue8m0 scale of the ring / compressed entries (spec §5.8)
 KV_FP8_FORMATS = {"e4m3fn": jnp.float8_e4m3fn, "e4m3fnuz": jnp.float8_e4m3fnuz}
 _ROPE_DTYPE = jnp.bfloat16  # the RoPE dims of FP8 entries (the release keeps them bf16)
+KV_CACHE_DTYPES = ("auto", "fp8", "bf16")  # --kv-cache-dtype
+
+
+def resolve_kv_cache_dtype(kv_cache_dtype: str, rollout_fp8: bool) -> str:
+    """`--kv-cache-dtype` -> "fp8" | "bf16": "auto" is fp8 for FP8 rollout weights (`--rollout-dtype fp8*`) and
+    bf16 (the unquantised layout, entries in the compute dtype) otherwise.
+
+    Raises ValueError (one line naming the flag) for any other value."""
+    if kv_cache_dtype not in KV_CACHE_DTYPES:
+        raise ValueError(f"--kv-cache-dtype must be fp8 | bf16 | auto, got {kv_cache_dtype!r}")
+    if kv_cache_dtype == "auto":
+        return "fp8" if rollout_fp8 else "bf16"
+    return kv_cache_dtype
 
 
 def _fp8_encode(x: jax.Array, fp8_dtype, block: int) -> tuple[jax.Array, jax.Array]:
@@ -292,3 +305,28 @@ def decode_step(model, tokens: jax.Array, t: jax.Array, caches: list, dispatch_f
         routes.append(r[:, 0])
     logits = model.lm_head(model.collapse(x[:, 0]))
     return logits, jnp.stack(routes, axis=1), new_caches
+
+
+def teacher_forced_logprobs(model, ids: jax.Array, lengths: jax.Array, n_new: int, cache_len: int, *,
+                            kv_fp8: str | None = None) -> jax.Array:
+    """Log-probs of given responses through the decode path (prefill + one token per step), e.g. to measure the
+    FP8 cache's effect on the same tokens (tests/rl/test_kv_cache_fp8.py, benchmarks/kv_cache.py).
+
+    ids [B, S] int32: row b = prompt ids[b, :L_b] then its response ids[b, L_b : L_b + n_new] (the rest padding;
+    S - n_new >= every L_b); lengths [B] int32 = L_b >= 1; cache_len >= L_b + n_new; kv_fp8 as `prefill`.
+    Returns [B, n_new] float32: log softmax(logits)[next token] at temperature 1, the sampler's logprobs of
+    those tokens. Traceable (call it under jit)."""
+    b, s = ids.shape
+    rows = jnp.arange(b)
+    logits, _, caches = prefill(model, ids[:, :s - n_new], lengths, cache_len, kv_fp8=kv_fp8)
+
+    def target_lp(lg, j):
+        return jnp.take_along_axis(jax.nn.log_softmax(lg.astype(jnp.float32), -1), ids[rows, j][:, None], -1)[:, 0]
+
+    def body(c, i):
+        pos = lengths + i
+        lg, _, c = decode_step(model, ids[rows, pos], pos, c)
+        return c, target_lp(lg, pos + 1)
+
+    _, rest = jax.lax.scan(body, caches, jnp.arange(n_new - 1))
+    return jnp.concatenate([target_lp(logits, lengths)[:, None], rest.T], axis=1)
