@@ -257,7 +257,8 @@ def prefill(model, ids: jax.Array, lengths: jax.Array, cache_len: int, routing_r
     ids [B, P] int32 (row b real at [0, lengths[b])), lengths [B] int32 >= 1, cache_len >= P + max new tokens.
     layer_fn: optional (i, x) -> (Block, x) giving main layer i (then `model.layers` is not read; see
     `rl.rollout_weights.LayerwiseWeights`). kv_fp8: None (unquantised caches in the compute dtype) or the FP8
-    cache layout "e4m3fn" | "e4m3fnuz" (`cache_shapes`; `decode_step` reads the layout from the caches). Returns (logits [B, V] float32 at each row's last real token,
+    cache layout "e4m3fn" | "e4m3fnuz" (`cache_shapes`; `decode_step` reads the layout from the caches).
+    Returns (logits [B, V] float32 at each row's last real token,
     routing [B, P, L, k] int32, caches list[L]).
     """
     cfg = model.config

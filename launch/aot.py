@@ -182,7 +182,8 @@ def compile_rollout(config, mesh_spec: str, *, batch: int = 1024, context: int =
     """Lower and compile the sampler's generate program for `config` on the rollout mesh of `mesh_spec` with an
     abstract model (no weights): `batch` sequences of `prompt_len` prompt tokens and `context - prompt_len` new
     tokens (bucketed as `Sampler.generate` buckets them), bf16 compute, FP8-resident weights dequantised layer by
-    layer, the KV cache as `kv_cache_dtype` (the run's --kv-cache-dtype). Needs `spec.n_devices` local devices. Raises ValueError for sizes the sampler rejects, and XLA's errors.
+    layer, the KV cache as `kv_cache_dtype` (the run's --kv-cache-dtype). Needs `spec.n_devices` local devices.
+    Raises ValueError for sizes the sampler rejects, and XLA's errors.
     """
     import dsv4
     from rl.sampler import Sampler

@@ -64,7 +64,8 @@ so a token costs 8,224 bytes for Flash on top of 27 MiB per sequence (`kv_dtype`
 (`kv_dtype="fp8"`, the sampler's `--kv-cache-dtype fp8`, the default for FP8 rollouts; r = RoPE dims, kept bf16):
 an entry (ring slot or compressed) is e = (d - r) FP8 + (d - r) / 64 ue8m0 scale bytes + 2r = 583 B for Flash,
 an indexer key d_I + 1 = 129 B, so a token costs 21 * (583 + 129) / 4 + 20 * 583 / 128 = 3,829 B, on top of
-25 MiB per sequence (FP8 rings, f32 window states). DeepSeek's kernels pad an entry to 584 B (+0.2 B per token). The sampler replicates the caches over the
+25 MiB per sequence (FP8 rings, f32 window states). DeepSeek's kernels pad an entry to 584 B (+0.2 B per token).
+The sampler replicates the caches over the
 rollout mesh (`Sampler._empty_caches`), so the per-device capacity is also the rollout-wide one; split over the
 batch axes it would multiply by devices / tensor (one shared K=V head: no tensor split).
 
