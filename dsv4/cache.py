@@ -9,6 +9,14 @@ CSA / HCA layers add (m = compress ratio, Wc = cache_len // m, c = 2 for CSA els
   pa, pz [B, m, c d] float32   the previous complete window (CSA needs its first halves)
 CSA layers add the indexer's own compressor state and keys:
   ik [B, Wc, d_I], ia, iz, ipa, ipz [B, m, 2 d_I] float32.
+FP8 layout (`cache_shapes(..., fp8="e4m3fn" | "e4m3fnuz")`, the sampler's `--kv-cache-dtype fp8`; spec §5.7-5.8,
+the release's own cache): the ring `kv` and the compressed entries `comp` hold their d - r no-RoPE dims as FP8
+with one power-of-two (ue8m0) scale per `KV_FP8_BLOCK` = 64 dims, stored as its exponent byte (`<name>_scale`
+[.., (d - r) / 64] uint8, 2^(b - 127)), and their r = qk_rope_head_dim RoPE dims in bf16 (`<name>_rope`): 583 B
+per 512-dim entry instead of 1,024 (DeepSeek's kernels pad it to 584). The indexer keys `ik` are FP8 with one
+ue8m0 scale per key (`ik_scale` [.., 1]; DeepSeek-V3.2's indexer cache: 128 FP8 + one scale). Compressor window
+states stay float32 (the release keeps them f32). Scales: s = 2^ceil(log2(amax / fmax)), v -> fp8(v / s), read
+back as fp8 * s in the compute dtype inside the attention / indexer of the decode step (`read_entries`).
 Rows are independent: each has its own position t_b (prompts are right-padded; a row's cache never holds
 another row's tokens, and garbage written at positions >= its length is overwritten before it becomes visible).
 
@@ -20,6 +28,8 @@ full forward at every position (tests/dsv4/test_cache.py). Sources: official `Co
 
 from __future__ import annotations
 
+import math
+
 import jax
 import jax.numpy as jnp
 
@@ -29,6 +39,87 @@ from dsv4.config import CSA, HCA
 from dsv4.mhc import hc_post
 
 LayerCache = dict
+KV_FP8_BLOCK = 64  # dims per ue8m0 scale of the ring / compressed entries (spec §5.8)
+KV_FP8_FORMATS = {"e4m3fn": jnp.float8_e4m3fn, "e4m3fnuz": jnp.float8_e4m3fnuz}
+_ROPE_DTYPE = jnp.bfloat16  # the RoPE dims of FP8 entries (the release keeps them bf16)
+KV_CACHE_DTYPES = ("auto", "fp8", "bf16")  # --kv-cache-dtype
+
+
+def resolve_kv_cache_dtype(kv_cache_dtype: str, rollout_fp8: bool) -> str:
+    """`--kv-cache-dtype` -> "fp8" | "bf16": "auto" is fp8 for FP8 rollout weights (`--rollout-dtype fp8*`) and
+    bf16 (the unquantised layout, entries in the compute dtype) otherwise.
+
+    Raises ValueError (one line naming the flag) for any other value."""
+    if kv_cache_dtype not in KV_CACHE_DTYPES:
+        raise ValueError(f"--kv-cache-dtype must be fp8 | bf16 | auto, got {kv_cache_dtype!r}")
+    if kv_cache_dtype == "auto":
+        return "fp8" if rollout_fp8 else "bf16"
+    return kv_cache_dtype
+
+
+def _fp8_encode(x: jax.Array, fp8_dtype, block: int) -> tuple[jax.Array, jax.Array]:
+    """x [..., n] float -> (q [..., n] fp8_dtype, e [..., n / block] uint8 ue8m0 exponent bytes).
+
+    Per block of `block` dims: s = 2^ceil(log2(amax / fmax)) (s = 1 for an all-zero block), q = fp8(x / s)
+    (saturating; x / s is exact, a power-of-two division). Byte b = log2(s) + 127, clamped to [1, 254]."""
+    fmax = float(jnp.finfo(fp8_dtype).max)
+    n = x.shape[-1]
+    xb = x.astype(jnp.float32).reshape(*x.shape[:-1], n // block, block)
+    amax = jnp.max(jnp.abs(xb), axis=-1)
+    mant, ex = jnp.frexp(amax / fmax)
+    e = jnp.where(amax > 0, jnp.where(mant == 0.5, ex - 1, ex), 0)
+    e = jnp.clip(e, -126, 127).astype(jnp.int32)
+    q = jnp.clip(xb / jnp.ldexp(jnp.float32(1), e)[..., None], -fmax, fmax).astype(fp8_dtype)
+    return q.reshape(x.shape), (e + 127).astype(jnp.uint8)
+
+
+def _fp8_decode(q: jax.Array, e: jax.Array, dtype) -> jax.Array:
+    """(q [..., n] fp8, e [..., n / block] uint8) -> q * 2^(e - 127) [..., n] in `dtype` (exact in float32)."""
+    nb = e.shape[-1]
+    qb = q.astype(jnp.float32).reshape(*q.shape[:-1], nb, q.shape[-1] // nb)
+    s = jnp.ldexp(jnp.float32(1), e.astype(jnp.int32) - 127)
+    return (qb * s[..., None]).reshape(q.shape).astype(dtype)
+
+
+def _entry_zeros(name: str, prefix: tuple, d: int, dtype, fp8: str | None, rope: int) -> LayerCache:
+    """Zeroed storage of `name` ([*prefix, d] dense in `dtype`, or the FP8 parts: `rope` = dims kept in bf16
+    (0 = the whole vector FP8 under one scale, the indexer keys))."""
+    if fp8 is None:
+        return {name: jnp.zeros((*prefix, d), dtype)}
+    nq = d - rope
+    block = math.gcd(KV_FP8_BLOCK, nq) if rope else nq
+    out = {name: jnp.zeros((*prefix, nq), KV_FP8_FORMATS[fp8]),
+           name + "_scale": jnp.full((*prefix, nq // block), 127, jnp.uint8)}
+    if rope:
+        out[name + "_rope"] = jnp.zeros((*prefix, rope), _ROPE_DTYPE)
+    return out
+
+
+def _encode(c: LayerCache, name: str, x: jax.Array) -> LayerCache:
+    """Vectors x [..., d] -> {part: array} in the storage layout of `name` in cache c (dense or FP8 parts)."""
+    if name + "_scale" not in c:
+        return {name: x.astype(c[name].dtype)}
+    nq, nb = c[name].shape[-1], c[name + "_scale"].shape[-1]
+    q, e = _fp8_encode(x[..., :nq], c[name].dtype, nq // nb)
+    out = {name: q, name + "_scale": e}
+    if name + "_rope" in c:
+        out[name + "_rope"] = x[..., nq:].astype(c[name + "_rope"].dtype)
+    return out
+
+
+def read_entries(c: LayerCache, name: str, dtype) -> jax.Array:
+    """The vectors of `name` ("kv", "comp", "ik") of cache c as [B, N, d] in `dtype`, dequantised when FP8."""
+    if name + "_scale" not in c:
+        return c[name].astype(dtype)
+    x = _fp8_decode(c[name], c[name + "_scale"], dtype)
+    if name + "_rope" in c:
+        x = jnp.concatenate([x, c[name + "_rope"].astype(dtype)], axis=-1)
+    return x
+
+
+def is_fp8(c: LayerCache) -> bool:
+    """Whether a layer cache uses the FP8 layout."""
+    return "kv_scale" in c
 
 
 def _set_rows(buf: jax.Array, idx: jax.Array, val: jax.Array) -> jax.Array:
@@ -43,35 +134,41 @@ def _gather_rows(buf: jax.Array, idx: jax.Array) -> jax.Array:
     return jax.vmap(lambda c, i: c[i])(buf, idx)
 
 
-def cache_shapes(attn: Attention, batch: int, cache_len: int, dtype) -> LayerCache:
-    """Zero-initialised cache of one layer (`pos` = -1). cache_len bounds positions: t < cache_len."""
+def cache_shapes(attn: Attention, batch: int, cache_len: int, dtype, fp8: str | None = None) -> LayerCache:
+    """Zero-initialised cache of one layer (`pos` = -1). cache_len bounds positions: t < cache_len.
+
+    dtype: the ring and compressed entries when unquantised (the compute dtype; indexer keys float32).
+    fp8: None, or "e4m3fn" | "e4m3fnuz": the FP8 layout of the module docstring (ring, entries, indexer keys).
+    Raises KeyError for another fp8 name."""
     w, d = attn.window, attn.head_dim
-    c = {"kv": jnp.zeros((batch, w, d), dtype), "pos": jnp.full((batch, w), -1, jnp.int32)}
+    rope = 2 * len(attn.inv_freq)
+    c = {**_entry_zeros("kv", (batch, w), d, dtype, fp8, rope), "pos": jnp.full((batch, w), -1, jnp.int32)}
     if attn.kind in (CSA, HCA):
         comp: Compressor = attn.compressor
         m, width = comp.ratio, (2 if comp.overlap else 1) * comp.d
-        c["comp"] = jnp.zeros((batch, cache_len // m, d), dtype)
+        c.update(_entry_zeros("comp", (batch, cache_len // m), d, dtype, fp8, rope))
         for k in ("ca", "cz", "pa", "pz"):
             c[k] = jnp.zeros((batch, m, width), jnp.float32)
     if attn.kind == CSA:
         ic: Compressor = attn.indexer.compressor
-        c["ik"] = jnp.zeros((batch, cache_len // ic.ratio, ic.d), jnp.float32)
+        c.update(_entry_zeros("ik", (batch, cache_len // ic.ratio), ic.d, jnp.float32, fp8, 0))
         for k in ("ia", "iz", "ipa", "ipz"):
             c[k] = jnp.zeros((batch, ic.ratio, 2 * ic.d), jnp.float32)
     return c
 
 
-def build_layer_cache(attn: Attention, aux: dict, lengths: jax.Array, cache_len: int) -> LayerCache:
+def build_layer_cache(attn: Attention, aux: dict, lengths: jax.Array, cache_len: int,
+                      fp8: str | None = None) -> LayerCache:
     """Cache after a prefill of right-padded rows. aux: `Attention(..., return_aux=True)` tensors over P tokens;
-    lengths [B] int32 real prompt lengths (1 <= len <= P)."""
+    lengths [B] int32 real prompt lengths (1 <= len <= P); fp8: the cache layout (`cache_shapes`)."""
     kv = aux["kv"]
     b, p = kv.shape[:2]
-    c = cache_shapes(attn, b, cache_len, kv.dtype)
+    c = cache_shapes(attn, b, cache_len, kv.dtype, fp8)
     w = attn.window
     j = jnp.arange(w)[None]
     last = lengths[:, None] - 1
     p_j = last - jnp.mod(last - j, w)  # position held by ring slot j: p = j (mod W), p in [len - W, len)
-    c["kv"] = _gather_rows(kv, p_j)
+    c.update(_encode(c, "kv", _gather_rows(kv, p_j)))
     c["pos"] = jnp.where(p_j >= 0, p_j, -1).astype(jnp.int32)
 
     if attn.kind in (CSA, HCA):
@@ -85,7 +182,8 @@ def _fill(c, comp: Compressor, a, z, entries, lengths, keys) -> None:
     """Compressor state after the prefill: entries, the current partial window and the previous window."""
     ka, kz, kpa, kpz, kent = keys
     m = comp.ratio
-    c[kent] = jax.lax.dynamic_update_slice_in_dim(c[kent], entries.astype(c[kent].dtype), 0, 1)
+    for k, v in _encode(c, kent, entries).items():
+        c[k] = jax.lax.dynamic_update_slice_in_dim(c[k], v, 0, 1)
     cur = ((lengths // m) * m)[:, None] + jnp.arange(m)[None]  # positions of the current (incomplete) window
     c[ka], c[kz] = _gather_rows(a, cur), _gather_rows(z, cur)
     c[kpa], c[kpz] = _gather_rows(a, cur - m), _gather_rows(z, cur - m)
@@ -106,8 +204,9 @@ def _compress_step(comp: Compressor, x: jax.Array, t: jax.Array, c: LayerCache, 
     pooled = window_pool(c[ka][:, None], c[kz][:, None], overlap=comp.overlap, d=comp.d, prev_a=c[kpa], prev_z=pz)
     entry = comp.finish(pooled, jnp.maximum(w, 0))[:, 0]  # [B, d]
     wi = jnp.clip(w, 0, c[kent].shape[1] - 1)
-    old = _gather_rows(c[kent], wi[:, None])[:, 0]
-    c[kent] = _set_rows(c[kent], wi, jnp.where(complete[:, None], entry.astype(old.dtype), old))
+    for k, v in _encode(c, kent, entry).items():
+        old = _gather_rows(c[k], wi[:, None])[:, 0]
+        c[k] = _set_rows(c[k], wi, jnp.where(complete[:, None], v, old))
     c[kpa] = jnp.where(complete[:, None, None], c[ka], c[kpa])
     c[kpz] = jnp.where(complete[:, None, None], c[kz], c[kpz])
 
@@ -119,11 +218,12 @@ def decode_attention(attn: Attention, x: jax.Array, t: jax.Array, cache: LayerCa
     q, q_latent = attn.query(x, cos, sin)
     kv = attn.key_value(x, cos, sin)
     w = attn.window
-    c["kv"] = _set_rows(c["kv"], t % w, kv[:, 0])
+    for k, v in _encode(c, "kv", kv[:, 0]).items():
+        c[k] = _set_rows(c[k], t % w, v)
     c["pos"] = _set_rows(c["pos"], t % w, t)
     tt = t[:, None]
     mask = (c["pos"] >= 0) & (c["pos"] <= tt) & (tt - c["pos"] < w)  # [B, W]
-    keys = c["kv"]
+    keys = read_entries(c, "kv", kv.dtype)  # dequantised on read (FP8 layout)
     if attn.kind in (CSA, HCA):
         _compress_step(attn.compressor, x, t, c, ("ca", "cz", "pa", "pz", "comp"))
         n_c = c["comp"].shape[1]
@@ -132,9 +232,9 @@ def decode_attention(attn: Attention, x: jax.Array, t: jax.Array, cache: LayerCa
             ix = attn.indexer
             _compress_step(ix.compressor, x, t, c, ("ia", "iz", "ipa", "ipz", "ik"))
             qi, omega = ix.queries(x, q_latent, cos, sin)
-            sc = ix.scores(qi, omega, c["ik"])  # [B, 1, Wc]
+            sc = ix.scores(qi, omega, read_entries(c, "ik", jnp.float32))  # [B, 1, Wc]
             vis = ix.select(sc, vis[:, None])[:, 0]
-        keys = jnp.concatenate([keys, c["comp"].astype(keys.dtype)], axis=1)
+        keys = jnp.concatenate([keys, read_entries(c, "comp", keys.dtype)], axis=1)
         mask = jnp.concatenate([mask, vis], axis=-1)
     o = attend(q, keys, mask[:, None, :], attn.attn_sink[...], attn.head_dim ** -0.5)
     return attn.output(o, cos, sin), c
@@ -151,12 +251,14 @@ def _layers(model, layer_fn):
 
 
 def prefill(model, ids: jax.Array, lengths: jax.Array, cache_len: int, routing_replay: jax.Array | None = None,
-            dispatch_fn=None, layer_fn=None):
+            dispatch_fn=None, layer_fn=None, kv_fp8: str | None = None):
     """Full forward over right-padded prompts and the decode caches.
 
     ids [B, P] int32 (row b real at [0, lengths[b])), lengths [B] int32 >= 1, cache_len >= P + max new tokens.
     layer_fn: optional (i, x) -> (Block, x) giving main layer i (then `model.layers` is not read; see
-    `rl.rollout_weights.LayerwiseWeights`). Returns (logits [B, V] float32 at each row's last real token,
+    `rl.rollout_weights.LayerwiseWeights`). kv_fp8: None (unquantised caches in the compute dtype) or the FP8
+    cache layout "e4m3fn" | "e4m3fnuz" (`cache_shapes`; `decode_step` reads the layout from the caches).
+    Returns (logits [B, V] float32 at each row's last real token,
     routing [B, P, L, k] int32, caches list[L]).
     """
     cfg = model.config
@@ -169,7 +271,7 @@ def prefill(model, ids: jax.Array, lengths: jax.Array, cache_len: int, routing_r
         blk, x = get(i, x)
         y, post, comb = blk._pre(x, "attn")
         a, aux = blk.attn(blk.attn_norm(y), positions, return_aux=True)
-        caches.append(build_layer_cache(blk.attn, aux, lengths, cache_len))
+        caches.append(build_layer_cache(blk.attn, aux, lengths, cache_len, kv_fp8))
         x = hc_post(x, a, post, comb)
         y, post, comb = blk._pre(x, "ffn")
         forced = None if routing_replay is None else routing_replay[:, :, i]
@@ -204,3 +306,28 @@ def decode_step(model, tokens: jax.Array, t: jax.Array, caches: list, dispatch_f
         routes.append(r[:, 0])
     logits = model.lm_head(model.collapse(x[:, 0]))
     return logits, jnp.stack(routes, axis=1), new_caches
+
+
+def teacher_forced_logprobs(model, ids: jax.Array, lengths: jax.Array, n_new: int, cache_len: int, *,
+                            kv_fp8: str | None = None) -> jax.Array:
+    """Log-probs of given responses through the decode path (prefill + one token per step), e.g. to measure the
+    FP8 cache's effect on the same tokens (tests/rl/test_kv_cache_fp8.py, benchmarks/kv_cache.py).
+
+    ids [B, S] int32: row b = prompt ids[b, :L_b] then its response ids[b, L_b : L_b + n_new] (the rest padding;
+    S - n_new >= every L_b); lengths [B] int32 = L_b >= 1; cache_len >= L_b + n_new; kv_fp8 as `prefill`.
+    Returns [B, n_new] float32: log softmax(logits)[next token] at temperature 1, the sampler's logprobs of
+    those tokens. Traceable (call it under jit)."""
+    b, s = ids.shape
+    rows = jnp.arange(b)
+    logits, _, caches = prefill(model, ids[:, :s - n_new], lengths, cache_len, kv_fp8=kv_fp8)
+
+    def target_lp(lg, j):
+        return jnp.take_along_axis(jax.nn.log_softmax(lg.astype(jnp.float32), -1), ids[rows, j][:, None], -1)[:, 0]
+
+    def body(c, i):
+        pos = lengths + i
+        lg, _, c = decode_step(model, ids[rows, pos], pos, c)
+        return c, target_lp(lg, pos + 1)
+
+    _, rest = jax.lax.scan(body, caches, jnp.arange(n_new - 1))
+    return jnp.concatenate([target_lp(logits, lengths)[:, None], rest.T], axis=1)

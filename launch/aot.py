@@ -172,11 +172,12 @@ class RolloutCompileReport:
 
 
 def compile_rollout(config, mesh_spec: str, *, batch: int = 1024, context: int = 32768, prompt_len: int = 1024,
-                    rollout_dtype: str = "fp8") -> RolloutCompileReport:
+                    rollout_dtype: str = "fp8", kv_cache_dtype: str = "auto") -> RolloutCompileReport:
     """Lower and compile the sampler's generate program for `config` on the rollout mesh of `mesh_spec` with an
     abstract model (no weights): `batch` sequences of `prompt_len` prompt tokens and `context - prompt_len` new
     tokens (bucketed as `Sampler.generate` buckets them), bf16 compute, FP8-resident weights dequantised layer by
-    layer. Needs `spec.n_devices` local devices. Raises ValueError for sizes the sampler rejects, and XLA's errors.
+    layer, the KV cache as `kv_cache_dtype` (the run's --kv-cache-dtype). Needs `spec.n_devices` local devices.
+    Raises ValueError for sizes the sampler rejects, and XLA's errors.
     """
     import dsv4
     from rl.sampler import Sampler
@@ -192,7 +193,7 @@ def compile_rollout(config, mesh_spec: str, *, batch: int = 1024, context: int =
     model = nnx.eval_shape(lambda: dsv4.DSV4ForCausalLM(config, rngs=nnx.Rngs(0), param_dtype=jnp.bfloat16,
                                                          dtype=jnp.bfloat16))
     sampler = Sampler(model, mesh=plan.rollout, weights=rollout_dtype, max_prompt_len=prompt_len,
-                      compute_dtype=jnp.bfloat16)
+                      compute_dtype=jnp.bfloat16, kv_cache_dtype=kv_cache_dtype)
     new = context - prompt_len
     t0 = time.perf_counter()
     lowered = sampler.lower(batch, prompt_len, new)

@@ -19,6 +19,7 @@ from collections.abc import Sequence
 import jax
 
 import dsv4
+from dsv4.cache import KV_CACHE_DTYPES, resolve_kv_cache_dtype
 from launch.aot import compile_actor, compile_rollout, reduced_depth
 from parallel.plan import _BYTES, GPUS, GPUS_PER_NODE, GiB, plan
 from parallel.plan import __doc__ as _PLAN_DOC
@@ -53,7 +54,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--fp4-scale-bytes", type=float, default=1.0, help="bytes per FP4 1x32 scale (E8M0 = 1)")
     p.add_argument("--rollout-dequant", choices=("per_step", "per_call"), default="per_step",
                    help="sampler dequant mode; per_call keeps a bf16 copy of the quantised weights")
-    p.add_argument("--kv-dtype", choices=sorted(_BYTES), default="bf16", help="sampler compute dtype (KV entries)")
+    p.add_argument("--kv-dtype", choices=sorted(_BYTES), default="bf16",
+                   help="sampler compute dtype (KV entries of the unquantised cache, --kv-cache-dtype bf16)")
+    p.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES, default="auto",
+                   help="the run's --kv-cache-dtype: fp8 | bf16 | auto (fp8 for --rollout-dtype fp8*)")
     p.add_argument("--usable-fraction", type=float, default=0.90)
     p.add_argument("--rollout-reserve", type=float, default=0.10)
     p.add_argument("--rollout-seqs-per-device", type=int, default=1, help="sequences that must fit for 'fits'")
@@ -107,7 +111,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                       train_seq_len=seq if args.compile else args.train_seq_len,
                       rollout_experts=args.rollout_experts, fp8_scale_bytes=args.fp8_scale_bytes,
                       fp4_scale_bytes=args.fp4_scale_bytes, rollout_dequant=args.rollout_dequant,
-                      kv_dtype=args.kv_dtype,
+                      kv_dtype=("fp8" if resolve_kv_cache_dtype(args.kv_cache_dtype, args.rollout_dtype not in
+                                                                ("bf16", "fp32")) == "fp8" else args.kv_dtype),
                       usable_fraction=args.usable_fraction, rollout_reserve=args.rollout_reserve,
                       rollout_seqs_per_device=args.rollout_seqs_per_device,
                       ep_capacity_factor=args.ep_capacity_factor, host_gib_per_node=args.host_gib_per_node,
@@ -157,7 +162,8 @@ def _compile_rollout(config, report, args) -> float | None:
     returns its per-device total bytes (None, with the error printed, when it cannot be compiled)."""
     try:
         rx = compile_rollout(config, report.mesh_spec, batch=args.rollout_batch, context=args.rollout_context,
-                             prompt_len=args.rollout_prompt_len, rollout_dtype=args.rollout_dtype)
+                             prompt_len=args.rollout_prompt_len, rollout_dtype=args.rollout_dtype,
+                             kv_cache_dtype=args.kv_cache_dtype)
     except ValueError as e:
         print(f"error (rollout compile): {e}", file=sys.stderr)
         return None

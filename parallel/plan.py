@@ -71,7 +71,12 @@ abstractly: with W = window, d = head_dim, d_I = index_head_dim, b = kv dtype by
     CSA (ratio m):   + floor(S/m) * (d * b + d_I * 4)            entries + f32 indexer keys
                      + 4 * m * 2d * 4 + 4 * m * 2d_I * 4         A, Z of the current and previous window (f32)
     HCA (ratio m'):  + floor(S/m') * d * b + 4 * m' * d * 4
-so a token costs 8,224 bytes for Flash on top of 27 MiB per sequence. The sampler replicates the caches over the
+so a token costs 8,224 bytes for Flash on top of 27 MiB per sequence (`kv_dtype` "bf16"). With the FP8 cache
+(`kv_dtype="fp8"`, the sampler's `--kv-cache-dtype fp8`, the default for FP8 rollouts; r = RoPE dims, kept bf16):
+an entry (ring slot or compressed) is e = (d - r) FP8 + (d - r) / 64 ue8m0 scale bytes + 2r = 583 B for Flash,
+an indexer key d_I + 1 = 129 B, so a token costs 21 * (583 + 129) / 4 + 20 * 583 / 128 = 3,829 B, on top of
+25 MiB per sequence (FP8 rings, f32 window states). DeepSeek's kernels pad an entry to 584 B (+0.2 B per token).
+The sampler replicates the caches over the
 rollout mesh (`Sampler._empty_caches`), so the per-device capacity is also the rollout-wide one; split over the
 batch axes it would multiply by devices / tensor (one shared K=V head: no tensor split).
 
@@ -218,15 +223,17 @@ class KVCache:
     per_token: float  # compressed entries and indexer keys, per token of max length
 
     @classmethod
-    def for_config(cls, config, dtype=jnp.bfloat16) -> "KVCache":
+    def for_config(cls, config, dtype=jnp.bfloat16, fp8: str | None = None) -> "KVCache":
         """From `dsv4.cache.cache_shapes` of every main layer (the sampler's layout: rl/sampler.py builds one cache
-        per `model.layers` entry; the MTP block has none), evaluated abstractly at two cache lengths."""
+        per `model.layers` entry; the MTP block has none), evaluated abstractly at two cache lengths. fp8: None
+        (entries in `dtype`) or the FP8 layout ("e4m3fn" / "e4m3fnuz": the same bytes)."""
 
         model = abstract_model(config)
         step = math.lcm(*(r for r in config.compress_ratios if r) or (1,))
 
         def total(cache_len):
-            tree = jax.eval_shape(lambda: [cache_shapes(layer.attn, 1, cache_len, dtype) for layer in model.layers])
+            tree = jax.eval_shape(lambda: [cache_shapes(layer.attn, 1, cache_len, dtype, fp8)
+                                           for layer in model.layers])
             return sum(math.prod(a.shape) * np.dtype(a.dtype).itemsize for a in jax.tree.leaves(tree))
 
         fixed = total(0)
@@ -256,6 +263,7 @@ class RoleReport:
     kv_tokens_per_device: int | None = None
     kv_per_seq: float | None = None
     cpu_only: float = 0.0  # bytes of the items labelled "XLA:CPU only" (in `items` with plan(xla_cpu=True))
+    kv_per_token: dict[str, float] | None = None  # {"fp8": B, "bf16": B}: marginal KV bytes per token, both layouts
 
     @property
     def total(self) -> float:
@@ -286,6 +294,7 @@ class PlanReport:
                       f"margin_gib={r.margin / GiB:.2f}"]
             if r.kv_tokens_per_device is not None:
                 parts.append(f"kv_tokens_per_device={r.kv_tokens_per_device}")
+                parts.append(f"kv_dtype={self.options['kv_dtype']}")
         return " ".join(parts)
 
     def table(self) -> str:
@@ -311,10 +320,16 @@ class PlanReport:
             if r.kv_per_seq is not None:
                 shards = r.devices // r.sizes[rl.TENSOR]  # batch shards if caches were split (one K=V head: not TP)
                 seq_mib = r.kv_per_seq / 2**20
+                what = ("FP8 rings, entries and indexer keys with ue8m0 scales, bf16 RoPE dims, f32 compressor "
+                        "states" if o["kv_dtype"] == "fp8" else
+                        f"{o['kv_dtype']} entries, f32 compressor states and indexer keys")
                 lines.append(f"  KV cache per sequence of {o['rollout_seq_len']} tokens: {seq_mib:.1f} MiB "
-                             f"({o['kv_dtype']} entries, f32 compressor states and indexer keys; dsv4.cache layout)")
+                             f"({what}; dsv4.cache layout)")
+                pt = r.kv_per_token or {}
                 lines.append(f"  KV cache bytes per token: {r.kv_per_seq / o['rollout_seq_len']:,.0f} B "
-                             f"(at {o['rollout_seq_len']} tokens, fixed states included)")
+                             f"(at {o['rollout_seq_len']} tokens, fixed states included; per added token: "
+                             f"fp8 {pt.get('fp8', 0):,.0f} B, bf16 {pt.get('bf16', 0):,.0f} B; --kv-cache-dtype "
+                             f"{o['kv_dtype']})")
                 lines.append(f"  KV capacity: {r.kv_seqs_per_device:,} sequences = {r.kv_tokens_per_device:,} tokens "
                              f"per device (rl/sampler.py splits the batch and its caches over data x expert: "
                              f"x{shards} rollout-wide)")
@@ -411,8 +426,8 @@ def plan(config, mesh_spec: str, gpu: str, *, nodes: int | None = None, optimize
         raise ValueError(f"rollout experts must be 'fp8' or 'fp4', got {rollout_experts!r}")
     if rollout_dequant not in ("per_step", "per_call"):
         raise ValueError(f"rollout dequant must be 'per_step' or 'per_call', got {rollout_dequant!r}")
-    if kv_dtype not in _BYTES:
-        raise ValueError(f"kv dtype must be one of {list(_BYTES)}, got {kv_dtype!r}")
+    if kv_dtype not in (*_BYTES, "fp8"):
+        raise ValueError(f"kv dtype must be one of {[*_BYTES, 'fp8']}, got {kv_dtype!r}")
     for name, v in (("offload_optimizer", offload_optimizer), ("usable_fraction", usable_fraction),
                     ("rollout_reserve", rollout_reserve)):
         if not 0.0 <= v <= 1.0:
@@ -540,7 +555,10 @@ def plan(config, mesh_spec: str, gpu: str, *, nodes: int | None = None, optimize
         r_items["actor state resident (colocated; activations excluded)"] = (
             a_gpu - off - sum(v for k, v in a_items.items() if k.startswith("activations") and "XLA:CPU" not in k))
     r_items[f"reserve for activations / fragmentation ({rollout_reserve:.0%} of usable)"] = rollout_reserve * usable
-    kv = KVCache.for_config(config, jnp.bfloat16 if kv_dtype == "bf16" else jnp.float32)
+    kv = KVCache.for_config(config, jnp.float32 if kv_dtype == "fp32" else jnp.bfloat16,
+                            "e4m3fn" if kv_dtype == "fp8" else None)
+    per_token = {"fp8": KVCache.for_config(config, fp8="e4m3fn").per_token,
+                 "bf16": KVCache.for_config(config).per_token}
     free = usable - sum(r_items.values())
     per_seq = kv.per_seq(rollout_seq_len)
     seqs = max(0, int(free // per_seq))
@@ -549,7 +567,7 @@ def plan(config, mesh_spec: str, gpu: str, *, nodes: int | None = None, optimize
                          nodes=_role_nodes(r_dev if not spec.colocated else a_dev), items=r_items, host=0.0,
                          usable=usable, margin=free,
                          fits=seqs >= rollout_seqs_per_device, kv_seqs_per_device=seqs,
-                         kv_tokens_per_device=seqs * rollout_seq_len, kv_per_seq=per_seq)
+                         kv_tokens_per_device=seqs * rollout_seq_len, kv_per_seq=per_seq, kv_per_token=per_token)
     n_params = sum(math.prod(lf.shape) for lf in leaves if lf.dtype != "int32")
     return PlanReport(config_name=config_name, n_params=n_params, gpu=GPUS[gpu], nodes=nodes, mesh_spec=str(spec),
                       options=opts, actor=actor, rollout=rollout)

@@ -100,7 +100,10 @@ def _rollout_slots(cfg: RunConfig, model_cfg, plan, max_prompt: int) -> tuple[in
 
     seq = sl.cache_len_for(model_cfg, max_prompt, cfg.max_new_tokens)  # as Sampler.generate sizes it
     budget, note = sl.kv_budget_from_plan(model_cfg, str(plan.spec), seq, rollout_dtype=cfg.rollout_dtype)
-    n = sl.plan_slots(cfg.rollout_slots, per_slot_bytes=sl.cache_bytes_per_slot_for(model_cfg, seq, dtype),
+    from dsv4.cache import resolve_kv_cache_dtype  # the sampler's cache layout (fn / fnuz: the same bytes)
+    fp8 = "e4m3fn" if resolve_kv_cache_dtype(cfg.kv_cache_dtype, cfg.rollout_dtype not in ("bf16", "fp32")) == "fp8" \
+        else None
+    n = sl.plan_slots(cfg.rollout_slots, per_slot_bytes=sl.cache_bytes_per_slot_for(model_cfg, seq, dtype, fp8),
                       budget_bytes=budget, seq_len=seq)
     rows = cfg.prompts_per_step * cfg.group_size
     n = min(n, rows) if cfg.rollout_slots == "auto" else n
@@ -231,7 +234,7 @@ def build(cfg: RunConfig) -> Job:
     sampler = Sampler(abstract if ckpt_init else model, mesh=plan.rollout,
                       weights=cfg.rollout_dtype, max_prompt_len=max_prompt,
                       compute_dtype=None if cfg.rollout_dtype == "fp32" else rcd, slots=slots,
-                      kv_budget_bytes=kv_budget)
+                      kv_budget_bytes=kv_budget, kv_cache_dtype=cfg.kv_cache_dtype)
     if ckpt_init:
         sampler.set_weights(checkpoint_rollout_weights(sampler, cfg.init, config=model.config,
                                                        progress=cfg.progress), version=0)

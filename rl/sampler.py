@@ -23,6 +23,11 @@ Design (docs/jax-stack.md §5; Tunix `sampler.py`, MaxText `maxengine` read for 
   layer's weights are dequantised right before it runs, in the prefill and in every decode step
   (`dequant="per_layer"`, default: rl/rollout_weights.py), or, as references, the whole model once per call
   (`"per_call"`) / per decode step (`"per_step"`). FP8 GEMMs where the backend has them (`matmul="auto"`, logged).
+- KV cache (`kv_cache_dtype`, `--kv-cache-dtype`): "fp8" stores the window ring, the compressed entries and the
+  indexer keys in FP8 with ue8m0 scales (the release's layout, `dsv4.cache` docstring; e4m3fnuz when the weights
+  are fnuz), dequantised on read in each decode step; "bf16" keeps today's unquantised layout (entries in the
+  compute dtype, f32 indexer keys); "auto" = fp8 for FP8 weights. The prefill attends to its own unquantised
+  keys; the decode steps read the cache. Static and continuous batching share the layout.
 - Placement: the batch, its inputs and the KV caches are split over the rule table's `ACT_BATCH` mesh axes (rollout:
   data x fsdp x expert, "EP as DP"; `sharding.rules.cache_shardings`), never replicated; outputs are replicated.
 - Logprobs: `log_softmax(logits / T)` over the full vocabulary at the sampled token, i.e. after temperature and
@@ -51,7 +56,7 @@ from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
 from dsv4 import quant
-from dsv4.cache import cache_shapes, decode_step, prefill
+from dsv4.cache import cache_shapes, decode_step, prefill, resolve_kv_cache_dtype
 from dsv4.model import DSV4ForCausalLM
 from parallel import expert as expert_lib
 from rl.batch import RolloutBatch, concat_rollouts  # noqa: F401  (re-exported: rl.sampler.RolloutBatch)
@@ -148,14 +153,18 @@ class Sampler:
       slots: 0 = static batching; N >= 1 = continuous batching over N decode slots (rl/slots.py).
       kv_budget_bytes: KV-cache bytes per rollout device the memory plan allows (None = unchecked); `generate`
         raises ValueError naming --rollout-slots when N slots of its cache length need more.
+      kv_cache_dtype: "bf16" (default here: the unquantised cache) | "fp8" | "auto" (fp8 for FP8 weights; the run's
+        `--kv-cache-dtype` default), `dsv4.cache.resolve_kv_cache_dtype`.
     Raises:
-      ValueError: unknown `weights` / `dequant` / `matmul`, slots < 0.
+      ValueError: unknown `weights` / `dequant` / `matmul` / `kv_cache_dtype`, slots < 0.
     """
 
     def __init__(self, model: DSV4ForCausalLM, *, mesh=None, weights: str = "fp8", rules=None,
                  max_prompt_len: int = 1024, fp8_block=(128, 128), dequant: str = "per_layer", dispatch_fn=None,
-                 compute_dtype=None, slots: int = 0, kv_budget_bytes: float | None = None, matmul: str = "auto"):
+                 compute_dtype=None, slots: int = 0, kv_budget_bytes: float | None = None, matmul: str = "auto",
+                 kv_cache_dtype: str = "bf16"):
         rdt = parse_rollout_dtype(weights)
+        self.kv_cache_dtype = resolve_kv_cache_dtype(kv_cache_dtype, rdt.fp8)
         if dequant not in DEQUANT_MODES:
             raise ValueError(f"Sampler dequant={dequant!r}: expected {' | '.join(DEQUANT_MODES)}")
         self.config = model.config
@@ -170,6 +179,8 @@ class Sampler:
         devs = None if mesh is None else list(mesh.devices.flat)
         if self.fp8:
             self.fmt = quant.select_fp8_format(rdt.fp8_name, devs)
+        # FP8 cache format: the weights' (e4m3fnuz on gfx942), else the device's
+        self.kv_fp8 = None if self.kv_cache_dtype == "bf16" else (self.fmt or quant.select_fp8_format("auto", devs))
         self.fp8_gemm = select_fp8_matmul(matmul, self.fp8, devs) and dequant == "per_layer"
         self.weights = weights
         if compute_dtype is None:
@@ -328,7 +339,7 @@ class Sampler:
         layer_fn = self._layerwise.layer_fn(wstate) if layerwise else None
         with jax.named_scope("prefill"):  # names the ops in profiles and compiled HLO (benchmarks/sampler.py)
             logits, prompt_routing, caches = prefill(model, ids, lens, cache_len, dispatch_fn=self.dispatch_fn,
-                                                     layer_fn=layer_fn)
+                                                     layer_fn=layer_fn, kv_fp8=self.kv_fp8)
 
         def is_stop(tok):
             return jnp.any(tok[:, None] == stop_ids[None, :], axis=-1)
@@ -382,7 +393,7 @@ class Sampler:
         if key not in self._cache_shapes:
             model_abs = nnx.merge(self.graphdef, nnx.from_flat_state(self._abs_flat))
             self._cache_shapes[key] = jax.eval_shape(
-                lambda: [cache_shapes(l.attn, b, cache_len, self.compute_dtype) for l in model_abs.layers])
+                lambda: [cache_shapes(l.attn, b, cache_len, self.compute_dtype, self.kv_fp8) for l in model_abs.layers])
         return self._cache_shapes[key]
 
     def _cache_shardings(self, caches):

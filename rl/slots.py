@@ -46,20 +46,22 @@ def cache_len_for(config, prompt_len: int, max_new_tokens: int) -> int:
 
 def cache_bytes_per_slot(sampler, cache_len: int) -> int:
     """Bytes of one slot's decode cache (every main layer, `dsv4.cache.cache_shapes` in the sampler's compute
-    dtype) at `cache_len` positions."""
-    return cache_bytes_per_slot_for(sampler.config, cache_len, sampler.compute_dtype)
+    dtype and KV layout) at `cache_len` positions."""
+    return cache_bytes_per_slot_for(sampler.config, cache_len, sampler.compute_dtype, fp8=sampler.kv_fp8)
 
 
-def cache_bytes_per_slot_for(config, cache_len: int, dtype="bfloat16") -> int:
-    """Bytes of one sequence's decode cache of model `config` at `cache_len` positions (`dtype`: kv / entries)."""
+def cache_bytes_per_slot_for(config, cache_len: int, dtype="bfloat16", fp8: str | None = None) -> int:
+    """Bytes of one sequence's decode cache of model `config` at `cache_len` positions (`dtype`: kv / entries
+    when unquantised; fp8: the FP8 layout's format, `dsv4.cache.cache_shapes`)."""
     from flax import nnx
 
     from dsv4.model import DSV4ForCausalLM
 
-    key = (config, int(cache_len), str(jnp.dtype(dtype)))
+    key = (config, int(cache_len), str(jnp.dtype(dtype)), fp8)
     if key not in _BYTES:
         abstract = nnx.eval_shape(lambda: DSV4ForCausalLM(config, rngs=nnx.Rngs(0)))
-        tree = jax.eval_shape(lambda: [cache_shapes(l.attn, 1, cache_len, jnp.dtype(dtype)) for l in abstract.layers])
+        tree = jax.eval_shape(lambda: [cache_shapes(l.attn, 1, cache_len, jnp.dtype(dtype), fp8)
+                                       for l in abstract.layers])
         _BYTES[key] = int(sum(math.prod(a.shape) * np.dtype(a.dtype).itemsize for a in jax.tree.leaves(tree)))
     return _BYTES[key]
 
@@ -140,7 +142,7 @@ def slots_program(sampler, shape, wstate, caches, ids, lens, key_data, n_real, t
         row_len = jax.lax.dynamic_slice_in_dim(lens, r, 1, 0)
         with jax.named_scope("prefill"):
             logits, pr, c1 = prefill(m, row_ids, row_len, cache_len, dispatch_fn=sampler.dispatch_fn,
-                                     layer_fn=layer_fn)
+                                     layer_fn=layer_fn, kv_fp8=sampler.kv_fp8)
         st = dict(st)
         st["caches"] = jax.tree.map(lambda big, sm: _put_row(big, sm, j), st["caches"], c1)
         key0 = jax.random.fold_in(keys[r], 0)[None]

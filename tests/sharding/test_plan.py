@@ -215,3 +215,20 @@ def test_xla_cpu_items_are_labelled_and_kept_out_of_the_gpu_plan():
     assert {k: v for k, v in cpu.items.items() if k in gpu.items} == gpu.items
     saved = next(v for k, v in gpu.items.items() if k.startswith("activations: saved layer inputs"))
     assert saved == cfg.num_hidden_layers * 8192 * cfg.hc_mult * cfg.hidden_size * 2
+
+
+def test_kv_cache_layout_fp8():
+    """Flash with the FP8 cache (dsv4.cache): each ring slot / compressed entry = 448 FP8 no-RoPE dims + 7 ue8m0
+    scale bytes (one per 64 dims) + 64 bf16 RoPE dims = 583 B (DeepSeek's kernels pad it to 584); each CSA layer's
+    indexer key = 128 FP8 + 1 scale byte; compressor window states stay f32."""
+    kv = pl.KVCache.for_config(dsv4.DSV4Config.flash(), fp8="e4m3fn")
+    entry = 448 + 7 + 64 * 2
+    fixed = 43 * (128 * entry + 128 * 4) + 21 * 4 * (4 * 1024 + 4 * 256) * 4 + 20 * 4 * 128 * 512 * 4
+    per_token = 21 * (entry + 129) / 4 + 20 * entry / 128
+    assert kv.fixed == fixed == 25_922_688 and kv.per_token == per_token == 3829.09375
+    r = pl.plan("flash", "actor:expert=8/rollout:expert=8", "mi355x", nodes=2, kv_dtype="fp8")
+    assert r.rollout.kv_per_token == {"fp8": per_token, "bf16": 8224}
+    assert r.rollout.kv_per_seq == kv.per_seq(4096) and r.line().endswith("kv_dtype=fp8")
+    assert "per added token: fp8 3,829 B, bf16 8,224 B" in r.table()
+    with pytest.raises(ValueError, match="kv dtype"):
+        pl.plan("flash", "actor:expert=8/rollout:expert=8", "mi355x", nodes=2, kv_dtype="int8")
