@@ -89,13 +89,21 @@ class Checkpointer:
     Args:
       directory: checkpoint root (created). keep: how many to keep. fingerprint: JSON-able dict identifying
         the run's math (compared on restore).
+      processes: the process indices that hold the saved arrays and call every method (None: all processes).
+        MPMD runs pass the actor's: orbax's barriers (`MultiprocessingOptions.active_processes`) then involve
+        those processes only, the first of them writes the metadata, and the rollout processes, which hold no
+        learner array, never construct a Checkpointer (their state is derived: rl/roles.py).
     """
 
-    def __init__(self, directory, *, keep: int = 2, fingerprint: dict, async_save: bool = True):
+    def __init__(self, directory, *, keep: int = 2, fingerprint: dict, async_save: bool = True,
+                 processes=None):
         self.dir = check_writable(directory, "--ckpt-dir").resolve()
         self.fingerprint = fingerprint
+        self.primary = 0 if processes is None else min(processes)
+        mp = {} if processes is None else dict(create=False, multiprocessing_options=ocp.options.MultiprocessingOptions(
+            primary_host=self.primary, active_processes=set(processes), barrier_sync_key_prefix="actor"))
         opts = ocp.CheckpointManagerOptions(max_to_keep=keep, enable_async_checkpointing=async_save,
-                                            cleanup_tmp_directories=True)
+                                            cleanup_tmp_directories=True, **mp)
         self.mngr = ocp.CheckpointManager(self.dir, options=opts, item_names=("state", "meta"))
         # The manager cleans old temp dirs in a background thread; a run that stops at a startup error right
         # after this would have that thread fail at interpreter shutdown with a library traceback under the
@@ -166,7 +174,7 @@ class Checkpointer:
         invisible to orbax), so the resumed run can save those steps again."""
         if not steps:
             return
-        if jax.process_index() == 0:
+        if jax.process_index() == self.primary:
             for step in steps:
                 src, dst = self.dir / str(step), self.dir / f"{step}.corrupt"
                 n = 1

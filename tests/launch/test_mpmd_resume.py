@@ -1,0 +1,71 @@
+"""MPMD checkpoints, resume and --init (rl/roles.py): two local processes x 2 CPU devices, `--mesh
+actor:expert=2/rollout:expert=2` (process 0 the actor, process 1 the rollout), the tiny job from an official-format
+tiny checkpoint (`--init`, conftest's `hf_tiny_checkpoint`), every push verified across the processes.
+
+1. An uninterrupted 3-step run with a checkpoint per step.
+2. The same command with `--steps 2`, then again with `--steps 3` in the same directories: the second start resumes
+   at step 2 (the actor restores, the rollout gets the resume point and the pushed weights) and the final
+   checkpoint and every per-step metric equal the uninterrupted run's bitwise (`assert_same_run`).
+3. --init: the rollout's version 0 is read from the file's FP8 blocks (logged), and step 1 matches the
+   single-process run of the same meshes (rewards equal, pg_loss within 1e-5), as tests/launch/test_mpmd_run.py
+   checks for a random init.
+
+    .venv/bin/python -m pytest -q -m slow tests/launch/test_mpmd_resume.py
+"""
+
+from __future__ import annotations
+
+import pathlib
+import time
+
+import portpicker
+import pytest
+
+MESH = "actor:expert=2/rollout:expert=2"
+
+
+def _launch_mpmd(lt, args, env, log_dir: pathlib.Path, name: str, timeout: float = 900) -> list[str]:
+    """`launch/run.py *args` as 2 processes of one jax.distributed job -> their outputs; both must exit 0."""
+    port = portpicker.pick_unused_port()
+    logs = [log_dir / f"{name}.p{i}.log" for i in range(2)]
+    procs = [lt.start([*args, "--coordinator", f"127.0.0.1:{port}", "--num-processes", "2", "--process-id", str(i),
+                       "--cpu-devices-per-process", "2", "--push-timeout", "120"], env, logs[i]) for i in range(2)]
+    deadline = time.monotonic() + timeout
+    try:
+        for p in procs:
+            p.wait(timeout=max(1.0, deadline - time.monotonic()))
+    finally:
+        for p in procs:
+            p.kill()
+    outs = [log.read_text() for log in logs]
+    for p, out in zip(procs, outs):
+        assert p.returncode == 0, out[-3000:]
+    return outs
+
+
+@pytest.mark.slow
+def test_mpmd_checkpoint_resume_and_init(tmp_path, run_env, lt, hf_tiny_checkpoint):
+    args = [*lt.TINY, "--mesh", MESH, "--init", hf_tiny_checkpoint, "--eval-every", "0", "--ckpt-every", "1",
+            "--rollout.push_verify_every", "1"]
+    ref, got = tmp_path / "ref", tmp_path / "got"
+    out = _launch_mpmd(lt, [*args, "--steps", "3", *lt.outputs(ref)], run_env, tmp_path, "ref")
+    assert "process 1 runs the rollout" in out[1] and "rollout weights version 0 read from" in out[1]
+    assert lt.ckpt_steps(ref / "ckpt") == [2, 3]  # saved by the actor process alone
+
+    _launch_mpmd(lt, [*args, "--steps", "2", *lt.outputs(got)], run_env, tmp_path, "got")
+    assert lt.ckpt_steps(got / "ckpt") == [1, 2]
+    out = _launch_mpmd(lt, [*args, "--steps", "3", *lt.outputs(got)], run_env, tmp_path, "resumed")
+    assert "resumed from" in out[0] and "at step 2 (weight version 2)" in out[0], out[0][-3000:]
+    assert "rollout weights version 0 read from" not in out[1]  # the restored version arrives by the push
+    _, rows = lt.assert_same_run(ref, got, 3)
+    assert [r["weight_version"] for r in rows] == [1, 2, 3]
+
+    # --init on one process with the same meshes: step 1 as the MPMD run's
+    single = tmp_path / "single"
+    rc, text = lt.launch([*args, "--steps", "1", "--ckpt-dir", "", "--metrics-jsonl", single / "m.jsonl",
+                          "--tensorboard-dir", "", "--cpu-devices-per-process", "4"], run_env, tmp_path / "single.log")
+    assert rc == 0, text[-3000:]
+    s0, m0 = lt.read_metrics(single / "m.jsonl")[0], rows[0]
+    for k in ("rollout/reward_mean", "rollout/reward_std", "rollout/response_len_mean"):
+        assert m0[k] == s0[k], k
+    assert abs(m0["train/pg_loss"] - s0["train/pg_loss"]) <= 1e-5
