@@ -203,8 +203,8 @@ class MpmdPusher:
         mesh = t.actor_sharding.mesh
         with jax.set_mesh(mesh):
             outs, row = _stage(x, t.dense_dtype, t.qmeta, tuple(w.staged_sharding for w in t.wires), verify)
-        if self._cpu:
-            jax.block_until_ready(outs)
+        if self._cpu:  # one program at a time: concurrent collectives deadlock on CPU (gloo)
+            jax.block_until_ready((outs, row))
         views = []
         for w, y in zip(t.wires, outs):
             local = {s.device: s.data for s in y.addressable_shards}
@@ -292,11 +292,12 @@ class MpmdPusher:
             if lay.process == lay.writer:
                 ch.publish(f"verify/{version}/actor", rows)
         if lay.is_rollout:
-            with jax.set_mesh(self.plan.rollout):
-                r_rows = {t.key: _stored_row(arrived[t.key], tuple(
-                    _slab(w.shape, w.rollout_sharding, max(self.chunk_bytes // 16, 1024)) for w in t.wires))
-                    for t in self.tensors}
-            r_rows = {k: _host_row(r) for k, r in r_rows.items()}
+            r_rows = {}
+            for t in self.tensors:  # one program at a time: concurrent collectives deadlock on CPU (gloo)
+                with jax.set_mesh(self.plan.rollout):
+                    row = _stored_row(arrived[t.key], tuple(
+                        _slab(w.shape, w.rollout_sharding, max(self.chunk_bytes // 16, 1024)) for w in t.wires))
+                r_rows[t.key] = _host_row(row)
             rows = rows if lay.is_actor else ch.receive(f"verify/{version}/actor", ACTOR,
                                                         f"the actor's checksums of weight version {version}")
             failures = []
