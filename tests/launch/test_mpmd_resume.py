@@ -16,6 +16,8 @@ tiny checkpoint (`--init`, conftest's `hf_tiny_checkpoint`), every push verified
 from __future__ import annotations
 
 import pathlib
+import signal
+import subprocess
 import time
 
 import portpicker
@@ -28,12 +30,18 @@ def _launch_mpmd(lt, args, env, log_dir: pathlib.Path, name: str, timeout: float
     """`launch/run.py *args` as 2 processes of one jax.distributed job -> their outputs; both must exit 0."""
     port = portpicker.pick_unused_port()
     logs = [log_dir / f"{name}.p{i}.log" for i in range(2)]
+    env = {**env, "PYTHONFAULTHANDLER": "1"}
     procs = [lt.start([*args, "--coordinator", f"127.0.0.1:{port}", "--num-processes", "2", "--process-id", str(i),
                        "--cpu-devices-per-process", "2", "--push-timeout", "120"], env, logs[i]) for i in range(2)]
     deadline = time.monotonic() + timeout
     try:
         for p in procs:
             p.wait(timeout=max(1.0, deadline - time.monotonic()))
+    except subprocess.TimeoutExpired:
+        for p in procs:  # PYTHONFAULTHANDLER: every thread's stack into the logs, for the report
+            p.send_signal(signal.SIGABRT)
+        time.sleep(5)
+        raise
     finally:
         for p in procs:
             p.kill()
