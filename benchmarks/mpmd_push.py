@@ -2,7 +2,8 @@
 
 Two processes x 2 CPU devices (jax.distributed + gloo, socket transfers on 127.0.0.1), `--mesh
 actor:expert=2/rollout:expert=2`: process 0 is the actor, process 1 the rollout. Model `DSV4Config.small()`
-(~94M parameters), random init on the actor mesh; the rollout's sampler keeps FP8 weights.
+(~109M parameters), random init on the actor mesh; the rollout's sampler keeps FP8 weights (bf16 for the dense
+tensors: embedding, head, norms; the default for an FP8 rollout, as benchmarks/weight_push.py).
 - mpmd push: wall time on the rollout process of `MpmdPusher.push` (every process calls it): the actor casts each
   tensor, quantises the FP8-stored ones to FP8 blocks + f32 scales (`quant.quantize_rollout_fp8`, as the colocated
   push) and stages every wire array in the rollout's tiling, both call `jax.device_put`, the rollout waits for its
@@ -55,7 +56,7 @@ def worker(pid: int, port: int, runs: int, config: str) -> None:
     channel = HostChannel(layout, timeout_s=300)
     abstract = nnx.eval_shape(lambda: DSV4ForCausalLM(mc, rngs=nnx.Rngs(0)))
     state = nnx.state(abstract)
-    sampler = Sampler(abstract, mesh=plan.rollout, weights="fp8", compute_dtype=jnp.float32)
+    sampler = Sampler(abstract, mesh=plan.rollout, weights="fp8")  # bf16 dense tensors, as benchmarks/weight_push.py
     pusher = MpmdPusher(plan, layout, sampler, state, plan.param_shardings("actor", state), channel)
     params = nnx.state(init_model(mc, seed=0, mesh=plan.actor)) if layout.is_actor else None
     n = pusher.wire_bytes // 2

@@ -27,7 +27,8 @@ arrived (`_stored_row`); the actor's rows (10 uint32 per tensor) travel to the r
 HostChannel, which compare them (`row_failures`) and send the verdict back, so a mismatch stops every process of
 both roles with one line naming the tensor (`MpmdPushVerificationError`) and the rollout keeps its old weights.
 
-Tests: `.venv/bin/python -m pytest -q tests/sharding/test_mpmd.py`; benchmark `benchmarks/mpmd_push.py`.
+Tests: `.venv/bin/python -m pytest -q tests/sharding/test_mpmd.py tests/sharding/test_mpmd_wire.py`; benchmark
+`benchmarks/mpmd_push.py`.
 """
 
 from __future__ import annotations
