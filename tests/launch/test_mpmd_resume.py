@@ -6,9 +6,11 @@ tiny checkpoint (`--init`, conftest's `hf_tiny_checkpoint`), every push verified
 2. The same command with `--steps 2`, then again with `--steps 3` in the same directories: the second start resumes
    at step 2 (the actor restores, the rollout gets the resume point and the pushed weights) and the final
    checkpoint and every per-step metric equal the uninterrupted run's bitwise (`assert_same_run`).
-3. --init: the rollout's version 0 is read from the file's FP8 blocks (logged), and step 1 matches the
-   single-process run of the same meshes (rewards equal, pg_loss within 1e-5), as tests/launch/test_mpmd_run.py
-   checks for a random init.
+3. --init: the rollout's version 0 is read from the file's FP8 blocks (logged), and the first two steps match the
+   single-process run of the same meshes (rewards equal, pg_loss within 1e-5 where a step trained), as
+   tests/launch/test_mpmd_run.py checks for a random init.
+
+Runtime: about 14 min on 2 cores shared at load ~14 (4 launches; later ones load the compile cache), hence slow.
 
     .venv/bin/python -m pytest -q -m slow tests/launch/test_mpmd_resume.py
 """
@@ -73,12 +75,17 @@ def test_mpmd_checkpoint_resume_and_init(tmp_path, run_env, lt, hf_tiny_checkpoi
     assert ("rollout weights version 0 read from" in out[1]) == (version == 0)
     assert version > 0 and rows[-1]["weight_version"] > 0  # the learner did update before and after the resume
 
-    # --init on one process with the same meshes: step 1 as the MPMD run's
+    # --init on one process with the same meshes: the first two steps as the MPMD run's (the tiny checkpoint's first
+    # batch has no learning signal; the second trains)
     single = tmp_path / "single"
-    rc, text = lt.launch([*args, "--steps", "1", "--ckpt-dir", "", "--metrics-jsonl", single / "m.jsonl",
+    rc, text = lt.launch([*args, "--steps", "2", "--ckpt-dir", "", "--metrics-jsonl", single / "m.jsonl",
                           "--tensorboard-dir", "", "--cpu-devices-per-process", "4"], run_env, tmp_path / "single.log")
     assert rc == 0, text[-3000:]
-    s0, m0 = lt.read_metrics(single / "m.jsonl")[0], rows[0]
-    for k in ("rollout/reward_mean", "rollout/reward_std", "rollout/response_len_mean"):
-        assert m0[k] == s0[k], k
-    assert abs(m0["train/pg_loss"] - s0["train/pg_loss"]) <= 1e-5
+    trained = 0
+    for s0, m0 in zip(lt.read_metrics(single / "m.jsonl"), rows[:2], strict=True):
+        for k in ("rollout/reward_mean", "rollout/reward_std", "rollout/response_len_mean", "weight_version"):
+            assert m0[k] == s0[k], k
+        if "train/pg_loss" in m0 or "train/pg_loss" in s0:
+            trained += 1
+            assert abs(m0["train/pg_loss"] - s0["train/pg_loss"]) <= 1e-5
+    assert trained >= 1
