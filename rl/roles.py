@@ -25,7 +25,7 @@ prompt, sample), so nothing else is needed for the resumed run to equal the unin
 mesh), the rollout processes read the file's own FP8 blocks for version 0 (`rl.rollout_init.
 checkpoint_rollout_weights`, as the colocated path does); a resumed run's weights come by the push instead.
 Not supported yet in MPMD (a one-line error at start-up): checkpoints together with --max-staleness.
-Tests: `.venv/bin/python -m pytest -q -m slow tests/launch/test_mpmd_run.py`.
+Tests: `.venv/bin/python -m pytest -q -m slow tests/launch/test_mpmd_run.py tests/launch/test_mpmd_resume.py`.
 """
 
 from __future__ import annotations
