@@ -12,7 +12,8 @@ other devices: `jax/_src/dispatch.py::_is_supported_cross_host_transfer`; docs/j
    copy, as an array on a *transfer mesh* (those actor devices, the rollout mesh's shape and axis names) with the
    rollout's spec: identical tiling by construction (`plan_transfer`);
 3. every process calls `jax.device_put` onto the rollout sharding (rollout processes pass an empty handle built
-   with `dtype=`, as they hold no shard of the source); the rollout waits for its copies and acks the chunk through
+   with `dtype=`, as they hold no shard of the source; they call it once every actor process acked that it staged
+   the chunk, since their wait for the actors' transfer servers has only jax's fixed timeout); the rollout waits for its copies and acks the chunk through
    the HostChannel; only then do the actor processes free the staged copies (a sender that deletes them before the
    receiver pulled them loses the transfer);
 4. rollout processes: the arrivals already are the stored state ({key: QuantizedTensor(q, scale) | array}, in the
@@ -244,6 +245,14 @@ class MpmdPusher:
                         views = [jax.make_array_from_single_device_arrays(w.shape, w.transfer_sharding, [],
                                                                           dtype=w.wire_dtype) for w in t.wires]
                     handles += views
+                # the rollout's device_put waits for the actor's transfer servers only jax's fixed transfer timeout:
+                # it starts once every actor process has staged the chunk (compiles may take long; liveness-checked)
+                staged_tag = f"staged/{version}/{c}"
+                if lay.is_actor:
+                    self.channel.ack(staged_tag)
+                else:
+                    self.channel.wait_acks(staged_tag, ACTOR, f"weight push of version {version}, chunk "
+                                                               f"{c + 1}/{len(self.chunks)} was not staged")
                 out = jax.device_put(handles, [w.rollout_sharding for t in chunk for w in t.wires], may_alias=False)
                 if lay.is_rollout:
                     jax.block_until_ready(out)
