@@ -2,18 +2,21 @@
 
 Two processes x 2 CPU devices (jax.distributed + gloo, socket transfers on 127.0.0.1), `--mesh
 actor:expert=2/rollout:expert=2`: process 0 is the actor, process 1 the rollout. Model `DSV4Config.small()`
-(~94M parameters), random init on the actor mesh; the rollout's sampler keeps FP8 weights.
-- mpmd push: wall time on the rollout process of `MpmdPusher.push` (every process calls it): the actor casts to the
-  wire dtype and stages each tensor in the rollout's tiling, both call `jax.device_put`, the rollout waits for its
-  copies, acks each chunk, quantises to FP8 and swaps. GB/s = wire bytes / seconds (wire bytes as
-  benchmarks/weight_push.py: bf16 for FP8/bf16 tensors, f32 kept tensors, int32 tables).
+(~109M parameters), random init on the actor mesh; the rollout's sampler keeps FP8 weights (bf16 for the dense
+tensors: embedding, head, norms; the default for an FP8 rollout, as benchmarks/weight_push.py).
+- mpmd push: wall time on the rollout process of `MpmdPusher.push` (every process calls it): the actor casts each
+  tensor, quantises the FP8-stored ones to FP8 blocks + f32 scales (`quant.quantize_rollout_fp8`, as the colocated
+  push) and stages every wire array in the rollout's tiling, both call `jax.device_put`, the rollout waits for its
+  copies, acks each chunk and swaps the arrivals in (they are the stored state: no rollout-side quantisation, no
+  bf16 copy). GB/s = wire bytes / seconds (wire bytes as benchmarks/weight_push.py: fp8 q + f32 scales for FP8
+  tensors, the stored dtype for the others); `wire_bytes_per_param` = wire bytes / parameters pushed.
 - plain: one bf16 array of the same byte count, P("expert") on the actor mesh -> P("expert") on the rollout mesh
   (identical tiling), `jax.device_put` in both processes, timed on the receiver until its copy is ready.
 Runs are interleaved (push, plain, push, ...); the median of `--runs` is reported. The machine is shared: the figures
 are noisy, the ratio less so.
 
 Run:   .venv/bin/python benchmarks/mpmd_push.py            (about 2-4 minutes on 2 shared cores)
-Last line: `RESULT mpmd_push_gbps=.. plain_device_put_gbps=.. ratio=.. wire_mb=..`.
+Last line: `RESULT mpmd_push_gbps=.. plain_device_put_gbps=.. ratio=.. wire_mb=.. wire_bytes_per_param=..`.
 """
 
 from __future__ import annotations
@@ -53,7 +56,7 @@ def worker(pid: int, port: int, runs: int, config: str) -> None:
     channel = HostChannel(layout, timeout_s=300)
     abstract = nnx.eval_shape(lambda: DSV4ForCausalLM(mc, rngs=nnx.Rngs(0)))
     state = nnx.state(abstract)
-    sampler = Sampler(abstract, mesh=plan.rollout, weights="fp8", compute_dtype=jnp.float32)
+    sampler = Sampler(abstract, mesh=plan.rollout, weights="fp8")  # bf16 dense tensors, as benchmarks/weight_push.py
     pusher = MpmdPusher(plan, layout, sampler, state, plan.param_shardings("actor", state), channel)
     params = nnx.state(init_model(mc, seed=0, mesh=plan.actor)) if layout.is_actor else None
     n = pusher.wire_bytes // 2
@@ -89,11 +92,12 @@ def worker(pid: int, port: int, runs: int, config: str) -> None:
         mb = pusher.wire_bytes / 1e6
         gp = pusher.wire_bytes / statistics.median(push_s) / 1e9
         gd = 2 * n / statistics.median(plain_s) / 1e9
-        print(f"wire bytes {mb:.1f} MB in {len(pusher.chunks)} chunk(s), {len(pusher.tensors)} tensors; "
+        print(f"wire bytes {mb:.1f} MB in {len(pusher.chunks)} chunk(s), {len(pusher.tensors)} tensors, "
+              f"{pusher.n_params / 1e6:.1f}M parameters; "
               f"push s {[round(s, 3) for s in push_s]}, plain s {[round(s, 3) for s in plain_s]}; "
               f"sampler at version {sampler.weight_version} ({'ok' if ok else 'WRONG'})", flush=True)
-        print(f"RESULT mpmd_push_gbps={gp:.3f} plain_device_put_gbps={gd:.3f} ratio={gp / gd:.2f} wire_mb={mb:.1f}",
-              flush=True)
+        print(f"RESULT mpmd_push_gbps={gp:.3f} plain_device_put_gbps={gd:.3f} ratio={gp / gd:.2f} wire_mb={mb:.1f} "
+              f"wire_bytes_per_param={pusher.wire_bytes_per_param:.2f}", flush=True)
     channel.close()
     sys.stdout.flush()
     os._exit(0)

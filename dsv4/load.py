@@ -455,6 +455,18 @@ def load_quantized_state(path, *, dtype=jnp.bfloat16, config: DSV4Config | None 
     return {k: quantized.get(k, values.get(k)) for k in leaves}
 
 
+def loaded_config(path, config: DSV4Config) -> DSV4Config:
+    """The config of the model a load of the checkpoint directory `path` with `config` builds: `config` without the
+    MTP block when the files hold no mtp.* tensors (transformers-saved checkpoints), else `config` itself. For a
+    process that needs the loaded model's shapes without loading it (an MPMD rollout process, rl/roles.py).
+    Raises CheckpointError as `load_hf_checkpoint` does for a directory without safetensors."""
+    files = _scan(pathlib.Path(path))
+    if config.num_nextn_predict_layers and not any(hf_to_official(k).startswith("mtp.") for k in files):
+        return dataclasses.replace(config, num_nextn_predict_layers=0,
+                                   compress_ratios=config.compress_ratios[: config.num_hidden_layers])
+    return config
+
+
 def _load(path, *, dtype, config, mesh, rules, keep_quantized, compute_dtype, progress, dense=True):
     path = pathlib.Path(path)
     files = _scan(path)

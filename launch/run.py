@@ -185,6 +185,7 @@ def main(argv=None) -> int:
     for noisy in ("absl", "orbax", "jax._src", "grain"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
     from sharding.mpmd import PeerTimeoutError
+    from parallel.mpmd_push import MpmdPushVerificationError
 
     info = None
     try:
@@ -215,6 +216,10 @@ def main(argv=None) -> int:
 
         report_failure(e)  # the other processes of this side fail with the same message
         os._exit(1)  # not sys.exit: jax's shutdown barrier would wait for the dead processes
+    except MpmdPushVerificationError as e:  # MPMD: both roles stop on a push that failed verification, one line
+        print(f"error: {e}", file=sys.stderr)
+        sys.stderr.flush()
+        os._exit(1)  # not sys.exit: jax's shutdown barrier would wait for the other processes
     except (ValueError, OSError) as e:  # user errors (bad input, files, permissions): one line, no traceback
         print(f"error: {e}", file=sys.stderr)
         return 2

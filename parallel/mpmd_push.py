@@ -2,21 +2,34 @@
 
 jax moves an array between processes only when the source and destination HLO shardings are identical (same tiling,
 other devices: `jax/_src/dispatch.py::_is_supported_cross_host_transfer`; docs/jax-stack.md §2.4). So per tensor:
-1. actor processes: one jit casts the learner's tensor to its wire dtype (as `parallel/push.py`) and reshards it on
-   the actor mesh so that every dim is cut exactly as the rollout cuts it (`staged_sharding`);
+1. actor processes: one jit (`parallel.push_verify._stage`, the colocated push's) casts the learner's tensor to bf16
+   and, for a tensor the sampler stores in FP8, quantises it with `dsv4.quant.quantize_rollout_fp8` (the one path
+   from learner weights to rollout FP8 weights), writing each wire array -- the dense tensor, or (q fp8, scale f32)
+   -- on the actor mesh with every dim cut exactly as the rollout cuts it (`staged_sharding`). FP8 blocks + scales
+   on the wire: about 1.10 B per parameter instead of 2.01 for bf16 (small config), and the rollout never holds a
+   bf16 copy;
 2. for each rollout device an actor device holding the same slice is chosen; those buffers are wrapped, without a
    copy, as an array on a *transfer mesh* (those actor devices, the rollout mesh's shape and axis names) with the
    rollout's spec: identical tiling by construction (`plan_transfer`);
 3. every process calls `jax.device_put` onto the rollout sharding (rollout processes pass an empty handle built
-   with `dtype=`, as they hold no shard of the source); the rollout waits for its copies and acks the chunk through
+   with `dtype=`, as they hold no shard of the source; they call it once every actor process acked that it staged
+   the chunk, since their wait for the actors' transfer servers has only jax's fixed timeout); the rollout waits for its copies and acks the chunk through
    the HostChannel; only then do the actor processes free the staged copies (a sender that deletes them before the
    receiver pulled them loses the transfer);
-4. rollout processes: `Sampler.quantize_weights` (FP8) and `set_weights`.
+4. rollout processes: the arrivals already are the stored state ({key: QuantizedTensor(q, scale) | array}, in the
+   sampler's shardings); `Sampler.set_weights` swaps it in once every chunk arrived (and passed verification).
 A tensor the transfer cannot serve (the actor mesh cannot cut it as the rollout does, or holds fewer copies of a
-slice than the rollout) is a `MeshSpecError` when the pusher is built, before step 1. Verification (checksums,
-`parallel/push.py`) is not done on this path yet.
+slice than the rollout) is a `MeshSpecError` when the pusher is built, before step 1.
 
-Tests: `.venv/bin/python -m pytest -q tests/sharding/test_mpmd.py`; benchmark `benchmarks/mpmd_push.py`.
+Verification (every `verify_every`-th push, the first included; `--rollout.push_verify_every`): the colocated
+push's terms (`parallel/push_verify.py`): the actor's stage jit computes the row of exactly what it sends (checksum
+pairs of q and scales or of the dense wire, NaN/inf, the e4m3 rounding bound), the rollout computes the rows of what
+arrived (`_stored_row`); the actor's rows (10 uint32 per tensor) travel to the rollout processes through the
+HostChannel, which compare them (`row_failures`) and send the verdict back, so a mismatch stops every process of
+both roles with one line naming the tensor (`MpmdPushVerificationError`) and the rollout keeps its old weights.
+
+Tests: `.venv/bin/python -m pytest -q tests/sharding/test_mpmd.py tests/sharding/test_mpmd_wire.py`; benchmark
+`benchmarks/mpmd_push.py`.
 """
 
 from __future__ import annotations
@@ -28,13 +41,15 @@ from typing import Any
 
 import jax
 import numpy as np
-from jax.sharding import Mesh, NamedSharding
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from dsv4 import quant
-from parallel.transfer import FP8_SOURCE_DTYPE, _cast_reshard, _flat, _realize, _splits
+from parallel.push import PushVerificationError
+from parallel.push_verify import _slab, _stage, _stored_row, row_failures
+from parallel.transfer import FP8_SOURCE_DTYPE, _flat, _realize, _splits
 from sharding.mesh import MeshSpecError
 from sharding.mpmd import HostChannel, RoleLayout
-from sharding.rules import ROLLOUT
+from sharding.rules import ACTOR, ROLLOUT
 
 @dataclasses.dataclass(frozen=True)
 class _Plan:
@@ -90,36 +105,78 @@ def plan_transfer(key: str, shape: tuple[int, ...], wire_dtype, actor_sh: NamedS
                  staged_sharding=staged, transfer_sharding=transfer, rollout_sharding=rollout_sh)
 
 
+class MpmdPushVerificationError(PushVerificationError):
+    """An MPMD push whose rollout copy does not match what the actor sent (raised on every process of both roles,
+    so the actor stops too); one line naming the first bad tensor. `failures`: [(tensor key, reason)]."""
+
+    def __init__(self, version: int, failures: list[tuple[str, str]]):
+        super().__init__(version, failures)
+        k, why = failures[0]
+        more = f" (and {len(failures) - 1} more)" if len(failures) > 1 else ""
+        self.args = (f"weight push of version {version} failed verification: {k}: {why}{more}; the rollout keeps "
+                     "its previous weights",)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Tensor:
+    """One pushed tensor: key, its stored format (qmeta = (kind, fmt, block, shape) of the sampler's
+    QuantizedTensor, None = dense), the dtype the actor casts to before any quantisation (`dense_dtype`), its
+    layout on the actor mesh, and one transfer plan per wire array ((dense,) or (q, scale))."""
+
+    key: str
+    qmeta: tuple | None
+    dense_dtype: Any
+    actor_sharding: NamedSharding
+    wires: tuple[_Plan, ...]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(w.nbytes for w in self.wires)
+
+    @property
+    def n_params(self) -> int:
+        return math.prod(self.qmeta[3] if self.qmeta else self.wires[0].shape)
+
+
 class MpmdPusher:
-    """The actor -> rollout weight push across processes (module docstring, point 1). Built on every process.
+    """The actor -> rollout weight push across processes (module docstring). Built on every process.
 
     Args:
       plan: the MeshPlan; layout: its RoleLayout (mpmd). sampler: the rollout `Sampler` (built on every process from
-        the abstract model: its shardings and quantisation are used; only rollout processes hold weights).
+        the abstract model: its stored formats and shardings, `_abstract_wstate()`, are used; only rollout
+        processes hold weights).
       abstract_state: {key: ShapeDtypeStruct} (or nnx.State) of every pushed tensor, in the learner's dtypes.
       actor_shardings: {key: NamedSharding} of those tensors on the actor mesh.
-      channel: the HostChannel (receipts, liveness, its timeout). chunk_bytes: wire bytes confirmed per receipt.
+      channel: the HostChannel (receipts, checksums, liveness, its timeout). chunk_bytes: wire bytes confirmed per
+        receipt. verify_every: verify every k-th push (1 = always, 0 = never; the first push is verified).
     Raises:
       MeshSpecError: a tensor the transfer cannot serve (`plan_transfer`).
+      ValueError: the actor state lacks a sampler tensor.
     """
 
     def __init__(self, plan, layout: RoleLayout, sampler, abstract_state, actor_shardings, channel: HostChannel, *,
-                 chunk_bytes: int = 256 * 2**20):
+                 chunk_bytes: int = 256 * 2**20, verify_every: int = 0):
         self.plan, self.layout, self.sampler, self.channel = plan, layout, sampler, channel
         self.colocated = False
+        self.chunk_bytes, self.verify_every = int(chunk_bytes), int(verify_every)
         flat = _flat(abstract_state)
         a_sh = _flat(actor_shardings)
         rollout_sh = sampler.rollout_shardings()
         missing = sorted(set(rollout_sh) - set(flat))
         if missing:
             raise ValueError(f"MpmdPusher: the actor state lacks {len(missing)} sampler tensors: {missing[:5]}")
-        stored = jax.eval_shape(sampler._quantize_fn, {k: jax.ShapeDtypeStruct(v.shape, v.dtype)
-                                                       for k, v in flat.items() if k in rollout_sh})
+        stored = sampler._abstract_wstate()  # formats, dtypes and shardings of what the sampler stores
         self.tensors = []
         for k, r in rollout_sh.items():
             out = stored[k]
-            wire = FP8_SOURCE_DTYPE if isinstance(out, quant.QuantizedTensor) else out.dtype
-            self.tensors.append(plan_transfer(k, tuple(flat[k].shape), wire, a_sh[k], r))
+            if isinstance(out, quant.QuantizedTensor):  # quantised on the actor: (q, scale) cross
+                qmeta = (out.kind, out.fmt, tuple(out.block), tuple(out.shape))
+                dense = np.dtype(FP8_SOURCE_DTYPE)
+                arrays = [(k, out.q), (f"{k}:scale", out.scale)]
+            else:
+                qmeta, dense, arrays = None, np.dtype(out.dtype), [(k, out)]
+            wires = tuple(plan_transfer(name, tuple(x.shape), x.dtype, a_sh[k], x.sharding or r) for name, x in arrays)
+            self.tensors.append(_Tensor(key=k, qmeta=qmeta, dense_dtype=dense, actor_sharding=a_sh[k], wires=wires))
         chunks, cur, size = [], [], 0
         for t in self.tensors:
             if cur and size + t.nbytes > chunk_bytes:
@@ -129,60 +186,144 @@ class MpmdPusher:
             size += t.nbytes
         self.chunks = chunks + ([cur] if cur else [])
         self.wire_bytes = sum(t.nbytes for t in self.tensors)
+        self.n_params = sum(t.n_params for t in self.tensors)
         self.n_pushes = 0
         self._cpu = plan.actor.devices.flat[0].platform == "cpu"
 
-    def _stage(self, t: _Plan, x) -> tuple[Any, Any]:
-        """Actor side: (staged copy on the actor mesh, its transfer-mesh view)."""
-        with jax.set_mesh(t.actor_sharding.mesh):
-            y = _cast_reshard(x, t.wire_dtype, t.staged_sharding)
-        if self._cpu:
-            y.block_until_ready()
-        local = {s.device: s.data for s in y.addressable_shards}
-        shards = [local[d] for d in t.transfer_sharding.mesh.devices.flat if d in local]
-        view = jax.make_array_from_single_device_arrays(t.shape, t.transfer_sharding, shards, dtype=t.wire_dtype)
-        return y, view
+    @property
+    def wire_bytes_per_param(self) -> float:
+        return self.wire_bytes / max(self.n_params, 1)
 
-    def push(self, params, version: int) -> dict:
+    def wants_verify(self) -> bool:
+        """Whether the next push verifies (every `verify_every`-th push, the first included)."""
+        return self.verify_every > 0 and self.n_pushes % self.verify_every == 0
+
+    def _stage(self, t: _Tensor, x, verify: bool) -> tuple[list, list, Any]:
+        """Actor side: (staged wire arrays on the actor mesh, their transfer-mesh views, verification row | None).
+        One jit (`parallel.push_verify._stage`, as the colocated push): cast to `dense_dtype`, quantise with
+        `quant.quantize_rollout_fp8` for an FP8-stored tensor, lay every wire array out in the rollout's tiling."""
+        mesh = t.actor_sharding.mesh
+        with jax.set_mesh(mesh):
+            outs, row = _stage(x, t.dense_dtype, t.qmeta, tuple(w.staged_sharding for w in t.wires), verify)
+        if self._cpu:  # one program at a time: concurrent collectives deadlock on CPU (gloo)
+            jax.block_until_ready((outs, row))
+        views = []
+        for w, y in zip(t.wires, outs):
+            local = {s.device: s.data for s in y.addressable_shards}
+            shards = [local[d] for d in w.transfer_sharding.mesh.devices.flat if d in local]
+            views.append(jax.make_array_from_single_device_arrays(w.shape, w.transfer_sharding, shards,
+                                                                  dtype=w.wire_dtype))
+        return list(outs), views, row
+
+    def _arrived(self, chunk: list[_Tensor], out: list) -> list:
+        """Rollout side: the chunk's arrivals (a hook for tests that corrupt one)."""
+        return out
+
+    def push(self, params, version: int, *, verify: bool | None = None) -> dict:
         """Push `params` (actor processes: {key: array} / nnx.State of the learner's tensors; rollout processes:
-        None) as weight `version`. Every process calls it in the same order. Rollout processes swap the new weights
-        into the sampler. Returns {"perf/weight_push_s", "perf/weight_push_gbps"} (this process's wall time).
-        Raises PeerTimeoutError naming the side that did not confirm in time."""
+        None) as weight `version`. Every process calls it in the same order (verify None: the `verify_every`
+        schedule, the same on every process). Rollout processes swap the new weights into the sampler after every
+        chunk arrived (and, when verifying, passed). Returns {"perf/weight_push_s", "perf/weight_push_gbps"} (this
+        process's wall time). Raises PeerTimeoutError naming the side that did not confirm in time,
+        MpmdPushVerificationError (both roles) when a tensor's checksums differ or a check fails."""
         t0 = time.perf_counter()
-        flat = _flat(params) if self.layout.is_actor else None
-        raw = {}
-        for c, chunk in enumerate(self.chunks):
-            staged, handles = [], []
-            for t in chunk:
-                if self.layout.is_actor:
-                    y, view = self._stage(t, flat[t.key])
-                    staged.append(y)
+        verify = self.wants_verify() if verify is None else bool(verify)
+        lay = self.layout
+        flat = _flat(params) if lay.is_actor else None
+        arrived, a_rows, r_rows = {}, {}, {}
+        try:
+            for c, chunk in enumerate(self.chunks):
+                staged, handles = [], []
+                for t in chunk:
+                    if lay.is_actor:
+                        ys, views, row = self._stage(t, flat[t.key], verify)
+                        staged += ys
+                        if verify:
+                            a_rows[t.key] = row
+                    else:
+                        # a handle on the actor's devices: no local shards, hence dtype= (the callback is never read)
+                        views = [jax.make_array_from_single_device_arrays(w.shape, w.transfer_sharding, [],
+                                                                          dtype=w.wire_dtype) for w in t.wires]
+                    handles += views
+                # the rollout's device_put waits for the actor's transfer servers only jax's fixed transfer timeout:
+                # it starts once every actor process has staged the chunk (compiles may take long; liveness-checked)
+                staged_tag = f"staged/{version}/{c}"
+                if lay.is_actor:
+                    self.channel.ack(staged_tag)
                 else:
-                    # a handle on the actor's devices: no local shards, hence dtype= (the callback is never read)
-                    view = jax.make_array_from_single_device_arrays(t.shape, t.transfer_sharding, [],
-                                                                    dtype=t.wire_dtype)
-                handles.append(view)
-            out = jax.device_put(handles, [t.rollout_sharding for t in chunk], may_alias=False)
-            if self.layout.is_rollout:
-                jax.block_until_ready(out)
-                raw.update(zip((t.key for t in chunk), out))
-            # the receiver holds its copies: only now may the sender free the staged buffers
-            tag = f"push/{version}/{c}"
-            if self.layout.is_rollout:
-                self.channel.ack(tag)
-            else:
-                self.channel.wait_acks(tag, ROLLOUT, f"weight push of version {version}, chunk "
-                                                     f"{c + 1}/{len(self.chunks)} was not confirmed")
-            for y in staged:
-                y.delete()
-        if self.layout.is_rollout:
-            wstate = self.sampler.quantize_weights(raw)
-            jax.block_until_ready(wstate)
-            kept = {s.data.unsafe_buffer_pointer() for leaf in jax.tree.leaves(wstate) for s in leaf.addressable_shards}
-            for x in raw.values():
-                if not x.is_deleted() and not ({s.data.unsafe_buffer_pointer() for s in x.addressable_shards} & kept):
+                    self.channel.wait_acks(staged_tag, ACTOR, f"weight push of version {version}, chunk "
+                                                               f"{c + 1}/{len(self.chunks)} was not staged")
+                out = jax.device_put(handles, [w.rollout_sharding for t in chunk for w in t.wires], may_alias=False)
+                if lay.is_rollout:
+                    jax.block_until_ready(out)
+                    out = iter(self._arrived(chunk, out))
+                    for t in chunk:
+                        arrived[t.key] = tuple(next(out) for _ in t.wires)
+                # the receiver holds its copies: only now may the sender free the staged buffers
+                tag = f"push/{version}/{c}"
+                if lay.is_rollout:
+                    self.channel.ack(tag)
+                else:
+                    self.channel.wait_acks(tag, ROLLOUT, f"weight push of version {version}, chunk "
+                                                         f"{c + 1}/{len(self.chunks)} was not confirmed")
+                for y in staged:
+                    y.delete()
+            if verify:
+                self._verify(version, a_rows, arrived)
+        except BaseException:
+            for x in jax.tree.leaves(list(arrived.values())):
+                if not x.is_deleted():
                     x.delete()
-            self.sampler.set_weights(wstate, version)
+            raise
+        if lay.is_rollout:
+            self.sampler.set_weights(self._assemble(arrived), version)
         self.n_pushes += 1
         dt = time.perf_counter() - t0
         return {"perf/weight_push_s": dt, "perf/weight_push_gbps": self.wire_bytes / dt / 1e9}
+
+    def _assemble(self, arrived: dict) -> dict:
+        out = {}
+        for t in self.tensors:
+            a = arrived[t.key]
+            if t.qmeta is None:
+                out[t.key] = a[0]
+            else:
+                kind, fmt, block, shape = t.qmeta
+                out[t.key] = quant.QuantizedTensor(q=a[0], scale=a[1], kind=kind, fmt=fmt, block=block, shape=shape)
+        return out
+
+    def _verify(self, version: int, a_rows: dict, arrived: dict) -> None:
+        """Checksums of both sides compared on the rollout processes (`parallel.push_verify`; the actor's rows travel
+        through the HostChannel, ROW_TERMS uint32 per tensor); the verdict travels back so every process of both
+        roles raises the same MpmdPushVerificationError."""
+        lay, ch = self.layout, self.channel
+        if lay.is_actor:
+            rows = {k: _host_row(r) for k, r in a_rows.items()}
+            if lay.process == lay.writer:
+                ch.publish(f"verify/{version}/actor", rows)
+        if lay.is_rollout:
+            r_rows = {}
+            for t in self.tensors:  # one program at a time: concurrent collectives deadlock on CPU (gloo)
+                with jax.set_mesh(self.plan.rollout):
+                    row = _stored_row(arrived[t.key], tuple(
+                        _slab(w.shape, w.rollout_sharding, max(self.chunk_bytes // 16, 1024)) for w in t.wires))
+                r_rows[t.key] = _host_row(row)
+            rows = rows if lay.is_actor else ch.receive(f"verify/{version}/actor", ACTOR,
+                                                        f"the actor's checksums of weight version {version}")
+            failures = []
+            for t in self.tensors:
+                failures += [(t.key, why) for why in row_failures(rows[t.key], r_rows[t.key], t.dense_dtype)]
+            if lay.process == min(lay.rollout_processes) and not lay.is_actor:
+                ch.publish(f"verify/{version}/verdict", failures)
+        else:
+            failures = ch.receive(f"verify/{version}/verdict", ROLLOUT,
+                                  f"the rollout's verdict on weight version {version}")
+        if failures:
+            raise MpmdPushVerificationError(version, failures)
+
+
+def _host_row(row) -> np.ndarray:
+    """A verification row (uint32[ROW_TERMS], replicated on its mesh, possibly spanning processes) on the host."""
+    if not row.sharding.is_fully_replicated:
+        row = jax.jit(lambda r: r, out_shardings=NamedSharding(row.sharding.mesh, PartitionSpec()))(row)
+    return np.asarray(row.addressable_data(0))

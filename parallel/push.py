@@ -102,7 +102,8 @@ import numpy as np
 from jax.sharding import NamedSharding
 
 from dsv4 import quant
-from parallel.push_verify import ROW_TERMS, _dense_row, _land_quantize, _row, _slab, _stage, _stored_row  # noqa: F401
+from parallel.push_verify import (ROW_TERMS, _dense_row, _land_quantize, _row, _slab, _stage,  # noqa: F401
+                                  _stored_row, row_failures)
 from parallel.transfer import (FP8_SOURCE_DTYPE,  # noqa: F401 (_splits, ROW_TERMS, _row: tests, docs)
                                 _splits, _one_copy, _view, _as_sharding, _transfer_layout,
                                _cast_reshard, _quantize_as, _buffers, _flat, _check_keys)
@@ -482,18 +483,7 @@ class WeightPusher:
         arows, rows = dict(zip(actor_rows, a_vals)), dict(zip(rollout_rows, r_vals))
         failures = []
         for t in self.tensors:
-            a, r = arows[t.key], rows[t.key]
-            reasons = []
-            if a[2] or r[2]:
-                reasons.append("NaN/inf in the " + ("actor weight" if a[2] else "rollout copy"))
-            if (a[0], a[1], a[4], a[5]) != (r[0], r[1], r[4], r[5]):
-                reasons.append("rollout copy differs from the actor's wire value (checksum mismatch)")
-            if np.issubdtype(t.dense_dtype, np.integer) and not r[3]:
-                reasons.append("integer table is all zero (uninitialised hash table?)")
-            if a[8] or r[8]:
-                reasons.append("NaN/inf after FP8 dequantisation")
-            if a[9] or r[9]:
-                reasons.append("FP8 error above the e4m3 rounding bound")
+            reasons = row_failures(arows[t.key], rows[t.key], t.dense_dtype)
             failures += [(t.key, why) for why in reasons]
         return failures
 

@@ -182,3 +182,21 @@ def _stored_row(arrays, slabs):
 
 
 # ------------------------------------------------------------------------------------------ the pusher
+
+
+def row_failures(a, r, dense_dtype) -> list[str]:
+    """The reasons a tensor fails verification, from its actor row `a` and rollout row `r` (uint32[ROW_TERMS] on the
+    host, `_row` / `_stored_row` / `_land_quantize`); `dense_dtype` is what the actor sends dense (integer tables
+    must not be all zero). [] = the tensor passed. Shared by the colocated and the MPMD push."""
+    reasons = []
+    if a[2] or r[2]:
+        reasons.append("NaN/inf in the " + ("actor weight" if a[2] else "rollout copy"))
+    if (a[0], a[1], a[4], a[5]) != (r[0], r[1], r[4], r[5]):
+        reasons.append("rollout copy differs from the actor's wire value (checksum mismatch)")
+    if np.issubdtype(np.dtype(dense_dtype), np.integer) and not r[3]:
+        reasons.append("integer table is all zero (uninitialised hash table?)")
+    if a[8] or r[8]:
+        reasons.append("NaN/inf after FP8 dequantisation")
+    if a[9] or r[9]:
+        reasons.append("FP8 error above the e4m3 rounding bound")
+    return reasons

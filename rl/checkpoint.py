@@ -24,6 +24,7 @@ import os
 import pathlib
 
 import jax
+import numpy as np
 import orbax.checkpoint as ocp
 
 log = logging.getLogger(__name__)
@@ -89,13 +90,25 @@ class Checkpointer:
     Args:
       directory: checkpoint root (created). keep: how many to keep. fingerprint: JSON-able dict identifying
         the run's math (compared on restore).
+      processes: the process indices that hold the saved arrays and call every method (None: all processes).
+        MPMD runs pass the actor's: orbax's barriers (`MultiprocessingOptions.active_processes`) then involve
+        those processes only, the first of them writes the metadata, and the rollout processes, which hold no
+        learner array, never construct a Checkpointer (their state is derived: rl/roles.py). A single saving
+        process in a multi-process job (`processes` of one): orbax refuses its arrays (fully addressable, hence
+        "host local" to orbax once jax.process_count() > 1), so they are saved from host copies (`jax.device_get`
+        at save time, blocking) and restored as numpy, then placed on the target's shardings.
     """
 
-    def __init__(self, directory, *, keep: int = 2, fingerprint: dict, async_save: bool = True):
+    def __init__(self, directory, *, keep: int = 2, fingerprint: dict, async_save: bool = True,
+                 processes=None):
         self.dir = check_writable(directory, "--ckpt-dir").resolve()
         self.fingerprint = fingerprint
+        self.primary = 0 if processes is None else min(processes)
+        self.host_local = processes is not None and len(set(processes)) == 1 and jax.process_count() > 1
+        mp = {} if processes is None else dict(create=False, multiprocessing_options=ocp.options.MultiprocessingOptions(
+            primary_host=self.primary, active_processes=set(processes), barrier_sync_key_prefix="actor"))
         opts = ocp.CheckpointManagerOptions(max_to_keep=keep, enable_async_checkpointing=async_save,
-                                            cleanup_tmp_directories=True)
+                                            cleanup_tmp_directories=True, **mp)
         self.mngr = ocp.CheckpointManager(self.dir, options=opts, item_names=("state", "meta"))
         # The manager cleans old temp dirs in a background thread; a run that stops at a startup error right
         # after this would have that thread fail at interpreter shutdown with a library traceback under the
@@ -110,6 +123,8 @@ class Checkpointer:
     def save(self, step: int, state, meta: dict, *, force: bool = False) -> None:
         """Save (asynchronously) the learner state pytree and the meta dict at `step`."""
         flat, _ = _flatten(state)
+        if self.host_local:  # see the class docstring
+            flat = jax.device_get(flat)
         meta = {**meta, "step": int(step), "fingerprint": self.fingerprint}
         self.mngr.save(step, args=ocp.args.Composite(state=ocp.args.StandardSave(flat),
                                                      meta=ocp.args.JsonSave(meta)), force=force)
@@ -141,7 +156,8 @@ class Checkpointer:
             try:
                 meta = self.mngr.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
                 self._check(meta, step)
-                got = self.mngr.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore(abstract)))
+                target = {k: np.empty(a.shape, a.dtype) for k, a in abstract.items()} if self.host_local else abstract
+                got = self.mngr.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore(target)))
             except CheckpointMismatchError:
                 raise
             except Exception as e:  # noqa: BLE001 - any read failure of this step: try the previous one
@@ -156,6 +172,8 @@ class Checkpointer:
             if missing:
                 raise CheckpointMismatchError(f"checkpoint {self.dir}/{step} lacks {len(missing)} tensors, e.g. "
                                               f"{missing[:5]}")
+            if self.host_local:  # restored as numpy: placed on the target's shardings
+                flat = {k: jax.device_put(flat[k], abstract[k].sharding) for k in abstract}
             leaves = [flat[k] for k in flat_target]
             self._set_aside(failed)
             return jax.tree_util.tree_unflatten(treedef, leaves), meta
@@ -166,7 +184,7 @@ class Checkpointer:
         invisible to orbax), so the resumed run can save those steps again."""
         if not steps:
             return
-        if jax.process_index() == 0:
+        if jax.process_index() == self.primary:
             for step in steps:
                 src, dst = self.dir / str(step), self.dir / f"{step}.corrupt"
                 n = 1

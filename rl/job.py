@@ -197,8 +197,10 @@ def build(cfg: RunConfig) -> Job:
         from rl.roles import check_mpmd_config
 
         check_mpmd_config(cfg, layout)
-    ckpt = Checkpointer(cfg.ckpt_dir, keep=cfg.keep_checkpoints, fingerprint=fingerprint(cfg, model_cfg)) \
-        if cfg.ckpt_dir else None
+    # MPMD: the actor processes save and restore the learner state; the rollout's is derived (rl/roles.py)
+    ckpt = Checkpointer(cfg.ckpt_dir, keep=cfg.keep_checkpoints, fingerprint=fingerprint(cfg, model_cfg),
+                        processes=layout.actor_processes if layout.mpmd else None) \
+        if cfg.ckpt_dir and layout.is_actor else None
     data_identity = {"dataset": file_identity(cfg.dataset), "eval_dataset": file_identity(cfg.eval_dataset)}
     if ckpt is not None and cfg.resume == "auto":
         latest = ckpt.check_latest()  # a checkpoint of another config is an error now, not after the model is built
@@ -217,7 +219,7 @@ def build(cfg: RunConfig) -> Job:
         from rl.roles import build_mpmd
 
         return build_mpmd(cfg, model_cfg, plan, layout, tok, task, train, ev_prompts, ev_refs, reward, ev_data,
-                          param_dtype, data_identity)
+                          param_dtype, data_identity, ckpt=ckpt)
     if cfg.init == "random":
         model = init_model(model_cfg, seed=cfg.seed, param_dtype=load_dtype, mesh=plan.actor)
     else:

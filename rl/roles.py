@@ -16,9 +16,16 @@ No process runs the other role's programs (`Job.counters`, logged at the end of 
 side's heartbeat has stopped for `--push-timeout` s, naming that side (`sharding.mpmd.PeerTimeoutError`); launch/run.py
 then exits with status 1 at once (jax's shutdown barrier would wait for the dead process).
 
-Not supported yet in MPMD (a one-line error at start-up): checkpoints (`--ckpt-dir`: orbax would need the rollout
-processes in its barriers) and `--init` from a checkpoint (the rollout reads the file's FP8 blocks on its mesh).
-Tests: `.venv/bin/python -m pytest -q -m slow tests/launch/test_mpmd_run.py`.
+Checkpoints (`--ckpt-dir`): the actor processes save and restore the learner state with orbax, its barriers among
+the actor processes only (`rl.checkpoint.Checkpointer(processes=...)`); the rollout processes hold no checkpointed
+state: on resume the actor's first process sends them the restored step, weight version and data-iterator state
+(`_resume_point`) and the weights arrive by the start-up push; per-sample randomness is a function of (seed, step,
+prompt, sample), so nothing else is needed for the resumed run to equal the uninterrupted one.
+`--init` from a checkpoint: the actor processes load their shards (`dsv4.load.load_hf_checkpoint` on the actor
+mesh), the rollout processes read the file's own FP8 blocks for version 0 (`rl.rollout_init.
+checkpoint_rollout_weights`, as the colocated path does); a resumed run's weights come by the push instead.
+Not supported yet in MPMD (a one-line error at start-up): checkpoints together with --max-staleness.
+Tests: `.venv/bin/python -m pytest -q -m slow tests/launch/test_mpmd_run.py tests/launch/test_mpmd_resume.py`.
 """
 
 from __future__ import annotations
@@ -37,23 +44,23 @@ log = logging.getLogger("dsv4rl")
 
 def check_mpmd_config(cfg, layout) -> None:
     """Raise ValueError naming the flag for settings an MPMD run does not support yet."""
-    if cfg.ckpt_dir:
-        raise ValueError(f"--ckpt-dir with the rollout on its own processes (--mesh {cfg.mesh}, processes "
-                         f"{list(layout.rollout_processes)}) is not supported yet: pass --ckpt-dir ''")
+    if cfg.ckpt_dir and cfg.staleness() > 0:
+        raise ValueError(f"--ckpt-dir with --max-staleness {cfg.staleness()} and the rollout on its own processes "
+                         f"(--mesh {cfg.mesh}, processes {list(layout.rollout_processes)}) is not supported yet: "
+                         "pass --ckpt-dir '' or drop --max-staleness")
     if cfg.staleness() > 0:
         raise ValueError(f"--max-staleness {cfg.staleness()} (--async-rollout) with the rollout on its own processes "
                          f"(--mesh {cfg.mesh}) is not supported yet: the asynchronous loop runs both roles in one "
                          "process; drop the flag or use a single-process mesh")
-    if cfg.init != "random":
-        raise ValueError(f"--init {cfg.init} with the rollout on its own processes (--mesh {cfg.mesh}) is not "
-                         "supported yet: the rollout cannot read the checkpoint's FP8 blocks; use --init random")
 
 
 def build_mpmd(cfg, model_cfg, plan, layout, tok, task, train, ev_prompts, ev_refs, reward, ev_data, param_dtype,
-               data_identity):
-    """`rl.loop.build` for an MPMD layout: the learner on actor processes only, the sampler's weights on rollout
-    processes only (every process builds the sampler object from the abstract model for its shardings), the push
-    planned on every process, and version 0 pushed from the actor."""
+               data_identity, ckpt=None):
+    """`rl.loop.build` for an MPMD layout: the learner on actor processes only (from --init or random, then the
+    newest checkpoint of `ckpt` with --resume auto), the sampler's weights on rollout processes only (every process
+    builds the sampler object from the abstract model for its shardings), the push planned on every process; the
+    resume point sent to the rollout, then the weights: version 0 read from --init's file on the rollout, else the
+    actor's params pushed (version 0 of a random init, or the restored version)."""
     import jax.numpy as jnp
 
     from dsv4 import DSV4ForCausalLM
@@ -66,12 +73,23 @@ def build_mpmd(cfg, model_cfg, plan, layout, tok, task, train, ev_prompts, ev_re
     from sharding.mpmd import HostChannel
 
     channel = HostChannel(layout, timeout_s=cfg.push_timeout)  # heartbeats from now on: builds and compiles are long
+    file_cfg = model_cfg
+    if cfg.init != "random":  # the loaded model's shapes (a transformers checkpoint has no MTP block)
+        from dsv4.load import loaded_config
+
+        model_cfg = loaded_config(cfg.init, model_cfg)
     load_dtype = jnp.bfloat16 if param_dtype == "bfloat16" else jnp.float32
     learner = None
     if layout.is_actor:
         from rl.learner import Learner
 
-        model = init_model(model_cfg, seed=cfg.seed, param_dtype=load_dtype, mesh=plan.actor)
+        if cfg.init == "random":
+            model = init_model(model_cfg, seed=cfg.seed, param_dtype=load_dtype, mesh=plan.actor)
+        else:
+            from dsv4.load import load_hf_checkpoint
+
+            model = load_hf_checkpoint(cfg.init, dtype=load_dtype, config=file_cfg, mesh=plan.actor,
+                                       progress=cfg.progress)
         lcfg = dataclasses.replace(cfg.learner, param_dtype=param_dtype)  # the run's learner, "auto" resolved
         learner = Learner(model, lcfg, mesh=plan.actor)
         del model
@@ -83,18 +101,56 @@ def build_mpmd(cfg, model_cfg, plan, layout, tok, task, train, ev_prompts, ev_re
     sampler = Sampler(abstract, mesh=plan.rollout, weights=cfg.rollout_dtype, max_prompt_len=max_prompt,
                       compute_dtype=None if cfg.rollout_dtype == "fp32" else rcd, kv_cache_dtype=cfg.kv_cache_dtype)
     state = nnx.state(abstract)
-    pusher = MpmdPusher(plan, layout, sampler, state, plan.param_shardings(ACTOR, state), channel)
+    pusher = MpmdPusher(plan, layout, sampler, state, plan.param_shardings(ACTOR, state), channel,
+                        verify_every=cfg.rollout.push_verify_every)
     it = make_prompt_iterator(train, batch_size=cfg.prompts_per_step, seed=cfg.seed, shard_index=0, shard_count=1)
-    job = Job(cfg=cfg, model_cfg=model_cfg, plan=plan, tokenizer=tok, task=task, train_data=train,
+    job = Job(cfg=cfg, model_cfg=file_cfg, plan=plan, tokenizer=tok, task=task, train_data=train,
               eval_prompts=ev_prompts, eval_refs=ev_refs, reward=reward, learner=learner, sampler=sampler,
-              pusher=pusher, iterator=it, ckpt=None, logger=MetricsLogger(cfg), data_identity=data_identity,
+              pusher=pusher, iterator=it, ckpt=ckpt, logger=MetricsLogger(cfg), data_identity=data_identity,
               data_metrics=data_metrics(train, *([ev_data] if ev_data is not None else [])), layout=layout,
               channel=channel)
     log.info("MPMD: process %d runs the %s (actor processes %s, rollout processes %s)", layout.process, layout.role,
              list(layout.actor_processes), list(layout.rollout_processes))
-    job.logger.open(None)
-    _push_now(job, tag="init")  # version 0: the rollout holds no weights until the actor pushes them
+    _resume_point(job)
+    # a run that checkpoints owns its logs (as rl.job.build): records of steps >= start_step are dropped
+    job.logger.open(job.start_step if cfg.ckpt_dir and cfg.resume == "auto" and not cfg.eval_only else None)
+    if cfg.init != "random" and job.weight_version == 0:  # version 0 from the file's own FP8 blocks
+        if layout.is_rollout:
+            from rl.rollout_init import checkpoint_rollout_weights
+
+            sampler.set_weights(checkpoint_rollout_weights(sampler, cfg.init, config=model_cfg,
+                                                           progress=cfg.progress), version=0)
+            log.info("MPMD: rollout weights version 0 read from %s (its own FP8 blocks)", cfg.init)
+    else:  # the rollout holds no weights until the actor pushes them (version 0, or the restored version)
+        _push_now(job, tag="init")
     return job
+
+
+def _resume_point(job) -> None:
+    """--resume auto with a checkpoint: the actor processes restore the learner state (orbax among themselves) and
+    the first of them sends the rollout processes what their state is derived from: the step to start at, the
+    weight version and the data iterator's state. Without a checkpoint every process starts at step 0."""
+    from rl.job import same_data
+
+    lay, cfg = job.layout, job.cfg
+    if lay.is_actor:
+        point = {"step": 0, "weight_version": 0, "data": None}
+        if job.ckpt is not None and cfg.resume == "auto":
+            restored = job.ckpt.restore(job.learner.state_dict())
+            if restored is not None:
+                state, meta = restored
+                job.learner.load_state_dict(state)
+                point = {"step": int(meta["step"]), "weight_version": int(meta["weight_version"]),
+                         "data": meta["data"] if same_data(cfg, meta, job.data_identity) else None}
+                log.info("resumed from %s at step %d (weight version %d)", job.ckpt.dir, point["step"],
+                         point["weight_version"])
+        if lay.process == lay.writer:
+            job.channel.publish("resume", point)
+    else:
+        point = job.channel.receive("resume", ACTOR, "the actor's resume point (step, weight version, data state)")
+    if point["data"] is not None:
+        job.iterator.set_state(point["data"])
+    job.start_step, job.weight_version = point["step"], point["weight_version"]
 
 
 def _push_now(job, tag) -> dict:

@@ -58,6 +58,7 @@ def checkpoint_rollout_weights(sampler, path, *, config=None, progress: bool | N
         raise ValueError(f"{path}: the checkpoint lacks {len(missing)} tensors the rollout model needs, e.g. {missing[:3]}")
 
     out_sh = sampler._wstate_shardings()
+    cpu = sampler.mesh is not None and sampler.mesh.devices.flat[0].platform == "cpu"
     jits: dict = {}
 
     def convert(x, mode: str, dtype):
@@ -92,4 +93,6 @@ def checkpoint_rollout_weights(sampler, path, *, config=None, progress: bool | N
             else:
                 with jax.set_mesh(sampler.mesh):
                     out[k] = jits[fn_key](x)
+                if cpu:  # one multi-device program at a time: XLA:CPU may order concurrent ones differently per
+                    jax.block_until_ready(out[k])  # device, and their collectives then wait on each other forever
     return out

@@ -1,0 +1,91 @@
+"""MPMD checkpoints, resume and --init (rl/roles.py): two local processes x 2 CPU devices, `--mesh
+actor:expert=2/rollout:expert=2` (process 0 the actor, process 1 the rollout), the tiny job from an official-format
+tiny checkpoint (`--init`, conftest's `hf_tiny_checkpoint`), every push verified across the processes.
+
+1. An uninterrupted 3-step run with a checkpoint per step.
+2. The same command with `--steps 2`, then again with `--steps 3` in the same directories: the second start resumes
+   at step 2 (the actor restores, the rollout gets the resume point and the pushed weights) and the final
+   checkpoint and every per-step metric equal the uninterrupted run's bitwise (`assert_same_run`).
+3. --init: the rollout's version 0 is read from the file's FP8 blocks (logged), and the first two steps match the
+   single-process run of the same meshes (rewards equal, pg_loss within 1e-5 where a step trained), as
+   tests/launch/test_mpmd_run.py checks for a random init.
+
+Runtime: about 14 min on 2 cores shared at load ~14 (4 launches; later ones load the compile cache), hence slow.
+
+    .venv/bin/python -m pytest -q -m slow tests/launch/test_mpmd_resume.py
+"""
+
+from __future__ import annotations
+
+import pathlib
+import signal
+import subprocess
+import time
+
+import portpicker
+import pytest
+
+MESH = "actor:expert=2/rollout:expert=2"
+
+
+def _launch_mpmd(lt, args, env, log_dir: pathlib.Path, name: str, timeout: float = 900) -> list[str]:
+    """`launch/run.py *args` as 2 processes of one jax.distributed job -> their outputs; both must exit 0."""
+    port = portpicker.pick_unused_port()
+    logs = [log_dir / f"{name}.p{i}.log" for i in range(2)]
+    env = {**env, "PYTHONFAULTHANDLER": "1"}
+    procs = [lt.start([*args, "--coordinator", f"127.0.0.1:{port}", "--num-processes", "2", "--process-id", str(i),
+                       "--cpu-devices-per-process", "2", "--push-timeout", "120"], env, logs[i]) for i in range(2)]
+    deadline = time.monotonic() + timeout
+    try:
+        for p in procs:
+            p.wait(timeout=max(1.0, deadline - time.monotonic()))
+    except subprocess.TimeoutExpired:
+        for p in procs:  # PYTHONFAULTHANDLER: every thread's stack into the logs, for the report
+            p.send_signal(signal.SIGABRT)
+        time.sleep(5)
+        raise
+    finally:
+        for p in procs:
+            p.kill()
+    outs = [log.read_text() for log in logs]
+    for p, out in zip(procs, outs):
+        assert p.returncode == 0, out[-3000:]
+    return outs
+
+
+@pytest.mark.slow
+def test_mpmd_checkpoint_resume_and_init(tmp_path, run_env, lt, hf_tiny_checkpoint):
+    args = [*lt.TINY, "--mesh", MESH, "--init", hf_tiny_checkpoint, "--eval-every", "0", "--ckpt-every", "1",
+            "--rollout.push_verify_every", "1"]
+    ref, got = tmp_path / "ref", tmp_path / "got"
+    out = _launch_mpmd(lt, [*args, "--steps", "3", *lt.outputs(ref)], run_env, tmp_path, "ref")
+    assert "process 1 runs the rollout" in out[1] and "rollout weights version 0 read from" in out[1]
+    assert lt.ckpt_steps(ref / "ckpt") == [2, 3]  # saved by the actor process alone
+
+    _launch_mpmd(lt, [*args, "--steps", "2", *lt.outputs(got)], run_env, tmp_path, "got")
+    assert lt.ckpt_steps(got / "ckpt") == [1, 2]
+    out = _launch_mpmd(lt, [*args, "--steps", "3", *lt.outputs(got)], run_env, tmp_path, "resumed")
+    # every metric but the rollout process's own counter of its generate calls (it restarts with the process)
+    _, rows = lt.assert_same_run(ref, got, 3, ignore=("mpmd/rollout_generate_calls",))
+    resumed = lt.read_metrics(got / "metrics.jsonl")[-1]
+    assert resumed["mpmd/rollout_generate_calls"] == 1.0 and resumed["mpmd/rollout_train_steps"] == 0.0
+    version = rows[1]["weight_version"]  # after step 2
+    assert f"resumed from {got / 'ckpt'} at step 2 (weight version {version})" in out[0], out[0][-3000:]
+    # the restored version arrives by the push (version 0 would be read from --init's file again)
+    assert ("rollout weights version 0 read from" in out[1]) == (version == 0)
+    assert version > 0 and rows[-1]["weight_version"] > 0  # the learner did update before and after the resume
+
+    # --init on one process with the same meshes: the first two steps as the MPMD run's (the tiny checkpoint's first
+    # batch has no learning signal; the second trains)
+    single = tmp_path / "single"
+    rc, text = lt.launch([*args, "--steps", "2", "--ckpt-dir", "", "--metrics-jsonl", single / "m.jsonl",
+                          "--tensorboard-dir", "", "--cpu-devices-per-process", "4"], run_env, tmp_path / "single.log")
+    assert rc == 0, text[-3000:]
+    trained = 0
+    for s0, m0 in zip(lt.read_metrics(single / "m.jsonl"), rows[:2], strict=True):
+        for k in ("rollout/reward_mean", "rollout/reward_std", "rollout/response_len_mean", "weight_version"):
+            assert m0[k] == s0[k], k
+        if "train/pg_loss" in m0 or "train/pg_loss" in s0:
+            trained += 1
+            assert abs(m0["train/pg_loss"] - s0["train/pg_loss"]) <= 1e-5
+    assert trained >= 1
