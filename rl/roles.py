@@ -16,6 +16,8 @@ No process runs the other role's programs (`Job.counters`, logged at the end of 
 side's heartbeat has stopped for `--push-timeout` s, naming that side (`sharding.mpmd.PeerTimeoutError`); launch/run.py
 then exits with status 1 at once (jax's shutdown barrier would wait for the dead process).
 
+`--max-staleness K >= 1` (`--async-rollout`): the same roles, pipelined one step off (rl/async_mpmd.py).
+
 Not supported yet in MPMD (a one-line error at start-up): checkpoints (`--ckpt-dir`: orbax would need the rollout
 processes in its barriers) and `--init` from a checkpoint (the rollout reads the file's FP8 blocks on its mesh).
 Tests: `.venv/bin/python -m pytest -q -m slow tests/launch/test_mpmd_run.py`.
@@ -40,10 +42,6 @@ def check_mpmd_config(cfg, layout) -> None:
     if cfg.ckpt_dir:
         raise ValueError(f"--ckpt-dir with the rollout on its own processes (--mesh {cfg.mesh}, processes "
                          f"{list(layout.rollout_processes)}) is not supported yet: pass --ckpt-dir ''")
-    if cfg.staleness() > 0:
-        raise ValueError(f"--max-staleness {cfg.staleness()} (--async-rollout) with the rollout on its own processes "
-                         f"(--mesh {cfg.mesh}) is not supported yet: the asynchronous loop runs both roles in one "
-                         "process; drop the flag or use a single-process mesh")
     if cfg.init != "random":
         raise ValueError(f"--init {cfg.init} with the rollout on its own processes (--mesh {cfg.mesh}) is not "
                          "supported yet: the rollout cannot read the checkpoint's FP8 blocks; use --init random")
