@@ -3,7 +3,7 @@
     .venv/bin/python benchmarks/async_overlap.py                # one process, the default run's 2 CPU devices
     .venv/bin/python benchmarks/async_overlap.py --steps 80     # + the learning criterion over the default length
     .venv/bin/python benchmarks/async_overlap.py --mpmd         # 2 processes: actor = process 0, rollout = process 1
-    .venv/bin/python benchmarks/async_overlap.py --mpmd --steps 80   # the full measurement (~25-40 min, quiet machine)
+    .venv/bin/python benchmarks/async_overlap.py --mpmd --steps 80   # the full measurement (~6-10 min quiet)
 
 Each mode runs `launch/run.py` as a real job twice (the default task and model; `--async-rollout` the second
 time; no eval, no checkpoints), both sharing one JAX compilation cache, and reads the per-step metrics:

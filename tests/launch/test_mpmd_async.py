@@ -7,7 +7,8 @@ same layout as `benchmarks/async_overlap.py --mpmd`. One run of 3 steps covers:
   wall-clock timestamps the writer logs: both processes share the host's clock), and `perf/overlap_frac` > 0;
 - the roles: the rollout never trains, the actor never generates, one metrics writer;
 - parity with the one-process asynchronous run of the same mesh shapes (the same schedule): every step has equal
-  rewards and pg_loss within 1e-5 (steps 0-1 sampled with P(0), step 2 with P(1) pushed across processes).
+  rewards and pg_loss within 1e-5 (steps 0-1 sampled with P(0), step 2 with P(1) pushed across processes), and
+  equal evaluations (steps 1 and 2, on P(2) and P(3): the rollout process evaluates after the push).
 
 Runtime: ~3-6 min on 2 busy cores (3 processes, compiles), hence `slow`.
 
@@ -24,8 +25,9 @@ import pytest
 
 STEPS = 3
 MESH = "actor:data=1/rollout:data=1"
-JOB = ["--steps", str(STEPS), "--prompts-per-step", "2", "--group-size", "4", "--eval-every", "0", "--ckpt-dir", "",
-       "--tensorboard-dir", "", "--no-progress", "--mesh", MESH, "--async-rollout"]
+JOB = ["--steps", str(STEPS), "--prompts-per-step", "2", "--group-size", "4", "--eval-every", "2", "--eval-prompts", "4",
+       "--eval-samples", "2", "--ckpt-dir", "", "--tensorboard-dir", "", "--no-progress", "--mesh", MESH,
+       "--async-rollout"]
 
 
 @pytest.mark.slow
@@ -73,3 +75,6 @@ def test_mpmd_async_one_step_off_overlaps_and_matches_one_process(tmp_path, run_
             assert rows[s][k] == ref[s][k], (s, k)
         assert abs(rows[s]["train/pg_loss"] - ref[s]["train/pg_loss"]) <= 1e-5, s
         assert rows[s]["weight_version/staleness_max"] == ref[s]["weight_version/staleness_max"]
+    for s in (1, 2):
+        assert {k: v for k, v in rows[s].items() if k.startswith("eval/")} == \
+            {k: v for k, v in ref[s].items() if k.startswith("eval/")} != {}, s
