@@ -141,7 +141,8 @@ class AsyncRollout:
         self.events: list[tuple[str, int, float]] = []  # ("generate_start" | "update_end", step, perf_counter)
         if job.start_step > 0 and job.ckpt is not None:
             self._load(job.ckpt.dir, job.start_step)
-        if jax.process_count() > 1 and not self.mpmd:  # SPMD over processes: the two threads' collectives may interleave differently
+        # SPMD over processes: the two threads' collectives may interleave differently (MPMD: rl/async_mpmd.py)
+        if jax.process_count() > 1 and not self.mpmd:
             log.warning("--max-staleness %d with %d processes: tested on one process only (the rollout thread's "
                         "host collectives run beside the learner's)", self.k, jax.process_count())
         self.thread = threading.Thread(target=self._work, name="rollout", daemon=True)

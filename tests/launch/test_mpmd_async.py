@@ -18,16 +18,15 @@ Runtime: 4.5-10.5 min on 2 cores at load 13-16 (3 jobs, compiles), hence `slow`.
 from __future__ import annotations
 
 import re
-import subprocess
 
 import portpicker
 import pytest
 
 STEPS = 3
 MESH = "actor:data=1/rollout:data=1"
-JOB = ["--steps", str(STEPS), "--prompts-per-step", "2", "--group-size", "4", "--eval-every", "2", "--eval-prompts", "4",
-       "--eval-samples", "2", "--ckpt-dir", "", "--tensorboard-dir", "", "--no-progress", "--mesh", MESH,
-       "--async-rollout"]
+JOB = ["--steps", str(STEPS), "--prompts-per-step", "2", "--group-size", "4", "--eval-every", "2",
+       "--eval-prompts", "4", "--eval-samples", "2", "--ckpt-dir", "", "--tensorboard-dir", "", "--no-progress",
+       "--mesh", MESH, "--async-rollout"]
 
 
 @pytest.mark.slow
