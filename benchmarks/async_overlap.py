@@ -3,6 +3,7 @@
     .venv/bin/python benchmarks/async_overlap.py                # one process, the default run's 2 CPU devices
     .venv/bin/python benchmarks/async_overlap.py --steps 80     # + the learning criterion over the default length
     .venv/bin/python benchmarks/async_overlap.py --mpmd         # 2 processes: actor = process 0, rollout = process 1
+    .venv/bin/python benchmarks/async_overlap.py --mpmd --steps 80   # the full measurement (~6-10 min quiet)
 
 Each mode runs `launch/run.py` as a real job twice (the default task and model; `--async-rollout` the second
 time; no eval, no checkpoints), both sharing one JAX compilation cache, and reads the per-step metrics:
@@ -17,12 +18,14 @@ Layouts. Default: one process, `--mesh auto` on 2 forced host devices (actor 1 +
 the process's XLA:CPU thread pool, so concurrency buys little there (reported, no target). `--mpmd`: the real
 layout in miniature, 2 local processes (`--num-processes 2 --cpu-devices-per-process 1`, mesh
 `actor:data=1/rollout:data=1`: device 0 on process 0 = actor, device 1 on process 1 = rollout), each pinned to its
-own core (`sched_setaffinity`) with XLA single-threaded (`--xla_cpu_multi_thread_eigen=false
-intra_op_parallelism_threads=1`); it needs the rollout to live on its own process (issue 14 point 1): until then
-the job fails and the benchmark says so (exit 1).
+own core (`sched_setaffinity` before exec: XLA:CPU sizes its thread pool from the affinity mask) with XLA
+single-threaded (`XLA_FLAGS=--xla_cpu_multi_thread_eigen=false`; jax 0.10.2 has no intra-op thread option of its
+own, and the pool already has one core). The async side is rl/async_mpmd.py (the rollout process generates batch
+n + 1 while the actor process trains on batch n).
 
-Last line: `RESULT sync_step_s=.. async_step_s=.. speedup=.. overlap_frac=..` (target in the --mpmd layout:
-speedup >= 1.3). Timings are wall-clock on whatever else the machine runs: note the load next to them.
+Last line: `RESULT sync_step_s=.. async_step_s=.. speedup=.. overlap_frac=.. async_first10=.. async_last10=..
+async_learns=0|1` (target in the --mpmd layout: speedup >= 1.3 and async_learns=1 at 80 steps). Timings are
+wall-clock on whatever else the machine runs: note the load next to them.
 """
 
 from __future__ import annotations
@@ -40,7 +43,7 @@ import time
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 RUN_PY = REPO / "launch" / "run.py"
-SINGLE_THREAD = "--xla_cpu_multi_thread_eigen=false intra_op_parallelism_threads=1"
+SINGLE_THREAD = "--xla_cpu_multi_thread_eigen=false"  # + one core per process (`_pin`): one XLA pool thread
 
 
 def _free_port() -> int:
@@ -144,7 +147,8 @@ def main(argv=None) -> int:
             rows = run_job([*base, *flags], out / name, cache, args.mpmd, args.timeout)
         except RuntimeError as e:
             print(f"{name}: FAILED: {e}", flush=True)
-            print(f"RESULT sync_step_s=nan async_step_s=nan speedup=nan overlap_frac=nan failed={name}")
+            print(f"RESULT sync_step_s=nan async_step_s=nan speedup=nan overlap_frac=nan async_first10=nan "
+                  f"async_last10=nan async_learns=0 failed={name}")
             return 1
         res[name] = summarize(rows, args.warmup)
         print(f"{name}: {json.dumps({k: round(v, 4) for k, v in res[name].items()})} "
@@ -156,7 +160,8 @@ def main(argv=None) -> int:
           f"last 10% {a['last10']:.3f} ({'meets' if crit else 'does not meet'} the default criterion); "
           f"load average now {os.getloadavg()[0]:.1f}")
     print(f"RESULT sync_step_s={s['step_s']:.4f} async_step_s={a['step_s']:.4f} "
-          f"speedup={s['step_s'] / a['step_s']:.3f} overlap_frac={a['overlap_frac']:.3f}")
+          f"speedup={s['step_s'] / a['step_s']:.3f} overlap_frac={a.get('overlap_frac', float('nan')):.3f} "
+          f"async_first10={a['first10']:.4f} async_last10={a['last10']:.4f} async_learns={int(crit)}")
     return 0
 
 

@@ -318,9 +318,9 @@ def run(job: Job) -> dict:
             log.info("eval before training:\n%s", eval_table(ev, job))
             job.logger.log(0, {**ev, "eval/before_train": 1.0})
         if cfg.staleness() > 0:  # --max-staleness / --async-rollout: rollouts run ahead in a thread
-            from rl.async_loop import AsyncRollout
+            from rl.async_loop import start_async
 
-            job.inflight = AsyncRollout(job).start()
+            job.inflight = start_async(job)  # MPMD: this process's side of it (rl/async_mpmd.py)
         for step in range(job.start_step, cfg.steps):
             eval_due = bool(cfg.eval_every) and ((step + 1) % cfg.eval_every == 0 or step + 1 == cfg.steps)
             if job.inflight is None:

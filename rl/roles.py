@@ -24,8 +24,10 @@ prompt, sample), so nothing else is needed for the resumed run to equal the unin
 `--init` from a checkpoint: the actor processes load their shards (`dsv4.load.load_hf_checkpoint` on the actor
 mesh), the rollout processes read the file's own FP8 blocks for version 0 (`rl.rollout_init.
 checkpoint_rollout_weights`, as the colocated path does); a resumed run's weights come by the push instead.
+`--max-staleness K >= 1` (`--async-rollout`): the same roles, pipelined one step off (rl/async_mpmd.py).
 Not supported yet in MPMD (a one-line error at start-up): checkpoints together with --max-staleness.
-Tests: `.venv/bin/python -m pytest -q -m slow tests/launch/test_mpmd_run.py tests/launch/test_mpmd_resume.py`.
+Tests: `.venv/bin/python -m pytest -q -m slow tests/launch/test_mpmd_run.py tests/launch/test_mpmd_resume.py
+tests/launch/test_mpmd_async.py`.
 """
 
 from __future__ import annotations
@@ -48,10 +50,6 @@ def check_mpmd_config(cfg, layout) -> None:
         raise ValueError(f"--ckpt-dir with --max-staleness {cfg.staleness()} and the rollout on its own processes "
                          f"(--mesh {cfg.mesh}, processes {list(layout.rollout_processes)}) is not supported yet: "
                          "pass --ckpt-dir '' or drop --max-staleness")
-    if cfg.staleness() > 0:
-        raise ValueError(f"--max-staleness {cfg.staleness()} (--async-rollout) with the rollout on its own processes "
-                         f"(--mesh {cfg.mesh}) is not supported yet: the asynchronous loop runs both roles in one "
-                         "process; drop the flag or use a single-process mesh")
 
 
 def build_mpmd(cfg, model_cfg, plan, layout, tok, task, train, ev_prompts, ev_refs, reward, ev_data, param_dtype,

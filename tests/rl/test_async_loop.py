@@ -184,13 +184,55 @@ def test_cli_refuses_async_without_correction(tmp_path, capsys):
     assert "max_staleness must be int" in capsys.readouterr().err
 
 
-def test_async_with_rollout_processes_is_a_clear_error():
-    """MPMD runs (rollout on its own processes) are synchronous for now: the flag is refused before step 1."""
+def test_async_with_rollout_processes_is_accepted_checkpoints_are_not():
+    """MPMD runs (rollout on its own processes) take --max-staleness (rl/async_mpmd.py); checkpoints are still
+    refused before step 1, asynchronous or not."""
     from rl.roles import check_mpmd_config
 
     class Layout:
         rollout_processes = (2,)
 
     check_mpmd_config(RunConfig(ckpt_dir=""), Layout())
-    with pytest.raises(ValueError, match=r"--max-staleness 1 \(--async-rollout\) with the rollout on its own"):
-        check_mpmd_config(RunConfig(ckpt_dir="", async_rollout=True), Layout())
+    check_mpmd_config(RunConfig(ckpt_dir="", async_rollout=True), Layout())
+    check_mpmd_config(RunConfig(ckpt_dir="", max_staleness=2), Layout())
+    with pytest.raises(ValueError, match=r"--ckpt-dir with the rollout on its own processes"):
+        check_mpmd_config(RunConfig(ckpt_dir="/tmp/x", async_rollout=True), Layout())
+
+
+@pytest.mark.parametrize("k", [1, 2])
+def test_mpmd_rollout_side_follows_the_schedule(monkeypatch, k):
+    """The rollout processes' side (rl/async_mpmd.py) generates, per step s, the batches up to s + K not generated
+    yet, before the push point of s: batch m with P(max(0, m - K)); none past --steps. Stubs: no model, no channel."""
+    import types
+
+    from rl import async_loop, roles
+    from rl.async_mpmd import MpmdAsyncRollout
+
+    steps, trace = 5, []
+    job = types.SimpleNamespace(cfg=RunConfig(steps=steps, max_staleness=k), start_step=0, weight_version=0,
+                                layout=types.SimpleNamespace(process=1, rollout_processes=(1,)),
+                                counters={"generate": 0, "train_steps": 0},
+                                iterator=types.SimpleNamespace(get_state=lambda: {}),
+                                channel=types.SimpleNamespace(publish=lambda tag, v: trace.append(("publish", tag))))
+
+    def produce(job_, m):
+        trace.append(("generate", m, job_.weight_version))
+        return async_loop.RolloutRecord(step=m, rb=None, rewards=None, train_rows=None, versions=None,
+                                        metrics={"rollout/reward_mean": float(m)})
+
+    def push_now(job_, tag):
+        job_.weight_version += 1
+        trace.append(("push", tag))
+        return {}
+
+    monkeypatch.setattr("rl.async_mpmd.produce", produce)
+    monkeypatch.setattr(roles, "_push_now", push_now)
+    side = MpmdAsyncRollout(job).start()
+    got = [side.step(s, eval_due=False)["rollout/reward_mean"] for s in range(steps)]
+    assert got == [float(s) for s in range(steps)]
+    gens = [(e[1], e[2]) for e in trace if e[0] == "generate"]
+    assert gens == [(m, max(0, m - k)) for m in range(steps)]  # batch m <- P(max(0, m - K))
+    for s in range(steps):  # before the push point of s: exactly the batches up to min(s + K, steps - 1)
+        before = trace[: trace.index(("push", s))]
+        assert {e[1] for e in before if e[0] == "generate"} == set(range(min(s + k + 1, steps)))
+    assert [e[1] for e in trace if e[0] == "publish"] == [f"rollout/{m}" for m in range(steps)]
