@@ -115,7 +115,7 @@ def tie_to(x: jax.Array, leaves: tuple, tie: str = "cond") -> tuple:
     rewritten through f16 and `optimization_barrier` is expanded before the loop passes, so an elementwise
     dependence (a select or OR on the bytes) leaves a q-only conversion that XLA hoists out of the decode loop:
     a converted copy of every layer's bytes held across the loop (u8: +0.22x the unquantised weights on
-    `small`, f16: +0.45x; benchmarks/README.md "Sampler compiled memory").
+    `small`, f16: +0.40x; benchmarks/README.md, "Compiled memory of the generate program").
     tie "select": `select(x_0 != x_0, 0, leaf)` per leaf (no copy, fuses into the dequantisation) for backends
     with native f8 elementwise ops; unverified on a GPU so far (benchmarks/gpu_check.sh compiles it there).
     Raises ValueError for an unknown `tie`."""
