@@ -516,7 +516,7 @@ class Sampler:
             inputs = tuple(sds(x.shape, x.dtype, sharding=rep) for x in inputs)
         ctx = jax.set_mesh(self.mesh) if self.mesh is not None else _null()
         with ctx, _rules_ctx(self.rules, self.mesh):
-            return self._slots_jit((b, p_max, t_cap, s_n), self._abstract_wstate(), caches, *inputs)
+            return self._slots_jit.lower((b, p_max, t_cap, s_n), self._abstract_wstate(), caches, *inputs)
 
     def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams, *, seed: int, step: int = 0,
                  prompt_index: Sequence[int] | None = None, sample_index: Sequence[int] | None = None,
