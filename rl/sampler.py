@@ -211,7 +211,10 @@ class Sampler:
         self._generate_jit = jax.jit(self._generate_fn, static_argnums=(0,), donate_argnums=(2,),
                                      out_shardings=out_sh)
         from rl import slots as _slots  # continuous batching (rl/slots.py): slot caches split like the batch
-        slot_out = None if mesh is None else (rep,) * 7 + (self._cache_shardings(self._abstract_caches(1, 1)),)
+        slot_out = None  # per-request outputs split over the batch axes like the slots (at 1,024 x 32K the routing
+        if mesh is not None:  # alone is ~0.8 GB per layer: replicated, it would not fit), stats replicated
+            rows = self._input_shardings()[0]
+            slot_out = (rows,) * 6 + (rep, self._cache_shardings(self._abstract_caches(1, 1)))
         self._slots_jit = jax.jit(lambda *a: _slots.slots_program(self, *a), static_argnums=(0,), donate_argnums=(2,),
                                   out_shardings=slot_out)
         self.last_cache_bytes: tuple[int, int] = (0, 0)  # (global, largest per device) bytes of the last caches
@@ -588,9 +591,6 @@ class Sampler:
             with ctx, _rules_ctx(self.rules, self.mesh):
                 out = self._slots_jit((b, p_max, t_cap, s_n), self._w, caches, *inputs)
             tok, lp, prompt_routing, resp_routing, length, stopped, stats, caches = out
-            pr_w = prompt_routing.shape[1]  # right-padded rows -> the static layout's width p_bucket (exact)
-            prompt_routing = jnp.pad(prompt_routing, ((0, 0), (0, max(0, p_bucket - pr_w)), (0, 0), (0, 0)),
-                                     constant_values=-1)[:, :p_bucket]
             self.last_stats = _slots.slot_stats(jax.device_get(stats), s_n)
         else:
             caches = self._empty_caches(b, p_bucket + t_cap)
@@ -604,7 +604,10 @@ class Sampler:
             self.last_stats = {}
         self.last_cache_bytes = _cache_bytes(caches)
         del caches
-        tok, lp, pr, rr, length, stopped = jax.device_get((tok, lp, prompt_routing, resp_routing, length, stopped))
+        tok, lp, pr, rr, length, stopped = _to_host((tok, lp, prompt_routing, resp_routing, length, stopped))
+        if pr.shape[1] != p_bucket:  # slots: right-padded rows of max_prompt_len -> the static width p_bucket (exact)
+            pr = np.pad(pr, ((0, 0), (0, max(0, p_bucket - pr.shape[1])), (0, 0), (0, 0)),
+                        constant_values=-1)[:, :p_bucket]
         t = params.max_new_tokens
         tok, lp, rr, length, stopped = tok[:n, :t], lp[:n, :t], rr[:n, :t], length[:n], stopped[:n]
         # prompt routing: right-padded rows -> left-padded layout
@@ -623,6 +626,17 @@ class Sampler:
     def compile_count(self) -> int:
         """Number of compiled variants of the generate function (for recompilation tests)."""
         return self._generate_jit._cache_size() + self._slots_jit._cache_size()
+
+
+def _to_host(tree):
+    """numpy copies of (possibly batch-sharded) arrays; arrays spread over other processes' devices are
+    all-gathered first (multi-host rollout meshes)."""
+    def one(x):
+        if isinstance(x, jax.Array) and not x.is_fully_addressable:
+            from jax.experimental import multihost_utils
+            return np.asarray(multihost_utils.process_allgather(x, tiled=True))
+        return np.asarray(jax.device_get(x))
+    return jax.tree.map(one, tree)
 
 
 def _cache_bytes(caches) -> tuple[int, int]:

@@ -108,6 +108,7 @@ def plan_slots(requested, *, per_slot_bytes: float, budget_bytes: float | None, 
 
 
 _SLOT_STATE = ("req", "fed", "len", "done", "stop", "cur", "used")
+_OUTPUTS = ("out_tok", "out_lp", "out_pr", "out_rr", "out_len", "out_stop")  # [nb, ...] rows split the same way
 
 
 def _pinner(sampler):
@@ -126,7 +127,7 @@ def _pinner(sampler):
     def pin(st):
         st = dict(st)
         st["caches"] = jax.lax.with_sharding_constraint(st["caches"], cache_shardings(st["caches"], mesh, rules))
-        for name in _SLOT_STATE:
+        for name in _SLOT_STATE + _OUTPUTS:
             st[name] = jax.lax.with_sharding_constraint(st[name], rows)
         return st
 
