@@ -169,3 +169,21 @@ def test_slot_caches_sharded_over_data_and_expert(model, prompts):
                                 max_new_tokens_per_row=[LIMITS[i]])
         assert static.last_cache_bytes[1] * 8 == static.last_cache_bytes[0]
         _assert_same(_row(alone, 0), _row(out, i), bitwise=False)
+
+
+def test_chunked_per_slot_prefill(model):
+    """Prompts of up to 37 tokens (not multiples of the chunk 8, the window 8 or the ratios 4 / 8) prefilled per
+    slot in chunks of 8 (`prefill_chunk=8`) against whole-prompt static prefill: tokens, routing and lengths
+    exact, logprobs to 1e-5 (XLA:CPU rounds a chunk's GEMM rows differently; tests/dsv4/test_chunked.py)."""
+    rs = np.random.RandomState(3)
+    long = [list(map(int, rs.randint(3, CFG.vocab_size, n))) for n in (37, 5, 21, 1)]
+    sp = SamplingParams(temperature=1.0, max_new_tokens=8)
+    chunked = Sampler(model, weights="fp32", max_prompt_len=40, slots=2, prefill_chunk=8)
+    whole = Sampler(model, weights="fp32", max_prompt_len=40, prefill_chunk=0)
+    a = chunked.generate(long, sp, seed=5)
+    b = whole.generate(long, sp, seed=5)
+    assert (a.prompt_tokens[:, :3] == 0).all() and a.prompt_tokens.shape[1] == 64  # left-padded layout
+    for i in range(len(long)):
+        _assert_same(_row(b, i), _row(a, i), bitwise=False)
+    with pytest.raises(ValueError, match="--prefill-chunk 12"):
+        Sampler(model, weights="fp32", prefill_chunk=12)
