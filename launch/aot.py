@@ -145,6 +145,8 @@ class RolloutCompileReport:
     rollout_dtype: str
     compile_s: float
     batch_shards: int = 1  # the batch (and its caches) split over data x expert: sequences per device = batch / this
+    slots: int = 0  # continuous batching over this many slot caches (0 = the static program: one cache per sequence)
+    prefill_chunk: int = 0
 
     @property
     def total(self) -> int:
@@ -152,8 +154,11 @@ class RolloutCompileReport:
 
     def lines(self, usable: float | None = None) -> list[str]:
         g = lambda b: f"{b / GiB:10.2f}"  # noqa: E731
+        how = (f"continuous batching over {self.slots} slots ({self.slots // self.batch_shards} per device), "
+               f"per-request prefill in chunks of {self.prefill_chunk or 'the whole prompt'}"
+               if self.slots else "static batching")
         out = [f"XLA memory analysis of the rollout generate program (per device; {self.batch} sequences x "
-               f"{self.prompt_len} prompt + {self.max_new_tokens} new tokens, cache {self.cache_len} tokens; "
+               f"{self.prompt_len} prompt + {self.max_new_tokens} new tokens, cache {self.cache_len} tokens; {how}; "
                f"--rollout-dtype {self.rollout_dtype}; compiled in {self.compile_s:.0f} s)",
                f"  arguments (weights + KV caches + inputs)                 {g(self.argument)}",
                f"    of which weights (resident, quantised)                 {g(self.weights)}",
@@ -164,7 +169,7 @@ class RolloutCompileReport:
                f"  total on the device                                      {g(self.total)}"]
         if usable is not None:
             left = usable - self.total
-            per_seq = self.kv * self.batch_shards / max(1, self.batch)  # one sequence's cache on its device
+            per_seq = self.kv * self.batch_shards / max(1, self.slots or self.batch)  # one sequence's cache
             extra = max(0, int(left // per_seq)) if per_seq > 0 else 0
             out.append(f"  KV capacity left: {left / GiB:.2f} GiB of {usable / GiB:.1f} GiB usable = {extra:,} more "
                        f"sequences of {self.cache_len} tokens per device")
@@ -172,12 +177,16 @@ class RolloutCompileReport:
 
 
 def compile_rollout(config, mesh_spec: str, *, batch: int = 1024, context: int = 32768, prompt_len: int = 1024,
-                    rollout_dtype: str = "fp8", kv_cache_dtype: str = "auto") -> RolloutCompileReport:
+                    rollout_dtype: str = "fp8", slots: int | str = 0, prefill_chunk: int = 2048,
+                    kv_budget: float | None = None, kv_cache_dtype: str = "auto") -> RolloutCompileReport:
     """Lower and compile the sampler's generate program for `config` on the rollout mesh of `mesh_spec` with an
     abstract model (no weights): `batch` sequences of `prompt_len` prompt tokens and `context - prompt_len` new
     tokens (bucketed as `Sampler.generate` buckets them), bf16 compute, FP8-resident weights dequantised layer by
-    layer, the KV cache as `kv_cache_dtype` (the run's --kv-cache-dtype). Needs `spec.n_devices` local devices.
-    Raises ValueError for sizes the sampler rejects, and XLA's errors.
+    layer, the KV cache as `kv_cache_dtype` (the run's --kv-cache-dtype). `slots`: 0 = the static program; N or
+    "auto" = continuous batching (rl/slots.py) over N slots (auto: as many as `kv_budget` bytes per device hold,
+    at most `batch`; `batch` without a budget), each refill prefilling its own request in chunks of
+    `prefill_chunk` tokens. Needs `spec.n_devices` local devices. Raises ValueError for sizes the sampler rejects
+    (and --rollout-slots beyond the budget), and XLA's errors.
     """
     import dsv4
     from rl.sampler import Sampler
@@ -192,16 +201,33 @@ def compile_rollout(config, mesh_spec: str, *, batch: int = 1024, context: int =
     plan = build_mesh_plan(spec, devices=jax.devices()[:spec.n_devices], config=config)
     model = nnx.eval_shape(lambda: dsv4.DSV4ForCausalLM(config, rngs=nnx.Rngs(0), param_dtype=jnp.bfloat16,
                                                          dtype=jnp.bfloat16))
-    sampler = Sampler(model, mesh=plan.rollout, weights=rollout_dtype, max_prompt_len=prompt_len,
-                      compute_dtype=jnp.bfloat16, kv_cache_dtype=kv_cache_dtype)
     new = context - prompt_len
+    if slots:
+        from rl import slots as sl
+        from sharding.rules import ROLLOUT_RULES
+        seq = sl.cache_len_for(config, prompt_len, new)
+        from dsv4.cache import resolve_kv_cache_dtype
+        fp8 = "e4m3fn" if resolve_kv_cache_dtype(kv_cache_dtype, rollout_dtype not in ("bf16", "fp32")) == "fp8" \
+            else None
+        slots = sl.plan_slots(slots, per_slot_bytes=sl.cache_bytes_per_slot_for(config, seq, jnp.bfloat16, fp8),
+                              budget_bytes=kv_budget, seq_len=seq, shards=batch_shards(ROLLOUT_RULES, plan.rollout))
+        slots = min(slots or batch, batch)
+    sampler = Sampler(model, mesh=plan.rollout, weights=rollout_dtype, max_prompt_len=prompt_len,
+                      compute_dtype=jnp.bfloat16, slots=slots, prefill_chunk=prefill_chunk,
+                      kv_cache_dtype=kv_cache_dtype)
     t0 = time.perf_counter()
     lowered = sampler.lower(batch, prompt_len, new)
     compiled = lowered.compile()
     dt = time.perf_counter() - t0
     ma = compiled.memory_analysis()
     b, p, t_cap = sampler._buckets(batch, prompt_len, new)
-    caches = sampler._abstract_caches(b, p + t_cap)
+    if slots:
+        s_n, p, cache_len = sampler._slot_inputs(b, new)
+        t_cap = new
+        caches = sampler._abstract_caches(s_n, cache_len)
+    else:
+        s_n, cache_len = 0, p + t_cap
+        caches = sampler._abstract_caches(b, cache_len)
     c_sh = sampler._cache_shardings(caches)
 
     def dev_bytes(x, sh):
@@ -213,6 +239,7 @@ def compile_rollout(config, mesh_spec: str, *, batch: int = 1024, context: int =
     weights = sum(dev_bytes(x, x.sharding) for x in jax.tree.leaves(w_abs))
     return RolloutCompileReport(argument=ma.argument_size_in_bytes, output=ma.output_size_in_bytes,
                                 alias=ma.alias_size_in_bytes, temp=ma.temp_size_in_bytes, weights=weights, kv=kv,
-                                batch=b, prompt_len=p, max_new_tokens=t_cap, cache_len=p + t_cap,
+                                batch=b, prompt_len=p, max_new_tokens=t_cap, cache_len=cache_len,
                                 rollout_dtype=rollout_dtype, compile_s=dt,
-                                batch_shards=batch_shards(sampler.rules, sampler.mesh))
+                                batch_shards=batch_shards(sampler.rules, sampler.mesh), slots=s_n,
+                                prefill_chunk=sampler.prefill_chunk)

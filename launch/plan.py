@@ -86,9 +86,25 @@ def main(argv: Sequence[str] | None = None) -> int:
                    help="--compile: prompt + new tokens per rollout sequence")
     p.add_argument("--rollout-prompt-len", type=int, default=1024, help="--compile: prompt tokens per sequence")
     p.add_argument("--rollout-dtype", default="fp8", help="--compile: the sampler's --rollout-dtype")
+    p.add_argument("--rollout-slots", default="auto",
+                   help="--compile: the rollout program's --rollout-slots: auto (default: continuous batching over as "
+                        "many slots as the plan's KV budget holds, at most --rollout-batch) | N | 0 (static batching)")
+    p.add_argument("--prefill-chunk", type=int, default=2048,
+                   help="--compile: the sampler's --prefill-chunk (tokens per prefill chunk; 0 = whole prompt)")
+    p.add_argument("--compile-only", choices=("both", "actor", "rollout"), default="both",
+                   help="--compile: which programs to compile (default both)")
     p.add_argument("--num-layers", type=int, default=None,
                    help="plan/compile a reduced-depth copy of the config (first N main layers; labelled)")
     args = p.parse_args(argv)
+    if str(args.rollout_slots).lower() != "auto":
+        try:
+            args.rollout_slots = int(args.rollout_slots)
+            assert args.rollout_slots >= 0
+        except (ValueError, AssertionError):
+            print(f"error: --rollout-slots {args.rollout_slots}: expected auto or an int >= 0", file=sys.stderr)
+            return 2
+    else:
+        args.rollout_slots = "auto"
     if args.compile:
         rc = _compile_in_child(argv)
         if rc is not None:
@@ -126,44 +142,56 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(report.line())
     if not args.compile:
         return 0
-    try:
-        xla = compile_actor(config, report.mesh_spec, seq_len=seq, micro_batch_tokens=args.micro_batch_tokens,
-                            offload_optimizer=args.offload_optimizer, train_mtp=args.train_mtp,
-                            freeze_router=args.freeze_router, scan_layers=args.scan_layers,
-                            ep_backend=ep_backend, ep_capacity_factor=args.ep_capacity_factor,
-                            stream_optimizer=args.stream_optimizer)
-    except ValueError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
     a, r = report.actor, report.rollout
-    print("\n".join(xla.lines()))
-    print(f"  planner arithmetic for the same step: {a.total / GiB:.2f} GiB (XLA/plan = {xla.total / a.total:.2f}), "
-          f"of which {a.cpu_only / GiB:.2f} GiB are the items only XLA:CPU holds; XLA:CPU upcasts bf16 dots to f32 "
-          "(temporaries above a GPU's)")
-    print(f"  GPU estimate: plan {a.gpu_total / GiB:.2f} GiB; XLA:CPU figure less the planned XLA:CPU-only items "
-          f"(CPU-artefact-corrected, an estimate) {(xla.total - a.cpu_only) / GiB:.2f} GiB; raw XLA:CPU "
-          f"{xla.total / GiB:.2f} GiB")
-    r_xla = _compile_rollout(config, report, args)
+    a_xla = None
+    if args.compile_only in ("both", "actor"):
+        try:
+            xla = compile_actor(config, report.mesh_spec, seq_len=seq, micro_batch_tokens=args.micro_batch_tokens,
+                                offload_optimizer=args.offload_optimizer, train_mtp=args.train_mtp,
+                                freeze_router=args.freeze_router, scan_layers=args.scan_layers,
+                                ep_backend=ep_backend, ep_capacity_factor=args.ep_capacity_factor,
+                                stream_optimizer=args.stream_optimizer)
+        except ValueError as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 2
+        a_xla = xla.total
+        print("\n".join(xla.lines()))
+        print(f"  planner arithmetic for the same step: {a.total / GiB:.2f} GiB (XLA/plan = {xla.total / a.total:.2f}), "
+              f"of which {a.cpu_only / GiB:.2f} GiB are the items only XLA:CPU holds; XLA:CPU upcasts bf16 dots to f32 "
+              "(temporaries above a GPU's)")
+        print(f"  GPU estimate: plan {a.gpu_total / GiB:.2f} GiB; XLA:CPU figure less the planned XLA:CPU-only items "
+              f"(CPU-artefact-corrected, an estimate) {(xla.total - a.cpu_only) / GiB:.2f} GiB; raw XLA:CPU "
+              f"{xla.total / GiB:.2f} GiB")
+    r_xla = _compile_rollout(config, report, args) if args.compile_only in ("both", "rollout") else None
     r_fits = r.fits if r_xla is None else r_xla <= r.usable
-    fits = xla.total <= a.usable and r_fits
-    print(f"  verdict (XLA figures): actor {'fits' if xla.total <= a.usable else 'does not fit'} "
-          f"({xla.total / GiB:.2f} of {a.usable / GiB:.1f} GiB usable); rollout "
-          f"{'fits' if r_fits else 'does not fit'}")
-    r_gib = float("nan") if r_xla is None else r_xla / GiB
-    print(f"RESULT actor_xla_gib={xla.total / GiB:.2f} actor_plan_gib={a.total / GiB:.2f} "
-          f"actor_usable_gib={a.usable / GiB:.2f} rollout_xla_gib={r_gib:.2f} rollout_plan_gib={r.total / GiB:.2f} "
+    a_fits = a.fits if a_xla is None else a_xla <= a.usable
+    fits = (a_fits or args.compile_only == "rollout") and (r_fits or args.compile_only == "actor")
+    verdict = []
+    if a_xla is not None:
+        verdict.append(f"actor {'fits' if a_fits else 'does not fit'} ({a_xla / GiB:.2f} of {a.usable / GiB:.1f} "
+                       f"GiB usable)")
+    if r_xla is not None:
+        verdict.append(f"rollout {'fits' if r_fits else 'does not fit'} ({r_xla / GiB:.2f} of "
+                       f"{r.usable / GiB:.1f} GiB usable)")
+    print(f"  verdict (XLA figures): {'; '.join(verdict) or 'nothing compiled'}")
+    gib = lambda b: float("nan") if b is None else b / GiB  # noqa: E731
+    print(f"RESULT actor_xla_gib={gib(a_xla):.2f} actor_plan_gib={a.total / GiB:.2f} "
+          f"actor_usable_gib={a.usable / GiB:.2f} rollout_xla_gib={gib(r_xla):.2f} rollout_plan_gib={r.total / GiB:.2f} "
           f"rollout_usable_gib={r.usable / GiB:.2f} fits={'yes' if fits else 'no'}")
     return 0
 
 
 def _compile_rollout(config, report, args) -> float | None:
     """--compile, rollout side: XLA's figures of the sampler's generate program on the rollout mesh
-    (`launch.aot.compile_rollout`, `--rollout-batch` x `--rollout-context`), printed with the KV capacity left;
+    (`launch.aot.compile_rollout`, `--rollout-batch` x `--rollout-context`; continuous batching over
+    `--rollout-slots` slots with `--prefill-chunk` chunked per-request prefill, or static with slots 0), printed
+    with the KV capacity left;
     returns its per-device total bytes (None, with the error printed, when it cannot be compiled)."""
     try:
         rx = compile_rollout(config, report.mesh_spec, batch=args.rollout_batch, context=args.rollout_context,
                              prompt_len=args.rollout_prompt_len, rollout_dtype=args.rollout_dtype,
-                             kv_cache_dtype=args.kv_cache_dtype)
+                             slots=args.rollout_slots, prefill_chunk=args.prefill_chunk,
+                             kv_budget=report.rollout.margin, kv_cache_dtype=args.kv_cache_dtype)
     except ValueError as e:
         print(f"error (rollout compile): {e}", file=sys.stderr)
         return None

@@ -149,6 +149,9 @@ class RolloutConfig:
     slots: int | str = knob(0, "rollout batching: 0 = static (all rows until the longest ends) | N = continuous "
                                "batching over N decode slots refilled as samples finish (rl/slots.py) | auto = as "
                                "many slots as the memory plan's KV budget holds (capped by the rows)")
+    prefill_chunk: int = knob(2048, "prompts longer than this prefill in chunks of this many tokens against the KV "
+                                    "cache built so far (memory bounded by one chunk; dsv4/chunked.py); 0 = whole "
+                                    "prompt; a multiple of the compression ratios' lcm (128 for Flash)")
     max_staleness: int = knob(0, "asynchronous rollout (rl/async_loop.py): K >= 1 generates the next batches while "
                                  "the actor trains, with weights at most K versions old (needs --correction tis|mis); "
                                  "0 = synchronous")
@@ -177,7 +180,7 @@ class RolloutConfig:
             raise ValueError(f"rollout.max_staleness (--max-staleness) must be an int >= 0, "
                              f"got {self.max_staleness!r}")
         _min("rollout", self, ("prompts_per_step", "max_new_tokens"), 1)
-        _min("rollout", self, ("top_k", "push_verify_every"), 0)
+        _min("rollout", self, ("top_k", "push_verify_every", "prefill_chunk"), 0)
         if not isinstance(self.group_size, int) or self.group_size < 2:
             raise ValueError(f"rollout.group_size (--group-size) must be >= 2 for group advantages, "
                              f"got {self.group_size}")
@@ -287,6 +290,7 @@ FLAT = {
     "stream_optimizer": "learner.stream_optimizer", "ep_backend": "learner.ep_backend",
     "ep_capacity_factor": "learner.ep_capacity_factor",
     "rollout_slots": "rollout.slots", "max_staleness": "rollout.max_staleness",
+    "prefill_chunk": "rollout.prefill_chunk",
     "async_rollout": "rollout.async_rollout", "push_timeout": "rollout.push_timeout",
 }
 _FLAT_OF = {v: k for k, v in FLAT.items()}

@@ -103,8 +103,12 @@ def _rollout_slots(cfg: RunConfig, model_cfg, plan, max_prompt: int) -> tuple[in
     from dsv4.cache import resolve_kv_cache_dtype  # the sampler's cache layout (fn / fnuz: the same bytes)
     fp8 = "e4m3fn" if resolve_kv_cache_dtype(cfg.kv_cache_dtype, cfg.rollout_dtype not in ("bf16", "fp32")) == "fp8" \
         else None
+    shards, mesh = 1, getattr(plan, "rollout", None)  # the slots are split over the rollout batch axes
+    if mesh is not None:
+        from sharding.rules import ROLLOUT_RULES, batch_shards
+        shards = batch_shards(ROLLOUT_RULES, mesh)
     n = sl.plan_slots(cfg.rollout_slots, per_slot_bytes=sl.cache_bytes_per_slot_for(model_cfg, seq, dtype, fp8),
-                      budget_bytes=budget, seq_len=seq)
+                      budget_bytes=budget, seq_len=seq, shards=shards)
     rows = cfg.prompts_per_step * cfg.group_size
     n = min(n, rows) if cfg.rollout_slots == "auto" else n
     log.info("rollout: %s (--rollout-slots %s; %s)", f"continuous batching over {n} slots" if n else
@@ -192,6 +196,8 @@ def build(cfg: RunConfig) -> Job:
     log.info("meshes: %s", plan.describe())
     max_prompt = max(train.max_prompt_len, max(len(p) for p in ev_prompts))
     slots, kv_budget = _rollout_slots(cfg, model_cfg, plan, max_prompt)  # --rollout-slots checked before any model
+    from dsv4.chunked import check_chunk
+    check_chunk(model_cfg, cfg.rollout.prefill_chunk)  # --prefill-chunk: a multiple of the compression ratios
     layout = role_layout(plan)  # MPMD (whole processes per role) or both roles here; bad layouts fail now
     if layout.mpmd:
         from rl.roles import check_mpmd_config
@@ -236,7 +242,8 @@ def build(cfg: RunConfig) -> Job:
     sampler = Sampler(abstract if ckpt_init else model, mesh=plan.rollout,
                       weights=cfg.rollout_dtype, max_prompt_len=max_prompt,
                       compute_dtype=None if cfg.rollout_dtype == "fp32" else rcd, slots=slots,
-                      kv_budget_bytes=kv_budget, kv_cache_dtype=cfg.kv_cache_dtype)
+                      kv_budget_bytes=kv_budget, kv_cache_dtype=cfg.kv_cache_dtype,
+                      prefill_chunk=cfg.rollout.prefill_chunk)
     if ckpt_init:
         sampler.set_weights(checkpoint_rollout_weights(sampler, cfg.init, config=model.config,
                                                        progress=cfg.progress), version=0)

@@ -97,7 +97,8 @@ def build_mpmd(cfg, model_cfg, plan, layout, tok, task, train, ev_prompts, ev_re
         rcd = "float32" if plan.rollout.devices.flat[0].platform == "cpu" else "bfloat16"
     abstract = nnx.eval_shape(lambda: DSV4ForCausalLM(model_cfg, rngs=nnx.Rngs(0), param_dtype=load_dtype))
     sampler = Sampler(abstract, mesh=plan.rollout, weights=cfg.rollout_dtype, max_prompt_len=max_prompt,
-                      compute_dtype=None if cfg.rollout_dtype == "fp32" else rcd, kv_cache_dtype=cfg.kv_cache_dtype)
+                      compute_dtype=None if cfg.rollout_dtype == "fp32" else rcd, kv_cache_dtype=cfg.kv_cache_dtype,
+                      prefill_chunk=cfg.rollout.prefill_chunk)
     state = nnx.state(abstract)
     pusher = MpmdPusher(plan, layout, sampler, state, plan.param_shardings(ACTOR, state), channel,
                         verify_every=cfg.rollout.push_verify_every)

@@ -56,7 +56,8 @@ from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
 from dsv4 import quant
-from dsv4.cache import cache_shapes, decode_step, prefill, resolve_kv_cache_dtype
+from dsv4.cache import cache_shapes, decode_step, resolve_kv_cache_dtype
+from dsv4.chunked import check_chunk, prefill_chunked
 from dsv4.model import DSV4ForCausalLM
 from parallel import expert as expert_lib
 from rl.batch import RolloutBatch, concat_rollouts  # noqa: F401  (re-exported: rl.sampler.RolloutBatch)
@@ -155,19 +156,24 @@ class Sampler:
         raises ValueError naming --rollout-slots when N slots of its cache length need more.
       kv_cache_dtype: "bf16" (default here: the unquantised cache) | "fp8" | "auto" (fp8 for FP8 weights; the run's
         `--kv-cache-dtype` default), `dsv4.cache.resolve_kv_cache_dtype`.
+      prefill_chunk: prompts longer than this prefill in chunks of this many tokens against the cache built so
+        far (`dsv4.chunked.prefill_chunked`: temporaries bounded by one chunk); 0 = whole prompt at once. A
+        multiple of the compression ratios' lcm (`--prefill-chunk`).
     Raises:
-      ValueError: unknown `weights` / `dequant` / `matmul` / `kv_cache_dtype`, slots < 0.
+      ValueError: unknown `weights` / `dequant` / `matmul` / `kv_cache_dtype`, slots < 0, prefill_chunk not a
+        multiple of the compression ratios.
     """
 
     def __init__(self, model: DSV4ForCausalLM, *, mesh=None, weights: str = "fp8", rules=None,
                  max_prompt_len: int = 1024, fp8_block=(128, 128), dequant: str = "per_layer", dispatch_fn=None,
                  compute_dtype=None, slots: int = 0, kv_budget_bytes: float | None = None, matmul: str = "auto",
-                 kv_cache_dtype: str = "bf16"):
+                 kv_cache_dtype: str = "bf16", prefill_chunk: int = 2048):
         rdt = parse_rollout_dtype(weights)
         self.kv_cache_dtype = resolve_kv_cache_dtype(kv_cache_dtype, rdt.fp8)
         if dequant not in DEQUANT_MODES:
             raise ValueError(f"Sampler dequant={dequant!r}: expected {' | '.join(DEQUANT_MODES)}")
         self.config = model.config
+        self.prefill_chunk = check_chunk(self.config, prefill_chunk)
         self.mesh = mesh
         if rules is None and mesh is not None:
             from sharding.rules import ROLLOUT_RULES
@@ -214,9 +220,14 @@ class Sampler:
             out_sh = (rep,) * 6 + (self._cache_shardings(self._abstract_caches(1, 1)),)
         self._generate_jit = jax.jit(self._generate_fn, static_argnums=(0,), donate_argnums=(2,),
                                      out_shardings=out_sh)
-        from rl import slots as _slots  # continuous batching (rl/slots.py); its slot caches stay replicated
+        from rl import slots as _slots  # continuous batching (rl/slots.py): slot caches split like the batch
+        slot_out = None  # per-request outputs split over the batch axes like the slots (at 1,024 x 32K the routing
+        if mesh is not None:  # alone is ~0.8 GB per layer: replicated, it would not fit), stats replicated
+            rows = self._input_shardings()[0]
+            slot_out = (rows,) * 6 + (rep, self._cache_shardings(self._abstract_caches(1, 1)))
         self._slots_jit = jax.jit(lambda *a: _slots.slots_program(self, *a), static_argnums=(0,), donate_argnums=(2,),
-                                  out_shardings=rep)
+                                  out_shardings=slot_out)
+        self.last_cache_bytes: tuple[int, int] = (0, 0)  # (global, largest per device) bytes of the last caches
         self.weight_version = -1
         self._w = None
         if not any(isinstance(x, jax.ShapeDtypeStruct) for x in jax.tree.leaves(nnx.state(model))):
@@ -338,8 +349,9 @@ class Sampler:
         model = self._layerwise.shell(wstate) if layerwise else self._model(wstate)
         layer_fn = self._layerwise.layer_fn(wstate) if layerwise else None
         with jax.named_scope("prefill"):  # names the ops in profiles and compiled HLO (benchmarks/sampler.py)
-            logits, prompt_routing, caches = prefill(model, ids, lens, cache_len, dispatch_fn=self.dispatch_fn,
-                                                     layer_fn=layer_fn, kv_fp8=self.kv_fp8)
+            logits, prompt_routing, caches = prefill_chunked(model, ids, lens, cache_len, self.prefill_chunk,
+                                                             dispatch_fn=self.dispatch_fn, layer_fn=layer_fn,
+                                                             kv_fp8=self.kv_fp8)
 
         def is_stop(tok):
             return jnp.any(tok[:, None] == stop_ids[None, :], axis=-1)
@@ -404,17 +416,33 @@ class Sampler:
         from sharding.rules import cache_shardings
         return cache_shardings(caches, self.mesh, self.rules)
 
-    def _empty_caches(self, b, cache_len, replicated: bool = False):
-        """Zeroed decode caches for (batch, cache_len), placed like every call's (batch-sharded on the rollout
-        mesh, so the jit's input signature never changes; `replicated`: the continuous-batching slots' layout);
-        donated to the generate jit."""
+    def _empty_caches(self, b, cache_len):
+        """Zeroed decode caches for (batch or slots, cache_len), placed like every call's (batch-sharded on the
+        rollout mesh, so the jit's input signature never changes); donated to the generate jit."""
         shapes = self._abstract_caches(b, cache_len)
         sh = self._cache_shardings(shapes)
-        if sh is not None and replicated:
-            sh = jax.tree.map(lambda _: NamedSharding(self.mesh, PartitionSpec()), shapes)
         if sh is None:
             return jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), shapes)
         return jax.tree.map(lambda x, d: jnp.zeros(x.shape, x.dtype, device=d), shapes, sh)
+
+    def batch_shards(self) -> int:
+        """Shards of the rollout batch (and of its caches / slots) on the mesh: data x expert under the rollout
+        rules (`sharding.rules.batch_shards`), 1 without a mesh."""
+        if self.mesh is None:
+            return 1
+        from sharding.rules import batch_shards
+        return batch_shards(self.rules, self.mesh)
+
+    def slot_count(self, slots: int | None = None) -> int:
+        """Decode slots the continuous-batching program runs for `slots` (default `self.slots`): rounded up to a
+        multiple of `batch_shards()`, so every device holds the same number of slot caches."""
+        s, k = self.slots if slots is None else int(slots), self.batch_shards()
+        return -(-s // k) * k
+
+    def _slot_inputs(self, b: int, t_cap: int):
+        """(slots, prompt width, cache_len) of the continuous-batching program for a `b`-request bucket."""
+        from rl import slots as _slots
+        return self.slot_count(), self.max_prompt_len, _slots.cache_len_for(self.config, self.max_prompt_len, t_cap)
 
     def _buckets(self, n: int, prompt_len: int, max_new_tokens: int) -> tuple[int, int, int]:
         """(batch, prompt, response) buckets of a call: powers of two (prompts from 16, capped by max_prompt_len's
@@ -455,7 +483,9 @@ class Sampler:
         tokens, lowered with abstract inputs (no weights or caches are allocated; works on a sampler built from
         an abstract model). Shapes are bucketed as `generate` buckets them, so `.compile().memory_analysis()`
         gives XLA's per-device figures of exactly the program a `generate` call of that size runs: arguments =
-        weight state + caches + inputs, temporaries = activations and dequantised weights.
+        weight state + caches + inputs, temporaries = activations and dequantised weights. With `slots` >= 1 it
+        is the continuous-batching program (rl/slots.py: `slot_count()` slot caches of `max_prompt_len` +
+        `max_new_tokens`, split over the batch shards; per-request chunked prefill), else the static one.
 
         Raises ValueError when prompt_len > max_prompt_len or any size is < 1.
         """
@@ -466,6 +496,8 @@ class Sampler:
             raise ValueError(f"Sampler.lower: prompt_len {prompt_len} > max_prompt_len {self.max_prompt_len}")
         b, p, t_cap = self._buckets(batch_size, prompt_len, max_new_tokens)
         sds = jax.ShapeDtypeStruct
+        if self.slots:
+            return self._lower_slots(b, max_new_tokens)
         caches = self._abstract_caches(b, p + t_cap)
         c_sh = self._cache_shardings(caches)
         if c_sh is not None:
@@ -480,6 +512,25 @@ class Sampler:
         ctx = jax.set_mesh(self.mesh) if self.mesh is not None else _null()
         with ctx, _rules_ctx(self.rules, self.mesh):
             return self._generate_jit.lower((b, p, t_cap), self._abstract_wstate(), caches, *inputs)
+
+    def _lower_slots(self, b: int, t_cap: int) -> jax.stages.Lowered:
+        """`lower` of the continuous-batching program for a `b`-request bucket (inputs as `generate` passes them)."""
+        sds = jax.ShapeDtypeStruct
+        s_n, p_max, cache_len = self._slot_inputs(b, t_cap)
+        caches = self._abstract_caches(s_n, cache_len)
+        c_sh = self._cache_shardings(caches)
+        if c_sh is not None:
+            caches = jax.tree.map(lambda x, d: sds(x.shape, x.dtype, sharding=d), caches, c_sh)
+        key_shape = jax.random.key_data(jax.random.key(0)).shape
+        inputs = (sds((b, p_max), jnp.int32), sds((b,), jnp.int32), sds((b, *key_shape), jnp.uint32),
+                  sds((), jnp.int32), sds((), jnp.float32), sds((), jnp.float32), sds((), jnp.int32),
+                  sds((b,), jnp.int32), sds((MAX_STOP_IDS,), jnp.int32))
+        if self.mesh is not None:
+            rep = NamedSharding(self.mesh, PartitionSpec())
+            inputs = tuple(sds(x.shape, x.dtype, sharding=rep) for x in inputs)
+        ctx = jax.set_mesh(self.mesh) if self.mesh is not None else _null()
+        with ctx, _rules_ctx(self.rules, self.mesh):
+            return self._slots_jit.lower((b, p_max, t_cap, s_n), self._abstract_wstate(), caches, *inputs)
 
     def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams, *, seed: int, step: int = 0,
                  prompt_index: Sequence[int] | None = None, sample_index: Sequence[int] | None = None,
@@ -539,21 +590,18 @@ class Sampler:
         if self.slots:
             from rl import slots as _slots
 
-            s_n = self.slots
-            p_max = self.max_prompt_len  # one prefill width per sampler: a row's result does not depend on the
-            cache_len = _slots.cache_len_for(self.config, p_max, t_cap)  # call's longest prompt
+            # one prefill width per sampler (a row's result does not depend on the call's longest prompt); slots
+            # rounded up to a multiple of the batch shards, each device holding slots / shards of them
+            s_n, p_max, cache_len = self._slot_inputs(b, t_cap)
             _slots.plan_slots(s_n, per_slot_bytes=_slots.cache_bytes_per_slot(self, cache_len),
-                              budget_bytes=self.kv_budget_bytes, seq_len=cache_len)
-            caches = self._empty_caches(s_n, cache_len, replicated=True)
+                              budget_bytes=self.kv_budget_bytes, seq_len=cache_len, shards=self.batch_shards())
+            caches = self._empty_caches(s_n, cache_len)
             ids = np.pad(ids, ((0, 0), (0, max(0, p_max - p_bucket))))[:, :p_max]
             inputs = jax.device_put((ids, lens, jax.random.key_data(keys), np.int32(n), np.float32(params.temperature),
                                      np.float32(params.top_p), np.int32(params.top_k), mx, stop), rep)
             with ctx, _rules_ctx(self.rules, self.mesh):
                 out = self._slots_jit((b, p_max, t_cap, s_n), self._w, caches, *inputs)
             tok, lp, prompt_routing, resp_routing, length, stopped, stats, caches = out
-            pr_w = prompt_routing.shape[1]  # right-padded rows -> the static layout's width p_bucket (exact)
-            prompt_routing = jnp.pad(prompt_routing, ((0, 0), (0, max(0, p_bucket - pr_w)), (0, 0), (0, 0)),
-                                     constant_values=-1)[:, :p_bucket]
             self.last_stats = _slots.slot_stats(jax.device_get(stats), s_n)
         else:
             caches = self._empty_caches(b, p_bucket + t_cap)
@@ -565,8 +613,12 @@ class Sampler:
                 out = self._generate_jit((b, p_bucket, t_cap), self._w, caches, *inputs)
             tok, lp, prompt_routing, resp_routing, length, stopped, caches = out
             self.last_stats = {}
+        self.last_cache_bytes = _cache_bytes(caches)
         del caches
-        tok, lp, pr, rr, length, stopped = jax.device_get((tok, lp, prompt_routing, resp_routing, length, stopped))
+        tok, lp, pr, rr, length, stopped = _to_host((tok, lp, prompt_routing, resp_routing, length, stopped))
+        if pr.shape[1] != p_bucket:  # slots: right-padded rows of max_prompt_len -> the static width p_bucket (exact)
+            pr = np.pad(pr, ((0, 0), (0, max(0, p_bucket - pr.shape[1])), (0, 0), (0, 0)),
+                        constant_values=-1)[:, :p_bucket]
         t = params.max_new_tokens
         tok, lp, rr, length, stopped = tok[:n, :t], lp[:n, :t], rr[:n, :t], length[:n], stopped[:n]
         # prompt routing: right-padded rows -> left-padded layout
@@ -585,6 +637,26 @@ class Sampler:
     def compile_count(self) -> int:
         """Number of compiled variants of the generate function (for recompilation tests)."""
         return self._generate_jit._cache_size() + self._slots_jit._cache_size()
+
+
+def _to_host(tree):
+    """numpy copies of (possibly batch-sharded) arrays; arrays spread over other processes' devices are
+    all-gathered first (multi-host rollout meshes)."""
+    def one(x):
+        if isinstance(x, jax.Array) and not x.is_fully_addressable:
+            from jax.experimental import multihost_utils
+            return np.asarray(multihost_utils.process_allgather(x, tiled=True))
+        return np.asarray(jax.device_get(x))
+    return jax.tree.map(one, tree)
+
+
+def _cache_bytes(caches) -> tuple[int, int]:
+    """(global bytes, largest per-device bytes) of cache arrays, from their addressable shards."""
+    per_dev: dict = {}
+    for x in jax.tree.leaves(caches):
+        for sh in x.addressable_shards:
+            per_dev[sh.device] = per_dev.get(sh.device, 0) + sh.data.nbytes
+    return sum(x.nbytes for x in jax.tree.leaves(caches)), max(per_dev.values(), default=0)
 
 
 class _null:

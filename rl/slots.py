@@ -6,7 +6,8 @@ max_new_tokens, slots) runs the whole rollout on device:
 
     while some request is unfinished:
         while a slot is free and a request is pending:      # refill
-            prefill the next request alone ([1, P] prompt, the memory-linear blocked attention of dsv4/blocked.py)
+            prefill the next request alone ([1, P] prompt, in chunks of --prefill-chunk tokens against the cache
+            built so far: dsv4/chunked.py; only as many chunks as its length needs)
             write its decode cache into the free slot's row; sample its first token
         one decode step over all N slots (free slots compute on a dead row; nothing of theirs is kept)
         a slot whose sample has ended (stop token or max_new_tokens, and its last token fed once more so its
@@ -18,7 +19,11 @@ sample's tokens, logprobs and routing do not depend on the slot, the slot count 
 on CPU, tests/rl/test_slots.py, also against the static path).
 
 The KV cache holds N rows of `cache_len_for(P + max_new_tokens)` positions: rounded up to the least common
-multiple of the compression ratios (every compressed entry a row can complete fits), not to powers of two.
+multiple of the compression ratios (every compressed entry a row can complete fits), not to powers of two. The
+slots (their caches and per-slot state) are split like the static path's batch, over the rule table's `ACT_BATCH`
+axes (data x expert on the rollout mesh: "EP as DP"); N is rounded up to a multiple of those shards
+(`Sampler.slot_count`), so a device holds N / shards slot caches. A refill's prefill is one request's, so the
+program's peak is the slot caches + one chunk's temporaries, whatever the prompt length.
 `plan_slots` turns the memory plan's KV budget into a slot count (`--rollout-slots auto`) and checks an explicit
 count against it. Counters per call (`Sampler.last_stats`): rollout/slots_refilled (admissions into a slot that
 had already served a request), rollout/slot_utilisation (slot-steps holding a live request / all slot-steps),
@@ -33,7 +38,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from dsv4.cache import cache_shapes, decode_step, prefill
+from dsv4.cache import cache_shapes, decode_step
+from dsv4.chunked import prefill_chunked
 
 
 def cache_len_for(config, prompt_len: int, max_new_tokens: int) -> int:
@@ -70,14 +76,16 @@ _BYTES: dict = {}
 
 
 def plan_slots(requested, *, per_slot_bytes: float, budget_bytes: float | None, seq_len: int,
-               flag: str = "--rollout-slots") -> int:
+               flag: str = "--rollout-slots", shards: int = 1) -> int:
     """The slot count for `requested` (int >= 0 or "auto") against a KV-cache budget.
 
     Args:
       requested: 0 = static batching (returned as is), N >= 1 slots, or "auto" (as many slots as the budget holds).
       per_slot_bytes: one slot's decode cache (`cache_bytes_per_slot`). budget_bytes: bytes the memory plan leaves
         for the KV cache on one rollout device (`parallel.plan` rollout margin), None = unknown (no check; "auto"
-        then means 0, static batching). seq_len: max prompt + max new tokens (for the message).
+        then means 0, static batching). seq_len: max prompt + max new tokens (for the message). shards: the
+        batch shards the slots are split over (data x expert, `Sampler.batch_shards`): a device holds
+        ceil(N / shards) slots.
     Raises:
       ValueError (one line naming `flag`): N slots need more than the budget, or "auto" finds room for none.
     """
@@ -85,7 +93,8 @@ def plan_slots(requested, *, per_slot_bytes: float, budget_bytes: float | None, 
         return 0
     if budget_bytes is None:
         return 0 if requested == "auto" else int(requested)
-    fit = int(budget_bytes // per_slot_bytes) if per_slot_bytes > 0 else 1 << 30
+    shards = max(1, int(shards))
+    fit = int(budget_bytes // per_slot_bytes) * shards if per_slot_bytes > 0 else 1 << 30
     if requested == "auto":
         if fit < 1:
             raise ValueError(f"{flag} auto: the memory plan leaves {budget_bytes / 2**30:.2f} GiB per rollout device "
@@ -93,10 +102,38 @@ def plan_slots(requested, *, per_slot_bytes: float, budget_bytes: float | None, 
                              f"({per_slot_bytes / 2**20:.1f} MiB)")
         return fit
     if int(requested) > fit:
+        split = f", {fit // shards} per device over {shards} batch shards" if shards > 1 else ""
         raise ValueError(f"{flag} {requested}: the memory plan leaves {budget_bytes / 2**30:.2f} GiB per rollout "
                          f"device for the KV cache, room for {fit} slots of {seq_len} tokens "
-                         f"({per_slot_bytes / 2**20:.1f} MiB each); use {flag} <= {fit} or auto")
+                         f"({per_slot_bytes / 2**20:.1f} MiB each{split}); use {flag} <= {fit} or auto")
     return int(requested)
+
+
+_SLOT_STATE = ("req", "fed", "len", "done", "stop", "cur", "used")
+_OUTPUTS = ("out_tok", "out_lp", "out_pr", "out_rr", "out_len", "out_stop")  # [nb, ...] rows split the same way
+
+
+def _pinner(sampler):
+    """st -> st with the slot caches and the per-slot state [S] placed like the static path's batch (the rule
+    table's `ACT_BATCH` axes: data x expert on the rollout mesh), never replicated; identity without a mesh."""
+    if sampler.mesh is None:
+        return lambda st: st
+    from jax.sharding import NamedSharding
+
+    from sharding import axes as ax
+    from sharding.rules import activation_spec, cache_shardings
+
+    mesh, rules = sampler.mesh, sampler.rules
+    rows = NamedSharding(mesh, activation_spec(ax.ACT_BATCH, rules=rules, mesh=mesh))
+
+    def pin(st):
+        st = dict(st)
+        st["caches"] = jax.lax.with_sharding_constraint(st["caches"], cache_shardings(st["caches"], mesh, rules))
+        for name in _SLOT_STATE + _OUTPUTS:
+            st[name] = jax.lax.with_sharding_constraint(st[name], rows)
+        return st
+
+    return pin
 
 
 def _put_row(big, small, j):
@@ -127,6 +164,8 @@ def slots_program(sampler, shape, wstate, caches, ids, lens, key_data, n_real, t
     layer_fn = sampler._layerwise.layer_fn(wstate) if layerwise else None
     model = None if per_step else sampler._layerwise.shell(wstate) if layerwise else sampler._model(wstate)
 
+    pin = _pinner(sampler)
+
     def model_now():
         return sampler._model(jax.lax.optimization_barrier(wstate)) if per_step else model
 
@@ -141,8 +180,9 @@ def slots_program(sampler, shape, wstate, caches, ids, lens, key_data, n_real, t
         row_ids = jax.lax.dynamic_slice_in_dim(ids, r, 1, 0)
         row_len = jax.lax.dynamic_slice_in_dim(lens, r, 1, 0)
         with jax.named_scope("prefill"):
-            logits, pr, c1 = prefill(m, row_ids, row_len, cache_len, dispatch_fn=sampler.dispatch_fn,
-                                     layer_fn=layer_fn, kv_fp8=sampler.kv_fp8)
+            logits, pr, c1 = prefill_chunked(m, row_ids, row_len, cache_len, sampler.prefill_chunk,
+                                             dispatch_fn=sampler.dispatch_fn, layer_fn=layer_fn,
+                                             kv_fp8=sampler.kv_fp8)
         st = dict(st)
         st["caches"] = jax.tree.map(lambda big, sm: _put_row(big, sm, j), st["caches"], c1)
         key0 = jax.random.fold_in(keys[r], 0)[None]
@@ -156,7 +196,7 @@ def slots_program(sampler, shape, wstate, caches, ids, lens, key_data, n_real, t
                           ("cur", tok0[0]), ("used", True)):
             st[name] = st[name].at[j].set(val)
         st["next"] = r + 1
-        return st
+        return pin(st)
 
     def refill(st):
         return jax.lax.while_loop(lambda c: jnp.any(c["req"] < 0) & (c["next"] < n_real), admit, st)
@@ -196,7 +236,7 @@ def slots_program(sampler, shape, wstate, caches, ids, lens, key_data, n_real, t
         st["req"] = jnp.where(fin, -1, st["req"])
         st["busy"] = st["busy"] + jnp.sum(live).astype(jnp.int32)
         st["steps"] = st["steps"] + 1
-        return st
+        return pin(st)
 
     z = lambda dt: jnp.zeros((s,), dt)  # noqa: E731
     st = {"caches": caches, "req": jnp.full((s,), -1, jnp.int32), "fed": z(jnp.int32), "len": z(jnp.int32),
@@ -205,7 +245,7 @@ def slots_program(sampler, shape, wstate, caches, ids, lens, key_data, n_real, t
           "out_tok": jnp.zeros((nb, t_cap), jnp.int32), "out_lp": jnp.zeros((nb, t_cap), jnp.float32),
           "out_pr": jnp.full((nb, p, n_l, k), -1, jnp.int32), "out_rr": jnp.full((nb, t_cap, n_l, k), -1, jnp.int32),
           "out_len": jnp.zeros((nb,), jnp.int32), "out_stop": jnp.zeros((nb,), bool)}
-    st = jax.lax.while_loop(lambda c: c["finished"] < n_real, step, st)
+    st = jax.lax.while_loop(lambda c: c["finished"] < n_real, step, pin(st))
     stats = jnp.stack([st["refills"], st["busy"], st["steps"]])
     return (st["out_tok"], st["out_lp"], st["out_pr"], st["out_rr"], st["out_len"], st["out_stop"], stats,
             st["caches"])

@@ -145,3 +145,45 @@ def test_run_config_slots_checked_against_the_plan():
     n, budget = _rollout_slots(RunConfig(rollout_slots="auto", prompts_per_step=4, group_size=2), CFG, _Plan(), 16)
     assert n == 8 and budget > 0  # auto: capped by the rows of a step
     assert _rollout_slots(RunConfig(), CFG, _Plan(), 16) == (0, None)
+
+
+def test_slot_caches_sharded_over_data_and_expert(model, prompts):
+    """On a data=2 x expert=4 rollout mesh the slot caches are split like the static batch: each device holds 1/8
+    of them (measured from the returned arrays' addressable shards); 3 slots round up to 8; results per request
+    key equal the static path's on the same mesh: tokens, routing, lengths exact; logprobs to 1e-5 (measured
+    <= 1e-6: on the mesh the slot program's replicated [1, P] prefill and the static path's batch-sharded one
+    reach the expert-parallel MoE with different shapes, which XLA:CPU rounds differently)."""
+    import jax
+    from jax.sharding import Mesh
+
+    mesh = Mesh(np.array(jax.devices()[:8]).reshape(2, 1, 4, 1), ("data", "fsdp", "expert", "tensor"))
+    cont = Sampler(model, mesh=mesh, weights="fp32", max_prompt_len=P, slots=3)
+    assert cont.batch_shards() == 8 and cont.slot_count() == 8
+    out = cont.generate(prompts, SP, seed=1, step=3, max_new_tokens_per_row=LIMITS)
+    total, per_dev = cont.last_cache_bytes
+    assert total == 8 * sl.cache_bytes_per_slot(cont, sl.cache_len_for(CFG, P, SP.max_new_tokens))
+    assert per_dev * 8 == total
+    static = Sampler(model, mesh=mesh, weights="fp32", max_prompt_len=P)
+    for i in (0, 3):  # one request per static call: a device's shapes are the slot program's ([1, P] rows)
+        alone = static.generate([prompts[i]], SP, seed=1, step=3, prompt_index=[i],
+                                max_new_tokens_per_row=[LIMITS[i]])
+        assert static.last_cache_bytes[1] * 8 == static.last_cache_bytes[0]
+        _assert_same(_row(alone, 0), _row(out, i), bitwise=False)
+
+
+def test_chunked_per_slot_prefill(model):
+    """Prompts of up to 37 tokens (not multiples of the chunk 8, the window 8 or the ratios 4 / 8) prefilled per
+    slot in chunks of 8 (`prefill_chunk=8`) against whole-prompt static prefill: tokens, routing and lengths
+    exact, logprobs to 1e-5 (XLA:CPU rounds a chunk's GEMM rows differently; tests/dsv4/test_chunked.py)."""
+    rs = np.random.RandomState(3)
+    long = [list(map(int, rs.randint(3, CFG.vocab_size, n))) for n in (37, 5, 21, 1)]
+    sp = SamplingParams(temperature=1.0, max_new_tokens=8)
+    chunked = Sampler(model, weights="fp32", max_prompt_len=40, slots=2, prefill_chunk=8)
+    whole = Sampler(model, weights="fp32", max_prompt_len=40, prefill_chunk=0)
+    a = chunked.generate(long, sp, seed=5)
+    b = whole.generate(long, sp, seed=5)
+    assert (a.prompt_tokens[:, :3] == 0).all() and a.prompt_tokens.shape[1] == 64  # left-padded layout
+    for i in range(len(long)):
+        _assert_same(_row(b, i), _row(a, i), bitwise=False)
+    with pytest.raises(ValueError, match="--prefill-chunk 12"):
+        Sampler(model, weights="fp32", prefill_chunk=12)

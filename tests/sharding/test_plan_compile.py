@@ -72,3 +72,19 @@ def test_padded_ep_compiles_without_ragged_dot_temporaries():
     assert act["padded"] < act["capacity"]
     assert plans["padded"].actor.items["optimizer update: offloaded state moved to the device (learner's step)"] \
         == plans["padded"].actor.host > 0
+
+
+def test_cli_compile_only_rollout_continuous_batching(capsys):
+    """--compile-only rollout: the continuous-batching program (3 slots -> 4, a multiple of the 2 batch shards;
+    per-request prefill in chunks of 8) compiled alone; the actor's XLA field is nan; bad --rollout-slots named."""
+    argv = ["--config", "tiny", "--mesh", MESH, "--gpu", "mi308x", "--compile", "--compile-only", "rollout",
+            "--num-layers", "2", "--rollout-batch", "6", "--rollout-context", "48", "--rollout-prompt-len", "20",
+            "--rollout-slots", "3", "--prefill-chunk", "8"]
+    assert plan_main(argv) == 0
+    out = capsys.readouterr().out
+    fields = dict(kv.split("=", 1) for kv in out.strip().splitlines()[-1].split()[1:])
+    assert math.isnan(float(fields["actor_xla_gib"])) and float(fields["rollout_xla_gib"]) >= 0
+    assert "continuous batching over 4 slots (2 per device), per-request prefill in chunks of 8" in out
+    assert "XLA memory analysis of the actor" not in out
+    assert plan_main(argv[:-4] + ["--rollout-slots", "many"]) == 2
+    assert "--rollout-slots many" in capsys.readouterr().err
