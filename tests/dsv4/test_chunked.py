@@ -1,6 +1,7 @@
 """Chunked prefill (dsv4/chunked.py) == whole-prompt prefill: logits, routing, decode caches and the decode steps
 that follow, for prompt lengths that are not multiples of the chunk, the window or the compression ratios."""
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -67,3 +68,26 @@ def test_chunk_checks():
     assert RunConfig().rollout.prefill_chunk == 2048 and RunConfig(prefill_chunk=256).prefill_chunk == 256
     with pytest.raises(ValueError, match="--prefill-chunk"):
         RunConfig(prefill_chunk=-1)
+
+
+def test_chunked_prefill_with_the_fp8_cache():
+    """With the FP8 KV cache (dsv4.cache's layout) the chunked prefill writes every cache part in that layout and
+    its chunks read the earlier chunks' keys back dequantised, as decoding does: logits within the FP8 cache's own
+    effect of the whole-prompt FP8 prefill (which attends to unquantised keys); the first layer's routing of the
+    first chunk (before any cache read) exact."""
+    model = DSV4ForCausalLM(CFG, rngs=nnx.Rngs(0), attn_block_q=8)
+    rs = np.random.RandomState(0)
+    p = int(LENS.max())
+    ids = jnp.asarray(np.where(np.arange(p)[None] < LENS[:, None], rs.randint(3, CFG.vocab_size, (len(LENS), p)), 0),
+                      jnp.int32)
+    lens = jnp.asarray(LENS)
+    ref = nnx.jit(lambda m, i, n: prefill(m, i, n, CACHE_LEN, kv_fp8="e4m3fn"))(model, ids, lens)
+    out = nnx.jit(lambda m, i, n: prefill_chunked(m, i, n, CACHE_LEN, 8, kv_fp8="e4m3fn"))(model, ids, lens)
+    for a, b in zip(ref[2], out[2]):
+        assert {k: (v.shape, v.dtype) for k, v in a.items()} == {k: (v.shape, v.dtype) for k, v in b.items()}
+        assert b["kv"].dtype == jnp.float8_e4m3fn and b["kv_scale"].dtype == jnp.uint8
+    np.testing.assert_array_equal(np.asarray(out[1])[:, :8, 0], np.asarray(ref[1])[:, :8, 0])  # before any cache read
+    lp = lambda x: np.asarray(jax.nn.log_softmax(x, -1))  # noqa: E731
+    diff = np.abs(lp(out[0]) - lp(ref[0]))
+    print("fp8 chunked vs whole: max", diff.max(), "mean", diff.mean())
+    assert diff.max() < 0.1 and diff.mean() < 0.01
