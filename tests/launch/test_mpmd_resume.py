@@ -10,7 +10,7 @@ tiny checkpoint (`--init`, conftest's `hf_tiny_checkpoint`), every push verified
    single-process run of the same meshes (rewards equal, pg_loss within 1e-5 where a step trained), as
    tests/launch/test_mpmd_run.py checks for a random init.
 
-Runtime: about 14 min on 2 cores shared at load ~14 (4 launches; later ones load the compile cache), hence slow.
+Runtime: 14-23 min on 2 cores shared at load ~14 (4 launches; later ones load the compile cache), hence slow.
 
     .venv/bin/python -m pytest -q -m slow tests/launch/test_mpmd_resume.py
 """
