@@ -18,8 +18,8 @@ historic flat names (`lr`, `group_size`, `eval_every`, ...: `FLAT`) are aliases 
 `RunConfig(lr=...)`, `cfg.lr`, `--lr` and flat YAML keys. The run's defaults are the embedded default run (tiny
 DeepSeek-V4 from random init on the built-in digit-copy task, on CPU): where they differ from the library
 defaults of LearnerConfig / LossConfig (lr 2e-3, fp32 compute, routing replay, TIS, b2 0.99, layers under
-lax.scan, streamed offloaded update) they are values of
-the `learner` section's default (`DEFAULT_LEARNER`), not second declarations of those knobs.
+lax.scan, streamed offloaded update) they are values of the `learner` section's default (`DEFAULT_LEARNER`), not
+second declarations of those knobs.
 Derived (not settable): `learner.temperature` = `rollout.temperature`; `advantage.dynamic_sampling_max_rounds`
 = 1 + `dapo.max_resample_batches`. Impossible values raise ValueError naming the field and its flag.
 """

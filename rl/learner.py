@@ -50,8 +50,8 @@ Choices (and why):
   bitwise the old one (the step counter does not advance either) and `train/skipped_nonfinite` is 1.
 - Donation: `train_step` donates the old state (`donate_argnums=0`): never reuse a state passed to it, nor
   arrays taken from it (`params_for_push()` returns live arrays: push them before the next step).
-- Scanned layers (`scan_layers`; the run's default, `rl.config.DEFAULT_LEARNER`): the state (params, buffers, fp32 masters, Adam moments, reference)
-  holds the decoder layers stacked per group of identical layers (`dsv4.scan.stack_params`, built inside the
+- Scanned layers (`scan_layers`; the run's default, `rl.config.DEFAULT_LEARNER`): the state (params, buffers,
+  fp32 masters, Adam moments, reference) holds the decoder layers stacked per group of identical layers (`dsv4.scan.stack_params`, built inside the
   init jit, so there is no per-step re-stacking), and the forward runs `dsv4.scan.merge_stacked`'s shell with
   `layer_stack=` (one `lax.scan` per group, `remat` per sub-layer): compile time flat in depth. Labels (frozen /
   trained), the weight-decay mask and the reference's matrix dtype are decided per layer, then stacked; the
