@@ -219,6 +219,14 @@ class MpmdPusher:
         """Rollout side: the chunk's arrivals (a hook for tests that corrupt one)."""
         return out
 
+    def _handoff(self, tag: str, sender: str, what: str) -> None:
+        """`sender`'s processes (ACTOR or ROLLOUT) confirm `tag` on the channel; the other role's processes wait
+        for all of them (`PeerTimeoutError` naming the silent side, with `what`, after --push-timeout)."""
+        if (self.layout.is_actor if sender == ACTOR else self.layout.is_rollout):
+            self.channel.ack(tag)
+        else:
+            self.channel.wait_acks(tag, sender, what)
+
     def push(self, params, version: int, *, verify: bool | None = None) -> dict:
         """Push `params` (actor processes: {key: array} / nnx.State of the learner's tensors; rollout processes:
         None) as weight `version`. Every process calls it in the same order (verify None: the `verify_every`
@@ -230,7 +238,7 @@ class MpmdPusher:
         verify = self.wants_verify() if verify is None else bool(verify)
         lay = self.layout
         flat = _flat(params) if lay.is_actor else None
-        arrived, a_rows, r_rows = {}, {}, {}
+        arrived, a_rows = {}, {}
         try:
             for c, chunk in enumerate(self.chunks):
                 staged, handles = [], []
@@ -247,12 +255,8 @@ class MpmdPusher:
                     handles += views
                 # the rollout's device_put waits for the actor's transfer servers only jax's fixed transfer timeout:
                 # it starts once every actor process has staged the chunk (compiles may take long; liveness-checked)
-                staged_tag = f"staged/{version}/{c}"
-                if lay.is_actor:
-                    self.channel.ack(staged_tag)
-                else:
-                    self.channel.wait_acks(staged_tag, ACTOR, f"weight push of version {version}, chunk "
-                                                               f"{c + 1}/{len(self.chunks)} was not staged")
+                where = f"weight push of version {version}, chunk {c + 1}/{len(self.chunks)}"
+                self._handoff(f"staged/{version}/{c}", ACTOR, f"{where} was not staged")
                 out = jax.device_put(handles, [w.rollout_sharding for t in chunk for w in t.wires], may_alias=False)
                 if lay.is_rollout:
                     jax.block_until_ready(out)
@@ -260,12 +264,7 @@ class MpmdPusher:
                     for t in chunk:
                         arrived[t.key] = tuple(next(out) for _ in t.wires)
                 # the receiver holds its copies: only now may the sender free the staged buffers
-                tag = f"push/{version}/{c}"
-                if lay.is_rollout:
-                    self.channel.ack(tag)
-                else:
-                    self.channel.wait_acks(tag, ROLLOUT, f"weight push of version {version}, chunk "
-                                                         f"{c + 1}/{len(self.chunks)} was not confirmed")
+                self._handoff(f"push/{version}/{c}", ROLLOUT, f"{where} was not confirmed")
                 for y in staged:
                     y.delete()
             if verify:
