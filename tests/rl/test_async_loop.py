@@ -185,8 +185,8 @@ def test_cli_refuses_async_without_correction(tmp_path, capsys):
 
 
 def test_async_with_rollout_processes_is_accepted_checkpoints_are_not():
-    """MPMD runs (rollout on its own processes) take --max-staleness (rl/async_mpmd.py); checkpoints are still
-    refused before step 1, asynchronous or not."""
+    """MPMD runs (rollout on its own processes) take --max-staleness (rl/async_mpmd.py) and, synchronous,
+    checkpoints; checkpoints together with --max-staleness are refused before step 1."""
     from rl.roles import check_mpmd_config
 
     class Layout:
@@ -195,7 +195,8 @@ def test_async_with_rollout_processes_is_accepted_checkpoints_are_not():
     check_mpmd_config(RunConfig(ckpt_dir=""), Layout())
     check_mpmd_config(RunConfig(ckpt_dir="", async_rollout=True), Layout())
     check_mpmd_config(RunConfig(ckpt_dir="", max_staleness=2), Layout())
-    with pytest.raises(ValueError, match=r"--ckpt-dir with the rollout on its own processes"):
+    check_mpmd_config(RunConfig(ckpt_dir="/tmp/x"), Layout())  # synchronous MPMD checkpoints (rl/roles.py)
+    with pytest.raises(ValueError, match=r"--ckpt-dir with --max-staleness 1 and the rollout on its own processes"):
         check_mpmd_config(RunConfig(ckpt_dir="/tmp/x", async_rollout=True), Layout())
 
 

@@ -180,7 +180,7 @@ def test_planner_compiles_the_rollout_program():
     assert (rx.batch, rx.prompt_len, rx.max_new_tokens, rx.batch_shards) == (8, 16, 64, 4)
     assert rx.temp > 0 and rx.argument > 0 and rx.total > rx.kv > 0
     s = Sampler(nnx.eval_shape(lambda: DSV4ForCausalLM(CFG, rngs=nnx.Rngs(0))), weights="fp8",
-                compute_dtype=jnp.bfloat16, max_prompt_len=16)
+                compute_dtype=jnp.bfloat16, max_prompt_len=16, kv_cache_dtype="auto")  # compile_rollout's cache: fp8
     full = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(s._abstract_caches(8, 80)))
     assert rx.kv * 4 == full
     assert any("KV capacity left" in line for line in rx.lines(usable=2**30))
