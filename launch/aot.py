@@ -206,9 +206,8 @@ def compile_rollout(config, mesh_spec: str, *, batch: int = 1024, context: int =
         from rl import slots as sl
         from sharding.rules import ROLLOUT_RULES
         seq = sl.cache_len_for(config, prompt_len, new)
-        from dsv4.cache import resolve_kv_cache_dtype
-        fp8 = "e4m3fn" if resolve_kv_cache_dtype(kv_cache_dtype, rollout_dtype not in ("bf16", "fp32")) == "fp8" \
-            else None
+        from rl.rollout_weights import kv_cache_layout
+        fp8 = "e4m3fn" if kv_cache_layout(kv_cache_dtype, rollout_dtype) == "fp8" else None  # fn / fnuz: same bytes
         slots = sl.plan_slots(slots, per_slot_bytes=sl.cache_bytes_per_slot_for(config, seq, jnp.bfloat16, fp8),
                               budget_bytes=kv_budget, seq_len=seq, shards=batch_shards(ROLLOUT_RULES, plan.rollout))
         slots = min(slots or batch, batch)

@@ -19,12 +19,13 @@ from collections.abc import Sequence
 import jax
 
 import dsv4
-from dsv4.cache import KV_CACHE_DTYPES, resolve_kv_cache_dtype
+from dsv4.cache import KV_CACHE_DTYPES
 from launch.aot import compile_actor, compile_rollout, reduced_depth
 from parallel.plan import _BYTES, GPUS, GPUS_PER_NODE, GiB, plan
 from parallel.plan import __doc__ as _PLAN_DOC
 from rl import config_tree
 from rl.config import DEFAULT_LEARNER, LearnerConfig
+from rl.rollout_weights import kv_cache_layout
 from sharding import mesh as mesh_lib
 
 
@@ -127,8 +128,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                       train_seq_len=seq if args.compile else args.train_seq_len,
                       rollout_experts=args.rollout_experts, fp8_scale_bytes=args.fp8_scale_bytes,
                       fp4_scale_bytes=args.fp4_scale_bytes, rollout_dequant=args.rollout_dequant,
-                      kv_dtype=("fp8" if resolve_kv_cache_dtype(args.kv_cache_dtype, args.rollout_dtype not in
-                                                                ("bf16", "fp32")) == "fp8" else args.kv_dtype),
+                      kv_dtype=("fp8" if kv_cache_layout(args.kv_cache_dtype, args.rollout_dtype) == "fp8"
+                                else args.kv_dtype),
                       usable_fraction=args.usable_fraction, rollout_reserve=args.rollout_reserve,
                       rollout_seqs_per_device=args.rollout_seqs_per_device,
                       ep_capacity_factor=args.ep_capacity_factor, host_gib_per_node=args.host_gib_per_node,

@@ -158,8 +158,8 @@ def _memory_plan(cfg: RunConfig, model_cfg, spec: str) -> str:
     gpu = gpu or ("mi308x" if cfg.rollout_dtype == "fp8_e4m3fnuz" else "h200")
     seq = cfg.max_prompt_len + cfg.max_new_tokens
     try:
-        from dsv4.cache import resolve_kv_cache_dtype
-        kv = resolve_kv_cache_dtype(cfg.kv_cache_dtype, cfg.rollout_dtype not in ("bf16", "fp32"))
+        from rl.rollout_weights import kv_cache_layout
+        kv = kv_cache_layout(cfg.kv_cache_dtype, cfg.rollout_dtype)
         report = plan(model_cfg, spec, gpu, rollout_seq_len=seq, config_name=cfg.config, kv_dtype=kv,
                       offload_optimizer=cfg.offload_optimizer, train_mtp=False, freeze_router=cfg.freeze_router)
     except Exception as e:  # noqa: BLE001 - the plan is advice; the run itself checks the mesh

@@ -100,9 +100,8 @@ def _rollout_slots(cfg: RunConfig, model_cfg, plan, max_prompt: int) -> tuple[in
 
     seq = sl.cache_len_for(model_cfg, max_prompt, cfg.max_new_tokens)  # as Sampler.generate sizes it
     budget, note = sl.kv_budget_from_plan(model_cfg, str(plan.spec), seq, rollout_dtype=cfg.rollout_dtype)
-    from dsv4.cache import resolve_kv_cache_dtype  # the sampler's cache layout (fn / fnuz: the same bytes)
-    fp8 = "e4m3fn" if resolve_kv_cache_dtype(cfg.kv_cache_dtype, cfg.rollout_dtype not in ("bf16", "fp32")) == "fp8" \
-        else None
+    from rl.rollout_weights import kv_cache_layout  # the sampler's cache layout (fn / fnuz: the same bytes)
+    fp8 = "e4m3fn" if kv_cache_layout(cfg.kv_cache_dtype, cfg.rollout_dtype) == "fp8" else None
     shards, mesh = 1, getattr(plan, "rollout", None)  # the slots are split over the rollout batch axes
     if mesh is not None:
         from sharding.rules import ROLLOUT_RULES, batch_shards

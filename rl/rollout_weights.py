@@ -38,6 +38,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from dsv4 import quant
+from dsv4.cache import resolve_kv_cache_dtype
 from dsv4.fp8_gemm import fp8_gemm_available
 
 log = logging.getLogger(__name__)
@@ -71,6 +72,14 @@ def parse_rollout_dtype(weights: str) -> RolloutDtype:
     if weights == FP4_EXPERTS:
         return RolloutDtype(weights, True, "fp8", True)
     return RolloutDtype(weights, True, weights, False)
+
+
+def kv_cache_layout(kv_cache_dtype: str, rollout_dtype: str) -> str:
+    """`--kv-cache-dtype` resolved for `--rollout-dtype`: "fp8" | "bf16" (`dsv4.cache.resolve_kv_cache_dtype` with
+    `parse_rollout_dtype(rollout_dtype).fp8`: auto = fp8 for FP8-resident weights). The one place the run, the
+    planner and the slot sizing ask which cache layout the sampler will build. Raises ValueError naming the flag
+    for a bad value of either."""
+    return resolve_kv_cache_dtype(kv_cache_dtype, parse_rollout_dtype(rollout_dtype).fp8)
 
 
 def select_fp8_matmul(matmul: str, fp8: bool, devices=None) -> bool:
