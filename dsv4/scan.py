@@ -265,6 +265,107 @@ def _policy(remat: str | Callable | None):
                      f"policy")
 
 
+def _take(tree: Any, i: jax.Array, dep: Any) -> Any:
+    """Row i of every stacked leaf of `tree` (leading axis), read inside a loop body.
+
+    The stack is first tied to `dep` (a value that changes every iteration) by an optimization barrier, so XLA
+    cannot hoist work on the whole stack out of the loop. Without it XLA:CPU, which runs no bf16 dynamic-slice,
+    turns `dynamic-slice(bf16 stack)` into `dynamic-slice(convert(stack, f32))` and hoists the loop-invariant
+    convert: an f32 copy of every stacked bf16 weight (2x the weights) alive for the whole step. With the
+    barrier the convert stays inside the loop and fuses into the slice (one layer at a time). On a GPU the
+    barrier is free (no copy, no kernel)."""
+    tree, _ = jax.lax.optimization_barrier((tree, dep))
+    return jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, i, keepdims=False), tree)
+
+
+def _to_bits(a: jax.Array) -> jax.Array:
+    """A 16-bit float activation as uint16 bits (saved stacks of integers are never float-normalised)."""
+    return jax.lax.bitcast_convert_type(a, jnp.uint16) if a.dtype.itemsize == 2 and jnp.issubdtype(
+        a.dtype, jnp.floating) else a
+
+
+def _from_bits(a: jax.Array, dtype) -> jax.Array:
+    return jax.lax.bitcast_convert_type(a, dtype) if a.dtype != dtype else a
+
+
+def _scan_block_remat(steps: Sequence[Callable], n: int):
+    """`lax.scan` over `n` repetitions of the sub-layer `steps`, with a hand-written backward that recomputes
+    each sub-layer from its saved input (what `jax.checkpoint(step, policy=nothing_saveable)` under `lax.scan`
+    computes, with the same ops), returned as `f(states, x, forced, positions, ids) -> (x, routes)`.
+
+    Why not `jax.checkpoint` + `lax.scan`: JAX scans the stacked weights and the saved inputs as the loop's `xs`,
+    slicing them with a bf16 dynamic-slice that XLA:CPU float-normalises into f32 copies of whole stacks (83 + 20
+    GiB per device for DeepSeek-V4-Flash on 2 x 8 devices, more than the weights themselves). Here the weights
+    are read with `_take` (no copy), the saved inputs are stacked as uint16 bits (bitwise), and the per-layer
+    weight gradients leave the backward loop as its stacked outputs. Gradients equal the checkpointed scan's
+    (tests/dsv4/test_scan.py).
+
+    steps[j](state_j, x, forced_j, positions, ids) -> (x', routes_j [B, S, k] int32), state_j a pytree of one
+    layer's arrays. Arguments of f: states (tuple over j of stacked pytrees, leading axis n), x [B, S, n_hc, D],
+    forced ([n, period, B, S, k] int32 or None), positions and ids [B, S] int32. Returns (x, routes
+    [n, period, B, S, k] int32).
+    """
+    period = len(steps)
+
+    def forward(states, x, forced, positions, ids, save):
+        def body(x, i):
+            st = _take(states, i, x)
+            fo = None if forced is None else _take(forced, i, x)
+            saved, rs = [], []
+            for j, step in enumerate(steps):
+                saved.append(_to_bits(x))
+                x, r = step(st[j], x, None if fo is None else fo[j], positions, ids)
+                rs.append(r)
+            return x, ((tuple(saved) if save else None), jnp.stack(rs))
+        return jax.lax.scan(body, x, jnp.arange(n))
+
+    @jax.custom_vjp
+    def f(states, x, forced, positions, ids):
+        x, (_, r) = forward(states, x, forced, positions, ids, save=False)
+        return x, r
+
+    def f_fwd(states, x, forced, positions, ids):
+        out, (saved, r) = forward(states, x, forced, positions, ids, save=True)
+        return (out, r), (states, saved, forced, positions, ids)
+
+    def f_bwd(res, cts):
+        states, saved, forced, positions, ids = res
+        ct_x = cts[0]
+        xdtype = ct_x.dtype  # the carry's dtype (a scan carry keeps its dtype)
+        leaves = [jax.tree.flatten(st) for st in states]
+        diff = [[jnp.issubdtype(a.dtype, jnp.inexact) for a in lv] for lv, _ in leaves]
+
+        def body(ct_x, i):
+            st = _take(states, i, ct_x)
+            sv = _take(saved, i, ct_x)
+            fo = None if forced is None else _take(forced, i, ct_x)
+            cts_j = [None] * period
+            for j in reversed(range(period)):
+                lv, tdef = jax.tree.flatten(st[j])
+                dj = diff[j]
+                wd = [a for a, d in zip(lv, dj) if d]
+
+                def g(wd, xin, j=j, lv=lv, tdef=tdef, dj=dj):
+                    it = iter(wd)
+                    full = [next(it) if d else a for a, d in zip(lv, dj)]
+                    return steps[j](jax.tree.unflatten(tdef, full), xin, None if fo is None else fo[j], positions,
+                                    ids)[0]
+
+                _, vjp = jax.vjp(g, wd, _from_bits(sv[j], xdtype))
+                cts_j[j], ct_x = vjp(ct_x)
+            return ct_x, tuple(cts_j)
+
+        ct_x, ct_w = jax.lax.scan(body, ct_x, jnp.arange(n), reverse=True)
+        ct_states = []
+        for j, (lv, tdef) in enumerate(leaves):
+            it = iter(ct_w[j])
+            ct_states.append(jax.tree.unflatten(tdef, [next(it) if d else None for d in diff[j]]))
+        return tuple(ct_states), ct_x, None, None, None
+
+    f.defvjp(f_fwd, f_bwd)
+    return f
+
+
 def run_layers(groups: Sequence[LayerGroup], graphdefs: Sequence[Sequence[Any]], stacked: Any, x: jax.Array,
                positions: jax.Array, ids: jax.Array, routing_replay: jax.Array | None = None,
                dispatch_fn: Callable | None = None, *, remat: str | Callable | None = None):
@@ -279,42 +380,52 @@ def run_layers(groups: Sequence[LayerGroup], graphdefs: Sequence[Sequence[Any]],
       dispatch_fn: routed-expert implementation (as in the model).
       remat: None / "none" (keep activations), "block" (recompute each layer in the backward), "dots" (save only
         weight matmul outputs), or a `jax.checkpoint` policy; applied to each sub-layer of the scan body.
+        "block" runs `_scan_block_remat` (the same gradients, computed without copies of the stacks).
     Returns:
       (x [B, S, n, D], routing [B, S, L, k] int32): equal to the Python loop's (same ops per layer, in order).
+
+    The stacked weights are loop constants read one layer per step by `_take`, never the scan's `xs` (see
+    `_take` for the copy that avoids).
     """
     policy = _policy(remat)
     b, s = ids.shape
     routes = []
     for g, grp in enumerate(groups):
-        def make_step(gdef, inline=grp.repeats == 1):
-            def step(state, x, forced):
+        def make_raw(gdef):
+            def step(state, x, forced, positions, ids):
                 return block_step(nnx.merge(gdef, state), x, positions, ids, forced, dispatch_fn)
-            # prevent_cse=False is only safe inside lax.scan; a group run inline (one repetition) needs the CSE
-            # guard, else XLA merges the backward's recomputation with the forward and keeps the whole layer's
-            # activations alive until its backward (the remat silently undone)
-            return step if policy is None else jax.checkpoint(step, policy=policy, prevent_cse=inline)
+            return step
 
-        steps = [make_step(gdef) for gdef in graphdefs[g]]
-
-        def body(x, xs, steps=steps):
-            states, forced = xs
-            rs = []
-            for j, step in enumerate(steps):
-                x, r = step(states[j], x, None if forced is None else forced[j])
-                rs.append(r)
-            return x, jnp.stack(rs)  # -> [period, B, S, k]
-
+        raw = [make_raw(gdef) for gdef in graphdefs[g]]
         forced = None
         if routing_replay is not None:
             f = routing_replay[:, :, grp.start:grp.stop]  # -> [B, S, repeats * period, k]
             f = f.reshape(b, s, grp.repeats, grp.period, -1)
             forced = jnp.transpose(f, (2, 3, 0, 1, 4))  # -> [repeats, period, B, S, k]
         states = tuple(_raw(_raw(_raw(stacked)[g])[j]) for j in range(grp.period))
-        if grp.repeats == 1:  # one repetition: the body inline (a length-1 loop only adds compile work)
-            x, r = body(x, jax.tree.map(lambda a: a[0], (states, forced)))
-            r = r[None]
+        if grp.repeats > 1 and policy is jax.checkpoint_policies.nothing_saveable:
+            x, r = _scan_block_remat(raw, grp.repeats)(states, x, forced, positions, ids)
         else:
-            x, r = jax.lax.scan(body, x, (states, forced))  # r [repeats, period, B, S, k]
+            # prevent_cse=False is only safe inside lax.scan; a group run inline (one repetition) needs the CSE
+            # guard, else XLA merges the backward's recomputation with the forward and keeps the whole layer's
+            # activations alive until its backward (the remat silently undone)
+            inline = grp.repeats == 1
+            steps = [st if policy is None else jax.checkpoint(st, policy=policy, prevent_cse=inline) for st in raw]
+
+            def body(x, xs, steps=steps, states=states, forced=forced, inline=inline):
+                st, fo = (xs if inline else
+                          (_take(states, xs, x), None if forced is None else _take(forced, xs, x)))
+                rs = []
+                for j, step in enumerate(steps):
+                    x, r = step(st[j], x, None if fo is None else fo[j], positions, ids)
+                    rs.append(r)
+                return x, jnp.stack(rs)  # -> [period, B, S, k]
+
+            if inline:  # one repetition: the body inline (a length-1 loop only adds compile work)
+                x, r = body(x, jax.tree.map(lambda a: a[0], (states, forced)))
+                r = r[None]
+            else:
+                x, r = jax.lax.scan(body, x, jnp.arange(grp.repeats))  # r [repeats, period, B, S, k]
         routes.append(jnp.transpose(r, (2, 3, 0, 1, 4)).reshape(b, s, grp.repeats * grp.period, -1))
     return x, jnp.concatenate(routes, axis=2)
 
