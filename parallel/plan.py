@@ -38,13 +38,13 @@ token):
                          + rows * min(S, 1024) * 3 * V * 4 / tp      one log-prob chunk: logits, lse, grad (f32)
     gathered weights     2 * (largest layer's weights gathered over data x fsdp) + the head gathered: FSDP's
                          all-gather for the recompute and the weight grads before their reduce-scatter.
-With `xla_cpu=True` (`--compile`) three items labelled "XLA:CPU only" are added, the buffers XLA:CPU holds and a
-GPU does not (found in XLA's buffer assignment of the Flash step, `--xla_dump_to`; README "Learner memory knobs"):
-XLA:CPU copies each stacked weight that enters a `lax.scan` loop, and its float normalisation makes that copy f32
-(4 bytes per element of every bf16 weight of the layers in scan groups of > 1 repetition), the same for the
-stacked saved layer inputs the backward loop reads (4 bytes per element), and it upcasts the gathered weights and
-the head for its f32 dots (2 * gathered layer + head, again). `RoleReport.cpu_only` is their sum; the actor's
-`fits` is the GPU plan's (`gpu_total`).
+With `xla_cpu=True` (`--compile`) one item labelled "XLA:CPU only" is added, buffers XLA:CPU holds and a GPU does
+not (found in XLA's buffer assignment of the Flash step, `--xla_dump_to`; README "Learner memory knobs"): XLA:CPU
+runs its dots in f32, so it holds f32 copies of the gathered layer's weights and of their gradients and of the head
+(2 * gathered layer + head, again). `RoleReport.cpu_only` is that item; the actor's `fits` is the GPU plan's
+(`gpu_total`). The stacked layer weights and the saved layer inputs are *not* copied: `dsv4.scan` reads them in
+place (`_take`, uint16 saved inputs), on every backend. Before that, XLA:CPU float-normalised the scan's bf16
+`xs` into f32 copies of whole stacks (100 GiB per device for Flash on 2 x 8 devices).
 Optimizer update transient: the step moves the offloaded optimizer state (fp32 masters + moments) to the device
 for the update and back (`rl.learner.Learner._opt_state_to`). Without `stream_optimizer` nothing bounds how much
 of it is there at once (XLA's memory analysis of the Flash step keeps most of it live: launch/aot.py), so the plan
@@ -52,9 +52,9 @@ counts all offloaded bytes on the device. With the learner's `stream_optimizer` 
 offloaded state of the decoder layers (stacked under `scan_layers`) is updated one layer at a time: the plan
 counts one layer's largest state slice in + out, plus the offloaded state of everything else (embedding, head,
 1-D leaves) whole. The plan is an estimate. Against XLA (`--compile`, Flash, 8K tokens per device, padded EP,
-streamed update) the plan with the XLA:CPU-only items is within a few percent of XLA:CPU's figure at full depth
-(benchmarks/README.md); the GPU plan leaves them out. Not verified on a GPU: whether its XLA also copies a
-stacked weight entering the loop (in bf16 there, +1x the stacked layer weights if so).
+streamed update) XLA:CPU's figure is above the plan with its XLA:CPU-only item by a constant ~28 GiB per device
+(the same at 8 and 43 layers: more f32 temporaries of one layer's dots than the item counts; README "Learner
+memory knobs"); the per-layer slope agrees. The GPU plan leaves the item out.
 
 Rollout, per device, as rl/sampler.py holds it: FP8 e4m3 (1 byte per weight) for the checkpoint's FP8 set
 (`dsv4.quant.FP8_WEIGHT_RE`: attention wq_a/wq_b/wkv/wo_a/wo_b, indexer wq_b, shared experts, MTP e/h_proj) and
@@ -104,7 +104,6 @@ from jax.sharding import AbstractMesh, AxisType
 import dsv4
 from dsv4.cache import cache_shapes
 from dsv4.quant import FP8_WEIGHT_RE
-from dsv4.scan import layer_groups
 from sharding import mesh as mesh_lib
 from sharding import offload as offload_lib
 from sharding import rules as rl
@@ -489,20 +488,15 @@ def plan(config, mesh_spec: str, gpu: str, *, nodes: int | None = None, optimize
     if ep_backend not in EP_BACKENDS:
         raise ValueError(f"--ep-backend must be one of {list(EP_BACKENDS)}, got {ep_backend!r}")
     # one layer's weights gathered over the batch-only axes (FSDP / ZeRO-3: the layer's recompute and its weight
-    # grads before the reduce-scatter), the head gathered for the log-prob chunk; the stacked layers (scan groups
-    # of > 1 repetition) for XLA:CPU's f32 copies
+    # grads before the reduce-scatter), the head gathered for the log-prob chunk
     g_mesh = abstract_mesh({**a_sizes, rl.DATA: 1, rl.FSDP: 1})
-    stacked = {grp.layer(r, j) for grp in layer_groups(config) if grp.repeats > 1
-               for r in range(grp.repeats) for j in range(grp.period)}
     gathered: dict[int, float] = {}
-    head = cpu_stack = 0.0
+    head = 0.0
     for leaf in leaves:
         item = np.dtype(leaf.dtype).itemsize
         if (m := _LAYER.match(leaf.path)) and leaf.trained:
             i = int(m.group(1))
             gathered[i] = gathered.get(i, 0.0) + math.prod(local_shape(leaf, rl.ACTOR_RULES, g_mesh)) * item
-            if i in stacked and leaf.dtype == "bfloat16":
-                cpu_stack += math.prod(local_shape(leaf, rl.ACTOR_RULES, a_mesh)) * 4
         elif leaf.path == "head.weight":
             head = math.prod(local_shape(leaf, rl.ACTOR_RULES, g_mesh)) * item
     layer_w = max(gathered.values(), default=0.0)
@@ -522,12 +516,8 @@ def plan(config, mesh_spec: str, gpu: str, *, nodes: int | None = None, optimize
         "optimizer update: offloaded state moved to the device (learner's step)": whole + slice_peak,
     }
     cpu_only = 0.0
-    if xla_cpu:  # what XLA:CPU holds on top (module docstring): f32 copies of bf16 operands
-        n_stacked = len(stacked)
-        cpu = {"activations: XLA:CPU only: f32 copies of the stacked bf16 layer weights": cpu_stack,
-               f"activations: XLA:CPU only: f32 copy of the saved inputs ({n_stacked} stacked layers)":
-                   saved * 2 * n_stacked / max(1, config.num_hidden_layers),
-               "activations: XLA:CPU only: f32 copies of one layer's gathered weights + grads, the head":
+    if xla_cpu:  # what XLA:CPU holds on top (module docstring): f32 copies of one layer's dot operands
+        cpu = {"activations: XLA:CPU only: f32 copies of one layer's gathered weights + grads, the head":
                    2 * layer_w + head}
         a_items.update(cpu)
         cpu_only = sum(cpu.values())

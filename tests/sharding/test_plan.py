@@ -202,7 +202,7 @@ def test_ep_rows_follow_the_dispatch_backend():
 
 def test_xla_cpu_items_are_labelled_and_kept_out_of_the_gpu_plan():
     """plan(xla_cpu=True) (what `--compile` compares with XLA:CPU) adds only items labelled "XLA:CPU only" (f32
-    copies of the stacked bf16 layer weights and saved inputs: the loop operands XLA:CPU upcasts); the GPU plan,
+    copies of one layer's dot operands; the stacked weights and saved inputs are read in place); the GPU plan,
     its verdict and every other item are unchanged; the saved layer inputs are L x T x n_hc x D bf16 bytes."""
     cfg = dsv4.DSV4Config.preset("flash")
     kw = dict(nodes=3, offload_optimizer=1.0, tokens_per_device=8192, train_seq_len=8192, ep_backend="padded",
