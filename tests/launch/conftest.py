@@ -105,9 +105,16 @@ def hf_tiny_checkpoint(tmp_path_factory) -> pathlib.Path:
 @pytest.fixture(scope="session")
 def run_env(tmp_path_factory) -> dict:
     """Environment of a launched job: no forced device count (run.py sets 2), CPU, a shared compile cache
-    (a session temp dir, or $DSV4RL_TEST_JAX_CACHE to keep it between sessions)."""
+    (a session temp dir shared by the pytest-xdist workers, or $DSV4RL_TEST_JAX_CACHE to keep it between
+    sessions). Concurrent writers are safe: a torn cache entry fails to load and is recompiled (JAX warns)."""
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-    cache = os.environ.get("DSV4RL_TEST_JAX_CACHE") or str(tmp_path_factory.mktemp("jax_cache"))
+    cache = os.environ.get("DSV4RL_TEST_JAX_CACHE")
+    if not cache:
+        base = tmp_path_factory.getbasetemp()
+        if os.environ.get("PYTEST_XDIST_WORKER"):  # per-worker basetemp: its parent is the session's
+            base = base.parent
+        (base / "jax_cache").mkdir(exist_ok=True)
+        cache = str(base / "jax_cache")
     env.update(JAX_PLATFORMS="cpu", PYTHONUNBUFFERED="1", JAX_COMPILATION_CACHE_DIR=cache,
                JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0", JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="-1")
     return env
