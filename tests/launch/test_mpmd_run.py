@@ -5,7 +5,6 @@ of the same meshes, and the fault: the rollout process killed mid-run -> the act
 the push timeout naming the rollout side. A bad MPMD spec fails before step 1."""
 
 import json
-import os
 import pathlib
 import re
 import subprocess
@@ -20,26 +19,20 @@ MESH = "actor:fsdp=2,expert=2/rollout:expert=2"
 TIMEOUT = 20  # --push-timeout of the run
 
 
-def _env():
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-    env["JAX_PLATFORMS"] = "cpu"
-    return env
-
-
 def _cmd(mesh, steps, metrics, extra=()):
     return [sys.executable, str(ROOT / "launch/run.py"), "--mesh", mesh, "--steps", str(steps),
             "--prompts-per-step", "2", "--group-size", "4", "--eval-every", "0", "--ckpt-dir", "",
             "--tensorboard-dir", "", "--metrics-jsonl", str(metrics), "--no-progress", *extra]
 
 
-def _launch(mesh, steps, metrics, tmp_path, n=3):
+def _launch(mesh, steps, metrics, tmp_path, env, n=3):
     port = portpicker.pick_unused_port()
     procs, logs = [], []
     for i in range(n):
         log = open(tmp_path / f"p{i}.log", "w")
         extra = ("--coordinator", f"127.0.0.1:{port}", "--num-processes", str(n), "--process-id", str(i),
                  "--cpu-devices-per-process", "2", "--push-timeout", str(TIMEOUT))
-        procs.append(subprocess.Popen(_cmd(mesh, steps, metrics, extra), env=_env(), stdout=log,
+        procs.append(subprocess.Popen(_cmd(mesh, steps, metrics, extra), env=env, stdout=log,
                                       stderr=subprocess.STDOUT, text=True))
         logs.append(log)
     return procs, logs
@@ -52,9 +45,9 @@ def _rows(path):
 
 
 @pytest.mark.slow
-def test_mpmd_three_processes_steps_parity_and_rollout_killed(tmp_path):
+def test_mpmd_three_processes_steps_parity_and_rollout_killed(tmp_path, run_env):
     metrics = tmp_path / "m.jsonl"
-    procs, logs = _launch(MESH, 10, metrics, tmp_path)
+    procs, logs = _launch(MESH, 10, metrics, tmp_path, run_env)
     try:
         deadline = time.monotonic() + 1500
         while len(_rows(metrics)) < 3:  # 3 GRPO steps completed (the writer logs after the step's push)
@@ -90,7 +83,7 @@ def test_mpmd_three_processes_steps_parity_and_rollout_killed(tmp_path):
 
     # the single-process run of the same mesh shapes: step-1 rewards equal, pg_loss within 1e-5
     single = tmp_path / "single.jsonl"
-    res = subprocess.run(_cmd(MESH, 1, single, ("--cpu-devices-per-process", "6")), env=_env(),
+    res = subprocess.run(_cmd(MESH, 1, single, ("--cpu-devices-per-process", "6")), env=run_env,
                          capture_output=True, text=True, timeout=900)
     assert res.returncode == 0, res.stderr[-3000:]
     s0, m0 = _rows(single)[0], rows[0]
@@ -100,10 +93,10 @@ def test_mpmd_three_processes_steps_parity_and_rollout_killed(tmp_path):
 
 
 @pytest.mark.slow
-def test_mpmd_bad_spec_fails_before_step_one(tmp_path):
+def test_mpmd_bad_spec_fails_before_step_one(tmp_path, run_env):
     metrics = tmp_path / "m.jsonl"
     # process 0 would hold one actor and one rollout device (process 2 none): the transfer cannot serve it
-    procs, logs = _launch("actor:fsdp=1/rollout:expert=2", 3, metrics, tmp_path)
+    procs, logs = _launch("actor:fsdp=1/rollout:expert=2", 3, metrics, tmp_path, run_env)
     try:
         for p in procs:
             p.wait(timeout=600)

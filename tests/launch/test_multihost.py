@@ -2,7 +2,6 @@
 devices (jax.distributed, gloo) runs 2 GRPO steps on one 8-device mesh spanning both processes."""
 
 import json
-import os
 import pathlib
 import subprocess
 import sys
@@ -14,10 +13,9 @@ ROOT = pathlib.Path(__file__).resolve().parents[2]
 
 
 @pytest.mark.slow
-def test_two_processes_run_two_steps(tmp_path):
+def test_two_processes_run_two_steps(tmp_path, run_env):
     port = portpicker.pick_unused_port()
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-    env["JAX_PLATFORMS"] = "cpu"
+    env = run_env
     metrics = tmp_path / "m.jsonl"
     procs = []
     for i in range(2):
