@@ -265,16 +265,17 @@ def _policy(remat: str | Callable | None):
                      f"policy")
 
 
-def _take(tree: Any, i: jax.Array, dep: Any) -> Any:
-    """Row i of every stacked leaf of `tree` (leading axis), read inside a loop body.
+def _take(tree: Any, i: jax.Array) -> Any:
+    """Row i of every stacked leaf of `tree` (leading axis), read inside a loop body whose step index is i.
 
-    The stack is first tied to `dep` (a value that changes every iteration) by an optimization barrier, so XLA
-    cannot hoist work on the whole stack out of the loop. Without it XLA:CPU, which runs no bf16 dynamic-slice,
-    turns `dynamic-slice(bf16 stack)` into `dynamic-slice(convert(stack, f32))` and hoists the loop-invariant
-    convert: an f32 copy of every stacked bf16 weight (2x the weights) alive for the whole step. With the
-    barrier the convert stays inside the loop and fuses into the slice (one layer at a time). On a GPU the
-    barrier is free (no copy, no kernel)."""
-    tree, _ = jax.lax.optimization_barrier((tree, dep))
+    The stack is first tied to i by an optimization barrier, so XLA cannot hoist work on the whole stack out of
+    the loop. Without it XLA:CPU, which runs no bf16 dynamic-slice, turns `dynamic-slice(bf16 stack)` into
+    `dynamic-slice(convert(stack, f32))` and hoists the loop-invariant convert: an f32 copy of every stacked bf16
+    weight (2x the weights) alive for the whole step. With the barrier the convert stays inside the loop and
+    fuses into the slice (one layer at a time). On a GPU the barrier is free (no copy, no kernel); it depends on
+    the step index only, not on the layer's input, so the next layer's slice (and its FSDP gather) can still be
+    issued ahead of the current layer's compute."""
+    tree, _ = jax.lax.optimization_barrier((tree, i))
     return jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, i, keepdims=False), tree)
 
 
@@ -309,8 +310,8 @@ def _scan_block_remat(steps: Sequence[Callable], n: int):
 
     def forward(states, x, forced, positions, ids, save):
         def body(x, i):
-            st = _take(states, i, x)
-            fo = None if forced is None else _take(forced, i, x)
+            st = _take(states, i)
+            fo = None if forced is None else _take(forced, i)
             saved, rs = [], []
             for j, step in enumerate(steps):
                 saved.append(_to_bits(x))
@@ -336,9 +337,9 @@ def _scan_block_remat(steps: Sequence[Callable], n: int):
         diff = [[jnp.issubdtype(a.dtype, jnp.inexact) for a in lv] for lv, _ in leaves]
 
         def body(ct_x, i):
-            st = _take(states, i, ct_x)
-            sv = _take(saved, i, ct_x)
-            fo = None if forced is None else _take(forced, i, ct_x)
+            st = _take(states, i)
+            sv = _take(saved, i)
+            fo = None if forced is None else _take(forced, i)
             cts_j = [None] * period
             for j in reversed(range(period)):
                 lv, tdef = jax.tree.flatten(st[j])
@@ -414,7 +415,7 @@ def run_layers(groups: Sequence[LayerGroup], graphdefs: Sequence[Sequence[Any]],
 
             def body(x, xs, steps=steps, states=states, forced=forced, inline=inline):
                 st, fo = (xs if inline else
-                          (_take(states, xs, x), None if forced is None else _take(forced, xs, x)))
+                          (_take(states, xs), None if forced is None else _take(forced, xs)))
                 rs = []
                 for j, step in enumerate(steps):
                     x, r = step(st[j], x, None if fo is None else fo[j], positions, ids)
