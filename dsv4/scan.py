@@ -266,7 +266,8 @@ def _policy(remat: str | Callable | None):
 
 
 def _take(tree: Any, i: jax.Array) -> Any:
-    """Row i of every stacked leaf of `tree` (leading axis), read inside a loop body whose step index is i.
+    """Row i of every stacked leaf of `tree` (leading axis; None subtrees stay None), read inside a loop body
+    whose step index is i.
 
     The stack is first tied to i by an optimization barrier, so XLA cannot hoist work on the whole stack out of
     the loop. Without it XLA:CPU, which runs no bf16 dynamic-slice, turns `dynamic-slice(bf16 stack)` into
@@ -287,6 +288,20 @@ def _to_bits(a: jax.Array) -> jax.Array:
 
 def _from_bits(a: jax.Array, dtype) -> jax.Array:
     return jax.lax.bitcast_convert_type(a, dtype) if a.dtype != dtype else a
+
+
+def _run_period(steps: Sequence[Callable], st: Sequence[Any], fo: Any, x: jax.Array, positions: jax.Array,
+                ids: jax.Array, saved: list | None = None) -> tuple[jax.Array, jax.Array]:
+    """One scan step: sub-layers `steps[j](st[j], x, fo[j], positions, ids)` in order -> (x, routes [period, B, S,
+    k] int32). `fo`: [period, B, S, k] forced ids or None. With a `saved` list, each sub-layer's input is appended
+    to it (`_to_bits`)."""
+    rs = []
+    for j, step in enumerate(steps):
+        if saved is not None:
+            saved.append(_to_bits(x))
+        x, r = step(st[j], x, None if fo is None else fo[j], positions, ids)
+        rs.append(r)
+    return x, jnp.stack(rs)
 
 
 def _scan_block_remat(steps: Sequence[Callable], n: int):
@@ -310,14 +325,9 @@ def _scan_block_remat(steps: Sequence[Callable], n: int):
 
     def forward(states, x, forced, positions, ids, save):
         def body(x, i):
-            st = _take(states, i)
-            fo = None if forced is None else _take(forced, i)
-            saved, rs = [], []
-            for j, step in enumerate(steps):
-                saved.append(_to_bits(x))
-                x, r = step(st[j], x, None if fo is None else fo[j], positions, ids)
-                rs.append(r)
-            return x, ((tuple(saved) if save else None), jnp.stack(rs))
+            saved = [] if save else None
+            x, r = _run_period(steps, *_take((states, forced), i), x, positions, ids, saved)
+            return x, (None if saved is None else tuple(saved), r)
         return jax.lax.scan(body, x, jnp.arange(n))
 
     @jax.custom_vjp
@@ -337,9 +347,7 @@ def _scan_block_remat(steps: Sequence[Callable], n: int):
         diff = [[jnp.issubdtype(a.dtype, jnp.inexact) for a in lv] for lv, _ in leaves]
 
         def body(ct_x, i):
-            st = _take(states, i)
-            sv = _take(saved, i)
-            fo = None if forced is None else _take(forced, i)
+            st, sv, fo = _take((states, saved, forced), i)
             cts_j = [None] * period
             for j in reversed(range(period)):
                 lv, tdef = jax.tree.flatten(st[j])
@@ -358,7 +366,7 @@ def _scan_block_remat(steps: Sequence[Callable], n: int):
 
         ct_x, ct_w = jax.lax.scan(body, ct_x, jnp.arange(n), reverse=True)
         ct_states = []
-        for j, (lv, tdef) in enumerate(leaves):
+        for j, (_, tdef) in enumerate(leaves):
             it = iter(ct_w[j])
             ct_states.append(jax.tree.unflatten(tdef, [next(it) if d else None for d in diff[j]]))
         return tuple(ct_states), ct_x, None, None, None
@@ -413,20 +421,12 @@ def run_layers(groups: Sequence[LayerGroup], graphdefs: Sequence[Sequence[Any]],
             inline = grp.repeats == 1
             steps = [st if policy is None else jax.checkpoint(st, policy=policy, prevent_cse=inline) for st in raw]
 
-            def body(x, xs, steps=steps, states=states, forced=forced, inline=inline):
-                st, fo = (xs if inline else
-                          (_take(states, xs), None if forced is None else _take(forced, xs)))
-                rs = []
-                for j, step in enumerate(steps):
-                    x, r = step(st[j], x, None if fo is None else fo[j], positions, ids)
-                    rs.append(r)
-                return x, jnp.stack(rs)  # -> [period, B, S, k]
-
             if inline:  # one repetition: the body inline (a length-1 loop only adds compile work)
-                x, r = body(x, jax.tree.map(lambda a: a[0], (states, forced)))
+                x, r = _run_period(steps, *jax.tree.map(lambda a: a[0], (states, forced)), x, positions, ids)
                 r = r[None]
-            else:
-                x, r = jax.lax.scan(body, x, jnp.arange(grp.repeats))  # r [repeats, period, B, S, k]
+            else:  # r [repeats, period, B, S, k]
+                x, r = jax.lax.scan(lambda x, i, steps=steps, sf=(states, forced):
+                                    _run_period(steps, *_take(sf, i), x, positions, ids), x, jnp.arange(grp.repeats))
         routes.append(jnp.transpose(r, (2, 3, 0, 1, 4)).reshape(b, s, grp.repeats * grp.period, -1))
     return x, jnp.concatenate(routes, axis=2)
 

@@ -97,15 +97,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--num-layers", type=int, default=None,
                    help="plan/compile a reduced-depth copy of the config (first N main layers; labelled)")
     args = p.parse_args(argv)
-    if str(args.rollout_slots).lower() != "auto":
-        try:
-            args.rollout_slots = int(args.rollout_slots)
-            assert args.rollout_slots >= 0
-        except (ValueError, AssertionError):
+    if str(args.rollout_slots).lower() == "auto":
+        args.rollout_slots = "auto"
+    else:
+        slots = int(args.rollout_slots) if args.rollout_slots.isdigit() else -1
+        if slots < 0:
             print(f"error: --rollout-slots {args.rollout_slots}: expected auto or an int >= 0", file=sys.stderr)
             return 2
-    else:
-        args.rollout_slots = "auto"
+        args.rollout_slots = slots
     if args.compile:
         rc = _compile_in_child(argv)
         if rc is not None:

@@ -52,7 +52,7 @@ counts all offloaded bytes on the device. With the learner's `stream_optimizer` 
 offloaded state of the decoder layers (stacked under `scan_layers`) is updated one layer at a time: the plan
 counts one layer's largest state slice in + out, plus the offloaded state of everything else (embedding, head,
 1-D leaves) whole. The plan is an estimate. Against XLA (`--compile`, Flash, 8K tokens per device, padded EP,
-streamed update) XLA:CPU's figure is above the plan with its XLA:CPU-only item by a constant ~28 GiB per device
+streamed update) XLA:CPU's figure is above the plan with its XLA:CPU-only item by a constant ~29 GiB per device
 (the same at 8 and 43 layers: more f32 temporaries of one layer's dots than the item counts; README "Learner
 memory knobs"); the per-layer slope agrees. The GPU plan leaves the item out.
 
