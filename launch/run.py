@@ -129,7 +129,7 @@ _EMPTY_IS_NONE = ("ckpt.dir", "log.metrics_jsonl", "log.tensorboard_dir")
 def dry_run(cfg: RunConfig) -> None:
     """Print the resolved config, the meshes and the memory plan. Loads the data (bad input fails here too) but
     builds no model; a mesh larger than this machine is still planned."""
-    from rl.loop import _data, resolve_model_config
+    from rl.job import _data, resolve_model_config
     from sharding.mesh import build_mesh_plan, parse_mesh_spec
 
     print("config:", json.dumps(cfg.flat(), indent=1, default=str))  # the flags' names
@@ -198,12 +198,11 @@ def main(argv=None) -> int:
         if args.dry_run:
             dry_run(cfg)
             return 0
-        from rl.loop import build, run
+        from rl.job import build
+        from rl.loop import run, run_eval
 
         job = build(cfg)
         if cfg.eval_only:
-            from rl.loop import run_eval
-
             run_eval(job)
             return 0
         summary = run(job)

@@ -33,11 +33,13 @@ Tests: `.venv/bin/python -m pytest -q tests/sharding/test_mpmd.py` (+ `-m slow t
 
 from __future__ import annotations
 
+import atexit
 import dataclasses
 import logging
 import math
 import pickle
 import socket
+import threading
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -195,22 +197,18 @@ class HostChannel:
     `publish(tag, value)` once per tag (tags are unique per run: e.g. "rollout/<step>"); `receive(tag, sender)` on
     any number of processes waits for it. Every process runs a heartbeat thread (a counter in the store, bumped
     every `HEARTBEAT_S`; it ticks through long compiles and steps), so a wait fails only when the sender side's
-    heartbeat has not moved for `timeout_s`: PeerTimeoutError naming that side. A publisher deletes its values two
+    heartbeat has not moved for `timeout_s`: PeerTimeoutError naming that side. A publisher deletes its values `keep`
     publications later (by then every reader has them in the loop's order)."""
 
     HEARTBEAT_S = 1.0
 
-    def __init__(self, layout: RoleLayout, timeout_s: float, prefix: str = "dsv4"):
-        import threading
-
-        self.layout, self.timeout_s, self.prefix = layout, float(timeout_s), prefix
+    def __init__(self, layout: RoleLayout, timeout_s: float, prefix: str = "dsv4", keep: int = 2):
+        self.layout, self.timeout_s, self.prefix, self.keep = layout, float(timeout_s), prefix, int(keep)
         self._published: list[tuple[str, int]] = []
         self._stop = threading.Event()
         self._beat = threading.Thread(target=self._heartbeat, name="dsv4-mpmd-heartbeat", daemon=True)
         self._heartbeat_once(0)
         self._beat.start()
-        import atexit
-
         atexit.register(self.close)  # runs before jax's shutdown barrier: a dying process stops looking alive
 
     def _heartbeat_once(self, n: int) -> None:
@@ -236,7 +234,7 @@ class HostChannel:
             client.key_value_set_bytes(f"{self.prefix}/{tag}/{i}", data[i * PIECE_BYTES:(i + 1) * PIECE_BYTES])
         client.key_value_set_bytes(f"{self.prefix}/{tag}/n", str(n).encode())
         self._published.append((tag, n))
-        while len(self._published) > 2:
+        while len(self._published) > self.keep:
             old, m = self._published.pop(0)
             for i in [*range(m), "n"]:
                 client.key_value_delete(f"{self.prefix}/{old}/{i}")

@@ -100,11 +100,11 @@ def test_corrupt_latest_checkpoint_falls_back_to_the_previous(tmp_path, caplog):
 
 
 def test_metrics_of_recomputed_steps_are_dropped(tmp_path):
-    """rl.loop.MetricsLogger.open(first_step): records of steps >= first_step (and a line cut by a kill) go."""
+    """rl.sinks.MetricsLogger.open(first_step): records of steps >= first_step (and a line cut by a kill) go."""
     import json
 
     from rl.config import RunConfig
-    from rl.loop import MetricsLogger
+    from rl.sinks import MetricsLogger
 
     path = tmp_path / "metrics.jsonl"
     path.write_text("".join(json.dumps({"step": s, "x": s}) + "\n" for s in range(5)) + '{"step": 5, "x"')

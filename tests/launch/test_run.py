@@ -209,7 +209,7 @@ def test_checkpoint_of_another_config(tmp_path, capsys, lt):
     import jax.numpy as jnp
 
     from rl.checkpoint import Checkpointer
-    from rl.loop import fingerprint, resolve_model_config
+    from rl.job import fingerprint, resolve_model_config
 
     argv = [*TINY, *lt.outputs(tmp_path)]
     cfg, _ = launch_run.resolve(argv)

@@ -148,7 +148,7 @@ class FakeRun:
 
 
 def test_wandb_sink_logs_the_same_names_and_config(tmp_path, monkeypatch):
-    from rl.loop import MetricsLogger
+    from rl.sinks import MetricsLogger
 
     runs = []
     fake = types.ModuleType("wandb")
@@ -170,7 +170,7 @@ def test_wandb_sink_logs_the_same_names_and_config(tmp_path, monkeypatch):
 
 
 def test_wandb_missing_is_a_one_line_error(tmp_path, monkeypatch):
-    from rl.loop import MetricsLogger
+    from rl.sinks import MetricsLogger
 
     monkeypatch.setitem(sys.modules, "wandb", None)  # import fails
     logger = MetricsLogger(RunConfig(wandb_project="p", metrics_jsonl=None, tensorboard_dir=None, ckpt_dir=None))

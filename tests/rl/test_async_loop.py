@@ -1,4 +1,5 @@
-"""rl/async_loop.py: the one-step-off asynchronous loop (issue 14 point 2) on one host, in this process.
+"""rl/pipeline.py: the one-step-off asynchronous schedule (issue 14 point 2) on one host, in this process, and the
+one loop over the rollout service contract (rl/rollout_service.py) driven by a fake service.
 
 A 2-layer tiny model on the built-in digit task, no meshes (the sampler's `update_weights` is the push), fp32
 rollout weights: one learner and one sampler shared by the tests (compiled once). Asserted:
@@ -6,8 +7,9 @@ rollout weights: one learner and one sampler shared by the tests (compiled once)
   (the update is held until the rollout thread reports that start; a synchronous loop would never get there);
 - staleness: every trained sample's weight version is in [version - K, version], the schedule is exactly
   batch m <- P(max(0, m - K)), and the metrics report it;
-- the flags: `--max-staleness` >= 0, `--async-rollout` = K 1, and `--correction none` with K >= 1 is refused.
-The kill / resume test (bitwise) is tests/launch/test_async_resume.py (slow).
+- the flags: `--max-staleness` >= 0, `--async-rollout` = K 1, and `--correction none` with K >= 1 is refused;
+- the loop over a fake rollout service (no compile): the same schedule for K = 0, 1, 2 whatever serves the rollout.
+The kill / resume tests (bitwise) are tests/launch/test_async_resume.py and test_mpmd_resume.py (slow).
 """
 
 from __future__ import annotations
@@ -31,7 +33,7 @@ def parts():
 
     from rl.config import LearnerConfig
     from rl.learner import Learner
-    from rl.loop import _data
+    from rl.job import _data
     from rl.sampler import Sampler
 
     cfg = RunConfig(steps=4, prompts_per_step=4, group_size=4, max_new_tokens=4, eval_every=0, ckpt_dir=None,
@@ -48,14 +50,15 @@ def parts():
 
 def _job(parts, **overrides):
     from rl.data import make_prompt_iterator
-    from rl.loop import Job
+    from rl.job import Job
+    from rl.rollout_service import LocalRollout
+    from rl.tasks import TaskReward
 
     cfg, learner, sampler, task, tok, train = parts
     cfg = dataclasses.replace(cfg, **overrides)
-    from rl.tasks import TaskReward
-
     return Job(cfg=cfg, model_cfg=None, plan=None, tokenizer=tok, task=task, train_data=train, eval_prompts=[],
-               eval_refs=[], reward=TaskReward(task), learner=learner, sampler=sampler, pusher=None,
+               eval_refs=[], reward=TaskReward(task), learner=learner,
+               rollout=LocalRollout(sampler, learner.params_for_push),
                iterator=make_prompt_iterator(train, batch_size=cfg.prompts_per_step, seed=cfg.seed), ckpt=None,
                logger=_Logger(), weight_version=sampler.weight_version)
 
@@ -97,15 +100,15 @@ def test_rollout_of_the_next_batch_overlaps_the_update(parts, monkeypatch):
             update_started[step - 1].wait(timeout=600)
 
     monkeypatch.setattr(type(learner), "update", update)
-    from rl import async_loop
+    from rl import pipeline
 
-    real_init = async_loop.AsyncRollout.__init__
+    real_init = pipeline.Pipeline.__init__
 
     def init(self, job_):
         real_init(self, job_)
         self.events = _Events(on_start)
 
-    monkeypatch.setattr(async_loop.AsyncRollout, "__init__", init)
+    monkeypatch.setattr(pipeline.Pipeline, "__init__", init)
     v0 = job.weight_version
     summary = loop.run(job)
     assert summary["steps_run"] == 3 and job.weight_version == v0 + 3
@@ -155,7 +158,7 @@ def test_staleness_is_bounded_by_k_and_versions_are_per_sample(parts):
         assert recs[m]["weight_version/staleness_max"] == float(staleness.max())
         assert recs[m]["weight_version/staleness_mean"] == float(staleness.mean())
     assert [r["weight_version/staleness_max"] for r in recs] == [0.0, 1.0, 2.0, 2.0, 2.0]
-    assert job.weight_version == v0 + steps and job.sampler.weight_version == v0 + steps
+    assert job.weight_version == v0 + steps and job.rollout.weight_version == v0 + steps
 
 
 def test_flags():
@@ -184,56 +187,69 @@ def test_cli_refuses_async_without_correction(tmp_path, capsys):
     assert "max_staleness must be int" in capsys.readouterr().err
 
 
-def test_async_with_rollout_processes_is_accepted_checkpoints_are_not():
-    """MPMD runs (rollout on its own processes) take --max-staleness (rl/async_mpmd.py) and, synchronous,
-    checkpoints; checkpoints together with --max-staleness are refused before step 1."""
-    from rl.roles import check_mpmd_config
-
-    class Layout:
-        rollout_processes = (2,)
-
-    check_mpmd_config(RunConfig(ckpt_dir=""), Layout())
-    check_mpmd_config(RunConfig(ckpt_dir="", async_rollout=True), Layout())
-    check_mpmd_config(RunConfig(ckpt_dir="", max_staleness=2), Layout())
-    check_mpmd_config(RunConfig(ckpt_dir="/tmp/x"), Layout())  # synchronous MPMD checkpoints (rl/roles.py)
-    with pytest.raises(ValueError, match=r"--ckpt-dir with --max-staleness 1 and the rollout on its own processes"):
-        check_mpmd_config(RunConfig(ckpt_dir="/tmp/x", async_rollout=True), Layout())
+def _alternating_reward(refs, responses):
+    """Rewards 1, 0, 1, 0, ... (every group has signal: each step updates and pushes)."""
+    r = (np.arange(len(responses)) % 2).astype(np.float32)
+    return r, r > 0, {}
 
 
-@pytest.mark.parametrize("k", [1, 2])
-def test_mpmd_rollout_side_follows_the_schedule(monkeypatch, k):
-    """The rollout processes' side (rl/async_mpmd.py) generates, per step s, the batches up to s + K not generated
-    yet, before the push point of s: batch m with P(max(0, m - K)); none past --steps. Stubs: no model, no channel."""
-    import types
+def _fake_job(steps: int, trace: list, **kw):
+    """A Job over the fake rollout service and learner of tests/rl/fake_rollout.py (nothing compiles)."""
+    import sys
 
-    from rl import async_loop, roles
-    from rl.async_mpmd import MpmdAsyncRollout
+    sys.path.insert(0, str(__import__("pathlib").Path(__file__).parent))
+    try:
+        from fake_rollout import FakeLearner, FakeRollout
+    finally:
+        sys.path.pop(0)
+    from rl.data import PromptDataset, make_prompt_iterator
+    from rl.job import Job
+    from rl.tasks import DigitTask
+
+    cfg = RunConfig(steps=steps, prompts_per_step=2, group_size=4, max_new_tokens=4, eval_every=0, ckpt_dir="",
+                    metrics_jsonl="", tensorboard_dir="", progress=False, **kw)
+    task = DigitTask(kind="copy", n_digits=3, seed=0)
+    train = PromptDataset.from_task(task, "train")
+    return Job(cfg=cfg, model_cfg=None, plan=None, tokenizer=task.tokenizer, task=task, train_data=train,
+               eval_prompts=[], eval_refs=[], reward=_alternating_reward, learner=FakeLearner(),
+               rollout=FakeRollout(task.tokenizer.vocab_size, task.tokenizer.eos_id, trace),
+               iterator=make_prompt_iterator(train, batch_size=cfg.rollout.prompts_per_step, seed=cfg.seed),
+               ckpt=None, logger=_Logger())
+
+
+@pytest.mark.parametrize("k", [0, 1, 2])
+def test_the_one_loop_over_a_fake_rollout_service_follows_the_schedule(k):
+    """The loop (rl/loop.py + rl/pipeline.py) asks the service for batch m with P(max(0, m - K)) served, and pushes
+    P(s + 1) only after every batch that needs P(s) was generated: batches 0 .. min(s + K, steps - 1). K = 0 is the
+    synchronous loop (sample, learn, push, in turn). The same code serves every layout: the service is the only
+    thing the loop knows of the rollout."""
+    from rl import loop
 
     steps, trace = 5, []
-    job = types.SimpleNamespace(cfg=RunConfig(steps=steps, max_staleness=k), start_step=0, weight_version=0,
-                                layout=types.SimpleNamespace(process=1, rollout_processes=(1,)),
-                                counters={"generate": 0, "train_steps": 0},
-                                iterator=types.SimpleNamespace(get_state=lambda: {}),
-                                channel=types.SimpleNamespace(publish=lambda tag, v: trace.append(("publish", tag))))
-
-    def produce(job_, m):
-        trace.append(("generate", m, job_.weight_version))
-        return async_loop.RolloutRecord(step=m, rb=None, rewards=None, train_rows=None, versions=None,
-                                        metrics={"rollout/reward_mean": float(m)})
-
-    def push_now(job_, tag):
-        job_.weight_version += 1
-        trace.append(("push", tag))
-        return {}
-
-    monkeypatch.setattr("rl.async_mpmd.produce", produce)
-    monkeypatch.setattr(roles, "_push_now", push_now)
-    side = MpmdAsyncRollout(job).start()
-    got = [side.step(s, eval_due=False)["rollout/reward_mean"] for s in range(steps)]
-    assert got == [float(s) for s in range(steps)]
-    gens = [(e[1], e[2]) for e in trace if e[0] == "generate"]
+    job = _fake_job(steps, trace, max_staleness=k, correction="tis")
+    summary = loop.run(job)
+    assert summary["steps_run"] == steps and job.weight_version == steps == job.rollout.weight_version
+    gens = [(int(tag.split("/")[1]), v) for op, tag, *rest in trace if op == "generate" for v in rest]
     assert gens == [(m, max(0, m - k)) for m in range(steps)]  # batch m <- P(max(0, m - K))
-    for s in range(steps):  # before the push point of s: exactly the batches up to min(s + K, steps - 1)
-        before = trace[: trace.index(("push", s))]
-        assert {e[1] for e in before if e[0] == "generate"} == set(range(min(s + k + 1, steps)))
-    assert [e[1] for e in trace if e[0] == "publish"] == [f"rollout/{m}" for m in range(steps)]
+    for s in range(steps):  # before the push of P(s + 1): exactly the batches up to min(s + K, steps - 1)
+        before = trace[: trace.index(("push", s + 1))]
+        assert {int(e[1].split("/")[1]) for e in before if e[0] == "generate"} == set(range(min(s + k + 1, steps)))
+    recs = job.logger.records
+    assert [r["step"] for r in recs] == list(range(steps))
+    assert [r["train/updates"] for r in recs] == [float(s + 1) for s in range(steps)]
+    if k:
+        assert [r["weight_version/staleness_max"] for r in recs] == [float(min(s, k)) for s in range(steps)]
+    else:
+        assert not any(key.startswith("weight_version/") for key in recs[0])  # the synchronous loop's metrics
+
+
+def test_the_loop_logs_the_same_numbers_whatever_the_schedule_when_staleness_is_zero():
+    """`--max-staleness 0` through the pipeline is the synchronous loop: a second run logs equal metrics."""
+    from rl import loop
+
+    runs = []
+    for _ in range(2):
+        job = _fake_job(3, [], max_staleness=0)
+        loop.run(job)
+        runs.append([{k: v for k, v in r.items() if not k.startswith("perf/")} for r in job.logger.records])
+    assert runs[0] == runs[1] and len(runs[0]) == 3

@@ -1,4 +1,4 @@
-"""DAPO dynamic sampling in the loop (`rl.loop.dynamic_rollout`) and the batch concatenation it relies on
+"""DAPO dynamic sampling in the loop (`rl.stages.dynamic_rollout`) and the batch concatenation it relies on
 (`rl.sampler.concat_rollouts`). The sampler is replaced by a fake that returns chosen rewards, so no model is
 compiled: what is tested is the bookkeeping (which groups are kept, the resampling budget, the layout)."""
 
@@ -7,7 +7,7 @@ import types
 import numpy as np
 import pytest
 
-from rl import loop
+from rl import stages
 from rl.config import RunConfig
 from rl.sampler import RolloutBatch, concat_rollouts
 
@@ -75,7 +75,7 @@ def fake_job(monkeypatch, reward_rounds, **cfg_kw):
         rb = fake_batch(N * G, 4, 3, seed=round_index)
         return rb, np.asarray(reward_rounds[round_index], np.float32), {"perf/rollout_s": 0.1}
 
-    monkeypatch.setattr(loop, "rollout", rollout)
+    monkeypatch.setattr(stages, "rollout", rollout)
     it = batches()
     job = types.SimpleNamespace(cfg=cfg, iterator=it)
     return job, next(it), calls
@@ -86,7 +86,7 @@ def test_resamples_until_the_batch_holds_groups_with_signal(monkeypatch):
     r1 = [0, 0, 0, 0] + [0, 1, 1, 0] + [0.5, 0.5, 0.5, 0.5]  # one more
     r2 = [1, 0, 1, 1] + [0, 0, 0, 1] + [1, 0, 0, 0]  # two more: one extra is discarded
     job, first, calls = fake_job(monkeypatch, [r0, r1, r2])
-    rb, rewards, train_rows, m = loop.dynamic_rollout(job, step=0, first=first)
+    rb, rewards, train_rows, m = stages.dynamic_rollout(job, step=0, first=first)
     assert calls == [0, 1, 2]
     np.testing.assert_array_equal(rewards, np.array([1, 0, 0, 0, 0, 1, 1, 0, 1, 0, 1, 1], np.float32))
     assert train_rows.all() and rb.tokens.shape[0] == N * G
@@ -100,7 +100,7 @@ def test_budget_exhausted_trains_on_the_kept_groups(monkeypatch):
     r0 = [1, 0, 0, 0] + [1, 1, 1, 1] + [0, 0, 0, 0]
     r1 = [0, 0, 0, 0] * 3
     job, first, calls = fake_job(monkeypatch, [r0, r1], dapo_max_resample_batches=1)
-    rb, rewards, train_rows, m = loop.dynamic_rollout(job, step=5, first=first)
+    rb, rewards, train_rows, m = stages.dynamic_rollout(job, step=5, first=first)
     assert calls == [0, 1]
     assert rb.tokens.shape[0] == N * G  # same shape every step: fillers, masked out of the loss
     np.testing.assert_array_equal(train_rows, np.repeat([True, False, False], G))
@@ -112,10 +112,10 @@ def test_budget_exhausted_trains_on_the_kept_groups(monkeypatch):
 def test_budget_exhausted_skip_mode_and_no_signal_at_all(monkeypatch):
     r0 = [1, 0, 0, 0] + [1, 1, 1, 1] + [0, 0, 0, 0]
     job, first, _ = fake_job(monkeypatch, [r0], dapo_max_resample_batches=0, dapo_on_budget_exhausted="skip")
-    rb, rewards, train_rows, m = loop.dynamic_rollout(job, step=0, first=first)
+    rb, rewards, train_rows, m = stages.dynamic_rollout(job, step=0, first=first)
     assert rb is None and m["rollout/dynamic_sampling/skipped_step"] == 1
     job, first, _ = fake_job(monkeypatch, [[1] * 12], dapo_max_resample_batches=0)
-    rb, _, _, m = loop.dynamic_rollout(job, step=0, first=first)
+    rb, _, _, m = stages.dynamic_rollout(job, step=0, first=first)
     assert rb is None and m["rollout/dynamic_sampling/kept_groups"] == 0  # nothing to train on: skipped
 
 

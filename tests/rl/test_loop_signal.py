@@ -1,4 +1,4 @@
-"""rl/loop.py `learn_and_push`: a step without learning signal changes nothing (issue 15 class 6).
+"""rl/stages.py `learn` + `push`: a step without learning signal changes nothing (issue 15 class 6).
 
 After a step with signal (Adam has momentum), a batch whose advantages are all 0 (every group zero-std or
 filtered) must not move the params, the optimizer state or the step counter, must not push, and must say so in
@@ -13,7 +13,9 @@ from flax import nnx
 from dsv4 import DSV4Config, DSV4ForCausalLM
 from rl.config import LearnerConfig, RunConfig
 from rl.learner import Learner
-from rl.loop import Job, learn_and_push
+from rl.job import Job
+from rl.rollout_service import LocalRollout
+from rl.stages import learn, push
 from rl.sampler import Sampler, SamplingParams
 
 CFG = DSV4Config.tiny(num_hidden_layers=2, compress_ratios=(4, 8), num_nextn_predict_layers=0)
@@ -31,8 +33,11 @@ def test_no_signal_step_skips_update_and_push():
     prompts = [list(map(int, rs.randint(3, CFG.vocab_size, n))) for n in (5, 7, 3, 6)]
     rb = sampler.generate(prompts, SamplingParams(temperature=1.0, max_new_tokens=4), seed=0)
     job = Job(cfg=RunConfig(routing_replay=True), model_cfg=CFG, plan=None, tokenizer=None, task=None,
-              train_data=None, eval_prompts=[], eval_refs=[], reward=None, learner=learner, sampler=sampler,
-              pusher=None, iterator=None, ckpt=None, logger=None)
+              train_data=None, eval_prompts=[], eval_refs=[], reward=None, learner=learner,
+              rollout=LocalRollout(sampler, learner.params_for_push), iterator=None, ckpt=None, logger=None)
+
+    def learn_and_push(job, rb, adv):
+        return {**learn(job, rb, adv), **push(job)}
 
     m1 = learn_and_push(job, rb, np.array([1.0, -1.0, 0.5, -0.5], np.float32))
     assert m1["train/skipped_no_signal"] == 0.0 and job.weight_version == 1 and sampler.weight_version == 1

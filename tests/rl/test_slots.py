@@ -133,7 +133,7 @@ def test_cache_len_rounds_to_compression_ratios():
 
 def test_run_config_slots_checked_against_the_plan():
     """--rollout-slots N larger than the memory plan's KV budget fails in build, before any model is made."""
-    from rl.loop import _rollout_slots
+    from rl.job import _rollout_slots
     from sharding.mesh import parse_mesh_spec
 
     class _Plan:

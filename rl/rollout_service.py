@@ -1,0 +1,175 @@
+"""The rollout service contract: what the loop asks of a rollout engine, wherever the engine runs.
+
+    handle = service.submit(RolloutRequest(prompts, params, seed=, step=, prompt_index=, sample_index=, tag=))
+    result = service.collect(handle)          # RolloutResult: the RolloutBatch (its weight version inside) + stats
+    metrics = service.load_weights(version)   # the actor's current params become the served version (the push)
+    service.weight_version                    # the version the rollout serves now
+    service.stats()                           # counters of the engine's side (MPMD: `mpmd/rollout_*`), {} here
+    service.health()                          # None when healthy, else one line saying what is wrong
+    service.close()
+
+A request carries the deterministic sample ids: every row's randomness is a function of (seed, step, prompt index,
+sample index), DAPO rounds offsetting the prompt index (rl/stages.py), so a request gives the same tokens whichever
+service serves it and whenever. Evaluation is two requests (rl/stages.py::evaluate), so every service evaluates.
+
+Implementations:
+- `LocalRollout` (here): the `rl.sampler.Sampler` in this process: one mesh, two disjoint meshes of this process,
+  or colocated; the push is `parallel.push.push_weights` (or the sampler's own `update_weights` without a pusher);
+- `rl.rollout_mpmd.ProcessRollout`: the rollout on processes of its own (MPMD), a command queue over the host
+  channel; `rl.rollout_mpmd.RolloutServer` is the other side;
+- tests drive the loop with a fake (tests/rl/fake_rollout.py).
+Where the roles live decides the schedule's cost, not its shape: the loop (rl/loop.py, rl/pipeline.py) is one.
+"""
+
+from __future__ import annotations
+
+import abc
+import dataclasses
+import time
+from collections.abc import Callable, Sequence
+
+import jax
+import numpy as np
+
+from parallel.push import push_weights
+from rl.batch import RolloutBatch
+from rl.sampler import Sampler, SamplingParams
+
+
+@dataclasses.dataclass(frozen=True)
+class RolloutRequest:
+    """One batch to generate: `prompts` (N token-id lists, one per row: a prompt repeated `group_size` times is N
+    rows), the sampling parameters, the randomness ids (seed, step, prompt_index [N], sample_index [N]; None: row
+    index and 0, as `Sampler.generate`), and a `tag` unique within the run (e.g. "train/<step>/<round>",
+    "eval/<step>/<version>/greedy") that names the request in messages and logs."""
+
+    prompts: Sequence[Sequence[int]]
+    params: SamplingParams
+    seed: int
+    step: int = 0
+    prompt_index: Sequence[int] | None = None
+    sample_index: Sequence[int] | None = None
+    tag: str = ""
+
+
+@dataclasses.dataclass
+class RolloutResult:
+    """A generated request: `rb` (RolloutBatch; `rb.weight_version` = the weights it was sampled with), `stats`
+    (the generation's counters, e.g. continuous batching's `rollout/slots/*`), `t0` / `t1` (wall-clock seconds,
+    `time.time()`, when the engine started and finished it)."""
+
+    rb: RolloutBatch
+    stats: dict
+    t0: float
+    t1: float
+
+
+def run_request(sampler, req: RolloutRequest) -> RolloutResult:
+    """Generate `req` with a Sampler in this process (the engine of `LocalRollout` and of the MPMD rollout
+    processes)."""
+    t0 = time.time()
+    rb = sampler.generate([list(p) for p in req.prompts], req.params, seed=req.seed, step=req.step,
+                          prompt_index=req.prompt_index, sample_index=req.sample_index)
+    return RolloutResult(rb=rb, stats=dict(getattr(sampler, "last_stats", None) or {}), t0=t0, t1=time.time())
+
+
+class RolloutService(abc.ABC):
+    """The rollout as the loop sees it (module docstring). `submit` and `collect` may be called from the
+    pipeline's producer thread, `load_weights` from the main thread; the schedule (rl/pipeline.py) never calls
+    `load_weights` while a request is in flight."""
+
+    generate_calls: int = 0  # generate programs run by this process (the roles' counters in MPMD logs)
+
+    @abc.abstractmethod
+    def submit(self, request: RolloutRequest):
+        """Start generating `request`; returns a handle for `collect`."""
+
+    @abc.abstractmethod
+    def collect(self, handle) -> RolloutResult:
+        """Wait for the request of `handle` and return it (each handle once)."""
+
+    @abc.abstractmethod
+    def load_weights(self, version: int) -> dict:
+        """Make the actor's current params the served weights, as `version`; returns perf metrics
+        (`perf/weight_push_s`, `perf/weight_push_gbps`)."""
+
+    @property
+    @abc.abstractmethod
+    def weight_version(self) -> int:
+        """The version of the weights the rollout serves now."""
+
+    def stats(self) -> dict:
+        """Counters of the engine's side, logged with each step (MPMD: the rollout processes' programs)."""
+        return {}
+
+    def health(self) -> str | None:
+        """None while the engine is usable, else one line saying what is wrong."""
+        return None
+
+    def close(self) -> None:
+        """Release the engine (MPMD: tell the rollout processes that the run is over)."""
+
+
+class LocalRollout(RolloutService):
+    """The Sampler in this process. `submit` generates at once (in the calling thread: the pipeline's producer
+    thread when the run is asynchronous), so `collect` only hands the result over.
+
+    Args:
+      sampler: the rl.sampler.Sampler (on the rollout mesh, or unmeshed in tests).
+      params_fn: () -> the learner's current params (`Learner.params_for_push`), read by `load_weights`.
+      pusher: parallel.push.WeightPusher for the actor -> rollout push; None: `Sampler.update_weights`.
+    """
+
+    def __init__(self, sampler, params_fn: Callable[[], dict] | None = None, pusher=None):
+        self.sampler, self.params_fn, self.pusher = sampler, params_fn, pusher
+        self._done: dict[int, RolloutResult] = {}
+        self._next = 0
+
+    def submit(self, request: RolloutRequest) -> int:
+        self.generate_calls += 1
+        handle, self._next = self._next, self._next + 1
+        self._done[handle] = run_request(self.sampler, request)
+        return handle
+
+    def collect(self, handle: int) -> RolloutResult:
+        return self._done.pop(handle)
+
+    @property
+    def weight_version(self) -> int:
+        return self.sampler.weight_version
+
+    def load_weights(self, version: int) -> dict:
+        t0 = time.perf_counter()
+        params = self.params_fn()
+        nbytes = sum(int(np.prod(x.shape)) * 2 for x in jax.tree.leaves(params))  # bf16 on the wire
+        if self.pusher is not None:
+            nbytes = push_weights(self.pusher, params, self.sampler, version).bytes
+        else:
+            self.sampler.update_weights(params, version)
+            jax.block_until_ready(jax.tree.leaves(self.sampler.weight_state()))
+        dt = time.perf_counter() - t0
+        return {"perf/weight_push_s": dt, "perf/weight_push_gbps": nbytes / dt / 1e9}
+
+
+def rollout_compute_dtype(rollout, platform: str) -> str | None:
+    """The rollout's compute dtype for a `RolloutConfig` on devices of `platform`: None for fp32 weights (the
+    weights' own dtype); "auto" is float32 on CPUs (bf16 matmuls are emulated there: slow) and bfloat16 elsewhere."""
+    if rollout.dtype == "fp32":
+        return None
+    if rollout.compute_dtype == "auto":
+        return "float32" if platform == "cpu" else "bfloat16"
+    return rollout.compute_dtype
+
+
+def make_sampler(model, mesh, rollout, *, max_prompt_len: int, slots: int = 0,
+                 kv_budget_bytes: float | None = None, compute_dtype=None) -> Sampler:
+    """The rollout engine of a run, the one place a run's Sampler is built (the run in every layout, the planner's
+    compile, the benchmarks): `model` (a DSV4ForCausalLM or its `nnx.eval_shape`), the rollout `mesh` (None:
+    unmeshed), the run's `RolloutConfig` (weights dtype, compute dtype, KV cache dtype, prefill chunk),
+    `max_prompt_len` (the largest prompt bucket), `slots` / `kv_budget_bytes` (continuous batching, resolved by
+    `rl.slots.plan_slots`). `compute_dtype` overrides the config's (the planner compiles in bf16 on CPU devices)."""
+    platform = (mesh.devices.flat[0] if mesh is not None else jax.devices()[0]).platform
+    cd = compute_dtype if compute_dtype is not None else rollout_compute_dtype(rollout, platform)
+    return Sampler(model, mesh=mesh, weights=rollout.dtype, max_prompt_len=max_prompt_len, compute_dtype=cd,
+                   slots=slots, kv_budget_bytes=kv_budget_bytes, kv_cache_dtype=rollout.kv_cache_dtype,
+                   prefill_chunk=rollout.prefill_chunk)
