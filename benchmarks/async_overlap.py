@@ -20,8 +20,9 @@ layout in miniature, 2 local processes (`--num-processes 2 --cpu-devices-per-pro
 `actor:data=1/rollout:data=1`: device 0 on process 0 = actor, device 1 on process 1 = rollout), each pinned to its
 own core (`sched_setaffinity` before exec: XLA:CPU sizes its thread pool from the affinity mask) with XLA
 single-threaded (`XLA_FLAGS=--xla_cpu_multi_thread_eigen=false`; jax 0.10.2 has no intra-op thread option of its
-own, and the pool already has one core). The async side is rl/async_mpmd.py (the rollout process generates batch
-n + 1 while the actor process trains on batch n).
+own, and the pool already has one core). The async side is the one loop's pipeline (rl/pipeline.py) over
+`rl.rollout_mpmd.ProcessRollout` (the rollout process generates batch n + 1 while the actor process trains on
+batch n).
 
 Last line: `RESULT sync_step_s=.. async_step_s=.. speedup=.. overlap_frac=.. async_first10=.. async_last10=..
 async_learns=0|1` (target in the --mpmd layout: speedup >= 1.3 and async_learns=1 at 80 steps). Timings are

@@ -189,7 +189,8 @@ def compile_rollout(config, mesh_spec: str, *, batch: int = 1024, context: int =
     (and --rollout-slots beyond the budget), and XLA's errors.
     """
     import dsv4
-    from rl.sampler import Sampler
+    from rl.config import RolloutConfig
+    from rl.rollout_service import make_sampler
     from sharding.mesh import build_mesh_plan, parse_mesh_spec
     from sharding.rules import batch_shards
 
@@ -211,9 +212,10 @@ def compile_rollout(config, mesh_spec: str, *, batch: int = 1024, context: int =
         slots = sl.plan_slots(slots, per_slot_bytes=sl.cache_bytes_per_slot_for(config, seq, jnp.bfloat16, fp8),
                               budget_bytes=kv_budget, seq_len=seq, shards=batch_shards(ROLLOUT_RULES, plan.rollout))
         slots = min(slots or batch, batch)
-    sampler = Sampler(model, mesh=plan.rollout, weights=rollout_dtype, max_prompt_len=prompt_len,
-                      compute_dtype=jnp.bfloat16, slots=slots, prefill_chunk=prefill_chunk,
-                      kv_cache_dtype=kv_cache_dtype)
+    # the run's Sampler (rl.rollout_service.make_sampler), in bf16 as on the GPU the plan is for
+    rollout = RolloutConfig(dtype=rollout_dtype, kv_cache_dtype=kv_cache_dtype, prefill_chunk=prefill_chunk)
+    sampler = make_sampler(model, plan.rollout, rollout, max_prompt_len=prompt_len, slots=slots,
+                           compute_dtype=jnp.bfloat16)
     t0 = time.perf_counter()
     lowered = sampler.lower(batch, prompt_len, new)
     compiled = lowered.compile()

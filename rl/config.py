@@ -152,7 +152,7 @@ class RolloutConfig:
     prefill_chunk: int = knob(2048, "prompts longer than this prefill in chunks of this many tokens against the KV "
                                     "cache built so far (memory bounded by one chunk; dsv4/chunked.py); 0 = whole "
                                     "prompt; a multiple of the compression ratios' lcm (128 for Flash)")
-    max_staleness: int = knob(0, "asynchronous rollout (rl/async_loop.py): K >= 1 generates the next batches while "
+    max_staleness: int = knob(0, "asynchronous rollout (rl/pipeline.py): K >= 1 generates the next batches while "
                                  "the actor trains, with weights at most K versions old (needs --correction tis|mis); "
                                  "0 = synchronous")
     async_rollout: bool = knob(False, "one-step-off asynchronous rollout: shorthand for --max-staleness 1")
@@ -418,7 +418,7 @@ class RunConfig:
                              "built-in task would evaluate on another vocabulary)")
 
     def staleness(self) -> int:
-        """K of the one-step-off asynchronous loop (rl/async_loop.py): `rollout.max_staleness`, or 1 for
+        """K of the one-step-off asynchronous loop (rl/pipeline.py): `rollout.max_staleness`, or 1 for
         `rollout.async_rollout` alone; 0 = the synchronous loop."""
         return int(self.rollout.max_staleness) or int(bool(self.rollout.async_rollout))
 

@@ -321,7 +321,7 @@ def same_data(cfg: RunConfig, meta: dict, identity: dict) -> bool:
 
     Returns True when they match (or the checkpoint predates the record): resume the data order. A changed
     file under the same path would silently repeat some prompts and skip others, so it raises ValueError naming
-    the flag, unless `cfg.allow_dataset_change`: then False (a warning is logged) and the caller restarts the
+    the flag, unless `cfg.ckpt.allow_dataset_change`: then False (a warning is logged) and the caller restarts the
     data order from the beginning while keeping the learner state.
     """
     saved = meta.get("data_identity")
@@ -330,9 +330,9 @@ def same_data(cfg: RunConfig, meta: dict, identity: dict) -> bool:
     changed = [k for k in ("dataset", "eval_dataset") if saved.get(k) != identity.get(k)]
     if not changed:
         return True
-    what = "; ".join(f"--{k.replace('_', '-')} {getattr(cfg, k)}: checkpoint {saved.get(k)} vs now {identity.get(k)}"
+    what = "; ".join(f"--{k.replace('_', '-')} {getattr(cfg.data, k)}: checkpoint {saved.get(k)} vs now {identity.get(k)}"
                      for k in changed)
-    if not cfg.allow_dataset_change:
+    if not cfg.ckpt.allow_dataset_change:
         raise ValueError(f"the dataset changed since checkpoint step {meta.get('step')} ({what}); resuming would "
                          "repeat some prompts and skip others: restore the file, use another --ckpt-dir, or pass "
                          "--allow-dataset-change to keep the learner state and restart the data order")
