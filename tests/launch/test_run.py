@@ -218,7 +218,7 @@ def test_checkpoint_of_another_config(tmp_path, capsys, lt):
     ck.save(3, {"w": jnp.zeros(2)}, {"data": {"next_index": 3}, "weight_version": 3, "seed": 0})
     ck.close()
     rc, _, err = main([*argv, "--group-size", "8"], capsys)
-    assert_user_error(rc, err, "different config", "group_size: checkpoint=4 vs run=8", str(tmp_path / "ckpt"))
+    assert_user_error(rc, err, "different config", "group_size: checkpoint=4 run=8", str(tmp_path / "ckpt"))
     rc, _, err = main([*argv, "--resume", "never"], capsys)
     assert_user_error(rc, err, "already holds checkpoints", "[3]")
 
