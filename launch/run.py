@@ -107,7 +107,7 @@ def resolve(argv=None) -> tuple[RunConfig, argparse.Namespace]:
         except OSError as e:
             raise ValueError(f"--config-file {args.config_file}: {e.strerror}") from None
         except yaml.YAMLError as e:
-            raise ValueError(f"--config-file {args.config_file}: not valid YAML ({e})") from None
+            raise ValueError(_yaml_error(args.config_file, e)) from None
         if not isinstance(data, dict):
             raise ValueError(f"--config-file {args.config_file}: expected a mapping of config keys")
         for path, (key, v) in config_tree.flatten(data, RunConfig, f"--config-file {args.config_file}",
@@ -124,6 +124,16 @@ def resolve(argv=None) -> tuple[RunConfig, argparse.Namespace]:
 
 
 _EMPTY_IS_NONE = ("ckpt.dir", "log.metrics_jsonl", "log.tensorboard_dir")
+
+
+def _yaml_error(path, e) -> str:
+    """A PyYAML error -> one line `--config-file FILE:LINE:COLUMN: not valid YAML: <problem> (<context>)`."""
+    mark = getattr(e, "problem_mark", None) or getattr(e, "context_mark", None)
+    where = f"{path}:{mark.line + 1}:{mark.column + 1}" if mark is not None else str(path)
+    problem = getattr(e, "problem", None) or type(e).__name__
+    context = getattr(e, "context", None)
+    text = f"{problem} ({context})" if context else problem
+    return f"--config-file {where}: not valid YAML: {' '.join(str(text).split())}"
 
 
 def dry_run(cfg: RunConfig) -> None:

@@ -226,9 +226,10 @@ def test_yaml_errors(tmp_path, capsys):
     f.write_text("steps: many\n")
     rc, _, err = main(["--config-file", f], capsys)
     assert_user_error(rc, err, "steps must be int", "'many'")
-    f.write_text("steps: [3\n")
+    f.write_text("steps: 3\nlearner:\n  lr: [1e-6\n  b1: 0.9\n")
     rc, _, err = main(["--config-file", f], capsys)
-    assert_user_error(rc, err, "not valid YAML")
+    assert_user_error(rc, err, "not valid YAML", f"{f}:4:")
+    assert len(err.strip().splitlines()) == 1, err  # one line, not PyYAML's four
     rc, _, err = main(["--config-file", tmp_path / "missing.yaml"], capsys)
     assert_user_error(rc, err, "missing.yaml")
     rc, _, err = main(["--group-size", "1"], capsys)
