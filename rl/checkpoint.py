@@ -22,8 +22,8 @@ so a second run on the same --ckpt-dir refuses at start with one line naming the
 
 Write failures (ENOSPC, EROFS, EACCES, a vanished directory) end the run with one line, `CheckpointWriteError`
 (an OSError) naming the step, the directory and the OS error: `save` first proves the directory writable and,
-from the second save on, that it has room for one more checkpoint of the newest one's size, so the usual faults
-stop the run at the failing save; a fault that only shows inside orbax's background write is raised at the next
+from the second save on, that it has room for one more checkpoint of the newest one's size (when one process
+writes), so the usual faults stop the run at the failing save; a fault that only shows inside orbax's background write is raised at the next
 `save` / `wait` / `close`. orbax's and asyncio's own error logs of a failed write (tracebacks from background
 threads) are dropped (`_QuietOrbaxErrors`), and so are the "Event loop is closed" reports of its writes still in
 flight when the first one failed (`sys.unraisablehook`, narrowly: that error from asyncio only). The newest complete checkpoint is never touched: orbax writes into a
@@ -288,11 +288,14 @@ class Checkpointer:
         """Save (asynchronously) the learner state pytree and the meta dict at `step`.
 
         Raises CheckpointWriteError (one line: step, directory, OS error) when the directory is not writable,
-        has no room for a checkpoint of the newest one's size, or the previous asynchronous save failed."""
+        has no room for a checkpoint of the newest one's size (both checked first when one process writes: with
+        several, a verdict of one process alone would leave the others at orbax's barriers), or the previous
+        asynchronous save failed."""
         if self._failed is not None:
             raise self._failed
         self._finish()  # the previous save's background error, if any, belongs to that step
-        self._preflight(step)
+        if jax.process_count() == 1 or self.host_local:  # one writer: no other process waits at orbax's barriers
+            self._preflight(step)
         flat, _ = _flatten(state)
         if self.host_local:  # see the class docstring
             flat = jax.device_get(flat)
