@@ -98,3 +98,45 @@ def test_checkpointer_takes_the_lock_and_a_second_run_refuses_before_touching_th
     assert json.loads((ckpt / LOCK_NAME).read_text())["pid"] == os.getpid()
     ck.close()
     assert (ckpt / LOCK_NAME).read_text() == ""
+
+
+PEER = textwrap.dedent("""
+    import sys
+    from sharding.distributed import maybe_initialize_distributed
+    maybe_initialize_distributed(sys.argv[1], 2, int(sys.argv[2]), cpu_devices_per_process=1)
+    from rl import run_lock
+    try:
+        handle = run_lock.acquire(sys.argv[3])
+        print("ok", handle is not None, flush=True)
+    except run_lock.RunDirLockedError as e:
+        print("refused", e, flush=True)
+""")
+
+
+def _two_processes(directory) -> list[str]:
+    """The first output line of each of 2 jax.distributed processes calling `acquire(directory)`."""
+    import portpicker
+
+    port = portpicker.pick_unused_port()
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path), "JAX_PLATFORMS": "cpu"}
+    env.pop("XLA_FLAGS", None)
+    procs = [subprocess.Popen([sys.executable, "-c", PEER, f"127.0.0.1:{port}", str(i), str(directory)],
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env) for i in range(2)]
+    outs = []
+    for p in procs:
+        out, _ = p.communicate(timeout=300)
+        outs.append(out.decode(errors="replace"))
+    return [next((ln for ln in o.splitlines() if ln.startswith(("ok", "refused"))), o[-2000:]) for o in outs]
+
+
+def test_multi_process_run_takes_the_lock_once_and_every_process_refuses_alike(tmp_path):
+    """Process 0 takes the lock, process 1 only receives the verdict; a lock held by another run makes both
+    processes refuse with the same line."""
+    assert _two_processes(tmp_path) == ["ok True", "ok False"]
+    holder = _holder(tmp_path)
+    try:
+        got = _two_processes(tmp_path)
+    finally:
+        holder.kill()
+        holder.wait()
+    assert got[0] == got[1] and got[0].startswith("refused") and f"pid {holder.pid}" in got[0], got
