@@ -20,12 +20,12 @@ rl/job.py::same_data decides (the same file at a new path resumes; a changed one
 One run at a time: the Checkpointer takes the directory's run lock (rl/run_lock.py) before it touches anything,
 so a second run on the same --ckpt-dir refuses at start with one line naming the running owner.
 
-Write failures (ENOSPC, EROFS, EACCES, a vanished directory) end the run with one line, `CheckpointWriteError`
-(an OSError) naming the step, the directory and the OS error: `save` first proves the directory writable and,
-from the second save on, that it has room for one more checkpoint of the newest one's size (when one process
-writes), so the usual faults stop the run at the failing save; a fault that only shows inside orbax's background write is raised at the next
-`save` / `wait` / `close`. orbax's ERROR logs (tracebacks from its background threads; the exception itself still
-reaches the caller, which reports it) and asyncio's "exception was never retrieved" records of the writes that
+Write failures (ENOSPC, EROFS, EACCES, a vanished directory) end the run with one line, `CheckpointWriteError` (an
+OSError) naming the step, the directory and the OS error: `save` first proves the directory writable and, from the
+second save on, that it has room for one more checkpoint of the newest one's size (when one process writes), so the
+usual faults stop the run at the failing save; a fault that only shows inside orbax's background write is raised at
+the next `save` / `wait` / `close`. orbax's ERROR logs (tracebacks from its background threads; the exception itself
+still reaches the caller, which reports it) and asyncio's "exception was never retrieved" records of the writes that
 failed with it are dropped (`_QuietOrbaxErrors`), and so are the "Event loop is closed" reports of the writes still
 in flight when the first one failed (`sys.unraisablehook`, narrowly: that error from asyncio only). The newest
 complete checkpoint is never touched: orbax writes into a temp directory and renames it only when complete.

@@ -30,7 +30,8 @@ Devices are taken in `jax.devices()` order (process-major on multi-host runs): t
   of an uneven count because it also holds fp32 master weights and optimizer state; TP is capped at 8
   (one node's fast links, and o_groups=8 on DeepSeek-V4-Flash).
 
-Errors are `MeshSpecError` (a ValueError; `DeviceCountError` for too few devices) naming the offending text; `MeshSpec.validate(n, config)` checks
+Errors are `MeshSpecError` (a ValueError; `DeviceCountError` for too few devices) naming the offending text;
+`MeshSpec.validate(n, config)` checks
 the device count and, table-driven from the rule presets (`DIM_SOURCES`), that every mesh axis product
 divides the model dimension that a logical axis maps onto, e.g.
 "mesh actor: expert=3 does not divide n_routed_experts=8 (parameter layers.*.ffn.experts.w1, dim 0)".
