@@ -42,6 +42,8 @@ import numpy as np
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
+from sharding.mesh import auto_axes
+
 from dsv4 import quant
 from dsv4.config import ConfigError, DSV4Config
 from dsv4.convert import _EXPERT_KEY, CheckpointError, _path_to_key, hf_to_official
@@ -479,6 +481,7 @@ def _load(path, *, dtype, config, mesh, rules, keep_quantized, compute_dtype, pr
         cfg = config
         check_config_matches(path, cfg)
     compute_dtype = compute_dtype or dtype
+    mesh = auto_axes(mesh)  # a jax.make_mesh mesh (Explicit axes) works too: see sharding.mesh.auto_axes
     if cfg.num_nextn_predict_layers and not any(hf_to_official(k).startswith("mtp.") for k in files):
         log.warning("%s: no mtp.* tensors (a transformers checkpoint has none): loading without the MTP block", path)
         cfg = dataclasses.replace(cfg, num_nextn_predict_layers=0,
@@ -593,6 +596,7 @@ def init_model(config: DSV4Config, *, seed: int = 0, param_dtype=jnp.float32, dt
     if mesh is None:
         return make()
     from sharding.rules import ACTOR_RULES, param_shardings
+    mesh = auto_axes(mesh)  # Explicit or Auto axes (sharding.mesh.auto_axes)
     graphdef, abstract = nnx.split(nnx.eval_shape(make))
     sh = param_shardings(abstract, mesh, ACTOR_RULES if rules is None else rules)
     with jax.set_mesh(mesh):

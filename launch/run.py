@@ -107,7 +107,7 @@ def resolve(argv=None) -> tuple[RunConfig, argparse.Namespace]:
         except OSError as e:
             raise ValueError(f"--config-file {args.config_file}: {e.strerror}") from None
         except yaml.YAMLError as e:
-            raise ValueError(f"--config-file {args.config_file}: not valid YAML ({e})") from None
+            raise ValueError(_yaml_error(args.config_file, e)) from None
         if not isinstance(data, dict):
             raise ValueError(f"--config-file {args.config_file}: expected a mapping of config keys")
         for path, (key, v) in config_tree.flatten(data, RunConfig, f"--config-file {args.config_file}",
@@ -124,6 +124,16 @@ def resolve(argv=None) -> tuple[RunConfig, argparse.Namespace]:
 
 
 _EMPTY_IS_NONE = ("ckpt.dir", "log.metrics_jsonl", "log.tensorboard_dir")
+
+
+def _yaml_error(path, e) -> str:
+    """A PyYAML error -> one line `--config-file FILE:LINE:COLUMN: not valid YAML: <problem> (<context>)`."""
+    mark = getattr(e, "problem_mark", None) or getattr(e, "context_mark", None)
+    where = f"{path}:{mark.line + 1}:{mark.column + 1}" if mark is not None else str(path)
+    problem = getattr(e, "problem", None) or type(e).__name__
+    context = getattr(e, "context", None)
+    text = f"{problem} ({context})" if context else problem
+    return f"--config-file {where}: not valid YAML: {' '.join(str(text).split())}"
 
 
 def dry_run(cfg: RunConfig) -> None:
@@ -173,6 +183,43 @@ def _n_devices() -> int:
     return jax.device_count()
 
 
+def _device_hint(e: Exception) -> str:
+    """For a mesh larger than this CPU host's devices: how to set the count."""
+    from sharding.mesh import DeviceCountError
+
+    if not isinstance(e, DeviceCountError) or _platform() != "cpu":
+        return ""
+    return (f"; this process has {e.present} CPU devices: --cpu-devices-per-process {e.needed} (or XLA_FLAGS="
+            f"--xla_force_host_platform_device_count={e.needed}) sets the count")
+
+
+def _platform() -> str:
+    import jax
+
+    return jax.devices()[0].platform
+
+
+def cpu_device_count(argv: list[str]) -> int | None:
+    """The CPU devices `python launch/run.py argv` splits this host into when neither XLA_FLAGS nor
+    --cpu-devices-per-process sets the count: as many as the --mesh spec needs over this run's processes
+    (--num-processes), and 2 for `--mesh auto` (actor 1 + rollout 1: two real, disjoint meshes with a real
+    cross-mesh push). None: the user's settings decide (or the arguments are bad: `main` reports them)."""
+    if ("xla_force_host_platform_device_count" in os.environ.get("XLA_FLAGS", "")
+            or any(a.startswith("--cpu-devices-per-process") for a in argv) or {"-h", "--help"} & set(argv)):
+        return None
+    try:
+        cfg, args = resolve(argv)
+        if cfg.mesh.strip() == "auto":
+            return 2
+        from sharding.mesh import parse_mesh_spec
+
+        needed = parse_mesh_spec(cfg.mesh).n_devices
+    except (ValueError, SystemExit):
+        return None
+    processes = max(1, args.num_processes or 1)
+    return max(1, -(-needed // processes))
+
+
 def main(argv=None) -> int:
     """Entry point (importable). Returns the exit status."""
     try:
@@ -220,7 +267,7 @@ def main(argv=None) -> int:
         sys.stderr.flush()
         os._exit(1)  # not sys.exit: jax's shutdown barrier would wait for the other processes
     except (ValueError, OSError) as e:  # user errors (bad input, files, permissions): one line, no traceback
-        print(f"error: {e}", file=sys.stderr)
+        print(f"error: {e}{_device_hint(e)}", file=sys.stderr)
         return 2
     except Exception:  # noqa: BLE001
         if info is None or info.process_count == 1:
@@ -246,10 +293,10 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    # On a CPU-only machine, split the host into 2 XLA devices so that `--mesh auto` makes two real, disjoint
-    # meshes (actor 1 + rollout 1) with a real cross-mesh push. Only the CPU backend reads this flag.
-    # (Not with --cpu-devices-per-process, which sets the CPU device count itself for multi-process runs.)
-    if ("xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", "")
-            and not any(a.startswith("--cpu-devices-per-process") for a in sys.argv)):
-        os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=2").strip()
+    # Split a CPU host into the XLA devices the mesh needs (`cpu_device_count`); only the CPU backend reads this
+    # flag, and the backend starts later (in `main`), so setting it here is in time.
+    _n = cpu_device_count(sys.argv[1:])
+    if _n is not None:
+        os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + f" --xla_force_host_platform_device_count={_n}"
+                                   ).strip()
     sys.exit(main())

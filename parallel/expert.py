@@ -72,6 +72,7 @@ from dsv4.layers import dot_out
 from dsv4.moe import ROUTED_EXPERT_RE, routed_experts_local, swiglu
 from sharding import axes as ax
 from sharding import rules as rl
+from sharding.mesh import auto_axes
 
 BACKENDS = ("capacity", "ragged", "padded")
 DEFAULT_TOKEN_AXES = (rl.DATA, rl.FSDP, rl.EXPERT)
@@ -278,7 +279,8 @@ def make_ep_dispatch(mesh: Mesh, *, backend: str = "capacity", capacity_factor: 
     """Build the expert-parallel `dispatch_fn` for `mesh` (see the module docstring for the algorithm).
 
     Args:
-      mesh: the jax Mesh the model's jit runs on (actor or rollout mesh of `MeshPlan`; Auto axis types).
+      mesh: the jax Mesh the model's jit runs on (actor or rollout mesh of `MeshPlan`; Explicit axes are taken as
+        Auto, `sharding.mesh.auto_axes`).
       backend: "capacity" (all_to_all on a padded per-rank buffer, `ragged_dot` over the local experts; CPU and
         GPU), "ragged" (ragged_all_to_all + `ragged_dot`; GPU) or "padded" (all_to_all on per-expert buffers and
         batched dense matmuls, no `ragged_dot`: GShard-style; every backend; the one with bounded memory on XLA:CPU
@@ -305,6 +307,7 @@ def make_ep_dispatch(mesh: Mesh, *, backend: str = "capacity", capacity_factor: 
         raise ValueError(f"unknown EP backend {backend!r}; expected one of {BACKENDS}")
     if capacity_factor is not None and not capacity_factor > 0:
         raise ValueError(f"capacity_factor must be None (dropless) or > 0, got {capacity_factor!r}")
+    mesh = auto_axes(mesh)  # a jax.make_mesh mesh (Explicit axes) works too: see sharding.mesh.auto_axes
     names = tuple(mesh.axis_names)
     if expert_axis not in names:
         raise ValueError(f"expert_axis {expert_axis!r} is not an axis of the mesh {names}")

@@ -107,6 +107,7 @@ from parallel.push_verify import (ROW_TERMS, _dense_row, _land_quantize, _row, _
 from parallel.transfer import (FP8_SOURCE_DTYPE,  # noqa: F401 (_splits, ROW_TERMS, _row: tests, docs)
                                 _splits, _one_copy, _view, _as_sharding, _transfer_layout,
                                _cast_reshard, _quantize_as, _buffers, _flat, _check_keys)
+from sharding.mesh import auto_axes
 
 DEFAULT_CHUNK_BYTES = 256 * 2**20
 QUANTIZE_ON = ("actor", "rollout")
@@ -266,6 +267,7 @@ class WeightPusher:
             plan = None
         else:
             plan, actor_mesh, rollout_mesh = plan_or_meshes, plan_or_meshes.actor, plan_or_meshes.rollout
+        actor_mesh, rollout_mesh = auto_axes(actor_mesh), auto_axes(rollout_mesh)  # sharding.mesh.auto_axes
         if sampler.mesh is None or sampler.mesh != rollout_mesh:
             raise ValueError("WeightPusher: the sampler must be built on the plan's rollout mesh "
                              f"(sampler.mesh={sampler.mesh}, rollout mesh={rollout_mesh})")

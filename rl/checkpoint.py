@@ -12,20 +12,43 @@ A checkpoint at step s holds (docs/jax-stack.md §6):
 Orbax writes `<step>.orbax-checkpoint-tmp` and renames it when complete, so a crash mid-save leaves the
 previous step as the latest. A latest checkpoint that fails to restore (corrupt or partial) falls back to the
 previous one with a warning and is renamed `<step>.corrupt` (kept, but no longer a step, so the resumed run can
-save that step again); a fingerprint mismatch is an error naming the differing keys, checked by `check_latest`
-before the model is built.
+save that step again); a fingerprint mismatch is an error naming the differing fields (`field: checkpoint=..
+run=..`, a few at most; the model config field by field), checked by `check_latest` before the model is built.
+The dataset *path* is not compared when the checkpoint records the datasets' identity: the content check of
+rl/job.py::same_data decides (the same file at a new path resumes; a changed one names --allow-dataset-change).
+
+One run at a time: the Checkpointer takes the directory's run lock (rl/run_lock.py) before it touches anything,
+so a second run on the same --ckpt-dir refuses at start with one line naming the running owner.
+
+Write failures (ENOSPC, EROFS, EACCES, a vanished directory) end the run with one line, `CheckpointWriteError` (an
+OSError) naming the step, the directory and the OS error: `save` first proves the directory writable and, from the
+second save on, that it has room for one more checkpoint of the newest one's size (when one process writes), so the
+usual faults stop the run at the failing save; a fault that only shows inside orbax's background write is raised at
+the next `save` / `wait` / `close`. orbax's ERROR logs (tracebacks from its background threads; the exception itself
+still reaches the caller, which reports it) and asyncio's "exception was never retrieved" records of the writes that
+failed with it are dropped (`_QuietOrbaxErrors`), and so are the "Event loop is closed" reports of the writes still
+in flight when the first one failed (`sys.unraisablehook`, narrowly: that error from asyncio only). The newest
+complete checkpoint is never touched: orbax writes into a temp directory and renames it only when complete.
 """
 
 from __future__ import annotations
 
+import errno
 import hashlib
+import json
 import logging
 import os
 import pathlib
+import re
+import shutil
+import sys
+import weakref
 
 import jax
 import numpy as np
 import orbax.checkpoint as ocp
+
+from rl import run_lock
 
 log = logging.getLogger(__name__)
 
@@ -66,6 +89,108 @@ class CheckpointMismatchError(ValueError):
     """The checkpoint was written by a run with another config; the message names the differing keys."""
 
 
+class CheckpointWriteError(OSError):
+    """A checkpoint could not be written (the disk is full, read-only, not permitted, or the directory is gone).
+
+    `str(e)` is one line naming the step, the directory and the OS error; `e.errno` is the OS error number (None
+    when the library's error named none)."""
+
+    def __init__(self, step: int, directory, code: int | None, detail: str):
+        what = f"[Errno {code}] {os.strerror(code)}" if code else detail
+        extra = f" ({detail})" if code and detail else ""
+        super().__init__(f"checkpoint of step {step} could not be written to --ckpt-dir {directory}: {what}{extra}; "
+                         "the newest complete checkpoint is kept")
+        self.errno, self.step = code, step
+
+
+_STRERRORS = {os.strerror(c): c for c in (errno.ENOSPC, errno.EROFS, errno.EACCES, errno.EPERM, errno.ENOENT,
+                                           errno.EDQUOT, errno.EIO, errno.ENOTDIR)}
+
+
+def os_error_of(e: BaseException) -> tuple[int, str] | None:
+    """The OS error behind a library exception -> (errno, path or ""), or None when there is none.
+
+    Looks through the exception chain for an OSError, then in the messages for tensorstore's
+    `[os_error_code='28']` or a known strerror text ("No space left on device")."""
+    seen, chain = set(), []
+    while e is not None and id(e) not in seen:
+        seen.add(id(e))
+        chain.append(e)
+        e = e.__cause__ or e.__context__
+    for x in chain:
+        if isinstance(x, OSError) and x.errno:
+            return x.errno, x.filename or ""
+    for x in chain:
+        text = str(x)
+        m = re.search(r"os_error_code='?(\d+)", text)
+        path = re.search(r'Failed (?:writing|to \w+)[^"]*"([^"]+)"', text)
+        code = int(m.group(1)) if m else next((c for s, c in _STRERRORS.items() if s in text), None)
+        if code:
+            return code, path.group(1) if path else ""
+    return None
+
+
+class _QuietOrbaxErrors(logging.Filter):
+    """Drops the error logs of a failed checkpoint write, which the Checkpointer reports as one line: orbax's
+    ERROR records (absl logger: tracebacks from its background threads) and asyncio's "exception was never
+    retrieved" records of the other writes that failed with it (their text names a checkpoint directory)."""
+
+    dirs: set[str] = set()
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.levelno < logging.ERROR:
+            return True
+        text = record.getMessage()
+        if record.name == "asyncio":
+            return not ("never retrieved" in text and self._ours(text))
+        frames = []
+        tb = record.exc_info[2] if record.exc_info else None
+        while tb is not None:
+            frames.append(tb.tb_frame.f_code.co_filename)
+            tb = tb.tb_next
+        return not (self._ours(text) or any(f"{os.sep}orbax{os.sep}" in f for f in frames))
+
+    def _ours(self, text: str) -> bool:
+        return "orbax" in text or any(d in text for d in self.dirs)
+
+
+_QUIET = _QuietOrbaxErrors()
+
+
+def _closed_loop_hook(previous):
+    """sys.unraisablehook that drops tensorstore's write callbacks hitting orbax's already closed event loop (the
+    writes still in flight when the first failed one ended orbax's loop); everything else goes to `previous`."""
+
+    def hook(u):
+        tb, last = u.exc_traceback, None
+        while tb is not None:
+            last, tb = tb.tb_frame.f_code, tb.tb_next
+        if not (isinstance(u.exc_value, RuntimeError) and str(u.exc_value) == "Event loop is closed"
+                and last is not None and last.co_filename.endswith(os.path.join("asyncio", "base_events.py"))):
+            previous(u)
+
+    hook.quiet_closed_loop = True
+    return hook
+
+
+def _quiet_orbax_errors(directory: pathlib.Path) -> None:
+    _QUIET.dirs.add(str(directory))
+    if not getattr(sys.unraisablehook, "quiet_closed_loop", False):
+        sys.unraisablehook = _closed_loop_hook(sys.unraisablehook)
+    for name in ("absl", "asyncio"):
+        logger = logging.getLogger(name)
+        if _QUIET not in logger.filters:
+            logger.addFilter(_QUIET)
+
+
+def _dir_bytes(path: pathlib.Path) -> int:
+    """Bytes of the files under `path` (0 when it is gone)."""
+    try:
+        return sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
+    except OSError:
+        return 0
+
+
 def _flatten(tree) -> tuple[dict, object]:
     leaves, treedef = jax.tree_util.tree_flatten_with_path(tree)
     return {jax.tree_util.keystr(p): x for p, x in leaves}, treedef
@@ -82,6 +207,36 @@ def check_writable(directory: str | os.PathLike, what: str) -> pathlib.Path:
     except OSError as e:
         raise ValueError(f"{what} {d} is not writable: {e}") from e
     return d
+
+
+_SHOWN = 4  # differing fields named in a mismatch error
+
+
+def _short(v) -> str:
+    text = repr(v)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def fingerprint_diff(saved: dict, run: dict, ignore=()) -> list[str]:
+    """The fields that differ between a checkpoint's fingerprint and the run's, as `field: checkpoint=A run=B`
+    (sorted). The model config (a JSON text under "model") is compared field by field (`model.hidden_size: ...`).
+    Keys in `ignore` are skipped (the dataset path when the datasets' content identity is checked instead)."""
+    out = []
+    for k in sorted(set(saved) | set(run)):
+        if k in ignore or saved.get(k) == run.get(k):
+            continue
+        a, b = saved.get(k), run.get(k)
+        if k == "model" and isinstance(a, str) and isinstance(b, str):
+            try:
+                ma, mb = json.loads(a), json.loads(b)
+            except ValueError:
+                ma = mb = None
+            if isinstance(ma, dict) and isinstance(mb, dict):
+                out += [f"model.{f}: checkpoint={_short(ma.get(f))} run={_short(mb.get(f))}"
+                        for f in sorted(set(ma) | set(mb)) if ma.get(f) != mb.get(f)]
+                continue
+        out.append(f"{k}: checkpoint={_short(a)} run={_short(b)}")
+    return out
 
 
 class Checkpointer:
@@ -105,11 +260,21 @@ class Checkpointer:
         self.fingerprint = fingerprint
         self.primary = 0 if processes is None else min(processes)
         self.host_local = processes is not None and len(set(processes)) == 1 and jax.process_count() > 1
+        # the run lock first: the manager below deletes temp dirs, which may be another live run's unfinished save
+        self._lock = run_lock.acquire(self.dir, primary=self.primary, processes=processes)
+        self._release = weakref.finalize(self, run_lock.release, self._lock)  # also at interpreter exit
+        _quiet_orbax_errors(self.dir)
+        self._pending: int | None = None  # the step whose asynchronous write may still fail
+        self._failed: CheckpointWriteError | None = None
         mp = {} if processes is None else dict(create=False, multiprocessing_options=ocp.options.MultiprocessingOptions(
             primary_host=self.primary, active_processes=set(processes), barrier_sync_key_prefix="actor"))
         opts = ocp.CheckpointManagerOptions(max_to_keep=keep, enable_async_checkpointing=async_save,
                                             cleanup_tmp_directories=True, **mp)
-        self.mngr = ocp.CheckpointManager(self.dir, options=opts, item_names=("state", "meta"))
+        try:
+            self.mngr = ocp.CheckpointManager(self.dir, options=opts, item_names=("state", "meta"))
+        except BaseException:
+            self._release()
+            raise
         # The manager cleans old temp dirs in a background thread; a run that stops at a startup error right
         # after this would have that thread fail at interpreter shutdown with a library traceback under the
         # one-line error. Waiting here costs one directory listing.
@@ -121,13 +286,70 @@ class Checkpointer:
         return sorted(self.mngr.all_steps())
 
     def save(self, step: int, state, meta: dict, *, force: bool = False) -> None:
-        """Save (asynchronously) the learner state pytree and the meta dict at `step`."""
+        """Save (asynchronously) the learner state pytree and the meta dict at `step`.
+
+        Raises CheckpointWriteError (one line: step, directory, OS error) when the directory is not writable,
+        has no room for a checkpoint of the newest one's size (both checked first when one process writes: with
+        several, a verdict of one process alone would leave the others at orbax's barriers), or the previous
+        asynchronous save failed."""
+        if self._failed is not None:
+            raise self._failed
+        self._finish()  # the previous save's background error, if any, belongs to that step
+        if jax.process_count() == 1 or self.host_local:  # one writer: no other process waits at orbax's barriers
+            self._preflight(step)
         flat, _ = _flatten(state)
         if self.host_local:  # see the class docstring
             flat = jax.device_get(flat)
         meta = {**meta, "step": int(step), "fingerprint": self.fingerprint}
-        self.mngr.save(step, args=ocp.args.Composite(state=ocp.args.StandardSave(flat),
-                                                     meta=ocp.args.JsonSave(meta)), force=force)
+        self._pending = int(step)
+        try:
+            self.mngr.save(step, args=ocp.args.Composite(state=ocp.args.StandardSave(flat),
+                                                         meta=ocp.args.JsonSave(meta)), force=force)
+        except Exception as e:  # noqa: BLE001 - an OS fault becomes one line; anything else is re-raised
+            self._fail(step, e)
+            raise
+
+    def _preflight(self, step: int) -> None:
+        """Prove `self.dir` writable (a small file written, synced and removed) and, when a complete checkpoint
+        exists, that the disk has room for one more of its size. Raises CheckpointWriteError."""
+        probe = self.dir / f".write-probe-{os.getpid()}"
+        try:
+            with open(probe, "wb") as f:
+                f.write(b"ok")
+                f.flush()
+                os.fsync(f.fileno())
+            probe.unlink()
+            free = shutil.disk_usage(self.dir).free
+        except OSError as e:
+            self._failed = CheckpointWriteError(step, self.dir, e.errno, "")
+            raise self._failed from None
+        steps = self.all_steps()
+        need = _dir_bytes(self.dir / str(steps[-1])) if steps else 0
+        if need > free:
+            self._failed = CheckpointWriteError(step, self.dir, errno.ENOSPC,
+                                                f"a checkpoint takes {need / 2**20:.1f} MiB (step {steps[-1]}), "
+                                                f"{free / 2**20:.1f} MiB are free")
+            raise self._failed
+
+    def _fail(self, step: int | None, e: BaseException) -> None:
+        """An exception of an orbax call: when an OS error lies behind it, remember and raise it as one line."""
+        found = os_error_of(e)
+        if found is None:
+            return
+        code, path = found
+        self._failed = CheckpointWriteError(step if step is not None else -1, self.dir, code,
+                                            path if path and not path.startswith(str(self.dir)) else "")
+        raise self._failed from None
+
+    def _finish(self) -> None:
+        """Wait for the pending asynchronous save; its failure -> CheckpointWriteError naming its step."""
+        try:
+            self.mngr.wait_until_finished()
+        except Exception as e:  # noqa: BLE001
+            step, self._pending = self._pending, None
+            self._fail(step, e)
+            raise
+        self._pending = None
 
     def check_latest(self) -> dict | None:
         """Raise CheckpointMismatchError when the newest checkpoint whose meta is readable was written by another
@@ -195,17 +417,29 @@ class Checkpointer:
         self.mngr.reload()
 
     def _check(self, meta: dict, step: int) -> None:
-        saved = meta.get("fingerprint", {})
-        diff = sorted(k for k in set(saved) | set(self.fingerprint) if saved.get(k) != self.fingerprint.get(k))
+        diff = fingerprint_diff(meta.get("fingerprint", {}), self.fingerprint,
+                                ignore=("dataset",) if meta.get("data_identity") else ())
         if diff:
-            lines = ", ".join(f"{k}: checkpoint={saved.get(k)!r} vs run={self.fingerprint.get(k)!r}" for k in diff[:6])
+            shown = ", ".join(diff[:_SHOWN]) + (f", and {len(diff) - _SHOWN} more" if len(diff) > _SHOWN else "")
             raise CheckpointMismatchError(
-                f"checkpoint {self.dir}/{step} was written by a different config ({lines}); use another "
+                f"checkpoint {self.dir}/{step} was written by a different config ({shown}); use another "
                 f"--ckpt-dir or --resume never")
 
     def wait(self) -> None:
-        self.mngr.wait_until_finished()
+        """Wait for the pending save. Raises its CheckpointWriteError (once: after a reported failure, nothing)."""
+        if self._failed is not None:
+            return
+        self._finish()
 
     def close(self) -> None:
-        self.mngr.wait_until_finished()
-        self.mngr.close()
+        """Wait for the pending save, close the manager and release the run lock (also on a failed save)."""
+        try:
+            self.wait()
+        finally:
+            try:
+                self.mngr.close()
+            except Exception:  # noqa: BLE001 - a failure already reported by wait/save comes back here
+                if self._failed is None:
+                    raise
+            finally:
+                self._release()

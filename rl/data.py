@@ -346,7 +346,8 @@ def prompt_pipeline(source: PromptDataset | DigitTask, *, batch_size: int, seed:
 
     `source` is a PromptDataset or a DigitTask (its train split). shard_index / shard_count default
     to `jax.process_index()` / `jax.process_count()`. Raises ValueError on a bad batch size or shard,
-    DataError if the dataset has fewer prompts than shards.
+    DataError if the dataset has fewer prompts than shards. Fewer prompts per host than `batch_size` is a warning
+    with the repeat factor (every batch then holds some prompts more than once).
     """
     if isinstance(source, DigitTask):
         source = PromptDataset.from_task(source, "train")
@@ -361,6 +362,12 @@ def prompt_pipeline(source: PromptDataset | DigitTask, *, batch_size: int, seed:
         raise ValueError(f"shard_index must be in [0, {shard_count}), got {shard_index}")
     if len(source) < shard_count:
         raise DataError(f"{source.source}: {len(source)} prompts cannot be split over {shard_count} hosts")
+    per_host = len(source) // shard_count
+    if per_host < batch_size:
+        logger.warning("%s: %d prompts%s, fewer than --prompts-per-step %d: every batch repeats prompts, each about "
+                       "%.2gx per step (a repeat factor of %d/%d, each repeat its own group)", source.source, per_host,
+                       f" per host ({len(source)} over {shard_count})" if shard_count > 1 else "", batch_size,
+                       batch_size / per_host, batch_size, per_host)
     ds = grain.MapDataset.source(source)
     if shuffle:
         ds = ds.seed(seed).shuffle()

@@ -99,6 +99,7 @@ from rl.replay import validate_routing
 from sharding import axes as ax
 from sharding import offload as so
 from sharding import rules as sr
+from sharding.mesh import auto_axes
 
 Metrics = dict[str, jax.Array]
 TRAIN, FROZEN = "train", "frozen"
@@ -193,6 +194,7 @@ class Learner:
 
     def __init__(self, model: Any, cfg: LearnerConfig, *, mesh: Mesh | None = None, rules: sr.Rules | None = None,
                  dispatch_fn: Any = None, abstract: bool = False):
+        mesh = auto_axes(mesh)  # a jax.make_mesh mesh (Explicit axes) works too: see sharding.mesh.auto_axes
         module = model if isinstance(model, nnx.Module) else nnx.merge(*model)
         self.cfg, self.dispatch_fn = cfg, dispatch_fn
         self.model_config = module.config

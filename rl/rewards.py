@@ -18,7 +18,8 @@ So `safe_reward` / `compute_rewards` run the reward function in a `RewardPool` w
 per-sample deadline, and on a miss kill the worker (SIGKILL) and start a fresh one. The verdict is
 0.0 with status "timeout"; an exception inside the function is 0.0 with status "error". math-verify
 runs inside the worker with its signal timeouts off (the worker deadline replaces them). A direct
-call of `gsm8k_reward` has no time limit.
+call of `gsm8k_reward` has no time limit. A function that returns something other than a real number (the
+string "0.7", None) is a bug of the function, not of a sample: `RewardTypeError` names it.
 
 Requirements: a function run under a time limit must be picklable (a module-level function, or a
 `functools.partial` / `CombinedReward` of them), because it is sent to the worker. `timeout_s=None`
@@ -36,6 +37,7 @@ import decimal
 import logging
 import math
 import multiprocessing
+import numbers
 import multiprocessing.connection
 import pickle
 import re
@@ -257,21 +259,51 @@ class RewardStats:
         return {"reward/errors": float(self.errors), "reward/timeouts": float(self.timeouts)}
 
 
+class RewardTypeError(ValueError):
+    """A reward function returned something that is not a real number (the string "0.7", None, a list): a bug of
+    the function, not of one sample, so the batch stops with one line naming the reward and the value."""
+
+
+class _NotANumber(Exception):
+    pass
+
+
+def _is_real(value) -> bool:
+    """int, float, bool, numpy numbers and 0-d numeric arrays; not str / bytes / None / containers."""
+    if isinstance(value, numbers.Real):
+        return True
+    return isinstance(value, (np.generic, np.ndarray)) and value.ndim == 0 and value.dtype.kind in "biuf"
+
+
+def _reward_name(fn: Callable) -> str:
+    inner = getattr(fn, "func", fn)  # functools.partial
+    return getattr(inner, "__qualname__", None) or getattr(inner, "__name__", None) or repr(fn)[:80]
+
+
+def _type_error(fn: Callable, what: str) -> RewardTypeError:
+    return RewardTypeError(f"reward {_reward_name(fn)} returned {what}: a reward must be a real number (int, float, "
+                           "bool or a numpy number), e.g. return float(score)")
+
+
 def _as_reward(value) -> tuple[float, str]:
-    """A function's return value -> (float, "ok"), or (0.0, "error") if it is not a finite number."""
-    try:
-        v = float(value)
-    except (TypeError, ValueError):
-        return 0.0, "error"
+    """A function's return value -> (float, "ok"), or (0.0, "error") if it is a non-finite number. Raises
+    _NotANumber (text: the value and its type) when it is not a real number at all."""
+    if not _is_real(value):
+        raise _NotANumber(f"{value!r} ({type(value).__name__})"[:200])
+    v = float(value)
     return (v, "ok") if math.isfinite(v) else (0.0, "error")
 
 
 def _call_in_process(fn: Callable, args: tuple) -> tuple[float, str]:
     try:
-        return _as_reward(fn(*args))
+        value = fn(*args)
     except Exception as e:  # noqa: BLE001  a broken reward costs one sample, not the run
         logger.debug("reward %r raised %s: %s", fn, type(e).__name__, e)
         return 0.0, "error"
+    try:
+        return _as_reward(value)
+    except _NotANumber as e:
+        raise _type_error(fn, str(e)) from None
 
 
 # -- worker processes -----------------------------------------------------------------------------
@@ -297,6 +329,8 @@ def _worker_main(conn) -> None:
         try:
             value, status = _as_reward(fn(*args))
             conn.send((status, value))
+        except _NotANumber as e:  # the parent raises RewardTypeError
+            conn.send(("type", str(e)))
         except Exception as e:  # noqa: BLE001  reported to the parent as status "error"
             conn.send(("error", f"{type(e).__name__}: {e}"[:500]))
 
@@ -360,6 +394,7 @@ class RewardPool:
 
     def _run_locked(self, fn, calls, timeout_s):
         results: list[tuple[float, str] | None] = [None] * len(calls)
+        not_a_number: list[str] = []  # values that are not numbers (RewardTypeError once every call is back)
         pending = deque(range(len(calls)))
         busy: dict[int, tuple[_Worker, int, float]] = {}  # slot -> (worker, call index, deadline)
         while pending or busy:
@@ -395,6 +430,9 @@ class RewardPool:
                     except (EOFError, OSError):  # the worker died (e.g. out of memory)
                         status, value = "error", "worker died"
                         self._discard(slot)
+                    if status == "type":
+                        not_a_number.append(value)
+                        status = "error"
                     results[i] = (float(value), "ok") if status == "ok" else (0.0, status)
                     if status != "ok":
                         logger.debug("reward call %d: %s", i, value)
@@ -404,6 +442,8 @@ class RewardPool:
                     logger.warning("reward call %d missed its %.1f s deadline; killing the worker", i, timeout_s)
                     self._discard(slot)
                     del busy[slot]
+        if not_a_number:
+            raise _type_error(fn, not_a_number[0])
         return results
 
     def _discard(self, slot: int) -> None:

@@ -60,6 +60,7 @@ from dsv4.cache import cache_shapes, decode_step, resolve_kv_cache_dtype
 from dsv4.chunked import check_chunk, prefill_chunked
 from dsv4.model import DSV4ForCausalLM
 from parallel import expert as expert_lib
+from sharding.mesh import auto_axes
 from rl.batch import RolloutBatch, concat_rollouts  # noqa: F401  (re-exported: rl.sampler.RolloutBatch)
 from rl.rollout_weights import (DEQUANT_MODES, LayerwiseWeights, check_fp4_experts, default_tie, parse_rollout_dtype,
                                 select_fp8_matmul)
@@ -174,7 +175,7 @@ class Sampler:
             raise ValueError(f"Sampler dequant={dequant!r}: expected {' | '.join(DEQUANT_MODES)}")
         self.config = model.config
         self.prefill_chunk = check_chunk(self.config, prefill_chunk)
-        self.mesh = mesh
+        self.mesh = mesh = auto_axes(mesh)  # Explicit or Auto axes (sharding.mesh.auto_axes)
         if rules is None and mesh is not None:
             from sharding.rules import ROLLOUT_RULES
             rules = ROLLOUT_RULES

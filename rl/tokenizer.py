@@ -200,8 +200,12 @@ def load_tokenizer(path: str | os.PathLike, *, eos_token: str | None = None, bos
 
     eos_id = _find_special(tok, file, "eos", eos_token, config, EOS_CANDIDATES)
     if eos_id is None:
-        raise TokenizerError(f"{file}: no EOS token found (looked for {', '.join(EOS_CANDIDATES)} and "
-                             f"tokenizer_config.json); pass eos_token=")
+        named = _config_token(config, "eos_token")
+        seen = f"its eos_token {named!r} is not in the vocabulary" if named is not None else "it names no eos_token"
+        raise TokenizerError(f"--tokenizer {file}: no EOS token found (looked for {', '.join(EOS_CANDIDATES)}; "
+                             f"tokenizer_config.json: {seen}); name the tokenizer's end-of-sequence token in "
+                             f"{os.path.join(os.path.dirname(file), 'tokenizer_config.json')} as "
+                             '{"eos_token": "<its text>"} (Python: load_tokenizer(path, eos_token=...))')
     bos_id = _find_special(tok, file, "bos", bos_token, config, BOS_CANDIDATES)
     pad_id = _find_special(tok, file, "pad", pad_token, config, PAD_CANDIDATES)
     if pad_id is None:

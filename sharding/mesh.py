@@ -30,7 +30,8 @@ Devices are taken in `jax.devices()` order (process-major on multi-host runs): t
   of an uneven count because it also holds fp32 master weights and optimizer state; TP is capped at 8
   (one node's fast links, and o_groups=8 on DeepSeek-V4-Flash).
 
-Errors are `MeshSpecError` (a ValueError) naming the offending text; `MeshSpec.validate(n, config)` checks
+Errors are `MeshSpecError` (a ValueError; `DeviceCountError` for too few devices) naming the offending text;
+`MeshSpec.validate(n, config)` checks
 the device count and, table-driven from the rule presets (`DIM_SOURCES`), that every mesh axis product
 divides the model dimension that a logical axis maps onto, e.g.
 "mesh actor: expert=3 does not divide n_routed_experts=8 (parameter layers.*.ffn.experts.w1, dim 0)".
@@ -60,6 +61,14 @@ from sharding.rules import ACTOR, MESH_AXES, ROLES, ROLLOUT
 
 class MeshSpecError(ValueError):
     """A mesh spec that cannot be parsed or does not fit the devices or the model."""
+
+
+class DeviceCountError(MeshSpecError):
+    """The spec needs more devices than are present (`needed`, `present`)."""
+
+    def __init__(self, message: str, needed: int, present: int):
+        super().__init__(message)
+        self.needed, self.present = needed, present
 
 
 def _full_axes(role: str, axes: Mapping[str, int]) -> dict[str, int]:
@@ -128,11 +137,11 @@ class MeshSpec:
         """
         a, r = self.size(ACTOR), self.size(ROLLOUT)
         if self.colocated and a > n_devices:
-            raise MeshSpecError(f"mesh spec {str(self)!r}: actor (colocated with rollout) needs {a} devices, "
-                                f"but only {n_devices} are present")
+            raise DeviceCountError(f"mesh spec {str(self)!r}: actor (colocated with rollout) needs {a} devices, "
+                                   f"but only {n_devices} are present", a, n_devices)
         if not self.colocated and a + r > n_devices:
-            raise MeshSpecError(f"mesh spec {str(self)!r}: actor needs {a} devices and rollout {r}, "
-                                f"but only {n_devices} are present")
+            raise DeviceCountError(f"mesh spec {str(self)!r}: actor needs {a} devices and rollout {r}, "
+                                   f"but only {n_devices} are present", a + r, n_devices)
         if config is not None:
             problems = [p for role in ROLES for p in divisibility_problems(role, self.axes(role), config)]
             if problems:
@@ -261,6 +270,23 @@ def parse_mesh_spec(spec: str, n_devices: int | None = None) -> MeshSpec:
     return MeshSpec(actor=roles[ACTOR], rollout=roles.get(ROLLOUT))
 
 
+def auto_axes(mesh: Mesh | None) -> Mesh | None:
+    """`mesh` with every axis of type Auto: the same devices, axis names and order (None passes through).
+
+    Every public function of dsv4-rl that takes a mesh (`dsv4.load_hf_checkpoint`, `dsv4.load.init_model`,
+    `rl.learner.Learner`, `rl.sampler.Sampler`, `parallel.push.WeightPusher`, `MeshPlan`) converts it here, so a
+    mesh from `jax.make_mesh` works whatever its axis types (Explicit is its default since jax 0.7). Why Auto: the
+    model's programs place arrays by the rule tables (sharding constraints on logical axes) and let XLA propagate
+    the rest; under Explicit axes the sharding is part of every array's type, and each op whose output sharding is
+    not implied by its inputs (`jnp.repeat` in the FP8 dequantisation, gathers, the expert dispatch, contractions
+    over a sharded dim) would need an `out_sharding` argument. The arrays these functions return live on the Auto
+    mesh (`NamedSharding(auto_axes(mesh), spec)`); pass the same mesh (either type) to the next function.
+    """
+    if mesh is None or all(t == AxisType.Auto for t in mesh.axis_types):
+        return mesh
+    return Mesh(mesh.devices, mesh.axis_names, axis_types=(AxisType.Auto,) * len(mesh.axis_names))
+
+
 def _make_mesh(devices: Sequence[Any], shape: tuple[int, ...]) -> Mesh:
     arr = np.empty(len(devices), dtype=object)
     arr[:] = list(devices)
@@ -276,6 +302,10 @@ class MeshPlan:
     rollout: Mesh
     colocated: bool
     spec: MeshSpec
+
+    def __post_init__(self):  # meshes from jax.make_mesh (Explicit axes): see `auto_axes`
+        object.__setattr__(self, "actor", auto_axes(self.actor))
+        object.__setattr__(self, "rollout", auto_axes(self.rollout))
 
     def mesh(self, role: str) -> Mesh:
         if role not in ROLES:

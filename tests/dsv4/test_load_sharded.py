@@ -339,3 +339,25 @@ def test_export_from_sharded_model_loads_in_transformers(ckpts, plan, tmp_path):
     np.testing.assert_array_equal(gu[:, : CFG.moe_intermediate_size], np.asarray(ours["layers/2/ffn/experts/w1"]))
     np.testing.assert_array_equal(sd["model.layers.1.self_attn.q_a_proj.weight"].numpy(),
                                   np.asarray(ours["layers/1/attn/wq_a/weight"]))
+
+
+NAMES = ("data", "fsdp", "expert", "tensor")
+
+
+@pytest.mark.parametrize("axis_type", [jax.sharding.AxisType.Explicit, jax.sharding.AxisType.Auto])
+def test_make_mesh_meshes_load_and_init_like_auto_meshes(ckpts, axis_type):
+    """A mesh from `jax.make_mesh` (Explicit axes, its default, or Auto) is accepted by `load_hf_checkpoint` (the
+    FP8 checkpoint: block dequantisation) and `init_model`, which give bitwise the arrays they give on the Auto
+    mesh of the same devices (`sharding.mesh.auto_axes`), in the same shardings."""
+    from sharding.mesh import auto_axes
+
+    mesh = jax.make_mesh((1, 4, 2, 1), NAMES, axis_types=(axis_type,) * 4)
+    auto = jax.sharding.Mesh(mesh.devices, NAMES, axis_types=(jax.sharding.AxisType.Auto,) * 4)
+    assert auto_axes(mesh) == auto
+    for make in (lambda m: load_hf_checkpoint(ckpts["fp8"], dtype=jnp.float32, mesh=m),
+                 lambda m: init_model(CFG, seed=1, mesh=m)):
+        got, ref = _flat(make(mesh)), _flat(make(auto))
+        assert set(got) == set(ref)
+        for k, v in ref.items():
+            assert got[k].sharding == v.sharding, k
+            np.testing.assert_array_equal(np.asarray(got[k]), np.asarray(v), err_msg=k)

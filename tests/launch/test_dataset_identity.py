@@ -68,3 +68,32 @@ def test_changed_dataset_is_refused_on_resume(tmp_path, small_tokenizer, lt, cap
     assert same_data(allow, meta, now) is False
     with pytest.raises(ValueError, match="--eval-dataset"):
         same_data(cfg, meta, now)
+
+
+def test_moved_dataset_resumes_and_a_changed_one_names_allow_dataset_change(tmp_path, small_tokenizer, lt, capsys):
+    """The same file at a new --dataset path: the checkpoint's fingerprint names the old path, but its recorded
+    content identity decides, so the run resumes with its data order (it was refused with a hint to --resume never).
+    Different content at the new path is refused with the hint to --allow-dataset-change."""
+    import shutil
+
+    from launch.run import main, resolve
+    from rl.checkpoint import Checkpointer, file_identity
+    from rl.loop import _data, fingerprint, resolve_model_config, same_data
+
+    train, test, argv = _cfg_args(tmp_path, small_tokenizer, lt)
+    _checkpoint_of(argv)
+    moved = tmp_path / "moved" / "train.jsonl"
+    moved.parent.mkdir()
+    shutil.move(train, moved)
+    argv_moved = [str(moved) if a == str(train) else a for a in argv]
+    cfg, _ = resolve(argv_moved)
+    ck = Checkpointer(cfg.ckpt_dir, fingerprint=fingerprint(cfg, resolve_model_config(cfg, _data(cfg)[0].vocab_size)))
+    meta = ck.check_latest()  # no "different config" for the path alone
+    ident = {"dataset": file_identity(cfg.dataset), "eval_dataset": file_identity(cfg.eval_dataset)}
+    assert same_data(cfg, meta, ident) is True  # the data order resumes
+    ck.close()
+
+    moved.write_text(moved.read_text().replace("#### 7", "#### 9", 1))
+    assert main(argv_moved) == 2
+    err = capsys.readouterr().err
+    assert "--allow-dataset-change" in err and "--resume never" not in err and "Traceback" not in err, err

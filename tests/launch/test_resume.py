@@ -65,7 +65,7 @@ def test_interrupted_run_reproduces_uninterrupted_run(tmp_path, run_env, lt, cap
     from launch.run import main
 
     assert main([*cmd, "--group-size", "8"]) == 2
-    assert "group_size: checkpoint=4 vs run=8" in capsys.readouterr().err
+    assert "group_size: checkpoint=4 run=8" in capsys.readouterr().err
 
 
 # ------------------------------------------------------------------------------------------------ fast pieces

@@ -164,6 +164,38 @@ def test_bad_mesh_spec(tmp_path, capsys, lt):
     assert_user_error(rc, err, "devices")
 
 
+def test_cpu_device_count_follows_the_mesh_spec(monkeypatch):
+    """launch/run.py splits a CPU host into as many devices as --mesh needs (per process), 2 for auto; the user's
+    XLA_FLAGS count or --cpu-devices-per-process wins (None: run.py sets nothing)."""
+    monkeypatch.setenv("XLA_FLAGS", "--xla_backend_optimization_level=0")
+    count = launch_run.cpu_device_count
+    assert count(["--mesh", "actor:fsdp=4/rollout:expert=2"]) == 6
+    assert count(["--mesh", "actor:fsdp=4,expert=2"]) == 8  # colocated
+    assert count(["--mesh", "actor:fsdp=4/rollout:expert=2", "--num-processes", "2"]) == 3
+    assert count(["--steps", "3"]) == 2  # auto
+    assert count(["--mesh", "actor:fsdp=4", "--cpu-devices-per-process", "2"]) is None
+    assert count(["--mesh", "actor:fsdp=x"]) is None  # main reports the bad spec
+    monkeypatch.setenv("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+    assert count(["--mesh", "actor:fsdp=4/rollout:expert=2"]) is None
+
+
+def test_mesh_larger_than_the_cpu_devices_names_the_flag(tmp_path, capsys, lt):
+    rc, _, err = main(["--mesh", "actor:fsdp=8/rollout:expert=2", *TINY, *lt.outputs(tmp_path)], capsys)
+    assert_user_error(rc, err, "needs 8 devices and rollout 2", "only 8 are present", "--cpu-devices-per-process 10",
+                      "xla_force_host_platform_device_count=10")
+
+
+def test_six_device_cpu_mesh_from_the_cli_without_xla_flags(tmp_path, run_env, lt):
+    """`python launch/run.py --mesh actor:fsdp=2,expert=2/rollout:expert=2` on a CPU host with no device count in
+    XLA_FLAGS: the launcher gives the host the 6 devices the spec needs (a dry run stops after the meshes)."""
+    assert "device_count" not in run_env["XLA_FLAGS"]
+    rc, out = lt.launch(["--dry-run", "--mesh", "actor:fsdp=2,expert=2/rollout:expert=2", *TINY,
+                         *lt.outputs(tmp_path)], run_env, tmp_path / "run.log", timeout=600)
+    assert rc == 0, out[-3000:]
+    assert "actor: data=1 fsdp=2 expert=2 tensor=1 devices [0, 1, 2, 3]" in out, out[-3000:]
+    assert "rollout: data=1 fsdp=1 expert=2 tensor=1 devices [4, 5]" in out and "not buildable" not in out
+
+
 @pytest.mark.parametrize("flag", ["--ckpt-dir", "--metrics-jsonl", "--tensorboard-dir"])
 def test_unwritable_output_is_an_error_before_step_1(tmp_path, flag, capsys, lt):
     blocker = tmp_path / "a_file"
@@ -194,9 +226,10 @@ def test_yaml_errors(tmp_path, capsys):
     f.write_text("steps: many\n")
     rc, _, err = main(["--config-file", f], capsys)
     assert_user_error(rc, err, "steps must be int", "'many'")
-    f.write_text("steps: [3\n")
+    f.write_text("steps: 3\nlearner:\n  lr: [1e-6\n  b1: 0.9\n")
     rc, _, err = main(["--config-file", f], capsys)
-    assert_user_error(rc, err, "not valid YAML")
+    assert_user_error(rc, err, "not valid YAML", f"{f}:4:")
+    assert len(err.strip().splitlines()) == 1, err  # one line, not PyYAML's four
     rc, _, err = main(["--config-file", tmp_path / "missing.yaml"], capsys)
     assert_user_error(rc, err, "missing.yaml")
     rc, _, err = main(["--group-size", "1"], capsys)
@@ -218,7 +251,7 @@ def test_checkpoint_of_another_config(tmp_path, capsys, lt):
     ck.save(3, {"w": jnp.zeros(2)}, {"data": {"next_index": 3}, "weight_version": 3, "seed": 0})
     ck.close()
     rc, _, err = main([*argv, "--group-size", "8"], capsys)
-    assert_user_error(rc, err, "different config", "group_size: checkpoint=4 vs run=8", str(tmp_path / "ckpt"))
+    assert_user_error(rc, err, "different config", "group_size: checkpoint=4 run=8", str(tmp_path / "ckpt"))
     rc, _, err = main([*argv, "--resume", "never"], capsys)
     assert_user_error(rc, err, "already holds checkpoints", "[3]")
 

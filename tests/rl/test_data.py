@@ -4,6 +4,7 @@ The tokenizer tests live here because the prompt dataset is their only caller in
 """
 
 import json
+import logging
 
 import numpy as np
 import pytest
@@ -222,3 +223,16 @@ def test_dropped_and_skipped_records_are_metrics(tmp_path, tok):
     assert len(ds) == 1 and ds.skipped == 4 and ds.dropped_overlong == 1
     assert data_metrics(ds) == {"data/skipped_records": 3.0, "data/dropped_overlong": 1.0}
     assert data_metrics(ds, ds) == {"data/skipped_records": 6.0, "data/dropped_overlong": 2.0}
+
+
+def test_fewer_prompts_than_a_batch_warns_with_the_repeat_factor(caplog):
+    ds = PromptDataset([[3, 4], [5], [6, 7]], ["1", "2", "3"], max_prompt_len=4, pad_id=0, source="tiny.jsonl")
+    with caplog.at_level(logging.WARNING, logger="rl.data"):
+        batch = next(make_prompt_iterator(ds, batch_size=8, shard_index=0, shard_count=1))
+    assert sorted(batch["index"].tolist()).count(0) >= 2  # prompts do repeat within the batch
+    msgs = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert any("tiny.jsonl: 3 prompts" in m and "--prompts-per-step 8" in m and "2.7x" in m and "8/3" in m
+               for m in msgs), msgs
+    caplog.clear()
+    make_prompt_iterator(ds, batch_size=3, shard_index=0, shard_count=1)
+    assert not [r for r in caplog.records if r.levelno == logging.WARNING]

@@ -311,3 +311,19 @@ def test_replay_refuses_invalid_routes_and_counts_unknown(model, batch):
     n_real = int((np.asarray(batch.attention_mask) > 0).sum())
     np.testing.assert_allclose(float(metrics["train/replay_unknown_frac"]), 1 / (2 * n_real), rtol=1e-6)
     assert float(metrics["train/replay_layers"]) == 2.0
+
+
+@pytest.mark.parametrize("axis_type", [jax.sharding.AxisType.Explicit, jax.sharding.AxisType.Auto])
+def test_step_on_a_make_mesh_mesh_equals_the_auto_mesh(model, batch, axis_type):
+    """`Learner` and `make_ep_dispatch` take a `jax.make_mesh` mesh (Explicit axes by default): one step gives
+    bitwise the metrics and params of the step on the Auto mesh of the same devices."""
+    names = ("data", "fsdp", "expert", "tensor")
+    mesh = jax.make_mesh((1, 2, 2, 2), names, axis_types=(axis_type,) * 4)
+    auto = jax.sharding.Mesh(mesh.devices, names, axis_types=(jax.sharding.AxisType.Auto,) * 4)
+    cfg = LearnerConfig(lr=1e-3, compute_dtype="float32", micro_batch_size=4, routing_replay=True)
+    got, ref = (Learner(model, cfg, mesh=m, dispatch_fn=make_ep_dispatch(m)) for m in (mesh, auto))
+    m_got, m_ref = got.update(batch), ref.update(batch)
+    assert {k: float(v) for k, v in m_got.items()} == {k: float(v) for k, v in m_ref.items()}
+    flat_got, flat_ref = _flat(got.state.params), _flat(ref.state.params)
+    for k, v in flat_ref.items():
+        np.testing.assert_array_equal(flat_got[k], v, err_msg=k)

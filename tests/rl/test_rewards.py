@@ -153,3 +153,26 @@ def test_compute_rewards_batch(pool):
     assert rewards.shape == (0,)
     with pytest.raises(ValueError, match="2 responses but 1 references"):
         compute_rewards(gsm8k_reward, ["a", "b"], ["c"], pool=pool)
+
+
+def string_reward(response: str, reference: str):
+    """A buggy reward: the score as text."""
+    return "0.7"
+
+
+def numpy_reward(response: str, reference: str):
+    return np.float32(0.25) if response == "a" else np.bool_(True)
+
+
+def test_reward_must_be_a_real_number(pool):
+    """A reward function returning the string "0.7" is an error naming the reward (it was read as 0.7), in the
+    worker pool and in-process; numpy numbers and bools are numbers; the pool keeps working."""
+    for timeout_s in (60.0, None):  # the worker imports this module on first use: a roomy deadline
+        with pytest.raises(ValueError) as e:
+            compute_rewards(string_reward, ["a", "b"], ["c", "d"], timeout_s=timeout_s, pool=pool)
+        msg = str(e.value)
+        assert type(e.value).__name__ == "RewardTypeError" and "\n" not in msg
+        assert "reward string_reward returned '0.7' (str)" in msg and "real number" in msg
+        rewards, metrics = compute_rewards(numpy_reward, ["a", "b"], ["c", "d"], timeout_s=timeout_s, pool=pool)
+        np.testing.assert_array_equal(rewards, [0.25, 1.0])
+        assert metrics["reward/errors"] == 0.0

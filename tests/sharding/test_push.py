@@ -415,3 +415,20 @@ def test_quantize_on_arrival_equals_actor_side_and_direct_quantisation(disjoint)
         _guarded_push(arrival, bad, sampler, version=sampler.weight_version + 1)
     with pytest.raises(ValueError, match="quantize_on"):
         WeightPusher(plan, sampler, state, quantize_on="host", warmup=False)
+
+
+def test_sampler_and_push_take_explicit_axis_meshes(disjoint):
+    """Meshes with Explicit axes (what `jax.make_mesh` gives by default) are accepted by the Sampler and the
+    WeightPusher: both work on the Auto mesh of the same devices (`sharding.mesh.auto_axes`), and the push is
+    exact and the sampler generates, as on the plan's meshes."""
+    plan, state, _, _, _ = disjoint
+    explicit = [jax.sharding.Mesh(m.devices, m.axis_names, axis_types=(jax.sharding.AxisType.Explicit,) * 4)
+                for m in (plan.actor, plan.rollout)]
+    sampler = Sampler(dsv4.DSV4ForCausalLM(CFG, rngs=nnx.Rngs(1)), mesh=explicit[1], weights="fp8",
+                      max_prompt_len=16)
+    assert sampler.mesh == plan.rollout
+    pusher = WeightPusher(tuple(explicit), sampler, state, chunk_bytes=CHUNK)
+    _guarded_push(pusher, state, sampler, version=1)
+    assert _assert_exact(sampler, _flat(state)) > 10
+    batch = sampler.generate([[5, 6, 7], [9, 10]], SamplingParams(temperature=1.0, max_new_tokens=4), seed=0)
+    assert batch.weight_version == 1 and batch.tokens.shape == (2, 4)
