@@ -165,13 +165,13 @@ def _memory_plan(cfg: RunConfig, model_cfg, spec: str) -> str:
     kind = jax.devices()[0].device_kind.lower().replace(" ", "")
     gpu = next((g for g in GPUS if g in kind), None)
     note = "detected" if gpu else "assumed: no known GPU here"
-    gpu = gpu or ("mi308x" if cfg.rollout_dtype == "fp8_e4m3fnuz" else "h200")
-    seq = cfg.max_prompt_len + cfg.max_new_tokens
+    gpu = gpu or ("mi308x" if cfg.rollout.dtype == "fp8_e4m3fnuz" else "h200")
+    seq = cfg.data.max_prompt_len + cfg.rollout.max_new_tokens
     try:
         from rl.rollout_weights import kv_cache_layout
-        kv = kv_cache_layout(cfg.kv_cache_dtype, cfg.rollout_dtype)
-        report = plan(model_cfg, spec, gpu, rollout_seq_len=seq, config_name=cfg.config, kv_dtype=kv,
-                      offload_optimizer=cfg.offload_optimizer, train_mtp=False, freeze_router=cfg.freeze_router)
+        kv = kv_cache_layout(cfg.rollout.kv_cache_dtype, cfg.rollout.dtype)
+        report = plan(model_cfg, spec, gpu, rollout_seq_len=seq, config_name=cfg.model.config, kv_dtype=kv,
+                      offload_optimizer=cfg.learner.offload_optimizer, train_mtp=False, freeze_router=cfg.learner.freeze_router)
     except Exception as e:  # noqa: BLE001 - the plan is advice; the run itself checks the mesh
         return f"memory plan: unavailable for mesh {spec} on {gpu} ({type(e).__name__}: {e})"
     return f"memory plan (gpu {gpu}, {note}; sequences of {seq} tokens):\n{report.table()}\n{report.line()}"
@@ -239,7 +239,7 @@ def main(argv=None) -> int:
         from sharding.distributed import initialize_from_args
 
         separate = "rollout:" in cfg.mesh or cfg.mesh.strip() == "auto"  # a rollout mesh of its own may span processes
-        info = initialize_from_args(args, transfer_timeout_s=cfg.push_timeout, transfers=separate)
+        info = initialize_from_args(args, transfer_timeout_s=cfg.rollout.push_timeout, transfers=separate)
         if info.process_count > 1:
             log.info("process %d of %d (%s)", info.process_id, info.process_count, info.source)
         if args.dry_run:
@@ -249,7 +249,7 @@ def main(argv=None) -> int:
         from rl.loop import run, run_eval
 
         job = build(cfg)
-        if cfg.eval_only:
+        if cfg.eval.only:
             run_eval(job)
             return 0
         summary = run(job)
@@ -281,7 +281,7 @@ def main(argv=None) -> int:
         print("interrupted (Ctrl-C) before the first step: nothing to save", file=sys.stderr)
         return 130
     if summary.get("signal") == "SIGINT":
-        saved = "; checkpoint saved: rerun the same command to resume" if cfg.ckpt_dir else " (no --ckpt-dir: not saved)"
+        saved = "; checkpoint saved: rerun the same command to resume" if cfg.ckpt.dir else " (no --ckpt-dir: not saved)"
         print(f"interrupted (Ctrl-C): stopped after {summary['steps_run']} steps{saved}", file=sys.stderr)
         return 130
     curve = summary["reward_curve"]

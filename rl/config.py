@@ -14,8 +14,9 @@
 
 Precedence (`RunConfig.from_overrides`): defaults < the `algo` preset < overrides in order (launch/run.py passes
 the YAML file, then the flat flags, then the dotted flags). Every knob has a dotted path (`learner.lr`); the
-historic flat names (`lr`, `group_size`, `eval_every`, ...: `FLAT`) are aliases of one path each and still work as
-`RunConfig(lr=...)`, `cfg.lr`, `--lr` and flat YAML keys. The run's defaults are the embedded default run (tiny
+historic flat names (`lr`, `group_size`, `eval_every`, ...: `FLAT`) are spellings of one path each: they work as
+`RunConfig(lr=...)`, `--lr` and flat YAML keys, and `cfg.flat()` lists them; the code reads the nested fields
+(`cfg.learner.lr`). The run's defaults are the embedded default run (tiny
 DeepSeek-V4 from random init on the built-in digit-copy task, on CPU): where they differ from the library
 defaults of LearnerConfig / LossConfig (lr 2e-3, fp32 compute, routing replay, TIS, b2 0.99, layers under
 lax.scan, streamed offloaded update) they are values of the `learner` section's default (`DEFAULT_LEARNER`), not
@@ -335,7 +336,7 @@ class RunConfig:
 
     `RunConfig(**kw)`: keys are top-level fields or whole sections (`learner=LearnerConfig(...)`), flat names
     (`lr=1e-6`, `FLAT`) or dotted paths given as a dict (`RunConfig(**{"learner.lr": 1e-6})`); later keys win,
-    all of them over the `algo` preset. Flat names read back as attributes (`cfg.lr` is `cfg.learner.lr`).
+    all of them over the `algo` preset. The code reads the nested fields (`cfg.learner.lr`).
     Raises ValueError naming the field and flag for impossible values and unknown keys.
     """
 
@@ -421,13 +422,6 @@ class RunConfig:
         """K of the one-step-off asynchronous loop (rl/pipeline.py): `rollout.max_staleness`, or 1 for
         `rollout.async_rollout` alone; 0 = the synchronous loop."""
         return int(self.rollout.max_staleness) or int(bool(self.rollout.async_rollout))
-
-    def __getattr__(self, name: str):
-        """Flat names read their path: `cfg.group_size` is `cfg.rollout.group_size` (`FLAT`)."""
-        path = FLAT.get(name)
-        if path is None or "." not in path:
-            raise AttributeError(f"RunConfig has no field {name!r}")
-        return tree.get(self, path)
 
     def flat(self) -> dict[str, Any]:
         """{flat name: value} of every flat name (the W&B config keys, the historic RunConfig fields)."""

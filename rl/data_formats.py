@@ -74,13 +74,13 @@ PRESETS = {
 
 def resolve_format(cfg) -> tuple[str, str, DataFormat]:
     """(prompt field, answer field, preset) of a RunConfig: the flags, else the `--data-format` preset's."""
-    fmt = PRESETS[cfg.data_format]
-    return cfg.prompt_field or fmt.prompt_field, cfg.answer_field or fmt.answer_field, fmt
+    fmt = PRESETS[cfg.data.data_format]
+    return cfg.data.prompt_field or fmt.prompt_field, cfg.data.answer_field or fmt.answer_field, fmt
 
 
 def resolve_reward_name(cfg) -> str:
     """`--reward auto` -> the data format's reward; any other name as given."""
-    return PRESETS[cfg.data_format].reward if cfg.reward in ("auto", "task") else cfg.reward
+    return PRESETS[cfg.data.data_format].reward if cfg.data.reward in ("auto", "task") else cfg.data.reward
 
 
 def make_renderer(cfg) -> tuple[Callable[[Any, dict], str], bool]:
@@ -88,10 +88,10 @@ def make_renderer(cfg) -> tuple[Callable[[Any, dict], str], bool]:
 
     Raises rl.chat.ChatTemplateError (a ValueError) naming the folder if --apply-chat-template finds no
     template, or the template does not compile; TokenizerError for a malformed --chat-template."""
-    fmt_string = cfg.chat_template
+    fmt_string = cfg.data.chat_template
     if fmt_string is not None:
         check_template(fmt_string)
-    if not cfg.apply_chat_template:
+    if not cfg.data.apply_chat_template:
         def render(prompt, record):
             if not isinstance(prompt, str):
                 raise ValueError(f"the prompt is a list of chat messages: render it with --apply-chat-template "
@@ -99,18 +99,18 @@ def make_renderer(cfg) -> tuple[Callable[[Any, dict], str], bool]:
             return apply_template(fmt_string, prompt, record)
         return render, True
 
-    template, specials = load_chat_template(cfg.tokenizer)
+    template, specials = load_chat_template(cfg.data.tokenizer)
     compile_template(template)  # a syntax error is reported now, once, not per record
     if template == DEEPSEEK_V4:
         log.info("--apply-chat-template: no Jinja template beside %s; using the built-in DeepSeek-V4 chat format "
-                 "(encoding/encoding_dsv4.py is not run)", cfg.tokenizer)
-    extra = thinking_kwargs(cfg.thinking)
+                 "(encoding/encoding_dsv4.py is not run)", cfg.data.tokenizer)
+    extra = thinking_kwargs(cfg.data.thinking)
 
     def render(prompt, record):
         if isinstance(prompt, str) and fmt_string is not None:
             prompt = apply_template(fmt_string, prompt, record)
         return render_chat(template, as_messages(list(prompt) if not isinstance(prompt, str) else prompt,
-                                                 cfg.system_prompt), add_generation_prompt=True,
+                                                 cfg.data.system_prompt), add_generation_prompt=True,
                            special_tokens=specials, **extra)
     return render, False
 
@@ -119,10 +119,10 @@ def load_prompt_dataset(path: str, tokenizer, cfg) -> PromptDataset:
     """The PromptDataset of one file under a RunConfig's data flags (format, fields, template, limits)."""
     prompt_field, answer_field, fmt = resolve_format(cfg)
     render, add_bos = make_renderer(cfg)
-    return PromptDataset.from_file(path, tokenizer, on_bad_record=cfg.on_bad_record, prompt_field=prompt_field,
+    return PromptDataset.from_file(path, tokenizer, on_bad_record=cfg.data.on_bad_record, prompt_field=prompt_field,
                                    answer_field=answer_field, answer_extractor=fmt.answer_extractor,
-                                   max_prompt_len=cfg.max_prompt_len, add_bos=add_bos, render=render,
-                                   on_overlong=cfg.on_overlong_prompt)
+                                   max_prompt_len=cfg.data.max_prompt_len, add_bos=add_bos, render=render,
+                                   on_overlong=cfg.data.on_overlong_prompt)
 
 
 def build_datasets(cfg, tokenizer) -> tuple[PromptDataset, PromptDataset]:
@@ -130,16 +130,16 @@ def build_datasets(cfg, tokenizer) -> tuple[PromptDataset, PromptDataset]:
 
     Without --eval-dataset, eval uses the training prompts; with --eval-only and no --dataset, the eval set also
     feeds the (unused) training iterator. Raises DataError naming file and record for bad input."""
-    train_path = cfg.dataset or cfg.eval_dataset
+    train_path = cfg.data.dataset or cfg.data.eval_dataset
     if train_path is None:
         raise DataError("no --dataset (or --eval-dataset) given")
     train = load_prompt_dataset(train_path, tokenizer, cfg)
     log.info("first prompt as the model sees it (%s, %d tokens):\n%s", train.locations[0], len(train.prompt(0)),
              train.first_text)
-    if cfg.eval_dataset and cfg.eval_dataset != train_path:
-        evd = load_prompt_dataset(cfg.eval_dataset, tokenizer, cfg)
+    if cfg.data.eval_dataset and cfg.data.eval_dataset != train_path:
+        evd = load_prompt_dataset(cfg.data.eval_dataset, tokenizer, cfg)
     else:
-        if not cfg.eval_dataset:
-            log.warning("no --eval-dataset: evaluating on the first %d training prompts", cfg.eval_prompts)
+        if not cfg.data.eval_dataset:
+            log.warning("no --eval-dataset: evaluating on the first %d training prompts", cfg.eval.prompts)
         evd = train
     return train, evd

@@ -22,11 +22,11 @@ class MetricsLogger:
 
     def __init__(self, cfg: RunConfig):
         primary = jax.process_index() == 0  # one writer in multi-host runs
-        self.jsonl = pathlib.Path(cfg.metrics_jsonl) if cfg.metrics_jsonl and primary else None
-        self.tb_dir = cfg.tensorboard_dir if primary else None
+        self.jsonl = pathlib.Path(cfg.log.metrics_jsonl) if cfg.log.metrics_jsonl and primary else None
+        self.tb_dir = cfg.log.tensorboard_dir if primary else None
         self.tb = None
         self.cfg, self.wandb = cfg, None
-        self.wandb_project = cfg.wandb_project if primary else None
+        self.wandb_project = cfg.log.wandb_project if primary else None
 
     def open(self, first_step: int | None) -> None:
         """Open the sinks. `first_step` (not None): drop the records of steps >= first_step, which this run writes
@@ -81,7 +81,7 @@ class MetricsLogger:
 
 
 def progress_bar(cfg: RunConfig, start: int):
-    if not cfg.progress or jax.process_index() != 0:
+    if not cfg.log.progress or jax.process_index() != 0:
         return None
     from tqdm import tqdm
 

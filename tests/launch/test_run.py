@@ -73,8 +73,8 @@ def test_flash_seed_layout():
     cfg, _ = launch_run.resolve(["--config-file", str(CONFIGS / "flash_seed_mi308x.yaml")])
     spec = parse_mesh_spec(cfg.mesh)
     assert (spec.size(ACTOR), spec.size(ROLLOUT)) == (16, 8)  # 2 actor nodes + 1 rollout node of 8 GPUs
-    assert (cfg.config, cfg.rollout_dtype, cfg.compute_dtype) == ("flash", "fp8_e4m3fnuz", "bfloat16")
-    assert cfg.init.startswith("/path/to/") and cfg.dataset and cfg.tokenizer and cfg.ckpt_dir
+    assert (cfg.model.config, cfg.rollout.dtype, cfg.learner.compute_dtype) == ("flash", "fp8_e4m3fnuz", "bfloat16")
+    assert cfg.model.init.startswith("/path/to/") and cfg.data.dataset and cfg.data.tokenizer and cfg.ckpt.dir
 
 
 def test_cli_overrides_yaml(tmp_path):
@@ -83,8 +83,8 @@ def test_cli_overrides_yaml(tmp_path):
     cfg, _ = launch_run.resolve(["--config-file", str(f), "--group-size", "8", "--routing-replay", "--ckpt-dir", "",
                                  "--lr", "1e-3"])
     assert (cfg.steps, cfg.seed) == (7, 5)  # from the file
-    assert (cfg.group_size, cfg.routing_replay, cfg.ckpt_dir, cfg.lr) == (8, True, None, 1e-3)  # flags win
-    assert cfg.prompts_per_step == RunConfig().prompts_per_step  # neither: the default
+    assert (cfg.rollout.group_size, cfg.learner.routing_replay, cfg.ckpt.dir, cfg.learner.lr) == (8, True, None, 1e-3)  # flags win
+    assert cfg.rollout.prompts_per_step == RunConfig().prompts_per_step  # neither: the default
 
 
 # ------------------------------------------------------------------------------------------------ bad input
@@ -246,7 +246,7 @@ def test_checkpoint_of_another_config(tmp_path, capsys, lt):
 
     argv = [*TINY, *lt.outputs(tmp_path)]
     cfg, _ = launch_run.resolve(argv)
-    assert cfg.group_size == 4
+    assert cfg.rollout.group_size == 4
     ck = Checkpointer(tmp_path / "ckpt", fingerprint=fingerprint(cfg, resolve_model_config(cfg, 16)), async_save=False)
     ck.save(3, {"w": jnp.zeros(2)}, {"data": {"next_index": 3}, "weight_version": 3, "seed": 0})
     ck.close()

@@ -78,7 +78,7 @@ def test_yaml_thinking_on_is_a_string(tmp_path):
     f = tmp_path / "run.yaml"
     f.write_text("thinking: on\napply_chat_template: true\ndataset: d.parquet\ntokenizer: t.json\n")
     cfg, _ = launch_run.resolve(["--config-file", str(f)])
-    assert cfg.thinking == "on" and cfg.apply_chat_template  # YAML 1.1 reads `on` as true
+    assert cfg.data.thinking == "on" and cfg.data.apply_chat_template  # YAML 1.1 reads `on` as true
 
 
 def test_bad_chat_input_is_a_one_line_error(dapo, tmp_path, capsys):
@@ -163,7 +163,7 @@ def test_wandb_sink_logs_the_same_names_and_config(tmp_path, monkeypatch):
     logger.close()
     (run,) = runs
     assert run.init_kwargs["project"] == "dsv4-seed" and run.init_kwargs["config"]["wandb_project"] == "dsv4-seed"
-    assert run.init_kwargs["config"]["group_size"] == cfg.group_size and run.init_kwargs["dir"] == str(tmp_path / "m")
+    assert run.init_kwargs["config"]["group_size"] == cfg.rollout.group_size and run.init_kwargs["dir"] == str(tmp_path / "m")
     assert run.rows == [(3, {"rollout/reward_mean": 0.5, "eval/pass@1": 0.25, "weight_version": 4})]
     assert run.finished
     assert json.loads((tmp_path / "m" / "metrics.jsonl").read_text())["eval/pass@1"] == 0.25  # JSONL unchanged

@@ -42,8 +42,8 @@ def parts():
     mc = DSV4Config.tiny(num_hidden_layers=2, compress_ratios=(4, 8), num_nextn_predict_layers=0,
                          vocab_size=tok.vocab_size)
     model = DSV4ForCausalLM(mc, rngs=nnx.Rngs(0))
-    learner = Learner(model, LearnerConfig(lr=cfg.lr, loss=cfg.loss_config(), routing_replay=True,
-                                           compute_dtype="float32", temperature=cfg.temperature))
+    learner = Learner(model, LearnerConfig(lr=cfg.learner.lr, loss=cfg.loss_config(), routing_replay=True,
+                                           compute_dtype="float32", temperature=cfg.rollout.temperature))
     sampler = Sampler(model, weights="fp32", max_prompt_len=train.max_prompt_len)
     return cfg, learner, sampler, task, tok, train
 
@@ -59,7 +59,7 @@ def _job(parts, **overrides):
     return Job(cfg=cfg, model_cfg=None, plan=None, tokenizer=tok, task=task, train_data=train, eval_prompts=[],
                eval_refs=[], reward=TaskReward(task), learner=learner,
                rollout=LocalRollout(sampler, learner.params_for_push),
-               iterator=make_prompt_iterator(train, batch_size=cfg.prompts_per_step, seed=cfg.seed), ckpt=None,
+               iterator=make_prompt_iterator(train, batch_size=cfg.rollout.prompts_per_step, seed=cfg.seed), ckpt=None,
                logger=_Logger(), weight_version=sampler.weight_version)
 
 
@@ -146,7 +146,7 @@ def test_staleness_is_bounded_by_k_and_versions_are_per_sample(parts):
     v0 = job.weight_version
     loop.run(job)
     versions = job.inflight.sample_versions
-    n = job.cfg.prompts_per_step * job.cfg.group_size
+    n = job.cfg.rollout.prompts_per_step * job.cfg.rollout.group_size
     assert sorted(versions) == list(range(steps))
     recs = job.logger.records
     for m in range(steps):

@@ -53,7 +53,7 @@ def test_verl_parquet_with_chat_template(tmp_path, chat_dir, caplog):
     path = write_parquet(tmp_path / "dapo.parquet", verl_records(6))
     cfg = cfg_for(path, chat_dir, data_format="verl", apply_chat_template=True, system_prompt="Be careful.",
                   thinking="off", max_prompt_len=512)
-    tok = load_tokenizer(cfg.tokenizer)
+    tok = load_tokenizer(cfg.data.tokenizer)
     with caplog.at_level(logging.INFO, logger="dsv4rl"):
         train, ev = build_datasets(cfg, tok)
     assert ev is train and len(train) == 6 and train.references[:2] == ["3", "5"]
@@ -70,14 +70,14 @@ def test_miles_jsonl_string_prompt_with_instruction(tmp_path, chat_dir):
     path.write_text("\n".join(json.dumps({"prompt": f"Find {i}.", "label": i}) for i in (204, 7)) + "\n")
     cfg = cfg_for(path, chat_dir, data_format="miles", apply_chat_template=True, thinking="on",
                   chat_template="{prompt} Put the answer in \\boxed{{}}.")
-    ds = load_prompt_dataset(str(path), load_tokenizer(cfg.tokenizer), cfg)
+    ds = load_prompt_dataset(str(path), load_tokenizer(cfg.data.tokenizer), cfg)
     assert ds.references == ["204", "7"]
     assert ds.first_text == BOS + "<｜User｜>Find 204. Put the answer in \\boxed{}.<｜Assistant｜><think>"
     aime = tmp_path / "aime24.jsonl"  # AIME-24/25 jsonl with their own names: the preset's fields overridden
     aime.write_text(json.dumps({"id": 60, "problem": "Find the remainder.", "answer": 204}) + "\n")
     cfg = cfg_for(aime, chat_dir, data_format="miles", prompt_field="problem", answer_field="answer",
                   apply_chat_template=True)
-    ds = load_prompt_dataset(str(aime), load_tokenizer(cfg.tokenizer), cfg)
+    ds = load_prompt_dataset(str(aime), load_tokenizer(cfg.data.tokenizer), cfg)
     assert ds.references == ["204"] and ds.first_text == BOS + "<｜User｜>Find the remainder.<｜Assistant｜></think>"
 
 

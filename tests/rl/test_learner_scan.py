@@ -177,8 +177,8 @@ def test_scan_layers_flag_config_and_fingerprint():
     off, _ = launch_run.resolve(["--ckpt-dir", "", "--no-scan-layers"])
     on, _ = launch_run.resolve(["--ckpt-dir", "", "--scan-layers"])
     dotted_off, _ = launch_run.resolve(["--ckpt-dir", "", "--learner.scan_layers", "false"])
-    assert (RunConfig().scan_layers, default.scan_layers, on.scan_layers) == (True, True, True)
-    assert not off.scan_layers and not dotted_off.scan_layers
+    assert (RunConfig().learner.scan_layers, default.learner.scan_layers, on.learner.scan_layers) == (True, True, True)
+    assert not off.learner.scan_layers and not dotted_off.learner.scan_layers
     assert "lax.scan" in launch_run.parser().format_help().replace("\n", " ")
     mc = resolve_model_config(off, 16)
     assert "scan_layers" not in fingerprint(off, mc) and fingerprint(on, mc)["scan_layers"] is True

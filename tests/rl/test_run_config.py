@@ -22,7 +22,8 @@ def test_precedence_defaults_yaml_flat_dotted(tmp_path):
     assert cfg.rollout.group_size == 8  # flat flag > YAML
     assert (cfg.learner.b2, cfg.seed, cfg.rollout.top_k) == (0.95, 5, 7)  # YAML > defaults
     assert cfg.rollout.prompts_per_step == RunConfig().rollout.prompts_per_step == 32  # defaults
-    assert (cfg.lr, cfg.group_size) == (cfg.learner.lr, cfg.rollout.group_size)  # flat names read the paths
+    assert (cfg.flat()["lr"], cfg.flat()["group_size"]) == (cfg.learner.lr, cfg.rollout.group_size)  # the aliases
+    assert not hasattr(cfg, "lr") and not hasattr(cfg, "group_size")  # flat names are spellings, not attributes
 
 
 def test_algo_preset_fills_sections_and_user_knobs_win():
