@@ -88,6 +88,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from dsv4 import scan
 from dsv4.layers import Buffer
+from dsv4.names import tree_key
 from parallel import expert as expert_lib
 from rl import batching, optim
 from rl.batch import TrainBatch  # noqa: F401  (re-exported: rl.learner.TrainBatch, fields unchanged)
@@ -128,11 +129,6 @@ class LogprobResult:
     logprobs: jax.Array
     entropy: jax.Array
     routing: jax.Array
-
-
-def _path(path) -> str:
-    """Key path of a State leaf -> 'layers/1/ffn/gate/weight' (the Variable's own `.value` key dropped)."""
-    return "/".join(str(k.key) for k in path if isinstance(k, jax.tree_util.DictKey))
 
 
 def lr_schedule(cfg: LearnerConfig):
@@ -204,7 +200,7 @@ class Learner:
         _, params, buffers, rest = nnx.split(module, nnx.Param, Buffer, ...)
         if jax.tree.leaves(rest):
             raise ValueError(f"the model holds variables that are neither nnx.Param nor Buffer: "
-                             f"{[_path(p) for p, _ in jax.tree_util.tree_leaves_with_path(rest)]}")
+                             f"{[tree_key(p) for p, _ in jax.tree_util.tree_leaves_with_path(rest)]}")
         if jax.tree.structure(params) != jax.tree.structure(abs_params):
             raise ValueError("the model's parameters do not match the structure of its config's model")
         # scan_layers: the state holds `layers` stacked per group (dsv4/scan.py); labels and the matrix mask
@@ -217,11 +213,11 @@ class Learner:
             labels, matrix = (scan.stack_params(t, self.sdef.groups) for t in (labels, matrix))
             abs_params = scan.stack_params(abs_params, self.sdef.groups)
         self.labels = labels
-        self._matrix = {_path(p): m for p, m in jax.tree_util.tree_leaves_with_path(matrix)}
+        self._matrix = {tree_key(p): m for p, m in jax.tree_util.tree_leaves_with_path(matrix)}
         self.tx = optax.multi_transform({TRAIN: self._train_tx(), FROZEN: optax.set_to_zero()}, self.labels)
         self.mesh, self.rules = mesh, (sr.ACTOR_RULES if rules is None else rules)
-        trained = {_path(p): lab == TRAIN for p, lab in jax.tree_util.tree_leaves_with_path(self.labels)}
-        is_matrix = lambda path, x: self._matrix[_path(path)]  # noqa: E731  (per-layer ndim >= 2)
+        trained = {tree_key(p): lab == TRAIN for p, lab in jax.tree_util.tree_leaves_with_path(self.labels)}
+        is_matrix = lambda path, x: self._matrix[tree_key(path)]  # noqa: E731  (per-layer ndim >= 2)
 
         def init(params, buffers):
             if self.sdef is not None:  # traced: the stacked copy is the jit's (placed) output, no eager copy
@@ -259,13 +255,13 @@ class Learner:
         self.streamed = self._streamable() if cfg.stream_optimizer else frozenset()
         if dispatch_fn is None:
             devices = [jax.devices()[0]] if mesh is None else list(mesh.devices.flat)
-            shardings = {_path(p): sh for p, sh in jax.tree_util.tree_leaves_with_path(self._param_shardings())}
+            shardings = {tree_key(p): sh for p, sh in jax.tree_util.tree_leaves_with_path(self._param_shardings())}
             self.dispatch_fn = expert_lib.default_dispatch(  # --ep-backend / --ep-capacity-factor: expert meshes
                 devices, shardings, ep_backend=None if cfg.ep_backend == "auto" else cfg.ep_backend,
                 ep_capacity_factor=cfg.ep_capacity_factor)
         self._jits: dict[Any, Any] = {}
         self._hash_buffers = {int(m.group(1)): leaf for p, leaf in jax.tree_util.tree_leaves_with_path(buffers)
-                              if (m := _HASH_TABLE.fullmatch(_path(p)))}
+                              if (m := _HASH_TABLE.fullmatch(tree_key(p)))}
         self._replay_metrics: dict[str, Any] = {}
 
     def _param_shardings(self) -> Any:
@@ -283,7 +279,7 @@ class Learner:
         """fp32 masters (bare arrays in `optim.MasterState.master`) are placed like their params."""
         if not isinstance(shardings.opt_state, optim.MasterState):
             return shardings
-        by_path = {_path(p): sh for p, sh in jax.tree_util.tree_leaves_with_path(shardings.params)}
+        by_path = {tree_key(p): sh for p, sh in jax.tree_util.tree_leaves_with_path(shardings.params)}
         master = {k: by_path[k] for k in shardings.opt_state.master}
         return shardings.replace(opt_state=shardings.opt_state.replace(master=master))
 
@@ -299,9 +295,9 @@ class Learner:
             raise ValueError(f"--offload-optimizer {frac}: the {dev.platform} backend has no "
                              f"'{so.HOST_MEMORY_KIND}' memory (memory kinds: {sorted(kinds)})")
         sizes = [(k, so.state_bytes(math.prod(x.shape), str(x.dtype)))
-                 for p, x in jax.tree_util.tree_leaves_with_path(self.state.params) if trained[(k := _path(p))]]
+                 for p, x in jax.tree_util.tree_leaves_with_path(self.state.params) if trained[(k := tree_key(p))]]
         chosen = so.select_offloaded(sizes, frac)
-        names = {_path(p) for p, _ in jax.tree_util.tree_leaves_with_path(self.state.params)}
+        names = {tree_key(p) for p, _ in jax.tree_util.tree_leaves_with_path(self.state.params)}
         opt_sh = optim.offload_shardings(self._state_shardings.opt_state, names, chosen, so.HOST_MEMORY_KIND)
         self._state_shardings = self._state_shardings.replace(opt_state=opt_sh)
         if isinstance(jax.tree.leaves(self.state)[0], jax.ShapeDtypeStruct):  # abstract learner
@@ -318,7 +314,7 @@ class Learner:
         +11 GiB in XLA:CPU's figure of the 4-layer Flash step, so it is moved whole.)"""
         out = set()
         for p, x in jax.tree_util.tree_leaves_with_path(self.state.params):
-            name = _path(p)
+            name = tree_key(p)
             sh = getattr(x, "sharding", None)
             spec = getattr(sh, "spec", None)
             lead_split = spec is not None and len(spec) > 0 and spec[0] is not None
@@ -331,7 +327,7 @@ class Learner:
         the state of `self.streamed` params stays where it is (the streamed update moves it slice by slice)."""
         if not self.offloaded:
             return opt_state
-        owner = optim._owner({_path(p) for p, _ in jax.tree_util.tree_leaves_with_path(self.state.params)})
+        owner = optim._owner({tree_key(p) for p, _ in jax.tree_util.tree_leaves_with_path(self.state.params)})
 
         def move(path, x, sh):
             if sh.memory_kind != so.HOST_MEMORY_KIND or owner(path) in self.streamed:
@@ -343,7 +339,7 @@ class Learner:
     # ------------------------------------------------------------------ optimizer
     def _label(self, path, _leaf) -> str:
         """TRAIN or FROZEN: `sharding.offload.is_trained` (the planner counts optimizer state by the same rule)."""
-        trained = so.is_trained(_path(path), train_mtp=self.cfg.train_mtp, freeze_router=self.cfg.freeze_router)
+        trained = so.is_trained(tree_key(path), train_mtp=self.cfg.train_mtp, freeze_router=self.cfg.freeze_router)
         return TRAIN if trained else FROZEN
 
     def _train_tx(self, clip: bool = True) -> optax.GradientTransformation:
@@ -351,7 +347,7 @@ class Learner:
         `rl.optim.update_streamed`, which clips itself)."""
         c = self.cfg
         if c.scan_layers:  # stacked leaves have one more dim: the per-layer decision, by path
-            mask = lambda p: jax.tree_util.tree_map_with_path(lambda q, x: self._matrix[_path(q)], p)  # noqa: E731
+            mask = lambda p: jax.tree_util.tree_map_with_path(lambda q, x: self._matrix[tree_key(q)], p)  # noqa: E731
         else:
             mask = lambda p: jax.tree.map(lambda x: x.ndim >= 2, p)  # noqa: E731
         adamw = optax.adamw(lr_schedule(c), b1=c.b1, b2=c.b2, eps=c.eps, weight_decay=c.weight_decay, mask=mask)
