@@ -33,16 +33,19 @@ Tests: `.venv/bin/python -m pytest -q tests/sharding/test_mpmd.py` (+ `-m slow t
 
 from __future__ import annotations
 
+import atexit
 import dataclasses
 import logging
 import math
 import pickle
 import socket
+import threading
 import time
 from collections.abc import Sequence
 from typing import Any
 
 import jax
+from jax._src import distributed  # private: the coordination service's client and this process's id
 
 from sharding.mesh import MeshSpecError
 from sharding.rules import ACTOR, ROLLOUT
@@ -72,8 +75,6 @@ def report_failure(error: PeerTimeoutError) -> None:
     poll instead of being torn down by jax when the coordinator's process exits), and on process 0, which hosts
     the coordination service, give them `GRACE_S` to do so."""
     try:
-        from jax._src import distributed
-
         _client().key_value_set(FAILED_KEY, f"{error.side}\n{error}", allow_overwrite=True)
         if distributed.global_state.process_id == 0:
             time.sleep(GRACE_S)
@@ -181,8 +182,6 @@ def configure_transfer(socket_address: str, timeout_s: float | None = None) -> N
 
 
 def _client():
-    from jax._src import distributed
-
     client = distributed.global_state.client
     if client is None:
         raise RuntimeError("MPMD messages need jax.distributed (sharding.distributed.maybe_initialize_distributed)")
@@ -201,16 +200,12 @@ class HostChannel:
     HEARTBEAT_S = 1.0
 
     def __init__(self, layout: RoleLayout, timeout_s: float, prefix: str = "dsv4"):
-        import threading
-
         self.layout, self.timeout_s, self.prefix = layout, float(timeout_s), prefix
         self._published: list[tuple[str, int]] = []
         self._stop = threading.Event()
         self._beat = threading.Thread(target=self._heartbeat, name="dsv4-mpmd-heartbeat", daemon=True)
         self._heartbeat_once(0)
         self._beat.start()
-        import atexit
-
         atexit.register(self.close)  # runs before jax's shutdown barrier: a dying process stops looking alive
 
     def _heartbeat_once(self, n: int) -> None:
