@@ -1,11 +1,11 @@
-"""`python -m sharding.plan`: the memory planner's command line (the planner itself is `parallel/plan.py`).
+"""`python -m launch.plan`: the memory planner's command line (the planner's arithmetic is `parallel/plan.py`).
 
-    python -m sharding.plan --config flash --mesh 'actor:fsdp=2,expert=8/rollout:expert=8' --gpu mi308x --nodes 3
+    python -m launch.plan --config flash --mesh 'actor:fsdp=2,expert=8/rollout:expert=8' --gpu mi308x --nodes 3
 
 prints the planner's table and its `PLAN` line; with `--compile` also the real train step AOT-compiled on CPU
 devices (`launch/aot.py`) and XLA's memory analysis, last line `RESULT actor_xla_gib=.. ... fits=yes|no`.
-It lives in launch/ because `--compile` builds the learner (rl/); `sharding/plan.py` forwards the documented
-module name to `main` here.
+It lives in launch/ because `--compile` builds the learner and the sampler (rl/); the arithmetic it prints is
+`parallel.plan.plan`, importable on its own.
 """
 
 from __future__ import annotations
@@ -38,7 +38,7 @@ def _knob_help(name: str) -> str:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m sharding.plan", description=_PLAN_DOC.split("\n\n")[0],
+    p = argparse.ArgumentParser(prog="python -m launch.plan", description=_PLAN_DOC.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--config", default="flash", help="preset name: flash | small | tiny (default flash)")
     p.add_argument("--mesh", required=True, help="mesh spec, e.g. 'actor:fsdp=2,expert=8/rollout:expert=8'")
@@ -227,7 +227,7 @@ def _compile_in_child(argv: Sequence[str] | None) -> int | None:
                      if "xla_force_host_platform_device_count" not in f)
     env = {**os.environ, _CHILD: "1", "JAX_PLATFORMS": "cpu",
            "XLA_FLAGS": f"{flags} --xla_force_host_platform_device_count={n_dev}".strip()}
-    return subprocess.run([sys.executable, "-m", "sharding.plan", *argv], env=env).returncode
+    return subprocess.run([sys.executable, "-m", "launch.plan", *argv], env=env).returncode
 
 
 if __name__ == "__main__":

@@ -1,6 +1,6 @@
 """Memory planner: per-device bytes of the actor (training) and rollout (sampling) roles for a mesh spec and GPU.
 
-    python -m sharding.plan --config flash --mesh 'actor:fsdp=2,expert=8/rollout:expert=8' --gpu mi308x --nodes 3
+    python -m launch.plan --config flash --mesh 'actor:fsdp=2,expert=8/rollout:expert=8' --gpu mi308x --nodes 3
 
 The numbers come from the code, not from a copy of it: the parameter tree is `nnx.eval_shape` of the real
 `DSV4ForCausalLM(config)` (bf16 weights, with the leaves the model keeps in fp32 / int32), each leaf is placed by

@@ -176,7 +176,7 @@ class Learner:
             with `cfg.ep_backend` / `cfg.ep_capacity_factor`).
         abstract: build only the state's shapes, dtypes and shardings (`jax.ShapeDtypeStruct`s; `model` may be
             an `nnx.eval_shape` model): for `lower` / AOT memory analysis of models larger than this machine
-            (python -m sharding.plan --compile). Such a learner cannot `update`.
+            (python -m launch.plan --compile). Such a learner cannot `update`.
     Attributes:
         state: the current TrainState (replaced by `update`). graphdef: the learner's model graph (compute
         dtype, per layer); `nnx.merge(graphdef, params_for_push())` is the current policy (without scan_layers
@@ -479,7 +479,7 @@ class Learner:
         lowered for `batch`, whose fields may be `jax.ShapeDtypeStruct`s (then no trimming: the batch is taken
         to be as long as its real rows, and the token budget is checked against S). state: default the learner's
         (its arrays are not touched; `jax.ShapeDtypeStruct`s with shardings work too).
-        `.compile().memory_analysis()` gives XLA's per-device figures (python -m sharding.plan --compile).
+        `.compile().memory_analysis()` gives XLA's per-device figures (python -m launch.plan --compile).
         Raises ValueError as `train_step` (mis-shaped batch, token budget below the longest row)."""
         batch = self._check_batch(batch, self.cfg.routing_replay)
         abstract = any(isinstance(x, jax.ShapeDtypeStruct) for x in jax.tree.leaves(batch))

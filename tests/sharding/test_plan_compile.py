@@ -1,4 +1,4 @@
-"""python -m sharding.plan --compile (launch/aot.py): the real actor train step AOT-compiled for a mesh with abstract
+"""python -m launch.plan --compile (launch/aot.py): the real actor train step AOT-compiled for a mesh with abstract
 parameters. XLA's per-device argument bytes are exactly the planner's state arithmetic (weights + fp32 masters +
 moments on the device, offloaded state subtracted) plus the batch and a few scalars; the CLI prints the RESULT
 line. Tiny config, short rows: each compile takes seconds.
