@@ -32,6 +32,15 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+import dsv4
+from rl import slots as sl
+from rl.config import LearnerConfig
+from rl.learner import Learner, TrainBatch
+from rl.rollout_weights import kv_cache_layout
+from rl.sampler import Sampler
+from sharding.mesh import build_mesh_plan, parse_mesh_spec
+from sharding.rules import ROLLOUT_RULES, batch_shards
+
 GiB = 2**30
 
 
@@ -87,11 +96,6 @@ def compile_actor(config, mesh_spec: str, *, seq_len: int, micro_batch_tokens: i
     stacked state (`rl.optim.update_streamed`; only with offload and scanned layers). Raises whatever the learner raises for a layout it cannot take
     (ValueError), and XLA's errors.
     """
-    import dsv4
-    from rl.config import LearnerConfig
-    from rl.learner import Learner, TrainBatch
-    from sharding.mesh import build_mesh_plan, parse_mesh_spec
-
     if isinstance(config, str):
         config = dsv4.DSV4Config.preset(config)
     spec = parse_mesh_spec(mesh_spec)
@@ -188,11 +192,6 @@ def compile_rollout(config, mesh_spec: str, *, batch: int = 1024, context: int =
     `prefill_chunk` tokens. Needs `spec.n_devices` local devices. Raises ValueError for sizes the sampler rejects
     (and --rollout-slots beyond the budget), and XLA's errors.
     """
-    import dsv4
-    from rl.sampler import Sampler
-    from sharding.mesh import build_mesh_plan, parse_mesh_spec
-    from sharding.rules import batch_shards
-
     if isinstance(config, str):
         config = dsv4.DSV4Config.preset(config)
     if not 1 <= prompt_len < context:
@@ -203,10 +202,7 @@ def compile_rollout(config, mesh_spec: str, *, batch: int = 1024, context: int =
                                                          dtype=jnp.bfloat16))
     new = context - prompt_len
     if slots:
-        from rl import slots as sl
-        from sharding.rules import ROLLOUT_RULES
         seq = sl.cache_len_for(config, prompt_len, new)
-        from rl.rollout_weights import kv_cache_layout
         fp8 = "e4m3fn" if kv_cache_layout(kv_cache_dtype, rollout_dtype) == "fp8" else None  # fn / fnuz: same bytes
         slots = sl.plan_slots(slots, per_slot_bytes=sl.cache_bytes_per_slot_for(config, seq, jnp.bfloat16, fp8),
                               budget_bytes=kv_budget, seq_len=seq, shards=batch_shards(ROLLOUT_RULES, plan.rollout))

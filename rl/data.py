@@ -39,7 +39,9 @@ from collections.abc import Callable, Sequence
 from typing import Any, Literal
 
 import grain
+import jax
 import numpy as np
+import pyarrow.parquet as pq
 
 from rl.tasks import DigitTask
 from rl.tokenizer import TokenizerLike, apply_template
@@ -117,10 +119,6 @@ def _read_jsonl(path: str, bad: _BadRecords) -> tuple[list[dict], list[str]]:
 
 
 def _read_parquet(path: str) -> tuple[list[dict], list[str]]:
-    try:
-        import pyarrow.parquet as pq
-    except ImportError:
-        raise DataError(f"{path}: reading parquet needs pyarrow, which is not installed: pip install pyarrow") from None
     try:
         rows = pq.read_table(path).to_pylist()
     except Exception as e:  # noqa: BLE001  pyarrow raises ArrowInvalid / OSError subclasses for broken files
@@ -351,8 +349,6 @@ def prompt_pipeline(source: PromptDataset | DigitTask, *, batch_size: int, seed:
     if isinstance(source, DigitTask):
         source = PromptDataset.from_task(source, "train")
     if shard_index is None or shard_count is None:
-        import jax  # here, not at import: asking for the process index initialises the backend
-
         shard_index = jax.process_index() if shard_index is None else shard_index
         shard_count = jax.process_count() if shard_count is None else shard_count
     if batch_size < 1:
