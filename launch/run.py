@@ -152,8 +152,8 @@ def _memory_plan(cfg: RunConfig, model_cfg, spec: str) -> str:
     seq = cfg.max_prompt_len + cfg.max_new_tokens
     try:
         kv = kv_cache_layout(cfg.kv_cache_dtype, cfg.rollout_dtype)
-        report = plan(model_cfg, spec, gpu, rollout_seq_len=seq, config_name=cfg.config, kv_dtype=kv,
-                      offload_optimizer=cfg.offload_optimizer, train_mtp=False, freeze_router=cfg.freeze_router)
+        report = plan(model_cfg, spec, gpu, learner=cfg.learner, rollout_seq_len=seq, config_name=cfg.config,
+                      kv_dtype=kv)
     except Exception as e:  # noqa: BLE001 - the plan is advice; the run itself checks the mesh
         return f"memory plan: unavailable for mesh {spec} on {gpu} ({type(e).__name__}: {e})"
     return f"memory plan (gpu {gpu}, {note}; sequences of {seq} tokens):\n{report.table()}\n{report.line()}"

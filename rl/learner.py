@@ -8,10 +8,10 @@ The loss's token axis is therefore S = P + T: Dr.GRPO (`seq-mean-token-sum-norm`
 `LossConfig.norm_length` (e.g. the sampler's max_new_tokens), or it divides by S.
 
 State: `TrainState(step, params, opt_state, buffers, ref_params)`. `params` are the trainable `nnx.Param`s in
-`LearnerConfig.param_dtype` (float32 by default: then they are their own masters and `opt_state` is the optax
-state; bfloat16: bf16 params, and `opt_state` is `rl.optim.MasterState` holding fp32 masters of the trained bf16
-params plus the optax state; leaves the model keeps in fp32 stay fp32), `opt_state` float32 Adam moments, `buffers` the `dsv4.layers.Buffer`s
-(hash tables `tid2eid`, router selection `bias`: model tensors that no optimizer touches), `ref_params` the
+`LearnerConfig.param_dtype` ("auto" by default: float32 on CPU, bfloat16 on accelerators; float32: they are their
+own masters and `opt_state` is the optax state; bfloat16: bf16 params, and `opt_state` is `rl.optim.MasterState`
+holding fp32 masters of the trained bf16 params plus the optax state; leaves the model keeps in fp32 stay fp32),
+`opt_state` float32 Adam moments, `buffers` the `dsv4.layers.Buffer`s (hash tables `tid2eid`, router selection `bias`: model tensors that no optimizer touches), `ref_params` the
 frozen reference policy, a copy of the initial params with matrices in `ref_dtype` (bf16 by default) and vectors
 in float32 (only when `loss.kl_coef > 0`, else None: no copy is kept at all). `step` counts
 *applied* updates and drives the LR schedule (it equals optax's internal count).
@@ -50,7 +50,7 @@ Choices (and why):
   bitwise the old one (the step counter does not advance either) and `train/skipped_nonfinite` is 1.
 - Donation: `train_step` donates the old state (`donate_argnums=0`): never reuse a state passed to it, nor
   arrays taken from it (`params_for_push()` returns live arrays: push them before the next step).
-- Scanned layers (`scan_layers`; the run's default, `rl.config.DEFAULT_LEARNER`): the state (params, buffers,
+- Scanned layers (`scan_layers`, the default): the state (params, buffers,
   fp32 masters, Adam moments, reference) holds the decoder layers stacked per group of identical layers (`dsv4.scan.stack_params`, built inside the
   init jit, so there is no per-step re-stacking), and the forward runs `dsv4.scan.merge_stacked`'s shell with
   `layer_stack=` (one `lax.scan` per group, `remat` per sub-layer): compile time flat in depth. Labels (frozen /
@@ -131,6 +131,15 @@ class LogprobResult:
     routing: jax.Array
 
 
+def resolve_param_dtype(cfg: LearnerConfig, devices) -> LearnerConfig:
+    """`cfg` with `param_dtype="auto"` decided for `devices` (`jax.Device`s; only `.platform` is read): float32 on
+    CPU (bf16 matmuls are emulated there), bfloat16 (+ fp32 masters) on accelerators; other values unchanged."""
+    if cfg.param_dtype != "auto":
+        return cfg
+    cpu = all(d.platform == "cpu" for d in devices)
+    return dataclasses.replace(cfg, param_dtype="float32" if cpu else "bfloat16")
+
+
 def lr_schedule(cfg: LearnerConfig):
     """count (applied updates, int) -> learning rate: linear warmup, then constant or cosine (LearnerConfig)."""
 
@@ -190,6 +199,7 @@ class Learner:
     def __init__(self, model: Any, cfg: LearnerConfig, *, mesh: Mesh | None = None, rules: sr.Rules | None = None,
                  dispatch_fn: Any = None, abstract: bool = False):
         module = model if isinstance(model, nnx.Module) else nnx.merge(*model)
+        cfg = resolve_param_dtype(cfg, [jax.devices()[0]] if mesh is None else list(mesh.devices.flat))
         self.cfg, self.dispatch_fn = cfg, dispatch_fn
         self.model_config = module.config
         compute = jnp.dtype(cfg.compute_dtype)

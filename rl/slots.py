@@ -44,6 +44,8 @@ from dsv4.cache import cache_shapes, decode_step
 from dsv4.chunked import prefill_chunked
 from dsv4.model import DSV4ForCausalLM
 from parallel.plan import GPUS, plan
+from rl.config import LearnerConfig, RolloutConfig
+from rl.config_tree import default
 from rl.sampling import sample_tokens
 from sharding import axes as ax
 from sharding.rules import activation_spec, cache_shardings
@@ -254,10 +256,12 @@ def slot_stats(stats, slots: int) -> dict:
             "rollout/slot_utilisation": busy / max(1, steps * slots)}
 
 
-def kv_budget_from_plan(model_cfg, mesh_spec: str, seq_len: int, *, rollout_dtype: str = "fp8",
+def kv_budget_from_plan(model_cfg, mesh_spec: str, seq_len: int, *,
+                        rollout_dtype: str = default(RolloutConfig, "dtype"),
                         **plan_kwargs) -> tuple[float | None, str]:
     """KV-cache bytes the memory plan (parallel/plan.py) leaves on one rollout device after weights and reserve,
     for the detected GPU (else MI308X for fp8_e4m3fnuz, else H200: the planner's GPUs), and a note saying which.
+    (The rollout's side of the plan does not depend on the learner's knobs: planned with `LearnerConfig()`.)
 
     Returns (None, reason) when the plan cannot be made (then slot counts are not checked).
     """
@@ -266,7 +270,7 @@ def kv_budget_from_plan(model_cfg, mesh_spec: str, seq_len: int, *, rollout_dtyp
     note = "detected" if gpu else "assumed"
     gpu = gpu or ("mi308x" if rollout_dtype == "fp8_e4m3fnuz" else "h200")
     try:
-        report = plan(model_cfg, mesh_spec, gpu, rollout_seq_len=seq_len, **plan_kwargs)
+        report = plan(model_cfg, mesh_spec, gpu, learner=LearnerConfig(), rollout_seq_len=seq_len, **plan_kwargs)
     except Exception as e:  # noqa: BLE001 - the plan is advice; an unplannable mesh leaves slots unchecked
         return None, f"memory plan unavailable for {mesh_spec} on {gpu} ({type(e).__name__}: {e})"
     return float(report.rollout.margin), f"memory plan on {gpu} ({note})"
