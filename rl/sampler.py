@@ -63,6 +63,8 @@ from dsv4.names import param_key
 from parallel import expert as expert_lib
 from rl import slots as _slots
 from rl.batch import RolloutBatch, concat_rollouts  # noqa: F401  (re-exported: rl.sampler.RolloutBatch)
+from rl.config import DataConfig, RolloutConfig
+from rl.config_tree import default
 from rl.rollout_weights import (DEQUANT_MODES, KEEP_F32, LayerwiseWeights, check_fp4_experts, default_tie,
                                 parse_rollout_dtype, select_fp8_matmul)
 from rl.sampling import sample_tokens
@@ -79,13 +81,14 @@ MAX_STOP_IDS = 16
 class SamplingParams:
     """temperature (0 = greedy), top_p in (0, 1], top_k (0 = off), max_new_tokens >= 1, stop_token_ids (<= 16).
 
+    Defaults: the run's `--temperature`, `--top-p`, `--top-k`, `--max-new-tokens` (`rl.config.RolloutConfig`).
     Raises ValueError naming the field for out-of-range values.
     """
 
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = 0
-    max_new_tokens: int = 64
+    temperature: float = default(RolloutConfig, "temperature")
+    top_p: float = default(RolloutConfig, "top_p")
+    top_k: int = default(RolloutConfig, "top_k")
+    max_new_tokens: int = default(RolloutConfig, "max_new_tokens")
     stop_token_ids: tuple[int, ...] = ()
 
     def __post_init__(self):
@@ -117,9 +120,11 @@ class Sampler:
       weights: "fp8" | "fp8_e4m3fn" | "fp8_e4m3fnuz" | "auto" | "fp8+fp4experts" | "bf16" | "fp32"
         (`rl.rollout_weights.parse_rollout_dtype`).
       max_prompt_len: largest prompt bucket (longer prompts raise ValueError); prompt buckets are powers of two
-        from 16. fp8_block: block of the FP8 scales. dequant: "per_layer" (default: each layer's weights are
-        dequantised right before it runs, `rl.rollout_weights.LayerwiseWeights`) | "per_call" | "per_step" (the
-        whole model at once, per call / per decode step; kept as references).
+        from 16. Default: the run's `--max-prompt-len` default (`rl.config.DataConfig.max_prompt_len`); likewise
+        `weights`, `slots` and `prefill_chunk` default to the run's `--rollout-dtype`, `--rollout-slots` and
+        `--prefill-chunk` (`rl.config.RolloutConfig`). fp8_block: block of the FP8 scales. dequant: "per_layer"
+        (default: each layer's weights are dequantised right before it runs, `rl.rollout_weights.LayerwiseWeights`)
+        | "per_call" | "per_step" (the whole model at once, per call / per decode step; kept as references).
       matmul: "auto" (FP8 GEMMs where the backend has them, logged) | "dequant" | "fp8" (forced; per_layer only).
       compute_dtype: matmul dtype (default bf16, fp32 for `weights="fp32"`); FP8 weights are dequantised to it
         (float32 suits CPUs, where bf16 matmuls are emulated). dispatch_fn: routed-expert implementation for
@@ -138,10 +143,12 @@ class Sampler:
         multiple of the compression ratios.
     """
 
-    def __init__(self, model: DSV4ForCausalLM, *, mesh=None, weights: str = "fp8", rules=None,
-                 max_prompt_len: int = 1024, fp8_block=(128, 128), dequant: str = "per_layer", dispatch_fn=None,
-                 compute_dtype=None, slots: int = 0, kv_budget_bytes: float | None = None, matmul: str = "auto",
-                 kv_cache_dtype: str = "bf16", prefill_chunk: int = 2048):
+    def __init__(self, model: DSV4ForCausalLM, *, mesh=None, weights: str = default(RolloutConfig, "dtype"),
+                 rules=None, max_prompt_len: int = default(DataConfig, "max_prompt_len"), fp8_block=(128, 128),
+                 dequant: str = "per_layer", dispatch_fn=None, compute_dtype=None,
+                 slots: int = default(RolloutConfig, "slots"), kv_budget_bytes: float | None = None,
+                 matmul: str = "auto", kv_cache_dtype: str = "bf16",
+                 prefill_chunk: int = default(RolloutConfig, "prefill_chunk")):
         rdt = parse_rollout_dtype(weights)
         self.kv_cache_dtype = resolve_kv_cache_dtype(kv_cache_dtype, rdt.fp8)
         if dequant not in DEQUANT_MODES:
