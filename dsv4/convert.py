@@ -33,8 +33,9 @@ import numpy as np
 from flax import nnx
 from jax.experimental import multihost_utils
 
-from dsv4 import names, quant
+from dsv4 import quant
 from dsv4.model import DSV4ForCausalLM
+from dsv4.names import EXPERT_KEY, official_key
 from dsv4.safetensors_io import save_sharded_checkpoint
 
 
@@ -104,7 +105,7 @@ def official_tensors(model_or_abstract) -> dict[str, jax.Array]:
     """Model state as {official key: array}, experts still stacked under `layers.i.ffn.experts.w1` etc."""
     out = {}
     for path, v in nnx.to_flat_state(nnx.state(model_or_abstract)):
-        out[names.official_key(path)] = v.get_value()
+        out[official_key(path)] = v.get_value()
     return out
 
 
@@ -167,7 +168,7 @@ def iter_export_tensors(model: DSV4ForCausalLM, *, quantize: str | None = None, 
         if key.endswith("tid2eid"):
             yield key, _gather(val).astype(np.int64)
             continue
-        m = names.EXPERT_KEY.match(key)
+        m = EXPERT_KEY.match(key)
         kind = None
         if quantize and m:
             kind = "fp4" if quantize == "fp8_fp4" else "fp8"

@@ -44,10 +44,11 @@ from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 from tqdm import tqdm
 
-from dsv4 import names, quant
+from dsv4 import quant
 from dsv4.config import ConfigError, DSV4Config
 from dsv4.convert import CheckpointError, hf_to_official
 from dsv4.model import DSV4ForCausalLM
+from dsv4.names import EXPERT_KEY, official_key, param_key
 from dsv4.safetensors_io import DTYPES, SafetensorsFile, bytes_read, checkpoint_keys, region_bounds
 from sharding.rules import ACTOR_RULES, param_shardings
 
@@ -163,14 +164,14 @@ def _plan(path: pathlib.Path, cfg: DSV4Config, abstract, files) -> dict[str, _Le
     expected: set[str] = set()
     problems: list[str] = []
     for path_t, var in nnx.to_flat_state(nnx.state(abstract)):
-        key = names.official_key(path_t)
+        key = official_key(path_t)
         shape, dtype = tuple(var.get_value().shape), np.dtype(var.get_value().dtype)
-        m = names.EXPERT_KEY.match(key)
+        m = EXPERT_KEY.match(key)
         if m:
             prefix, wn = m.groups()
             lyr = prefix.rsplit(".experts", 1)[0]
             if f"{lyr}.experts.gate_up_proj" in fused or f"{lyr}.experts.down_proj" in fused:
-                leaves[names.param_key(path_t)] = _fused_leaf(key, lyr, wn, shape, dtype, fused, cfg)
+                leaves[param_key(path_t)] = _fused_leaf(key, lyr, wn, shape, dtype, fused, cfg)
                 expected.update(f"{lyr}.experts.{s}" for s in ("gate_up_proj", "down_proj"))
                 continue
             names = [f"{prefix}.{e}.{wn}.weight" for e in range(shape[0])]
@@ -196,7 +197,7 @@ def _plan(path: pathlib.Path, cfg: DSV4Config, abstract, files) -> dict[str, _Le
                                   f"`.weight_scale_inv` tensor")
         leaf = _Leaf(key, shape, dtype, srcs, sc if kind != "plain" else None, bool(m), kind)
         _check_shapes(leaf, cfg)
-        leaves[names.param_key(path_t)] = leaf
+        leaves[param_key(path_t)] = leaf
     present = set(by_name) | set(fused)
     unexpected = sorted(k for k in present - expected if not k.startswith("mtp."))
     if problems or unexpected:
@@ -424,7 +425,7 @@ def load_hf_checkpoint(path, *, dtype=jnp.bfloat16, config: DSV4Config | None = 
                                                 keep_quantized=keep_quantized, compute_dtype=compute_dtype,
                                                 progress=progress)
     graphdef, state = nnx.split(abstract)
-    flat = [(p, v.replace(values[names.param_key(p)])) for p, v in nnx.to_flat_state(state)]
+    flat = [(p, v.replace(values[param_key(p)])) for p, v in nnx.to_flat_state(state)]
     model = nnx.merge(graphdef, nnx.from_flat_state(flat))
     if not keep_quantized:
         return model
@@ -486,7 +487,7 @@ def _load(path, *, dtype, config, mesh, rules, keep_quantized, compute_dtype, pr
     shardings = None
     if mesh is not None:
         sh = param_shardings(nnx.state(abstract), mesh, ACTOR_RULES if rules is None else rules)
-        shardings = {names.param_key(p): (v.get_value() if isinstance(v, nnx.Variable) else v)
+        shardings = {param_key(p): (v.get_value() if isinstance(v, nnx.Variable) else v)
                      for p, v in nnx.to_flat_state(sh)}
     block = _fp8_block(cfg)
     enabled = sys.stderr.isatty() if progress is None else progress

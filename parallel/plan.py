@@ -103,8 +103,8 @@ from flax import nnx
 from jax.sharding import AbstractMesh, AxisType
 
 import dsv4
-from dsv4 import names
 from dsv4.cache import cache_shapes
+from dsv4.names import official_key
 from dsv4.quant import FP8_WEIGHT_RE
 from sharding import mesh as mesh_lib
 from sharding import offload as offload_lib
@@ -164,7 +164,7 @@ def model_leaves(config) -> tuple[Leaf, ...]:
     for path, var in nnx.to_flat_state(nnx.state(abstract_model(config))):
         value = var.get_value()
         logical = getattr(var, "logical_axes", None) or var.get_metadata().get("logical_axes")
-        out.append(Leaf(names.official_key(path), tuple(value.shape), str(value.dtype),
+        out.append(Leaf(official_key(path), tuple(value.shape), str(value.dtype),
                         None if logical is None else tuple(logical), isinstance(var, nnx.Param)))
     return tuple(out)
 
