@@ -59,6 +59,7 @@ import jax.numpy as jnp  # noqa: E402
 from flax import nnx  # noqa: E402
 
 from dsv4 import DSV4Config, DSV4ForCausalLM  # noqa: E402
+from dsv4.names import param_key  # noqa: E402
 from rl.config import DEFAULT_LEARNER, LearnerConfig  # noqa: E402
 from rl.learner import Learner, TrainBatch  # noqa: E402
 
@@ -90,7 +91,7 @@ def train_flops_per_token(cfg: DSV4Config, seq: int) -> dict:
     k_frac = cfg.num_experts_per_tok / cfg.n_routed_experts
     params = 0.0
     for path, v in nnx.to_flat_state(nnx.state(abstract, nnx.Param)):
-        key = "/".join(map(str, path))
+        key = param_key(path)
         x = v.get_value()
         if len(x.shape) < 2 or not jnp.issubdtype(x.dtype, jnp.floating) or key.startswith(("mtp/", "embed/")):
             continue

@@ -59,7 +59,8 @@ def write_checkpoint(path: pathlib.Path) -> tuple[int, int]:
     from flax import nnx
 
     from dsv4 import DSV4ForCausalLM, count_params, quant
-    from dsv4.convert import _EXPERT_KEY, official_tensors
+    from dsv4.convert import official_tensors
+    from dsv4.names import EXPERT_KEY
     from dsv4.safetensors_io import save_sharded_checkpoint
 
     cfg = config()
@@ -75,7 +76,7 @@ def write_checkpoint(path: pathlib.Path) -> tuple[int, int]:
 
     def tensors():
         for key, leaf in official_tensors(abstract).items():
-            m = _EXPERT_KEY.match(key)
+            m = EXPERT_KEY.match(key)
             if m:
                 for e in range(leaf.shape[0]):
                     name = f"{m.group(1)}.{e}.{m.group(2)}.weight"
@@ -174,12 +175,13 @@ def flash_arithmetic() -> None:
     from flax import nnx
 
     from dsv4 import DSV4Config, DSV4ForCausalLM, quant
-    from dsv4.convert import _EXPERT_KEY, official_tensors
+    from dsv4.convert import official_tensors
+    from dsv4.names import EXPERT_KEY, official_key
     from sharding.rules import ACTOR_RULES, ROLLOUT_RULES, logical_to_spec
 
     cfg = DSV4Config.flash()
     abstract = nnx.eval_shape(lambda: DSV4ForCausalLM(cfg, rngs=nnx.Rngs(0), param_dtype=np.float32))
-    logical = {".".join(map(str, p)): v.get_metadata().get("logical_axes")
+    logical = {official_key(p): v.get_metadata().get("logical_axes")
                for p, v in nnx.to_flat_state(nnx.state(abstract))}
     actor = types.SimpleNamespace(shape={"data": 1, "fsdp": 2, "expert": 8, "tensor": 1})
     rollout = types.SimpleNamespace(shape={"data": 1, "fsdp": 1, "expert": 8, "tensor": 1})
@@ -188,7 +190,7 @@ def flash_arithmetic() -> None:
     for key, leaf in official_tensors(abstract).items():
         n = int(np.prod(leaf.shape))
         f32 = leaf.dtype == np.float32 and re.search(r"(hc_|attn_sink|\.ape$|gate\.bias$)", key)
-        if _EXPERT_KEY.match(key):
+        if EXPERT_KEY.match(key):
             fbytes, kind = n // 2 + n // 32, "fp4"  # packed e2m1 + one e8m0 byte per 32
         elif quant.FP8_WEIGHT_RE.search(key):
             fbytes, kind = n + -(-leaf.shape[0] // 128) * -(-leaf.shape[1] // 128), "fp8"

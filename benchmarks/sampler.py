@@ -451,7 +451,7 @@ def step_breakdown(name: str, batch: int, n_hi: int = 24, n_lo: int = 8) -> list
 
     from dsv4 import DSV4ForCausalLM
     from dsv4.cache import decode_step, prefill
-    from rl.sampler import sample_tokens
+    from rl.sampling import sample_tokens
 
     cfg = CONFIGS[name]()
     cache_len = PROMPT_LEN + T_CAP

@@ -1,17 +1,9 @@
 """DeepSeek-V4 in Flax NNX: config, model, checkpoint I/O, FP8/FP4 formats."""
 
 from dsv4.config import ConfigError, DSV4Config
+from dsv4.convert import save_hf_checkpoint
+from dsv4.load import load_hf_checkpoint
 from dsv4.model import DSV4ForCausalLM, DSV4Output, count_params
 
 __all__ = ["ConfigError", "DSV4Config", "DSV4ForCausalLM", "DSV4Output", "count_params",
            "load_hf_checkpoint", "save_hf_checkpoint"]
-
-
-def __getattr__(name):  # lazy: checkpoint I/O pulls in safetensors parsing only when used
-    if name == "load_hf_checkpoint":
-        from dsv4.load import load_hf_checkpoint
-        return load_hf_checkpoint
-    if name == "save_hf_checkpoint":
-        from dsv4.convert import save_hf_checkpoint
-        return save_hf_checkpoint
-    raise AttributeError(name)

@@ -31,11 +31,12 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 from flax import nnx
+from jax.experimental import multihost_utils
 
 from dsv4 import quant
 from dsv4.model import DSV4ForCausalLM
+from dsv4.names import EXPERT_KEY, official_key
 from dsv4.safetensors_io import save_sharded_checkpoint
-
 
 
 class CheckpointError(ValueError):
@@ -100,25 +101,12 @@ def hf_to_official(name: str) -> str:
     return name
 
 
-def _path_to_key(path) -> str:
-    return ".".join(str(p) for p in path)
-
-
 def official_tensors(model_or_abstract) -> dict[str, jax.Array]:
     """Model state as {official key: array}, experts still stacked under `layers.i.ffn.experts.w1` etc."""
     out = {}
     for path, v in nnx.to_flat_state(nnx.state(model_or_abstract)):
-        out[_path_to_key(path)] = v.get_value()
+        out[official_key(path)] = v.get_value()
     return out
-
-
-_EXPERT_KEY = re.compile(r"^(.*\.ffn\.experts)\.(w[123])$")
-
-
-def load_hf_checkpoint(path, **kw):
-    """See `dsv4.load.load_hf_checkpoint` (kept here for old imports)."""
-    from dsv4.load import load_hf_checkpoint as load
-    return load(path, **kw)
 
 
 # ------------------------------------------------------------------------------------------------ export
@@ -130,7 +118,6 @@ def _gather(x) -> np.ndarray:
     """One array -> host numpy, identical on every process (`process_allgather` when it spans processes)."""
     if not isinstance(x, jax.Array) or x.is_fully_addressable:
         return np.asarray(jax.device_get(x))
-    from jax.experimental import multihost_utils
     return np.asarray(multihost_utils.process_allgather(x, tiled=True))
 
 
@@ -181,7 +168,7 @@ def iter_export_tensors(model: DSV4ForCausalLM, *, quantize: str | None = None, 
         if key.endswith("tid2eid"):
             yield key, _gather(val).astype(np.int64)
             continue
-        m = _EXPERT_KEY.match(key)
+        m = EXPERT_KEY.match(key)
         kind = None
         if quantize and m:
             kind = "fp4" if quantize == "fp8_fp4" else "fp8"
@@ -189,8 +176,8 @@ def iter_export_tensors(model: DSV4ForCausalLM, *, quantize: str | None = None, 
             kind = "fp8"
         parts = _quantize_on_device(val, kind, tuple(block)) if kind else (val,)
         if m:
-            names = [f"{m.group(1)}.{e}.{m.group(2)}.weight" for e in range(val.shape[0])]
-            per_part = zip(names, *[_expert_slices(x) for x in parts])
+            per_expert = [f"{m.group(1)}.{e}.{m.group(2)}.weight" for e in range(val.shape[0])]
+            per_part = zip(per_expert, *[_expert_slices(x) for x in parts])
         else:
             per_part = [(key, *[_gather(x) for x in parts])]
         for name, *got in per_part:
@@ -232,7 +219,6 @@ def save_hf_checkpoint(model: DSV4ForCausalLM, path, *, quantize: str | None = N
 
 def _barrier(name: str) -> None:
     if jax.process_count() > 1:
-        from jax.experimental import multihost_utils
         multihost_utils.sync_global_devices(name)
 
 

@@ -17,6 +17,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from dsv4.fp8_gemm import fp8_linear
 from dsv4.quant import QuantizedTensor
 from sharding import axes as ax
 
@@ -60,7 +61,6 @@ def linear(x: jax.Array, w: jax.Array, dtype) -> jax.Array:
     w may also be a block-FP8 `dsv4.quant.QuantizedTensor` (the rollout's FP8-GEMM path): then the matmul runs on
     FP8 operands (`dsv4.fp8_gemm.fp8_linear`)."""
     if isinstance(w, QuantizedTensor):
-        from dsv4.fp8_gemm import fp8_linear
         return fp8_linear(x, w, dtype)
     return jnp.einsum("...i,oi->...o", x.astype(dtype), w.astype(dtype),
                       preferred_element_type=dot_out(dtype)).astype(dtype)

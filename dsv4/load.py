@@ -29,6 +29,7 @@ that does not match the given config.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import math
@@ -41,14 +42,16 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
-
-from sharding.mesh import auto_axes
+from tqdm import tqdm
 
 from dsv4 import quant
 from dsv4.config import ConfigError, DSV4Config
-from dsv4.convert import _EXPERT_KEY, CheckpointError, _path_to_key, hf_to_official
+from dsv4.convert import CheckpointError, hf_to_official
 from dsv4.model import DSV4ForCausalLM
-from dsv4.safetensors_io import SafetensorsFile, bytes_read, checkpoint_keys, region_bounds
+from dsv4.names import EXPERT_KEY, official_key, param_key
+from dsv4.safetensors_io import DTYPES, SafetensorsFile, bytes_read, checkpoint_keys, region_bounds
+from sharding.mesh import auto_axes
+from sharding.rules import ACTOR_RULES, param_shardings
 
 log = logging.getLogger(__name__)
 
@@ -162,14 +165,14 @@ def _plan(path: pathlib.Path, cfg: DSV4Config, abstract, files) -> dict[str, _Le
     expected: set[str] = set()
     problems: list[str] = []
     for path_t, var in nnx.to_flat_state(nnx.state(abstract)):
-        key = _path_to_key(path_t)
+        key = official_key(path_t)
         shape, dtype = tuple(var.get_value().shape), np.dtype(var.get_value().dtype)
-        m = _EXPERT_KEY.match(key)
+        m = EXPERT_KEY.match(key)
         if m:
             prefix, wn = m.groups()
             lyr = prefix.rsplit(".experts", 1)[0]
             if f"{lyr}.experts.gate_up_proj" in fused or f"{lyr}.experts.down_proj" in fused:
-                leaves["/".join(map(str, path_t))] = _fused_leaf(key, lyr, wn, shape, dtype, fused, cfg)
+                leaves[param_key(path_t)] = _fused_leaf(key, lyr, wn, shape, dtype, fused, cfg)
                 expected.update(f"{lyr}.experts.{s}" for s in ("gate_up_proj", "down_proj"))
                 continue
             names = [f"{prefix}.{e}.{wn}.weight" for e in range(shape[0])]
@@ -195,7 +198,7 @@ def _plan(path: pathlib.Path, cfg: DSV4Config, abstract, files) -> dict[str, _Le
                                   f"`.weight_scale_inv` tensor")
         leaf = _Leaf(key, shape, dtype, srcs, sc if kind != "plain" else None, bool(m), kind)
         _check_shapes(leaf, cfg)
-        leaves["/".join(map(str, path_t))] = leaf
+        leaves[param_key(path_t)] = leaf
     present = set(by_name) | set(fused)
     unexpected = sorted(k for k in present - expected if not k.startswith("mtp."))
     if problems or unexpected:
@@ -369,12 +372,8 @@ class _Progress:
         self.t0, self.done, self.bytes, self.n, self.read0 = time.perf_counter(), 0, 0, n, bytes_read()
         self.bar = None
         if enabled and jax.process_index() == 0:
-            try:
-                from tqdm import tqdm
-                self.bar = tqdm(total=total_bytes, unit="B", unit_scale=True, unit_divisor=1000, file=sys.stderr,
-                                desc=f"loading {pathlib.Path(path).name}", dynamic_ncols=True)
-            except ImportError:  # tqdm is optional
-                self.bar = None
+            self.bar = tqdm(total=total_bytes, unit="B", unit_scale=True, unit_divisor=1000, file=sys.stderr,
+                            desc=f"loading {pathlib.Path(path).name}", dynamic_ncols=True)
 
     def step(self, nbytes):
         self.done += 1
@@ -393,7 +392,6 @@ class _Progress:
 
 
 def _nbytes(src: _Src) -> int:
-    from dsv4.safetensors_io import DTYPES
     return math.prod(src.shape) * DTYPES[src.dtype].itemsize
 
 
@@ -428,7 +426,7 @@ def load_hf_checkpoint(path, *, dtype=jnp.bfloat16, config: DSV4Config | None = 
                                                 keep_quantized=keep_quantized, compute_dtype=compute_dtype,
                                                 progress=progress)
     graphdef, state = nnx.split(abstract)
-    flat = [(p, v.replace(values["/".join(map(str, p))])) for p, v in nnx.to_flat_state(state)]
+    flat = [(p, v.replace(values[param_key(p)])) for p, v in nnx.to_flat_state(state)]
     model = nnx.merge(graphdef, nnx.from_flat_state(flat))
     if not keep_quantized:
         return model
@@ -490,9 +488,8 @@ def _load(path, *, dtype, config, mesh, rules, keep_quantized, compute_dtype, pr
     leaves = _plan(path, cfg, abstract, files)
     shardings = None
     if mesh is not None:
-        from sharding.rules import ACTOR_RULES, param_shardings
         sh = param_shardings(nnx.state(abstract), mesh, ACTOR_RULES if rules is None else rules)
-        shardings = {"/".join(map(str, p)): (v.get_value() if isinstance(v, nnx.Variable) else v)
+        shardings = {param_key(p): (v.get_value() if isinstance(v, nnx.Variable) else v)
                      for p, v in nnx.to_flat_state(sh)}
     block = _fp8_block(cfg)
     enabled = sys.stderr.isatty() if progress is None else progress
@@ -576,7 +573,6 @@ def _load_leaf(fh, leaf: _Leaf, sharding, mesh, block, cfg, keep_quantized, dens
 
 
 def _mesh_ctx(mesh):
-    import contextlib
     return jax.set_mesh(mesh) if mesh is not None else contextlib.nullcontext()
 
 
@@ -595,7 +591,6 @@ def init_model(config: DSV4Config, *, seed: int = 0, param_dtype=jnp.float32, dt
 
     if mesh is None:
         return make()
-    from sharding.rules import ACTOR_RULES, param_shardings
     mesh = auto_axes(mesh)  # Explicit or Auto axes (sharding.mesh.auto_axes)
     graphdef, abstract = nnx.split(nnx.eval_shape(make))
     sh = param_shardings(abstract, mesh, ACTOR_RULES if rules is None else rules)

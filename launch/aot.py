@@ -1,8 +1,8 @@
-"""AOT compile of the real actor train step for a mesh this machine does not have (`python -m sharding.plan ...
+"""AOT compile of the real actor train step for a mesh this machine does not have (`python -m launch.plan ...
 --compile`): XLA's own per-device memory figures next to the planner's arithmetic.
 
 How (the idea of MaxText's `train_compile.py`: compile against a topology you do not have): the process gets as
-many XLA:CPU devices as the mesh spec needs (`--xla_force_host_platform_device_count`, set by parallel/plan.py
+many XLA:CPU devices as the mesh spec needs (`--xla_force_host_platform_device_count`, set by launch/plan.py
 before JAX starts), the real meshes are built on them (`sharding.mesh.build_mesh_plan`), the model is
 `nnx.eval_shape`d (no weights exist), `rl.learner.Learner(..., abstract=True)` places the abstract train state with
 the learner's real shardings (actor rules, bf16 params, fp32 masters + moments, host offload), and
@@ -31,6 +31,16 @@ import time
 import jax
 import jax.numpy as jnp
 from flax import nnx
+
+import dsv4
+from rl import slots as sl
+from rl.config import DEFAULT_LEARNER, DataConfig, LearnerConfig, RolloutConfig
+from rl.config_tree import default
+from rl.learner import Learner, TrainBatch
+from rl.rollout_service import make_sampler
+from rl.rollout_weights import kv_cache_layout
+from sharding.mesh import build_mesh_plan, parse_mesh_spec
+from sharding.rules import ROLLOUT_RULES, batch_shards
 
 GiB = 2**30
 
@@ -73,25 +83,17 @@ class CompileReport:
                 f"  total on the device                                      {g(self.total)}"]
 
 
-def compile_actor(config, mesh_spec: str, *, seq_len: int, micro_batch_tokens: int | None = None,
-                  offload_optimizer: float = 0.0, train_mtp: bool = True, freeze_router: bool = False,
-                  routing_replay: bool = True, scan_layers: bool = False, ep_backend: str | None = None,
-                  ep_capacity_factor: float | None = None, stream_optimizer: bool = True) -> CompileReport:
+def compile_actor(config, mesh_spec: str, *, seq_len: int, learner: LearnerConfig = DEFAULT_LEARNER) -> CompileReport:
     """Lower and compile the learner's train step for `config` on the actor mesh of `mesh_spec`.
 
-    Needs `spec.n_devices` local devices (XLA:CPU with the device-count flag). Rows per device of the batch
-    axes: max(1, micro_batch_tokens // seq_len) (1 without a budget). `scan_layers`: the learner's
-    `--scan-layers` (layers under lax.scan: compile time flat in depth). `ep_backend` / `ep_capacity_factor`: the
-    expert-parallel dispatch (`parallel.expert.default_dispatch`, i.e. `make_ep_dispatch`; None = its
-    default: "capacity", dropless, on CPU). `stream_optimizer`: the learner's streamed update of the offloaded
-    stacked state (`rl.optim.update_streamed`; only with offload and scanned layers). Raises whatever the learner raises for a layout it cannot take
-    (ValueError), and XLA's errors.
+    `learner`: the learner compiled (default: the run's, `rl.config.DEFAULT_LEARNER`), in the accelerator layout
+    (bf16 compute and params, fp32 masters + moments); its knobs decide the rest: `max_tokens_per_micro_batch`
+    (rows per device of the batch axes: max(1, budget // seq_len), 1 without a budget), `scan_layers`,
+    `offload_optimizer` / `stream_optimizer`, the EP dispatch (`ep_backend` "auto" = capacity on XLA:CPU,
+    `ep_capacity_factor`), the frozen set (`train_mtp`, `freeze_router`), and `routing_replay` (the batch then
+    carries routing). Needs `spec.n_devices` local devices (XLA:CPU with the device-count flag). Raises whatever
+    the learner raises for a layout it cannot take (ValueError), and XLA's errors.
     """
-    import dsv4
-    from rl.config import LearnerConfig
-    from rl.learner import Learner, TrainBatch
-    from sharding.mesh import build_mesh_plan, parse_mesh_spec
-
     if isinstance(config, str):
         config = dsv4.DSV4Config.preset(config)
     spec = parse_mesh_spec(mesh_spec)
@@ -99,11 +101,8 @@ def compile_actor(config, mesh_spec: str, *, seq_len: int, micro_batch_tokens: i
     plan = build_mesh_plan(spec, devices=devices, config=config)
     model = nnx.eval_shape(lambda: dsv4.DSV4ForCausalLM(config, rngs=nnx.Rngs(0), param_dtype=jnp.bfloat16,
                                                          dtype=jnp.bfloat16))
-    cfg = LearnerConfig(compute_dtype="bfloat16", param_dtype="bfloat16", offload_optimizer=offload_optimizer,
-                        train_mtp=train_mtp, freeze_router=freeze_router, routing_replay=routing_replay,
-                        max_tokens_per_micro_batch=micro_batch_tokens, scan_layers=scan_layers,
-                        stream_optimizer=stream_optimizer, ep_backend=ep_backend or "auto",
-                        ep_capacity_factor=ep_capacity_factor)
+    cfg = dataclasses.replace(learner, compute_dtype="bfloat16", param_dtype="bfloat16")
+    micro_batch_tokens, routing_replay = cfg.max_tokens_per_micro_batch, cfg.routing_replay
     learner = Learner(model, cfg, mesh=plan.actor, abstract=True)
     per_dev = 1 if micro_batch_tokens is None else max(1, micro_batch_tokens // seq_len)
     n = per_dev * learner._batch_devices()
@@ -176,9 +175,12 @@ class RolloutCompileReport:
         return out
 
 
-def compile_rollout(config, mesh_spec: str, *, batch: int = 1024, context: int = 32768, prompt_len: int = 1024,
-                    rollout_dtype: str = "fp8", slots: int | str = 0, prefill_chunk: int = 2048,
-                    kv_budget: float | None = None, kv_cache_dtype: str = "auto") -> RolloutCompileReport:
+def compile_rollout(config, mesh_spec: str, *, batch: int = 1024, context: int = 32768,
+                    prompt_len: int = default(DataConfig, "max_prompt_len"),
+                    rollout_dtype: str = default(RolloutConfig, "dtype"),
+                    slots: int | str = default(RolloutConfig, "slots"),
+                    prefill_chunk: int = default(RolloutConfig, "prefill_chunk"), kv_budget: float | None = None,
+                    kv_cache_dtype: str = default(RolloutConfig, "kv_cache_dtype")) -> RolloutCompileReport:
     """Lower and compile the sampler's generate program for `config` on the rollout mesh of `mesh_spec` with an
     abstract model (no weights): `batch` sequences of `prompt_len` prompt tokens and `context - prompt_len` new
     tokens (bucketed as `Sampler.generate` buckets them), bf16 compute, FP8-resident weights dequantised layer by
@@ -188,12 +190,6 @@ def compile_rollout(config, mesh_spec: str, *, batch: int = 1024, context: int =
     `prefill_chunk` tokens. Needs `spec.n_devices` local devices. Raises ValueError for sizes the sampler rejects
     (and --rollout-slots beyond the budget), and XLA's errors.
     """
-    import dsv4
-    from rl.config import RolloutConfig
-    from rl.rollout_service import make_sampler
-    from sharding.mesh import build_mesh_plan, parse_mesh_spec
-    from sharding.rules import batch_shards
-
     if isinstance(config, str):
         config = dsv4.DSV4Config.preset(config)
     if not 1 <= prompt_len < context:
@@ -204,10 +200,7 @@ def compile_rollout(config, mesh_spec: str, *, batch: int = 1024, context: int =
                                                          dtype=jnp.bfloat16))
     new = context - prompt_len
     if slots:
-        from rl import slots as sl
-        from sharding.rules import ROLLOUT_RULES
         seq = sl.cache_len_for(config, prompt_len, new)
-        from rl.rollout_weights import kv_cache_layout
         fp8 = "e4m3fn" if kv_cache_layout(kv_cache_dtype, rollout_dtype) == "fp8" else None  # fn / fnuz: same bytes
         slots = sl.plan_slots(slots, per_slot_bytes=sl.cache_bytes_per_slot_for(config, seq, jnp.bfloat16, fp8),
                               budget_bytes=kv_budget, seq_len=seq, shards=batch_shards(ROLLOUT_RULES, plan.rollout))

@@ -1,16 +1,17 @@
-"""`python -m sharding.plan`: the memory planner's command line (the planner itself is `parallel/plan.py`).
+"""`python -m launch.plan`: the memory planner's command line (the planner's arithmetic is `parallel/plan.py`).
 
-    python -m sharding.plan --config flash --mesh 'actor:fsdp=2,expert=8/rollout:expert=8' --gpu mi308x --nodes 3
+    python -m launch.plan --config flash --mesh 'actor:fsdp=2,expert=8/rollout:expert=8' --gpu mi308x --nodes 3
 
 prints the planner's table and its `PLAN` line; with `--compile` also the real train step AOT-compiled on CPU
 devices (`launch/aot.py`) and XLA's memory analysis, last line `RESULT actor_xla_gib=.. ... fits=yes|no`.
-It lives in launch/ because `--compile` builds the learner (rl/); `sharding/plan.py` forwards the documented
-module name to `main` here.
+It lives in launch/ because `--compile` builds the learner and the sampler (rl/); the arithmetic it prints is
+`parallel.plan.plan`, importable on its own.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import subprocess
 import sys
@@ -24,7 +25,8 @@ from launch.aot import compile_actor, compile_rollout, reduced_depth
 from parallel.plan import _BYTES, GPUS, GPUS_PER_NODE, GiB, plan
 from parallel.plan import __doc__ as _PLAN_DOC
 from rl import config_tree
-from rl.config import DEFAULT_LEARNER, LearnerConfig
+from rl.config import DEFAULT_LEARNER, DataConfig, LearnerConfig, RolloutConfig
+from rl.config_tree import default
 from rl.rollout_weights import kv_cache_layout
 from sharding import mesh as mesh_lib
 
@@ -37,16 +39,28 @@ def _knob_help(name: str) -> str:
     return f"{_LEARNER[name].help} (launch/run.py --{name.replace('_', '-')}; default %(default)s)"
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m sharding.plan", description=_PLAN_DOC.split("\n\n")[0],
+def _learner(args) -> LearnerConfig:
+    """The run's learner (`rl.config.DEFAULT_LEARNER`) with this command's learner flags: what is planned and
+    compiled. ValueError (the run's one-line message) for a bad value."""
+    return dataclasses.replace(
+        DEFAULT_LEARNER, offload_optimizer=args.offload_optimizer, train_mtp=args.train_mtp,
+        freeze_router=args.freeze_router, scan_layers=args.scan_layers, stream_optimizer=args.stream_optimizer,
+        ep_backend=args.ep_backend, ep_capacity_factor=args.ep_capacity_factor,
+        max_tokens_per_micro_batch=args.micro_batch_tokens)
+
+
+def parser() -> argparse.ArgumentParser:
+    """The planner's flags; the learner's, the rollout's and the data's take their defaults (and help) from the
+    run's definitions (`rl.config`: `DEFAULT_LEARNER`, `RolloutConfig`, `DataConfig`)."""
+    p = argparse.ArgumentParser(prog="python -m launch.plan", description=_PLAN_DOC.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--config", default="flash", help="preset name: flash | small | tiny (default flash)")
     p.add_argument("--mesh", required=True, help="mesh spec, e.g. 'actor:fsdp=2,expert=8/rollout:expert=8'")
     p.add_argument("--gpu", required=True, choices=sorted(GPUS))
     p.add_argument("--nodes", type=int, default=None, help=f"nodes of {GPUS_PER_NODE} GPUs (default: from the mesh)")
     p.add_argument("--optimizer-dtype", choices=sorted(_BYTES), default="fp32")
-    p.add_argument("--offload-optimizer", type=float, default=0.0, metavar="FRACTION",
-                   help="fraction of fp32 master + Adam moments kept in host memory")
+    p.add_argument("--offload-optimizer", type=float, default=DEFAULT_LEARNER.offload_optimizer, metavar="FRACTION",
+                   help=_knob_help("offload_optimizer"))
     p.add_argument("--tokens-per-device", type=int, default=4096, help="actor tokens per device per micro-step")
     p.add_argument("--rollout-seq-len", type=int, default=4096, help="max prompt + completion length (KV cache)")
     p.add_argument("--train-seq-len", type=int, default=None, help="actor sequence length (default: rollout's)")
@@ -57,7 +71,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                    help="sampler dequant mode; per_call keeps a bf16 copy of the quantised weights")
     p.add_argument("--kv-dtype", choices=sorted(_BYTES), default="bf16",
                    help="sampler compute dtype (KV entries of the unquantised cache, --kv-cache-dtype bf16)")
-    p.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES, default="auto",
+    p.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES, default=default(RolloutConfig, "kv_cache_dtype"),
                    help="the run's --kv-cache-dtype: fp8 | bf16 | auto (fp8 for --rollout-dtype fp8*)")
     p.add_argument("--usable-fraction", type=float, default=0.90)
     p.add_argument("--rollout-reserve", type=float, default=0.10)
@@ -71,32 +85,39 @@ def main(argv: Sequence[str] | None = None) -> int:
                    default=DEFAULT_LEARNER.stream_optimizer, help=_knob_help("stream_optimizer"))
     p.add_argument("--host-gib-per-node", type=float, default=None,
                    help="host RAM per node for the offloaded optimizer; checked only when given")
-    p.add_argument("--train-mtp", action=argparse.BooleanOptionalAction, default=True,
-                   help="plan optimizer state for the MTP module (the learner's default is --no-train-mtp)")
-    p.add_argument("--freeze-router", action=argparse.BooleanOptionalAction, default=False)
+    p.add_argument("--train-mtp", action=argparse.BooleanOptionalAction, default=DEFAULT_LEARNER.train_mtp,
+                   help="train the MTP module (optimizer state for it), the learner's train_mtp (default %(default)s)")
+    p.add_argument("--freeze-router", action=argparse.BooleanOptionalAction, default=DEFAULT_LEARNER.freeze_router,
+                   help=_knob_help("freeze_router"))
     p.add_argument("--compile", action="store_true",
                    help="also AOT-compile the real actor train step on CPU devices and print XLA's memory analysis")
     p.add_argument("--seq-len", type=int, default=None, help="--compile: tokens per row (default --train-seq-len "
                    "or --rollout-seq-len)")
-    p.add_argument("--micro-batch-tokens", type=int, default=None,
+    p.add_argument("--micro-batch-tokens", type=int, default=DEFAULT_LEARNER.max_tokens_per_micro_batch,
                    help="--compile: the learner's --max-tokens-per-micro-batch (default: one row per device)")
     p.add_argument("--scan-layers", action=argparse.BooleanOptionalAction, default=DEFAULT_LEARNER.scan_layers,
                    help="--compile: " + _knob_help("scan_layers"))
     p.add_argument("--rollout-batch", type=int, default=1024, help="--compile: sequences of the rollout program")
     p.add_argument("--rollout-context", type=int, default=32768,
                    help="--compile: prompt + new tokens per rollout sequence")
-    p.add_argument("--rollout-prompt-len", type=int, default=1024, help="--compile: prompt tokens per sequence")
-    p.add_argument("--rollout-dtype", default="fp8", help="--compile: the sampler's --rollout-dtype")
+    p.add_argument("--rollout-prompt-len", type=int, default=default(DataConfig, "max_prompt_len"),
+                   help="--compile: prompt tokens per sequence (the run's --max-prompt-len; default %(default)s)")
+    p.add_argument("--rollout-dtype", default=default(RolloutConfig, "dtype"),
+                   help="--compile: the sampler's --rollout-dtype (default %(default)s)")
     p.add_argument("--rollout-slots", default="auto",
                    help="--compile: the rollout program's --rollout-slots: auto (default: continuous batching over as "
                         "many slots as the plan's KV budget holds, at most --rollout-batch) | N | 0 (static batching)")
-    p.add_argument("--prefill-chunk", type=int, default=2048,
+    p.add_argument("--prefill-chunk", type=int, default=default(RolloutConfig, "prefill_chunk"),
                    help="--compile: the sampler's --prefill-chunk (tokens per prefill chunk; 0 = whole prompt)")
     p.add_argument("--compile-only", choices=("both", "actor", "rollout"), default="both",
                    help="--compile: which programs to compile (default both)")
     p.add_argument("--num-layers", type=int, default=None,
                    help="plan/compile a reduced-depth copy of the config (first N main layers; labelled)")
-    args = p.parse_args(argv)
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parser().parse_args(argv)
     if str(args.rollout_slots).lower() == "auto":
         args.rollout_slots = "auto"
     else:
@@ -109,10 +130,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         rc = _compile_in_child(argv)
         if rc is not None:
             return rc
-    ep_backend = None if args.ep_backend == "auto" else args.ep_backend
     try:
-        LearnerConfig(scan_layers=args.scan_layers, stream_optimizer=args.stream_optimizer,  # the run's checks
-                      ep_backend=args.ep_backend, ep_capacity_factor=args.ep_capacity_factor)
+        learner = _learner(args)  # the run's checks
         config = args.config
         if args.num_layers is not None:
             config = reduced_depth(dsv4.DSV4Config.preset(args.config), args.num_layers)
@@ -121,8 +140,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.compile:  # the plan of exactly what is compiled: rows per device x seq tokens
             tokens = seq * (1 if args.micro_batch_tokens is None else max(1, args.micro_batch_tokens // seq))
         name = args.config + (f" (reduced to {args.num_layers} layers)" if args.num_layers is not None else "")
-        report = plan(config, args.mesh, args.gpu, nodes=args.nodes, optimizer_dtype=args.optimizer_dtype,
-                      offload_optimizer=args.offload_optimizer, tokens_per_device=tokens,
+        report = plan(config, args.mesh, args.gpu, learner=learner, nodes=args.nodes,
+                      optimizer_dtype=args.optimizer_dtype, tokens_per_device=tokens,
                       rollout_seq_len=args.rollout_seq_len,
                       train_seq_len=seq if args.compile else args.train_seq_len,
                       rollout_experts=args.rollout_experts, fp8_scale_bytes=args.fp8_scale_bytes,
@@ -131,10 +150,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                                 else args.kv_dtype),
                       usable_fraction=args.usable_fraction, rollout_reserve=args.rollout_reserve,
                       rollout_seqs_per_device=args.rollout_seqs_per_device,
-                      ep_capacity_factor=args.ep_capacity_factor, host_gib_per_node=args.host_gib_per_node,
-                      ep_backend=ep_backend or ("capacity" if args.compile else "ragged"),
-                      stream_optimizer=args.stream_optimizer, config_name=name, train_mtp=args.train_mtp,
-                      freeze_router=args.freeze_router, xla_cpu=args.compile)
+                      host_gib_per_node=args.host_gib_per_node, config_name=name, xla_cpu=args.compile)
     except ValueError as e:  # MeshSpecError is a ValueError
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -146,11 +162,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     a_xla = None
     if args.compile_only in ("both", "actor"):
         try:
-            xla = compile_actor(config, report.mesh_spec, seq_len=seq, micro_batch_tokens=args.micro_batch_tokens,
-                                offload_optimizer=args.offload_optimizer, train_mtp=args.train_mtp,
-                                freeze_router=args.freeze_router, scan_layers=args.scan_layers,
-                                ep_backend=ep_backend, ep_capacity_factor=args.ep_capacity_factor,
-                                stream_optimizer=args.stream_optimizer)
+            xla = compile_actor(config, report.mesh_spec, seq_len=seq, learner=learner)
         except ValueError as e:
             print(f"error: {e}", file=sys.stderr)
             return 2
@@ -227,7 +239,7 @@ def _compile_in_child(argv: Sequence[str] | None) -> int | None:
                      if "xla_force_host_platform_device_count" not in f)
     env = {**os.environ, _CHILD: "1", "JAX_PLATFORMS": "cpu",
            "XLA_FLAGS": f"{flags} --xla_force_host_platform_device_count={n_dev}".strip()}
-    return subprocess.run([sys.executable, "-m", "sharding.plan", *argv], env=env).returncode
+    return subprocess.run([sys.executable, "-m", "launch.plan", *argv], env=env).returncode
 
 
 if __name__ == "__main__":

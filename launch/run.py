@@ -22,17 +22,28 @@ import logging
 import os
 import pathlib
 import sys
+import traceback
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))  # runnable as a script from a fresh clone
 
-from rl.config import FLAT, RunConfig  # noqa: E402  (pure dataclasses: importing it starts no JAX backend)
+import jax  # noqa: E402  (importing jax starts no backend: XLA_FLAGS set below in __main__ still apply)
+import yaml  # noqa: E402
+
+from parallel.mpmd_push import MpmdPushVerificationError  # noqa: E402
+from parallel.plan import GPUS, plan  # noqa: E402
+from rl import config_tree  # noqa: E402
+from rl.config import FLAT, RunConfig  # noqa: E402
+from rl.job import _data, build, resolve_model_config  # noqa: E402
+from rl.loop import run, run_eval  # noqa: E402
+from rl.rollout_weights import kv_cache_layout  # noqa: E402
+from sharding.distributed import add_distributed_args, initialize_from_args  # noqa: E402
+from sharding.mesh import build_mesh_plan, parse_mesh_spec  # noqa: E402
+from sharding.mpmd import PeerTimeoutError, report_failure  # noqa: E402
 
 log = logging.getLogger("dsv4rl")
 
 
 def _leaf(path: str):
-    from rl import config_tree
-
     return config_tree.paths(RunConfig)[path]
 
 
@@ -58,16 +69,12 @@ def parser() -> argparse.ArgumentParser:
         else:
             p.add_argument(flag, type=str, default=None, metavar=leaf.base.__name__.upper(),
                            help=f"{leaf.help} (default: {flat[name]})")
-    from sharding.distributed import add_distributed_args
-
     add_distributed_args(p)
     return p
 
 
 def _dotted(extra: list[str]) -> list[tuple[str, str]]:
     """`--a.b VALUE` / `--a.b=VALUE` (a bool knob alone: true) -> [(path, raw)]. ValueError names a bad one."""
-    from rl import config_tree
-
     leaves, out, i = config_tree.paths(RunConfig), [], 0
     while i < len(extra):
         tok = extra[i]
@@ -94,14 +101,10 @@ def _dotted(extra: list[str]) -> list[tuple[str, str]]:
 def resolve(argv=None) -> tuple[RunConfig, argparse.Namespace]:
     """argv -> RunConfig: defaults < `algo` preset < YAML file < flat flags < dotted flags. ValueError names the
     bad key, flag or file (one line)."""
-    from rl import config_tree
-
     args, extra = parser().parse_known_args(argv)
     dotted = _dotted(extra)
     items: list[tuple[str, object]] = []
     if args.config_file:
-        import yaml
-
         try:
             data = yaml.safe_load(pathlib.Path(args.config_file).read_text()) or {}
         except OSError as e:
@@ -139,9 +142,6 @@ def _yaml_error(path, e) -> str:
 def dry_run(cfg: RunConfig) -> None:
     """Print the resolved config, the meshes and the memory plan. Loads the data (bad input fails here too) but
     builds no model; a mesh larger than this machine is still planned."""
-    from rl.job import _data, resolve_model_config
-    from sharding.mesh import build_mesh_plan, parse_mesh_spec
-
     print("config:", json.dumps(cfg.flat(), indent=1, default=str))  # the flags' names
     print("config tree:", json.dumps(cfg.to_tree(), indent=1, default=str))  # every knob, nested
     tok, *_ = _data(cfg)
@@ -156,30 +156,21 @@ def dry_run(cfg: RunConfig) -> None:
 
 def _memory_plan(cfg: RunConfig, model_cfg, spec: str) -> str:
     """parallel/plan.py's table for this mesh, on the detected GPU (else MI308X for fp8_e4m3fnuz, else H200)."""
-    try:
-        from parallel.plan import GPUS, plan
-    except ImportError as e:
-        return f"memory plan: unavailable (parallel/plan.py cannot be imported: {e})"
-    import jax
-
     kind = jax.devices()[0].device_kind.lower().replace(" ", "")
     gpu = next((g for g in GPUS if g in kind), None)
     note = "detected" if gpu else "assumed: no known GPU here"
     gpu = gpu or ("mi308x" if cfg.rollout.dtype == "fp8_e4m3fnuz" else "h200")
     seq = cfg.data.max_prompt_len + cfg.rollout.max_new_tokens
     try:
-        from rl.rollout_weights import kv_cache_layout
         kv = kv_cache_layout(cfg.rollout.kv_cache_dtype, cfg.rollout.dtype)
-        report = plan(model_cfg, spec, gpu, rollout_seq_len=seq, config_name=cfg.model.config, kv_dtype=kv,
-                      offload_optimizer=cfg.learner.offload_optimizer, train_mtp=False, freeze_router=cfg.learner.freeze_router)
+        report = plan(model_cfg, spec, gpu, learner=cfg.learner, rollout_seq_len=seq, config_name=cfg.model.config,
+                      kv_dtype=kv)
     except Exception as e:  # noqa: BLE001 - the plan is advice; the run itself checks the mesh
         return f"memory plan: unavailable for mesh {spec} on {gpu} ({type(e).__name__}: {e})"
     return f"memory plan (gpu {gpu}, {note}; sequences of {seq} tokens):\n{report.table()}\n{report.line()}"
 
 
 def _n_devices() -> int:
-    import jax
-
     return jax.device_count()
 
 
@@ -231,13 +222,8 @@ def main(argv=None) -> int:
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     for noisy in ("absl", "orbax", "jax._src", "grain"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
-    from sharding.mpmd import PeerTimeoutError
-    from parallel.mpmd_push import MpmdPushVerificationError
-
     info = None
     try:
-        from sharding.distributed import initialize_from_args
-
         separate = "rollout:" in cfg.mesh or cfg.mesh.strip() == "auto"  # a rollout mesh of its own may span processes
         info = initialize_from_args(args, transfer_timeout_s=cfg.rollout.push_timeout, transfers=separate)
         if info.process_count > 1:
@@ -245,9 +231,6 @@ def main(argv=None) -> int:
         if args.dry_run:
             dry_run(cfg)
             return 0
-        from rl.job import build
-        from rl.loop import run, run_eval
-
         job = build(cfg)
         if cfg.eval.only:
             run_eval(job)
@@ -258,8 +241,6 @@ def main(argv=None) -> int:
         sys.stderr.flush()
         sys.stdout.flush()
         logging.shutdown()
-        from sharding.mpmd import report_failure
-
         report_failure(e)  # the other processes of this side fail with the same message
         os._exit(1)  # not sys.exit: jax's shutdown barrier would wait for the dead processes
     except MpmdPushVerificationError as e:  # MPMD: both roles stop on a push that failed verification, one line
@@ -272,9 +253,7 @@ def main(argv=None) -> int:
     except Exception:  # noqa: BLE001
         if info is None or info.process_count == 1:
             raise
-        import traceback  # multi-process: exit now, or jax's shutdown barrier waits minutes for the other processes
-
-        traceback.print_exc()
+        traceback.print_exc()  # multi-process: exit now, or jax's shutdown barrier waits minutes for the others
         sys.stderr.flush()
         os._exit(1)
     except KeyboardInterrupt:  # Ctrl-C before the loop's own handler is installed (startup, compiles)

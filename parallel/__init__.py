@@ -3,7 +3,7 @@
     expert.py   expert parallelism (shard_map all-to-all dispatch, reusing `dsv4.moe`'s expert math) and
                 `default_dispatch`, the one place that picks the routed-expert implementation for a layout
     push.py     the actor -> rollout weight push (transfer layouts, FP8 quantisation, verification)
-    plan.py     the memory planner's arithmetic (`plan(...) -> PlanReport`; CLI `python -m sharding.plan`)
+    plan.py     the memory planner's arithmetic (`plan(...) -> PlanReport`; CLI `python -m launch.plan`)
 
 Layers import downward only: sharding -> dsv4 -> parallel -> rl -> launch (`tests/test_layers.py`).
 """

@@ -32,7 +32,7 @@ Backends (`backend=`):
   [n_local, ep * C, D], and the FFN is three batched dense matmuls (`padded_ffn`) instead of `ragged_dot`. Memory
   and traffic per rank O(f * T_local * k * D). Why it exists: XLA:CPU (and CUDA jaxlib 0.10) lower `ragged_dot`
   densely, every row through every local expert ([n_local, rows, I] f32: at Flash scale, 96-192 GiB per buffer,
-  measured with `python -m sharding.plan --compile`), and on MI300X a grouped `ragged_dot` has been reported
+  measured with `python -m launch.plan --compile`), and on MI300X a grouped `ragged_dot` has been reported
   5-12x slower than capacity-padded dense matmuls. Dropless only with `capacity_factor=None` (C = T_local * k:
   E times the work; for tests), so at scale it is a capacity-factor dispatch: dropped pairs contribute 0 (the
   token keeps its other picks and the shared expert).

@@ -1,6 +1,6 @@
 """Memory planner: per-device bytes of the actor (training) and rollout (sampling) roles for a mesh spec and GPU.
 
-    python -m sharding.plan --config flash --mesh 'actor:fsdp=2,expert=8/rollout:expert=8' --gpu mi308x --nodes 3
+    python -m launch.plan --config flash --mesh 'actor:fsdp=2,expert=8/rollout:expert=8' --gpu mi308x --nodes 3
 
 The numbers come from the code, not from a copy of it: the parameter tree is `nnx.eval_shape` of the real
 `DSV4ForCausalLM(config)` (bf16 weights, with the leaves the model keeps in fp32 / int32), each leaf is placed by
@@ -83,7 +83,8 @@ batch axes it would multiply by devices / tensor (one shared K=V head: no tensor
 Nodes: `nodes` x `gpus_per_node` (8) must equal the spec's device count; devices are process-major, so the actor
 takes the first nodes and the rollout the following ones (`actor nodes` is printed; a fraction = a shared node).
 Output: a table, then one line `PLAN role=actor per_device_gib=... fits=yes|no margin_gib=... role=rollout ...`.
-API: `plan(config, mesh_spec, gpu, ...) -> PlanReport` (also used by `launch/run.py --dry-run`).
+API: `plan(config, mesh_spec, gpu, learner=LearnerConfig(...), ...) -> PlanReport` (also used by
+`launch/run.py --dry-run` with the run's learner).
 Tests: `.venv/bin/python -m pytest -q tests/sharding/test_plan.py`.
 """
 
@@ -93,7 +94,7 @@ import dataclasses
 import functools
 import math
 import re
-from typing import Any
+from typing import Any, Protocol
 
 import jax
 import jax.numpy as jnp
@@ -103,6 +104,7 @@ from jax.sharding import AbstractMesh, AxisType
 
 import dsv4
 from dsv4.cache import cache_shapes
+from dsv4.names import official_key
 from dsv4.quant import FP8_WEIGHT_RE
 from sharding import mesh as mesh_lib
 from sharding import offload as offload_lib
@@ -162,7 +164,7 @@ def model_leaves(config) -> tuple[Leaf, ...]:
     for path, var in nnx.to_flat_state(nnx.state(abstract_model(config))):
         value = var.get_value()
         logical = getattr(var, "logical_axes", None) or var.get_metadata().get("logical_axes")
-        out.append(Leaf(".".join(map(str, path)), tuple(value.shape), str(value.dtype),
+        out.append(Leaf(official_key(path), tuple(value.shape), str(value.dtype),
                         None if logical is None else tuple(logical), isinstance(var, nnx.Param)))
     return tuple(out)
 
@@ -383,29 +385,41 @@ def saved_layer_inputs(cfg, tokens: int, itemsize: int = 2) -> float:
     return cfg.num_hidden_layers * tokens * cfg.hc_mult * cfg.hidden_size * itemsize
 
 
+class LearnerKnobs(Protocol):
+    """The learner knobs `plan` reads: the fields of `rl.config.LearnerConfig` (one layer up) of those names."""
+
+    offload_optimizer: float
+    stream_optimizer: bool
+    ep_backend: str
+    ep_capacity_factor: float | None
+    train_mtp: bool
+    freeze_router: bool
+
+
 def _role_nodes(devices: int) -> float:
     return devices / GPUS_PER_NODE
 
 
-def plan(config, mesh_spec: str, gpu: str, *, nodes: int | None = None, optimizer_dtype: str = "fp32",
-         offload_optimizer: float = 0.0, tokens_per_device: int = 4096, rollout_seq_len: int = 4096,
+def plan(config, mesh_spec: str, gpu: str, *, learner: LearnerKnobs, nodes: int | None = None,
+         optimizer_dtype: str = "fp32", tokens_per_device: int = 4096, rollout_seq_len: int = 4096,
          train_seq_len: int | None = None, rollout_experts: str = "fp8", fp8_scale_bytes: float = 4.0,
          fp4_scale_bytes: float = 1.0, rollout_dequant: str = "per_step", kv_dtype: str = "bf16",
-         usable_fraction: float = 0.90, rollout_reserve: float = 0.10,
-         rollout_seqs_per_device: int = 1, ep_capacity_factor: float | None = None, ep_backend: str = "ragged",
-         stream_optimizer: bool = False,
-         host_gib_per_node: float | None = None, config_name: str | None = None, train_mtp: bool = True,
-         freeze_router: bool = False, xla_cpu: bool = False) -> PlanReport:
+         usable_fraction: float = 0.90, rollout_reserve: float = 0.10, rollout_seqs_per_device: int = 1,
+         host_gib_per_node: float | None = None, config_name: str | None = None,
+         xla_cpu: bool = False) -> PlanReport:
     """Plan the per-device memory of both roles. Arguments as the CLI flags (module docstring).
 
     Args:
       config: a `dsv4.DSV4Config` or a preset name ("flash", "small", "tiny").
       mesh_spec: `sharding.mesh` grammar; "auto" needs `nodes`.
       gpu: a key of `GPUS`.
+      learner: the learner whose memory is planned (`rl.config.LearnerConfig`, e.g. the run's `cfg.learner`):
+        its `offload_optimizer`, `stream_optimizer`, `ep_backend` ("auto": capacity with `xla_cpu`, which is
+        what the learner picks on XLA:CPU, else ragged), `ep_capacity_factor`, and the frozen set `train_mtp` /
+        `freeze_router` (`sharding.offload.is_trained`: frozen params get no master or moments). The plan has no
+        defaults of its own for them.
     Returns:
       PlanReport (`.table()`, `.line()`).
-      train_mtp, freeze_router: the learner's frozen set (`sharding.offload.is_trained`): frozen params get no
-        master or moments. Default train_mtp=True (LearnerConfig's default is False: pass False to plan it).
       xla_cpu: also count the buffers only XLA:CPU holds (items labelled "XLA:CPU only", `RoleReport.cpu_only`;
         module docstring), to compare with `--compile`'s XLA:CPU figures; the actor's `fits` stays the GPU's.
     Raises:
@@ -413,6 +427,9 @@ def plan(config, mesh_spec: str, gpu: str, *, nodes: int | None = None, optimize
       ValueError: unknown gpu / dtype / expert format, or an option out of range.
     """
 
+    offload_optimizer, stream_optimizer = learner.offload_optimizer, learner.stream_optimizer
+    train_mtp, freeze_router, ep_capacity_factor = learner.train_mtp, learner.freeze_router, learner.ep_capacity_factor
+    ep_backend = learner.ep_backend if learner.ep_backend != "auto" else ("capacity" if xla_cpu else "ragged")
     if isinstance(config, str):
         config_name = config_name or config
         config = dsv4.DSV4Config.preset(config)

@@ -23,6 +23,7 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from dsv4 import quant
+from dsv4.names import param_key
 
 FP8_SOURCE_DTYPE = quant.ROLLOUT_FP8_SOURCE_DTYPE  # the bf16 value quantised tensors are quantised from
 
@@ -134,10 +135,6 @@ def _buffers(x) -> set[int]:
     return {shard.data.unsafe_buffer_pointer() for shard in x.addressable_shards}
 
 
-def _key(path) -> str:
-    return "/".join(str(p) for p in path)
-
-
 def _is_rng(value, var) -> bool:
     return isinstance(var, nnx.RngState) or jax.dtypes.issubdtype(getattr(value, "dtype", np.float32),
                                                                     jax.dtypes.prng_key)
@@ -151,7 +148,7 @@ def _flat(state) -> dict[str, Any]:
     if isinstance(state, Mapping) and not isinstance(state, nnx.State) and all(isinstance(k, str) for k in state):
         items = state.items()
     else:
-        items = ((_key(p), v) for p, v in nnx.to_flat_state(state))
+        items = ((param_key(p), v) for p, v in nnx.to_flat_state(state))
     out = {}
     for k, var in items:
         value = var.get_value() if isinstance(var, nnx.Variable) else var

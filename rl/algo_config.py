@@ -216,6 +216,12 @@ DTypeName = Literal["bfloat16", "float32"]
 class LearnerConfig:
     """One optimizer update per `rl.learner.Learner.train_step` (AdamW on fp32 master weights).
 
+    Every knob is defined here once, with its default; the run's learner (`rl.config.DEFAULT_LEARNER`, the
+    `learner` section of `RunConfig`) is this class with only its recipe values changed (lr, b2, compute dtype,
+    routing replay, TIS: see there), and the planner (`python -m launch.plan`) reads the same fields, so
+    `Learner(model, LearnerConfig())`, the run and the plan agree on every structural knob (scanned layers, param
+    dtype, streamed offload, EP backend and capacity, trained MTP / router).
+
     Optimizer (optax docs: `optax.adamw`, `optax.clip_by_global_norm`, `optax.multi_transform`):
         lr: peak learning rate. warmup_steps: linear warmup, lr * (u + 1) / warmup_steps for update u <
             warmup_steps (the first update already moves). schedule: "constant" after warmup, or "cosine" decay
@@ -248,12 +254,11 @@ class LearnerConfig:
             when the longest real row is longer than B. None = no budget (micro_batch_size or the whole batch);
             when set, it decides the micro-batches and micro_batch_size is not used.
     State (rl/optim.py):
-        param_dtype: dtype of the on-device params and gradients. "float32": fp32 params are their own masters
-            (as before). "bfloat16": bf16 params and grads on device; the optimizer keeps fp32 master copies of
-            them and fp32 Adam moments (mixed-precision optimizer, Megatron-style). Leaves the model keeps in fp32
-            (mHC, sinks, ...) stay fp32 params without a master. "auto" is for run configs: `rl.job.build`
-            resolves it from the actor's platform (bfloat16 on accelerators, float32 on CPU) before the Learner
-            is made; the Learner itself needs bfloat16 or float32.
+        param_dtype: dtype of the on-device params and gradients. "float32": fp32 params are their own masters.
+            "bfloat16": bf16 params and grads on device; the optimizer keeps fp32 master copies of them and fp32
+            Adam moments (mixed-precision optimizer, Megatron-style). Leaves the model keeps in fp32 (mHC, sinks,
+            ...) stay fp32 params without a master. "auto" (default): bfloat16 on accelerators, float32 on CPU
+            (where bf16 matmuls are emulated), decided by the `Learner` from its devices' platform.
         offload_optimizer: fraction in [0, 1] of the optimizer state (fp32 masters + Adam moments, by bytes,
             whole parameters largest first; `sharding.offload.select_offloaded`) kept in host memory
             (`pinned_host`) when the backend has host memory kinds.
@@ -263,14 +268,14 @@ class LearnerConfig:
     scan_layers: run the decoder layers under `jax.lax.scan` per group of identical layers (`dsv4/scan.py`;
         `--scan-layers`), so the step's compile time does not grow with depth. The learner then holds params,
         buffers, optimizer state and reference in the stacked layout (`params_for_push()` is per layer; its
-        checkpoints load only with the same setting). False: the Python loop over the layers (this class's
-        default; the run's learner, `rl.config.DEFAULT_LEARNER`, and the planner's `--compile` scan by default).
+        checkpoints load only with the same setting). Default True (the run's and the planner's too); False: the
+        Python loop over the layers.
     stream_optimizer: with `offload_optimizer`, update the offloaded state of stacked params (ndim >= 3, leading
         dim unsplit: the scanned layers) one leading-dim slice at a time in a loop (`rl.optim.update_streamed`),
         so only one layer's masters + moments are on the device at once; otherwise the step moves the whole
         offloaded state to the device for the update (XLA's memory analysis of the Flash step: that was its
-        peak). Same values up to f32 rounding (the loop's fusions round differently). False here; True in the
-        run's learner (`DEFAULT_LEARNER`) and the planner, as the planner's arithmetic assumes.
+        peak). Same values up to f32 rounding (the loop's fusions round differently). Default True (what the
+        planner's arithmetic assumes); no effect without `offload_optimizer`.
     Expert parallelism (experts split over an `expert` mesh axis > 1; `parallel.expert.default_dispatch`):
         ep_backend: "auto" (default: "capacity" on XLA:CPU, which lacks ragged all-to-all; "ragged" elsewhere),
             "capacity", "ragged" or "padded" (`parallel.expert.make_ep_dispatch`'s backends).
@@ -301,15 +306,14 @@ class LearnerConfig:
     max_tokens_per_micro_batch: int | None = knob(None, "token budget of one micro-batch per device (none = no "
                                                         "budget)")
     param_dtype: Literal["auto", "bfloat16", "float32"] = knob(
-        "float32", "params on device: auto (run configs: bfloat16 + fp32 masters off CPU, float32 on CPU) | "
-        "bfloat16 | float32")
+        "auto", "params on device: auto (bfloat16 + fp32 masters off CPU, float32 on CPU) | bfloat16 | float32")
     offload_optimizer: float = knob(0.0, "fraction of the optimizer state (masters + moments) in host memory")
     remat: Literal["block", "dots", "none"] = knob("block", "per-layer rematerialisation of the learner: block | "
                                                    "dots | none")
-    scan_layers: bool = knob(False, "run the learner's layers under lax.scan per group of identical layers "
+    scan_layers: bool = knob(True, "run the learner's layers under lax.scan per group of identical layers "
                                     "(compile time flat in depth; the learner state and its checkpoints are then "
                                     "in the stacked layout)")
-    stream_optimizer: bool = knob(False, "with --offload-optimizer: update the offloaded state of the scanned "
+    stream_optimizer: bool = knob(True, "with --offload-optimizer: update the offloaded state of the scanned "
                                          "(stacked) layers one layer at a time (rl.optim.update_streamed), so only "
                                          "one layer's masters + moments are on the device at once")
     ep_backend: Literal["auto", "capacity", "ragged", "padded"] = knob(

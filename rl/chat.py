@@ -42,6 +42,11 @@ from datetime import datetime
 from functools import lru_cache
 from typing import Any
 
+import jinja2
+import jinja2.ext
+import jinja2.nodes
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+
 from rl.tokenizer import read_tokenizer_config
 
 DEEPSEEK_V4 = "builtin:deepseek_v4"  # the format of DeepSeek-V4's encoding/encoding_dsv4.py (module docstring)
@@ -104,10 +109,6 @@ def compile_template(template: str):
     """
     if template == DEEPSEEK_V4:
         return None
-    import jinja2
-    import jinja2.ext
-    from jinja2.sandbox import ImmutableSandboxedEnvironment
-
     class _Generation(jinja2.ext.Extension):
         """`{% generation %}...{% endgeneration %}` (transformers' assistant-mask tag): renders the body."""
 
@@ -158,8 +159,6 @@ def render_chat(template: str, messages: Sequence[dict], *, add_generation_promp
     add_generation_prompt=add_generation_prompt, **kwargs)` for a tokenizer whose special tokens are
     `special_tokens`. Raises ChatTemplateError if a message is not a dict or the template raises.
     """
-    import jinja2
-
     msgs = []
     for m in messages:
         if not isinstance(m, dict):

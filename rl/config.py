@@ -17,10 +17,13 @@ the YAML file, then the flat flags, then the dotted flags). Every knob has a dot
 historic flat names (`lr`, `group_size`, `eval_every`, ...: `FLAT`) are spellings of one path each: they work as
 `RunConfig(lr=...)`, `--lr` and flat YAML keys, and `cfg.flat()` lists them; the code reads the nested fields
 (`cfg.learner.lr`). The run's defaults are the embedded default run (tiny
-DeepSeek-V4 from random init on the built-in digit-copy task, on CPU): where they differ from the library
-defaults of LearnerConfig / LossConfig (lr 2e-3, fp32 compute, routing replay, TIS, b2 0.99, layers under
-lax.scan, streamed offloaded update) they are values of the `learner` section's default (`DEFAULT_LEARNER`), not
-second declarations of those knobs.
+DeepSeek-V4 from random init on the built-in digit-copy task, on CPU). Library classes read the same
+declarations: the learner section is `LearnerConfig` itself, and the run's learner (`DEFAULT_LEARNER`) changes only
+its recipe values (lr 2e-3, b2 0.99, fp32 compute, routing replay, TIS; `RECIPE_KNOBS`, reasons next to it);
+`Sampler`, `SamplingParams`, `PromptDataset.from_records` and the planner take their defaults of the rollout and
+data knobs (`max_prompt_len`, `prefill_chunk`, `slots`, rollout dtype, sampling parameters, KV-cache dtype for the
+planner) from the fields here
+(`config_tree.default`).
 Derived (not settable): `learner.temperature` = `rollout.temperature`; `advantage.dynamic_sampling_max_rounds`
 = 1 + `dapo.max_resample_batches`. Impossible values raise ValueError naming the field and its flag.
 """
@@ -256,12 +259,18 @@ class LogConfig:
     progress: bool = knob(True, "progress bar")
 
 
-# The default run's learner: the knobs are LearnerConfig's / LossConfig's; these are the default run's values.
-# Layers under lax.scan (compile time flat in depth) and the streamed update of offloaded state: the run's defaults
-# (the planner's `--compile` compiles the same learner); `--no-scan-layers` / `--no-stream-optimizer` turn them off.
-DEFAULT_LEARNER = LearnerConfig(lr=2e-3, compute_dtype="float32", routing_replay=True, b2=0.99, weight_decay=0.0,
-                                param_dtype="auto", loss=LossConfig(correction="tis"), scan_layers=True,
-                                stream_optimizer=True)
+# The default run's learner: LearnerConfig (every knob and its default defined there once) with the run's recipe
+# values, and nothing else (tests/rl/test_run_config.py pins the list):
+# - lr 2e-3, b2 0.99: the embedded default run trains a tiny random-init model on the digit task in 80 steps
+#   (docs/grpo-from-scratch.md); the library's 1e-6 / 0.999 are post-training values for a real checkpoint.
+# - compute_dtype float32: the embedded default runs on CPU, where bf16 matmuls are emulated (slower, no gain).
+# - routing_replay + TIS: the run samples with an FP8 rollout whose routing and logprobs differ from the learner's;
+#   R3 and the TIS weights correct that. A library Learner may be fed batches without recorded routing.
+# Structural knobs (scan_layers, param_dtype, stream_optimizer, ep_backend, ep_capacity_factor, train_mtp,
+# freeze_router, offload_optimizer, remat, ...) are LearnerConfig's defaults, which the planner reads too.
+DEFAULT_LEARNER = LearnerConfig(lr=2e-3, b2=0.99, compute_dtype="float32", routing_replay=True,
+                                loss=LossConfig(correction="tis"))
+RECIPE_KNOBS = ("lr", "b2", "compute_dtype", "routing_replay", "loss")  # where DEFAULT_LEARNER differs
 
 # flat name (flag --a-b, flat YAML key, RunConfig(a_b=...), cfg.a_b) -> the one dotted path it stands for
 FLAT = {

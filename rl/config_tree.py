@@ -29,6 +29,13 @@ def knob(default: Any = dataclasses.MISSING, help: str = "", *, factory: Any = d
     return dataclasses.field(default=default, default_factory=factory, metadata={"help": help})
 
 
+def default(cls: type, name: str) -> Any:
+    """The declared default of knob `name` of config class `cls` (its `knob(...)` default or factory), for library
+    signatures that take the same knob: `Sampler(max_prompt_len=default(DataConfig, "max_prompt_len"))`."""
+    f = cls.__dataclass_fields__[name]
+    return f.default_factory() if f.default is dataclasses.MISSING else f.default
+
+
 @dataclasses.dataclass(frozen=True)
 class Leaf:
     """One knob of a tree: its dotted `path`, the owning dataclass `owner`, the field, and its value type

@@ -39,8 +39,12 @@ from collections.abc import Callable, Sequence
 from typing import Any, Literal
 
 import grain
+import jax
 import numpy as np
+import pyarrow.parquet as pq
 
+from rl.config import DataConfig
+from rl.config_tree import default
 from rl.tasks import DigitTask
 from rl.tokenizer import TokenizerLike, apply_template
 
@@ -118,17 +122,14 @@ def _read_jsonl(path: str, bad: _BadRecords) -> tuple[list[dict], list[str]]:
 
 def _read_parquet(path: str) -> tuple[list[dict], list[str]]:
     try:
-        import pyarrow.parquet as pq
-    except ImportError:
-        raise DataError(f"{path}: reading parquet needs pyarrow, which is not installed: pip install pyarrow") from None
-    try:
         rows = pq.read_table(path).to_pylist()
     except Exception as e:  # noqa: BLE001  pyarrow raises ArrowInvalid / OSError subclasses for broken files
         raise DataError(f"{path}: cannot read parquet: {e}") from None
     return rows, [f"{path}[row {i}]" for i in range(len(rows))]
 
 
-def load_records(path: str | os.PathLike, *, on_bad_record: OnBad = "fail") -> Records:
+def load_records(path: str | os.PathLike, *,
+                 on_bad_record: OnBad = default(DataConfig, "on_bad_record")) -> Records:
     """Reads a `.jsonl` (one JSON object per line; `.ndjson` too) or `.parquet` file -> `Records`.
 
     Raises DataError naming the file if it is missing, of another format, or holds no records, and
@@ -222,8 +223,9 @@ class PromptDataset:
     def from_records(cls, records: Sequence[dict], tokenizer: TokenizerLike, *, prompt_field: str = "question",
                      answer_field: str | None = "answer",
                      answer_extractor: Callable[[str], str] | None = gsm8k_final_answer,
-                     template: str | None = None, max_prompt_len: int = 512, add_bos: bool = True,
-                     on_bad_record: OnBad = "fail", render: Callable[[Any, dict], str] | None = None,
+                     template: str | None = None, max_prompt_len: int = default(DataConfig, "max_prompt_len"),
+                     add_bos: bool = True, on_bad_record: OnBad = default(DataConfig, "on_bad_record"),
+                     render: Callable[[Any, dict], str] | None = None,
                      on_overlong: OnOverlong | None = None) -> PromptDataset:
         """Prompts from record dicts (GSM8K layout by default: "question", "answer" with "#### <n>").
 
@@ -239,6 +241,8 @@ class PromptDataset:
         (a chat template; the prompt value may then be a list of messages). `on_overlong`: a prompt longer
         than max_prompt_len is dropped and counted (`dropped_overlong`, "drop") or an error ("fail") whatever
         on_bad_record says; None treats it as a bad record. `first_text` is the first prompt's text.
+        `max_prompt_len` and `on_bad_record` default to the run's `--max-prompt-len` / `--on-bad-record`
+        (`rl.config.DataConfig`).
         """
         source = getattr(records, "source", "<records>")
         locations = getattr(records, "locations", None) or [f"{source}[record {i}]" for i in range(len(records))]
@@ -312,8 +316,8 @@ class PromptDataset:
         return ds
 
     @classmethod
-    def from_file(cls, path: str | os.PathLike, tokenizer: TokenizerLike, *, on_bad_record: OnBad = "fail",
-                  **kwargs) -> PromptDataset:
+    def from_file(cls, path: str | os.PathLike, tokenizer: TokenizerLike, *,
+                  on_bad_record: OnBad = default(DataConfig, "on_bad_record"), **kwargs) -> PromptDataset:
         """`load_records(path)` then `from_records` (same keyword arguments)."""
         records = load_records(path, on_bad_record=on_bad_record)
         return cls.from_records(records, tokenizer, on_bad_record=on_bad_record, **kwargs)
@@ -352,8 +356,6 @@ def prompt_pipeline(source: PromptDataset | DigitTask, *, batch_size: int, seed:
     if isinstance(source, DigitTask):
         source = PromptDataset.from_task(source, "train")
     if shard_index is None or shard_count is None:
-        import jax  # here, not at import: asking for the process index initialises the backend
-
         shard_index = jax.process_index() if shard_index is None else shard_index
         shard_count = jax.process_count() if shard_count is None else shard_count
     if batch_size < 1:

@@ -8,10 +8,10 @@ The loss's token axis is therefore S = P + T: Dr.GRPO (`seq-mean-token-sum-norm`
 `LossConfig.norm_length` (e.g. the sampler's max_new_tokens), or it divides by S.
 
 State: `TrainState(step, params, opt_state, buffers, ref_params)`. `params` are the trainable `nnx.Param`s in
-`LearnerConfig.param_dtype` (float32 by default: then they are their own masters and `opt_state` is the optax
-state; bfloat16: bf16 params, and `opt_state` is `rl.optim.MasterState` holding fp32 masters of the trained bf16
-params plus the optax state; leaves the model keeps in fp32 stay fp32), `opt_state` float32 Adam moments, `buffers` the `dsv4.layers.Buffer`s
-(hash tables `tid2eid`, router selection `bias`: model tensors that no optimizer touches), `ref_params` the
+`LearnerConfig.param_dtype` ("auto" by default: float32 on CPU, bfloat16 on accelerators; float32: they are their
+own masters and `opt_state` is the optax state; bfloat16: bf16 params, and `opt_state` is `rl.optim.MasterState`
+holding fp32 masters of the trained bf16 params plus the optax state; leaves the model keeps in fp32 stay fp32),
+`opt_state` float32 Adam moments, `buffers` the `dsv4.layers.Buffer`s (hash tables `tid2eid`, router selection `bias`: model tensors that no optimizer touches), `ref_params` the
 frozen reference policy, a copy of the initial params with matrices in `ref_dtype` (bf16 by default) and vectors
 in float32 (only when `loss.kl_coef > 0`, else None: no copy is kept at all). `step` counts
 *applied* updates and drives the LR schedule (it equals optax's internal count).
@@ -50,7 +50,7 @@ Choices (and why):
   bitwise the old one (the step counter does not advance either) and `train/skipped_nonfinite` is 1.
 - Donation: `train_step` donates the old state (`donate_argnums=0`): never reuse a state passed to it, nor
   arrays taken from it (`params_for_push()` returns live arrays: push them before the next step).
-- Scanned layers (`scan_layers`; the run's default, `rl.config.DEFAULT_LEARNER`): the state (params, buffers,
+- Scanned layers (`scan_layers`, the default): the state (params, buffers,
   fp32 masters, Adam moments, reference) holds the decoder layers stacked per group of identical layers (`dsv4.scan.stack_params`, built inside the
   init jit, so there is no per-step re-stacking), and the forward runs `dsv4.scan.merge_stacked`'s shell with
   `layer_stack=` (one `lax.scan` per group, `remat` per sub-layer): compile time flat in depth. Labels (frozen /
@@ -88,6 +88,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from dsv4 import scan
 from dsv4.layers import Buffer
+from dsv4.names import tree_key
 from parallel import expert as expert_lib
 from rl import batching, optim
 from rl.batch import TrainBatch  # noqa: F401  (re-exported: rl.learner.TrainBatch, fields unchanged)
@@ -131,9 +132,13 @@ class LogprobResult:
     routing: jax.Array
 
 
-def _path(path) -> str:
-    """Key path of a State leaf -> 'layers/1/ffn/gate/weight' (the Variable's own `.value` key dropped)."""
-    return "/".join(str(k.key) for k in path if isinstance(k, jax.tree_util.DictKey))
+def resolve_param_dtype(cfg: LearnerConfig, devices) -> LearnerConfig:
+    """`cfg` with `param_dtype="auto"` decided for `devices` (`jax.Device`s; only `.platform` is read): float32 on
+    CPU (bf16 matmuls are emulated there), bfloat16 (+ fp32 masters) on accelerators; other values unchanged."""
+    if cfg.param_dtype != "auto":
+        return cfg
+    cpu = all(d.platform == "cpu" for d in devices)
+    return dataclasses.replace(cfg, param_dtype="float32" if cpu else "bfloat16")
 
 
 def lr_schedule(cfg: LearnerConfig):
@@ -181,7 +186,7 @@ class Learner:
             with `cfg.ep_backend` / `cfg.ep_capacity_factor`).
         abstract: build only the state's shapes, dtypes and shardings (`jax.ShapeDtypeStruct`s; `model` may be
             an `nnx.eval_shape` model): for `lower` / AOT memory analysis of models larger than this machine
-            (python -m sharding.plan --compile). Such a learner cannot `update`.
+            (python -m launch.plan --compile). Such a learner cannot `update`.
     Attributes:
         state: the current TrainState (replaced by `update`). graphdef: the learner's model graph (compute
         dtype, per layer); `nnx.merge(graphdef, params_for_push())` is the current policy (without scan_layers
@@ -196,6 +201,7 @@ class Learner:
                  dispatch_fn: Any = None, abstract: bool = False):
         mesh = auto_axes(mesh)  # a jax.make_mesh mesh (Explicit axes) works too: see sharding.mesh.auto_axes
         module = model if isinstance(model, nnx.Module) else nnx.merge(*model)
+        cfg = resolve_param_dtype(cfg, [jax.devices()[0]] if mesh is None else list(mesh.devices.flat))
         self.cfg, self.dispatch_fn = cfg, dispatch_fn
         self.model_config = module.config
         compute = jnp.dtype(cfg.compute_dtype)
@@ -206,7 +212,7 @@ class Learner:
         _, params, buffers, rest = nnx.split(module, nnx.Param, Buffer, ...)
         if jax.tree.leaves(rest):
             raise ValueError(f"the model holds variables that are neither nnx.Param nor Buffer: "
-                             f"{[_path(p) for p, _ in jax.tree_util.tree_leaves_with_path(rest)]}")
+                             f"{[tree_key(p) for p, _ in jax.tree_util.tree_leaves_with_path(rest)]}")
         if jax.tree.structure(params) != jax.tree.structure(abs_params):
             raise ValueError("the model's parameters do not match the structure of its config's model")
         # scan_layers: the state holds `layers` stacked per group (dsv4/scan.py); labels and the matrix mask
@@ -219,11 +225,11 @@ class Learner:
             labels, matrix = (scan.stack_params(t, self.sdef.groups) for t in (labels, matrix))
             abs_params = scan.stack_params(abs_params, self.sdef.groups)
         self.labels = labels
-        self._matrix = {_path(p): m for p, m in jax.tree_util.tree_leaves_with_path(matrix)}
+        self._matrix = {tree_key(p): m for p, m in jax.tree_util.tree_leaves_with_path(matrix)}
         self.tx = optax.multi_transform({TRAIN: self._train_tx(), FROZEN: optax.set_to_zero()}, self.labels)
         self.mesh, self.rules = mesh, (sr.ACTOR_RULES if rules is None else rules)
-        trained = {_path(p): lab == TRAIN for p, lab in jax.tree_util.tree_leaves_with_path(self.labels)}
-        is_matrix = lambda path, x: self._matrix[_path(path)]  # noqa: E731  (per-layer ndim >= 2)
+        trained = {tree_key(p): lab == TRAIN for p, lab in jax.tree_util.tree_leaves_with_path(self.labels)}
+        is_matrix = lambda path, x: self._matrix[tree_key(path)]  # noqa: E731  (per-layer ndim >= 2)
 
         def init(params, buffers):
             if self.sdef is not None:  # traced: the stacked copy is the jit's (placed) output, no eager copy
@@ -261,13 +267,13 @@ class Learner:
         self.streamed = self._streamable() if cfg.stream_optimizer else frozenset()
         if dispatch_fn is None:
             devices = [jax.devices()[0]] if mesh is None else list(mesh.devices.flat)
-            shardings = {_path(p): sh for p, sh in jax.tree_util.tree_leaves_with_path(self._param_shardings())}
+            shardings = {tree_key(p): sh for p, sh in jax.tree_util.tree_leaves_with_path(self._param_shardings())}
             self.dispatch_fn = expert_lib.default_dispatch(  # --ep-backend / --ep-capacity-factor: expert meshes
                 devices, shardings, ep_backend=None if cfg.ep_backend == "auto" else cfg.ep_backend,
                 ep_capacity_factor=cfg.ep_capacity_factor)
         self._jits: dict[Any, Any] = {}
         self._hash_buffers = {int(m.group(1)): leaf for p, leaf in jax.tree_util.tree_leaves_with_path(buffers)
-                              if (m := _HASH_TABLE.fullmatch(_path(p)))}
+                              if (m := _HASH_TABLE.fullmatch(tree_key(p)))}
         self._replay_metrics: dict[str, Any] = {}
 
     def _param_shardings(self) -> Any:
@@ -285,7 +291,7 @@ class Learner:
         """fp32 masters (bare arrays in `optim.MasterState.master`) are placed like their params."""
         if not isinstance(shardings.opt_state, optim.MasterState):
             return shardings
-        by_path = {_path(p): sh for p, sh in jax.tree_util.tree_leaves_with_path(shardings.params)}
+        by_path = {tree_key(p): sh for p, sh in jax.tree_util.tree_leaves_with_path(shardings.params)}
         master = {k: by_path[k] for k in shardings.opt_state.master}
         return shardings.replace(opt_state=shardings.opt_state.replace(master=master))
 
@@ -301,9 +307,9 @@ class Learner:
             raise ValueError(f"--offload-optimizer {frac}: the {dev.platform} backend has no "
                              f"'{so.HOST_MEMORY_KIND}' memory (memory kinds: {sorted(kinds)})")
         sizes = [(k, so.state_bytes(math.prod(x.shape), str(x.dtype)))
-                 for p, x in jax.tree_util.tree_leaves_with_path(self.state.params) if trained[(k := _path(p))]]
+                 for p, x in jax.tree_util.tree_leaves_with_path(self.state.params) if trained[(k := tree_key(p))]]
         chosen = so.select_offloaded(sizes, frac)
-        names = {_path(p) for p, _ in jax.tree_util.tree_leaves_with_path(self.state.params)}
+        names = {tree_key(p) for p, _ in jax.tree_util.tree_leaves_with_path(self.state.params)}
         opt_sh = optim.offload_shardings(self._state_shardings.opt_state, names, chosen, so.HOST_MEMORY_KIND)
         self._state_shardings = self._state_shardings.replace(opt_state=opt_sh)
         if isinstance(jax.tree.leaves(self.state)[0], jax.ShapeDtypeStruct):  # abstract learner
@@ -320,7 +326,7 @@ class Learner:
         +11 GiB in XLA:CPU's figure of the 4-layer Flash step, so it is moved whole.)"""
         out = set()
         for p, x in jax.tree_util.tree_leaves_with_path(self.state.params):
-            name = _path(p)
+            name = tree_key(p)
             sh = getattr(x, "sharding", None)
             spec = getattr(sh, "spec", None)
             lead_split = spec is not None and len(spec) > 0 and spec[0] is not None
@@ -333,7 +339,7 @@ class Learner:
         the state of `self.streamed` params stays where it is (the streamed update moves it slice by slice)."""
         if not self.offloaded:
             return opt_state
-        owner = optim._owner({_path(p) for p, _ in jax.tree_util.tree_leaves_with_path(self.state.params)})
+        owner = optim._owner({tree_key(p) for p, _ in jax.tree_util.tree_leaves_with_path(self.state.params)})
 
         def move(path, x, sh):
             if sh.memory_kind != so.HOST_MEMORY_KIND or owner(path) in self.streamed:
@@ -345,7 +351,7 @@ class Learner:
     # ------------------------------------------------------------------ optimizer
     def _label(self, path, _leaf) -> str:
         """TRAIN or FROZEN: `sharding.offload.is_trained` (the planner counts optimizer state by the same rule)."""
-        trained = so.is_trained(_path(path), train_mtp=self.cfg.train_mtp, freeze_router=self.cfg.freeze_router)
+        trained = so.is_trained(tree_key(path), train_mtp=self.cfg.train_mtp, freeze_router=self.cfg.freeze_router)
         return TRAIN if trained else FROZEN
 
     def _train_tx(self, clip: bool = True) -> optax.GradientTransformation:
@@ -353,7 +359,7 @@ class Learner:
         `rl.optim.update_streamed`, which clips itself)."""
         c = self.cfg
         if c.scan_layers:  # stacked leaves have one more dim: the per-layer decision, by path
-            mask = lambda p: jax.tree_util.tree_map_with_path(lambda q, x: self._matrix[_path(q)], p)  # noqa: E731
+            mask = lambda p: jax.tree_util.tree_map_with_path(lambda q, x: self._matrix[tree_key(q)], p)  # noqa: E731
         else:
             mask = lambda p: jax.tree.map(lambda x: x.ndim >= 2, p)  # noqa: E731
         adamw = optax.adamw(lr_schedule(c), b1=c.b1, b2=c.b2, eps=c.eps, weight_decay=c.weight_decay, mask=mask)
@@ -485,7 +491,7 @@ class Learner:
         lowered for `batch`, whose fields may be `jax.ShapeDtypeStruct`s (then no trimming: the batch is taken
         to be as long as its real rows, and the token budget is checked against S). state: default the learner's
         (its arrays are not touched; `jax.ShapeDtypeStruct`s with shardings work too).
-        `.compile().memory_analysis()` gives XLA's per-device figures (python -m sharding.plan --compile).
+        `.compile().memory_analysis()` gives XLA's per-device figures (python -m launch.plan --compile).
         Raises ValueError as `train_step` (mis-shaped batch, token budget below the longest row)."""
         batch = self._check_batch(batch, self.cfg.routing_replay)
         abstract = any(isinstance(x, jax.ShapeDtypeStruct) for x in jax.tree.leaves(batch))

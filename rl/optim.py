@@ -23,6 +23,8 @@ import jax.numpy as jnp
 import optax
 from flax import struct
 
+from dsv4.names import tree_key
+
 
 @struct.dataclass
 class MasterState:
@@ -32,21 +34,16 @@ class MasterState:
     inner: Any
 
 
-def path_str(path) -> str:
-    """Key path of a State leaf -> 'layers/1/ffn/gate/weight' (non-dict keys, e.g. a Variable's `.value`, dropped)."""
-    return "/".join(str(k.key) for k in path if isinstance(k, jax.tree_util.DictKey))
-
-
 def _view(params, master: dict[str, jax.Array]):
     return jax.tree_util.tree_map_with_path(
-        lambda p, x: master.get(path_str(p), x.astype(jnp.float32)), params)
+        lambda p, x: master.get(tree_key(p), x.astype(jnp.float32)), params)
 
 
 def init(tx: optax.GradientTransformation, params, trained: dict[str, bool]) -> Any:
     """Optimizer state for `params` (nnx.State). trained: {path: bool}. Plain optax state when every trained param
     is float32; else MasterState with fp32 masters of the trained low-precision params."""
-    master = {path_str(p): x.astype(jnp.float32) for p, x in jax.tree_util.tree_leaves_with_path(params)
-              if trained[path_str(p)] and x.dtype != jnp.float32}
+    master = {tree_key(p): x.astype(jnp.float32) for p, x in jax.tree_util.tree_leaves_with_path(params)
+              if trained[tree_key(p)] and x.dtype != jnp.float32}
     if not master:
         return tx.init(params)
     return MasterState(master=master, inner=tx.init(_view(params, master)))
@@ -61,7 +58,7 @@ def update(tx: optax.GradientTransformation, grads, opt_state, params) -> tuple[
     g32 = jax.tree.map(lambda g: g.astype(jnp.float32), grads)
     updates, inner = tx.update(g32, opt_state.inner, view)
     new_view = optax.apply_updates(view, updates)
-    flat = {path_str(p): x for p, x in jax.tree_util.tree_leaves_with_path(new_view)}
+    flat = {tree_key(p): x for p, x in jax.tree_util.tree_leaves_with_path(new_view)}
     new_params = jax.tree.map(lambda v, x: v.astype(x.dtype), new_view, params)
     return new_params, MasterState(master={k: flat[k] for k in opt_state.master}, inner=inner)
 
@@ -131,7 +128,7 @@ def update_streamed(tx: optax.GradientTransformation, grads, opt_state, params, 
         return jnp.where(finite, new, old)
 
     p_flat, p_def = jax.tree_util.tree_flatten_with_path(params)
-    p_paths = [path_str(p) for p, _ in p_flat]
+    p_paths = [tree_key(p) for p, _ in p_flat]
     g_leaves = jax.tree.leaves(grads)
     o_flat, o_def = jax.tree_util.tree_flatten_with_path(opt_state)
     owner = _owner(set(p_paths))

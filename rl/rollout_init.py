@@ -22,6 +22,9 @@ import jax
 import jax.numpy as jnp
 
 from dsv4 import quant
+from dsv4.load import load_quantized_state
+from dsv4.names import param_key
+from rl.rollout_weights import KEEP_F32
 
 
 def _as_sampler_fp8(x, fmt: str, block):
@@ -47,13 +50,10 @@ def checkpoint_rollout_weights(sampler, path, *, config=None, progress: bool | N
     Raises:
       dsv4.load.CheckpointError as `load_hf_checkpoint` does.
     """
-    from dsv4.load import load_quantized_state
-    from rl.sampler import _KEEP_F32, _key
-
     stored = load_quantized_state(path, dtype=sampler.compute_dtype, config=config or sampler.config,
                                   mesh=sampler.mesh, rules=sampler.rules, progress=progress)
     abs_flat = sampler._abs_flat
-    missing = [_key(p) for p, _ in abs_flat if _key(p) not in stored]
+    missing = [param_key(p) for p, _ in abs_flat if param_key(p) not in stored]
     if missing:
         raise ValueError(f"{path}: the checkpoint lacks {len(missing)} tensors the rollout model needs, e.g. {missing[:3]}")
 
@@ -72,12 +72,12 @@ def checkpoint_rollout_weights(sampler, path, *, config=None, progress: bool | N
     # converted state plus one leaf's stored blocks, never two copies of the whole model
     out = {}
     for p, v in abs_flat:
-        k = _key(p)
+        k = param_key(p)
         x = stored.pop(k)
         if sampler._is_fp8(k, v.get_value()):
             mode, dtype = "fp8", None
         elif jnp.issubdtype(x.dtype if not isinstance(x, quant.QuantizedTensor) else jnp.float32, jnp.floating) \
-                and not _KEEP_F32.search(k):
+                and not KEEP_F32.search(k):
             mode, dtype = "cast", jnp.dtype(sampler.compute_dtype)
         else:
             mode, dtype = "cast", jnp.dtype(v.get_value().dtype)

@@ -40,6 +40,7 @@ from flax import nnx
 from dsv4 import quant
 from dsv4.cache import resolve_kv_cache_dtype
 from dsv4.fp8_gemm import fp8_gemm_available
+from dsv4.names import param_key
 
 log = logging.getLogger(__name__)
 
@@ -50,6 +51,9 @@ MATMUL_MODES = ("auto", "dequant", "fp8")
 FP4_EXPERTS = "fp8+fp4experts"
 # Quantised weights that run through `dsv4.layers.linear` and so can stay FP8 for an FP8 GEMM.
 GEMM_KEYS = re.compile(r"(attn/(wq_a|wq_b|wkv|wo_b)/weight|ffn/shared_experts/w[123]/weight)$")
+# Float leaves the rollout keeps in their own dtype (mHC, attention sinks, APE, the router's bias); every other
+# float leaf that is not quantised is cast to the sampler's compute dtype.
+KEEP_F32 = re.compile(r"(hc_|attn_sink|/ape$|gate/bias$)")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -96,10 +100,6 @@ def select_fp8_matmul(matmul: str, fp8: bool, devices=None) -> bool:
     ok, why = fp8_gemm_available(devices)
     log.info("rollout matmuls: %s (auto: %s)", "FP8 GEMM" if ok else "dequantise per layer", why)
     return ok
-
-
-def _key(path) -> str:
-    return "/".join(str(p) for p in path)
 
 
 TIE_MODES = ("cond", "select")
@@ -171,11 +171,12 @@ class LayerwiseWeights:
         self._layers = []
         for i, layer in enumerate(abstract_model.layers):
             lgd, lst = nnx.split(layer)
-            self._layers.append((lgd, [(p, var, f"layers/{i}/{_key(p)}") for p, var in nnx.to_flat_state(lst)]))
+            self._layers.append((lgd, [(p, var, f"layers/{i}/{param_key(p)}") for p, var in nnx.to_flat_state(lst)]))
 
     def shell(self, wstate: dict):
         """The model without its main layers, from `wstate` ({path key: QuantizedTensor | array})."""
-        flat = [(p, var.replace(_value(wstate[_key(p)], self.compute_dtype, False))) for p, var in self._shell_flat]
+        flat = [(p, var.replace(_value(wstate[param_key(p)], self.compute_dtype, False)))
+                for p, var in self._shell_flat]
         return nnx.merge(self._shell_gd, nnx.from_flat_state(flat))
 
     def layer(self, wstate: dict, i: int, x: jax.Array):

@@ -46,43 +46,50 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import re
 from typing import Sequence
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax.experimental import multihost_utils
 from jax.sharding import NamedSharding, PartitionSpec
 
 from dsv4 import quant
 from dsv4.cache import cache_shapes, decode_step, resolve_kv_cache_dtype
 from dsv4.chunked import check_chunk, prefill_chunked
 from dsv4.model import DSV4ForCausalLM
+from dsv4.names import param_key
 from parallel import expert as expert_lib
 from sharding.mesh import auto_axes
+from rl import slots as _slots
 from rl.batch import RolloutBatch, concat_rollouts  # noqa: F401  (re-exported: rl.sampler.RolloutBatch)
-from rl.rollout_weights import (DEQUANT_MODES, LayerwiseWeights, check_fp4_experts, default_tie, parse_rollout_dtype,
-                                select_fp8_matmul)
+from rl.config import DataConfig, RolloutConfig
+from rl.config_tree import default
+from rl.rollout_weights import (DEQUANT_MODES, KEEP_F32, LayerwiseWeights, check_fp4_experts, default_tie,
+                                parse_rollout_dtype, select_fp8_matmul)
+from rl.sampling import sample_tokens
+from sharding import axes as ax
+from sharding.rules import (ROLLOUT_RULES, activation_spec, batch_shards, cache_shardings, param_shardings,
+                            use_rules)
 
 log = logging.getLogger(__name__)
 
 MAX_STOP_IDS = 16
-# Quantised on the rollout side: the released FP8 set and the routed experts (dsv4.quant).
-_KEEP_F32 = re.compile(r"(hc_|attn_sink|/ape$|gate/bias$)")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class SamplingParams:
     """temperature (0 = greedy), top_p in (0, 1], top_k (0 = off), max_new_tokens >= 1, stop_token_ids (<= 16).
 
+    Defaults: the run's `--temperature`, `--top-p`, `--top-k`, `--max-new-tokens` (`rl.config.RolloutConfig`).
     Raises ValueError naming the field for out-of-range values.
     """
 
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = 0
-    max_new_tokens: int = 64
+    temperature: float = default(RolloutConfig, "temperature")
+    top_p: float = default(RolloutConfig, "top_p")
+    top_k: int = default(RolloutConfig, "top_k")
+    max_new_tokens: int = default(RolloutConfig, "max_new_tokens")
     stop_token_ids: tuple[int, ...] = ()
 
     def __post_init__(self):
@@ -103,36 +110,6 @@ def _next_pow2(n: int, lo: int = 1) -> int:
     return max(lo, 1 << (max(n, 1) - 1).bit_length())
 
 
-def _key(path) -> str:
-    return "/".join(str(p) for p in path)
-
-
-def _filter_logits(scaled: jax.Array, top_p: jax.Array, top_k: jax.Array) -> jax.Array:
-    """Top-k then nucleus filtering of scaled logits [B, V] (traced k and p); removed entries -> -inf."""
-    v = scaled.shape[-1]
-    srt = jnp.sort(scaled, axis=-1)[:, ::-1]
-    k = jnp.where(top_k > 0, jnp.minimum(top_k, v), v)
-    kth = jnp.take_along_axis(srt, (k - 1)[None, None].repeat(srt.shape[0], 0), axis=-1)
-    srt = jnp.where(srt >= kth, srt, -jnp.inf)
-    probs = jax.nn.softmax(srt, axis=-1)
-    keep = (jnp.cumsum(probs, axis=-1) - probs) < top_p  # the first token is always kept
-    n_keep = jnp.sum(keep, axis=-1, keepdims=True)
-    thresh = jnp.take_along_axis(srt, n_keep - 1, axis=-1)
-    return jnp.where((scaled >= thresh) & (scaled >= kth), scaled, -jnp.inf)
-
-
-def sample_tokens(logits: jax.Array, keys: jax.Array, temperature, top_p, top_k):
-    """logits [B, V] f32, keys [B] PRNG keys -> (tokens [B] int32, logprobs [B] f32 of log_softmax(logits/T))."""
-    greedy = temperature <= 0
-    t = jnp.where(greedy, 1.0, temperature)
-    scaled = logits / t
-    lp_all = jax.nn.log_softmax(scaled, axis=-1)
-    filtered = jax.lax.cond((top_k > 0) | (top_p < 1), _filter_logits, lambda s, p, k: s, scaled, top_p, top_k)
-    drawn = jax.vmap(jax.random.categorical)(keys, filtered)
-    tok = jnp.where(greedy, jnp.argmax(logits, axis=-1), drawn).astype(jnp.int32)
-    return tok, jnp.take_along_axis(lp_all, tok[:, None], axis=-1)[:, 0]
-
-
 class Sampler:
     """Rollout engine over the rollout mesh.
 
@@ -144,9 +121,11 @@ class Sampler:
       weights: "fp8" | "fp8_e4m3fn" | "fp8_e4m3fnuz" | "auto" | "fp8+fp4experts" | "bf16" | "fp32"
         (`rl.rollout_weights.parse_rollout_dtype`).
       max_prompt_len: largest prompt bucket (longer prompts raise ValueError); prompt buckets are powers of two
-        from 16. fp8_block: block of the FP8 scales. dequant: "per_layer" (default: each layer's weights are
-        dequantised right before it runs, `rl.rollout_weights.LayerwiseWeights`) | "per_call" | "per_step" (the
-        whole model at once, per call / per decode step; kept as references).
+        from 16. Default: the run's `--max-prompt-len` default (`rl.config.DataConfig.max_prompt_len`); likewise
+        `weights`, `slots` and `prefill_chunk` default to the run's `--rollout-dtype`, `--rollout-slots` and
+        `--prefill-chunk` (`rl.config.RolloutConfig`). fp8_block: block of the FP8 scales. dequant: "per_layer"
+        (default: each layer's weights are dequantised right before it runs, `rl.rollout_weights.LayerwiseWeights`)
+        | "per_call" | "per_step" (the whole model at once, per call / per decode step; kept as references).
       matmul: "auto" (FP8 GEMMs where the backend has them, logged) | "dequant" | "fp8" (forced; per_layer only).
       compute_dtype: matmul dtype (default bf16, fp32 for `weights="fp32"`); FP8 weights are dequantised to it
         (float32 suits CPUs, where bf16 matmuls are emulated). dispatch_fn: routed-expert implementation for
@@ -165,10 +144,12 @@ class Sampler:
         multiple of the compression ratios.
     """
 
-    def __init__(self, model: DSV4ForCausalLM, *, mesh=None, weights: str = "fp8", rules=None,
-                 max_prompt_len: int = 1024, fp8_block=(128, 128), dequant: str = "per_layer", dispatch_fn=None,
-                 compute_dtype=None, slots: int = 0, kv_budget_bytes: float | None = None, matmul: str = "auto",
-                 kv_cache_dtype: str = "bf16", prefill_chunk: int = 2048):
+    def __init__(self, model: DSV4ForCausalLM, *, mesh=None, weights: str = default(RolloutConfig, "dtype"),
+                 rules=None, max_prompt_len: int = default(DataConfig, "max_prompt_len"), fp8_block=(128, 128),
+                 dequant: str = "per_layer", dispatch_fn=None, compute_dtype=None,
+                 slots: int = default(RolloutConfig, "slots"), kv_budget_bytes: float | None = None,
+                 matmul: str = "auto", kv_cache_dtype: str = "bf16",
+                 prefill_chunk: int = default(RolloutConfig, "prefill_chunk")):
         rdt = parse_rollout_dtype(weights)
         self.kv_cache_dtype = resolve_kv_cache_dtype(kv_cache_dtype, rdt.fp8)
         if dequant not in DEQUANT_MODES:
@@ -177,7 +158,6 @@ class Sampler:
         self.prefill_chunk = check_chunk(self.config, prefill_chunk)
         self.mesh = mesh = auto_axes(mesh)  # Explicit or Auto axes (sharding.mesh.auto_axes)
         if rules is None and mesh is not None:
-            from sharding.rules import ROLLOUT_RULES
             rules = ROLLOUT_RULES
         self.rules = rules
         self.fp8 = rdt.fp8
@@ -221,7 +201,7 @@ class Sampler:
             out_sh = (rep,) * 6 + (self._cache_shardings(self._abstract_caches(1, 1)),)
         self._generate_jit = jax.jit(self._generate_fn, static_argnums=(0,), donate_argnums=(2,),
                                      out_shardings=out_sh)
-        from rl import slots as _slots  # continuous batching (rl/slots.py): slot caches split like the batch
+        # continuous batching (rl/slots.py): slot caches split like the batch
         slot_out = None  # per-request outputs split over the batch axes like the slots (at 1,024 x 32K the routing
         if mesh is not None:  # alone is ~0.8 GB per layer: replicated, it would not fit), stats replicated
             rows = self._input_shardings()[0]
@@ -238,9 +218,8 @@ class Sampler:
     def _shardings_for(self, abs_state):
         if self.mesh is None:
             return None
-        from sharding.rules import param_shardings
         sh = param_shardings(abs_state, self.mesh, self.rules)
-        return {_key(p): v.get_value() if isinstance(v, nnx.Variable) else v for p, v in nnx.to_flat_state(sh)}
+        return {param_key(p): v.get_value() if isinstance(v, nnx.Variable) else v for p, v in nnx.to_flat_state(sh)}
 
     def _is_fp8(self, key: str, leaf) -> bool:
         """Quantised on the rollout side (FP8 blocks, or FP4 for the routed experts under `fp8+fp4experts`)."""
@@ -256,7 +235,7 @@ class Sampler:
         rep = NamedSharding(self.mesh, PartitionSpec())
         out = {}
         for p, v in self._abs_flat:
-            k = _key(p)
+            k = param_key(p)
             sh = self._raw_shardings[k]
             if self._is_fp8(k, v.get_value()) and self._is_fp4(k):  # scales [E, out, in/32]: split like q
                 out[k] = quant.QuantizedTensor(q=sh, scale=sh, kind="fp4", fmt="e2m1", block=(1, quant.FP4_BLOCK),
@@ -273,13 +252,13 @@ class Sampler:
         """{key: array} (any float dtype) -> {key: QuantizedTensor | array in the rollout dtype}."""
         out = {}
         for p, v in self._abs_flat:
-            k = _key(p)
+            k = param_key(p)
             x = raw[k]
             if self._is_fp8(k, x) and self._is_fp4(k):  # bf16-rounded like the FP8 path, then e2m1 + 1x32 scales
                 out[k] = quant.QuantizedTensor.from_fp4(x.astype(quant.ROLLOUT_FP8_SOURCE_DTYPE).astype(jnp.float32))
             elif self._is_fp8(k, x):
                 out[k] = quant.quantize_rollout_fp8(x, fmt=self.fmt, block=self.fp8_block)
-            elif jnp.issubdtype(x.dtype, jnp.floating) and not _KEEP_F32.search(k):
+            elif jnp.issubdtype(x.dtype, jnp.floating) and not KEEP_F32.search(k):
                 out[k] = x.astype(self.compute_dtype)
             else:
                 out[k] = x.astype(v.get_value().dtype)
@@ -320,9 +299,9 @@ class Sampler:
         if isinstance(params, dict) and all(isinstance(k, str) for k in params):
             flat = params
         else:
-            flat = {_key(p): (v.get_value() if isinstance(v, nnx.Variable) else v)
+            flat = {param_key(p): (v.get_value() if isinstance(v, nnx.Variable) else v)
                     for p, v in nnx.to_flat_state(params)}
-        missing = [_key(p) for p, _ in self._abs_flat if _key(p) not in flat]
+        missing = [param_key(p) for p, _ in self._abs_flat if param_key(p) not in flat]
         if missing:
             raise ValueError(f"update_weights: {len(missing)} tensors missing, e.g. {missing[:5]}")
         return flat
@@ -337,7 +316,7 @@ class Sampler:
     def _model(self, wstate):
         vals = {k: (v.dequantize(self.compute_dtype) if isinstance(v, quant.QuantizedTensor) else v)
                 for k, v in wstate.items()}
-        flat = [(p, var.replace(vals[_key(p)])) for p, var in self._abs_flat]
+        flat = [(p, var.replace(vals[param_key(p)])) for p, var in self._abs_flat]
         return nnx.merge(self.graphdef, nnx.from_flat_state(flat))
 
     # ------------------------------------------------------------------ generation
@@ -414,7 +393,6 @@ class Sampler:
         `ACT_BATCH` mesh axes, never replicated over them); None without a mesh."""
         if self.mesh is None:
             return None
-        from sharding.rules import cache_shardings
         return cache_shardings(caches, self.mesh, self.rules)
 
     def _empty_caches(self, b, cache_len):
@@ -431,7 +409,6 @@ class Sampler:
         rules (`sharding.rules.batch_shards`), 1 without a mesh."""
         if self.mesh is None:
             return 1
-        from sharding.rules import batch_shards
         return batch_shards(self.rules, self.mesh)
 
     def slot_count(self, slots: int | None = None) -> int:
@@ -442,7 +419,6 @@ class Sampler:
 
     def _slot_inputs(self, b: int, t_cap: int):
         """(slots, prompt width, cache_len) of the continuous-batching program for a `b`-request bucket."""
-        from rl import slots as _slots
         return self.slot_count(), self.max_prompt_len, _slots.cache_len_for(self.config, self.max_prompt_len, t_cap)
 
     def _buckets(self, n: int, prompt_len: int, max_new_tokens: int) -> tuple[int, int, int]:
@@ -451,7 +427,6 @@ class Sampler:
         p_bucket = min(_next_pow2(prompt_len, 16), _next_pow2(self.max_prompt_len, 16))
         b = _next_pow2(n)
         if self.mesh is not None:
-            from sharding.rules import batch_shards
             k = batch_shards(self.rules, self.mesh)
             b = -(-b // k) * k
         return b, p_bucket, _next_pow2(max_new_tokens, 16)
@@ -461,8 +436,6 @@ class Sampler:
         like the batch (`ACT_BATCH`), scalars and stop ids replicated; None without a mesh."""
         if self.mesh is None:
             return None
-        from sharding import axes as ax
-        from sharding.rules import activation_spec
         rep = NamedSharding(self.mesh, PartitionSpec())
         rows = NamedSharding(self.mesh, activation_spec(ax.ACT_BATCH, rules=self.rules, mesh=self.mesh))
         return (rows, rows, rows, rep, rep, rep, rows, rep)
@@ -472,7 +445,7 @@ class Sampler:
         an abstract model's (no weights needed)."""
         if self._w is not None:
             return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), self._w)
-        raw = {_key(p): jax.ShapeDtypeStruct(v.get_value().shape, v.get_value().dtype) for p, v in self._abs_flat}
+        raw = {param_key(p): jax.ShapeDtypeStruct(v.get_value().shape, v.get_value().dtype) for p, v in self._abs_flat}
         w_abs = jax.eval_shape(self._quantize_fn, raw)
         sh = self._wstate_shardings()
         if sh is None:
@@ -589,8 +562,6 @@ class Sampler:
         ctx = jax.set_mesh(self.mesh) if self.mesh is not None else _null()
         rep = None if self.mesh is None else NamedSharding(self.mesh, PartitionSpec())
         if self.slots:
-            from rl import slots as _slots
-
             # one prefill width per sampler (a row's result does not depend on the call's longest prompt); slots
             # rounded up to a multiple of the batch shards, each device holding slots / shards of them
             s_n, p_max, cache_len = self._slot_inputs(b, t_cap)
@@ -645,7 +616,6 @@ def _to_host(tree):
     all-gathered first (multi-host rollout meshes)."""
     def one(x):
         if isinstance(x, jax.Array) and not x.is_fully_addressable:
-            from jax.experimental import multihost_utils
             return np.asarray(multihost_utils.process_allgather(x, tiled=True))
         return np.asarray(jax.device_get(x))
     return jax.tree.map(one, tree)
@@ -671,5 +641,4 @@ class _null:
 def _rules_ctx(rules, mesh):
     if rules is None or mesh is None:
         return _null()
-    from sharding.rules import use_rules
     return use_rules(rules, mesh)

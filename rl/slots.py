@@ -37,9 +37,18 @@ import math
 import jax
 import jax.numpy as jnp
 import numpy as np
+from flax import nnx
+from jax.sharding import NamedSharding
 
 from dsv4.cache import cache_shapes, decode_step
 from dsv4.chunked import prefill_chunked
+from dsv4.model import DSV4ForCausalLM
+from parallel.plan import GPUS, plan
+from rl.config import LearnerConfig, RolloutConfig
+from rl.config_tree import default
+from rl.sampling import sample_tokens
+from sharding import axes as ax
+from sharding.rules import activation_spec, cache_shardings
 
 
 def cache_len_for(config, prompt_len: int, max_new_tokens: int) -> int:
@@ -59,10 +68,6 @@ def cache_bytes_per_slot(sampler, cache_len: int) -> int:
 def cache_bytes_per_slot_for(config, cache_len: int, dtype="bfloat16", fp8: str | None = None) -> int:
     """Bytes of one sequence's decode cache of model `config` at `cache_len` positions (`dtype`: kv / entries
     when unquantised; fp8: the FP8 layout's format, `dsv4.cache.cache_shapes`)."""
-    from flax import nnx
-
-    from dsv4.model import DSV4ForCausalLM
-
     key = (config, int(cache_len), str(jnp.dtype(dtype)), fp8)
     if key not in _BYTES:
         abstract = nnx.eval_shape(lambda: DSV4ForCausalLM(config, rngs=nnx.Rngs(0)))
@@ -118,11 +123,6 @@ def _pinner(sampler):
     table's `ACT_BATCH` axes: data x expert on the rollout mesh), never replicated; identity without a mesh."""
     if sampler.mesh is None:
         return lambda st: st
-    from jax.sharding import NamedSharding
-
-    from sharding import axes as ax
-    from sharding.rules import activation_spec, cache_shardings
-
     mesh, rules = sampler.mesh, sampler.rules
     rows = NamedSharding(mesh, activation_spec(ax.ACT_BATCH, rules=rules, mesh=mesh))
 
@@ -152,8 +152,6 @@ def slots_program(sampler, shape, wstate, caches, ids, lens, key_data, n_real, t
     prompt routing [nb, P, L, k], response routing [nb, T, L, k], lengths [nb], stopped [nb], stats [3] int32 =
     (refills, busy slot-steps, decode steps), caches).
     """
-    from rl.sampler import sample_tokens  # noqa: PLC0415 (rl.sampler imports this module)
-
     nb, p, t_cap, s = shape
     cfg = sampler.config
     n_l, k = cfg.num_hidden_layers, cfg.num_experts_per_tok
@@ -258,23 +256,21 @@ def slot_stats(stats, slots: int) -> dict:
             "rollout/slot_utilisation": busy / max(1, steps * slots)}
 
 
-def kv_budget_from_plan(model_cfg, mesh_spec: str, seq_len: int, *, rollout_dtype: str = "fp8",
+def kv_budget_from_plan(model_cfg, mesh_spec: str, seq_len: int, *,
+                        rollout_dtype: str = default(RolloutConfig, "dtype"),
                         **plan_kwargs) -> tuple[float | None, str]:
     """KV-cache bytes the memory plan (parallel/plan.py) leaves on one rollout device after weights and reserve,
     for the detected GPU (else MI308X for fp8_e4m3fnuz, else H200: the planner's GPUs), and a note saying which.
+    (The rollout's side of the plan does not depend on the learner's knobs: planned with `LearnerConfig()`.)
 
     Returns (None, reason) when the plan cannot be made (then slot counts are not checked).
     """
-    try:
-        from parallel.plan import GPUS, plan
-    except ImportError as e:
-        return None, f"memory plan unavailable ({e})"
     kind = jax.devices()[0].device_kind.lower().replace(" ", "")
     gpu = next((g for g in GPUS if g in kind), None)
     note = "detected" if gpu else "assumed"
     gpu = gpu or ("mi308x" if rollout_dtype == "fp8_e4m3fnuz" else "h200")
     try:
-        report = plan(model_cfg, mesh_spec, gpu, rollout_seq_len=seq_len, **plan_kwargs)
+        report = plan(model_cfg, mesh_spec, gpu, learner=LearnerConfig(), rollout_seq_len=seq_len, **plan_kwargs)
     except Exception as e:  # noqa: BLE001 - the plan is advice; an unplannable mesh leaves slots unchecked
         return None, f"memory plan unavailable for {mesh_spec} on {gpu} ({type(e).__name__}: {e})"
     return float(report.rollout.margin), f"memory plan on {gpu} ({note})"

@@ -31,6 +31,8 @@ import string
 from collections.abc import Sequence
 from typing import Protocol, runtime_checkable
 
+from tokenizers import Tokenizer
+
 # Candidate special-token names, most specific first (DeepSeek's own names lead).
 EOS_CANDIDATES = ("<｜end▁of▁sentence｜>", "<|endoftext|>", "<|end_of_text|>", "</s>", "<eos>", "[EOS]")
 BOS_CANDIDATES = ("<｜begin▁of▁sentence｜>", "<|begin_of_text|>", "<|startoftext|>", "<s>", "<bos>", "[BOS]")
@@ -180,8 +182,6 @@ def load_tokenizer(path: str | os.PathLike, *, eos_token: str | None = None, bos
     Raises TokenizerError naming the path if the file is missing, is not valid JSON / not a
     tokenizer, has no EOS token under any name we look for, or if an explicit token is unknown.
     """
-    from tokenizers import Tokenizer  # imported here: the digit task never needs it
-
     path = os.fspath(path)
     file = os.path.join(path, "tokenizer.json") if os.path.isdir(path) else path
     if not os.path.isfile(file):

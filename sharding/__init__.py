@@ -5,8 +5,6 @@
     mesh.py         mesh specs and MeshPlan (actor and rollout meshes)
     distributed.py  multi-process start-up (jax.distributed)
     offload.py      which optimizer state lives in host memory (pinned_host)
-    plan/           only the entry point `python -m sharding.plan` (forwards to launch/plan.py; the planner is
-                    parallel/plan.py)
 
 The names below are re-exported for convenience. Expert parallelism, the push and the planner live one layer up,
 in `parallel/` (they need the model).

@@ -40,6 +40,10 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 import jax
+from jax._src import distributed as jd  # private: the process id / coordinator jax.distributed was started with
+from jax._src import xla_bridge  # private: whether the backends have started
+
+from sharding.mpmd import configure_transfer, transfer_socket_address
 
 ENV_COORDINATOR = "JAX_COORDINATOR_ADDRESS"
 ENV_NUM_PROCESSES = "JAX_NUM_PROCESSES"
@@ -139,11 +143,9 @@ def resolve_settings(coordinator: str | None = None, num_processes: int | None =
 
 
 def _backend_initialized() -> bool:
-    try:
-        from jax._src import xla_bridge  # private, but the only way to ask without initialising it
-
+    try:  # private, but the only way to ask without initialising it
         return bool(xla_bridge.backends_are_initialized())
-    except (ImportError, AttributeError):  # API moved: let jax.distributed.initialize complain itself
+    except AttributeError:  # API moved: let jax.distributed.initialize complain itself
         return False
 
 
@@ -200,10 +202,6 @@ def maybe_initialize_distributed(coordinator: str | None = None, num_processes: 
 def _configure_transfer(coordinator: str | None, address: str | None, timeout_s: float | None) -> None:
     """Cross-process device_put (an MPMD rollout on its own processes) needs jax's socket-transfer flags before the
     backend starts; set them for every multi-process run (sharding/mpmd.py)."""
-    from jax._src import distributed as jd
-
-    from sharding.mpmd import configure_transfer, transfer_socket_address
-
     coordinator = (coordinator or os.environ.get(ENV_COORDINATOR)
                    or getattr(jd.global_state, "coordinator_address", None))
     if address is None and not coordinator:

@@ -45,6 +45,7 @@ from collections.abc import Sequence
 from typing import Any
 
 import jax
+from jax._src import distributed  # private: the coordination service's client and this process's id
 
 from sharding.mesh import MeshSpecError
 from sharding.rules import ACTOR, ROLLOUT
@@ -74,8 +75,6 @@ def report_failure(error: PeerTimeoutError) -> None:
     poll instead of being torn down by jax when the coordinator's process exits), and on process 0, which hosts
     the coordination service, give them `GRACE_S` to do so."""
     try:
-        from jax._src import distributed
-
         _client().key_value_set(FAILED_KEY, f"{error.side}\n{error}", allow_overwrite=True)
         if distributed.global_state.process_id == 0:
             time.sleep(GRACE_S)
@@ -183,8 +182,6 @@ def configure_transfer(socket_address: str, timeout_s: float | None = None) -> N
 
 
 def _client():
-    from jax._src import distributed
-
     client = distributed.global_state.client
     if client is None:
         raise RuntimeError("MPMD messages need jax.distributed (sharding.distributed.maybe_initialize_distributed)")

@@ -1,36 +1,147 @@
-"""Imports flow one way: sharding -> dsv4 -> parallel -> rl -> launch (docs/architecture.md).
+"""Imports flow one way: sharding -> dsv4 -> parallel -> rl -> launch (docs/architecture.md, docs/style.md rule 17).
 
-Every module of the five packages is parsed (not imported) and each `import` / `from ... import` statement,
-at module level or inside a function, is checked: a module may import its own layer and the layers below it,
-never one above. Function-level imports count too, so a late import cannot hide a cycle.
+Every module of the five packages is parsed (not imported) and each `import` / `from ... import` statement, at
+module level or inside a function, is checked:
+- a module imports its own layer and the layers below it, never one above (no exception);
+- the module graph (function-level imports included, so a late import cannot hide a cycle) has no cycle, inside a
+  package or across them;
+- no import runs inside a function, except the short allow-list `LAZY_OK` below: each a heavy library that only
+  one optional path needs. A late import to dodge a cycle is what the cycle check forbids; one for no reason is
+  noise that hides the module's real dependencies.
+The checks are functions of a root folder, so `test_*_detects_*` run them on planted packages under tmp_path.
 """
 
 from __future__ import annotations
 
 import ast
+import dataclasses
 import pathlib
 
 import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 LAYERS = ("sharding", "dsv4", "parallel", "rl", "launch")
-# The only upward import, by name: the documented CLI `python -m sharding.plan` forwards to launch/plan.py.
-ALLOWED = {("sharding/plan/__main__.py", "launch")}
+# (file, imported top-level module) -> why the import waits for the first call
+LAZY_OK = {
+    ("rl/wandb_sink.py", "wandb"): "the optional [wandb] extra: absent unless installed; --wandb-project asks for it",
+    ("rl/rewards.py", "math_verify"): "sympy-backed (~0.5 s warm, seconds cold); only the math rewards call it and "
+                                      "the reward worker preloads it before its first deadline",
+    ("rl/math_rewards.py", "math_verify"): "as rl/rewards.py: only the math-answer comparison needs sympy",
+    ("rl/sinks.py", "tensorboardX"): "the heaviest import of the run (~1.4 s warm: protobuf); only --tensorboard-dir "
+                                     "needs it",
+}
 
 
-def _imported_packages(path: pathlib.Path) -> list[tuple[int, str]]:
-    """(line, top-level package) of every absolute import in the file."""
-    out = []
-    for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
-        if isinstance(node, ast.Import):
-            out += [(node.lineno, alias.name.split(".")[0]) for alias in node.names]
-        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
-            out.append((node.lineno, node.module.split(".")[0]))
+@dataclasses.dataclass(frozen=True)
+class Import:
+    line: int
+    target: str  # the project module it resolves to, or the absolute name of an outside module
+    top: str  # top-level package of the imported name
+    in_function: bool
+
+
+def modules(root: pathlib.Path, layers=LAYERS) -> dict[str, pathlib.Path]:
+    """{dotted module name: file} of every .py file under `root/<layer>/` (a package's `__init__` is the package)."""
+    out = {}
+    for layer in layers:
+        for f in sorted((root / layer).rglob("*.py")):
+            parts = list(f.relative_to(root).with_suffix("").parts)
+            if parts[-1] == "__init__":
+                parts = parts[:-1]
+            out[".".join(parts)] = f
     return out
 
 
-def _modules():
-    return sorted(p for layer in LAYERS for p in (ROOT / layer).rglob("*.py"))
+def _resolve(name: str, mods) -> str | None:
+    while name and name not in mods:
+        name = name.rpartition(".")[0]
+    return name or None
+
+
+def imports(module: str, path: pathlib.Path, mods) -> list[Import]:
+    """Every import statement of `path` (module `module`), with the project module each name resolves to
+    (`from pkg import sub` -> `pkg.sub` when that is a module) and whether it runs inside a function."""
+    tree = ast.parse(path.read_text(), filename=str(path))
+    out: list[Import] = []
+
+    def visit(node, in_fn: bool):
+        for child in ast.iter_child_nodes(node):
+            fn = in_fn or isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda))
+            if isinstance(child, ast.Import):
+                out.extend(Import(child.lineno, _resolve(a.name, mods) or a.name, a.name.split(".")[0], in_fn)
+                           for a in child.names)
+            elif isinstance(child, ast.ImportFrom):
+                base = child.module or ""
+                if child.level:
+                    pkg = module.split(".") if path.name == "__init__.py" else module.split(".")[:-1]
+                    pkg = pkg[: len(pkg) - (child.level - 1)]
+                    base = ".".join(pkg + ([child.module] if child.module else []))
+                for a in child.names:
+                    full = f"{base}.{a.name}"
+                    target = _resolve(full if full in mods else base, mods) or base
+                    out.append(Import(child.lineno, target, base.split(".")[0], in_fn))
+            visit(child, fn)
+
+    visit(tree, False)
+    return out
+
+
+def import_graph(root: pathlib.Path, layers=LAYERS) -> dict[str, set[str]]:
+    """{module: project modules it imports (at any level, function-level included)}; a submodule importing its
+    own package's `__init__` counts (the package imports its submodules: that is a cycle at import time)."""
+    mods = modules(root, layers)
+    return {m: {i.target for i in imports(m, f, mods) if i.target in mods and i.target != m} for m, f in mods.items()}
+
+
+def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components of more than one module (Tarjan), each sorted, in a stable order."""
+    index, low, stack, on, out = {}, {}, [], set(), []
+
+    def strong(v):
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on.add(v)
+        for w in sorted(graph[v]):
+            if w not in index:
+                strong(w)
+                low[v] = min(low[v], low[w])
+            elif w in on:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = []
+            while True:
+                w = stack.pop()
+                on.discard(w)
+                comp.append(w)
+                if w == v:
+                    break
+            if len(comp) > 1:
+                out.append(sorted(comp))
+
+    for v in sorted(graph):
+        if v not in index:
+            strong(v)
+    return sorted(out)
+
+
+def function_level_imports(root: pathlib.Path, rel: str, allowed=LAZY_OK) -> list[str]:
+    """'file:line imports X inside a function' for every function-level import of `root/rel` not in `allowed`."""
+    mods = modules(root, (rel.split("/")[0],))
+    module = next(m for m, f in mods.items() if f == root / rel)
+    late = [i for i in imports(module, root / rel, mods) if i.in_function and (rel, i.top) not in allowed]
+    return list(dict.fromkeys(f"{rel}:{i.line} imports {i.target} inside a function" for i in late))
+
+
+def upward_imports(root: pathlib.Path, rel: str, layers=LAYERS) -> list[str]:
+    mods = modules(root, layers)
+    module = next(m for m, f in mods.items() if f == root / rel)
+    rank = layers.index(rel.split("/")[0])
+    up = [i for i in imports(module, root / rel, mods) if i.top in layers and layers.index(i.top) > rank]
+    return list(dict.fromkeys(f"{rel}:{i.line} imports {i.target} (layer {layers.index(i.top)} > {rank})" for i in up))
+
+
+def _files():
+    return sorted(f.relative_to(ROOT).as_posix() for f in modules(ROOT).values())
 
 
 def test_every_layer_has_modules():
@@ -38,20 +149,75 @@ def test_every_layer_has_modules():
         assert list((ROOT / layer).glob("*.py")), f"no modules in {layer}/"
 
 
-@pytest.mark.parametrize("path", _modules(), ids=lambda p: str(p.relative_to(ROOT)))
-def test_imports_flow_downward(path):
-    rel = path.relative_to(ROOT).as_posix()
-    rank = LAYERS.index(rel.split("/")[0])
-    upward = [f"{rel}:{line} imports {pkg} (layer {LAYERS.index(pkg)} > {rank})"
-              for line, pkg in _imported_packages(path)
-              if pkg in LAYERS and LAYERS.index(pkg) > rank and (rel, pkg) not in ALLOWED]
+@pytest.mark.parametrize("rel", _files())
+def test_imports_flow_downward(rel):
+    upward = upward_imports(ROOT, rel)
     assert not upward, "\n".join(upward)
 
 
-def test_allowed_exceptions_still_exist():
-    """An allowance that is no longer needed is removed, so the list stays the truth."""
-    for rel, pkg in ALLOWED:
-        assert pkg in {p for _, p in _imported_packages(ROOT / rel)}, f"{rel} no longer imports {pkg}"
+def test_no_import_cycles():
+    found = cycles(import_graph(ROOT))
+    assert not found, "import cycles:\n" + "\n".join(" <-> ".join(c) for c in found)
+
+
+@pytest.mark.parametrize("rel", _files())
+def test_no_function_level_imports(rel):
+    late = function_level_imports(ROOT, rel)
+    assert not late, "\n".join(late)
+
+
+def test_lazy_allow_list_is_still_needed():
+    """An allowance that is no longer used is removed, so the list stays the truth."""
+    for rel, top in LAZY_OK:
+        module = next(m for m, f in modules(ROOT).items() if f == ROOT / rel)
+        found = {i.top for i in imports(module, ROOT / rel, modules(ROOT)) if i.in_function}
+        assert top in found, f"{rel} no longer imports {top} inside a function: drop it from LAZY_OK"
+
+
+def _plant(root: pathlib.Path, files: dict[str, str]) -> None:
+    for rel, text in files.items():
+        (root / rel).parent.mkdir(parents=True, exist_ok=True)
+        (root / rel).write_text(text)
+
+
+def test_cycle_check_detects_a_planted_cycle_through_a_function_level_import(tmp_path):
+    """A cycle held together by a late import (the shape CONTRIBUTING forbids) is found, and so is one through a
+    package's __init__; a one-way chain is not a cycle."""
+    _plant(tmp_path, {
+        "pkg/__init__.py": "",
+        "pkg/a.py": "from pkg.b import g\n\ndef f():\n    return g()\n",
+        "pkg/b.py": "def g():\n    from pkg import a  # dodges the cycle at import time\n    return a\n",
+        "pkg/c.py": "from . import a\n",  # one way: not part of the cycle
+        "top/__init__.py": "from top.x import X\n",
+        "top/x.py": "from top import helper\nX = 1\n",
+        "top/helper.py": "",
+    })
+    graph = import_graph(tmp_path, ("pkg", "top"))
+    assert graph["pkg.c"] == {"pkg.a"} and graph["top.x"] == {"top.helper"}
+    assert cycles(graph) == [["pkg.a", "pkg.b"]]
+    _plant(tmp_path, {"top/x.py": "from top import helper\nfrom top import Y\nX = 1\n"})  # `from top import Y`
+    assert cycles(import_graph(tmp_path, ("pkg", "top"))) == [["pkg.a", "pkg.b"], ["top", "top.x"]]
+
+
+def test_function_level_import_check_detects_planted_late_imports(tmp_path):
+    _plant(tmp_path, {
+        "pkg/__init__.py": "import os\n",
+        "pkg/m.py": ("import json\n\nclass K:\n    def method(self):\n        import pkg.n\n\n"
+                     "def f():\n    g = lambda: __import__('x')\n    def inner():\n        from os import path\n"),
+        "pkg/n.py": "try:\n    import yaml\nexcept ImportError:\n    yaml = None\n",  # module level: fine
+    })
+    assert function_level_imports(tmp_path, "pkg/m.py", allowed={}) == [
+        "pkg/m.py:5 imports pkg.n inside a function", "pkg/m.py:10 imports os inside a function"]
+    assert function_level_imports(tmp_path, "pkg/m.py", allowed={("pkg/m.py", "os")}) == [
+        "pkg/m.py:5 imports pkg.n inside a function"]
+    assert function_level_imports(tmp_path, "pkg/n.py", allowed={}) == []
+
+
+def test_upward_check_detects_a_planted_upward_import(tmp_path):
+    _plant(tmp_path, {"low/__init__.py": "", "low/x.py": "import os\n\ndef f():\n    import high.y\n",
+                      "high/__init__.py": "", "high/y.py": "from low import x\n"})
+    assert upward_imports(tmp_path, "low/x.py", ("low", "high")) == ["low/x.py:4 imports high.y (layer 1 > 0)"]
+    assert upward_imports(tmp_path, "high/y.py", ("low", "high")) == []
 
 
 def test_test_module_basenames_are_unique():

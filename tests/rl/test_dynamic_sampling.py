@@ -9,7 +9,7 @@ import pytest
 
 from rl import stages
 from rl.config import RunConfig
-from rl.sampler import RolloutBatch, concat_rollouts
+from rl.batch import RolloutBatch, concat_rollouts
 
 L, K = 2, 1  # routing [.., L, k]
 

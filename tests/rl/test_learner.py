@@ -24,6 +24,13 @@ CFG = dsv4.DSV4Config.tiny(num_hidden_layers=2, compress_ratios=(0, 4, 0))
 N, P, T = 8, 5, 5
 
 
+def _lc(**kw) -> LearnerConfig:
+    """The per-layer learner these tests inspect (state keyed `layers/<i>/...`, the whole offloaded state moved in
+    one piece): LearnerConfig with scan_layers and stream_optimizer off. The scanned, streamed default is compared
+    with it in tests/rl/test_learner_scan.py."""
+    return LearnerConfig(**{"scan_layers": False, "stream_optimizer": False, **kw})
+
+
 @pytest.fixture(scope="module")
 def model():
     return dsv4.DSV4ForCausalLM(CFG, rngs=nnx.Rngs(0), param_dtype=jnp.float32, dtype=jnp.float32)
@@ -61,7 +68,7 @@ def _host(tree):
 
 
 def test_routing_replay_reproduces_recorded_routes(model, batch):
-    learner = Learner(model, LearnerConfig(lr=1e-2, compute_dtype="float32", routing_replay=True))
+    learner = Learner(model, _lc(lr=1e-2, compute_dtype="float32", routing_replay=True))
     pre, pre_metrics = learner.compute_logprobs(learner.state, batch)
     # Replay on the pre-update params reproduces the recorded logprobs (and routes).
     mask = np.asarray(batch.response_mask) > 0
@@ -84,7 +91,7 @@ def test_routing_replay_reproduces_recorded_routes(model, batch):
 
 
 def test_replay_without_or_with_misshaped_routing_raises_before_the_step(model, batch):
-    learner = Learner(model, LearnerConfig(lr=1e-3, compute_dtype="float32", routing_replay=True))
+    learner = Learner(model, _lc(lr=1e-3, compute_dtype="float32", routing_replay=True))
     state = learner.state
     with pytest.raises(ValueError, match="routing is None"):
         learner.train_step(state, batch.replace(routing=None))
@@ -95,11 +102,11 @@ def test_replay_without_or_with_misshaped_routing_raises_before_the_step(model, 
     assert not any(x.is_deleted() for x in jax.tree.leaves(state))  # nothing was donated: the step never ran
     assert not learner._jits  # nothing was even compiled
     with pytest.raises(ValueError, match="micro_batch_size"):
-        Learner(model, LearnerConfig(micro_batch_size=3, compute_dtype="float32")).train_step(state, batch)
+        Learner(model, _lc(micro_batch_size=3, compute_dtype="float32")).train_step(state, batch)
 
 
 def test_freeze_router_and_nonfinite_guard(model, batch):
-    learner = Learner(model, LearnerConfig(lr=1e-3, compute_dtype="float32", freeze_router=True))
+    learner = Learner(model, _lc(lr=1e-3, compute_dtype="float32", freeze_router=True))
     assert learner.state.ref_params is None and "ref_params" not in learner.state_dict()  # kl_coef = 0: no copy
     before = _flat(learner.state.params)
     buffers_before = _flat(learner.state.buffers)
@@ -133,7 +140,7 @@ def test_micro_batches_accumulate_to_the_full_batch(model, batch):
     """micro_batch_size 2 (4 micro-batches, ragged responses) vs the whole batch of 8: loss and grads <= 1e-5."""
     results = {}
     for mbs in (None, 2):
-        cfg = LearnerConfig(lr=1e-3, compute_dtype="float32", micro_batch_size=mbs,
+        cfg = _lc(lr=1e-3, compute_dtype="float32", micro_batch_size=mbs,
                             loss=LossConfig(loss_agg_mode="seq-mean-token-mean", correction="tis"))
         learner = Learner(model, cfg)
         loss, grads, metrics = learner.loss_and_grads(learner.state, batch)
@@ -148,7 +155,7 @@ def test_micro_batches_accumulate_to_the_full_batch(model, batch):
 
 
 def test_kl_reference_is_kept_only_when_used(model, batch):
-    cfg = LearnerConfig(lr=1e-3, compute_dtype="float32", ref_dtype="float32", loss=LossConfig(kl_coef=0.1))
+    cfg = _lc(lr=1e-3, compute_dtype="float32", ref_dtype="float32", loss=LossConfig(kl_coef=0.1))
     learner = Learner(model, cfg)
     ref_before = _host(learner.state.ref_params)
     m1 = learner.update(batch)
@@ -159,13 +166,13 @@ def test_kl_reference_is_kept_only_when_used(model, batch):
         np.testing.assert_array_equal(a, b)
     assert "ref_params" in learner.state_dict()
     # bf16 reference (the default): matrices stored in bf16, vectors kept in fp32.
-    ref = Learner(model, LearnerConfig(loss=LossConfig(kl_coef=0.1))).state.ref_params
+    ref = Learner(model, _lc(loss=LossConfig(kl_coef=0.1))).state.ref_params
     dtypes = {x.ndim >= 2: x.dtype for x in jax.tree.leaves(ref)}
     assert dtypes == {True: jnp.bfloat16, False: jnp.float32}
 
 
 def test_fp32_masters_keep_updates_below_bf16_resolution(model, batch):
-    cfg = LearnerConfig(lr=1e-4, compute_dtype="bfloat16", max_grad_norm=None)
+    cfg = _lc(lr=1e-4, compute_dtype="bfloat16", max_grad_norm=None)
     learner = Learner(model, cfg)
     metrics = learner.update(batch)
     assert float(metrics["train/skipped_nonfinite"]) == 0
@@ -196,7 +203,7 @@ def test_grpo_steps_raise_the_reward_of_a_fixed_batch(model):
     expected reward of the batch, estimated by self-normalised importance weights pi_new(y) / pi_old(y) over the
     sampled responses, rises; rewarded responses become more likely and unrewarded ones less likely."""
     g, n_prompts, p, t_new = 8, 2, 3, 4
-    learner = Learner(model, LearnerConfig(lr=2e-3, compute_dtype="float32"))
+    learner = Learner(model, _lc(lr=2e-3, compute_dtype="float32"))
     forward = jax.jit(lambda w, b, i, m: nnx.merge(learner.graphdef, w, b)(i, attention_mask=m).logits)
     prompts = jnp.repeat(jax.random.randint(jax.random.key(1), (n_prompts, p), 1, CFG.vocab_size), g, axis=0)
     ids, am = _sample(forward, learner.state.params, learner.state.buffers, prompts, t_new, jax.random.key(2))
@@ -236,7 +243,7 @@ def test_sharded_step_equals_unsharded(model, batch, dispatch):
     (measured: <= 3e-4 of the update norm), while a mis-sharded or missing update differs by O(1).
     """
     plan = build_mesh_plan("actor:fsdp=2,expert=2,tensor=2", config=CFG)
-    cfg = LearnerConfig(lr=1e-3, compute_dtype="float32", micro_batch_size=4, routing_replay=True)
+    cfg = _lc(lr=1e-3, compute_dtype="float32", micro_batch_size=4, routing_replay=True)
     dispatch_fn = make_ep_dispatch(plan.actor) if dispatch == "ep" else None
     plain, sharded = Learner(model, cfg), Learner(model, cfg, mesh=plan.actor, dispatch_fn=dispatch_fn)
     emb = sharded.state.params["embed"]["weight"][...]
@@ -261,7 +268,7 @@ def test_sharded_step_equals_unsharded(model, batch, dispatch):
 
 
 def test_state_dict_roundtrip_and_push_params(model, batch):
-    cfg = LearnerConfig(lr=1e-3, compute_dtype="float32")
+    cfg = _lc(lr=1e-3, compute_dtype="float32")
     a, b = Learner(model, cfg), Learner(model, cfg)
     b.load_state_dict(jax.tree.map(lambda x: x + 1 if x.dtype == jnp.float32 else x, a.state_dict()))
     for x, y in zip(jax.tree.leaves(b.state_dict()), jax.tree.leaves(a.state_dict())):
@@ -279,7 +286,7 @@ def test_replay_refuses_invalid_routes_and_counts_unknown(model, batch):
     # Issue 15 class 1: a route outside [0, E) (other than the unknown marker -1), a repeated expert, a float
     # dtype or a hash-layer route that is not tid2eid[token] is refused before anything runs, naming row,
     # position and layer; unknown routes (-1) are counted in train/replay_unknown_frac.
-    learner = Learner(model, LearnerConfig(lr=1e-3, compute_dtype="float32", routing_replay=True))
+    learner = Learner(model, _lc(lr=1e-3, compute_dtype="float32", routing_replay=True))
     routing = np.array(batch.routing)
     real = np.argwhere(np.asarray(batch.attention_mask) > 0)
     i, t = (int(x) for x in real[0])

@@ -59,7 +59,7 @@ def test_stream_and_scan_flags_reach_the_learner():
 
 
 def test_planner_reads_the_same_knobs(capsys):
-    """`python -m sharding.plan` takes the learner's knobs from the same definitions (choices incl. auto, the
+    """`python -m launch.plan` takes the learner's knobs from the same definitions (choices incl. auto, the
     run's defaults, the run's one-line error for a bad value); its earlier flags keep working."""
     from launch.plan import main as plan_main
 

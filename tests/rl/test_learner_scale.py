@@ -27,6 +27,13 @@ CFG = dsv4.DSV4Config.tiny(num_hidden_layers=2, compress_ratios=(0, 4, 0))
 N, P, T = 5, 8, 8  # S = 16; real rows are at most 3 + 4 = 7 tokens -> trimmed width 8
 
 
+def _lc(**kw) -> LearnerConfig:
+    """The per-layer learner these tests inspect (state keyed `layers/<i>/...`, the whole offloaded state moved in
+    one piece): LearnerConfig with scan_layers and stream_optimizer off. The scanned, streamed default is compared
+    with it in tests/rl/test_learner_scan.py."""
+    return LearnerConfig(**{"scan_layers": False, "stream_optimizer": False, **kw})
+
+
 @pytest.fixture(scope="module")
 def model():
     return dsv4.DSV4ForCausalLM(CFG, rngs=nnx.Rngs(0), param_dtype=jnp.float32, dtype=jnp.float32)
@@ -65,11 +72,11 @@ def test_trimmed_token_budget_micro_batches_equal_the_full_batch(model, batch):
     3 micro-batches of 2 rows (one padding row). Loss, grads, metrics (Dr.GRPO: S-length normaliser kept) and
     per-token logprobs/entropy/routing (put back at their columns) agree to fp32 rounding."""
     loss_cfg = LossConfig(loss_agg_mode="seq-mean-token-sum-norm", correction="tis")
-    ref = Learner(model, LearnerConfig(lr=1e-3, compute_dtype="float32", trim=False, logprob_chunk_size=None,
+    ref = Learner(model, _lc(lr=1e-3, compute_dtype="float32", trim=False, logprob_chunk_size=None,
                                        loss=loss_cfg, routing_replay=True))
     lay = ref._layout(N, P + T, 7)
     assert (lay.width, lay.micro_batches, lay.rows) == (16, 1, 5)
-    new = Learner(model, LearnerConfig(lr=1e-3, compute_dtype="float32", max_tokens_per_micro_batch=16,
+    new = Learner(model, _lc(lr=1e-3, compute_dtype="float32", max_tokens_per_micro_batch=16,
                                        logprob_chunk_size=3, loss=loss_cfg, routing_replay=True))
     _, lay, shift = new._fit(batch)
     assert (lay.width, lay.micro_batches, lay.rows) == (8, 3, 2) and shift.max() > 0
@@ -88,13 +95,13 @@ def test_trimmed_token_budget_micro_batches_equal_the_full_batch(model, batch):
 
 
 def test_token_budget_below_the_longest_row_is_an_error(model, batch):
-    learner = Learner(model, LearnerConfig(compute_dtype="float32", max_tokens_per_micro_batch=6))
+    learner = Learner(model, _lc(compute_dtype="float32", max_tokens_per_micro_batch=6))
     with pytest.raises(ValueError, match=r"--max-tokens-per-micro-batch .* = 6 is smaller than the batch's "
                                          r"longest row \(7 tokens\)"):
         learner.train_step(learner.state, batch)
     assert not learner._jits
     with pytest.raises(ValueError, match=r"--offload-optimizer\) must be in \[0, 1\]"):
-        LearnerConfig(offload_optimizer=1.5)
+        _lc(offload_optimizer=1.5)
     with pytest.raises(ValueError, match=r"--offload-optimizer\) must be in \[0, 1\]"):
         RunConfig(offload_optimizer=-0.1)
     with pytest.raises(ValueError, match="--max-tokens-per-micro-batch"):
@@ -107,7 +114,7 @@ def test_bf16_params_fp32_masters_and_offloaded_state(model, batch):
     bitwise the on-device one. offload 0.5: whole params, largest first, <= half the bytes; the planner's host
     bytes for the same model, mesh and frozen set are exactly the learner's."""
     base = dict(lr=1e-4, compute_dtype="float32", param_dtype="bfloat16", max_grad_norm=None)
-    dev, host = (Learner(model, LearnerConfig(**base, offload_optimizer=f)) for f in (0.0, 1.0))
+    dev, host = (Learner(model, _lc(**base, offload_optimizer=f)) for f in (0.0, 1.0))
     params = _flat(dev.state.params)
     assert params["layers/1/ffn/experts/w1"].dtype == jnp.bfloat16 and params["layers/1/hc_attn_fn"].dtype == np.float32
     master = dev.state.opt_state.master
@@ -131,20 +138,20 @@ def test_bf16_params_fp32_masters_and_offloaded_state(model, batch):
     assert w.dtype == jnp.bfloat16 and np.abs(wm - 1.0).max() > 5e-5  # the master moved ...
     assert np.all(w.astype(np.float32) == wm.astype(jnp.bfloat16).astype(np.float32))  # ... params = its rounding
 
-    half = Learner(model, LearnerConfig(**base, offload_optimizer=0.5))
+    half = Learner(model, _lc(**base, offload_optimizer=0.5))
     state_bytes = lambda leaves: sum(math.prod(x.shape) * x.dtype.itemsize for x in leaves)  # noqa: E731
     on_host = state_bytes(x for x in jax.tree.leaves(half.state.opt_state) if x.sharding.memory_kind == "pinned_host")
     total = state_bytes(x for x in jax.tree.leaves(half.state.opt_state) if x.ndim)
     assert 0 < on_host <= 0.5 * total and half.offloaded and len(half.offloaded) < len(master)
     from parallel import plan as pl
 
-    report = pl.plan(CFG, "actor:data=1", "h200", offload_optimizer=0.5, train_mtp=False)
+    report = pl.plan(CFG, "actor:data=1", "h200", learner=_lc(offload_optimizer=0.5))
     assert report.actor.host == on_host
 
 
 def test_lower_on_abstract_batch_is_the_update(model, batch):
     """`Learner.lower` with ShapeDtypeStructs lowers the same program as a concrete batch whose rows fill S."""
-    learner = Learner(model, LearnerConfig(lr=1e-3, compute_dtype="float32", max_tokens_per_micro_batch=16))
+    learner = Learner(model, _lc(lr=1e-3, compute_dtype="float32", max_tokens_per_micro_batch=16))
     full = _batch(model, n=4, p=4, t=4, max_prompt=4, max_resp=4, seed=1)
     full = full.replace(attention_mask=np.ones_like(full.attention_mask))
     abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), full)
@@ -160,7 +167,7 @@ def test_expert_mesh_uses_the_all_to_all_and_equals_unsharded(model, batch):
     """actor:data=2,expert=4: the learner's default dispatch is parallel/expert.py's EP; its compiled step holds
     all-to-alls and no all-gather of routed-expert weights; one step equals the one-device learner."""
     plan = build_mesh_plan("actor:data=2,expert=4", config=CFG)
-    cfg = LearnerConfig(lr=1e-3, compute_dtype="float32", routing_replay=True)
+    cfg = _lc(lr=1e-3, compute_dtype="float32", routing_replay=True)
     batch8 = _batch(model, n=8)
     sharded = Learner(model, cfg, mesh=plan.actor)
     assert sharded.dispatch_fn is not None and "EP dispatch (capacity) over expert=4" in sharded.dispatch_fn.__doc__

@@ -111,3 +111,75 @@ def test_learner_scale_knobs_are_flags_with_the_runs_defaults():
     help_text = launch_run.parser().format_help()
     assert all(f in help_text for f in ("--no-scan-layers", "--stream-optimizer", "--ep-backend",
                                         "--ep-capacity-factor"))
+
+
+# -- each knob one default (issue 22, point 5) ----------------------------------------------------------------------
+
+def test_the_runs_learner_is_the_library_learner_with_its_recipe_values():
+    """`Learner(model, LearnerConfig())` is the run's learner in every structural knob (scanned layers, param dtype,
+    streamed offload, EP backend and capacity, trained MTP / router, remat, ...): DEFAULT_LEARNER changes only the
+    recipe values listed in RECIPE_KNOBS (lr, b2, fp32 compute for the CPU run, routing replay + TIS)."""
+    from rl.config import RECIPE_KNOBS
+
+    lib = LearnerConfig()
+    differ = sorted(f.name for f in dataclasses.fields(LearnerConfig)
+                    if getattr(DEFAULT_LEARNER, f.name) != getattr(lib, f.name))
+    assert differ == sorted(RECIPE_KNOBS)
+    assert (lib.scan_layers, lib.stream_optimizer, lib.param_dtype, lib.train_mtp) == (True, True, "auto", False)
+    run = RunConfig().learner  # the section: DEFAULT_LEARNER (+ the derived temperature)
+    assert all(getattr(run, f.name) == getattr(lib, f.name) for f in dataclasses.fields(LearnerConfig)
+               if f.name not in (*RECIPE_KNOBS, "temperature"))
+
+
+def test_planner_defaults_are_the_runs_definitions():
+    """`python -m launch.plan` plans the run's learner and rollout: each of its knob flags defaults to the run's
+    definition (one default for --train-mtp, the EP backend and capacity, the streamed / scanned / offloaded state,
+    the prompt length, the prefill chunk, the rollout and KV-cache dtypes); the flag names stay."""
+    from launch import plan as launch_plan
+    from rl.config import DataConfig, RolloutConfig
+    from rl.config_tree import default
+
+    d = vars(launch_plan.parser().parse_args(["--mesh", "actor:fsdp=2", "--gpu", "h200"]))
+    names = ("train_mtp", "freeze_router", "scan_layers", "stream_optimizer", "ep_backend", "ep_capacity_factor",
+             "offload_optimizer")
+    learner = {k: getattr(DEFAULT_LEARNER, k) for k in names}
+    assert {k: d[k] for k in names} == learner
+    assert d["micro_batch_tokens"] == DEFAULT_LEARNER.max_tokens_per_micro_batch
+    assert not d["train_mtp"] and d["ep_backend"] == "auto" and d["ep_capacity_factor"] is None
+    assert (d["rollout_prompt_len"], d["prefill_chunk"], d["rollout_dtype"], d["kv_cache_dtype"]) == (
+        default(DataConfig, "max_prompt_len"), default(RolloutConfig, "prefill_chunk"), default(RolloutConfig, "dtype"),
+        default(RolloutConfig, "kv_cache_dtype"))
+    args = launch_plan.parser().parse_args(["--mesh", "actor:fsdp=2", "--gpu", "h200", "--train-mtp",
+                                            "--ep-backend", "padded", "--ep-capacity-factor", "1.5"])
+    assert launch_plan._learner(args) == dataclasses.replace(DEFAULT_LEARNER, train_mtp=True, ep_backend="padded",
+                                                             ep_capacity_factor=1.5)
+
+
+def test_max_prompt_len_and_the_rollout_knobs_have_one_default():
+    """max_prompt_len had four defaults (run 256, Sampler 1024, PromptDataset.from_records 512, planner 1024): the
+    library signatures now read the run's field, as do the sampler's rollout dtype, slots and prefill chunk,
+    SamplingParams (temperature, top-p, top-k, max_new_tokens: 64 before, the run's 4 now) and the planner's
+    --compile rollout program (launch.aot.compile_rollout)."""
+    import inspect
+
+    from launch.aot import compile_rollout
+    from rl.config import DataConfig, RolloutConfig
+    from rl.config_tree import default
+    from rl.data import PromptDataset, load_records
+    from rl.sampler import Sampler, SamplingParams
+
+    sampler = inspect.signature(Sampler.__init__).parameters
+    records = inspect.signature(PromptDataset.from_records).parameters
+    rollout = inspect.signature(compile_rollout).parameters
+    run = RunConfig()
+    assert sampler["max_prompt_len"].default == records["max_prompt_len"].default == run.data.max_prompt_len == \
+        rollout["prompt_len"].default == default(DataConfig, "max_prompt_len")
+    assert (sampler["weights"].default, sampler["slots"].default, sampler["prefill_chunk"].default) == (
+        run.rollout.dtype, run.rollout.slots, run.rollout.prefill_chunk)
+    sp = SamplingParams()
+    assert (sp.temperature, sp.top_p, sp.top_k, sp.max_new_tokens) == (
+        run.rollout.temperature, run.rollout.top_p, run.rollout.top_k, run.rollout.max_new_tokens)
+    assert (rollout["rollout_dtype"].default, rollout["prefill_chunk"].default, rollout["kv_cache_dtype"].default) \
+        == (run.rollout.dtype, run.rollout.prefill_chunk, run.rollout.kv_cache_dtype)
+    assert records["on_bad_record"].default == inspect.signature(load_records).parameters["on_bad_record"].default \
+        == run.data.on_bad_record

@@ -5,17 +5,21 @@ layouts are reported as not fitting; the CLI runs for the seed layouts; errors n
 The Flash `nnx.eval_shape` (10-20 s) runs once per process (`plan.model_leaves` is cached)."""
 
 import math
+import types
 
 import jax.numpy as jnp
 import pytest
 from flax import nnx
 
 import dsv4
-from parallel import plan as pl
 from launch.plan import main as plan_main
+from parallel import plan as pl
+from rl.config import LearnerConfig
 from sharding.mesh import MeshSpecError, build_mesh_plan
 
 GiB = 2**30
+# the hand counts below include the MTP block's master weights and moments: a learner that trains it
+LEARNER = LearnerConfig(train_mtp=True)
 
 # ---- Flash parameter counts (spec §10), split by dtype and by whether a dim is `embed` (FSDP-sharded on the actor).
 L, N_CSA, N_HCA, N_HASH, N_MTP = 43, 21, 20, 3, 1
@@ -67,7 +71,7 @@ def _weights(report):
 
 def test_actor_weights_expert8(flash_leaves):
     """actor:expert=8 (one node): only the expert dim is split: routed experts, router weight and bias / 8."""
-    r = pl.plan("flash", "actor:expert=8", "mi308x", nodes=1)
+    r = pl.plan("flash", "actor:expert=8", "mi308x", learner=LEARNER, nodes=1)
     hand = (2 * (EMB + REP) + 4 * F32 + N_HASH * TID2EID
             + (2 * (ROUTED_ALL + ROUTER_ALL) + 4 * N_BIAS * BIAS) / 8)
     assert _weights(r) == hand
@@ -83,7 +87,7 @@ def test_actor_weights_expert8(flash_leaves):
 
 def test_actor_weights_fsdp8_expert8(flash_leaves):
     """actor:fsdp=8,expert=8 over 64 devices (8 nodes): embed dims / 8 as well; experts and router / 64."""
-    r = pl.plan("flash", "actor:fsdp=8,expert=8", "mi355x", nodes=8)
+    r = pl.plan("flash", "actor:fsdp=8,expert=8", "mi355x", learner=LEARNER, nodes=8)
     hand = (2 * EMB / 8 + 2 * REP + 4 * F32 + N_HASH * TID2EID
             + 2 * (ROUTED_ALL + ROUTER_ALL) / 64 + 4 * N_BIAS * BIAS / 8)
     assert _weights(r) == hand
@@ -95,12 +99,12 @@ def test_rollout_expert_bytes(flash_leaves):
     one f32 scale per 128x128 tile (each [2048, 4096] matrix is 16 x 32 whole tiles) replicated on every device.
     FP4: 0.5 B + one 1-byte E8M0 scale per 32 inputs, split like the weight."""
     spec = "actor:expert=8/rollout:expert=8"
-    r = pl.plan("flash", spec, "mi355x", nodes=2)
+    r = pl.plan("flash", spec, "mi355x", learner=LEARNER, nodes=2)
     assert r.rollout.items["weights: routed experts (fp8)"] == ROUTED_ALL / 8 + ROUTED_ALL / (128 * 128) * 4
-    r = pl.plan("flash", spec, "mi355x", nodes=2, rollout_experts="fp4")
+    r = pl.plan("flash", spec, "mi355x", learner=LEARNER, nodes=2, rollout_experts="fp4")
     assert r.rollout.items["weights: routed experts (fp4)"] == pytest.approx(ROUTED_ALL / 8 * (0.5 + 1 / 32), rel=1e-12)
     # dequant=per_call keeps a bf16 copy of every quantised tensor (experts + the FP8 set) during generate
-    r = pl.plan("flash", spec, "mi355x", nodes=2, rollout_dequant="per_call")
+    r = pl.plan("flash", spec, "mi355x", learner=LEARNER, nodes=2, rollout_dequant="per_call")
     fp8_set = LAYERS * (4096 * 1024 + 1024 * 32768 + 4096 * 512 + 2 * 8192 * 4096 + 3 * 4096 * 2048) \
         + N_CSA * 1024 * 8192 + 2 * 4096 * 4096  # attention, shared expert; indexer wq_b; MTP e/h_proj
     assert r.rollout.items["bf16 copy of the quantised weights (dequant=per_call)"] == 2 * (ROUTED_ALL / 8 + fp8_set)
@@ -135,13 +139,13 @@ def test_per_device_bytes_match_jax_shardings():
 
 def test_errors():
     with pytest.raises(MeshSpecError, match=r"uses 24 devices but 2 node\(s\) x 8 = 16"):
-        pl.plan("flash", "actor:fsdp=2,expert=8/rollout:expert=8", "mi308x", nodes=2)
+        pl.plan("flash", "actor:fsdp=2,expert=8/rollout:expert=8", "mi308x", learner=LEARNER, nodes=2)
     with pytest.raises(MeshSpecError, match="does not divide hidden_size"):
-        pl.plan("flash", "actor:fsdp=3", "mi308x", nodes=None)
+        pl.plan("flash", "actor:fsdp=3", "mi308x", learner=LEARNER, nodes=None)
     with pytest.raises(ValueError, match="unknown gpu 'a100'"):
-        pl.plan("flash", "actor:expert=8", "a100")
+        pl.plan("flash", "actor:expert=8", "a100", learner=LEARNER)
     with pytest.raises(MeshSpecError, match="needs the node count"):
-        pl.plan("flash", "auto", "h200")
+        pl.plan("flash", "auto", "h200", learner=LEARNER)
 
 
 SEEDS = [
@@ -197,7 +201,8 @@ def test_ep_rows_follow_the_dispatch_backend():
            for b in ("padded", "ragged")}
     assert act["padded"] < act["ragged"]
     with pytest.raises(ValueError, match="--ep-backend must be one of"):
-        pl.plan("flash", "actor:fsdp=2,expert=8/rollout:expert=8", "mi308x", nodes=3, ep_backend="dense")
+        pl.plan("flash", "actor:fsdp=2,expert=8/rollout:expert=8", "mi308x", nodes=3,
+                learner=types.SimpleNamespace(**{**vars(LEARNER), "ep_backend": "dense"}))
 
 
 def test_xla_cpu_items_are_labelled_and_kept_out_of_the_gpu_plan():
@@ -205,8 +210,8 @@ def test_xla_cpu_items_are_labelled_and_kept_out_of_the_gpu_plan():
     copies of one layer's dot operands; the stacked weights and saved inputs are read in place); the GPU plan,
     its verdict and every other item are unchanged; the saved layer inputs are L x T x n_hc x D bf16 bytes."""
     cfg = dsv4.DSV4Config.preset("flash")
-    kw = dict(nodes=3, offload_optimizer=1.0, tokens_per_device=8192, train_seq_len=8192, ep_backend="padded",
-              ep_capacity_factor=1.25, stream_optimizer=True, train_mtp=False)
+    kw = dict(nodes=3, tokens_per_device=8192, train_seq_len=8192,
+              learner=LearnerConfig(offload_optimizer=1.0, ep_backend="padded", ep_capacity_factor=1.25))
     gpu = pl.plan("flash", "actor:fsdp=2,expert=8/rollout:expert=8", "mi308x", **kw).actor
     cpu = pl.plan("flash", "actor:fsdp=2,expert=8/rollout:expert=8", "mi308x", xla_cpu=True, **kw).actor
     extra = {k: v for k, v in cpu.items.items() if k not in gpu.items}
@@ -226,9 +231,9 @@ def test_kv_cache_layout_fp8():
     fixed = 43 * (128 * entry + 128 * 4) + 21 * 4 * (4 * 1024 + 4 * 256) * 4 + 20 * 4 * 128 * 512 * 4
     per_token = 21 * (entry + 129) / 4 + 20 * entry / 128
     assert kv.fixed == fixed == 25_922_688 and kv.per_token == per_token == 3829.09375
-    r = pl.plan("flash", "actor:expert=8/rollout:expert=8", "mi355x", nodes=2, kv_dtype="fp8")
+    r = pl.plan("flash", "actor:expert=8/rollout:expert=8", "mi355x", learner=LEARNER, nodes=2, kv_dtype="fp8")
     assert r.rollout.kv_per_token == {"fp8": per_token, "bf16": 8224}
     assert r.rollout.kv_per_seq == kv.per_seq(4096) and r.line().endswith("kv_dtype=fp8")
     assert "per added token: fp8 3,829 B, bf16 8,224 B" in r.table()
     with pytest.raises(ValueError, match="kv dtype"):
-        pl.plan("flash", "actor:expert=8/rollout:expert=8", "mi355x", nodes=2, kv_dtype="int8")
+        pl.plan("flash", "actor:expert=8/rollout:expert=8", "mi355x", learner=LEARNER, nodes=2, kv_dtype="int8")

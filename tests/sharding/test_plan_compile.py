@@ -1,17 +1,18 @@
-"""python -m sharding.plan --compile (launch/aot.py): the real actor train step AOT-compiled for a mesh with abstract
+"""python -m launch.plan --compile (launch/aot.py): the real actor train step AOT-compiled for a mesh with abstract
 parameters. XLA's per-device argument bytes are exactly the planner's state arithmetic (weights + fp32 masters +
 moments on the device, offloaded state subtracted) plus the batch and a few scalars; the CLI prints the RESULT
 line. Tiny config, short rows: each compile takes seconds.
 Run: `.venv/bin/python -m pytest -q tests/sharding/test_plan_compile.py`.
 """
 
+import dataclasses
 import math
-
 
 import dsv4
 from launch.aot import compile_actor, reduced_depth
 from parallel import plan as pl
 from launch.plan import main as plan_main
+from rl.config import DEFAULT_LEARNER, LearnerConfig
 
 GiB = 2**30
 MESH = "actor:fsdp=2,expert=2/rollout:expert=2"
@@ -24,8 +25,9 @@ def test_xla_arguments_equal_the_planned_state():
     cfg = reduced_depth(dsv4.DSV4Config.tiny(), 2)
     assert cfg.num_hidden_layers == 2 and len(cfg.compress_ratios) == 3
     seq = 16
-    xla = compile_actor(cfg, MESH, seq_len=seq, offload_optimizer=0.5, train_mtp=False)
-    report = pl.plan(cfg, MESH, "h200", offload_optimizer=0.5, train_mtp=False, tokens_per_device=seq,
+    learner = dataclasses.replace(DEFAULT_LEARNER, offload_optimizer=0.5)
+    xla = compile_actor(cfg, MESH, seq_len=seq, learner=learner)
+    report = pl.plan(cfg, MESH, "h200", learner=learner, tokens_per_device=seq,
                      train_seq_len=seq)
     items = report.actor.items
     state = sum(v for k, v in items.items() if not k.startswith(("gradients", "activations", "optimizer update")))
@@ -40,7 +42,7 @@ def test_xla_arguments_equal_the_planned_state():
 def test_cli_compile_prints_the_result_line(capsys):
     argv = ["--config", "tiny", "--mesh", MESH, "--gpu", "mi308x", "--compile", "--seq-len", "16",
             "--micro-batch-tokens", "32", "--num-layers", "2", "--rollout-batch", "8", "--rollout-context", "48",
-            "--rollout-prompt-len", "16"]
+            "--rollout-prompt-len", "16", "--train-mtp"]  # MTP trained too: the tiny step's state reaches 0.01 GiB
     assert plan_main(argv) == 0
     out = capsys.readouterr().out
     last = out.strip().splitlines()[-1]
@@ -62,11 +64,13 @@ def test_padded_ep_compiles_without_ragged_dot_temporaries():
     arithmetic follows the backend (fewer EP rows) and the optimizer-update transient is the offloaded state."""
     cfg = reduced_depth(dsv4.DSV4Config.tiny(), 2)
     seq = 32
-    cap = compile_actor(cfg, MESH, seq_len=seq, train_mtp=False, ep_backend="capacity")
-    pad = compile_actor(cfg, MESH, seq_len=seq, train_mtp=False, ep_backend="padded", ep_capacity_factor=1.0)
+    cap = compile_actor(cfg, MESH, seq_len=seq, learner=dataclasses.replace(DEFAULT_LEARNER, ep_backend="capacity"))
+    pad = compile_actor(cfg, MESH, seq_len=seq, learner=dataclasses.replace(DEFAULT_LEARNER, ep_backend="padded",
+                                                                            ep_capacity_factor=1.0))
     assert pad.argument == cap.argument and pad.temp < cap.temp
-    plans = {b: pl.plan(cfg, MESH, "h200", train_mtp=False, tokens_per_device=seq, train_seq_len=seq, ep_backend=b,
-                        ep_capacity_factor=1.0 if b == "padded" else None, offload_optimizer=0.5)
+    plans = {b: pl.plan(cfg, MESH, "h200", tokens_per_device=seq, train_seq_len=seq,
+                        learner=LearnerConfig(ep_backend=b, ep_capacity_factor=1.0 if b == "padded" else None,
+                                              offload_optimizer=0.5, stream_optimizer=False))
              for b in ("capacity", "padded")}
     act = {b: next(v for k, v in p.actor.items.items() if k.startswith("activations")) for b, p in plans.items()}
     assert act["padded"] < act["capacity"]
