@@ -37,7 +37,7 @@ from rl.job import _data, build, resolve_model_config  # noqa: E402
 from rl.loop import run, run_eval  # noqa: E402
 from rl.rollout_weights import kv_cache_layout  # noqa: E402
 from sharding.distributed import add_distributed_args, initialize_from_args  # noqa: E402
-from sharding.mesh import build_mesh_plan, parse_mesh_spec  # noqa: E402
+from sharding.mesh import DeviceCountError, build_mesh_plan, parse_mesh_spec  # noqa: E402
 from sharding.mpmd import PeerTimeoutError, report_failure  # noqa: E402
 
 log = logging.getLogger("dsv4rl")
@@ -176,8 +176,6 @@ def _n_devices() -> int:
 
 def _device_hint(e: Exception) -> str:
     """For a mesh larger than this CPU host's devices: how to set the count."""
-    from sharding.mesh import DeviceCountError
-
     if not isinstance(e, DeviceCountError) or _platform() != "cpu":
         return ""
     return (f"; this process has {e.present} CPU devices: --cpu-devices-per-process {e.needed} (or XLA_FLAGS="
@@ -185,8 +183,6 @@ def _device_hint(e: Exception) -> str:
 
 
 def _platform() -> str:
-    import jax
-
     return jax.devices()[0].platform
 
 
@@ -202,8 +198,6 @@ def cpu_device_count(argv: list[str]) -> int | None:
         cfg, args = resolve(argv)
         if cfg.mesh.strip() == "auto":
             return 2
-        from sharding.mesh import parse_mesh_spec
-
         needed = parse_mesh_spec(cfg.mesh).n_devices
     except (ValueError, SystemExit):
         return None

@@ -35,7 +35,7 @@ from rl.checkpoint import Checkpointer, check_writable, file_identity
 from rl.config import RunConfig
 from rl.data import PromptDataset, make_prompt_iterator
 from rl.data_formats import build_datasets, resolve_reward_name
-from rl.learner import Learner
+from rl.learner import Learner, resolve_param_dtype
 from rl.math_rewards import make_reward, prompt_independent_best
 from rl.rewards import TextReward
 from rl.rollout_init import checkpoint_rollout_weights
@@ -207,12 +207,10 @@ def build(cfg: RunConfig) -> Job:
     elif ckpt is not None and ckpt.all_steps():
         raise ValueError(f"--ckpt-dir {ckpt.dir} already holds checkpoints (steps {ckpt.all_steps()}); --resume never "
                          f"would collide with them: use another --ckpt-dir or --resume auto")
-    param_dtype = cfg.learner.param_dtype
-    if param_dtype == "auto":  # bf16 params + fp32 masters on accelerators; fp32 on CPU (emulated bf16 matmuls)
-        param_dtype = "float32" if plan.actor.devices.flat[0].platform == "cpu" else "bfloat16"
+    lcfg = resolve_param_dtype(cfg.learner, plan.actor.devices.flat)  # the run's learner, "auto" resolved
     # created in the actor's shardings (each process reads / computes only its shards), in the learner's param
     # dtype (the fp32 masters are made from these values by the optimizer: exact for a bf16 / FP8 checkpoint)
-    load_dtype = jnp.bfloat16 if param_dtype == "bfloat16" else jnp.float32
+    load_dtype = jnp.bfloat16 if lcfg.param_dtype == "bfloat16" else jnp.float32
     init = cfg.model.init
     # the loaded model's shapes (a transformers checkpoint has no MTP block), known without loading it
     shapes_cfg = loaded_config(init, model_cfg) if init != "random" else model_cfg
@@ -223,7 +221,6 @@ def build(cfg: RunConfig) -> Job:
         else:
             model = load_hf_checkpoint(init, dtype=load_dtype, config=model_cfg, mesh=plan.actor,
                                        progress=cfg.log.progress)
-        lcfg = dataclasses.replace(cfg.learner, param_dtype=param_dtype)  # the run's learner, "auto" resolved
         learner = Learner(model, lcfg, mesh=plan.actor)
     abstract = nnx.eval_shape(lambda: DSV4ForCausalLM(shapes_cfg, rngs=nnx.Rngs(0), param_dtype=load_dtype))
     # a random init in one process: the rollout's version 0 is quantised from the same model; else its weights

@@ -34,6 +34,9 @@ import pathlib
 import socket
 import threading
 
+import jax
+from jax._src import distributed
+
 log = logging.getLogger(__name__)
 
 LOCK_NAME = ".run.lock"
@@ -123,12 +126,8 @@ def acquire(directory: str | os.PathLike, *, flag: str = "--ckpt-dir", primary: 
     process `primary` locks and publishes the verdict; the other processes of `processes` (default: all) wait for
     it and raise the same error when it refused. Raises OSError when the lock file cannot be created.
     """
-    import jax
-
     if jax.process_count() == 1:
         return _take(pathlib.Path(directory), flag)
-    from jax._src import distributed
-
     client = distributed.global_state.client
     _verdicts["n"] += 1
     key = f"dsv4rl/run_lock/{_verdicts['n']}"

@@ -13,8 +13,10 @@ import re
 import tempfile
 
 import jax
+from tqdm import tqdm
 
 from rl.config import RunConfig
+from rl.wandb_sink import WandbSink
 
 
 class MetricsLogger:
@@ -38,8 +40,6 @@ class MetricsLogger:
 
             self.tb = SummaryWriter(self.tb_dir, purge_step=first_step)
         if self.wandb_project:
-            from rl.wandb_sink import WandbSink
-
             self.wandb = WandbSink(self.wandb_project, {**self.cfg.flat(), "resolved": self.cfg.to_tree()},
                                    run_dir=self.jsonl.parent if self.jsonl else None)
 
@@ -83,7 +83,5 @@ class MetricsLogger:
 def progress_bar(cfg: RunConfig, start: int):
     if not cfg.log.progress or jax.process_index() != 0:
         return None
-    from tqdm import tqdm
-
     return tqdm(total=cfg.steps, initial=start, desc="grpo", unit="step", dynamic_ncols=True)
 
