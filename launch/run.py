@@ -212,6 +212,12 @@ def main(argv=None) -> int:
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    # orbax and grain, imported above, log through the root logger at import, which gives it logging's default
+    # handler (BASIC_FORMAT, level WARNING): replace that one (other handlers, e.g. pytest's, stay)
+    root = logging.getLogger()
+    for h in list(root.handlers):
+        if type(h) is logging.StreamHandler and getattr(h.formatter, "_fmt", None) == logging.BASIC_FORMAT:
+            root.removeHandler(h)
     logging.basicConfig(level=getattr(logging, str(args.log_level).upper(), logging.INFO),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     for noisy in ("absl", "orbax", "jax._src", "grain"):

@@ -159,6 +159,6 @@ def test_unknown_options_are_one_line_errors(model):
     for make in (remat_policy, lambda r: LearnerConfig(remat=r), lambda r: RunConfig(remat=r)):
         with pytest.raises(ValueError, match=r"^--remat must be one of block\|dots\|none, got 'full'$"):
             make("full")
-    assert LearnerConfig().remat == RunConfig().remat == "block"
+    assert LearnerConfig().remat == RunConfig().learner.remat == "block"
     with pytest.raises(ValueError, match="attention_impl"):
         nnx.clone(model).set_options(attention_impl="flash")

@@ -83,7 +83,7 @@ def test_cli_overrides_yaml(tmp_path):
                                  "--lr", "1e-3"])
     assert (cfg.steps, cfg.seed) == (7, 5)  # from the file
     assert (cfg.rollout.group_size, cfg.learner.routing_replay, cfg.ckpt.dir, cfg.learner.lr) == (8, True, None, 1e-3)  # flags win
-    assert cfg.rollout.prompts_per_step == RunConfig().prompts_per_step  # neither: the default
+    assert cfg.rollout.prompts_per_step == RunConfig().rollout.prompts_per_step  # neither: the default
 
 
 # ------------------------------------------------------------------------------------------------ bad input

@@ -121,7 +121,7 @@ def test_bad_input(model, slots3):
         sl.plan_slots("auto", per_slot_bytes=100, budget_bytes=50, seq_len=8)
     with pytest.raises(ValueError, match="--rollout-slots"):
         RunConfig(rollout_slots="many")
-    assert RunConfig(rollout_slots="auto").rollout_slots == "auto" and RunConfig(rollout_slots="4").rollout_slots == 4
+    assert RunConfig(rollout_slots="auto").rollout.slots == "auto" and RunConfig(rollout_slots="4").rollout.slots == 4
 
 
 def test_cache_len_rounds_to_compression_ratios():
