@@ -2,7 +2,9 @@
 1 CSA hash layer, 20 x (HCA, CSA)); stack/unstack round-trips bitwise (concrete, abstract, shardings); the scanned
 forward equals the Python loop (logits, MTP logits, routing; left padding; routing replay) and so do the
 gradients (also under remat); stacked leaves get their per-layer PartitionSpec with an unsharded leading dim on an
-8-device actor mesh (fsdp=2, expert=2, tensor=2), and the scanned forward runs there.
+8-device actor mesh (fsdp=2, expert=2, tensor=2), and the scanned forward runs there. The block-remat step's
+memory (no copy of the stacked weights) is tests/dsv4/test_scan_memory.py (a file of its own, so that pytest-xdist
+can run the two compile-heavy halves on both workers).
 
 `DEEP` is the tiny config with 6 main layers in Flash's pattern (2 sliding hash layers, then (CSA, HCA) x 2), so
 both groups repeat (x2). Run: .venv/bin/python -m pytest -q tests/dsv4/test_scan.py
@@ -276,34 +278,3 @@ def test_inline_groups_keep_the_checkpoint_cse_guard(remat):
         assert _count(jaxpr, "custom_vjp_call") == sum(grp.repeats > 1 for grp in sdef.groups)
     else:
         assert sorted(flags) == sorted([(False, True)] * inline + [(True, False)] * scanned), flags
-
-
-def _block_remat_step(repeats: int):
-    """(temp bytes of the compiled bf16 train step under "block" remat, bytes of the stacked bf16 weights)."""
-    cfg = DSV4Config.tiny(num_hidden_layers=2 + 2 * repeats, num_hash_layers=2,
-                          compress_ratios=(0, 0) + (4, 8) * repeats + (0,), hidden_size=128,
-                          moe_intermediate_size=256)
-    model = random_model(cfg, seed=2, param_dtype=jnp.bfloat16, dtype=jnp.bfloat16)
-    sdef = sc.stack_def(model)
-    assert sdef.groups[-1].repeats == repeats
-    params, buffers = nnx.state(model, nnx.Param), nnx.state(model, Buffer)
-    sp, sb = sc.stack_params(params, sdef.groups), sc.stack_params(buffers, sdef.groups)
-    ids = jnp.ones((1, 16), jnp.int32)
-
-    def loss(p):
-        shell, stack = sc.merge_stacked(sdef, p, sb, remat="block")
-        return jnp.sum(shell(ids, layer_stack=stack).logits.astype(jnp.float32))
-
-    temp = jax.jit(jax.grad(loss)).lower(sp).compile().memory_analysis().temp_size_in_bytes
-    stacked = [a for a in jax.tree.leaves(sp["layers"][1]) if a.dtype == jnp.bfloat16]
-    return temp, sum(a.size * a.dtype.itemsize for a in stacked)
-
-
-def test_block_remat_step_holds_no_copy_of_the_stacked_weights():
-    """The scanned, block-rematerialised train step reads its stacked bf16 weights in place: its temp memory
-    does not grow with the number of scanned layers (4 more repetitions add under a quarter of their weights'
-    bytes). Before `_take` / `_scan_block_remat`, XLA:CPU kept an f32 copy of every stacked bf16 weight and of
-    the saved inputs (more than 2x the weights per layer: 103 GiB per device on the Flash seed layout)."""
-    t4, w4 = _block_remat_step(4)
-    t8, w8 = _block_remat_step(8)
-    assert t8 - t4 < 0.25 * (w8 - w4), (t4, t8, w4, w8)

@@ -2,15 +2,19 @@
 actor:expert=2/rollout:expert=2` (process 0 the actor, process 1 the rollout), the tiny job from an official-format
 tiny checkpoint (`--init`, conftest's `hf_tiny_checkpoint`), every push verified across the processes.
 
-1. An uninterrupted 3-step run with a checkpoint per step.
-2. The same command with `--steps 2`, then again with `--steps 3` in the same directories: the second start resumes
-   at step 2 (the actor restores, the rollout gets the resume point and the pushed weights) and the final
-   checkpoint and every per-step metric equal the uninterrupted run's bitwise (`assert_same_run`).
+1. An uninterrupted 3-step run with a checkpoint per step (the actor saves them alone; the last step is saved and
+   2 are kept: [2, 3]).
+2. Its step-2 checkpoint and metrics copied to a fresh run directory, then the same command with `--steps 3` there:
+   it resumes at step 2 (the actor restores, the rollout gets the resume point and the pushed weights) and the
+   final checkpoint and every per-step metric equal the uninterrupted run's bitwise (`assert_same_run`). (A
+   checkpoint does not depend on the run that wrote it going on: the fingerprint holds no `--steps` and no paths.
+   Copying it spares a third 2-process launch; the sync kill/resume tests cover a run that stops and saves.)
 3. --init: the rollout's version 0 is read from the file's FP8 blocks (logged), and the first two steps match the
    single-process run of the same meshes (rewards equal, pg_loss within 1e-5 where a step trained), as
    tests/launch/test_mpmd_run.py checks for a random init.
 
-Runtime: 14-23 min on 2 cores shared at load ~14 (4 launches; later ones load the compile cache), hence slow.
+Runtime: 14-23 min on 2 cores shared at load ~14 with 4 launches (now 3; later ones load the compile cache),
+hence slow.
 
     .venv/bin/python -m pytest -q -m slow tests/launch/test_mpmd_resume.py
 """
@@ -18,6 +22,7 @@ Runtime: 14-23 min on 2 cores shared at load ~14 (4 launches; later ones load th
 from __future__ import annotations
 
 import pathlib
+import shutil
 import signal
 import subprocess
 import time
@@ -62,8 +67,10 @@ def test_mpmd_checkpoint_resume_and_init(tmp_path, run_env, lt, hf_tiny_checkpoi
     assert "process 1 runs the rollout" in out[1] and "rollout weights version 0 read from" in out[1]
     assert lt.ckpt_steps(ref / "ckpt") == [2, 3]  # saved by the actor process alone
 
-    _launch_mpmd(lt, [*args, "--steps", "2", *lt.outputs(got)], run_env, tmp_path, "got")
-    assert lt.ckpt_steps(got / "ckpt") == [1, 2]
+    (got / "ckpt").mkdir(parents=True)  # the run stopped after step 2: its checkpoint and its metrics
+    shutil.copytree(ref / "ckpt" / "2", got / "ckpt" / "2")
+    (got / "metrics.jsonl").write_text("".join(line + "\n" for line in (ref / "metrics.jsonl").read_text().splitlines()[:2]))
+    assert lt.ckpt_steps(got / "ckpt") == [2] and len(lt.read_metrics(got / "metrics.jsonl")) == 2
     out = _launch_mpmd(lt, [*args, "--steps", "3", *lt.outputs(got)], run_env, tmp_path, "resumed")
     # every metric but the rollout process's own counter of its generate calls (it restarts with the process)
     _, rows = lt.assert_same_run(ref, got, 3, ignore=("mpmd/rollout_generate_calls",))

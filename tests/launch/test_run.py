@@ -24,7 +24,7 @@ from rl.config import RunConfig
 
 CONFIGS = pathlib.Path(__file__).resolve().parents[2] / "launch" / "configs"
 YAMLS = sorted(CONFIGS.glob("*.yaml"))
-TINY = ["--prompts-per-step", "4", "--group-size", "4", "--max-new-tokens", "4", "--eval-prompts", "4",
+TINY = ["--prompts-per-step", "4", "--group-size", "4", "--max-new-tokens", "4", "--eval-prompts", "8",
         "--eval-samples", "2", "--no-progress"]  # as conftest.TINY
 
 
