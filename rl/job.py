@@ -109,12 +109,14 @@ def _rollout_slots(cfg: RunConfig, model_cfg, plan, max_prompt: int) -> tuple[in
     r = cfg.rollout
     if r.slots == 0:
         return 0, None
+    mesh = getattr(plan, "rollout", None)  # (a plan of the spec alone: unmeshed, one shard)
     # the cache dtype is the sampler's compute dtype (as make_sampler resolves it)
-    dtype = rollout_compute_dtype(r, plan.rollout.devices.flat[0].platform) or "float32"
+    dtype = rollout_compute_dtype(r, (mesh.devices.flat[0] if mesh is not None else jax.devices()[0]).platform) \
+        or "float32"
     seq = sl.cache_len_for(model_cfg, max_prompt, r.max_new_tokens)  # as Sampler.generate sizes it
     budget, note = sl.kv_budget_from_plan(model_cfg, str(plan.spec), seq, rollout_dtype=r.dtype)
     fp8 = "e4m3fn" if kv_cache_layout(r.kv_cache_dtype, r.dtype) == "fp8" else None  # fn / fnuz: the same bytes
-    shards = batch_shards(ROLLOUT_RULES, plan.rollout)  # the slots are split over the rollout batch axes
+    shards = batch_shards(ROLLOUT_RULES, mesh) if mesh is not None else 1  # split over the rollout batch axes
     n = sl.plan_slots(r.slots, per_slot_bytes=sl.cache_bytes_per_slot_for(model_cfg, seq, dtype, fp8),
                       budget_bytes=budget, seq_len=seq, shards=shards)
     rows = r.prompts_per_step * r.group_size

@@ -3,11 +3,20 @@
 XLA_FLAGS must be set before jax is imported anywhere, hence at the top of conftest.
 """
 import os
+import tempfile
 
 # Optimisation level 0 of the CPU backend: the same HLO, ~2.5x faster compiles (tests are compile-bound).
 os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
                            + " --xla_force_host_platform_device_count=8 --xla_backend_optimization_level=0").strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+# One persistent compile cache for the session, shared by the pytest-xdist workers: tests that build the same tiny
+# programs in new jit wrappers (a Sampler, a Learner, a push per test) load them instead of compiling them again.
+# Loading an executable changes no number, and memory_analysis() reads the same figures from it.
+# $DSV4RL_TEST_JAX_CACHE keeps it between sessions.
+os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", os.environ.get("DSV4RL_TEST_JAX_CACHE") or os.path.join(
+    tempfile.gettempdir(), "dsv4rl-jax-cache-" + os.environ.get("PYTEST_XDIST_TESTRUNUID", str(os.getpid()))))
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "-1")
 
 import pathlib  # noqa: E402
 
