@@ -29,7 +29,6 @@ from dsv4.chunked import check_chunk
 from dsv4.load import init_model, load_hf_checkpoint, loaded_config
 from parallel.mpmd_push import MpmdPusher
 from parallel.push import WeightPusher
-from rl import run_lock
 from rl import slots as sl
 from rl.checkpoint import Checkpointer, check_writable, file_identity
 from rl.config import RunConfig
@@ -183,8 +182,6 @@ def build(cfg: RunConfig) -> Job:
     for path, flag in ((cfg.log.metrics_jsonl, "--metrics-jsonl"), (cfg.log.tensorboard_dir, "--tensorboard-dir")):
         if path:
             check_writable(pathlib.Path(path).parent if flag == "--metrics-jsonl" else path, flag)
-    if cfg.ckpt.dir and jax.process_count() == 1:  # the run lock before anything is written (the Checkpointer's)
-        run_lock.acquire(check_writable(cfg.ckpt.dir, "--ckpt-dir").resolve())
     write_resolved_config(cfg)
     tok, task, train, ev_prompts, ev_refs, reward, ev_data = _data(cfg)
     model_cfg = resolve_model_config(cfg, tok.vocab_size)
