@@ -64,7 +64,7 @@ def train_step(job: Job, pipe: Pipeline, step: int, eval_due: bool) -> dict:
         metrics.update(evaluate(job, step))
     if pipe.k:
         metrics["perf/train_wait_s"] = train_wait
-        metrics.update(pipe.step_metrics(step, rec, t_step, u0, u1))
+        metrics.update(pipe.step_metrics(step, t_step, u0, u1))
     return metrics
 
 

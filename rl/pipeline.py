@@ -176,7 +176,7 @@ class Pipeline:
         if self.thread is not None:
             self._wait(lambda: self.next_m >= batches_by_push_point(step, self.k, self.end))
 
-    def step_metrics(self, step: int, rec: RolloutRecord, t_step: float, u0: float, u1: float) -> dict:
+    def step_metrics(self, step: int, t_step: float, u0: float, u1: float) -> dict:
         """The asynchronous schedule's metrics of step `step` (module docstring), {} for K = 0. Call at the end
         of the step."""
         if self.thread is None:
