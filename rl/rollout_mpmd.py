@@ -24,7 +24,7 @@ The rollout processes hold no checkpointed state: the actor checkpoints (and res
 and the in-flight batches; on resume the rollout is sent the restored weights by a push, so nothing else is needed
 for the resumed run to equal the uninterrupted one.
 Tests: `.venv/bin/python -m pytest -q -m slow tests/launch/test_mpmd_run.py tests/launch/test_mpmd_resume.py
-tests/launch/test_mpmd_async.py`.
+tests/launch/test_mpmd_async_resume.py`.
 """
 
 from __future__ import annotations

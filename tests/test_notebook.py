@@ -48,7 +48,7 @@ def test_quickstart_notebook_runs(tmp_path, monkeypatch):
                                                                      os.environ.get("JUPYTER_PATH")])))
     monkeypatch.setenv("MPLBACKEND", "Agg")
     monkeypatch.setenv("JAX_PLATFORMS", "cpu")
-    monkeypatch.delenv("XLA_FLAGS", raising=False)
+    monkeypatch.setenv("XLA_FLAGS", os.environ["DSV4RL_TEST_XLA_FLAGS"])  # the suite's compile options, 1 device
     nb = nbformat.read(NOTEBOOK, as_version=4)
     client = nbclient.NotebookClient(nb, kernel_name=KERNEL, timeout=600, allow_errors=False,
                                      resources={"metadata": {"path": str(NOTEBOOK.parent)}})

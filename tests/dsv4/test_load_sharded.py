@@ -282,8 +282,8 @@ def test_two_processes_load_and_export(ckpts, tmp_path):
     import portpicker
 
     env = {k: v for k, v in os.environ.items() if not k.startswith(("JAX_", "SLURM_", "OMPI_"))}
-    # no forced 8 devices in the workers; LLVM -O0 (the same HLO) keeps two concurrent processes' compiles short
-    env.update(JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_backend_optimization_level=0",
+    # no forced 8 devices in the workers; the suite's compile options keep two concurrent processes' compiles short
+    env.update(JAX_PLATFORMS="cpu", XLA_FLAGS=os.environ["DSV4RL_TEST_XLA_FLAGS"],
                PYTHONPATH=f"{ROOT}:{ROOT / 'tests' / 'dsv4'}")
 
     def attempt(timeout_s: float, out):

@@ -16,7 +16,15 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
 from dsv4 import DSV4Config, load_hf_checkpoint, save_hf_checkpoint  # noqa: E402
+from flax import nnx  # noqa: E402
 from hf_ref import hf_logits, hf_model  # noqa: E402
+
+
+@nnx.jit
+def _logits(model, ids, mask=None):
+    """Logits [B, S, V] of the full forward of `ids` [B, S] int32 (mask [B, S] or None), jitted: op by op, a
+    forward of the tiny model costs several times the CPU of its compile."""
+    return model(ids, attention_mask=mask).logits
 
 
 @pytest.fixture(scope="module")
@@ -73,7 +81,7 @@ def test_export_roundtrip_through_transformers(pair, tmp_path):
     reloaded.config._attn_implementation = "eager"
     ids = np.random.RandomState(3).randint(0, cfg.vocab_size, (2, 37))
     ref = hf_logits(reloaded.eval(), ids)
-    got = np.asarray(ours(jnp.asarray(ids, jnp.int32)).logits)
+    got = np.asarray(_logits(ours, jnp.asarray(ids, jnp.int32)))
     assert np.abs(got - ref).max() <= 1e-4
 
 
@@ -87,8 +95,8 @@ def test_transformers_mixes_left_padding_into_compressed_entries_we_do_not(pair)
     mask = np.concatenate([np.zeros((1, pad), np.int64), np.ones_like(row)], axis=1)
     alone = hf_logits(hf, row)[0]
     hf_padded = hf_logits(hf, padded, mask)[0, pad:]
-    ours_alone = np.asarray(ours(jnp.asarray(row, jnp.int32)).logits)[0]
-    ours_padded = np.asarray(ours(jnp.asarray(padded, jnp.int32), attention_mask=jnp.asarray(mask)).logits)[0, pad:]
+    ours_alone = np.asarray(_logits(ours, jnp.asarray(row, jnp.int32)))[0]
+    ours_padded = np.asarray(_logits(ours, jnp.asarray(padded, jnp.int32), jnp.asarray(mask)))[0, pad:]
     assert np.abs(ours_alone - alone).max() <= 1e-4
     assert np.abs(ours_padded - ours_alone).max() <= 1e-5
     assert np.abs(hf_padded - alone).max() > 1e-2, "transformers is expected to be wrong under left padding"

@@ -106,14 +106,14 @@ def hf_tiny_checkpoint(tmp_path_factory) -> pathlib.Path:
 
 @pytest.fixture(scope="session")
 def run_env(tmp_path_factory) -> dict:
-    """Environment of a launched job: no forced device count (run.py sets 2), CPU, XLA:CPU optimisation level 0,
-    a shared compile cache
+    """Environment of a launched job: no forced device count (run.py sets 2), CPU, the suite's XLA:CPU compile
+    options, a shared compile cache
     (a session temp dir shared by the pytest-xdist workers, or $DSV4RL_TEST_JAX_CACHE to keep it between
     sessions). Concurrent writers are safe: a torn cache entry fails to load and is recompiled (JAX warns)."""
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-    # like the in-process tests (tests/conftest.py): XLA:CPU's optimisation level 0 compiles the same HLO faster
-    # (a 6-step tiny job: 68 s instead of 88 s); every launched run of a test gets the same flags
-    env["XLA_FLAGS"] = "--xla_backend_optimization_level=0"
+    # the in-process tests' compile options (tests/conftest.py): the same HLO compiled faster (optimisation level 0
+    # alone: a 6-step tiny job in 68 s instead of 88 s); every launched run of a test gets the same flags
+    env["XLA_FLAGS"] = os.environ["DSV4RL_TEST_XLA_FLAGS"]
     cache = os.environ.get("DSV4RL_TEST_JAX_CACHE")
     if not cache:
         base = tmp_path_factory.getbasetemp()

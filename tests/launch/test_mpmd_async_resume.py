@@ -1,11 +1,22 @@
-"""The seeds' disaggregated layout with one-step-off overlap, recovered from crashes: async MPMD checkpoints and
-resumes (issue 22 point 3), and continuous batching on the rollout's own processes (`--rollout-slots`).
+"""The seeds' disaggregated layout with one-step-off overlap: the schedule, continuous batching on the rollout's own
+processes (`--rollout-slots`), parity with one process, and recovery from crashes (async MPMD checkpoints and
+resumes, issue 22 point 3).
 
-Two local processes x 1 CPU device, `--mesh actor:data=1/rollout:data=1 --async-rollout` (process 0 the actor,
-process 1 the rollout, behind `rl.rollout_mpmd.ProcessRollout`), the tiny job with `--rollout-slots 3`:
-1. an uninterrupted run of STEPS steps with a checkpoint per step: every step logs the rollout's continuous-batching
-   counters (`rollout/slots_refilled`, `rollout/decode_steps`, `rollout/slot_utilisation`), which only the slots
-   program reports, and the in-flight batch of each checkpoint is on disk;
+Two local processes x 1 CPU device, `--mesh actor:data=1/rollout:data=1 --async-rollout` (K = 1; process 0 the actor,
+process 1 the rollout, behind `rl.rollout_mpmd.ProcessRollout`; the layout of `benchmarks/async_overlap.py --mpmd`),
+the tiny job with `--rollout-slots 3`, an evaluation every 2 steps and a checkpoint per step. One uninterrupted run
+serves every check of the schedule:
+- batch m is generated with P(max(0, m - K)), so every sample's version (per-sample, all equal within a batch) is
+  max(0, m - 1) and the staleness is [0, 1, 1, ...] <= K;
+- the overlap: the rollout process starts generating batch n + 1 before the actor's update of step n ends (the
+  wall-clock timestamps the writer logs: both processes share the host's clock), and `perf/overlap_frac` > 0;
+- the roles: the rollout never trains, the actor never generates, one metrics writer;
+- continuous batching: every step logs the slots program's counters (`rollout/slots_refilled`,
+  `rollout/decode_steps`, `rollout/slot_utilisation`), and the in-flight batch of each checkpoint is on disk.
+Then:
+1. parity with the one-process asynchronous run of the same mesh shapes (2 host devices: actor 1 + rollout 1, the
+   same schedule): every step has equal rewards and pg_loss within 1e-5, and equal evaluations (the rollout process
+   evaluates after the push);
 2. the same command started, SIGKILLed (both processes: a lost node) at a seeded random moment after a new
    checkpoint, started again, killed again, and started once more to the end: it resumes each time, and the final
    checkpoint and every per-step metric (but the rollout process's own counter, which restarts with it) equal the
@@ -17,16 +28,19 @@ process 1 the rollout, behind `rl.rollout_mpmd.ProcessRollout`), the tiny job wi
 from __future__ import annotations
 
 import random
+import re
 import signal
 import time
 
 import portpicker
 import pytest
 
-STEPS = 8
+STEPS = 6
+EVAL_EVERY = 2
 JOB = ["--steps", str(STEPS), "--prompts-per-step", "2", "--group-size", "4", "--max-new-tokens", "4",
-       "--eval-every", "0", "--ckpt-every", "1", "--keep-checkpoints", "2", "--no-progress", "--tensorboard-dir", "",
-       "--mesh", "actor:data=1/rollout:data=1", "--async-rollout", "--rollout-slots", "3"]
+       "--eval-every", str(EVAL_EVERY), "--eval-prompts", "4", "--eval-samples", "2", "--ckpt-every", "1",
+       "--keep-checkpoints", "2", "--no-progress", "--tensorboard-dir", "", "--mesh", "actor:data=1/rollout:data=1",
+       "--async-rollout", "--rollout-slots", "3"]
 
 
 def _start(lt, run_dir, env, name):
@@ -48,19 +62,52 @@ def _wait(procs, timeout=900):
 
 
 @pytest.mark.slow
-def test_async_mpmd_killed_and_resumed_equals_uninterrupted_with_slots(tmp_path, run_env, lt):
+def test_async_mpmd_schedule_slots_parity_and_kill_resume(tmp_path, run_env, lt):
     ref, got = tmp_path / "ref", tmp_path / "got"
     ref.mkdir()
     got.mkdir()
-    assert _wait(_start(lt, ref, run_env, "run")) == [0, 0], (ref / "run.p0.log").read_text()[-3000:]
+    rcs = _wait(_start(lt, ref, run_env, "run"))
+    out = [(ref / f"run.p{i}.log").read_text(errors="replace") for i in range(2)]
+    assert rcs == [0, 0], (out[0][-3000:], out[1][-3000:])
+    evals = len(range(EVAL_EVERY - 1, STEPS, EVAL_EVERY))
+    assert re.search(rf"role actor \(process 0\): generate calls 0, train steps {STEPS}\b", out[0]), out[0][-2000:]
+    # one batch per step + (greedy + sampled) per evaluation
+    assert re.search(rf"role rollout \(process 1\): generate calls {STEPS + 2 * evals}, train steps 0", out[1]), \
+        out[1][-2000:]
+
     rows = lt.read_metrics(ref / "metrics.jsonl")
-    assert [r["step"] for r in rows] == list(range(STEPS))
-    for r in rows:  # continuous batching on the rollout's processes: the slots program's counters
+    assert [r["step"] for r in rows] == list(range(STEPS))  # one writer: each step once, in order
+    for s, r in enumerate(rows):
+        v = max(0, s - 1)  # batch s generated with P(max(0, s - K))
+        assert r["weight_version/sample_min"] == r["weight_version/sample_max"] == float(v)
+        assert r["weight_version/staleness_max"] == r["weight_version/staleness_mean"] == float(s - v) <= 1.0
+        assert r["weight_version"] == s + 1
+        assert r["mpmd/rollout_train_steps"] == 0.0
+        assert {"perf/rollout_wait_s", "perf/train_wait_s", "perf/overlap_frac"} <= set(r)
+        assert 0.0 <= r["perf/overlap_frac"] <= 1.0 + 1e-9
+        # continuous batching on the rollout's processes: the slots program's counters
         assert r["rollout/slots_refilled"] >= 1 and r["rollout/decode_steps"] >= 1, r
         assert 0 < r["rollout/slot_utilisation"] <= 1
-        assert r["weight_version/staleness_max"] == (1.0 if r["step"] else 0.0)
+    for n in range(STEPS - 1):  # the rollout of batch n + 1 started before the update of step n ended
+        assert rows[n]["perf/next_generate_start_t"] < rows[n]["perf/update_end_t"], rows[n]
+    assert rows[1]["perf/overlap_frac"] > 0  # step 0's update waits for its compile: batch 1 may be done by then
     assert (ref / "ckpt" / "inflight" / f"{STEPS - 1}.npz").is_file()
 
+    # 1. the one-process asynchronous run of the same mesh shapes (2 host devices: actor 1 + rollout 1)
+    single = tmp_path / "single.jsonl"
+    rc, text = lt.launch([*JOB, "--ckpt-dir", "", "--metrics-jsonl", single], run_env, tmp_path / "single.log")
+    assert rc == 0, text[-3000:]
+    one = lt.read_metrics(single)
+    for s in range(STEPS):
+        for k in ("rollout/reward_mean", "rollout/reward_std", "rollout/response_len_mean"):
+            assert rows[s][k] == one[s][k], (s, k)
+        assert abs(rows[s]["train/pg_loss"] - one[s]["train/pg_loss"]) <= 1e-5, s
+        assert rows[s]["weight_version/staleness_max"] == one[s]["weight_version/staleness_max"]
+    for s in range(EVAL_EVERY - 1, STEPS, EVAL_EVERY):
+        assert {k: v for k, v in rows[s].items() if k.startswith("eval/")} == \
+            {k: v for k, v in one[s].items() if k.startswith("eval/")} != {}, s
+
+    # 2. killed twice (both processes) at seeded random moments, resumed to the end: the uninterrupted run bitwise
     rng, newest = random.Random(0), 0
     for start in range(2):
         procs = _start(lt, got, run_env, f"start{start}")

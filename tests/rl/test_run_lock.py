@@ -118,8 +118,8 @@ def _two_processes(directory) -> list[str]:
     import portpicker
 
     port = portpicker.pick_unused_port()
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path), "JAX_PLATFORMS": "cpu"}
-    env.pop("XLA_FLAGS", None)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path), "JAX_PLATFORMS": "cpu",
+           "XLA_FLAGS": os.environ["DSV4RL_TEST_XLA_FLAGS"]}  # no forced 8 devices
     procs = [subprocess.Popen([sys.executable, "-c", PEER, f"127.0.0.1:{port}", str(i), str(directory)],
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env) for i in range(2)]
     outs = []

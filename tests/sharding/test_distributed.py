@@ -102,7 +102,8 @@ def test_two_processes_match_single_process(tmp_path):
     port = portpicker.pick_unused_port()
     out = tmp_path / "result.npy"
     env = {k: v for k, v in os.environ.items() if not k.startswith(("JAX_", "SLURM_", "OMPI_"))}
-    env.update(JAX_PLATFORMS="cpu", XLA_FLAGS="", PYTHONPATH=str(ROOT))  # no forced 8 devices in workers
+    # no forced 8 devices in the workers; the suite's compile options
+    env.update(JAX_PLATFORMS="cpu", XLA_FLAGS=os.environ["DSV4RL_TEST_XLA_FLAGS"], PYTHONPATH=str(ROOT))
     procs = [
         subprocess.Popen(
             [sys.executable, str(WORKER), "--coordinator", f"127.0.0.1:{port}", "--num-processes", "2",
