@@ -53,8 +53,8 @@ def fp8_gemm_available(devices=None) -> tuple[bool, str]:
 
 def fp8_linear(x: jax.Array, w: QuantizedTensor, dtype, *, scale_fmt: str = ACT_SCALE_FMT) -> jax.Array:
     """y[..., o] = sum_i x[..., i] W[o, i] for a block-FP8 `w` (kind 'fp8', q [O, K], scale [ceil(O/b0),
-    ceil(K/b1)] f32), in `dtype`. x [..., K] any float dtype. The activation is quantised to w's fp8 format per
-    1 x b1 tile by the release's rule (`dsv4.quant.act_quant`, `scale_fmt` "ue8m0" by default, or "f32"); the
+    ceil(K/b1)] f32), in `dtype`. x [..., K] any float dtype, rounded to `dtype` (the compute dtype) and then
+    quantised to w's fp8 format per 1 x b1 tile by the release's rule (`dsv4.quant.act_quant`, `scale_fmt` "ue8m0" by default, or "f32"); the
     weight bytes are used as stored (no dequantised copy). Jittable. Source: DeepSeek-V4 `inference/model.py`
     (`linear`: act_quant, then fp8_gemm).
 
@@ -66,7 +66,8 @@ def fp8_linear(x: jax.Array, w: QuantizedTensor, dtype, *, scale_fmt: str = ACT_
     b0, b1 = w.block
     kb = -(-k // b1)
     lead = x.shape[:-1]
-    qx, sx = act_quant(x.reshape(-1, k), fmt=w.fmt, block=b1, scale_fmt=scale_fmt)  # [T, K] fp8, [T, KB] f32
+    # quantised from x in the compute dtype, as the release's act_quant reads its bf16 input
+    qx, sx = act_quant(x.reshape(-1, k).astype(dtype), fmt=w.fmt, block=b1, scale_fmt=scale_fmt)  # [T, K], [T, KB]
     assert qx.dtype == FP8_FORMATS[w.fmt]
     q = w.q
     if kb * b1 != k:  # zero-pad K to whole blocks (zeros add nothing to either dot)
@@ -89,7 +90,7 @@ def quantized_linear(x: jax.Array, w: QuantizedTensor, dtype, *, scale_fmt: str 
         raise ValueError(f"quantized_linear needs a 2-d weight, got shape {w.shape}")
     if w.kind == "fp8" and w.matmul == "fp8":
         return fp8_linear(x, w, dtype, scale_fmt=scale_fmt)
-    xq = act_fake_quant(x, fmt="e4m3fn" if w.kind == "fp4" else w.fmt, scale_fmt=scale_fmt).astype(dtype)
+    xq = act_fake_quant(x.astype(dtype), fmt="e4m3fn" if w.kind == "fp4" else w.fmt, scale_fmt=scale_fmt)
     wd = w.dequantize(dtype)
     out = jnp.float32 if jnp.dtype(dtype) == jnp.float32 else None
     return jnp.einsum("...i,oi->...o", xq, wd, preferred_element_type=out).astype(dtype)
