@@ -54,9 +54,9 @@ def fp8_gemm_available(devices=None) -> tuple[bool, str]:
 def fp8_linear(x: jax.Array, w: QuantizedTensor, dtype, *, scale_fmt: str = ACT_SCALE_FMT) -> jax.Array:
     """y[..., o] = sum_i x[..., i] W[o, i] for a block-FP8 `w` (kind 'fp8', q [O, K], scale [ceil(O/b0),
     ceil(K/b1)] f32), in `dtype`. x [..., K] any float dtype, rounded to `dtype` (the compute dtype) and then
-    quantised to w's fp8 format per 1 x b1 tile by the release's rule (`dsv4.quant.act_quant`, `scale_fmt` "ue8m0" by default, or "f32"); the
-    weight bytes are used as stored (no dequantised copy). Jittable. Source: DeepSeek-V4 `inference/model.py`
-    (`linear`: act_quant, then fp8_gemm).
+    quantised to w's fp8 format per 1 x b1 tile by the release's rule (`dsv4.quant.act_quant`, `scale_fmt`
+    "ue8m0" by default, or "f32"); the weight bytes are used as stored (no dequantised copy). Jittable.
+    Source: DeepSeek-V4 `inference/model.py` (`linear`: act_quant, then fp8_gemm).
 
     Raises ValueError for a non-fp8 or non-2-d weight.
     """
