@@ -1,7 +1,8 @@
 """FP8 GEMM on block-scaled weights: y = x W^T with W = q * S (128x128 blocks) without dequantising W.
 
-`fp8_linear(x, w)` quantises the activation per (row, 128-column block) to e4m3 (scale = amax / fmax, f32),
-runs one `dot_general` on FP8 operands with `preferred_element_type=float32`, batched over the K blocks, and
+`fp8_linear(x, w)` quantises the activation per (row, 128-column block) to e4m3 as the DeepSeek-V4 release does
+(`dsv4.quant.act_quant`: amax floored at 1e-4, power-of-two "ue8m0" scales by default; exact f32 scales as an
+option), runs one `dot_general` on FP8 operands with `preferred_element_type=float32`, batched over the K blocks, and
 combines the per-block partial sums with both scales:
 
     y[t, o] = sum_kb  sx[t, kb] * S[o // b0, kb] * sum_{c in kb} qx[t, c] q[o, c]
@@ -22,7 +23,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from dsv4.quant import FP8_FORMATS, FP8_MAX, QuantizedTensor, saturating_cast_fp8
+from dsv4.quant import ACT_SCALE_FMT, FP8_FORMATS, QuantizedTensor, act_fake_quant, act_quant
 
 # Backends whose XLA runs dot_general on f8 operands as an FP8 GEMM.
 _FP8_ROCM_MARKERS = ("gfx942", "gfx950", "mi300", "mi308", "mi325", "mi350", "mi355")
@@ -50,10 +51,12 @@ def fp8_gemm_available(devices=None) -> tuple[bool, str]:
     return False, f"{d.platform} {d.device_kind}: no FP8 GEMM known"
 
 
-def fp8_linear(x: jax.Array, w: QuantizedTensor, dtype) -> jax.Array:
+def fp8_linear(x: jax.Array, w: QuantizedTensor, dtype, *, scale_fmt: str = ACT_SCALE_FMT) -> jax.Array:
     """y[..., o] = sum_i x[..., i] W[o, i] for a block-FP8 `w` (kind 'fp8', q [O, K], scale [ceil(O/b0),
-    ceil(K/b1)] f32), in `dtype`. x [..., K] any float dtype. The activation is quantised to w's fp8 format
-    per 1 x b1 tile; the weight bytes are used as stored (no dequantised copy). Jittable.
+    ceil(K/b1)] f32), in `dtype`. x [..., K] any float dtype, rounded to `dtype` (the compute dtype) and then
+    quantised to w's fp8 format per 1 x b1 tile by the release's rule (`dsv4.quant.act_quant`, `scale_fmt`
+    "ue8m0" by default, or "f32"); the weight bytes are used as stored (no dequantised copy). Jittable.
+    Source: DeepSeek-V4 `inference/model.py` (`linear`: act_quant, then fp8_gemm).
 
     Raises ValueError for a non-fp8 or non-2-d weight.
     """
@@ -63,19 +66,31 @@ def fp8_linear(x: jax.Array, w: QuantizedTensor, dtype) -> jax.Array:
     b0, b1 = w.block
     kb = -(-k // b1)
     lead = x.shape[:-1]
-    xf = x.reshape(-1, k).astype(jnp.float32)
+    # quantised from x in the compute dtype, as the release's act_quant reads its bf16 input
+    qx, sx = act_quant(x.reshape(-1, k).astype(dtype), fmt=w.fmt, block=b1, scale_fmt=scale_fmt)  # [T, K], [T, KB]
+    assert qx.dtype == FP8_FORMATS[w.fmt]
     q = w.q
     if kb * b1 != k:  # zero-pad K to whole blocks (zeros add nothing to either dot)
-        xf = jnp.pad(xf, ((0, 0), (0, kb * b1 - k)))
+        qx = jnp.pad(qx, ((0, 0), (0, kb * b1 - k)))
         q = jnp.pad(q, ((0, 0), (0, kb * b1 - k)))
-    t = xf.shape[0]
-    xb = xf.reshape(t, kb, b1)
-    amax = jnp.max(jnp.abs(xb), axis=-1)  # [T, KB]
-    sx = jnp.where(amax > 0, amax / FP8_MAX[w.fmt], 1.0)
-    qx = saturating_cast_fp8(xb / sx[..., None], w.fmt)
-    assert qx.dtype == FP8_FORMATS[w.fmt]
-    part = jax.lax.dot_general(qx, q.reshape(o, kb, b1), (((2,), (2,)), ((1,), (1,))),
+    t = qx.shape[0]
+    part = jax.lax.dot_general(qx.reshape(t, kb, b1), q.reshape(o, kb, b1), (((2,), (2,)), ((1,), (1,))),
                                preferred_element_type=jnp.float32)  # [KB, T, O]
     sw = jnp.repeat(w.scale.astype(jnp.float32), b0, axis=0)[:o]  # [O, KB]
     y = jnp.einsum("kto,tk,ok->to", part, sx, sw)
     return y.reshape(*lead, o).astype(dtype)
+
+
+def quantized_linear(x: jax.Array, w: QuantizedTensor, dtype, *, scale_fmt: str = ACT_SCALE_FMT) -> jax.Array:
+    """The release's `linear` for a quantised weight: x [..., K] -> [..., O] in `dtype`, activations quantised per
+    1 x 128 block (`act_quant`). w.matmul "fp8": `fp8_linear` (FP8 operands); "dequant": the fake-quantised x times
+    the dequantised weight in `dtype` (the same products; for backends without FP8 GEMMs and for FP4 weights,
+    which the release runs as an FP8 x FP4 GEMM). Jittable. Raises ValueError for a non-2-d weight."""
+    if len(w.shape) != 2:
+        raise ValueError(f"quantized_linear needs a 2-d weight, got shape {w.shape}")
+    if w.kind == "fp8" and w.matmul == "fp8":
+        return fp8_linear(x, w, dtype, scale_fmt=scale_fmt)
+    xq = act_fake_quant(x.astype(dtype), fmt="e4m3fn" if w.kind == "fp4" else w.fmt, scale_fmt=scale_fmt)
+    wd = w.dequantize(dtype)
+    out = jnp.float32 if jnp.dtype(dtype) == jnp.float32 else None
+    return jnp.einsum("...i,oi->...o", xq, wd, preferred_element_type=out).astype(dtype)

@@ -17,7 +17,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from dsv4.fp8_gemm import fp8_linear
+from dsv4.fp8_gemm import quantized_linear
 from dsv4.quant import QuantizedTensor
 from sharding import axes as ax
 
@@ -58,10 +58,11 @@ def dot_out(dtype):
 def linear(x: jax.Array, w: jax.Array, dtype) -> jax.Array:
     """y[..., o] = sum_i x[..., i] w[o, i], computed in `dtype` (f32 accumulation on the dot).
 
-    w may also be a block-FP8 `dsv4.quant.QuantizedTensor` (the rollout's FP8-GEMM path): then the matmul runs on
-    FP8 operands (`dsv4.fp8_gemm.fp8_linear`)."""
+    w may also be a quantised `dsv4.quant.QuantizedTensor` (the rollout's FP8 weights): then x is quantised to FP8
+    per 1 x 128 block as the release does, and the matmul runs on FP8 operands (w.matmul "fp8") or on the
+    dequantised weight (`dsv4.fp8_gemm.quantized_linear`)."""
     if isinstance(w, QuantizedTensor):
-        return fp8_linear(x, w, dtype)
+        return quantized_linear(x, w, dtype)
     return jnp.einsum("...i,oi->...o", x.astype(dtype), w.astype(dtype),
                       preferred_element_type=dot_out(dtype)).astype(dtype)
 

@@ -26,8 +26,13 @@ import jax.numpy as jnp
 from flax import nnx
 
 from dsv4.layers import Buffer, dot_out, linear, linear_f32, param
-from dsv4.quant import ROUTED_EXPERT_RE
+from dsv4.quant import ROUTED_EXPERT_RE, QuantizedTensor, act_fake_quant
 from sharding import axes as ax
+
+def _aq(act_q, h):
+    """h, or act_q(h) when the routed experts quantise their activations (the release's FP4 x FP8 GEMM input)."""
+    return h if act_q is None else act_q(h)
+
 
 _RAGGED_DN = jax.lax.RaggedDotDimensionNumbers(
     dot_dimension_numbers=(([1], [2]), ([], [])), lhs_ragged_dimensions=[0], rhs_group_dimensions=[0])
@@ -41,11 +46,13 @@ def swiglu(gate: jax.Array, up: jax.Array, limit: float) -> jax.Array:
 
 
 def routed_experts_ragged(x: jax.Array, ids: jax.Array, weights: jax.Array, w1: jax.Array, w3: jax.Array,
-                          w2: jax.Array, *, limit: float, dtype) -> jax.Array:
+                          w2: jax.Array, *, limit: float, dtype, act_q=None) -> jax.Array:
     """Dropless routed-expert FFN by sorting token copies by expert and grouped matmuls.
 
     x [T, D]; ids [T, k] int32 in [0, E); weights [T, k] float32; w1, w3 [E, I, D]; w2 [E, D, I].
     Returns [T, D] float32 = sum_j weights[t, j] * E_{ids[t, j]}(x_t).
+    act_q: None, or a function applied to the w2 input (the weighted SwiGLU output in `dtype`, [rows, I]) before
+    the w2 product: the rollout's release-exact FP8 activations (`MoE`). Every implementation here takes it.
     """
     t, k = ids.shape
     n_exp = w1.shape[0]
@@ -58,13 +65,13 @@ def routed_experts_ragged(x: jax.Array, ids: jax.Array, weights: jax.Array, w1: 
         out = jax.lax.ragged_dot_general(lhs, w.astype(dtype), sizes, _RAGGED_DN, preferred_element_type=dot_out(dtype))
         return out.astype(jnp.float32)
 
-    h = (swiglu(gmm(xs, w1), gmm(xs, w3), limit) * weights.reshape(-1)[order][:, None]).astype(dtype)
+    h = _aq(act_q, (swiglu(gmm(xs, w1), gmm(xs, w3), limit) * weights.reshape(-1)[order][:, None]).astype(dtype))
     y = gmm(h, w2)
     return jnp.zeros((t, x.shape[-1]), jnp.float32).at[tok].add(y)
 
 
 def routed_experts_dense(x: jax.Array, ids: jax.Array, weights: jax.Array, w1: jax.Array, w3: jax.Array,
-                         w2: jax.Array, *, limit: float, dtype) -> jax.Array:
+                         w2: jax.Array, *, limit: float, dtype, act_q=None) -> jax.Array:
     """Routed experts by running every expert on every token and combining with the routing weights.
 
     Same contract as `routed_experts_ragged` (x [T, D]; ids [T, k]; weights [T, k] f32; w1, w3 [E, I, D];
@@ -80,13 +87,13 @@ def routed_experts_dense(x: jax.Array, ids: jax.Array, weights: jax.Array, w1: j
     g = jax.lax.dot_general(xt, w1.reshape(e * i, d).astype(dtype), nt, preferred_element_type=jnp.float32)
     u = jax.lax.dot_general(xt, w3.reshape(e * i, d).astype(dtype), nt, preferred_element_type=jnp.float32)
     h = swiglu(g, u, limit).reshape(t, e, i) * combine[..., None]
-    h = jnp.transpose(h, (1, 0, 2)).astype(dtype)  # [E, T, I]
+    h = _aq(act_q, jnp.transpose(h, (1, 0, 2)).astype(dtype))  # [E, T, I]
     y = jax.lax.dot_general(h, w2.astype(dtype), (((2,), (2,)), ((0,), (0,))), preferred_element_type=jnp.float32)
     return jnp.sum(y, axis=0)
 
 
 def routed_experts_gathered(x: jax.Array, ids: jax.Array, weights: jax.Array, w1: jax.Array, w3: jax.Array,
-                            w2: jax.Array, *, limit: float, dtype) -> jax.Array:
+                            w2: jax.Array, *, limit: float, dtype, act_q=None) -> jax.Array:
     """Routed experts by gathering each (token, pick)'s expert weights: T * k matrix-vector products.
 
     Same contract as `routed_experts_ragged`. Copies T * k experts per call, so it pays only for a handful of
@@ -98,7 +105,7 @@ def routed_experts_gathered(x: jax.Array, ids: jax.Array, weights: jax.Array, w1
     bd = (((2,), (2,)), ((0,), (0,)))
     g = jax.lax.dot_general(xr, w1[flat].astype(dtype), bd, preferred_element_type=jnp.float32)[:, 0]
     u = jax.lax.dot_general(xr, w3[flat].astype(dtype), bd, preferred_element_type=jnp.float32)[:, 0]
-    h = (swiglu(g, u, limit) * weights.reshape(-1)[:, None]).astype(dtype)[:, None, :]
+    h = _aq(act_q, (swiglu(g, u, limit) * weights.reshape(-1)[:, None]).astype(dtype))[:, None, :]
     y = jax.lax.dot_general(h, w2[flat].astype(dtype), bd, preferred_element_type=jnp.float32)[:, 0]
     return jnp.sum(y.reshape(t, k, -1), axis=1)
 
@@ -123,7 +130,7 @@ def _tile_at(plan, j, n_exp: int, tile: int):
 _NT = (((1,), (1,)), ((), ()))  # [M, K] x [N, K] -> [M, N]
 
 
-def _tiled_forward(x, ids, weights, w1, w3, w2, limit, dtype, tile):
+def _tiled_forward(x, ids, weights, w1, w3, w2, limit, dtype, tile, act_q=None):
     t, k = ids.shape
     n_exp, d, n = w1.shape[0], x.shape[-1], ids.size
     plan = _tile_plan(ids, n_exp, tile)
@@ -139,7 +146,7 @@ def _tiled_forward(x, ids, weights, w1, w3, w2, limit, dtype, tile):
             a, b, c = (jax.lax.dynamic_index_in_dim(w, e, keepdims=False).astype(dtype) for w in (w1, w3, w2))
             g = jax.lax.dot_general(xt, a, _NT, preferred_element_type=jnp.float32)
             u = jax.lax.dot_general(xt, b, _NT, preferred_element_type=jnp.float32)
-            h = (swiglu(g, u, limit) * wt[:, None]).astype(dtype)
+            h = _aq(act_q, (swiglu(g, u, limit) * wt[:, None]).astype(dtype))
             yt = jax.lax.dot_general(h, c, _NT, preferred_element_type=jnp.float32)
             return jax.lax.dynamic_update_slice_in_dim(y, jax.lax.dynamic_slice_in_dim(y, row0, tile) + yt, row0, 0)
         return jax.lax.cond(j < plan["tile_end"][-1], run, lambda y: y, y)
@@ -148,16 +155,16 @@ def _tiled_forward(x, ids, weights, w1, w3, w2, limit, dtype, tile):
     return jnp.zeros((t, d), jnp.float32).at[tok].add(y)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7, 8))
-def _tiled(x, ids, weights, w1, w3, w2, limit, dtype, tile):
-    return _tiled_forward(x, ids, weights, w1, w3, w2, limit, dtype, tile)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7, 8, 9))
+def _tiled(x, ids, weights, w1, w3, w2, limit, dtype, tile, act_q):
+    return _tiled_forward(x, ids, weights, w1, w3, w2, limit, dtype, tile, act_q)
 
 
-def _tiled_fwd(x, ids, weights, w1, w3, w2, limit, dtype, tile):
-    return _tiled_forward(x, ids, weights, w1, w3, w2, limit, dtype, tile), (x, ids, weights, w1, w3, w2)
+def _tiled_fwd(x, ids, weights, w1, w3, w2, limit, dtype, tile, act_q):
+    return _tiled_forward(x, ids, weights, w1, w3, w2, limit, dtype, tile, act_q), (x, ids, weights, w1, w3, w2)
 
 
-def _tiled_bwd(limit, dtype, tile, res, dout):
+def _tiled_bwd(limit, dtype, tile, act_q, res, dout):
     """The backward as a second tile loop: each step recomputes its tile's gate/up activations and adds its
     expert's weight gradients into that expert's slice of the (loop-carried, updated in place) gradient buffers,
     so no step touches more than one expert (autodiff of the forward loop adds full [E, I, D] buffers per step)."""
@@ -185,7 +192,7 @@ def _tiled_bwd(limit, dtype, tile, res, dout):
             sig = jax.nn.sigmoid(gc)
             act = gc * sig  # silu
             s = act * uc
-            h = (s * wt[:, None]).astype(dtype)
+            h = _aq(act_q, (s * wt[:, None]).astype(dtype))  # the w2 input as the forward saw it
             # y = h c^T: dh = dy c, dc = dy^T h
             dh = jax.lax.dot_general(dy.astype(dtype), c, (((1,), (0,)), ((), ())), preferred_element_type=jnp.float32)
             dc = jax.lax.dot_general(dy.astype(dtype), h, (((0,), (0,)), ((), ())), preferred_element_type=jnp.float32)
@@ -225,7 +232,7 @@ _tiled.defvjp(_tiled_fwd, _tiled_bwd)
 
 
 def routed_experts_tiled(x: jax.Array, ids: jax.Array, weights: jax.Array, w1: jax.Array, w3: jax.Array,
-                         w2: jax.Array, *, limit: float, dtype, tile: int | None = None) -> jax.Array:
+                         w2: jax.Array, *, limit: float, dtype, tile: int | None = None, act_q=None) -> jax.Array:
     """Dropless routed experts as a loop over fixed-size tiles of the expert-sorted token copies.
 
     Same contract as `routed_experts_ragged`. The T*k (token, pick) copies are sorted by expert; expert e's rows
@@ -241,11 +248,11 @@ def routed_experts_tiled(x: jax.Array, ids: jax.Array, weights: jax.Array, w1: j
     if tile is None:
         mean_rows = max(1, ids.size // n_exp)
         tile = int(min(128, max(16, 1 << (mean_rows - 1).bit_length())))
-    return _tiled(x, ids, weights, w1, w3, w2, float(limit), jnp.dtype(dtype), int(tile))
+    return _tiled(x, ids, weights, w1, w3, w2, float(limit), jnp.dtype(dtype), int(tile), act_q)
 
 
 def routed_experts_cpu(x: jax.Array, ids: jax.Array, weights: jax.Array, w1: jax.Array, w3: jax.Array,
-                       w2: jax.Array, *, limit: float, dtype) -> jax.Array:
+                       w2: jax.Array, *, limit: float, dtype, act_q=None) -> jax.Array:
     """Routed experts for XLA:CPU: picks an implementation from the static shapes (same contract as
     `routed_experts_ragged`).
 
@@ -258,10 +265,10 @@ def routed_experts_cpu(x: jax.Array, ids: jax.Array, weights: jax.Array, w1: jax
     """
     picks, n_exp = ids.size, w1.shape[0]
     if 4 * picks <= n_exp:
-        return routed_experts_gathered(x, ids, weights, w1, w3, w2, limit=limit, dtype=dtype)
+        return routed_experts_gathered(x, ids, weights, w1, w3, w2, limit=limit, dtype=dtype, act_q=act_q)
     if picks <= 4 * n_exp:
-        return routed_experts_dense(x, ids, weights, w1, w3, w2, limit=limit, dtype=dtype)
-    return routed_experts_tiled(x, ids, weights, w1, w3, w2, limit=limit, dtype=dtype)
+        return routed_experts_dense(x, ids, weights, w1, w3, w2, limit=limit, dtype=dtype, act_q=act_q)
+    return routed_experts_tiled(x, ids, weights, w1, w3, w2, limit=limit, dtype=dtype, act_q=act_q)
 
 
 def routed_experts_local(devices: Sequence[Any], param_shardings: Mapping[str, Any] | None = None):
@@ -357,7 +364,16 @@ class MoE(nnx.Module):
         ids, w = self.route(uf, token_ids.reshape(-1), None if forced_ids is None else forced_ids.reshape(b * s, -1))
         fn = dispatch_fn or routed_experts_ragged
         e = self.experts
-        y = fn(uf, ids, w, e.w1[...], e.w3[...], e.w2[...], limit=self.limit, dtype=self.dtype)
+        w1, w3, w2 = e.w1.get_value(), e.w3.get_value(), e.w2.get_value()
+        if isinstance(w1, QuantizedTensor):
+            # The rollout's quantised experts (`rl.rollout_weights`): as the release's FP8 x FP4 (or FP8) expert GEMMs,
+            # the inputs of w1/w3 and of w2 are quantised to FP8 per 1 x 128 block (`act_fake_quant`, ue8m0 scales)
+            # and multiply the dequantised weights (the same products as the quantised GEMM).
+            w1, w3, w2 = (v.dequantize(self.dtype) for v in (w1, w3, w2))
+            y = fn(act_fake_quant(uf.astype(self.dtype)), ids, w, w1, w3, w2, limit=self.limit, dtype=self.dtype,
+                   act_q=act_fake_quant)
+        else:
+            y = fn(uf, ids, w, w1, w3, w2, limit=self.limit, dtype=self.dtype)
         if self.shared_experts is not None:
             se = self.shared_experts
             h = swiglu(linear(uf, se.w1.weight.get_value(), self.dtype),

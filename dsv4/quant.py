@@ -215,6 +215,63 @@ def quantize_fp8_blockwise(w, *, fmt: str = "e4m3fn", block: tuple[int, int] = (
     return q, scale
 
 
+# ------------------------------------------------------------------------------ activation quantisation
+
+# The release's activation quantiser (`act_quant` of DeepSeek-V4 `inference/kernel.py`, called by its `linear` before
+# every FP8 and FP4 GEMM): per 1 x 128 block of the last dim, amax = max(max|x|, 1e-4); s = amax * f32(1 / fmax),
+# rounded up to a power of two when `scale_fmt` is "ue8m0" (the V4 config's `scale_fmt`); q = cast(clip(x / s)).
+ACT_BLOCK = 128
+ACT_AMAX_FLOOR = 1e-4
+ACT_SCALE_FMTS = ("ue8m0", "f32")
+ACT_SCALE_FMT = "ue8m0"  # the default: the release's (V4 `ModelArgs.scale_fmt`)
+
+
+def act_quant(x, *, fmt: str = "e4m3fn", block: int = ACT_BLOCK, scale_fmt: str = ACT_SCALE_FMT):
+    """Activation quantisation as the DeepSeek-V4 release does it: x [..., K] -> (q [..., K] in FP8_FORMATS[fmt],
+    s float32 [..., ceil(K / block)]), x ~= q * s per block. Jittable (static kwargs); numpy in, numpy out.
+
+    Per 1 x `block` block of the last dim: amax = max(max|x|, 1e-4) (an all-zero block stores the floored scale,
+    not 1); s = amax * f32(1 / fmax); scale_fmt "ue8m0" (default, the release's): s rounded up to a power of two
+    (exactly, from the f32 bits, as the release's `fast_round_scale`); "f32": s as is (the release kernel's other
+    mode; it uses the whole e4m3 range, so its rounding error is smaller; see benchmarks/README.md). q =
+    cast(clip(x / s, -fmax, fmax)) rounding to nearest even, so the signs of zero follow x's. K not a multiple of
+    `block` is zero-padded internally (zeros do not change amax). Source: DeepSeek-V4 `inference/kernel.py`
+    (`act_quant_kernel`, `fast_round_scale`), `inference/model.py` (`linear`, `ModelArgs.scale_fmt = "ue8m0"`).
+    Raises ValueError for an unknown fmt / scale_fmt.
+    """
+    fmt = canonical_fp8_format(fmt)
+    if scale_fmt not in ACT_SCALE_FMTS:
+        raise ValueError(f"activation scale_fmt must be one of {ACT_SCALE_FMTS}, got {scale_fmt!r}")
+    xp = _xp(x)
+    xf = x.astype(xp.float32)
+    *lead, k = xf.shape
+    nb = -(-k // block)
+    if nb * block != k:
+        xf = xp.pad(xf, [(0, 0)] * len(lead) + [(0, nb * block - k)])
+    xb = xf.reshape(*lead, nb, block)
+    amax = xp.maximum(xp.max(xp.abs(xb), axis=-1), np.float32(ACT_AMAX_FLOOR))  # -> [..., nb]
+    s = (amax * np.float32(1.0 / FP8_MAX[fmt])).astype(xp.float32)
+    if scale_fmt == "ue8m0":
+        s = _pow2_ceil(xp, s)
+    q = saturating_cast_fp8(xb / s[..., None], fmt).reshape(*lead, nb * block)[..., :k]
+    return q, s
+
+
+def act_fake_quant(x, *, fmt: str = "e4m3fn", block: int = ACT_BLOCK, scale_fmt: str = ACT_SCALE_FMT):
+    """`act_quant` then back: x [..., K] -> q * s [..., K] in x's dtype (exact in bf16 and f32 for "ue8m0": an e4m3
+    value times a power of two). What the release's FP8 / FP4 GEMMs see of x, for paths that multiply by
+    dequantised weights instead of running the quantised GEMM. Jittable."""
+    q, s = act_quant(x, fmt=fmt, block=block, scale_fmt=scale_fmt)
+    xp = _xp(x)
+    k = x.shape[-1]
+    nb = s.shape[-1]
+    qf = q.astype(xp.float32)
+    if nb * block != k:
+        qf = xp.pad(qf, [(0, 0)] * (qf.ndim - 1) + [(0, nb * block - k)])
+    y = (qf.reshape(*qf.shape[:-1], nb, block) * s[..., None]).reshape(*qf.shape[:-1], nb * block)[..., :k]
+    return y.astype(x.dtype)
+
+
 # The precision learner weights are rounded to before FP8 rollout quantisation: the learner's compute precision,
 # and what the actor -> rollout push sends FP8-stored tensors as (parallel/push.py FP8_SOURCE_DTYPE).
 ROLLOUT_FP8_SOURCE_DTYPE = jnp.bfloat16
@@ -400,11 +457,13 @@ def dequantize_fp4(packed, scale, dtype=jnp.float32, *, block: int = FP4_BLOCK):
 
 
 def fp4_round_codes(x):
-    """Round values already in [-6, 6] to the nearest e2m1 code (ties to even; -0 and tiny negatives -> 0)."""
+    """Round values already in [-6, 6] to the nearest e2m1 code (ties to even). The sign bit is x's, as an IEEE cast
+    (the release's `T.Cast` / torch `.to(float4_e2m1fn_x2)`) writes it: -0 and negatives that round to zero give
+    code 8 (-0)."""
     xp = _xp(x)
     a = xp.abs(x)
     mag = sum((a > t).astype(xp.uint8) for t in _FP4_MIDPOINTS) + sum((a == t).astype(xp.uint8) for t in _FP4_TIES_UP)
-    sign = ((x < 0) & (mag > 0)).astype(xp.uint8)
+    sign = xp.signbit(x).astype(xp.uint8)
     return (mag | (sign << np.uint8(3))).astype(xp.uint8)
 
 
@@ -413,7 +472,10 @@ def quantize_fp4(w, *, block: int = FP4_BLOCK):
 
     Per `block` consecutive inputs: s = 2^ceil(log2(amax / 6)) (1 for an all-zero block), codes = nearest
     e2m1 value of w / s (ties to even). Exact round trip for w already of the form e2m1 * 2^k per block
-    with its amax at 6 * s. ValueError if `in` is not a multiple of `block` (or the numpy w is non-finite).
+    with its amax at 6 * s. Zeros keep their sign (code 8 for -0 and for negatives that round to 0, as an IEEE
+    cast writes them). An all-zero block keeps s = 1: the release's FP4 rule (`fp4_act_quant`) would floor it at
+    2^-126, which its FP4 -> FP8 conversion turns into a tile scale of 2^-132, below e8m0's range.
+    ValueError if `in` is not a multiple of `block` (or the numpy w is non-finite).
     """
     xp = _xp(w)
     w = w.astype(xp.float32)
@@ -440,7 +502,8 @@ def fp4_to_fp8_blockwise(packed, scale, *, block: tuple[int, int] = (128, 128), 
     2, 3, 4, 6}) becomes c * 2^(6 - d) * S with d = log2(s_max / s_j); that is exactly representable whenever
     d <= 14. So the conversion is exact when every 1x32 scale of a tile lies within 14 binades of the tile's
     largest; otherwise the small values round to the nearest multiple of 2^-9 * S, |error| <= 2^-10 * S =
-    s_max * 2^-16 per element. Tests: tests/dsv4/test_load_sharded.py.
+    s_max * 2^-16 per element. Zeros are written as +0 (byte 0x00), as the release's `cast_e2m1fn_to_e4m3fn`
+    (`inference/convert.py`, whose e2m1 table maps code 8 to +0.0) writes them. Tests: tests/dsv4/test_load_sharded.py.
     """
     xp = _xp(packed, scale)
     w = dequantize_fp4(packed, scale, xp.float32, block=fp4_block)  # exact in f32
@@ -455,7 +518,7 @@ def fp4_to_fp8_blockwise(packed, scale, *, block: tuple[int, int] = (128, 128), 
     smax = xp.max(sp.reshape(*lead, nb0, b0, nb1, per), axis=(-3, -1))  # -> [..., nb0, nb1]
     tile = (smax / 64.0).astype(xp.float32)
     full = xp.repeat(xp.repeat(tile, b0, axis=-2), b1, axis=-1)[..., :rows, :cols]
-    return saturating_cast_fp8(w / full, "e4m3fn"), tile
+    return saturating_cast_fp8(xp.where(w == 0, xp.float32(0.0), w / full), "e4m3fn"), tile
 
 
 # ------------------------------------------------------------------------------------ stored tensor
@@ -476,8 +539,14 @@ class QuantizedTensor:
     fmt: str
     block: tuple[int, ...]
     shape: tuple[int, ...]
+    # How a layer multiplies by this weight (`dsv4.layers.linear`, the routed experts): both quantise the activations
+    # as the release does (`act_quant`); "fp8" runs the dot on FP8 operands (`dsv4.fp8_gemm.fp8_linear`), "dequant"
+    # multiplies the fake-quantised activations by the dequantised weight (same products, XLA's summation order).
+    matmul: str = "fp8"
 
     def __post_init__(self):
+        if self.matmul not in ("fp8", "dequant"):
+            raise ValueError(f"QuantizedTensor matmul must be 'fp8' or 'dequant', got {self.matmul!r}")
         object.__setattr__(self, "block", tuple(int(b) for b in self.block))
         object.__setattr__(self, "shape", tuple(int(d) for d in self.shape))
         if self.kind == "fp8":
@@ -522,5 +591,5 @@ class QuantizedTensor:
 
 
 jax.tree_util.register_dataclass(
-    QuantizedTensor, data_fields=["q", "scale"], meta_fields=["kind", "fmt", "block", "shape"]
+    QuantizedTensor, data_fields=["q", "scale"], meta_fields=["kind", "fmt", "block", "shape", "matmul"]
 )

@@ -82,7 +82,7 @@ _RAGGED_DN = jax.lax.RaggedDotDimensionNumbers(
 
 
 def grouped_ffn(rows: jax.Array, eid: jax.Array, gate_w: jax.Array, w1: jax.Array, w3: jax.Array, w2: jax.Array,
-                *, limit: float, dtype, partial: bool = False) -> jax.Array:
+                *, limit: float, dtype, partial: bool = False, act_q=None) -> jax.Array:
     """Clamped-SwiGLU expert FFN of each row by its own local expert, in the rows' original order.
 
     Args:
@@ -91,6 +91,7 @@ def grouped_ffn(rows: jax.Array, eid: jax.Array, gate_w: jax.Array, w1: jax.Arra
       w1, w3: [n, I', D]; w2: [n, D, I'] (I' may be a tensor-parallel slice of I: the result is then partial).
       partial: the w2 product is a tensor-parallel partial sum: keep it in float32 (one rounding after the psum
         instead of one per rank). Otherwise the dots follow the model's rule (`_dot_out`), as the reference.
+      act_q: None, or the function applied to the w2 input (`dsv4.moe.routed_experts_ragged`'s contract).
     Returns:
       [M, D] float32 (values of `dtype` precision unless partial); empty rows are 0.
     """
@@ -105,6 +106,7 @@ def grouped_ffn(rows: jax.Array, eid: jax.Array, gate_w: jax.Array, w1: jax.Arra
     xs = rows[order].astype(dtype)
     h = swiglu(gmm(xs, w1, dot_out(dtype)), gmm(xs, w3, dot_out(dtype)), limit)
     h = (h * gate_w[order][:, None]).astype(dtype)
+    h = h if act_q is None else act_q(h)
     y = gmm(h, w2, jnp.float32 if partial else dot_out(dtype))
     y = jnp.where((eid[order] < n)[:, None], y, 0.0)  # rows past the groups: never garbage, whatever the backend
     return jnp.zeros_like(y).at[order].set(y)
@@ -120,7 +122,7 @@ def _exclusive_cumsum(x: jax.Array, axis: int = -1) -> jax.Array:
     return jnp.cumsum(x, axis=axis) - x
 
 
-def _capacity_body(x, ids, w, w1, w3, w2, *, ep, n_local, capacity, expert_axis, limit, dtype, partial):
+def _capacity_body(x, ids, w, w1, w3, w2, *, ep, n_local, capacity, expert_axis, limit, dtype, partial, act_q=None):
     """One rank, capacity backend. x [Tl, D], ids/w [Tl, k] -> [Tl, D] float32 (partial over I if TP)."""
     t_loc, k = ids.shape
     n_pairs = t_loc * k
@@ -141,7 +143,7 @@ def _capacity_body(x, ids, w, w1, w3, w2, *, ep, n_local, capacity, expert_axis,
         send_x, send_e, send_w = a2a(send_x), a2a(send_e), a2a(send_w)  # now [source rank, C, ...]
     d = x.shape[-1]
     y = grouped_ffn(send_x.reshape(-1, d), send_e.reshape(-1), send_w.reshape(-1), w1, w3, w2, limit=limit,
-                    dtype=dtype, partial=partial).reshape(ep, capacity, d)
+                    dtype=dtype, partial=partial, act_q=act_q).reshape(ep, capacity, d)
     if ep > 1:  # back to [destination rank, C, D]; exact in `dtype` unless a tensor-parallel partial sum
         y = jax.lax.all_to_all(y.astype(_return_dtype(dtype, partial)), expert_axis, 0, 0, tiled=True)
     y = jnp.where(valid[..., None], y, 0.0)
@@ -149,7 +151,7 @@ def _capacity_body(x, ids, w, w1, w3, w2, *, ep, n_local, capacity, expert_axis,
 
 
 def padded_ffn(xs: jax.Array, gate_w: jax.Array, w1: jax.Array, w3: jax.Array, w2: jax.Array, *, limit: float,
-               dtype, partial: bool = False) -> jax.Array:
+               dtype, partial: bool = False, act_q=None) -> jax.Array:
     """Clamped-SwiGLU FFN of capacity-padded per-expert buffers as batched dense matmuls (no `ragged_dot`).
 
     xs [n, R, D] rows of each local expert (compute dtype; empty slots are zero rows with gate_w 0);
@@ -160,12 +162,13 @@ def padded_ffn(xs: jax.Array, gate_w: jax.Array, w1: jax.Array, w3: jax.Array, w
     g = jax.lax.dot_general(xs, w1.astype(dtype), bd(((2,), (2,))), preferred_element_type=dot_out(dtype))
     u = jax.lax.dot_general(xs, w3.astype(dtype), bd(((2,), (2,))), preferred_element_type=dot_out(dtype))
     h = (swiglu(g, u, limit) * gate_w[..., None]).astype(dtype)  # [n, R, I']
+    h = h if act_q is None else act_q(h)
     y = jax.lax.dot_general(h, w2.astype(dtype), bd(((2,), (2,))),
                             preferred_element_type=jnp.float32 if partial else dot_out(dtype))
     return y.astype(jnp.float32)
 
 
-def _padded_body(x, ids, w, w1, w3, w2, *, ep, n_local, capacity, expert_axis, limit, dtype, partial):
+def _padded_body(x, ids, w, w1, w3, w2, *, ep, n_local, capacity, expert_axis, limit, dtype, partial, act_q=None):
     """One rank, padded backend. x [Tl, D], ids/w [Tl, k] -> [Tl, D] float32 (partial over I if TP).
 
     Each (token, pick) pair gets a slot in its global expert's buffer of `capacity` rows (first come, in (token, k)
@@ -193,7 +196,7 @@ def _padded_body(x, ids, w, w1, w3, w2, *, ep, n_local, capacity, expert_axis, l
         send_x, send_w = a2a(send_x), a2a(send_w)  # now [source rank, n_local, C, ...]
     xs = jnp.swapaxes(send_x, 0, 1).reshape(n_local, ep * capacity, d)
     gw = jnp.swapaxes(send_w, 0, 1).reshape(n_local, ep * capacity)
-    y = padded_ffn(xs, gw, w1, w3, w2, limit=limit, dtype=dtype, partial=partial)
+    y = padded_ffn(xs, gw, w1, w3, w2, limit=limit, dtype=dtype, partial=partial, act_q=act_q)
     y = jnp.swapaxes(y.reshape(n_local, ep, capacity, d), 0, 1)  # [source rank, n_local, C, D]
     if ep > 1:  # back to [destination rank, n_local, C, D]
         y = jax.lax.all_to_all(y.astype(_return_dtype(dtype, partial)), expert_axis, 0, 0, tiled=True)
@@ -222,7 +225,8 @@ def _ragged_all_to_all_reference(operand, output, input_offsets, send_sizes, out
     return jnp.where(mask, got, output)
 
 
-def _ragged_body(x, ids, w, w1, w3, w2, *, ep, n_local, buffer_rows, expert_axis, limit, dtype, partial, ra2a):
+def _ragged_body(x, ids, w, w1, w3, w2, *, ep, n_local, buffer_rows, expert_axis, limit, dtype, partial, ra2a,
+                 act_q=None):
     """One rank, ragged backend. x [Tl, D], ids/w [Tl, k] -> [Tl, D] float32 (partial over I if TP)."""
     t_loc, k = ids.shape
     d = x.shape[-1]
@@ -234,7 +238,8 @@ def _ragged_body(x, ids, w, w1, w3, w2, *, ep, n_local, buffer_rows, expert_axis
     counts = jnp.bincount(dest, length=ep).astype(jnp.int32)  # [ep] pairs I send to each rank
     if ep == 1:
         y = grouped_ffn(x[tok], key[order].astype(jnp.int32), w.reshape(-1)[order], w1, w3, w2, limit=limit,
-                        dtype=dtype, partial=partial)  # one rank: the global id is the local one; skipped = n_local
+                        dtype=dtype, partial=partial,
+                        act_q=act_q)  # one rank: the global id is the local one; skipped = n_local
         return jnp.zeros((t_loc, d), jnp.float32).at[tok].add(y)
     me = jax.lax.axis_index(expert_axis)
     all_counts = jax.lax.all_gather(counts, expert_axis)  # [ep src, ep dst]
@@ -249,7 +254,8 @@ def _ragged_body(x, ids, w, w1, w3, w2, *, ep, n_local, buffer_rows, expert_axis
     eid = ra2a((key[order] % n_local).astype(jnp.int32), jnp.full((buffer_rows,), n_local, jnp.int32),
                *send_args, axis_name=expert_axis)
     gw = ra2a(w.reshape(-1)[order], jnp.zeros((buffer_rows,), jnp.float32), *send_args, axis_name=expert_axis)
-    y = grouped_ffn(rows, eid, gw, w1, w3, w2, limit=limit, dtype=dtype, partial=partial)  # [buffer_rows, D]
+    y = grouped_ffn(rows, eid, gw, w1, w3, w2, limit=limit, dtype=dtype, partial=partial,
+                    act_q=act_q)  # [buffer_rows, D]
     ret = _return_dtype(dtype, partial)
     back_args = (jnp.minimum(out_off[:, me], buffer_rows - 1), sent[:, me], jnp.minimum(in_off[:, me], n_pairs - 1),
                  sent[me])
@@ -332,7 +338,7 @@ def make_ep_dispatch(mesh: Mesh, *, backend: str = "capacity", capacity_factor: 
     n_tok = math.prod(mesh.shape[a] for a in tok_axes)
     ra2a = _ragged_all_to_all or jax.lax.ragged_all_to_all
 
-    def dispatch(x, ids, weights, w1, w3, w2, *, limit, dtype):
+    def dispatch(x, ids, weights, w1, w3, w2, *, limit, dtype, act_q=None):
         t, k = ids.shape
         n_exp = w1.shape[0]
         if n_exp % ep:
@@ -346,7 +352,7 @@ def make_ep_dispatch(mesh: Mesh, *, backend: str = "capacity", capacity_factor: 
         t_loc = (t + pad) // n_tok
         n_pairs = t_loc * k
         kw = dict(ep=ep, n_local=n_exp // ep, expert_axis=expert_axis, limit=limit, dtype=dtype,
-                  partial=bool(mlp_axes))
+                  partial=bool(mlp_axes), act_q=act_q)
         if backend == "capacity":
             cap = n_pairs if capacity_factor is None else min(n_pairs, max(1, math.ceil(capacity_factor * n_pairs
                                                                                          / ep)))

@@ -38,7 +38,9 @@ from rl.config import LossConfig
 
 Metrics = dict[str, jnp.ndarray]
 
-# exp() guard on policy log-ratios (verl clamps to the same range); inactive for any sane policy.
+# exp() guard on policy log-ratios, both sides, PPO and GSPO alike; inactive for any sane policy. verl uses the same
+# [-20, 20] for PPO (`compute_policy_loss_vanilla`), but for GSPO (`compute_policy_loss_gspo`) it clamps the combined
+# sequence log-ratio from above only, at 10 (ratio <= e^10); the two differ only for |log s| > 10.
 _LOG_RATIO_CLAMP = 20.0
 # Output clamp of the k3 estimator (verl `kl_penalty(..., "low_var_kl")` clamps its result to [-10, 10]).
 _K3_MAX = 10.0
@@ -60,8 +62,10 @@ def kl_penalty(
         k2 = x^2 / 2                 biased, low variance
         k3 = exp(-x) - (-x) - 1      unbiased, >= 0; its value is then clamped to [-10, 10]
     Convention followed: k3 with the default clamp=20 is exactly verl's `low_var_kl` (`core_algos.kl_penalty`:
-    log-ratio clamped to [-20, 20], result to [-10, 10]), so k3 grows up to 10 with its gradient intact over
-    the whole range where the output clamp is not reached (|x| up to ~11.0 / 12.0). Deliberate difference: verl
+    log-ratio clamped to [-20, 20], result to [-10, 10]), so k3 keeps its gradient where the output clamp is not
+    reached: k3(x) = 10 at x = 11 - e^-11 ~ 11.0 for x > 0, and, because exp(-x) grows fast for x < 0, already at
+    x ~ -2.611 (e^2.611 - 2.611 - 1 = 10). So the gradient survives for -2.611 < x < 11.0 and is zero outside
+    (the log-ratio clamp at +-20 is never the binding one for k3). Deliberate difference: verl
     clamps only inside `low_var_kl`; here the same log-ratio clamp also applies to k1 and k2 (verl's "kl" and
     "mse" are unclamped), which only matters past |x| = clamp. A smaller clamp (e.g. 10) stops k3 at
     exp(-10) + 9 = 9.00005 with zero gradient for x >= 10.
@@ -182,10 +186,13 @@ def _correction_factor(old_logprobs: jnp.ndarray, rollout_logprobs: jnp.ndarray,
     log w_t = log pi_old(y_t) - log pi_rollout(y_t); level token: log w_t; sequence: sum_t log w_t (product of
     ratios); geometric: mean_t log w_t; the sequence levels are broadcast over the row.
     TIS (Yao et al. 2025): factor = min(w, C), indicator w > C.
-    MIS / IcePop (Ling team 2025, "IcePop"; verl rollout_rs "mask" mode with rollout_is weights): factor =
-    w * 1[mis_low <= w <= mis_high], i.e. kept tokens are weighted by their ratio itself and rejected ones get
-    0; indicator: the rejected ones. The normaliser is not changed: a masked token counts in the denominator
-    with zero loss (IcePop's objective).
+    MIS / IcePop (Ling team 2025, "IcePop"): factor = w * 1[mis_low <= w <= mis_high], i.e. kept tokens are
+    weighted by their ratio itself and rejected ones get 0; indicator: the rejected ones. The normaliser is not
+    changed: a rejected token counts in the denominator with zero loss (IcePop's objective). verl's rollout_rs
+    "mask" mode with rollout_is weights keeps the same per-token numerators (ratio-weighted kept tokens, rejected
+    ones 0) but rejects by zeroing the response mask (`modified_response_mask = response_mask * mask`), so its
+    token-mean divides by the kept tokens only: verl's loss = ours x (valid tokens / kept tokens) for
+    loss_agg_mode "token-mean" (the seq-mean modes likewise count only kept tokens per sequence).
     """
     log_w = jax.lax.stop_gradient((old_logprobs - rollout_logprobs) * mask)
     if cfg.correction_level == "sequence":

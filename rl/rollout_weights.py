@@ -20,11 +20,19 @@ under `dsv4.scan`: scanning needs the weights stacked per layer group, i.e. eith
 push and checkpoint paths, and every reader of `Sampler.weight_state()`, use per-layer keys) or a stacked copy
 inside the program (one more copy of the FP8 weights, the bytes this module exists to save).
 
+Activations as the release quantises them: the release's `linear` quantises a GEMM's input to FP8 per 1 x 128 block
+with power-of-two (ue8m0) scales (`dsv4.quant.act_quant`) before every FP8 and FP4 GEMM. So the Linear projections
+of the FP8 set that go through `dsv4.layers.linear` (attention wq_a, wq_b, wkv, wo_b; shared experts w1, w2, w3:
+`GEMM_KEYS`) and the routed experts (FP8 or FP4) stay `QuantizedTensor`s inside the layer, and the layer quantises
+their inputs (`dsv4.fp8_gemm.quantized_linear`, `dsv4.moe.MoE`: the w1/w3 input and the w2 input). The grouped
+wo_a (a bf16 einsum in the release too), the indexer's wq_b (f32 here; an FP8 GEMM in the release) and the MTP
+projections are dequantised and multiply unquantised activations.
+
 FP8 GEMMs (`matmul="auto"`): where XLA has FP8 GEMMs (`dsv4.fp8_gemm.fp8_gemm_available`: CUDA sm90+, ROCm
-gfx942/gfx950) the Linear projections of the FP8 set (attention wq_a, wq_b, wkv, wo_b; shared experts w1, w2, w3)
-stay quantised and run as `dsv4.fp8_gemm.fp8_linear` (FP8 operands, f32 accumulation); the grouped wo_a, the
-indexer's f32 wq_b and the routed experts are dequantised per layer. `matmul="dequant"` is the reference path
-everywhere; `matmul="fp8"` forces the FP8 GEMMs (also on CPU, where XLA upcasts: a numerics check).
+gfx942/gfx950) the `GEMM_KEYS` projections run as `dsv4.fp8_gemm.fp8_linear` (FP8 operands, f32 accumulation);
+elsewhere (`matmul="dequant"`) the fake-quantised activations multiply the dequantised weights (the same products,
+XLA's summation order). `matmul="fp8"` forces the FP8 GEMMs (also on CPU, where XLA upcasts: a numerics check).
+The routed experts always take the dequantised path (there is no grouped FP8 GEMM in XLA).
 """
 
 from __future__ import annotations
@@ -139,10 +147,17 @@ def tie_to(x: jax.Array, leaves: tuple, tie: str = "cond") -> tuple:
     return tuple(jax.lax.select(jnp.broadcast_to(bad, v.shape), jnp.zeros_like(v), v) for v in leaves)
 
 
-def _value(v, dtype, keep: bool):
-    if isinstance(v, quant.QuantizedTensor) and not keep:
-        return v.dequantize(dtype)
-    return v
+def layer_value(key: str, v, dtype, *, fp8_gemm: bool):
+    """One weight-state entry as a layer uses it: a dense array (`v` itself, or `v` dequantised to `dtype`), or for
+    the release's quantised GEMMs (`GEMM_KEYS` FP8 weights, routed experts) the `QuantizedTensor` with its `matmul`
+    set ("fp8" for the FP8-GEMM projections when `fp8_gemm`, else "dequant"); see the module docstring."""
+    if not isinstance(v, quant.QuantizedTensor):
+        return v
+    if quant.ROUTED_EXPERT_RE.search(key):
+        return dataclasses.replace(v, matmul="dequant")
+    if v.kind == "fp8" and GEMM_KEYS.search(key):
+        return dataclasses.replace(v, matmul="fp8" if fp8_gemm else "dequant")
+    return v.dequantize(dtype)
 
 
 class LayerwiseWeights:
@@ -175,8 +190,8 @@ class LayerwiseWeights:
 
     def shell(self, wstate: dict):
         """The model without its main layers, from `wstate` ({path key: QuantizedTensor | array})."""
-        flat = [(p, var.replace(_value(wstate[param_key(p)], self.compute_dtype, False)))
-                for p, var in self._shell_flat]
+        flat = [(p, var.replace(layer_value(k, wstate[k], self.compute_dtype, fp8_gemm=self.fp8_gemm)))
+                for p, var in self._shell_flat for k in (param_key(p),)]
         return nnx.merge(self._shell_gd, nnx.from_flat_state(flat))
 
     def layer(self, wstate: dict, i: int, x: jax.Array):
@@ -188,16 +203,12 @@ class LayerwiseWeights:
         tied = tie_to(x, tuple(a for k in qkeys for a in (leaves[k].q, leaves[k].scale)), self.tie)
         for j, k in enumerate(qkeys):
             leaves[k] = dataclasses.replace(leaves[k], q=tied[2 * j], scale=tied[2 * j + 1])
-        vals = [(p, var.replace(_value(leaves[k], self.compute_dtype, self._keep(k, leaves[k]))))
+        vals = [(p, var.replace(layer_value(k, leaves[k], self.compute_dtype, fp8_gemm=self.fp8_gemm)))
                 for p, var, k in flat]
         return nnx.merge(lgd, nnx.from_flat_state(vals)), x
 
     def layer_fn(self, wstate: dict):
         return lambda i, x: self.layer(wstate, i, x)
-
-    def _keep(self, key: str, v) -> bool:
-        return (self.fp8_gemm and isinstance(v, quant.QuantizedTensor) and v.kind == "fp8"
-                and bool(GEMM_KEYS.search(key)))
 
 
 def check_fp4_experts(wstate: dict, *, source: str = "weights") -> None:

@@ -67,7 +67,7 @@ from rl.batch import RolloutBatch, concat_rollouts  # noqa: F401  (re-exported: 
 from rl.config import DataConfig, RolloutConfig
 from rl.config_tree import default
 from rl.rollout_weights import (DEQUANT_MODES, KEEP_F32, LayerwiseWeights, check_fp4_experts, default_tie,
-                                parse_rollout_dtype, select_fp8_matmul)
+                                layer_value, parse_rollout_dtype, select_fp8_matmul)
 from rl.sampling import sample_tokens
 from sharding import axes as ax
 from sharding.rules import (ROLLOUT_RULES, activation_spec, batch_shards, cache_shardings, param_shardings,
@@ -314,8 +314,7 @@ class Sampler:
         self.set_weights(self.quantize_weights(flat), version)
 
     def _model(self, wstate):
-        vals = {k: (v.dequantize(self.compute_dtype) if isinstance(v, quant.QuantizedTensor) else v)
-                for k, v in wstate.items()}
+        vals = {k: layer_value(k, v, self.compute_dtype, fp8_gemm=self.fp8_gemm) for k, v in wstate.items()}
         flat = [(p, var.replace(vals[param_key(p)])) for p, var in self._abs_flat]
         return nnx.merge(self.graphdef, nnx.from_flat_state(flat))
 

@@ -127,8 +127,12 @@ def test_keep_quantized_blocks_are_the_file_bytes(ckpts, plan, kind):
 
 
 def test_rollout_from_checkpoint_equals_the_dense_fp32_rollout(ckpts, plan):
-    """The FP8 rollout built from the file's own blocks (FP4 experts converted exactly) computes the same tokens
-    and logprobs as the fp32 rollout of the dense-loaded model: no requantisation error is added."""
+    """The FP8 rollout built from the file's own blocks (FP4 experts converted exactly) holds exactly the weights of
+    the dense-loaded model (no requantisation error is added), and its only difference from the fp32 rollout of that
+    model is the release's FP8 activation quantisation (before every FP8 / FP4 GEMM; dsv4.quant.act_quant). Before
+    the rollout quantised activations the two rollouts were equal to 1e-6; now the weights are checked bitwise and
+    the rollouts compared loosely (random tiny weights, small logit gaps): measured greedy, 4 prompts x 6 tokens,
+    first divergence at tokens [6, 2, 1, 0], max |dlogp| before it 0.214."""
     from rl.rollout_init import checkpoint_rollout_weights
     from rl.sampler import Sampler, SamplingParams
 
@@ -147,9 +151,13 @@ def test_rollout_from_checkpoint_equals_the_dense_fp32_rollout(ckpts, plan):
     rs = np.random.RandomState(0)
     prompts = [list(map(int, rs.randint(3, CFG.vocab_size, n))) for n in (5, 9, 3, 12)]
     sp = SamplingParams(temperature=0.0, max_new_tokens=6)
+    for k, v in w.items():  # the stored blocks dequantise to the dense-loaded weights, bit for bit
+        if isinstance(v, quant.QuantizedTensor):
+            np.testing.assert_array_equal(np.asarray(v.dequantize(jnp.float32)), np.asarray(old[k], np.float32))
     a, b = ref.generate(prompts, sp, seed=0), new.generate(prompts, sp, seed=0)
-    np.testing.assert_array_equal(b.tokens, a.tokens)
-    np.testing.assert_allclose(b.logprobs, a.logprobs, rtol=0, atol=1e-6)
+    first = [int(np.argmax(x != y)) if (x != y).any() else x.size for x, y in zip(a.tokens, b.tokens)]
+    d = max(float(np.abs(a.logprobs[i, :f] - b.logprobs[i, :f]).max(initial=0.0)) for i, f in enumerate(first))
+    assert b.tokens.shape == a.tokens.shape and max(first) >= 2 and 0 < d < 0.5, (first, d)
 
 
 def test_fp4_to_fp8_exact_within_14_binades_and_bounded_beyond():

@@ -302,3 +302,66 @@ def test_quantized_tensor_pytree_and_dequantize():
     np.testing.assert_array_equal(np.asarray(f(t8u)), np.asarray(f(t8)))
     with pytest.raises(ValueError, match="kind must be"):
         Q.QuantizedTensor(q=t8.q, scale=t8.scale, kind="int8", fmt="e4m3fn", block=(1, 1), shape=w.shape)
+
+
+# ------------------------------------------------------------------------- activations (release act_quant)
+# Golden numbers from the rule of DeepSeek-V4 `inference/kernel.py::act_quant` (ModelArgs.scale_fmt = "ue8m0"):
+# per 1 x 128 block amax = max(max|x|, 1e-4), s = 2^ceil(log2(amax * f32(1/448))), q = e4m3(x / s), RNE.
+
+
+def test_act_quant_ue8m0_golden():
+    x = np.zeros((3, 160), np.float32)  # two blocks per row: 128 + 32 (the second zero-padded)
+    x[0, :4] = [1.0, -3.5, 0.3, 0.1]  # amax 3.5: 3.5/448 = 2^-7 exactly -> s = 2^-7, q = 128 x
+    x[0, 128] = 1.0  # block (0, 1): amax 1: 1/448 = 2.23e-3 in (2^-9, 2^-8] -> s = 2^-8, q = 256
+    x[1, 0] = -0.0  # row 1, block 0: all zero (one -0): amax floored at 1e-4 -> 2.23e-7 in (2^-23, 2^-22] -> 2^-22
+    x[2, :2] = [0.1, -1e-9]  # amax 0.1: 2.23e-4 in (2^-13, 2^-12] -> s = 2^-12
+    q, s = Q.act_quant(x)
+    assert q.shape == (3, 160) and q.dtype == np.dtype(FN) and s.shape == (3, 2) and s.dtype == np.float32
+    np.testing.assert_array_equal(s, [[2.0**-7, 2.0**-8], [2.0**-22, 2.0**-22], [2.0**-12, 2.0**-22]])
+    qf = np.asarray(q, np.float32)
+    # 128 * (1, -3.5, 0.3, 0.1) = 128, -448, 38.4 -> 40 (spacing 4 in [32, 64)), 12.8 -> 13 (spacing 1 in [8, 16))
+    np.testing.assert_array_equal(qf[0, :4], [128.0, -448.0, 40.0, 13.0])
+    assert qf[0, 128] == 256.0
+    # 0.1 * 2^12 = 409.6 -> 416 (spacing 32 in [256, 512)); -1e-9 * 2^12 underflows e4m3 to -0
+    assert qf[2, 0] == 416.0
+    b = np.asarray(q).view(np.uint8)
+    # bytes: 40 = 1.25 * 2^5 -> exponent field 5 + 7 = 12, mantissa 0b010: 0x62; 448 = 1.75 * 2^8 -> 0x7e | sign
+    assert b[0, 2] == 0x62 and b[0, 1] == 0xFE
+    assert b[1, 0] == 0x80 and b[2, 1] == 0x80  # -0 and negative underflow keep the sign (IEEE cast)
+    assert b[1, 1] == 0x00 and (b[1, 1:] == 0).all()
+
+
+def test_act_quant_f32_option_and_jit():
+    x = np.zeros((1, 128), np.float32)
+    x[0, :2] = [1.0, 0.1]
+    q, s = Q.act_quant(x, scale_fmt="f32")  # s = 1 * f32(1/448); q = 448 and 0.1 * 448 = 44.8 -> 44 (spacing 4)
+    assert s[0, 0] == np.float32(1.0 / 448.0)
+    np.testing.assert_array_equal(np.asarray(q, np.float32)[0, :2], [448.0, 44.0])
+    qj, sj = jax.jit(lambda a: Q.act_quant(a))(jnp.asarray(x))  # the jnp path gives the same bytes
+    qn, sn = Q.act_quant(x)
+    np.testing.assert_array_equal(np.asarray(qj).view(np.uint8), np.asarray(qn).view(np.uint8))
+    np.testing.assert_array_equal(np.asarray(sj), sn)
+    # fake quant: q * s, exact in bf16: 1.0 -> 256 * 2^-8, 0.1 -> 26 * 2^-8 (25.6 -> 26, spacing 2 in [16, 32))
+    y = Q.act_fake_quant(jnp.asarray(x, jnp.bfloat16))
+    assert y.dtype == jnp.bfloat16
+    np.testing.assert_array_equal(np.asarray(y, np.float32)[0, :2], [1.0, 26 / 256])
+    with pytest.raises(ValueError, match="scale_fmt"):
+        Q.act_quant(x, scale_fmt="e8m0")
+
+
+def test_fp4_signs_of_zero_as_an_ieee_cast():
+    # quantisation: -0 and a negative below the smallest e2m1 step (0.25 of the scale) -> code 8 (-0)
+    w = np.zeros((1, 32), np.float32)
+    w[0, :4] = [6.0, -0.0, -0.1, 0.1]  # amax 6 -> s = 1; -0.1 rounds to -0, 0.1 to +0
+    packed, _ = Q.quantize_fp4(w)
+    codes = Q.unpack_fp4_e2m1(packed)[0]
+    assert list(codes[:4]) == [7, 8, 8, 0]
+    # FP4 -> FP8: the release's e2m1 table maps code 8 to +0.0, so the FP8 byte is 0x00, never 0x80
+    w8 = np.zeros((128, 128), np.float32)
+    w8[0, 0], w8[0, 1] = 6.0, -0.0
+    packed, scale = Q.quantize_fp4(w8)
+    assert Q.unpack_fp4_e2m1(packed)[0, 1] == 8
+    q, tile = Q.fp4_to_fp8_blockwise(packed, scale)
+    b = np.asarray(q).view(np.uint8)
+    assert tile[0, 0] == 1.0 / 64 and float(np.asarray(q, np.float32)[0, 0]) == 384.0
+    assert not (b == 0x80).any()

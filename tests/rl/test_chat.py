@@ -118,3 +118,45 @@ def test_deepseek_v4_encoding_folder(tmp_path):
         render_chat(template, [{"role": "tool", "content": "x"}])
     (tmp_path / "chat_template.jinja").write_text("J{{ messages[0].content }}")  # a Jinja template wins
     assert load_chat_template(tmp_path)[0] == "J{{ messages[0].content }}"
+
+
+# DeepSeek-V4's `encoding/encoding_dsv4.py::encode_messages` (default options), three shapes the RL prompts do not
+# use; the expected strings are written from its rules (module docstring of rl/chat.py).
+EOS, USER, ASSISTANT = "<｜end▁of▁sentence｜>", "<｜User｜>", "<｜Assistant｜>"
+
+
+def test_deepseek_v4_consecutive_user_turns_are_joined():
+    from rl.chat import DEEPSEEK_V4
+
+    msgs = [{"role": "system", "content": "S"}, {"role": "user", "content": "a"}, {"role": "user", "content": "b"},
+            {"role": "assistant", "content": "A"}, {"role": "user", "content": "c"}, {"role": "user", "content": "d"}]
+    assert render_chat(DEEPSEEK_V4, msgs, **thinking_kwargs("off")) == (
+        f"{BOS}S{USER}a\n\nb{ASSISTANT}</think>A{EOS}{USER}c\n\nd{ASSISTANT}</think>")
+    assert render_chat(DEEPSEEK_V4, msgs, **thinking_kwargs("on")) == (
+        f"{BOS}S{USER}a\n\nb{ASSISTANT}</think>A{EOS}{USER}c\n\nd{ASSISTANT}<think>")
+
+
+def test_deepseek_v4_assistant_last_keeps_its_reasoning_in_thinking_mode():
+    from rl.chat import DEEPSEEK_V4
+
+    msgs = [{"role": "user", "content": "q1"}, {"role": "assistant", "content": "A1", "reasoning_content": "R1"},
+            {"role": "user", "content": "q2"}, {"role": "assistant", "content": "A2", "reasoning_content": "R2"}]
+    # thinking: the earlier turn loses its reasoning; the turn after the last user keeps "R2</think>"
+    assert render_chat(DEEPSEEK_V4, msgs, add_generation_prompt=False, **thinking_kwargs("on")) == (
+        f"{BOS}{USER}q1{ASSISTANT}</think>A1{EOS}{USER}q2{ASSISTANT}<think>R2</think>A2{EOS}")
+    # chat mode: every reasoning is dropped
+    assert render_chat(DEEPSEEK_V4, msgs, add_generation_prompt=False, **thinking_kwargs("off")) == (
+        f"{BOS}{USER}q1{ASSISTANT}</think>A1{EOS}{USER}q2{ASSISTANT}</think>A2{EOS}")
+
+
+def test_deepseek_v4_tools_are_a_one_line_error():
+    from rl.chat import DEEPSEEK_V4
+
+    tool = {"type": "function", "function": {"name": "f", "description": "d", "parameters": {"type": "object"}}}
+    msgs = [{"role": "system", "content": "S", "tools": [tool]}, {"role": "user", "content": "q"}]
+    with pytest.raises(ChatTemplateError, match="'tools' in a system message is not supported") as e:
+        render_chat(DEEPSEEK_V4, msgs)
+    assert "\n" not in str(e.value)
+    with pytest.raises(ChatTemplateError, match="'tool_calls'"):
+        render_chat(DEEPSEEK_V4, [{"role": "user", "content": "q"},
+                                  {"role": "assistant", "content": "", "tool_calls": [{"function": {"name": "f"}}]}])

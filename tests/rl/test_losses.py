@@ -207,6 +207,17 @@ def test_k3_default_clamp_is_verl_low_var_kl():
     np.testing.assert_allclose(g, [[1.0 - math.exp(-10.5), 0.0, 0.0]], rtol=1e-6)
 
 
+def test_k3_output_clamp_is_asymmetric():
+    # k3(x) = e^-x + x - 1 reaches 10 at x ~ 11.0 above zero but already at x ~ -2.611 below it (e^2.611 = 13.611):
+    # x = -2.6: k3 = e^2.6 - 3.6 = 9.8637, gradient 1 - e^2.6 = -12.4637; x = -2.62: e^2.62 - 3.62 = 10.117 -> 10,
+    # gradient 0.
+    lp = jnp.array([[-2.6, -2.62]])
+    ref = jnp.zeros_like(lp)
+    np.testing.assert_allclose(kl_penalty(lp, ref, "k3"), [[math.exp(2.6) - 3.6, 10.0]], rtol=1e-5)
+    g = jax.grad(lambda lp: kl_penalty(lp, ref, "k3").sum())(lp)
+    np.testing.assert_allclose(g, [[1.0 - math.exp(2.6), 0.0]], rtol=1e-5)
+
+
 def test_k3_gradient():
     # d/dlp [exp(ref - lp) - (ref - lp) - 1] = 1 - exp(ref - lp); at lp = log 2, ref = 0: 1 - 1/2 = 0.5.
     g = jax.grad(lambda lp: kl_penalty(lp, jnp.zeros_like(lp), "k3").sum())(jnp.array([[LOG(2.0)]]))

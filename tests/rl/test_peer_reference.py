@@ -58,14 +58,20 @@ def test_seq_mean_token_mean_matches_tunix():
 def test_mis_matches_verl_mask_mode():
     # volcengine/verl tests/trainer/ppo/test_rollout_corr.py::test_mask_mode: old = -2 on 2 x 5 tokens; rollout
     # -1 (row 0, ratio exp(-1) = 0.368, rejected by [0.5, 2]) and -2.5 (row 1, ratio exp(0.5) = 1.649, kept with
-    # weight 1.649); masked fraction 0.5. verl applies the weight and the rejection mask separately; IcePop and
-    # our "mis" multiply the kept token's loss by its ratio and give rejected tokens zero loss.
+    # weight 1.649); masked fraction 0.5. verl rejects by zeroing the response mask (`modified_response_mask`) and
+    # keeps the kept token's ratio as its weight; our "mis" (IcePop) gives rejected tokens zero loss and weights
+    # kept ones by their ratio: the same per-token numerators, different token-mean denominators.
     old = jnp.full((2, 5), -2.0)
     rollout = jnp.array([[-1.0] * 5, [-2.5] * 5])
     mask = jnp.ones((2, 5))
     cfg = LossConfig(correction="mis", mis_low=0.5, mis_high=2.0)
     loss, metrics = policy_loss(old, old, jnp.ones(2), mask, cfg, rollout_logprobs=rollout)
-    # A = 1, ratio 1: per-token loss = -weight: row 0 -> 0, row 1 -> -1.6487; token-mean over 10 tokens.
+    # A = 1, ratio 1: per-token loss = -weight: row 0 -> 0, row 1 -> -1.6487 (verl's asserted kept weight 1.649).
+    # Ours: token-mean over the 10 valid tokens.
     np.testing.assert_allclose(loss, -5 * math.exp(0.5) / 10, rtol=1e-6)
-    np.testing.assert_allclose(-2 * float(loss), 1.649, atol=0.01)  # verl's asserted kept weight
+    # verl's loss on the same batch: agg_loss("token-mean") over its modified response mask, i.e. the 5 kept tokens:
+    # -5 * 1.6487 / 5 = -1.6487 = ours x (10 valid / 5 kept).
+    verl_loss = -5 * math.exp(0.5) / 5
+    np.testing.assert_allclose(float(loss) * 10 / 5, verl_loss, rtol=1e-6)
+    np.testing.assert_allclose(-verl_loss, 1.649, atol=0.01)  # verl's asserted kept weight
     np.testing.assert_allclose(metrics["train/tis_clipfrac"], 0.5, rtol=1e-6)  # verl: rollout_rs_masked_fraction

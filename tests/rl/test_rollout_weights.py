@@ -11,7 +11,8 @@ from flax import nnx
 from jax.sharding import Mesh
 
 from dsv4 import DSV4Config, DSV4ForCausalLM, quant
-from dsv4.fp8_gemm import fp8_gemm_available, fp8_linear
+from dsv4 import moe
+from dsv4.fp8_gemm import fp8_gemm_available, fp8_linear, quantized_linear
 from rl.rollout_weights import check_fp4_experts, parse_rollout_dtype
 from rl.sampler import Sampler, SamplingParams
 
@@ -74,6 +75,46 @@ def test_fp8_linear_matches_dequantised_matmul():
     assert rel < 0.03, rel
 
 
+def test_release_activation_quantisation_golden():
+    """The release's rule by hand (DeepSeek-V4 inference/kernel.py act_quant, scale_fmt "ue8m0"): x = 0.1 in all 128
+    columns: amax 0.1 -> 0.1 * f32(1/448) = 2.23e-4 in (2^-13, 2^-12] -> s = 2^-12; 0.1 / 2^-12 = 409.6 rounds to
+    416 (e4m3 spacing 32 in [256, 512)), so x_q = 416 * 2^-12 = 0.1015625 and y = 128 * 0.1015625 * W = 13 W.
+    The same through the FP8 GEMM, the dequantised path, and an FP4 weight (the release's FP8 x FP4 GEMM).
+    The f32 option (s = amax * f32(1/448), q = 448): y = 12.8 up to f32 rounding (the old scheme's number)."""
+    x = jnp.full((1, 128), 0.1, jnp.float32)
+    q = jnp.ones((2, 128), jnp.float8_e4m3fn).at[1].set(2.0)  # W row 0 = 1, row 1 = 2 (block scale 1)
+    w = quant.QuantizedTensor(q=q, scale=jnp.ones((1, 1)), kind="fp8", fmt="e4m3fn", block=(128, 128), shape=(2, 128))
+    np.testing.assert_array_equal(fp8_linear(x, w, jnp.float32), [[13.0, 26.0]])
+    wd = quant.QuantizedTensor(q=w.q, scale=w.scale, kind="fp8", fmt="e4m3fn", block=(128, 128), shape=(2, 128),
+                               matmul="dequant")
+    np.testing.assert_array_equal(quantized_linear(x, wd, jnp.float32), [[13.0, 26.0]])
+    # FP4: codes 2 (= 1.0) with 1x32 scales 2^0 (e8m0 byte 127)
+    w4 = quant.QuantizedTensor(q=jnp.full((2, 64), 0x22, jnp.uint8).view(jnp.int8), scale=jnp.ones((2, 4)),
+                               kind="fp4", fmt="e2m1", block=(1, 32), shape=(2, 128), matmul="dequant")
+    np.testing.assert_array_equal(quantized_linear(x, w4, jnp.float32), [[13.0, 13.0]])
+    np.testing.assert_allclose(fp8_linear(x, w, jnp.float32, scale_fmt="f32"), [[12.8, 25.6]], rtol=1e-6)
+
+
+@pytest.mark.parametrize("impl", ["ragged", "dense", "gathered", "tiled"])
+def test_routed_experts_quantise_the_w2_input_golden(impl):
+    """act_q quantises the w2 input as the release does (its Expert casts weights * SwiGLU to bf16 and act_quants
+    it). By hand, one token, one expert, D = I = 128: x_q = 0.1015625 (see the test above), w1 = w3 = 1/128 ->
+    g = u = 0.1015625; h = silu(g) * u = g^2 sigmoid(g) = 0.0054191; h * f32(1/448) = 1.21e-5 in (2^-17, 2^-16]
+    -> s = 2^-16; h / s = 355.15 rounds to 352 (spacing 32) -> h_q = 352 * 2^-16; w2 = 1: y = 128 h_q = 0.6875
+    (unquantised: 128 h = 0.69365)."""
+    fn = {"ragged": moe.routed_experts_ragged, "dense": moe.routed_experts_dense,
+          "gathered": moe.routed_experts_gathered, "tiled": moe.routed_experts_tiled}[impl]
+    x = jnp.full((1, 128), 0.1015625, jnp.float32)
+    ids, wts = jnp.zeros((1, 1), jnp.int32), jnp.ones((1, 1), jnp.float32)
+    w13 = jnp.full((1, 128, 128), 1 / 128, jnp.float32)
+    w2 = jnp.ones((1, 128, 128), jnp.float32)
+    y = fn(x, ids, wts, w13, w13, w2, limit=10.0, dtype=jnp.float32, act_q=quant.act_fake_quant)
+    np.testing.assert_allclose(np.asarray(y), 0.6875, rtol=0, atol=0)
+    g = 0.1015625
+    y0 = fn(x, ids, wts, w13, w13, w2, limit=10.0, dtype=jnp.float32)
+    np.testing.assert_allclose(np.asarray(y0), 128 * g * g / (1 + np.exp(-g)), rtol=1e-5)
+
+
 def test_fp8_gemm_selection_on_this_backend():
     ok, why = fp8_gemm_available()
     assert isinstance(why, str) and why
@@ -81,9 +122,11 @@ def test_fp8_gemm_selection_on_this_backend():
         assert not ok and "CPU" in why
 
 
-# FP8 GEMM vs dequant path: activations rounded to e4m3 per 1x128 tile (~2^-4 relative per element) through 4
-# layers of the 64-wide tiny model: logprobs of the same first token within 0.25 nats (measured: <= 0.17).
-GEMM_LOGPROB_BOUND = 0.25
+# FP8 GEMM vs dequant path: both quantise the activations by the release's rule, so they multiply the same e4m3
+# activations by the same weights and differ only in summation order: logprobs of the same first token within
+# 1e-3 nats (measured on CPU: <= 9.5e-7 over all 36 tokens, all tokens equal; the bound leaves room for GPU f32 dots,
+# which may run as TF32). Before the dequant path quantised its activations this was 0.25 (measured 0.17).
+GEMM_LOGPROB_BOUND = 1e-3
 
 
 def _gemm_vs_dequant(model, prompts):
@@ -109,10 +152,12 @@ def test_fp8_gemm_forced_on_cpu_runs_and_is_close(model, prompts):
 
 
 def test_fp4_experts_logprobs_vs_fp32(model, prompts):
-    """fp8+fp4experts: FP4 e2m1 experts (1x32 ue8m0 scales) + FP8 blocks. On the fp32 sampler's tokens, the
-    teacher-forced logprobs under the FP4/FP8 weights are within 1.0 nats (max) / 0.35 (mean) of fp32's (measured
-    0.66 / 0.27). The bound is loose because these random Gaussian experts are not FP4-trained: e2m1 rounds
-    them with ~12% RMS relative error (FP8: ~2.6%); the released experts were trained for FP4."""
+    """fp8+fp4experts: FP4 e2m1 experts (1x32 ue8m0 scales) + FP8 blocks, with the release's FP8 activations before
+    every FP8 / FP4 GEMM. On the fp32 sampler's tokens, the teacher-forced logprobs under the FP4/FP8 weights are
+    within 1.5 nats (max) / 0.45 (mean) of fp32's (measured 1.12 / 0.356; 0.66 / 0.27 with unquantised
+    activations, before the release's activation quantisation). The bound is loose because these random Gaussian
+    experts are not FP4-trained: e2m1 rounds them with ~12% RMS relative error (FP8: ~2.6%); the released experts
+    were trained for FP4."""
     ref_s = _sampler(model, weights="fp32")
     ref = ref_s.generate(prompts, PARAMS, seed=1)
     s = _sampler(model, weights="fp8+fp4experts")
@@ -121,7 +166,7 @@ def test_fp4_experts_logprobs_vs_fp32(model, prompts):
     lp, resp = _teacher_logprobs(s, ref, PARAMS.temperature)
     d = np.abs(lp - np.concatenate([np.zeros((len(prompts), ref.prompt_tokens.shape[1] - 1)), ref.logprobs],
                                    axis=1))[resp]
-    assert d.max() <= 1.0 and d.mean() <= 0.35, (d.max(), d.mean())
+    assert d.max() <= 1.5 and d.mean() <= 0.45, (d.max(), d.mean())
     out = s.generate(prompts, PARAMS, seed=1)  # and the layer-wise FP4 program runs
     assert out.tokens.shape == ref.tokens.shape
 

@@ -132,9 +132,12 @@ def test_top_k_one_is_greedy(sampler32):
 
 
 def test_fp8_vs_bf16_weights(model):
-    """FP8 weight-only rollout: (1) it is exactly BF16 compute on the block-dequantised weights; (2) against
-    BF16 weights its greedy agreement and mean |delta logprob| are reported and bounded. Random tiny weights
-    are a hard case (small logit gaps, one 128x128 block per matrix), so the bound is loose."""
+    """FP8 rollout: (1) against BF16 weights its greedy agreement and mean |delta logprob| are reported and bounded;
+    (2) its weights are exactly the block-dequantised ones: BF16 compute on them differs from it only by the
+    release's FP8 activation quantisation (1x128 blocks, ue8m0 scales, before every FP8 / FP4 GEMM). Random tiny
+    weights are a hard case (small logit gaps, one 128x128 block per matrix), so the bounds are loose. Measured
+    (greedy, 4 prompts x 16 tokens): (1) mean |dlogp| before the first divergence 0.18; (2) 0.080, first
+    divergence at tokens [3, 8, 2, 7]. Before the release's activation quantisation (2) was bitwise equal."""
     from dsv4 import quant
 
     rs = np.random.RandomState(5)
@@ -158,8 +161,9 @@ def test_fp8_vs_bf16_weights(model):
     deq = {k: (qt[k].dequantize(jnp.float32) if k in qt else v) for k, v in s16.flat_params(model).items()}
     s16.update_weights(deq, version=1)
     g16q = s16.generate(prompts, sp, seed=0)
-    np.testing.assert_array_equal(g16q.tokens, g8.tokens)
-    np.testing.assert_array_equal(g16q.logprobs, g8.logprobs)
+    first_q = [int(np.argmax(a != b)) if (a != b).any() else 16 for a, b in zip(g16q.tokens, g8.tokens)]
+    dq = np.concatenate([np.abs(g16q.logprobs[i, :first_q[i]] - g8.logprobs[i, :first_q[i]]) for i in range(4)])
+    assert min(first_q) >= 2 and 0 < dq.mean() < 0.15, (first_q, dq.mean())
     assert g16q.weight_version == 1
 
 
