@@ -24,8 +24,8 @@ import signal
 import numpy as np
 import pytest
 
-STEPS = 12
-EVAL_EVERY = 5
+STEPS = 8
+EVAL_EVERY = 4
 JOB = ["--steps", str(STEPS), "--ckpt-every", "1", "--keep-checkpoints", "2", "--eval-every", str(EVAL_EVERY)]
 
 

@@ -18,7 +18,6 @@ pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
 import jax.numpy as jnp  # noqa: E402
-from flax import nnx  # noqa: E402
 
 from dsv4 import DSV4Config, load_hf_checkpoint  # noqa: E402
 from rl.sampler import Sampler, SamplingParams  # noqa: E402
@@ -27,13 +26,6 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "dsv4"))
 from hf_ref import hf_logits, hf_model  # noqa: E402
 
 CFG = DSV4Config.tiny()
-
-
-@nnx.jit
-def _logits(model, ids):
-    """Logits [B, S, V] of the full forward of `ids` [B, S] int32, jitted (op by op a forward of the tiny model
-    costs several times the CPU of its compile)."""
-    return model(ids).logits
 
 
 @pytest.fixture(scope="module")
@@ -82,7 +74,7 @@ def test_greedy_bf16_matches_transformers_bf16(setup):
         seq = np.array([p + r])
         l16 = hf_logits(hf16, seq)[0, len(p) - 1:-1]            # transformers bf16, teacher-forced
         l32 = hf_logits(hf, seq)[0, len(p) - 1:-1]              # fp32 reference on the same tokens
-        o16 = np.asarray(_logits(ours.bf16, jnp.asarray(seq, jnp.int32)))[0, len(p) - 1:-1]  # ours bf16
+        o16 = np.asarray(ours.bf16(jnp.asarray(seq, jnp.int32)).logits)[0, len(p) - 1:-1]  # ours bf16
         noise = np.abs(l16 - l32).max()
         ours_err = np.abs(o16 - l32).max()
         print(f"bf16 logit error vs fp32 (teacher-forced): transformers {noise:.3f}, ours {ours_err:.3f}")
