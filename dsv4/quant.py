@@ -237,11 +237,15 @@ def act_quant(x, *, fmt: str = "e4m3fn", block: int = ACT_BLOCK, scale_fmt: str 
     cast(clip(x / s, -fmax, fmax)) rounding to nearest even, so the signs of zero follow x's. K not a multiple of
     `block` is zero-padded internally (zeros do not change amax). Source: DeepSeek-V4 `inference/kernel.py`
     (`act_quant_kernel`, `fast_round_scale`), `inference/model.py` (`linear`, `ModelArgs.scale_fmt = "ue8m0"`).
-    Raises ValueError for an unknown fmt / scale_fmt.
+    fmt "e4m3fnuz" (MI300-class FP8): the e4m3fn result converted exactly (`fp8_fn_to_fnuz`, scale doubled), so
+    both formats give the same values. Raises ValueError for an unknown fmt / scale_fmt.
     """
     fmt = canonical_fp8_format(fmt)
     if scale_fmt not in ACT_SCALE_FMTS:
         raise ValueError(f"activation scale_fmt must be one of {ACT_SCALE_FMTS}, got {scale_fmt!r}")
+    if fmt == "e4m3fnuz":  # the e4m3fn rule, then the exact fn -> fnuz conversion (2 * s): the same values as fn,
+        # as the weights' conversion keeps them, so an fnuz engine computes what the fn engine computes
+        return fp8_fn_to_fnuz(*act_quant(x, fmt="e4m3fn", block=block, scale_fmt=scale_fmt), name="activation")
     xp = _xp(x)
     xf = x.astype(xp.float32)
     *lead, k = xf.shape
