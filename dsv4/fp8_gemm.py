@@ -20,10 +20,13 @@ Sources: DeepSeek-V3 report §3.3 (fine-grained FP8 quantisation); OCP OFP8 spec
 
 from __future__ import annotations
 
+import dataclasses
+from typing import Any
+
 import jax
 import jax.numpy as jnp
 
-from dsv4.quant import ACT_SCALE_FMT, FP8_FORMATS, QuantizedTensor, act_fake_quant, act_quant
+from dsv4.quant import ACT_SCALE_FMT, FP8_FORMATS, QuantizedTensor, act_fake_quant, act_fake_quant_ste, act_quant
 
 # Backends whose XLA runs dot_general on f8 operands as an FP8 GEMM.
 _FP8_ROCM_MARKERS = ("gfx942", "gfx950", "mi300", "mi308", "mi325", "mi350", "mi355")
@@ -94,3 +97,27 @@ def quantized_linear(x: jax.Array, w: QuantizedTensor, dtype, *, scale_fmt: str 
     wd = w.dequantize(dtype)
     out = jnp.float32 if jnp.dtype(dtype) == jnp.float32 else None
     return jnp.einsum("...i,oi->...o", xq, wd, preferred_element_type=out).astype(dtype)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class FakeQuantWeight:
+    """A weight of the FP8-aware learner (`LearnerConfig.fp8_forward`, `rl.rollout_weights.fp8_aware_params`) in a
+    slot where the rollout holds a `QuantizedTensor` that multiplies quantised activations (the `GEMM_KEYS`
+    projections, the routed experts). A jax pytree: `w` (the leaf) is the rollout's dequantised weight [..., out, in]
+    in the compute dtype, straight-through to the master (`dsv4.quant.straight_through`); `fmt` (static) is the fp8
+    format the layer quantises its input to, as the rollout's layer does (`quantized_linear`, `dsv4.moe.MoE`)."""
+
+    w: Any
+    fmt: str = "e4m3fn"
+
+
+jax.tree_util.register_dataclass(FakeQuantWeight, data_fields=["w"], meta_fields=["fmt"])
+
+
+def fake_quant_linear(x: jax.Array, w: FakeQuantWeight, dtype, *, scale_fmt: str = ACT_SCALE_FMT) -> jax.Array:
+    """`quantized_linear`'s "dequant" path with straight-through gradients: x [..., K] -> [..., O] in `dtype`, x
+    fake-quantised per 1 x 128 block (`act_fake_quant_ste`) times w.w [O, K]. The same ops as the rollout's
+    (bitwise the same products for the same weights), differentiable to x and to the master behind w.w."""
+    xq = act_fake_quant_ste(x.astype(dtype), fmt=w.fmt, scale_fmt=scale_fmt)
+    out = jnp.float32 if jnp.dtype(dtype) == jnp.float32 else None
+    return jnp.einsum("...i,oi->...o", xq, w.w.astype(dtype), preferred_element_type=out).astype(dtype)

@@ -17,7 +17,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from dsv4.fp8_gemm import quantized_linear
+from dsv4.fp8_gemm import FakeQuantWeight, fake_quant_linear, quantized_linear
 from dsv4.quant import QuantizedTensor
 from sharding import axes as ax
 
@@ -60,9 +60,12 @@ def linear(x: jax.Array, w: jax.Array, dtype) -> jax.Array:
 
     w may also be a quantised `dsv4.quant.QuantizedTensor` (the rollout's FP8 weights): then x is quantised to FP8
     per 1 x 128 block as the release does, and the matmul runs on FP8 operands (w.matmul "fp8") or on the
-    dequantised weight (`dsv4.fp8_gemm.quantized_linear`)."""
+    dequantised weight (`dsv4.fp8_gemm.quantized_linear`). A `dsv4.fp8_gemm.FakeQuantWeight` (the FP8-aware
+    learner's) runs the same products with straight-through gradients (`dsv4.fp8_gemm.fake_quant_linear`)."""
     if isinstance(w, QuantizedTensor):
         return quantized_linear(x, w, dtype)
+    if isinstance(w, FakeQuantWeight):
+        return fake_quant_linear(x, w, dtype)
     return jnp.einsum("...i,oi->...o", x.astype(dtype), w.astype(dtype),
                       preferred_element_type=dot_out(dtype)).astype(dtype)
 

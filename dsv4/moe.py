@@ -25,8 +25,9 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from dsv4.fp8_gemm import FakeQuantWeight
 from dsv4.layers import Buffer, dot_out, linear, linear_f32, param
-from dsv4.quant import ROUTED_EXPERT_RE, QuantizedTensor, act_fake_quant
+from dsv4.quant import ROUTED_EXPERT_RE, QuantizedTensor, act_fake_quant, act_fake_quant_ste
 from sharding import axes as ax
 
 def _aq(act_q, h):
@@ -372,6 +373,13 @@ class MoE(nnx.Module):
             w1, w3, w2 = (v.dequantize(self.dtype) for v in (w1, w3, w2))
             y = fn(act_fake_quant(uf.astype(self.dtype)), ids, w, w1, w3, w2, limit=self.limit, dtype=self.dtype,
                    act_q=act_fake_quant)
+        elif isinstance(w1, FakeQuantWeight):
+            # The FP8-aware learner (`rl.rollout_weights.fp8_aware_params`): the rollout's dequantised experts and the
+            # same activation quantisation, with straight-through gradients (the tiled CPU path's custom VJP treats
+            # act_q as the identity already).
+            w1, w3, w2 = (v.w for v in (w1, w3, w2))
+            y = fn(act_fake_quant_ste(uf.astype(self.dtype)), ids, w, w1, w3, w2, limit=self.limit, dtype=self.dtype,
+                   act_q=act_fake_quant_ste)
         else:
             y = fn(uf, ids, w, w1, w3, w2, limit=self.limit, dtype=self.dtype)
         if self.shared_experts is not None:

@@ -276,6 +276,21 @@ def act_fake_quant(x, *, fmt: str = "e4m3fn", block: int = ACT_BLOCK, scale_fmt:
     return y.astype(x.dtype)
 
 
+def straight_through(x, q):
+    """The straight-through estimator: the value of `q` (a rounding of x: fake-quantised weights or activations) with
+    the identity's gradient to `x` (Bengio et al., arXiv 1308.3432): x' + stop_gradient(q - x'), x' = x in q's dtype,
+    any shape. Bitwise q in the forward: q - x' and x' + (q - x') are exact when q = 0 or q lies within a factor 2 of
+    x' with its sign (Sterbenz), which every FP8 / FP4 / dtype rounding here satisfies. Jittable."""
+    xc = x.astype(q.dtype)
+    return xc + jax.lax.stop_gradient(q - xc)
+
+
+def act_fake_quant_ste(x, *, fmt: str = "e4m3fn", block: int = ACT_BLOCK, scale_fmt: str = ACT_SCALE_FMT):
+    """`act_fake_quant` in the forward (x [..., K] -> [..., K], x's dtype), the identity's gradient in the backward
+    (`straight_through`): the FP8-aware learner's activations (`rl.learner`, `LearnerConfig.fp8_forward`)."""
+    return straight_through(x, act_fake_quant(x, fmt=fmt, block=block, scale_fmt=scale_fmt))
+
+
 # The precision learner weights are rounded to before FP8 rollout quantisation: the learner's compute precision,
 # and what the actor -> rollout push sends FP8-stored tensors as (parallel/push.py FP8_SOURCE_DTYPE).
 ROLLOUT_FP8_SOURCE_DTYPE = jnp.bfloat16

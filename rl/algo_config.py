@@ -243,6 +243,12 @@ class LearnerConfig:
     Precision:
         compute_dtype: matmul dtype of the learner's forward/backward; master params, gradients and Adam state
             are always float32. ref_dtype: storage dtype of the reference copy's matrices (kl_coef > 0 only).
+        fp8_forward: the FP8-aware learner (`--learner.fp8_forward`): the forward (policy, old logprobs and
+            reference alike) uses the rollout's weights, the FP8 (FP4 experts) values of `--rollout-dtype` built by
+            the rollout's own rule (`rl.rollout_weights.fp8_aware_params`), and quantises the activations of the
+            same linears as the rollout (`dsv4.quant.act_fake_quant`, ue8m0 1 x 128 blocks), with straight-through
+            gradients to the masters (`dsv4.quant.straight_through`). Needs an FP8 `--rollout-dtype`. Cost and
+            effect: benchmarks/README.md "Train/rollout mismatch".
     temperature: the sampler's temperature; training logits are divided by it (0 = greedy, treated as 1).
     logprob_chunk_size: sequence chunk of the head + log-softmax (`rl.logprobs.token_logprobs`); None = whole
         (the full [N, S, V] float32 logits). Default 1024: never the full logits of a long row.
@@ -300,6 +306,8 @@ class LearnerConfig:
     train_mtp: bool = False
     compute_dtype: DTypeName = knob("bfloat16", "learner matmul dtype")
     ref_dtype: DTypeName = "bfloat16"
+    fp8_forward: bool = knob(False, "FP8-aware forward: the rollout's quantised weights and activations, "
+                                    "straight-through gradients to the masters (needs an FP8 --rollout-dtype)")
     temperature: float = 1.0
     logprob_chunk_size: int | None = knob(1024, "sequence chunk of the head + log-softmax (none = whole)")
     trim: bool = True
@@ -351,7 +359,7 @@ class LearnerConfig:
                 _check_int(owner, name, getattr(self, name), 1)
         if not isinstance(self.loss, LossConfig):
             raise ValueError(f"{owner}.loss must be a LossConfig, got {type(self.loss).__name__}")
-        for name in ("routing_replay", "freeze_router", "train_mtp"):
+        for name in ("routing_replay", "freeze_router", "train_mtp", "fp8_forward"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{owner}.{name} must be a bool, got {getattr(self, name)!r}")
         _check_choice(owner, "compute_dtype", self.compute_dtype, ("bfloat16", "float32"))

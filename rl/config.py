@@ -422,6 +422,9 @@ class RunConfig:
             raise ValueError(f"RunConfig: --max-staleness {self.staleness()} (--async-rollout) trains on samples of "
                              f"older weights and needs an off-policy correction: --correction tis or --correction "
                              f"mis, not --correction none")
+        if self.learner.fp8_forward and self.rollout.dtype in ("bf16", "fp32"):
+            raise ValueError(f"RunConfig: --learner.fp8_forward reproduces an FP8 rollout, but --rollout-dtype is "
+                             f"{self.rollout.dtype}: use an fp8 --rollout-dtype or drop --learner.fp8_forward")
         d = self.data
         if d.eval_dataset is not None and d.dataset is None and not self.eval.only:
             raise ValueError("RunConfig: --eval-dataset without --dataset is for --eval-only runs (training on the "

@@ -173,6 +173,7 @@ def fingerprint(cfg: RunConfig, model_cfg) -> dict:
     return {"model": json.dumps(model_cfg.to_dict(), sort_keys=True, default=str),
             **{k: flat[k] for k in keep},
             **({"scan_layers": True} if cfg.learner.scan_layers else {}),  # stacked state (absent: older ones)
+            **({"fp8_forward": True} if cfg.learner.fp8_forward else {}),  # the FP8-aware learner's policy
             **({"max_staleness": cfg.staleness()} if cfg.staleness() else {})}  # the pipeline's K (rl/pipeline.py)
 
 
@@ -220,7 +221,8 @@ def build(cfg: RunConfig) -> Job:
         else:
             model = load_hf_checkpoint(init, dtype=load_dtype, config=model_cfg, mesh=plan.actor,
                                        progress=cfg.log.progress)
-        learner = Learner(model, lcfg, mesh=plan.actor)
+        learner = Learner(model, lcfg, mesh=plan.actor, rollout_dtype=cfg.rollout.dtype,
+                          rollout_devices=None if plan.rollout is None else list(plan.rollout.devices.flat))
     abstract = nnx.eval_shape(lambda: DSV4ForCausalLM(shapes_cfg, rngs=nnx.Rngs(0), param_dtype=load_dtype))
     # a random init in one process: the rollout's version 0 is quantised from the same model; else its weights
     # come from --init's own FP8 blocks or by the first push

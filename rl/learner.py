@@ -34,6 +34,12 @@ Choices (and why):
   in blocks over the data axes every device holds an equal share of each micro-batch. Every micro-batch loss
   is divided by the *full batch's* token/sequence counts (`rl.losses.loss_normalizers`) and the results are
   summed, so loss, gradient and every loss metric equal the full-batch values exactly (up to fp rounding).
+- FP8-aware forward (`fp8_forward`, `--learner.fp8_forward`): every forward (policy, `compute_logprobs`, the
+  reference) runs on `rl.rollout_weights.fp8_aware_params(params)`: the weights the FP8 rollout holds, built from
+  the masters by the rollout's own rule (`RolloutFormat`, shared with `Sampler.quantize_weights`) and dequantised
+  as its layers do, and the rollout's activation quantisation at the same linears, all straight-through to the
+  masters. The quantised copy is made per micro-batch forward, up front (one copy of the quantised weights in the
+  compute dtype); measured cost in benchmarks/README.md "Train/rollout mismatch".
 - On-policy old logprobs: with `TrainBatch.old_logprobs=None`, pi_old = stop_gradient(pi_theta) from the same
   forward (PPO ratio 1 at the single update per batch; the clip then only matters for later epochs). For
   several updates on one batch, compute them once with `compute_logprobs` and put them in the batch.
@@ -89,14 +95,17 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from dsv4 import scan
 from dsv4.layers import Buffer
 from dsv4.names import tree_key
+from dsv4.quant import select_fp8_format
 from parallel import expert as expert_lib
 from rl import batching, optim
 from rl.batch import TrainBatch  # noqa: F401  (re-exported: rl.learner.TrainBatch, fields unchanged)
-from rl.config import LearnerConfig
+from rl.config import LearnerConfig, RolloutConfig
+from rl.config_tree import default
 from rl.logprobs import token_logprobs
 from rl.losses import kl_penalty, loss_normalizers, policy_loss
 from rl.metrics import masked_mean
 from rl.replay import validate_routing
+from rl.rollout_weights import RolloutFormat, fp8_aware_params, parse_rollout_dtype
 from sharding import axes as ax
 from sharding import offload as so
 from sharding import rules as sr
@@ -184,6 +193,9 @@ class Learner:
             ragged_dot path (on a mesh XLA then partitions it on its own); experts split over a mesh's `expert`
             axis get the all-to-all `parallel.expert.make_ep_dispatch` (`parallel.expert.default_dispatch` decides,
             with `cfg.ep_backend` / `cfg.ep_capacity_factor`).
+        rollout_dtype: the rollout's `--rollout-dtype` (default the run's), read only with `cfg.fp8_forward`: the
+            weights the FP8-aware forward reproduces. rollout_devices: the rollout's devices, which decide "auto"
+            (`dsv4.quant.select_fp8_format`; default the learner's). fp8_block: the rollout's FP8 scale block.
         abstract: build only the state's shapes, dtypes and shardings (`jax.ShapeDtypeStruct`s; `model` may be
             an `nnx.eval_shape` model): for `lower` / AOT memory analysis of models larger than this machine
             (python -m launch.plan --compile). Such a learner cannot `update`.
@@ -193,18 +205,28 @@ class Learner:
         also `nnx.merge(graphdef, state.params, state.buffers)`). sdef: the `dsv4.scan.StackDef` with
         scan_layers, else None.
     Raises:
-        ValueError: a model holding variables other than Params and Buffers, or params that do not fit the
-            mesh (from `sharding.rules.param_shardings`).
+        ValueError: a model holding variables other than Params and Buffers, params that do not fit the
+            mesh (from `sharding.rules.param_shardings`), or `cfg.fp8_forward` with a dense `rollout_dtype`.
     """
 
     def __init__(self, model: Any, cfg: LearnerConfig, *, mesh: Mesh | None = None, rules: sr.Rules | None = None,
-                 dispatch_fn: Any = None, abstract: bool = False):
+                 dispatch_fn: Any = None, abstract: bool = False, rollout_dtype: str = default(RolloutConfig, "dtype"),
+                 rollout_devices=None, fp8_block: tuple[int, int] = (128, 128)):
         mesh = auto_axes(mesh)  # a jax.make_mesh mesh (Explicit axes) works too: see sharding.mesh.auto_axes
         module = model if isinstance(model, nnx.Module) else nnx.merge(*model)
         cfg = resolve_param_dtype(cfg, [jax.devices()[0]] if mesh is None else list(mesh.devices.flat))
         self.cfg, self.dispatch_fn = cfg, dispatch_fn
         self.model_config = module.config
         compute = jnp.dtype(cfg.compute_dtype)
+        self.rformat = None  # fp8_forward: how the rollout stores each weight (rl.rollout_weights.RolloutFormat)
+        if cfg.fp8_forward:
+            rdt = parse_rollout_dtype(rollout_dtype)
+            if not rdt.fp8:
+                raise ValueError(f"LearnerConfig.fp8_forward (--learner.fp8_forward) reproduces an FP8 rollout, but "
+                                 f"--rollout-dtype is {rollout_dtype}: use an fp8 --rollout-dtype")
+            devs = rollout_devices or ([jax.devices()[0]] if mesh is None else list(mesh.devices.flat))
+            self.rformat = RolloutFormat(rdt=rdt, fmt=select_fp8_format(rdt.fp8_name, devs), block=tuple(fp8_block),
+                                         compute_dtype=compute)
         opts = module.build_options(remat=cfg.remat) if hasattr(module, "build_options") else {}
         abs_model = nnx.eval_shape(lambda: type(module)(module.config, rngs=nnx.Rngs(0),
                                                        param_dtype=jnp.dtype(cfg.param_dtype), dtype=compute, **opts))
@@ -369,6 +391,8 @@ class Learner:
 
     # ------------------------------------------------------------------ the math (traced inside jit)
     def _logprobs(self, params, buffers, mb: TrainBatch, replay: bool):
+        if self.rformat is not None:  # fp8_forward: the rollout's weights, straight-through to the masters
+            params = fp8_aware_params(params, self.rformat)
         stack = None
         if self.sdef is None:
             model = nnx.merge(self.graphdef, params, buffers)

@@ -40,6 +40,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import re
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -47,7 +48,7 @@ from flax import nnx
 
 from dsv4 import quant
 from dsv4.cache import resolve_kv_cache_dtype
-from dsv4.fp8_gemm import fp8_gemm_available
+from dsv4.fp8_gemm import FakeQuantWeight, fp8_gemm_available
 from dsv4.names import param_key
 
 log = logging.getLogger(__name__)
@@ -209,6 +210,67 @@ class LayerwiseWeights:
 
     def layer_fn(self, wstate: dict):
         return lambda i, x: self.layer(wstate, i, x)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class RolloutFormat:
+    """How the rollout stores each learner weight (`Sampler.quantize_weights`, and the FP8-aware learner's forward,
+    `fp8_aware_params`, read the same rule): rdt the parsed `--rollout-dtype`; fmt the resolved fp8 format
+    ("e4m3fn" | "e4m3fnuz"; None for dense rollouts); block the FP8 scale block; compute_dtype the dtype dense
+    weights are cast to (and quantised ones dequantised to)."""
+
+    rdt: RolloutDtype
+    fmt: str | None
+    block: tuple[int, int] = (128, 128)
+    compute_dtype: Any = jnp.bfloat16
+
+    def kind(self, key: str, ndim: int) -> str | None:
+        """"fp8" | "fp4" | None: how the rollout quantises the weight at path `key` (ndim: its rank): the released
+        FP8 set and the routed experts when the rollout is FP8 (routed experts FP4 under fp8+fp4experts)."""
+        if not (self.rdt.fp8 and ndim >= 2):
+            return None
+        if quant.ROUTED_EXPERT_RE.search(key):
+            return "fp4" if self.rdt.fp4_experts else "fp8"
+        return "fp8" if quant.FP8_WEIGHT_RE.search(key) else None
+
+    def value(self, key: str, x: jax.Array, stored_dtype) -> Any:
+        """One learner weight x (any float dtype, [..., out, in] for quantised keys) as the rollout stores it: a
+        `QuantizedTensor` (FP8 by `dsv4.quant.quantize_rollout_fp8`; FP4 from the bf16-rounded values), a float
+        cast to `compute_dtype` (except `KEEP_F32` leaves), or x cast to `stored_dtype` (the model's dtype)."""
+        kind = self.kind(key, x.ndim)
+        if kind == "fp4":  # bf16-rounded like the FP8 path, then e2m1 + 1x32 scales
+            return quant.QuantizedTensor.from_fp4(x.astype(quant.ROLLOUT_FP8_SOURCE_DTYPE).astype(jnp.float32))
+        if kind == "fp8":
+            return quant.quantize_rollout_fp8(x, fmt=self.fmt, block=self.block)
+        if jnp.issubdtype(x.dtype, jnp.floating) and not KEEP_F32.search(key):
+            return x.astype(self.compute_dtype)
+        return x.astype(stored_dtype)
+
+
+def fp8_aware_params(params, rf: RolloutFormat):
+    """The FP8-aware learner's weights (`LearnerConfig.fp8_forward`): nnx.State of Params (per layer or stacked by
+    `dsv4.scan`; any float dtype) -> the same State whose values are the rollout's (`rf.value`, then `layer_value`:
+    dequantised FP8 / FP4, dense weights cast to the compute dtype), each straight-through to its master
+    (`dsv4.quant.straight_through`: the forward sees the rollout's values bitwise, the gradient reaches the master
+    unchanged). Weights the rollout multiplies by quantised activations (`GEMM_KEYS`, routed experts) become
+    `dsv4.fp8_gemm.FakeQuantWeight`s, so their layers quantise their inputs as the rollout's do. Jittable."""
+    flat = []
+    for p, var in nnx.to_flat_state(params):
+        k, w = param_key(p), var.get_value()
+        v = rf.value(k, w, w.dtype)
+        if isinstance(v, quant.QuantizedTensor):
+            lv = layer_value(k, v, rf.compute_dtype, fp8_gemm=False)
+            if isinstance(lv, quant.QuantizedTensor):  # the routed experts quantise to e4m3fn whatever the weight
+                fmt = "e4m3fn" if (lv.kind == "fp4" or quant.ROUTED_EXPERT_RE.search(k)) else lv.fmt
+                new = FakeQuantWeight(w=quant.straight_through(w, lv.dequantize(rf.compute_dtype)), fmt=fmt)
+            else:
+                new = quant.straight_through(w, lv)
+        elif v.dtype != w.dtype:
+            new = quant.straight_through(w, v)
+        else:
+            new = w
+        flat.append((p, var.replace(new)))
+    return nnx.from_flat_state(flat)
 
 
 def check_fp4_experts(wstate: dict, *, source: str = "weights") -> None:

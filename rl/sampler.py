@@ -66,7 +66,7 @@ from rl import slots as _slots
 from rl.batch import RolloutBatch, concat_rollouts  # noqa: F401  (re-exported: rl.sampler.RolloutBatch)
 from rl.config import DataConfig, RolloutConfig
 from rl.config_tree import default
-from rl.rollout_weights import (DEQUANT_MODES, KEEP_F32, LayerwiseWeights, check_fp4_experts, default_tie,
+from rl.rollout_weights import (DEQUANT_MODES, LayerwiseWeights, RolloutFormat, check_fp4_experts, default_tie,
                                 layer_value, parse_rollout_dtype, select_fp8_matmul)
 from rl.sampling import sample_tokens
 from sharding import axes as ax
@@ -174,6 +174,8 @@ class Sampler:
             compute_dtype = jnp.float32 if weights == "fp32" else jnp.bfloat16
         self.compute_dtype = jnp.dtype(compute_dtype)
         self.fp8_block = tuple(fp8_block)
+        # the one rule from learner weights to rollout weights (also the FP8-aware learner's, rl/rollout_weights.py)
+        self.rformat = RolloutFormat(rdt=rdt, fmt=self.fmt, block=self.fp8_block, compute_dtype=self.compute_dtype)
         self.dequant = dequant
         self.max_prompt_len = max_prompt_len
         if isinstance(slots, bool) or not isinstance(slots, (int, np.integer)) or slots < 0:
@@ -223,8 +225,7 @@ class Sampler:
 
     def _is_fp8(self, key: str, leaf) -> bool:
         """Quantised on the rollout side (FP8 blocks, or FP4 for the routed experts under `fp8+fp4experts`)."""
-        return self.fp8 and leaf.ndim >= 2 and bool(quant.FP8_WEIGHT_RE.search(key)
-                                                     or quant.ROUTED_EXPERT_RE.search(key))
+        return self.rformat.kind(key, leaf.ndim) is not None
 
     def _is_fp4(self, key: str) -> bool:
         return self.fp4_experts and bool(quant.ROUTED_EXPERT_RE.search(key))
@@ -250,19 +251,8 @@ class Sampler:
 
     def _quantize_fn(self, raw: dict):
         """{key: array} (any float dtype) -> {key: QuantizedTensor | array in the rollout dtype}."""
-        out = {}
-        for p, v in self._abs_flat:
-            k = param_key(p)
-            x = raw[k]
-            if self._is_fp8(k, x) and self._is_fp4(k):  # bf16-rounded like the FP8 path, then e2m1 + 1x32 scales
-                out[k] = quant.QuantizedTensor.from_fp4(x.astype(quant.ROLLOUT_FP8_SOURCE_DTYPE).astype(jnp.float32))
-            elif self._is_fp8(k, x):
-                out[k] = quant.quantize_rollout_fp8(x, fmt=self.fmt, block=self.fp8_block)
-            elif jnp.issubdtype(x.dtype, jnp.floating) and not KEEP_F32.search(k):
-                out[k] = x.astype(self.compute_dtype)
-            else:
-                out[k] = x.astype(v.get_value().dtype)
-        return out
+        return {param_key(p): self.rformat.value(param_key(p), raw[param_key(p)], v.get_value().dtype)
+                for p, v in self._abs_flat}
 
     def rollout_shardings(self) -> dict | None:
         """{path key: NamedSharding} of the dense rollout-side weights (what the push device_puts onto)."""
