@@ -19,7 +19,7 @@ run: $(STAMP)
 # file per worker at a time): the tests are compile-bound and XLA compiles on one core; --durations lists the
 # slowest tests so that CI logs show where the time goes.
 test: $(STAMP)
-	$(PY) -m pytest -q -n 2 --dist loadfile --durations=25 -m "slow or not slow" tests
+	$(PY) -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder --durations=25 -m "slow or not slow" tests
 
 # The default suite without the tests marked slow (development loop).
 test-fast: $(STAMP)
