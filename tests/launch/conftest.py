@@ -186,12 +186,16 @@ def same_value(a, b) -> bool:
     return type(a) is type(b) and a == b
 
 
+CTRL_C_TWICE = "Ctrl-C twice"  # a pseudo-signal of `interrupted_starts`: SIGINT, 0.2 s, SIGINT
+
+
 def interrupted_starts(cmd: list[str], env: dict, log: pathlib.Path, ckpt_dir: pathlib.Path, steps: int,
                        step_s: float, seed: int, signals=(signal.SIGKILL, signal.SIGTERM, signal.SIGKILL)):
     """Start the checkpointing run `cmd` once per signal: wait until a checkpoint newer than the last one is
     complete, sleep a random fraction (`seed`) of one step (`step_s` seconds), send the signal. Each start after
-    the first must resume; SIGKILL must kill it, SIGTERM must finish the step and exit 0. Yields (signal, newest
-    completed checkpoint step) after each start, for the caller's own checks."""
+    the first must resume; SIGKILL must kill it; SIGTERM must finish the step and exit 0; SIGINT (Ctrl-C) likewise
+    with exit 130 and one line; `CTRL_C_TWICE` must exit at once with 130 ("interrupted again"). No signal may
+    print a traceback. Yields (signal, newest completed checkpoint step) after each start, for the caller's checks."""
     rng = random.Random(seed)
     newest = 0
     for sig in signals:
@@ -199,17 +203,28 @@ def interrupted_starts(cmd: list[str], env: dict, log: pathlib.Path, ckpt_dir: p
         proc = start(cmd, env, log)
         newest = wait_for_checkpoint_after(proc, ckpt_dir, newest)
         assert proc.poll() is None and newest < steps, ("ended before it could be interrupted", log.read_text()[-3000:])
-        time.sleep(rng.uniform(0.0, step_s))
-        proc.send_signal(sig)
+        pause = rng.uniform(0.0, step_s)
+        # Ctrl-C twice: early in a step, so that the step is still running when the second one comes
+        time.sleep(0.0 if sig == CTRL_C_TWICE else pause)
+        proc.send_signal(signal.SIGINT if sig == CTRL_C_TWICE else sig)
+        if sig == CTRL_C_TWICE:
+            time.sleep(0.2)
+            proc.send_signal(signal.SIGINT)
         rc = proc.wait(timeout=600)
         text = log.read_bytes()[offset:].decode(errors="replace")
         if offset:  # a restart: it resumed from the newest checkpoint the previous process completed
             assert "resumed from" in text, text[-3000:]
         newest = max(ckpt_steps(ckpt_dir))
+        if sig != signal.SIGKILL:
+            assert "Traceback" not in text and "KeyboardInterrupt" not in text, text[-3000:]
         if sig == signal.SIGKILL:
             assert rc == -signal.SIGKILL, text[-3000:]
-        else:  # SIGTERM: the current step is finished and checkpointed, exit 0
+        elif sig == signal.SIGTERM:  # the current step is finished and checkpointed, exit 0
             assert rc == 0 and "SIGTERM" in text, text[-3000:]
+        elif sig == signal.SIGINT:  # likewise, exit 130 with one line
+            assert rc == 130 and "SIGINT" in text and "interrupted (Ctrl-C)" in text, text[-3000:]
+        else:  # the second Ctrl-C: out at once, the newest complete checkpoint kept
+            assert rc == 130 and "interrupted again" in text, text[-3000:]
         yield sig, newest
 
 

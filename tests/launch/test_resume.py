@@ -4,8 +4,10 @@ The default job (tiny model, built-in digit task, 2 host devices: actor 1 + roll
 `python launch/run.py` twice: once uninterrupted, once interrupted again and again in a fresh directory and
 restarted with the same command each time until it completes:
   1. SIGKILL at a random moment (seeded) after it saved a checkpoint;
-  2. SIGTERM at a random moment after its next checkpoint: exit status 0, a checkpoint of the last completed step;
-  3. SIGKILL again;
+  2. Ctrl-C (SIGINT) at a random moment after its next checkpoint: the current step finishes and is checkpointed,
+     exit status 130 with one line, no traceback (SIGTERM, handled alike with status 0, is
+     tests/launch/test_async_resume.py's);
+  3. Ctrl-C twice (issue 15 class 4): out at once, status 130, the newest complete checkpoint kept and loadable;
   4. the newest checkpoint is corrupted (a data file truncated): the restart falls back to the previous
      checkpoint with a warning and runs to the end.
 Then every array of the final checkpoint (params, Adam moments, step, buffers) and every per-step metric except
@@ -41,10 +43,13 @@ def test_interrupted_run_reproduces_uninterrupted_run(tmp_path, run_env, lt, cap
     # interrupt within ~1 step after a checkpoint completes (median step time of the reference run)
     step_s = float(np.median([r["perf/step_s"] for r in lt.read_metrics(ref / "metrics.jsonl")]))
     cmd = [*args, *lt.outputs(got)]
-    for sig, newest in lt.interrupted_starts(cmd, run_env, log, got / "ckpt", STEPS, step_s, seed=20261130):
-        if sig == signal.SIGTERM:  # the last completed step is checkpointed
+    signals = (signal.SIGKILL, signal.SIGINT, lt.CTRL_C_TWICE)
+    for sig, newest in lt.interrupted_starts(cmd, run_env, log, got / "ckpt", STEPS, step_s, 20261130, signals):
+        if sig == signal.SIGINT:  # the last completed step is checkpointed
             logged = [r["step"] for r in lt.read_metrics(got / "metrics.jsonl")]
             assert logged == list(range(newest)), (logged, newest)
+        if sig == lt.CTRL_C_TWICE:  # the newest complete checkpoint is intact
+            assert len(lt.load_state(got / "ckpt", newest)) > 100
 
     # corrupt the newest checkpoint: the restart falls back to the one before it
     data = sorted((got / "ckpt" / str(newest) / "state").rglob("d/*"), key=lambda p: p.stat().st_size)[-1]
