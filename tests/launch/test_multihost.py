@@ -1,5 +1,7 @@
-"""Multi-host: the main command with --coordinator/--num-processes/--process-id on two local processes x 4 CPU
-devices (jax.distributed, gloo) runs 2 GRPO steps on one 8-device mesh spanning both processes."""
+"""Multi-host: the main command with --coordinator/--num-processes/--process-id on two local processes x 2 CPU
+devices (jax.distributed, gloo) runs 2 GRPO steps on one 4-device mesh spanning both processes (the colocated
+layout: the rollout generates on the same mesh): data-parallel across the hosts, expert-parallel inside each.
+(The actor's FSDP across processes is tests/launch/test_mpmd_run.py's.)"""
 
 import json
 import pathlib
@@ -19,11 +21,11 @@ def test_two_processes_run_two_steps(tmp_path, run_env):
     metrics = tmp_path / "m.jsonl"
     procs = []
     for i in range(2):
-        cmd = [sys.executable, str(ROOT / "launch/run.py"), "--mesh", "actor:data=2,fsdp=2,expert=2", "--steps", "2",
+        cmd = [sys.executable, str(ROOT / "launch/run.py"), "--mesh", "actor:data=2,expert=2", "--steps", "2",
                "--prompts-per-step", "2", "--group-size", "4", "--eval-every", "0", "--ckpt-dir", "",
                "--tensorboard-dir", "", "--metrics-jsonl", str(metrics), "--no-progress",
                "--coordinator", f"127.0.0.1:{port}", "--num-processes", "2", "--process-id", str(i),
-               "--cpu-devices-per-process", "4"]
+               "--cpu-devices-per-process", "2"]
         procs.append(subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
     outs = []
     try:
