@@ -1,20 +1,22 @@
-"""Async mode (`--async-rollout`, rl/async_loop.py): a run killed at random moments and restarted reproduces the
+"""Async mode (`--async-rollout`, the producer thread of rl/pipeline.py): a run killed at random moments and restarted reproduces the
 uninterrupted async run bitwise (issue 14 point 3), as tests/launch/test_resume.py checks for the synchronous loop.
 
 The default job in miniature (tiny model, digit task, 2 host devices: actor 1 + rollout 1, FP8 rollout, the real
-pusher) runs as `python launch/run.py --async-rollout` once uninterrupted and once interrupted (SIGKILL, SIGTERM,
-SIGKILL at seeded random moments after a checkpoint) and restarted with the same command until it completes. The
+pusher) runs as `python launch/run.py --async-rollout` once uninterrupted and once interrupted (SIGKILL, then
+SIGTERM, at seeded random moments after a checkpoint) and restarted with the same command until it completes. The
 in-flight batch (generated with the previous weights) travels with each checkpoint (`ckpt/inflight/<step>.npz`).
 Then every array of the final checkpoint and every per-step metric except `perf/*` must be bitwise equal, and
 the metrics file holds each step once, with the staleness metrics.
 
-Runtime: 5.6 min wall on 2 cores at load ~10 (11 min at load 13-14): 5 processes, the first compiles, hence `slow`.
+Runtime: 2.4 min wall in a full-suite run on 2 cores with 5 processes (now 4; the first compiles), hence `slow`.
+(Two kills in a row, the restart of a restarted async run, are tests/launch/test_mpmd_async_resume.py's.)
 
     .venv/bin/python -m pytest -q -m slow tests/launch/test_async_resume.py
 """
 
 from __future__ import annotations
 
+import signal
 
 import numpy as np
 import pytest
@@ -37,7 +39,8 @@ def test_interrupted_async_run_reproduces_uninterrupted_async_run(tmp_path, run_
 
     step_s = float(np.median([r["perf/step_s"] for r in ma]))
     cmd = [*args, *lt.outputs(got)]
-    for _, newest in lt.interrupted_starts(cmd, run_env, log, got / "ckpt", STEPS, step_s, seed=20261201):
+    signals = (signal.SIGKILL, signal.SIGTERM)
+    for _, newest in lt.interrupted_starts(cmd, run_env, log, got / "ckpt", STEPS, step_s, 20261201, signals):
         assert (got / "ckpt" / "inflight" / f"{newest}.npz").is_file()  # the in-flight batch of that checkpoint
     rc, text = lt.launch(cmd, run_env, log)
     assert rc == 0 and "resumed from" in text, text[-3000:]
