@@ -37,6 +37,7 @@ Scope: the learner must hold the weights the rollout sampled with (synchronous l
 from __future__ import annotations
 
 import dataclasses
+import logging
 
 import jax
 import numpy as np
@@ -46,6 +47,8 @@ from rl import batching
 from rl.algo_config import LearnerConfig
 from rl.batch import RolloutBatch, TrainBatch
 from rl.learner import Learner
+
+log = logging.getLogger(__name__)
 
 
 def exact_layout(cfg: LearnerConfig, *, rows_per_step: int, max_prompt_len: int, max_new_tokens: int,
@@ -59,6 +62,10 @@ def exact_layout(cfg: LearnerConfig, *, rows_per_step: int, max_prompt_len: int,
     width = batching.bucket(max_prompt_len + max_new_tokens, 1 << 62)
     lay = batching.layout(rows_per_step, width, width, trim=True, micro_batch_size=cfg.micro_batch_size,
                           max_tokens=cfg.max_tokens_per_micro_batch, batch_devices=batch_devices)
+    if lay.micro_batches > 1:
+        log.warning("--exact-rollout with %d micro-batches per step: the step's scanned micro-batch loop rounds "
+                    "apart from the re-scoring forward (~1e-7 nats, benchmarks/README.md); one micro-batch is "
+                    "bitwise", lay.micro_batches)
     return lay.rows, width
 
 
