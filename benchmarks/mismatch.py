@@ -45,6 +45,7 @@ fp8_forward_step_ratio=..`.
 from __future__ import annotations
 
 import argparse
+import gc
 import os
 import sys
 import time
@@ -129,7 +130,8 @@ def cost(model, batch: TrainBatch, fp8: bool) -> tuple[int, float]:
 
 
 def median_s(fn, calls: int = 3) -> float:
-    """Median wall seconds of `calls` calls of fn() (already compiled)."""
+    """Median wall seconds of `calls` calls of fn(), after one warm-up call (compiles)."""
+    fn()
     times = []
     for _ in range(calls):
         t0 = time.perf_counter()
@@ -226,16 +228,24 @@ def main(argv=None) -> int:
     aware_free = at_resp(learners["fp8_aware"].compute_logprobs(learners["fp8_aware"].state, batch,
                                                                   routing_replay=False)[0].logprobs)
     rows["fp8 rollout minus its FP8 kv cache vs FP8-aware"] = stats(dec_fp8w, aware_free)
-    rows["exact: FP8 rollout, FP8-aware learner (step metric)"], ex_learner = exact_row(
-        model, rb, batch.advantages, fp8=True, max_prompt_len=p)
+    del learners, w_only, a_only, both, score, score8  # memory: the exact rows build learners of their own
+    gc.collect()
+    jax.clear_caches()
     rows["exact fp32: fp32 rollout, fp32 learner (step metric)"], _ = exact_row(
         model, static, batch.advantages, fp8=False, max_prompt_len=p)
     rows["exact, 2 micro-batches (scanned step loop)"], _ = exact_row(
         model, rb, batch.advantages, fp8=True, max_prompt_len=p, micro_batches=2)
+    gc.collect()
+    jax.clear_caches()
+    rows["exact: FP8 rollout, FP8-aware learner (step metric)"], ex_learner = exact_row(
+        model, rb, batch.advantages, fp8=True, max_prompt_len=p)
     # cost of exact mode: the re-scoring added to the rollout's generate (both compiled, medians of 3 calls)
     gen_s = median_s(lambda: fp8.generate(prompts, sp, seed=0))
     rescore_s = median_s(lambda: rescore(ex_learner, rb, routing_replay=True))
     n_tok = int(rb.lengths.sum())
+    del ex_learner
+    gc.collect()
+    jax.clear_caches()
     secs = time.perf_counter() - t0
 
     print(f"config {args.config}: {args.rows} rows x {new} response tokens (prompts {lens.min()}-{lens.max()}), "
