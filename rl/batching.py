@@ -80,6 +80,36 @@ def layout(n: int, seq_len: int, longest: int, *, trim: bool, micro_batch_size: 
     return Layout(seq_len, width, m, n // m)
 
 
+def fixed_layout(n: int, seq_len: int, longest: int, *, rows: int, width: int) -> Layout:
+    """The batch-invariant Layout of exact mode (rl/exact.py): every micro-batch is R = `rows` rows of W = `width`
+    columns whatever N, S and the longest row, so each row runs in a program of one shape (its value then does not
+    depend on the batch around it: XLA:CPU's results depend on the shapes, measured in tests/rl/test_exact.py).
+    M = ceil(N / R) micro-batches (`split` pads the last with neutral rows); a batch narrower than W is padded with
+    empty columns (`pad_columns`). Raises ValueError when the longest real row is longer than W."""
+    if longest > width:
+        raise ValueError(f"--exact-rollout: a row of {longest} tokens is longer than the exact layout's width "
+                         f"{width} (--max-prompt-len + --max-new-tokens, bucketed)")
+    return Layout(seq_len, width, math.ceil(n / rows), rows)
+
+
+def pad_columns(batch: Any, width: int) -> Any:
+    """[N, S, ...] -> [N, width, ...] (width >= S) for every per-token field: empty columns at the right
+    (ids, masks, logprobs 0; routing -1). Host numpy or jax arrays."""
+    n, s = batch.input_ids.shape
+    if width <= s:
+        return batch
+
+    def pad(x, fill):
+        if x is None:
+            return None
+        return np.pad(np.asarray(x), [(0, 0), (0, width - s)] + [(0, 0)] * (x.ndim - 2), constant_values=fill)
+
+    upd = {f: pad(getattr(batch, f), -1 if f == "routing" else 0) for f in _PER_TOKEN}
+    if batch.advantages.ndim == 2:
+        upd["advantages"] = pad(batch.advantages, 0)
+    return batch.replace(**upd)
+
+
 def trim(batch: Any, shift: np.ndarray, width: int) -> Any:
     """Roll each row left by `shift` and keep `width` columns of every per-token field ([N, S, ...] -> [N, W, ...]).
     Identity when nothing moves. Works on numpy and jax arrays."""

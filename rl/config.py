@@ -160,6 +160,10 @@ class RolloutConfig:
                                  "the actor trains, with weights at most K versions old (needs --correction tis|mis); "
                                  "0 = synchronous")
     async_rollout: bool = knob(False, "one-step-off asynchronous rollout: shorthand for --max-staleness 1")
+    exact: bool = knob(False, "exact mode (rl/exact.py): the learner's own forward re-scores every sampled sequence "
+                              "and its logprobs replace the sampler's, in a batch-invariant layout, so "
+                              "train/train_rollout_logprob_abs_diff is 0 (needs --max-staleness 0; with an FP8 "
+                              "--rollout-dtype, --learner.fp8_forward)")
     push_timeout: float = knob(600.0, "MPMD runs (actor and rollout on separate processes, sharding/mpmd.py): "
                                       "seconds either side waits for the other (weight push, rollout results) "
                                       "before exiting with an error naming the silent side")
@@ -302,6 +306,7 @@ FLAT = {
     "rollout_slots": "rollout.slots", "max_staleness": "rollout.max_staleness",
     "prefill_chunk": "rollout.prefill_chunk",
     "async_rollout": "rollout.async_rollout", "push_timeout": "rollout.push_timeout",
+    "exact_rollout": "rollout.exact",
 }
 _FLAT_OF = {v: k for k, v in FLAT.items()}
 DERIVED = {"learner.temperature": "rollout.temperature",
@@ -425,6 +430,13 @@ class RunConfig:
         if self.learner.fp8_forward and self.rollout.dtype in ("bf16", "fp32"):
             raise ValueError(f"RunConfig: --learner.fp8_forward reproduces an FP8 rollout, but --rollout-dtype is "
                              f"{self.rollout.dtype}: use an fp8 --rollout-dtype or drop --learner.fp8_forward")
+        if self.rollout.exact and self.staleness() > 0:
+            raise ValueError(f"RunConfig: --exact-rollout re-scores a batch with the learner's weights, which are "
+                             f"the rollout's only in the synchronous loop: drop --max-staleness {self.staleness()} "
+                             f"(--async-rollout) or --exact-rollout")
+        if self.rollout.exact and self.rollout.dtype not in ("bf16", "fp32") and not self.learner.fp8_forward:
+            raise ValueError(f"RunConfig: --exact-rollout with --rollout-dtype {self.rollout.dtype} needs "
+                             f"--learner.fp8_forward (the learner's forward on the rollout's FP8 weights)")
         d = self.data
         if d.eval_dataset is not None and d.dataset is None and not self.eval.only:
             raise ValueError("RunConfig: --eval-dataset without --dataset is for --eval-only runs (training on the "

@@ -34,6 +34,7 @@ from rl.checkpoint import Checkpointer, check_writable, file_identity
 from rl.config import RunConfig
 from rl.data import PromptDataset, make_prompt_iterator
 from rl.data_formats import build_datasets, resolve_reward_name
+from rl.exact import exact_layout
 from rl.learner import Learner, resolve_param_dtype
 from rl.math_rewards import make_reward, prompt_independent_best
 from rl.rewards import TextReward
@@ -46,7 +47,7 @@ from rl.tasks import DigitTask, TaskReward
 from rl.tokenizer import load_tokenizer
 from sharding.mesh import build_mesh_plan
 from sharding.mpmd import HostChannel, role_layout
-from sharding.rules import ACTOR, ROLLOUT_RULES, batch_shards
+from sharding.rules import ACTOR, ACTOR_RULES, ROLLOUT_RULES, batch_shards
 
 if TYPE_CHECKING:  # annotations only
     import grain
@@ -221,8 +222,13 @@ def build(cfg: RunConfig) -> Job:
         else:
             model = load_hf_checkpoint(init, dtype=load_dtype, config=model_cfg, mesh=plan.actor,
                                        progress=cfg.log.progress)
+        r = cfg.rollout  # --exact-rollout: the learner's fixed micro-batch layout (rl/exact.py)
+        exact = exact_layout(lcfg, rows_per_step=r.prompts_per_step * r.group_size, max_prompt_len=max_prompt,
+                             max_new_tokens=r.max_new_tokens, batch_devices=batch_shards(ACTOR_RULES, plan.actor)) \
+            if r.exact else None
         learner = Learner(model, lcfg, mesh=plan.actor, rollout_dtype=cfg.rollout.dtype,
-                          rollout_devices=None if plan.rollout is None else list(plan.rollout.devices.flat))
+                          rollout_devices=None if plan.rollout is None else list(plan.rollout.devices.flat),
+                          exact_layout=exact)
     abstract = nnx.eval_shape(lambda: DSV4ForCausalLM(shapes_cfg, rngs=nnx.Rngs(0), param_dtype=load_dtype))
     # a random init in one process: the rollout's version 0 is quantised from the same model; else its weights
     # come from --init's own FP8 blocks or by the first push

@@ -196,6 +196,9 @@ class Learner:
         rollout_dtype: the rollout's `--rollout-dtype` (default the run's), read only with `cfg.fp8_forward`: the
             weights the FP8-aware forward reproduces. rollout_devices: the rollout's devices, which decide "auto"
             (`dsv4.quant.select_fp8_format`; default the learner's). fp8_block: the rollout's FP8 scale block.
+        exact_layout: (rows R, width W) of exact mode (`rl.exact`, `--exact-rollout`): every forward runs in
+            micro-batches of R rows x W columns (`rl.batching.fixed_layout`), so a row's logprobs do not depend
+            on its batch; None (default): the layout of "Input size".
         abstract: build only the state's shapes, dtypes and shardings (`jax.ShapeDtypeStruct`s; `model` may be
             an `nnx.eval_shape` model): for `lower` / AOT memory analysis of models larger than this machine
             (python -m launch.plan --compile). Such a learner cannot `update`.
@@ -211,11 +214,12 @@ class Learner:
 
     def __init__(self, model: Any, cfg: LearnerConfig, *, mesh: Mesh | None = None, rules: sr.Rules | None = None,
                  dispatch_fn: Any = None, abstract: bool = False, rollout_dtype: str = default(RolloutConfig, "dtype"),
-                 rollout_devices=None, fp8_block: tuple[int, int] = (128, 128)):
+                 rollout_devices=None, fp8_block: tuple[int, int] = (128, 128),
+                 exact_layout: tuple[int, int] | None = None):
         mesh = auto_axes(mesh)  # a jax.make_mesh mesh (Explicit axes) works too: see sharding.mesh.auto_axes
         module = model if isinstance(model, nnx.Module) else nnx.merge(*model)
         cfg = resolve_param_dtype(cfg, [jax.devices()[0]] if mesh is None else list(mesh.devices.flat))
-        self.cfg, self.dispatch_fn = cfg, dispatch_fn
+        self.cfg, self.dispatch_fn, self.exact_layout = cfg, dispatch_fn, exact_layout
         self.model_config = module.config
         compute = jnp.dtype(cfg.compute_dtype)
         self.rformat = None  # fp8_forward: how the rollout stores each weight (rl.rollout_weights.RolloutFormat)
@@ -564,7 +568,8 @@ class Learner:
         with self._context():
             res, metrics = fn(state, self._place(batch))
             if lay.width != lay.seq_len or np.any(shift):
-                res = LogprobResult(*(batching.untrim(x, shift, lay.seq_len, fill)
+                s_pad = max(lay.seq_len, lay.width)  # exact_layout: padded columns cut again
+                res = LogprobResult(*(batching.untrim(x, shift, s_pad, fill)[:, :lay.seq_len]
                                       for x, fill in zip((res.logprobs, res.entropy, res.routing), (0.0, 0.0, -1))))
             return res, metrics
 
@@ -628,6 +633,8 @@ class Learner:
 
     def _layout(self, n: int, s: int, longest: int) -> batching.Layout:
         c = self.cfg
+        if self.exact_layout is not None:
+            return batching.fixed_layout(n, s, longest, rows=self.exact_layout[0], width=self.exact_layout[1])
         return batching.layout(n, s, longest, trim=c.trim, micro_batch_size=c.micro_batch_size,
                                max_tokens=c.max_tokens_per_micro_batch, batch_devices=self._batch_devices())
 
@@ -637,8 +644,9 @@ class Learner:
         n, s = batch.input_ids.shape
         shift, longest = batching.real_extent(batch.attention_mask)
         lay = self._layout(n, s, longest)
-        if not self.cfg.trim:
+        if not self.cfg.trim and self.exact_layout is None:
             return batch, lay, np.zeros(n, np.int64)
+        batch = batching.pad_columns(batch, lay.width)  # exact_layout: a batch narrower than its width
         return batching.trim(batch, shift, lay.width), lay, shift
 
     def _place(self, batch: TrainBatch) -> TrainBatch:
