@@ -17,6 +17,7 @@ from flax import nnx
 
 from dsv4 import DSV4Config, DSV4ForCausalLM
 from dsv4.cache import decode_step, prefill
+from dsv4.quant import dequantize_fp8_blockwise
 from dsv4.spec_decode import commit, verify_forward
 from rl.sampler import Sampler, SamplingParams
 from rl.speculative import accept_drafts, check_speculative, sampling_probs
@@ -207,3 +208,57 @@ def test_sampled_speculative_records_the_main_models_logprobs_and_routing(model,
     np.testing.assert_array_equal(np.where(real, out.routing, -1), np.where(real, routing, -1))
     assert (out.lengths == 16).all()
     assert spec.last_stats["rollout/spec_accept_len"] > 1.5, spec.last_stats
+
+
+def test_mtp_loss_leaves_the_policy_gradient_and_update_and_the_push_carries_the_mtp_weights():
+    """`--learner.mtp_loss_weight 1` next to 0 (both train_mtp): the gradient of every trunk parameter is bitwise
+    the same (the MTP head reads the trunk, embedding and head through stop_gradient), the MTP block's is non-zero
+    only with the loss; the clip treats the MTP gradient apart (the trunk's clipped update is optax's on the trunk
+    alone, bitwise); the push into an FP8 sampler carries the trained MTP weights."""
+    from rl.config import LearnerConfig
+    from rl.learner import Learner, TrainBatch, _clip_apart
+    from rl.logprobs import token_logprobs
+
+    cfg = DSV4Config.tiny(num_hidden_layers=2, compress_ratios=(0, 4, 0))
+    m = DSV4ForCausalLM(cfg, rngs=nnx.Rngs(0), param_dtype=jnp.float32, dtype=jnp.float32)
+    rng = np.random.default_rng(0)
+    n, p, t = 4, 4, 6
+    am = np.ones((n, p + t), np.int32)
+    am[1, :2] = 0
+    am[2, -2:] = 0
+    rm = am.copy()
+    rm[:, :p] = 0
+    ids = np.where(am > 0, rng.integers(1, cfg.vocab_size, (n, p + t)), 0).astype(np.int32)
+    lp, _, _ = jax.jit(lambda i, mm: token_logprobs(m, i, mm))(ids, am)
+    batch = TrainBatch(input_ids=jnp.asarray(ids), attention_mask=jnp.asarray(am), response_mask=jnp.asarray(rm),
+                       rollout_logprobs=lp * rm, advantages=jnp.asarray(rng.normal(size=n), jnp.float32))
+    kw = dict(scan_layers=False, stream_optimizer=False, train_mtp=True, compute_dtype="float32", lr=1e-2,
+              max_grad_norm=1e-3)  # a clip that binds, so a shared clip would couple the two
+    base, with_mtp = Learner(m, LearnerConfig(**kw)), Learner(m, LearnerConfig(**kw, mtp_loss_weight=1.0))
+    _, g0, _ = base.loss_and_grads(base.state, batch)
+    _, g1, met = with_mtp.loss_and_grads(with_mtp.state, batch)
+    f0, f1 = ({"/".join(map(str, k)): np.asarray(v[...]) for k, v in nnx.to_flat_state(g)} for g in (g0, g1))
+    trunk = [k for k in f0 if not k.startswith("mtp")]
+    assert trunk and all(np.array_equal(f0[k], f1[k]) for k in trunk)
+    assert all(not f0[k].any() for k in f0 if k.startswith("mtp"))
+    assert any(f1[k].any() for k in f1 if k.startswith("mtp"))
+    assert float(met["train/mtp_loss"]) > 0
+    import optax
+    tree = {"layers": {"w": jnp.asarray(f0["layers/1/attn/wq_a/weight"])}, "mtp": {"w": jnp.asarray(f1[
+        "mtp/0/e_proj/weight"]) * 1e3}}
+    clipped, _ = _clip_apart(1e-3, lambda path: str(path[0].key) == "mtp").update(tree, optax.EmptyState())
+    alone, _ = optax.clip_by_global_norm(1e-3).update({"w": tree["layers"]["w"]}, optax.EmptyState())
+    np.testing.assert_array_equal(np.asarray(clipped["layers"]["w"]), np.asarray(alone["w"]))
+    assert abs(float(optax.tree.norm(clipped["mtp"])) - 1e-3) < 1e-8
+    old_mtp = np.asarray(with_mtp.params_for_push()["mtp"][0]["e_proj"]["weight"][...]).copy()
+    metrics = with_mtp.update(batch)
+    assert float(metrics["train/mtp_loss"]) > 0
+    new_mtp = np.asarray(with_mtp.params_for_push()["mtp"][0]["e_proj"]["weight"][...])
+    assert not np.array_equal(new_mtp, old_mtp)
+    sampler = Sampler(m, weights="fp8", max_prompt_len=16)
+    sampler.update_weights(with_mtp.params_for_push(), version=1)
+    pushed = sampler.weight_state()["mtp/0/e_proj/weight"]
+    assert pushed.kind == "fp8"
+    deq = np.asarray(dequantize_fp8_blockwise(pushed.q, pushed.scale, block=pushed.block), np.float32)
+    assert np.abs(deq - new_mtp).max() < np.abs(deq - old_mtp).max()
+    assert np.abs(deq - new_mtp).max() <= 0.07 * np.abs(new_mtp).max()  # FP8 e4m3 blocks
