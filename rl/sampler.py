@@ -141,7 +141,7 @@ class Sampler:
         far (`dsv4.chunked.prefill_chunked`: temporaries bounded by one chunk); 0 = whole prompt at once. A
         multiple of the compression ratios' lcm (`--prefill-chunk`).
       speculative, draft_tokens: "off" | "mtp" and k in 1..3 (`--rollout.speculative`, `--rollout.draft_tokens`):
-        speculative decoding with the MTP block as the draft (rl/speculative.py; static batching only).
+        speculative decoding with the MTP block as the draft (rl/speculative.py; static or continuous batching).
     Raises:
       ValueError: unknown `weights` / `dequant` / `matmul` / `kv_cache_dtype`, slots < 0, prefill_chunk not a
         multiple of the compression ratios.
@@ -186,7 +186,7 @@ class Sampler:
         if isinstance(slots, bool) or not isinstance(slots, (int, np.integer)) or slots < 0:
             raise ValueError(f"Sampler slots={slots!r} (--rollout-slots): expected an int >= 0 (0 = static batching)")
         self.slots, self.kv_budget_bytes = int(slots), kv_budget_bytes
-        self.speculative, self.draft_tokens = _spec.check_speculative(speculative, draft_tokens, model.config, slots)
+        self.speculative, self.draft_tokens = _spec.check_speculative(speculative, draft_tokens, model.config)
         self.last_stats: dict = {}
         cfg = self.config
         abstract = nnx.eval_shape(lambda: DSV4ForCausalLM(cfg, rngs=nnx.Rngs(0), param_dtype=jnp.float32,
@@ -218,7 +218,8 @@ class Sampler:
         if mesh is not None:  # alone is ~0.8 GB per layer: replicated, it would not fit), stats replicated
             rows = self._input_shardings()[0]
             slot_out = (rows,) * 6 + (rep, self._cache_shardings(self._abstract_caches(1, 1)))
-        self._slots_jit = jax.jit(lambda *a: _slots.slots_program(self, *a), static_argnums=(0,), donate_argnums=(2,),
+        slots_fn = _spec.spec_slots_program if self.speculative == "mtp" else _slots.slots_program
+        self._slots_jit = jax.jit(lambda *a: slots_fn(self, *a), static_argnums=(0,), donate_argnums=(2,),
                                   out_shardings=slot_out)
         self.last_cache_bytes: tuple[int, int] = (0, 0)  # (global, largest per device) bytes of the last caches
         self.weight_version = -1
@@ -422,7 +423,8 @@ class Sampler:
 
     def _slot_inputs(self, b: int, t_cap: int):
         """(slots, prompt width, cache_len) of the continuous-batching program for a `b`-request bucket."""
-        return self.slot_count(), self.max_prompt_len, _slots.cache_len_for(self.config, self.max_prompt_len, t_cap)
+        return self.slot_count(), self.max_prompt_len, _slots.cache_len_for(self.config, self.max_prompt_len,
+                                                                            t_cap + self._cache_pad())
 
     def _buckets(self, n: int, prompt_len: int, max_new_tokens: int) -> tuple[int, int, int]:
         """(batch, prompt, response) buckets of a call: powers of two (prompts from 16, capped by max_prompt_len's
@@ -577,7 +579,10 @@ class Sampler:
             with ctx, _rules_ctx(self.rules, self.mesh):
                 out = self._slots_jit((b, p_max, t_cap, s_n), self._w, caches, *inputs)
             tok, lp, prompt_routing, resp_routing, length, stopped, stats, caches = out
-            self.last_stats = _slots.slot_stats(jax.device_get(stats), s_n)
+            stats = jax.device_get(stats)
+            self.last_stats = _slots.slot_stats(stats[:3], s_n)
+            if len(stats) > 3:  # speculative (rl/speculative.py)
+                self.last_stats.update(_spec.spec_stats(stats[3:], self.draft_tokens))
         else:
             caches = self._empty_caches(b, p_bucket + t_cap + self._cache_pad())
             inputs = (ids, lens, jax.random.key_data(keys), np.float32(params.temperature), np.float32(params.top_p),

@@ -24,7 +24,8 @@ After the prompt's prefill (first token drawn exactly as plain decoding draws it
 prompt's last W positions (W = its window) to fill its ring and give the first q_1.
 Metrics (`Sampler.last_stats`): rollout/spec_accept_len (mean tokens emitted per verify step of a live row) and
 rollout/spec_accept_rate (accepted drafts / proposed drafts).
-Static batching only (`slots=0`); continuous batching with speculation is not implemented (ValueError).
+Static batching (`spec_program`) and continuous batching (`spec_slots_program`, rl/slots.py's slots with one
+speculative step per slot per iteration) share the step (`_Ctx.step`); a row's math reads only its own cache row.
 """
 
 from __future__ import annotations
@@ -34,24 +35,22 @@ import jax.numpy as jnp
 
 from dsv4.chunked import chunk_multiple, prefill_chunked
 from dsv4.spec_decode import commit, mtp_cache, mtp_forward, ring_commit, verify_forward
+from rl import slots as _slots
 from rl.sampling import _filter_logits, sample_tokens
 
 SPECULATIVE_MODES = ("off", "mtp")
 _SALT = 0x5BEC  # key stream of the speculative draws (plain decoding folds in the token index only)
 
 
-def check_speculative(speculative: str, draft_tokens: int, config, slots: int) -> tuple[str, int]:
-    """Validated (mode, k). ValueError (one line naming the flag) on a bad mode, k outside 1..3, a model without an
-    MTP block, or continuous batching."""
+def check_speculative(speculative: str, draft_tokens: int, config) -> tuple[str, int]:
+    """Validated (mode, k). ValueError (one line naming the flag) on a bad mode, k outside 1..3 or a model without
+    an MTP block."""
     if speculative not in SPECULATIVE_MODES:
         raise ValueError(f"--rollout.speculative must be off | mtp, got {speculative!r}")
     if isinstance(draft_tokens, bool) or not isinstance(draft_tokens, int) or not 1 <= draft_tokens <= 3:
         raise ValueError(f"--rollout.draft_tokens must be an int in 1..3, got {draft_tokens!r}")
     if speculative == "mtp" and not config.num_nextn_predict_layers:
         raise ValueError("--rollout.speculative mtp: the model has no MTP block (num_nextn_predict_layers = 0)")
-    if speculative == "mtp" and slots:
-        raise ValueError("--rollout.speculative mtp: continuous batching (--rollout-slots) is not supported yet; "
-                         "use --rollout-slots 0")
     return speculative, int(draft_tokens)
 
 
@@ -103,67 +102,61 @@ def accept_drafts(p: jax.Array, q: jax.Array, drafts: jax.Array, keys: jax.Array
     return a, y
 
 
-def spec_program(sampler, shape, wstate, caches, ids, lens, key_data, temperature, top_p, top_k, max_new, stop_ids):
-    """The static-batch speculative rollout (traced by `Sampler._spec_jit`); inputs and outputs as
-    `Sampler._generate_fn` plus stats [2] f32 = (tokens emitted, verify steps of live rows, accepted drafts)
-    before the caches. shape = (B, P, T) static; the caches hold P + T + `cache_pad` positions."""
-    b, p, t_cap = shape
-    k = sampler.draft_tokens
-    k1 = k + 1
-    cfg = sampler.config
-    n_l, ke = cfg.num_hidden_layers, cfg.num_experts_per_tok
-    cache_len = p + t_cap + cache_pad(cfg, k)
-    keys = jax.random.wrap_key_data(key_data)
-    rows = jnp.arange(b)
-    layerwise = sampler.dequant == "per_layer"
-    model = sampler._layerwise.shell(wstate) if layerwise else sampler._model(wstate)
-    layer_fn = sampler._layerwise.layer_fn(wstate) if layerwise else None
-    fn = sampler.dispatch_fn
-    w_mtp = model.mtp[0].attn.window
-    with jax.named_scope("prefill"):
-        logits, prompt_routing, caches, tail = prefill_chunked(model, ids, lens, cache_len, sampler.prefill_chunk,
-                                                               dispatch_fn=fn, layer_fn=layer_fn,
-                                                               kv_fp8=sampler.kv_fp8, tail=w_mtp)
-    tok0, lp0 = sample_tokens(logits, jax.vmap(lambda kk: jax.random.fold_in(kk, 0))(keys), temperature, top_p,
-                              top_k)
+class _Ctx:
+    """What every step of a speculative program reads: the model (shell), layer_fn, dispatch, k, sampling params,
+    stop ids."""
 
-    def is_stop(tok):
-        return jnp.any(tok[..., None] == stop_ids, axis=-1)
+    def __init__(self, sampler, wstate, temperature, top_p, top_k, stop_ids):
+        layerwise = sampler.dequant == "per_layer"
+        self.model = sampler._layerwise.shell(wstate) if layerwise else sampler._model(wstate)
+        self.layer_fn = sampler._layerwise.layer_fn(wstate) if layerwise else None
+        self.fn, self.k, self.sampler = sampler.dispatch_fn, sampler.draft_tokens, sampler
+        self.temperature, self.top_p, self.top_k, self.stop_ids = temperature, top_p, top_k, stop_ids
+        self.w_mtp = self.model.mtp[0].attn.window
 
-    # the MTP block over the prompt's last W positions: (h_t, token t + 1) for t = L - W .. L - 1 (token L = tok0)
-    tpos = lens[:, None] - w_mtp + jnp.arange(w_mtp)[None]
-    nxt = jnp.where(tpos + 1 < lens[:, None], jnp.take_along_axis(ids, jnp.clip(tpos + 1, 0, p - 1), 1), tok0[:, None])
-    mc = mtp_cache(model, b, sampler.compute_dtype, sampler.kv_fp8)
-    with jax.named_scope("draft"):
-        qlg, xo, kv = mtp_forward(model, tail, nxt, lens - w_mtp, mc, dispatch_fn=fn)
-    ring_commit(mc, kv, tpos, tpos >= 0, w_mtp)
-    q1, x1 = qlg[:, -1], xo[:, -1]
+    def is_stop(self, tok):
+        return jnp.any(tok[..., None] == self.stop_ids, axis=-1)
 
-    stop0 = is_stop(tok0)
-    pad = t_cap + k1 + 1
-    out_tok = jnp.zeros((b, pad), jnp.int32).at[:, 0].set(tok0)
-    out_lp = jnp.zeros((b, pad), jnp.float32).at[:, 0].set(lp0)
-    out_rr = jnp.full((b, pad, n_l, ke), -1, jnp.int32)
-    done = stop0 | (max_new <= 1)
-    length, fed = jnp.ones((b,), jnp.int32), jnp.zeros((b,), jnp.int32)
-    stats = jnp.zeros((3,), jnp.float32)
-    carry = (tok0, length, fed, done, stop0, out_tok, out_lp, out_rr, caches, mc, q1, x1, stats)
-    j1 = jnp.arange(k1)[None]
+    def prefill(self, ids, lens, cache_len, keys):
+        """Prefill + first token (plain decoding's draw) + the MTP block over the prompt's last W positions:
+        (h_t, token t + 1) for t = L - W .. L - 1, token L = the first token. Returns (tok0, lp0, prompt routing,
+        caches, MTP cache, q_1 logits [R, V], streams [R, n, D])."""
+        s = self.sampler
+        with jax.named_scope("prefill"):
+            logits, routing, caches, tail = prefill_chunked(self.model, ids, lens, cache_len, s.prefill_chunk,
+                                                            dispatch_fn=self.fn, layer_fn=self.layer_fn,
+                                                            kv_fp8=s.kv_fp8, tail=self.w_mtp)
+        tok0, lp0 = sample_tokens(logits, jax.vmap(lambda kk: jax.random.fold_in(kk, 0))(keys), self.temperature,
+                                  self.top_p, self.top_k)
+        w, p = self.w_mtp, ids.shape[1]
+        tpos = lens[:, None] - w + jnp.arange(w)[None]
+        nxt = jnp.where(tpos + 1 < lens[:, None], jnp.take_along_axis(ids, jnp.clip(tpos + 1, 0, p - 1), 1),
+                        tok0[:, None])
+        mc = mtp_cache(self.model, ids.shape[0], s.compute_dtype, s.kv_fp8)
+        with jax.named_scope("draft"):
+            qlg, xo, kv = mtp_forward(self.model, tail, nxt, lens - w, mc, dispatch_fn=self.fn)
+        ring_commit(mc, kv, tpos, tpos >= 0, w)
+        return tok0, lp0, routing, caches, mc, qlg[:, -1], xo[:, -1]
 
-    def cond(c):
-        return jnp.any(c[2] < c[1])
-
-    def body(c):
-        cur, length, fed, done, stopped, out_tok, out_lp, out_rr, caches, mc, q1, x1, stats = c
-        active = ~done
+    def step(self, st: dict, out: dict, orow, live, keys, lens, max_new):
+        """One speculative step of every row (see the module docstring). st: per-row state {cur, len, fed, done,
+        stop, caches, mc, q1, x1} [R, ...]; out: {tok, lp, rr} [N, width, ...] written at rows orow [R] (rows
+        out of range and columns past the width are dropped); live [R]: rows holding a sample; keys, lens,
+        max_new [R]: each row's key, prompt length and length limit. Returns (st, out, stats [3] f32 = tokens
+        emitted, verify steps of active rows, accepted drafts)."""
+        k, k1 = self.k, self.k + 1
+        t, tp, tk = self.temperature, self.top_p, self.top_k
+        model, fn = self.model, self.fn
+        cur, length, fed, done, caches, mc = st["cur"], st["len"], st["fed"], st["done"], st["caches"], st["mc"]
+        active = live & ~done
         pos = lens + length - 1  # position of cur
         sk = jax.vmap(lambda kk, g: jax.random.split(jax.random.fold_in(jax.random.fold_in(kk, _SALT), g), k1))(
-            keys, length)  # [B, k+1]: k draft draws, then the acceptance
+            keys, length)  # [R, k+1]: k draft draws, then the acceptance
         drafts, qs = [], []
-        ql, xh, ext = q1, x1, None
+        ql, xh, ext = st["q1"], st["x1"], None
         with jax.named_scope("draft"):
             for j in range(k):
-                qp = sampling_probs(ql, temperature, top_p, top_k)
+                qp = sampling_probs(ql, t, tp, tk)
                 d = jax.vmap(_draw)(sk[:, j], qp)
                 drafts.append(d)
                 qs.append(qp)
@@ -172,51 +165,139 @@ def spec_program(sampler, shape, wstate, caches, ids, lens, key_data, temperatur
                     kvp = (kv, (pos + j)[:, None])
                     ext = kvp if ext is None else tuple(jnp.concatenate([e, n], 1) for e, n in zip(ext, kvp))
                     ql, xh = lg[:, 0], xo[:, 0]
-        drafts = jnp.stack(drafts, 1)  # [B, k]
-        fed_tok = jnp.concatenate([cur[:, None], drafts], axis=1)
+        drafts = jnp.stack(drafts, 1)  # [R, k]
         with jax.named_scope("verify"):
-            vlg, rt, hs, pending = verify_forward(model, fed_tok, pos, caches, dispatch_fn=fn, layer_fn=layer_fn)
-        pv = sampling_probs(vlg, temperature, top_p, top_k)
-        a, y = accept_drafts(pv, jnp.stack(qs, 1), drafts, sk[:, k])
-        emit = jnp.where(j1 < a[:, None], jnp.concatenate([drafts, drafts[:, :1]], 1), y[:, None])  # [B, k+1]
-        greedy = temperature <= 0
-        lp_all = jax.nn.log_softmax(vlg / jnp.where(greedy, 1.0, temperature), axis=-1)
+            vlg, rt, hs, pending = verify_forward(model, jnp.concatenate([cur[:, None], drafts], axis=1), pos, caches,
+                                                  dispatch_fn=fn, layer_fn=self.layer_fn)
+        a, y = accept_drafts(sampling_probs(vlg, t, tp, tk), jnp.stack(qs, 1), drafts, sk[:, k])
+        j1 = jnp.arange(k1)[None]
+        emit = jnp.where(j1 < a[:, None], jnp.concatenate([drafts, drafts[:, :1]], 1), y[:, None])  # [R, k+1]
+        lp_all = jax.nn.log_softmax(vlg / jnp.where(t <= 0, 1.0, t), axis=-1)
         lp = jnp.take_along_axis(lp_all, emit[:, :, None], -1)[..., 0]
-        st = is_stop(emit) & (j1 <= a[:, None])
-        first_stop = jnp.where(jnp.any(st, 1), jnp.argmax(st, 1), k1)
+        stp = self.is_stop(emit) & (j1 <= a[:, None])
+        first_stop = jnp.where(jnp.any(stp, 1), jnp.argmax(stp, 1), k1)
         n_emit = jnp.minimum(jnp.minimum(a + 1, max_new - length), first_stop + 1)
         n_emit = jnp.where(active, jnp.maximum(n_emit, 0), 0)
         wr = j1 < n_emit[:, None]
-        col = jnp.where(wr, length[:, None] + j1, pad - 1)
-        out_tok = out_tok.at[rows[:, None], col].set(jnp.where(wr, emit, out_tok[rows[:, None], col]))
-        out_lp = out_lp.at[rows[:, None], col].set(jnp.where(wr, lp, out_lp[rows[:, None], col]))
+        far = jnp.iinfo(jnp.int32).max
+        col = jnp.where(wr, length[:, None] + j1, far)
+        out = dict(out, tok=out["tok"].at[orow[:, None], col].set(emit, mode="drop"),
+                   lp=out["lp"].at[orow[:, None], col].set(lp, mode="drop"))
         # routing of the fed tokens that are response tokens: cur, then the emitted drafts
-        n_rec = jnp.where(active, 1 + jnp.minimum(a, n_emit), (fed < length).astype(jnp.int32))
-        rec = j1 < n_rec[:, None]
-        rcol = jnp.where(rec, fed[:, None] + j1, pad - 1)
-        out_rr = out_rr.at[rows[:, None], rcol].set(jnp.where(rec[..., None, None], rt, out_rr[rows[:, None], rcol]))
+        n_rec = jnp.where(active, 1 + jnp.minimum(a, n_emit), (live & (fed < length)).astype(jnp.int32))
+        rcol = jnp.where(j1 < n_rec[:, None], fed[:, None] + j1, far)
+        out["rr"] = out["rr"].at[orow[:, None], rcol].set(rt, mode="drop")
         n_commit = jnp.where(active, a + 1, 0)
         caches = commit(caches, pending, pos, n_commit)
-        # the MTP block over the verified positions with the main model's streams; q_1 of the next step
+        # the MTP block over the verified positions with the main model's streams: q_1 of the next step
         with jax.named_scope("draft"):
             qlg, xo, kv = mtp_forward(model, hs, emit, pos, mc, dispatch_fn=fn)
-        ring_commit(mc, kv, pos[:, None] + j1, j1 < n_commit[:, None], w_mtp)
-        q1 = jnp.where(active[:, None], qlg[rows, a], q1)
-        x1 = jnp.where(active[:, None, None], xo[rows, a], x1)
-        stop = active & jnp.any(st & wr, 1)
+        ring_commit(mc, kv, pos[:, None] + j1, j1 < n_commit[:, None], self.w_mtp)
+        rows = jnp.arange(a.shape[0])
+        stop = active & jnp.any(stp & wr, 1)
         last = jnp.take_along_axis(emit, jnp.maximum(n_emit - 1, 0)[:, None], 1)[:, 0]
-        cur = jnp.where(n_emit > 0, last, cur)
-        stats = stats + jnp.stack([jnp.sum(n_emit), jnp.sum(active), jnp.sum(jnp.where(active, a, 0))]).astype(
-            jnp.float32)
+        stats = jnp.stack([jnp.sum(n_emit), jnp.sum(active), jnp.sum(jnp.where(active, a, 0))]).astype(jnp.float32)
         length = length + n_emit
-        fed = fed + n_rec
-        done = done | stop | (length >= max_new)
-        return (cur, length, fed, done, stopped | stop, out_tok, out_lp, out_rr, caches, mc, q1, x1, stats)
+        st = dict(st, cur=jnp.where(n_emit > 0, last, cur), len=length, fed=fed + n_rec, caches=caches, mc=mc,
+                  done=done | stop | (length >= max_new), stop=st["stop"] | stop,
+                  q1=jnp.where(active[:, None], qlg[rows, a], st["q1"]),
+                  x1=jnp.where(active[:, None, None], xo[rows, a], st["x1"]))
+        return st, out, stats
 
-    out = jax.lax.while_loop(cond, body, carry)
-    _, length, _, _, stopped, out_tok, out_lp, out_rr, caches, _, _, _, stats = out
-    return (out_tok[:, :t_cap], out_lp[:, :t_cap], prompt_routing, out_rr[:, :t_cap], length, stopped, stats,
-            caches)
+
+def spec_program(sampler, shape, wstate, caches, ids, lens, key_data, temperature, top_p, top_k, max_new, stop_ids):
+    """The static-batch speculative rollout (traced by the sampler's generate jit); inputs and outputs as
+    `Sampler._generate_fn` plus stats [3] f32 = (tokens emitted, verify steps of live rows, accepted drafts)
+    before the caches. shape = (B, P, T) static; the caches hold P + T + `cache_pad` positions."""
+    b, p, t_cap = shape
+    cfg = sampler.config
+    n_l, ke = cfg.num_hidden_layers, cfg.num_experts_per_tok
+    keys = jax.random.wrap_key_data(key_data)
+    ctx = _Ctx(sampler, wstate, temperature, top_p, top_k, stop_ids)
+    del caches  # the prefill builds them (the donated zeros only fix the signature)
+    tok0, lp0, prompt_routing, caches, mc, q1, x1 = ctx.prefill(ids, lens, p + t_cap + cache_pad(cfg, ctx.k), keys)
+    stop0 = ctx.is_stop(tok0)
+    out = {"tok": jnp.zeros((b, t_cap), jnp.int32).at[:, 0].set(tok0),
+           "lp": jnp.zeros((b, t_cap), jnp.float32).at[:, 0].set(lp0),
+           "rr": jnp.full((b, t_cap, n_l, ke), -1, jnp.int32)}
+    st = {"cur": tok0, "len": jnp.ones((b,), jnp.int32), "fed": jnp.zeros((b,), jnp.int32),
+          "done": stop0 | (max_new <= 1), "stop": stop0, "caches": caches, "mc": mc, "q1": q1, "x1": x1}
+    rows, live = jnp.arange(b), jnp.ones((b,), bool)
+
+    def body(c):
+        st, out, stats = c
+        st, out, s = ctx.step(st, out, rows, live, keys, lens, max_new)
+        return st, out, stats + s
+
+    st, out, stats = jax.lax.while_loop(lambda c: jnp.any(c[0]["fed"] < c[0]["len"]), body,
+                                        (st, out, jnp.zeros((3,), jnp.float32)))
+    return out["tok"], out["lp"], prompt_routing, out["rr"], st["len"], st["stop"], stats, st["caches"]
+
+
+def spec_slots_program(sampler, shape, wstate, caches, ids, lens, key_data, n_real, temperature, top_p, top_k,
+                       max_new, stop_ids):
+    """Continuous batching with speculative steps (rl/slots.py's program, traced by the sampler's slots jit; the same
+    inputs and outputs, stats [6] f32 = rl/slots.py's three then `spec_program`'s three). A request is admitted
+    into a free slot by its own prefill (+ the MTP block over its prompt tail); each step advances every slot by
+    one speculative step; a slot whose sample has ended (its last token fed) writes its result and is freed."""
+    nb, p, t_cap, s = shape
+    cfg = sampler.config
+    n_l, ke = cfg.num_hidden_layers, cfg.num_experts_per_tok
+    cache_len = _slots.cache_len_for(cfg, p, t_cap + cache_pad(cfg, sampler.draft_tokens))
+    keys = jax.random.wrap_key_data(key_data)
+    ctx = _Ctx(sampler, wstate, temperature, top_p, top_k, stop_ids)
+    def put_row(big, small, j):
+        return jax.lax.dynamic_update_slice_in_dim(big, small.astype(big.dtype), j, 0)
+
+    def admit(c):
+        st, out, misc = c
+        j = jnp.argmax(st["req"] < 0).astype(jnp.int32)
+        r = misc["next"]
+        row_ids = jax.lax.dynamic_slice_in_dim(ids, r, 1, 0)
+        row_len = jax.lax.dynamic_slice_in_dim(lens, r, 1, 0)
+        tok0, lp0, pr, c1, mc1, q1, x1 = ctx.prefill(row_ids, row_len, cache_len, keys[r][None])
+        st = dict(st)
+        for name, small in (("caches", c1), ("mc", mc1), ("q1", q1), ("x1", x1)):
+            st[name] = jax.tree.map(lambda big, sm: put_row(big, sm, j), st[name], small)
+        stop0 = ctx.is_stop(tok0)[0]
+        out = dict(out, tok=out["tok"].at[r, 0].set(tok0[0]), lp=out["lp"].at[r, 0].set(lp0[0]),
+                   pr=out["pr"].at[r].set(pr[0]))
+        misc = dict(misc, refills=misc["refills"] + st["used"][j].astype(jnp.float32), next=r + 1)
+        for name, val in (("req", r), ("fed", 0), ("len", 1), ("done", stop0 | (max_new[r] <= 1)), ("stop", stop0),
+                          ("cur", tok0[0]), ("used", True)):
+            st[name] = st[name].at[j].set(val)
+        return st, out, misc
+
+    def step(c):
+        c = jax.lax.while_loop(lambda c: jnp.any(c[0]["req"] < 0) & (c[2]["next"] < n_real), admit, c)
+        st, out, misc = c
+        live = st["req"] >= 0
+        req = jnp.where(live, st["req"], 0)
+        st, out, sp = ctx.step(st, out, jnp.where(live, st["req"], nb), live, keys[req], lens[req], max_new[req])
+        fin = live & st["done"] & (st["fed"] >= st["len"])
+        fdrop = jnp.where(fin, st["req"], nb)
+        out = dict(out, len=out["len"].at[fdrop].set(st["len"], mode="drop"),
+                   stop=out["stop"].at[fdrop].set(st["stop"], mode="drop"))
+        st = dict(st, req=jnp.where(fin, -1, st["req"]))
+        misc = dict(misc, finished=misc["finished"] + jnp.sum(fin).astype(jnp.int32), spec=misc["spec"] + sp,
+                    busy=misc["busy"] + jnp.sum(live).astype(jnp.float32), steps=misc["steps"] + 1.0)
+        return st, out, misc
+
+    z = lambda dt: jnp.zeros((s,), dt)  # noqa: E731
+    model = ctx.model
+    mc = mtp_cache(model, s, sampler.compute_dtype, sampler.kv_fp8)
+    st = {"caches": caches, "mc": mc, "req": jnp.full((s,), -1, jnp.int32), "fed": z(jnp.int32),
+          "len": z(jnp.int32), "done": z(bool), "stop": z(bool), "cur": z(jnp.int32), "used": z(bool),
+          "q1": jnp.zeros((s, cfg.vocab_size), jnp.float32),
+          "x1": jnp.zeros((s, cfg.hc_mult, cfg.hidden_size), ctx.sampler.compute_dtype)}
+    out = {"tok": jnp.zeros((nb, t_cap), jnp.int32), "lp": jnp.zeros((nb, t_cap), jnp.float32),
+           "pr": jnp.full((nb, p, n_l, ke), -1, jnp.int32), "rr": jnp.full((nb, t_cap, n_l, ke), -1, jnp.int32),
+           "len": jnp.zeros((nb,), jnp.int32), "stop": jnp.zeros((nb,), bool)}
+    misc = {"next": jnp.int32(0), "finished": jnp.int32(0), "refills": jnp.float32(0), "busy": jnp.float32(0),
+            "steps": jnp.float32(0), "spec": jnp.zeros((3,), jnp.float32)}
+    st, out, misc = jax.lax.while_loop(lambda c: c[2]["finished"] < n_real, step, (st, out, misc))
+    stats = jnp.concatenate([jnp.stack([misc["refills"], misc["busy"], misc["steps"]]), misc["spec"]])
+    return out["tok"], out["lp"], out["pr"], out["rr"], out["len"], out["stop"], stats, st["caches"]
 
 
 def spec_stats(stats, k: int) -> dict:
@@ -227,4 +308,4 @@ def spec_stats(stats, k: int) -> dict:
 
 
 __all__ = ["SPECULATIVE_MODES", "accept_drafts", "cache_pad", "check_speculative", "sampling_probs",
-           "spec_program", "spec_stats"]
+           "spec_program", "spec_slots_program", "spec_stats"]
