@@ -12,6 +12,7 @@ import pathlib
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 from flax import nnx
 
@@ -19,6 +20,9 @@ from dsv4 import DSV4Config, DSV4ForCausalLM
 from dsv4.cache import decode_step, prefill
 from dsv4.quant import dequantize_fp8_blockwise
 from dsv4.spec_decode import commit, verify_forward
+from rl.config import LearnerConfig
+from rl.learner import Learner, TrainBatch, _clip_apart
+from rl.logprobs import token_logprobs
 from rl.sampler import Sampler, SamplingParams
 from rl.speculative import accept_drafts, check_speculative, sampling_probs
 
@@ -231,10 +235,6 @@ def test_mtp_loss_leaves_the_policy_gradient_and_update_and_the_push_carries_the
     the same (the MTP head reads the trunk, embedding and head through stop_gradient), the MTP block's is non-zero
     only with the loss; the clip treats the MTP gradient apart (the trunk's clipped update is optax's on the trunk
     alone, bitwise); the push into an FP8 sampler carries the trained MTP weights."""
-    from rl.config import LearnerConfig
-    from rl.learner import Learner, TrainBatch, _clip_apart
-    from rl.logprobs import token_logprobs
-
     cfg = DSV4Config.tiny(num_hidden_layers=2, compress_ratios=(0, 4, 0))
     m = DSV4ForCausalLM(cfg, rngs=nnx.Rngs(0), param_dtype=jnp.float32, dtype=jnp.float32)
     rng = np.random.default_rng(0)
@@ -259,7 +259,6 @@ def test_mtp_loss_leaves_the_policy_gradient_and_update_and_the_push_carries_the
     assert all(not f0[k].any() for k in f0 if k.startswith("mtp"))
     assert any(f1[k].any() for k in f1 if k.startswith("mtp"))
     assert float(met["train/mtp_loss"]) > 0
-    import optax
     tree = {"layers": {"w": jnp.asarray(f0["layers/1/attn/wq_a/weight"])}, "mtp": {"w": jnp.asarray(f1[
         "mtp/0/e_proj/weight"]) * 1e3}}
     clipped, _ = _clip_apart(1e-3, lambda path: str(path[0].key) == "mtp").update(tree, optax.EmptyState())
