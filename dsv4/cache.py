@@ -191,14 +191,28 @@ def _fill(c, comp: Compressor, a, z, entries, lengths, keys) -> None:
 
 def _compress_step(comp: Compressor, x: jax.Array, t: jax.Array, c: LayerCache, keys) -> None:
     """Absorb token t (x [B, 1, D]) into the window state; emit entry w = (t+1)/m - 1 where complete."""
+    a, z = comp.project(x)
+    absorb(comp, a[:, 0], z[:, 0], t, c, keys)
+
+
+def absorb(comp: Compressor, a: jax.Array, z: jax.Array, t: jax.Array, c: LayerCache, keys,
+           live: jax.Array | None = None) -> None:
+    """The window-state update of one token per row from its projections (`Compressor.project`): a, z [B, c d]
+    float32 (z without ape) at positions t [B]; rows with live [B] False are left unchanged (None = all live).
+    Writes the current window slot t mod m, and where (t+1) mod m == 0 the entry w = (t+1)/m - 1 and the previous
+    window. Modifies c in place (`keys` = its (a, z, prev a, prev z, entries) names)."""
     ka, kz, kpa, kpz, kent = keys
     m = comp.ratio
-    a, z = comp.project(x)
-    z = z[:, 0] + comp.ape[...].astype(jnp.float32)[t % m]
+    z = z + comp.ape[...].astype(jnp.float32)[t % m]
     slot = t % m
-    c[ka] = _set_rows(c[ka], slot, a[:, 0])
+    if live is not None:
+        a = jnp.where(live[:, None], a, _gather_rows(c[ka], slot[:, None])[:, 0])
+        z = jnp.where(live[:, None], z, _gather_rows(c[kz], slot[:, None])[:, 0])
+    c[ka] = _set_rows(c[ka], slot, a)
     c[kz] = _set_rows(c[kz], slot, z)
     complete = (t + 1) % m == 0
+    if live is not None:
+        complete = complete & live
     w = (t + 1) // m - 1
     pz = jnp.where((w <= 0)[:, None, None], -jnp.inf, c[kpz])  # window 0 has no previous window
     pooled = window_pool(c[ka][:, None], c[kz][:, None], overlap=comp.overlap, d=comp.d, prev_a=c[kpa], prev_z=pz)
@@ -251,15 +265,18 @@ def _layers(model, layer_fn):
 
 
 def prefill(model, ids: jax.Array, lengths: jax.Array, cache_len: int, routing_replay: jax.Array | None = None,
-            dispatch_fn=None, layer_fn=None, kv_fp8: str | None = None):
+            dispatch_fn=None, layer_fn=None, kv_fp8: str | None = None, tail: int = 0):
     """Full forward over right-padded prompts and the decode caches.
 
     ids [B, P] int32 (row b real at [0, lengths[b])), lengths [B] int32 >= 1, cache_len >= P + max new tokens.
     layer_fn: optional (i, x) -> (Block, x) giving main layer i (then `model.layers` is not read; see
     `rl.rollout_weights.LayerwiseWeights`). kv_fp8: None (unquantised caches in the compute dtype) or the FP8
     cache layout "e4m3fn" | "e4m3fnuz" (`cache_shapes`; `decode_step` reads the layout from the caches).
+    tail: 0, or T >= 1: also return the final residual streams of each row's last T real positions
+    (speculative decoding's MTP block starts from them; rl/speculative.py).
     Returns (logits [B, V] float32 at each row's last real token,
-    routing [B, P, L, k] int32, caches list[L]).
+    routing [B, P, L, k] int32, caches list[L]) and, with `tail`, streams [B, T, n, D] of positions
+    lengths - T .. lengths - 1 (entries at negative positions are garbage).
     """
     cfg = model.config
     b, p = ids.shape
@@ -282,6 +299,9 @@ def prefill(model, ids: jax.Array, lengths: jax.Array, cache_len: int, routing_r
     logits = model.lm_head(model.collapse(last))
     real = jnp.arange(p)[None] < lengths[:, None]
     routing = jnp.where(real[:, :, None, None], jnp.stack(routes, axis=2), -1)
+    if tail:
+        idx = jnp.clip(lengths[:, None] - tail + jnp.arange(tail)[None], 0, p - 1)
+        return logits, routing, caches, jnp.take_along_axis(x, idx[:, :, None, None], axis=1)
     return logits, routing, caches
 
 

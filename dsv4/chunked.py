@@ -153,7 +153,7 @@ def chunk_attention(attn, x: jax.Array, s: jax.Array, lengths: jax.Array, cache:
 
 
 def prefill_chunked(model, ids: jax.Array, lengths: jax.Array, cache_len: int, chunk: int, dispatch_fn=None,
-                    layer_fn=None, kv_fp8: str | None = None):
+                    layer_fn=None, kv_fp8: str | None = None, tail: int = 0):
     """`dsv4.cache.prefill` in chunks of `chunk` tokens (see the module docstring); the same contract.
 
     ids [B, P] int32 right-padded (row b real at [0, lengths[b])), lengths [B] int32 >= 1, cache_len >= P + max
@@ -163,12 +163,14 @@ def prefill_chunked(model, ids: jax.Array, lengths: jax.Array, cache_len: int, c
     kv_fp8: the cache layout as `dsv4.cache.prefill` (None, or "e4m3fn" | "e4m3fnuz": FP8 entries). With the FP8
     cache a chunk reads the earlier chunks' keys and entries back dequantised, as decoding does, while its own
     keys stay unquantised, so chunked and whole-prompt prefills then differ by the FP8 rounding of earlier keys.
+    tail: as `dsv4.cache.prefill` (also return the final streams [B, T, n, D] of the last T real positions).
     Raises ValueError: `chunk` not a multiple of the compression ratios.
     """
     cfg = model.config
     b, p = ids.shape
     if chunk <= 0 or chunk >= p:
-        return prefill(model, ids, lengths, cache_len, dispatch_fn=dispatch_fn, layer_fn=layer_fn, kv_fp8=kv_fp8)
+        return prefill(model, ids, lengths, cache_len, dispatch_fn=dispatch_fn, layer_fn=layer_fn, kv_fp8=kv_fp8,
+                       tail=tail)
     check_chunk(cfg, chunk)
     n_chunks = -(-p // chunk)
     p_pad = n_chunks * chunk
@@ -182,7 +184,7 @@ def prefill_chunked(model, ids: jax.Array, lengths: jax.Array, cache_len: int, c
     seen = {}
 
     def body(carry):
-        i, caches, routing, last = carry
+        i, caches, routing, last, tl = carry
         s = i * chunk
         ids_c = jax.lax.dynamic_slice_in_dim(ids, s, chunk, 1)
         x = jnp.broadcast_to(model.embed_tokens(ids_c)[:, :, None, :], (b, chunk, cfg.hc_mult, cfg.hidden_size))
@@ -202,11 +204,16 @@ def prefill_chunked(model, ids: jax.Array, lengths: jax.Array, cache_len: int, c
         j = lengths - 1 - s
         here = jnp.take_along_axis(x, jnp.clip(j, 0, chunk - 1)[:, None, None, None], axis=1)[:, 0]
         last = jnp.where(((j >= 0) & (j < chunk))[:, None, None], here.astype(jnp.float32), last)
-        return i + 1, new, routing, last
+        if tail:  # the last `tail` real positions that lie in this chunk
+            jt = lengths[:, None] - tail + jnp.arange(tail)[None] - s
+            got = jnp.take_along_axis(x, jnp.clip(jt, 0, chunk - 1)[:, :, None, None], axis=1)
+            tl = jnp.where(((jt >= 0) & (jt < chunk))[:, :, None, None], got.astype(jnp.float32), tl)
+        return i + 1, new, routing, last, tl
 
     carry = (jnp.int32(0), caches, jnp.full((b, p_pad, n_l, k), -1, jnp.int32),
-             jnp.zeros((b, cfg.hc_mult, cfg.hidden_size), jnp.float32))
-    _, caches, routing, last = jax.lax.while_loop(lambda c: c[0] * chunk < jnp.max(lengths), body, carry)
+             jnp.zeros((b, cfg.hc_mult, cfg.hidden_size), jnp.float32),
+             jnp.zeros((b, max(tail, 1), cfg.hc_mult, cfg.hidden_size), jnp.float32))
+    _, caches, routing, last, tl = jax.lax.while_loop(lambda c: c[0] * chunk < jnp.max(lengths), body, carry)
     logits = model.lm_head(model.collapse(last.astype(seen["dtype"])))  # exact: x's dtype round-trips via f32
     real = jnp.arange(p)[None] < lengths[:, None]
     routing = jnp.where(real[:, :, None, None], routing[:, :p], -1)
@@ -220,6 +227,8 @@ def prefill_chunked(model, ids: jax.Array, lengths: jax.Array, cache_len: int, c
                     if part in c:
                         c[part] = c[part][:, :cache_len // m]
         out.append(c)
+    if tail:
+        return logits, routing, out, tl.astype(seen["dtype"])
     return logits, routing, out
 
 

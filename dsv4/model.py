@@ -187,9 +187,10 @@ class DSV4ForCausalLM(nnx.Module):
         return self
 
     # ------------------------------------------------------------------ pieces (reused by the sampler)
-    def embed_tokens(self, ids: jax.Array) -> jax.Array:
-        """ids [...] -> [..., D] in the compute dtype (no scaling)."""
-        return self.embed.weight[...][ids].astype(self.dtype)
+    def embed_tokens(self, ids: jax.Array, detached: bool = False) -> jax.Array:
+        """ids [...] -> [..., D] in the compute dtype (no scaling); detached: no gradient to the table."""
+        w = self.embed.weight[...]
+        return (jax.lax.stop_gradient(w) if detached else w)[ids].astype(self.dtype)
 
     def collapse(self, x: jax.Array, owner=None) -> jax.Array:
         """Hyper head + final norm: streams [..., n, D] -> [..., D]."""
@@ -199,9 +200,11 @@ class DSV4ForCausalLM(nnx.Module):
                     hc_eps=c.hc_eps, norm_eps=c.rms_norm_eps)
         return owner.norm(h)
 
-    def lm_head(self, h: jax.Array) -> jax.Array:
-        """h [..., D] -> logits [..., V] float32."""
-        return jnp.einsum("...d,vd->...v", h.astype(self.dtype), self.head.weight[...].astype(self.dtype),
+    def lm_head(self, h: jax.Array, detached: bool = False) -> jax.Array:
+        """h [..., D] -> logits [..., V] float32; detached: no gradient to the head weights."""
+        w = self.head.weight[...]
+        w = jax.lax.stop_gradient(w) if detached else w
+        return jnp.einsum("...d,vd->...v", h.astype(self.dtype), w.astype(self.dtype),
                           preferred_element_type=dot_out(self.dtype)).astype(jnp.float32)
 
     # ------------------------------------------------------------------ forward
@@ -216,7 +219,9 @@ class DSV4ForCausalLM(nnx.Module):
             None = all real.
           routing_replay: [B, S, L, k] int32 expert ids to force in every main MoE layer (entries < 0 route
             normally), as returned in `.routing` by an earlier call or the sampler; None = route freely.
-          return_mtp: also compute the MTP head (`mtp_logits`).
+          return_mtp: also compute the MTP head (`mtp_logits`); "detached": the MTP head reads the trunk's streams,
+            the embedding and the head weights through `stop_gradient` (its loss then trains only `mtp.*`: the
+            on-policy MTP loss of speculative decoding, rl/learner.py).
           dispatch_fn: routed-expert implementation (default: single-device ragged_dot; EP: parallel.expert).
           layer_stack: a `dsv4.scan.LayerStack` (stacked layer weights, run under `jax.lax.scan` per group of
             identical layers) used instead of `self.layers`; None = the Python loop over `self.layers`.
@@ -267,7 +272,9 @@ class DSV4ForCausalLM(nnx.Module):
         mtp_h = None
         if return_mtp and len(self.mtp):
             nxt = jnp.concatenate([ids[:, 1:], jnp.zeros((b, 1), ids.dtype)], axis=1)
-            mtp_h = self._mtp(self.mtp[0], x, nxt, positions, dispatch_fn)
+            detached = return_mtp == "detached"
+            mtp_h = self._mtp(self.mtp[0], jax.lax.stop_gradient(x) if detached else x, nxt, positions, dispatch_fn,
+                              detached)
         if attention_mask is not None:
             inv = (jnp.arange(s)[None, :] - shift[:, None]) % s  # roll back: old[j] = new[j - shift]
             h = jnp.take_along_axis(h, inv[:, :, None], axis=1)
@@ -277,12 +284,13 @@ class DSV4ForCausalLM(nnx.Module):
                 mtp_h = jnp.take_along_axis(mtp_h, inv[:, :, None], axis=1)
         logits = constrain(self.lm_head(h), (ax.ACT_BATCH, ax.ACT_SEQ, ax.ACT_VOCAB))
         return DSV4Output(logits=logits, routing=routing,
-                          mtp_logits=None if mtp_h is None else self.lm_head(mtp_h),
+                          mtp_logits=None if mtp_h is None else self.lm_head(mtp_h, return_mtp == "detached"),
                           hidden=h if return_hidden else None)
 
-    def _mtp(self, blk: MTPBlock, x, next_ids, positions, dispatch_fn):
-        """MTP: X~_k = e_proj(enorm(embed(next))) + h_proj(hnorm(X_k)); block; own hyper head + norm (spec §7)."""
-        e = blk.enorm(self.embed_tokens(next_ids))
+    def _mtp(self, blk: MTPBlock, x, next_ids, positions, dispatch_fn, detached: bool = False):
+        """MTP: X~_k = e_proj(enorm(embed(next))) + h_proj(hnorm(X_k)); block; own hyper head + norm (spec §7).
+        detached: the shared embedding through `stop_gradient`."""
+        e = blk.enorm(self.embed_tokens(next_ids, detached))
         xm = blk.e_proj(e)[:, :, None, :] + blk.h_proj(blk.hnorm(x))
         xm, _ = self._block(blk, xm.astype(x.dtype), positions, next_ids, None, dispatch_fn)
         return self.collapse(xm, owner=blk)

@@ -180,14 +180,18 @@ def compile_rollout(config, mesh_spec: str, *, batch: int = 1024, context: int =
                     rollout_dtype: str = default(RolloutConfig, "dtype"),
                     slots: int | str = default(RolloutConfig, "slots"),
                     prefill_chunk: int = default(RolloutConfig, "prefill_chunk"), kv_budget: float | None = None,
-                    kv_cache_dtype: str = default(RolloutConfig, "kv_cache_dtype")) -> RolloutCompileReport:
+                    kv_cache_dtype: str = default(RolloutConfig, "kv_cache_dtype"),
+                    speculative: str = default(RolloutConfig, "speculative"),
+                    draft_tokens: int = default(RolloutConfig, "draft_tokens")) -> RolloutCompileReport:
     """Lower and compile the sampler's generate program for `config` on the rollout mesh of `mesh_spec` with an
     abstract model (no weights): `batch` sequences of `prompt_len` prompt tokens and `context - prompt_len` new
     tokens (bucketed as `Sampler.generate` buckets them), bf16 compute, FP8-resident weights dequantised layer by
     layer, the KV cache as `kv_cache_dtype` (the run's --kv-cache-dtype). `slots`: 0 = the static program; N or
     "auto" = continuous batching (rl/slots.py) over N slots (auto: as many as `kv_budget` bytes per device hold,
     at most `batch`; `batch` without a budget), each refill prefilling its own request in chunks of
-    `prefill_chunk` tokens. Needs `spec.n_devices` local devices. Raises ValueError for sizes the sampler rejects
+    `prefill_chunk` tokens. `speculative` "mtp" compiles the speculative program instead (rl/speculative.py: the
+    MTP drafts, the (draft_tokens + 1)-position verify and the commits; static batching). Needs `spec.n_devices`
+    local devices. Raises ValueError for sizes the sampler rejects
     (and --rollout-slots beyond the budget), and XLA's errors.
     """
     if isinstance(config, str):
@@ -206,7 +210,8 @@ def compile_rollout(config, mesh_spec: str, *, batch: int = 1024, context: int =
                               budget_bytes=kv_budget, seq_len=seq, shards=batch_shards(ROLLOUT_RULES, plan.rollout))
         slots = min(slots or batch, batch)
     # the run's Sampler (rl.rollout_service.make_sampler), in bf16 as on the GPU the plan is for
-    rollout = RolloutConfig(dtype=rollout_dtype, kv_cache_dtype=kv_cache_dtype, prefill_chunk=prefill_chunk)
+    rollout = RolloutConfig(dtype=rollout_dtype, kv_cache_dtype=kv_cache_dtype, prefill_chunk=prefill_chunk,
+                            speculative=speculative, draft_tokens=draft_tokens)
     sampler = make_sampler(model, plan.rollout, rollout, max_prompt_len=prompt_len, slots=slots,
                            compute_dtype=jnp.bfloat16)
     t0 = time.perf_counter()
@@ -220,7 +225,7 @@ def compile_rollout(config, mesh_spec: str, *, batch: int = 1024, context: int =
         t_cap = new
         caches = sampler._abstract_caches(s_n, cache_len)
     else:
-        s_n, cache_len = 0, p + t_cap
+        s_n, cache_len = 0, p + t_cap + sampler._cache_pad()
         caches = sampler._abstract_caches(b, cache_len)
     c_sh = sampler._cache_shardings(caches)
 

@@ -73,6 +73,9 @@ def parser() -> argparse.ArgumentParser:
                    help="sampler compute dtype (KV entries of the unquantised cache, --kv-cache-dtype bf16)")
     p.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES, default=default(RolloutConfig, "kv_cache_dtype"),
                    help="the run's --kv-cache-dtype: fp8 | bf16 | auto (fp8 for --rollout-dtype fp8*)")
+    p.add_argument("--speculative-k", type=int, choices=(0, 1, 2, 3), default=0,
+                   help="plan and --compile speculative rollouts with k MTP draft tokens (--rollout.speculative mtp "
+                        "--rollout.draft_tokens k: the MTP cache, k more positions, the verify program); 0 = off")
     p.add_argument("--usable-fraction", type=float, default=0.90)
     p.add_argument("--rollout-reserve", type=float, default=0.10)
     p.add_argument("--rollout-seqs-per-device", type=int, default=1, help="sequences that must fit for 'fits'")
@@ -149,7 +152,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                       kv_dtype=("fp8" if kv_cache_layout(args.kv_cache_dtype, args.rollout_dtype) == "fp8"
                                 else args.kv_dtype),
                       usable_fraction=args.usable_fraction, rollout_reserve=args.rollout_reserve,
-                      rollout_seqs_per_device=args.rollout_seqs_per_device,
+                      rollout_seqs_per_device=args.rollout_seqs_per_device, draft_tokens=args.speculative_k,
                       host_gib_per_node=args.host_gib_per_node, config_name=name, xla_cpu=args.compile)
     except ValueError as e:  # MeshSpecError is a ValueError
         print(f"error: {e}", file=sys.stderr)
@@ -203,7 +206,9 @@ def _compile_rollout(config, report, args) -> float | None:
         rx = compile_rollout(config, report.mesh_spec, batch=args.rollout_batch, context=args.rollout_context,
                              prompt_len=args.rollout_prompt_len, rollout_dtype=args.rollout_dtype,
                              slots=args.rollout_slots, prefill_chunk=args.prefill_chunk,
-                             kv_budget=report.rollout.margin, kv_cache_dtype=args.kv_cache_dtype)
+                             kv_budget=report.rollout.margin, kv_cache_dtype=args.kv_cache_dtype,
+                             speculative="mtp" if args.speculative_k else "off",
+                             draft_tokens=args.speculative_k or default(RolloutConfig, "draft_tokens"))
     except ValueError as e:
         print(f"error (rollout compile): {e}", file=sys.stderr)
         return None

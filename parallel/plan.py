@@ -224,10 +224,12 @@ class KVCache:
     per_token: float  # compressed entries and indexer keys, per token of max length
 
     @classmethod
-    def for_config(cls, config, dtype=jnp.bfloat16, fp8: str | None = None) -> "KVCache":
+    def for_config(cls, config, dtype=jnp.bfloat16, fp8: str | None = None, draft_tokens: int = 0) -> "KVCache":
         """From `dsv4.cache.cache_shapes` of every main layer (the sampler's layout: rl/sampler.py builds one cache
         per `model.layers` entry; the MTP block has none), evaluated abstractly at two cache lengths. fp8: None
-        (entries in `dtype`) or the FP8 layout ("e4m3fn" / "e4m3fnuz": the same bytes)."""
+        (entries in `dtype`) or the FP8 layout ("e4m3fn" / "e4m3fnuz": the same bytes). draft_tokens: k >= 1 =
+        speculative rollouts (`--rollout.speculative mtp`, rl/speculative.py): the MTP block's ring cache and the
+        k verify positions past the last token (rounded to the compression ratios' lcm) are added to `fixed`."""
 
         model = abstract_model(config)
         step = math.lcm(*(r for r in config.compress_ratios if r) or (1,))
@@ -238,7 +240,13 @@ class KVCache:
             return sum(math.prod(a.shape) * np.dtype(a.dtype).itemsize for a in jax.tree.leaves(tree))
 
         fixed = total(0)
-        return cls(fixed=fixed, per_token=(total(step) - fixed) / step)
+        per_token = (total(step) - fixed) / step
+        if draft_tokens and len(model.mtp):
+            attn = model.mtp[0].attn
+            ring = jax.eval_shape(lambda: cache_shapes(attn, 1, attn.window, dtype, fp8))
+            fixed += sum(math.prod(a.shape) * np.dtype(a.dtype).itemsize for a in jax.tree.leaves(ring))
+            fixed += per_token * (-(-draft_tokens // step) * step)
+        return cls(fixed=fixed, per_token=per_token)
 
     def per_seq(self, seq_len: int) -> float:
         return self.fixed + self.per_token * seq_len
@@ -406,7 +414,7 @@ def plan(config, mesh_spec: str, gpu: str, *, learner: LearnerKnobs, nodes: int 
          fp4_scale_bytes: float = 1.0, rollout_dequant: str = "per_step", kv_dtype: str = "bf16",
          usable_fraction: float = 0.90, rollout_reserve: float = 0.10, rollout_seqs_per_device: int = 1,
          host_gib_per_node: float | None = None, config_name: str | None = None,
-         xla_cpu: bool = False) -> PlanReport:
+         xla_cpu: bool = False, draft_tokens: int = 0) -> PlanReport:
     """Plan the per-device memory of both roles. Arguments as the CLI flags (module docstring).
 
     Args:
@@ -420,6 +428,8 @@ def plan(config, mesh_spec: str, gpu: str, *, learner: LearnerKnobs, nodes: int 
         defaults of its own for them.
     Returns:
       PlanReport (`.table()`, `.line()`).
+      draft_tokens: k >= 1 plans speculative rollouts (`KVCache.for_config`: the MTP ring and k more positions per
+        sequence); 0 = off.
       xla_cpu: also count the buffers only XLA:CPU holds (items labelled "XLA:CPU only", `RoleReport.cpu_only`;
         module docstring), to compare with `--compile`'s XLA:CPU figures; the actor's `fits` stays the GPU's.
     Raises:
@@ -563,7 +573,7 @@ def plan(config, mesh_spec: str, gpu: str, *, learner: LearnerKnobs, nodes: int 
             a_gpu - off - sum(v for k, v in a_items.items() if k.startswith("activations") and "XLA:CPU" not in k))
     r_items[f"reserve for activations / fragmentation ({rollout_reserve:.0%} of usable)"] = rollout_reserve * usable
     kv = KVCache.for_config(config, jnp.float32 if kv_dtype == "fp32" else jnp.bfloat16,
-                            "e4m3fn" if kv_dtype == "fp8" else None)
+                            "e4m3fn" if kv_dtype == "fp8" else None, draft_tokens=draft_tokens)
     per_token = {"fp8": KVCache.for_config(config, fp8="e4m3fn").per_token,
                  "bf16": KVCache.for_config(config).per_token}
     free = usable - sum(r_items.values())

@@ -240,6 +240,10 @@ class LearnerConfig:
             The selection bias is a `Buffer` and is never updated by the optimizer in any case.
         train_mtp: update the multi-token-prediction module `mtp/*`. The RL loss does not use it, so its gradient
             is 0 and only weight decay would move it; False (default) leaves it exactly as loaded.
+        mtp_loss_weight: w > 0 adds w x the MTP block's next-next-token cross-entropy on the batch's response
+            tokens (`--learner.mtp_loss_weight`; on-policy MTP training for speculative rollouts,
+            `--rollout.speculative mtp`). The MTP head reads the trunk through `stop_gradient` (the policy's
+            gradient is bitwise unchanged) and its gradient is clipped by its own global norm. Needs train_mtp.
     Precision:
         compute_dtype: matmul dtype of the learner's forward/backward; master params, gradients and Adam state
             are always float32. ref_dtype: storage dtype of the reference copy's matrices (kl_coef > 0 only).
@@ -304,6 +308,9 @@ class LearnerConfig:
     routing_replay: bool = knob(False, "force the rollout's experts in training")
     freeze_router: bool = knob(False, "freeze router weights")
     train_mtp: bool = False
+    mtp_loss_weight: float = knob(0.0, "weight of the on-policy MTP loss (next-next-token cross-entropy of the MTP "
+                                       "head on the rollout's responses, stop-gradient into the trunk; needs "
+                                       "train_mtp); trains the draft of --rollout.speculative mtp")
     compute_dtype: DTypeName = knob("bfloat16", "learner matmul dtype")
     ref_dtype: DTypeName = "bfloat16"
     fp8_forward: bool = knob(False, "FP8-aware forward: the rollout's quantised weights and activations, "
@@ -362,6 +369,11 @@ class LearnerConfig:
         for name in ("routing_replay", "freeze_router", "train_mtp", "fp8_forward"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{owner}.{name} must be a bool, got {getattr(self, name)!r}")
+        if not _check_real(owner, "mtp_loss_weight", self.mtp_loss_weight) >= 0.0:
+            raise ValueError(f"{owner}.mtp_loss_weight must be >= 0, got {self.mtp_loss_weight!r}")
+        if self.mtp_loss_weight > 0 and not self.train_mtp:
+            raise ValueError(f"{owner}.mtp_loss_weight {self.mtp_loss_weight} needs {owner}.train_mtp (the MTP loss "
+                             f"trains only the MTP head)")
         _check_choice(owner, "compute_dtype", self.compute_dtype, ("bfloat16", "float32"))
         _check_choice(owner, "ref_dtype", self.ref_dtype, ("bfloat16", "float32"))
         _check_choice(owner, "param_dtype", self.param_dtype, ("auto", "bfloat16", "float32"))

@@ -156,6 +156,11 @@ class RolloutConfig:
     prefill_chunk: int = knob(2048, "prompts longer than this prefill in chunks of this many tokens against the KV "
                                     "cache built so far (memory bounded by one chunk; dsv4/chunked.py); 0 = whole "
                                     "prompt; a multiple of the compression ratios' lcm (128 for Flash)")
+    speculative: Literal["off", "mtp"] = knob(
+        "off", "speculative decoding: off | mtp (DeepSeek-V4's MTP block drafts --rollout.draft_tokens tokens per "
+               "step, one forward of the policy verifies them; the output distribution is plain sampling's; "
+               "rl/speculative.py)")
+    draft_tokens: int = knob(2, "tokens the MTP block drafts per step with --rollout.speculative mtp (1..3)")
     max_staleness: int = knob(0, "asynchronous rollout (rl/pipeline.py): K >= 1 generates the next batches while "
                                  "the actor trains, with weights at most K versions old (needs --correction tis|mis); "
                                  "0 = synchronous")
@@ -188,6 +193,9 @@ class RolloutConfig:
             raise ValueError(f"rollout.max_staleness (--max-staleness) must be an int >= 0, "
                              f"got {self.max_staleness!r}")
         _min("rollout", self, ("prompts_per_step", "max_new_tokens"), 1)
+        if isinstance(self.draft_tokens, bool) or not isinstance(self.draft_tokens, int) or not 1 <= self.draft_tokens <= 3:
+            raise ValueError(f"rollout.draft_tokens (--rollout.draft_tokens) must be an int in 1..3, "
+                             f"got {self.draft_tokens!r}")
         _min("rollout", self, ("top_k", "push_verify_every", "prefill_chunk"), 0)
         if not isinstance(self.group_size, int) or self.group_size < 2:
             raise ValueError(f"rollout.group_size (--group-size) must be >= 2 for group advantages, "

@@ -120,6 +120,39 @@ METRIC_NAMES = ("train/pg_loss", "train/pg_clipfrac", "train/ppo_kl", "train/kl_
                 "train/tis_clipfrac", "train/skipped_nonfinite", "train/lr")
 
 
+def _is_mtp(path) -> bool:
+    """Whether a param path is the MTP module's (`mtp/*`)."""
+    return tree_key(path).startswith("mtp")
+
+
+def _mtp_mask(response_mask: jax.Array) -> jax.Array:
+    """Response tokens the MTP loss scores: [N, S] f32, the response mask without each row's first two columns
+    (the MTP block at j - 2 predicts token j)."""
+    m = response_mask.astype(jnp.float32)
+    return m.at[:, :2].set(0.0)
+
+
+def _clip_apart(max_norm: float, is_apart) -> optax.GradientTransformation:
+    """`optax.clip_by_global_norm(max_norm)` applied separately to the leaves whose path satisfies `is_apart` and to
+    the rest (the same empty state), so that one group's gradient never rescales the other's."""
+    def update(updates, state, params=None):
+        del params
+        flags = jax.tree_util.tree_map_with_path(lambda p, _: is_apart(p), updates)
+        out = updates
+        for side in (True, False):
+            part = [g for g, f in zip(jax.tree.leaves(updates), jax.tree.leaves(flags)) if f == side]
+            norm = optax.tree.norm(part) if part else jnp.zeros((), jnp.float32)
+            keep = norm < max_norm  # optax's formula, per group
+
+            def clip(g, f, o, norm=norm, keep=keep, side=side):
+                return jax.lax.select(keep, g, (g / norm.astype(g.dtype)) * max_norm) if f == side else o
+
+            out = jax.tree.map(clip, updates, flags, out)
+        return out, state
+
+    return optax.GradientTransformation(lambda params: optax.EmptyState(), update)
+
+
 @struct.dataclass
 class TrainState:
     """step: int32 scalar (applied updates); params: nnx.State of float32 Params; opt_state: optax state;
@@ -391,10 +424,12 @@ class Learner:
         adamw = optax.adamw(lr_schedule(c), b1=c.b1, b2=c.b2, eps=c.eps, weight_decay=c.weight_decay, mask=mask)
         if c.max_grad_norm is None:
             return adamw
+        if clip and c.mtp_loss_weight > 0:  # the MTP head's gradient clipped apart: the policy update is its own
+            return optax.chain(_clip_apart(c.max_grad_norm, _is_mtp), adamw)
         return optax.chain(optax.clip_by_global_norm(c.max_grad_norm) if clip else optax.identity(), adamw)
 
     # ------------------------------------------------------------------ the math (traced inside jit)
-    def _logprobs(self, params, buffers, mb: TrainBatch, replay: bool):
+    def _logprobs(self, params, buffers, mb: TrainBatch, replay: bool, mtp: bool = False):
         if self.rformat is not None:  # fp8_forward: the rollout's weights, straight-through to the masters
             params = fp8_aware_params(params, self.rformat)
         stack = None
@@ -405,21 +440,29 @@ class Learner:
         return token_logprobs(model, mb.input_ids, mb.attention_mask, temperature=self.cfg.temperature,
                               routing_replay=mb.routing if replay else None, return_entropy=True,
                               chunk_size=self.cfg.logprob_chunk_size, dispatch_fn=self.dispatch_fn,
-                              layer_stack=stack)
+                              layer_stack=stack, mtp=mtp)
 
     def _loss(self, params, buffers, ref_params, mb: TrainBatch, norms: dict[str, jax.Array], loss_cfg=None):
         """Loss of one micro-batch with the full batch's normalisers -> (loss, metrics); differentiated in params.
         loss_cfg: the step's LossConfig (cfg.loss with the caller's S as Dr.GRPO's default length)."""
         replay = self.cfg.routing_replay
-        lp, ent, _ = self._logprobs(params, buffers, mb, replay)
+        w_mtp = self.cfg.mtp_loss_weight
+        lp, ent, _, *lq = self._logprobs(params, buffers, mb, replay, mtp=w_mtp > 0)
         old = jax.lax.stop_gradient(lp) if mb.old_logprobs is None else mb.old_logprobs
         ref_lp = None
         if ref_params is not None:
             ref_lp = jax.lax.stop_gradient(self._logprobs(ref_params, buffers, mb, replay)[0])
         if self.cfg.loss.entropy_coef == 0:
             ent = jax.lax.stop_gradient(ent)
-        return policy_loss(lp, old, mb.advantages, mb.response_mask, loss_cfg or self.cfg.loss,
-                           rollout_logprobs=mb.rollout_logprobs, ref_logprobs=ref_lp, entropy=ent, **norms)
+        norms = dict(norms)
+        mtp_norm = norms.pop("mtp_tokens", None)
+        loss, metrics = policy_loss(lp, old, mb.advantages, mb.response_mask, loss_cfg or self.cfg.loss,
+                                    rollout_logprobs=mb.rollout_logprobs, ref_logprobs=ref_lp, entropy=ent, **norms)
+        if w_mtp > 0:  # on-policy MTP loss: cross-entropy over the batch's response tokens (stop-gradient trunk)
+            mtp_loss = -jnp.sum(lq[0] * _mtp_mask(mb.response_mask)) / mtp_norm
+            loss = loss + w_mtp * mtp_loss
+            metrics = dict(metrics, **{"train/mtp_loss": mtp_loss})
+        return loss, metrics
 
     def _loss_cfg(self, lay: batching.Layout):
         """cfg.loss; for Dr.GRPO without norm_length, the caller's S (not the trimmed width) as the length."""
@@ -431,6 +474,8 @@ class Learner:
     def _loss_and_grads(self, state: TrainState, batch: TrainBatch, lay: batching.Layout):
         """-> (loss, grads (nnx.State like params, param dtype), metrics), accumulated exactly over micro-batches."""
         norms = loss_normalizers(batch.response_mask, self.cfg.loss)
+        if self.cfg.mtp_loss_weight > 0:
+            norms = dict(norms, mtp_tokens=jnp.maximum(jnp.sum(_mtp_mask(batch.response_mask)), 1.0))
         grad_fn = jax.value_and_grad(functools.partial(self._loss, loss_cfg=self._loss_cfg(lay)), has_aux=True)
         m = lay.micro_batches
         if m == 1 and lay.rows == batch.input_ids.shape[0]:

@@ -92,6 +92,7 @@ def token_logprobs(
     chunk_size: int | None = None,
     dispatch_fn: Any = None,
     layer_stack: Any = None,
+    mtp: bool = False,
 ) -> tuple[jnp.ndarray, jnp.ndarray | None, jnp.ndarray]:
     """Log-probability of every token given its prefix, under `model` (a `dsv4.DSV4ForCausalLM`).
 
@@ -109,9 +110,14 @@ def token_logprobs(
             `parallel.expert.make_ep_dispatch(mesh)`).
         layer_stack: a `dsv4.scan.LayerStack` when `model` is a `dsv4.scan.merge_stacked` shell (scanned layers),
             passed to the model as `layer_stack=`; None = not passed (the model's own layers).
+        mtp: also return the MTP block's log-probability of every token given the prefix up to two tokens back
+            (`return_mtp="detached"`: no gradient reaches the trunk, the embedding or the head; temperature 1; the
+            full [N, S, V] MTP logits are materialised).
     Returns:
         (logprobs [N, S] float32, entropy [N, S] float32 or None, routing [N, S, L, k] int32 from the model),
-        logprobs/entropy aligned and zeroed as in the module docstring.
+        logprobs/entropy aligned and zeroed as in the module docstring; with `mtp`, a 4th element mtp_logprobs
+        [N, S] float32 (position j: log q(token j) from the MTP block at j - 2; 0 where j < 2 or any of j - 2..j is
+        padding).
     Raises:
         ValueError: temperature < 0, chunk_size < 1, input_ids not [N, S], or a mis-shaped attention_mask /
             routing_replay (the latter two raised by the model).
@@ -122,6 +128,8 @@ def token_logprobs(
         raise ValueError(f"chunk_size must be None or an int >= 1, got {chunk_size!r}")
     inv_t = 1.0 / effective_temperature(temperature)
     extra = {} if layer_stack is None else {"layer_stack": layer_stack}
+    if mtp:
+        extra["return_mtp"] = "detached"
     out = model(input_ids, attention_mask=attention_mask, routing_replay=routing_replay,
                 return_hidden=chunk_size is not None, dispatch_fn=dispatch_fn, **extra)
     targets = input_ids[:, 1:].astype(jnp.int32)  # token j, predicted at j - 1 -> [N, S-1]
@@ -141,4 +149,10 @@ def token_logprobs(
         x = jnp.where(valid, x, 0.0)
         return jnp.concatenate([jnp.zeros((x.shape[0], 1), jnp.float32), x], axis=1)
 
-    return place(lp), (None if ent is None else place(ent)), out.routing
+    if not mtp:
+        return place(lp), (None if ent is None else place(ent)), out.routing
+    lq, _ = _score(out.mtp_logits[:, :-2].astype(jnp.float32), input_ids[:, 2:].astype(jnp.int32), False)
+    ok = jnp.ones(lq.shape, bool) if attention_mask is None else (
+        attention_mask[:, 2:].astype(bool) & attention_mask[:, 1:-1].astype(bool) & attention_mask[:, :-2].astype(bool))
+    lq = jnp.concatenate([jnp.zeros((lq.shape[0], 2), jnp.float32), jnp.where(ok, lq, 0.0)], axis=1)
+    return place(lp), (None if ent is None else place(ent)), out.routing, lq

@@ -63,6 +63,7 @@ from dsv4.names import param_key
 from parallel import expert as expert_lib
 from sharding.mesh import auto_axes
 from rl import slots as _slots
+from rl import speculative as _spec
 from rl.batch import RolloutBatch, concat_rollouts  # noqa: F401  (re-exported: rl.sampler.RolloutBatch)
 from rl.config import DataConfig, RolloutConfig
 from rl.config_tree import default
@@ -139,6 +140,8 @@ class Sampler:
       prefill_chunk: prompts longer than this prefill in chunks of this many tokens against the cache built so
         far (`dsv4.chunked.prefill_chunked`: temporaries bounded by one chunk); 0 = whole prompt at once. A
         multiple of the compression ratios' lcm (`--prefill-chunk`).
+      speculative, draft_tokens: "off" | "mtp" and k in 1..3 (`--rollout.speculative`, `--rollout.draft_tokens`):
+        speculative decoding with the MTP block as the draft (rl/speculative.py; static or continuous batching).
     Raises:
       ValueError: unknown `weights` / `dequant` / `matmul` / `kv_cache_dtype`, slots < 0, prefill_chunk not a
         multiple of the compression ratios.
@@ -149,7 +152,9 @@ class Sampler:
                  dequant: str = "per_layer", dispatch_fn=None, compute_dtype=None,
                  slots: int = default(RolloutConfig, "slots"), kv_budget_bytes: float | None = None,
                  matmul: str = "auto", kv_cache_dtype: str = "bf16",
-                 prefill_chunk: int = default(RolloutConfig, "prefill_chunk")):
+                 prefill_chunk: int = default(RolloutConfig, "prefill_chunk"),
+                 speculative: str = default(RolloutConfig, "speculative"),
+                 draft_tokens: int = default(RolloutConfig, "draft_tokens")):
         rdt = parse_rollout_dtype(weights)
         self.kv_cache_dtype = resolve_kv_cache_dtype(kv_cache_dtype, rdt.fp8)
         if dequant not in DEQUANT_MODES:
@@ -181,6 +186,7 @@ class Sampler:
         if isinstance(slots, bool) or not isinstance(slots, (int, np.integer)) or slots < 0:
             raise ValueError(f"Sampler slots={slots!r} (--rollout-slots): expected an int >= 0 (0 = static batching)")
         self.slots, self.kv_budget_bytes = int(slots), kv_budget_bytes
+        self.speculative, self.draft_tokens = _spec.check_speculative(speculative, draft_tokens, model.config)
         self.last_stats: dict = {}
         cfg = self.config
         abstract = nnx.eval_shape(lambda: DSV4ForCausalLM(cfg, rngs=nnx.Rngs(0), param_dtype=jnp.float32,
@@ -203,12 +209,17 @@ class Sampler:
             out_sh = (rep,) * 6 + (self._cache_shardings(self._abstract_caches(1, 1)),)
         self._generate_jit = jax.jit(self._generate_fn, static_argnums=(0,), donate_argnums=(2,),
                                      out_shardings=out_sh)
+        if self.speculative == "mtp":  # the same signature, one more (replicated) output: the stats
+            self._generate_jit = jax.jit(lambda *a: _spec.spec_program(self, *a), static_argnums=(0,),
+                                         donate_argnums=(2,), out_shardings=None if out_sh is None else
+                                         out_sh[:6] + (rep,) + out_sh[6:])
         # continuous batching (rl/slots.py): slot caches split like the batch
         slot_out = None  # per-request outputs split over the batch axes like the slots (at 1,024 x 32K the routing
         if mesh is not None:  # alone is ~0.8 GB per layer: replicated, it would not fit), stats replicated
             rows = self._input_shardings()[0]
             slot_out = (rows,) * 6 + (rep, self._cache_shardings(self._abstract_caches(1, 1)))
-        self._slots_jit = jax.jit(lambda *a: _slots.slots_program(self, *a), static_argnums=(0,), donate_argnums=(2,),
+        slots_fn = _spec.spec_slots_program if self.speculative == "mtp" else _slots.slots_program
+        self._slots_jit = jax.jit(lambda *a: slots_fn(self, *a), static_argnums=(0,), donate_argnums=(2,),
                                   out_shardings=slot_out)
         self.last_cache_bytes: tuple[int, int] = (0, 0)  # (global, largest per device) bytes of the last caches
         self.weight_version = -1
@@ -368,6 +379,10 @@ class Sampler:
         return (out_tok[:, :t_cap], out_lp[:, :t_cap], prompt_routing, resp_routing[:, :t_cap], length, stopped,
                 caches)
 
+    def _cache_pad(self) -> int:
+        """Cache positions beyond prompt + response a speculative verify reaches (0 without speculation)."""
+        return _spec.cache_pad(self.config, self.draft_tokens) if self.speculative == "mtp" else 0
+
     def _abstract_caches(self, b, cache_len):
         """ShapeDtypeStructs of the decode caches for (batch, cache_len) (list over layers of dicts)."""
         key = (b, cache_len)
@@ -408,7 +423,8 @@ class Sampler:
 
     def _slot_inputs(self, b: int, t_cap: int):
         """(slots, prompt width, cache_len) of the continuous-batching program for a `b`-request bucket."""
-        return self.slot_count(), self.max_prompt_len, _slots.cache_len_for(self.config, self.max_prompt_len, t_cap)
+        return self.slot_count(), self.max_prompt_len, _slots.cache_len_for(self.config, self.max_prompt_len,
+                                                                            t_cap + self._cache_pad())
 
     def _buckets(self, n: int, prompt_len: int, max_new_tokens: int) -> tuple[int, int, int]:
         """(batch, prompt, response) buckets of a call: powers of two (prompts from 16, capped by max_prompt_len's
@@ -461,7 +477,7 @@ class Sampler:
         sds = jax.ShapeDtypeStruct
         if self.slots:
             return self._lower_slots(b, max_new_tokens)
-        caches = self._abstract_caches(b, p + t_cap)
+        caches = self._abstract_caches(b, p + t_cap + self._cache_pad())
         c_sh = self._cache_shardings(caches)
         if c_sh is not None:
             caches = jax.tree.map(lambda x, d: sds(x.shape, x.dtype, sharding=d), caches, c_sh)
@@ -563,17 +579,20 @@ class Sampler:
             with ctx, _rules_ctx(self.rules, self.mesh):
                 out = self._slots_jit((b, p_max, t_cap, s_n), self._w, caches, *inputs)
             tok, lp, prompt_routing, resp_routing, length, stopped, stats, caches = out
-            self.last_stats = _slots.slot_stats(jax.device_get(stats), s_n)
+            stats = jax.device_get(stats)
+            self.last_stats = _slots.slot_stats(stats[:3], s_n)
+            if len(stats) > 3:  # speculative (rl/speculative.py)
+                self.last_stats.update(_spec.spec_stats(stats[3:], self.draft_tokens))
         else:
-            caches = self._empty_caches(b, p_bucket + t_cap)
+            caches = self._empty_caches(b, p_bucket + t_cap + self._cache_pad())
             inputs = (ids, lens, jax.random.key_data(keys), np.float32(params.temperature), np.float32(params.top_p),
                       np.int32(params.top_k), mx, stop)
             # identical host values on every process -> one global array each (rows split like the batch)
             inputs = jax.device_put(inputs, self._input_shardings())
             with ctx, _rules_ctx(self.rules, self.mesh):
                 out = self._generate_jit((b, p_bucket, t_cap), self._w, caches, *inputs)
-            tok, lp, prompt_routing, resp_routing, length, stopped, caches = out
-            self.last_stats = {}
+            self.last_stats = _spec.spec_stats(jax.device_get(out[6]), self.draft_tokens) if len(out) == 8 else {}
+            tok, lp, prompt_routing, resp_routing, length, stopped, caches = out[:6] + out[-1:]
         self.last_cache_bytes = _cache_bytes(caches)
         del caches
         tok, lp, pr, rr, length, stopped = _to_host((tok, lp, prompt_routing, resp_routing, length, stopped))
