@@ -188,8 +188,13 @@ class DSV4ForCausalLM(nnx.Module):
 
     # ------------------------------------------------------------------ pieces (reused by the sampler)
     def embed_tokens(self, ids: jax.Array) -> jax.Array:
-        """ids [...] -> [..., D] in the compute dtype (no scaling)."""
-        return self.embed.weight[...][ids].astype(self.dtype)
+        """ids [...] -> [..., D] in the compute dtype (no scaling). The table is gathered over the axes that split
+        its hidden dim (the actor's FSDP), as a layer's weights are, so that the looked-up rows come out sharded
+        like `ids` (the batch) and their hidden dim whole, as the residual streams are: a gather from the FSDP-split
+        table would come out hidden-split, and SPMD turns that into the streams' layout only by replicating the
+        whole [B, S, D] ("Involuntary full rematerialization", once for the lookup and twice in its gradient)."""
+        table = constrain(self.embed.weight[...], (ax.VOCAB, None))
+        return table[ids].astype(self.dtype)
 
     def collapse(self, x: jax.Array, owner=None) -> jax.Array:
         """Hyper head + final norm: streams [..., n, D] -> [..., D]."""
