@@ -245,6 +245,10 @@ def main(argv: Sequence[str] | None = None) -> int:
               f"{xla.total / GiB:.2f} GiB")
     rx = _compile_rollout(config, report, args) if args.compile_only in ("both", "rollout") else None
     r_xla = None if rx is None else rx.total
+    if args.gpu in gt.TARGETS:  # XLA:CPU's HLO with the GPU's peaks: the CPU artefacts in flops and bytes
+        peaks = gt.TARGETS[args.gpu]
+        _rooflines(config, report, seq, peaks, f"XLA:CPU HLO, {peaks.name} peaks",
+                   xla if a_xla is not None else None, rx)
     fits = _verdict(report, args, a_xla, r_xla)
     gib = lambda b: float("nan") if b is None else b / GiB  # noqa: E731
     print(f"RESULT actor_xla_gib={gib(a_xla):.2f} actor_plan_gib={a.total / GiB:.2f} "
@@ -295,7 +299,6 @@ def _compile_gpu(config, report, args, learner, seq: int, target: gt.Target) -> 
         return 2
     backend = f"XLA:GPU {target.label}"
     a_xla = r_xla = None
-    step_s = ratio = tok_s = float("nan")
     if args.compile_only in ("both", "actor"):
         try:
             xla = compile_actor(config, report.mesh_spec, seq_len=seq, learner=learner, devices=devices,
@@ -310,20 +313,12 @@ def _compile_gpu(config, report, args, learner, seq: int, target: gt.Target) -> 
         say("\n".join(xla.lines()))
         say(f"  planner arithmetic for the same step: {a.gpu_total / GiB:.2f} GiB (XLA:GPU/plan = "
             f"{xla.total / a.gpu_total:.2f})")
-        n_actor = mesh_lib.parse_mesh_spec(report.mesh_spec).size("actor")
-        model = train_flops_per_token(config, seq)["total"] * xla.rows * seq / n_actor
-        lines, fig = actor_summary(xla.hlo, target, model_flops=model, label=target.label)
-        say("\n".join(lines))
-        step_s, ratio = fig["step_s"], fig["remat_flops_ratio"]
+    rx = None
     if args.compile_only in ("both", "rollout"):
         rx = _compile_rollout(config, report, args, devices=devices, backend=backend, say=say)
-        if rx is not None:
-            r_xla = rx.total
-            seqs = rx.slots or rx.batch
-            lines, fig = rollout_summary(rx.hlo, rx.hlo.decode_step, target, seqs=seqs, weight_bytes=rx.weights,
-                                         label=target.label)
-            say("\n".join(lines))
-            tok_s = fig["tok_s"]
+        r_xla = None if rx is None else rx.total
+    step_s, ratio, tok_s = _rooflines(config, report, seq, target, target.label,
+                                      xla if a_xla is not None else None, rx, say=say)
     fits = _verdict(report, args, a_xla, r_xla, say=say)
     gib = lambda b: float("nan") if b is None else b / GiB  # noqa: E731
     name = target.name + ("-proxy" if target.proxy else "")
@@ -331,6 +326,26 @@ def _compile_gpu(config, report, args, learner, seq: int, target: gt.Target) -> 
           f"rollout_gpu_gib={gib(r_xla):.2f} actor_step_s_roofline={step_s:.3f} rollout_tok_s_roofline={tok_s:.0f} "
           f"remat_flops_ratio={ratio:.2f} fits={'yes' if fits else 'no'}")
     return 0
+
+
+def _rooflines(config, report, seq: int, target: gt.Target, label: str, xla, rx, say=print):
+    """The roofline lines of the compiled actor step `xla` and rollout program `rx` (either None: not compiled)
+    with `target`'s peaks (launch/roofline.py), and the machine-readable `ROOFLINE actor_step_s=..
+    remat_flops_ratio=.. rollout_tok_s=..` line (benchmarks/gpu_plan.py reads it). Returns those three."""
+    step_s = ratio = tok_s = float("nan")
+    if xla is not None:
+        n_actor = mesh_lib.parse_mesh_spec(report.mesh_spec).size("actor")
+        model = train_flops_per_token(config, seq)["total"] * xla.rows * seq / n_actor
+        lines, fig = actor_summary(xla.hlo, target, model_flops=model, label=label)
+        say("\n".join(lines))
+        step_s, ratio = fig["step_s"], fig["remat_flops_ratio"]
+    if rx is not None:
+        lines, fig = rollout_summary(rx.hlo, rx.hlo.decode_step, target, seqs=rx.slots or rx.batch,
+                                     weight_bytes=rx.weights, label=label)
+        say("\n".join(lines))
+        tok_s = fig["tok_s"]
+    say(f"ROOFLINE actor_step_s={step_s:.3f} remat_flops_ratio={ratio:.2f} rollout_tok_s={tok_s:.0f}")
+    return step_s, ratio, tok_s
 
 
 def _compile_rollout(config, report, args, devices=None, backend: str = "XLA:CPU", say=print):
