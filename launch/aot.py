@@ -103,7 +103,7 @@ class CompileReport:
 
 
 def compile_actor(config, mesh_spec: str, *, seq_len: int, learner: LearnerConfig = DEFAULT_LEARNER,
-                  devices=None, backend: str = "XLA:CPU") -> CompileReport:
+                  devices=None, backend: str = "XLA:CPU", compiler_options: dict | None = None) -> CompileReport:
     """Lower and compile the learner's train step for `config` on the actor mesh of `mesh_spec`.
 
     `learner`: the learner compiled (default: the run's, `rl.config.DEFAULT_LEARNER`), in the accelerator layout
@@ -115,7 +115,8 @@ def compile_actor(config, mesh_spec: str, *, seq_len: int, learner: LearnerConfi
     abstract GPU devices (launch/gpu_target.py; `backend` labels the report). Abstract devices have no host
     memory kind: with `offload_optimizer` > 0 the step is compiled with the optimizer state on the device and
     the offloaded bytes (`sharding.offload.select_offloaded` of the trained params, their per-device masters +
-    moments from the state's shardings) are reported as `host`, `host_from_shardings=True`. Raises whatever
+    moments from the state's shardings) are reported as `host`, `host_from_shardings=True`. `compiler_options`:
+    XLA options of this compile (`Lowered.compile`; e.g. the GPU test's cheaper ptxas). Raises whatever
     the learner raises for a layout it cannot take (ValueError), and XLA's errors.
     """
     if isinstance(config, str):
@@ -140,7 +141,7 @@ def compile_actor(config, mesh_spec: str, *, seq_len: int, learner: LearnerConfi
                        response_mask=sds((n, seq_len), jnp.int32), rollout_logprobs=sds((n, seq_len), jnp.float32),
                        advantages=sds((n,), jnp.float32), routing=routing if routing_replay else None)
     t0 = time.perf_counter()
-    compiled = learner.lower(batch).compile()
+    compiled = learner.lower(batch).compile(compiler_options)
     dt = time.perf_counter() - t0
     ma = compiled.memory_analysis()
     host = 0
@@ -230,7 +231,7 @@ def compile_rollout(config, mesh_spec: str, *, batch: int = 1024, context: int =
                     slots: int | str = default(RolloutConfig, "slots"),
                     prefill_chunk: int = default(RolloutConfig, "prefill_chunk"), kv_budget: float | None = None,
                     kv_cache_dtype: str = default(RolloutConfig, "kv_cache_dtype"), devices=None,
-                    backend: str = "XLA:CPU") -> RolloutCompileReport:
+                    backend: str = "XLA:CPU", compiler_options: dict | None = None) -> RolloutCompileReport:
     """Lower and compile the sampler's generate program for `config` on the rollout mesh of `mesh_spec` with an
     abstract model (no weights): `batch` sequences of `prompt_len` prompt tokens and `context - prompt_len` new
     tokens (bucketed as `Sampler.generate` buckets them), bf16 compute, FP8-resident weights dequantised layer by
@@ -239,7 +240,8 @@ def compile_rollout(config, mesh_spec: str, *, batch: int = 1024, context: int =
     at most `batch`; `batch` without a budget), each refill prefilling its own request in chunks of
     `prefill_chunk` tokens. Needs `spec.n_devices` local devices. Raises ValueError for sizes the sampler rejects
     (and --rollout-slots beyond the budget), and XLA's errors. `devices`: abstract GPU devices instead
-    (launch/gpu_target.py; the rollout mesh takes the ones after the actor's, as on the real machines).
+    (launch/gpu_target.py; the rollout mesh takes the ones after the actor's, as on the real machines);
+    `compiler_options` as `compile_actor`'s.
     """
     if isinstance(config, str):
         config = dsv4.DSV4Config.preset(config)
@@ -263,7 +265,7 @@ def compile_rollout(config, mesh_spec: str, *, batch: int = 1024, context: int =
                            compute_dtype=jnp.bfloat16)
     t0 = time.perf_counter()
     lowered = sampler.lower(batch, prompt_len, new)
-    compiled = lowered.compile()
+    compiled = lowered.compile(compiler_options)
     dt = time.perf_counter() - t0
     ma = compiled.memory_analysis()
     b, p, t_cap = sampler._buckets(batch, prompt_len, new)
