@@ -50,7 +50,6 @@ import os
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 import argparse  # noqa: E402
-import math  # noqa: E402
 import statistics  # noqa: E402
 import time  # noqa: E402
 
@@ -59,7 +58,6 @@ import jax.numpy as jnp  # noqa: E402
 from flax import nnx  # noqa: E402
 
 from dsv4 import DSV4Config, DSV4ForCausalLM  # noqa: E402
-from dsv4.names import param_key  # noqa: E402
 from parallel.flops import train_flops_per_token  # noqa: E402
 from rl.config import DEFAULT_LEARNER, LearnerConfig  # noqa: E402
 from rl.learner import Learner, TrainBatch  # noqa: E402
