@@ -4,7 +4,8 @@ deviceless XLA:GPU compile (jax 0.10.2), and XLA's cost analysis would count a w
 
 Counted, per device, per run of the program:
 - flops: 2 x (output elements) x (contracted elements) of every `dot` (inside fusions too: XLA:GPU's Triton gemm
-  fusions hold a `dot`) and of every cuBLAS / cuBLASLt gemm custom call (its `dot_dimension_numbers`); a while
+  fusions hold a `dot`) and of every cuBLAS / cuBLASLt gemm custom call (`__cublas$gemm`, `__cublas$lt$matmul`:
+  its `dot_dimension_numbers`); a while
   loop's body counts `known_trip_count` times (scanned layers), a conditional its costliest branch. Elementwise
   flops are left out (the roofline is dot-bound).
 - bytes: what each kernel (top-level instruction: a fusion, a gemm, a copy, a collective's buffer) reads and writes
@@ -194,6 +195,12 @@ def _dot_flops(out_shape: str, lhs_shape: str, contracting: list[int]) -> float:
     return 2.0 * math.prod(_dims(out_shape)) * k
 
 
+def _is_gemm(attrs: str) -> bool:
+    """A cuBLAS / cuBLASLt / hipBLASLt gemm custom call (`__cublas$gemm`, `__cublas$lt$matmul`, ...)."""
+    m = re.search(r'custom_call_target="([^"]+)"', attrs)
+    return bool(m) and (m.group(1).startswith(("__cublas", "__hipblas")) or "gemm" in m.group(1))
+
+
 def _is_fp8(shape: str) -> bool:
     return any(dt.startswith("f8") for dt, _ in _SHAPE.findall(shape))
 
@@ -224,7 +231,7 @@ class _Counter:
                                    if m else [])
             st.dots += 1
             st.fp8_dots += any(_is_fp8(s) for s in operand_shapes[:2])
-        elif op == "custom-call" and "gemm" in ins.attrs.split("custom_call_target=")[-1][:40]:
+        elif op == "custom-call" and _is_gemm(ins.attrs):
             m = re.search(r'"lhs_contracting_dimensions":\[([^\]]*)\]', ins.attrs)
             out = ins.shape[1:] if ins.shape.startswith("(") else ins.shape
             contracting = [int(x) for x in re.findall(r"\d+", m.group(1))] if m else []
