@@ -333,6 +333,7 @@ def _rooflines(config, report, seq: int, target: gt.Target, label: str, xla, rx,
     with `target`'s peaks (launch/roofline.py), and the machine-readable `ROOFLINE actor_step_s=..
     remat_flops_ratio=.. rollout_tok_s=..` line (benchmarks/gpu_plan.py reads it). Returns those three."""
     step_s = ratio = tok_s = float("nan")
+    config = dsv4.DSV4Config.preset(config) if isinstance(config, str) else config
     if xla is not None:
         n_actor = mesh_lib.parse_mesh_spec(report.mesh_spec).size("actor")
         model = train_flops_per_token(config, seq)["total"] * xla.rows * seq / n_actor
