@@ -292,8 +292,16 @@ def _compile_gpu(config, report, args, learner, seq: int, target: gt.Target) -> 
             f"XLA:GPU's; kernels and fusions are NVIDIA's); usable = {args.usable_fraction:.0%} of it, as planned")
     a, r = report.actor, report.rollout
     n_dev = mesh_lib.parse_mesh_spec(report.mesh_spec).n_devices
+    # abstract devices have no host memory: the actor compiles with its offloaded optimizer state on the device, so
+    # its memory limit (the scheduler's, the rematerialisation's) is the device's plus those bytes (the plan's)
+    a_target = dataclasses.replace(target, hbm_bytes=target.memory_bytes() + int(a.host)) if a.host else target
+    if a.host:
+        say(f"actor compile: device memory limit {a_target.memory_bytes() / GiB:.1f} GiB = "
+            f"{target.memory_bytes() / GiB:.0f} GiB + the {a.host / GiB:.1f} GiB of offloaded optimizer state it "
+            f"holds on the device here (abstract devices have no host memory kind)")
     try:
         devices = gt.topology_devices(target, n_dev, GPUS_PER_NODE)
+        a_devices = gt.topology_devices(a_target, n_dev, GPUS_PER_NODE)
     except RuntimeError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -301,7 +309,7 @@ def _compile_gpu(config, report, args, learner, seq: int, target: gt.Target) -> 
     a_xla = r_xla = None
     if args.compile_only in ("both", "actor"):
         try:
-            xla = compile_actor(config, report.mesh_spec, seq_len=seq, learner=learner, devices=devices,
+            xla = compile_actor(config, report.mesh_spec, seq_len=seq, learner=learner, devices=a_devices,
                                 backend=backend)
         except ValueError as e:
             print(f"error: {e}", file=sys.stderr)
