@@ -50,7 +50,6 @@ import os
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 import argparse  # noqa: E402
-import math  # noqa: E402
 import statistics  # noqa: E402
 import time  # noqa: E402
 
@@ -59,7 +58,7 @@ import jax.numpy as jnp  # noqa: E402
 from flax import nnx  # noqa: E402
 
 from dsv4 import DSV4Config, DSV4ForCausalLM  # noqa: E402
-from dsv4.names import param_key  # noqa: E402
+from parallel.flops import train_flops_per_token  # noqa: E402
 from rl.config import DEFAULT_LEARNER, LearnerConfig  # noqa: E402
 from rl.learner import Learner, TrainBatch  # noqa: E402
 
@@ -82,33 +81,6 @@ def make_batch(s: int, vocab: int, rows: int = 1) -> TrainBatch:
     resp = jnp.broadcast_to((jnp.arange(s) >= s // 2).astype(jnp.int32)[None], (rows, s))
     return TrainBatch(input_ids=ids, attention_mask=jnp.ones((rows, s), jnp.int32), response_mask=resp,
                       rollout_logprobs=jnp.zeros((rows, s), jnp.float32), advantages=jnp.ones((rows,), jnp.float32))
-
-
-def train_flops_per_token(cfg: DSV4Config, seq: int) -> dict:
-    """Model FLOPs of one trained token (forward + backward, no recompute) at sequence length `seq`: {"matmul",
-    "attention", "total"} (the formulas in the module docstring, item 4)."""
-    abstract = nnx.eval_shape(lambda: DSV4ForCausalLM(cfg, rngs=nnx.Rngs(0)))
-    k_frac = cfg.num_experts_per_tok / cfg.n_routed_experts
-    params = 0.0
-    for path, v in nnx.to_flat_state(nnx.state(abstract, nnx.Param)):
-        key = param_key(path)
-        x = v.get_value()
-        if len(x.shape) < 2 or not jnp.issubdtype(x.dtype, jnp.floating) or key.startswith(("mtp/", "embed/")):
-            continue
-        n = float(math.prod(x.shape))
-        params += n * k_frac if "/ffn/experts/" in key else n
-    attn = 0.0
-    for m in cfg.compress_ratios[:cfg.num_hidden_layers]:
-        ctx = min(cfg.sliding_window, seq)
-        if m == cfg.csa_compress_ratio:
-            ctx += min(cfg.index_topk, seq // m)
-            attn += 2.0 * cfg.index_n_heads * cfg.index_head_dim * seq / (2 * m)
-        elif m:
-            ctx += seq / (2 * m)
-        attn += 2.0 * 2 * cfg.num_attention_heads * cfg.head_dim * ctx
-    out = {"matmul": 6.0 * params, "attention": 3.0 * attn}
-    out["total"] = out["matmul"] + out["attention"]
-    return out
 
 
 def peak_tflops(flag: float | None) -> float:

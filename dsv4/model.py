@@ -188,9 +188,14 @@ class DSV4ForCausalLM(nnx.Module):
 
     # ------------------------------------------------------------------ pieces (reused by the sampler)
     def embed_tokens(self, ids: jax.Array, detached: bool = False) -> jax.Array:
-        """ids [...] -> [..., D] in the compute dtype (no scaling); detached: no gradient to the table."""
-        w = self.embed.weight[...]
-        return (jax.lax.stop_gradient(w) if detached else w)[ids].astype(self.dtype)
+        """ids [...] -> [..., D] in the compute dtype (no scaling); detached: no gradient to the table. The table is
+        gathered over the axes that split its hidden dim (the actor's FSDP), as a layer's weights are, so that the
+        looked-up rows come out sharded like `ids` (the batch) and their hidden dim whole, as the residual streams
+        are: a gather from the FSDP-split table would come out hidden-split, and SPMD turns that into the streams'
+        layout only by replicating the whole [B, S, D] ("Involuntary full rematerialization", once for the lookup
+        and twice in its gradient)."""
+        table = constrain(self.embed.weight[...], (ax.VOCAB, None))
+        return (jax.lax.stop_gradient(table) if detached else table)[ids].astype(self.dtype)
 
     def collapse(self, x: jax.Array, owner=None) -> jax.Array:
         """Hyper head + final norm: streams [..., n, D] -> [..., D]."""

@@ -36,10 +36,12 @@ import dsv4
 from rl import slots as sl
 from rl.config import DEFAULT_LEARNER, DataConfig, LearnerConfig, RolloutConfig
 from rl.config_tree import default
-from rl.learner import Learner, TrainBatch
+from launch.hlo_stats import HloStats, count
+from rl.learner import TRAIN, Learner, TrainBatch
 from rl.rollout_service import make_sampler
 from rl.rollout_weights import kv_cache_layout
 from sharding.mesh import build_mesh_plan, parse_mesh_spec
+from sharding import offload as so
 from sharding.rules import ROLLOUT_RULES, batch_shards
 
 GiB = 2**30
@@ -66,24 +68,42 @@ class CompileReport:
     seq_len: int
     micro_batches: int
     compile_s: float
+    backend: str = "XLA:CPU"  # or "XLA:GPU <target label>"
+    hlo: HloStats | None = None  # flops / bytes / collectives counted from the optimized HLO (launch/hlo_stats.py)
+    host_from_shardings: bool = False  # deviceless: offload compiled device-only, host bytes from the shardings
+    transient: int = 0  # deviceless offload: the streamed update's device transient (plan arithmetic), added
 
     @property
     def total(self) -> int:
-        return self.argument + self.output - self.alias + self.temp - self.host
+        return self.argument + self.output - self.alias + self.temp - self.host + self.transient
 
     def lines(self) -> list[str]:
         g = lambda b: f"{b / GiB:10.2f}"  # noqa: E731
-        return [f"XLA memory analysis of the actor train step (per device; {self.rows} rows x {self.seq_len} tokens "
-                f"per step = {self.micro_batches} micro-batch(es); compiled in {self.compile_s:.0f} s)",
-                f"  arguments (state + batch)                                {g(self.argument)}",
-                f"  outputs (new state + metrics)                            {g(self.output)}",
-                f"  aliased (donated state)                                  {g(-self.alias)}",
-                f"  temporaries (grads, activations, XLA:CPU f32 dot copies) {g(self.temp)}",
-                f"  host memory (offloaded optimizer, counted by XLA:CPU)    {g(-self.host)}",
-                f"  total on the device                                      {g(self.total)}"]
+        cpu = self.backend == "XLA:CPU"
+        host = ("host memory (offloaded optimizer, counted by XLA:CPU)   " if cpu else
+                "host memory (offloaded optimizer, from the shardings)   " if self.host_from_shardings else
+                "host memory (offloaded optimizer)                       ")
+        on = "" if cpu else f" on {self.backend}"
+        out = [f"XLA memory analysis of the actor train step{on} (per device; {self.rows} rows x "
+               f"{self.seq_len} tokens per step = {self.micro_batches} micro-batch(es); compiled in "
+               f"{self.compile_s:.0f} s)",
+               f"  arguments (state + batch)                                {g(self.argument)}",
+               f"  outputs (new state + metrics)                            {g(self.output)}",
+               f"  aliased (donated state)                                  {g(-self.alias)}",
+               f"  temporaries (grads, activations{', XLA:CPU f32 dot copies' if cpu else ''})"
+               f"{' ' * (17 if cpu else 41)}{g(self.temp)}",
+               f"  {host} {g(-self.host)}"]
+        if self.host_from_shardings:
+            out.append(f"  optimizer update transient (plan arithmetic, streamed)   {g(self.transient)}")
+        out.append(f"  total on the device                                      {g(self.total)}")
+        if self.host_from_shardings:
+            out.append("  (abstract GPU devices have no host memory kind: the step was compiled with the optimizer "
+                       "state on the device; the offloaded bytes are those of the learner's state shardings)")
+        return out
 
 
-def compile_actor(config, mesh_spec: str, *, seq_len: int, learner: LearnerConfig = DEFAULT_LEARNER) -> CompileReport:
+def compile_actor(config, mesh_spec: str, *, seq_len: int, learner: LearnerConfig = DEFAULT_LEARNER,
+                  devices=None, backend: str = "XLA:CPU", compiler_options: dict | None = None) -> CompileReport:
     """Lower and compile the learner's train step for `config` on the actor mesh of `mesh_spec`.
 
     `learner`: the learner compiled (default: the run's, `rl.config.DEFAULT_LEARNER`), in the accelerator layout
@@ -91,17 +111,26 @@ def compile_actor(config, mesh_spec: str, *, seq_len: int, learner: LearnerConfi
     (rows per device of the batch axes: max(1, budget // seq_len), 1 without a budget), `scan_layers`,
     `offload_optimizer` / `stream_optimizer`, the EP dispatch (`ep_backend` "auto" = capacity on XLA:CPU,
     `ep_capacity_factor`), the frozen set (`train_mtp`, `freeze_router`), and `routing_replay` (the batch then
-    carries routing). Needs `spec.n_devices` local devices (XLA:CPU with the device-count flag). Raises whatever
+    carries routing). Needs `spec.n_devices` local devices (XLA:CPU with the device-count flag), or `devices`:
+    abstract GPU devices (launch/gpu_target.py; `backend` labels the report). Abstract devices have no host
+    memory kind: with `offload_optimizer` > 0 the step is compiled with the optimizer state on the device and
+    the offloaded bytes (`sharding.offload.select_offloaded` of the trained params, their per-device masters +
+    moments from the state's shardings) are reported as `host`, `host_from_shardings=True`. `compiler_options`:
+    XLA options of this compile (`Lowered.compile`; e.g. the GPU test's cheaper ptxas). Raises whatever
     the learner raises for a layout it cannot take (ValueError), and XLA's errors.
     """
     if isinstance(config, str):
         config = dsv4.DSV4Config.preset(config)
     spec = parse_mesh_spec(mesh_spec)
-    devices = jax.devices()[:spec.n_devices]
+    devices = list(jax.devices() if devices is None else devices)[:spec.n_devices]
     plan = build_mesh_plan(spec, devices=devices, config=config)
     model = nnx.eval_shape(lambda: dsv4.DSV4ForCausalLM(config, rngs=nnx.Rngs(0), param_dtype=jnp.bfloat16,
                                                          dtype=jnp.bfloat16))
     cfg = dataclasses.replace(learner, compute_dtype="bfloat16", param_dtype="bfloat16")
+    deviceless = not devices[0].addressable_memories()
+    offload = cfg.offload_optimizer
+    if deviceless:
+        cfg = dataclasses.replace(cfg, offload_optimizer=0.0, stream_optimizer=False)
     micro_batch_tokens, routing_replay = cfg.max_tokens_per_micro_batch, cfg.routing_replay
     learner = Learner(model, cfg, mesh=plan.actor, abstract=True)
     per_dev = 1 if micro_batch_tokens is None else max(1, micro_batch_tokens // seq_len)
@@ -112,17 +141,35 @@ def compile_actor(config, mesh_spec: str, *, seq_len: int, learner: LearnerConfi
                        response_mask=sds((n, seq_len), jnp.int32), rollout_logprobs=sds((n, seq_len), jnp.float32),
                        advantages=sds((n,), jnp.float32), routing=routing if routing_replay else None)
     t0 = time.perf_counter()
-    compiled = learner.lower(batch).compile()
+    compiled = learner.lower(batch).compile(compiler_options)
     dt = time.perf_counter() - t0
     ma = compiled.memory_analysis()
     host = 0
+    if deviceless and offload:
+        host = _offloaded_bytes(learner, offload)
     for x in jax.tree.leaves(learner.state):
         if x.sharding.memory_kind == "pinned_host":
             host += math.prod(x.sharding.shard_shape(x.shape)) * x.dtype.itemsize
     lay = learner._layout(n, seq_len, seq_len)
     return CompileReport(argument=ma.argument_size_in_bytes, output=ma.output_size_in_bytes,
                          alias=ma.alias_size_in_bytes, temp=ma.temp_size_in_bytes, host=host, rows=n,
-                         seq_len=seq_len, micro_batches=lay.micro_batches, compile_s=dt)
+                         seq_len=seq_len, micro_batches=lay.micro_batches, compile_s=dt, backend=backend,
+                         hlo=count(compiled.as_text()), host_from_shardings=deviceless and offload > 0)
+
+
+def _offloaded_bytes(learner: Learner, fraction: float) -> int:
+    """Per-device bytes of the optimizer state (fp32 master + 2 fp32 moments, `so.state_bytes`) that
+    `--offload-optimizer fraction` puts in host memory: the trained params `so.select_offloaded` picks (by their
+    global state bytes, as `Learner._offload`), each counted with its per-device shard (masters and moments are
+    placed like their params)."""
+    params = jax.tree_util.tree_leaves_with_path(learner.state.params)
+    labels = [lab for _, lab in jax.tree_util.tree_leaves_with_path(learner.labels)]
+    trained = [(p, x) for (p, x), lab in zip(params, labels) if lab == TRAIN]
+    keys = [jax.tree_util.keystr(p) for p, _ in trained]
+    chosen = so.select_offloaded([(k, so.state_bytes(math.prod(x.shape), str(x.dtype)))
+                                  for k, (_, x) in zip(keys, trained)], fraction)
+    return sum(so.state_bytes(math.prod(x.sharding.shard_shape(x.shape)), str(x.dtype))
+               for k, (_, x) in zip(keys, trained) if k in chosen)
 
 
 # ------------------------------------------------------------------------------------------------ rollout side
@@ -146,6 +193,8 @@ class RolloutCompileReport:
     batch_shards: int = 1  # the batch (and its caches) split over data x expert: sequences per device = batch / this
     slots: int = 0  # continuous batching over this many slot caches (0 = the static program: one cache per sequence)
     prefill_chunk: int = 0
+    backend: str = "XLA:CPU"  # or "XLA:GPU <target label>"
+    hlo: HloStats | None = None  # flops / bytes / collectives of the whole generate program (launch/hlo_stats.py)
 
     @property
     def total(self) -> int:
@@ -156,7 +205,8 @@ class RolloutCompileReport:
         how = (f"continuous batching over {self.slots} slots ({self.slots // self.batch_shards} per device), "
                f"per-request prefill in chunks of {self.prefill_chunk or 'the whole prompt'}"
                if self.slots else "static batching")
-        out = [f"XLA memory analysis of the rollout generate program (per device; {self.batch} sequences x "
+        on = "" if self.backend == "XLA:CPU" else f" on {self.backend}"
+        out = [f"XLA memory analysis of the rollout generate program{on} (per device; {self.batch} sequences x "
                f"{self.prompt_len} prompt + {self.max_new_tokens} new tokens, cache {self.cache_len} tokens; {how}; "
                f"--rollout-dtype {self.rollout_dtype}; compiled in {self.compile_s:.0f} s)",
                f"  arguments (weights + KV caches + inputs)                 {g(self.argument)}",
@@ -182,7 +232,8 @@ def compile_rollout(config, mesh_spec: str, *, batch: int = 1024, context: int =
                     prefill_chunk: int = default(RolloutConfig, "prefill_chunk"), kv_budget: float | None = None,
                     kv_cache_dtype: str = default(RolloutConfig, "kv_cache_dtype"),
                     speculative: str = default(RolloutConfig, "speculative"),
-                    draft_tokens: int = default(RolloutConfig, "draft_tokens")) -> RolloutCompileReport:
+                    draft_tokens: int = default(RolloutConfig, "draft_tokens"), devices=None,
+                    backend: str = "XLA:CPU", compiler_options: dict | None = None) -> RolloutCompileReport:
     """Lower and compile the sampler's generate program for `config` on the rollout mesh of `mesh_spec` with an
     abstract model (no weights): `batch` sequences of `prompt_len` prompt tokens and `context - prompt_len` new
     tokens (bucketed as `Sampler.generate` buckets them), bf16 compute, FP8-resident weights dequantised layer by
@@ -191,15 +242,17 @@ def compile_rollout(config, mesh_spec: str, *, batch: int = 1024, context: int =
     at most `batch`; `batch` without a budget), each refill prefilling its own request in chunks of
     `prefill_chunk` tokens. `speculative` "mtp" compiles the speculative program instead (rl/speculative.py: the
     MTP drafts, the (draft_tokens + 1)-position verify and the commits; static batching). Needs `spec.n_devices`
-    local devices. Raises ValueError for sizes the sampler rejects
-    (and --rollout-slots beyond the budget), and XLA's errors.
+    local devices. Raises ValueError for sizes the sampler rejects (and --rollout-slots beyond the budget), and
+    XLA's errors. `devices`: abstract GPU devices instead (launch/gpu_target.py; the rollout mesh takes the ones
+    after the actor's, as on the real machines); `compiler_options` as `compile_actor`'s.
     """
     if isinstance(config, str):
         config = dsv4.DSV4Config.preset(config)
     if not 1 <= prompt_len < context:
         raise ValueError(f"--rollout-context {context} must exceed the prompt length {prompt_len}")
     spec = parse_mesh_spec(mesh_spec)
-    plan = build_mesh_plan(spec, devices=jax.devices()[:spec.n_devices], config=config)
+    devices = list(jax.devices() if devices is None else devices)[:spec.n_devices]
+    plan = build_mesh_plan(spec, devices=devices, config=config)
     model = nnx.eval_shape(lambda: dsv4.DSV4ForCausalLM(config, rngs=nnx.Rngs(0), param_dtype=jnp.bfloat16,
                                                          dtype=jnp.bfloat16))
     new = context - prompt_len
@@ -216,7 +269,7 @@ def compile_rollout(config, mesh_spec: str, *, batch: int = 1024, context: int =
                            compute_dtype=jnp.bfloat16)
     t0 = time.perf_counter()
     lowered = sampler.lower(batch, prompt_len, new)
-    compiled = lowered.compile()
+    compiled = lowered.compile(compiler_options)
     dt = time.perf_counter() - t0
     ma = compiled.memory_analysis()
     b, p, t_cap = sampler._buckets(batch, prompt_len, new)
@@ -241,4 +294,4 @@ def compile_rollout(config, mesh_spec: str, *, batch: int = 1024, context: int =
                                 batch=b, prompt_len=p, max_new_tokens=t_cap, cache_len=cache_len,
                                 rollout_dtype=rollout_dtype, compile_s=dt,
                                 batch_shards=batch_shards(sampler.rules, sampler.mesh), slots=s_n,
-                                prefill_chunk=sampler.prefill_chunk)
+                                prefill_chunk=sampler.prefill_chunk, backend=backend, hlo=count(compiled.as_text()))

@@ -21,7 +21,11 @@ import jax
 
 import dsv4
 from dsv4.cache import KV_CACHE_DTYPES
+from launch import gpu_target as gt
+from launch import run as run_cli
 from launch.aot import compile_actor, compile_rollout, reduced_depth
+from launch.roofline import actor_summary, rollout_summary
+from parallel.flops import train_flops_per_token
 from parallel.plan import _BYTES, GPUS, GPUS_PER_NODE, GiB, plan
 from parallel.plan import __doc__ as _PLAN_DOC
 from rl import config_tree
@@ -54,9 +58,18 @@ def parser() -> argparse.ArgumentParser:
     run's definitions (`rl.config`: `DEFAULT_LEARNER`, `RolloutConfig`, `DataConfig`)."""
     p = argparse.ArgumentParser(prog="python -m launch.plan", description=_PLAN_DOC.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--config-file", default=None, metavar="YAML",
+                   help="plan the run of this launch/run.py config file (its model, mesh, learner and rollout "
+                        "knobs; the dataset and checkpoint are not read); the flags given here override it")
     p.add_argument("--config", default="flash", help="preset name: flash | small | tiny (default flash)")
-    p.add_argument("--mesh", required=True, help="mesh spec, e.g. 'actor:fsdp=2,expert=8/rollout:expert=8'")
-    p.add_argument("--gpu", required=True, choices=sorted(GPUS))
+    p.add_argument("--mesh", default=None, help="mesh spec, e.g. 'actor:fsdp=2,expert=8/rollout:expert=8' "
+                                                "(required without --config-file)")
+    p.add_argument("--gpu", default=None, choices=sorted(GPUS),
+                   help="the planner's GPU table entry (default: --target's; required with --target cpu)")
+    p.add_argument("--target", default="cpu", choices=gt.TARGET_NAMES,
+                   help="--compile: the compiler: cpu = XLA:CPU on host devices; a GPU = XLA:GPU on a deviceless "
+                        "topology of that GPU (needs the [gpu-aot] extra; AMD GPUs through an NVIDIA spec with the "
+                        "AMD memory size, labelled proxy; launch/gpu_target.py) (default %(default)s)")
     p.add_argument("--nodes", type=int, default=None, help=f"nodes of {GPUS_PER_NODE} GPUs (default: from the mesh)")
     p.add_argument("--optimizer-dtype", choices=sorted(_BYTES), default="fp32")
     p.add_argument("--offload-optimizer", type=float, default=DEFAULT_LEARNER.offload_optimizer, metavar="FRACTION",
@@ -119,20 +132,73 @@ def parser() -> argparse.ArgumentParser:
     return p
 
 
+# planner flag (dest) -> its value in the run's config (`rl.config.RunConfig`), for --config-file
+_FROM_RUN = {
+    "config": lambda c: c.model.config, "mesh": lambda c: c.mesh,
+    **{k: (lambda c, k=k: getattr(c.learner, k)) for k in (
+        "offload_optimizer", "train_mtp", "freeze_router", "scan_layers", "stream_optimizer", "ep_backend",
+        "ep_capacity_factor")},
+    "micro_batch_tokens": lambda c: c.learner.max_tokens_per_micro_batch,
+    "tokens_per_device": lambda c: c.learner.max_tokens_per_micro_batch or c.data.max_prompt_len
+    + c.rollout.max_new_tokens,
+    "seq_len": lambda c: c.data.max_prompt_len + c.rollout.max_new_tokens,
+    "rollout_seq_len": lambda c: c.data.max_prompt_len + c.rollout.max_new_tokens,
+    "rollout_batch": lambda c: c.rollout.prompts_per_step * c.rollout.group_size,
+    "rollout_context": lambda c: c.data.max_prompt_len + c.rollout.max_new_tokens,
+    "rollout_prompt_len": lambda c: c.data.max_prompt_len,
+    "rollout_dtype": lambda c: c.rollout.dtype, "kv_cache_dtype": lambda c: c.rollout.kv_cache_dtype,
+    "rollout_slots": lambda c: str(c.rollout.slots), "prefill_chunk": lambda c: c.rollout.prefill_chunk,
+}
+
+
+def _apply_config_file(p: argparse.ArgumentParser, args, argv: Sequence[str]) -> None:
+    """--config-file: every planner knob of `_FROM_RUN` not given on the command line takes the run's value, as
+    launch/run.py resolves the file (`launch.run.resolve`: defaults < algo preset < the YAML). ValueError names
+    the file for a bad one."""
+    run, _ = run_cli.resolve(["--config-file", args.config_file])
+    given = {a.dest for a in p._actions for tok in argv for opt in a.option_strings
+             if tok == opt or tok.startswith(opt + "=") or tok == opt.replace("--", "--no-", 1)}
+    for dest, get in _FROM_RUN.items():
+        if dest not in given:
+            setattr(args, dest, get(run))
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    args = parser().parse_args(argv)
+    p = parser()
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = p.parse_args(argv)
+    if args.config_file:
+        try:
+            _apply_config_file(p, args, argv)
+        except ValueError as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 2
+    if args.mesh is None:
+        print("error: --mesh is required (or --config-file)", file=sys.stderr)
+        return 2
     if str(args.rollout_slots).lower() == "auto":
         args.rollout_slots = "auto"
     else:
-        slots = int(args.rollout_slots) if args.rollout_slots.isdigit() else -1
+        slots = int(args.rollout_slots) if str(args.rollout_slots).isdigit() else -1
         if slots < 0:
             print(f"error: --rollout-slots {args.rollout_slots}: expected auto or an int >= 0", file=sys.stderr)
             return 2
         args.rollout_slots = slots
+    if args.gpu is None:
+        if args.target == "cpu":
+            print("error: --gpu is required (or a GPU --target)", file=sys.stderr)
+            return 2
+        args.gpu = args.target
+    target = None if args.target == "cpu" else gt.TARGETS[args.target]
     if args.compile:
-        rc = _compile_in_child(argv)
+        rc = _compile_in_child(argv, gpu=target is not None)
         if rc is not None:
             return rc
+    if args.compile and target is not None:
+        err = gt.plugin_error()
+        if err:
+            print(f"error: --target {args.target}: {err}", file=sys.stderr)
+            return 2
     try:
         learner = _learner(args)  # the run's checks
         config = args.config
@@ -153,7 +219,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                                 else args.kv_dtype),
                       usable_fraction=args.usable_fraction, rollout_reserve=args.rollout_reserve,
                       rollout_seqs_per_device=args.rollout_seqs_per_device, draft_tokens=args.speculative_k,
-                      host_gib_per_node=args.host_gib_per_node, config_name=name, xla_cpu=args.compile)
+                      host_gib_per_node=args.host_gib_per_node, config_name=name,
+                      xla_cpu=args.compile and target is None)
     except ValueError as e:  # MeshSpecError is a ValueError
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -161,6 +228,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(report.line())
     if not args.compile:
         return 0
+    if target is not None:
+        return _compile_gpu(config, report, args, learner, seq, target)
     a, r = report.actor, report.rollout
     a_xla = None
     if args.compile_only in ("both", "actor"):
@@ -177,18 +246,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"  GPU estimate: plan {a.gpu_total / GiB:.2f} GiB; XLA:CPU figure less the planned XLA:CPU-only items "
               f"(CPU-artefact-corrected, an estimate) {(xla.total - a.cpu_only) / GiB:.2f} GiB; raw XLA:CPU "
               f"{xla.total / GiB:.2f} GiB")
-    r_xla = _compile_rollout(config, report, args) if args.compile_only in ("both", "rollout") else None
-    r_fits = r.fits if r_xla is None else r_xla <= r.usable
-    a_fits = a.fits if a_xla is None else a_xla <= a.usable
-    fits = (a_fits or args.compile_only == "rollout") and (r_fits or args.compile_only == "actor")
-    verdict = []
-    if a_xla is not None:
-        verdict.append(f"actor {'fits' if a_fits else 'does not fit'} ({a_xla / GiB:.2f} of {a.usable / GiB:.1f} "
-                       f"GiB usable)")
-    if r_xla is not None:
-        verdict.append(f"rollout {'fits' if r_fits else 'does not fit'} ({r_xla / GiB:.2f} of "
-                       f"{r.usable / GiB:.1f} GiB usable)")
-    print(f"  verdict (XLA figures): {'; '.join(verdict) or 'nothing compiled'}")
+    rx = _compile_rollout(config, report, args) if args.compile_only in ("both", "rollout") else None
+    r_xla = None if rx is None else rx.total
+    if args.gpu in gt.TARGETS:  # XLA:CPU's HLO with the GPU's peaks: the CPU artefacts in flops and bytes
+        peaks = gt.TARGETS[args.gpu]
+        _rooflines(config, report, seq, peaks, f"XLA:CPU HLO, {peaks.name} peaks",
+                   xla if a_xla is not None else None, rx)
+    fits = _verdict(report, args, a_xla, r_xla)
     gib = lambda b: float("nan") if b is None else b / GiB  # noqa: E731
     print(f"RESULT actor_xla_gib={gib(a_xla):.2f} actor_plan_gib={a.total / GiB:.2f} "
           f"actor_usable_gib={a.usable / GiB:.2f} rollout_xla_gib={gib(r_xla):.2f} rollout_plan_gib={r.total / GiB:.2f} "
@@ -196,38 +260,146 @@ def main(argv: Sequence[str] | None = None) -> int:
     return 0
 
 
-def _compile_rollout(config, report, args) -> float | None:
+def _verdict(report, args, a_xla: float | None, r_xla: float | None, say=print) -> bool:
+    """Print the verdict line of the XLA figures against the plan's usable bytes; True when what was compiled
+    fits (a role not compiled: the plan's verdict)."""
+    a, r = report.actor, report.rollout
+    r_fits = r.fits if r_xla is None else r_xla <= r.usable
+    a_fits = a.fits if a_xla is None else a_xla <= a.usable
+    fits = (a_fits or args.compile_only == "rollout") and (r_fits or args.compile_only == "actor")
+    verdict = []
+    if a_xla is not None:
+        short = "" if a_fits else f", {(a_xla - a.usable) / GiB:.2f} GiB over"
+        verdict.append(f"actor {'fits' if a_fits else 'does not fit'} ({a_xla / GiB:.2f} of {a.usable / GiB:.1f} "
+                       f"GiB usable{short})")
+    if r_xla is not None:
+        short = "" if r_fits else f", {(r_xla - r.usable) / GiB:.2f} GiB over"
+        verdict.append(f"rollout {'fits' if r_fits else 'does not fit'} ({r_xla / GiB:.2f} of "
+                       f"{r.usable / GiB:.1f} GiB usable{short})")
+    say(f"  verdict (XLA figures): {'; '.join(verdict) or 'nothing compiled'}")
+    return fits
+
+
+def _compile_gpu(config, report, args, learner, seq: int, target: gt.Target) -> int:
+    """--compile --target GPU: both programs compiled by XLA:GPU for `target` on a deviceless topology of the
+    mesh's devices (launch/gpu_target.py), XLA's memory figures against the plan's usable bytes, the roofline of
+    each (launch/roofline.py), and the RESULT line of issue 24. A proxy target prefixes every line with "proxy"."""
+    tag = f"proxy {target.name} | " if target.proxy else ""
+
+    def say(text: str) -> None:
+        print("\n".join(tag + ln for ln in text.splitlines()))
+
+    if target.proxy:
+        say(f"{target.device}: no ROCm runtime here, so XLA:GPU compiles for the {target.spec} NVIDIA spec with "
+            f"{target.memory_bytes() / GiB:.0f} GiB of device memory (buffer assignment and partitioning are "
+            f"XLA:GPU's; kernels and fusions are NVIDIA's); usable = {args.usable_fraction:.0%} of it, as planned")
+    a, r = report.actor, report.rollout
+    n_dev = mesh_lib.parse_mesh_spec(report.mesh_spec).n_devices
+    # abstract devices have no host memory: the actor compiles with its offloaded optimizer state on the device, so
+    # its memory limit (the scheduler's, the rematerialisation's) is the device's plus those bytes (the plan's)
+    a_target = dataclasses.replace(target, hbm_bytes=target.memory_bytes() + int(a.host)) if a.host else target
+    if a.host:
+        say(f"actor compile: device memory limit {a_target.memory_bytes() / GiB:.1f} GiB = "
+            f"{target.memory_bytes() / GiB:.0f} GiB + the {a.host / GiB:.1f} GiB of offloaded optimizer state it "
+            f"holds on the device here (abstract devices have no host memory kind)")
+    try:
+        devices = gt.topology_devices(target, n_dev, GPUS_PER_NODE)
+        a_devices = gt.topology_devices(a_target, n_dev, GPUS_PER_NODE)
+    except RuntimeError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    backend = f"XLA:GPU {target.label}"
+    a_xla = r_xla = None
+    if args.compile_only in ("both", "actor"):
+        try:
+            xla = compile_actor(config, report.mesh_spec, seq_len=seq, learner=learner, devices=a_devices,
+                                backend=backend)
+        except ValueError as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 2
+        if xla.host_from_shardings:  # the streamed update's device transient: the plan's arithmetic
+            key = "optimizer update: offloaded state moved to the device (learner's step)"
+            xla = dataclasses.replace(xla, transient=int(a.items.get(key, 0)))
+        a_xla = xla.total
+        say("\n".join(xla.lines()))
+        say(f"  planner arithmetic for the same step: {a.gpu_total / GiB:.2f} GiB (XLA:GPU/plan = "
+            f"{xla.total / a.gpu_total:.2f})")
+    rx = None
+    if args.compile_only in ("both", "rollout"):
+        rx = _compile_rollout(config, report, args, devices=devices, backend=backend, say=say)
+        r_xla = None if rx is None else rx.total
+    step_s, ratio, tok_s = _rooflines(config, report, seq, target, target.label,
+                                      xla if a_xla is not None else None, rx, say=say)
+    fits = _verdict(report, args, a_xla, r_xla, say=say)
+    gib = lambda b: float("nan") if b is None else b / GiB  # noqa: E731
+    name = target.name + ("-proxy" if target.proxy else "")
+    print(f"RESULT target={name} actor_gpu_gib={gib(a_xla):.2f} actor_usable_gib={a.usable / GiB:.2f} "
+          f"rollout_gpu_gib={gib(r_xla):.2f} actor_step_s_roofline={step_s:.3f} rollout_tok_s_roofline={tok_s:.0f} "
+          f"remat_flops_ratio={ratio:.2f} fits={'yes' if fits else 'no'}")
+    return 0
+
+
+def _rooflines(config, report, seq: int, target: gt.Target, label: str, xla, rx, say=print):
+    """The roofline lines of the compiled actor step `xla` and rollout program `rx` (either None: not compiled)
+    with `target`'s peaks (launch/roofline.py), and the machine-readable `ROOFLINE actor_step_s=..
+    remat_flops_ratio=.. rollout_tok_s=..` line (benchmarks/gpu_plan.py reads it). Returns those three."""
+    step_s = ratio = tok_s = float("nan")
+    config = dsv4.DSV4Config.preset(config) if isinstance(config, str) else config
+    if xla is not None:
+        n_actor = mesh_lib.parse_mesh_spec(report.mesh_spec).size("actor")
+        model = train_flops_per_token(config, seq)["total"] * xla.rows * seq / n_actor
+        lines, fig = actor_summary(xla.hlo, target, model_flops=model, label=label)
+        say("\n".join(lines))
+        step_s, ratio = fig["step_s"], fig["remat_flops_ratio"]
+    if rx is not None:
+        lines, fig = rollout_summary(rx.hlo, rx.hlo.decode_step, target, seqs=rx.slots or rx.batch,
+                                     weight_bytes=rx.weights, label=label)
+        say("\n".join(lines))
+        tok_s = fig["tok_s"]
+    say(f"ROOFLINE actor_step_s={step_s:.3f} remat_flops_ratio={ratio:.2f} rollout_tok_s={tok_s:.0f}")
+    return step_s, ratio, tok_s
+
+
+def _compile_rollout(config, report, args, devices=None, backend: str = "XLA:CPU", say=print):
     """--compile, rollout side: XLA's figures of the sampler's generate program on the rollout mesh
     (`launch.aot.compile_rollout`, `--rollout-batch` x `--rollout-context`; continuous batching over
     `--rollout-slots` slots with `--prefill-chunk` chunked per-request prefill, or static with slots 0), printed
     with the KV capacity left;
-    returns its per-device total bytes (None, with the error printed, when it cannot be compiled)."""
+    returns the `RolloutCompileReport` (None, with the error printed, when it cannot be compiled)."""
     try:
         rx = compile_rollout(config, report.mesh_spec, batch=args.rollout_batch, context=args.rollout_context,
                              prompt_len=args.rollout_prompt_len, rollout_dtype=args.rollout_dtype,
                              slots=args.rollout_slots, prefill_chunk=args.prefill_chunk,
                              kv_budget=report.rollout.margin, kv_cache_dtype=args.kv_cache_dtype,
                              speculative="mtp" if args.speculative_k else "off",
-                             draft_tokens=args.speculative_k or default(RolloutConfig, "draft_tokens"))
+                             draft_tokens=args.speculative_k or default(RolloutConfig, "draft_tokens"),
+                             devices=devices, backend=backend)
     except ValueError as e:
         print(f"error (rollout compile): {e}", file=sys.stderr)
         return None
     r = report.rollout
-    print("\n".join(rx.lines(usable=r.usable)))
-    print(f"  planner arithmetic for the rollout: {r.total / GiB:.2f} GiB counted (weights + reserve) of "
-          f"{r.usable / GiB:.1f} GiB usable")
-    return rx.total
+    say("\n".join(rx.lines(usable=r.usable)))
+    say(f"  planner arithmetic for the rollout: {r.total / GiB:.2f} GiB counted (weights + reserve) of "
+        f"{r.usable / GiB:.1f} GiB usable")
+    return rx
 
 
 _CHILD = "DSV4_PLAN_COMPILE_CHILD"
 
 
-def _compile_in_child(argv: Sequence[str] | None) -> int | None:
+def _compile_in_child(argv: Sequence[str] | None, gpu: bool = False) -> int | None:
     """--compile needs as many XLA:CPU devices as the mesh spec. XLA reads the device-count flag when its CPU
     backend starts, so unless this process already has enough CPU devices (e.g. under the tests' 8), the same
     command is re-run in a child process with `--xla_force_host_platform_device_count` and JAX_PLATFORMS=cpu.
+    `gpu` (a GPU --target): the deviceless topology needs only JAX_PLATFORMS=cpu (the CUDA plugin then skips its
+    driver checks and still makes topologies); re-run with it unless it is set.
     Returns the child's exit status, or None to compile here."""
     argv = list(sys.argv[1:] if argv is None else argv)
+    if gpu:
+        if os.environ.get("JAX_PLATFORMS", "") == "cpu" or os.environ.get(_CHILD):
+            return None
+        env = {**os.environ, _CHILD: "1", "JAX_PLATFORMS": "cpu"}
+        return subprocess.run([sys.executable, "-m", "launch.plan", *argv], env=env).returncode
     try:
         i = argv.index("--mesh")
         n_dev = mesh_lib.parse_mesh_spec(argv[i + 1]).n_devices

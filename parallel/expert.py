@@ -380,6 +380,19 @@ def make_ep_dispatch(mesh: Mesh, *, backend: str = "capacity", capacity_factor: 
     return dispatch
 
 
+def auto_backend(cpu: bool, capacity_factor: float | None) -> str:
+    """The backend `ep_backend="auto"` (None) picks: "capacity" on XLA:CPU (no ragged all-to-all); on GPUs
+    "padded" when a capacity factor bounds the buffers, else "ragged" (dropless). Why padded: XLA:GPU's compile of
+    the Flash train step (4 layers, actor fsdp=2 x expert=8, 9,216 tokens per device, MI308X-sized target;
+    `python -m launch.plan --compile --target mi308x`) needs 25.5 GiB of temporaries per device with padded at
+    f = 1.25 and 476.7 GiB with ragged, whose ragged_dot XLA:GPU expands densely (117x the model flops;
+    benchmarks/README.md "GPU plan"). Dropless padded (C = T_local * k per expert) is sized for the worst case,
+    so without a factor ragged stays the dropless path."""
+    if cpu:
+        return "capacity"
+    return "padded" if capacity_factor is not None else "ragged"
+
+
 def default_dispatch(devices: Sequence[Any], param_shardings: Mapping[str, Any] | None = None, *,
                      ep_backend: str | None = None, ep_capacity_factor: float | None = None):
     """The routed-expert implementation the sampler and the learner use when none is given (the one place that
@@ -389,13 +402,14 @@ def default_dispatch(devices: Sequence[Any], param_shardings: Mapping[str, Any] 
       devices: the devices the model runs on (`jax.Device`s; only `.platform` is read).
       param_shardings: {"/"-joined parameter path, e.g. "layers/1/ffn/experts/w1": its sharding (None or a
         sharding without `.spec` = not sharded)}, or None for a single device.
-      ep_backend: backend of `make_ep_dispatch` ("capacity", "ragged", "padded"); None = "capacity" on CPU,
-        "ragged" elsewhere. ep_capacity_factor: its `capacity_factor` (None = dropless). Expert meshes only.
+      ep_backend: backend of `make_ep_dispatch` ("capacity", "ragged", "padded"); None = `auto_backend`
+        ("capacity" on CPU; on GPUs "padded" with a capacity factor, else "ragged"). ep_capacity_factor: its
+        `capacity_factor` (None = dropless). Expert meshes only.
     Returns:
       - experts split over the `expert` mesh axis (size > 1) of a NamedSharding laid out by the actor or the
         rollout rule table: `make_ep_dispatch(mesh, rules=that table)`, the shard_map all-to-all expert
-        parallelism (backend "capacity" on CPU, which lacks ragged-all-to-all; "ragged" elsewhere), so no device
-        ever gathers other devices' experts;
+        parallelism (backend "capacity" on CPU, which lacks ragged-all-to-all; "padded" or "ragged" on GPUs:
+        `auto_backend`), so no device ever gathers other devices' experts;
       - otherwise `dsv4.moe.routed_experts_local(devices, param_shardings)`: `routed_experts_cpu` on CPU with
         unsharded experts, else None (the model's stock `routed_experts_ragged`; also the fallback for an expert
         layout the EP dispatch cannot take).
@@ -418,7 +432,7 @@ def _ep_dispatch(expert_shardings: Sequence[Any], devices: Sequence[Any], backen
         return None
     norm = lambda spec: tuple(spec) + (None,) * (3 - len(spec))  # noqa: E731
     if backend is None:
-        backend = "capacity" if all(d.platform == "cpu" for d in devices) else "ragged"
+        backend = auto_backend(all(d.platform == "cpu" for d in devices), capacity_factor)
     for rules in (rl.ACTOR_RULES, rl.ROLLOUT_RULES):
         w13 = norm(rl.logical_to_spec((ax.EXPERT, ax.MLP, ax.EMBED), rules, mesh))
         w2 = norm(rl.logical_to_spec((ax.EXPERT, ax.EMBED, ax.MLP), rules, mesh))

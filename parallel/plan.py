@@ -106,6 +106,7 @@ import dsv4
 from dsv4.cache import cache_shapes
 from dsv4.names import official_key
 from dsv4.quant import FP8_WEIGHT_RE
+from parallel import expert as expert_lib
 from sharding import mesh as mesh_lib
 from sharding import offload as offload_lib
 from sharding import rules as rl
@@ -126,6 +127,9 @@ GPUS: dict[str, GpuSpec] = {
     "mi300x": GpuSpec(name="AMD Instinct MI300X", hbm_gib=192, source="AMD product page: 192 GB HBM3"),
     "mi355x": GpuSpec(name="AMD Instinct MI355X", hbm_gib=288, source="AMD product page: 288 GB HBM3E"),
     "h200": GpuSpec(name="NVIDIA H200 SXM", hbm_gib=140, source="NVIDIA product page: 141 GB HBM3e (~140 GiB visible)"),
+    "h100": GpuSpec(name="NVIDIA H100 SXM", hbm_gib=79.1,
+                    source="XLA's h100_sxm spec: device_memory_size 84942979072 B"),
+    "b200": GpuSpec(name="NVIDIA B200", hbm_gib=178.4, source="XLA's b200 spec: device_memory_size 191514411008 B"),
 }
 _BYTES = {"fp32": 4, "bf16": 2}
 _LAYER = re.compile(r"layers\.(\d+)\.")  # a decoder layer's leaf: stacked under --scan-layers, hence streamed
@@ -422,8 +426,9 @@ def plan(config, mesh_spec: str, gpu: str, *, learner: LearnerKnobs, nodes: int 
       mesh_spec: `sharding.mesh` grammar; "auto" needs `nodes`.
       gpu: a key of `GPUS`.
       learner: the learner whose memory is planned (`rl.config.LearnerConfig`, e.g. the run's `cfg.learner`):
-        its `offload_optimizer`, `stream_optimizer`, `ep_backend` ("auto": capacity with `xla_cpu`, which is
-        what the learner picks on XLA:CPU, else ragged), `ep_capacity_factor`, and the frozen set `train_mtp` /
+        its `offload_optimizer`, `stream_optimizer`, `ep_backend` ("auto": `parallel.expert.auto_backend`:
+        capacity with `xla_cpu`, as the learner on XLA:CPU; else padded with a capacity factor, ragged without),
+        `ep_capacity_factor`, and the frozen set `train_mtp` /
         `freeze_router` (`sharding.offload.is_trained`: frozen params get no master or moments). The plan has no
         defaults of its own for them.
     Returns:
@@ -439,7 +444,8 @@ def plan(config, mesh_spec: str, gpu: str, *, learner: LearnerKnobs, nodes: int 
 
     offload_optimizer, stream_optimizer = learner.offload_optimizer, learner.stream_optimizer
     train_mtp, freeze_router, ep_capacity_factor = learner.train_mtp, learner.freeze_router, learner.ep_capacity_factor
-    ep_backend = learner.ep_backend if learner.ep_backend != "auto" else ("capacity" if xla_cpu else "ragged")
+    ep_backend = (learner.ep_backend if learner.ep_backend != "auto"
+                  else expert_lib.auto_backend(xla_cpu, ep_capacity_factor))
     if isinstance(config, str):
         config_name = config_name or config
         config = dsv4.DSV4Config.preset(config)

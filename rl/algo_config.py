@@ -287,7 +287,8 @@ class LearnerConfig:
         peak). Same values up to f32 rounding (the loop's fusions round differently). Default True (what the
         planner's arithmetic assumes); no effect without `offload_optimizer`.
     Expert parallelism (experts split over an `expert` mesh axis > 1; `parallel.expert.default_dispatch`):
-        ep_backend: "auto" (default: "capacity" on XLA:CPU, which lacks ragged all-to-all; "ragged" elsewhere),
+        ep_backend: "auto" (default: "capacity" on XLA:CPU, which lacks ragged all-to-all; on GPUs "padded" with an
+            ep_capacity_factor, else "ragged": `parallel.expert.auto_backend`, from XLA:GPU's figures),
             "capacity", "ragged" or "padded" (`parallel.expert.make_ep_dispatch`'s backends).
         ep_capacity_factor: None = dropless (default); f > 0 bounds the dispatch buffers (pairs past a rank's or
             expert's capacity are dropped: they contribute 0).
@@ -333,7 +334,8 @@ class LearnerConfig:
                                          "one layer's masters + moments are on the device at once")
     ep_backend: Literal["auto", "capacity", "ragged", "padded"] = knob(
         "auto", "expert-parallel dispatch of the routed experts on an expert mesh (parallel/expert.py): auto "
-                "(capacity on XLA:CPU, ragged elsewhere) | capacity | ragged | padded (per-expert capacity "
+                "(capacity on XLA:CPU; on GPUs padded with an ep_capacity_factor, else ragged) | capacity | "
+                "ragged | padded (per-expert capacity "
                 "buffers, no ragged_dot)")
     ep_capacity_factor: float | None = knob(None, "EP buffer factor f > 0 (pairs past the capacity are dropped); "
                                                   "none = dropless")

@@ -1,0 +1,331 @@
+"""Flops, bytes and collective bytes of one compiled program, counted from its optimized HLO text
+(`compiled.as_text()`, per device, after SPMD partitioning): `compiled.cost_analysis()` returns None for a
+deviceless XLA:GPU compile (jax 0.10.2), and XLA's cost analysis would count a while loop's body once anyway.
+
+Counted, per device, per run of the program:
+- flops: 2 x (output elements) x (contracted elements) of every `dot` (inside fusions too: XLA:GPU's Triton gemm
+  fusions hold a `dot`) and of every cuBLAS / cuBLASLt gemm custom call (`__cublas$gemm`, `__cublas$lt$matmul`:
+  its `dot_dimension_numbers`); a while
+  loop's body counts `known_trip_count` times (scanned layers), a conditional its costliest branch. Elementwise
+  flops are left out (the roofline is dot-bound).
+- bytes: what each kernel (top-level instruction: a fusion, a gemm, a copy, a collective's buffer) reads and writes
+  in HBM: its operands + its result, except that a fusion reading a parameter only through `dynamic-slice` counts
+  the slice, and a fusion rooted in `dynamic-update-slice` counts the update (in place) - the scan's per-layer
+  reads and writes of stacked weights and saved inputs. An estimate: caches and re-reads are not modelled.
+- collective bytes: per kind, the bytes a device sends: all-gather (g-1)/g x result, reduce-scatter (g-1)/g x
+  operand, all-reduce 2 (g-1)/g x operand (ring), all-to-all (g-1)/g x operand, collective-permute the operand; g =
+  the replica group size. Split into groups inside one node of `gpus_per_node` devices (`intra`) and groups that
+  span nodes (`inter`), by the group's device ids (the program's logical ids; a role's devices start on a node).
+- fp8 dots: dots / gemms with an 8-bit float operand (whether FP8 weights reach an FP8 GEMM) vs all dots.
+Tests: tests/launch/test_gpu_aot.py.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import re
+
+import numpy as np
+
+_DTYPE_BYTES = {"pred": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "f16": 2, "bf16": 2, "s32": 4, "u32": 4, "f32": 4,
+                "s64": 8, "u64": 8, "f64": 8, "c64": 8, "c128": 16, "s4": 0.5, "u4": 0.5, "s2": 0.25, "u2": 0.25}
+_SHAPE = re.compile(r"\b([a-z]+[0-9]*(?:e[0-9]m[0-9]\w*)?)\[([0-9,]*)\]")
+_HEADER = re.compile(r"^(?:ENTRY )?%([\w.\-]+) \((.*)\) -> .* \{$")
+_INSTR = re.compile(r"^\s*(?:ROOT )?%([\w.\-]+) = ")
+_NAME = re.compile(r"%([\w.\-]+)")
+_COLLECTIVES = ("all-gather", "reduce-scatter", "all-reduce", "all-to-all", "ragged-all-to-all",
+                "collective-permute")
+_FREE = {"bitcast", "get-tuple-element", "tuple", "parameter", "constant", "after-all", "partition-id",
+         "replica-id", "iota", "opt-barrier"}
+
+
+def _dtype_bytes(dt: str) -> float:
+    if dt.startswith("f8") or dt.startswith("f4") or dt.startswith("f6"):
+        return 1 if dt.startswith("f8") else 0.5
+    return _DTYPE_BYTES.get(dt, 0)
+
+
+def shape_bytes(shape: str) -> float:
+    """Bytes of an HLO shape string (a tuple sums its elements)."""
+    return sum(_dtype_bytes(dt) * math.prod(int(d) for d in dims.split(",") if d)
+               for dt, dims in _SHAPE.findall(shape))
+
+
+def _dims(shape: str) -> list[int]:
+    m = _SHAPE.search(shape)
+    return [int(d) for d in m.group(2).split(",") if d] if m else []
+
+
+@dataclasses.dataclass
+class _Instr:
+    name: str
+    shape: str
+    op: str
+    operands: list[str]
+    attrs: str
+    args: str = ""
+    root: bool = False
+
+
+def _split_balanced(s: str, start: int) -> int:
+    """Index just past the parenthesis closing the one at `start`."""
+    depth = 0
+    for i in range(start, len(s)):
+        depth += {"(": 1, ")": -1}.get(s[i], 0)
+        if depth == 0:
+            return i + 1
+    return len(s)
+
+
+def _parse_instr(line: str) -> _Instr | None:
+    m = _INSTR.match(line)
+    if not m:
+        return None
+    rest = line[m.end():]
+    if rest.startswith("("):
+        end = _split_balanced(rest, 0)
+        shape, rest = rest[:end], rest[end:].lstrip()
+    else:
+        shape, _, rest = rest.partition(" ")
+    p = rest.find("(")
+    if p < 0:
+        return None
+    op = rest[:p]
+    end = _split_balanced(rest, p)
+    return _Instr(name=m.group(1), shape=shape, op=op, operands=_NAME.findall(rest[p:end]), attrs=rest[end:],
+                  args=rest[p + 1:end - 1], root=line.lstrip().startswith("ROOT "))
+
+
+def parse_hlo(text: str) -> tuple[dict[str, list[_Instr]], dict[str, dict[str, str]], str]:
+    """{computation: instructions}, {computation: {value name: shape}}, the entry computation's name."""
+    comps, shapes, entry, cur = {}, {}, "", None
+    for line in text.splitlines():
+        h = _HEADER.match(line)
+        if h:
+            cur = h.group(1)
+            comps[cur], shapes[cur] = [], {}
+            if line.startswith("ENTRY"):
+                entry = cur
+            for pm in re.finditer(r"([\w.\-]+): ((?:\([^)]*\))|[^,()]+(?:\{[^}]*\})?)", h.group(2)):
+                shapes[cur][pm.group(1)] = pm.group(2)
+            continue
+        if cur is None:
+            continue
+        if line.startswith("}"):
+            cur = None
+            continue
+        ins = _parse_instr(line)
+        if ins is not None:
+            comps[cur].append(ins)
+            shapes[cur][ins.name] = ins.shape
+    return comps, shapes, entry
+
+
+@dataclasses.dataclass
+class HloStats:
+    """Per device, per program run (module docstring). `collectives`: {kind: bytes sent}."""
+
+    flops: float = 0.0
+    bytes: float = 0.0
+    collectives: dict = dataclasses.field(default_factory=dict)
+    intra: float = 0.0
+    inter: float = 0.0
+    dots: int = 0
+    fp8_dots: int = 0
+    loops: list = dataclasses.field(default_factory=list)  # (body stats, trip count or None) of outermost loops
+
+    @property
+    def decode_step(self) -> "HloStats | None":
+        """One step of a generate program's token loop: the body of the outermost while loop without a known trip
+        count (the continuous-batching loop runs until every request is done) with the most bytes, else of the
+        outermost loop with the most bytes over all its trips (the static program's decode loop); None without
+        loops."""
+        if not self.loops:
+            return None
+        return max(self.loops, key=lambda lt: (lt[1] is None, (lt[1] or 1) * lt[0].bytes))[0]
+
+    def add(self, other: "HloStats", times: float = 1.0, loops: bool = True) -> None:
+        self.flops += times * other.flops
+        self.bytes += times * other.bytes
+        self.intra += times * other.intra
+        self.inter += times * other.inter
+        self.dots += other.dots
+        self.fp8_dots += other.fp8_dots
+        if loops:
+            self.loops += other.loops
+        for k, v in other.collectives.items():
+            self.collectives[k] = self.collectives.get(k, 0.0) + times * v
+
+    @property
+    def collective_bytes(self) -> float:
+        return self.intra + self.inter
+
+
+def _groups(attrs: str) -> list[list[int]] | None:
+    """The replica groups of a collective: explicit {{..},{..}}, iota [a,b]<=[n] (with T(...)), or the mesh form
+    mesh['x'=2,'y'=8] {'y'}; None when absent or not understood."""
+    m = re.search(r"replica_groups=\{(\{[0-9,]*\}(?:,\{[0-9,]*\})*)\}", attrs)
+    if m:
+        return [[int(x) for x in g.split(",") if x] for g in re.findall(r"\{([0-9,]*)\}", m.group(1))]
+    m = re.search(r"replica_groups=\[([0-9,]+)\]<=\[([0-9,]+)\](?:T\(([0-9,]+)\))?", attrs)
+    if m:
+        out = [int(x) for x in m.group(1).split(",")]
+        ids = np.arange(math.prod(int(x) for x in m.group(2).split(","))).reshape(
+            [int(x) for x in m.group(2).split(",")])
+        if m.group(3):
+            ids = ids.transpose([int(x) for x in m.group(3).split(",")])
+        return ids.reshape(out[0], -1).tolist()
+    m = re.search(r"replica_groups=mesh\[([^\]]*)\]\s*\{([^}]*)\}", attrs)
+    if m:
+        axes = re.findall(r"'([^']+)'=(\d+)", m.group(1))
+        names, sizes = [a for a, _ in axes], [int(s) for _, s in axes]
+        grouped = [names.index(a) for a in re.findall(r"'([^']+)'", m.group(2))]
+        ids = np.arange(math.prod(sizes)).reshape(sizes)
+        rest = [i for i in range(len(sizes)) if i not in grouped]
+        g = math.prod(sizes[i] for i in grouped)
+        return ids.transpose(rest + grouped).reshape(-1, g).tolist()
+    return None
+
+
+def _dot_flops(out_shape: str, lhs_shape: str, contracting: list[int]) -> float:
+    lhs = _dims(lhs_shape)
+    k = math.prod(lhs[i] for i in contracting if i < len(lhs))
+    return 2.0 * math.prod(_dims(out_shape)) * k
+
+
+def _is_gemm(attrs: str) -> bool:
+    """A cuBLAS / cuBLASLt / hipBLASLt gemm custom call (`__cublas$gemm`, `__cublas$lt$matmul`, ...)."""
+    m = re.search(r'custom_call_target="([^"]+)"', attrs)
+    return bool(m) and (m.group(1).startswith(("__cublas", "__hipblas")) or "gemm" in m.group(1))
+
+
+def _is_fp8(shape: str) -> bool:
+    return any(dt.startswith("f8") for dt, _ in _SHAPE.findall(shape))
+
+
+class _Counter:
+    def __init__(self, text: str, gpus_per_node: int):
+        self.comps, self.shapes, self.entry = parse_hlo(text)
+        self.per_node = gpus_per_node
+        self.memo: dict[str, HloStats] = {}
+
+    def comp(self, name: str, top: bool) -> HloStats:
+        key = f"{name}:{top}"
+        if key in self.memo:
+            return self.memo[key]
+        st = HloStats()
+        sh = self.shapes.get(name, {})
+        for ins in self.comps.get(name, []):
+            self.instr(ins, sh, st, top)
+        self.memo[key] = st
+        return st
+
+    def instr(self, ins: _Instr, sh: dict[str, str], st: HloStats, top: bool) -> None:
+        op, called = ins.op, re.findall(r"(?:calls|to_apply|body|branch_computations)=\{?%?([\w.\-]+)", ins.attrs)
+        operand_shapes = [sh.get(o, "") for o in ins.operands]
+        if op == "dot":
+            m = re.search(r"lhs_contracting_dims=\{([0-9,]*)\}", ins.attrs)
+            st.flops += _dot_flops(ins.shape, operand_shapes[0], [int(x) for x in m.group(1).split(",") if x]
+                                   if m else [])
+            st.dots += 1
+            st.fp8_dots += any(_is_fp8(s) for s in operand_shapes[:2])
+        elif op == "custom-call" and _is_gemm(ins.attrs):
+            m = re.search(r'"lhs_contracting_dimensions":\[([^\]]*)\]', ins.attrs)
+            out = ins.shape[1:] if ins.shape.startswith("(") else ins.shape
+            contracting = [int(x) for x in re.findall(r"\d+", m.group(1))] if m else []
+            st.flops += _dot_flops(out.split("{")[0], operand_shapes[0], contracting)
+            st.dots += 1
+            st.fp8_dots += any(_is_fp8(s) for s in operand_shapes[:2])
+        if op == "while":
+            m = re.search(r'"known_trip_count":\{"n":"(\d+)"\}', ins.attrs)
+            body = re.search(r"body=%([\w.\-]+)", ins.attrs)
+            if body:
+                inner = self.comp(body.group(1), top)
+                st.add(inner, int(m.group(1)) if m else 1, loops=False)
+                if top:
+                    st.loops.append((inner, int(m.group(1)) if m else None))
+            return
+        if op == "conditional":
+            branches = [self.comp(c, top) for c in re.findall(r"%([\w.\-]+)", ins.attrs.split("branch_computations=")
+                                                               [-1].split("}")[0])]
+            if branches:
+                st.add(max(branches, key=lambda b: b.flops + b.bytes))
+            return
+        if op in ("call", "async-start") and called:
+            st.add(self.comp(called[0], top))
+            return
+        if op == "fusion" and called:
+            inner = self.comp(called[0], top=False)
+            st.flops += inner.flops
+            st.dots += inner.dots
+            st.fp8_dots += inner.fp8_dots
+        base = op.removesuffix("-start")
+        if top and base in _COLLECTIVES and not op.endswith("-done"):
+            self.collective(ins, base, operand_shapes, st)
+        if not top or op in _FREE or op.endswith("-done") or op in ("while", "call", "conditional"):
+            return
+        st.bytes += self.kernel_bytes(ins, operand_shapes, called)
+
+    def collective(self, ins: _Instr, kind: str, operand_shapes: list[str], st: HloStats) -> None:
+        groups = _groups(ins.attrs)
+        g = len(groups[0]) if groups else 2
+        inb = sum(shape_bytes(s) for s in operand_shapes)
+        outs = ins.shape
+        if ins.op.endswith("-start") and ins.shape.startswith("("):  # (operands..., results...): the last half
+            parts = _SHAPE.findall(ins.shape)
+            outs = " ".join(f"{dt}[{d}]" for dt, d in parts[len(parts) // 2:])
+        outb = shape_bytes(outs)
+        frac = (g - 1) / g if g > 1 else 0.0
+        sent = {"all-gather": frac * outb, "reduce-scatter": frac * inb, "all-reduce": 2 * frac * inb,
+                "all-to-all": frac * inb, "ragged-all-to-all": frac * inb, "collective-permute": inb}[kind]
+        st.collectives[kind] = st.collectives.get(kind, 0.0) + sent
+        crosses = groups is None or any(len({d // self.per_node for d in grp}) > 1 for grp in groups)
+        if crosses:
+            st.inter += sent
+        else:
+            st.intra += sent
+
+    def kernel_bytes(self, ins: _Instr, operand_shapes: list[str], called: list[str]) -> float:
+        out = shape_bytes(ins.shape)
+        ins_bytes = [shape_bytes(s) for s in operand_shapes]
+        if ins.op == "fusion" and called:
+            body = self.comps.get(called[0], [])
+            params = {i.name: i for i in body if i.op == "parameter"}
+            users: dict[str, list[_Instr]] = {}
+            for i in body:
+                for o in i.operands:
+                    users.setdefault(o, []).append(i)
+            for pname, pins in params.items():
+                idx = int(pins.args) if pins.args.isdigit() else None
+                if idx is None or idx >= len(ins_bytes):
+                    continue
+                us = users.get(pname, [])
+                if us and all(u.op == "dynamic-slice" and u.operands[0] == pname for u in us):
+                    ins_bytes[idx] = sum(shape_bytes(u.shape) for u in us)
+                elif us and all(u.op == "dynamic-update-slice" and u.operands[0] == pname for u in us):
+                    ins_bytes[idx] = 0.0  # updated in place
+            root = next((i for i in body if i.root), None)
+            if root is not None and root.op == "dynamic-update-slice" and len(root.operands) > 1:
+                out = shape_bytes(self.shapes.get(called[0], {}).get(root.operands[1], ""))
+        elif ins.op == "dynamic-update-slice":
+            return 2 * (ins_bytes[1] if len(ins_bytes) > 1 else 0.0)
+        elif ins.op == "dynamic-slice":
+            return 2 * out
+        return out + sum(ins_bytes)
+
+
+def count(text: str, gpus_per_node: int = 8) -> HloStats:
+    """The module docstring's counts for the optimized HLO `text` of one device's program."""
+    c = _Counter(text, gpus_per_node)
+    return c.comp(c.entry, top=True)
+
+
+def backend_config(attrs: str) -> dict:
+    """An instruction's backend_config as a dict ({} when absent)."""
+    m = re.search(r"backend_config=(\{.*\})\s*$", attrs)
+    try:
+        return json.loads(m.group(1)) if m else {}
+    except json.JSONDecodeError:
+        return {}

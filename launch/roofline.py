@@ -1,0 +1,88 @@
+"""Roofline time of a compiled program from its HLO counts (launch/hlo_stats.py) and a target's peaks
+(launch/gpu_target.py), and the per-role summary lines of `python -m launch.plan --compile --target`.
+
+    step time = max(flops / peak flop/s, bytes / HBM bytes/s) + intra-node collective bytes / link bytes/s
+                + inter-node collective bytes / NIC bytes/s
+per device (SPMD: every device runs the same program on its shard, so the slowest device is any device).
+Collectives are added, not overlapped (an upper bound on what XLA's async collectives cost). Peaks are the
+target's (`Target.source`, `Target.assumed`; NIC 50 GB/s per GPU assumed for every target).
+
+Actor: model flops per device = `parallel.flops.train_flops_per_token` x rows x seq / actor devices; the remat
+flops ratio = HLO dot flops / model flops (> 1: the remat policy's recompute, the loss's log-prob chunks and the
+gathered-expert padding). Rollout: the generate program's decode loop (the costliest while loop without a known
+trip count: it runs until every sequence is done) counted once = one decode step of every sequence in flight;
+tokens/s of the rollout mesh = sequences in flight / that step's roofline time.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from launch.gpu_target import NET_BW, Target
+from launch.hlo_stats import HloStats
+
+GiB = 2**30
+
+
+@dataclasses.dataclass(frozen=True)
+class Roofline:
+    """Seconds per program run (per device): compute, memory, collectives and the step (module docstring)."""
+
+    compute_s: float
+    memory_s: float
+    collective_s: float
+
+    @property
+    def step_s(self) -> float:
+        return max(self.compute_s, self.memory_s) + self.collective_s
+
+    @property
+    def bound(self) -> str:
+        return "compute" if self.compute_s >= self.memory_s else "HBM bandwidth"
+
+
+def roofline(st: HloStats, target: Target) -> Roofline:
+    return Roofline(compute_s=st.flops / target.peak_flops, memory_s=st.bytes / target.hbm_bw,
+                    collective_s=st.intra / target.link_bw + st.inter / NET_BW)
+
+
+def _coll(st: HloStats) -> str:
+    kinds = ", ".join(f"{k} {v / GiB:.2f}" for k, v in sorted(st.collectives.items()))
+    return f"{st.collective_bytes / GiB:.2f} GiB ({kinds or 'none'}; {st.inter / GiB:.2f} GiB across nodes)"
+
+
+def actor_summary(st: HloStats, target: Target, *, model_flops: float, label: str) -> tuple[list[str], dict]:
+    """Lines and {"step_s", "remat_flops_ratio"} of the actor train step's counts `st` (per device)."""
+    r = roofline(st, target)
+    ratio = st.flops / model_flops if model_flops else float("nan")
+    lines = [f"  roofline of the train step on {label} (per device; counted from the optimized HLO, "
+             f"launch/hlo_stats.py):",
+             f"    HLO dot flops {st.flops / 1e12:.1f} TFLOP; model flops (6 x active params x tokens + attention) "
+             f"{model_flops / 1e12:.1f} TFLOP; remat flops ratio {ratio:.2f}",
+             f"    HBM bytes {st.bytes / GiB:.1f} GiB; collective bytes sent {_coll(st)}",
+             f"    compute {r.compute_s:.3f} s, HBM {r.memory_s:.3f} s, collectives {r.collective_s:.3f} s -> step "
+             f"{r.step_s:.3f} s ({r.bound}-bound; peaks {target.peak_flops / 1e12:.0f} TFLOP/s, "
+             f"{target.hbm_bw / 1e12:.2f} TB/s HBM, {target.link_bw / 1e9:.0f} GB/s link, {NET_BW / 1e9:.0f} GB/s "
+             f"NIC{'; ' + target.assumed if target.assumed else ''})"]
+    return lines, {"step_s": r.step_s, "remat_flops_ratio": ratio}
+
+
+def rollout_summary(st: HloStats, decode: HloStats | None, target: Target, *, seqs: int, weight_bytes: int,
+                    label: str) -> tuple[list[str], dict]:
+    """Lines and {"tok_s"} of the generate program: `decode` = one decode step's counts (None: not found),
+    `seqs` sequences in flight on the rollout mesh, `weight_bytes` the resident (quantised) weights per device."""
+    lines = [f"  roofline of the rollout on {label} (per device; optimized HLO): program {st.flops / 1e12:.2f} TFLOP, "
+             f"{st.bytes / GiB:.1f} GiB HBM, collectives {_coll(st)}; dots with an FP8 operand: {st.fp8_dots} of "
+             f"{st.dots} (0: the FP8 weights are dequantised to bf16 before every GEMM)"]
+    if decode is None:
+        lines.append("    no token loop found (no while loop in the program)")
+        return lines, {"tok_s": float("nan")}
+    r = roofline(decode, target)
+    tok_s = seqs / r.step_s if r.step_s > 0 else float("nan")
+    lines += [f"    one decode step ({seqs} sequences): {decode.flops / 1e9:.1f} GFLOP, {decode.bytes / GiB:.2f} GiB "
+              f"read+written ({decode.bytes / max(weight_bytes, 1):.2f}x the {weight_bytes / GiB:.2f} GiB of resident "
+              f"weights), collectives {decode.collective_bytes / GiB:.3f} GiB",
+              f"    compute {r.compute_s * 1e3:.2f} ms, HBM {r.memory_s * 1e3:.2f} ms, collectives "
+              f"{r.collective_s * 1e3:.2f} ms -> {r.step_s * 1e3:.2f} ms per step ({r.bound}-bound) = {tok_s:,.0f} "
+              f"tokens/s on the rollout mesh"]
+    return lines, {"tok_s": tok_s}

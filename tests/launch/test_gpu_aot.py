@@ -1,0 +1,155 @@
+"""The planner on the GPU compiler (issue 24): `python -m launch.plan --compile --target GPU` compiles the real
+actor train step and the rollout generate program with XLA:GPU on a deviceless topology (launch/gpu_target.py),
+counts flops / bytes / collectives from the optimized HLO (launch/hlo_stats.py), and plans the run of a
+`--config-file`. The deviceless compile needs the CUDA plugin (`pip install -e '.[gpu-aot]'`): that test skips,
+with the reason, only where the plugin cannot make a topology. Tiny config at 1 layer, ptxas without
+optimisations and cuBLAS instead of Triton gemms (`FAST`: the figures asserted do not depend on them): the two
+XLA:GPU compiles take ~30 s of CPU (347 ptxas runs for the 2-layer actor with the defaults).
+Run: `.venv/bin/python -m pytest -q tests/launch/test_gpu_aot.py`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import pathlib
+
+import pytest
+
+import dsv4
+from launch import gpu_target as gt
+from launch import hlo_stats
+from launch.aot import compile_actor, compile_rollout, reduced_depth
+from launch.plan import main as plan_main
+from rl.config import DEFAULT_LEARNER
+
+SEED = pathlib.Path(__file__).resolve().parents[2] / "launch" / "configs" / "dapo_seed_mi308x.yaml"
+MESH = "actor:fsdp=2,expert=2/rollout:expert=2"
+REMAT = "Involuntary full rematerialization"
+FAST = {"xla_gpu_disable_gpuasm_optimizations": True, "xla_gpu_enable_triton_gemm": False}
+
+# one scanned layer body (trip count 4) with a Triton gemm fusion, an FSDP all-gather over the inner mesh axis,
+# and a fusion that reads one layer of a stacked [4, 8, 16] weight through dynamic-slice
+HLO = """HloModule m
+
+%gemm (p0: bf16[8,16], p1: bf16[16,32]) -> f32[8,32] {
+  %p0 = bf16[8,16]{1,0} parameter(0)
+  %p1 = bf16[16,32]{1,0} parameter(1)
+  ROOT %dot.1 = f32[8,32]{1,0} dot(%p0, %p1), lhs_contracting_dims={1}, rhs_contracting_dims={0}
+}
+
+%slice (q0: bf16[4,8,16], q1: s32[]) -> bf16[8,16] {
+  %q0 = bf16[4,8,16]{2,1,0} parameter(0)
+  %q1 = s32[] parameter(1)
+  %c = s32[] constant(0)
+  %ds = bf16[1,8,16]{2,1,0} dynamic-slice(%q0, %q1, %c, %c), dynamic_slice_sizes={1,8,16}
+  ROOT %b = bf16[8,16]{1,0} bitcast(%ds)
+}
+
+%body (t: (s32[], bf16[4,8,16], bf16[16,32])) -> (s32[], bf16[4,8,16], bf16[16,32]) {
+  %t = (s32[], bf16[4,8,16]{2,1,0}, bf16[16,32]{1,0}) parameter(0)
+  %i = s32[] get-tuple-element(%t), index=0
+  %w = bf16[4,8,16]{2,1,0} get-tuple-element(%t), index=1
+  %x = bf16[16,32]{1,0} get-tuple-element(%t), index=2
+  %ag-start = (bf16[16,16]{1,0}, bf16[16,32]{1,0}) all-gather-start(%x), channel_id=1, replica_groups=mesh['a'=2,'b'=8] {'b'}, dimensions={1}
+  %ag-done = bf16[16,32]{1,0} all-gather-done(%ag-start)
+  %s = bf16[8,16]{1,0} fusion(%w, %i), kind=kLoop, calls=%slice
+  %g = f32[8,32]{1,0} fusion(%s, %ag-done), kind=kCustom, calls=%gemm
+  ROOT %r = (s32[], bf16[4,8,16]{2,1,0}, bf16[16,32]{1,0}) tuple(%i, %w, %x)
+}
+
+%cond (u: (s32[], bf16[4,8,16], bf16[16,32])) -> pred[] {
+  %u = (s32[], bf16[4,8,16]{2,1,0}, bf16[16,32]{1,0}) parameter(0)
+  ROOT %k = pred[] constant(true)
+}
+
+ENTRY %main (a: bf16[4,8,16], x: bf16[16,32]) -> bf16[16,32] {
+  %a = bf16[4,8,16]{2,1,0} parameter(0)
+  %x = bf16[16,32]{1,0} parameter(1)
+  %z = s32[] constant(0)
+  %tup = (s32[], bf16[4,8,16]{2,1,0}, bf16[16,32]{1,0}) tuple(%z, %a, %x)
+  %wh = (s32[], bf16[4,8,16]{2,1,0}, bf16[16,32]{1,0}) while(%tup), condition=%cond, body=%body, backend_config={"known_trip_count":{"n":"4"}}
+  %ar = f32[8] all-reduce(%x), channel_id=2, replica_groups=[2,8]<=[16], to_apply=%cond
+  ROOT %out = bf16[16,32]{1,0} get-tuple-element(%wh), index=2
+}
+"""
+
+
+def test_hlo_counts_scan_trips_fusions_slices_and_collectives():
+    st = hlo_stats.count(HLO)
+    assert st.flops == 4 * 2 * 8 * 32 * 16  # the gemm fusion's dot, 4 trips
+    # per trip: the slice fusion reads one [8,16] layer (not the [4,8,16] stack) and its s32 index, writes [8,16];
+    # the gemm reads
+    # [8,16] + [16,32] and writes f32 [8,32]; the all-gather's buffer [16,32] (its operand [16,16] and result)
+    trip = (2 * 8 * 16 * 2 + 4) + (8 * 16 * 2 + 16 * 32 * 2 + 8 * 32 * 4) + (16 * 16 * 2 + 16 * 32 * 2 + 16 * 32 * 2)
+    assert st.bytes == 4 * trip + (16 * 32 * 2 + 8 * 4)  # + the all-reduce's operand and result
+    # all-gather over the inner 8-device axis: 7/8 of the result sent, inside a node; the all-reduce's groups of 8
+    # consecutive ids also stay in a node: 2 x 7/8 x its operand
+    assert st.collectives["all-gather"] == 4 * 7 / 8 * 16 * 32 * 2
+    assert st.collectives["all-reduce"] == 2 * 7 / 8 * 16 * 32 * 2
+    assert st.inter == 0 and st.intra == st.collective_bytes > 0
+    assert st.dots == 1 and st.fp8_dots == 0 and st.loops == [(st.decode_step, 4)]  # the outermost loop
+
+
+def test_hlo_counts_cublas_gemms():
+    """A cuBLASLt gemm custom call (what XLA:GPU emits without Triton gemms) counts its dot flops."""
+    text = """ENTRY %main (a: bf16[32,8], b: bf16[24,8]) -> f32[32,24] {
+  %a = bf16[32,8]{1,0} parameter(0)
+  %b = bf16[24,8]{1,0} parameter(1)
+  %cc = (f32[32,24]{1,0}, s8[4194304]{0}) custom-call(%a, %b), custom_call_target="__cublas$lt$matmul", backend_config={"gemm_backend_config":{"dot_dimension_numbers":{"lhs_contracting_dimensions":["1"],"rhs_contracting_dimensions":["1"]}}}
+  ROOT %r = f32[32,24]{1,0} get-tuple-element(%cc), index=0
+}
+"""
+    st = hlo_stats.count(text)
+    assert st.flops == 2 * 32 * 24 * 8 and st.dots == 1
+
+
+def test_replica_group_forms():
+    assert hlo_stats._groups("replica_groups={{0,1},{2,3}}") == [[0, 1], [2, 3]]
+    assert hlo_stats._groups("replica_groups=[2,2]<=[4]") == [[0, 1], [2, 3]]
+    assert hlo_stats._groups("replica_groups=[2,2]<=[2,2]T(1,0)") == [[0, 2], [1, 3]]
+    assert hlo_stats._groups("replica_groups=mesh['x'=2,'y'=8] {'x'}")[:2] == [[0, 8], [1, 9]]
+
+
+def test_targets_specs_and_proxies():
+    """Every target's spec is carried; an AMD proxy writes its memory into the NVIDIA spec and says so."""
+    for t in gt.TARGETS.values():
+        assert (gt.TARGET_DIR / t.spec).is_file() and t.peak_flops > 0 and t.hbm_bw > 0
+    mi = gt.TARGETS["mi308x"]
+    assert f"device_memory_size: {192 * 2**30}" in gt.target_config(mi) and "proxy" in mi.label
+    assert gt.TARGETS["h200"].memory_bytes() == 151397597184 and "proxy" not in gt.TARGETS["h200"].label
+    text = "a {\n  b: 1\n  c {\n    d: 2\n  }\n  e: 3\n}\n"
+    assert gt._drop_field(gt._drop_field(text, "c"), "b") == "a {\n  e: 3\n}\n"
+
+
+def test_config_file_plans_the_run(capsys):
+    """--config-file: the seed run's mesh, row length and EP dispatch; a flag on top wins."""
+    assert plan_main(["--config-file", str(SEED), "--gpu", "mi308x", "--num-layers", "4"]) == 0
+    out = capsys.readouterr().out
+    assert "mesh actor:fsdp=2,expert=8/rollout:expert=8" in out and "seq 9216" in out and "EP padded" in out
+    assert plan_main(["--config-file", str(SEED), "--gpu", "mi308x", "--num-layers", "4", "--ep-backend",
+                      "ragged"]) == 0
+    assert "EP ragged" in capsys.readouterr().out
+    assert plan_main(["--config-file", "/no/such.yaml", "--gpu", "mi308x"]) == 2
+    assert "--config-file /no/such.yaml" in capsys.readouterr().err
+
+
+_PLUGIN = gt.plugin_error()
+
+
+@pytest.mark.skipif(_PLUGIN is not None, reason=f"no deviceless XLA:GPU compile here: {_PLUGIN}")
+def test_deviceless_gpu_compile_actor_and_rollout(capfd):
+    """XLA:GPU (H200 spec) compiles both tiny programs on 8 abstract GPUs: memory figures, dot flops and the FSDP
+    collectives from the optimized HLO, and no involuntary full rematerialization in either program."""
+    cfg = reduced_depth(dsv4.DSV4Config.tiny(), 1)
+    devices = gt.topology_devices(gt.TARGETS["h200"], 8)
+    assert devices[0].platform == "gpu" and not devices[0].addressable_memories()
+    learner = dataclasses.replace(DEFAULT_LEARNER, max_tokens_per_micro_batch=32, offload_optimizer=1.0)
+    a = compile_actor(cfg, MESH, seq_len=16, learner=learner, devices=devices, backend="XLA:GPU h200",
+                      compiler_options=FAST)
+    assert a.argument > 0 and a.temp > 0 and a.host_from_shardings and 0 < a.host < a.argument
+    assert a.hlo.flops > 0 and a.hlo.dots > 0 and a.hlo.collectives.get("all-gather", 0) > 0 and a.hlo.bytes > 0
+    assert "on XLA:GPU h200" in a.lines()[0]
+    r = compile_rollout(cfg, MESH, batch=8, context=48, prompt_len=16, devices=devices, backend="XLA:GPU h200",
+                        compiler_options=FAST)
+    assert r.argument > 0 and r.weights > 0 and r.hlo.flops > 0 and r.hlo.decode_step is not None
+    assert REMAT not in capfd.readouterr().err
