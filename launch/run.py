@@ -47,28 +47,35 @@ def _leaf(path: str):
     return config_tree.paths(RunConfig)[path]
 
 
+class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Defaults in the help, except None: a knob's flag defaults to None (unset, so the YAML file can set it) and
+    its help already says the knob's own default."""
+
+    def _get_help_string(self, action):
+        return action.help if action.default is None else super()._get_help_string(action)
+
+
 def parser() -> argparse.ArgumentParser:
     """The flat flags (`rl.config.FLAT`: `--group-size` <-> `rollout.group_size`), help and type from the knob's
     field. Dotted flags (`--learner.lr 1e-6`, any path of the config tree) are read by `resolve`."""
     p = argparse.ArgumentParser(prog="launch/run.py", description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+                                formatter_class=_HelpFormatter,
                                 epilog="Any knob of the nested config also takes a dotted flag, e.g. --learner.lr "
                                        "1e-6, --learner.loss.clip_eps_high 0.28, --rollout.push_verify_every 0 "
                                        "(it wins over the flat flag and the YAML file).")
     p.add_argument("--config-file", help="YAML file of the config: nested sections (learner: {lr: ...}) and/or "
                                          "the flat keys of the flags (flags override it)")
     p.add_argument("--dry-run", action="store_true", help="print config, meshes and memory plan, then exit")
-    p.add_argument("--log-level", default="INFO")
+    p.add_argument("--log-level", default="INFO", help="Python logging level: DEBUG, INFO, WARNING, ERROR")
     flat = RunConfig().flat()
     for name, path in FLAT.items():
         leaf = _leaf(path)
         flag = "--" + name.replace("_", "-")
+        text = leaf.help if "(default" in leaf.help else f"{leaf.help} (default: {flat[name]})"
         if leaf.base is bool:
-            p.add_argument(flag, action=argparse.BooleanOptionalAction, default=None,
-                           help=f"{leaf.help} (default: {flat[name]})")
+            p.add_argument(flag, action=argparse.BooleanOptionalAction, default=None, help=text)
         else:
-            p.add_argument(flag, type=str, default=None, metavar=leaf.base.__name__.upper(),
-                           help=f"{leaf.help} (default: {flat[name]})")
+            p.add_argument(flag, type=str, default=None, metavar=leaf.base.__name__.upper(), help=text)
     add_distributed_args(p)
     return p
 

@@ -111,6 +111,9 @@ def test_learner_scale_knobs_are_flags_with_the_runs_defaults():
     help_text = launch_run.parser().format_help()
     assert all(f in help_text for f in ("--no-scan-layers", "--stream-optimizer", "--ep-backend",
                                         "--ep-capacity-factor"))
+    flat_help = " ".join(help_text.split())  # each flag says its knob's default once (no argparse "(default: None)")
+    assert "(default: 80) (default" not in flat_help and "(default: 80)" in flat_help
+    assert "format's) (default" not in flat_help  # a knob whose help says its default gets no second one
 
 
 # -- each knob one default (issue 22, point 5) ----------------------------------------------------------------------
