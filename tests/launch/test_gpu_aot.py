@@ -25,7 +25,7 @@ from rl.config import DEFAULT_LEARNER
 SEED = pathlib.Path(__file__).resolve().parents[2] / "launch" / "configs" / "dapo_seed_mi308x.yaml"
 MESH = "actor:fsdp=2,expert=2/rollout:expert=2"
 REMAT = "Involuntary full rematerialization"
-FAST = {"xla_gpu_disable_gpuasm_optimizations": True, "xla_gpu_enable_triton_gemm": False}
+FAST = gt.compile_options({"xla_gpu_disable_gpuasm_optimizations": True, "xla_gpu_enable_triton_gemm": False})
 
 # one scanned layer body (trip count 4) with a Triton gemm fusion, an FSDP all-gather over the inner mesh axis,
 # and a fusion that reads one layer of a stacked [4, 8, 16] weight through dynamic-slice
