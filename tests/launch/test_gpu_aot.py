@@ -149,7 +149,24 @@ def test_deviceless_gpu_compile_actor_and_rollout(capfd):
     assert a.argument > 0 and a.temp > 0 and a.host_from_shardings and 0 < a.host < a.argument
     assert a.hlo.flops > 0 and a.hlo.dots > 0 and a.hlo.collectives.get("all-gather", 0) > 0 and a.hlo.bytes > 0
     assert "on XLA:GPU h200" in a.lines()[0]
-    r = compile_rollout(cfg, MESH, batch=8, context=48, prompt_len=16, devices=devices, backend="XLA:GPU h200",
-                        compiler_options=FAST)
+    r = compile_rollout(cfg, MESH, batch=8, context=48, prompt_len=16, slots=4, devices=devices,
+                        backend="XLA:GPU h200", compiler_options=FAST)
     assert r.argument > 0 and r.weights > 0 and r.hlo.flops > 0 and r.hlo.decode_step is not None
+    # the run's rollout on a GPU: continuous batching, the dropless padded expert dispatch (no ragged_dot)
+    assert r.slots == 4 and "(padded)" in r.ep_dispatch and r.ep_dispatch.endswith("dropless")
     assert REMAT not in capfd.readouterr().err
+
+
+@pytest.mark.skipif(_PLUGIN is not None, reason=f"no deviceless XLA:GPU compile here: {_PLUGIN}")
+def test_b200_spec_compiles_a_large_sort():
+    """The MI355X proxy (B200 spec): a sort of 64 x 2^17 keys (CUB territory) compiles deviceless with the
+    planner's options; XLA:GPU's CUB sort would ask the CUDA runtime for a device (launch/gpu_target.py)."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    devices = gt.topology_devices(gt.TARGETS["mi355x"], 1)
+    rep = jax.sharding.NamedSharding(jax.sharding.Mesh(np.array(devices), ("x",)), jax.sharding.PartitionSpec())
+    keys = jax.ShapeDtypeStruct((64, 1 << 17), jnp.float32, sharding=rep)
+    compiled = jax.jit(lambda a: jnp.argsort(a, axis=-1)).lower(keys).compile(gt.compile_options())
+    assert compiled.memory_analysis().output_size_in_bytes == 64 * (1 << 17) * 4
