@@ -90,6 +90,49 @@ def test_hlo_counts_scan_trips_fusions_slices_and_collectives():
     assert st.dots == 1 and st.fp8_dots == 0 and st.loops == [(st.decode_step, 4)]  # the outermost loop
 
 
+def test_decode_step_of_the_slots_loop_leaves_out_its_refill():
+    """Continuous batching: the token loop (no trip count) holds the refill loop (no trip count: admissions run
+    only when a slot frees); one decode step is the token loop's body without it."""
+    text = """HloModule m
+
+%refill (r: (s32[], f32[64,64])) -> (s32[], f32[64,64]) {
+  %r = (s32[], f32[64,64]{1,0}) parameter(0)
+  %i = s32[] get-tuple-element(%r), index=0
+  %a = f32[64,64]{1,0} get-tuple-element(%r), index=1
+  %pre = f32[64,64]{1,0} dot(%a, %a), lhs_contracting_dims={1}, rhs_contracting_dims={0}
+  ROOT %t = (s32[], f32[64,64]{1,0}) tuple(%i, %pre)
+}
+
+%cond (c: (s32[], f32[64,64])) -> pred[] {
+  %c = (s32[], f32[64,64]{1,0}) parameter(0)
+  ROOT %k = pred[] constant(true)
+}
+
+%step (u: (s32[], f32[64,64])) -> (s32[], f32[64,64]) {
+  %u = (s32[], f32[64,64]{1,0}) parameter(0)
+  %w = (s32[], f32[64,64]{1,0}) while(%u), condition=%cond, body=%refill
+  %j = s32[] get-tuple-element(%w), index=0
+  %b = f32[64,64]{1,0} get-tuple-element(%w), index=1
+  %x = f32[8,64]{1,0} slice(%b), slice={[0:8], [0:64]}
+  %dec = f32[8,64]{1,0} dot(%x, %b), lhs_contracting_dims={1}, rhs_contracting_dims={0}
+  ROOT %v = (s32[], f32[64,64]{1,0}) tuple(%j, %b)
+}
+
+ENTRY %main (p: f32[64,64]) -> f32[64,64] {
+  %p = f32[64,64]{1,0} parameter(0)
+  %z = s32[] constant(0)
+  %t0 = (s32[], f32[64,64]{1,0}) tuple(%z, %p)
+  %loop = (s32[], f32[64,64]{1,0}) while(%t0), condition=%cond, body=%step
+  ROOT %out = f32[64,64]{1,0} get-tuple-element(%loop), index=1
+}
+"""
+    st = hlo_stats.count(text)
+    step = st.decode_step
+    assert st.flops == 2 * 64 * 64 * 64 + 2 * 8 * 64 * 64  # the program: one refill dot + one decode dot
+    assert step.flops == 2 * 8 * 64 * 64 and step.dots == 1  # the decode step alone
+    assert step.bytes == st.bytes - st.loops[0][0].loops[0][0].bytes
+
+
 def test_hlo_counts_cublas_gemms():
     """A cuBLASLt gemm custom call (what XLA:GPU emits without Triton gemms) counts its dot flops."""
     text = """ENTRY %main (a: bf16[32,8], b: bf16[24,8]) -> f32[32,24] {
