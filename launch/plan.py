@@ -339,6 +339,11 @@ def _compile_gpu(config, report, args, learner, seq: int, target: gt.Target) -> 
         rx = _compile_rollout(config, report, args, devices=devices, backend=backend, say=say,
                               compiler_options=gt.compile_options())
         r_xla = None if rx is None else rx.total
+        if rx is not None and "fnuz" in args.rollout_dtype:
+            say(f"  --rollout-dtype {args.rollout_dtype}: XLA:CUDA has no e4m3fnuz GEMM, so on this NVIDIA target the "
+                "FP8 projections are converted before their dots (0 FP8 dots below); on gfx942 (ROCm) they are FP8 "
+                "GEMMs (rl/rollout_weights.py `GEMM_KEYS`; --rollout-dtype fp8 shows them on an NVIDIA target). The "
+                "routed experts are dequantised per layer on every backend (no grouped FP8 GEMM)")
     step_s, ratio, tok_s = _rooflines(config, report, seq, target, target.label,
                                       xla if a_xla is not None else None, rx, say=say)
     fits = _verdict(report, args, a_xla, r_xla, say=say)
