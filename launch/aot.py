@@ -310,4 +310,5 @@ def _dispatch_name(fn, capacity_factor: float | None) -> str:
     experts run (`parallel.expert.make_ep_dispatch` names itself in its docstring)."""
     if fn is None or not (fn.__doc__ or "").startswith("EP dispatch"):
         return getattr(fn, "__name__", "the model's ragged_dot")
-    return fn.__doc__.rstrip(".") + ("; dropless" if capacity_factor is None else f"; capacity factor {capacity_factor:g}")
+    bound = "dropless" if capacity_factor is None else f"capacity factor {capacity_factor:g}"
+    return f"{fn.__doc__.rstrip('.')}; {bound}"
