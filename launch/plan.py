@@ -201,7 +201,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         args.gpu = args.target
     target = None if args.target == "cpu" else gt.TARGETS[args.target]
     if args.compile:
-        rc = _compile_in_child(argv, gpu=target is not None)
+        rc = _compile_in_child(argv, gpu=target is not None, mesh=args.mesh)
         if rc is not None:
             return rc
     if args.compile and target is not None:
@@ -405,12 +405,13 @@ def _compile_rollout(config, report, args, devices=None, backend: str = "XLA:CPU
 _CHILD = "DSV4_PLAN_COMPILE_CHILD"
 
 
-def _compile_in_child(argv: Sequence[str] | None, gpu: bool = False) -> int | None:
+def _compile_in_child(argv: Sequence[str] | None, gpu: bool = False, mesh: str | None = None) -> int | None:
     """--compile needs as many XLA:CPU devices as the mesh spec. XLA reads the device-count flag when its CPU
     backend starts, so unless this process already has enough CPU devices (e.g. under the tests' 8), the same
     command is re-run in a child process with `--xla_force_host_platform_device_count` and JAX_PLATFORMS=cpu.
     `gpu` (a GPU --target): the deviceless topology needs only JAX_PLATFORMS=cpu (the CUDA plugin then skips its
-    driver checks and still makes topologies); re-run with it unless it is set.
+    driver checks and still makes topologies); re-run with it unless it is set. `mesh`: the resolved mesh spec (from
+    --mesh or the --config-file's run), whose device count the child gets.
     Returns the child's exit status, or None to compile here."""
     argv = list(sys.argv[1:] if argv is None else argv)
     if gpu:
@@ -419,9 +420,8 @@ def _compile_in_child(argv: Sequence[str] | None, gpu: bool = False) -> int | No
         env = {**os.environ, _CHILD: "1", "JAX_PLATFORMS": "cpu"}
         return subprocess.run([sys.executable, "-m", "launch.plan", *argv], env=env).returncode
     try:
-        i = argv.index("--mesh")
-        n_dev = mesh_lib.parse_mesh_spec(argv[i + 1]).n_devices
-    except (ValueError, IndexError):
+        n_dev = mesh_lib.parse_mesh_spec(mesh).n_devices
+    except (ValueError, TypeError):
         return None  # let the normal path report the bad spec
     if os.environ.get(_CHILD) or "xla_force_host_platform_device_count" in os.environ.get("XLA_FLAGS", ""):
         if all(d.platform == "cpu" for d in jax.devices()) and jax.device_count() >= n_dev:

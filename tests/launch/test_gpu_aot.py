@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import pathlib
+from types import SimpleNamespace
 
 import pytest
 
@@ -19,6 +20,7 @@ import dsv4
 from launch import gpu_target as gt
 from launch import hlo_stats
 from launch.aot import compile_actor, compile_rollout, reduced_depth
+from launch import plan as plan_mod
 from launch.plan import main as plan_main
 from rl.config import DEFAULT_LEARNER
 
@@ -174,6 +176,16 @@ def test_config_file_plans_the_run(capsys):
     assert "EP ragged" in capsys.readouterr().out
     assert plan_main(["--config-file", "/no/such.yaml", "--gpu", "mi308x"]) == 2
     assert "--config-file /no/such.yaml" in capsys.readouterr().err
+
+
+def test_config_file_compile_gets_the_runs_device_count(monkeypatch):
+    """--config-file --compile on XLA:CPU re-runs itself with as many host devices as the file's mesh (24 for the
+    seed layout), not --mesh's (absent here)."""
+    envs = []
+    monkeypatch.delenv("DSV4_PLAN_COMPILE_CHILD", raising=False)
+    monkeypatch.setattr(plan_mod.subprocess, "run", lambda argv, env: envs.append(env) or SimpleNamespace(returncode=0))
+    assert plan_main(["--config-file", str(SEED), "--compile", "--target", "cpu", "--gpu", "mi308x"]) == 0
+    assert "--xla_force_host_platform_device_count=24" in envs[0]["XLA_FLAGS"]
 
 
 _PLUGIN = gt.plugin_error()
