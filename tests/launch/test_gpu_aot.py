@@ -14,6 +14,9 @@ import dataclasses
 import pathlib
 from types import SimpleNamespace
 
+import jax
+import jax.numpy as jnp
+import numpy as np
 import pytest
 
 import dsv4
@@ -216,10 +219,6 @@ def test_deviceless_gpu_compile_actor_and_rollout(capfd):
 def test_b200_spec_compiles_a_large_sort():
     """The MI355X proxy (B200 spec): a sort of 64 x 2^17 keys (CUB territory) compiles deviceless with the
     planner's options; XLA:GPU's CUB sort would ask the CUDA runtime for a device (launch/gpu_target.py)."""
-    import jax
-    import jax.numpy as jnp
-    import numpy as np
-
     devices = gt.topology_devices(gt.TARGETS["mi355x"], 1)
     rep = jax.sharding.NamedSharding(jax.sharding.Mesh(np.array(devices), ("x",)), jax.sharding.PartitionSpec())
     keys = jax.ShapeDtypeStruct((64, 1 << 17), jnp.float32, sharding=rep)
