@@ -38,8 +38,9 @@ Design (docs/jax-stack.md §5; Tunix `sampler.py`, MaxText `maxengine` read for 
 - Routing: expert ids of every main MoE layer for every prompt and response token; the last response token is
   fed once more after sampling stops so that its routing is recorded too.
 - Routed experts: `parallel.expert.default_dispatch` (an expert mesh: the EP dispatch of --rollout.ep_backend, padded
-  on GPUs; unsharded experts: `routed_experts_cpu` on CPU, else the model's `ragged_dot`); prefill and decode ops sit under the `prefill` / `decode_step` name scopes (profiles,
-  compiled HLO; benchmarks/sampler.py counts the decode step's bytes from them).
+  on GPUs; unsharded experts: `routed_experts_cpu` on CPU, else the model's `ragged_dot`); prefill and decode ops
+  sit under the `prefill` / `decode_step` name scopes (profiles, compiled HLO; benchmarks/sampler.py counts the
+  decode step's bytes from them).
 """
 
 from __future__ import annotations
