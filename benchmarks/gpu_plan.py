@@ -9,7 +9,9 @@ Rows, in this order (each prints its own `RESULT target=..` line; the last line 
   cpu_4l / gpu_4l: the seed run at 4 layers, XLA:CPU (its HLO with the MI308X peaks) beside XLA:GPU (MI308X proxy):
                    the CPU artefacts quantified.
 The rollout regime is the seed config's (64 prompts x 16 samples = 1,024 sequences of 1,024 + 8,192 tokens, FP8
-weights and KV cache); `--rollout-context 32768` (flag on top of the file) gives the 32K regime. Flash compiles take
+weights and KV cache, continuous batching over the slots the KV budget holds, dropless padded expert dispatch);
+`--rollout-context 32768` (flag on top of the file) gives the 32K regime; other planner flags pass through (e.g.
+`--rollout-ep-capacity-factor 2`, `--compile-only rollout`). Flash compiles take
 minutes each (flat in depth: scanned layers) and several GB of RAM: rows run one at a time.
 
 Needs the [gpu-aot] extra (the CUDA plugin). Run:
@@ -33,9 +35,9 @@ REPO = pathlib.Path(__file__).resolve().parents[1]
 SEED = REPO / "launch" / "configs" / "dapo_seed_mi308x.yaml"
 ROWS = {
     "seed_mi308x": ["--target", "mi308x"],
+    "seed_mi355x_4x8": ["--target", "mi355x", "--mesh", "actor:fsdp=2,expert=8/rollout:data=2,expert=8"],
     "gpu_4l": ["--target", "mi308x", "--num-layers", "4"],
     "cpu_4l": ["--target", "cpu", "--gpu", "mi308x", "--num-layers", "4"],
-    "seed_mi355x_4x8": ["--target", "mi355x", "--mesh", "actor:fsdp=2,expert=8/rollout:data=2,expert=8"],
 }
 FIELDS = ("target", "actor_gpu_gib", "actor_usable_gib", "rollout_gpu_gib", "actor_step_s_roofline",
           "rollout_tok_s_roofline", "remat_flops_ratio", "fits")

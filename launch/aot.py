@@ -195,6 +195,7 @@ class RolloutCompileReport:
     prefill_chunk: int = 0
     backend: str = "XLA:CPU"  # or "XLA:GPU <target label>"
     hlo: HloStats | None = None  # flops / bytes / collectives of the whole generate program (launch/hlo_stats.py)
+    ep_dispatch: str = ""  # the sampler's routed-expert dispatch, as its docstring names it
 
     @property
     def total(self) -> int:
@@ -209,6 +210,7 @@ class RolloutCompileReport:
         out = [f"XLA memory analysis of the rollout generate program{on} (per device; {self.batch} sequences x "
                f"{self.prompt_len} prompt + {self.max_new_tokens} new tokens, cache {self.cache_len} tokens; {how}; "
                f"--rollout-dtype {self.rollout_dtype}; compiled in {self.compile_s:.0f} s)",
+               f"  routed experts: {self.ep_dispatch or 'no EP dispatch'}",
                f"  arguments (weights + KV caches + inputs)                 {g(self.argument)}",
                f"    of which weights (resident, quantised)                 {g(self.weights)}",
                f"    of which KV caches (batch split over data x expert)    {g(self.kv)}",
@@ -232,7 +234,9 @@ def compile_rollout(config, mesh_spec: str, *, batch: int = 1024, context: int =
                     prefill_chunk: int = default(RolloutConfig, "prefill_chunk"), kv_budget: float | None = None,
                     kv_cache_dtype: str = default(RolloutConfig, "kv_cache_dtype"),
                     speculative: str = default(RolloutConfig, "speculative"),
-                    draft_tokens: int = default(RolloutConfig, "draft_tokens"), devices=None,
+                    draft_tokens: int = default(RolloutConfig, "draft_tokens"),
+                    ep_backend: str = default(RolloutConfig, "ep_backend"),
+                    ep_capacity_factor: float | None = default(RolloutConfig, "ep_capacity_factor"), devices=None,
                     backend: str = "XLA:CPU", compiler_options: dict | None = None) -> RolloutCompileReport:
     """Lower and compile the sampler's generate program for `config` on the rollout mesh of `mesh_spec` with an
     abstract model (no weights): `batch` sequences of `prompt_len` prompt tokens and `context - prompt_len` new
@@ -241,7 +245,9 @@ def compile_rollout(config, mesh_spec: str, *, batch: int = 1024, context: int =
     "auto" = continuous batching (rl/slots.py) over N slots (auto: as many as `kv_budget` bytes per device hold,
     at most `batch`; `batch` without a budget), each refill prefilling its own request in chunks of
     `prefill_chunk` tokens. `speculative` "mtp" compiles the speculative program instead (rl/speculative.py: the
-    MTP drafts, the (draft_tokens + 1)-position verify and the commits; static batching). Needs `spec.n_devices`
+    MTP drafts, the (draft_tokens + 1)-position verify and the commits; static batching). `ep_backend` /
+    `ep_capacity_factor`: the sampler's expert dispatch (the run's --rollout.ep_backend / ep_capacity_factor; auto =
+    padded on GPUs, `parallel.expert.rollout_backend`). Needs `spec.n_devices`
     local devices. Raises ValueError for sizes the sampler rejects (and --rollout-slots beyond the budget), and
     XLA's errors. `devices`: abstract GPU devices instead (launch/gpu_target.py; the rollout mesh takes the ones
     after the actor's, as on the real machines); `compiler_options` as `compile_actor`'s.
@@ -264,7 +270,8 @@ def compile_rollout(config, mesh_spec: str, *, batch: int = 1024, context: int =
         slots = min(slots or batch, batch)
     # the run's Sampler (rl.rollout_service.make_sampler), in bf16 as on the GPU the plan is for
     rollout = RolloutConfig(dtype=rollout_dtype, kv_cache_dtype=kv_cache_dtype, prefill_chunk=prefill_chunk,
-                            speculative=speculative, draft_tokens=draft_tokens)
+                            speculative=speculative, draft_tokens=draft_tokens, ep_backend=ep_backend,
+                            ep_capacity_factor=ep_capacity_factor)
     sampler = make_sampler(model, plan.rollout, rollout, max_prompt_len=prompt_len, slots=slots,
                            compute_dtype=jnp.bfloat16)
     t0 = time.perf_counter()
@@ -294,4 +301,14 @@ def compile_rollout(config, mesh_spec: str, *, batch: int = 1024, context: int =
                                 batch=b, prompt_len=p, max_new_tokens=t_cap, cache_len=cache_len,
                                 rollout_dtype=rollout_dtype, compile_s=dt,
                                 batch_shards=batch_shards(sampler.rules, sampler.mesh), slots=s_n,
-                                prefill_chunk=sampler.prefill_chunk, backend=backend, hlo=count(compiled.as_text()))
+                                prefill_chunk=sampler.prefill_chunk, backend=backend, hlo=count(compiled.as_text()),
+                                ep_dispatch=_dispatch_name(sampler.dispatch_fn, ep_capacity_factor))
+
+
+def _dispatch_name(fn, capacity_factor: float | None) -> str:
+    """'EP dispatch (padded) over expert=8, ...; dropless' / '...; capacity factor 2': how the sampler's routed
+    experts run (`parallel.expert.make_ep_dispatch` names itself in its docstring)."""
+    if fn is None or not (fn.__doc__ or "").startswith("EP dispatch"):
+        return getattr(fn, "__name__", "the model's ragged_dot")
+    bound = "dropless" if capacity_factor is None else f"capacity factor {capacity_factor:g}"
+    return f"{fn.__doc__.rstrip('.')}; {bound}"

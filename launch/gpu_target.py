@@ -16,6 +16,13 @@ AMD device's memory size written into `device_memory_size` (XLA's scheduler take
 assignment and partitioning are XLA:GPU's, kernels and fusion choices are NVIDIA's. Every line printed for such a
 target says "proxy".
 
+Compiler options (`COMPILE_OPTIONS`, every deviceless compile): XLA:GPU's CUB radix sort is off. Its sort rewriter
+needs CUB's scratch size for the target; deviceless, it has none for H100 / H200 ("Missing deviceless CUB scratch size
+data for sort. Using fallback sort algorithm") and keeps XLA's own sort, but for the B200 spec (sm_100) it asks the
+CUDA runtime, which has no device: the compile fails with "CUDA Runtime error: cudaErrorInvalidDevice: invalid
+device ordinal" (any sort of >= ~100K keys, e.g. Flash's indexer top-k; 4 x 8 MI355X, issue 24). With
+`xla_gpu_enable_cub_radix_sort=False` every target compiles XLA's sort, as the H200 spec already did.
+
 Peaks (`Target.peak_flops`, `hbm_bw`, `link_bw`, `net_bw`) feed the roofline (launch/hlo_stats.py); they are the
 vendors' published dense BF16 / HBM / scale-up-link figures, per direction, except where `assumed` says otherwise.
 Units: bytes, bytes/s, flop/s. Tests: tests/launch/test_gpu_aot.py.
@@ -88,6 +95,15 @@ TARGETS: dict[str, Target] = {t.name: t for t in (
            source="AMD MI355X datasheet: 2.5 PFLOPS BF16 dense, 8 TB/s, 7 x 76.8 GB/s Infinity Fabric"),
 )}
 TARGET_NAMES = ("cpu", *TARGETS)
+
+
+# XLA options of every deviceless compile (module docstring: the B200 spec's CUB sort asks a device that is not there)
+COMPILE_OPTIONS = {"xla_gpu_enable_cub_radix_sort": False}
+
+
+def compile_options(extra: dict | None = None) -> dict:
+    """`COMPILE_OPTIONS` with `extra` on top (e.g. the GPU test's cheaper ptxas): for `Lowered.compile`."""
+    return {**COMPILE_OPTIONS, **(extra or {})}
 
 
 # fields of XLA's current specs that jaxlib 0.10.2's GpuDeviceInfoProto does not have: dropped when a spec does

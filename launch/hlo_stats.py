@@ -139,12 +139,23 @@ class HloStats:
     @property
     def decode_step(self) -> "HloStats | None":
         """One step of a generate program's token loop: the body of the outermost while loop without a known trip
-        count (the continuous-batching loop runs until every request is done) with the most bytes, else of the
-        outermost loop with the most bytes over all its trips (the static program's decode loop); None without
-        loops."""
+        count (the continuous-batching loop runs until every request is done) with the most bytes, less the loops
+        in it without a known trip count (its refill: admissions prefill new requests only when a slot frees, not
+        every step); else the outermost loop with the most bytes over all its trips (the static program's decode
+        loop); None without loops."""
         if not self.loops:
             return None
-        return max(self.loops, key=lambda lt: (lt[1] is None, (lt[1] or 1) * lt[0].bytes))[0]
+        body, trips = max(self.loops, key=lambda lt: (lt[1] is None, (lt[1] or 1) * lt[0].bytes))
+        if trips is not None or not any(t is None for _, t in body.loops):
+            return body
+        step = HloStats()
+        step.add(body)
+        for inner, t in body.loops:
+            if t is None:
+                dots, fp8 = step.dots - inner.dots, step.fp8_dots - inner.fp8_dots
+                step.add(inner, -1.0, loops=False)  # (`add` counts dots once, whatever `times`)
+                step.dots, step.fp8_dots = dots, fp8
+        return step
 
     def add(self, other: "HloStats", times: float = 1.0, loops: bool = True) -> None:
         self.flops += times * other.flops

@@ -36,6 +36,7 @@ from sharding import mesh as mesh_lib
 
 
 _LEARNER = config_tree.paths(LearnerConfig)
+_ROLLOUT = config_tree.paths(RolloutConfig)
 
 
 def _knob_help(name: str) -> str:
@@ -123,6 +124,13 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--rollout-slots", default="auto",
                    help="--compile: the rollout program's --rollout-slots: auto (default: continuous batching over as "
                         "many slots as the plan's KV budget holds, at most --rollout-batch) | N | 0 (static batching)")
+    p.add_argument("--rollout-ep-backend", choices=_ROLLOUT["ep_backend"].choices,
+                   default=default(RolloutConfig, "ep_backend"),
+                   help="--compile: " + _ROLLOUT["ep_backend"].help + " (the run's --rollout.ep_backend; default "
+                        "%(default)s)")
+    p.add_argument("--rollout-ep-capacity-factor", type=float, default=default(RolloutConfig, "ep_capacity_factor"),
+                   help="--compile: " + _ROLLOUT["ep_capacity_factor"].help + " (the run's "
+                        "--rollout.ep_capacity_factor; default %(default)s)")
     p.add_argument("--prefill-chunk", type=int, default=default(RolloutConfig, "prefill_chunk"),
                    help="--compile: the sampler's --prefill-chunk (tokens per prefill chunk; 0 = whole prompt)")
     p.add_argument("--compile-only", choices=("both", "actor", "rollout"), default="both",
@@ -148,6 +156,8 @@ _FROM_RUN = {
     "rollout_prompt_len": lambda c: c.data.max_prompt_len,
     "rollout_dtype": lambda c: c.rollout.dtype, "kv_cache_dtype": lambda c: c.rollout.kv_cache_dtype,
     "rollout_slots": lambda c: str(c.rollout.slots), "prefill_chunk": lambda c: c.rollout.prefill_chunk,
+    "rollout_ep_backend": lambda c: c.rollout.ep_backend,
+    "rollout_ep_capacity_factor": lambda c: c.rollout.ep_capacity_factor,
 }
 
 
@@ -191,7 +201,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         args.gpu = args.target
     target = None if args.target == "cpu" else gt.TARGETS[args.target]
     if args.compile:
-        rc = _compile_in_child(argv, gpu=target is not None)
+        rc = _compile_in_child(argv, gpu=target is not None, mesh=args.mesh)
         if rc is not None:
             return rc
     if args.compile and target is not None:
@@ -313,7 +323,7 @@ def _compile_gpu(config, report, args, learner, seq: int, target: gt.Target) -> 
     if args.compile_only in ("both", "actor"):
         try:
             xla = compile_actor(config, report.mesh_spec, seq_len=seq, learner=learner, devices=a_devices,
-                                backend=backend)
+                                backend=backend, compiler_options=gt.compile_options())
         except ValueError as e:
             print(f"error: {e}", file=sys.stderr)
             return 2
@@ -326,8 +336,14 @@ def _compile_gpu(config, report, args, learner, seq: int, target: gt.Target) -> 
             f"{xla.total / a.gpu_total:.2f})")
     rx = None
     if args.compile_only in ("both", "rollout"):
-        rx = _compile_rollout(config, report, args, devices=devices, backend=backend, say=say)
+        rx = _compile_rollout(config, report, args, devices=devices, backend=backend, say=say,
+                              compiler_options=gt.compile_options())
         r_xla = None if rx is None else rx.total
+        if rx is not None and "fnuz" in args.rollout_dtype:
+            say(f"  --rollout-dtype {args.rollout_dtype}: XLA:CUDA has no e4m3fnuz GEMM, so on this NVIDIA target the "
+                "FP8 projections are converted before their dots (0 FP8 dots below); on gfx942 (ROCm) they are FP8 "
+                "GEMMs (rl/rollout_weights.py `GEMM_KEYS`; --rollout-dtype fp8 shows them on an NVIDIA target). The "
+                "routed experts are dequantised per layer on every backend (no grouped FP8 GEMM)")
     step_s, ratio, tok_s = _rooflines(config, report, seq, target, target.label,
                                       xla if a_xla is not None else None, rx, say=say)
     fits = _verdict(report, args, a_xla, r_xla, say=say)
@@ -360,7 +376,8 @@ def _rooflines(config, report, seq: int, target: gt.Target, label: str, xla, rx,
     return step_s, ratio, tok_s
 
 
-def _compile_rollout(config, report, args, devices=None, backend: str = "XLA:CPU", say=print):
+def _compile_rollout(config, report, args, devices=None, backend: str = "XLA:CPU", say=print,
+                     compiler_options: dict | None = None):
     """--compile, rollout side: XLA's figures of the sampler's generate program on the rollout mesh
     (`launch.aot.compile_rollout`, `--rollout-batch` x `--rollout-context`; continuous batching over
     `--rollout-slots` slots with `--prefill-chunk` chunked per-request prefill, or static with slots 0), printed
@@ -373,7 +390,8 @@ def _compile_rollout(config, report, args, devices=None, backend: str = "XLA:CPU
                              kv_budget=report.rollout.margin, kv_cache_dtype=args.kv_cache_dtype,
                              speculative="mtp" if args.speculative_k else "off",
                              draft_tokens=args.speculative_k or default(RolloutConfig, "draft_tokens"),
-                             devices=devices, backend=backend)
+                             ep_backend=args.rollout_ep_backend, ep_capacity_factor=args.rollout_ep_capacity_factor,
+                             devices=devices, backend=backend, compiler_options=compiler_options)
     except ValueError as e:
         print(f"error (rollout compile): {e}", file=sys.stderr)
         return None
@@ -387,12 +405,13 @@ def _compile_rollout(config, report, args, devices=None, backend: str = "XLA:CPU
 _CHILD = "DSV4_PLAN_COMPILE_CHILD"
 
 
-def _compile_in_child(argv: Sequence[str] | None, gpu: bool = False) -> int | None:
+def _compile_in_child(argv: Sequence[str] | None, gpu: bool = False, mesh: str | None = None) -> int | None:
     """--compile needs as many XLA:CPU devices as the mesh spec. XLA reads the device-count flag when its CPU
     backend starts, so unless this process already has enough CPU devices (e.g. under the tests' 8), the same
     command is re-run in a child process with `--xla_force_host_platform_device_count` and JAX_PLATFORMS=cpu.
     `gpu` (a GPU --target): the deviceless topology needs only JAX_PLATFORMS=cpu (the CUDA plugin then skips its
-    driver checks and still makes topologies); re-run with it unless it is set.
+    driver checks and still makes topologies); re-run with it unless it is set. `mesh`: the resolved mesh spec (from
+    --mesh or the --config-file's run), whose device count the child gets.
     Returns the child's exit status, or None to compile here."""
     argv = list(sys.argv[1:] if argv is None else argv)
     if gpu:
@@ -401,9 +420,8 @@ def _compile_in_child(argv: Sequence[str] | None, gpu: bool = False) -> int | No
         env = {**os.environ, _CHILD: "1", "JAX_PLATFORMS": "cpu"}
         return subprocess.run([sys.executable, "-m", "launch.plan", *argv], env=env).returncode
     try:
-        i = argv.index("--mesh")
-        n_dev = mesh_lib.parse_mesh_spec(argv[i + 1]).n_devices
-    except (ValueError, IndexError):
+        n_dev = mesh_lib.parse_mesh_spec(mesh).n_devices
+    except (ValueError, TypeError):
         return None  # let the normal path report the bad spec
     if os.environ.get(_CHILD) or "xla_force_host_platform_device_count" in os.environ.get("XLA_FLAGS", ""):
         if all(d.platform == "cpu" for d in jax.devices()) and jax.device_count() >= n_dev:

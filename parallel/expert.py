@@ -33,9 +33,15 @@ Backends (`backend=`):
   and traffic per rank O(f * T_local * k * D). Why it exists: XLA:CPU (and CUDA jaxlib 0.10) lower `ragged_dot`
   densely, every row through every local expert ([n_local, rows, I] f32: at Flash scale, 96-192 GiB per buffer,
   measured with `python -m launch.plan --compile`), and on MI300X a grouped `ragged_dot` has been reported
-  5-12x slower than capacity-padded dense matmuls. Dropless only with `capacity_factor=None` (C = T_local * k:
-  E times the work; for tests), so at scale it is a capacity-factor dispatch: dropped pairs contribute 0 (the
-  token keeps its other picks and the shared expert).
+  5-12x slower than capacity-padded dense matmuls. Dropless with `capacity_factor=None`: C = T_local. A token sends
+  an expert at most one row (its k picks are distinct experts; repeated picks of one expert, possible only with
+  hash routing, are merged first into one row with the summed routing weight, exact since the FFN output is linear
+  in that weight), so T_local rows per (source rank, expert) hold every routing: the bound of DeepEP's low-latency
+  (decode) buffers, [n_local, ep * T_local, D] per rank. Its work is E / k times the routed pairs', so it is the
+  rollout's path where tokens per device per call are few (continuous-batching decode: slots / shards; chunked
+  prefill: one request's chunk / shards). With a factor it is a capacity dispatch, C = min(T_local,
+  ceil(f * T_local * k / E)): pairs past an expert's C are dropped, first come first served in (token, k) order
+  (they contribute 0; the token keeps its other picks and the shared expert).
 * "ragged" (GPU): pairs sorted by expert are sent with `jax.lax.ragged_all_to_all` (only the real rows move);
   send/receive offsets come from an all_gather of the [ep] per-rank counts. The receive buffer is
   ep * T_local * k rows (dropless) or ceil(f * T_local * k) with `capacity_factor` (every rank knows all counts,
@@ -168,6 +174,22 @@ def padded_ffn(xs: jax.Array, gate_w: jax.Array, w1: jax.Array, w3: jax.Array, w
     return y.astype(jnp.float32)
 
 
+def merge_repeated_picks(ids: jax.Array, w: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """One pick per (token, expert): a repeated pick of an expert (hash routing's table may repeat one; top-k never
+    does) adds its weight to the token's first pick of that expert and is skipped (id -1).
+
+    ids [T, k] int32 (< 0 = skipped, left as is), w [T, k] float32 -> (ids, w) of the same shapes. Exact for the
+    routed-expert sum: expert e's output is linear in its routing weight (w2 (SwiGLU(x) * g), `grouped_ffn`).
+    """
+    k = ids.shape[-1]
+    same = (ids[:, :, None] == ids[:, None, :]) & (ids[:, :, None] >= 0)  # [T, k (pick j), k (pick i)]
+    same = same | jnp.eye(k, dtype=bool)[None]  # a skipped pick is its own first
+    first = jnp.argmax(same, axis=-1)  # [T, k] the first pick of pick j's expert (j itself if none earlier)
+    is_first = first == jnp.arange(k)[None, :]
+    merged = jnp.einsum("tj,tji->ti", w, jax.nn.one_hot(first, k, dtype=w.dtype))
+    return jnp.where(is_first | (ids < 0), ids, -1), jnp.where(is_first, merged, 0.0).astype(w.dtype)
+
+
 def _padded_body(x, ids, w, w1, w3, w2, *, ep, n_local, capacity, expert_axis, limit, dtype, partial, act_q=None):
     """One rank, padded backend. x [Tl, D], ids/w [Tl, k] -> [Tl, D] float32 (partial over I if TP).
 
@@ -176,6 +198,7 @@ def _padded_body(x, ids, w, w1, w3, w2, *, ep, n_local, capacity, expert_axis, l
     over the expert axis delivers every rank its experts' rows from every source: [n_local, ep * C, D], run as
     batched dense matmuls (`padded_ffn`), and back.
     """
+    ids, w = merge_repeated_picks(ids, w)  # <= one row per (token, expert): C = T_local is dropless
     t_loc, k = ids.shape
     n_exp = ep * n_local
     n_pairs = t_loc * k
@@ -265,12 +288,12 @@ def _ragged_body(x, ids, w, w1, w3, w2, *, ep, n_local, buffer_rows, expert_axis
 
 def padded_capacity(t_local: int, k: int, n_experts: int, capacity_factor: float | None) -> int:
     """Rows per (source rank, expert) of the padded backend: ceil(f * T_local * k / E) (f = `capacity_factor`,
-    the mean load of an expert times f, GShard/Switch), at most T_local * k; None = T_local * k (dropless: every
-    local pair fits in one expert's buffer, whatever the routing)."""
-    n_pairs = t_local * k
+    the mean load of an expert times f, GShard/Switch), at most T_local; None = T_local (dropless: a token sends an
+    expert at most one row once repeated picks are merged, `merge_repeated_picks`, so T_local rows hold every
+    routing: DeepEP's low-latency buffer bound)."""
     if capacity_factor is None:
-        return n_pairs
-    return min(n_pairs, max(1, math.ceil(capacity_factor * n_pairs / n_experts)))
+        return t_local
+    return min(t_local, max(1, math.ceil(capacity_factor * t_local * k / n_experts)))
 
 
 def _axes_tuple(entry) -> tuple[str, ...]:
@@ -380,14 +403,24 @@ def make_ep_dispatch(mesh: Mesh, *, backend: str = "capacity", capacity_factor: 
     return dispatch
 
 
+def rollout_backend(cpu: bool) -> str:
+    """The backend the sampler's `--rollout.ep_backend auto` picks: "capacity" on XLA:CPU (as the learner), on GPUs
+    "padded" with or without a capacity factor. Why not ragged: XLA:GPU expands the sampler's `ragged_dot` densely
+    and sizes the dropless ragged buffers for the worst case (the seed rollout compiled to 4,481 GiB per device;
+    benchmarks/README.md "GPU plan"); dropless padded (C = T_local) is bounded by the tokens per device of one
+    call, which continuous batching keeps small (decode: slots / shards; prefill: one request's chunk)."""
+    return "capacity" if cpu else "padded"
+
+
 def auto_backend(cpu: bool, capacity_factor: float | None) -> str:
     """The backend `ep_backend="auto"` (None) picks: "capacity" on XLA:CPU (no ragged all-to-all); on GPUs
     "padded" when a capacity factor bounds the buffers, else "ragged" (dropless). Why padded: XLA:GPU's compile of
     the Flash train step (4 layers, actor fsdp=2 x expert=8, 9,216 tokens per device, MI308X-sized target;
     `python -m launch.plan --compile --target mi308x`) needs 25.5 GiB of temporaries per device with padded at
     f = 1.25 and 476.7 GiB with ragged, whose ragged_dot XLA:GPU expands densely (117x the model flops;
-    benchmarks/README.md "GPU plan"). Dropless padded (C = T_local * k per expert) is sized for the worst case,
-    so without a factor ragged stays the dropless path."""
+    benchmarks/README.md "GPU plan"). Without a factor the learner's dropless path stays ragged (dropless
+    padded, C = T_local, runs E / k = 43x Flash's expert work at a train step's 9,216 tokens per device); the
+    sampler's default is `rollout_backend`."""
     if cpu:
         return "capacity"
     return "padded" if capacity_factor is not None else "ragged"

@@ -25,8 +25,8 @@ the GPU; with `host_gib_per_node` given, an actor needing more host RAM than tha
 Activation estimate for T = tokens per device in one micro-batch, S = sequence length, as the learner runs
 (`--remat block`: only each layer's input is kept, the layer is recomputed in the backward; blocked attention,
 dsv4/blocked.py; log-probs in chunks of 1024 positions), tp = tensor size, L = main layers (the learner never runs
-the MTP block), R = expert-FFN rows per local token on a rank (`ep_rows_per_token`: "padded" f * k, dropless
-E * k; "capacity" min(ep, f) * k; "ragged" ep * k dropless or f * k; f = --ep-capacity-factor, k = experts per
+the MTP block), R = expert-FFN rows per local token on a rank (`ep_rows_per_token`: "padded" min(f * k, E), dropless
+E; "capacity" min(ep, f) * k; "ragged" ep * k dropless or f * k; f = --ep-capacity-factor, k = experts per
 token):
     saved layer inputs   L * T * n_hc * D * 2                        the [n_hc, D] bf16 residual streams
     one layer's backward T * [ 4 * H * d * 4 / tp                    q, attention output and their grads (f32)
@@ -362,11 +362,12 @@ LOGPROB_CHUNK = 1024  # rl.config.LearnerConfig.logprob_chunk_size default
 
 def ep_rows_per_token(cfg, sizes: dict[str, int], ep_backend: str, ep_capacity: float | None) -> float:
     """Expert-FFN rows per local token on one rank (parallel/expert.py's buffers), k = picks per token:
-    padded: f * k (dropless: E * k, every expert's buffer sized for all pairs); capacity: ep * C / T = min(ep, f) * k;
+    padded: min(f * k, E) (dropless: E, every expert's buffer sized for all local tokens, `padded_capacity`);
+    capacity: ep * C / T = min(ep, f) * k;
     ragged: its receive buffer, ep * k dropless or f * k."""
     k, ep, e = cfg.num_experts_per_tok, sizes[rl.EXPERT], cfg.n_routed_experts
     if ep_backend == "padded":
-        return k * (e if ep_capacity is None else min(ep_capacity, e))
+        return e if ep_capacity is None else min(ep_capacity * k, e)
     if ep_backend == "capacity":
         return k * (ep if ep_capacity is None else min(ep_capacity, ep))
     return k * (ep if ep_capacity is None else ep_capacity)

@@ -31,6 +31,7 @@ Derived (not settable): `learner.temperature` = `rollout.temperature`; `advantag
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Any, Literal
 
 from rl.algo_config import (AdvantageConfig, Correction, CorrectionLevel, DTypeName, KLEstimator,  # noqa: F401
@@ -156,6 +157,15 @@ class RolloutConfig:
     prefill_chunk: int = knob(2048, "prompts longer than this prefill in chunks of this many tokens against the KV "
                                     "cache built so far (memory bounded by one chunk; dsv4/chunked.py); 0 = whole "
                                     "prompt; a multiple of the compression ratios' lcm (128 for Flash)")
+    ep_backend: Literal["auto", "capacity", "ragged", "padded"] = knob(
+        "auto", "the sampler's expert-parallel dispatch on an expert rollout mesh (parallel/expert.py): auto "
+                "(capacity on XLA:CPU, padded on GPUs: `parallel.expert.rollout_backend`) | capacity | ragged | "
+                "padded (per-expert buffers, dense batched matmuls)")
+    ep_capacity_factor: float | None = knob(
+        None, "the sampler's EP buffer factor: none = dropless (padded: T_local rows per expert and source rank, "
+              "bounded by the tokens per device of one call: use --rollout-slots) | f > 0 = capacity "
+              "min(T_local, ceil(f T_local k / E)), pairs past it dropped (first come in (token, pick) order; the "
+              "token keeps its other experts and the shared one)")
     speculative: Literal["off", "mtp"] = knob(
         "off", "speculative decoding: off | mtp (DeepSeek-V4's MTP block drafts --rollout.draft_tokens tokens per "
                "step, one forward of the policy verifies them; the output distribution is plain sampling's; "
@@ -197,6 +207,11 @@ class RolloutConfig:
             raise ValueError(f"rollout.draft_tokens (--rollout.draft_tokens) must be an int in 1..3, "
                              f"got {self.draft_tokens!r}")
         _min("rollout", self, ("top_k", "push_verify_every", "prefill_chunk"), 0)
+        f = self.ep_capacity_factor
+        if f is not None and (isinstance(f, bool) or not isinstance(f, (int, float)) or not math.isfinite(f)
+                              or f <= 0):
+            raise ValueError(f"rollout.ep_capacity_factor (--rollout.ep_capacity_factor) must be > 0, or none "
+                             f"(dropless), got {f!r}")
         if not isinstance(self.group_size, int) or self.group_size < 2:
             raise ValueError(f"rollout.group_size (--group-size) must be >= 2 for group advantages, "
                              f"got {self.group_size}")

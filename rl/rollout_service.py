@@ -166,7 +166,7 @@ def make_sampler(model, mesh, rollout, *, max_prompt_len: int, slots: int = 0,
     """The rollout engine of a run, the one place a run's Sampler is built (the run in every layout, the planner's
     compile, the benchmarks): `model` (a DSV4ForCausalLM or its `nnx.eval_shape`), the rollout `mesh` (None:
     unmeshed), the run's `RolloutConfig` (weights dtype, compute dtype, KV cache dtype, prefill chunk,
-    speculative decoding),
+    speculative decoding, EP dispatch),
     `max_prompt_len` (the largest prompt bucket), `slots` / `kv_budget_bytes` (continuous batching, resolved by
     `rl.slots.plan_slots`). `compute_dtype` overrides the config's (the planner compiles in bf16 on CPU devices)."""
     platform = (mesh.devices.flat[0] if mesh is not None else jax.devices()[0]).platform
@@ -174,4 +174,5 @@ def make_sampler(model, mesh, rollout, *, max_prompt_len: int, slots: int = 0,
     return Sampler(model, mesh=mesh, weights=rollout.dtype, max_prompt_len=max_prompt_len, compute_dtype=cd,
                    slots=slots, kv_budget_bytes=kv_budget_bytes, kv_cache_dtype=rollout.kv_cache_dtype,
                    prefill_chunk=rollout.prefill_chunk, speculative=rollout.speculative,
-                   draft_tokens=rollout.draft_tokens)
+                   draft_tokens=rollout.draft_tokens, ep_backend=rollout.ep_backend,
+                   ep_capacity_factor=rollout.ep_capacity_factor)

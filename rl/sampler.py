@@ -37,9 +37,10 @@ Design (docs/jax-stack.md §5; Tunix `sampler.py`, MaxText `maxengine` read for 
   change when the batch around it changes.
 - Routing: expert ids of every main MoE layer for every prompt and response token; the last response token is
   fed once more after sampling stops so that its routing is recorded too.
-- Routed experts: `parallel.expert.default_dispatch` (on CPU with unsharded experts `routed_experts_cpu`, else the
-  model's `ragged_dot`); prefill and decode ops sit under the `prefill` / `decode_step` name scopes (profiles,
-  compiled HLO; benchmarks/sampler.py counts the decode step's bytes from them).
+- Routed experts: `parallel.expert.default_dispatch` (an expert mesh: the EP dispatch of --rollout.ep_backend, padded
+  on GPUs; unsharded experts: `routed_experts_cpu` on CPU, else the model's `ragged_dot`); prefill and decode ops
+  sit under the `prefill` / `decode_step` name scopes (profiles, compiled HLO; benchmarks/sampler.py counts the
+  decode step's bytes from them).
 """
 
 from __future__ import annotations
@@ -130,8 +131,11 @@ class Sampler:
       matmul: "auto" (FP8 GEMMs where the backend has them, logged) | "dequant" | "fp8" (forced; per_layer only).
       compute_dtype: matmul dtype (default bf16, fp32 for `weights="fp32"`); FP8 weights are dequantised to it
         (float32 suits CPUs, where bf16 matmuls are emulated). dispatch_fn: routed-expert implementation for
-        prefill and decode (`dsv4.moe` contract); None picks `moe.routed_experts_cpu` on CPU with
-        unsharded experts and the model's stock `ragged_dot` elsewhere.
+        prefill and decode (`dsv4.moe` contract); None: experts split over an `expert` mesh axis get the
+        expert-parallel dispatch of `ep_backend` / `ep_capacity_factor` (`--rollout.ep_backend`,
+        `--rollout.ep_capacity_factor`; "auto" = `parallel.expert.rollout_backend`: capacity on CPU, padded on
+        GPUs, dropless without a factor), else `moe.routed_experts_cpu` on CPU with unsharded experts and the
+        model's stock `ragged_dot` elsewhere.
       slots: 0 = static batching; N >= 1 = continuous batching over N decode slots (rl/slots.py).
       kv_budget_bytes: KV-cache bytes per rollout device the memory plan allows (None = unchecked); `generate`
         raises ValueError naming --rollout-slots when N slots of its cache length need more.
@@ -154,7 +158,9 @@ class Sampler:
                  matmul: str = "auto", kv_cache_dtype: str = "bf16",
                  prefill_chunk: int = default(RolloutConfig, "prefill_chunk"),
                  speculative: str = default(RolloutConfig, "speculative"),
-                 draft_tokens: int = default(RolloutConfig, "draft_tokens")):
+                 draft_tokens: int = default(RolloutConfig, "draft_tokens"),
+                 ep_backend: str = default(RolloutConfig, "ep_backend"),
+                 ep_capacity_factor: float | None = default(RolloutConfig, "ep_capacity_factor")):
         rdt = parse_rollout_dtype(weights)
         self.kv_cache_dtype = resolve_kv_cache_dtype(kv_cache_dtype, rdt.fp8)
         if dequant not in DEQUANT_MODES:
@@ -195,9 +201,13 @@ class Sampler:
         self.graphdef, abs_state = nnx.split(abstract)
         self._abs_flat = list(nnx.to_flat_state(abs_state))
         self._raw_shardings = self._shardings_for(abs_state)
-        if dispatch_fn is None:  # CPU + unsharded experts: moe.routed_experts_cpu; else ragged_dot
+        if dispatch_fn is None:  # an expert mesh: the EP dispatch; CPU + unsharded experts: moe.routed_experts_cpu
             devs = [jax.devices()[0]] if mesh is None else list(mesh.devices.flat)
-            dispatch_fn = expert_lib.default_dispatch(devs, self._raw_shardings)
+            backend = (expert_lib.rollout_backend(all(d.platform == "cpu" for d in devs)) if ep_backend == "auto"
+                       else ep_backend)
+            dispatch_fn = expert_lib.default_dispatch(devs, self._raw_shardings, ep_backend=backend,
+                                                      ep_capacity_factor=ep_capacity_factor)
+        self.ep_backend, self.ep_capacity_factor = ep_backend, ep_capacity_factor
         self.dispatch_fn = dispatch_fn
         self._quantize_jit = jax.jit(self._quantize_fn, out_shardings=self._wstate_shardings())
         # Outputs are replicated on the rollout mesh (readable on every host); the donated caches keep their

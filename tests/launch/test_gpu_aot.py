@@ -12,20 +12,25 @@ from __future__ import annotations
 
 import dataclasses
 import pathlib
+from types import SimpleNamespace
 
+import jax
+import jax.numpy as jnp
+import numpy as np
 import pytest
 
 import dsv4
 from launch import gpu_target as gt
 from launch import hlo_stats
 from launch.aot import compile_actor, compile_rollout, reduced_depth
+from launch import plan as plan_mod
 from launch.plan import main as plan_main
 from rl.config import DEFAULT_LEARNER
 
 SEED = pathlib.Path(__file__).resolve().parents[2] / "launch" / "configs" / "dapo_seed_mi308x.yaml"
 MESH = "actor:fsdp=2,expert=2/rollout:expert=2"
 REMAT = "Involuntary full rematerialization"
-FAST = {"xla_gpu_disable_gpuasm_optimizations": True, "xla_gpu_enable_triton_gemm": False}
+FAST = gt.compile_options({"xla_gpu_disable_gpuasm_optimizations": True, "xla_gpu_enable_triton_gemm": False})
 
 # one scanned layer body (trip count 4) with a Triton gemm fusion, an FSDP all-gather over the inner mesh axis,
 # and a fusion that reads one layer of a stacked [4, 8, 16] weight through dynamic-slice
@@ -90,6 +95,49 @@ def test_hlo_counts_scan_trips_fusions_slices_and_collectives():
     assert st.dots == 1 and st.fp8_dots == 0 and st.loops == [(st.decode_step, 4)]  # the outermost loop
 
 
+def test_decode_step_of_the_slots_loop_leaves_out_its_refill():
+    """Continuous batching: the token loop (no trip count) holds the refill loop (no trip count: admissions run
+    only when a slot frees); one decode step is the token loop's body without it."""
+    text = """HloModule m
+
+%refill (r: (s32[], f32[64,64])) -> (s32[], f32[64,64]) {
+  %r = (s32[], f32[64,64]{1,0}) parameter(0)
+  %i = s32[] get-tuple-element(%r), index=0
+  %a = f32[64,64]{1,0} get-tuple-element(%r), index=1
+  %pre = f32[64,64]{1,0} dot(%a, %a), lhs_contracting_dims={1}, rhs_contracting_dims={0}
+  ROOT %t = (s32[], f32[64,64]{1,0}) tuple(%i, %pre)
+}
+
+%cond (c: (s32[], f32[64,64])) -> pred[] {
+  %c = (s32[], f32[64,64]{1,0}) parameter(0)
+  ROOT %k = pred[] constant(true)
+}
+
+%step (u: (s32[], f32[64,64])) -> (s32[], f32[64,64]) {
+  %u = (s32[], f32[64,64]{1,0}) parameter(0)
+  %w = (s32[], f32[64,64]{1,0}) while(%u), condition=%cond, body=%refill
+  %j = s32[] get-tuple-element(%w), index=0
+  %b = f32[64,64]{1,0} get-tuple-element(%w), index=1
+  %x = f32[8,64]{1,0} slice(%b), slice={[0:8], [0:64]}
+  %dec = f32[8,64]{1,0} dot(%x, %b), lhs_contracting_dims={1}, rhs_contracting_dims={0}
+  ROOT %v = (s32[], f32[64,64]{1,0}) tuple(%j, %b)
+}
+
+ENTRY %main (p: f32[64,64]) -> f32[64,64] {
+  %p = f32[64,64]{1,0} parameter(0)
+  %z = s32[] constant(0)
+  %t0 = (s32[], f32[64,64]{1,0}) tuple(%z, %p)
+  %loop = (s32[], f32[64,64]{1,0}) while(%t0), condition=%cond, body=%step
+  ROOT %out = f32[64,64]{1,0} get-tuple-element(%loop), index=1
+}
+"""
+    st = hlo_stats.count(text)
+    step = st.decode_step
+    assert st.flops == 2 * 64 * 64 * 64 + 2 * 8 * 64 * 64  # the program: one refill dot + one decode dot
+    assert step.flops == 2 * 8 * 64 * 64 and step.dots == 1  # the decode step alone
+    assert step.bytes == st.bytes - st.loops[0][0].loops[0][0].bytes
+
+
 def test_hlo_counts_cublas_gemms():
     """A cuBLASLt gemm custom call (what XLA:GPU emits without Triton gemms) counts its dot flops."""
     text = """ENTRY %main (a: bf16[32,8], b: bf16[24,8]) -> f32[32,24] {
@@ -133,6 +181,16 @@ def test_config_file_plans_the_run(capsys):
     assert "--config-file /no/such.yaml" in capsys.readouterr().err
 
 
+def test_config_file_compile_gets_the_runs_device_count(monkeypatch):
+    """--config-file --compile on XLA:CPU re-runs itself with as many host devices as the file's mesh (24 for the
+    seed layout), not --mesh's (absent here)."""
+    envs = []
+    monkeypatch.delenv("DSV4_PLAN_COMPILE_CHILD", raising=False)
+    monkeypatch.setattr(plan_mod.subprocess, "run", lambda argv, env: envs.append(env) or SimpleNamespace(returncode=0))
+    assert plan_main(["--config-file", str(SEED), "--compile", "--target", "cpu", "--gpu", "mi308x"]) == 0
+    assert "--xla_force_host_platform_device_count=24" in envs[0]["XLA_FLAGS"]
+
+
 _PLUGIN = gt.plugin_error()
 
 
@@ -149,7 +207,20 @@ def test_deviceless_gpu_compile_actor_and_rollout(capfd):
     assert a.argument > 0 and a.temp > 0 and a.host_from_shardings and 0 < a.host < a.argument
     assert a.hlo.flops > 0 and a.hlo.dots > 0 and a.hlo.collectives.get("all-gather", 0) > 0 and a.hlo.bytes > 0
     assert "on XLA:GPU h200" in a.lines()[0]
-    r = compile_rollout(cfg, MESH, batch=8, context=48, prompt_len=16, devices=devices, backend="XLA:GPU h200",
-                        compiler_options=FAST)
+    r = compile_rollout(cfg, MESH, batch=8, context=48, prompt_len=16, slots=4, devices=devices,
+                        backend="XLA:GPU h200", compiler_options=FAST)
     assert r.argument > 0 and r.weights > 0 and r.hlo.flops > 0 and r.hlo.decode_step is not None
+    # the run's rollout on a GPU: continuous batching, the dropless padded expert dispatch (no ragged_dot)
+    assert r.slots == 4 and "(padded)" in r.ep_dispatch and r.ep_dispatch.endswith("dropless")
     assert REMAT not in capfd.readouterr().err
+
+
+@pytest.mark.skipif(_PLUGIN is not None, reason=f"no deviceless XLA:GPU compile here: {_PLUGIN}")
+def test_b200_spec_compiles_a_large_sort():
+    """The MI355X proxy (B200 spec): a sort of 64 x 2^17 keys (CUB territory) compiles deviceless with the
+    planner's options; XLA:GPU's CUB sort would ask the CUDA runtime for a device (launch/gpu_target.py)."""
+    devices = gt.topology_devices(gt.TARGETS["mi355x"], 1)
+    rep = jax.sharding.NamedSharding(jax.sharding.Mesh(np.array(devices), ("x",)), jax.sharding.PartitionSpec())
+    keys = jax.ShapeDtypeStruct((64, 1 << 17), jnp.float32, sharding=rep)
+    compiled = jax.jit(lambda a: jnp.argsort(a, axis=-1)).lower(keys).compile(gt.compile_options())
+    assert compiled.memory_analysis().output_size_in_bytes == 64 * (1 << 17) * 4

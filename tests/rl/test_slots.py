@@ -171,6 +171,27 @@ def test_slot_caches_sharded_over_data_and_expert(model, prompts):
         _assert_same(_row(alone, 0), _row(out, i), bitwise=False)
 
 
+def test_rollout_ep_dispatch_knobs_reach_the_sampler():
+    """`--rollout.ep_backend` / `--rollout.ep_capacity_factor` (RolloutConfig) pick the sampler's expert dispatch on
+    an expert rollout mesh: auto = capacity on XLA:CPU (padded on GPUs, `parallel.expert.rollout_backend`), padded
+    dropless or with a factor. (The padded dispatch's math against the reference: tests/sharding/test_expert.py.)"""
+    import jax
+    from jax.sharding import Mesh
+
+    from rl.config import RolloutConfig
+    from rl.rollout_service import make_sampler
+
+    mesh = Mesh(np.array(jax.devices()[:8]).reshape(2, 1, 4, 1), ("data", "fsdp", "expert", "tensor"))
+    abstract = nnx.eval_shape(lambda: DSV4ForCausalLM(CFG, rngs=nnx.Rngs(0)))
+    for kw, name in ((dict(), "(capacity)"), (dict(ep_backend="padded"), "(padded)"),
+                     (dict(ep_backend="padded", ep_capacity_factor=2.0), "(padded)")):
+        s = make_sampler(abstract, mesh, RolloutConfig(dtype="fp32", **kw), max_prompt_len=P)
+        assert name in s.dispatch_fn.__doc__ and "expert=4" in s.dispatch_fn.__doc__
+        assert s.ep_capacity_factor == kw.get("ep_capacity_factor")
+    with pytest.raises(ValueError, match=r"rollout.ep_capacity_factor \(--rollout.ep_capacity_factor\) must be > 0"):
+        RolloutConfig(ep_capacity_factor=0.0)
+
+
 def test_chunked_per_slot_prefill(model):
     """Prompts of up to 37 tokens (not multiples of the chunk 8, the window 8 or the ratios 4 / 8) prefilled per
     slot in chunks of 8 (`prefill_chunk=8`) against whole-prompt static prefill: tokens, routing and lengths

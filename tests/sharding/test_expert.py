@@ -15,7 +15,8 @@ import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from dsv4 import moe
-from parallel.expert import _ragged_all_to_all_reference, make_ep_dispatch, padded_capacity
+from parallel.expert import (_ragged_all_to_all_reference, make_ep_dispatch, merge_repeated_picks, padded_capacity,
+                             rollout_backend)
 from sharding.mesh import build_mesh_plan
 from sharding.rules import ACTOR_RULES, ROLLOUT_RULES, param_shardings
 
@@ -220,6 +221,29 @@ def test_bounded_capacity_drops_predictably(actor_mesh, backend):
     name, hook = _backend(backend)
     fn = make_ep_dispatch(actor_mesh, backend=name, capacity_factor=cf, _ragged_all_to_all=hook)
     np.testing.assert_allclose(np.asarray(_run(actor_mesh, fn, x, ids, w, w1, w3, w2)), np.asarray(ref), **TOL)
+
+
+def test_merge_repeated_picks_by_hand():
+    """A repeated expert adds its weight to the token's first pick of it; skipped picks (< 0) are left as they are."""
+    ids = jnp.array([[3, 3, 5], [1, -1, 1], [-1, 2, -1]], jnp.int32)
+    w = jnp.array([[0.5, 0.25, 0.125], [1.0, 2.0, 4.0], [8.0, 0.5, 16.0]], jnp.float32)
+    got_ids, got_w = merge_repeated_picks(ids, w)
+    np.testing.assert_array_equal(np.asarray(got_ids), [[3, -1, 5], [1, -1, -1], [-1, 2, -1]])
+    np.testing.assert_array_equal(np.asarray(got_w), [[0.75, 0.0, 0.125], [5.0, 2.0, 0.0], [8.0, 0.5, 16.0]])
+
+
+def test_padded_dropless_is_t_local_and_exact_with_repeated_picks(actor_mesh):
+    """Dropless padded holds T_local rows per (source rank, expert) (DeepEP's low-latency bound), k times less than
+    every local pair; with repeated picks of one expert (hash routing) and every token on the same experts it
+    still equals the reference, which sums the repeated picks' outputs."""
+    assert padded_capacity(12, 6, 256, None) == 12 and padded_capacity(12, 6, 256, 1.25) == 1
+    assert padded_capacity(12, 6, 4, 4.0) == 12  # a factor never asks for more than the dropless bound
+    assert rollout_backend(cpu=True) == "capacity" and rollout_backend(cpu=False) == "padded"
+    x, ids, w, w1, w3, w2 = _inputs(seed=6, same=True)
+    ids = ids.at[::3, 1].set(ids[::3, 0])  # every third token picks expert 3 twice
+    ref = routed_experts_ragged(x, ids, w, w1, w3, w2, limit=LIMIT, dtype=jnp.float32)
+    out = _run(actor_mesh, make_ep_dispatch(actor_mesh, backend="padded"), x, ids, w, w1, w3, w2)
+    np.testing.assert_allclose(np.asarray(out), np.asarray(ref), **TOL)
 
 
 def test_native_ragged_all_to_all_lowers(actor_mesh):

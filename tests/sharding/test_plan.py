@@ -187,13 +187,13 @@ def test_cli_error_exit(capsys):
 
 
 def test_ep_rows_follow_the_dispatch_backend():
-    """Expert-FFN rows per local token, as parallel/expert.py sizes its buffers: padded f * k (dropless E * k),
+    """Expert-FFN rows per local token, as parallel/expert.py sizes its buffers: padded min(f * k, E) (dropless E: T_local rows per expert),
     capacity min(ep, f) * k (dropless ep * k), ragged ep * k dropless or f * k; the activations grow with them."""
     cfg = dsv4.DSV4Config.preset("flash")
     sizes = {"data": 1, "fsdp": 2, "expert": 8, "tensor": 1}
     k, e = cfg.num_experts_per_tok, cfg.n_routed_experts
     assert pl.ep_rows_per_token(cfg, sizes, "padded", 1.25) == 1.25 * k
-    assert pl.ep_rows_per_token(cfg, sizes, "padded", None) == e * k
+    assert pl.ep_rows_per_token(cfg, sizes, "padded", None) == e
     assert pl.ep_rows_per_token(cfg, sizes, "capacity", None) == 8 * k
     assert pl.ep_rows_per_token(cfg, sizes, "capacity", 2.0) == 2.0 * k
     assert pl.ep_rows_per_token(cfg, sizes, "ragged", None) == 8 * k
