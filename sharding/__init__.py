@@ -5,11 +5,13 @@
     mesh.py         mesh specs and MeshPlan (actor and rollout meshes)
     distributed.py  multi-process start-up (jax.distributed)
     offload.py      which optimizer state lives in host memory (pinned_host)
+    backends.py     backend start-up where the CUDA plugin is installed for deviceless compiles only
 
 The names below are re-exported for convenience. Expert parallelism, the push and the planner live one layer up,
 in `parallel/` (they need the model).
 """
 
+from sharding.backends import quiet_cuda_plugin_without_driver
 from sharding.mesh import MeshPlan, MeshSpec, MeshSpecError, build_mesh_plan, parse_mesh_spec
 from sharding.rules import ACTOR_RULES, ROLLOUT_RULES, constrain, param_shardings, use_rules
 
@@ -25,3 +27,5 @@ __all__ = [
     "parse_mesh_spec",
     "use_rules",
 ]
+
+quiet_cuda_plugin_without_driver()  # before any backend starts: no cuDNN traceback on CPU machines (backends.py)
