@@ -6,7 +6,9 @@
 Where the roles live is decided here, once (`sharding.mpmd.role_layout`): both roles in this process (one mesh,
 two disjoint meshes, colocated) -> `job.rollout` is an `rl.rollout_service.LocalRollout`; the rollout on processes
 of its own (MPMD) -> on actor processes `job.rollout` is an `rl.rollout_mpmd.ProcessRollout`, on rollout processes
-`job.server` is the `rl.rollout_mpmd.RolloutServer` they run instead of the loop. The learner, the Sampler
+`job.server` is the `rl.rollout_mpmd.RolloutServer` they run instead of the loop; the rollout as a JAX job of its
+own (the two-job layout, --rollout-address / --rollout-job) -> `job.rollout` is an `rl.rollout_job.JobRollout` on
+the actor job, and a rollout job (`build_rollout_job`) runs `rl.rollout_job.RolloutJobServer` as `job.server`. The learner, the Sampler
 (`rl.rollout_service.make_sampler`), the checkpoints and the resume are built by the same code for every layout.
 """
 
@@ -307,6 +309,8 @@ def build_rollout_job(cfg: RunConfig) -> Job:
     """A rollout job of the two-job layout (rl/rollout_job.py): the Sampler on this job's devices (the mesh's
     rollout section; weights arrive from the actor by pull) and the loop it serves (`job.server`). It reads the
     data only to size the prompt buckets as the actor does; it writes no metrics, config file or checkpoint."""
+    if jax.process_count() > 1:
+        raise ValueError(f"--rollout-job: a rollout job of one process for now (this one has {jax.process_count()})")
     tok, task, train, ev_prompts, ev_refs, _, _ = _data(cfg)
     model_cfg = resolve_model_config(cfg, tok.vocab_size)
     plan = build_job_plan(cfg.mesh, ROLLOUT, config=model_cfg)
