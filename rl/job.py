@@ -8,8 +8,9 @@ two disjoint meshes, colocated) -> `job.rollout` is an `rl.rollout_service.Local
 of its own (MPMD) -> on actor processes `job.rollout` is an `rl.rollout_mpmd.ProcessRollout`, on rollout processes
 `job.server` is the `rl.rollout_mpmd.RolloutServer` they run instead of the loop; the rollout as a JAX job of its
 own (the two-job layout, --rollout-address / --rollout-job) -> `job.rollout` is an `rl.rollout_job.JobRollout` on
-the actor job, and a rollout job (`build_rollout_job`) runs `rl.rollout_job.RolloutJobServer` as `job.server`. The learner, the Sampler
-(`rl.rollout_service.make_sampler`), the checkpoints and the resume are built by the same code for every layout.
+the actor job, and a rollout job (`build_rollout_job`) runs `rl.rollout_job.RolloutJobServer` as `job.server`.
+The learner, the Sampler (`rl.rollout_service.make_sampler`), the checkpoints and the resume are built by the same
+code for every layout.
 """
 
 from __future__ import annotations
