@@ -93,7 +93,7 @@ class Link:
         while True:
             try:
                 key, payload = self.conn.recv()
-            except (EOFError, OSError) as e:
+            except (EOFError, OSError, TypeError) as e:  # TypeError: this side closed the handle meanwhile
                 with self._cond:
                     self.closed = self.closed or f"closed the connection ({type(e).__name__})"
                     self._cond.notify_all()
@@ -118,7 +118,7 @@ class Link:
         try:
             with self._send_lock:
                 self.conn.send((key, payload))
-        except (OSError, ValueError) as e:
+        except (OSError, ValueError, TypeError) as e:
             with self._cond:
                 self.closed = self.closed or f"closed the connection ({type(e).__name__})"
             raise LinkLost(self.name, self.closed, last_line=self.last_line) from None
