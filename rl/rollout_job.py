@@ -21,8 +21,8 @@ the in-flight batches were being generated with, even if the learner has moved o
 not yet answered is sent again under its tag. A request's randomness is a function of (seed, step, prompt index,
 sample index) (rl/rollout_service.py), so the regenerated batch equals the lost one bitwise on CPU: nothing is
 trained twice, nothing skipped, and the per-step metrics equal an uninterrupted run's. Metrics (each step, from
-`stats`): `rollout/restarts` (rollout jobs lost so far), `rollout/recovery_s` (seconds the latest recovery took,
-from the loss noticed to the in-flight requests sent again; 0 before any).
+`stats`): `rollout/restarts` (rollout jobs lost so far), `rollout/recovery_s` (seconds spent recovering so far,
+summed over the restarts: each from the loss noticed to the in-flight requests sent again; 0 before any).
 Giving up, with one line naming the rollout (its host and pid, its last log line): no rollout registered within
 `--rollout-restart-timeout` (`RolloutJobError`, exit 1), or a rollout that keeps dying: more than `MAX_RESTARTS`
 losses within `RESTART_WINDOW_S` (a crash loop, e.g. an out-of-memory on a prompt, is not waited out).
@@ -94,9 +94,9 @@ class JobRollout(RolloutService):
         serves this actor's tiling."""
         link = self.listener.accept(deadline_s, self.timeout_s)
         if link is None:
-            who = "no rollout job" if first else self.rollout_name
+            who = "" if first else f"{self.rollout_name} is gone and "
             last = f"; its last log line: {self.last_line!r}" if self.last_line else ""
-            raise RolloutJobError(f"{who} registered at {self.listener.address} within {deadline_s:g} s "
+            raise RolloutJobError(f"{who}no rollout job registered at {self.listener.address} within {deadline_s:g} s "
                                   f"(--rollout-restart-timeout){last}")
         self.link, self.rollout_name = link, _describe(link.hello)
         link.name = self.rollout_name
@@ -135,9 +135,9 @@ class JobRollout(RolloutService):
             except LinkLost as e:
                 lost = e
                 continue
-            self.recovery_s = time.monotonic() - t0
+            self.recovery_s += time.monotonic() - t0
             log.info("two-job layout: recovered in %.1f s (weight version %d, %d requests sent again)",
-                     self.recovery_s, self._version, len(self._pending))
+                     time.monotonic() - t0, self._version, len(self._pending))
             return
 
     def _retry(self, fn):

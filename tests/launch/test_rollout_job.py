@@ -92,7 +92,8 @@ def test_two_jobs_rollout_killed_restarted_and_lost(tmp_path, run_env, lt):
     assert rc["c"] != 0, out["c"][-3000:]
     errors = [x for x in out["c"].splitlines() if x.startswith("error:")]
     assert len(errors) == 1 and "the rollout job" in errors[0] and "pid" in errors[0], out["c"][-3000:]
-    assert "within 3 s (--rollout-restart-timeout)" in errors[0] and "Traceback" not in out["c"]
+    assert "is gone and no rollout job registered at 127.0.0.1:" in errors[0] and "Traceback" not in out["c"]
+    assert "within 3 s (--rollout-restart-timeout)" in errors[0]
     assert not (tmp_path / "r.jsonl").exists()  # rollout jobs write no metrics
 
 
