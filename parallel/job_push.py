@@ -25,7 +25,7 @@ Push verification (`--rollout.push_verify_every`) is the MPMD push's business; t
 Sources: docs/jax-stack.md §2.5 (`start_transfer_server`, `await_pull`, `connect(addr).pull`, run on CPU between
 independent processes); marin's `post_training/weight_transfer` (a trainer's transfer server, samplers pulling by
 an increasing id) read for the pattern.
-Tests: `.venv/bin/python -m pytest -q tests/launch/test_rollout_job.py`.
+Tests: `.venv/bin/python -m pytest -q tests/launch/test_two_jobs.py`.
 """
 
 from __future__ import annotations

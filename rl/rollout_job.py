@@ -28,7 +28,7 @@ Giving up, with one line naming the rollout (its host and pid, its last log line
 losses within `RESTART_WINDOW_S` (a crash loop, e.g. an out-of-memory on a prompt, is not waited out).
 The rollout job exits with one line when its actor is gone (closed connection or silent for --push-timeout).
 
-Tests: `.venv/bin/python -m pytest -q tests/launch/test_rollout_job.py`; benchmark `benchmarks/rollout_fault.py`.
+Tests: `.venv/bin/python -m pytest -q tests/launch/test_two_jobs.py`; benchmark `benchmarks/rollout_fault.py`.
 """
 
 from __future__ import annotations

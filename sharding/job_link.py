@@ -16,7 +16,7 @@ with `LinkLost` when the connection closed (the peer process died: the kernel cl
 heartbeat is older than `timeout_s` (a hung peer); the error names the peer and says which, with the peer's last
 log line when it sent one. The hello exchanged on connect carries the peer's description (host, pid, ...).
 
-Tests: `.venv/bin/python -m pytest -q tests/launch/test_rollout_job.py` (through the launched jobs).
+Tests: `.venv/bin/python -m pytest -q tests/launch/test_two_jobs.py` (through the launched jobs).
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """rl/rollout_job.py without processes: the restart policy of `JobRollout._recover` (a rollout that keeps dying ends
-the run with one line naming its last log line). The launched two-job runs: tests/launch/test_rollout_job.py."""
+the run with one line naming its last log line). The launched two-job runs: tests/launch/test_two_jobs.py."""
 
 from __future__ import annotations
 
