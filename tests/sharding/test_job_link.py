@@ -3,6 +3,8 @@ key in order, the peer's hello and last log line, a closed peer -> LinkLost nami
 
 from __future__ import annotations
 
+from multiprocessing.connection import Client
+
 import pytest
 
 from sharding.job_link import JobListener, LinkLost, connect, split_address
@@ -37,3 +39,19 @@ def test_wrong_key_and_bad_address():
         listener.close()
     with pytest.raises(ValueError, match="--rollout-address must be HOST:PORT"):
         split_address("nohost", "--rollout-address")
+
+
+def test_a_silent_peer_is_lost_after_the_timeout():
+    """A peer that stops answering (hung, SIGSTOPped) while its socket stays open: LinkLost after `timeout_s`."""
+    listener = JobListener("127.0.0.1:0", b"k")
+    try:
+        host, port = split_address(listener.address, "address")
+        raw = Client((host, port), authkey=b"k")  # no Link: it never sends a heartbeat
+        raw.send(("hello", {"name": "the rollout job h pid 2", "line": "decoding"}))
+        actor = listener.accept(10, timeout_s=0.5)
+        with pytest.raises(LinkLost) as e:
+            actor.get("result/a", "the rollout results of a")
+        assert "the rollout job h pid 2 sent no heartbeat for" in str(e.value) and e.value.last_line == "decoding"
+        raw.close()
+    finally:
+        listener.close()
