@@ -1,15 +1,90 @@
-"""rl/rollout_job.py without processes: the restart policy of `JobRollout._recover` (a rollout that keeps dying ends
-the run with one line naming its last log line). The launched two-job runs: tests/launch/test_two_jobs.py."""
+"""rl/rollout_job.py without processes or programs: `JobRollout` over a real socket with fake rollout jobs in threads
+(the in-flight request sent again to the next rollout; one that never comes back -> one line naming it), and the
+restart policy of `JobRollout._recover` (a rollout that keeps dying ends the run with one line naming its last log
+line). The launched two-job runs: tests/launch/test_two_jobs.py."""
 
 from __future__ import annotations
 
 import collections
+import threading
+from types import SimpleNamespace
 
+import portpicker
 import pytest
 
 from rl import rollout_job
 from rl.rollout_job import JobRollout, RolloutJobError
-from sharding.job_link import LinkLost
+from rl.rollout_service import RolloutRequest
+from sharding.job_link import LinkLost, authkey, connect
+
+TILING = [("embed.weight", (8, 4), "float8_e4m3fn", (("data", 1),), "P()")]
+
+
+class _FakePusher:
+    tiling = TILING
+
+    def stage(self, params, version):
+        return SimpleNamespace(version=version, nbytes=32)
+
+    def offer(self, served, uuid, host):
+        return "127.0.0.1:1"
+
+
+def _fake_rollout(address: str, pid: int, die_on_generate: bool) -> None:
+    """A rollout job's ops without a sampler: acks pulls, answers requests with its pid (or dies at the first)."""
+    link = connect(address, authkey(), timeout_s=10, deadline_s=10,
+                   hello={"host": "h", "pid": pid, "tiling": TILING, "line": f"rollout {pid} up"})
+    while True:
+        cmd = link.get("cmd", "op")
+        if cmd["op"] == "pull":
+            link.send(f"ack/{cmd['uuid']}")
+        elif cmd["op"] == "generate" and die_on_generate:
+            link.close()  # SIGKILL: the socket closes
+            return
+        elif cmd["op"] == "generate":
+            link.send(f"result/{cmd['request'].tag}", f"{cmd['request'].tag} by {pid}")
+        else:
+            link.send("bye")
+            return
+
+
+def _start(address, pid, die):
+    t = threading.Thread(target=_fake_rollout, args=(address, pid, die), daemon=True)
+    t.start()
+    return t
+
+
+def test_the_request_in_flight_is_sent_again_to_the_next_rollout():
+    address = f"127.0.0.1:{portpicker.pick_unused_port()}"
+    _start(address, 1, True)
+    r = JobRollout(address, _FakePusher(), dict, timeout_s=10, restart_timeout_s=10)
+    try:
+        r.load_weights(0)
+        handle = r.submit(RolloutRequest(prompts=[[1, 2]], params=None, seed=0, tag="train/0/0"))
+        second = _start(address, 2, False)  # as a supervisor would (it may register before the first one dies)
+        assert r.collect(handle) == "train/0/0 by 2" and r.weight_version == 0
+        assert r.stats()["rollout/restarts"] == 1.0 and r.stats()["rollout/recovery_s"] > 0
+        assert r.rollout_name == "the rollout job h pid 2"
+    finally:
+        r.close()
+    second.join(timeout=10)
+    assert not second.is_alive()  # it got "stop"
+
+
+def test_a_rollout_that_never_comes_back_is_named_in_one_line():
+    address = f"127.0.0.1:{portpicker.pick_unused_port()}"
+    _start(address, 7, True)
+    r = JobRollout(address, _FakePusher(), dict, timeout_s=10, restart_timeout_s=0.5)
+    try:
+        r.load_weights(0)
+        handle = r.submit(RolloutRequest(prompts=[[1]], params=None, seed=0, tag="train/0/0"))
+        with pytest.raises(RolloutJobError) as e:
+            r.collect(handle)
+    finally:
+        r.close()
+    msg = str(e.value)
+    assert msg.startswith(f"the rollout job h pid 7 is gone and no rollout job registered at {address} within 0.5 s")
+    assert "its last log line: 'rollout 7 up'" in msg and "\n" not in msg
 
 
 class _DyingLink:
