@@ -35,11 +35,11 @@ from rl import config_tree  # noqa: E402
 from rl.config import FLAT, RunConfig  # noqa: E402
 from rl.job import _data, build, resolve_model_config  # noqa: E402
 from rl.loop import run, run_eval  # noqa: E402
+from rl.rollout_job import RolloutJobError  # noqa: E402
 from rl.rollout_weights import kv_cache_layout  # noqa: E402
 from sharding.distributed import add_distributed_args, initialize_from_args  # noqa: E402
-from sharding.mesh import DeviceCountError, build_mesh_plan, parse_mesh_spec  # noqa: E402
-from rl.rollout_job import RolloutJobError  # noqa: E402
 from sharding.job_link import LinkLost  # noqa: E402
+from sharding.mesh import DeviceCountError, build_mesh_plan, parse_mesh_spec  # noqa: E402
 from sharding.mpmd import PeerTimeoutError, report_failure  # noqa: E402
 
 log = logging.getLogger("dsv4rl")
