@@ -1,8 +1,8 @@
 """The two-job layout: the rollout as a JAX job of its own, which may die and come back while the actor keeps going.
 
-    # the actor job (one jax.distributed job, or one process) listens for its rollout:
+    # the actor job (one process for now: a multi-process actor job is refused) listens for its rollout:
     python launch/run.py --mesh actor:fsdp=2,expert=2/rollout:expert=2 --rollout-address 10.0.0.1:7100 ...
-    # the rollout job (its own processes, its own devices, nothing shared with the actor's jax.distributed):
+    # the rollout job (its own process and devices, nothing shared with the actor; restart it after a death):
     python launch/run.py --mesh actor:fsdp=2,expert=2/rollout:expert=2 --rollout-job --actor-address 10.0.0.1:7100 ...
 
 Both jobs take the run's flags (the rollout job reads the mesh's rollout section, the sampling and model knobs; it
