@@ -35,8 +35,10 @@ from rl import config_tree  # noqa: E402
 from rl.config import FLAT, RunConfig  # noqa: E402
 from rl.job import _data, build, resolve_model_config  # noqa: E402
 from rl.loop import run, run_eval  # noqa: E402
+from rl.rollout_job import RolloutJobError  # noqa: E402
 from rl.rollout_weights import kv_cache_layout  # noqa: E402
 from sharding.distributed import add_distributed_args, initialize_from_args  # noqa: E402
+from sharding.job_link import LinkLost  # noqa: E402
 from sharding.mesh import DeviceCountError, build_mesh_plan, parse_mesh_spec  # noqa: E402
 from sharding.mpmd import PeerTimeoutError, report_failure  # noqa: E402
 
@@ -205,7 +207,10 @@ def cpu_device_count(argv: list[str]) -> int | None:
         cfg, args = resolve(argv)
         if cfg.mesh.strip() == "auto":
             return 2
-        needed = parse_mesh_spec(cfg.mesh).n_devices
+        spec = parse_mesh_spec(cfg.mesh)
+        needed = spec.n_devices
+        if cfg.rollout.job or cfg.rollout.address:  # the two-job layout: each job holds its own role's devices
+            needed = spec.size("rollout") if cfg.rollout.job else max(spec.size("actor"), spec.size("rollout"))
     except (ValueError, SystemExit):
         return None
     processes = max(1, args.num_processes or 1)
@@ -250,6 +255,10 @@ def main(argv=None) -> int:
         logging.shutdown()
         report_failure(e)  # the other processes of this side fail with the same message
         os._exit(1)  # not sys.exit: jax's shutdown barrier would wait for the dead processes
+    except (RolloutJobError, LinkLost) as e:  # the two-job layout: the rollout did not come back / the actor is gone
+        print(f"error: {e}", file=sys.stderr)
+        sys.stderr.flush()
+        os._exit(1)  # not sys.exit: the channel's threads and transfer server may hold the interpreter
     except MpmdPushVerificationError as e:  # MPMD: both roles stop on a push that failed verification, one line
         print(f"error: {e}", file=sys.stderr)
         sys.stderr.flush()

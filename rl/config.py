@@ -181,7 +181,17 @@ class RolloutConfig:
                               "--rollout-dtype, --learner.fp8_forward)")
     push_timeout: float = knob(600.0, "MPMD runs (actor and rollout on separate processes, sharding/mpmd.py): "
                                       "seconds either side waits for the other (weight push, rollout results) "
-                                      "before exiting with an error naming the silent side")
+                                      "before exiting with an error naming the silent side; the two-job layout: "
+                                      "the heartbeat age after which the other job counts as dead")
+    address: str | None = knob(None, "the two-job layout (rl/rollout_job.py): HOST:PORT this actor job listens on "
+                                     "for a rollout job of its own (started with --rollout-job --actor-address "
+                                     "HOST:PORT; a host the rollout can reach); unset: the rollout runs in this job")
+    job: bool = knob(False, "this process is a rollout job of the two-job layout: it serves the actor job at "
+                            "--actor-address (same run flags otherwise) and exits when the actor stops")
+    actor_address: str | None = knob(None, "with --rollout-job: the actor job's --rollout-address (HOST:PORT)")
+    restart_timeout: float = knob(1800.0, "the two-job layout: seconds the actor waits for a rollout job to "
+                                          "register (at start, and after its rollout died) before exiting with an "
+                                          "error naming it")
 
     def __post_init__(self):
         _choices("rollout", self)
@@ -199,6 +209,20 @@ class RolloutConfig:
         object.__setattr__(self, "slots", slots)
         if not _check_real("rollout", "push_timeout", self.push_timeout) > 0:
             raise ValueError(f"rollout.push_timeout (--push-timeout) must be > 0 seconds, got {self.push_timeout}")
+        if not _check_real("rollout", "restart_timeout", self.restart_timeout) > 0:
+            raise ValueError(f"rollout.restart_timeout (--rollout-restart-timeout) must be > 0 seconds, "
+                             f"got {self.restart_timeout}")
+        for name, flag in (("address", "--rollout-address"), ("actor_address", "--actor-address")):
+            value = getattr(self, name)
+            host, sep, port = str(value).rpartition(":")
+            if value is not None and not (sep and host and port.isdigit() and int(port) < 65536):
+                raise ValueError(f"rollout.{name} ({flag}) must be HOST:PORT, got {value!r}")
+        if self.job and self.actor_address is None:
+            raise ValueError("rollout.job (--rollout-job) needs --actor-address HOST:PORT (the actor job's "
+                             "--rollout-address)")
+        if self.job and self.address is not None:
+            raise ValueError("rollout: --rollout-job and --rollout-address name the two sides of the two-job "
+                             "layout; give a process one of them")
         if isinstance(self.max_staleness, bool) or not isinstance(self.max_staleness, int) or self.max_staleness < 0:
             raise ValueError(f"rollout.max_staleness (--max-staleness) must be an int >= 0, "
                              f"got {self.max_staleness!r}")
@@ -329,6 +353,8 @@ FLAT = {
     "rollout_slots": "rollout.slots", "max_staleness": "rollout.max_staleness",
     "prefill_chunk": "rollout.prefill_chunk",
     "async_rollout": "rollout.async_rollout", "push_timeout": "rollout.push_timeout",
+    "rollout_address": "rollout.address", "rollout_job": "rollout.job", "actor_address": "rollout.actor_address",
+    "rollout_restart_timeout": "rollout.restart_timeout",
     "exact_rollout": "rollout.exact",
 }
 _FLAT_OF = {v: k for k, v in FLAT.items()}

@@ -6,8 +6,11 @@
 Where the roles live is decided here, once (`sharding.mpmd.role_layout`): both roles in this process (one mesh,
 two disjoint meshes, colocated) -> `job.rollout` is an `rl.rollout_service.LocalRollout`; the rollout on processes
 of its own (MPMD) -> on actor processes `job.rollout` is an `rl.rollout_mpmd.ProcessRollout`, on rollout processes
-`job.server` is the `rl.rollout_mpmd.RolloutServer` they run instead of the loop. The learner, the Sampler
-(`rl.rollout_service.make_sampler`), the checkpoints and the resume are built by the same code for every layout.
+`job.server` is the `rl.rollout_mpmd.RolloutServer` they run instead of the loop; the rollout as a JAX job of its
+own (the two-job layout, --rollout-address / --rollout-job) -> `job.rollout` is an `rl.rollout_job.JobRollout` on
+the actor job, and a rollout job (`build_rollout_job`) runs `rl.rollout_job.RolloutJobServer` as `job.server`.
+The learner, the Sampler (`rl.rollout_service.make_sampler`), the checkpoints and the resume are built by the same
+code for every layout.
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ from flax import nnx
 from dsv4 import DSV4Config, DSV4ForCausalLM
 from dsv4.chunked import check_chunk
 from dsv4.load import init_model, load_hf_checkpoint, loaded_config
+from parallel.job_push import JobPusher
 from parallel.mpmd_push import MpmdPusher
 from parallel.push import WeightPusher
 from rl import slots as sl
@@ -39,15 +43,16 @@ from rl.learner import Learner, resolve_param_dtype
 from rl.math_rewards import make_reward, prompt_independent_best
 from rl.rewards import TextReward
 from rl.rollout_init import checkpoint_rollout_weights
+from rl.rollout_job import JobRollout, RolloutJobServer
 from rl.rollout_mpmd import ProcessRollout, RolloutServer
 from rl.rollout_service import LocalRollout, RolloutService, make_sampler, rollout_compute_dtype
 from rl.rollout_weights import kv_cache_layout
 from rl.sinks import MetricsLogger
 from rl.tasks import DigitTask, TaskReward
 from rl.tokenizer import load_tokenizer
-from sharding.mesh import build_mesh_plan
+from sharding.mesh import build_job_plan, build_mesh_plan
 from sharding.mpmd import HostChannel, role_layout
-from sharding.rules import ACTOR, ACTOR_RULES, ROLLOUT_RULES, batch_shards
+from sharding.rules import ACTOR, ACTOR_RULES, ROLLOUT, ROLLOUT_RULES, batch_shards
 
 if TYPE_CHECKING:  # annotations only
     import grain
@@ -99,7 +104,7 @@ class Job:
     data_metrics: dict = dataclasses.field(default_factory=dict)
     inflight: Pipeline | None = None
     layout: RoleLayout | None = None
-    server: RolloutServer | None = None
+    server: RolloutServer | RolloutJobServer | None = None
     counters: dict = dataclasses.field(default_factory=lambda: {"train_steps": 0})
 
 
@@ -180,15 +185,24 @@ def fingerprint(cfg: RunConfig, model_cfg) -> dict:
 
 def build(cfg: RunConfig) -> Job:
     """Set up meshes, data, model, learner, the rollout service, checkpoints and metric sinks (errors before step
-    1), the same code for every layout (module docstring)."""
+    1), the same code for every layout (module docstring). A rollout job of the two-job layout (--rollout-job):
+    `build_rollout_job`."""
+    if cfg.rollout.job:
+        return build_rollout_job(cfg)
     for path, flag in ((cfg.log.metrics_jsonl, "--metrics-jsonl"), (cfg.log.tensorboard_dir, "--tensorboard-dir")):
         if path:
             check_writable(pathlib.Path(path).parent if flag == "--metrics-jsonl" else path, flag)
     write_resolved_config(cfg)
     tok, task, train, ev_prompts, ev_refs, reward, ev_data = _data(cfg)
     model_cfg = resolve_model_config(cfg, tok.vocab_size)
-    plan = build_mesh_plan(cfg.mesh, config=model_cfg)
-    log.info("meshes: %s", plan.describe())
+    two_jobs = cfg.rollout.address is not None  # the rollout is a job of its own (rl/rollout_job.py)
+    if two_jobs and jax.process_count() > 1:
+        raise ValueError("--rollout-address: the two-job layout runs a one-process actor job for now (this one has "
+                         f"{jax.process_count()} processes)")
+    plan = build_job_plan(cfg.mesh, ACTOR, config=model_cfg) if two_jobs else build_mesh_plan(cfg.mesh,
+                                                                                              config=model_cfg)
+    log.info("meshes: %s%s", plan.describe(), " (the rollout mesh: a stand-in for the rollout job's tiling)"
+             if two_jobs else "")
     max_prompt = max(train.max_prompt_len, max(len(p) for p in ev_prompts))
     slots, kv_budget = _rollout_slots(cfg, model_cfg, plan, max_prompt)  # --rollout-slots checked before any model
     check_chunk(model_cfg, cfg.rollout.prefill_chunk)  # --prefill-chunk: a multiple of the compression ratios
@@ -232,11 +246,17 @@ def build(cfg: RunConfig) -> Job:
     abstract = nnx.eval_shape(lambda: DSV4ForCausalLM(shapes_cfg, rngs=nnx.Rngs(0), param_dtype=load_dtype))
     # a random init in one process: the rollout's version 0 is quantised from the same model; else its weights
     # come from --init's own FP8 blocks or by the first push
-    sampler = make_sampler(model if (init == "random" and not layout.mpmd) else abstract, plan.rollout,
-                           cfg.rollout, max_prompt_len=max_prompt, slots=slots, kv_budget_bytes=kv_budget)
+    here = init == "random" and not layout.mpmd and not two_jobs
+    sampler = make_sampler(model if here else abstract, plan.rollout, cfg.rollout, max_prompt_len=max_prompt,
+                           slots=slots, kv_budget_bytes=kv_budget)
     del model
     rollout = server = None
-    if not layout.mpmd:
+    if two_jobs:  # the stand-in sampler gives the rollout job's tiling; the weights leave by transfer server
+        state = nnx.state(abstract)
+        pusher = JobPusher(plan, sampler, state, plan.param_shardings(ACTOR, state))
+        rollout = JobRollout(cfg.rollout.address, pusher, learner.params_for_push, timeout_s=cfg.rollout.push_timeout,
+                             restart_timeout_s=cfg.rollout.restart_timeout)
+    elif not layout.mpmd:
         if init != "random":
             sampler.set_weights(checkpoint_rollout_weights(sampler, init, config=shapes_cfg,
                                                            progress=cfg.log.progress), version=0)
@@ -284,6 +304,33 @@ def build(cfg: RunConfig) -> Job:
         else:
             rollout.load_weights(job.weight_version)
     return job
+
+
+def build_rollout_job(cfg: RunConfig) -> Job:
+    """A rollout job of the two-job layout (rl/rollout_job.py): the Sampler on this job's devices (the mesh's
+    rollout section; weights arrive from the actor by pull) and the loop it serves (`job.server`). It reads the
+    data only to size the prompt buckets as the actor does; it writes no metrics, config file or checkpoint."""
+    if jax.process_count() > 1:
+        raise ValueError(f"--rollout-job: a rollout job of one process for now (this one has {jax.process_count()})")
+    tok, task, train, ev_prompts, ev_refs, _, _ = _data(cfg)
+    model_cfg = resolve_model_config(cfg, tok.vocab_size)
+    plan = build_job_plan(cfg.mesh, ROLLOUT, config=model_cfg)
+    log.info("meshes: %s (the actor mesh: unused here)", plan.describe())
+    max_prompt = max(train.max_prompt_len, max(len(p) for p in ev_prompts))
+    slots, kv_budget = _rollout_slots(cfg, model_cfg, plan, max_prompt)
+    check_chunk(model_cfg, cfg.rollout.prefill_chunk)
+    lcfg = resolve_param_dtype(cfg.learner, plan.actor.devices.flat)  # the actor's dtype: the same tiling
+    load_dtype = jnp.bfloat16 if lcfg.param_dtype == "bfloat16" else jnp.float32
+    init = cfg.model.init
+    shapes_cfg = loaded_config(init, model_cfg) if init != "random" else model_cfg
+    abstract = nnx.eval_shape(lambda: DSV4ForCausalLM(shapes_cfg, rngs=nnx.Rngs(0), param_dtype=load_dtype))
+    sampler = make_sampler(abstract, plan.rollout, cfg.rollout, max_prompt_len=max_prompt, slots=slots,
+                           kv_budget_bytes=kv_budget)
+    server = RolloutJobServer(sampler, cfg.rollout.actor_address, timeout_s=cfg.rollout.push_timeout,
+                              connect_timeout_s=cfg.rollout.restart_timeout)
+    return Job(cfg=cfg, model_cfg=model_cfg, plan=plan, tokenizer=tok, task=task, train_data=train,
+               eval_prompts=ev_prompts, eval_refs=ev_refs, reward=None, learner=None, rollout=None, iterator=None,
+               ckpt=None, logger=None, server=server)
 
 
 def run_dir(cfg: RunConfig) -> pathlib.Path | None:

@@ -17,6 +17,7 @@ Implementations:
   or colocated; the push is `parallel.push.push_weights` (or the sampler's own `update_weights` without a pusher);
 - `rl.rollout_mpmd.ProcessRollout`: the rollout on processes of its own (MPMD), a command queue over the host
   channel; `rl.rollout_mpmd.RolloutServer` is the other side;
+- `rl.rollout_job.JobRollout`: the rollout as a JAX job of its own, restartable (`RolloutJobServer` its loop);
 - tests drive the loop with a fake (tests/rl/fake_rollout.py).
 Where the roles live decides the schedule's cost, not its shape: the loop (rl/loop.py, rl/pipeline.py) is one.
 """

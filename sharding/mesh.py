@@ -352,3 +352,32 @@ def build_mesh_plan(spec: str | MeshSpec, devices: Sequence[Any] | None = None, 
         return MeshPlan(actor=actor, rollout=actor, colocated=True, spec=spec)
     rollout = _make_mesh(devices[a:a + spec.size(ROLLOUT)], spec.shape(ROLLOUT))
     return MeshPlan(actor=actor, rollout=rollout, colocated=False, spec=spec)
+
+
+def build_job_plan(spec: str | MeshSpec, role: str, devices: Sequence[Any] | None = None,
+                   config: Any = None) -> MeshPlan:
+    """The plan of one job of the two-job layout (the actor and the rollout as independent JAX jobs,
+    rl/rollout_job.py): `role`'s mesh on this job's `devices` (default `jax.devices()`), and the other role's mesh
+    a stand-in of the same shape and axis names over this job's devices (the actor needs the rollout's tiling to
+    stage its weights, parallel/job_push.py; the rollout job uses no actor mesh). The spec must have a rollout
+    section. Raises MeshSpecError for a colocated spec; DeviceCountError when this job has fewer devices than
+    `role` needs, or the actor fewer than the rollout (each rollout shard is staged on an actor device)."""
+    devices = list(jax.devices() if devices is None else devices)
+    if isinstance(spec, str):
+        spec = parse_mesh_spec(spec, n_devices=len(devices))
+    if spec.colocated:
+        raise MeshSpecError(f"mesh spec {str(spec)!r}: a rollout job of its own needs a rollout section "
+                            "(e.g. actor:fsdp=2/rollout:expert=2)")
+    need = max(spec.size(ACTOR), spec.size(ROLLOUT)) if role == ACTOR else spec.size(ROLLOUT)
+    if need > len(devices):
+        raise DeviceCountError(f"mesh spec {str(spec)!r}: this {role} job needs {need} devices (the actor at least "
+                               f"as many as the rollout), but only {len(devices)} are present", need, len(devices))
+    if config is not None:
+        problems = [p for r in ROLES for p in divisibility_problems(r, spec.axes(r), config)]
+        if problems:
+            raise MeshSpecError("\n".join(problems))
+    own = _make_mesh(devices[:spec.size(role)], spec.shape(role))
+    other = ROLLOUT if role == ACTOR else ACTOR
+    standin = _make_mesh(devices[:spec.size(other)], spec.shape(other)) if spec.size(other) <= len(devices) else own
+    meshes = {role: own, other: standin}
+    return MeshPlan(actor=meshes[ACTOR], rollout=meshes[ROLLOUT], colocated=False, spec=spec)

@@ -8,8 +8,8 @@ import pytest
 from jax.sharding import AxisType
 
 from sharding import axes as ax
-from sharding.mesh import (DIM_SOURCES, MeshSpec, MeshSpecError, auto_mesh_spec, build_mesh_plan, divisibility_problems,
-                           parse_mesh_spec)
+from sharding.mesh import (DIM_SOURCES, MeshSpec, MeshSpecError, auto_mesh_spec, build_job_plan, build_mesh_plan,
+                           divisibility_problems, parse_mesh_spec)
 from sharding.rules import MESH_AXES
 
 # Small model dims (like DSV4Config.tiny()).
@@ -148,3 +148,18 @@ def test_divisibility_errors():
 def test_divisibility_needs_config_fields():
     with pytest.raises(MeshSpecError, match="has no attribute 'n_routed_experts'"):
         parse_mesh_spec("actor:expert=2").validate(8, SimpleNamespace())
+
+
+def test_job_plan_own_role_and_stand_in():
+    """The two-job layout (sharding.mesh.build_job_plan): each job's own mesh on its devices, the other role's a
+    stand-in of its shape over the same devices; a colocated spec or too few devices is refused."""
+    devs = jax.devices()[:4]
+    actor = build_job_plan("actor:fsdp=4/rollout:expert=2", "actor", devs)
+    assert dict(actor.actor.shape)["fsdp"] == 4 and dict(actor.rollout.shape)["expert"] == 2
+    assert list(actor.rollout.devices.flat) == devs[:2] and not actor.colocated  # the stand-in: actor devices
+    rollout = build_job_plan("actor:fsdp=4/rollout:expert=2", "rollout", devs[:2])
+    assert dict(rollout.rollout.shape)["expert"] == 2 and list(rollout.rollout.devices.flat) == devs[:2]
+    with pytest.raises(MeshSpecError, match="needs a rollout section"):
+        build_job_plan("actor:fsdp=2", "actor", devs)
+    with pytest.raises(MeshSpecError, match="the actor at least as many as the rollout"):
+        build_job_plan("actor:fsdp=1/rollout:expert=2", "actor", devs[:1])

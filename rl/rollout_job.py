@@ -1,0 +1,274 @@
+"""The two-job layout: the rollout as a JAX job of its own, which may die and come back while the actor keeps going.
+
+    # the actor job (one process for now: a multi-process actor job is refused) listens for its rollout:
+    python launch/run.py --mesh actor:fsdp=2,expert=2/rollout:expert=2 --rollout-address 10.0.0.1:7100 ...
+    # the rollout job (its own process and devices, nothing shared with the actor; restart it after a death):
+    python launch/run.py --mesh actor:fsdp=2,expert=2/rollout:expert=2 --rollout-job --actor-address 10.0.0.1:7100 ...
+
+Both jobs take the run's flags (the rollout job reads the mesh's rollout section, the sampling and model knobs; it
+writes no metrics, checkpoints or config file). `JobRollout` is the actor's side of the rollout service contract
+(rl/rollout_service.py), `RolloutJobServer` the loop the rollout job runs. Messages (versions, requests, results,
+acknowledgements, heartbeats) travel over `sharding.job_link` (a `multiprocessing.connection` socket with an HMAC
+key); weights by `jax.experimental.transfer` (`parallel.job_push`: the actor stages the rollout's tiling, the rollout
+pulls). Ops, actor -> rollout, in order: {"op": "generate", "request"} -> "result/<tag>"; {"op": "pull", "uuid",
+"version", "address"} -> "ack/<uuid>"; {"op": "stop"}.
+
+Recovery in place. When the rollout's connection closes (its process died) or its heartbeat is older than
+`--push-timeout`, the actor logs one line and waits up to `--rollout-restart-timeout` for a rollout job to register
+(the same command, restarted by a supervisor, a scheduler or a user). The learner, the data order and the pipeline
+never notice: the new rollout pulls the served version from the actor's staged copy (`parallel.job_push`: the weights
+the in-flight batches were being generated with, even if the learner has moved on), then every request submitted and
+not yet answered is sent again under its tag. A request's randomness is a function of (seed, step, prompt index,
+sample index) (rl/rollout_service.py), so the regenerated batch equals the lost one bitwise on CPU: nothing is
+trained twice, nothing skipped, and the per-step metrics equal an uninterrupted run's. Metrics (each step, from
+`stats`): `rollout/restarts` (rollout jobs lost so far), `rollout/recovery_s` (seconds spent recovering so far,
+summed over the restarts: each from the loss noticed to the in-flight requests sent again; 0 before any).
+Giving up, with one line naming the rollout (its host and pid, its last log line): no rollout registered within
+`--rollout-restart-timeout` (`RolloutJobError`, exit 1), or a rollout that keeps dying: more than `MAX_RESTARTS`
+losses within `RESTART_WINDOW_S` (a crash loop, e.g. an out-of-memory on a prompt, is not waited out).
+The rollout job exits with one line when its actor is gone (closed connection or silent for --push-timeout).
+
+Tests: `.venv/bin/python -m pytest -q tests/launch/test_two_jobs.py`; benchmark `benchmarks/rollout_fault.py`.
+"""
+
+from __future__ import annotations
+
+import collections
+import itertools
+import logging
+import os
+import socket
+import threading
+import time
+
+from parallel.job_push import JobPusher, WeightReceiver, tiling
+from rl.rollout_service import RolloutRequest, RolloutResult, RolloutService, run_request
+from sharding.job_link import JobListener, LinkLost, authkey, connect, local_host_towards, split_address
+
+log = logging.getLogger("dsv4rl")
+
+MAX_RESTARTS = 5  # rollout losses tolerated within RESTART_WINDOW_S; one more ends the run
+RESTART_WINDOW_S = 600.0
+
+
+class RolloutJobError(RuntimeError):
+    """The rollout job did not come back in time, kept dying, or cannot serve this actor (one line)."""
+
+
+def _describe(hello: dict) -> str:
+    return f"the rollout job {hello.get('host', '?')} pid {hello.get('pid', '?')}"
+
+
+class JobRollout(RolloutService):
+    """The actor job's rollout service in the two-job layout (module docstring).
+
+    Args:
+      address: --rollout-address (HOST:PORT to listen on). pusher: the `parallel.job_push.JobPusher` (stand-in
+      rollout mesh). params_fn: () -> the learner's current params. timeout_s: --push-timeout (heartbeat age that
+      counts as dead). restart_timeout_s: --rollout-restart-timeout (waiting for a rollout to register).
+    Raises (from any call): RolloutJobError (module docstring).
+    """
+
+    def __init__(self, address: str, pusher: JobPusher, params_fn, *, timeout_s: float, restart_timeout_s: float):
+        self.pusher, self.params_fn = pusher, params_fn
+        self.timeout_s, self.restart_timeout_s = float(timeout_s), float(restart_timeout_s)
+        self.host = split_address(address, "--rollout-address")[0]
+        self.listener = JobListener(address, authkey(), hello={"tiling": pusher.tiling})
+        self.link = None
+        self.rollout_name, self.last_line = "the rollout job", ""
+        self._version = -1
+        self._served = None  # parallel.job_push.Served: the staged copy of the version the rollout serves
+        self._pending: dict[str, RolloutRequest] = {}  # submitted, not yet collected (in submit order)
+        self._uuid = itertools.count(1)
+        self._lock = threading.RLock()
+        self.restarts, self.recovery_s = 0, 0.0
+        self._losses: collections.deque = collections.deque()
+        log.info("two-job layout: waiting up to %g s for a rollout job to register at %s (--rollout-restart-timeout)",
+                 self.restart_timeout_s, self.listener.address)
+        self._register(self.restart_timeout_s, first=True)
+
+    # ---------------------------------------------------------------- registration and recovery
+
+    def _register(self, deadline_s: float, first: bool = False) -> None:
+        """Accept the next rollout job (RolloutJobError when none registers within `deadline_s`) and check it
+        serves this actor's tiling."""
+        link = self.listener.accept(deadline_s, self.timeout_s)
+        if link is None:
+            who = "" if first else f"{self.rollout_name} is gone and "
+            last = f"; its last log line: {self.last_line!r}" if self.last_line else ""
+            raise RolloutJobError(f"{who}no rollout job registered at {self.listener.address} within {deadline_s:g} s "
+                                  f"(--rollout-restart-timeout){last}")
+        self.link, self.rollout_name = link, _describe(link.hello)
+        link.name = self.rollout_name
+        if link.hello.get("tiling") != self.pusher.tiling:
+            link.close()
+            raise RolloutJobError(f"{self.rollout_name} cuts the weights differently from this actor's plan of its "
+                                  "mesh: start both jobs with the same --mesh, --config and --rollout-dtype")
+        log.info("two-job layout: %s registered", self.rollout_name)
+
+    def _recover(self, lost: LinkLost) -> None:
+        """The rollout is gone: one line, wait for another, give it the served weights, resend what was in
+        flight (module docstring). Loops while the new one dies too, within the restart policy."""
+        t0 = time.monotonic()
+        while True:
+            self.last_line = lost.last_line or self.last_line
+            if self.link is not None:
+                self.link.close()
+            now = time.monotonic()
+            self._losses.append(now)
+            while self._losses and now - self._losses[0] > RESTART_WINDOW_S:
+                self._losses.popleft()
+            self.restarts += 1
+            last = f"; its last log line: {self.last_line!r}" if self.last_line else ""
+            if len(self._losses) > MAX_RESTARTS:
+                raise RolloutJobError(f"{self.rollout_name} died {len(self._losses)} times within "
+                                      f"{RESTART_WINDOW_S:g} s (more than {MAX_RESTARTS}); giving up{last}")
+            log.warning("two-job layout: %s %s; waiting up to %g s (--rollout-restart-timeout) for a rollout job to "
+                        "register (the run's state is kept)%s", self.rollout_name, lost.why, self.restart_timeout_s,
+                        last)
+            try:
+                self._register(self.restart_timeout_s)
+                if self._served is not None:
+                    self._pull(self._served)
+                for req in self._pending.values():
+                    self.link.send("cmd", {"op": "generate", "request": req})
+            except LinkLost as e:
+                lost = e
+                continue
+            self.recovery_s += time.monotonic() - t0
+            log.info("two-job layout: recovered in %.1f s (weight version %d, %d requests sent again)",
+                     time.monotonic() - t0, self._version, len(self._pending))
+            return
+
+    def _retry(self, fn):
+        """fn() against the current rollout; after a loss, recover and call it again."""
+        with self._lock:
+            while True:
+                try:
+                    return fn()
+                except LinkLost as e:
+                    self._recover(e)
+
+    def _pull(self, served) -> None:
+        """Let the rollout pull `served` (its own uuid) and wait for its acknowledgement (LinkLost if it dies)."""
+        uuid = next(self._uuid)
+        address = self.pusher.offer(served, uuid, self.host)
+        self.link.send("cmd", {"op": "pull", "uuid": uuid, "version": served.version, "address": address})
+        self.link.get(f"ack/{uuid}", f"weight version {served.version}")
+
+    # ---------------------------------------------------------------- the contract
+
+    def submit(self, request: RolloutRequest) -> str:
+        with self._lock:
+            self._pending[request.tag] = request
+            try:
+                self.link.send("cmd", {"op": "generate", "request": request})
+            except LinkLost as e:
+                self._recover(e)  # sends every pending request again, this one included
+        return request.tag
+
+    def collect(self, handle: str) -> RolloutResult:
+        res = self._retry(lambda: self.link.get(f"result/{handle}", f"the rollout results of {handle}"))
+        self._pending.pop(handle, None)
+        return res
+
+    @property
+    def weight_version(self) -> int:
+        return self._version
+
+    def load_weights(self, version: int) -> dict:
+        t0 = time.perf_counter()
+        served = self.pusher.stage(self.params_fn(), int(version))
+        self._served = served  # from now on a restarted rollout gets this one (the old copy is dropped)
+        with self._lock:
+            try:
+                self._pull(served)
+            except LinkLost as e:
+                self._recover(e)  # the new rollout pulls `served`
+        self._version = int(version)
+        dt = time.perf_counter() - t0
+        return {"perf/weight_push_s": dt, "perf/weight_push_gbps": served.nbytes / dt / 1e9}
+
+    def stats(self) -> dict:
+        return {"rollout/restarts": float(self.restarts), "rollout/recovery_s": float(self.recovery_s)}
+
+    def health(self) -> str | None:
+        link = self.link
+        return None if link is not None and not link.closed else f"{self.rollout_name} is not connected"
+
+    def close(self) -> None:
+        try:
+            if self.link is not None:
+                self.link.send("cmd", {"op": "stop"})
+                self.link.get("bye", "the rollout's goodbye", timeout_s=30)
+        except (LinkLost, TimeoutError):
+            pass  # it is gone already: nothing to stop
+        finally:
+            if self.link is not None:
+                self.link.close()
+            self.listener.close()
+
+
+class _LastLine(logging.Handler):
+    """Remembers this process's last log line (sent with each heartbeat, so the actor can name it)."""
+
+    def __init__(self):
+        super().__init__(level=logging.INFO)
+        self.line = ""
+
+    def emit(self, record) -> None:
+        try:
+            self.line = record.getMessage().splitlines()[0][:300] if record.getMessage() else self.line
+        except Exception:  # noqa: BLE001 - a log line is a courtesy
+            pass
+
+
+class RolloutJobServer:
+    """The loop of a rollout job (module docstring): register with the actor at `actor_address`, then serve its
+    ops in order until "stop".
+
+    Args:
+      sampler: the rollout Sampler (abstract model on this job's rollout mesh; the weights arrive by pull).
+      actor_address: --actor-address. timeout_s: --push-timeout. connect_timeout_s: how long to retry the first
+      connection (--rollout-restart-timeout).
+    """
+
+    def __init__(self, sampler, actor_address: str, *, timeout_s: float, connect_timeout_s: float):
+        self.sampler, self.actor_address = sampler, actor_address
+        self.timeout_s, self.connect_timeout_s = float(timeout_s), float(connect_timeout_s)
+        self.generate_calls = 0
+        host = split_address(actor_address, "--actor-address")[0]
+        self.receiver = WeightReceiver(sampler, local_host_towards(host))
+        self._line = _LastLine()
+        logging.getLogger().addHandler(self._line)
+
+    def serve(self) -> dict:
+        """Serve until the actor's "stop"; returns {"generate": calls, "train_steps": 0}. Raises LinkLost naming
+        the actor when it is gone; RolloutJobError when it plans another tiling."""
+        hello = {"host": socket.gethostname(), "pid": os.getpid(), "tiling": tiling(self.sampler),
+                 "line": self._line.line}
+        link = connect(self.actor_address, authkey(), timeout_s=self.timeout_s, deadline_s=self.connect_timeout_s,
+                       hello=hello, line_fn=lambda: self._line.line)
+        if link.hello.get("tiling") != hello["tiling"]:
+            raise RolloutJobError(f"{link.name} cuts the weights differently from this rollout job's mesh: start "
+                                  "both jobs with the same --mesh, --config and --rollout-dtype")
+        log.info("two-job layout: registered with %s", link.name)
+        try:
+            while True:
+                cmd = link.get("cmd", "the actor's next op")
+                op = cmd["op"]
+                if op == "generate":
+                    req: RolloutRequest = cmd["request"]
+                    self.generate_calls += 1
+                    link.send(f"result/{req.tag}", run_request(self.sampler, req))
+                elif op == "pull":
+                    m = self.receiver.pull(cmd["address"], cmd["uuid"], cmd["version"])
+                    log.info("weight version %d pulled in %.2f s", cmd["version"], m["perf/weight_push_s"])
+                    link.send(f"ack/{cmd['uuid']}")
+                elif op == "stop":
+                    link.send("bye")
+                    return {"generate": self.generate_calls, "train_steps": 0}
+                else:
+                    raise RuntimeError(f"rollout job: unknown op {op!r}")
+        finally:
+            link.close()

@@ -1,0 +1,153 @@
+"""rl/rollout_job.py without processes or programs: `JobRollout` over a real socket with fake rollout jobs in threads
+(the in-flight request sent again to the next rollout; one that never comes back -> one line naming it), and the
+restart policy of `JobRollout._recover` (a rollout that keeps dying ends the run with one line naming its last log
+line). The launched two-job runs: tests/launch/test_two_jobs.py."""
+
+from __future__ import annotations
+
+import collections
+import threading
+from types import SimpleNamespace
+
+import portpicker
+import pytest
+
+from rl import rollout_job
+from rl.rollout_job import JobRollout, RolloutJobError
+from rl.rollout_service import RolloutRequest
+from sharding.job_link import LinkLost, authkey, connect
+
+TILING = [("embed.weight", (8, 4), "float8_e4m3fn", (("data", 1),), "P()")]
+
+
+class _FakePusher:
+    tiling = TILING
+
+    def stage(self, params, version):
+        return SimpleNamespace(version=version, nbytes=32)
+
+    def offer(self, served, uuid, host):
+        return "127.0.0.1:1"
+
+
+def _fake_rollout(address: str, pid: int, die_on_generate: bool) -> None:
+    """A rollout job's ops without a sampler: acks pulls, answers requests with its pid (or dies at the first)."""
+    link = connect(address, authkey(), timeout_s=10, deadline_s=10,
+                   hello={"host": "h", "pid": pid, "tiling": TILING, "line": f"rollout {pid} up"})
+    while True:
+        cmd = link.get("cmd", "op")
+        if cmd["op"] == "pull":
+            link.send(f"ack/{cmd['uuid']}")
+        elif cmd["op"] == "generate" and die_on_generate:
+            link.close()  # SIGKILL: the socket closes
+            return
+        elif cmd["op"] == "generate":
+            link.send(f"result/{cmd['request'].tag}", f"{cmd['request'].tag} by {pid}")
+        else:
+            link.send("bye")
+            return
+
+
+def _start(address, pid, die):
+    t = threading.Thread(target=_fake_rollout, args=(address, pid, die), daemon=True)
+    t.start()
+    return t
+
+
+def test_the_request_in_flight_is_sent_again_to_the_next_rollout():
+    address = f"127.0.0.1:{portpicker.pick_unused_port()}"
+    _start(address, 1, True)
+    r = JobRollout(address, _FakePusher(), dict, timeout_s=10, restart_timeout_s=10)
+    try:
+        r.load_weights(0)
+        handle = r.submit(RolloutRequest(prompts=[[1, 2]], params=None, seed=0, tag="train/0/0"))
+        second = _start(address, 2, False)  # as a supervisor would (it may register before the first one dies)
+        assert r.collect(handle) == "train/0/0 by 2" and r.weight_version == 0
+        assert r.stats()["rollout/restarts"] == 1.0 and r.stats()["rollout/recovery_s"] > 0
+        assert r.rollout_name == "the rollout job h pid 2"
+    finally:
+        r.close()
+    second.join(timeout=10)
+    assert not second.is_alive()  # it got "stop"
+
+
+def test_a_rollout_that_never_comes_back_is_named_in_one_line():
+    address = f"127.0.0.1:{portpicker.pick_unused_port()}"
+    _start(address, 7, True)
+    r = JobRollout(address, _FakePusher(), dict, timeout_s=10, restart_timeout_s=0.5)
+    try:
+        r.load_weights(0)
+        handle = r.submit(RolloutRequest(prompts=[[1]], params=None, seed=0, tag="train/0/0"))
+        with pytest.raises(RolloutJobError) as e:
+            r.collect(handle)
+    finally:
+        r.close()
+    msg = str(e.value)
+    assert msg.startswith(f"the rollout job h pid 7 is gone and no rollout job registered at {address} within 0.5 s")
+    assert "its last log line: 'rollout 7 up'" in msg and "\n" not in msg
+
+
+class _DyingLink:
+    """A rollout that registers and dies at its first message."""
+
+    def __init__(self, n):
+        self.n, self.name, self.closed = n, f"the rollout job h pid {n}", None
+
+    def send(self, key, payload=None):
+        raise LinkLost(self.name, "closed the connection (EOFError)", last_line=f"out of memory on prompt {self.n}")
+
+    def close(self):
+        pass
+
+
+def _service():
+    r = JobRollout.__new__(JobRollout)  # no listener, no pusher: only the recovery's bookkeeping
+    r.link, r.rollout_name, r.last_line, r._served = None, "the rollout job h pid 0", "", None
+    r._pending = {"train/0/0": object()}
+    r._losses, r.restarts, r.recovery_s, r.restart_timeout_s = collections.deque(), 0, 0.0, 5.0
+    return r
+
+
+def test_a_rollout_that_keeps_dying_ends_the_run_with_one_line(monkeypatch):
+    r = _service()
+    born = iter(range(1, 100))
+
+    def register(deadline_s, first=False):
+        r.link = _DyingLink(next(born))
+        r.rollout_name = r.link.name
+
+    monkeypatch.setattr(r, "_register", register)
+    with pytest.raises(RolloutJobError) as e:
+        r._recover(LinkLost("the rollout job h pid 0", "closed the connection (EOFError)"))
+    msg = str(e.value)
+    assert r.restarts == rollout_job.MAX_RESTARTS + 1  # the first loss + MAX_RESTARTS replacements that died
+    assert f"died {rollout_job.MAX_RESTARTS + 1} times within" in msg and "\n" not in msg
+    assert f"the rollout job h pid {rollout_job.MAX_RESTARTS}" in msg  # the last one, by host and pid
+    assert f"its last log line: 'out of memory on prompt {rollout_job.MAX_RESTARTS}'" in msg
+
+
+def test_losses_outside_the_window_are_forgiven(monkeypatch):
+    r = _service()
+    r._version = 3
+    clock = iter(range(0, 10**6, 1000))  # every clock read 1000 s later: each loss outside the previous' window
+    monkeypatch.setattr(rollout_job.time, "monotonic", lambda: float(next(clock)))
+    monkeypatch.setattr(rollout_job, "MAX_RESTARTS", 1)
+    registered = []
+
+    class _Live:
+        name, closed = "the rollout job h pid 9", None
+
+        def send(self, key, payload=None):
+            pass
+
+        def close(self):
+            pass
+
+    def register(deadline_s, first=False):
+        registered.append(deadline_s)
+        r.link = _Live()
+
+    monkeypatch.setattr(r, "_register", register)
+    for _ in range(3):
+        r._recover(LinkLost("the rollout job h pid 9", "closed the connection (EOFError)"))
+    assert r.restarts == 3 and registered == [5.0, 5.0, 5.0] and len(r._losses) == 1 and r.recovery_s > 0
