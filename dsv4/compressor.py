@@ -19,7 +19,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from dsv4.layers import apply_rope, linear_f32, param, rms_norm, rope_cos_sin
+from dsv4.layers import apply_rope, linear_f32, param, rms_norm, rope_cos_sin, weight_of
 from sharding import axes as ax
 
 
@@ -69,7 +69,7 @@ class Compressor(nnx.Module):
 
     def project(self, x: jax.Array) -> tuple[jax.Array, jax.Array]:
         """x [B, S, D] -> (A, Z) [B, S, c*d] float32, Z without ape (spec §12 item 10: fp32 projections)."""
-        return linear_f32(x, self.wkv.weight[...]), linear_f32(x, self.wgate.weight[...])
+        return linear_f32(x, weight_of(self.wkv.weight)), linear_f32(x, weight_of(self.wgate.weight))
 
     def finish(self, pooled: jax.Array, window_index: jax.Array | int) -> jax.Array:
         """Norm + RoPE at p = w*m of pooled entries.

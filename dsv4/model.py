@@ -212,7 +212,7 @@ class DSV4ForCausalLM(nnx.Module):
 
     def lm_head(self, h: jax.Array, detached: bool = False) -> jax.Array:
         """h [..., D] -> logits [..., V] float32; detached: no gradient to the head weights."""
-        w = self.head.weight[...]
+        w = constrain(self.head.weight[...], (ax.VOCAB, None))  # gathered over its FSDP-split D, as `embed_tokens`
         w = jax.lax.stop_gradient(w) if detached else w
         return jnp.einsum("...d,vd->...v", h.astype(self.dtype), w.astype(self.dtype),
                           preferred_element_type=dot_out(self.dtype)).astype(jnp.float32)
