@@ -72,7 +72,8 @@ def _halo(kv: jax.Array, axis: str, n: int, h: int) -> jax.Array:
     """The h keys/values before this shard's first token: kv [B, S_l, d] -> [B, h, d] (zeros before the start)."""
     s_l = kv.shape[1]
     hops = -(-h // s_l)
-    parts = [_from_prev(kv, axis, n, j) for j in range(hops, 0, -1)]  # shards c-hops .. c-1, in order
+    parts = [_from_prev(kv, axis, n, j) if j < n else jnp.zeros_like(kv)  # before shard 0: nothing
+             for j in range(hops, 0, -1)]  # shards c-hops .. c-1, in order
     return jnp.concatenate(parts, axis=1)[:, hops * s_l - h:]
 
 

@@ -365,10 +365,10 @@ class MoE(nnx.Module):
         ids, w = self.route(uf, token_ids.reshape(-1), None if forced_ids is None else forced_ids.reshape(b * s, -1))
         fn = dispatch_fn or routed_experts_ragged
         e = self.experts
-        if getattr(fn, "sharded_weights", False):  # an EP dispatch (parallel/expert.py): takes the weights as placed
-            w1, w3, w2 = e.w1.get_value(), e.w3.get_value(), e.w2.get_value()
-        else:  # gathered along D first (`weight_of`: ZeRO-3), so the [T, D] output keeps the tokens' layout
-            w1, w3, w2 = weight_of(e.w1), weight_of(e.w3), weight_of(e.w2)
+        # The routed experts stay as placed (not `weight_of`): the EP dispatch gathers D inside its shard_map, and
+        # gathering every expert for the single-device path costs more than it saves (benchmarks/README.md
+        # "Context parallelism": +24% temp at 16K tokens on context=4).
+        w1, w3, w2 = e.w1.get_value(), e.w3.get_value(), e.w2.get_value()
         if isinstance(w1, QuantizedTensor):
             # The rollout's quantised experts (`rl.rollout_weights`): as the release's FP8 x FP4 (or FP8) expert GEMMs,
             # the inputs of w1/w3 and of w2 are quantised to FP8 per 1 x 128 block (`act_fake_quant`, ue8m0 scales)

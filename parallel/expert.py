@@ -387,7 +387,6 @@ def make_ep_dispatch(mesh: Mesh, *, backend: str = "capacity", capacity_factor: 
         return out[:t] if pad else out
 
     dispatch.__doc__ = f"EP dispatch ({backend}) over {expert_axis}={ep}, tokens split over {tok_axes}."
-    dispatch.sharded_weights = True  # dsv4.moe passes the expert weights as placed (their D is gathered here)
     return dispatch
 
 
