@@ -10,7 +10,8 @@ call, so the expert choice is identical whichever dispatch runs; only where the 
 
 Layout inside the shard_map (one program per device):
 * tokens `x`, `ids`, `weights` are split along T over `token_axes` (the `act_batch` axes of the rule
-  presets: data, fsdp, expert; then the actor's `act_seq` axis, context). T is zero-padded to a multiple of their product (pad pairs are skipped).
+  presets: data, fsdp, expert; then the actor's `act_seq` axis, context). T is zero-padded to a multiple of their
+  product (pad pairs are skipped).
 * experts are split over `expert_axis` (ep ranks, E/ep local experts each). The other weight dims arrive as
   the rule table places them (`rules`, default the actor preset): `embed` (D) over fsdp x context, `mlp` (I) over
   tensor.
@@ -303,8 +304,9 @@ def make_ep_dispatch(mesh: Mesh, *, backend: str = "capacity", capacity_factor: 
         `padded_capacity`); pairs that do not fit are dropped, so results differ from the reference once any
         buffer overflows.
       token_axes: mesh axes splitting the flattened tokens T; None = `token_axes_of(rules)` (the act_batch axes,
-        then the act_seq axes: context parallelism); axes the mesh lacks are ignored. Must include `expert_axis` and the axes that split the weights' `embed` dim, and exclude the
-        axes that split `mlp` (tokens must be replicated where the FFN is tensor-parallel).
+        then the act_seq axes: context parallelism); axes the mesh lacks are ignored. Must include `expert_axis`
+        and the axes that split the weights' `embed` dim, and exclude the axes that split `mlp` (tokens must be
+        replicated where the FFN is tensor-parallel).
       expert_axis: the mesh axis splitting the expert dim E.
       rules: rule table that placed the weights (ACTOR_RULES / ROLLOUT_RULES); it fixes the shard_map in_specs
         of w1, w3, w2. Weights laid out otherwise are resharded by XLA at the boundary (correct, slower).
