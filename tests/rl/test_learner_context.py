@@ -2,7 +2,9 @@
 step on `actor:fsdp=2,expert=2` (context=1), and the token budget counts tokens per context shard.
 
 Model: tiny cut to 2 layers (CSA m=4 with the indexer, HCA m=8; the sliding window in both; hash + learned top-k
-routing), float32, the learner's defaults otherwise (scanned layers, remat, chunked logprobs, EP dispatch; routing
+routing), float32, remat off (it changes no value and costs 6 s of compile here; the default `block` with context=2
+runs in the loop, benchmarks/README.md "Context parallelism"), the learner's defaults otherwise (scanned layers,
+chunked logprobs, EP dispatch; routing
 replay under context parallelism is checked at the model level in tests/dsv4/test_context.py). Rows: left-padded
 prompts + right-padded responses, S = 40 = the trimmed width (the bucket 64 capped at S; not a multiple of 16 =
 context x ratio 8: the model pads it to 48 under context parallelism). Two learner compiles.
@@ -49,7 +51,7 @@ def _flat(tree):
 def test_context2_train_step_equals_context1(model, batch):
     """Same layout (width 40, one micro-batch of 4 rows) from a budget of 32 tokens per context shard at context=2
     and 64 at context=1; loss, every metric and every gradient agree to 1e-5 (fp32)."""
-    kw = dict(lr=1e-3, compute_dtype="float32", logprob_chunk_size=16)
+    kw = dict(lr=1e-3, compute_dtype="float32", logprob_chunk_size=16, remat="none")
     ref = Learner(model, LearnerConfig(max_tokens_per_micro_batch=64, **kw),
                   mesh=build_mesh_plan("actor:fsdp=2,expert=2", config=CFG).actor)
     cp = Learner(model, LearnerConfig(max_tokens_per_micro_batch=32, **kw),
