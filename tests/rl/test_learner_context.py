@@ -5,8 +5,9 @@ Model: tiny cut to 2 layers (CSA m=4 with the indexer, HCA m=8; the sliding wind
 routing), float32, remat off (it changes no value and costs 6 s of compile here; the default `block` with context=2
 runs in the loop, benchmarks/README.md "Context parallelism"), the learner's defaults otherwise (scanned layers,
 chunked logprobs, EP dispatch; routing replay under context parallelism is checked at the model level in
-tests/dsv4/test_context.py). Rows: left-padded prompts + right-padded responses, S = 40 = the trimmed width (the bucket 64 capped at S; not a multiple of 16 =
-context x ratio 8: the model pads it to 48 under context parallelism). Two learner compiles.
+tests/dsv4/test_context.py). Rows: left-padded prompts + right-padded responses, S = 40 = the trimmed width (the
+bucket 64 capped at S; not a multiple of 16 = context x ratio 8: the model pads it to 48 under context
+parallelism). Two learner compiles.
 Run: `.venv/bin/python -m pytest -q tests/rl/test_learner_context.py`.
 """
 
