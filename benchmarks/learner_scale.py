@@ -32,6 +32,11 @@ forward, `rl.logprobs.token_logprobs` with sequence chunks of 256, GRPO loss, ba
        scoring 6 x index_heads x index_head_dim x seq / (2 m).
    XLA's own count of the compiled step (`cost_analysis()["flops"]`, remat and the loss included) is printed next
    to it as hfu (hardware FLOP utilisation).
+5. context parallelism (`--context`, alone): temp memory per device of the same `small` train step at S = 8K,
+   16K, 32K, 64K on meshes `actor:context=C`, C = 1, 2, 4 (4 forced CPU devices; the sequence split over C,
+   dsv4/context.py), and the step time at 8K with C = 2 vs 1 (CPU collectives are slow: reported, no target).
+   Last line instead: `RESULT cp_temp_ratio_64k_cp4_vs_16k_cp1=.. cp_step_ratio_cp2_vs_cp1=.. cp_step_s_cp1=..
+   cp_step_s_cp2=..` (target of the first: <= 1.3).
 XLA:CPU upcasts bf16 dots to f32, hence fp32 compute here. The machine may be shared and loaded: timings are noisy.
 
 Run:   .venv/bin/python benchmarks/learner_scale.py              (about 5-10 minutes on 2 busy cores)
@@ -39,6 +44,7 @@ Run:   .venv/bin/python benchmarks/learner_scale.py              (about 5-10 min
        .venv/bin/python benchmarks/learner_scale.py --sections compile               (compile times only)
        .venv/bin/python benchmarks/learner_scale.py --sections compile --layers scan (scanned only; `--scan` too)
        .venv/bin/python benchmarks/learner_scale.py --sections mfu --mfu-batch 8 --mfu-seq 2048   (on a GPU)
+       .venv/bin/python benchmarks/learner_scale.py --context          (section 5 alone, 4 CPU devices)
 Last line: `RESULT temp_ratio_8k_1k=.. compile_ratio_43_4=.. blocked_vs_dense_step_4k=.. compile_ratio_43_4_unrolled=..
 mfu=.. train_tflops=.. mfu_step_s=..` (fields of sections or layer paths not run are nan).
 """
@@ -46,8 +52,11 @@ mfu=.. train_tflops=.. mfu_step_s=..` (fields of sections or layer paths not run
 from __future__ import annotations
 
 import os
+import sys
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+if "--context" in sys.argv:  # section 5 needs 4 host devices (one per context shard); before jax is imported
+    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=4").strip()
 
 import argparse  # noqa: E402
 import statistics  # noqa: E402
@@ -61,6 +70,7 @@ from dsv4 import DSV4Config, DSV4ForCausalLM  # noqa: E402
 from parallel.flops import train_flops_per_token  # noqa: E402
 from rl.config import DEFAULT_LEARNER, LearnerConfig  # noqa: E402
 from rl.learner import Learner, TrainBatch  # noqa: E402
+from sharding.mesh import build_mesh_plan  # noqa: E402
 
 MIB = 1 << 20
 # Datasheet dense bf16 TFLOP/s per device kind (lower-case substring of `device_kind`), for the MFU section.
@@ -70,10 +80,11 @@ MAX_RUN_TEMP_MIB = 8192  # do not execute a step whose temp exceeds this (the ma
 
 
 def make_learner(cfg: DSV4Config, impl: str, remat: str = "block",
-                 scan_layers: bool = DEFAULT_LEARNER.scan_layers, compute_dtype: str = "float32") -> Learner:
+                 scan_layers: bool = DEFAULT_LEARNER.scan_layers, compute_dtype: str = "float32",
+                 mesh=None) -> Learner:
     model = DSV4ForCausalLM(cfg, rngs=nnx.Rngs(0), param_dtype=jnp.float32, attention_impl=impl)
     return Learner(model, LearnerConfig(lr=1e-5, compute_dtype=compute_dtype, logprob_chunk_size=256, remat=remat,
-                                        scan_layers=scan_layers))
+                                        scan_layers=scan_layers), mesh=mesh)
 
 
 def make_batch(s: int, vocab: int, rows: int = 1) -> TrainBatch:
@@ -147,6 +158,10 @@ def main() -> None:
     ap.add_argument("--layers", choices=("both", "scan", "unrolled"), default="both",
                     help="compile section: scanned layers (the run's default; the headline), the Python loop, or both")
     ap.add_argument("--scan", action="store_true", help="the same as --layers scan (earlier name)")
+    ap.add_argument("--context", action="store_true", help="section 5 only: temp memory and step time under "
+                                                               "context parallelism (4 CPU devices)")
+    ap.add_argument("--context-seqs", default="8192,16384,32768,65536", help="section 5: sequence lengths")
+    ap.add_argument("--context-step-seq", type=int, default=8192, help="section 5: S of the step-time ratio")
     ap.add_argument("--mfu-config", default="small", choices=["tiny", "small"], help="mfu section: model config")
     ap.add_argument("--mfu-batch", type=int, default=8, help="mfu section: rows per train step")
     ap.add_argument("--mfu-seq", type=int, default=2048, help="mfu section: tokens per row")
@@ -155,6 +170,9 @@ def main() -> None:
     ap.add_argument("--peak-tflops", type=float, default=None, help="mfu section: peak TFLOP/s of one device "
                                                                      "(default: PEAK_BF16_TFLOPS by device kind)")
     args = ap.parse_args()
+    if args.context:
+        context_section(args)
+        return
     sections = set(args.sections.split(","))
     seqs = (1024, 2048) if args.quick else (1024, 2048, 4096, 8192)
     depths = (4, 12) if args.quick else (4, 12, 24, 43)
@@ -192,6 +210,35 @@ def main() -> None:
           f"blocked_vs_dense_step_{t_hi // 1024}k={step_ratio:.2f} "
           f"compile_ratio_{d_hi}_4_unrolled={comp_ratio[False]:.2f} mfu={mfu.get('mfu', nan):.4f} "
           f"train_tflops={mfu.get('train_tflops', nan):.4g} mfu_step_s={mfu.get('step_s', nan):.4f}")
+
+
+def context_section(args) -> None:
+    """Section 5 (`--context`): temp MiB per device of the `small` train step (one row, fp32, remat block, scanned
+    layers) at S in `--context-seqs` on meshes `actor:context=C`, C = 1, 2, 4 (compile only), and the step time
+    at `--context-step-seq` with C = 1 and 2 (median of `--runs`). Prints the table and the RESULT line
+    `cp_temp_ratio_64k_cp4_vs_16k_cp1` = temp(64K, C=4) / temp(16K, C=1) (four times the tokens on four times the
+    devices; target <= 1.3) and `cp_step_ratio_cp2_vs_cp1` = step(C=2) / step(C=1) at the same S."""
+    small = DSV4Config.small(torch_dtype="float32")
+    seqs = [int(x) for x in args.context_seqs.split(",")]
+    print(f"jax {jax.__version__}, backend {jax.default_backend()}, {jax.device_count()} devices, {os.cpu_count()} "
+          f"CPUs, load average {os.getloadavg()[0]:.1f}")
+    learners = {c: make_learner(small, "blocked", mesh=build_mesh_plan(f"actor:context={c}", config=small).actor)
+                for c in (1, 2, 4)}
+    temp: dict[tuple[int, int], float] = {}
+    print("\n| S | context=1 temp MiB | context=2 | context=4 |\n|---|---|---|---|")
+    for s in seqs:
+        for c, lr in learners.items():
+            _, _, temp[c, s] = compile_step(lr, make_batch(s, small.vocab_size))
+        print(f"| {s} | " + " | ".join(f"{temp[c, s]:.1f}" for c in learners) + " |", flush=True)
+    step = {}
+    for c in (1, 2):
+        step[c] = time_step(learners[c], make_batch(args.context_step_seq, small.vocab_size), args.runs)
+        print(f"step S={args.context_step_seq} context={c}: {step[c]:.3f} s (median of {args.runs})", flush=True)
+    nan = float("nan")
+    ratio = temp.get((4, 65536), nan) / temp.get((1, 16384), nan)
+    print(f"load average at the end {os.getloadavg()[0]:.1f}")
+    print(f"RESULT cp_temp_ratio_64k_cp4_vs_16k_cp1={ratio:.3f} cp_step_ratio_cp2_vs_cp1={step[2] / step[1]:.3f} "
+          f"cp_step_s_cp1={step[1]:.3f} cp_step_s_cp2={step[2]:.3f}")
 
 
 def time_step(learner: Learner, batch: TrainBatch, runs: int) -> float:

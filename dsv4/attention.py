@@ -5,7 +5,8 @@ Per layer kind (static): `sliding` (window only), `csa` (window + indexer-select
 Output heads get the inverse RoPE (values = rotated keys) and go through the grouped low-rank projection.
 
 Full-sequence path (training, prefill, scoring). Positions are 0..S-1 from the first real token: the model
-right-aligns padded rows before calling this. Two implementations of the same math (static `impl`):
+right-aligns padded rows before calling this. Under a rule table that splits the sequence (`act_seq` over the
+actor's `context` mesh axis) the blocked path runs context-parallel (`dsv4.context.attend_context`). Two implementations of the same math (static `impl`):
 `"blocked"` (default; `dsv4.blocked.attend_blocked`: memory linear in S, forward and backward) and `"dense"`
 (the reference: an explicit [B, H, S, S + W] score tensor and mask). The incremental decode path lives in
 `dsv4/cache.py`.
@@ -21,6 +22,7 @@ from flax import nnx
 from dsv4.blocked import attend_blocked
 from dsv4.compressor import Compressor, visible_entries
 from dsv4.config import CSA, HCA, SLIDING, yarn_inv_freq
+from dsv4.context import attend_context, context_axis
 from dsv4.indexer import Indexer
 from dsv4.layers import Linear, RMSNorm, apply_rope, dot_out, linear, param, rms_norm, rope_cos_sin
 from sharding import axes as ax
@@ -122,6 +124,11 @@ class Attention(nnx.Module):
         cos, sin = self.rope(positions)
         q, q_latent = self.query(x, cos, sin)
         kv = self.key_value(x, cos, sin)
+        cp = context_axis() if self.impl == "blocked" else None
+        if cp is not None:  # context parallelism (dsv4/context.py): the sequence split over the actor's context axis
+            if return_aux:
+                raise ValueError("return_aux (decode-cache tensors) is not available under context parallelism")
+            return self.output(attend_context(self, x, q, q_latent, kv, positions, cos, sin, *cp), cos, sin)
         if self.impl == "blocked":
             o, aux = self._blocked(x, q, q_latent, kv, positions, cos, sin)
             out = self.output(o, cos, sin)

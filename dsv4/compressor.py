@@ -19,7 +19,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from dsv4.layers import apply_rope, linear_f32, param, rms_norm, rope_cos_sin
+from dsv4.layers import apply_rope, linear_f32, param, rms_norm, rope_cos_sin, weight_of
 from sharding import axes as ax
 
 
@@ -69,7 +69,7 @@ class Compressor(nnx.Module):
 
     def project(self, x: jax.Array) -> tuple[jax.Array, jax.Array]:
         """x [B, S, D] -> (A, Z) [B, S, c*d] float32, Z without ape (spec §12 item 10: fp32 projections)."""
-        return linear_f32(x, self.wkv.weight[...]), linear_f32(x, self.wgate.weight[...])
+        return linear_f32(x, weight_of(self.wkv.weight)), linear_f32(x, weight_of(self.wgate.weight))
 
     def finish(self, pooled: jax.Array, window_index: jax.Array | int) -> jax.Array:
         """Norm + RoPE at p = w*m of pooled entries.
@@ -78,7 +78,12 @@ class Compressor(nnx.Module):
         window per row, W == 1, decode). Returns [B, W, d] in the compute dtype (the official code casts back
         before the norm).
         """
-        y = rms_norm(pooled.astype(self.dtype), self.norm.weight[...], self.eps)
+        return self.finish_with(pooled, window_index, self.norm.weight[...])
+
+    def finish_with(self, pooled: jax.Array, window_index: jax.Array | int, norm_weight: jax.Array) -> jax.Array:
+        """`finish` with the norm weight [d] given (dsv4/context.py passes it into a shard_map); window_index: an
+        int, or [B] int32 = the index of each row's first window (any W)."""
+        y = rms_norm(pooled.astype(self.dtype), norm_weight, self.eps)
         b, w_ = pooled.shape[:2]
         if isinstance(window_index, int):
             w = jnp.broadcast_to(jnp.arange(w_) + window_index, (b, w_))

@@ -17,7 +17,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from dsv4.compressor import Compressor, _Weight, visible_entries
-from dsv4.layers import apply_rope, linear_f32, param
+from dsv4.layers import apply_rope, linear_f32, param, weight_of
 from sharding import axes as ax
 
 
@@ -41,7 +41,7 @@ class Indexer(nnx.Module):
         b, s, _ = x.shape
         q = linear_f32(q_latent, self.wq_b.weight[...]).reshape(b, s, self.n_heads, self.head_dim)
         q = apply_rope(q, cos[:, :, None, :], sin[:, :, None, :])
-        omega = linear_f32(x, self.weights_proj.weight[...]) * (self.n_heads ** -0.5)
+        omega = linear_f32(x, weight_of(self.weights_proj.weight)) * (self.n_heads ** -0.5)
         return q, omega
 
     def scores(self, q: jax.Array, omega: jax.Array, keys: jax.Array) -> jax.Array:

@@ -20,6 +20,7 @@ from flax import nnx
 from dsv4.fp8_gemm import FakeQuantWeight, fake_quant_linear, quantized_linear
 from dsv4.quant import QuantizedTensor
 from sharding import axes as ax
+from sharding.rules import constrain
 
 
 class Buffer(nnx.Variable):
@@ -84,6 +85,21 @@ def rms_norm(x: jax.Array, weight: jax.Array | None, eps: float) -> jax.Array:
     return y.astype(x.dtype)
 
 
+def weight_of(var):
+    """The value of the parameter `var` for use in a per-token product: an array constrained to its layout with the
+    `embed` dim whole (the per-layer all-gather of FSDP / ZeRO-3, made explicit; identity without active rules);
+    quantised weights (`QuantizedTensor`, `FakeQuantWeight`) pass unchanged. Why: left to SPMD, a product with an
+    FSDP-split weight (and its gradient) may keep the weight split along D and move the [B, S, D] activation to a
+    D-split layout instead; with the batch and (context parallelism) the sequence split over the same devices as D,
+    SPMD reaches that layout only by replicating the activation ("involuntary full rematerialization")."""
+    w = var.get_value()
+    logical = getattr(var, "logical_axes", None)
+    if not isinstance(w, jax.Array) or logical is None or ax.EMBED not in logical or len(logical) < w.ndim:
+        return w
+    logical = tuple(logical)[len(logical) - w.ndim:]  # a stacked (dsv4.scan) variable seen per layer: [out, in]
+    return constrain(w, tuple(None if a == ax.EMBED else a for a in logical))
+
+
 class Linear(nnx.Module):
     """Bias-free linear layer with weight `[out, in]` named `weight` (official checkpoint layout)."""
 
@@ -92,7 +108,7 @@ class Linear(nnx.Module):
         self.dtype = dtype
 
     def __call__(self, x):
-        return linear(x, self.weight.get_value(), self.dtype)
+        return linear(x, weight_of(self.weight), self.dtype)
 
 
 class RMSNorm(nnx.Module):
@@ -103,7 +119,7 @@ class RMSNorm(nnx.Module):
         self.eps = eps
 
     def __call__(self, x):
-        return rms_norm(x, self.weight[...], self.eps)
+        return rms_norm(x, weight_of(self.weight), self.eps)
 
 
 def rope_cos_sin(positions: jax.Array, inv_freq: jax.Array) -> tuple[jax.Array, jax.Array]:

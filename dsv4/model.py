@@ -8,6 +8,10 @@ Padding: `attention_mask` [B, S] may mark left (or right) padding. Each row is r
 model is causal and compressed entries pool only complete windows of real tokens, every real token's logits
 equal those of the row run alone. (transformers 5.23 instead pools left-pad tokens into compressed entries.)
 
+Context parallelism: under a rule table that splits `act_seq` over a mesh axis of size C (the actor's `context`),
+S is padded at the end to a multiple of C x the lcm of the compression ratios (`dsv4.context.seq_multiple`) and
+the outputs cut back; the attention runs split (`dsv4.context`), everything else is per token.
+
 Routing record and replay: the output carries `routing` [B, S, L, k] int32 (expert ids of every main MoE
 layer; -1 at padding). Passing it back as `routing_replay` forces the same experts (spec: issue "routing
 replay"; hash layers included).
@@ -29,6 +33,7 @@ from flax import nnx, struct
 
 from dsv4.attention import ATTENTION_IMPLS, Attention
 from dsv4.config import DSV4Config
+from dsv4.context import context_axis, seq_multiple
 from dsv4.layers import Linear, RMSNorm, dot_out, param
 from dsv4.mhc import hc_head, hc_post, hc_pre
 from dsv4.moe import MoE
@@ -207,7 +212,7 @@ class DSV4ForCausalLM(nnx.Module):
 
     def lm_head(self, h: jax.Array, detached: bool = False) -> jax.Array:
         """h [..., D] -> logits [..., V] float32; detached: no gradient to the head weights."""
-        w = self.head.weight[...]
+        w = constrain(self.head.weight[...], (ax.VOCAB, None))  # gathered over its FSDP-split D, as `embed_tokens`
         w = jax.lax.stop_gradient(w) if detached else w
         return jnp.einsum("...d,vd->...v", h.astype(self.dtype), w.astype(self.dtype),
                           preferred_element_type=dot_out(self.dtype)).astype(jnp.float32)
@@ -247,6 +252,17 @@ class DSV4ForCausalLM(nnx.Module):
                              f"{(b, s, n_l, k)}")
         if attention_mask is not None and attention_mask.shape != (b, s):
             raise ValueError(f"attention_mask has shape {attention_mask.shape}; expected {(b, s)}")
+        cp = context_axis() if self.attention_impl == "blocked" else None
+        pad = 0 if cp is None else -s % (cp[1] * seq_multiple(cfg))
+        if pad:  # context parallelism: shards of whole compression windows (dsv4/context.py); trailing padding
+            # is invisible to every real token (causal), so the first S positions are the unpadded model's
+            m = jnp.ones((b, s), bool) if attention_mask is None else attention_mask.astype(bool)
+            out = self(jnp.pad(input_ids, ((0, 0), (0, pad))), attention_mask=jnp.pad(m, ((0, 0), (0, pad))),
+                       routing_replay=None if routing_replay is None else jnp.pad(
+                           routing_replay, ((0, 0), (0, pad), (0, 0), (0, 0)), constant_values=-1),
+                       return_mtp=return_mtp, return_hidden=return_hidden, dispatch_fn=dispatch_fn,
+                       layer_stack=layer_stack)
+            return jax.tree.map(lambda t: t[:, :s], out)
         valid = None
         if attention_mask is not None:
             m = attention_mask.astype(bool)

@@ -26,7 +26,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from dsv4.fp8_gemm import FakeQuantWeight
-from dsv4.layers import Buffer, dot_out, linear, linear_f32, param
+from dsv4.layers import Buffer, dot_out, linear, linear_f32, param, weight_of
 from dsv4.quant import ROUTED_EXPERT_RE, QuantizedTensor, act_fake_quant, act_fake_quant_ste
 from sharding import axes as ax
 
@@ -344,7 +344,7 @@ class MoE(nnx.Module):
 
     def route(self, u: jax.Array, token_ids: jax.Array, forced_ids: jax.Array | None = None):
         """u [T, D], token_ids [T] -> (ids [T, k] int32, weights [T, k] float32) (spec §6 router)."""
-        scores = jnp.sqrt(jax.nn.softplus(linear_f32(u, self.gate.weight[...])))  # [T, E]
+        scores = jnp.sqrt(jax.nn.softplus(linear_f32(u, weight_of(self.gate.weight))))  # [T, E]
         if self.is_hash:
             ids = self.gate.tid2eid[...][token_ids].astype(jnp.int32)
         else:
@@ -365,6 +365,9 @@ class MoE(nnx.Module):
         ids, w = self.route(uf, token_ids.reshape(-1), None if forced_ids is None else forced_ids.reshape(b * s, -1))
         fn = dispatch_fn or routed_experts_ragged
         e = self.experts
+        # The routed experts stay as placed (not `weight_of`): the EP dispatch gathers D inside its shard_map, and
+        # gathering every expert for the single-device path costs more than it saves (benchmarks/README.md
+        # "Context parallelism": +24% temp at 16K tokens on context=4).
         w1, w3, w2 = e.w1.get_value(), e.w3.get_value(), e.w2.get_value()
         if isinstance(w1, QuantizedTensor):
             # The rollout's quantised experts (`rl.rollout_weights`): as the release's FP8 x FP4 (or FP8) expert GEMMs,
@@ -384,8 +387,8 @@ class MoE(nnx.Module):
             y = fn(uf, ids, w, w1, w3, w2, limit=self.limit, dtype=self.dtype)
         if self.shared_experts is not None:
             se = self.shared_experts
-            h = swiglu(linear(uf, se.w1.weight.get_value(), self.dtype),
-                       linear(uf, se.w3.weight.get_value(), self.dtype),
+            h = swiglu(linear(uf, weight_of(se.w1.weight), self.dtype),
+                       linear(uf, weight_of(se.w3.weight), self.dtype),
                        self.limit)
-            y = y + linear(h, se.w2.weight.get_value(), self.dtype).astype(jnp.float32)
+            y = y + linear(h, weight_of(se.w2.weight), self.dtype).astype(jnp.float32)
         return y.astype(u.dtype).reshape(b, s, d), ids.reshape(b, s, -1)

@@ -10,9 +10,11 @@ call, so the expert choice is identical whichever dispatch runs; only where the 
 
 Layout inside the shard_map (one program per device):
 * tokens `x`, `ids`, `weights` are split along T over `token_axes` (the `act_batch` axes of the rule
-  presets: data, fsdp, expert). T is zero-padded to a multiple of their product (pad pairs are skipped).
+  presets: data, fsdp, expert; then the actor's `act_seq` axis, context). T is zero-padded to a multiple of their
+  product (pad pairs are skipped).
 * experts are split over `expert_axis` (ep ranks, E/ep local experts each). The other weight dims arrive as
-  the rule table places them (`rules`, default the actor preset): `embed` (D) over fsdp, `mlp` (I) over tensor.
+  the rule table places them (`rules`, default the actor preset): `embed` (D) over fsdp x context, `mlp` (I) over
+  tensor.
   D is all-gathered inside the body (FSDP / ZeRO-3: the transpose is a reduce-scatter of the gradient). I stays
   split: each tensor rank computes SwiGLU on its I/tp slice (elementwise in I) and a partial w2 product; one
   psum over the tensor axes of the [T_local, D] output completes it (Megatron MLP; tokens are replicated over
@@ -81,7 +83,14 @@ from sharding import rules as rl
 from sharding.mesh import auto_axes
 
 BACKENDS = ("capacity", "ragged", "padded")
-DEFAULT_TOKEN_AXES = (rl.DATA, rl.FSDP, rl.EXPERT)
+DEFAULT_TOKEN_AXES = None  # = the rules' act_batch axes then act_seq axes (`token_axes_of`)
+
+
+def token_axes_of(rules: rl.Rules) -> tuple[str, ...]:
+    """Mesh axes splitting the flattened tokens T = B * S of a `[B, S, D]` activation under `rules`: the `act_batch`
+    axes (major) then the `act_seq` axes (context parallelism), the order `reshape(B * S, D)` leaves them in."""
+    return rl.mesh_axes_for(ax.ACT_BATCH, rules) + tuple(
+        a for a in rl.mesh_axes_for(ax.ACT_SEQ, rules) if a not in rl.mesh_axes_for(ax.ACT_BATCH, rules))
 
 _RAGGED_DN = jax.lax.RaggedDotDimensionNumbers(
     dot_dimension_numbers=(([1], [2]), ([], [])), lhs_ragged_dimensions=[0], rhs_group_dimensions=[0])
@@ -303,7 +312,7 @@ def _axes_tuple(entry) -> tuple[str, ...]:
 
 
 def make_ep_dispatch(mesh: Mesh, *, backend: str = "capacity", capacity_factor: float | None = None,
-                     token_axes: Sequence[str] = DEFAULT_TOKEN_AXES, expert_axis: str = rl.EXPERT,
+                     token_axes: Sequence[str] | None = DEFAULT_TOKEN_AXES, expert_axis: str = rl.EXPERT,
                      rules: rl.Rules = rl.ACTOR_RULES, _ragged_all_to_all: Callable | None = None) -> Callable:
     """Build the expert-parallel `dispatch_fn` for `mesh` (see the module docstring for the algorithm).
 
@@ -317,9 +326,10 @@ def make_ep_dispatch(mesh: Mesh, *, backend: str = "capacity", capacity_factor: 
       capacity_factor: None = dropless (default). f > 0 bounds the buffers (module docstring; "padded": C =
         `padded_capacity`); pairs that do not fit are dropped, so results differ from the reference once any
         buffer overflows.
-      token_axes: mesh axes splitting the flattened tokens T (the act_batch axes); axes the mesh lacks are
-        ignored. Must include `expert_axis` and the axes that split the weights' `embed` dim, and exclude the
-        axes that split `mlp` (tokens must be replicated where the FFN is tensor-parallel).
+      token_axes: mesh axes splitting the flattened tokens T; None = `token_axes_of(rules)` (the act_batch axes,
+        then the act_seq axes: context parallelism); axes the mesh lacks are ignored. Must include `expert_axis`
+        and the axes that split the weights' `embed` dim, and exclude the axes that split `mlp` (tokens must be
+        replicated where the FFN is tensor-parallel).
       expert_axis: the mesh axis splitting the expert dim E.
       rules: rule table that placed the weights (ACTOR_RULES / ROLLOUT_RULES); it fixes the shard_map in_specs
         of w1, w3, w2. Weights laid out otherwise are resharded by XLA at the boundary (correct, slower).
@@ -340,6 +350,8 @@ def make_ep_dispatch(mesh: Mesh, *, backend: str = "capacity", capacity_factor: 
     names = tuple(mesh.axis_names)
     if expert_axis not in names:
         raise ValueError(f"expert_axis {expert_axis!r} is not an axis of the mesh {names}")
+    if token_axes is None:
+        token_axes = token_axes_of(rules)
     unknown = [a for a in token_axes if a not in rl.MESH_AXES and a not in names]
     if unknown:
         raise ValueError(f"token_axes {tuple(token_axes)}: unknown mesh axes {unknown}")

@@ -36,8 +36,14 @@ token):
                                                                      y (f32), h1 / h3 (f32) and h (bf16), fwd + bwd
                              + 6 * n_hc * D * 4 ]                    mHC f32 temporaries
                          + rows * min(S, 1024) * 3 * V * 4 / tp      one log-prob chunk: logits, lse, grad (f32)
-    gathered weights     2 * (largest layer's weights gathered over data x fsdp) + the head gathered: FSDP's
-                         all-gather for the recompute and the weight grads before their reduce-scatter.
+    gathered weights     2 * (largest layer's weights gathered over data x fsdp x context) + the head gathered:
+                         FSDP's all-gather for the recompute and the weight grads before their reduce-scatter.
+Context parallelism (`context` = C > 1 on the actor, dsv4/context.py): T stays the tokens *per device*, so a row of
+S tokens covers C devices with S / C each (rows per micro-batch = T C / S; the log-prob chunk is over the S / C
+local positions), weights and optimizer state are split over fsdp x context like FSDP, and one item is added:
+    gathered comp. KV    rows * 2 * (max over layers of (S / m) * (d * 2 + CSA: d_I * 4) + (W - 1) * d * 2)
+                         the all-gathered compressed entries (+ CSA indexer keys) of the whole sequence and the
+                         sliding-window halo, value and gradient (`context_gathered`).
 With `xla_cpu=True` (`--compile`) one item labelled "XLA:CPU only" is added, buffers XLA:CPU holds and a GPU does
 not (found in XLA's buffer assignment of the Flash step, `--xla_dump_to`; README "Learner memory knobs"): XLA:CPU
 runs its dots in f32, so it holds f32 copies of the gathered layer's weights and of their gradients and of the head
@@ -174,8 +180,8 @@ def model_leaves(config) -> tuple[Leaf, ...]:
 
 
 def abstract_mesh(sizes: dict[str, int]) -> AbstractMesh:
-    """An AbstractMesh with the four mesh axes of `sizes` (no devices needed)."""
-    return AbstractMesh(tuple(sizes[a] for a in rl.MESH_AXES), rl.MESH_AXES,
+    """An AbstractMesh with the mesh axes of `sizes` (absent ones: 1; no devices needed)."""
+    return AbstractMesh(tuple(sizes.get(a, 1) for a in rl.MESH_AXES), rl.MESH_AXES,
                         axis_types=(AxisType.Auto,) * len(rl.MESH_AXES))
 
 
@@ -377,7 +383,7 @@ def _actor_activations(cfg, sizes: dict[str, int], tokens: int, seq_len: int, ep
                        ep_backend: str = "ragged") -> float:
     """Bytes per device of one layer's backward working set plus one log-prob chunk (module docstring formula:
     the per-token terms other than the saved layer inputs, and the chunk)."""
-    tp = sizes[rl.TENSOR]
+    tp, cp = sizes[rl.TENSOR], sizes.get(rl.CONTEXT, 1)
     d, n, h, hd = cfg.hidden_size, cfg.hc_mult, cfg.num_attention_heads, cfg.head_dim
     i_ = cfg.moe_intermediate_size / tp
     rows = ep_rows_per_token(cfg, sizes, ep_backend, ep_capacity)
@@ -387,9 +393,28 @@ def _actor_activations(cfg, sizes: dict[str, int], tokens: int, seq_len: int, ep
                + 2 * rows * (4 * d * 2 + d * 4 + 3 * i_ * 4 + i_ * 2)  # EP rows: sent/received/back (bf16),
                                                           # y (f32), h1/h3/h (f32, bf16), fwd + bwd
                + 6 * n * d * 4)                          # mHC f32 temporaries
-    n_rows = max(1, math.ceil(tokens / seq_len))
-    logits = n_rows * min(seq_len, LOGPROB_CHUNK) * 3 * cfg.vocab_size * 4 / tp  # one chunk: logits, lse, grad
+    n_rows = max(1, math.ceil(tokens * cp / seq_len))  # context parallelism: a row's S tokens over cp devices
+    logits = n_rows * min(seq_len // cp, LOGPROB_CHUNK) * 3 * cfg.vocab_size * 4 / tp  # one chunk: logits, lse, grad
     return tokens * per_tok + logits
+
+
+def context_gathered(cfg, sizes: dict[str, int], tokens: int, seq_len: int) -> float:
+    """Bytes per device that context parallelism adds (dsv4/context.py), for the largest layer: the all-gathered
+    compressed entries of the whole sequence (bf16 [S/m, d]) and, CSA, the indexer's keys (f32 [S/m, d_I]), value
+    and gradient (x 2), plus the sliding-window halo ((window - 1) keys/values, bf16, and its gradient), per row
+    (rows = tokens * cp / S). 0 without a context axis (> 1)."""
+    cp = sizes.get(rl.CONTEXT, 1)
+    if cp <= 1:
+        return 0.0
+    n_rows = max(1, math.ceil(tokens * cp / seq_len))
+    per_layer = [0.0]
+    for i in range(cfg.num_hidden_layers):
+        m = cfg.compress_ratios[i]
+        if m:
+            keys = cfg.index_head_dim * 4 if m == cfg.csa_compress_ratio else 0
+            per_layer.append(seq_len // m * (cfg.head_dim * 2 + keys))
+    halo = (cfg.sliding_window - 1) * cfg.head_dim * 2
+    return n_rows * 2 * (max(per_layer) + halo)
 
 
 def saved_layer_inputs(cfg, tokens: int, itemsize: int = 2) -> float:
@@ -523,7 +548,7 @@ def plan(config, mesh_spec: str, gpu: str, *, learner: LearnerKnobs, nodes: int 
         raise ValueError(f"--ep-backend must be one of {list(EP_BACKENDS)}, got {ep_backend!r}")
     # one layer's weights gathered over the batch-only axes (FSDP / ZeRO-3: the layer's recompute and its weight
     # grads before the reduce-scatter), the head gathered for the log-prob chunk
-    g_mesh = abstract_mesh({**a_sizes, rl.DATA: 1, rl.FSDP: 1})
+    g_mesh = abstract_mesh({**a_sizes, rl.DATA: 1, rl.FSDP: 1, rl.CONTEXT: 1})
     gathered: dict[int, float] = {}
     head = 0.0
     for leaf in leaves:
@@ -537,6 +562,7 @@ def plan(config, mesh_spec: str, gpu: str, *, learner: LearnerKnobs, nodes: int 
     tokens = tokens_per_device
     act = _actor_activations(config, a_sizes, tokens, opts["train_seq_len"], ep_capacity_factor, ep_backend)
     saved = saved_layer_inputs(config, tokens)
+    cp_kv = context_gathered(config, a_sizes, tokens, opts["train_seq_len"])
     off = off_master + off_mom
     on_gpu = " (rest in host memory)" if off else ""
     a_items = {
@@ -547,6 +573,7 @@ def plan(config, mesh_spec: str, gpu: str, *, learner: LearnerKnobs, nodes: int 
         f"activations ({tokens_per_device} tokens, seq {opts['train_seq_len']}, remat block, EP {ep_backend})": act,
         f"activations: saved layer inputs ({config.num_hidden_layers} layers x bf16 [n_hc, D] per token)": saved,
         "activations: one layer's weights gathered (fsdp) + their grads; the head": 2 * layer_w + head,
+        f"activations: gathered compressed KV + window halo (context={a_sizes[rl.CONTEXT]})": cp_kv,
         "optimizer update: offloaded state moved to the device (learner's step)": whole + slice_peak,
     }
     cpu_only = 0.0

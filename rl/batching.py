@@ -11,7 +11,8 @@ original columns (0 / -1 elsewhere, which is what those columns hold anyway: pad
 
 Micro-batches (inside the jit): `layout` picks R rows per micro-batch and M = ceil(N / R) micro-batches; with a
 token budget B (`max_tokens_per_micro_batch`, per device of the batch axes, as Miles' `--max-tokens-per-gpu`)
-R = floor(B / W) x (devices of the batch axes). `split` appends M x R - N padding rows (copies of row 0 with
+R = floor(B / W) x (devices of the batch axes); under context parallelism (C devices share each row, the actor's
+`context` axis) the budget counts tokens per context shard: R = floor(B C / W) x (devices of the batch axes). `split` appends M x R - N padding rows (copies of row 0 with
 `response_mask` and advantages 0: the model sees a real row, so nothing non-finite can arise, and the loss, its
 gradient and every metric get exactly 0 from them) and assigns row r to micro-batch r % M (strided: with the
 batch sharded in blocks every device holds a share of each micro-batch). The loss normalisers come from the
@@ -58,22 +59,29 @@ def real_extent(attention_mask) -> tuple[np.ndarray, int]:
 
 
 def layout(n: int, seq_len: int, longest: int, *, trim: bool, micro_batch_size: int | None,
-           max_tokens: int | None, batch_devices: int = 1) -> Layout:
+           max_tokens: int | None, batch_devices: int = 1, context: int = 1) -> Layout:
     """The step's Layout for N rows of S columns whose longest real row has `longest` tokens.
 
+    `context` C: the devices one row's tokens are split over (context parallelism, the actor's `context` axis):
+    the budget counts tokens per context shard, so a row of W columns costs ceil(W / C) of it and a micro-batch
+    holds floor(B C / W) rows per device of the batch axes.
     Raises:
-      ValueError: the longest row is longer than the token budget (names --max-tokens-per-micro-batch).
+      ValueError: the longest row's share of a context shard is longer than the token budget (names
+        --max-tokens-per-micro-batch).
     """
-    if max_tokens is not None and longest > max_tokens:
+    if max_tokens is not None and -(-longest // context) > max_tokens:
+        per = "" if context == 1 else f" / context={context} = {-(-longest // context)} per context shard"
         raise ValueError(f"--max-tokens-per-micro-batch (LearnerConfig.max_tokens_per_micro_batch) = {max_tokens} "
-                         f"is smaller than the batch's longest row ({longest} tokens); raise it to >= {longest}")
+                         f"is smaller than the batch's longest row ({longest} tokens{per}); raise it to >= "
+                         f"{-(-longest // context)}")
     width = bucket(longest, seq_len) if trim else seq_len
     if max_tokens is not None:
-        if width > max_tokens and not trim:
+        budget = max_tokens * context  # tokens of one row's width that fit, spread over the context shards
+        if width > budget and not trim:
             raise ValueError(f"--max-tokens-per-micro-batch (LearnerConfig.max_tokens_per_micro_batch) = "
                              f"{max_tokens} is smaller than the untrimmed row length {seq_len} (trim is off)")
-        width = max(longest, min(width, max_tokens))
-        per_device = max(1, max_tokens // width)
+        width = max(longest, min(width, budget))
+        per_device = max(1, budget // width)
         rows = min(n, per_device * batch_devices)
         return Layout(seq_len, width, math.ceil(n / rows), rows)
     m = 1 if micro_batch_size is None else n // micro_batch_size

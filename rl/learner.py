@@ -24,7 +24,8 @@ Choices (and why):
   silently drops updates below bf16 resolution (docs/jax-stack.md §10); the fp32 masters keep them.
 - Input size (rl/batching.py): before the jit, rows are re-aligned to start at column 0 and cut to the bucketed
   longest real row (`trim`, exact); a compute_logprobs result is put back at the caller's columns. With
-  `max_tokens_per_micro_batch` B the micro-batches hold floor(B / W) rows per device at width W (padding rows
+  `max_tokens_per_micro_batch` B the micro-batches hold floor(B / W) rows per device at width W (floor(B C / W)
+  under context parallelism over C devices: the budget counts tokens per context shard; padding rows
   neutral); a batch whose longest row exceeds B is a ValueError naming --max-tokens-per-micro-batch.
 - Optimizer offload: `offload_optimizer` F puts the optimizer state (masters + moments) of the params
   `sharding.offload.select_offloaded` picks into `pinned_host` memory; the step moves it to the device, updates
@@ -66,7 +67,8 @@ Choices (and why):
   tensor at once), coarser than the planner's per-parameter count. `state_dict` is stacked (loads only into a
   learner with the same setting; the loop's checkpoint fingerprint records it).
 - Mesh: with `mesh`, the state is placed by `sharding.rules.param_shardings` (actor rules by default), the
-  batch is split along N over the rules' `act_batch` mesh axes, and the jits run inside `jax.set_mesh(mesh)`
+  batch is split along N over the rules' `act_batch` mesh axes (a `context` axis splits every row's activations
+  along S inside the model: context parallelism, `dsv4/context.py`; the batch itself enters replicated over it), and the jits run inside `jax.set_mesh(mesh)`
   and `sharding.rules.use_rules` with explicit in/out shardings (docs/jax-stack.md §2.2: a jit on a sub-mesh
   must run inside set_mesh).
 
@@ -676,12 +678,19 @@ class Learner:
             return 1
         return math.prod(self.mesh.shape[a] for a in sr.mesh_axes_for(ax.ACT_BATCH, self.rules) if a in self.mesh.shape)
 
+    def _context_devices(self) -> int:
+        """Devices one row's tokens are split over (the rules' `act_seq` axes: context parallelism), 1 without."""
+        if self.mesh is None:
+            return 1
+        return math.prod(self.mesh.shape[a] for a in sr.mesh_axes_for(ax.ACT_SEQ, self.rules) if a in self.mesh.shape)
+
     def _layout(self, n: int, s: int, longest: int) -> batching.Layout:
         c = self.cfg
         if self.exact_layout is not None:
             return batching.fixed_layout(n, s, longest, rows=self.exact_layout[0], width=self.exact_layout[1])
         return batching.layout(n, s, longest, trim=c.trim, micro_batch_size=c.micro_batch_size,
-                               max_tokens=c.max_tokens_per_micro_batch, batch_devices=self._batch_devices())
+                               max_tokens=c.max_tokens_per_micro_batch, batch_devices=self._batch_devices(),
+                               context=self._context_devices())
 
     def _fit(self, batch: TrainBatch) -> tuple[TrainBatch, batching.Layout, np.ndarray]:
         """Host side: trim to the longest real row (rl/batching.py) -> (batch, layout, per-row shift).

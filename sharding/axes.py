@@ -1,7 +1,7 @@
 """Logical axis names: the only place they are spelled.
 
 Model code names *logical* axes (what a dimension means); `sharding/rules.py` maps them to *mesh* axes
-(`data`, `fsdp`, `expert`, `tensor`) per role. Weights use bare names, activations the `act_` prefix.
+(`data`, `fsdp`, `context`, `expert`, `tensor`) per role. Weights use bare names, activations the `act_` prefix.
 Every parameter of `dsv4` carries a tuple of these (or None for "never shard") as its `logical_axes`
 metadata, one entry per array dimension.
 """

@@ -2,7 +2,7 @@
 
 A run has two roles in one JAX program (house rule 9): the BF16 *actor* mesh that trains and the FP8
 *rollout* mesh that samples, on disjoint devices, or on the same devices when colocated. Both meshes have
-the four axes `(data, fsdp, expert, tensor)` in that order (major to minor, `tensor` innermost so TP peers
+the five axes `(data, fsdp, context, expert, tensor)` in that order (major to minor, `tensor` innermost so TP peers
 are neighbouring devices); an axis left out of a spec has size 1. Placement inside a mesh is decided by the
 role's rule table in `sharding/rules.py`.
 
@@ -10,10 +10,11 @@ Spec grammar (also accepted by `launch/run.py --mesh`):
 
     SPEC   := "auto" | ROLE ("/" ROLE)?
     ROLE   := ("actor" | "rollout") ":" AXIS ("," AXIS)*
-    AXIS   := ("data" | "fsdp" | "expert" | "tensor") "=" INT>=1
+    AXIS   := ("data" | "fsdp" | "context" | "expert" | "tensor") "=" INT>=1
 
     actor:fsdp=2,expert=2/rollout:expert=2,tensor=2   actor on devices 0-3, rollout on 4-7
     actor:fsdp=4                                     colocated: rollout mesh IS the actor mesh
+    actor:fsdp=2,expert=2,context=2                  context parallelism: the sequence split in two
     auto                                             the rule below, for the devices present
 
 Devices are taken in `jax.devices()` order (process-major on multi-host runs): the actor gets the first
@@ -327,13 +328,13 @@ class MeshPlan:
             yield mesh
 
     def describe(self) -> str:
-        """One line per role: axis sizes and device ids (for the run log)."""
+        """One line per role: axis sizes and device ids (for the run log; `context` only when > 1)."""
         lines = []
         for role in ROLES:
             mesh = self.mesh(role)
             ids = [d.id for d in mesh.devices.flat]
             where = " (colocated with actor)" if role == ROLLOUT and self.colocated else ""
-            sizes = " ".join(f"{a}={n}" for a, n in mesh.shape.items())
+            sizes = " ".join(f"{a}={n}" for a, n in mesh.shape.items() if a != rl.CONTEXT or n > 1)
             lines.append(f"{role}: {sizes} devices {ids}{where}")
         return "\n".join(lines)
 

@@ -6,10 +6,12 @@ a tuple of mesh axes (the dim is split over their product, major to minor), or N
 
 Two presets:
 
-* `ACTOR_RULES` (training mesh, BF16 + fp32 master/optimizer state): FSDP + EP + TP. Weights are split along
-  `embed` over `fsdp` (ZeRO-3 style: gathered per layer by XLA), routed experts over `expert`, and the
-  head/intermediate/vocab dims over `tensor`. The batch is split over every non-tensor axis
-  (`data`, `fsdp`, `expert`): FSDP and EP ranks are data-parallel for activations.
+* `ACTOR_RULES` (training mesh, BF16 + fp32 master/optimizer state): FSDP + CP + EP + TP. Weights are split along
+  `embed` over `fsdp` x `context` (ZeRO-3 style over every data-like axis, as MaxText: gathered per layer by
+  XLA, so a context axis does not multiply the weight bytes per device), routed experts over `expert`, and the
+  head/intermediate/vocab dims over `tensor`. The batch is split over `data`, `fsdp`, `expert` (FSDP and EP
+  ranks are data-parallel for activations) and the sequence of every per-token activation (`act_seq`) over
+  `context` (context parallelism; the attention's collectives across it are in `dsv4/context.py`).
 * `ROLLOUT_RULES` (sampling mesh, FP8): EP + TP and no FSDP: weights are never split along `embed`, so decode
   steps never all-gather weights. The batch is split over `data`, `fsdp` and `expert`; on a rollout mesh the
   `fsdp` axis is therefore a second data axis. It is 1 on the usual disjoint rollout meshes and is only > 1
@@ -48,9 +50,10 @@ from sharding import axes as ax
 # Mesh axis names, in mesh order (major to minor). `tensor` is innermost so TP peers are adjacent devices.
 DATA = "data"
 FSDP = "fsdp"
+CONTEXT = "context"  # context parallelism: the actor's sequence dim of per-token activations (dsv4/context.py)
 EXPERT = "expert"
 TENSOR = "tensor"
-MESH_AXES = (DATA, FSDP, EXPERT, TENSOR)
+MESH_AXES = (DATA, FSDP, CONTEXT, EXPERT, TENSOR)
 
 # Roles.
 ACTOR = "actor"
@@ -63,7 +66,7 @@ Rules = tuple[tuple[str, MeshAxes], ...]
 ACTOR_RULES: Rules = (
     # Weights.
     (ax.VOCAB, TENSOR),
-    (ax.EMBED, FSDP),
+    (ax.EMBED, (FSDP, CONTEXT)),
     (ax.Q_LORA, None),
     (ax.HEADS, TENSOR),
     (ax.KV, None),
@@ -77,15 +80,18 @@ ACTOR_RULES: Rules = (
     (ax.TABLE, None),
     # Activations.
     (ax.ACT_BATCH, (DATA, FSDP, EXPERT)),
-    (ax.ACT_SEQ, None),
+    (ax.ACT_SEQ, CONTEXT),
     (ax.ACT_EMBED, None),
     (ax.ACT_HEADS, TENSOR),
     (ax.ACT_VOCAB, TENSOR),
     (ax.ACT_EXPERT, EXPERT),
 )
 
-# Same as the actor except: no FSDP on weights (embed replicated).
-ROLLOUT_RULES: Rules = tuple((name, None) if name == ax.EMBED else (name, m) for name, m in ACTOR_RULES)
+# Same as the actor except: no FSDP on weights (embed replicated), and no context parallelism: a rollout mesh
+# with a context axis (only when colocated with such an actor) uses it as one more data axis of the batch.
+_ROLLOUT_CHANGES: dict[str, MeshAxes] = {ax.EMBED: None, ax.ACT_SEQ: None,
+                                         ax.ACT_BATCH: (DATA, FSDP, CONTEXT, EXPERT)}
+ROLLOUT_RULES: Rules = tuple((name, _ROLLOUT_CHANGES.get(name, m)) for name, m in ACTOR_RULES)
 
 PRESETS: dict[str, Rules] = {ACTOR: ACTOR_RULES, ROLLOUT: ROLLOUT_RULES}
 

@@ -237,3 +237,19 @@ def test_kv_cache_layout_fp8():
     assert "per added token: fp8 3,829 B, bf16 8,224 B" in r.table()
     with pytest.raises(ValueError, match="kv dtype"):
         pl.plan("flash", "actor:expert=8/rollout:expert=8", "mi355x", learner=LEARNER, nodes=2, kv_dtype="int8")
+
+
+def test_context_axis_splits_weights_with_fsdp_and_counts_the_gathered_kv(flash_leaves):
+    """Context parallelism (issue 25): `actor:fsdp=2,context=2,expert=4` holds the same weight, master and moment
+    bytes per device as `actor:fsdp=4,expert=4` (FSDP over fsdp x context), and at 16,384 tokens per device of
+    32K-token rows adds the all-gathered compressed KV + halo of the largest layer by hand: CSA m=4: 8,192 entries
+    x (512 bf16 + 128 f32 indexer) + 127 halo keys x 512 bf16, value and gradient, one row."""
+    kw = dict(learner=LEARNER, tokens_per_device=16384, train_seq_len=32768)
+    cp = pl.plan("flash", "actor:fsdp=2,context=2,expert=4/rollout:expert=8", "mi308x", nodes=3, **kw)
+    ref = pl.plan("flash", "actor:fsdp=4,expert=4/rollout:expert=8", "mi308x", nodes=3, **kw)
+    for k, v in ref.actor.items.items():
+        if not k.startswith("activations"):
+            assert cp.actor.items[k] == v, k
+    kv = [v for k, v in cp.actor.items.items() if k.startswith("activations: gathered compressed KV")]
+    assert kv == [2 * (32768 // 4 * (512 * 2 + 128 * 4) + 127 * 512 * 2)]
+    assert [v for k, v in ref.actor.items.items() if k.startswith("activations: gathered compressed KV")] == [0.0]

@@ -422,7 +422,8 @@ def test_sampler_and_push_take_explicit_axis_meshes(disjoint):
     WeightPusher: both work on the Auto mesh of the same devices (`sharding.mesh.auto_axes`), and the push is
     exact and the sampler generates, as on the plan's meshes."""
     plan, state, _, _, _ = disjoint
-    explicit = [jax.sharding.Mesh(m.devices, m.axis_names, axis_types=(jax.sharding.AxisType.Explicit,) * 4)
+    explicit = [jax.sharding.Mesh(m.devices, m.axis_names,
+                                  axis_types=(jax.sharding.AxisType.Explicit,) * len(m.axis_names))
                 for m in (plan.actor, plan.rollout)]
     sampler = Sampler(dsv4.DSV4ForCausalLM(CFG, rngs=nnx.Rngs(1)), mesh=explicit[1], weights="fp8",
                       max_prompt_len=16)
