@@ -74,7 +74,8 @@ def test_the_request_in_flight_is_sent_again_to_the_next_rollout():
 def test_a_rollout_that_never_comes_back_is_named_in_one_line():
     address = f"127.0.0.1:{portpicker.pick_unused_port()}"
     _start(address, 7, True)
-    r = JobRollout(address, _FakePusher(), dict, timeout_s=10, restart_timeout_s=0.5)
+    r = JobRollout(address, _FakePusher(), dict, timeout_s=10, restart_timeout_s=10)  # the first registration
+    r.restart_timeout_s = 0.5  # the wait after the loss (the fake's first connect may retry past 0.5 s)
     try:
         r.load_weights(0)
         handle = r.submit(RolloutRequest(prompts=[[1]], params=None, seed=0, tag="train/0/0"))
