@@ -38,7 +38,6 @@ import dataclasses
 import logging
 import math
 import pickle
-import socket
 import threading
 import time
 from collections.abc import Sequence
@@ -47,6 +46,7 @@ from typing import Any
 import jax
 from jax._src import distributed  # private: the coordination service's client and this process's id
 
+from sharding.job_link import local_host_towards
 from sharding.mesh import MeshSpecError
 from sharding.rules import ACTOR, ROLLOUT
 
@@ -149,24 +149,12 @@ def role_layout(plan, process_index: int | None = None, process_count: int | Non
 # ------------------------------------------------------------------------------------------ transfer options
 
 
-def _route_host(coordinator_host: str) -> str:
-    """The local address this host uses to reach `coordinator_host` (no packet is sent)."""
-    if coordinator_host in ("127.0.0.1", "localhost", "::1"):
-        return "127.0.0.1"
-    try:
-        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
-            s.connect((coordinator_host, 9))
-            return s.getsockname()[0]
-    except OSError:
-        return socket.gethostbyname(socket.gethostname())
-
-
 def transfer_socket_address(coordinator: str, process_id: int, address: str | None = None) -> str:
     """`address` if given, else "<local address towards the coordinator>:<coordinator port + 1 + process_id>"."""
     if address:
         return address
     host, port = coordinator.rsplit(":", 1)
-    return f"{_route_host(host.strip('[]'))}:{int(port) + 1 + int(process_id)}"
+    return f"{local_host_towards(host.strip('[]'))}:{int(port) + 1 + int(process_id)}"
 
 
 def configure_transfer(socket_address: str, timeout_s: float | None = None) -> None:
