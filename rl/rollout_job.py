@@ -73,7 +73,7 @@ class JobRollout(RolloutService):
         self.pusher, self.params_fn = pusher, params_fn
         self.timeout_s, self.restart_timeout_s = float(timeout_s), float(restart_timeout_s)
         self.host = split_address(address, "--rollout-address")[0]
-        self.listener = JobListener(address, authkey(), hello={"tiling": pusher.tiling})
+        self.listener = JobListener(address, authkey(self.host), hello={"tiling": pusher.tiling})
         self.link = None
         self.rollout_name, self.last_line = "the rollout job", ""
         self._version = -1
@@ -238,6 +238,7 @@ class RolloutJobServer:
         self.timeout_s, self.connect_timeout_s = float(timeout_s), float(connect_timeout_s)
         self.generate_calls = 0
         host = split_address(actor_address, "--actor-address")[0]
+        self.key = authkey(host)  # ValueError (one line) for a remote actor without $DSV4RL_ROLLOUT_AUTHKEY
         self.receiver = WeightReceiver(sampler, local_host_towards(host))
         self._line = _LastLine()
         logging.getLogger().addHandler(self._line)
@@ -247,7 +248,7 @@ class RolloutJobServer:
         the actor when it is gone; RolloutJobError when it plans another tiling."""
         hello = {"host": socket.gethostname(), "pid": os.getpid(), "tiling": tiling(self.sampler),
                  "line": self._line.line}
-        link = connect(self.actor_address, authkey(), timeout_s=self.timeout_s, deadline_s=self.connect_timeout_s,
+        link = connect(self.actor_address, self.key, timeout_s=self.timeout_s, deadline_s=self.connect_timeout_s,
                        hello=hello, line_fn=lambda: self._line.line)
         if link.hello.get("tiling") != hello["tiling"]:
             raise RolloutJobError(f"{link.name} cuts the weights differently from this rollout job's mesh: start "

@@ -8,7 +8,7 @@
 The transport is the standard library's `multiprocessing.connection` (`Listener` / `Client`, with an HMAC challenge
 on the `authkey` before anything is unpickled, so only a peer holding the key is heard; pickled messages, length-
 prefixed). Only the two jobs of one run talk here: run it on a trusted network, the way the coordination service of
-`jax.distributed` is. The key: `$DSV4RL_ROLLOUT_AUTHKEY`, else a fixed default (`authkey()`).
+`jax.distributed` is. The key: `$DSV4RL_ROLLOUT_AUTHKEY`, else (loopback only) a fixed default (`authkey()`).
 
 Liveness. Each side runs a heartbeat thread that sends {"beat", last log line} every `HEARTBEAT_S` (it ticks through
 long compiles and steps) and a reader thread that files every message under its key (a FIFO per key). A `get` fails
@@ -47,9 +47,20 @@ class LinkLost(RuntimeError):
         super().__init__(f"{peer} {why}" + (f" ({what})" if what else ""))
 
 
-def authkey() -> bytes:
-    """The channel's key: `$DSV4RL_ROLLOUT_AUTHKEY`, else the project's default (both jobs must agree)."""
-    return os.environ.get(ENV_AUTHKEY, "dsv4-rl-rollout").encode()
+LOOPBACK = ("127.0.0.1", "localhost", "::1")
+
+
+def authkey(host: str = "127.0.0.1") -> bytes:
+    """The channel's key: `$DSV4RL_ROLLOUT_AUTHKEY` (both jobs must agree), else, for a loopback `host` only, the
+    project's default. The channel unpickles what it receives, so a key anyone can read must not guard a port other
+    hosts reach: ValueError (naming the variable) for a non-loopback `host` without it."""
+    key = os.environ.get(ENV_AUTHKEY)
+    if key:
+        return key.encode()
+    if host.strip("[]") in LOOPBACK:
+        return b"dsv4-rl-rollout"
+    raise ValueError(f"the two-job layout on {host} needs a secret key: set ${ENV_AUTHKEY} to the same value for the "
+                     "actor job and the rollout job (the channel unpickles what it receives; the default key is public)")
 
 
 def split_address(address: str, flag: str) -> tuple[str, int]:
@@ -62,7 +73,7 @@ def split_address(address: str, flag: str) -> tuple[str, int]:
 
 def local_host_towards(host: str) -> str:
     """The local address this host uses to reach `host` (no packet is sent); 127.0.0.1 for loopback."""
-    if host in ("127.0.0.1", "localhost", "::1"):
+    if host in LOOPBACK:
         return "127.0.0.1"
     try:
         with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:

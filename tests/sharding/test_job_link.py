@@ -7,7 +7,7 @@ from multiprocessing.connection import Client
 
 import pytest
 
-from sharding.job_link import JobListener, LinkLost, connect, split_address
+from sharding.job_link import ENV_AUTHKEY, JobListener, LinkLost, authkey, connect, split_address
 
 
 def test_messages_hello_and_a_closed_peer():
@@ -55,3 +55,13 @@ def test_a_silent_peer_is_lost_after_the_timeout():
         raw.close()
     finally:
         listener.close()
+
+
+def test_a_remote_address_needs_a_secret_key(monkeypatch):
+    """The channel unpickles what it receives: the public default key guards loopback only."""
+    monkeypatch.delenv(ENV_AUTHKEY, raising=False)
+    assert authkey("127.0.0.1") == authkey("localhost") == authkey("[::1]") == b"dsv4-rl-rollout"
+    with pytest.raises(ValueError, match=ENV_AUTHKEY):
+        authkey("10.0.0.7")
+    monkeypatch.setenv(ENV_AUTHKEY, "s3cret")
+    assert authkey("10.0.0.7") == authkey("127.0.0.1") == b"s3cret"
