@@ -134,27 +134,6 @@ def _mtp_mask(response_mask: jax.Array) -> jax.Array:
     return m.at[:, :2].set(0.0)
 
 
-def _clip_apart(max_norm: float, is_apart) -> optax.GradientTransformation:
-    """`optax.clip_by_global_norm(max_norm)` applied separately to the leaves whose path satisfies `is_apart` and to
-    the rest (the same empty state), so that one group's gradient never rescales the other's."""
-    def update(updates, state, params=None):
-        del params
-        flags = jax.tree_util.tree_map_with_path(lambda p, _: is_apart(p), updates)
-        out = updates
-        for side in (True, False):
-            part = [g for g, f in zip(jax.tree.leaves(updates), jax.tree.leaves(flags)) if f == side]
-            norm = optax.tree.norm(part) if part else jnp.zeros((), jnp.float32)
-            keep = norm < max_norm  # optax's formula, per group
-
-            def clip(g, f, o, norm=norm, keep=keep, side=side):
-                return jax.lax.select(keep, g, (g / norm.astype(g.dtype)) * max_norm) if f == side else o
-
-            out = jax.tree.map(clip, updates, flags, out)
-        return out, state
-
-    return optax.GradientTransformation(lambda params: optax.EmptyState(), update)
-
-
 @struct.dataclass
 class TrainState:
     """step: int32 scalar (applied updates); params: nnx.State of float32 Params; opt_state: optax state;
@@ -427,7 +406,7 @@ class Learner:
         if c.max_grad_norm is None:
             return adamw
         if clip and c.mtp_loss_weight > 0:  # the MTP head's gradient clipped apart: the policy update is its own
-            return optax.chain(_clip_apart(c.max_grad_norm, _is_mtp), adamw)
+            return optax.chain(optim.clip_by_global_norm_apart(c.max_grad_norm, _is_mtp), adamw)
         return optax.chain(optax.clip_by_global_norm(c.max_grad_norm) if clip else optax.identity(), adamw)
 
     # ------------------------------------------------------------------ the math (traced inside jit)

@@ -12,6 +12,9 @@ needed with bf16). With fp32 params (the default) there is no master and the sta
 
 Source of the math: optax `GradientTransformation` contract (update(grads, state, params) -> (updates, state));
 Megatron-LM `DistributedOptimizer` (fp32 main params + Adam state, bf16 model params).
+
+`clip_by_global_norm_apart`: gradient clipping per group of leaves (the learner clips the MTP block's gradient
+apart from the policy's).
 """
 
 from __future__ import annotations
@@ -174,3 +177,25 @@ def update_streamed(tx: optax.GradientTransformation, grads, opt_state, params, 
         for j, x in zip(oi, o_new):
             out_o[j] = x
     return jax.tree.unflatten(p_def, out_p), jax.tree.unflatten(o_def, out_o)
+
+
+def clip_by_global_norm_apart(max_norm: float, is_apart) -> optax.GradientTransformation:
+    """`optax.clip_by_global_norm(max_norm)` applied separately to the leaves whose key path satisfies `is_apart`
+    (path -> bool; e.g. the MTP block's leaves) and to the rest, so that one group's gradient never rescales the
+    other's. Any pytree of float arrays; the state is optax's EmptyState."""
+    def update(updates, state, params=None):
+        del params
+        flags = jax.tree_util.tree_map_with_path(lambda p, _: is_apart(p), updates)
+        out = updates
+        for side in (True, False):
+            part = [g for g, f in zip(jax.tree.leaves(updates), jax.tree.leaves(flags)) if f == side]
+            norm = optax.tree.norm(part) if part else jnp.zeros((), jnp.float32)
+            keep = norm < max_norm  # optax's formula, per group
+
+            def clip(g, f, o, norm=norm, keep=keep, side=side):
+                return jax.lax.select(keep, g, (g / norm.astype(g.dtype)) * max_norm) if f == side else o
+
+            out = jax.tree.map(clip, updates, flags, out)
+        return out, state
+
+    return optax.GradientTransformation(lambda params: optax.EmptyState(), update)

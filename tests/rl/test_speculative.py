@@ -21,7 +21,8 @@ from dsv4.cache import decode_step, prefill
 from dsv4.quant import dequantize_fp8_blockwise
 from dsv4.spec_decode import commit, verify_forward
 from rl.config import LearnerConfig
-from rl.learner import Learner, TrainBatch, _clip_apart
+from rl.learner import Learner, TrainBatch
+from rl.optim import clip_by_global_norm_apart
 from rl.logprobs import token_logprobs
 from rl.sampler import Sampler, SamplingParams
 from rl.speculative import accept_drafts, check_speculative, sampling_probs
@@ -261,7 +262,7 @@ def test_mtp_loss_leaves_the_policy_gradient_and_update_and_the_push_carries_the
     assert float(met["train/mtp_loss"]) > 0
     tree = {"layers": {"w": jnp.asarray(f0["layers/1/attn/wq_a/weight"])}, "mtp": {"w": jnp.asarray(f1[
         "mtp/0/e_proj/weight"]) * 1e3}}
-    clipped, _ = _clip_apart(1e-3, lambda path: str(path[0].key) == "mtp").update(tree, optax.EmptyState())
+    clipped, _ = clip_by_global_norm_apart(1e-3, lambda path: str(path[0].key) == "mtp").update(tree, optax.EmptyState())
     alone, _ = optax.clip_by_global_norm(1e-3).update({"w": tree["layers"]["w"]}, optax.EmptyState())
     np.testing.assert_array_equal(np.asarray(clipped["layers"]["w"]), np.asarray(alone["w"]))
     assert abs(float(optax.tree.norm(clipped["mtp"])) - 1e-3) < 1e-8
