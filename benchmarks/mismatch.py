@@ -29,12 +29,13 @@ Cost of `fp8_forward` (`--cost`, on by default): the learner's train step on the
 compiled temp bytes (`Learner.lower(batch).compile().memory_analysis()`; XLA:CPU figures) and step time (median of
 3 calls of that compiled step).
 
-Exact mode (`--exact-rollout`, rl/exact.py): the learner built with `exact_layout` re-scores the rollout's batch
-(`rl.exact.rescore`) and the train step's own metric `train/train_rollout_logprob_abs_diff` is read on the re-scored
-batch (`Learner.loss_and_grads`): `exact` (FP8 rollout, FP8-aware learner), `exact fp32` (the fp32 sampler's static
-batch, fp32 learner), and `exact, 2 micro-batches` (the FP8 case with `micro_batch_size` = rows / 2: the step's
-scanned micro-batch loop, the one part left inexact). Cost: rollout tok/s of `generate` alone vs `generate` +
-`rescore` (each the median of 3 warm calls), `exact_cost_frac` = rescore s / generate s.
+Exact mode (`--exact-rollout`, rl/exact.py): the learner built with `exact_layout` draws a batch from the same
+prompts with its own forward (`rl.exact.generate`) and the train step's own metric
+`train/train_rollout_logprob_abs_diff` is read on it (`Learner.loss_and_grads`): `exact` (FP8-aware learner, the FP8
+rollout's weights and activations), `exact fp32` (fp32 learner), and `exact, 2 micro-batches` (the FP8-aware case
+with `micro_batch_size` = rows / 2: the step's scanned micro-batch loop, the one part left inexact). Cost: rollout
+tok/s of the FP8 sampler's `generate` (static batch, FP8 KV cache) vs `rl.exact.generate` (each the median of 3 warm
+calls), `exact_cost_frac` = exact s / generate s - 1 (the rollout time exact mode adds, as a fraction).
 
 Last line: `RESULT fp8_mean_abs_dlogp=.. fp8_aware_mean_abs_dlogp=.. exact_mean_abs_dlogp=.. exact_cost_frac=..
 fp8_max_abs_dlogp=.. fp8_aware_max_abs_dlogp=.. fp8_kl=.. fp8_aware_kl=.. exact_fp32_mean_abs_dlogp=..
@@ -64,7 +65,8 @@ from dsv4.names import param_key  # noqa: E402
 from dsv4.quant import QuantizedTensor  # noqa: E402
 from rl.batch import RolloutBatch  # noqa: E402
 from rl.config import LearnerConfig, LossConfig  # noqa: E402
-from rl.exact import exact_layout, rescore  # noqa: E402
+from rl.exact import exact_layout  # noqa: E402
+from rl.exact import generate as exact_generate  # noqa: E402
 from rl.learner import Learner, TrainBatch  # noqa: E402
 from rl.logprobs import token_logprobs  # noqa: E402
 from rl.losses import kl_penalty  # noqa: E402
@@ -140,20 +142,22 @@ def median_s(fn, calls: int = 3) -> float:
     return float(np.median(times))
 
 
-def exact_row(model, rb: RolloutBatch, adv: np.ndarray, *, fp8: bool, max_prompt_len: int, micro_batches: int = 1):
-    """(stats of the train step's own metric on the re-scored batch, learner): exact mode's learner (FP8-aware
-    when `fp8`, fp32 compute, routing replay, TIS) re-scores `rb`; the step (`loss_and_grads`) then reads it."""
-    n = len(rb.lengths)
+def exact_row(model, prompts, sp: SamplingParams, adv: np.ndarray, *, fp8: bool, max_prompt_len: int,
+              micro_batches: int = 1):
+    """(stats of the train step's own metric on an exact-mode batch, learner, the batch): exact mode's learner
+    (FP8-aware when `fp8`, fp32 compute, routing replay, TIS) draws the batch from `prompts`
+    (`rl.exact.generate`); the step (`loss_and_grads`) then reads it."""
+    n = len(prompts)
     cfg = LearnerConfig(lr=1e-6, compute_dtype="float32", routing_replay=True, fp8_forward=fp8,
                         loss=LossConfig(correction="tis"), micro_batch_size=n // micro_batches)
-    lay = exact_layout(cfg, rows_per_step=n, max_prompt_len=max_prompt_len, max_new_tokens=rb.tokens.shape[1])
+    lay = exact_layout(cfg, rows_per_step=n, max_prompt_len=max_prompt_len, max_new_tokens=sp.max_new_tokens)
     learner = Learner(model, cfg, rollout_dtype="fp8", exact_layout=lay)
-    ex = rescore(learner, rb, routing_replay=True)
+    ex, _ = exact_generate(learner, prompts, sp, seed=0, routing_replay=True)
     _, _, m = learner.loss_and_grads(learner.state, TrainBatch.from_rollout(ex, adv))
-    resp = np.arange(rb.tokens.shape[1])[None] < rb.lengths[:, None]
+    resp = np.arange(ex.tokens.shape[1])[None] < ex.lengths[:, None]
     # the step's own metric (its max is not reported by the step: 0 when the mean is, else not known here)
     mean = float(m["train/train_rollout_logprob_abs_diff"])  # a mean of |.|: 0 only if every token is 0
-    return (mean, 0.0 if mean == 0 else float("nan"), float(m["train/train_rollout_kl"]), int(resp.sum())), learner
+    return (mean, 0.0 if mean == 0 else float("nan"), float(m["train/train_rollout_kl"]), int(resp.sum())), learner, ex
 
 
 def main(argv=None) -> int:
@@ -231,18 +235,18 @@ def main(argv=None) -> int:
     del learners, w_only, a_only, both, score, score8  # memory: the exact rows build learners of their own
     gc.collect()
     jax.clear_caches()
-    rows["exact fp32: fp32 rollout, fp32 learner (step metric)"], _ = exact_row(
-        model, static, batch.advantages, fp8=False, max_prompt_len=p)
-    rows["exact, 2 micro-batches (scanned step loop)"], _ = exact_row(
-        model, rb, batch.advantages, fp8=True, max_prompt_len=p, micro_batches=2)
+    rows["exact fp32: fp32 learner (step metric)"], _, _ = exact_row(
+        model, prompts, sp, batch.advantages, fp8=False, max_prompt_len=p)
+    rows["exact, 2 micro-batches (scanned step loop)"], _, _ = exact_row(
+        model, prompts, sp, batch.advantages, fp8=True, max_prompt_len=p, micro_batches=2)
     gc.collect()
     jax.clear_caches()
-    rows["exact: FP8 rollout, FP8-aware learner (step metric)"], ex_learner = exact_row(
-        model, rb, batch.advantages, fp8=True, max_prompt_len=p)
-    # cost of exact mode: the re-scoring added to the rollout's generate (both compiled, medians of 3 calls)
+    rows["exact: FP8-aware learner (step metric)"], ex_learner, ex = exact_row(
+        model, prompts, sp, batch.advantages, fp8=True, max_prompt_len=p)
+    # cost of exact mode: its draws vs the FP8 rollout's generate (both compiled, medians of 3 calls)
     gen_s = median_s(lambda: fp8.generate(prompts, sp, seed=0))
-    rescore_s = median_s(lambda: rescore(ex_learner, rb, routing_replay=True))
-    n_tok = int(rb.lengths.sum())
+    exact_s = median_s(lambda: exact_generate(ex_learner, prompts, sp, seed=0, routing_replay=True))
+    n_tok, n_ex = int(rb.lengths.sum()), int(ex.lengths.sum())
     del ex_learner
     gc.collect()
     jax.clear_caches()
@@ -255,17 +259,17 @@ def main(argv=None) -> int:
     for name, (mean, mx, kl, n) in rows.items():
         print(f"| {name:<52} | {mean:14.2e} | {mx:13.2e} | {kl:16.2e} | {n:6d} |")
     fp8_row, aware_row = rows["fp8 rollout vs fp32 learner (replay)"], rows["fp8 rollout vs FP8-aware learner (replay)"]
-    exact = rows["exact: FP8 rollout, FP8-aware learner (step metric)"]
-    print(f"exact mode cost ({args.rows} rows x {new} tokens, FP8 rollout, static batching, FP8 KV cache): generate "
-          f"{gen_s:.3f} s ({n_tok / gen_s:.1f} tok/s), re-score {rescore_s:.3f} s -> {n_tok / (gen_s + rescore_s):.1f} "
-          f"tok/s with exact mode")
+    exact = rows["exact: FP8-aware learner (step metric)"]
+    print(f"exact mode cost ({args.rows} rows x {new} tokens): FP8 rollout generate (static batching, FP8 KV cache) "
+          f"{gen_s:.3f} s ({n_tok / gen_s:.1f} tok/s); exact draws from the FP8-aware learner's forward "
+          f"{exact_s:.3f} s ({n_ex / exact_s:.1f} tok/s)")
     result = (f"fp8_mean_abs_dlogp={fp8_row[0]:.3e} fp8_aware_mean_abs_dlogp={aware_row[0]:.3e} "
-              f"exact_mean_abs_dlogp={exact[0]:g} exact_cost_frac={rescore_s / gen_s:.3f} "
+              f"exact_mean_abs_dlogp={exact[0]:g} exact_cost_frac={exact_s / gen_s - 1:.3f} "
               f"fp8_max_abs_dlogp={fp8_row[1]:.3e} fp8_aware_max_abs_dlogp={aware_row[1]:.3e} "
               f"fp8_kl={fp8_row[2]:.3e} fp8_aware_kl={aware_row[2]:.3e} "
-              f"exact_fp32_mean_abs_dlogp={rows['exact fp32: fp32 rollout, fp32 learner (step metric)'][0]:g} "
+              f"exact_fp32_mean_abs_dlogp={rows['exact fp32: fp32 learner (step metric)'][0]:g} "
               f"exact_microbatched_mean_abs_dlogp={rows['exact, 2 micro-batches (scanned step loop)'][0]:.3e} "
-              f"rollout_tok_s={n_tok / gen_s:.1f} exact_rollout_tok_s={n_tok / (gen_s + rescore_s):.1f}")
+              f"rollout_tok_s={n_tok / gen_s:.1f} exact_rollout_tok_s={n_ex / exact_s:.1f}")
     if args.cost:
         off, on = cost(model, batch, False), cost(model, batch, True)
         print(f"learner train step ({args.rows} x {ids.shape[1]} tokens, fp32 compute, scanned layers, remat block; "

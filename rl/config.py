@@ -175,8 +175,8 @@ class RolloutConfig:
                                  "the actor trains, with weights at most K versions old (needs --correction tis|mis); "
                                  "0 = synchronous")
     async_rollout: bool = knob(False, "one-step-off asynchronous rollout: shorthand for --max-staleness 1")
-    exact: bool = knob(False, "exact mode (rl/exact.py): the learner's own forward re-scores every sampled sequence "
-                              "and its logprobs replace the sampler's, in a batch-invariant layout, so "
+    exact: bool = knob(False, "exact mode (rl/exact.py): training samples are drawn from the learner's own forward "
+                              "in a batch-invariant layout (a full forward per token), so "
                               "train/train_rollout_logprob_abs_diff is 0 (needs --max-staleness 0; with an FP8 "
                               "--rollout-dtype, --learner.fp8_forward)")
     push_timeout: float = knob(600.0, "MPMD runs (actor and rollout on separate processes, sharding/mpmd.py): "
@@ -480,8 +480,8 @@ class RunConfig:
             raise ValueError(f"RunConfig: --learner.fp8_forward reproduces an FP8 rollout, but --rollout-dtype is "
                              f"{self.rollout.dtype}: use an fp8 --rollout-dtype or drop --learner.fp8_forward")
         if self.rollout.exact and self.staleness() > 0:
-            raise ValueError(f"RunConfig: --exact-rollout re-scores a batch with the learner's weights, which are "
-                             f"the rollout's only in the synchronous loop: drop --max-staleness {self.staleness()} "
+            raise ValueError(f"RunConfig: --exact-rollout draws each batch with the learner's current weights, "
+                             f"which the schedule samples with only in the synchronous loop: drop --max-staleness {self.staleness()} "
                              f"(--async-rollout) or --exact-rollout")
         if self.rollout.exact and self.rollout.dtype not in ("bf16", "fp32") and not self.learner.fp8_forward:
             raise ValueError(f"RunConfig: --exact-rollout with --rollout-dtype {self.rollout.dtype} needs "

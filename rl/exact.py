@@ -1,43 +1,52 @@
-"""Exact mode (`--exact-rollout`, issue 26 point 4): the rollout's logprobs are the learner's forward, bitwise.
+"""Exact mode (`--exact-rollout`, issue 26 point 4): the training rollouts are drawn from the learner's own forward,
+so the behaviour policy *is* the learner's policy, to the bit, and the logprobs the loss sees are exactly those the
+tokens were drawn with.
 
     layout = exact_layout(cfg.learner, rows_per_step=N, max_prompt_len=P, max_new_tokens=T)
     learner = Learner(model, cfg.learner, ..., exact_layout=layout)
-    rb = rescore(learner, sampler.generate(...), routing_replay=cfg.learner.routing_replay)
+    rb, stats = generate(learner, prompts, params, seed=, step=, prompt_index=, sample_index=, weight_version=,
+                         routing_replay=cfg.learner.routing_replay)
 
-How: after generation, every sampled sequence is scored again by the learner's own jitted logprob program
-(`Learner.compute_logprobs`: the same function and weights the train step's forward uses; the FP8-aware forward,
-`--learner.fp8_forward`, when the rollout is FP8, which reproduces the rollout's FP8 weights and activation
-quantisation; with routing replay, the rollout's recorded experts forced as the train step forces them), and those
-logprobs replace the sampled ones in the `RolloutBatch`. Equality then holds by construction if the learner
-computes a row the same way whichever batch it sits in. It does not by default: XLA:CPU's results depend on the
-program's shapes (measured: a row re-scored alone, or in a batch trimmed to another width, differs by ~1e-6 from the
-same row in the full batch), and the learner trims each batch to its longest row and sizes micro-batches by N.
-So exact mode fixes the learner's layout (`rl.batching.fixed_layout`): every forward, the re-scoring's and the
-train step's, runs in micro-batches of R rows x W columns (R: the rows the step's batch would put in one
-micro-batch; W: the bucket of `--max-prompt-len + --max-new-tokens`), rows re-aligned to column 0 as always.
-With a fixed shape, a row's value does not depend on its position in the micro-batch nor on its neighbours
-(tests/rl/test_exact.py checks this bitwise over permuted, sub- and re-composed batches), so the rows of one
-rollout request, of several DAPO rounds concatenated, or of the step batch get the same logprobs; the train step's
-`train/train_rollout_logprob_abs_diff` is then exactly 0 and the off-policy ratio exp(old - rollout) exactly 1 at
-the first micro-step (on-policy: the rollout serves the learner's current weights).
+How. XLA's results depend on the program's shapes (measured on XLA:CPU: a row scored alone, or in a batch trimmed
+to another width, differs by ~1e-6 from the same row in the full batch), and the rollout's decode path (one token
+against a KV cache, FP8 KV cache, incremental compressors) is another program than the learner's blocked forward, so
+its logits differ from the learner's by ~1e-7 (fp32) to ~4e-2 nats (FP8 KV cache). Exact mode therefore
+1. fixes the learner's layout (`rl.batching.fixed_layout`): every forward, the draws', the re-scoring's and the train
+   step's, runs in micro-batches of R rows x W columns (R: the rows the step's batch would put in one micro-batch;
+   W: the bucket of `--max-prompt-len + --max-new-tokens`), rows at column 0: a row's values then do not depend on
+   its position in the micro-batch nor on its neighbours (tests/rl/test_exact.py, bitwise);
+2. draws token g of every row from softmax(z), z = the learner's tempered logits at the row's last token
+   (`Learner.next_logits`: the same model call, weights, layout and head chunk as the loss's scoring; the
+   FP8-aware forward, `--learner.fp8_forward`, with an FP8 rollout), with the rollout's randomness
+   (`rl.sampling.row_keys`: key fold_in(key_row, g); top-k / top-p as the sampler's `sample_tokens`): one full
+   forward of the [R, W] layout per generated token (causal: the positions after the row's last token are padding
+   and change nothing before it);
+3. scores the finished rows once with `Learner.compute_logprobs` (the logprobs and the routing the batch carries;
+   with routing replay, scored again with that routing forced, as the train step forces it).
+Then `train/train_rollout_logprob_abs_diff` is exactly 0 and the off-policy ratio exactly 1 at the first micro-step.
+Measured on XLA:CPU (tests/rl/test_exact.py): the z of every draw equals, bitwise, the z the same forward computes
+from the finished rows (the padding after a row's last token changes nothing before it), and scoring that z in the
+learner's [N, S, V] shape gives the batch's logprob bitwise. The draw itself reads z unnormalised (Gumbel-max); the
+log-softmax the draw computes in its own [N, V] shape differs from the learner's by ~5e-7 (the normaliser's
+reduction order), which is why the batch carries the learner's logprob, not the draw's.
 
-Nothing of the rollout is turned off: chunked prefill, continuous batching, routing recording and the FP8 KV cache
-sample the tokens as before. What exact mode does not change is the distribution the tokens were drawn from: the
-sampler's decode path (FP8 KV cache, incremental attention, its own FP8 roundings). The logprobs it reports are the
-learner's probabilities of those tokens, so the importance ratio the loss sees is 1 while the true ratio
-pi_learner / pi_sampler is not: the per-token gap is the mismatch `benchmarks/mismatch.py` measures without exact
-mode (FP8 KV cache + decode path, ~0.03-0.06 nats mean on `small`). Removing that too needs the sampler itself to
-draw from the learner's forward (a full forward per token, or a decode path bitwise equal to the blocked one).
+What exact mode turns off: the rollout engine for training batches (its KV cache, FP8 KV cache, continuous
+batching, chunked prefill, speculative decoding): the tokens come from the actor's devices; evaluation still runs
+on the rollout. The cost is a full forward per token instead of a decode step (`benchmarks/mismatch.py`,
+`exact_cost_frac`, `exact_rollout_tok_s`): a mode for checking and for small runs, not for Flash-scale generation.
+What is left inexact: with several micro-batches per step the train step's scanned micro-batch loop rounds apart
+from the scoring forward (~1e-7 nats; `exact_layout` warns).
 
-Scope: the learner must hold the weights the rollout sampled with (synchronous loop, `--max-staleness 0`;
-`RunConfig` refuses exact mode with K >= 1). Cost: one learner forward per generated batch on the actor mesh
-(`benchmarks/mismatch.py`, `exact_cost_frac`), and the train step runs at width W instead of the batch's own.
+Scope: the learner must hold the weights the batch is drawn with (synchronous loop, `--max-staleness 0`;
+`RunConfig` refuses exact mode with K >= 1).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import logging
+
+from collections.abc import Sequence
 
 import jax
 import numpy as np
@@ -47,6 +56,8 @@ from rl import batching
 from rl.algo_config import LearnerConfig
 from rl.batch import RolloutBatch, TrainBatch
 from rl.learner import Learner
+from rl.sampler import SamplingParams
+from rl.sampling import row_keys, sample_tokens
 
 log = logging.getLogger(__name__)
 
@@ -84,6 +95,84 @@ def rescore(learner: Learner, rb: RolloutBatch, *, routing_replay: bool) -> Roll
     lp = _to_host(res.logprobs)
     resp = np.asarray(tb.response_mask) > 0
     return dataclasses.replace(rb, logprobs=np.where(resp, lp, 0.0)[:, p:].astype(np.float32))
+
+
+def generate(learner: Learner, prompts: Sequence[Sequence[int]], params: SamplingParams, *, seed: int, step: int = 0,
+             prompt_index: Sequence[int] | None = None, sample_index: Sequence[int] | None = None,
+             weight_version: int = 0, routing_replay: bool = False) -> tuple[RolloutBatch, dict]:
+    """One continuation per prompt drawn from the learner's forward (module docstring) -> (RolloutBatch with the
+    learner's logprobs and routing, metrics {"rollout/exact_forwards": full forwards run}).
+
+    prompts: N token-id lists; params, seed, step, prompt_index / sample_index [N] (default row index, 0): as
+    `Sampler.generate` (the same randomness). weight_version: the learner's version, recorded in the batch.
+    routing_replay: score with the drawn routing forced, as the train step will (`LearnerConfig.routing_replay`).
+    Raises ValueError: no exact layout, an empty prompt, or a prompt + max_new_tokens longer than the width W."""
+    if learner.exact_layout is None:
+        raise ValueError("rl.exact.generate needs a Learner built with exact_layout (--exact-rollout)")
+    n, width, t_max = len(prompts), learner.exact_layout[1], params.max_new_tokens
+    lens = np.array([len(p) for p in prompts], np.int64)
+    if n == 0 or lens.min() < 1:
+        raise ValueError("rl.exact.generate: every prompt needs at least one token")
+    if lens.max() + t_max > width:
+        raise ValueError(f"rl.exact.generate: a prompt of {lens.max()} tokens + {t_max} new tokens is longer than the "
+                         f"exact layout's width {width} (--max-prompt-len + --max-new-tokens)")
+    ids = np.zeros((n, width), np.int32)
+    for i, p in enumerate(prompts):
+        ids[i, : len(p)] = p
+    keys = row_keys(seed, step, np.arange(n) if prompt_index is None else prompt_index,
+                    np.zeros(n, np.int64) if sample_index is None else sample_index)
+    # z is already divided by T (the learner's temperature): draw from it as is (T 1), greedy stays greedy
+    temperature = 1.0 if params.temperature > 0 else 0.0
+    cur, gen, done, stopped = lens.copy(), np.zeros(n, np.int64), np.zeros(n, bool), np.zeros(n, bool)
+    out_tok = np.zeros((n, t_max), np.int32)
+    cols, rows, zeros = np.arange(width)[None], np.arange(n), np.zeros((n, width), np.float32)
+    forwards = 0
+    while not done.all():
+        last = np.zeros((n, width), np.int32)
+        last[rows, cur - 1] = 1  # the position whose logits predict the next token
+        tb = TrainBatch(input_ids=ids.copy(), attention_mask=(cols < cur[:, None]).astype(np.int32), response_mask=last,
+                        rollout_logprobs=zeros, advantages=np.zeros(n, np.float32))
+        z = _to_host(learner.next_logits(learner.state, tb))
+        forwards += 1
+        tok = np.asarray(_draw(z, _fold(keys, gen), np.float32(temperature), np.float32(params.top_p),
+                               np.int32(params.top_k))[0])
+        act = np.flatnonzero(~done)
+        ids[act, cur[act]] = tok[act]
+        out_tok[act, gen[act]] = tok[act]
+        cur[act] += 1
+        gen[act] += 1
+        stop = np.isin(tok, params.stop_token_ids) & ~done
+        stopped |= stop
+        done |= stop | (gen >= t_max)
+    p = int(lens.max())
+    prompt_tokens = np.zeros((n, p), np.int32)
+    for i, q in enumerate(prompts):
+        prompt_tokens[i, p - len(q):] = q
+    rb = RolloutBatch(tokens=out_tok, logprobs=np.zeros((n, t_max), np.float32), routing=np.full((n, p + t_max, 1, 1), -1, np.int32),
+                      lengths=gen.astype(np.int32), finish_reasons=["stop" if s else "length" for s in stopped],
+                      prompt_tokens=prompt_tokens, prompt_lengths=lens.astype(np.int32), weight_version=weight_version)
+    tb = TrainBatch.from_rollout(rb, np.zeros(n, np.float32), routing=False)
+    res, _ = learner.compute_logprobs(learner.state, tb, routing_replay=False)
+    resp_cols = np.asarray(tb.response_mask) > 0
+    rb = dataclasses.replace(rb, routing=_to_host(res.routing).astype(np.int32),
+                             logprobs=np.where(resp_cols, _to_host(res.logprobs), 0.0)[:, p:].astype(np.float32))
+    scored = rescore(learner, rb, routing_replay=True) if routing_replay else rb  # the train step's forced routing
+    return scored, {"rollout/exact_forwards": float(forwards)}
+
+
+@jax.jit
+def _draw(z, keys, temperature, top_p, top_k):
+    return sample_tokens(z, keys, temperature, top_p, top_k)
+
+
+@jax.jit
+def _fold_keys(keys, g):
+    return jax.vmap(jax.random.fold_in)(keys, g)
+
+
+def _fold(keys: jax.Array, gen: np.ndarray) -> jax.Array:
+    """Row i's key for its token gen[i] (the sampler's fold_in(key_row, g))."""
+    return _fold_keys(keys, np.asarray(gen, np.uint32))
 
 
 def _to_host(x: jax.Array) -> np.ndarray:

@@ -103,8 +103,8 @@ from rl import batching, optim
 from rl.batch import TrainBatch  # noqa: F401  (re-exported: rl.learner.TrainBatch, fields unchanged)
 from rl.config import LearnerConfig, RolloutConfig
 from rl.config_tree import default
-from rl.logprobs import token_logprobs
-from rl.losses import kl_penalty, loss_normalizers, policy_loss
+from rl.logprobs import next_token_logits, token_logprobs
+from rl.losses import kl_penalty, loss_normalizers, mtp_mask, policy_loss
 from rl.metrics import masked_mean
 from rl.replay import validate_routing
 from rl.rollout_weights import RolloutFormat, fp8_aware_params, parse_rollout_dtype
@@ -125,13 +125,6 @@ METRIC_NAMES = ("train/pg_loss", "train/pg_clipfrac", "train/ppo_kl", "train/kl_
 def _is_mtp(path) -> bool:
     """Whether a param path is the MTP module's (`mtp/*`)."""
     return tree_key(path).startswith("mtp")
-
-
-def _mtp_mask(response_mask: jax.Array) -> jax.Array:
-    """Response tokens the MTP loss scores: [N, S] f32, the response mask without each row's first two columns
-    (the MTP block at j - 2 predicts token j)."""
-    m = response_mask.astype(jnp.float32)
-    return m.at[:, :2].set(0.0)
 
 
 @struct.dataclass
@@ -162,22 +155,6 @@ def resolve_param_dtype(cfg: LearnerConfig, devices) -> LearnerConfig:
         return cfg
     cpu = all(d.platform == "cpu" for d in devices)
     return dataclasses.replace(cfg, param_dtype="float32" if cpu else "bfloat16")
-
-
-def lr_schedule(cfg: LearnerConfig):
-    """count (applied updates, int) -> learning rate: linear warmup, then constant or cosine (LearnerConfig)."""
-
-    def schedule(count):
-        c = jnp.asarray(count, jnp.float32)
-        lr = jnp.asarray(cfg.lr, jnp.float32)
-        if cfg.warmup_steps > 0:
-            lr = lr * jnp.minimum(1.0, (c + 1.0) / cfg.warmup_steps)
-        if cfg.schedule == "cosine":
-            frac = jnp.clip((c - cfg.warmup_steps) / (cfg.total_steps - cfg.warmup_steps), 0.0, 1.0)
-            lr = lr * (cfg.min_lr_ratio + (1.0 - cfg.min_lr_ratio) * 0.5 * (1.0 + jnp.cos(math.pi * frac)))
-        return lr
-
-    return schedule
 
 
 def _state_shardings(abstract_state: Any, mesh: Mesh, rules: sr.Rules) -> Any:
@@ -402,7 +379,7 @@ class Learner:
             mask = lambda p: jax.tree_util.tree_map_with_path(lambda q, x: self._matrix[tree_key(q)], p)  # noqa: E731
         else:
             mask = lambda p: jax.tree.map(lambda x: x.ndim >= 2, p)  # noqa: E731
-        adamw = optax.adamw(lr_schedule(c), b1=c.b1, b2=c.b2, eps=c.eps, weight_decay=c.weight_decay, mask=mask)
+        adamw = optax.adamw(optim.lr_schedule(c), b1=c.b1, b2=c.b2, eps=c.eps, weight_decay=c.weight_decay, mask=mask)
         if c.max_grad_norm is None:
             return adamw
         if clip and c.mtp_loss_weight > 0:  # the MTP head's gradient clipped apart: the policy update is its own
@@ -410,18 +387,34 @@ class Learner:
         return optax.chain(optax.clip_by_global_norm(c.max_grad_norm) if clip else optax.identity(), adamw)
 
     # ------------------------------------------------------------------ the math (traced inside jit)
-    def _logprobs(self, params, buffers, mb: TrainBatch, replay: bool, mtp: bool = False):
-        if self.rformat is not None:  # fp8_forward: the rollout's weights, straight-through to the masters
+    def _model(self, params, buffers):
+        """-> (model, layer stack or None): the learner's forward model of `params` (the FP8-aware one with
+        `fp8_forward`: the rollout's weights, straight-through to the masters)."""
+        if self.rformat is not None:
             params = fp8_aware_params(params, self.rformat)
-        stack = None
         if self.sdef is None:
-            model = nnx.merge(self.graphdef, params, buffers)
-        else:  # the shell (embedding, head, ...) + the stacked layers under lax.scan, remat per sub-layer
-            model, stack = scan.merge_stacked(self.sdef, params, buffers, remat=self.cfg.remat)
+            return nnx.merge(self.graphdef, params, buffers), None
+        # the shell (embedding, head, ...) + the stacked layers under lax.scan, remat per sub-layer
+        return scan.merge_stacked(self.sdef, params, buffers, remat=self.cfg.remat)
+
+    def _logprobs(self, params, buffers, mb: TrainBatch, replay: bool, mtp: bool = False):
+        model, stack = self._model(params, buffers)
         return token_logprobs(model, mb.input_ids, mb.attention_mask, temperature=self.cfg.temperature,
                               routing_replay=mb.routing if replay else None, return_entropy=True,
                               chunk_size=self.cfg.logprob_chunk_size, dispatch_fn=self.dispatch_fn,
                               layer_stack=stack, mtp=mtp)
+
+    def _next_logits(self, state: TrainState, batch: TrainBatch, lay: batching.Layout) -> jax.Array:
+        """`next_logits`' device side, micro-batched exactly as `_forward` (same split, same `lax.map`)."""
+        def one(mb):
+            model, stack = self._model(state.params, state.buffers)
+            return next_token_logits(model, mb.input_ids, mb.attention_mask, jnp.argmax(mb.response_mask, axis=1),
+                                     temperature=self.cfg.temperature, chunk_size=self.cfg.logprob_chunk_size,
+                                     dispatch_fn=self.dispatch_fn, layer_stack=stack)
+
+        if lay.micro_batches == 1 and lay.rows == batch.input_ids.shape[0]:
+            return one(batch)
+        return batching.merge(jax.lax.map(one, batching.split(batch, lay)), batch.input_ids.shape[0])
 
     def _loss(self, params, buffers, ref_params, mb: TrainBatch, norms: dict[str, jax.Array], loss_cfg=None):
         """Loss of one micro-batch with the full batch's normalisers -> (loss, metrics); differentiated in params.
@@ -440,7 +433,7 @@ class Learner:
         loss, metrics = policy_loss(lp, old, mb.advantages, mb.response_mask, loss_cfg or self.cfg.loss,
                                     rollout_logprobs=mb.rollout_logprobs, ref_logprobs=ref_lp, entropy=ent, **norms)
         if w_mtp > 0:  # on-policy MTP loss: cross-entropy over the batch's response tokens (stop-gradient trunk)
-            mtp_loss = -jnp.sum(lq[0] * _mtp_mask(mb.response_mask)) / mtp_norm
+            mtp_loss = -jnp.sum(lq[0] * mtp_mask(mb.response_mask)) / mtp_norm
             loss = loss + w_mtp * mtp_loss
             metrics = dict(metrics, **{"train/mtp_loss": mtp_loss})
         return loss, metrics
@@ -456,7 +449,7 @@ class Learner:
         """-> (loss, grads (nnx.State like params, param dtype), metrics), accumulated exactly over micro-batches."""
         norms = loss_normalizers(batch.response_mask, self.cfg.loss)
         if self.cfg.mtp_loss_weight > 0:
-            norms = dict(norms, mtp_tokens=jnp.maximum(jnp.sum(_mtp_mask(batch.response_mask)), 1.0))
+            norms = dict(norms, mtp_tokens=jnp.maximum(jnp.sum(mtp_mask(batch.response_mask)), 1.0))
         grad_fn = jax.value_and_grad(functools.partial(self._loss, loss_cfg=self._loss_cfg(lay)), has_aux=True)
         m = lay.micro_batches
         if m == 1 and lay.rows == batch.input_ids.shape[0]:
@@ -500,7 +493,7 @@ class Learner:
         out = {name: jnp.zeros((), jnp.float32) for name in METRIC_NAMES}
         out.update(metrics)
         out["train/grad_norm"] = grad_norm
-        out["train/lr"] = lr_schedule(self.cfg)(state.step)
+        out["train/lr"] = optim.lr_schedule(self.cfg)(state.step)
         out["train/skipped_nonfinite"] = (~finite).astype(jnp.float32)
         return new_state, out
 
@@ -598,6 +591,19 @@ class Learner:
                 res = LogprobResult(*(batching.untrim(x, shift, s_pad, fill)[:, :lay.seq_len]
                                       for x, fill in zip((res.logprobs, res.entropy, res.routing), (0.0, 0.0, -1))))
             return res, metrics
+
+    def next_logits(self, state: TrainState, batch: TrainBatch) -> jax.Array:
+        """[N, V] float32: the tempered logits (logits / T, as the loss scores them) from which the learner predicts
+        the token after the one `batch.response_mask` marks in each row (exactly one 1 per row), with the model,
+        weights and micro-batch layout of `compute_logprobs` (no routing replay). Exact mode draws its tokens from
+        these (rl/exact.py). Needs rows that start at column 0 (no re-alignment: ValueError otherwise)."""
+        batch = self._check_batch(batch, False)
+        batch, lay, shift = self._fit(batch)
+        if np.any(shift):
+            raise ValueError("Learner.next_logits: rows must start at column 0 (right-padded)")
+        fn = self._jit(("next", lay), lambda s, b: (self._next_logits(s, b, lay), None), donate=False, out_batch=True)
+        with self._context():
+            return fn(state, self._place(batch))[0]
 
     def params_for_push(self) -> Any:
         """Every tensor that defines the current model: nnx.State of the float32 master Params and the Buffers,

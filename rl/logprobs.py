@@ -156,3 +156,29 @@ def token_logprobs(
         attention_mask[:, 2:].astype(bool) & attention_mask[:, 1:-1].astype(bool) & attention_mask[:, :-2].astype(bool))
     lq = jnp.concatenate([jnp.zeros((lq.shape[0], 2), jnp.float32), jnp.where(ok, lq, 0.0)], axis=1)
     return place(lp), (None if ent is None else place(ent)), out.routing, lq
+
+
+def next_token_logits(model: Any, input_ids: jnp.ndarray, attention_mask: jnp.ndarray | None, at: jnp.ndarray, *,
+                      temperature: float = 1.0, chunk_size: int | None = None, dispatch_fn: Any = None,
+                      layer_stack: Any = None) -> jnp.ndarray:
+    """The tempered logits z [N, V] float32 at position `at[i]` of row i: the distribution from which
+    `token_logprobs` scores token at[i] + 1 (log p = z[token] - logsumexp(z)), computed the same way (the same
+    model call; with `chunk_size` the head runs on each row's chunk of C positions, the shape `token_logprobs`
+    gives it), so that a token drawn from softmax(z) has the learner's own probability (exact mode, rl/exact.py).
+
+    input_ids / attention_mask [N, S] as `token_logprobs` (no routing replay); at [N] int32 in [0, S - 2].
+    """
+    inv_t = 1.0 / effective_temperature(temperature)
+    extra = {} if layer_stack is None else {"layer_stack": layer_stack}
+    out = model(input_ids, attention_mask=attention_mask, return_hidden=chunk_size is not None,
+                dispatch_fn=dispatch_fn, **extra)
+    rows = jnp.arange(input_ids.shape[0])
+    if chunk_size is None:
+        return out.logits[:, :-1].astype(jnp.float32)[rows, at] * inv_t
+    s1 = input_ids.shape[1] - 1
+    chunk = max(1, min(chunk_size, s1))  # as _score_chunked: chunk k holds positions k*C .. k*C + C - 1
+    n_chunks = -(-s1 // chunk)
+    h = jnp.pad(out.hidden[:, :-1], ((0, 0), (0, n_chunks * chunk - s1), (0, 0)))
+    h = h.reshape(h.shape[0], n_chunks, chunk, h.shape[-1])[rows, at // chunk]  # [N, C, D]: each row's own chunk
+    z = model.lm_head(h).astype(jnp.float32) * inv_t  # [N, C, V]
+    return z[rows, at % chunk]

@@ -301,3 +301,10 @@ def policy_loss(
             loss = loss - cfg.entropy_coef * entropy_mean
     metrics["train/loss"] = loss
     return loss, metrics
+
+
+def mtp_mask(response_mask: jax.Array) -> jax.Array:
+    """Response tokens the MTP loss scores: [N, S] f32, the response mask without each row's first two columns
+    (the MTP block at j - 2 predicts token j)."""
+    m = response_mask.astype(jnp.float32)
+    return m.at[:, :2].set(0.0)

@@ -14,10 +14,12 @@ Source of the math: optax `GradientTransformation` contract (update(grads, state
 Megatron-LM `DistributedOptimizer` (fp32 main params + Adam state, bf16 model params).
 
 `clip_by_global_norm_apart`: gradient clipping per group of leaves (the learner clips the MTP block's gradient
-apart from the policy's).
+apart from the policy's). `lr_schedule`: the learning rate per applied update (LearnerConfig's warmup and decay).
 """
 
 from __future__ import annotations
+
+import math
 
 from typing import Any
 
@@ -199,3 +201,19 @@ def clip_by_global_norm_apart(max_norm: float, is_apart) -> optax.GradientTransf
         return out, state
 
     return optax.GradientTransformation(lambda params: optax.EmptyState(), update)
+
+
+def lr_schedule(cfg):
+    """count (applied updates, int) -> learning rate: linear warmup, then constant or cosine (LearnerConfig)."""
+
+    def schedule(count):
+        c = jnp.asarray(count, jnp.float32)
+        lr = jnp.asarray(cfg.lr, jnp.float32)
+        if cfg.warmup_steps > 0:
+            lr = lr * jnp.minimum(1.0, (c + 1.0) / cfg.warmup_steps)
+        if cfg.schedule == "cosine":
+            frac = jnp.clip((c - cfg.warmup_steps) / (cfg.total_steps - cfg.warmup_steps), 0.0, 1.0)
+            lr = lr * (cfg.min_lr_ratio + (1.0 - cfg.min_lr_ratio) * 0.5 * (1.0 + jnp.cos(math.pi * frac)))
+        return lr
+
+    return schedule

@@ -70,7 +70,7 @@ from rl.config import DataConfig, RolloutConfig
 from rl.config_tree import default
 from rl.rollout_weights import (DEQUANT_MODES, LayerwiseWeights, RolloutFormat, check_fp4_experts, default_tie,
                                 layer_value, parse_rollout_dtype, select_fp8_matmul)
-from rl.sampling import sample_tokens
+from rl.sampling import row_keys, sample_tokens
 from sharding import axes as ax
 from sharding.rules import (ROLLOUT_RULES, activation_spec, batch_shards, cache_shardings, param_shardings,
                             use_rules)
@@ -568,10 +568,8 @@ class Sampler:
                                  f"{params.max_new_tokens}] (SamplingParams.max_new_tokens)")
         pi = np.arange(n) if prompt_index is None else np.asarray(prompt_index)
         si = np.zeros(n, np.int64) if sample_index is None else np.asarray(sample_index)
-        base = jax.random.fold_in(jax.random.key(seed), step)
-        keys = [jax.random.fold_in(jax.random.fold_in(base, int(pi[i])), int(si[i])) for i in range(n)]
-        keys += [keys[0]] * (b - n)
-        keys = jax.device_get(jnp.stack(keys))
+        keys = row_keys(seed, step, pi, si)
+        keys = jax.device_get(jnp.concatenate([keys, jnp.repeat(keys[:1], b - n)]))
         stop = np.full((MAX_STOP_IDS,), -1, np.int32)
         stop[: len(params.stop_token_ids)] = params.stop_token_ids
         ctx = jax.set_mesh(self.mesh) if self.mesh is not None else _null()

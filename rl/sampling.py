@@ -9,6 +9,8 @@ greedy (argmax), with the logprobs of T = 1. All sampling parameters are traced 
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import jax
 import jax.numpy as jnp
 
@@ -37,3 +39,12 @@ def sample_tokens(logits: jax.Array, keys: jax.Array, temperature, top_p, top_k)
     drawn = jax.vmap(jax.random.categorical)(keys, filtered)
     tok = jnp.where(greedy, jnp.argmax(logits, axis=-1), drawn).astype(jnp.int32)
     return tok, jnp.take_along_axis(lp_all, tok[:, None], axis=-1)[:, 0]
+
+
+def row_keys(seed: int, step: int, prompt_index: Sequence[int], sample_index: Sequence[int]) -> jax.Array:
+    """[N] PRNG keys of the rows: fold_in(fold_in(fold_in(key(seed), step), prompt), sample); a row draws its token
+    g with fold_in(key, g). Every sampler path (static, slots, exact mode) derives its randomness here, so a sample's
+    tokens are a function of (seed, step, prompt, sample) wherever and whenever it is generated."""
+    base = jax.random.fold_in(jax.random.key(seed), step)
+    return jnp.stack([jax.random.fold_in(jax.random.fold_in(base, int(p)), int(q))
+                      for p, q in zip(prompt_index, sample_index)])

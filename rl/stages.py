@@ -5,7 +5,7 @@ the rollout runs (behind `job.rollout`, an `rl.rollout_service.RolloutService`).
 1. batch: the next prompt batch from the grain iterator (checkpointable), the same on every host (`global_batch`);
 2. sample: `group_size` rows per prompt through the rollout service (FP8 weights by default): a `RolloutBatch`
    (rl/batch.py: tokens, logprobs, routing in the one layout) with the weight version it was generated with;
-   with `--exact-rollout` its logprobs are the learner's own forward on the samples (rl/exact.py);
+   with `--exact-rollout` the samples are drawn from the learner's own forward instead (rl/exact.py);
 3. score: the run's one `rl.rewards.RewardFn` (the built-in task's exact partial credit, or a dataset reward in a
    worker process with a per-sample time limit `--data.reward_timeout_s`); DAPO (`--algo dapo`) samples and scores
    further rounds until the batch holds `prompts_per_step` groups whose rewards differ (`dynamic_rollout`,
@@ -90,16 +90,17 @@ def sample(job, prompts: list[list[int]], step: int, round_index: int = 0) -> tu
     rows = [p for p in prompts for _ in range(g)]
     sp = SamplingParams(temperature=r.temperature, top_p=r.top_p, top_k=r.top_k, max_new_tokens=r.max_new_tokens,
                         stop_token_ids=(job.tokenizer.eos_id,))
-    rb, metrics = generate(job, rows, sp, seed=job.cfg.seed, step=step,
-                           prompt_index=[off + i for i in range(len(prompts)) for _ in range(g)],
-                           sample_index=[j for _ in prompts for j in range(g)], tag=f"train/{step}/{round_index}")
-    if r.exact:  # --exact-rollout: the learner's own forward re-scores the samples (rl/exact.py)
-        if rb.weight_version != job.weight_version:
-            raise RuntimeError(f"--exact-rollout: batch of weight version {rb.weight_version}, learner at "
-                               f"{job.weight_version}")
-        t0 = time.perf_counter()
-        rb = exact.rescore(job.learner, rb, routing_replay=job.cfg.learner.routing_replay)
-        metrics["perf/exact_rescore_s"] = time.perf_counter() - t0
+    pi = [off + i for i in range(len(prompts)) for _ in range(g)]
+    si = [j for _ in prompts for j in range(g)]
+    if not r.exact:
+        return generate(job, rows, sp, seed=job.cfg.seed, step=step, prompt_index=pi, sample_index=si,
+                        tag=f"train/{step}/{round_index}")
+    # --exact-rollout: drawn from the learner's own forward (rl/exact.py), not by the rollout service
+    t0 = time.perf_counter()
+    rb, metrics = exact.generate(job.learner, rows, sp, seed=job.cfg.seed, step=step, prompt_index=pi, sample_index=si,
+                                 weight_version=job.weight_version, routing_replay=job.cfg.learner.routing_replay)
+    dt = time.perf_counter() - t0
+    metrics.update({"perf/rollout_s": dt, "perf/rollout_tok_per_s": int(rb.lengths.sum()) / dt})
     return rb, metrics
 
 

@@ -1,62 +1,82 @@
-"""Exact mode (`--exact-rollout`, rl/exact.py; issue 26 point 4): the rollout's logprobs, re-scored by the learner's
-own forward in the fixed layout, are bitwise those the train step computes, for every row whatever its slot and
-neighbours in the rollout and in the learner's batch. FP8 rollout (FP8 KV cache, continuous batching over 3 slots,
-chunked prefill, routing recorded and replayed) and the FP8-aware learner; tiny model, 2 layers.
+"""Exact mode (`--exact-rollout`, rl/exact.py; issue 26 point 4): the training samples are drawn from the learner's own
+forward in the fixed layout, so the distribution each token was drawn from is the one the train step scores, to the
+bit, for every row whatever its neighbours in the request and in the learner's batch. FP8-aware learner (the FP8
+rollout's weights and activation quantisation), routing recorded and replayed; tiny model, 2 layers (CSA, HCA).
 
 Run: `.venv/bin/python -m pytest -q tests/rl/test_exact.py`.
 """
 
-import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
 
 from dsv4 import DSV4Config, DSV4ForCausalLM
 from launch import run as launch_run
+from rl import exact
 from rl.batch import concat_rollouts
 from rl.config import LearnerConfig, LossConfig, RunConfig
-from rl.exact import exact_layout, rescore
 from rl.learner import Learner, TrainBatch
-from rl.sampler import Sampler, SamplingParams
+from rl.sampler import SamplingParams
 
 CFG = DSV4Config.tiny(num_hidden_layers=2, compress_ratios=(4, 8), num_nextn_predict_layers=0)
 P, T = 24, 12  # max prompt length, max new tokens
 LENS = (5, 13, 1, 20, 9, 17, 3, 11)  # prompt lengths
-NEW = (12, 7, 12, 3, 10, 12, 5, 9)  # response length limits: rows end at different steps, slots are refilled
-PERM = [6, 3, 0, 5, 7, 1, 4, 2]  # the rows generated again in this order: other slots, other neighbours
+PERM = [6, 3, 0, 5, 7, 1, 4, 2]  # the rows drawn again in this order: other neighbours, other positions
+STOP = tuple(range(24, 40))  # 16 stop tokens (~6% of the vocabulary): rows end at different steps
 
 
-def test_exact_rollout_logprobs_are_the_learners_bitwise():
+def test_exact_rollout_draws_from_the_learners_forward_bitwise(monkeypatch):
+    draw = exact._draw
     model = DSV4ForCausalLM(CFG, rngs=nnx.Rngs(3))
     rs = np.random.RandomState(0)
     prompts = [list(map(int, rs.randint(3, CFG.vocab_size, n))) for n in LENS]
-    sampler = Sampler(model, weights="fp8", compute_dtype=jnp.float32, max_prompt_len=P, slots=3, prefill_chunk=8,
-                      kv_cache_dtype="fp8")
-    sp = SamplingParams(temperature=1.0, max_new_tokens=T)
-    full = sampler.generate(prompts, sp, seed=0, max_new_tokens_per_row=NEW)
-    perm = sampler.generate([prompts[i] for i in PERM], sp, seed=0, prompt_index=PERM,
-                            max_new_tokens_per_row=[NEW[i] for i in PERM])
-    np.testing.assert_array_equal(perm.tokens, full.tokens[PERM])  # the same samples (per-row randomness)
-    assert list(full.lengths) == list(NEW)
-
     cfg = LearnerConfig(lr=1e-3, compute_dtype="float32", routing_replay=True, fp8_forward=True,
-                        loss=LossConfig(correction="tis"))
-    layout = exact_layout(cfg, rows_per_step=len(LENS), max_prompt_len=P, max_new_tokens=T)
+                        logprob_chunk_size=16, loss=LossConfig(correction="tis"))  # 4 head chunks per row
+    layout = exact.exact_layout(cfg, rows_per_step=len(LENS), max_prompt_len=P, max_new_tokens=T)
     assert layout == (8, 64)
     learner = Learner(model, cfg, rollout_dtype="fp8", exact_layout=layout)
-    ex_full, ex_perm = (rescore(learner, rb, routing_replay=True) for rb in (full, perm))
-    resp = np.arange(T)[None] < full.lengths[:, None]
-    gap = np.abs(ex_full.logprobs - full.logprobs)[resp]
-    print(f"sampled vs exact: mean {gap.mean():.2e} max {gap.max():.2e}")  # FP8 KV cache + decode path
-    assert gap.mean() > 1e-3  # the sampler's own logprobs were replaced
-    assert np.all(ex_full.logprobs[~resp] == 0)
-    np.testing.assert_array_equal(ex_perm.logprobs, ex_full.logprobs[PERM])  # batch invariant, to the bit
-    for a, b in ((ex_full, full), (ex_perm, perm)):  # nothing else changed
-        np.testing.assert_array_equal(a.tokens, b.tokens)
-        np.testing.assert_array_equal(a.routing, b.routing)
+    sp = SamplingParams(temperature=1.0, max_new_tokens=T, stop_token_ids=STOP)
+    drawn = []  # the tempered logits z [N, V] of every draw
+    monkeypatch.setattr(exact, "_draw", lambda z, *a: drawn.append(np.asarray(z)) or draw(z, *a))
+    full, stats = exact.generate(learner, prompts, sp, seed=0, weight_version=3, routing_replay=True)
+    assert stats["rollout/exact_forwards"] == T == len(drawn)
+    assert full.weight_version == 3 and full.tokens.shape == (8, T) and len(set(full.lengths.tolist())) > 1
+    for i, n in enumerate(full.lengths):  # a row ends at its stop token or at max_new_tokens
+        assert (full.tokens[i, n - 1] in STOP) == (full.finish_reasons[i] == "stop") and (n == T or
+                                                                                       full.tokens[i, n - 1] in STOP)
+        assert not np.any(full.tokens[i, n:]) and not np.any(full.logprobs[i, n:])
+    p = full.prompt_tokens.shape[1]
+    assert np.all(full.routing[:, p:][np.arange(T)[None] < full.lengths[:, None]] >= 0)  # the routing recorded
+    # each draw's z is the learner's z of the finished rows (causal to the bit), and the batch's logprob is the
+    # log-softmax of that z at the drawn token (up to the normaliser's reduction order in the draw's own shape)
+    lens, width = np.array(LENS), layout[1]
+    ids = np.zeros((8, width), np.int32)
+    for i, q in enumerate(prompts):
+        ids[i, : len(q) + full.lengths[i]] = q + full.tokens[i, : full.lengths[i]].tolist()
+    mask = (np.arange(width)[None] < (lens + full.lengths)[:, None]).astype(np.int32)
+    for g in range(T):
+        live = g < full.lengths
+        last = np.zeros((8, width), np.int32)
+        last[np.arange(8), np.minimum(lens + g, width - 1) - 1] = 1
+        z = np.asarray(learner.next_logits(learner.state, TrainBatch(
+            input_ids=ids, attention_mask=mask, response_mask=last, rollout_logprobs=np.zeros((8, width), np.float32),
+            advantages=np.zeros(8, np.float32))))
+        np.testing.assert_array_equal(z[live], drawn[g][live])
+        lse = np.log(np.exp(z[live].astype(np.float64)).sum(-1))
+        np.testing.assert_allclose(z[live, full.tokens[live, g]] - lse, full.logprobs[live, g], atol=2e-6)
 
-    # the learner's batch: rows of both requests, in another order (other neighbours, other positions)
-    mixed = concat_rollouts([(ex_perm, np.arange(4)), (ex_full, np.array([7, 2, 1, 4]))])
+    # the rows drawn again in another order and in two requests (other neighbours, a half-empty micro-batch)
+    perm, _ = exact.generate(learner, [prompts[i] for i in PERM], sp, seed=0, prompt_index=PERM, weight_version=3,
+                             routing_replay=True)
+    half, _ = exact.generate(learner, [prompts[i] for i in (1, 4, 7)], sp, seed=0, prompt_index=[1, 4, 7],
+                             weight_version=3, routing_replay=True)
+    for got, idx in ((perm, PERM), (half, [1, 4, 7])):
+        np.testing.assert_array_equal(got.tokens, full.tokens[idx])
+        np.testing.assert_array_equal(got.logprobs, full.logprobs[idx])
+        np.testing.assert_array_equal(got.routing[:, -T:], full.routing[idx][:, -T:])
+
+    # the learner's batch: rows of both requests, in another order: the step scores every token as drawn
+    mixed = concat_rollouts([(perm, np.arange(4)), (full, np.array([7, 2, 1, 4]))])
     adv = np.where(np.arange(len(LENS)) % 2, 1.0, -1.0).astype(np.float32)
     _, _, m = learner.loss_and_grads(learner.state, TrainBatch.from_rollout(mixed, adv))
     # old = the step's own forward: |old - rollout| = 0 means every off-policy (TIS) ratio exp(old - rollout) = 1
