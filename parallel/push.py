@@ -102,11 +102,10 @@ import numpy as np
 from jax.sharding import NamedSharding
 
 from dsv4 import quant
-from parallel.push_verify import (ROW_TERMS, _dense_row, _land_quantize, _row, _slab, _stage,  # noqa: F401
-                                  _stored_row, row_failures)
-from parallel.transfer import (FP8_SOURCE_DTYPE,  # noqa: F401 (_splits, ROW_TERMS, _row: tests, docs)
-                                _splits, _one_copy, _view, _as_sharding, _transfer_layout,
-                               _cast_reshard, _quantize_as, _buffers, _flat, _check_keys)
+from parallel.push_verify import (ROW_TERMS, _dense_row, _land_quantize, _row, _slab, _stage, _stored_row,
+                                  row_failures)
+from parallel.transfer import (FP8_SOURCE_DTYPE, _as_sharding, _buffers, _cast_reshard, _check_keys, _flat,
+                               _one_copy, _quantize_as, _transfer_layout, _view)
 from sharding.mesh import auto_axes
 
 DEFAULT_CHUNK_BYTES = 256 * 2**20

@@ -33,7 +33,7 @@ from jax.sharding import PartitionSpec as P
 import dsv4
 from dsv4 import quant
 from rl.sampler import Sampler, SamplingParams
-from parallel import push as push_lib
+from parallel import transfer as transfer_lib
 from sharding.mesh import build_mesh_plan
 from parallel.push import PushVerificationError, WeightPusher, push_weights
 
@@ -154,14 +154,14 @@ def test_no_recompiles_and_flat_memory_over_five_pushes(disjoint):
     _guarded_push(pusher, state, sampler, version=sampler.weight_version + 1)  # both paths ran in the warm-up
     gc.collect()
     live0 = sum(x.nbytes for x in jax.live_arrays())
-    compiles0, cache0 = _COMPILES[0], push_lib._cast_reshard._cache_size()
+    compiles0, cache0 = _COMPILES[0], transfer_lib._cast_reshard._cache_size()
     for i in range(5):
         verify = i % 2 == 0
         stats = _guarded_push(pusher, state, sampler, version=sampler.weight_version + 1, verify=verify)
         assert stats.verified == verify
     gc.collect()
     assert _COMPILES[0] == compiles0, "a push after the warm-up compiled something"
-    assert push_lib._cast_reshard._cache_size() == cache0
+    assert transfer_lib._cast_reshard._cache_size() == cache0
     assert sum(x.nbytes for x in jax.live_arrays()) == live0, "live device memory grew over 5 pushes"
 
 
@@ -306,15 +306,15 @@ def test_transfer_layout_when_the_actor_cannot_express_the_rollout_split():
     shape = (8, 32, 64)
     actor_sh = NamedSharding(plan.actor, P(None, None, "fsdp"))
     rollout_sh = NamedSharding(plan.rollout, P("expert", "tensor", None))
-    transfer, landing = push_lib._transfer_layout(actor_sh, rollout_sh, 3)
-    assert push_lib._splits(transfer, 3) == push_lib._splits(landing, 3) == (2, 1, 1)
+    transfer, landing = transfer_lib._transfer_layout(actor_sh, rollout_sh, 3)
+    assert transfer_lib._splits(transfer, 3) == transfer_lib._splits(landing, 3) == (2, 1, 1)
     x = jax.device_put(jnp.arange(np.prod(shape), dtype=jnp.float32).reshape(shape), actor_sh)
     with jax.set_mesh(plan.actor):
-        y = push_lib._cast_reshard(x, np.dtype(jnp.bfloat16), transfer)
+        y = transfer_lib._cast_reshard(x, np.dtype(jnp.bfloat16), transfer)
     with jax.transfer_guard("disallow"), jax.transfer_guard_host_to_device("disallow_explicit"):
         landed = jax.device_put(y, landing)
         with jax.set_mesh(plan.rollout):
-            out = push_lib._cast_reshard(landed, np.dtype(jnp.bfloat16), rollout_sh)
+            out = transfer_lib._cast_reshard(landed, np.dtype(jnp.bfloat16), rollout_sh)
     assert out.sharding.is_equivalent_to(rollout_sh, 3)
     np.testing.assert_array_equal(np.asarray(out), np.asarray(x).astype(jnp.bfloat16))
     # and a tiling mismatch without the transfer layout does go through the host (why the layout exists)
