@@ -11,7 +11,7 @@ How. XLA's results depend on the program's shapes (measured on XLA:CPU: a row sc
 to another width, differs by ~1e-6 from the same row in the full batch), and the rollout's decode path (one token
 against a KV cache, FP8 KV cache, incremental compressors) is another program than the learner's blocked forward, so
 its logits differ from the learner's by ~1e-7 (fp32) to ~4e-2 nats (FP8 KV cache). Exact mode therefore
-1. fixes the learner's layout (`rl.batching.fixed_layout`): every forward, the draws', the re-scoring's and the train
+1. fixes the learner's layout (`rl.batching.fixed_layout`): every forward, the draws', the scoring's and the train
    step's, runs in micro-batches of R rows x W columns (R: the rows the step's batch would put in one micro-batch;
    W: the bucket of `--max-prompt-len + --max-new-tokens`), rows at column 0: a row's values then do not depend on
    its position in the micro-batch nor on its neighbours (tests/rl/test_exact.py, bitwise);
@@ -75,7 +75,7 @@ def exact_layout(cfg: LearnerConfig, *, rows_per_step: int, max_prompt_len: int,
                           max_tokens=cfg.max_tokens_per_micro_batch, batch_devices=batch_devices)
     if lay.micro_batches > 1:
         log.warning("--exact-rollout with %d micro-batches per step: the step's scanned micro-batch loop rounds "
-                    "apart from the re-scoring forward (~1e-7 nats, benchmarks/README.md); one micro-batch is "
+                    "apart from the draws' and scoring forward (~1e-7 nats, benchmarks/README.md); one micro-batch is "
                     "bitwise", lay.micro_batches)
     return lay.rows, width
 
