@@ -5,6 +5,8 @@
     python launch/run.py --config flash --init /ckpt/DeepSeek-V4-Flash --dataset gsm8k/train.jsonl \
         --tokenizer /ckpt/DeepSeek-V4-Flash/tokenizer.json --mesh actor:fsdp=2,expert=8/rollout:expert=8 \
         --coordinator host0:1234 --num-processes 3 --process-id $RANK
+    python launch/run.py --launcher ray --ray-address auto --mesh actor:fsdp=2,expert=8/rollout:expert=8 ...
+        # the two-job layout as Ray actors in placement groups (launch/ray_run.py; the [ray] extra)
 
 Every flag is a knob of the nested `rl.config.RunConfig` (`--group-size` <-> `rollout.group_size`); any knob
 also takes a dotted flag (`--learner.lr 1e-6`). `--config-file FILE.yaml` sets knobs from a YAML mapping (nested
@@ -29,6 +31,7 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))  # runnable
 import jax  # noqa: E402  (importing jax starts no backend: XLA_FLAGS set below in __main__ still apply)
 import yaml  # noqa: E402
 
+from launch.ray_run import LaunchError, add_launcher_args, launch  # noqa: E402
 from parallel.mpmd_push import MpmdPushVerificationError  # noqa: E402
 from parallel.plan import GPUS, plan  # noqa: E402
 from rl import config_tree  # noqa: E402
@@ -79,6 +82,7 @@ def parser() -> argparse.ArgumentParser:
         else:
             p.add_argument(flag, type=str, default=None, metavar=leaf.base.__name__.upper(), help=text)
     add_distributed_args(p)
+    add_launcher_args(p)
     return p
 
 
@@ -205,6 +209,8 @@ def cpu_device_count(argv: list[str]) -> int | None:
         return None
     try:
         cfg, args = resolve(argv)
+        if args.launcher == "ray":  # a launcher: this process starts no backend (each job splits its own host)
+            return None
         if cfg.mesh.strip() == "auto":
             return 2
         spec = parse_mesh_spec(cfg.mesh)
@@ -234,6 +240,12 @@ def main(argv=None) -> int:
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     for noisy in ("absl", "orbax", "jax._src", "grain"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
+    if args.launcher == "ray":  # the jobs run as Ray actors (launch/ray_run.py); this process starts no backend
+        try:
+            return launch(list(sys.argv[1:] if argv is None else argv), cfg.mesh, args.ray_address)
+        except (LaunchError, ValueError) as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 2
     info = None
     try:
         separate = "rollout:" in cfg.mesh or cfg.mesh.strip() == "auto"  # a rollout mesh of its own may span processes
