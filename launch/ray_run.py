@@ -216,14 +216,14 @@ def launch(argv: list[str], mesh: str, address: str | None, log=print) -> int:
       address: --ray-address (None: a local cluster, started and stopped here). log: one line -> shown.
     Raises LaunchError (bad input, one line); a missing `ray` is one line too (exit 2).
     """
+    place = placement(mesh)
+    args = job_argv(argv)
     try:
         import ray
         from ray.util.placement_group import placement_group, remove_placement_group
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
     except ImportError:
         raise LaunchError("--launcher ray needs the [ray] extra: pip install -e '.[ray]'") from None
-    place = placement(mesh)
-    args = job_argv(argv)
     env = {k: v for k, v in os.environ.items() if k.startswith(ENV_PREFIXES)}
     env.setdefault(ENV_AUTHKEY, secrets.token_hex(16))
     env["PYTHONUNBUFFERED"] = "1"
