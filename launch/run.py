@@ -43,7 +43,7 @@ from rl.rollout_weights import kv_cache_layout  # noqa: E402
 from sharding.distributed import add_distributed_args, initialize_from_args  # noqa: E402
 from sharding.job_link import LinkLost  # noqa: E402
 from sharding.mesh import DeviceCountError, build_mesh_plan, parse_mesh_spec  # noqa: E402
-from sharding.mpmd import PeerTimeoutError, report_failure  # noqa: E402
+from sharding.mpmd import PeerTimeoutError, lost_peer, report_failure  # noqa: E402
 
 log = logging.getLogger("dsv4rl")
 
@@ -223,6 +223,16 @@ def cpu_device_count(argv: list[str]) -> int | None:
     return max(1, -(-needed // processes))
 
 
+def _peer_failure(e: PeerTimeoutError) -> None:
+    """An MPMD process of the other side (or of this one) died or went silent: one line, the others told, exit 1."""
+    print(f"error: {e}", file=sys.stderr)
+    sys.stderr.flush()
+    sys.stdout.flush()
+    logging.shutdown()
+    report_failure(e)  # the other waiting processes fail with the same message
+    os._exit(1)  # not sys.exit: jax's shutdown barrier would wait for the dead processes
+
+
 def main(argv=None) -> int:
     """Entry point (importable). Returns the exit status."""
     try:
@@ -246,7 +256,7 @@ def main(argv=None) -> int:
         except (LaunchError, ValueError) as e:
             print(f"error: {e}", file=sys.stderr)
             return 2
-    info = None
+    info = job = None
     try:
         separate = "rollout:" in cfg.mesh or cfg.mesh.strip() == "auto"  # a rollout mesh of its own may span processes
         info = initialize_from_args(args, transfer_timeout_s=cfg.rollout.push_timeout, transfers=separate)
@@ -261,12 +271,7 @@ def main(argv=None) -> int:
             return 0
         summary = run(job)
     except PeerTimeoutError as e:  # MPMD: the other role's processes stopped answering (sharding/mpmd.py)
-        print(f"error: {e}", file=sys.stderr)
-        sys.stderr.flush()
-        sys.stdout.flush()
-        logging.shutdown()
-        report_failure(e)  # the other processes of this side fail with the same message
-        os._exit(1)  # not sys.exit: jax's shutdown barrier would wait for the dead processes
+        _peer_failure(e)
     except (RolloutJobError, LinkLost) as e:  # the two-job layout: the rollout did not come back / the actor is gone
         print(f"error: {e}", file=sys.stderr)
         sys.stderr.flush()
@@ -278,9 +283,13 @@ def main(argv=None) -> int:
     except (ValueError, OSError) as e:  # user errors (bad input, files, permissions): one line, no traceback
         print(f"error: {e}{_device_hint(e)}", file=sys.stderr)
         return 2
-    except Exception:  # noqa: BLE001
+    except Exception as e:  # noqa: BLE001
         if info is None or info.process_count == 1:
             raise
+        if job is not None and isinstance(e, jax.errors.JaxRuntimeError):  # MPMD: a collective's peer died?
+            lost = lost_peer(job.layout, e)
+            if lost is not None:
+                _peer_failure(lost)
         traceback.print_exc()  # multi-process: exit now, or jax's shutdown barrier waits minutes for the others
         sys.stderr.flush()
         os._exit(1)
