@@ -243,7 +243,10 @@ def launch(argv: list[str], mesh: str, address: str | None, log=print) -> int:
         log(f"ray: {n_groups} placement groups of {place.devices} bundles {bundle} (STRICT_PACK) for "
             f"{place.actor_processes} actor process(es) and 1 rollout process; waiting for the cluster to hold them")
         ray.get([g.ready() for g in groups])
-        at = lambda g, i=0: PlacementGroupSchedulingStrategy(placement_group=g, placement_group_bundle_index=i)  # noqa: E731
+
+        def at(g, i=0):  # bundle i of placement group g
+            return PlacementGroupSchedulingStrategy(placement_group=g, placement_group_bundle_index=i)
+
         probe = ray.remote(_probe)
         probes = [ray.get([probe.options(num_cpus=0, num_gpus=1 if gpu else 0, scheduling_strategy=at(g, i)).remote()
                            for i in range(place.devices)]) for g in groups]
