@@ -20,9 +20,9 @@ job of several processes) as a child process that dies with it (Linux PR_SET_PDE
 line to the driver (Ray's log forwarding). The rollout's Ray actor has `max_restarts=-1`: when it dies (its node, a
 `ray.kill(no_restart=False)`, a SIGKILL of its pid) or its run.py exits non-zero (but 2: bad input), Ray starts
 it again, the new rollout job registers and the actor job recovers in place (rl/rollout_job.py: served weights
-pulled, in-flight requests regenerated under the same sample ids; `rollout/restarts`, `rollout/recovery_s`). Ray restarts without a
-limit of its own: the actor job's crash-loop policy (`MAX_RESTARTS` within `RESTART_WINDOW_S`) and
-`--rollout-restart-timeout` are the one policy that ends a run. The actor job's Ray actor is not restarted: its
+pulled, in-flight requests regenerated under the same sample ids; `rollout/restarts`, `rollout/recovery_s`). Ray
+restarts without a limit of its own: the actor job's crash-loop policy (`MAX_RESTARTS` within `RESTART_WINDOW_S`)
+and `--rollout-restart-timeout` are the one policy that ends a run. The actor job's Ray actor is not restarted: its
 death ends the run, which resumes from its checkpoint with the same command (as in the other layouts).
 The channel's HMAC key: `$DSV4RL_ROLLOUT_AUTHKEY` if set, else a random one made here (the actor listens on its
 node's address, not loopback), given to both jobs through Ray. The driver's JAX_*, XLA_*, DSV4RL_* variables travel
