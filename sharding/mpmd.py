@@ -91,7 +91,8 @@ def lost_peer(layout: RoleLayout, cause: BaseException, wait_s: float = 3.0, pre
               ) -> PeerTimeoutError | None:
     """A runtime error of a multi-process MPMD run (a Gloo collective, a cross-process transfer) whose message says
     a connection to a peer closed (`PEER_LOST`) -> a PeerTimeoutError naming the side and the process(es) that died:
-    those whose `HostChannel` heartbeat (bumped every second) did not move over `wait_s` seconds. None when the
+    those whose `HostChannel` heartbeat (bumped every second) did not move over `wait_s` seconds and that are not
+    ending normally (`HostChannel._at_exit`: their exit posted, their heartbeat stopped). None when the
     message is another error or every process still beats (then it is not a death: the caller shows it as it is)."""
     text = str(cause)
     if not any(p in text for p in PEER_LOST) or not layout.mpmd:
@@ -100,17 +101,12 @@ def lost_peer(layout: RoleLayout, cause: BaseException, wait_s: float = 3.0, pre
     client = _client()
 
     def beat(p):  # None: no heartbeat posted (yet)
-        try:
-            return client.key_value_try_get(f"{prefix}/alive/{p}")
-        except jax.errors.JaxRuntimeError as e:
-            if "NOT_FOUND" in str(e):
-                return None
-            raise
+        return _try_get(client, f"{prefix}/alive/{p}")
 
     try:
         first = {p: beat(p) for p in procs}
         time.sleep(wait_s)
-        dead = [p for p in procs if beat(p) == first[p]]
+        dead = [p for p in procs if beat(p) == first[p] and not _try_get(client, f"{prefix}/exit/{p}")]
     except jax.errors.JaxRuntimeError:  # the coordination service went with the dead process: process 0
         dead = [0] if layout.process != 0 else []
     if not dead:
@@ -211,6 +207,16 @@ def configure_transfer(socket_address: str, timeout_s: float | None = None) -> N
 # ------------------------------------------------------------------------------------------ host messages
 
 
+def _try_get(client, key: str):
+    """The value of `key`, None when it is not set."""
+    try:
+        return client.key_value_try_get(key)
+    except jax.errors.JaxRuntimeError as e:
+        if "NOT_FOUND" in str(e):
+            return None
+        raise
+
+
 def _client():
     client = distributed.global_state.client
     if client is None:
@@ -254,16 +260,37 @@ class HostChannel:
         self._stop.set()
 
     def _at_exit(self) -> None:
-        """A normal exit, before jax's shutdown barrier: wait until every process got here (the roles end at
-        different moments), still beating. A process that died meanwhile would hold jax's barrier until the
-        coordinator's exit aborts this one (C++ stack, no project line); here, instead, its side's death is found
-        (another process's report, `FAILED_KEY`, or its heartbeat silent for the timeout): one line, exit 1."""
+        """A normal exit, before jax's shutdown barrier: post this process's exit, stop its heartbeat, wait until
+        every process posted its exit (the roles end at different moments). A process that died meanwhile would
+        hold jax's barrier until the coordinator's exit aborts this one (C++ stack, no project line); here, instead,
+        its death is found (another process's report, `FAILED_KEY`, or its heartbeat silent for the timeout while
+        its exit is not posted): one line, exit 1. This process stops beating first: one that exits early (an error
+        of its own) is found silent by the others that still wait for it, rather than kept waiting by its beat."""
         try:
             client = _client()
             client.key_value_set(f"{self.prefix}/exit/{self.layout.process}", "1", allow_overwrite=True)
-            for side in (ACTOR, ROLLOUT):
-                for p in self.layout.processes(side):
-                    self._wait_key(f"{self.prefix}/exit/{p}", side, "the run's end on every process")
+            self.close()
+            pending = set(self.layout.actor_processes) | set(self.layout.rollout_processes)
+            pending.discard(self.layout.process)
+            seen = {p: None for p in pending}
+            changed = {p: time.monotonic() for p in pending}
+            while pending:
+                pending = {p for p in pending if not _try_get(client, f"{self.prefix}/exit/{p}")}
+                failed = _try_get(client, FAILED_KEY)
+                if failed:
+                    side, message = failed.split("\n", 1)
+                    raise PeerTimeoutError(side, self.layout.processes(side), "", self.timeout_s, message=message)
+                now = time.monotonic()
+                for p in pending:
+                    beat = _try_get(client, f"{self.prefix}/alive/{p}")
+                    if beat != seen[p]:
+                        seen[p], changed[p] = beat, now
+                silent = sorted(p for p in pending if now - changed[p] > self.timeout_s)
+                if silent:
+                    side = ACTOR if silent[0] in self.layout.actor_processes else ROLLOUT
+                    raise PeerTimeoutError(side, self.layout.processes(side), f"the run's end; no heartbeat from "
+                                           f"process(es) {silent}", self.timeout_s)
+                time.sleep(0.2 if pending else 0)
         except PeerTimeoutError as e:
             print(f"error: {e}", file=sys.stderr, flush=True)
             report_failure(e)

@@ -85,13 +85,16 @@ def test_transfer_socket_address():
 
 
 class _Beats:
-    """A stand-in coordination client: process 1's heartbeat is frozen (dead), the others' move at every read."""
+    """A stand-in coordination client: process 1's heartbeat is frozen (dead), the others' move at every read; no
+    process posted its exit but those in `exiting`."""
 
-    def __init__(self):
-        self.n = 0
+    def __init__(self, exiting=()):
+        self.n, self.exiting = 0, exiting
 
     def key_value_try_get(self, key):
         self.n += 1
+        if "/exit/" in key:  # a process ending normally posted its exit (and stopped beating)
+            return "1" if int(key.rsplit("/", 1)[1]) in self.exiting else None
         return "7" if key.endswith("/1") else str(self.n)
 
 
@@ -105,6 +108,8 @@ def test_lost_peer_names_the_dead_process_and_its_side(monkeypatch):
     assert str(e).startswith("the actor side lost process(es) [1] (its heartbeat stopped; process 0 saw: UNKNOWN: "
                              "Gloo AllGather failed") and "an actor process died; rerun the same command" in str(e)
     assert lost_peer(layout, RuntimeError("RESOURCE_EXHAUSTED: out of memory"), wait_s=0.0) is None  # not a death
+    monkeypatch.setattr(distributed.global_state, "client", _Beats(exiting=(1,)))
+    assert lost_peer(layout, gloo, wait_s=0.0) is None  # process 1 is ending normally, not dead
     colocated = RoleLayout(process=0, actor_processes=(0, 1), rollout_processes=(0, 1), mpmd=False)
     assert lost_peer(colocated, gloo, wait_s=0.0) is None  # no heartbeats to tell who died
 
