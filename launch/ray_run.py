@@ -230,7 +230,12 @@ def launch(argv: list[str], mesh: str, address: str | None, log=print) -> int:
     env["PYTHONUNBUFFERED"] = "1"
     runtime_env = {"env_vars": {"PYTHONPATH": str(REPO)}}
     if address:
-        ray.init(address=address, runtime_env=runtime_env, log_to_driver=True)
+        try:
+            ray.init(address=address, runtime_env=runtime_env, log_to_driver=True)
+        except ConnectionError as e:
+            raise LaunchError(f"--ray-address {address}: {e} (is a cluster running there, `ray start --head`? Ray's "
+                              "token authentication (on by default in ray 2.60) also needs RAY_AUTH_MODE=token "
+                              "here, with the cluster's ~/.ray/auth_token)") from None
     else:  # a cluster of this run only ("local": never one another user started on this machine)
         ray.init(address="local", num_cpus=place.bundles + 1, include_dashboard=False, runtime_env=runtime_env,
                  object_store_memory=100 * 2**20, log_to_driver=True)
