@@ -63,6 +63,7 @@ REPO = pathlib.Path(__file__).resolve().parents[1]
 RUN_PY = REPO / "launch" / "run.py"
 ENV_PREFIXES = ("JAX_", "XLA_", "DSV4RL_", "TF_CPP_")  # the driver's variables the jobs get
 LAUNCHER_FLAGS = ("--launcher", "--ray-address")
+VISIBLE_DEVICES = ("CUDA_VISIBLE_DEVICES", "HIP_VISIBLE_DEVICES", "ROCR_VISIBLE_DEVICES")  # what Ray sets per GPU
 SIDE_FLAGS = ("--rollout-address", "--rollout-job", "--actor-address", "--coordinator", "--num-processes",
               "--process-id")
 
@@ -156,7 +157,8 @@ class JobProcess:
 
     def _run(self) -> None:
         # this thread lives as long as the child: PR_SET_PDEATHSIG fires when the thread that forked it ends
-        proc = subprocess.Popen([sys.executable, str(RUN_PY), *self.argv], cwd=REPO, env={**os.environ, **self.env},
+        env = {k: v for k, v in os.environ.items() if not (k in VISIBLE_DEVICES and not v)}  # Ray's "" for num_gpus=0
+        proc = subprocess.Popen([sys.executable, str(RUN_PY), *self.argv], cwd=REPO, env={**env, **self.env},
                                 stdout=subprocess.PIPE, stderr=subprocess.STDOUT, preexec_fn=_die_with_parent)
         self.child_pid = proc.pid
         print(f"ray: the {self.side} job: Ray actor pid {os.getpid()} on {socket.gethostname()} started "
@@ -197,8 +199,7 @@ def _free_port_on_node() -> tuple[str, int]:
 
 def _probe() -> dict:
     """Inside a bundle: {"node": address, "env": the visible-accelerator variables Ray set for it}."""
-    keys = ("CUDA_VISIBLE_DEVICES", "HIP_VISIBLE_DEVICES", "ROCR_VISIBLE_DEVICES")
-    return {"node": node_ip(), "env": {k: os.environ[k] for k in keys if os.environ.get(k)}}
+    return {"node": node_ip(), "env": {k: os.environ[k] for k in VISIBLE_DEVICES if os.environ.get(k)}}
 
 
 def _visible_env(probes: list[dict]) -> dict:
