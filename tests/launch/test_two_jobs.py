@@ -28,7 +28,7 @@ import time
 import portpicker
 import pytest
 
-from launch import run as launch_run
+from launch import ray_run, run as launch_run
 
 MESH = "actor:data=1/rollout:data=1"
 STEPS = 3
@@ -178,8 +178,14 @@ def test_ray_launcher_rollout_actor_killed_recovers_in_place(runs, lt):
 
 
 def test_ray_launcher_flags_are_checked(capsys):
-    """--launcher ray: a mesh without a rollout of its own, a side's own flag: one line, exit 2, no Ray started."""
+    """--launcher ray: the seed layout's placement; a mesh without a rollout of its own or not in whole processes, a
+    side's own flag: one line, exit 2, no Ray started."""
+    seed = ray_run.placement("actor:fsdp=2,expert=8/rollout:expert=8")  # 3 nodes x 8: actor on 2, rollout on 1
+    assert (seed.devices, seed.actor_processes, seed.bundles) == (8, 2, 24)
+    assert ray_run.job_argv(["--launcher", "ray", "--ray-address=auto", "--steps", "3", "--ray-address", "h:1"]) == \
+        ["--steps", "3"]
     for args, needle in ((["--launcher", "ray", "--mesh", "auto"], "--mesh needs a rollout section"),
+                         (["--launcher", "ray", "--mesh", "actor:fsdp=3/rollout:expert=2"], "not whole processes"),
                          (["--launcher", "ray", "--mesh", MESH, "--rollout-address", "127.0.0.1:1"],
                           "--rollout-address: --launcher ray sets it")):
         assert launch_run.main(args) == 2, args
