@@ -6,7 +6,7 @@ STAMP := $(VENV)/.installed
 $(STAMP): pyproject.toml
 	python3 -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q -e '.[test,gpu-aot]'  # gpu-aot: the deviceless XLA:GPU test (+0.4 GB, ~10 s)
+	$(PY) -m pip install -q -e '.[test,gpu-aot,ray]'  # gpu-aot: the deviceless XLA:GPU test; ray: --launcher ray's
 	touch $(STAMP)
 
 .PHONY: run test test-fast venv

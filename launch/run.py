@@ -5,6 +5,8 @@
     python launch/run.py --config flash --init /ckpt/DeepSeek-V4-Flash --dataset gsm8k/train.jsonl \
         --tokenizer /ckpt/DeepSeek-V4-Flash/tokenizer.json --mesh actor:fsdp=2,expert=8/rollout:expert=8 \
         --coordinator host0:1234 --num-processes 3 --process-id $RANK
+    python launch/run.py --launcher ray --ray-address auto --mesh actor:fsdp=2,expert=8/rollout:expert=8 ...
+        # the two-job layout as Ray actors in placement groups (launch/ray_run.py; the [ray] extra)
 
 Every flag is a knob of the nested `rl.config.RunConfig` (`--group-size` <-> `rollout.group_size`); any knob
 also takes a dotted flag (`--learner.lr 1e-6`). `--config-file FILE.yaml` sets knobs from a YAML mapping (nested
@@ -29,6 +31,7 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))  # runnable
 import jax  # noqa: E402  (importing jax starts no backend: XLA_FLAGS set below in __main__ still apply)
 import yaml  # noqa: E402
 
+from launch.ray_run import LaunchError, add_launcher_args, launch  # noqa: E402
 from parallel.mpmd_push import MpmdPushVerificationError  # noqa: E402
 from parallel.plan import GPUS, plan  # noqa: E402
 from rl import config_tree  # noqa: E402
@@ -40,7 +43,7 @@ from rl.rollout_weights import kv_cache_layout  # noqa: E402
 from sharding.distributed import add_distributed_args, initialize_from_args  # noqa: E402
 from sharding.job_link import LinkLost  # noqa: E402
 from sharding.mesh import DeviceCountError, build_mesh_plan, parse_mesh_spec  # noqa: E402
-from sharding.mpmd import PeerTimeoutError, report_failure  # noqa: E402
+from sharding.mpmd import PeerTimeoutError, lost_peer, report_failure  # noqa: E402
 
 log = logging.getLogger("dsv4rl")
 
@@ -79,6 +82,7 @@ def parser() -> argparse.ArgumentParser:
         else:
             p.add_argument(flag, type=str, default=None, metavar=leaf.base.__name__.upper(), help=text)
     add_distributed_args(p)
+    add_launcher_args(p)
     return p
 
 
@@ -205,6 +209,8 @@ def cpu_device_count(argv: list[str]) -> int | None:
         return None
     try:
         cfg, args = resolve(argv)
+        if args.launcher == "ray":  # a launcher: this process starts no backend (each job splits its own host)
+            return None
         if cfg.mesh.strip() == "auto":
             return 2
         spec = parse_mesh_spec(cfg.mesh)
@@ -215,6 +221,16 @@ def cpu_device_count(argv: list[str]) -> int | None:
         return None
     processes = max(1, args.num_processes or 1)
     return max(1, -(-needed // processes))
+
+
+def _peer_failure(e: PeerTimeoutError) -> None:
+    """An MPMD process of the other side (or of this one) died or went silent: one line, the others told, exit 1."""
+    print(f"error: {e}", file=sys.stderr)
+    sys.stderr.flush()
+    sys.stdout.flush()
+    logging.shutdown()
+    report_failure(e)  # the other waiting processes fail with the same message
+    os._exit(1)  # not sys.exit: jax's shutdown barrier would wait for the dead processes
 
 
 def main(argv=None) -> int:
@@ -234,7 +250,13 @@ def main(argv=None) -> int:
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     for noisy in ("absl", "orbax", "jax._src", "grain"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
-    info = None
+    if args.launcher == "ray":  # the jobs run as Ray actors (launch/ray_run.py); this process starts no backend
+        try:
+            return launch(list(sys.argv[1:] if argv is None else argv), cfg.mesh, args.ray_address)
+        except (LaunchError, ValueError) as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 2
+    info = job = None
     try:
         separate = "rollout:" in cfg.mesh or cfg.mesh.strip() == "auto"  # a rollout mesh of its own may span processes
         info = initialize_from_args(args, transfer_timeout_s=cfg.rollout.push_timeout, transfers=separate)
@@ -249,12 +271,7 @@ def main(argv=None) -> int:
             return 0
         summary = run(job)
     except PeerTimeoutError as e:  # MPMD: the other role's processes stopped answering (sharding/mpmd.py)
-        print(f"error: {e}", file=sys.stderr)
-        sys.stderr.flush()
-        sys.stdout.flush()
-        logging.shutdown()
-        report_failure(e)  # the other processes of this side fail with the same message
-        os._exit(1)  # not sys.exit: jax's shutdown barrier would wait for the dead processes
+        _peer_failure(e)
     except (RolloutJobError, LinkLost) as e:  # the two-job layout: the rollout did not come back / the actor is gone
         print(f"error: {e}", file=sys.stderr)
         sys.stderr.flush()
@@ -266,9 +283,13 @@ def main(argv=None) -> int:
     except (ValueError, OSError) as e:  # user errors (bad input, files, permissions): one line, no traceback
         print(f"error: {e}{_device_hint(e)}", file=sys.stderr)
         return 2
-    except Exception:  # noqa: BLE001
+    except Exception as e:  # noqa: BLE001
         if info is None or info.process_count == 1:
             raise
+        if job is not None and isinstance(e, jax.errors.JaxRuntimeError):  # MPMD: a collective's peer died?
+            lost = lost_peer(job.layout, e)
+            if lost is not None:
+                _peer_failure(lost)
         traceback.print_exc()  # multi-process: exit now, or jax's shutdown barrier waits minutes for the others
         sys.stderr.flush()
         os._exit(1)

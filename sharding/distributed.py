@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import math
 import os
 import re
 from collections.abc import Mapping, Sequence
@@ -153,7 +154,8 @@ def maybe_initialize_distributed(coordinator: str | None = None, num_processes: 
                                  process_id: int | None = None, local_device_ids: Sequence[int] | None = None,
                                  *, cpu_devices_per_process: int | None = None,
                                  initialization_timeout: int = 300, transfer_address: str | None = None,
-                                 transfer_timeout_s: float | None = None, transfers: bool = True) -> DistributedInfo:
+                                 transfer_timeout_s: float | None = None, transfers: bool = True,
+                                 heartbeat_timeout_s: float | None = None) -> DistributedInfo:
     """Join the processes of a multi-process run, or do nothing on a single process.
 
     Args:
@@ -165,6 +167,9 @@ def maybe_initialize_distributed(coordinator: str | None = None, num_processes: 
         default: the address towards the coordinator, port = coordinator port + 1 + process id;
         `sharding.mpmd.configure_transfer`). transfer_timeout_s: jax's cross-host transfer timeout.
       transfers: False skips the transfer setup (a colocated mesh never moves arrays between processes).
+      heartbeat_timeout_s: jax's coordination heartbeat timeout (seconds; None: jax's default, 100). A process
+        silent for it is declared dead by the service, which then ends every other process with a C++ abort (no
+        project line): `heartbeat_timeout(push_timeout)` keeps it behind the project's own detection.
     Returns:
       DistributedInfo(process_id, process_count, coordinator, source).
     Raises:
@@ -185,18 +190,32 @@ def maybe_initialize_distributed(coordinator: str | None = None, num_processes: 
             jax.config.update("jax_cpu_collectives_implementation", "gloo")
     if not multi:
         return DistributedInfo(process_id=0, process_count=1, coordinator=settings.coordinator, source="single")
+    heartbeat = {} if heartbeat_timeout_s is None else {"heartbeat_timeout_seconds":
+                                                         int(math.ceil(heartbeat_timeout_s))}
     jax.distributed.initialize(
         coordinator_address=settings.coordinator,
         num_processes=settings.num_processes,
         process_id=settings.process_id,
         local_device_ids=list(local_device_ids) if local_device_ids is not None else None,
         initialization_timeout=initialization_timeout,
+        **heartbeat,
     )
     if transfers:
         _configure_transfer(settings.coordinator, transfer_address, transfer_timeout_s)
     return DistributedInfo(process_id=jax.process_index(), process_count=jax.process_count(),
                            coordinator=settings.coordinator or os.environ.get(ENV_COORDINATOR),
                            source=settings.source)
+
+
+JAX_HEARTBEAT_MARGIN_S = 30.0  # after --push-timeout: our wait's poll (<= 2 s) + report_failure's grace (5 s) + slack
+
+
+def heartbeat_timeout(push_timeout_s: float) -> float:
+    """jax's heartbeat timeout for an MPMD run (seconds): `--push-timeout` + `JAX_HEARTBEAT_MARGIN_S`, so that a dead
+    process is first found by the project's heartbeats (sharding/mpmd.py: one line naming its side, the others told
+    through the key-value store) and never by jax's (a C++ "Check failure" abort of every other process). jax's
+    default (100 s) was shorter than the default --push-timeout (600 s): the abort came first (issue 23)."""
+    return float(push_timeout_s) + JAX_HEARTBEAT_MARGIN_S
 
 
 def _configure_transfer(coordinator: str | None, address: str | None, timeout_s: float | None) -> None:
@@ -238,8 +257,12 @@ def add_distributed_args(parser: argparse.ArgumentParser) -> argparse.ArgumentPa
 
 def initialize_from_args(args: argparse.Namespace, transfer_timeout_s: float | None = None,
                          transfers: bool = True) -> DistributedInfo:
-    """`maybe_initialize_distributed` with the values parsed from `add_distributed_args`' flags."""
+    """`maybe_initialize_distributed` with the values parsed from `add_distributed_args`' flags. A run that may be
+    MPMD (`transfers`: a rollout mesh of its own) gets jax's heartbeat timeout from `transfer_timeout_s`
+    (--push-timeout: `heartbeat_timeout`)."""
+    beat = heartbeat_timeout(transfer_timeout_s) if transfers and transfer_timeout_s is not None else None
     return maybe_initialize_distributed(args.coordinator, args.num_processes, args.process_id,
                                         args.local_device_ids, cpu_devices_per_process=args.cpu_devices_per_process,
                                         transfer_address=getattr(args, "transfer_address", None),
-                                        transfer_timeout_s=transfer_timeout_s, transfers=transfers)
+                                        transfer_timeout_s=transfer_timeout_s, transfers=transfers,
+                                        heartbeat_timeout_s=beat)

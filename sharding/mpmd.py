@@ -37,7 +37,9 @@ import atexit
 import dataclasses
 import logging
 import math
+import os
 import pickle
+import sys
 import threading
 import time
 from collections.abc import Sequence
@@ -80,6 +82,42 @@ def report_failure(error: PeerTimeoutError) -> None:
             time.sleep(GRACE_S)
     except Exception:  # noqa: BLE001 - best effort: the service may already be gone
         pass
+
+
+PEER_LOST = ("Connection closed by peer", "Connection reset by peer", "Broken pipe", "Socket closed")
+
+
+def lost_peer(layout: RoleLayout, cause: BaseException, wait_s: float = 3.0, prefix: str = "dsv4"
+              ) -> PeerTimeoutError | None:
+    """A runtime error of a multi-process MPMD run (a Gloo collective, a cross-process transfer) whose message says
+    a connection to a peer closed (`PEER_LOST`) -> a PeerTimeoutError naming the side and the process(es) that died:
+    those whose `HostChannel` heartbeat (bumped every second) did not move over `wait_s` seconds and that are not
+    ending normally (`HostChannel._at_exit`: their exit posted, their heartbeat stopped). None when the
+    message is another error or every process still beats (then it is not a death: the caller shows it as it is)."""
+    text = str(cause)
+    if not any(p in text for p in PEER_LOST) or not layout.mpmd:
+        return None
+    procs = sorted({*layout.actor_processes, *layout.rollout_processes} - {layout.process})
+    client = _client()
+
+    def beat(p):  # None: no heartbeat posted (yet)
+        return _try_get(client, f"{prefix}/alive/{p}")
+
+    try:
+        first = {p: beat(p) for p in procs}
+        time.sleep(wait_s)
+        dead = [p for p in procs if beat(p) == first[p] and not _try_get(client, f"{prefix}/exit/{p}")]
+    except jax.errors.JaxRuntimeError:  # the coordination service went with the dead process: process 0
+        dead = [0] if layout.process != 0 else []
+    if not dead:
+        return None
+    side = ACTOR if dead[0] in layout.actor_processes else ROLLOUT
+    cause_line = next((x for x in text.splitlines() if any(p in x for p in PEER_LOST)), text.splitlines()[0])
+    return PeerTimeoutError(side, layout.processes(side), "", 0.0, message=(
+        f"the {side} side lost process(es) {dead} (its heartbeat stopped; process {layout.process} saw: "
+        f"{cause_line.strip()[:200]}): "
+        f"{'an' if side == ACTOR else 'a'} {side} process died; rerun the same command to resume from the last "
+        "checkpoint"))
 
 
 # ------------------------------------------------------------------------------------------ roles
@@ -169,6 +207,16 @@ def configure_transfer(socket_address: str, timeout_s: float | None = None) -> N
 # ------------------------------------------------------------------------------------------ host messages
 
 
+def _try_get(client, key: str):
+    """The value of `key`, None when it is not set."""
+    try:
+        return client.key_value_try_get(key)
+    except jax.errors.JaxRuntimeError as e:
+        if "NOT_FOUND" in str(e):
+            return None
+        raise
+
+
 def _client():
     client = distributed.global_state.client
     if client is None:
@@ -194,7 +242,7 @@ class HostChannel:
         self._beat = threading.Thread(target=self._heartbeat, name="dsv4-mpmd-heartbeat", daemon=True)
         self._heartbeat_once(0)
         self._beat.start()
-        atexit.register(self.close)  # runs before jax's shutdown barrier: a dying process stops looking alive
+        atexit.register(self._at_exit)  # runs before jax's shutdown barrier (registered after jax's)
 
     def _heartbeat_once(self, n: int) -> None:
         _client().key_value_set(f"{self.prefix}/alive/{self.layout.process}", str(n), allow_overwrite=True)
@@ -210,6 +258,47 @@ class HostChannel:
 
     def close(self) -> None:
         self._stop.set()
+
+    def _at_exit(self) -> None:
+        """A normal exit, before jax's shutdown barrier: post this process's exit, stop its heartbeat, wait until
+        every process posted its exit (the roles end at different moments). A process that died meanwhile would
+        hold jax's barrier until the coordinator's exit aborts this one (C++ stack, no project line); here, instead,
+        its death is found (another process's report, `FAILED_KEY`, or its heartbeat silent for the timeout while
+        its exit is not posted): one line, exit 1. This process stops beating first: one that exits early (an error
+        of its own) is found silent by the others that still wait for it, rather than kept waiting by its beat."""
+        try:
+            client = _client()
+            client.key_value_set(f"{self.prefix}/exit/{self.layout.process}", "1", allow_overwrite=True)
+            self.close()
+            pending = set(self.layout.actor_processes) | set(self.layout.rollout_processes)
+            pending.discard(self.layout.process)
+            seen = {p: None for p in pending}
+            changed = {p: time.monotonic() for p in pending}
+            while pending:
+                pending = {p for p in pending if not _try_get(client, f"{self.prefix}/exit/{p}")}
+                failed = _try_get(client, FAILED_KEY)
+                if failed:
+                    side, message = failed.split("\n", 1)
+                    raise PeerTimeoutError(side, self.layout.processes(side), "", self.timeout_s, message=message)
+                now = time.monotonic()
+                for p in pending:
+                    beat = _try_get(client, f"{self.prefix}/alive/{p}")
+                    if beat != seen[p]:
+                        seen[p], changed[p] = beat, now
+                silent = sorted(p for p in pending if now - changed[p] > self.timeout_s)
+                if silent:
+                    side = ACTOR if silent[0] in self.layout.actor_processes else ROLLOUT
+                    raise PeerTimeoutError(side, self.layout.processes(side), f"the run's end; no heartbeat from "
+                                           f"process(es) {silent}", self.timeout_s)
+                time.sleep(0.2 if pending else 0)
+        except PeerTimeoutError as e:
+            print(f"error: {e}", file=sys.stderr, flush=True)
+            report_failure(e)
+            os._exit(1)
+        except Exception:  # noqa: BLE001 - the service is gone already: nothing left to wait for
+            pass
+        finally:
+            self.close()  # a dying process stops looking alive
 
     def publish(self, tag: str, value: Any) -> None:
         client = _client()
@@ -236,6 +325,12 @@ class HostChannel:
             try:
                 return client.blocking_key_value_get_bytes(key, poll_ms)
             except jax.errors.JaxRuntimeError as e:
+                if "UNAVAILABLE" in str(e) and self.layout.process != 0:  # the coordination service is gone
+                    side = ACTOR if 0 in self.layout.actor_processes else ROLLOUT
+                    raise PeerTimeoutError(side, self.layout.processes(side), what, self.timeout_s, message=(
+                        f"the {side} side lost process 0, the coordinator (its coordination service stopped "
+                        f"answering: {str(e).splitlines()[0][:160]}); rerun the same command to resume from the last "
+                        "checkpoint")) from None
                 if "DEADLINE_EXCEEDED" not in str(e):
                     raise PeerTimeoutError(sender, procs, what, self.timeout_s, str(e)) from None
             try:

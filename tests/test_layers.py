@@ -27,6 +27,8 @@ LAZY_OK = {
     ("rl/rewards.py", "math_verify"): "sympy-backed (~0.5 s warm, seconds cold); only the math rewards call it and "
                                       "the reward worker preloads it before its first deadline",
     ("rl/math_rewards.py", "math_verify"): "as rl/rewards.py: only the math-answer comparison needs sympy",
+    ("launch/ray_run.py", "ray"): "the optional [ray] extra: absent unless installed; only --launcher ray (and the Ray "
+                                  "workers it starts) needs it",
     ("rl/sinks.py", "tensorboardX"): "the heaviest import of the run (~1.4 s warm: protobuf); only --tensorboard-dir "
                                      "needs it",
 }

@@ -1,5 +1,5 @@
 """The two-job layout (rl/rollout_job.py): the rollout as a JAX job of its own, on local processes with one CPU device
-each. One launched set of jobs serves every assertion (A and C side by side, then B):
+each. One launched set of jobs (the module fixture `runs`) serves every assertion (A and C side by side, then B and R):
 - run A: an actor job and its rollout job, 3 GRPO steps; the rollout job is SIGKILLed once the first step is logged
   and restarted by the test: the run completes, the actor logs one line for the loss, `rollout/restarts` counts it,
   and every per-step metric that is not a timing equals the uninterrupted run's (bitwise on CPU; run B);
@@ -8,22 +8,38 @@ each. One launched set of jobs serves every assertion (A and C side by side, the
   equal too, checked by hand: README);
 - run C: an actor job whose rollout job is SIGKILLed once registered and never restarted: the actor exits non-zero
   after its short --rollout-restart-timeout with one line naming the rollout job (killed before its first step, to
-  keep the test cheap: the loss is noticed in the first push's wait, the same `JobRollout._recover` path).
+  keep the test cheap: the loss is noticed in the first push's wait, the same `JobRollout._recover` path);
+- run R (only with the [ray] extra): the same 3 steps under `--launcher ray` (launch/ray_run.py) on a local Ray
+  cluster the launcher starts and stops, started when A's rollout is killed (the programs are cached by then); the
+  rollout's Ray actor is SIGKILLed (its pid, from the launcher's log) once the first step is logged: Ray restarts it,
+  the actor job recovers in place, the launcher exits 0, the metrics are B's, and no job process outlives it.
 """
 
 from __future__ import annotations
 
 import json
+import os
+import re
 import signal
+import subprocess
+import sys
 import time
 
 import portpicker
+import pytest
 
-from launch import run as launch_run
+from launch import ray_run, run as launch_run
 
 MESH = "actor:data=1/rollout:data=1"
 STEPS = 3
 TIMEOUTS = ("--push-timeout", "20")
+ONE = ["--cpu-devices-per-process", "1"]
+try:
+    import ray  # noqa: F401  (the [ray] extra: `make test` installs it)
+
+    RAY = True
+except ImportError:
+    RAY = False
 
 
 def _flags(lt, metrics, *extra):
@@ -35,19 +51,31 @@ def _rows(path):
     return [json.loads(x) for x in path.read_text().splitlines() if x.strip()] if path.exists() else []
 
 
-def test_two_jobs_rollout_killed_restarted_and_lost(tmp_path, run_env, lt):
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory, run_env, lt):
+    """Runs A, B, C (and R with ray) as the module docstring says -> {"rc", "out", "rows", "procs", "tmp"}."""
+    tmp_path = tmp_path_factory.mktemp("two_jobs")
     pa, pc = portpicker.pick_unused_port(), portpicker.pick_unused_port()
-    ma, mb, mc = tmp_path / "a.jsonl", tmp_path / "b.jsonl", tmp_path / "c.jsonl"
-    logs = {k: tmp_path / f"{k}.log" for k in ("a", "r1", "r2", "b", "c", "r3")}
-    one = ["--cpu-devices-per-process", "1"]
-    rollout = lambda port, m: _flags(lt, m, *one, "--rollout-job", "--actor-address", f"127.0.0.1:{port}")  # noqa: E731
+    ma, mb, mc, mr = (tmp_path / f"{k}.jsonl" for k in "abcR")
+    logs = {k: tmp_path / f"{k}.log" for k in ("a", "r1", "r2", "b", "c", "r3", "R")}
+    rollout = lambda port, m: _flags(lt, m, *ONE, "--rollout-job", "--actor-address", f"127.0.0.1:{port}")  # noqa: E731
     procs = {
-        "a": lt.start(_flags(lt, ma, *one, "--rollout-address", f"127.0.0.1:{pa}"), run_env, logs["a"]),
+        "a": lt.start(_flags(lt, ma, *ONE, "--rollout-address", f"127.0.0.1:{pa}"), run_env, logs["a"]),
         "r1": lt.start(rollout(pa, tmp_path / "r.jsonl"), run_env, logs["r1"]),
-        "c": lt.start(_flags(lt, mc, *one, "--rollout-address", f"127.0.0.1:{pc}", "--rollout-restart-timeout", "3"),
+        "c": lt.start(_flags(lt, mc, *ONE, "--rollout-address", f"127.0.0.1:{pc}", "--rollout-restart-timeout", "3"),
                       run_env, logs["c"]),
         "r3": lt.start(rollout(pc, tmp_path / "r.jsonl"), run_env, logs["r3"]),
     }
+    ray_env = {**run_env, "RAY_COLOR_PREFIX": "0"}
+    ray_pid = None
     try:
         deadline = time.monotonic() + 900
         killed = set()
@@ -61,20 +89,55 @@ def test_two_jobs_rollout_killed_restarted_and_lost(tmp_path, run_env, lt):
                 procs["r1"].wait(timeout=60)
                 procs["r2"] = lt.start(rollout(pa, tmp_path / "r.jsonl"), run_env, logs["r2"])  # as a supervisor would
                 killed.add("r1")
+                if RAY:  # R: its own session (the local Ray cluster's processes too), killed as a group if need be
+                    with open(logs["R"], "ab") as f:
+                        procs["R"] = subprocess.Popen(
+                            [sys.executable, str(lt.RUN_PY), "--launcher", "ray", *_flags(lt, mr, *ONE)], cwd=lt.REPO,
+                            env=ray_env, stdout=f, stderr=subprocess.STDOUT, start_new_session=True)
             for k in ("a", *(() if "r3" in killed else ("c",))):  # alive
                 assert procs[k].poll() is None, logs[k].read_text()[-3000:]
             time.sleep(0.05)
         rc = {k: procs[k].wait(timeout=max(1.0, deadline - time.monotonic())) for k in ("a", "r2", "c")}
         # the reference after A: its programs are A's and R's (same shapes), loaded from the session's cache
         pb = portpicker.pick_unused_port()
-        procs["b"] = lt.start(_flags(lt, mb, *one, "--rollout-address", f"127.0.0.1:{pb}"), run_env, logs["b"])
+        procs["b"] = lt.start(_flags(lt, mb, *ONE, "--rollout-address", f"127.0.0.1:{pb}"), run_env, logs["b"])
         procs["rb"] = lt.start(rollout(pb, tmp_path / "r.jsonl"), run_env, tmp_path / "rb.log")
+        if RAY:  # R: kill the rollout's Ray actor (its worker process) once R's first step is logged
+            while ray_pid is None:
+                assert time.monotonic() < deadline and procs["R"].poll() is None, logs["R"].read_text()[-3000:]
+                m = re.search(r"the rollout job: Ray actor pid (\d+)", logs["R"].read_text())
+                if m and _rows(mr):
+                    ray_pid = int(m.group(1))
+                    os.kill(ray_pid, signal.SIGKILL)
+                time.sleep(0.05)
+            rc["R"] = procs["R"].wait(timeout=max(1.0, deadline - time.monotonic()))
         rc["b"] = procs["b"].wait(timeout=max(1.0, deadline - time.monotonic()))
     finally:
-        for p in procs.values():
+        for k, p in procs.items():
             if p.poll() is None:
-                p.kill()
+                if k == "R":
+                    os.killpg(p.pid, signal.SIGKILL)  # the launcher and the local Ray cluster it started
+                else:
+                    p.kill()
     out = {k: v.read_text() for k, v in logs.items() if v.exists()}
+    return {"rc": rc, "out": out, "procs": procs, "tmp": tmp_path, "ray_pid": ray_pid,
+            "rows": {k: _rows(m) for k, m in (("a", ma), ("b", mb), ("c", mc), ("R", mr))}}
+
+
+def _same_metrics(lt, ra, rb):
+    """Every per-step metric of `ra` that is not a timing or the two-job layout's own equals `rb`'s (bitwise)."""
+    new = {"rollout/restarts", "rollout/recovery_s"}  # the two-job layout's own metrics (the fault, a timing)
+    assert [r["step"] for r in ra] == [r["step"] for r in rb] == list(range(STEPS))  # nothing twice or skipped
+    assert all(y["rollout/restarts"] == 0.0 for y in rb)
+    for x, y in zip(ra, rb):
+        assert set(x) == set(y)
+        bad = {k: (x[k], y[k]) for k in y if not k.startswith("perf/") and k not in new
+               and not lt.same_value(x[k], y[k])}
+        assert not bad, (x["step"], bad)
+
+
+def test_two_jobs_rollout_killed_restarted_and_lost(runs, lt):
+    rc, out, procs, tmp_path = runs["rc"], runs["out"], runs["procs"], runs["tmp"]
     assert rc["a"] == 0 and rc["b"] == 0 and rc["r2"] == 0, (out["a"][-3000:], out["r2"][-2000:])
     assert procs["r1"].returncode == -signal.SIGKILL
 
@@ -83,16 +146,9 @@ def test_two_jobs_rollout_killed_restarted_and_lost(tmp_path, run_env, lt):
     assert len(lost) == 1 and "the rollout job" in lost[0] and "closed the connection" in lost[0], out["a"][-3000:]
     assert "Traceback" not in out["a"] and "recovered in" in out["a"]
     assert "registered with the actor" in out["r2"] and "weight version" in out["r2"]
-    ra, rb = _rows(ma), _rows(mb)
-    assert [r["step"] for r in ra] == [r["step"] for r in rb] == list(range(STEPS))  # nothing twice or skipped
+    ra, rb = runs["rows"]["a"], runs["rows"]["b"]
     assert ra[0]["rollout/restarts"] == 0.0 and ra[-1]["rollout/restarts"] == 1.0 and ra[-1]["rollout/recovery_s"] > 0
-    new = {"rollout/restarts", "rollout/recovery_s"}  # the two-job layout's own metrics (the fault, a timing)
-    assert all(y["rollout/restarts"] == 0.0 for y in rb)
-    for x, y in zip(ra, rb):
-        assert set(x) == set(y)
-        bad = {k: (x[k], y[k]) for k in y if not k.startswith("perf/") and k not in new
-               and not lt.same_value(x[k], y[k])}
-        assert not bad, (x["step"], bad)
+    _same_metrics(lt, ra, rb)
 
     # C: never restarted -> non-zero after the restart timeout, one error line naming the rollout job
     assert rc["c"] != 0, out["c"][-3000:]
@@ -101,6 +157,40 @@ def test_two_jobs_rollout_killed_restarted_and_lost(tmp_path, run_env, lt):
     assert "is gone and no rollout job registered at 127.0.0.1:" in errors[0] and "Traceback" not in out["c"]
     assert "within 3 s (--rollout-restart-timeout)" in errors[0]
     assert not (tmp_path / "r.jsonl").exists()  # rollout jobs write no metrics
+
+
+@pytest.mark.skipif(not RAY, reason="the [ray] extra is not installed (pip install -e '.[ray]'; `make test` does)")
+def test_ray_launcher_rollout_actor_killed_recovers_in_place(runs, lt):
+    """R (module docstring): Ray placed both jobs, restarted the killed rollout actor, the run recovered in place."""
+    rc, out = runs["rc"], runs["out"]["R"]
+    assert rc["R"] == 0, out[-4000:]
+    assert "placement groups of 1 bundles {'CPU': 1} (STRICT_PACK)" in out
+    starts = re.findall(r"the rollout job: Ray actor pid (\d+) on \S+ started launch/run.py pid (\d+)", out)
+    assert len(starts) == 2 and int(starts[0][0]) == runs["ray_pid"] != int(starts[1][0]), out[-4000:]  # restarted
+    lost = [x for x in out.splitlines() if "closed the connection" in x and "for a rollout job to register" in x]
+    assert len(lost) == 1 and f"pid {starts[0][1]} " in lost[0], out[-4000:]  # the killed actor's run.py died too
+    assert "recovered in" in out and "done: 3 steps" in out and "Traceback" not in out
+    rr = runs["rows"]["R"]
+    assert rr[0]["rollout/restarts"] == 0.0 and rr[-1]["rollout/restarts"] == 1.0 and rr[-1]["rollout/recovery_s"] > 0
+    _same_metrics(lt, rr, runs["rows"]["b"])
+    pids = [int(p) for p in re.findall(r"started launch/run.py pid (\d+)", out)]
+    assert len(pids) == 3 and not any(_alive(p) for p in pids)  # no job process outlives the launcher
+
+
+def test_ray_launcher_flags_are_checked(capsys):
+    """--launcher ray: the seed layout's placement; a mesh without a rollout of its own or not in whole processes, a
+    side's own flag: one line, exit 2, no Ray started."""
+    seed = ray_run.placement("actor:fsdp=2,expert=8/rollout:expert=8")  # 3 nodes x 8: actor on 2, rollout on 1
+    assert (seed.devices, seed.actor_processes, seed.bundles) == (8, 2, 24)
+    assert ray_run.job_argv(["--launcher", "ray", "--ray-address=auto", "--steps", "3", "--ray-address", "h:1"]) == \
+        ["--steps", "3"]
+    for args, needle in ((["--launcher", "ray", "--mesh", "auto"], "--mesh needs a rollout section"),
+                         (["--launcher", "ray", "--mesh", "actor:fsdp=3/rollout:expert=2"], "not whole processes"),
+                         (["--launcher", "ray", "--mesh", MESH, "--rollout-address", "127.0.0.1:1"],
+                          "--rollout-address: --launcher ray sets it")):
+        assert launch_run.main(args) == 2, args
+        err = capsys.readouterr().err
+        assert err.startswith("error: ") and err.count("\n") == 1 and needle in err, (args, err)
 
 
 def test_rollout_job_flags_are_checked(capsys):

@@ -4,12 +4,14 @@ socket addresses. The multi-process run itself: tests/launch/test_mpmd_run.py (s
 
 import jax
 import numpy as np
+from jax._src import distributed
 import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from sharding.mesh import MeshSpecError, build_mesh_plan
 from parallel.mpmd_push import plan_transfer
-from sharding.mpmd import role_layout, transfer_socket_address
+from sharding.distributed import heartbeat_timeout
+from sharding.mpmd import RoleLayout, lost_peer, role_layout, transfer_socket_address
 
 
 def _two_per_process(d):
@@ -80,3 +82,38 @@ def test_transfer_layout_the_actor_cannot_serve():
 def test_transfer_socket_address():
     assert transfer_socket_address("127.0.0.1:1234", 2) == "127.0.0.1:1237"
     assert transfer_socket_address("127.0.0.1:1234", 2, "10.0.0.5:9000") == "10.0.0.5:9000"
+
+
+class _Beats:
+    """A stand-in coordination client: process 1's heartbeat is frozen (dead), the others' move at every read; no
+    process posted its exit but those in `exiting`."""
+
+    def __init__(self, exiting=()):
+        self.n, self.exiting = 0, exiting
+
+    def key_value_try_get(self, key):
+        self.n += 1
+        if "/exit/" in key:  # a process ending normally posted its exit (and stopped beating)
+            return "1" if int(key.rsplit("/", 1)[1]) in self.exiting else None
+        return "7" if key.endswith("/1") else str(self.n)
+
+
+def test_lost_peer_names_the_dead_process_and_its_side(monkeypatch):
+    """A Gloo error from a closed connection -> the side and process whose heartbeat stopped; other errors -> None."""
+    monkeypatch.setattr(distributed.global_state, "client", _Beats())
+    layout = RoleLayout(process=0, actor_processes=(0, 1), rollout_processes=(2,), mpmd=True)
+    gloo = RuntimeError("UNKNOWN: Gloo AllGather failed: [pair.cc:547] Connection closed by peer [127.0.0.1]:933")
+    e = lost_peer(layout, gloo, wait_s=0.0)
+    assert e is not None and e.side == "actor"
+    assert str(e).startswith("the actor side lost process(es) [1] (its heartbeat stopped; process 0 saw: UNKNOWN: "
+                             "Gloo AllGather failed") and "an actor process died; rerun the same command" in str(e)
+    assert lost_peer(layout, RuntimeError("RESOURCE_EXHAUSTED: out of memory"), wait_s=0.0) is None  # not a death
+    monkeypatch.setattr(distributed.global_state, "client", _Beats(exiting=(1,)))
+    assert lost_peer(layout, gloo, wait_s=0.0) is None  # process 1 is ending normally, not dead
+    colocated = RoleLayout(process=0, actor_processes=(0, 1), rollout_processes=(0, 1), mpmd=False)
+    assert lost_peer(colocated, gloo, wait_s=0.0) is None  # no heartbeats to tell who died
+
+
+def test_jax_heartbeat_outlasts_the_push_timeout():
+    """jax's heartbeat timeout stays behind --push-timeout (our one-line detection and its report come first)."""
+    assert heartbeat_timeout(600.0) == 630.0 and heartbeat_timeout(20.0) == 50.0
