@@ -1,15 +1,15 @@
 """The two-job layout (rl/rollout_job.py): the rollout as a JAX job of its own, on local processes with CPU devices, mesh
 `actor:data=2/rollout:data=2` (the seed layout's shape in miniature). One launched set of jobs (the module fixture
-`runs`) serves every assertion (A and C side by side, then B and R):
+`runs`) serves every assertion (A and C side by side, then B and R beside A's last steps):
 - run A: an actor job of 2 processes x 1 device (one jax.distributed job: process 0 holds the link, both serve their
   shards of the weights) and its rollout job (1 process x 2 devices), 3 GRPO steps; the rollout job is SIGKILLed once
   the first step is logged and restarted by the test: the run completes, the actor logs one line for the loss,
   `rollout/restarts` counts it, and the per-step metrics equal run B's, the 1-process actor job of the same mesh
   shapes (rollout metrics bitwise; train metrics within 1e-5, as tests/launch/test_mpmd_run.py compares multi- to
   single-process);
-- run B: a 1-process actor job (2 devices) and its rollout job, uninterrupted, started once A is done (its rollout
-  programs then load from the session's compilation cache; the single-job layout's run of the same flags is bitwise
-  equal too, checked by hand: README);
+- run B: a 1-process actor job (2 devices) and its rollout job, uninterrupted, started when A's rollout is killed
+  (its rollout programs then load from the session's compilation cache; its actor programs are not A's, a job of
+  other processes; the single-job layout's run of the same flags is bitwise equal too, checked by hand: README);
 - run C: a 1-process actor job whose rollout job is SIGKILLed once registered and never restarted: the actor exits
   non-zero after its short --rollout-restart-timeout with one line naming the rollout job (killed before its first
   step, to keep the test cheap: the loss is noticed in the first push's wait, the same `JobRollout._recover` path);
@@ -99,6 +99,10 @@ def runs(tmp_path_factory, run_env, lt):
                 procs["r1"].wait(timeout=60)
                 procs["r2"] = lt.start(rollout(pa, tmp_path / "r.jsonl"), run_env, logs["r2"])  # as a supervisor would
                 killed.add("r1")
+                # B now, beside A's last steps (its actor programs are not A's: a 1-process job; R's, with ray)
+                pb = portpicker.pick_unused_port()
+                procs["b"] = lt.start(_flags(lt, mb, *TWO, "--rollout-address", f"127.0.0.1:{pb}"), run_env, logs["b"])
+                procs["rb"] = lt.start(rollout(pb, tmp_path / "r.jsonl"), run_env, tmp_path / "rb.log")
                 if RAY:  # R: its own session (the local Ray cluster's processes too), killed as a group if need be
                     with open(logs["R"], "ab") as f:
                         procs["R"] = subprocess.Popen(
@@ -108,10 +112,6 @@ def runs(tmp_path_factory, run_env, lt):
                 assert procs[k].poll() is None, logs[k].read_text()[-3000:]
             time.sleep(0.05)
         rc = {k: procs[k].wait(timeout=max(1.0, deadline - time.monotonic())) for k in ("a", "a1", "r2", "c")}
-        # the reference after A: its programs are A's and R's (same shapes), loaded from the session's cache
-        pb = portpicker.pick_unused_port()
-        procs["b"] = lt.start(_flags(lt, mb, *TWO, "--rollout-address", f"127.0.0.1:{pb}"), run_env, logs["b"])
-        procs["rb"] = lt.start(rollout(pb, tmp_path / "r.jsonl"), run_env, tmp_path / "rb.log")
         if RAY:  # R: kill the rollout's Ray actor (its worker process) once R's first step is logged
             while ray_pid is None:
                 assert time.monotonic() < deadline and procs["R"].poll() is None, logs["R"].read_text()[-3000:]
