@@ -292,8 +292,9 @@ class JobRollout(RolloutService):
                 self._stop.set()
             return
         self._stop.set()
+        failing = sys.exc_info()[0] is not None  # (the loop's `finally`) the rollout sees the link close: exits 1
         try:
-            if self.link is not None:
+            if self.link is not None and not failing:
                 self.link.send("cmd", {"op": "stop"})
                 self.link.get("bye", "the rollout's goodbye", timeout_s=30)
         except (LinkLost, TimeoutError):
