@@ -1,5 +1,5 @@
-"""The two-job layout (rl/rollout_job.py): the rollout as a JAX job of its own, on local processes with CPU devices, mesh
-`actor:data=2/rollout:data=2` (the seed layout's shape in miniature). One launched set of jobs (the module fixture
+"""The two-job layout (rl/rollout_job.py): the rollout as a JAX job of its own, on local processes with CPU devices,
+mesh `actor:data=2/rollout:data=2` (the seed layout's shape in miniature). One launched set of jobs (the module fixture
 `runs`) serves every assertion (A and C side by side, then B and R beside A's last steps):
 - run A: an actor job of 2 processes x 1 device (one jax.distributed job: process 0 holds the link, both serve their
   shards of the weights) and its rollout job (1 process x 2 devices), 3 GRPO steps; the rollout job is SIGKILLed once
@@ -142,7 +142,8 @@ def _same_metrics(lt, ra, rb, train_tol: float | None = None):
     assert all(y["rollout/restarts"] == 0.0 for y in rb)
     for x, y in zip(ra, rb):
         assert set(x) == set(y)
-        close = lambda k: train_tol is not None and k.startswith("train/") and abs(x[k] - y[k]) <= train_tol  # noqa: E731
+        close = lambda k: (train_tol is not None and k.startswith("train/")  # noqa: E731
+                           and abs(x[k] - y[k]) <= train_tol)
         bad = {k: (x[k], y[k]) for k in y if not k.startswith("perf/") and k not in new
                and not lt.same_value(x[k], y[k]) and not close(k)}
         assert not bad, (x["step"], bad)
