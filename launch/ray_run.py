@@ -11,8 +11,9 @@ strategy STRICT_PACK (a process's devices on one node). A process holds a node's
 that many devices each group fills a node of its own: the seed layout `actor:fsdp=2,expert=8/rollout:expert=8` on
 3 nodes x 8 GPUs = the actor job on nodes 0-1 (two processes of 8 bundles), the rollout job on node 2 (8 bundles).
 Node numbers are Ray's choice; the launcher logs where each process landed. Devices per process = the rollout
-mesh's size (the rollout job is one process); the actor job takes actor size / that many processes (more than one
-is refused by the actor job today with one line: `rl/job.py`, a one-process actor job for now).
+mesh's size (the rollout job is one process); the actor job takes actor size / that many processes (one
+`jax.distributed` job over them: rl/rollout_job.py, its process 0 talks to the rollout, every process serves its
+shards of the weights).
 
 Each process of a job is a Ray actor (`JobProcess`) that runs `launch/run.py` with the run's flags plus its side's
 (`--rollout-address` / `--rollout-job --actor-address`, and `--coordinator --num-processes --process-id` for an actor

@@ -281,6 +281,9 @@ def main(argv=None) -> int:
         sys.stderr.flush()
         os._exit(1)  # not sys.exit: jax's shutdown barrier would wait for the other processes
     except (ValueError, OSError) as e:  # user errors (bad input, files, permissions): one line, no traceback
+        lost = lost_peer(job.layout, e) if job is not None and info.process_count > 1 else None
+        if lost is not None:  # a dead peer's collective, surfaced as one of these (an actor job of several processes)
+            _peer_failure(lost)
         print(f"error: {e}{_device_hint(e)}", file=sys.stderr)
         return 2
     except Exception as e:  # noqa: BLE001

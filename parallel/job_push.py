@@ -2,11 +2,12 @@
 
     # actor job (its plan's rollout mesh is a stand-in of the rollout job's: same shape and axes, actor devices)
     pusher = JobPusher(plan, standin_sampler, abstract_state, actor_shardings)
+    address = pusher.start(host)                 # this process's transfer server (every process of the actor job)
     served = pusher.stage(params, version)       # wire arrays in the rollout's tiling, kept until the next push
-    pusher.offer(served, uuid)                    # the transfer server waits for one pull of them under `uuid`
+    pusher.offer(served, uuid)                    # this process's server waits for one pull of its shards
     # rollout job
     receiver = WeightReceiver(sampler)
-    receiver.pull(actor_transfer_address, uuid, version)   # arrives in the sampler's shardings; set_weights
+    receiver.pull(addresses, pusher.holders, uuid, version)  # one pull per actor process; set_weights
 
 Staging is the MPMD push's (`parallel.mpmd_push.MpmdPusher`, one jit per tensor: bf16 cast, FP8 quantisation with
 `dsv4.quant.quantize_rollout_fp8` for FP8-stored tensors, every dim cut exactly as the rollout cuts it), so the wire
@@ -14,8 +15,16 @@ is FP8 blocks + scales (about 1.1 B per parameter) and the rollout never holds a
 rollout devices: its plan's rollout mesh is a stand-in (the rollout job's mesh shape and axis names over actor
 devices, `sharding.mesh.build_job_plan`); the tiling it yields equals the rollout job's real one, which the rollout
 checks at registration (`tiling`: a list both sides compute; a mismatch is a one-line error naming the flags).
-The transfer pairs shards by their index in the tiling: the transfer view (`_Plan.transfer_sharding`) holds the
-staged shards in the rollout mesh's order, and the rollout pulls `ShapeDtypeStruct`s with its own shardings.
+
+Per-process servers (an actor job of several processes, e.g. the seed layout's 16 devices on 2 nodes). Each rollout
+device's slice of a wire array (a position of the rollout mesh) is taken from one actor device holding that slice
+(`parallel.mpmd_push.plan_transfer` with `spread`: the holders are spread over the actor processes); `holders` says,
+per wire array, which actor process serves each position. Every actor process runs a transfer server and offers
+its own positions' shards as single-device arrays; the rollout pulls from every process the positions it serves
+(one `pull` per process, single-device shapes on the matching rollout device) and assembles each wire array from
+its shards (`jax.make_array_from_single_device_arrays`). No host gathers the weights: 16 devices' worth never
+crosses one node's network card (what the seeds avoided); each node sends its share. The addresses travel over the
+host channel with every pull (rl/rollout_job.py).
 
 Recovery: the staged arrays of the served version stay alive on the actor until the next push replaces them, so a
 rollout job that restarts pulls exactly the weights the in-flight batches were being generated with (the learner may
@@ -35,6 +44,7 @@ import time
 
 import jax
 from jax.experimental import transfer
+from jax.sharding import SingleDeviceSharding
 
 from dsv4 import quant
 from parallel.mpmd_push import MpmdPusher
@@ -71,44 +81,55 @@ def tiling(sampler) -> list[tuple]:
 
 @dataclasses.dataclass
 class Served:
-    """The staged wire arrays of one version on the actor: `staged` (actor mesh, rollout tiling) and `views`
-    (the same buffers as arrays on the transfer mesh, what the transfer server offers)."""
+    """The staged wire arrays of one version on the actor: `staged` (actor mesh, rollout tiling) and `shards`
+    (this process's single-device buffers of them that it serves, in `JobPusher.holders` order: what its transfer
+    server offers)."""
 
     version: int
     staged: list
-    views: list
+    shards: list
     nbytes: int
 
 
 class JobPusher(MpmdPusher):
-    """The actor job's side (module docstring). Args as `MpmdPusher` without the layout and channel: `plan` with
-    the stand-in rollout mesh, the stand-in `sampler` (abstract model on that mesh), `abstract_state`,
-    `actor_shardings`. Raises MeshSpecError as `MpmdPusher` when the actor mesh cannot cut a tensor as the
-    rollout does."""
+    """The actor job's side (module docstring), built on every process of the actor job. Args as `MpmdPusher` without
+    the layout and channel: `plan` with the stand-in rollout mesh, the stand-in `sampler` (abstract model on that
+    mesh), `abstract_state`, `actor_shardings`. `holders`: per wire array, the actor process serving each position
+    of the rollout mesh (a list of ints per array, sent to the rollout at registration). Raises MeshSpecError as
+    `MpmdPusher` when the actor mesh cannot cut a tensor as the rollout does."""
 
     def __init__(self, plan, sampler, abstract_state, actor_shardings):
-        super().__init__(plan, None, sampler, abstract_state, actor_shardings, None)
+        super().__init__(plan, None, sampler, abstract_state, actor_shardings, None, spread=True)
         self.tiling = tiling(sampler)
+        self.holders = [[d.process_index for d in w.transfer_sharding.mesh.devices.flat]
+                        for t in self.tensors for w in t.wires]
         self.server = None
+
+    def start(self, host: str) -> str:
+        """Start this process's transfer server on `host` (once); returns its address."""
+        if self.server is None:
+            self.server = start_server(host)
+        return self.server.address()
 
     def stage(self, params, version: int) -> Served:
         """Stage the learner's `params` ({key: array} / nnx.State) as `version`: every wire array in the rollout's
-        tiling on the actor mesh (waits until they are computed)."""
+        tiling on the actor mesh (waits until they are computed; every actor process calls it: one SPMD program)."""
         flat = _flat(params)
-        staged, views = [], []
+        staged, shards, me = [], [], jax.process_index()
         for t in self.tensors:
-            ys, vs, _ = self._stage(t, flat[t.key], False)
+            ys, _, _ = self._stage(t, flat[t.key], False)
             staged += ys
-            views += vs
+            for w, y in zip(t.wires, ys):
+                local = {s.device: s.data for s in y.addressable_shards}
+                shards += [local[d] for d in w.transfer_sharding.mesh.devices.flat if d.process_index == me]
         jax.block_until_ready(staged)
-        return Served(version=int(version), staged=staged, views=views, nbytes=self.wire_bytes)
+        return Served(version=int(version), staged=staged, shards=shards, nbytes=self.wire_bytes)
 
-    def offer(self, served: Served, uuid: int, host: str) -> str:
-        """Let one pull of `served` happen under `uuid`; returns this job's transfer server address."""
-        if self.server is None:
-            self.server = start_server(host)
-        self.server.await_pull(int(uuid), served.views)
-        return self.server.address()
+    def offer(self, served: Served, uuid: int) -> None:
+        """Let one pull of this process's shards of `served` happen under `uuid` (nothing when it serves none);
+        `start` first."""
+        if served.shards:
+            self.server.await_pull(int(uuid), served.shards)
 
 
 class WeightReceiver:
@@ -121,24 +142,39 @@ class WeightReceiver:
         self.server = None
         self._conns: dict[str, object] = {}
 
-    def pull(self, address: str, uuid: int, version: int) -> dict:
-        """Pull wire arrays `uuid` from the actor's transfer server `address`, make them weight `version`.
-        Returns {"perf/weight_push_s", "perf/weight_push_gbps"} (this side's wall time)."""
+    def pull(self, addresses: list[str], holders: list[list[int]], uuid: int, version: int) -> dict:
+        """Pull wire arrays `uuid` from the actor processes' transfer servers (`addresses[p]`: process p's; `holders`:
+        `JobPusher.holders`), make them weight `version`. Returns {"perf/weight_push_s", "perf/weight_push_gbps"}
+        (this side's wall time)."""
         t0 = time.perf_counter()
         if self.server is None:
             self.server = start_server(self.host)
-        if address not in self._conns:
-            self._conns[address] = self.server.connect(address)
         specs = [s for _, _, ss in self.targets for s in ss]
-        arrays = iter(self._conns[address].pull(int(uuid), specs))
+        if len(holders) != len(specs):
+            raise ValueError(f"the actor serves {len(holders)} wire arrays, this rollout expects {len(specs)}")
+        want: dict[int, list] = {}  # actor process -> [(wire array, position, single-device spec)]
+        for i, s in enumerate(specs):
+            one = s.sharding.shard_shape(s.shape)
+            for pos, d in enumerate(s.sharding.mesh.devices.flat):
+                want.setdefault(holders[i][pos], []).append(
+                    (i, pos, jax.ShapeDtypeStruct(one, s.dtype, sharding=SingleDeviceSharding(d))))
+        got: dict[tuple[int, int], jax.Array] = {}
+        for p, items in sorted(want.items()):
+            if addresses[p] not in self._conns:
+                self._conns[addresses[p]] = self.server.connect(addresses[p])
+            for (i, pos, _), x in zip(items, self._conns[addresses[p]].pull(int(uuid), [x for *_, x in items])):
+                got[i, pos] = x
+        arrays = iter([jax.make_array_from_single_device_arrays(
+            s.shape, s.sharding, [got[i, pos] for pos in range(s.sharding.mesh.devices.size)])
+            for i, s in enumerate(specs)])
         wstate = {}
         for k, qmeta, ss in self.targets:
-            got = [next(arrays) for _ in ss]
+            got_k = [next(arrays) for _ in ss]
             if qmeta is None:
-                wstate[k] = got[0]
+                wstate[k] = got_k[0]
             else:
                 kind, fmt, block, shape = qmeta
-                wstate[k] = quant.QuantizedTensor(q=got[0], scale=got[1], kind=kind, fmt=fmt, block=block,
+                wstate[k] = quant.QuantizedTensor(q=got_k[0], scale=got_k[1], kind=kind, fmt=fmt, block=block,
                                                   shape=shape)
         jax.block_until_ready(jax.tree.leaves(wstate))
         self.sampler.set_weights(wstate, version)

@@ -71,10 +71,12 @@ def _index_key(index, shape) -> tuple:
 
 
 def plan_transfer(key: str, shape: tuple[int, ...], wire_dtype, actor_sh: NamedSharding,
-                  rollout_sh: NamedSharding) -> _Plan:
+                  rollout_sh: NamedSharding, *, spread: bool = False) -> _Plan:
     """The staged (actor mesh) and transfer (actor devices, rollout tiling) shardings of one tensor (module
-    docstring, point 1). Raises MeshSpecError when the actor mesh cannot cut the tensor as the rollout does or holds
-    fewer copies of a slice than the rollout needs."""
+    docstring, point 1). `spread`: among the actor devices holding a slice, take one of the process that serves the
+    fewest of this tensor's slices so far (the two-job layout, parallel/job_push.py: every actor process serves its
+    share through its own transfer server; default: the first holder). Raises MeshSpecError when the actor mesh
+    cannot cut the tensor as the rollout does or holds fewer copies of a slice than the rollout needs."""
     ndim = len(shape)
     target = _splits(rollout_sh, ndim)
     spec = _realize(actor_sh.mesh, target, rollout_sh.spec)
@@ -89,14 +91,16 @@ def plan_transfer(key: str, shape: tuple[int, ...], wire_dtype, actor_sh: NamedS
     for dev, idx in staged.devices_indices_map(shape).items():
         holders.setdefault(_index_key(idx, shape), []).append(dev)
     r_map = rollout_sh.devices_indices_map(shape)
-    chosen = []
+    chosen, served = [], {}  # served: process -> slices it serves so far
     for dev in rollout_sh.mesh.devices.flat:
         free = holders.get(_index_key(r_map[dev], shape), [])
         if not free:
             raise MeshSpecError(
                 f"MPMD push: {key}: the rollout mesh {dict(rollout_sh.mesh.shape)} keeps more copies of a slice than "
                 f"the actor mesh {a_axes} has devices for; give the actor at least as many devices as the rollout")
-        chosen.append(free.pop(0))
+        i = min(range(len(free)), key=lambda j: served.get(free[j].process_index, 0)) if spread else 0
+        chosen.append(free.pop(i))
+        served[chosen[-1].process_index] = served.get(chosen[-1].process_index, 0) + 1
     r_mesh = rollout_sh.mesh
     t_mesh = Mesh(np.array(chosen, dtype=object).reshape(r_mesh.devices.shape), r_mesh.axis_names,
                   axis_types=r_mesh.axis_types)
@@ -149,13 +153,14 @@ class MpmdPusher:
       actor_shardings: {key: NamedSharding} of those tensors on the actor mesh.
       channel: the HostChannel (receipts, checksums, liveness, its timeout). chunk_bytes: wire bytes confirmed per
         receipt. verify_every: verify every k-th push (1 = always, 0 = never; the first push is verified).
+      spread: `plan_transfer`'s (the two-job layout's pusher: spread the served slices over the actor processes).
     Raises:
       MeshSpecError: a tensor the transfer cannot serve (`plan_transfer`).
       ValueError: the actor state lacks a sampler tensor.
     """
 
     def __init__(self, plan, layout: RoleLayout, sampler, abstract_state, actor_shardings, channel: HostChannel, *,
-                 chunk_bytes: int = 256 * 2**20, verify_every: int = 0):
+                 chunk_bytes: int = 256 * 2**20, verify_every: int = 0, spread: bool = False):
         self.plan, self.layout, self.sampler, self.channel = plan, layout, sampler, channel
         self.colocated = False
         self.chunk_bytes, self.verify_every = int(chunk_bytes), int(verify_every)
@@ -175,7 +180,8 @@ class MpmdPusher:
                 arrays = [(k, out.q), (f"{k}:scale", out.scale)]
             else:
                 qmeta, dense, arrays = None, np.dtype(out.dtype), [(k, out)]
-            wires = tuple(plan_transfer(name, tuple(x.shape), x.dtype, a_sh[k], x.sharding or r) for name, x in arrays)
+            wires = tuple(plan_transfer(name, tuple(x.shape), x.dtype, a_sh[k], x.sharding or r, spread=spread)
+                          for name, x in arrays)
             self.tensors.append(_Tensor(key=k, qmeta=qmeta, dense_dtype=dense, actor_sharding=a_sh[k], wires=wires))
         chunks, cur, size = [], [], 0
         for t in self.tensors:

@@ -51,7 +51,7 @@ from rl.sinks import MetricsLogger
 from rl.tasks import DigitTask, TaskReward
 from rl.tokenizer import load_tokenizer
 from sharding.mesh import build_job_plan, build_mesh_plan
-from sharding.mpmd import HostChannel, role_layout
+from sharding.mpmd import HostChannel, actor_job_layout, role_layout
 from sharding.rules import ACTOR, ACTOR_RULES, ROLLOUT, ROLLOUT_RULES, batch_shards
 
 if TYPE_CHECKING:  # annotations only
@@ -196,9 +196,6 @@ def build(cfg: RunConfig) -> Job:
     tok, task, train, ev_prompts, ev_refs, reward, ev_data = _data(cfg)
     model_cfg = resolve_model_config(cfg, tok.vocab_size)
     two_jobs = cfg.rollout.address is not None  # the rollout is a job of its own (rl/rollout_job.py)
-    if two_jobs and jax.process_count() > 1:
-        raise ValueError("--rollout-address: the two-job layout runs a one-process actor job for now (this one has "
-                         f"{jax.process_count()} processes)")
     plan = build_job_plan(cfg.mesh, ACTOR, config=model_cfg) if two_jobs else build_mesh_plan(cfg.mesh,
                                                                                               config=model_cfg)
     log.info("meshes: %s%s", plan.describe(), " (the rollout mesh: a stand-in for the rollout job's tiling)"
@@ -206,7 +203,9 @@ def build(cfg: RunConfig) -> Job:
     max_prompt = max(train.max_prompt_len, max(len(p) for p in ev_prompts))
     slots, kv_budget = _rollout_slots(cfg, model_cfg, plan, max_prompt)  # --rollout-slots checked before any model
     check_chunk(model_cfg, cfg.rollout.prefill_chunk)  # --prefill-chunk: a multiple of the compression ratios
-    layout = role_layout(plan)  # MPMD (whole processes per role) or both roles here; bad layouts fail now
+    # MPMD (whole processes per role) or both roles here; bad layouts fail now. The two-job layout's actor job: every
+    # process an actor (several: one prompt stream, process 0's rollout results shared over the channel)
+    layout = actor_job_layout() if two_jobs else role_layout(plan)
     # MPMD: heartbeats from now on (builds and compiles are long); the results channel keeps a few steps' values
     channel = HostChannel(layout, timeout_s=cfg.rollout.push_timeout, keep=4 + 2 * cfg.staleness()) \
         if layout.mpmd else None
@@ -255,7 +254,7 @@ def build(cfg: RunConfig) -> Job:
         state = nnx.state(abstract)
         pusher = JobPusher(plan, sampler, state, plan.param_shardings(ACTOR, state))
         rollout = JobRollout(cfg.rollout.address, pusher, learner.params_for_push, timeout_s=cfg.rollout.push_timeout,
-                             restart_timeout_s=cfg.rollout.restart_timeout)
+                             restart_timeout_s=cfg.rollout.restart_timeout, channel=channel)
     elif not layout.mpmd:
         if init != "random":
             sampler.set_weights(checkpoint_rollout_weights(sampler, init, config=shapes_cfg,

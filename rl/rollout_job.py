@@ -1,8 +1,9 @@
 """The two-job layout: the rollout as a JAX job of its own, which may die and come back while the actor keeps going.
 
-    # the actor job (one process for now: a multi-process actor job is refused) listens for its rollout:
+    # the actor job (one process, or N processes of one jax.distributed job: --coordinator --num-processes
+    # --process-id as the single-job layouts; every process gets the same --rollout-address) listens for its rollout:
     python launch/run.py --mesh actor:fsdp=2,expert=2/rollout:expert=2 --rollout-address 10.0.0.1:7100 ...
-    # the rollout job (its own process and devices, nothing shared with the actor; restart it after a death):
+    # the rollout job (one process, its own devices, nothing shared with the actor; restart it after a death):
     python launch/run.py --mesh actor:fsdp=2,expert=2/rollout:expert=2 --rollout-job --actor-address 10.0.0.1:7100 ...
 
 Both jobs take the run's flags (the rollout job reads the mesh's rollout section, the sampling and model knobs; it
@@ -11,7 +12,23 @@ writes no metrics, checkpoints or config file). `JobRollout` is the actor's side
 acknowledgements, heartbeats) travel over `sharding.job_link` (a `multiprocessing.connection` socket with an HMAC
 key); weights by `jax.experimental.transfer` (`parallel.job_push`: the actor stages the rollout's tiling, the rollout
 pulls). Ops, actor -> rollout, in order: {"op": "generate", "request"} -> "result/<tag>"; {"op": "pull", "uuid",
-"version", "address"} -> "ack/<uuid>"; {"op": "stop"}.
+"version", "addresses"} -> "ack/<uuid>"; {"op": "stop"}.
+
+An actor job of N processes (the seed layout: 16 devices on 2 nodes) runs one SPMD program on all of them, each
+process the same loop with the same batches (every process reads the one unsharded prompt stream, as the MPMD
+layout's actor processes do: `sharding.mpmd.actor_job_layout`). Only process 0 holds the link (it listens at
+--rollout-address, sends the requests and pull ops, receives results, acks and heartbeats); it shares each result
+(and the restart counters) with the other actor processes through the actor job's coordination key-value store
+(`sharding.mpmd.HostChannel`, "job/result/<tag>"), so every process feeds the same batch to the learner. Weights:
+every actor process serves its own shards of the staged tiling through its own transfer server
+(`parallel.job_push`, per-process servers: no host gathers the weights); their addresses are collected by process 0
+at start ("job/transfer/<p>") and travel with every pull op. Process 0 asks the others to offer a version under a
+pull's uuid through the store ("job/offer/<uuid>", answered by a thread on each of them once that version is staged
+there, acknowledged with "job/offered/<uuid>"), so a recovery re-offers the served version with no help from the
+loop, while the other processes wait for the result they need (their waits last while process 0's heartbeat moves).
+The rollout job stays one process (`rl.job.build_rollout_job`). The death of an actor process ends the actor job
+with one line naming it (`sharding.mpmd.lost_peer` / `PeerTimeoutError`, launch/run.py); process 0's exit closes the
+link, so the rollout job exits 1 with one line naming the actor.
 
 Recovery in place. When the rollout's connection closes (its process died) or its heartbeat is older than
 `--push-timeout`, the actor logs one line and waits up to `--rollout-restart-timeout` for a rollout job to register
@@ -38,12 +55,17 @@ import itertools
 import logging
 import os
 import socket
+import sys
 import threading
 import time
+
+import jax
 
 from parallel.job_push import JobPusher, WeightReceiver, tiling
 from rl.rollout_service import RolloutRequest, RolloutResult, RolloutService, run_request
 from sharding.job_link import JobListener, LinkLost, authkey, connect, local_host_towards, split_address
+from sharding.mpmd import HostChannel
+from sharding.rules import ACTOR
 
 log = logging.getLogger("dsv4rl")
 
@@ -66,25 +88,43 @@ class JobRollout(RolloutService):
       address: --rollout-address (HOST:PORT to listen on). pusher: the `parallel.job_push.JobPusher` (stand-in
       rollout mesh). params_fn: () -> the learner's current params. timeout_s: --push-timeout (heartbeat age that
       counts as dead). restart_timeout_s: --rollout-restart-timeout (waiting for a rollout to register).
-    Raises (from any call): RolloutJobError (module docstring).
+      channel: an actor job of several processes: its HostChannel (`sharding.mpmd.actor_job_layout`); None: one
+      process.
+    Raises (from any call): RolloutJobError (module docstring); PeerTimeoutError when an actor process stops answering.
     """
 
-    def __init__(self, address: str, pusher: JobPusher, params_fn, *, timeout_s: float, restart_timeout_s: float):
-        self.pusher, self.params_fn = pusher, params_fn
+    def __init__(self, address: str, pusher: JobPusher, params_fn, *, timeout_s: float, restart_timeout_s: float,
+                 channel: HostChannel | None = None):
+        self.pusher, self.params_fn, self.channel = pusher, params_fn, channel
         self.timeout_s, self.restart_timeout_s = float(timeout_s), float(restart_timeout_s)
-        self.host = split_address(address, "--rollout-address")[0]
-        self.listener = JobListener(address, authkey(self.host), hello={"tiling": pusher.tiling})
+        self.process, n = jax.process_index(), jax.process_count()
+        self.lead = self.process == 0  # holds the link
+        host = split_address(address, "--rollout-address")[0]
+        self.host = host if self.lead else local_host_towards(host)  # the transfer server's
         self.link = None
         self.rollout_name, self.last_line = "the rollout job", ""
         self._version = -1
         self._served = None  # parallel.job_push.Served: the staged copy of the version the rollout serves
+        self._staged = threading.Condition()  # notified when _served changes (the offer thread waits on it)
         self._pending: dict[str, RolloutRequest] = {}  # submitted, not yet collected (in submit order)
         self._uuid = itertools.count(1)
         self._lock = threading.RLock()
         self.restarts, self.recovery_s = 0, 0.0
         self._losses: collections.deque = collections.deque()
-        log.info("two-job layout: waiting up to %g s for a rollout job to register at %s (--rollout-restart-timeout)",
-                 self.restart_timeout_s, self.listener.address)
+        self._stop = threading.Event()
+        mine = pusher.start(self.host)
+        if channel is not None:
+            channel.publish(f"job/transfer/{self.process}", mine)
+        if not self.lead:
+            threading.Thread(target=self._offers, name="dsv4-job-offers", daemon=True).start()
+            return
+        self.addresses = [mine] if channel is None else [
+            channel.receive(f"job/transfer/{p}", ACTOR, f"actor process {p}'s transfer server address")
+            for p in range(n)]
+        self.listener = JobListener(address, authkey(host), hello={"tiling": pusher.tiling,
+                                                                   "holders": pusher.holders})
+        log.info("two-job layout: waiting up to %g s for a rollout job to register at %s (--rollout-restart-timeout; "
+                 "an actor job of %d process(es))", self.restart_timeout_s, self.listener.address, n)
         self._register(self.restart_timeout_s, first=True)
 
     # ---------------------------------------------------------------- registration and recovery
@@ -150,15 +190,47 @@ class JobRollout(RolloutService):
                     self._recover(e)
 
     def _pull(self, served) -> None:
-        """Let the rollout pull `served` (its own uuid) and wait for its acknowledgement (LinkLost if it dies)."""
+        """Process 0: every actor process offers its shards of `served` under a new uuid; the rollout pulls them and
+        acknowledges (LinkLost if it dies; PeerTimeoutError if an actor process stops answering)."""
         uuid = next(self._uuid)
-        address = self.pusher.offer(served, uuid, self.host)
-        self.link.send("cmd", {"op": "pull", "uuid": uuid, "version": served.version, "address": address})
+        if self.channel is not None:  # the other processes' offer threads (`_offers`)
+            self.channel.post(f"job/offer/{uuid}", str(served.version))
+        self.pusher.offer(served, uuid)
+        if self.channel is not None:
+            self.channel.ack(f"job/offered/{uuid}")
+            self.channel.wait_acks(f"job/offered/{uuid}", ACTOR, f"the actor processes' offer of weight version "
+                                                                 f"{served.version}")
+        self.link.send("cmd", {"op": "pull", "uuid": uuid, "version": served.version, "addresses": self.addresses})
         self.link.get(f"ack/{uuid}", f"weight version {served.version}")
+
+    def _offers(self) -> None:
+        """Processes other than 0: offer this process's shards under each uuid process 0 announces, once the
+        announced version is staged here, and confirm (`_pull`). Runs until `close`."""
+        try:
+            for uuid in itertools.count(1):
+                while (version := self.channel.peek(f"job/offer/{uuid}")) is None:
+                    if self._stop.wait(0.05):
+                        return
+                with self._staged:
+                    while self._served is None or self._served.version != int(version):
+                        if self._stop.is_set():
+                            return
+                        self._staged.wait(0.5)
+                    served = self._served
+                self.pusher.offer(served, uuid)
+                self.channel.ack(f"job/offered/{uuid}")
+        except Exception as e:  # noqa: BLE001 - process 0 would wait for this offer forever: end this process
+            if self._stop.is_set():
+                return  # shutting down
+            print(f"error: actor process {self.process} could not offer its weight shards: {type(e).__name__}: "
+                  f"{str(e).splitlines()[0][:200] if str(e) else ''}", file=sys.stderr, flush=True)
+            os._exit(1)
 
     # ---------------------------------------------------------------- the contract
 
     def submit(self, request: RolloutRequest) -> str:
+        if not self.lead:
+            return request.tag  # process 0 sends it; this process reads its result (`collect`)
         with self._lock:
             self._pending[request.tag] = request
             try:
@@ -168,8 +240,15 @@ class JobRollout(RolloutService):
         return request.tag
 
     def collect(self, handle: str) -> RolloutResult:
+        if not self.lead:  # process 0's copy, with its counters: every process feeds the same batch
+            pk = self.channel.receive(f"job/result/{handle}", ACTOR, f"the rollout results of {handle} (from actor "
+                                                                     "process 0)")
+            self.restarts, self.recovery_s = pk["stats"]
+            return pk["result"]
         res = self._retry(lambda: self.link.get(f"result/{handle}", f"the rollout results of {handle}"))
         self._pending.pop(handle, None)
+        if self.channel is not None:
+            self.channel.publish(f"job/result/{handle}", {"result": res, "stats": (self.restarts, self.recovery_s)})
         return res
 
     @property
@@ -179,7 +258,13 @@ class JobRollout(RolloutService):
     def load_weights(self, version: int) -> dict:
         t0 = time.perf_counter()
         served = self.pusher.stage(self.params_fn(), int(version))
-        self._served = served  # from now on a restarted rollout gets this one (the old copy is dropped)
+        with self._staged:
+            self._served = served  # from now on a restarted rollout gets this one (the old copy is dropped)
+            self._staged.notify_all()
+        if not self.lead:  # this process's shards are offered by `_offers` when process 0 asks
+            self._version = int(version)
+            dt = time.perf_counter() - t0
+            return {"perf/weight_push_s": dt, "perf/weight_push_gbps": served.nbytes / dt / 1e9}
         with self._lock:
             try:
                 self._pull(served)
@@ -193,12 +278,23 @@ class JobRollout(RolloutService):
         return {"rollout/restarts": float(self.restarts), "rollout/recovery_s": float(self.recovery_s)}
 
     def health(self) -> str | None:
+        if not self.lead:
+            return None
         link = self.link
         return None if link is not None and not link.closed else f"{self.rollout_name} is not connected"
 
     def close(self) -> None:
+        if not self.lead:  # serve offers (process 0's last push, a recovery) until process 0 is done with the rollout;
+            try:  # not when this process is failing (called from the loop's `finally`): its error goes first
+                if sys.exc_info()[0] is None:
+                    self.channel.receive("job/closed", ACTOR, "actor process 0's end of the run")
+            finally:
+                self._stop.set()
+            return
+        self._stop.set()
+        failing = sys.exc_info()[0] is not None  # (the loop's `finally`) the rollout sees the link close: exits 1
         try:
-            if self.link is not None:
+            if self.link is not None and not failing:
                 self.link.send("cmd", {"op": "stop"})
                 self.link.get("bye", "the rollout's goodbye", timeout_s=30)
         except (LinkLost, TimeoutError):
@@ -207,6 +303,8 @@ class JobRollout(RolloutService):
             if self.link is not None:
                 self.link.close()
             self.listener.close()
+            if self.channel is not None:
+                self.channel.publish("job/closed", True)
 
 
 class _LastLine(logging.Handler):
@@ -263,7 +361,7 @@ class RolloutJobServer:
                     self.generate_calls += 1
                     link.send(f"result/{req.tag}", run_request(self.sampler, req))
                 elif op == "pull":
-                    m = self.receiver.pull(cmd["address"], cmd["uuid"], cmd["version"])
+                    m = self.receiver.pull(cmd["addresses"], link.hello["holders"], cmd["uuid"], cmd["version"])
                     log.info("weight version %d pulled in %.2f s", cmd["version"], m["perf/weight_push_s"])
                     link.send(f"ack/{cmd['uuid']}")
                 elif op == "stop":

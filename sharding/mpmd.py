@@ -184,6 +184,16 @@ def role_layout(plan, process_index: int | None = None, process_count: int | Non
     return RoleLayout(process=pid, actor_processes=tuple(a), rollout_processes=tuple(r), mpmd=True)
 
 
+def actor_job_layout(process_index: int | None = None, process_count: int | None = None) -> RoleLayout:
+    """The RoleLayout of the actor job of the two-job layout (rl/rollout_job.py): every process of this job is an
+    actor (the rollout is a job of its own). With several processes it is `mpmd` as an MPMD run's actor side is:
+    every process reads the one unsharded prompt stream, a HostChannel carries process 0's rollout results to the
+    others, and a dead process is named (`lost_peer`, `HostChannel._at_exit`)."""
+    pid = jax.process_index() if process_index is None else process_index
+    count = jax.process_count() if process_count is None else process_count
+    return RoleLayout(process=pid, actor_processes=tuple(range(count)), rollout_processes=(), mpmd=count > 1)
+
+
 # ------------------------------------------------------------------------------------------ transfer options
 
 
@@ -359,6 +369,14 @@ class HostChannel:
         client = _client()
         parts = [client.key_value_try_get_bytes(f"{self.prefix}/{tag}/{i}") for i in range(n)]
         return pickle.loads(b"".join(parts))
+
+    def post(self, tag: str, text: str) -> None:
+        """Set a small string value under `tag` (kept: for flags and counters read with `peek`)."""
+        _client().key_value_set(f"{self.prefix}/{tag}", str(text), allow_overwrite=True)
+
+    def peek(self, tag: str) -> str | None:
+        """The value `post`ed under `tag`, None when there is none (yet); does not wait."""
+        return _try_get(_client(), f"{self.prefix}/{tag}")
 
     def ack(self, tag: str) -> None:
         """This process confirms `tag` (e.g. a received push chunk); see `wait_acks`."""

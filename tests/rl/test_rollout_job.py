@@ -22,12 +22,16 @@ TILING = [("embed.weight", (8, 4), "float8_e4m3fn", (("data", 1),), "P()")]
 
 class _FakePusher:
     tiling = TILING
+    holders = [[0]]
+
+    def start(self, host):
+        return "127.0.0.1:1"
 
     def stage(self, params, version):
         return SimpleNamespace(version=version, nbytes=32)
 
-    def offer(self, served, uuid, host):
-        return "127.0.0.1:1"
+    def offer(self, served, uuid):
+        pass
 
 
 def _fake_rollout(address: str, pid: int, die_on_generate: bool) -> None:

@@ -11,7 +11,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from sharding.mesh import MeshSpecError, build_mesh_plan
 from parallel.mpmd_push import plan_transfer
 from sharding.distributed import heartbeat_timeout
-from sharding.mpmd import RoleLayout, lost_peer, role_layout, transfer_socket_address
+from sharding.mpmd import RoleLayout, actor_job_layout, lost_peer, role_layout, transfer_socket_address
 
 
 def _two_per_process(d):
@@ -28,6 +28,15 @@ def test_role_layout_whole_processes():
     colo = role_layout(build_mesh_plan("actor:fsdp=2", devices=jax.devices()[:2]), process_index=0,
                        process_count=2, process_of=lambda d: d.id)
     assert not colo.mpmd
+
+
+def test_actor_job_layout_every_process_an_actor():
+    """The two-job layout's actor job (rl/rollout_job.py): all its processes are actors; several -> the MPMD actor
+    side's treatment (one prompt stream, results over the channel, a dead process named), process 0 the writer."""
+    lay = actor_job_layout(process_index=1, process_count=2)
+    assert lay.mpmd and lay.actor_processes == (0, 1) and lay.rollout_processes == ()
+    assert lay.is_actor and not lay.is_rollout and lay.role == "actor" and lay.writer == 0
+    assert not actor_job_layout(process_index=0, process_count=1).mpmd
 
 
 @pytest.mark.parametrize("spec, message", [
