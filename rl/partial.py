@@ -7,10 +7,12 @@ For batch m, with the weights the schedule serves then (P(max(0, m - K)), versio
     start new groups (oldest drawn first; an iterator batch is drawn when none is left) so that
         new = P - finished + unfinished   (the batch's deficit, plus a margin as large as what is in flight),
         at most as many as fit beside the unfinished rows in pow2(P x G) rows (the plain run's row bucket);
-    run one segment: every unfinished sample generates up to `segment` more tokens (its last allowed version,
-        v - first version >= K: all it has left), from prompt + its tokens so far; the request is padded to
-        pow2(P x G) rows (one compiled program per prompt bucket; padding rows draw one token, discarded);
-    while fewer than P groups are finished: start the deficit and run another segment (same version);
+    run one segment over the unfinished and the new groups: each unfinished sample generates up to `segment`
+        more tokens (in its last allowed version, v - first version >= K: all it has left), from prompt + its
+        tokens so far; the request is padded to pow2(P x G) rows (one compiled program per prompt bucket;
+        padding rows draw one token, discarded);
+    if fewer than P groups are finished: start the deficit and run it to its end (one more segment, same
+        version, only those groups: short ones end it early; then P groups are finished);
     batch m = the first P finished groups in pool order (drawn order); the rest stay in the pool.
 
 P = `--prompts-per-step`, G = `--group-size`, segment = `--rollout.partial_segment` (0: ceil(max_new_tokens /
@@ -125,26 +127,27 @@ class PartialPool:
                                      done=np.zeros((g,), bool), stopped=np.zeros((g,), bool)))
         self.draws += 1
 
-    def _start(self, n: int, version: int) -> int:
-        """Start the first `n` not-started groups (drawing iterator batches as needed); returns how many."""
-        started = 0
-        while started < n:
+    def _finished(self) -> int:
+        return sum(gr.finished for gr in self.groups if gr.started)
+
+    def _start(self, n: int, version: int) -> list[Group]:
+        """Start the first `n` not-started groups in drawn order (drawing iterator batches as needed)."""
+        out: list[Group] = []
+        while len(out) < n:
             fresh = [gr for gr in self.groups if not gr.started]
             if not fresh:
                 self._draw()
                 continue
             fresh[0].first_version = version
-            started += 1
-        return started
+            out.append(fresh[0])
+        return out
 
-    def _segment(self, version: int, stats: dict) -> None:
-        """One segment: every unfinished sample of the started groups generates up to `segment` more tokens
-        (all it has left in its last allowed version), re-prefilled from prompt + its tokens so far."""
+    def _segment(self, version: int, stats: dict, groups: list[Group], whole: bool = False) -> None:
+        """One segment over `groups`: each unfinished sample generates up to `segment` more tokens (all it has
+        left when `whole` or in its last allowed version), re-prefilled from prompt + its tokens so far."""
         rows, prompts, budget, offset, pidx, sidx = [], [], [], [], [], []
-        for gr in self.groups:
-            if not gr.started or gr.finished:
-                continue
-            last = version - gr.first_version >= self.k
+        for gr in groups:
+            last = whole or version - gr.first_version >= self.k
             for j in np.flatnonzero(~gr.done):
                 n = int(gr.lengths[j])
                 left = gr.cap - n
@@ -194,22 +197,19 @@ class PartialPool:
         """Batch `m` (module docstring) -> the RolloutRecord the pipeline queues (rewards scored here)."""
         version = self.job.rollout.weight_version
         stats = {"segments": 0, "rows": 0, "continued_rows": 0, "prefill_tokens": 0, "rollout_s": 0.0, "tokens": 0,
-                 "started": 0, "extra": {}}
+                 "started": 0, "fallback": 0, "extra": {}}
         t0 = time.perf_counter()
-        first = True
-        while True:
-            fin = sum(gr.finished for gr in self.groups if gr.started)
-            unfinished = [gr for gr in self.groups if gr.started and not gr.finished]
-            if fin >= self.p and not unfinished:
-                break
-            want = self.p - fin + (len(unfinished) if first else 0)
-            busy = sum(int((~gr.done).sum()) for gr in unfinished)
-            room = (self.row_cap - busy) // self.g  # >= P when nothing is in flight: the loop always progresses
-            stats["started"] += self._start(max(0, min(want, room)), version)
-            self._segment(version, stats)
-            first = False
-            if sum(gr.finished for gr in self.groups if gr.started) >= self.p:
-                break
+        unfinished = [gr for gr in self.groups if gr.started and not gr.finished]
+        want = self.p - self._finished() + len(unfinished)
+        busy = sum(int((~gr.done).sum()) for gr in unfinished)
+        new = self._start(max(0, min(want, (self.row_cap - busy) // self.g)), version)
+        self._segment(version, stats, unfinished + new)
+        stats["started"] = len(new)
+        if self._finished() < self.p:  # the deficit: fresh groups run to their end (always enough after it)
+            new = self._start(self.p - self._finished(), version)
+            self._segment(version, stats, new, whole=True)
+            stats["started"] += len(new)
+            stats["fallback"] = 1
         take = [gr for gr in self.groups if gr.started and gr.finished][: self.p]
         ids = {id(gr) for gr in take}
         self.groups = [gr for gr in self.groups if id(gr) not in ids]
@@ -225,6 +225,7 @@ class PartialPool:
                         stats["tokens"] / max(stats["rollout_s"], 1e-9), "perf/partial_produce_s": dt,
                         "rollout/partial/segments": float(stats["segments"]),
                         "rollout/partial/started_groups": float(stats["started"]),
+                        "rollout/partial/deficit_segment": float(stats["fallback"]),
                         "rollout/partial/rows": float(stats["rows"]),
                         "rollout/partial/continued_rows": float(stats["continued_rows"]),
                         "rollout/partial/prefill_tokens": float(stats["prefill_tokens"]),

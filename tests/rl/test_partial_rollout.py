@@ -40,7 +40,7 @@ def parts():
 
     cfg = RunConfig(steps=STEPS, prompts_per_step=4, group_size=2, max_new_tokens=8, eval_every=0, ckpt_dir=None,
                     metrics_jsonl=None, tensorboard_dir=None, progress=False, max_staleness=1, partial_rollout=True,
-                    **{"rollout.length_schedule": "0.25:2"})
+                    **{"rollout.length_schedule": "0.25:3"})
     tok, task, train, *_ = _data(cfg)
     mc = DSV4Config.tiny(num_hidden_layers=2, compress_ratios=(4, 8), num_nextn_predict_layers=0,
                          vocab_size=tok.vocab_size)
@@ -139,20 +139,19 @@ def test_continued_sample_draws_with_the_uninterrupted_keys(parts):
     from rl.sampler import SamplingParams
 
     cfg, learner, init, sampler, task, tok, train = parts
-    prompts = [train[i]["prompt_ids"][: train[i]["prompt_len"]].tolist() for i in range(2)]
+    prompts = [train[i]["prompt_ids"][: train[i]["prompt_len"]].tolist() for i in range(8)]  # the loop's bucket
     sp = SamplingParams(temperature=1.0, max_new_tokens=8)
-    whole = sampler.generate(prompts, sp, seed=3, step=5, prompt_index=[0, 1], sample_index=[1, 0])
-    head = sampler.generate(prompts, sp, seed=3, step=5, prompt_index=[0, 1], sample_index=[1, 0],
-                            max_new_tokens_per_row=[3, 3])
-    tail = sampler.generate([p + head.tokens[i, :3].tolist() for i, p in enumerate(prompts)], sp, seed=3, step=5,
-                            prompt_index=[0, 1], sample_index=[1, 0], max_new_tokens_per_row=[5, 5],
-                            token_offset=[3, 3])
+    ids = {"seed": 3, "step": 5, "prompt_index": list(range(8)), "sample_index": [1, 0] * 4}
+    whole = sampler.generate(prompts, sp, **ids)
+    head = sampler.generate(prompts, sp, **ids, max_new_tokens_per_row=[3] * 8)
+    tail = sampler.generate([p + head.tokens[i, :3].tolist() for i, p in enumerate(prompts)], sp, **ids,
+                            max_new_tokens_per_row=[5] * 8, token_offset=[3] * 8)
     joined = np.concatenate([head.tokens[:, :3], tail.tokens[:, :5]], axis=1)
     np.testing.assert_array_equal(joined, whole.tokens)
     np.testing.assert_allclose(np.concatenate([head.logprobs[:, :3], tail.logprobs[:, :5]], axis=1),
                                whole.logprobs, atol=1e-4)
     with pytest.raises(ValueError, match="token_offset"):
-        sampler.generate(prompts, sp, seed=3, token_offset=[-1, 0])
+        sampler.generate(prompts, sp, seed=3, token_offset=[-1] * 8)
 
 
 def _chains(calls):
