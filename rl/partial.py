@@ -11,8 +11,10 @@ For batch m, with the weights the schedule serves then (P(max(0, m - K)), versio
         more tokens (in its last allowed version, v - first version >= K: all it has left), from prompt + its
         tokens so far; the request is padded to pow2(P x G) rows (one compiled program per prompt bucket;
         padding rows draw one token, discarded);
-    if fewer than P groups are finished: start the deficit and run it to its end (one more segment, same
-        version, only those groups: short ones end it early; then P groups are finished);
+    while fewer than P groups are finished: start the deficit and run a segment (same version) over the groups
+        started for the deficit so far (not the others: a short deficit ends early; a long one picked there
+        stays in flight; every round advances them, so the loop ends within ceil(max_new_tokens / segment)
+        rounds);
     batch m = the first P finished groups in pool order (drawn order); the rest stay in the pool.
 
 P = `--prompts-per-step`, G = `--group-size`, segment = `--rollout.partial_segment` (0: ceil(max_new_tokens /
@@ -142,12 +144,12 @@ class PartialPool:
             out.append(fresh[0])
         return out
 
-    def _segment(self, version: int, stats: dict, groups: list[Group], whole: bool = False) -> None:
+    def _segment(self, version: int, stats: dict, groups: list[Group]) -> None:
         """One segment over `groups`: each unfinished sample generates up to `segment` more tokens (all it has
-        left when `whole` or in its last allowed version), re-prefilled from prompt + its tokens so far."""
+        left in its last allowed version), re-prefilled from prompt + its tokens so far."""
         rows, prompts, budget, offset, pidx, sidx = [], [], [], [], [], []
         for gr in groups:
-            last = whole or version - gr.first_version >= self.k
+            last = version - gr.first_version >= self.k
             for j in np.flatnonzero(~gr.done):
                 n = int(gr.lengths[j])
                 left = gr.cap - n
@@ -205,11 +207,13 @@ class PartialPool:
         new = self._start(max(0, min(want, (self.row_cap - busy) // self.g)), version)
         self._segment(version, stats, unfinished + new)
         stats["started"] = len(new)
-        if self._finished() < self.p:  # the deficit: fresh groups run to their end (always enough after it)
-            new = self._start(self.p - self._finished(), version)
-            self._segment(version, stats, new, whole=True)
+        extra: list[Group] = []  # groups started for the deficit, continued in each further round
+        while self._finished() < self.p:
+            new = self._start(min(self.p - self._finished(), self.row_cap // self.g - len(extra)), version)
+            extra = [gr for gr in extra if not gr.finished] + new
+            self._segment(version, stats, extra)
             stats["started"] += len(new)
-            stats["fallback"] = 1
+            stats["fallback"] += 1
         take = [gr for gr in self.groups if gr.started and gr.finished][: self.p]
         ids = {id(gr) for gr in take}
         self.groups = [gr for gr in self.groups if id(gr) not in ids]
@@ -225,7 +229,7 @@ class PartialPool:
                         stats["tokens"] / max(stats["rollout_s"], 1e-9), "perf/partial_produce_s": dt,
                         "rollout/partial/segments": float(stats["segments"]),
                         "rollout/partial/started_groups": float(stats["started"]),
-                        "rollout/partial/deficit_segment": float(stats["fallback"]),
+                        "rollout/partial/deficit_segments": float(stats["fallback"]),
                         "rollout/partial/rows": float(stats["rows"]),
                         "rollout/partial/continued_rows": float(stats["continued_rows"]),
                         "rollout/partial/prefill_tokens": float(stats["prefill_tokens"]),
