@@ -4,6 +4,8 @@
     .venv/bin/python benchmarks/async_overlap.py --steps 80     # + the learning criterion over the default length
     .venv/bin/python benchmarks/async_overlap.py --mpmd         # 2 processes: actor = process 0, rollout = process 1
     .venv/bin/python benchmarks/async_overlap.py --mpmd --steps 80   # the full measurement (~14 min quiet)
+    .venv/bin/python benchmarks/async_overlap.py --partial-rollout --seeds 1 -- --prompts-per-step 4 --group-size 2
+                                                                # + partial rollouts on a long tail (issue 23)
 
 Each mode runs `launch/run.py` as a real job twice (the default task and model; `--async-rollout` the second
 time; no eval, no checkpoints), both sharing one JAX compilation cache, and reads the per-step metrics:
@@ -29,9 +31,20 @@ own, and the pool already has one core). The async side is the one loop's pipeli
 `rl.rollout_mpmd.ProcessRollout` (the rollout process generates batch n + 1 while the actor process trains on
 batch n).
 
+Partial rollouts (`--partial-rollout`, issue 23 point 4): every run gets a length spread where a long tail holds the
+synchronous step, `--max-new-tokens --tail-max-new-tokens` (64) with `--rollout.length_schedule --tail-schedule`
+(0.1:8: 90% of the prompts' responses capped at 8 tokens, 10% at 64, i.e. 8x longer; rl/config.py), and a third
+timed run, `--async-rollout --partial-rollout` (rl/partial.py: segments of ceil(64 / 2) = 32 decode steps, a batch
+from the groups that finished, the long ones continued after the push). partial_speedup = the one-step-off
+(async) run's mean step time / the partial run's, over the steps after the warm-up, compile steps (> 4x the median)
+left out (`steady_mean`): a tail holds some steps, so the median would hide it; partial_speedup_median is the ratio
+of the medians; partial_first10 / partial_last10 the partial run's reward curve.
+
 Last line: `RESULT sync_step_s=.. async_step_s=.. speedup=.. overlap_frac=.. async_first10=.. async_last10=..
-async_learns=0|1 async_learned=k/N` (target in the --mpmd layout: speedup >= 1.3 and async_learns=1 at 80 steps). Timings are
-wall-clock on whatever else the machine runs: note the load next to them.
+async_learns=0|1 async_learned=k/N` (target in the --mpmd layout: speedup >= 1.3 and async_learns=1 at 80 steps),
+with `--partial-rollout` also `partial_step_s=.. partial_speedup=.. partial_speedup_median=.. partial_first10=..
+partial_last10=..` (target:
+partial_speedup >= 1.2). Timings are wall-clock on whatever else the machine runs: note the load next to them.
 """
 
 from __future__ import annotations
@@ -114,6 +127,16 @@ def run_job(extra: list[str], out: pathlib.Path, cache: str, mpmd: bool, timeout
     return [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()]
 
 
+def steady_mean(rows: list[dict], warmup: int) -> tuple[float, int]:
+    """(mean `perf/step_s` over the steps after `warmup`, steps left out): a step slower than 4x the median is
+    left out as a compile (a new learner width or prompt bucket costs tens of seconds here, at any step). The mean,
+    not the median: a long tail holds some steps, not the typical one."""
+    body = rows[warmup:] or rows
+    med = statistics.median(r["perf/step_s"] for r in body)
+    kept = [r["perf/step_s"] for r in body if r["perf/step_s"] <= 4 * med]
+    return sum(kept) / len(kept), len(body) - len(kept)
+
+
 def summarize(rows: list[dict], warmup: int) -> dict:
     body = rows[warmup:] or rows
     n = max(1, len(rows) // 10)
@@ -140,6 +163,11 @@ def main(argv=None) -> int:
                                                          "majority decides async_learns)")
     p.add_argument("--timeout", type=float, default=3600, help="seconds per job")
     p.add_argument("--out", default=None, help="directory of the jobs' logs and metrics (default: a temp dir)")
+    p.add_argument("--partial-rollout", action="store_true", help="a long-tail length spread for every run and a "
+                                                                    "third run with --partial-rollout")
+    p.add_argument("--tail-max-new-tokens", type=int, default=64, help="with --partial-rollout: --max-new-tokens")
+    p.add_argument("--tail-schedule", default="0.1:8", help="with --partial-rollout: --rollout.length_schedule "
+                                                             "(FRAC:SHORT)")
     p.add_argument("extra", nargs="*", help="more launch/run.py flags for both runs (after --)")
     args = p.parse_args(argv)
     out = pathlib.Path(args.out or tempfile.mkdtemp(prefix="async_overlap_"))
@@ -147,18 +175,33 @@ def main(argv=None) -> int:
     layout = "mpmd (2 processes, 1 core each, XLA single-threaded)" if args.mpmd else "one process, 2 host devices"
     print(f"layout: {layout}; {args.steps} steps each; load average {os.getloadavg()[0]:.1f} on "
           f"{os.cpu_count()} cores; logs in {out}", flush=True)
-    base = ["--steps", str(args.steps), *args.extra]
+    if args.partial_rollout and args.mpmd:
+        print("--partial-rollout runs with the rollout in the actor's process (rl/job.py): drop --mpmd")
+        return 2
+    tail = (["--max-new-tokens", str(args.tail_max_new_tokens), "--rollout.length_schedule", args.tail_schedule]
+            if args.partial_rollout else [])
+    base = ["--steps", str(args.steps), *tail, *args.extra]
     res = {}
-    for name, flags in (("sync", []), ("async", ["--async-rollout"])):
+    runs = [("sync", []), ("async", ["--async-rollout"])]
+    if args.partial_rollout:
+        runs.append(("partial", ["--async-rollout", "--partial-rollout"]))
+    for name, flags in runs:
         t0 = time.perf_counter()
         try:
             rows = run_job([*base, *flags], out / name, cache, args.mpmd, args.timeout)
         except RuntimeError as e:
             print(f"{name}: FAILED: {e}", flush=True)
             print(f"RESULT sync_step_s=nan async_step_s=nan speedup=nan overlap_frac=nan async_first10=nan "
-                  f"async_last10=nan async_learns=0 failed={name}")
+                  f"async_last10=nan async_learns=0"
+                  f"{' partial_step_s=nan partial_speedup=nan' if args.partial_rollout else ''} failed={name}")
             return 1
         res[name] = summarize(rows, args.warmup)
+        res[name]["step_s_mean"], res[name]["compile_steps"] = steady_mean(rows, args.warmup)
+        if name == "partial":
+            body = rows[args.warmup:] or rows
+            for k in ("rollout/partial/segments", "rollout/partial/deficit_segments", "rollout/token_staleness_mean"):
+                res[name][k.split("/")[-1]] = statistics.mean(r[k] for r in body)
+            res[name]["token_staleness_max"] = max(r["rollout/token_staleness_max"] for r in rows)
         print(f"{name}: {json.dumps({k: round(v, 4) for k, v in res[name].items()})} "
               f"(wall {time.perf_counter() - t0:.0f} s incl. start-up and compiles)", flush=True)
     s, a = res["sync"], res["async"]
@@ -181,10 +224,16 @@ def main(argv=None) -> int:
     print(f"ideal speedup (rollout + update) / max = {ideal:.2f}; async learning, last 10% per seed: "
           f"{', '.join(f'{x:.3f}' for _, x in curves)} ({sum(learned)} of {len(learned)} meet the default "
           f"criterion); load average now {os.getloadavg()[0]:.1f}")
+    partial = ""
+    if "partial" in res:
+        pr = res["partial"]
+        partial = (f" partial_step_s={pr['step_s_mean']:.4f} partial_speedup={a['step_s_mean'] / pr['step_s_mean']:.3f}"
+                   f" partial_speedup_median={a['step_s'] / pr['step_s']:.3f} partial_first10={pr['first10']:.4f}"
+                   f" partial_last10={pr['last10']:.4f}")
     print(f"RESULT sync_step_s={s['step_s']:.4f} async_step_s={a['step_s']:.4f} "
           f"speedup={s['step_s'] / a['step_s']:.3f} overlap_frac={a.get('overlap_frac', float('nan')):.3f} "
           f"async_first10={first10:.4f} async_last10={last10:.4f} async_learns={int(crit)} "
-          f"async_learned={sum(learned)}/{len(learned)}")
+          f"async_learned={sum(learned)}/{len(learned)}{partial}")
     return 0
 
 

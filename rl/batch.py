@@ -34,7 +34,11 @@ class RolloutBatch:
     routing [N, P+T, L, k] int32 expert ids for the layout of `sequences()`: the prompt left-padded to P (the
       prompt bucket) then the response; -1 at padding.
     lengths [N] int32 generated tokens (a stop token, when hit, is included); finish_reasons: "stop" | "length".
-    prompt_tokens [N, P] int32 left-padded prompts; prompt_lengths [N]; weight_version: the weights used.
+    prompt_tokens [N, P] int32 left-padded prompts; prompt_lengths [N]; weight_version: the weights used (with
+      partial rollouts: the newest of them).
+    token_versions [N, T] int32 or None: the weight version each response token was sampled with (-1 after
+      `lengths`); None = every token `weight_version` (one generation). Partial rollouts (rl/partial.py) set it:
+      a sample continued across weight updates holds tokens of several versions. `versions_per_token()` reads both.
     """
 
     tokens: np.ndarray
@@ -45,6 +49,14 @@ class RolloutBatch:
     prompt_tokens: np.ndarray
     prompt_lengths: np.ndarray
     weight_version: int = 0
+    token_versions: np.ndarray | None = None
+
+    def versions_per_token(self) -> np.ndarray:
+        """[N, T] int32: the weight version of each response token, -1 after `lengths` (module docstring)."""
+        if self.token_versions is not None:
+            return np.asarray(self.token_versions, np.int32)
+        t = self.tokens.shape[1]
+        return np.where(np.arange(t)[None] < self.lengths[:, None], self.weight_version, -1).astype(np.int32)
 
     def sequences(self):
         """The learner's layout: (input_ids [N, P+T], attention_mask [N, P+T], response_mask [N, P+T],
@@ -72,6 +84,8 @@ def concat_rollouts(parts: Sequence[tuple[RolloutBatch, np.ndarray]]) -> Rollout
     """
     if not parts:
         raise ValueError("concat_rollouts needs at least one part")
+    if any(b.token_versions is not None for b, _ in parts):
+        raise ValueError("concat_rollouts: parts with per-token versions (partial rollouts) are not concatenated")
     versions = {b.weight_version for b, _ in parts}
     if len(versions) != 1:
         raise ValueError(f"concat_rollouts: parts come from different weight versions {sorted(versions)}")

@@ -175,6 +175,17 @@ class RolloutConfig:
                                  "the actor trains, with weights at most K versions old (needs --correction tis|mis); "
                                  "0 = synchronous")
     async_rollout: bool = knob(False, "one-step-off asynchronous rollout: shorthand for --max-staleness 1")
+    partial_rollout: bool = knob(False, "partial rollouts (rl/partial.py; needs --max-staleness K >= 1): generations "
+                                        "run in segments of --rollout.partial_segment decode steps; a step's batch is "
+                                        "the first groups that finished, the others continue after the next push "
+                                        "under the new weights (re-prefilled from their tokens), every token "
+                                        "recording its version; a sample spans at most K + 1 versions")
+    partial_segment: int = knob(0, "with --partial-rollout: decode steps per segment (0 = ceil(max_new_tokens / "
+                                   "(K + 1)), so no sample is cut short by the K + 1 version limit)")
+    length_schedule: str | None = knob(None, "synthetic response lengths (benchmarks): FRAC:SHORT caps every "
+                                             "response at SHORT new tokens except for a FRAC share of the prompts "
+                                             "(evenly spread over the data index), which keep --max-new-tokens; "
+                                             "e.g. 0.1:4; none = off")
     exact: bool = knob(False, "exact mode (rl/exact.py): training samples are drawn from the learner's own forward "
                               "in a batch-invariant layout (a full forward per token), so "
                               "train/train_rollout_logprob_abs_diff is 0 (needs --max-staleness 0; with an FP8 "
@@ -192,6 +203,29 @@ class RolloutConfig:
     restart_timeout: float = knob(1800.0, "the two-job layout: seconds the actor waits for a rollout job to "
                                           "register (at start, and after its rollout died) before exiting with an "
                                           "error naming it")
+
+    def length_split(self) -> tuple[float, int]:
+        """(long share, short cap) of `length_schedule` 'FRAC:SHORT'; ValueError naming the flag when malformed."""
+        frac, _, short = str(self.length_schedule).partition(":")
+        try:
+            f, n = float(frac), int(short)
+        except ValueError:
+            f, n = -1.0, 0
+        if not (0 <= f <= 1 and 1 <= n <= self.max_new_tokens):
+            raise ValueError(f"rollout.length_schedule (--rollout.length_schedule) must be FRAC:SHORT with FRAC in "
+                             f"[0, 1] and SHORT in 1..--max-new-tokens ({self.max_new_tokens}), got "
+                             f"{self.length_schedule!r}")
+        return f, n
+
+    def length_caps(self, data_index) -> list[int] | None:
+        """Per-prompt response length limits [n] of `length_schedule` for prompts of data indices `data_index`
+        [n] (a function of the index alone: the same prompt gets the same limit in every schedule); None when
+        unset. Prompt i is long (keeps max_new_tokens) iff floor((i + 1) FRAC) > floor(i FRAC)."""
+        if self.length_schedule is None:
+            return None
+        f, short = self.length_split()
+        return [self.max_new_tokens if math.floor((int(i) + 1) * f) > math.floor(int(i) * f) else short
+                for i in data_index]
 
     def __post_init__(self):
         _choices("rollout", self)
@@ -227,6 +261,9 @@ class RolloutConfig:
             raise ValueError(f"rollout.max_staleness (--max-staleness) must be an int >= 0, "
                              f"got {self.max_staleness!r}")
         _min("rollout", self, ("prompts_per_step", "max_new_tokens"), 1)
+        _min("rollout", self, ("partial_segment",), 0)
+        if self.length_schedule is not None:
+            self.length_split()
         if isinstance(self.draft_tokens, bool) or not isinstance(self.draft_tokens, int) or not 1 <= self.draft_tokens <= 3:
             raise ValueError(f"rollout.draft_tokens (--rollout.draft_tokens) must be an int in 1..3, "
                              f"got {self.draft_tokens!r}")
@@ -352,7 +389,8 @@ FLAT = {
     "ep_capacity_factor": "learner.ep_capacity_factor",
     "rollout_slots": "rollout.slots", "max_staleness": "rollout.max_staleness",
     "prefill_chunk": "rollout.prefill_chunk",
-    "async_rollout": "rollout.async_rollout", "push_timeout": "rollout.push_timeout",
+    "async_rollout": "rollout.async_rollout", "partial_rollout": "rollout.partial_rollout",
+    "push_timeout": "rollout.push_timeout",
     "rollout_address": "rollout.address", "rollout_job": "rollout.job", "actor_address": "rollout.actor_address",
     "rollout_restart_timeout": "rollout.restart_timeout",
     "exact_rollout": "rollout.exact",
@@ -479,6 +517,18 @@ class RunConfig:
         if self.learner.fp8_forward and self.rollout.dtype in ("bf16", "fp32"):
             raise ValueError(f"RunConfig: --learner.fp8_forward reproduces an FP8 rollout, but --rollout-dtype is "
                              f"{self.rollout.dtype}: use an fp8 --rollout-dtype or drop --learner.fp8_forward")
+        r = self.rollout
+        if r.partial_rollout and self.staleness() == 0:
+            raise ValueError("RunConfig: --partial-rollout continues generations across weight updates and needs "
+                             "--max-staleness K >= 1 (or --async-rollout)")
+        if r.partial_rollout and self.advantage.dynamic_sampling:
+            raise ValueError(f"RunConfig: --partial-rollout forms a batch from the groups that finished; DAPO's "
+                             f"dynamic sampling (--algo {self.algo}) is not combined with it")
+        if r.exact and r.length_schedule is not None:
+            raise ValueError("RunConfig: --exact-rollout draws every row up to --max-new-tokens; "
+                             "--rollout.length_schedule is not combined with it")
+        if r.partial_rollout and r.speculative != "off":
+            raise ValueError("RunConfig: --partial-rollout is not supported with --rollout.speculative mtp")
         if self.rollout.exact and self.staleness() > 0:
             raise ValueError(f"RunConfig: --exact-rollout draws each batch with the learner's current weights, "
                              f"which the schedule samples with only in the synchronous loop: drop --max-staleness {self.staleness()} "

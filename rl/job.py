@@ -201,11 +201,17 @@ def build(cfg: RunConfig) -> Job:
     log.info("meshes: %s%s", plan.describe(), " (the rollout mesh: a stand-in for the rollout job's tiling)"
              if two_jobs else "")
     max_prompt = max(train.max_prompt_len, max(len(p) for p in ev_prompts))
+    if cfg.rollout.partial_rollout:  # a continued sample is re-prefilled from prompt + its tokens (rl/partial.py)
+        max_prompt += cfg.rollout.max_new_tokens
     slots, kv_budget = _rollout_slots(cfg, model_cfg, plan, max_prompt)  # --rollout-slots checked before any model
     check_chunk(model_cfg, cfg.rollout.prefill_chunk)  # --prefill-chunk: a multiple of the compression ratios
     # MPMD (whole processes per role) or both roles here; bad layouts fail now. The two-job layout's actor job: every
     # process an actor (several: one prompt stream, process 0's rollout results shared over the channel)
     layout = actor_job_layout() if two_jobs else role_layout(plan)
+    if cfg.rollout.partial_rollout and (layout.mpmd or two_jobs):
+        raise ValueError(f"--partial-rollout runs with the rollout in this process for now, not in the "
+                         f"{'two-job' if two_jobs else 'MPMD'} layout ({'--rollout-address' if two_jobs else '--mesh'} "
+                         f"{cfg.rollout.address if two_jobs else cfg.mesh})")
     # MPMD: heartbeats from now on (builds and compiles are long); the results channel keeps a few steps' values
     channel = HostChannel(layout, timeout_s=cfg.rollout.push_timeout, keep=4 + 2 * cfg.staleness()) \
         if layout.mpmd else None
@@ -311,6 +317,9 @@ def build_rollout_job(cfg: RunConfig) -> Job:
     data only to size the prompt buckets as the actor does; it writes no metrics, config file or checkpoint."""
     if jax.process_count() > 1:
         raise ValueError(f"--rollout-job: a rollout job of one process for now (this one has {jax.process_count()})")
+    if cfg.rollout.partial_rollout:
+        raise ValueError("--partial-rollout runs with the rollout in the actor's process for now, not in the two-job "
+                         "layout (--rollout-job)")
     tok, task, train, ev_prompts, ev_refs, _, _ = _data(cfg)
     model_cfg = resolve_model_config(cfg, tok.vocab_size)
     plan = build_job_plan(cfg.mesh, ROLLOUT, config=model_cfg)

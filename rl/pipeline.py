@@ -30,6 +30,14 @@ of the update and the rollout work within the step / the shorter of the two: 1 =
 0 = they alternate as in the synchronous loop), `perf/update_end_t` and `perf/next_generate_start_t` (wall clock:
 the generation of batch s + 1 starts before the update of step s ends).
 
+Partial rollouts (`--partial-rollout`, rl/partial.py): the producer keeps a pool of groups across batches and
+generates in segments of decode steps; batch m is the first P groups that finished, generated up to then with
+P(max(0, m - K)) and earlier versions (every response token records its own: `RolloutBatch.token_versions`);
+`weight_version/*` then describe each sample's oldest token, and `rollout/token_staleness_<j>` (j = 0 .. max(2K,
+the largest seen); `_mean`, `_max`) the share of response tokens j versions older than the learner. The pool
+(tokens, logprobs, routing, versions of the unfinished and undrawn groups) is saved with the in-flight batches
+(`pool/*` in the same file), so a resumed run continues bitwise.
+
 Checkpoints. A checkpoint after `done` steps also holds the in-flight batches done .. done + K - 1 (generated with
 older weights than the checkpoint's): `<ckpt_dir>/inflight/<done>.npz`, written atomically (temp file + rename)
 before the orbax save by the metrics writer, deleted once older than every kept checkpoint. The data iterator's
@@ -57,6 +65,7 @@ import jax
 import numpy as np
 
 from rl.batch import RolloutBatch
+from rl.partial import PartialPool, token_staleness_metrics
 from rl.stages import RolloutRecord, produce
 
 log = logging.getLogger("dsv4rl")
@@ -101,8 +110,11 @@ class Pipeline:
         self.sample_versions: dict[int, np.ndarray] = {}  # step -> [N] weight version of each trained sample
         self.events: list[tuple[str, int, float]] = []  # ("generate_start" | "update_end", step, wall clock)
         self.thread = None
+        self.partial = None
         if self.k == 0:
             return
+        if job.cfg.rollout.partial_rollout:  # --partial-rollout: batches from a pool of in-flight groups
+            self.partial = PartialPool(job)
         if job.start_step > 0 and job.ckpt is not None:
             self._load(job.ckpt.dir, job.start_step)
         # SPMD over processes: the two threads' collectives may interleave differently (MPMD has no such issue)
@@ -122,7 +134,7 @@ class Pipeline:
     def _produce(self, m: int) -> RolloutRecord:
         t0 = _clock()
         self.events.append(("generate_start", m, t0))
-        rec = produce(self.job, m)
+        rec = self.partial.produce(m) if self.partial is not None else produce(self.job, m)
         with self.cond:
             self.busy.append((t0, _clock()))
         return rec
@@ -201,10 +213,13 @@ class Pipeline:
             return {}
         self.sample_versions[step] = rec.versions
         staleness = self.job.weight_version - rec.versions
-        return {"weight_version/staleness_mean": float(staleness.mean()),
-                "weight_version/staleness_max": float(staleness.max()),
-                "weight_version/sample_min": float(rec.versions.min()),
-                "weight_version/sample_max": float(rec.versions.max())}
+        out = {"weight_version/staleness_mean": float(staleness.mean()),
+               "weight_version/staleness_max": float(staleness.max()),
+               "weight_version/sample_min": float(rec.versions.min()),
+               "weight_version/sample_max": float(rec.versions.max())}
+        if self.partial is not None:  # a sample's oldest token above; per token here
+            out.update(token_staleness_metrics(rec.rb, self.job.weight_version, self.k))
+        return out
 
     def close(self) -> None:
         """Stop the producer (a generation in progress finishes first)."""
@@ -241,10 +256,15 @@ class Pipeline:
                 arrays[p + f] = getattr(rb, f)
             arrays[p + "finish_reasons"] = np.array(rb.finish_reasons, dtype=str)
             arrays[p + "weight_version"] = np.array(rb.weight_version, np.int64)
+            if rb.token_versions is not None:  # partial rollouts
+                arrays[p + "token_versions"] = rb.token_versions
+                arrays[p + "versions"] = np.asarray(r.versions)
             arrays[p + "rewards"] = np.asarray(r.rewards)
             if r.train_rows is not None:
                 arrays[p + "train_rows"] = np.asarray(r.train_rows)
         arrays["count"] = np.array(len(recs))
+        if self.partial is not None:
+            arrays.update(self.partial.state_arrays("pool/"))
         fd, tmp = tempfile.mkstemp(dir=d, prefix=f".{done}.", suffix=".tmp")
         with os.fdopen(fd, "wb") as f:
             np.savez(f, **arrays)
@@ -269,13 +289,21 @@ class Pipeline:
                     rb = RolloutBatch(**{f: z[p + f] for f in ("tokens", "logprobs", "routing", "lengths",
                                                                "prompt_tokens", "prompt_lengths")},
                                       finish_reasons=[str(x) for x in z[p + "finish_reasons"]],
-                                      weight_version=int(z[p + "weight_version"]))
+                                      weight_version=int(z[p + "weight_version"]),
+                                      token_versions=z[p + "token_versions"] if p + "token_versions" in z else None)
                     rewards = z[p + "rewards"]
                     rows = z[p + "train_rows"] if p + "train_rows" in z else None
-                    versions = np.full(len(rewards), rb.weight_version, np.int64)
+                    versions = (z[p + "versions"] if p + "versions" in z
+                                else np.full(len(rewards), rb.weight_version, np.int64))
                 m = int(meta["step"])
                 self.records[m] = RolloutRecord(step=m, rb=rb, rewards=rewards, train_rows=rows, versions=versions,
                                                 metrics=meta["metrics"])
+            if self.partial is not None:
+                if "pool/count" not in z:
+                    raise ValueError(f"--partial-rollout: the in-flight batches file {path} has no partial-rollout "
+                                     f"pool (written without --partial-rollout); use the run's own flags or another "
+                                     f"--ckpt-dir")
+                self.partial.load(z, "pool/")
         self.next_m = done + len(self.records)
         if len(self.records) < min(self.k, self.end - done):
             log.info("resume: %d in-flight batches in %s; batches %d.. are generated with weight version %d",

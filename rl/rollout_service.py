@@ -42,7 +42,10 @@ class RolloutRequest:
     """One batch to generate: `prompts` (N token-id lists, one per row: a prompt repeated `group_size` times is N
     rows), the sampling parameters, the randomness ids (seed, step, prompt_index [N], sample_index [N]; None: row
     index and 0, as `Sampler.generate`), and a `tag` unique within the run (e.g. "train/<step>/<round>",
-    "eval/<step>/<version>/greedy") that names the request in messages and logs."""
+    "eval/<step>/<version>/greedy") that names the request in messages and logs. Optional per-row [N] ints:
+    `max_new_tokens_per_row` (length limits <= params.max_new_tokens: `--rollout.length_schedule`, the segments of
+    partial rollouts) and `token_offset` (index of each row's first new token in its sample: a partial rollout
+    continued from prompt + its first g tokens; rl/partial.py); None: params.max_new_tokens and 0."""
 
     prompts: Sequence[Sequence[int]]
     params: SamplingParams
@@ -51,6 +54,8 @@ class RolloutRequest:
     prompt_index: Sequence[int] | None = None
     sample_index: Sequence[int] | None = None
     tag: str = ""
+    max_new_tokens_per_row: Sequence[int] | None = None
+    token_offset: Sequence[int] | None = None
 
 
 @dataclasses.dataclass
@@ -70,7 +75,8 @@ def run_request(sampler, req: RolloutRequest) -> RolloutResult:
     processes)."""
     t0 = time.time()
     rb = sampler.generate([list(p) for p in req.prompts], req.params, seed=req.seed, step=req.step,
-                          prompt_index=req.prompt_index, sample_index=req.sample_index)
+                          prompt_index=req.prompt_index, sample_index=req.sample_index,
+                          max_new_tokens_per_row=req.max_new_tokens_per_row, token_offset=req.token_offset)
     return RolloutResult(rb=rb, stats=dict(getattr(sampler, "last_stats", None) or {}), t0=t0, t1=time.time())
 
 

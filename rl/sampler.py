@@ -220,7 +220,7 @@ class Sampler:
         self._generate_jit = jax.jit(self._generate_fn, static_argnums=(0,), donate_argnums=(2,),
                                      out_shardings=out_sh)
         if self.speculative == "mtp":  # the same signature, one more (replicated) output: the stats
-            self._generate_jit = jax.jit(lambda *a: _spec.spec_program(self, *a), static_argnums=(0,),
+            self._generate_jit = jax.jit(lambda *a: _spec.spec_program(self, *a[:-1]), static_argnums=(0,),
                                          donate_argnums=(2,), out_shardings=None if out_sh is None else
                                          out_sh[:6] + (rep,) + out_sh[6:])
         # continuous batching (rl/slots.py): slot caches split like the batch
@@ -228,7 +228,9 @@ class Sampler:
         if mesh is not None:  # alone is ~0.8 GB per layer: replicated, it would not fit), stats replicated
             rows = self._input_shardings()[0]
             slot_out = (rows,) * 6 + (rep, self._cache_shardings(self._abstract_caches(1, 1)))
-        slots_fn = _spec.spec_slots_program if self.speculative == "mtp" else _slots.slots_program
+        # the last input is the rows' token offsets (partial rollouts); speculative decoding takes none
+        slots_fn = ((lambda *a: _spec.spec_slots_program(*a[:-1])) if self.speculative == "mtp"
+                    else _slots.slots_program)
         self._slots_jit = jax.jit(lambda *a: slots_fn(self, *a), static_argnums=(0,), donate_argnums=(2,),
                                   out_shardings=slot_out)
         self.last_cache_bytes: tuple[int, int] = (0, 0)  # (global, largest per device) bytes of the last caches
@@ -330,7 +332,8 @@ class Sampler:
         return nnx.merge(self.graphdef, nnx.from_flat_state(flat))
 
     # ------------------------------------------------------------------ generation
-    def _generate_fn(self, shape, wstate, caches, ids, lens, key_data, temperature, top_p, top_k, max_new, stop_ids):
+    def _generate_fn(self, shape, wstate, caches, ids, lens, key_data, temperature, top_p, top_k, max_new, stop_ids,
+                     token_offset):
         b, p, t_cap = shape
         keys = jax.random.wrap_key_data(key_data)
         cache_len = p + t_cap
@@ -346,8 +349,8 @@ class Sampler:
         def is_stop(tok):
             return jnp.any(tok[:, None] == stop_ids[None, :], axis=-1)
 
-        def keys_at(i):
-            return jax.vmap(lambda kk: jax.random.fold_in(kk, i))(keys)
+        def keys_at(i):  # token g = token_offset + i of each row (a continued partial rollout keeps counting)
+            return jax.vmap(lambda kk, o: jax.random.fold_in(kk, o + i))(keys, token_offset)
 
         tok0, lp0 = sample_tokens(logits, keys_at(0), temperature, top_p, top_k)
         n_l, k = self.config.num_hidden_layers, self.config.num_experts_per_tok
@@ -447,13 +450,13 @@ class Sampler:
         return b, p_bucket, _next_pow2(max_new_tokens, 16)
 
     def _input_shardings(self):
-        """Shardings of (ids, lens, key_data, temperature, top_p, top_k, max_new [B], stop): per-row inputs split
-        like the batch (`ACT_BATCH`), scalars and stop ids replicated; None without a mesh."""
+        """Shardings of (ids, lens, key_data, temperature, top_p, top_k, max_new [B], stop, token_offset [B]):
+        per-row inputs split like the batch (`ACT_BATCH`), scalars and stop ids replicated; None without a mesh."""
         if self.mesh is None:
             return None
         rep = NamedSharding(self.mesh, PartitionSpec())
         rows = NamedSharding(self.mesh, activation_spec(ax.ACT_BATCH, rules=self.rules, mesh=self.mesh))
-        return (rows, rows, rows, rep, rep, rep, rows, rep)
+        return (rows, rows, rows, rep, rep, rep, rows, rep, rows)
 
     def _abstract_wstate(self):
         """ShapeDtypeStructs (with shardings) of the weight state: the live one's, or the quantised layout of
@@ -494,7 +497,7 @@ class Sampler:
         key_shape = jax.random.key_data(jax.random.key(0)).shape
         inputs = (sds((b, p), jnp.int32), sds((b,), jnp.int32), sds((b, *key_shape), jnp.uint32),
                   sds((), jnp.float32), sds((), jnp.float32), sds((), jnp.int32), sds((b,), jnp.int32),
-                  sds((MAX_STOP_IDS,), jnp.int32))
+                  sds((MAX_STOP_IDS,), jnp.int32), sds((b,), jnp.int32))
         in_sh = self._input_shardings()
         if in_sh is not None:
             inputs = tuple(sds(x.shape, x.dtype, sharding=d) for x, d in zip(inputs, in_sh))
@@ -513,7 +516,7 @@ class Sampler:
         key_shape = jax.random.key_data(jax.random.key(0)).shape
         inputs = (sds((b, p_max), jnp.int32), sds((b,), jnp.int32), sds((b, *key_shape), jnp.uint32),
                   sds((), jnp.int32), sds((), jnp.float32), sds((), jnp.float32), sds((), jnp.int32),
-                  sds((b,), jnp.int32), sds((MAX_STOP_IDS,), jnp.int32))
+                  sds((b,), jnp.int32), sds((MAX_STOP_IDS,), jnp.int32), sds((b,), jnp.int32))
         if self.mesh is not None:
             rep = NamedSharding(self.mesh, PartitionSpec())
             inputs = tuple(sds(x.shape, x.dtype, sharding=rep) for x in inputs)
@@ -523,7 +526,8 @@ class Sampler:
 
     def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams, *, seed: int, step: int = 0,
                  prompt_index: Sequence[int] | None = None, sample_index: Sequence[int] | None = None,
-                 max_new_tokens_per_row: Sequence[int] | None = None) -> RolloutBatch:
+                 max_new_tokens_per_row: Sequence[int] | None = None,
+                 token_offset: Sequence[int] | None = None) -> RolloutBatch:
         """Sample one continuation per prompt.
 
         Args:
@@ -532,6 +536,10 @@ class Sampler:
             identity of each row for per-sample randomness (default: row index, 0).
           max_new_tokens_per_row: optional [N] length limits (1 <= each <= params.max_new_tokens; a length
             schedule, e.g. benchmarks/rollout_lengths.py); default params.max_new_tokens for every row.
+          token_offset: optional [N] ints >= 0: row i's first new token is drawn as token `token_offset[i]` of its
+            sample (key fold_in(key_i, token_offset[i] + j) for its j-th new token), so a partial rollout continued
+            from prompt + its first g tokens (rl/partial.py) draws with the keys of an uninterrupted sample;
+            default 0. Not with speculative decoding.
         Returns:
           RolloutBatch (see its docstring).
         Raises:
@@ -566,6 +574,14 @@ class Sampler:
             if len(max_new_tokens_per_row) != n or mx.min() < 1 or mx.max() > params.max_new_tokens:
                 raise ValueError(f"generate: max_new_tokens_per_row must be {n} ints in [1, "
                                  f"{params.max_new_tokens}] (SamplingParams.max_new_tokens)")
+        off = np.zeros((b,), np.int32)
+        if token_offset is not None:
+            off[:n] = np.asarray(token_offset, np.int64)
+            if len(token_offset) != n or off.min() < 0:
+                raise ValueError(f"generate: token_offset must be {n} ints >= 0")
+            if off.any() and self.speculative == "mtp":
+                raise ValueError("generate: token_offset (partial rollouts) is not supported with speculative "
+                                 "decoding")
         pi = np.arange(n) if prompt_index is None else np.asarray(prompt_index)
         si = np.zeros(n, np.int64) if sample_index is None else np.asarray(sample_index)
         keys = row_keys(seed, step, pi, si)
@@ -583,7 +599,7 @@ class Sampler:
             caches = self._empty_caches(s_n, cache_len)
             ids = np.pad(ids, ((0, 0), (0, max(0, p_max - p_bucket))))[:, :p_max]
             inputs = jax.device_put((ids, lens, jax.random.key_data(keys), np.int32(n), np.float32(params.temperature),
-                                     np.float32(params.top_p), np.int32(params.top_k), mx, stop), rep)
+                                     np.float32(params.top_p), np.int32(params.top_k), mx, stop, off), rep)
             with ctx, _rules_ctx(self.rules, self.mesh):
                 out = self._slots_jit((b, p_max, t_cap, s_n), self._w, caches, *inputs)
             tok, lp, prompt_routing, resp_routing, length, stopped, stats, caches = out
@@ -594,7 +610,7 @@ class Sampler:
         else:
             caches = self._empty_caches(b, p_bucket + t_cap + self._cache_pad())
             inputs = (ids, lens, jax.random.key_data(keys), np.float32(params.temperature), np.float32(params.top_p),
-                      np.int32(params.top_k), mx, stop)
+                      np.int32(params.top_k), mx, stop, off)
             # identical host values on every process -> one global array each (rows split like the batch)
             inputs = jax.device_put(inputs, self._input_shardings())
             with ctx, _rules_ctx(self.rules, self.mesh):

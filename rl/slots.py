@@ -142,13 +142,14 @@ def _put_row(big, small, j):
 
 
 def slots_program(sampler, shape, wstate, caches, ids, lens, key_data, n_real, temperature, top_p, top_k,
-                  max_new, stop_ids):
+                  max_new, stop_ids, token_offset):
     """The continuous-batching rollout (traced by `Sampler._slots_jit`; see the module docstring).
 
     shape = (nb, P, T, S) static: request rows (padded), prompt bucket, max_new_tokens, slots.
     caches: S-row decode caches (donated). ids [nb, P] right-padded prompts, lens [nb], key_data [nb, ...] per
     request keys, n_real: requests to run (rows >= n_real are padding), max_new [nb] per-request length limits
-    (<= T). Returns (tokens [nb, T], logprobs [nb, T],
+    (<= T), token_offset [nb]: index of each request's first new token in its sample (the keys; partial rollouts).
+    Returns (tokens [nb, T], logprobs [nb, T],
     prompt routing [nb, P, L, k], response routing [nb, T, L, k], lengths [nb], stopped [nb], stats [3] int32 =
     (refills, busy slot-steps, decode steps), caches).
     """
@@ -183,7 +184,7 @@ def slots_program(sampler, shape, wstate, caches, ids, lens, key_data, n_real, t
                                              kv_fp8=sampler.kv_fp8)
         st = dict(st)
         st["caches"] = jax.tree.map(lambda big, sm: _put_row(big, sm, j), st["caches"], c1)
-        key0 = jax.random.fold_in(keys[r], 0)[None]
+        key0 = jax.random.fold_in(keys[r], token_offset[r])[None]
         tok0, lp0 = sample_tokens(logits, key0, temperature, top_p, top_k)
         stop0 = is_stop(tok0)[0]
         st["out_tok"] = st["out_tok"].at[r, 0].set(tok0[0])
@@ -214,7 +215,7 @@ def slots_program(sampler, shape, wstate, caches, ids, lens, key_data, n_real, t
         st["out_rr"] = st["out_rr"].at[drop, st["fed"]].set(rt, mode="drop")
         want = live & ~st["done"]
         g = st["len"]  # index of the token drawn now
-        step_keys = jax.vmap(jax.random.fold_in)(keys[req], g)
+        step_keys = jax.vmap(jax.random.fold_in)(keys[req], g + token_offset[req])
         tok, lp = sample_tokens(logits, step_keys, temperature, top_p, top_k)
         wdrop = jnp.where(want, st["req"], nb)
         gi = jnp.minimum(g, t_cap - 1)

@@ -68,10 +68,12 @@ def score(job, rb: RolloutBatch, refs: list[str]) -> tuple[np.ndarray, np.ndarra
 
 def generate(job, rows: list[list[int]], params: SamplingParams, *, seed: int, step: int = 0,
              prompt_index: list[int] | None = None, sample_index: list[int] | None = None,
-             tag: str = "") -> tuple[RolloutBatch, dict]:
+             tag: str = "", max_new_tokens_per_row: list[int] | None = None,
+             token_offset: list[int] | None = None) -> tuple[RolloutBatch, dict]:
     """One request to the rollout service, waited for -> (RolloutBatch, the generation's stats + perf metrics)."""
     req = RolloutRequest(prompts=rows, params=params, seed=seed, step=step, prompt_index=prompt_index,
-                         sample_index=sample_index, tag=tag or f"gen/{step}")
+                         sample_index=sample_index, tag=tag or f"gen/{step}",
+                         max_new_tokens_per_row=max_new_tokens_per_row, token_offset=token_offset)
     t0 = time.perf_counter()
     res = job.rollout.collect(job.rollout.submit(req))
     dt = time.perf_counter() - t0
@@ -79,23 +81,34 @@ def generate(job, rows: list[list[int]], params: SamplingParams, *, seed: int, s
     return res.rb, {**res.stats, "perf/rollout_s": dt, "perf/rollout_tok_per_s": n_tok / dt}
 
 
-def sample(job, prompts: list[list[int]], step: int, round_index: int = 0) -> tuple[RolloutBatch, dict]:
+def sampling_params(job) -> SamplingParams:
+    """The run's training SamplingParams (`cfg.rollout`; the tokenizer's eos stops a response)."""
+    r = job.cfg.rollout
+    return SamplingParams(temperature=r.temperature, top_p=r.top_p, top_k=r.top_k, max_new_tokens=r.max_new_tokens,
+                          stop_token_ids=(job.tokenizer.eos_id,))
+
+
+def sample(job, prompts: list[list[int]], step: int, round_index: int = 0,
+           data_index=None) -> tuple[RolloutBatch, dict]:
     """Stage 2: `group_size` responses per prompt -> (RolloutBatch of N = len(prompts) x group_size rows,
-    prompt-major; the generation's stats (continuous batching counters) and perf metrics).
+    prompt-major; the generation's stats (continuous batching counters) and perf metrics). `data_index` [P]: the
+    prompts' data indices, for `--rollout.length_schedule` (`RolloutConfig.length_caps`).
 
     `round_index` (DAPO resampling rounds within one step) offsets the prompt index of the sampler's randomness
     by round_index x len(prompts), so every round of a step draws fresh, reproducible samples."""
     r = job.cfg.rollout
     g, off = r.group_size, round_index * len(prompts)
     rows = [p for p in prompts for _ in range(g)]
-    sp = SamplingParams(temperature=r.temperature, top_p=r.top_p, top_k=r.top_k, max_new_tokens=r.max_new_tokens,
-                        stop_token_ids=(job.tokenizer.eos_id,))
+    sp = sampling_params(job)
     pi = [off + i for i in range(len(prompts)) for _ in range(g)]
     si = [j for _ in prompts for j in range(g)]
+    caps = None if data_index is None else r.length_caps(data_index)
     if not r.exact:
         return generate(job, rows, sp, seed=job.cfg.seed, step=step, prompt_index=pi, sample_index=si,
-                        tag=f"train/{step}/{round_index}")
-    # --exact-rollout: drawn from the learner's own forward (rl/exact.py), not by the rollout service
+                        tag=f"train/{step}/{round_index}",
+                        max_new_tokens_per_row=None if caps is None else [c for c in caps for _ in range(g)])
+    # --exact-rollout: drawn from the learner's own forward (rl/exact.py), not by the rollout service; every row
+    # up to --max-new-tokens (RunConfig refuses --rollout.length_schedule with it)
     t0 = time.perf_counter()
     rb, metrics = exact.generate(job.learner, rows, sp, seed=job.cfg.seed, step=step, prompt_index=pi, sample_index=si,
                                  weight_version=job.weight_version, routing_replay=job.cfg.learner.routing_replay)
@@ -104,9 +117,9 @@ def sample(job, prompts: list[list[int]], step: int, round_index: int = 0) -> tu
     return rb, metrics
 
 
-def rollout(job, prompts: list[list[int]], refs: list[str], step: int, round_index: int = 0):
+def rollout(job, prompts: list[list[int]], refs: list[str], step: int, round_index: int = 0, data_index=None):
     """Stages 2-3 for one round of prompts: `sample`, then `score` -> (RolloutBatch, rewards [N], metrics)."""
-    rb, metrics = sample(job, prompts, step, round_index)
+    rb, metrics = sample(job, prompts, step, round_index, data_index)
     rewards, _, rm = score(job, rb, [r for r in refs for _ in range(job.cfg.rollout.group_size)])
     return rb, rewards, {**rm, **metrics}
 
@@ -124,7 +137,7 @@ def global_batch(job, batch: dict) -> dict:
             "reference": [job.train_data.references[int(i)] for i in idx]}
 
 
-def _prompt_lists(batch: dict) -> list[list[int]]:
+def prompt_lists(batch: dict) -> list[list[int]]:
     return [batch["prompt_ids"][i, : batch["prompt_len"][i]].tolist() for i in range(len(batch["reference"]))]
 
 
@@ -148,7 +161,8 @@ def dynamic_rollout(job, step: int, first: dict):
     batch, rounds, first_metrics = first, [], None
     while True:
         r_i = len(rounds)
-        rb, rewards, m = rollout(job, _prompt_lists(batch), batch["reference"], step, round_index=r_i)
+        rb, rewards, m = rollout(job, prompt_lists(batch), batch["reference"], step, round_index=r_i,
+                                 data_index=batch["index"])
         rounds.append((rb, rewards))
         first_metrics = first_metrics or m
         if ds.add_round(rewards, [(r_i, i) for i in range(len(rewards) // g)]):
@@ -187,7 +201,7 @@ def sample_step(job, step: int):
     if cfg.advantage.dynamic_sampling:  # 2-3. DAPO: sample and score rounds until the groups have signal
         rb, rewards, train_rows, metrics = dynamic_rollout(job, step, batch)
     else:
-        rb, metrics = sample(job, _prompt_lists(batch), step)  # 2. sample
+        rb, metrics = sample(job, prompt_lists(batch), step, data_index=batch["index"])  # 2. sample
         rewards, _, rm = score(job, rb, [r for r in batch["reference"] for _ in range(g)])  # 3. score
         metrics.update(rm)
         metrics.update(to_python(reward_stats(jnp.asarray(rewards), g)))
