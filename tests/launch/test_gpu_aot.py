@@ -191,6 +191,16 @@ def test_config_file_compile_gets_the_runs_device_count(monkeypatch):
     assert "--xla_force_host_platform_device_count=24" in envs[0]["XLA_FLAGS"]
 
 
+def test_compiled_tokens_per_device_split_over_context():
+    """--compile plans what it compiles: a row's tokens over the context axis, the budget per context shard (the
+    learner's layout, rl/batching.py): 32K rows at context 4 are 8K tokens per device (issue 25)."""
+    seed_cp = "actor:fsdp=2,context=4,expert=2/rollout:expert=8"
+    assert plan_mod.compiled_tokens_per_device(seed_cp, 32768, 9216) == 8192  # one row per micro-batch
+    assert plan_mod.compiled_tokens_per_device(seed_cp, 32768, 16384) == 16384  # two rows of 8K per shard
+    assert plan_mod.compiled_tokens_per_device(seed_cp, 32768, None) == 8192
+    assert plan_mod.compiled_tokens_per_device("actor:fsdp=2,expert=8", 9216, 9216) == 9216
+
+
 _PLUGIN = gt.plugin_error()
 
 
