@@ -112,13 +112,14 @@ def compile_actor(config, mesh_spec: str, *, seq_len: int, learner: LearnerConfi
     `offload_optimizer` / `stream_optimizer`, the EP dispatch (`ep_backend` "auto" = capacity on XLA:CPU,
     `ep_capacity_factor`), the frozen set (`train_mtp`, `freeze_router`), and `routing_replay` (the batch then
     carries routing). A `context` axis splits each row over its devices (dsv4/context.py; the budget then counts
-    tokens per context shard, as the learner's). Needs `spec.n_devices` local devices (XLA:CPU with the device-count flag), or `devices`:
-    abstract GPU devices (launch/gpu_target.py; `backend` labels the report). Abstract devices have no host
-    memory kind: with `offload_optimizer` > 0 the step is compiled with the optimizer state on the device and
-    the offloaded bytes (`sharding.offload.select_offloaded` of the trained params, their per-device masters +
-    moments from the state's shardings) are reported as `host`, `host_from_shardings=True`. `compiler_options`:
-    XLA options of this compile (`Lowered.compile`; e.g. the GPU test's cheaper ptxas). Raises whatever
-    the learner raises for a layout it cannot take (ValueError), and XLA's errors.
+    tokens per context shard, as the learner's). Needs `spec.n_devices` local devices (XLA:CPU with the
+    device-count flag), or `devices`: abstract GPU devices (launch/gpu_target.py; `backend` labels the report).
+    Abstract devices have no host memory kind: with `offload_optimizer` > 0 the step is compiled with the
+    optimizer state on the device and the offloaded bytes (`sharding.offload.select_offloaded` of the trained
+    params, their per-device masters + moments from the state's shardings) are reported as `host`,
+    `host_from_shardings=True`. `compiler_options`: XLA options of this compile (`Lowered.compile`; e.g. the GPU
+    test's cheaper ptxas). Raises whatever the learner raises for a layout it cannot take (ValueError), and XLA's
+    errors.
     """
     if isinstance(config, str):
         config = dsv4.DSV4Config.preset(config)
