@@ -226,6 +226,21 @@ def test_deviceless_gpu_compile_actor_and_rollout(capfd):
 
 
 @pytest.mark.skipif(_PLUGIN is not None, reason=f"no deviceless XLA:GPU compile here: {_PLUGIN}")
+def test_deviceless_gpu_compile_with_a_context_axis(capfd):
+    """Context parallelism on XLA:GPU (issue 25): the tiny actor with one HCA layer (window 8, m = 8) compiles on
+    `actor:context=2,expert=2` (4 abstract H200s): each row of 64 tokens split over 2 devices, the sliding
+    window's halo a collective-permute in the optimized HLO, no involuntary full rematerialization."""
+    cfg = dsv4.DSV4Config.tiny(num_hidden_layers=1, compress_ratios=(8, 0))
+    devices = gt.topology_devices(gt.TARGETS["h200"], 4)
+    learner = dataclasses.replace(DEFAULT_LEARNER, max_tokens_per_micro_batch=32)  # per context shard: one row
+    a = compile_actor(cfg, "actor:context=2,expert=2", seq_len=64, learner=learner, devices=devices,
+                      backend="XLA:GPU h200", compiler_options=FAST)
+    assert (a.rows, a.seq_len, a.micro_batches) == (2, 64, 1)  # one row per expert-axis device, 32 tokens each
+    assert a.hlo.collectives.get("collective-permute", 0) > 0 and a.temp > 0
+    assert REMAT not in capfd.readouterr().err
+
+
+@pytest.mark.skipif(_PLUGIN is not None, reason=f"no deviceless XLA:GPU compile here: {_PLUGIN}")
 def test_b200_spec_compiles_a_large_sort():
     """The MI355X proxy (B200 spec): a sort of 64 x 2^17 keys (CUB territory) compiles deviceless with the
     planner's options; XLA:GPU's CUB sort would ask the CUDA runtime for a device (launch/gpu_target.py)."""
