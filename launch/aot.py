@@ -108,16 +108,18 @@ def compile_actor(config, mesh_spec: str, *, seq_len: int, learner: LearnerConfi
 
     `learner`: the learner compiled (default: the run's, `rl.config.DEFAULT_LEARNER`), in the accelerator layout
     (bf16 compute and params, fp32 masters + moments); its knobs decide the rest: `max_tokens_per_micro_batch`
-    (rows per device of the batch axes: max(1, budget // seq_len), 1 without a budget), `scan_layers`,
+    (rows per device of the batch axes: max(1, budget x context // seq_len), 1 without a budget), `scan_layers`,
     `offload_optimizer` / `stream_optimizer`, the EP dispatch (`ep_backend` "auto" = capacity on XLA:CPU,
     `ep_capacity_factor`), the frozen set (`train_mtp`, `freeze_router`), and `routing_replay` (the batch then
-    carries routing). Needs `spec.n_devices` local devices (XLA:CPU with the device-count flag), or `devices`:
-    abstract GPU devices (launch/gpu_target.py; `backend` labels the report). Abstract devices have no host
-    memory kind: with `offload_optimizer` > 0 the step is compiled with the optimizer state on the device and
-    the offloaded bytes (`sharding.offload.select_offloaded` of the trained params, their per-device masters +
-    moments from the state's shardings) are reported as `host`, `host_from_shardings=True`. `compiler_options`:
-    XLA options of this compile (`Lowered.compile`; e.g. the GPU test's cheaper ptxas). Raises whatever
-    the learner raises for a layout it cannot take (ValueError), and XLA's errors.
+    carries routing). A `context` axis splits each row over its devices (dsv4/context.py; the budget then counts
+    tokens per context shard, as the learner's). Needs `spec.n_devices` local devices (XLA:CPU with the
+    device-count flag), or `devices`: abstract GPU devices (launch/gpu_target.py; `backend` labels the report).
+    Abstract devices have no host memory kind: with `offload_optimizer` > 0 the step is compiled with the
+    optimizer state on the device and the offloaded bytes (`sharding.offload.select_offloaded` of the trained
+    params, their per-device masters + moments from the state's shardings) are reported as `host`,
+    `host_from_shardings=True`. `compiler_options`: XLA options of this compile (`Lowered.compile`; e.g. the GPU
+    test's cheaper ptxas). Raises whatever the learner raises for a layout it cannot take (ValueError), and XLA's
+    errors.
     """
     if isinstance(config, str):
         config = dsv4.DSV4Config.preset(config)
@@ -133,7 +135,8 @@ def compile_actor(config, mesh_spec: str, *, seq_len: int, learner: LearnerConfi
         cfg = dataclasses.replace(cfg, offload_optimizer=0.0, stream_optimizer=False)
     micro_batch_tokens, routing_replay = cfg.max_tokens_per_micro_batch, cfg.routing_replay
     learner = Learner(model, cfg, mesh=plan.actor, abstract=True)
-    per_dev = 1 if micro_batch_tokens is None else max(1, micro_batch_tokens // seq_len)
+    # rows per device of the batch axes, as the learner lays them out: the budget counts tokens per context shard
+    per_dev = 1 if micro_batch_tokens is None else max(1, micro_batch_tokens * learner._context_devices() // seq_len)
     n = per_dev * learner._batch_devices()
     sds = jax.ShapeDtypeStruct
     routing = sds((n, seq_len, config.num_hidden_layers, config.num_experts_per_tok), jnp.int32)

@@ -33,6 +33,7 @@ from rl.config import DEFAULT_LEARNER, DataConfig, LearnerConfig, RolloutConfig
 from rl.config_tree import default
 from rl.rollout_weights import kv_cache_layout
 from sharding import mesh as mesh_lib
+from sharding.rules import CONTEXT
 
 
 _LEARNER = config_tree.paths(LearnerConfig)
@@ -216,8 +217,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             config = reduced_depth(dsv4.DSV4Config.preset(args.config), args.num_layers)
         seq = args.seq_len or args.train_seq_len or args.rollout_seq_len
         tokens = args.tokens_per_device
-        if args.compile:  # the plan of exactly what is compiled: rows per device x seq tokens
-            tokens = seq * (1 if args.micro_batch_tokens is None else max(1, args.micro_batch_tokens // seq))
+        if args.compile:  # the plan of exactly what is compiled
+            tokens = compiled_tokens_per_device(args.mesh, seq, args.micro_batch_tokens)
         name = args.config + (f" (reduced to {args.num_layers} layers)" if args.num_layers is not None else "")
         report = plan(config, args.mesh, args.gpu, learner=learner, nodes=args.nodes,
                       optimizer_dtype=args.optimizer_dtype, tokens_per_device=tokens,
@@ -268,6 +269,16 @@ def main(argv: Sequence[str] | None = None) -> int:
           f"actor_usable_gib={a.usable / GiB:.2f} rollout_xla_gib={gib(r_xla):.2f} rollout_plan_gib={r.total / GiB:.2f} "
           f"rollout_usable_gib={r.usable / GiB:.2f} fits={'yes' if fits else 'no'}")
     return 0
+
+
+def compiled_tokens_per_device(mesh: str, seq: int, micro_batch_tokens: int | None) -> int:
+    """Actor tokens per device of the step `--compile` builds (`launch.aot.compile_actor`): rows per device of the
+    batch axes x `seq` / C, each row split over the actor's C = context devices (dsv4/context.py); rows as the
+    learner lays them out (rl/batching.py: the budget counts tokens per context shard, max(1, budget C // seq);
+    1 without a budget). ValueError (MeshSpecError) for a bad `mesh`."""
+    cp = mesh_lib.parse_mesh_spec(mesh).axes("actor").get(CONTEXT, 1)
+    rows = 1 if micro_batch_tokens is None else max(1, micro_batch_tokens * cp // seq)
+    return rows * seq // cp
 
 
 def _verdict(report, args, a_xla: float | None, r_xla: float | None, say=print) -> bool:

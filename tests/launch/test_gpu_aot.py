@@ -191,6 +191,16 @@ def test_config_file_compile_gets_the_runs_device_count(monkeypatch):
     assert "--xla_force_host_platform_device_count=24" in envs[0]["XLA_FLAGS"]
 
 
+def test_compiled_tokens_per_device_split_over_context():
+    """--compile plans what it compiles: a row's tokens over the context axis, the budget per context shard (the
+    learner's layout, rl/batching.py): 32K rows at context 4 are 8K tokens per device (issue 25)."""
+    seed_cp = "actor:fsdp=2,context=4,expert=2/rollout:expert=8"
+    assert plan_mod.compiled_tokens_per_device(seed_cp, 32768, 9216) == 8192  # one row per micro-batch
+    assert plan_mod.compiled_tokens_per_device(seed_cp, 32768, 16384) == 16384  # two rows of 8K per shard
+    assert plan_mod.compiled_tokens_per_device(seed_cp, 32768, None) == 8192
+    assert plan_mod.compiled_tokens_per_device("actor:fsdp=2,expert=8", 9216, 9216) == 9216
+
+
 _PLUGIN = gt.plugin_error()
 
 
@@ -212,6 +222,21 @@ def test_deviceless_gpu_compile_actor_and_rollout(capfd):
     assert r.argument > 0 and r.weights > 0 and r.hlo.flops > 0 and r.hlo.decode_step is not None
     # the run's rollout on a GPU: continuous batching, the dropless padded expert dispatch (no ragged_dot)
     assert r.slots == 4 and "(padded)" in r.ep_dispatch and r.ep_dispatch.endswith("dropless")
+    assert REMAT not in capfd.readouterr().err
+
+
+@pytest.mark.skipif(_PLUGIN is not None, reason=f"no deviceless XLA:GPU compile here: {_PLUGIN}")
+def test_deviceless_gpu_compile_with_a_context_axis(capfd):
+    """Context parallelism on XLA:GPU (issue 25): the tiny actor with one HCA layer (window 8, m = 8) compiles on
+    `actor:context=2,expert=2` (4 abstract H200s): each row of 64 tokens split over 2 devices, the sliding
+    window's halo a collective-permute in the optimized HLO, no involuntary full rematerialization."""
+    cfg = dsv4.DSV4Config.tiny(num_hidden_layers=1, compress_ratios=(8, 0))
+    devices = gt.topology_devices(gt.TARGETS["h200"], 4)
+    learner = dataclasses.replace(DEFAULT_LEARNER, max_tokens_per_micro_batch=32)  # per context shard: one row
+    a = compile_actor(cfg, "actor:context=2,expert=2", seq_len=64, learner=learner, devices=devices,
+                      backend="XLA:GPU h200", compiler_options=FAST)
+    assert (a.rows, a.seq_len, a.micro_batches) == (2, 64, 1)  # one row per expert-axis device, 32 tokens each
+    assert a.hlo.collectives.get("collective-permute", 0) > 0 and a.temp > 0
     assert REMAT not in capfd.readouterr().err
 
 
