@@ -313,10 +313,11 @@ def test_two_processes_load_and_export(ckpts, tmp_path):
 
     # Up to 3 attempts: both workers sometimes hang inside a gloo collective (first seen 2026-12-01 in a full-suite
     # run; 2026-12-02: in 3 of 7 runs of this test alone, on the trees before and after the release-exact FP8 change,
-    # a hang with no traceback). A run takes 7-12 s alone and 13 s in a loaded suite, so 60 s bounds a hung attempt
-    # (a hang cost the suite 420 s with the former 180 + 240 s). Three hangs fail the test.
+    # a hang with no traceback; 2026-12-02 stop 33: one hang in a full-suite run). A run takes 7-12 s alone and 13 s
+    # in a loaded suite, so 30 s bounds a hung attempt (a hang cost the suite 420 s with the former 180 + 240 s, 60 s
+    # with 60 + 60 + 120). Three hangs fail the test.
     procs = None
-    for n, timeout_s in enumerate((60, 60, 120)):
+    for n, timeout_s in enumerate((30, 30, 90)):
         procs, logs = attempt(timeout_s, tmp_path / f"export{n}")
         if procs is not None:
             break

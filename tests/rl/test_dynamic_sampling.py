@@ -67,10 +67,11 @@ def fake_job(monkeypatch, reward_rounds, **cfg_kw):
     def batches():
         k = 0
         while True:
-            yield {"prompt_ids": np.full((N, 2), k, np.int32), "prompt_len": np.full(N, 2), "reference": ["r"] * N}
+            yield {"prompt_ids": np.full((N, 2), k, np.int32), "prompt_len": np.full(N, 2), "reference": ["r"] * N,
+                   "index": np.arange(k * N, (k + 1) * N, dtype=np.int64)}
             k += 1
 
-    def rollout(job, prompts, refs, step, round_index=0):
+    def rollout(job, prompts, refs, step, round_index=0, data_index=None):
         calls.append(round_index)
         rb = fake_batch(N * G, 4, 3, seed=round_index)
         return rb, np.asarray(reward_rounds[round_index], np.float32), {"perf/rollout_s": 0.1}
