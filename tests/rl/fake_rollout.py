@@ -3,7 +3,8 @@
 `FakeRollout` answers a request with tokens that are a function of the request's sample ids and of the weight
 version it serves (so a test can tell which weights sampled which batch), and records every call in `trace`:
 ("generate", tag, served version) and ("push", version). `FakeLearner` counts updates and returns metrics that are
-a function of the batch, so two runs that train on the same batches log the same numbers.
+a function of the batch, so two runs that train on the same batches log the same numbers. `ListLogger`: the
+loop's metrics sink, keeping every step's record in `records`.
 """
 
 from __future__ import annotations
@@ -67,3 +68,16 @@ class FakeLearner:
 
     def state_dict(self) -> dict:
         return {"updates": np.array(self.updates)}
+
+
+class ListLogger:
+    """The loop's metrics sink for tests: `records` = [{"step": s, **metrics}] in logging order."""
+
+    def __init__(self):
+        self.records = []
+
+    def log(self, step, metrics):
+        self.records.append({"step": step, **metrics})
+
+    def close(self):
+        pass

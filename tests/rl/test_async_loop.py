@@ -15,12 +15,19 @@ The kill / resume tests (bitwise) are tests/launch/test_async_resume.py and test
 from __future__ import annotations
 
 import dataclasses
+import pathlib
+import sys
 import threading
 
 import numpy as np
 import pytest
 
 from rl.config import RunConfig
+
+sys.path.insert(0, str(pathlib.Path(__file__).parent))
+from fake_rollout import ListLogger  # noqa: E402  (tests/rl/fake_rollout.py)
+
+sys.path.pop(0)
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
 
@@ -60,18 +67,7 @@ def _job(parts, **overrides):
                eval_refs=[], reward=TaskReward(task), learner=learner,
                rollout=LocalRollout(sampler, learner.params_for_push),
                iterator=make_prompt_iterator(train, batch_size=cfg.rollout.prompts_per_step, seed=cfg.seed), ckpt=None,
-               logger=_Logger(), weight_version=sampler.weight_version)
-
-
-class _Logger:
-    def __init__(self):
-        self.records = []
-
-    def log(self, step, metrics):
-        self.records.append({"step": step, **metrics})
-
-    def close(self):
-        pass
+               logger=ListLogger(), weight_version=sampler.weight_version)
 
 
 def test_rollout_of_the_next_batch_overlaps_the_update(parts, monkeypatch):
@@ -214,7 +210,7 @@ def _fake_job(steps: int, trace: list, **kw):
                eval_prompts=[], eval_refs=[], reward=_alternating_reward, learner=FakeLearner(),
                rollout=FakeRollout(task.tokenizer.vocab_size, task.tokenizer.eos_id, trace),
                iterator=make_prompt_iterator(train, batch_size=cfg.rollout.prompts_per_step, seed=cfg.seed),
-               ckpt=None, logger=_Logger())
+               ckpt=None, logger=ListLogger())
 
 
 @pytest.mark.parametrize("k", [0, 1, 2])

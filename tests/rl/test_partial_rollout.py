@@ -15,12 +15,19 @@ Asserted:
 from __future__ import annotations
 
 import dataclasses
+import pathlib
+import sys
 
 import jax
 import numpy as np
 import pytest
 
 from rl.config import RunConfig
+
+sys.path.insert(0, str(pathlib.Path(__file__).parent))
+from fake_rollout import ListLogger  # noqa: E402  (tests/rl/fake_rollout.py)
+
+sys.path.pop(0)
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
 
@@ -50,17 +57,6 @@ def parts():
     init = jax.tree.map(np.asarray, learner.state_dict())
     sampler = Sampler(model, weights="fp32", max_prompt_len=train.max_prompt_len + cfg.rollout.max_new_tokens)
     return cfg, learner, init, sampler, task, tok, train
-
-
-class _Logger:
-    def __init__(self):
-        self.records = []
-
-    def log(self, step, metrics):
-        self.records.append({"step": step, **metrics})
-
-    def close(self):
-        pass
 
 
 class _Spy:
@@ -94,7 +90,7 @@ def _job(parts, ckpt=None, start_step=0, iterator_state=None, state=None, versio
         it.set_state(iterator_state)
     job = Job(cfg=dataclasses.replace(cfg), model_cfg=None, plan=None, tokenizer=tok, task=task, train_data=train,
               eval_prompts=[], eval_refs=[], reward=TaskReward(task), learner=learner, rollout=_Spy(rollout),
-              iterator=it, ckpt=ckpt, logger=_Logger(), weight_version=version)
+              iterator=it, ckpt=ckpt, logger=ListLogger(), weight_version=version)
     job.start_step = start_step
     return job
 
