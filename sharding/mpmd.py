@@ -69,17 +69,14 @@ class PeerTimeoutError(RuntimeError):
 
 
 FAILED_KEY = "dsv4/failed"
-GRACE_S = 5.0
 
 
 def report_failure(error: PeerTimeoutError) -> None:
     """Before exiting on a PeerTimeoutError: post it for the other waiting processes (they raise it at their next
-    poll instead of being torn down by jax when the coordinator's process exits), and on process 0, which hosts
-    the coordination service, give them `GRACE_S` to do so."""
+    poll). The coordination service lives in process 0's sidecar (sharding/coordination.py), which keeps serving
+    for its grace after process 0 exits, so no process needs to wait for the others to read it."""
     try:
         _client().key_value_set(FAILED_KEY, f"{error.side}\n{error}", allow_overwrite=True)
-        if distributed.global_state.process_id == 0:
-            time.sleep(GRACE_S)
     except Exception:  # noqa: BLE001 - best effort: the service may already be gone
         pass
 
@@ -107,7 +104,7 @@ def lost_peer(layout: RoleLayout, cause: BaseException, wait_s: float = 3.0, pre
         first = {p: beat(p) for p in procs}
         time.sleep(wait_s)
         dead = [p for p in procs if beat(p) == first[p] and not _try_get(client, f"{prefix}/exit/{p}")]
-    except jax.errors.JaxRuntimeError:  # the coordination service went with the dead process: process 0
+    except jax.errors.JaxRuntimeError:  # the coordination service is gone (its sidecar died with process 0's host)
         dead = [0] if layout.process != 0 else []
     if not dead:
         return None
@@ -335,11 +332,12 @@ class HostChannel:
             try:
                 return client.blocking_key_value_get_bytes(key, poll_ms)
             except jax.errors.JaxRuntimeError as e:
-                if "UNAVAILABLE" in str(e) and self.layout.process != 0:  # the coordination service is gone
+                # the coordination service is gone: its sidecar (sharding/coordination.py) went with process 0's host
+                if "UNAVAILABLE" in str(e) and self.layout.process != 0:
                     side = ACTOR if 0 in self.layout.actor_processes else ROLLOUT
                     raise PeerTimeoutError(side, self.layout.processes(side), what, self.timeout_s, message=(
-                        f"the {side} side lost process 0, the coordinator (its coordination service stopped "
-                        f"answering: {str(e).splitlines()[0][:160]}); rerun the same command to resume from the last "
+                        f"the {side} side lost process 0's coordination service (it stopped answering: "
+                        f"{str(e).splitlines()[0][:160]}); rerun the same command to resume from the last "
                         "checkpoint")) from None
                 if "DEADLINE_EXCEEDED" not in str(e):
                     raise PeerTimeoutError(sender, procs, what, self.timeout_s, str(e)) from None
