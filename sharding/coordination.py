@@ -16,8 +16,10 @@ other process's, because the store outlives it.
 Process 0 starts it (`start_sidecar`) before connecting its own client, with `sys.executable -m
 sharding.coordination`, in a session of its own (a SIGKILL of process 0, a signal to its process group or a Ctrl-C
 in its terminal does not reach it). Its stdin is a pipe from process 0; its stdout a pipe that carries one line,
-`ready`, once the service listens; its stderr is process 0's (the service's own log lines) until process 0 dies,
-then /dev/null. It imports no backend, holds no device and ignores SIGINT, SIGTERM and SIGHUP.
+`ready`, once the service listens; its stderr a pipe that a thread of process 0 copies to process 0's stderr (the
+service's own log lines), /dev/null once process 0 died. It holds no file of process 0's open, so a `run.py ... |
+tee log` ends with process 0, not with its sidecar. It imports no backend, holds no device and ignores SIGINT,
+SIGTERM and SIGHUP.
 
 Lifetime rules (`watch`, `main`):
 1. Clean end: process 0 writes `shutdown` (`CLEAN_WORD`) on the stdin after its own `jax.distributed.shutdown()`
@@ -205,6 +207,16 @@ def _free(address: str, wait_s: float) -> bool:
     return False
 
 
+def _copy(src: IO[str], dst: IO[str]) -> None:
+    """The sidecar's log lines into process 0's stderr, until either side closes."""
+    try:
+        for line in src:
+            dst.write(line)
+            dst.flush()
+    except (OSError, ValueError):
+        pass
+
+
 def start_sidecar(bind_address: str, num_processes: int, *, heartbeat_timeout_s: float, shutdown_timeout_s: float,
                   grace: float | None = None, ready_s: float = READY_S, free_s: float = FREE_S) -> Sidecar:
     """Start the coordination service for `num_processes` clients on `bind_address` (HOST:PORT) in a sidecar process
@@ -218,8 +230,9 @@ def start_sidecar(bind_address: str, num_processes: int, *, heartbeat_timeout_s:
            "--heartbeat-timeout", str(int(heartbeat_timeout_s)), "--shutdown-timeout", str(int(shutdown_timeout_s))]
     if grace is not None:
         cmd += ["--grace", str(float(grace))]
-    proc = subprocess.Popen(cmd, cwd=ROOT, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
-                            start_new_session=True)
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, start_new_session=True)
+    threading.Thread(target=_copy, args=(proc.stderr, sys.stderr), name="dsv4-sidecar-log", daemon=True).start()
     line: list[str] = []
     reader = threading.Thread(target=lambda: line.append(proc.stdout.readline()), daemon=True)
     reader.start()

@@ -3,7 +3,8 @@
 - `watch`, in-process over a pipe: the clean word -> "clean"; end-of-file without it, or a new parent -> "lost";
 - the sidecar as a process (no model, no backend): a clean stop exits 0 at once; a SIGKILL of the process that
   started it leaves the service listening for its grace, then the sidecar is gone; the rerun of the same command
-  replaces a lingering sidecar of its port at once; a port in use by a serving sidecar -> SidecarError;
+  replaces a lingering sidecar of its port at once, which held none of process 0's output open; a port in use by a
+  serving sidecar -> SidecarError;
 - what `sharding.distributed._connect_client` mirrors of jax's `State.initialize` is still what jax does (fails
   loudly on a jax that changed it), and the cluster detection it calls keeps its signature.
 The clean end with real clients is covered by tests/sharding/test_distributed.py's two-process forward; process 0's
@@ -18,6 +19,7 @@ import inspect
 import os
 import pathlib
 import re
+import select
 import signal
 import socket
 import subprocess
@@ -117,11 +119,14 @@ def test_sidecar_outlives_a_killed_process0_by_its_grace_only():
 def test_rerun_replaces_a_lingering_sidecar_of_its_port():
     port = portpicker.pick_unused_port()
     parent = subprocess.Popen([sys.executable, "-c", PARENT.format(root=str(ROOT), port=port, grace=60.0)],
-                              stdout=subprocess.PIPE, text=True)
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         old = int(parent.stdout.readline())
         parent.send_signal(signal.SIGKILL)
         parent.wait()
+        # the lingering sidecar holds none of process 0's output open: a `run.py | tee` ends with process 0
+        assert select.select([parent.stdout, parent.stderr], [], [], 10.0)[0] == [parent.stdout, parent.stderr]
+        assert parent.stdout.read() == "" and parent.stderr.read() == ""
         time.sleep(3 * co.POLL_S)  # it has seen its parent die: lingering for 60 s
         new = co.start_sidecar(f"127.0.0.1:{port}", 2, heartbeat_timeout_s=5, shutdown_timeout_s=5)  # the rerun
         assert _gone(old) and co.sidecars_of(port) == [new.pid]
