@@ -6,6 +6,7 @@
     .venv/bin/python benchmarks/async_overlap.py --mpmd --steps 80   # the full measurement (~14 min quiet)
     .venv/bin/python benchmarks/async_overlap.py --partial-rollout --seeds 1 -- --prompts-per-step 4 --group-size 2
                                                                 # + partial rollouts on a long tail (issue 23)
+    .venv/bin/python benchmarks/async_overlap.py --mpmd --partial-rollout --seeds 1     # the same, 2 processes
 
 Each mode runs `launch/run.py` as a real job twice (the default task and model; `--async-rollout` the second
 time; no eval, no checkpoints), both sharing one JAX compilation cache, and reads the per-step metrics:
@@ -38,7 +39,9 @@ timed run, `--async-rollout --partial-rollout` (rl/partial.py: segments of ceil(
 from the groups that finished, the long ones continued after the push). partial_speedup = the one-step-off
 (async) run's mean step time / the partial run's, over the steps after the warm-up, compile steps (> 4x the median)
 left out (`steady_mean`): a tail holds some steps, so the median would hide it; partial_speedup_median is the ratio
-of the medians; partial_first10 / partial_last10 the partial run's reward curve.
+of the medians; partial_first10 / partial_last10 the partial run's reward curve. In every layout: with `--mpmd` the
+actor process runs the partial producer and the rollout process generates its segments (rl/rollout_mpmd.py), the
+regime the feature is for (a rollout slower than the update, on its own core).
 
 Last line: `RESULT sync_step_s=.. async_step_s=.. speedup=.. overlap_frac=.. async_first10=.. async_last10=..
 async_learns=0|1 async_learned=k/N` (target in the --mpmd layout: speedup >= 1.3 and async_learns=1 at 80 steps),
@@ -175,9 +178,6 @@ def main(argv=None) -> int:
     layout = "mpmd (2 processes, 1 core each, XLA single-threaded)" if args.mpmd else "one process, 2 host devices"
     print(f"layout: {layout}; {args.steps} steps each; load average {os.getloadavg()[0]:.1f} on "
           f"{os.cpu_count()} cores; logs in {out}", flush=True)
-    if args.partial_rollout and args.mpmd:
-        print("--partial-rollout runs with the rollout in the actor's process (rl/job.py): drop --mpmd")
-        return 2
     tail = (["--max-new-tokens", str(args.tail_max_new_tokens), "--rollout.length_schedule", args.tail_schedule]
             if args.partial_rollout else [])
     base = ["--steps", str(args.steps), *tail, *args.extra]

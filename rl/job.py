@@ -41,6 +41,7 @@ from rl.data_formats import build_datasets, resolve_reward_name
 from rl.exact import exact_layout
 from rl.learner import Learner, resolve_param_dtype
 from rl.math_rewards import make_reward, prompt_independent_best
+from rl.partial import requests_per_batch
 from rl.rewards import TextReward
 from rl.rollout_init import checkpoint_rollout_weights
 from rl.rollout_job import JobRollout, RolloutJobServer
@@ -183,6 +184,23 @@ def fingerprint(cfg: RunConfig, model_cfg) -> dict:
             **({"max_staleness": cfg.staleness()} if cfg.staleness() else {})}  # the pipeline's K (rl/pipeline.py)
 
 
+def prompt_bucket(cfg: RunConfig, train: PromptDataset, ev_prompts: list[list[int]]) -> int:
+    """The rollout's largest prompt (tokens), the same on every side of a run (the actor, MPMD rollout processes,
+    a rollout job): the longest training or eval prompt, + --max-new-tokens with --partial-rollout (a continued
+    sample is re-prefilled from prompt + its tokens so far, rl/partial.py)."""
+    n = max(train.max_prompt_len, max(len(p) for p in ev_prompts))
+    return n + cfg.rollout.max_new_tokens if cfg.rollout.partial_rollout else n
+
+
+def channel_window(cfg: RunConfig) -> int:
+    """Publications a HostChannel keeps (MPMD, an actor job of several processes): a few steps' rollout results,
+    2 per step of staleness, times the requests one batch may send (partial rollouts: its segments,
+    `rl.partial.requests_per_batch`), so an actor process one step behind still finds every result it needs."""
+    r, k = cfg.rollout, cfg.staleness()
+    per_batch = requests_per_batch(r.max_new_tokens, k, r.partial_segment) if r.partial_rollout else 1
+    return 4 + 2 * k * per_batch
+
+
 def build(cfg: RunConfig) -> Job:
     """Set up meshes, data, model, learner, the rollout service, checkpoints and metric sinks (errors before step
     1), the same code for every layout (module docstring). A rollout job of the two-job layout (--rollout-job):
@@ -200,20 +218,14 @@ def build(cfg: RunConfig) -> Job:
                                                                                               config=model_cfg)
     log.info("meshes: %s%s", plan.describe(), " (the rollout mesh: a stand-in for the rollout job's tiling)"
              if two_jobs else "")
-    max_prompt = max(train.max_prompt_len, max(len(p) for p in ev_prompts))
-    if cfg.rollout.partial_rollout:  # a continued sample is re-prefilled from prompt + its tokens (rl/partial.py)
-        max_prompt += cfg.rollout.max_new_tokens
+    max_prompt = prompt_bucket(cfg, train, ev_prompts)
     slots, kv_budget = _rollout_slots(cfg, model_cfg, plan, max_prompt)  # --rollout-slots checked before any model
     check_chunk(model_cfg, cfg.rollout.prefill_chunk)  # --prefill-chunk: a multiple of the compression ratios
     # MPMD (whole processes per role) or both roles here; bad layouts fail now. The two-job layout's actor job: every
     # process an actor (several: one prompt stream, process 0's rollout results shared over the channel)
     layout = actor_job_layout() if two_jobs else role_layout(plan)
-    if cfg.rollout.partial_rollout and (layout.mpmd or two_jobs):
-        raise ValueError(f"--partial-rollout runs with the rollout in this process for now, not in the "
-                         f"{'two-job' if two_jobs else 'MPMD'} layout ({'--rollout-address' if two_jobs else '--mesh'} "
-                         f"{cfg.rollout.address if two_jobs else cfg.mesh})")
     # MPMD: heartbeats from now on (builds and compiles are long); the results channel keeps a few steps' values
-    channel = HostChannel(layout, timeout_s=cfg.rollout.push_timeout, keep=4 + 2 * cfg.staleness()) \
+    channel = HostChannel(layout, timeout_s=cfg.rollout.push_timeout, keep=channel_window(cfg)) \
         if layout.mpmd else None
     # the actor's processes save and restore the learner state; the rollout's is derived (rl/rollout_mpmd.py)
     ckpt = Checkpointer(cfg.ckpt.dir, keep=cfg.ckpt.keep, fingerprint=fingerprint(cfg, model_cfg),
@@ -317,14 +329,11 @@ def build_rollout_job(cfg: RunConfig) -> Job:
     data only to size the prompt buckets as the actor does; it writes no metrics, config file or checkpoint."""
     if jax.process_count() > 1:
         raise ValueError(f"--rollout-job: a rollout job of one process for now (this one has {jax.process_count()})")
-    if cfg.rollout.partial_rollout:
-        raise ValueError("--partial-rollout runs with the rollout in the actor's process for now, not in the two-job "
-                         "layout (--rollout-job)")
     tok, task, train, ev_prompts, ev_refs, _, _ = _data(cfg)
     model_cfg = resolve_model_config(cfg, tok.vocab_size)
     plan = build_job_plan(cfg.mesh, ROLLOUT, config=model_cfg)
     log.info("meshes: %s (the actor mesh: unused here)", plan.describe())
-    max_prompt = max(train.max_prompt_len, max(len(p) for p in ev_prompts))
+    max_prompt = prompt_bucket(cfg, train, ev_prompts)  # the actor's (its stand-in sampler's tiling, the requests)
     slots, kv_budget = _rollout_slots(cfg, model_cfg, plan, max_prompt)
     check_chunk(model_cfg, cfg.rollout.prefill_chunk)
     lcfg = resolve_param_dtype(cfg.learner, plan.actor.devices.flat)  # the actor's dtype: the same tiling

@@ -37,8 +37,17 @@ response tokens per staleness (`rollout/token_staleness_<j>`, rl/pipeline.py). P
 (segments run, groups started, groups and rows still in flight, rows continued, tokens re-prefilled).
 
 Randomness: sample j of the prompt at position i of the d-th drawn iterator batch uses (seed, step 0, prompt index
-d x P + i, sample j): a function of the data order alone. Layouts: the in-process rollout (`LocalRollout`); the
-MPMD and two-job layouts refuse the flag (rl/job.py).
+d x P + i, sample j): a function of the data order alone.
+
+Layouts: every one, through the rollout service contract (rl/rollout_service.py: a segment is one RolloutRequest
+with `max_new_tokens_per_row` and `token_offset`, tagged "train/partial/<m>/<segment>"). The in-process rollout
+(`LocalRollout`); MPMD (rl/rollout_mpmd.py): every actor process runs this producer in lock-step on the same
+results (one unsharded prompt stream), the writer (process 0) sends the segments, the rollout processes generate
+them; the two-job layout (rl/rollout_job.py): actor process 0 sends them over the link (a restarted rollout job is
+sent the unanswered segments again, with the same ids: the same tokens). Every side sizes its prompt buckets for
+the re-prefill (`rl.job.prompt_bucket`: + max_new_tokens), and the host channel keeps `requests_per_batch` results
+per batch (`rl.job.channel_window`). The pool is saved by the metrics writer and loaded by every actor process.
+Continuous batching (`--rollout-slots`, rl/slots.py) honours both per-row fields (tests/rl/test_partial_rollout.py).
 """
 
 from __future__ import annotations
@@ -57,6 +66,13 @@ from rl.stages import RolloutRecord, generate, global_batch, sampling_params, sc
 def segment_tokens(max_new_tokens: int, k: int, segment: int = 0) -> int:
     """Decode steps per segment: `segment`, or (0) ceil(max_new_tokens / (K + 1))."""
     return int(segment) or -(-int(max_new_tokens) // (k + 1))
+
+
+def requests_per_batch(max_new_tokens: int, k: int, segment: int = 0) -> int:
+    """The most rollout requests one batch sends: its first segment + at most ceil(max_new_tokens / segment)
+    deficit rounds (the groups started in the first deficit round are finished by then). Sizes the MPMD / two-job
+    host channel's window of results (rl/job.py)."""
+    return 1 + -(-int(max_new_tokens) // segment_tokens(max_new_tokens, k, segment))
 
 
 def _pow2(n: int, lo: int = 1) -> int:
@@ -144,9 +160,11 @@ class PartialPool:
             out.append(fresh[0])
         return out
 
-    def _segment(self, version: int, stats: dict, groups: list[Group]) -> None:
-        """One segment over `groups`: each unfinished sample generates up to `segment` more tokens (all it has
-        left in its last allowed version), re-prefilled from prompt + its tokens so far."""
+    def _segment(self, m: int, version: int, stats: dict, groups: list[Group]) -> None:
+        """One segment of batch `m` over `groups`: each unfinished sample generates up to `segment` more tokens
+        (all it has left in its last allowed version), re-prefilled from prompt + its tokens so far. The request's
+        tag "train/partial/<m>/<segment of the batch>" is unique within the run (the MPMD and two-job layouts
+        key the results by it)."""
         rows, prompts, budget, offset, pidx, sidx = [], [], [], [], [], []
         for gr in groups:
             last = version - gr.first_version >= self.k
@@ -169,7 +187,7 @@ class PartialPool:
         pidx += [pidx[0]] * pad
         sidx += [sidx[0]] * pad
         rb, m = generate(self.job, prompts, sampling_params(self.job), seed=self.cfg.seed, step=0,
-                         prompt_index=pidx, sample_index=sidx, tag=f"train/partial/{self.draws}/{stats['segments']}",
+                         prompt_index=pidx, sample_index=sidx, tag=f"train/partial/{m}/{stats['segments']}",
                          max_new_tokens_per_row=budget, token_offset=offset)
         stats["segments"] += 1
         stats["rows"] += n_real
@@ -205,13 +223,13 @@ class PartialPool:
         want = self.p - self._finished() + len(unfinished)
         busy = sum(int((~gr.done).sum()) for gr in unfinished)
         new = self._start(max(0, min(want, (self.row_cap - busy) // self.g)), version)
-        self._segment(version, stats, unfinished + new)
+        self._segment(m, version, stats, unfinished + new)
         stats["started"] = len(new)
         extra: list[Group] = []  # groups started for the deficit, continued in each further round
         while self._finished() < self.p:
             new = self._start(min(self.p - self._finished(), self.row_cap // self.g - len(extra)), version)
             extra = [gr for gr in extra if not gr.finished] + new
-            self._segment(version, stats, extra)
+            self._segment(m, version, stats, extra)
             stats["started"] += len(new)
             stats["fallback"] += 1
         take = [gr for gr in self.groups if gr.started and gr.finished][: self.p]

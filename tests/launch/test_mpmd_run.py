@@ -1,8 +1,11 @@
 """MPMD: the rollout on its own process. Three local processes x 2 CPU devices, `--mesh
 actor:fsdp=2,expert=2/rollout:expert=2`: processes 0-1 run the actor, process 2 the rollout (sharding/mpmd.py,
-rl/roles.py). One run covers the steps, the roles' counters, the single writer, parity with the single-process run
-of the same meshes, and the fault: the rollout process killed mid-run -> the actor processes exit non-zero within
-the push timeout naming the rollout side. A bad MPMD spec fails before step 1."""
+rl/rollout_mpmd.py). One run, one step off with partial rollouts (`--max-staleness 1 --partial-rollout` on a length
+spread where half the prompts' samples span two segments, rl/partial.py: both actor processes run the partial
+producer in lock-step, the writer sends the segments), covers the steps, the roles' counters, the single writer,
+the token versions, parity of every completed step with the single-process run of the same meshes and flags, and
+the fault: the rollout process killed mid-run -> the actor processes exit non-zero within the push timeout naming
+the rollout side. A bad MPMD spec fails before step 1."""
 
 import json
 import pathlib
@@ -17,6 +20,10 @@ import pytest
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 MESH = "actor:fsdp=2,expert=2/rollout:expert=2"
 TIMEOUT = 20  # --push-timeout of the run
+# one step off, partial rollouts: 4 new tokens in segments of 2, every other prompt capped at 3 (a length spread
+# whose samples all span two segments unless they stop; 3 rather than 2 keeps every batch's trimmed learner width
+# at the 4-token one: one learner compile per run)
+PARTIAL = ("--max-staleness", "1", "--partial-rollout", "--rollout.length_schedule", "0.5:3")
 
 
 def _cmd(mesh, steps, metrics, extra=()):
@@ -25,12 +32,12 @@ def _cmd(mesh, steps, metrics, extra=()):
             "--tensorboard-dir", "", "--metrics-jsonl", str(metrics), "--no-progress", *extra]
 
 
-def _launch(mesh, steps, metrics, tmp_path, env, n=3):
+def _launch(mesh, steps, metrics, tmp_path, env, n=3, flags=()):
     port = portpicker.pick_unused_port()
     procs, logs = [], []
     for i in range(n):
         log = open(tmp_path / f"p{i}.log", "w")
-        extra = ("--coordinator", f"127.0.0.1:{port}", "--num-processes", str(n), "--process-id", str(i),
+        extra = (*flags, "--coordinator", f"127.0.0.1:{port}", "--num-processes", str(n), "--process-id", str(i),
                  "--cpu-devices-per-process", "2", "--push-timeout", str(TIMEOUT))
         procs.append(subprocess.Popen(_cmd(mesh, steps, metrics, extra), env=env, stdout=log,
                                       stderr=subprocess.STDOUT, text=True))
@@ -47,7 +54,7 @@ def _rows(path):
 @pytest.mark.slow
 def test_mpmd_three_processes_steps_parity_and_rollout_killed(tmp_path, run_env):
     metrics = tmp_path / "m.jsonl"
-    procs, logs = _launch(MESH, 10, metrics, tmp_path, run_env)
+    procs, logs = _launch(MESH, 10, metrics, tmp_path, run_env, flags=PARTIAL)
     try:
         deadline = time.monotonic() + 1500
         while len(_rows(metrics)) < 3:  # 3 GRPO steps completed (the writer logs after the step's push)
@@ -65,31 +72,50 @@ def test_mpmd_three_processes_steps_parity_and_rollout_killed(tmp_path, run_env)
         for log in logs:
             log.close()
     out = [(tmp_path / f"p{i}.log").read_text() for i in range(3)]
+    rows = _rows(metrics)
+    # a step without learning signal (all groups zero-std) makes no update and keeps the version (rl/stages.py)
+    updates = sum(r["train/skipped_no_signal"] == 0.0 for r in rows)
     for i in (0, 1):
         assert procs[i].returncode not in (0, None), out[i][-2000:]
         assert "error: the rollout side (processes [2]) did not answer" in out[i], out[i][-2000:]
-        # the actor processes never generated; they trained every step they finished
+        # the actor processes never generated; they trained every step they finished that had a signal
         m = re.search(r"role actor \(process %d\): generate calls (\d+), train steps (\d+)" % i, out[i])
-        assert m and int(m.group(1)) == 0 and int(m.group(2)) >= 3, out[i][-2000:]
+        assert m and int(m.group(1)) == 0 and int(m.group(2)) >= updates >= 1, out[i][-2000:]
     assert elapsed < TIMEOUT + 90
-    rows = _rows(metrics)
     steps = [r["step"] for r in rows]
     assert steps == list(range(len(steps))) and len(steps) >= 3  # one writer: each step once, in order
     assert "process 0 runs the actor" in out[0] and "process 2 runs the rollout" in out[2]
-    for r in rows:  # the rollout process never trained; it generated once per step
+    segments = version = 0
+    for r in rows:  # the rollout process never trained; it ran every segment (one request each) of every batch
+        segments += r["rollout/partial/segments"]
         assert r["mpmd/rollout_train_steps"] == 0.0
-        assert r["mpmd/rollout_generate_calls"] == r["step"] + 1
-        assert r["weight_version"] == r["step"] + 1
+        assert r["mpmd/rollout_generate_calls"] == segments
+        # batch m is generated with P(max(0, m - 1)) and older versions (P(j): the version after step j - 1)
+        newest = rows[r["step"] - 2]["weight_version"] if r["step"] >= 2 else 0
+        assert r["weight_version/sample_max"] <= newest
+        version += r["train/skipped_no_signal"] == 0.0
+        assert r["weight_version"] == version
+        shares = [v for k, v in r.items() if k.startswith("rollout/token_staleness_") and k[-1].isdigit()]
+        assert abs(sum(shares) - 1.0) < 1e-9  # token versions recorded, every response token counted once
+    assert any(r["rollout/token_staleness_1"] > 0 for r in rows)  # tokens of the version before the learner's
+    assert any(r["rollout/partial/continued_rows"] > 0 for r in rows)  # samples spanning two segments
 
-    # the single-process run of the same mesh shapes: step-1 rewards equal, pg_loss within 1e-5
+    # the single-process run of the same mesh shapes and flags, as many steps: rollout metrics equal (bitwise),
+    # pg_loss within 1e-5, every completed step
     single = tmp_path / "single.jsonl"
-    res = subprocess.run(_cmd(MESH, 1, single, ("--cpu-devices-per-process", "6")), env=run_env,
+    res = subprocess.run(_cmd(MESH, len(rows), single, (*PARTIAL, "--cpu-devices-per-process", "6")), env=run_env,
                          capture_output=True, text=True, timeout=900)
     assert res.returncode == 0, res.stderr[-3000:]
-    s0, m0 = _rows(single)[0], rows[0]
-    for k in ("rollout/reward_mean", "rollout/reward_std", "rollout/response_len_mean"):
-        assert m0[k] == s0[k], k
-    assert abs(m0["train/pg_loss"] - s0["train/pg_loss"]) <= 1e-5
+    srows = _rows(single)
+    assert len(srows) == len(rows)
+    for m, s in zip(rows, srows):
+        keys = {k for k in s if k.startswith(("rollout/", "weight_version"))}
+        assert keys == {k for k in m if k.startswith(("rollout/", "weight_version"))}, m["step"]
+        assert {k: m[k] for k in keys} == {k: s[k] for k in keys}, m["step"]
+        assert ("train/pg_loss" in m) == ("train/pg_loss" in s), m["step"]
+        if "train/pg_loss" in m:
+            assert abs(m["train/pg_loss"] - s["train/pg_loss"]) <= 1e-5, m["step"]
+    assert sum("train/pg_loss" in m for m in rows) >= 1
 
 
 @pytest.mark.slow

@@ -3,7 +3,8 @@ weights (one learner and one sampler, compiled once for the module).
 
 Asserted:
 - a sample continued from prompt + its first g tokens with `token_offset` g draws the tokens of the uninterrupted
-  sample (same keys; the same weights give the same tokens, logprobs to float tolerance);
+  sample (same keys; the same weights give the same tokens, logprobs to float tolerance); with continuous batching
+  (`--rollout-slots`) too, each row cut at its own point (`max_new_tokens_per_row`);
 - token versions: with K = 1 and a long tail (`--rollout.length_schedule`), some trained samples hold tokens of two
   versions; every trained token's version, logprob and token are those of the segment that drew it (so the TIS
   correction, per token on rollout logprobs, weighs it against that version); the staleness shares add up to 1;
@@ -148,6 +149,41 @@ def test_continued_sample_draws_with_the_uninterrupted_keys(parts):
                                whole.logprobs, atol=1e-4)
     with pytest.raises(ValueError, match="token_offset"):
         sampler.generate(prompts, sp, seed=3, token_offset=[-1] * 8)
+
+
+def test_continuous_batching_honours_offsets_and_row_budgets(parts):
+    """--rollout-slots with partial rollouts: the slots program draws a continued sample's tokens with its
+    `token_offset` keys and stops each row at its own budget, so head + tail equal the static path's whole sample."""
+    from dsv4 import DSV4ForCausalLM
+    from flax import nnx
+
+    from rl.sampler import Sampler, SamplingParams
+
+    cfg, learner, init, sampler, task, tok, train = parts
+    abstract = nnx.eval_shape(lambda: DSV4ForCausalLM(sampler.config, rngs=nnx.Rngs(0)))
+    slots = Sampler(abstract, weights="fp32", max_prompt_len=sampler.max_prompt_len, slots=4)
+    slots.set_weights(sampler.weight_state(), sampler.weight_version)  # the static sampler's weights, as they are
+    prompts = [train[i]["prompt_ids"][: train[i]["prompt_len"]].tolist() for i in range(8)]
+    sp = SamplingParams(temperature=1.0, max_new_tokens=8)
+    ids = {"seed": 3, "step": 5, "prompt_index": list(range(8)), "sample_index": [1, 0] * 4}
+    whole = sampler.generate(prompts, sp, **ids)
+    cut = [2, 3, 1, 4, 3, 5, 2, 6]  # a different interruption point per row
+    head = slots.generate(prompts, sp, **ids, max_new_tokens_per_row=cut)
+    assert (head.lengths <= np.array(cut)).all()
+    tail = slots.generate([p + head.tokens[i, : head.lengths[i]].tolist() for i, p in enumerate(prompts)], sp,
+                          **ids, max_new_tokens_per_row=[8 - int(n) if n < 8 else 1 for n in head.lengths],
+                          token_offset=head.lengths.tolist())
+    continued = 0
+    for i in range(8):
+        n = int(head.lengths[i])
+        if head.finish_reasons[i] == "stop":  # ended inside its head: nothing to continue
+            np.testing.assert_array_equal(head.tokens[i, :n], whole.tokens[i, :n])
+            continue
+        continued += 1
+        joined = np.concatenate([head.tokens[i, :n], tail.tokens[i, : tail.lengths[i]]])
+        np.testing.assert_array_equal(joined, whole.tokens[i, : whole.lengths[i]], err_msg=f"row {i}")
+        assert n + int(tail.lengths[i]) == int(whole.lengths[i])
+    assert continued >= 4, continued
 
 
 def _chains(calls):
