@@ -35,6 +35,7 @@ from typing import Any
 log = logging.getLogger("dsv4rl")
 
 HEARTBEAT_S = 1.0
+WAITING_TIMEOUT_S = 600.0  # a queued peer's Link before `JobListener.accept` sets the run's timeout (unused: no get)
 ENV_AUTHKEY = "DSV4RL_ROLLOUT_AUTHKEY"
 
 
@@ -171,7 +172,10 @@ class Link:
 class JobListener:
     """The actor job's side: listens on `address` ("HOST:PORT", flag `flag` in errors) and hands over rollout jobs
     as they connect (`accept`). Peers are accepted by a thread (the HMAC challenge, then the peer's hello), so a
-    rollout may register at any time; a peer with a wrong key is logged and dropped."""
+    rollout may register at any time; a peer with a wrong key is logged and dropped. An accepted peer is a Link at
+    once, heartbeats both ways, before the actor takes it (`accept`): a rollout job restarted while the actor is busy
+    (a compile, a step) before it noticed the old one's loss waits for it alive instead of finding the actor silent
+    and giving up after --push-timeout."""
 
     def __init__(self, address: str, key: bytes, *, flag: str = "--rollout-address", hello: dict | None = None):
         host, port = split_address(address, flag)
@@ -201,16 +205,18 @@ class JobListener:
             except (EOFError, OSError, ValueError):
                 conn.close()
                 continue
-            self._ready.put((conn, hello))
+            self._ready.put(Link(conn, hello, WAITING_TIMEOUT_S, lambda: "the actor: busy, the rollout job queued"))
 
     def accept(self, deadline_s: float, timeout_s: float, line_fn=lambda: "") -> Link | None:
         """The next rollout job to register within `deadline_s` seconds as a Link (heartbeat timeout
-        `timeout_s`), None if none did."""
+        `timeout_s`), None if none did. A queued peer that died meanwhile comes out closed (its first `get` raises
+        LinkLost: the caller's recovery takes the next)."""
         try:
-            conn, hello = self._ready.get(timeout=max(deadline_s, 0.0))
+            link = self._ready.get(timeout=max(deadline_s, 0.0))
         except queue.Empty:
             return None
-        return Link(conn, hello, timeout_s, line_fn)
+        link.timeout_s, link.line_fn = float(timeout_s), line_fn
+        return link
 
     def close(self) -> None:
         self.listener.close()

@@ -57,6 +57,24 @@ def test_a_silent_peer_is_lost_after_the_timeout():
         listener.close()
 
 
+def test_a_queued_rollout_hears_the_busy_actor(monkeypatch):
+    """A rollout job that registers while the actor is busy elsewhere (it has not called `accept` yet) gets the
+    actor's heartbeats from the listener at once: it does not give up after its timeout while it waits."""
+    import sharding.job_link as jl
+
+    monkeypatch.setattr(jl, "HEARTBEAT_S", 0.1)
+    listener = JobListener("127.0.0.1:0", b"k")
+    try:
+        rollout = connect(listener.address, b"k", timeout_s=0.5, deadline_s=10, hello={"name": "the rollout job"})
+        with pytest.raises(TimeoutError):  # 1.5 s = 3x its heartbeat timeout without the actor taking it: alive
+            rollout.get("cmd", "the actor's next op", timeout_s=1.5)
+        actor = listener.accept(10, 30, line_fn=lambda: "step 3")
+        actor.send("cmd", {"op": "push"})
+        assert rollout.get("cmd", "op") == {"op": "push"}
+    finally:
+        listener.close()
+
+
 def test_a_remote_address_needs_a_secret_key(monkeypatch):
     """The channel unpickles what it receives: the public default key guards loopback only."""
     monkeypatch.delenv(ENV_AUTHKEY, raising=False)
