@@ -24,6 +24,7 @@ import logging
 import os
 import pathlib
 import sys
+import threading
 import traceback
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))  # runnable as a script from a fresh clone
@@ -43,7 +44,7 @@ from rl.rollout_weights import kv_cache_layout  # noqa: E402
 from sharding.distributed import add_distributed_args, initialize_from_args  # noqa: E402
 from sharding.job_link import LinkLost  # noqa: E402
 from sharding.mesh import DeviceCountError, build_mesh_plan, parse_mesh_spec  # noqa: E402
-from sharding.mpmd import PeerTimeoutError, lost_peer, report_failure  # noqa: E402
+from sharding.mpmd import PeerTimeoutError, exit_on_failure, lost_peer  # noqa: E402
 
 log = logging.getLogger("dsv4rl")
 
@@ -224,13 +225,10 @@ def cpu_device_count(argv: list[str]) -> int | None:
 
 
 def _peer_failure(e: PeerTimeoutError) -> None:
-    """An MPMD process of the other side (or of this one) died or went silent: one line, the others told, exit 1."""
-    print(f"error: {e}", file=sys.stderr)
-    sys.stderr.flush()
-    sys.stdout.flush()
-    logging.shutdown()
-    report_failure(e)  # the other waiting processes fail with the same message
-    os._exit(1)  # not sys.exit: jax's shutdown barrier would wait for the dead processes
+    """An MPMD process of the other side (or of this one) died or went silent: one line, the others told, exit 1
+    (`sharding.mpmd.exit_on_failure`; when the heartbeat thread's watch is already reporting, wait for its exit)."""
+    exit_on_failure(e)
+    threading.Event().wait()
 
 
 def main(argv=None) -> int:

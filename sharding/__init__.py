@@ -4,6 +4,7 @@
     rules.py        ACTOR_RULES / ROLLOUT_RULES, param_shardings, use_rules / constrain
     mesh.py         mesh specs and MeshPlan (actor and rollout meshes)
     distributed.py  multi-process start-up (jax.distributed)
+    coordination.py the coordination service in a sidecar process of its own (started by process 0)
     offload.py      which optimizer state lives in host memory (pinned_host)
     backends.py     backend start-up where the CUDA plugin is installed for deviceless compiles only
 

@@ -12,9 +12,19 @@ wins (flags override environment variables one by one):
      JAX_PROCESS_ID           this process's index in [0, N).
    N == 1 is a single-process run (no-op). N > 1 needs a coordinator and a process id.
 2. a cluster launcher: SLURM (`SLURM_NTASKS` > 1 inside a job, i.e. `srun`) or Open MPI
-   (`OMPI_COMM_WORLD_SIZE` > 1, i.e. `mpirun`): `jax.distributed.initialize()` is called without process
-   settings and jax's own cluster detection fills them in (a coordinator from 1. is still passed on).
+   (`OMPI_COMM_WORLD_SIZE` > 1, i.e. `mpirun`): jax's own cluster detection fills the process settings in (a
+   coordinator from 1. is still passed on).
 3. nothing: single process, nothing is initialised (`DistributedInfo(process_count=1, source="single")`).
+
+The coordination service (the job's key-value store and heartbeat monitor) does not live in process 0, where
+`jax.distributed.initialize` would start it, but in a sidecar process that process 0 starts and that does nothing
+else (`sharding/coordination.py`, its lifetime rules there): a SIGKILL of process 0 then leaves the store to the
+survivors, which report its death in one line (`sharding.mpmd`), instead of aborting them all in jaxlib C++.
+Process 0 connects as a client only (`_connect_client`, mirroring jax's `State.initialize` without the service:
+jax 0.10.2 has no public switch for that; `tests/sharding/test_coordination.py` fails loudly if jax changes what
+it mirrors); every other process calls `jax.distributed.initialize` as before. A SLURM / Open MPI job gets its
+settings from jax's cluster detection first, so that the sidecar starts on the process whose id is 0. At a normal
+exit process 0 runs jax's shutdown barrier (`jax.distributed.shutdown()`) and then stops its sidecar.
 
 It must run before anything touches the XLA backend (`jax.devices()`, creating an array, jit); if the
 backend already exists and a multi-process run is requested it raises `DistributedInitError` instead of
@@ -33,7 +43,10 @@ Tests: `.venv/bin/python -m pytest -q tests/sharding/test_distributed.py`.
 from __future__ import annotations
 
 import argparse
+import atexit
 import dataclasses
+import inspect
+import logging
 import math
 import os
 import re
@@ -41,10 +54,15 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 import jax
+from jax._src import clusters  # private: SLURM / Open MPI detection, to know which process starts the sidecar
 from jax._src import distributed as jd  # private: the process id / coordinator jax.distributed was started with
 from jax._src import xla_bridge  # private: whether the backends have started
+from jax._src.lib import _jax  # private: process 0's client-only connection (`_connect_client`)
 
+from sharding.coordination import Sidecar, start_sidecar
 from sharding.mpmd import configure_transfer, transfer_socket_address
+
+log = logging.getLogger("dsv4rl")
 
 ENV_COORDINATOR = "JAX_COORDINATOR_ADDRESS"
 ENV_NUM_PROCESSES = "JAX_NUM_PROCESSES"
@@ -175,6 +193,8 @@ def maybe_initialize_distributed(coordinator: str | None = None, num_processes: 
     Raises:
       DistributedInitError: invalid settings (coordinator not HOST:PORT, process_id outside [0, N), ...),
         or a multi-process run requested after the JAX backend was already initialised.
+      sharding.coordination.SidecarError: process 0 could not start the coordination service on the coordinator's
+        port (in use?).
     """
     settings = resolve_settings(coordinator, num_processes, process_id)
     multi = settings.source != "single"
@@ -190,21 +210,82 @@ def maybe_initialize_distributed(coordinator: str | None = None, num_processes: 
             jax.config.update("jax_cpu_collectives_implementation", "gloo")
     if not multi:
         return DistributedInfo(process_id=0, process_count=1, coordinator=settings.coordinator, source="single")
-    heartbeat = {} if heartbeat_timeout_s is None else {"heartbeat_timeout_seconds":
-                                                         int(math.ceil(heartbeat_timeout_s))}
-    jax.distributed.initialize(
-        coordinator_address=settings.coordinator,
-        num_processes=settings.num_processes,
-        process_id=settings.process_id,
-        local_device_ids=list(local_device_ids) if local_device_ids is not None else None,
-        initialization_timeout=initialization_timeout,
-        **heartbeat,
-    )
+    _join(settings, local_device_ids, initialization_timeout, heartbeat_timeout_s)
     if transfers:
         _configure_transfer(settings.coordinator, transfer_address, transfer_timeout_s)
     return DistributedInfo(process_id=jax.process_index(), process_count=jax.process_count(),
                            coordinator=settings.coordinator or os.environ.get(ENV_COORDINATOR),
                            source=settings.source)
+
+
+SHUTDOWN_TIMEOUT_S = 300  # jax's shutdown barrier, at most (seconds; jax.distributed.initialize's default)
+
+
+def _jax_default(name: str) -> int:
+    """A default of `jax.distributed.initialize` (its signature is public)."""
+    return int(inspect.signature(jax.distributed.initialize).parameters[name].default)
+
+
+def _join(settings: _Settings, local_device_ids: Sequence[int] | None, initialization_timeout: int,
+          heartbeat_timeout_s: float | None) -> Sidecar | None:
+    """Join the job (module docstring): process 0 starts the coordination sidecar and connects as a client only;
+    the others call `jax.distributed.initialize`. Returns process 0's Sidecar (stopped at exit), else None.
+    Raises sharding.coordination.SidecarError when the sidecar cannot listen on the coordinator's port."""
+    coordinator, n, pid = settings.coordinator, settings.num_processes, settings.process_id
+    local = list(local_device_ids) if local_device_ids is not None else None
+    if settings.source in ("slurm", "ompi"):  # jax's own detection, now rather than inside initialize
+        coordinator, n, pid, local = clusters.ClusterEnv.auto_detect_unset_distributed_params(
+            coordinator, n, pid, local, None, initialization_timeout)
+    beat = int(math.ceil(heartbeat_timeout_s)) if heartbeat_timeout_s is not None else \
+        _jax_default("heartbeat_timeout_seconds")
+    if pid != 0:
+        jax.distributed.initialize(coordinator_address=coordinator, num_processes=n, process_id=pid,
+                                   local_device_ids=local, initialization_timeout=initialization_timeout,
+                                   heartbeat_timeout_seconds=beat, shutdown_timeout_seconds=SHUTDOWN_TIMEOUT_S)
+        return None
+    # where jax would bind its in-process service: JAX_COORDINATOR_BIND_ADDRESS, else every address, same port
+    bind = os.environ.get("JAX_COORDINATOR_BIND_ADDRESS") or "[::]:" + coordinator.rsplit(":", 1)[1]
+    sidecar = start_sidecar(bind, n, heartbeat_timeout_s=beat, shutdown_timeout_s=SHUTDOWN_TIMEOUT_S)
+    log.info("coordination service on %s in sidecar process %d (sharding/coordination.py)", bind, sidecar.pid)
+    atexit.register(_end_cleanly, sidecar)  # before HostChannel's (sharding/mpmd.py), so it runs after it
+    _connect_client(coordinator, n, local, initialization_timeout, beat)
+    return sidecar
+
+
+# What `_connect_client` sets on jax's State, as State.initialize does (the service aside); a test compares it with
+# the assignments in jax's source, so a jax that sets something new fails loudly instead of half-initialising.
+STATE_FIELDS = ("client", "coordinator_address", "num_processes", "partition_index", "process_id", "service")
+
+
+def _connect_client(coordinator: str, num_processes: int, local_device_ids: Sequence[int] | None,
+                    initialization_timeout: int, heartbeat_timeout: int) -> None:
+    """Process 0 as a client only: jax's `State.initialize` (jax/_src/distributed.py, 0.10.2) without starting the
+    coordination service (the sidecar serves it). Private use, kept here alone: jax has no public way to do it."""
+    st = jd.global_state
+    if st.client is not None or st.service is not None:
+        raise DistributedInitError("jax.distributed is initialised already (maybe_initialize_distributed runs once)")
+    if local_device_ids:
+        visible = ",".join(str(x) for x in local_device_ids)
+        jax.config.update("jax_cuda_visible_devices", visible)
+        jax.config.update("jax_rocm_visible_devices", visible)
+    st.coordinator_address, st.process_id, st.num_processes, st.service = coordinator, 0, num_processes, None
+    st.client = _jax.get_distributed_runtime_client(coordinator, 0, init_timeout=initialization_timeout,
+                                                    use_compression=True, heartbeat_timeout=heartbeat_timeout)
+    st.client.connect()
+    st.initialize_preemption_sync_manager()
+    index = os.environ.get("JAX_PARTITION_INDEX")
+    st.partition_index = int(index) if index is not None else None
+
+
+def _end_cleanly(sidecar: Sidecar) -> None:
+    """Process 0's normal exit (atexit): jax's shutdown barrier (every process has arrived), then the sidecar's
+    clean end (sharding/coordination.py rule 1). An exit that skips this (os._exit, a signal) leaves the sidecar
+    serving for its grace only."""
+    try:
+        jax.distributed.shutdown()
+    except Exception:  # noqa: BLE001 - a failed barrier: the sidecar must end all the same
+        pass
+    sidecar.stop()
 
 
 JAX_HEARTBEAT_MARGIN_S = 30.0  # after --push-timeout: our wait's poll (<= 2 s) + report_failure's grace (5 s) + slack

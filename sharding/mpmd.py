@@ -65,21 +65,36 @@ class PeerTimeoutError(RuntimeError):
         self.side = side
         why = f" ({cause.splitlines()[0][:200]})" if cause else ""
         super().__init__(message or f"the {side} side (processes {list(processes)}) did not answer within "
-                         f"{timeout_s:g} s: {what}{why}; did a {side} process die? (--push-timeout)")
+                         f"{timeout_s:g} s: {what}{why}; did {'an' if side == ACTOR else 'a'} {side} process die? "
+                         "(--push-timeout)")
 
 
 FAILED_KEY = "dsv4/failed"
-GRACE_S = 5.0
+
+
+_FAILING = threading.Lock()  # one `error:` line per process, whichever thread finds the failure first
+
+
+def exit_on_failure(error: PeerTimeoutError) -> None:
+    """A dead or silent peer: print one `error:` line, post it for the others (`report_failure`), exit 1 at once
+    (not sys.exit: jax's shutdown barrier would wait for the dead). Called by launch/run.py, by the heartbeat
+    thread's watch (`HostChannel`) and by `HostChannel._at_exit`; when another thread already does it, this one
+    returns (and ends soon with the process)."""
+    if not _FAILING.acquire(blocking=False):
+        return
+    sys.stdout.flush()
+    print(f"error: {error}", file=sys.stderr, flush=True)
+    logging.shutdown()
+    report_failure(error)
+    os._exit(1)
 
 
 def report_failure(error: PeerTimeoutError) -> None:
     """Before exiting on a PeerTimeoutError: post it for the other waiting processes (they raise it at their next
-    poll instead of being torn down by jax when the coordinator's process exits), and on process 0, which hosts
-    the coordination service, give them `GRACE_S` to do so."""
+    poll). The coordination service lives in process 0's sidecar (sharding/coordination.py), which keeps serving
+    for its grace after process 0 exits, so no process needs to wait for the others to read it."""
     try:
         _client().key_value_set(FAILED_KEY, f"{error.side}\n{error}", allow_overwrite=True)
-        if distributed.global_state.process_id == 0:
-            time.sleep(GRACE_S)
     except Exception:  # noqa: BLE001 - best effort: the service may already be gone
         pass
 
@@ -107,7 +122,7 @@ def lost_peer(layout: RoleLayout, cause: BaseException, wait_s: float = 3.0, pre
         first = {p: beat(p) for p in procs}
         time.sleep(wait_s)
         dead = [p for p in procs if beat(p) == first[p] and not _try_get(client, f"{prefix}/exit/{p}")]
-    except jax.errors.JaxRuntimeError:  # the coordination service went with the dead process: process 0
+    except jax.errors.JaxRuntimeError:  # the coordination service is gone (its sidecar died with process 0's host)
         dead = [0] if layout.process != 0 else []
     if not dead:
         return None
@@ -241,7 +256,13 @@ class HostChannel:
     any number of processes waits for it. Every process runs a heartbeat thread (a counter in the store, bumped
     every `HEARTBEAT_S`; it ticks through long compiles and steps), so a wait fails only when the sender side's
     heartbeat has not moved for `timeout_s`: PeerTimeoutError naming that side. A publisher deletes its values `keep`
-    publications later (by then every reader has them in the loop's order)."""
+    publications later (by then every reader has them in the loop's order).
+
+    The same thread watches the other processes (`_watch`): a peer whose heartbeat, once seen, has not moved for
+    `timeout_s` while its exit is not posted, or a failure another process posted (`FAILED_KEY`), ends this
+    process with one line (`exit_on_failure`) wherever its main thread is blocked: a barrier of orbax's checkpoint,
+    a collective, a transfer. That comes before jax's own heartbeat timeout (`--push-timeout` + 30 s,
+    sharding/distributed.py), whose expiry would abort this process in C++ instead (issue 23)."""
 
     HEARTBEAT_S = 1.0
 
@@ -258,13 +279,40 @@ class HostChannel:
         _client().key_value_set(f"{self.prefix}/alive/{self.layout.process}", str(n), allow_overwrite=True)
 
     def _heartbeat(self) -> None:
-        n = 0
+        n, seen, changed = 0, {}, {}
         while not self._stop.wait(self.HEARTBEAT_S):
             n += 1
             try:
                 self._heartbeat_once(n)
+                lost = self._watch(seen, changed)
             except Exception:  # noqa: BLE001 - the service is gone (shutdown); the waits report it
                 return
+            if lost is not None and not self._stop.is_set():
+                exit_on_failure(lost)
+                return
+
+    def _watch(self, seen: dict, changed: dict) -> PeerTimeoutError | None:
+        """One look at the other processes (class docstring): the failure to exit on, else None. `seen` / `changed`:
+        each peer's last heartbeat value and when it last moved (monotonic seconds), kept between calls."""
+        client = _client()
+        failed = _try_get(client, FAILED_KEY)
+        if failed:
+            side, message = failed.split("\n", 1)
+            return PeerTimeoutError(side, self.layout.processes(side), "", self.timeout_s, message=message)
+        now, silent = time.monotonic(), []
+        for p in sorted({*self.layout.actor_processes, *self.layout.rollout_processes} - {self.layout.process}):
+            beat = _try_get(client, f"{self.prefix}/alive/{p}")
+            if beat is None:  # not started yet: the waits time it (a slow start is no death)
+                continue
+            if beat != seen.get(p):
+                seen[p], changed[p] = beat, now
+            elif now - changed[p] > self.timeout_s and not _try_get(client, f"{self.prefix}/exit/{p}"):
+                silent.append(p)
+        if not silent:
+            return None
+        side = ACTOR if silent[0] in self.layout.actor_processes else ROLLOUT
+        return PeerTimeoutError(side, self.layout.processes(side), f"no heartbeat from process(es) {silent}",
+                                self.timeout_s)
 
     def close(self) -> None:
         self._stop.set()
@@ -302,9 +350,7 @@ class HostChannel:
                                            f"process(es) {silent}", self.timeout_s)
                 time.sleep(0.2 if pending else 0)
         except PeerTimeoutError as e:
-            print(f"error: {e}", file=sys.stderr, flush=True)
-            report_failure(e)
-            os._exit(1)
+            exit_on_failure(e)
         except Exception:  # noqa: BLE001 - the service is gone already: nothing left to wait for
             pass
         finally:
@@ -335,11 +381,12 @@ class HostChannel:
             try:
                 return client.blocking_key_value_get_bytes(key, poll_ms)
             except jax.errors.JaxRuntimeError as e:
-                if "UNAVAILABLE" in str(e) and self.layout.process != 0:  # the coordination service is gone
+                # the coordination service is gone: its sidecar (sharding/coordination.py) went with process 0's host
+                if "UNAVAILABLE" in str(e) and self.layout.process != 0:
                     side = ACTOR if 0 in self.layout.actor_processes else ROLLOUT
                     raise PeerTimeoutError(side, self.layout.processes(side), what, self.timeout_s, message=(
-                        f"the {side} side lost process 0, the coordinator (its coordination service stopped "
-                        f"answering: {str(e).splitlines()[0][:160]}); rerun the same command to resume from the last "
+                        f"the {side} side lost process 0's coordination service (it stopped answering: "
+                        f"{str(e).splitlines()[0][:160]}); rerun the same command to resume from the last "
                         "checkpoint")) from None
                 if "DEADLINE_EXCEEDED" not in str(e):
                     raise PeerTimeoutError(sender, procs, what, self.timeout_s, str(e)) from None

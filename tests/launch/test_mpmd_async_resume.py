@@ -17,8 +17,11 @@ Then:
 1. parity with the one-process asynchronous run of the same mesh shapes (2 host devices: actor 1 + rollout 1, the
    same schedule): every step has equal rewards and pg_loss within 1e-5, and equal evaluations (the rollout process
    evaluates after the push);
-2. the same command started, SIGKILLed (both processes: a lost node) at a seeded random moment after a new
-   checkpoint, started again, killed again, and started once more to the end: it resumes each time, and the final
+2. the same command started and, at a seeded random moment after a new checkpoint, process 0 alone SIGKILLed (the
+   actor; the coordination service lives in its sidecar, sharding/coordination.py): the survivor (process 1, the
+   rollout) exits non-zero with exactly one `error:` line naming the actor side and process 0, and no Python, C++ or
+   Gloo stack, and the sidecar is gone within its bound (--push-timeout + 30 + 10 s, + polling); started again,
+   both processes SIGKILLed (a lost node), and started once more to the end: it resumes each time, and the final
    checkpoint and every per-step metric (but the rollout process's own counter, which restarts with it) equal the
    uninterrupted run's bitwise (`assert_same_run`).
 
@@ -27,6 +30,7 @@ Then:
 
 from __future__ import annotations
 
+import pathlib
 import random
 import re
 import signal
@@ -43,11 +47,18 @@ JOB = ["--steps", str(STEPS), "--prompts-per-step", "2", "--group-size", "4", "-
        "--async-rollout", "--rollout-slots", "3"]
 
 
+PUSH_TIMEOUT = 15  # --push-timeout: the survivor of process 0's death finds it within this (+ a poll)
+SIDECAR_BOUND_S = PUSH_TIMEOUT + 30 + 10 + 5  # sharding/coordination.py rule 2: heartbeat timeout + margin, + slack
+# what the survivor of a SIGKILL must not print: a Python, C++ (glog) or Gloo stack
+STACK = re.compile(r"Traceback|Check failure|terminate called|^\*\*\* |^[FE]\d{4} |Gloo(?!\] Rank \d+ is connected)",
+                   re.M)
+
+
 def _start(lt, run_dir, env, name):
     port = portpicker.pick_unused_port()
     args = [*JOB, "--ckpt-dir", run_dir / "ckpt", "--metrics-jsonl", run_dir / "metrics.jsonl",
             "--coordinator", f"127.0.0.1:{port}", "--num-processes", "2", "--cpu-devices-per-process", "1",
-            "--push-timeout", "60"]
+            "--push-timeout", str(PUSH_TIMEOUT)]
     return [lt.start([*args, "--process-id", i], env, run_dir / f"{name}.p{i}.log") for i in range(2)]
 
 
@@ -59,6 +70,14 @@ def _wait(procs, timeout=900):
             if p.poll() is None:
                 p.kill()
                 p.wait()
+
+
+def _gone(pid):
+    """No such process, or a zombie (a reparented orphan its new parent has not reaped)."""
+    try:
+        return pathlib.Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] in ("Z", "X")
+    except OSError:
+        return True
 
 
 @pytest.mark.slow
@@ -107,19 +126,34 @@ def test_async_mpmd_schedule_slots_parity_and_kill_resume(tmp_path, run_env, lt)
         assert {k: v for k, v in rows[s].items() if k.startswith("eval/")} == \
             {k: v for k, v in one[s].items() if k.startswith("eval/")} != {}, s
 
-    # 2. killed twice (both processes) at seeded random moments, resumed to the end: the uninterrupted run bitwise
-    rng, newest = random.Random(0), 0
+    # 2. killed twice at seeded random moments (process 0 alone, then both), resumed to the end: the uninterrupted
+    # run bitwise
+    rng, newest, sidecars = random.Random(0), 0, []
     for start in range(2):
         procs = _start(lt, got, run_env, f"start{start}")
         newest = lt.wait_for_checkpoint_after(procs[0], got / "ckpt", newest)
         assert all(p.poll() is None for p in procs) and newest < STEPS, (got / f"start{start}.p0.log").read_text()[-3000:]
         time.sleep(rng.uniform(0.0, 0.5))  # a step takes ~1 s once compiled
-        for p in procs:
+        for p in procs[:1] if start == 0 else procs:
             p.send_signal(signal.SIGKILL)
-        _wait(procs)
+        killed = time.monotonic()
+        rcs = _wait(procs, timeout=PUSH_TIMEOUT + 90)
+        log0 = (got / f"start{start}.p0.log").read_text(errors="replace")
+        sidecars.append((int(re.search(r"in sidecar process (\d+)", log0).group(1)), killed))
+        if start == 0:  # the survivor names the side and the process that died, in one line
+            text = (got / "start0.p1.log").read_text(errors="replace")
+            errors = [line for line in text.splitlines() if line.startswith("error:")]
+            assert rcs[1] == 1 and len(errors) == 1, (rcs, text[-3000:])
+            assert re.match(r"error: the actor side (lost process\(es\) \[0\]|\(processes \[0\]\))", errors[0]), \
+                errors
+            assert not STACK.search(text.replace(errors[0], "")), text[-3000:]
         newest = max(lt.ckpt_steps(got / "ckpt"))
         if start:
-            assert "resumed from" in (got / f"start{start}.p0.log").read_text()
+            assert "resumed from" in log0
     assert _wait(_start(lt, got, run_env, "final")) == [0, 0], (got / "final.p0.log").read_text()[-3000:]
     assert "resumed from" in (got / "final.p0.log").read_text()
     lt.assert_same_run(ref, got, STEPS, ignore=("mpmd/rollout_generate_calls",))
+    for pid, killed in sidecars:  # no coordination sidecar outlives its killed process 0 beyond its bound
+        while not _gone(pid) and time.monotonic() < killed + SIDECAR_BOUND_S:
+            time.sleep(0.5)
+        assert _gone(pid), f"sidecar {pid} still alive {time.monotonic() - killed:.0f} s after its process 0 died"

@@ -11,7 +11,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from sharding.mesh import MeshSpecError, build_mesh_plan
 from parallel.mpmd_push import plan_transfer
 from sharding.distributed import heartbeat_timeout
-from sharding.mpmd import RoleLayout, actor_job_layout, lost_peer, role_layout, transfer_socket_address
+from sharding.mpmd import HostChannel, RoleLayout, actor_job_layout, lost_peer, role_layout, transfer_socket_address
 
 
 def _two_per_process(d):
@@ -126,3 +126,34 @@ def test_lost_peer_names_the_dead_process_and_its_side(monkeypatch):
 def test_jax_heartbeat_outlasts_the_push_timeout():
     """jax's heartbeat timeout stays behind --push-timeout (our one-line detection and its report come first)."""
     assert heartbeat_timeout(600.0) == 630.0 and heartbeat_timeout(20.0) == 50.0
+
+
+class _Store:
+    """A stand-in coordination client over a dict (missing keys: None)."""
+
+    def __init__(self, values):
+        self.values = values
+
+    def key_value_try_get(self, key):
+        return self.values.get(key)
+
+
+def test_heartbeat_watch_names_a_silent_peer_or_a_posted_failure(monkeypatch):
+    """The heartbeat thread's watch: a peer whose beat stopped (once seen) for the timeout and that posted no exit ->
+    its side and process; a peer not started yet is no death; a failure another process posted comes first."""
+    store = {"dsv4/alive/0": "5", "dsv4/alive/1": "9"}  # process 2 (the rollout) has not beaten yet
+    monkeypatch.setattr(distributed.global_state, "client", _Store(store))
+    channel = HostChannel.__new__(HostChannel)  # no thread, no store writes: only the watch's reads
+    channel.layout = RoleLayout(process=1, actor_processes=(0, 1), rollout_processes=(2,), mpmd=True)
+    channel.timeout_s, channel.prefix = 0.0, "dsv4"
+    seen, changed = {}, {}
+    assert channel._watch(seen, changed) is None and seen == {0: "5"}  # first sight of process 0's beat
+    e = channel._watch(seen, changed)  # process 0's beat did not move for the (zero) timeout
+    assert e is not None and e.side == "actor"
+    assert str(e).startswith("the actor side (processes [0, 1]) did not answer within 0 s: no heartbeat from "
+                             "process(es) [0]; did an actor process die?")
+    store["dsv4/exit/0"] = "1"  # process 0 ended normally: silent, not dead
+    assert channel._watch(seen, changed) is None
+    store["dsv4/failed"] = "rollout\nthe rollout side lost process(es) [2] (...)"
+    e = channel._watch(seen, changed)
+    assert e.side == "rollout" and str(e) == "the rollout side lost process(es) [2] (...)"
