@@ -9,8 +9,12 @@ import tempfile
 # $DSV4RL_TEST_XLA_FLAGS; their device count is their own). Tests are compile-bound, and both options compile the
 # same HLO faster: optimisation level 0 of the CPU backend (~2.5x), and the LLVM-IR fusion emitters instead of the
 # MLIR ones, which build and run a pass pipeline per fusion (measured on tests/rl/test_learner.py's GRPO-steps test:
-# its 100 programs compile in 6.5 s instead of 12.0 s). Neither is a flag of the project's own runs.
-TEST_XLA_FLAGS = "--xla_backend_optimization_level=0 --xla_cpu_use_fusion_emitters=false"
+# its 100 programs compile in 6.5 s instead of 12.0 s), and one LLVM module per program instead of several compiled
+# on threads (`parallel_codegen_split_count`: the split modules repeat work; the suite's two workers keep both cores
+# busy anyway; measured: a cold tiny 2-step `launch/run.py` job 59.3 -> 54.3 s of CPU, tests/rl/test_sampler.py's
+# FP8-vs-BF16 test 26.6 -> 20.8 s). None is a flag of the project's own runs.
+TEST_XLA_FLAGS = ("--xla_backend_optimization_level=0 --xla_cpu_use_fusion_emitters=false "
+                  "--xla_cpu_parallel_codegen_split_count=1")
 os.environ["DSV4RL_TEST_XLA_FLAGS"] = TEST_XLA_FLAGS
 os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8 "
                            + TEST_XLA_FLAGS).strip()

@@ -20,10 +20,10 @@ Then:
 2. the same command started and, at a seeded random moment after a new checkpoint, process 0 alone SIGKILLed (the
    actor; the coordination service lives in its sidecar, sharding/coordination.py): the survivor (process 1, the
    rollout) exits non-zero with exactly one `error:` line naming the actor side and process 0, and no Python, C++ or
-   Gloo stack, and the sidecar is gone within its bound (--push-timeout + 30 + 10 s, + polling); started again,
-   both processes SIGKILLed (a lost node), and started once more to the end: it resumes each time, and the final
-   checkpoint and every per-step metric (but the rollout process's own counter, which restarts with it) equal the
-   uninterrupted run's bitwise (`assert_same_run`).
+   Gloo stack, and the sidecar is gone within its bound (--push-timeout + 30 + 10 s, + polling); started again to
+   the end: it resumes, and the final checkpoint and every per-step metric (but the rollout process's own counter,
+   which restarts with it) equal the uninterrupted run's bitwise (`assert_same_run`). (Restarts of a restarted
+   async run, and a whole lost node's SIGKILL, are tests/launch/test_resume.py's, in one process.)
 
     .venv/bin/python -m pytest -q -m slow tests/launch/test_mpmd_async_resume.py
 """
@@ -126,34 +126,24 @@ def test_async_mpmd_schedule_slots_parity_and_kill_resume(tmp_path, run_env, lt)
         assert {k: v for k, v in rows[s].items() if k.startswith("eval/")} == \
             {k: v for k, v in one[s].items() if k.startswith("eval/")} != {}, s
 
-    # 2. killed twice at seeded random moments (process 0 alone, then both), resumed to the end: the uninterrupted
-    # run bitwise
-    rng, newest, sidecars = random.Random(0), 0, []
-    for start in range(2):
-        procs = _start(lt, got, run_env, f"start{start}")
-        newest = lt.wait_for_checkpoint_after(procs[0], got / "ckpt", newest)
-        assert all(p.poll() is None for p in procs) and newest < STEPS, (got / f"start{start}.p0.log").read_text()[-3000:]
-        time.sleep(rng.uniform(0.0, 0.5))  # a step takes ~1 s once compiled
-        for p in procs[:1] if start == 0 else procs:
-            p.send_signal(signal.SIGKILL)
-        killed = time.monotonic()
-        rcs = _wait(procs, timeout=PUSH_TIMEOUT + 90)
-        log0 = (got / f"start{start}.p0.log").read_text(errors="replace")
-        sidecars.append((int(re.search(r"in sidecar process (\d+)", log0).group(1)), killed))
-        if start == 0:  # the survivor names the side and the process that died, in one line
-            text = (got / "start0.p1.log").read_text(errors="replace")
-            errors = [line for line in text.splitlines() if line.startswith("error:")]
-            assert rcs[1] == 1 and len(errors) == 1, (rcs, text[-3000:])
-            assert re.match(r"error: the actor side (lost process\(es\) \[0\]|\(processes \[0\]\))", errors[0]), \
-                errors
-            assert not STACK.search(text.replace(errors[0], "")), text[-3000:]
-        newest = max(lt.ckpt_steps(got / "ckpt"))
-        if start:
-            assert "resumed from" in log0
+    # 2. process 0 alone SIGKILLed at a seeded random moment, resumed to the end: the uninterrupted run bitwise
+    procs = _start(lt, got, run_env, "start0")
+    newest = lt.wait_for_checkpoint_after(procs[0], got / "ckpt", 0)
+    assert all(p.poll() is None for p in procs) and newest < STEPS, (got / "start0.p0.log").read_text()[-3000:]
+    time.sleep(random.Random(0).uniform(0.0, 0.5))  # a step takes ~1 s once compiled
+    procs[0].send_signal(signal.SIGKILL)
+    killed = time.monotonic()
+    rcs = _wait(procs, timeout=PUSH_TIMEOUT + 90)
+    log0 = (got / "start0.p0.log").read_text(errors="replace")
+    sidecar = int(re.search(r"in sidecar process (\d+)", log0).group(1))
+    text = (got / "start0.p1.log").read_text(errors="replace")  # the survivor names the side and the process
+    errors = [line for line in text.splitlines() if line.startswith("error:")]
+    assert rcs[1] == 1 and len(errors) == 1, (rcs, text[-3000:])
+    assert re.match(r"error: the actor side (lost process\(es\) \[0\]|\(processes \[0\]\))", errors[0]), errors
+    assert not STACK.search(text.replace(errors[0], "")), text[-3000:]
     assert _wait(_start(lt, got, run_env, "final")) == [0, 0], (got / "final.p0.log").read_text()[-3000:]
     assert "resumed from" in (got / "final.p0.log").read_text()
     lt.assert_same_run(ref, got, STEPS, ignore=("mpmd/rollout_generate_calls",))
-    for pid, killed in sidecars:  # no coordination sidecar outlives its killed process 0 beyond its bound
-        while not _gone(pid) and time.monotonic() < killed + SIDECAR_BOUND_S:
-            time.sleep(0.5)
-        assert _gone(pid), f"sidecar {pid} still alive {time.monotonic() - killed:.0f} s after its process 0 died"
+    while not _gone(sidecar) and time.monotonic() < killed + SIDECAR_BOUND_S:  # no sidecar outlives its bound
+        time.sleep(0.5)
+    assert _gone(sidecar), f"sidecar {sidecar} still alive {time.monotonic() - killed:.0f} s after its process 0 died"

@@ -1,20 +1,24 @@
 """Resume reproduces the uninterrupted run exactly (issue §6), and interruptions lose nothing.
 
-The default job (tiny model, built-in digit task, 2 host devices: actor 1 + rollout 1, FP8 rollout) runs as
-`python launch/run.py` twice: once uninterrupted, once interrupted again and again in a fresh directory and
-restarted with the same command each time until it completes:
+The default job in miniature (tiny model, built-in digit task, 2 host devices: actor 1 + rollout 1, FP8 rollout, the
+real pusher), one step off (`--async-rollout`: the pipeline's producer thread generates batch n + 1 with the
+previous weights while step n trains; rl/pipeline.py), runs as `python launch/run.py` twice: once uninterrupted, once
+interrupted again and again in a fresh directory and restarted with the same command each time until it completes:
   1. SIGKILL at a random moment (seeded) after it saved a checkpoint;
-  2. Ctrl-C (SIGINT) at a random moment after its next checkpoint: the current step finishes and is checkpointed,
-     exit status 130 with one line, no traceback (SIGTERM, handled alike with status 0, is
-     tests/launch/test_async_resume.py's);
-  3. Ctrl-C twice (issue 15 class 4): out at once, status 130, the newest complete checkpoint kept and loadable;
-  4. the newest checkpoint is corrupted (a data file truncated): the restart falls back to the previous
+  2. SIGTERM at a random moment after its next checkpoint: the current step finishes and is checkpointed, exit 0;
+  3. Ctrl-C (SIGINT) likewise: exit status 130 with one line, no traceback;
+  4. Ctrl-C twice (issue 15 class 4): out at once, status 130, the newest complete checkpoint kept and loadable;
+  5. the newest checkpoint is corrupted (a data file truncated): the restart falls back to the previous
      checkpoint with a warning and runs to the end.
+The in-flight batch (generated with the previous weights) travels with each checkpoint (`ckpt/inflight/<step>.npz`).
 Then every array of the final checkpoint (params, Adam moments, step, buffers) and every per-step metric except
-`perf/*` must be bitwise equal to the uninterrupted run's, and the metrics file must hold each step once.
+`perf/*` must be bitwise equal to the uninterrupted run's, and the metrics file must hold each step once, with the
+staleness metrics of one step off.
 
-Runtime: 2.6 min wall in a full-suite run on 2 cores (8 steps, 5 processes: the first compiles, the others load the
-compile cache), hence `slow`.
+The synchronous loop is the same pipeline with K = 0 (rl/pipeline.py): its resume is tests/launch/test_mpmd_resume.py's
+(bitwise, MPMD) and tests/rl's; two kills in a row of an async run are tests/launch/test_mpmd_async_resume.py's.
+(One file for both signal families: each launched start costs ~25 s of CPU on top of the steps, so the former
+synchronous and asynchronous copies of this test, 9 starts, are 6 here.)
 
     .venv/bin/python -m pytest -q -m slow tests/launch/test_resume.py
 """
@@ -28,7 +32,8 @@ import pytest
 
 STEPS = 8
 EVAL_EVERY = 4
-JOB = ["--steps", str(STEPS), "--ckpt-every", "1", "--keep-checkpoints", "2", "--eval-every", str(EVAL_EVERY)]
+JOB = ["--steps", str(STEPS), "--ckpt-every", "1", "--keep-checkpoints", "2", "--eval-every", str(EVAL_EVERY),
+       "--async-rollout"]
 
 
 @pytest.mark.slow
@@ -39,12 +44,16 @@ def test_interrupted_run_reproduces_uninterrupted_run(tmp_path, run_env, lt, cap
 
     rc, out = lt.launch([*args, *lt.outputs(ref)], run_env, tmp_path / "ref.log")
     assert rc == 0, out[-3000:]
+    ma = lt.read_metrics(ref / "metrics.jsonl")
+    assert [r["weight_version/staleness_max"] for r in ma] == [0.0] + [1.0] * (STEPS - 1)  # one step off
+    assert all(0.0 <= r["perf/overlap_frac"] <= 1.0 for r in ma)
 
     # interrupt within ~1 step after a checkpoint completes (median step time of the reference run)
-    step_s = float(np.median([r["perf/step_s"] for r in lt.read_metrics(ref / "metrics.jsonl")]))
+    step_s = float(np.median([r["perf/step_s"] for r in ma]))
     cmd = [*args, *lt.outputs(got)]
-    signals = (signal.SIGKILL, signal.SIGINT, lt.CTRL_C_TWICE)
+    signals = (signal.SIGKILL, signal.SIGTERM, signal.SIGINT, lt.CTRL_C_TWICE)
     for sig, newest in lt.interrupted_starts(cmd, run_env, log, got / "ckpt", STEPS, step_s, 20261130, signals):
+        assert (got / "ckpt" / "inflight" / f"{newest}.npz").is_file()  # the in-flight batch of that checkpoint
         if sig == signal.SIGINT:  # the last completed step is checkpointed
             logged = [r["step"] for r in lt.read_metrics(got / "metrics.jsonl")]
             assert logged == list(range(newest)), (logged, newest)
@@ -64,7 +73,7 @@ def test_interrupted_run_reproduces_uninterrupted_run(tmp_path, run_env, lt, cap
     a, ma = lt.assert_same_run(ref, got, STEPS)
     assert any(np.any(v != 0) for k, v in a.items() if "opt_state" in k)  # Adam state is really there
     assert {"eval/pass@1", "eval/pass@k"} <= set(ma[EVAL_EVERY - 1]) and "eval/pass@1" in ma[-1]
-    assert len(list((got / "tb").glob("events.out.tfevents.*"))) == 4  # one per process; resumed ones purge
+    assert len(list((got / "tb").glob("events.out.tfevents.*"))) == 5  # one per process (4 starts + the last)
 
     # the real checkpoint refuses a run of another config, before any model is built (this process, 8 devices)
     from launch.run import main

@@ -300,9 +300,11 @@ def _gsm8k_lines(path: pathlib.Path, n: int, max_chars: int = 200) -> list[str]:
     return out
 
 
-def test_gsm8k_job_trains_evaluates_checkpoints_and_resumes(shared_dir, tmp_path, hf_tiny_checkpoint, run_env, lt):
+def test_gsm8k_job_trains_evaluates_and_checkpoints(shared_dir, tmp_path, hf_tiny_checkpoint, run_env, lt):
     """Issue §5: real GSM8K lines, a Hugging Face BPE tokenizer.json, an official-format checkpoint (transformers
-    save_pretrained) as --init; 3 steps with eval and a checkpoint, then --steps 4 resumes at step 3."""
+    save_pretrained) as --init; 4 steps with eval every 3 and a checkpoint every 3 (and the last). (Its resume was a
+    second launch of ~30 s of CPU; resuming is tests/launch/test_resume.py's, test_mpmd_resume.py's (with --init)
+    and test_seed_workflow.py's eval run's.)"""
     src = shared_dir / "data" / "gsm8k"
     if not (src / "train.jsonl").is_file() or not (src / "test.jsonl").is_file():
         pytest.skip(f"{src} has no GSM8K train.jsonl / test.jsonl")
@@ -315,12 +317,8 @@ def test_gsm8k_job_trains_evaluates_checkpoints_and_resumes(shared_dir, tmp_path
     args = ["--config-file", CONFIGS / "gsm8k_tiny.yaml", "--init", hf_tiny_checkpoint, "--config", "tiny",
             "--dataset", tmp_path / "train.jsonl", "--eval-dataset", tmp_path / "test.jsonl", "--tokenizer", tok,
             *TINY, "--max-prompt-len", "128", "--eval-every", "3", "--ckpt-every", "3", *lt.outputs(out)]
-    rc, log1 = lt.launch([*args, "--steps", "3"], run_env, tmp_path / "run.log")
+    rc, log1 = lt.launch([*args, "--steps", "4"], run_env, tmp_path / "run.log")
     assert rc == 0, log1[-3000:]
-    assert (out / "ckpt" / "3").is_dir()
-    rc, log2 = lt.launch([*args, "--steps", "4"], run_env, tmp_path / "run.log")
-    assert rc == 0, log2[-3000:]
-    assert "resumed from" in log2 and "at step 3" in log2
 
     rows = lt.read_metrics(out / "metrics.jsonl")
     assert [r["step"] for r in rows] == [0, 1, 2, 3]
@@ -339,5 +337,5 @@ def test_gsm8k_job_trains_evaluates_checkpoints_and_resumes(shared_dir, tmp_path
         assert {"eval/pass@1", "eval/pass@k", "eval/greedy_pass@1", "eval/k"} <= set(r) and r["eval/k"] == 2
         assert 0.0 <= r["eval/pass@1"] <= r["eval/pass@k"] <= 1.0
     assert "eval/pass@1" not in rows[0] and "eval/pass@1" not in rows[1]
-    assert len(list((out / "tb").glob("events.out.tfevents.*"))) == 2  # one event file per process
+    assert len(list((out / "tb").glob("events.out.tfevents.*"))) == 1
     assert sorted(p.name for p in (out / "ckpt").iterdir() if p.name.isdigit()) == ["3", "4"]

@@ -31,11 +31,13 @@ REPO = pathlib.Path(__file__).resolve().parents[2]
 
 @pytest.fixture(scope="module")
 def dapo(tmp_path_factory) -> dict:
-    """A 20-record DAPO-style training parquet, a 4-record eval parquet (veRL layout) and a chat tokenizer folder
+    """A 20-record DAPO-style training parquet, an 8-record eval parquet (veRL layout) and a chat tokenizer folder
     whose BPE knows the instruction text (so prompts stay short)."""
     d = tmp_path_factory.mktemp("dapo")
     train = write_parquet(d / "dapo_math_17k.parquet", verl_records(20))
-    ev = write_parquet(d / "aime.parquet", verl_records(4, start=100))
+    # 8 eval prompts x 2 samples = the training batch's 16 rows: one sampled generate program serves both
+    # (rl/sampler.py compiles one per row bucket; 4 x 2 would compile a third)
+    ev = write_parquet(d / "aime.parquet", verl_records(8, start=100))
     texts = [m["content"] for r in verl_records(30) for m in r["prompt"]] + ["Answer: 12", DAPO_INSTRUCTION] * 4
     tok = make_chat_tokenizer(d / "tok", texts=texts)
     return {"train": train, "eval": ev, "tok": tok}
@@ -45,7 +47,7 @@ def seed_flags(dapo: dict, out: pathlib.Path) -> list[str]:
     return ["--data-format", "verl", "--dataset", dapo["train"], "--eval-dataset", dapo["eval"],
             "--tokenizer", dapo["tok"] / "tokenizer.json", "--apply-chat-template", "--system-prompt",
             "Reason briefly.", "--thinking", "off", "--reward", "dapo", "--max-prompt-len", "96",
-            "--prompts-per-step", "4", "--group-size", "4", "--max-new-tokens", "4", "--eval-prompts", "4",
+            "--prompts-per-step", "4", "--group-size", "4", "--max-new-tokens", "4", "--eval-prompts", "8",
             "--eval-samples", "2", "--no-progress", "--ckpt-dir", out / "ckpt", "--metrics-jsonl",
             out / "metrics.jsonl", "--tensorboard-dir", ""]
 
@@ -125,7 +127,7 @@ def test_seed_workflow_end_to_end(dapo, tmp_path, run_env, lt):
                           env=run_env, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
     assert "resumed from" in proc.stderr and "at step 2" in proc.stderr
-    table = proc.stdout[proc.stdout.index("eval: 4 prompts of"):]
+    table = proc.stdout[proc.stdout.index("eval: 8 prompts of"):]
     assert "weights" in table and "step 2" in table and "pass@2 (sampled)" in table
     rows = lt.read_metrics(out / "metrics.jsonl")
     assert [r["step"] for r in rows] == [0, 0, 1, 2] and rows[-1]["eval/only"] == 1.0  # training rows kept

@@ -9,7 +9,7 @@ rollout weights: one learner and one sampler shared by the tests (compiled once)
   batch m <- P(max(0, m - K)), and the metrics report it;
 - the flags: `--max-staleness` >= 0, `--async-rollout` = K 1, and `--correction none` with K >= 1 is refused;
 - the loop over a fake rollout service (no compile): the same schedule for K = 0, 1, 2 whatever serves the rollout.
-The kill / resume tests (bitwise) are tests/launch/test_async_resume.py and test_mpmd_resume.py (slow).
+The kill / resume tests (bitwise) are tests/launch/test_resume.py and test_mpmd_async_resume.py (slow).
 """
 
 from __future__ import annotations
