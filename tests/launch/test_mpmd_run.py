@@ -9,7 +9,6 @@ the rollout side. A bad MPMD spec fails before step 1."""
 
 import json
 import pathlib
-import re
 import subprocess
 import sys
 import time
@@ -74,13 +73,15 @@ def test_mpmd_three_processes_steps_parity_and_rollout_killed(tmp_path, run_env)
     out = [(tmp_path / f"p{i}.log").read_text() for i in range(3)]
     rows = _rows(metrics)
     # a step without learning signal (all groups zero-std) makes no update and keeps the version (rl/stages.py)
-    updates = sum(r["train/skipped_no_signal"] == 0.0 for r in rows)
-    for i in (0, 1):
+    assert sum(r["train/skipped_no_signal"] == 0.0 for r in rows) >= 1
+    for i in (0, 1):  # one line each (the heartbeat watch or the push's wait, whichever comes first; sharding/mpmd.py)
         assert procs[i].returncode not in (0, None), out[i][-2000:]
-        assert "error: the rollout side (processes [2]) did not answer" in out[i], out[i][-2000:]
-        # the actor processes never generated; they trained every step they finished that had a signal
-        m = re.search(r"role actor \(process %d\): generate calls (\d+), train steps (\d+)" % i, out[i])
-        assert m and int(m.group(1)) == 0 and int(m.group(2)) >= updates >= 1, out[i][-2000:]
+        errors = [x for x in out[i].splitlines() if x.startswith("error:")]
+        assert len(errors) == 1 and errors[0].startswith("error: the rollout side (processes [2]) did not answer"), \
+            out[i][-2000:]
+        assert "Traceback" not in out[i]
+    # (the roles' counters line, "role actor (process 0): generate calls 0, ...", is printed by a clean exit:
+    # tests/launch/test_mpmd_async_resume.py reads it; here the rollout did every generate, counted below)
     assert elapsed < TIMEOUT + 90
     steps = [r["step"] for r in rows]
     assert steps == list(range(len(steps))) and len(steps) >= 3  # one writer: each step once, in order
