@@ -186,6 +186,9 @@ class RolloutConfig:
                                              "response at SHORT new tokens except for a FRAC share of the prompts "
                                              "(evenly spread over the data index), which keep --max-new-tokens; "
                                              "e.g. 0.1:4; none = off")
+    ignore_eos: bool = knob(False, "benchmarks: training samples do not stop at the tokenizer's eos, so every "
+                                   "response runs to its limit (--max-new-tokens, or --rollout.length_schedule's); "
+                                   "evaluation still stops at eos (vLLM's SamplingParams.ignore_eos)")
     exact: bool = knob(False, "exact mode (rl/exact.py): training samples are drawn from the learner's own forward "
                               "in a batch-invariant layout (a full forward per token), so "
                               "train/train_rollout_logprob_abs_diff is 0 (needs --max-staleness 0; with an FP8 "

@@ -82,10 +82,11 @@ def generate(job, rows: list[list[int]], params: SamplingParams, *, seed: int, s
 
 
 def sampling_params(job) -> SamplingParams:
-    """The run's training SamplingParams (`cfg.rollout`; the tokenizer's eos stops a response)."""
+    """The run's training SamplingParams (`cfg.rollout`; the tokenizer's eos stops a response, unless
+    --rollout.ignore_eos)."""
     r = job.cfg.rollout
     return SamplingParams(temperature=r.temperature, top_p=r.top_p, top_k=r.top_k, max_new_tokens=r.max_new_tokens,
-                          stop_token_ids=(job.tokenizer.eos_id,))
+                          stop_token_ids=() if r.ignore_eos else (job.tokenizer.eos_id,))
 
 
 def sample(job, prompts: list[list[int]], step: int, round_index: int = 0,

@@ -3,12 +3,14 @@ preset < YAML < flat flag < dotted flag, nested and flat YAML keys, one-line err
 config written to the run directory and read back. Pure Python: no model, no JAX computation."""
 
 import dataclasses
+import types
 
 import pytest
 
 from launch import run as launch_run
 from rl.config import DEFAULT_LEARNER, FLAT, LearnerConfig, LossConfig, RunConfig
 from rl.config_tree import paths
+from rl.stages import sampling_params
 
 
 def test_precedence_defaults_yaml_flat_dotted(tmp_path):
@@ -186,3 +188,13 @@ def test_max_prompt_len_and_the_rollout_knobs_have_one_default():
         == (run.rollout.dtype, run.rollout.prefill_chunk, run.rollout.kv_cache_dtype)
     assert records["on_bad_record"].default == inspect.signature(load_records).parameters["on_bad_record"].default \
         == run.data.on_bad_record
+
+
+def test_ignore_eos_lets_training_samples_run_to_their_limit():
+    """--rollout.ignore_eos (benchmarks: responses of the lengths the schedule says): no stop id in the training
+    SamplingParams; the default stops at the tokenizer's eos."""
+    cfg, _ = launch_run.resolve(["--rollout.ignore_eos", "--max-new-tokens", "8"])
+    job = types.SimpleNamespace(cfg=cfg, tokenizer=types.SimpleNamespace(eos_id=1))
+    assert cfg.rollout.ignore_eos and sampling_params(job).stop_token_ids == ()
+    job.cfg, _ = launch_run.resolve(["--max-new-tokens", "8"])
+    assert sampling_params(job).stop_token_ids == (1,) and sampling_params(job).max_new_tokens == 8
