@@ -163,7 +163,7 @@ def compile_actor(config, mesh_spec: str, *, seq_len: int, learner: LearnerConfi
 def _offloaded_bytes(learner: Learner, fraction: float) -> int:
     """Per-device bytes of the optimizer state (fp32 master + 2 fp32 moments, `so.state_bytes`) that
     `--offload-optimizer fraction` puts in host memory: the trained params `so.select_offloaded` picks (by their
-    global state bytes, as `Learner._offload`), each counted with its per-device shard (masters and moments are
+    global state bytes, as `rl.learner_state.offload_shardings`), each counted with its per-device shard (masters and moments are
     placed like their params)."""
     params = jax.tree_util.tree_leaves_with_path(learner.state.params)
     labels = [lab for _, lab in jax.tree_util.tree_leaves_with_path(learner.labels)]

@@ -52,7 +52,7 @@ runs its dots in f32, so it holds f32 copies of the gathered layer's weights and
 place (`_take`, uint16 saved inputs), on every backend. Before that, XLA:CPU float-normalised the scan's bf16
 `xs` into f32 copies of whole stacks (100 GiB per device for Flash on 2 x 8 devices).
 Optimizer update transient: the step moves the offloaded optimizer state (fp32 masters + moments) to the device
-for the update and back (`rl.learner.Learner._opt_state_to`). Without `stream_optimizer` nothing bounds how much
+for the update and back (`rl.learner_state.opt_state_to`). Without `stream_optimizer` nothing bounds how much
 of it is there at once (XLA's memory analysis of the Flash step keeps most of it live: launch/aot.py), so the plan
 counts all offloaded bytes on the device. With the learner's `stream_optimizer` (`rl.optim.update_streamed`) the
 offloaded state of the decoder layers (stacked under `scan_layers`) is updated one layer at a time: the plan

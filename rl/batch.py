@@ -161,3 +161,23 @@ class TrainBatch:
             out.append({"prompt": ids[i][prompt], "response": ids[i][r], "response_logprobs": lp[i][r],
                         "routing": None if self.routing is None else np.asarray(self.routing)[i][real]})
         return out
+
+
+def check_train_batch(batch: TrainBatch, *, micro_batch_size: int | None = None, token_budget: int | None = None,
+                      batch_devices: int = 1) -> None:
+    """Static shape checks of a learner's batch (ValueError naming the field): input_ids [N, S], the per-token
+    arrays [N, S], advantages [N] or [N, S], N a multiple of `micro_batch_size` (unless a `token_budget` packs the
+    micro-batches) and of the devices the batch axes split rows over (`batch_devices`)."""
+    if batch.input_ids.ndim != 2:
+        raise ValueError(f"TrainBatch.input_ids must be [N, S], got shape {batch.input_ids.shape}")
+    n, s = batch.input_ids.shape
+    for name in ("attention_mask", "response_mask", "rollout_logprobs", "old_logprobs"):
+        x = getattr(batch, name)
+        if x is not None and x.shape != (n, s):
+            raise ValueError(f"TrainBatch.{name} has shape {x.shape}; expected [N, S] = {(n, s)}")
+    if batch.advantages.shape not in ((n,), (n, s)):
+        raise ValueError(f"TrainBatch.advantages has shape {batch.advantages.shape}; expected [N] = {(n,)}")
+    if micro_batch_size is not None and n % micro_batch_size and token_budget is None:
+        raise ValueError(f"batch size N={n} is not a multiple of micro_batch_size={micro_batch_size}")
+    if n % batch_devices:
+        raise ValueError(f"batch size N={n} is not divisible by the mesh's batch axes (= {batch_devices} devices)")

@@ -39,7 +39,8 @@ from rl.config import RunConfig
 from rl.data import PromptDataset, make_prompt_iterator
 from rl.data_formats import build_datasets, resolve_reward_name
 from rl.exact import exact_layout
-from rl.learner import Learner, resolve_param_dtype
+from rl.learner import Learner
+from rl.learner_state import resolve_param_dtype
 from rl.math_rewards import make_reward, prompt_independent_best
 from rl.partial import requests_per_batch
 from rl.rewards import TextReward

@@ -29,7 +29,8 @@ Choices (and why):
   neutral); a batch whose longest row exceeds B is a ValueError naming --max-tokens-per-micro-batch.
 - Optimizer offload: `offload_optimizer` F puts the optimizer state (masters + moments) of the params
   `sharding.offload.select_offloaded` picks into `pinned_host` memory; the step moves it to the device, updates
-  it and writes it back (jit out_shardings carry the memory kind). parallel/plan.py counts the same bytes.
+  it and writes it back (jit out_shardings carry the memory kind; the placement rules: rl/learner_state.py).
+  parallel/plan.py counts the same bytes.
 - Micro-batches: `lax.scan` over M = N / micro_batch_size micro-batches inside the one jitted step (one
   compile, one dispatch). Micro-batch m takes rows m, m + M, m + 2M, ... (strided), so with the batch sharded
   in blocks over the data axes every device holds an equal share of each micro-batch. Every micro-batch loss
@@ -91,7 +92,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
-from flax import nnx, struct
+from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from dsv4 import scan
@@ -100,13 +101,15 @@ from dsv4.names import tree_key
 from dsv4.quant import select_fp8_format
 from parallel import expert as expert_lib
 from rl import batching, optim
-from rl.batch import TrainBatch  # noqa: F401  (re-exported: rl.learner.TrainBatch, fields unchanged)
+from rl.batch import TrainBatch, check_train_batch  # TrainBatch: re-exported (rl.learner.TrainBatch)
 from rl.config import LearnerConfig, RolloutConfig
 from rl.config_tree import default
+from rl.learner_state import (LogprobResult, TrainState, master_like_params, offload_shardings, opt_state_to,
+                              resolve_param_dtype, state_shardings, streamable)
 from rl.logprobs import next_token_logits, token_logprobs
 from rl.losses import kl_penalty, loss_normalizers, mtp_mask, policy_loss
 from rl.metrics import masked_mean
-from rl.replay import validate_routing
+from rl.replay import check_replay_routing
 from rl.rollout_weights import RolloutFormat, fp8_aware_params, parse_rollout_dtype
 from sharding import axes as ax
 from sharding import offload as so
@@ -120,53 +123,6 @@ _HASH_TABLE = re.compile(r"layers/(\d+)/ffn/gate/tid2eid")
 METRIC_NAMES = ("train/pg_loss", "train/pg_clipfrac", "train/ppo_kl", "train/kl_loss", "train/entropy",
                 "train/grad_norm", "train/train_rollout_logprob_abs_diff", "train/train_rollout_kl",
                 "train/tis_clipfrac", "train/skipped_nonfinite", "train/lr")
-
-
-def _is_mtp(path) -> bool:
-    """Whether a param path is the MTP module's (`mtp/*`)."""
-    return tree_key(path).startswith("mtp")
-
-
-@struct.dataclass
-class TrainState:
-    """step: int32 scalar (applied updates); params: nnx.State of float32 Params; opt_state: optax state;
-    buffers: nnx.State of Buffers; ref_params: nnx.State of the reference Params (kl_coef > 0) or None."""
-
-    step: jax.Array
-    params: Any
-    opt_state: Any
-    buffers: Any
-    ref_params: Any = None
-
-
-@struct.dataclass
-class LogprobResult:
-    """`Learner.compute_logprobs` output: logprobs, entropy [N, S] float32, routing [N, S, L, k] int32."""
-
-    logprobs: jax.Array
-    entropy: jax.Array
-    routing: jax.Array
-
-
-def resolve_param_dtype(cfg: LearnerConfig, devices) -> LearnerConfig:
-    """`cfg` with `param_dtype="auto"` decided for `devices` (`jax.Device`s; only `.platform` is read): float32 on
-    CPU (bf16 matmuls are emulated there), bfloat16 (+ fp32 masters) on accelerators; other values unchanged."""
-    if cfg.param_dtype != "auto":
-        return cfg
-    cpu = all(d.platform == "cpu" for d in devices)
-    return dataclasses.replace(cfg, param_dtype="float32" if cpu else "bfloat16")
-
-
-def _state_shardings(abstract_state: Any, mesh: Mesh, rules: sr.Rules) -> Any:
-    """`sharding.rules.param_shardings` of a TrainState. Variables that hold no array (optax's `MaskedNode` in
-    the Adam state of frozen params) are kept as they are: they have no leaves, so they need no sharding."""
-    is_var = lambda x: isinstance(x, nnx.Variable)  # noqa: E731
-    flat = jax.tree_util.tree_flatten_with_path(abstract_state, is_leaf=is_var)[0]
-    named = {jax.tree_util.keystr(p, simple=True, separator="."): leaf for p, leaf in flat if jax.tree.leaves(leaf)}
-    shardings = sr.param_shardings(named, mesh, rules)
-    return jax.tree_util.tree_map_with_path(
-        lambda p, leaf: shardings.get(jax.tree_util.keystr(p, simple=True, separator="."), leaf),
-        abstract_state, is_leaf=is_var)
 
 
 class Learner:
@@ -243,7 +199,8 @@ class Learner:
             abs_params = scan.stack_params(abs_params, self.sdef.groups)
         self.labels = labels
         self._matrix = {tree_key(p): m for p, m in jax.tree_util.tree_leaves_with_path(matrix)}
-        self.tx = optax.multi_transform({TRAIN: self._train_tx(), FROZEN: optax.set_to_zero()}, self.labels)
+        self.tx = optax.multi_transform({TRAIN: optim.train_tx(cfg, self._matrix), FROZEN: optax.set_to_zero()},
+                                        self.labels)
         self.mesh, self.rules = mesh, (sr.ACTOR_RULES if rules is None else rules)
         trained = {tree_key(p): lab == TRAIN for p, lab in jax.tree_util.tree_leaves_with_path(self.labels)}
         is_matrix = lambda path, x: self._matrix[tree_key(path)]  # noqa: E731  (per-layer ndim >= 2)
@@ -269,19 +226,26 @@ class Learner:
             self._state_shardings = jax.tree.map(lambda x: x.sharding, self.state)
         else:
             abstract_state = jax.eval_shape(init, params, buffers)
-            self._state_shardings = _state_shardings(abstract_state, mesh, self.rules)
+            self._state_shardings = state_shardings(abstract_state, mesh, self.rules)
             batch_axes = sr.activation_spec(ax.ACT_BATCH, rules=self.rules, mesh=mesh)
             self._batch_sharding = NamedSharding(mesh, batch_axes)
             self._replicated = NamedSharding(mesh, PartitionSpec())
-            self._state_shardings = self._master_like_params(self._state_shardings)
+            self._state_shardings = master_like_params(self._state_shardings)
             if abstract:
                 self.state = jax.tree.map(lambda a, sh: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sh),
                                           abstract_state, self._state_shardings)
             else:
                 with self._context():
                     self.state = jax.jit(init, out_shardings=self._state_shardings)(params, buffers)
-        self.offloaded = self._offload(trained)
-        self.streamed = self._streamable() if cfg.stream_optimizer else frozenset()
+        dev = jax.devices()[0] if mesh is None else mesh.devices.flat[0]
+        self.offloaded, self._state_shardings = offload_shardings(cfg, self.state.params, self._state_shardings,
+                                                                  trained, dev)
+        if self.offloaded and isinstance(jax.tree.leaves(self.state)[0], jax.ShapeDtypeStruct):  # abstract learner
+            self.state = jax.tree.map(lambda a, sh: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sh),
+                                      self.state, self._state_shardings)
+        elif self.offloaded:
+            self.state = jax.device_put(self.state, self._state_shardings)
+        self.streamed = streamable(self.state.params, self.offloaded) if cfg.stream_optimizer else frozenset()
         if dispatch_fn is None:
             devices = [jax.devices()[0]] if mesh is None else list(mesh.devices.flat)
             shardings = {tree_key(p): sh for p, sh in jax.tree_util.tree_leaves_with_path(self._param_shardings())}
@@ -303,88 +267,15 @@ class Learner:
             return jax.tree.map(lambda _: one, self._per_layer_params)
         return scan.unstack_params(sh, self.sdef.groups)
 
-    # ------------------------------------------------------------------ optimizer state placement
-    def _master_like_params(self, shardings: TrainState) -> TrainState:
-        """fp32 masters (bare arrays in `optim.MasterState.master`) are placed like their params."""
-        if not isinstance(shardings.opt_state, optim.MasterState):
-            return shardings
-        by_path = {tree_key(p): sh for p, sh in jax.tree_util.tree_leaves_with_path(shardings.params)}
-        master = {k: by_path[k] for k in shardings.opt_state.master}
-        return shardings.replace(opt_state=shardings.opt_state.replace(master=master))
-
-    def _offload(self, trained: dict[str, bool]) -> frozenset[str]:
-        """Move the optimizer state of `sharding.offload.select_offloaded` params to host memory (pinned_host);
-        returns their paths. Raises ValueError when the fraction is > 0 and the backend has no host memory."""
-        frac = self.cfg.offload_optimizer
-        if frac == 0:
-            return frozenset()
-        dev = jax.devices()[0] if self.mesh is None else self.mesh.devices.flat[0]
-        kinds = {m.kind for m in dev.addressable_memories()}
-        if so.HOST_MEMORY_KIND not in kinds:
-            raise ValueError(f"--offload-optimizer {frac}: the {dev.platform} backend has no "
-                             f"'{so.HOST_MEMORY_KIND}' memory (memory kinds: {sorted(kinds)})")
-        sizes = [(k, so.state_bytes(math.prod(x.shape), str(x.dtype)))
-                 for p, x in jax.tree_util.tree_leaves_with_path(self.state.params) if trained[(k := tree_key(p))]]
-        chosen = so.select_offloaded(sizes, frac)
-        names = {tree_key(p) for p, _ in jax.tree_util.tree_leaves_with_path(self.state.params)}
-        opt_sh = optim.offload_shardings(self._state_shardings.opt_state, names, chosen, so.HOST_MEMORY_KIND)
-        self._state_shardings = self._state_shardings.replace(opt_state=opt_sh)
-        if isinstance(jax.tree.leaves(self.state)[0], jax.ShapeDtypeStruct):  # abstract learner
-            self.state = jax.tree.map(lambda a, sh: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sh),
-                                      self.state, self._state_shardings)
-        else:
-            self.state = jax.device_put(self.state, self._state_shardings)
-        return chosen
-
-    def _streamable(self) -> frozenset[str]:
-        """Offloaded params whose state the step streams slice by slice (`rl.optim.update_streamed`): ndim >= 3
-        (a slice keeps ndim >= 2: the weight-decay mask is unchanged) and a leading dim that no mesh axis splits
-        (with `scan_layers`: the stacked layer dim) > 1. (Streaming a group of one layer too was measured worse:
-        +11 GiB in XLA:CPU's figure of the 4-layer Flash step, so it is moved whole.)"""
-        out = set()
-        for p, x in jax.tree_util.tree_leaves_with_path(self.state.params):
-            name = tree_key(p)
-            sh = getattr(x, "sharding", None)
-            spec = getattr(sh, "spec", None)
-            lead_split = spec is not None and len(spec) > 0 and spec[0] is not None
-            if name in self.offloaded and x.ndim >= 3 and x.shape[0] > 1 and not lead_split:
-                out.add(name)
-        return frozenset(out)
-
-    def _opt_state_to(self, opt_state, kind: str):
-        """Inside the step: offloaded optimizer state to device memory (kind "device") or back (kind "host");
-        the state of `self.streamed` params stays where it is (the streamed update moves it slice by slice)."""
-        if not self.offloaded:
-            return opt_state
-        owner = optim._owner({tree_key(p) for p, _ in jax.tree_util.tree_leaves_with_path(self.state.params)})
-
-        def move(path, x, sh):
-            if sh.memory_kind != so.HOST_MEMORY_KIND or owner(path) in self.streamed:
-                return x
-            return jax.device_put(x, sh if kind == "host" else sh.with_memory_kind("device"))
-
-        return jax.tree_util.tree_map_with_path(move, opt_state, self._state_shardings.opt_state)
+    def _placement(self) -> tuple:
+        """`rl.learner_state.opt_state_to`'s placement arguments: (offloaded, streamed, params, opt shardings)."""
+        return self.offloaded, self.streamed, self.state.params, self._state_shardings.opt_state
 
     # ------------------------------------------------------------------ optimizer
     def _label(self, path, _leaf) -> str:
         """TRAIN or FROZEN: `sharding.offload.is_trained` (the planner counts optimizer state by the same rule)."""
         trained = so.is_trained(tree_key(path), train_mtp=self.cfg.train_mtp, freeze_router=self.cfg.freeze_router)
         return TRAIN if trained else FROZEN
-
-    def _train_tx(self, clip: bool = True) -> optax.GradientTransformation:
-        """AdamW (+ the global-norm clip; clip=False: `optax.identity()` in its place, same state structure, for
-        `rl.optim.update_streamed`, which clips itself)."""
-        c = self.cfg
-        if c.scan_layers:  # stacked leaves have one more dim: the per-layer decision, by path
-            mask = lambda p: jax.tree_util.tree_map_with_path(lambda q, x: self._matrix[tree_key(q)], p)  # noqa: E731
-        else:
-            mask = lambda p: jax.tree.map(lambda x: x.ndim >= 2, p)  # noqa: E731
-        adamw = optax.adamw(optim.lr_schedule(c), b1=c.b1, b2=c.b2, eps=c.eps, weight_decay=c.weight_decay, mask=mask)
-        if c.max_grad_norm is None:
-            return adamw
-        if clip and c.mtp_loss_weight > 0:  # the MTP head's gradient clipped apart: the policy update is its own
-            return optax.chain(optim.clip_by_global_norm_apart(c.max_grad_norm, _is_mtp), adamw)
-        return optax.chain(optax.clip_by_global_norm(c.max_grad_norm) if clip else optax.identity(), adamw)
 
     # ------------------------------------------------------------------ the math (traced inside jit)
     def _model(self, params, buffers):
@@ -472,11 +363,12 @@ class Learner:
         loss, grads, metrics = self._loss_and_grads(state, batch, lay)
         grad_norm = optax.tree.norm([g.astype(jnp.float32) for g, label in
                                      zip(jax.tree.leaves(grads), jax.tree.leaves(self.labels)) if label == TRAIN])
-        old_opt = self._opt_state_to(state.opt_state, "device")
+        old_opt = opt_state_to(state.opt_state, "device", *self._placement())
         finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
         keep = lambda new, old: jax.tree.map(lambda a, b: jnp.where(finite, a, b), new, old)  # noqa: E731
         if self.streamed:  # offloaded stacked state: one slice at a time on the device (rl.optim.update_streamed)
-            tx = optax.multi_transform({TRAIN: self._train_tx(clip=False), FROZEN: optax.set_to_zero()}, self.labels)
+            tx = optax.multi_transform({TRAIN: optim.train_tx(self.cfg, self._matrix, clip=False),
+                                        FROZEN: optax.set_to_zero()}, self.labels)
             stepped, opt_state = optim.update_streamed(
                 tx, grads, old_opt, state.params, self.streamed, finite=finite, g_norm=grad_norm,
                 max_norm=self.cfg.max_grad_norm, to_device=lambda x: jax.device_put(x, jax.memory.Space.Device),
@@ -489,7 +381,7 @@ class Learner:
                                   self.labels)
             params, opt_state = keep(params, state.params), keep(opt_state, old_opt)
         new_state = state.replace(step=keep(state.step + 1, state.step), params=params,
-                                  opt_state=self._opt_state_to(opt_state, "host"))
+                                  opt_state=opt_state_to(opt_state, "host", *self._placement()))
         out = {name: jnp.zeros((), jnp.float32) for name in METRIC_NAMES}
         out.update(metrics)
         out["train/grad_norm"] = grad_norm
@@ -692,41 +584,17 @@ class Learner:
         return batch if self.mesh is None else jax.device_put(batch, self._batch_sharding)
 
     def _check_batch(self, batch: TrainBatch, replay: bool) -> TrainBatch:
-        """Static shape checks (ValueError); drops routing when replay is off (not sent to the device)."""
-        if batch.input_ids.ndim != 2:
-            raise ValueError(f"TrainBatch.input_ids must be [N, S], got shape {batch.input_ids.shape}")
+        """Static shape checks (ValueError; `rl.batch.check_train_batch`); drops routing when replay is off (not
+        sent to the device)."""
+        check_train_batch(batch, micro_batch_size=self.cfg.micro_batch_size,
+                          token_budget=self.cfg.max_tokens_per_micro_batch, batch_devices=self._batch_devices())
         n, s = batch.input_ids.shape
-        for name in ("attention_mask", "response_mask", "rollout_logprobs", "old_logprobs"):
-            x = getattr(batch, name)
-            if x is not None and x.shape != (n, s):
-                raise ValueError(f"TrainBatch.{name} has shape {x.shape}; expected [N, S] = {(n, s)}")
-        if batch.advantages.shape not in ((n,), (n, s)):
-            raise ValueError(f"TrainBatch.advantages has shape {batch.advantages.shape}; expected [N] = {(n,)}")
-        mbs = self.cfg.micro_batch_size
-        if mbs is not None and n % mbs and self.cfg.max_tokens_per_micro_batch is None:
-            raise ValueError(f"batch size N={n} is not a multiple of micro_batch_size={mbs}")
-        if self.mesh is not None:
-            parts = math.prod(self.mesh.shape[a] for a in sr.mesh_axes_for(ax.ACT_BATCH, self.rules)
-                              if a in self.mesh.shape)
-            if n % parts:
-                raise ValueError(f"batch size N={n} is not divisible by the mesh's batch axes (= {parts} devices)")
         self._replay_metrics = {}
         if not replay:
             return batch.replace(routing=None)
-        expected = (n, s, self.model_config.num_hidden_layers, self.model_config.num_experts_per_tok)
-        if batch.routing is None:
-            raise ValueError("routing_replay is on but TrainBatch.routing is None: the sampler must record the "
-                             f"routing [N, S, L, k] = {expected}, or turn LearnerConfig.routing_replay off")
-        if tuple(batch.routing.shape) != expected:
-            raise ValueError(f"TrainBatch.routing has shape {tuple(batch.routing.shape)}; routing replay needs "
-                             f"[N, S, L, k] = {expected}")
-        if isinstance(batch.routing, jax.ShapeDtypeStruct):  # `lower` on an abstract batch: no values to check
-            if not jnp.issubdtype(batch.routing.dtype, jnp.integer):
-                raise ValueError(f"TrainBatch.routing has dtype {batch.routing.dtype}; routing replay needs "
-                                 "integer expert ids")
-            return batch
-        metrics = validate_routing(batch.routing, batch.input_ids, batch.attention_mask,
-                                   self.model_config.n_routed_experts,
-                                   {i: np.asarray(t) for i, t in self._hash_buffers.items()})
+        metrics = check_replay_routing(
+            batch.routing, batch.input_ids, batch.attention_mask,
+            (n, s, self.model_config.num_hidden_layers, self.model_config.num_experts_per_tok),
+            self.model_config.n_routed_experts, {i: np.asarray(t) for i, t in self._hash_buffers.items()})
         self._replay_metrics = {k: np.float32(v) for k, v in metrics.items()}
         return batch

@@ -217,3 +217,24 @@ def lr_schedule(cfg):
         return lr
 
     return schedule
+
+
+def _is_mtp(path) -> bool:
+    """Whether a param path is the MTP module's (`mtp/*`)."""
+    return tree_key(path).startswith("mtp")
+
+
+def train_tx(cfg, matrix: dict[str, bool], clip: bool = True) -> optax.GradientTransformation:
+    """The trained params' transformation of a `LearnerConfig` `cfg`: AdamW (`lr_schedule`, weight decay on the
+    params whose `matrix[path]` is True: per-layer ndim >= 2, stacked leaves included) after the global-norm clip
+    (`max_grad_norm`; with `mtp_loss_weight` > 0 the MTP head's gradient is clipped apart, so the policy update is
+    its own). clip=False: `optax.identity()` in the clip's place, the same state structure, for `update_streamed`,
+    which clips itself."""
+    mask = lambda p: jax.tree_util.tree_map_with_path(lambda q, x: matrix[tree_key(q)], p)  # noqa: E731
+    adamw = optax.adamw(lr_schedule(cfg), b1=cfg.b1, b2=cfg.b2, eps=cfg.eps, weight_decay=cfg.weight_decay,
+                        mask=mask)
+    if cfg.max_grad_norm is None:
+        return adamw
+    if clip and cfg.mtp_loss_weight > 0:
+        return optax.chain(clip_by_global_norm_apart(cfg.max_grad_norm, _is_mtp), adamw)
+    return optax.chain(optax.clip_by_global_norm(cfg.max_grad_norm) if clip else optax.identity(), adamw)

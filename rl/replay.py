@@ -22,6 +22,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
+import jax
 import numpy as np
 
 UNKNOWN_EXPERT = -1
@@ -88,3 +89,23 @@ def validate_routing(routing, input_ids, attention_mask, n_routed_experts: int,
     replayed_layers = int(np.any(~all_unknown & real_l, axis=(0, 1)).sum())
     return {"train/replay_unknown_frac": n_unknown / n_real if n_real else 0.0,
             "train/replay_layers": float(replayed_layers)}
+
+
+def check_replay_routing(routing, input_ids, attention_mask, expected: tuple[int, int, int, int],
+                         n_routed_experts: int, hash_tables: Mapping[int, np.ndarray] | None = None
+                         ) -> dict[str, float]:
+    """The learner's checks of a batch's recorded routing before a replayed step: present, of shape `expected`
+    ([N, S, L, k]), integer; with values (not a `jax.ShapeDtypeStruct` of an abstract batch), `validate_routing`'s
+    checks -> its metrics ({} for an abstract batch). Raises ValueError naming TrainBatch.routing."""
+    if routing is None:
+        raise ValueError("routing_replay is on but TrainBatch.routing is None: the sampler must record the "
+                         f"routing [N, S, L, k] = {expected}, or turn LearnerConfig.routing_replay off")
+    if tuple(routing.shape) != tuple(expected):
+        raise ValueError(f"TrainBatch.routing has shape {tuple(routing.shape)}; routing replay needs "
+                         f"[N, S, L, k] = {tuple(expected)}")
+    if isinstance(routing, jax.ShapeDtypeStruct):  # an abstract batch (`Learner.lower`): no values to check
+        if not np.issubdtype(routing.dtype, np.integer):
+            raise ValueError(f"TrainBatch.routing has dtype {routing.dtype}; routing replay needs integer expert "
+                             "ids")
+        return {}
+    return validate_routing(routing, input_ids, attention_mask, n_routed_experts, hash_tables)
