@@ -105,7 +105,7 @@ from rl.batch import TrainBatch, check_train_batch  # TrainBatch: re-exported (r
 from rl.config import LearnerConfig, RolloutConfig
 from rl.config_tree import default
 from rl.learner_state import (LogprobResult, TrainState, master_like_params, offload_shardings, opt_state_to,
-                              resolve_param_dtype, state_shardings, streamable)
+                              place, resolve_param_dtype, state_shardings, streamable)
 from rl.logprobs import next_token_logits, token_logprobs
 from rl.losses import kl_penalty, loss_normalizers, mtp_mask, policy_loss
 from rl.metrics import masked_mean
@@ -232,19 +232,15 @@ class Learner:
             self._replicated = NamedSharding(mesh, PartitionSpec())
             self._state_shardings = master_like_params(self._state_shardings)
             if abstract:
-                self.state = jax.tree.map(lambda a, sh: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sh),
-                                          abstract_state, self._state_shardings)
+                self.state = place(abstract_state, self._state_shardings, abstract=True)
             else:
                 with self._context():
                     self.state = jax.jit(init, out_shardings=self._state_shardings)(params, buffers)
         dev = jax.devices()[0] if mesh is None else mesh.devices.flat[0]
         self.offloaded, self._state_shardings = offload_shardings(cfg, self.state.params, self._state_shardings,
                                                                   trained, dev)
-        if self.offloaded and isinstance(jax.tree.leaves(self.state)[0], jax.ShapeDtypeStruct):  # abstract learner
-            self.state = jax.tree.map(lambda a, sh: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sh),
-                                      self.state, self._state_shardings)
-        elif self.offloaded:
-            self.state = jax.device_put(self.state, self._state_shardings)
+        if self.offloaded:  # their optimizer state to host memory
+            self.state = place(self.state, self._state_shardings, abstract=abstract)
         self.streamed = streamable(self.state.params, self.offloaded) if cfg.stream_optimizer else frozenset()
         if dispatch_fn is None:
             devices = [jax.devices()[0]] if mesh is None else list(mesh.devices.flat)

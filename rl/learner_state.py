@@ -72,6 +72,14 @@ def state_shardings(abstract_state: Any, mesh: Mesh, rules: sr.Rules) -> Any:
         abstract_state, is_leaf=is_var)
 
 
+def place(state: Any, shardings: Any, abstract: bool) -> Any:
+    """`state` at `shardings`: an abstract state (leaves `jax.ShapeDtypeStruct`) gets them as its leaves'
+    shardings, a concrete one is moved there (`jax.device_put`)."""
+    if abstract:
+        return jax.tree.map(lambda a, sh: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sh), state, shardings)
+    return jax.device_put(state, shardings)
+
+
 def master_like_params(shardings: TrainState) -> TrainState:
     """fp32 masters (bare arrays in `optim.MasterState.master`) are placed like their params."""
     if not isinstance(shardings.opt_state, optim.MasterState):
