@@ -45,9 +45,9 @@ local positions), weights and optimizer state are split over fsdp x context like
                          the all-gathered compressed entries (+ CSA indexer keys) of the whole sequence and the
                          sliding-window halo, value and gradient (`context_gathered`).
 With `xla_cpu=True` (`--compile`) one item labelled "XLA:CPU only" is added, buffers XLA:CPU holds and a GPU does
-not (found in XLA's buffer assignment of the Flash step, `--xla_dump_to`; README "Learner memory knobs"): XLA:CPU
-runs its dots in f32, so it holds f32 copies of the gathered layer's weights and of their gradients and of the head
-(2 * gathered layer + head, again). `RoleReport.cpu_only` is that item; the actor's `fits` is the GPU plan's
+not (found in XLA's buffer assignment of the Flash step, `--xla_dump_to`; benchmarks/README.md "Flash actor step
+compiled for the seed layouts"): XLA:CPU runs its dots in f32, so it holds f32 copies of the gathered layer's
+weights and of their gradients and of the head (2 * gathered layer + head, again). `RoleReport.cpu_only` is that item; the actor's `fits` is the GPU plan's
 (`gpu_total`). The stacked layer weights and the saved layer inputs are *not* copied: `dsv4.scan` reads them in
 place (`_take`, uint16 saved inputs), on every backend. Before that, XLA:CPU float-normalised the scan's bf16
 `xs` into f32 copies of whole stacks (100 GiB per device for Flash on 2 x 8 devices).
@@ -59,8 +59,8 @@ offloaded state of the decoder layers (stacked under `scan_layers`) is updated o
 counts one layer's largest state slice in + out, plus the offloaded state of everything else (embedding, head,
 1-D leaves) whole. The plan is an estimate. Against XLA (`--compile`, Flash, 8K tokens per device, padded EP,
 streamed update) XLA:CPU's figure is above the plan with its XLA:CPU-only item by a constant ~29 GiB per device
-(the same at 8 and 43 layers: more f32 temporaries of one layer's dots than the item counts; README "Learner
-memory knobs"); the per-layer slope agrees. The GPU plan leaves the item out.
+(the same at 8 and 43 layers: more f32 temporaries of one layer's dots than the item counts; benchmarks/README.md
+"Flash actor step compiled for the seed layouts"); the per-layer slope agrees. The GPU plan leaves the item out.
 
 Rollout, per device, as rl/sampler.py holds it: FP8 e4m3 (1 byte per weight) for the checkpoint's FP8 set
 (`dsv4.quant.FP8_WEIGHT_RE`: attention wq_a/wq_b/wkv/wo_a/wo_b, indexer wq_b, shared experts, MTP e/h_proj) and

@@ -9,7 +9,8 @@ mesh `actor:data=2/rollout:data=2` (the seed layout's shape in miniature). One l
   single-process);
 - run B: a 1-process actor job (2 devices) and its rollout job, uninterrupted, started when A's rollout is killed
   (its rollout programs then load from the session's compilation cache; its actor programs are not A's, a job of
-  other processes; the single-job layout's run of the same flags is bitwise equal too, checked by hand: README);
+  other processes; the single-job layout's run of the same flags is bitwise equal too, checked by hand:
+  benchmarks/README.md "Layouts checked by hand");
 - run C: a 1-process actor job whose rollout job is SIGKILLed once registered and never restarted: the actor exits
   non-zero after its short --rollout-restart-timeout with one line naming the rollout job (killed before its first
   step, to keep the test cheap: the loss is noticed in the first push's wait, the same `JobRollout._recover` path);
