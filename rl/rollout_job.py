@@ -45,6 +45,13 @@ Giving up, with one line naming the rollout (its host and pid, its last log line
 losses within `RESTART_WINDOW_S` (a crash loop, e.g. an out-of-memory on a prompt, is not waited out).
 The rollout job exits with one line when its actor is gone (closed connection or silent for --push-timeout).
 
+Registration (issue 42). A rollout job must match its actor: the same weight tiling (the mesh's rollout section,
+--config's shapes, --rollout-dtype) and the same identity (`rl.job_identity`: a digest of the model config, every
+field, e.g. rope_theta; the tokenizer; the sampling knobs; the dtypes). The actor's listener compares both in its
+accepting thread (`peer_refusal`): a rollout job that differs is refused there, before the actor ever sees it; the
+rollout job exits 2 with one line naming what differs (`RolloutMismatchError`), the actor logs one line and keeps
+waiting for a right one (up to --rollout-restart-timeout, its state kept: a wrong restart does not end the run).
+
 Tests: `.venv/bin/python -m pytest -q tests/launch/test_two_jobs.py`; benchmark `benchmarks/rollout_fault.py`.
 """
 

@@ -63,9 +63,9 @@ LIVENESS_S = 20.0  # a process whose heartbeat, once seen, stopped this long is 
 def liveness_s(timeout_s: float) -> float:
     """Seconds a peer's heartbeat may stand still before the peer counts as dead: `LIVENESS_S`, or `timeout_s`
     (--push-timeout) when shorter. Dead, not slow: the heartbeat thread beats every `HEARTBEAT_S` while the main
-    thread compiles, steps or waits, so only a killed, crashed or stopped process falls silent; --push-timeout
-    (default 600 s) stays the bound on a live peer's answer and on a peer whose heartbeat was never seen (a slow
-    start is no death)."""
+    thread compiles, steps or waits, so only a killed, crashed or stopped process falls silent (a live peer is waited
+    for as long as it beats); --push-timeout (default 600 s) stays the bound on a peer whose heartbeat was never seen
+    (a slow start is no death) and on a weight transfer."""
     return min(float(timeout_s), LIVENESS_S)
 
 
@@ -73,9 +73,10 @@ def dead_peer_error(layout: RoleLayout, silent: Sequence[int], silence_s: float,
     """The PeerTimeoutError for processes `silent` of one side whose heartbeat stopped for `silence_s` seconds: one
     line naming the side and the process(es); `when`: what this process was doing (optional)."""
     side = ACTOR if silent[0] in layout.actor_processes else ROLLOUT
+    during = f"; {when}" if when else ""
     return PeerTimeoutError(side, layout.processes(side), when, silence_s, message=(
-        f"the {side} side lost process(es) {list(silent)} (no heartbeat for {silence_s:g} s{'; ' + when if when else ''}"
-        f"): {'an' if side == ACTOR else 'a'} {side} process died or hung; rerun the same command to resume from the "
+        f"the {side} side lost process(es) {list(silent)} (no heartbeat for {silence_s:g} s{during}): "
+        f"{'an' if side == ACTOR else 'a'} {side} process died or hung; rerun the same command to resume from the "
         "last checkpoint"))
 
 

@@ -1,8 +1,8 @@
 """rl/rollout_job.py without processes or programs: `JobRollout` over a real socket with fake rollout jobs in threads
 (the in-flight request sent again to the next rollout; one that never comes back -> one line naming it; a foreign
 rollout job, of the same shapes but another model config, or of another mesh, refused in one line while the actor
-waits for the right one, issue 42), and the restart policy of `JobRollout._recover` (a rollout that keeps dying ends the run with one line naming its last log
-line). The launched two-job runs: tests/launch/test_two_jobs.py."""
+waits for the right one, issue 42), and the restart policy of `JobRollout._recover` (a rollout that keeps dying
+ends the run with one line naming its last log line). The launched two-job runs: tests/launch/test_two_jobs.py."""
 
 from __future__ import annotations
 

@@ -11,8 +11,8 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from sharding.mesh import MeshSpecError, build_mesh_plan
 from parallel.mpmd_push import plan_transfer
 from sharding.distributed import heartbeat_timeout, sidecar_grace_s
-from sharding.mpmd import (HostChannel, PeerTimeoutError, RoleLayout, actor_job_layout, liveness_s, lost_peer, role_layout,
-                           transfer_socket_address)
+from sharding.mpmd import (HostChannel, PeerTimeoutError, RoleLayout, actor_job_layout, liveness_s, lost_peer,
+                           role_layout, transfer_socket_address)
 
 
 def _two_per_process(d):
