@@ -271,9 +271,9 @@ def main(argv=None) -> int:
     except PeerTimeoutError as e:  # MPMD: the other role's processes stopped answering (sharding/mpmd.py)
         _peer_failure(e)
     except (RolloutJobError, LinkLost) as e:  # the two-job layout: the rollout did not come back / the actor is gone
-        print(f"error: {e}", file=sys.stderr)
+        print(f"error: {e}", file=sys.stderr)  # (a rollout job the actor refused: RolloutMismatchError, status 2)
         sys.stderr.flush()
-        os._exit(1)  # not sys.exit: the channel's threads and transfer server may hold the interpreter
+        os._exit(getattr(e, "status", 1))  # not sys.exit: the channel's threads and transfer server may hold it
     except MpmdPushVerificationError as e:  # MPMD: both roles stop on a push that failed verification, one line
         print(f"error: {e}", file=sys.stderr)
         sys.stderr.flush()

@@ -193,10 +193,10 @@ class RolloutConfig:
                               "in a batch-invariant layout (a full forward per token), so "
                               "train/train_rollout_logprob_abs_diff is 0 (needs --max-staleness 0; with an FP8 "
                               "--rollout-dtype, --learner.fp8_forward)")
-    push_timeout: float = knob(600.0, "MPMD runs (actor and rollout on separate processes, sharding/mpmd.py): "
-                                      "seconds either side waits for the other (weight push, rollout results) "
-                                      "before exiting with an error naming the silent side; the two-job layout: "
-                                      "the heartbeat age after which the other job counts as dead")
+    push_timeout: float = knob(600.0, "MPMD runs (sharding/mpmd.py): a process whose heartbeat stopped for min(this, "
+                                      "20) s, or never started within this, is dead (the others exit naming it); "
+                                      "the weight transfer's timeout; the two-job layout: the heartbeat age after "
+                                      "which the other job counts as dead")
     address: str | None = knob(None, "the two-job layout (rl/rollout_job.py): HOST:PORT this actor job listens on "
                                      "for a rollout job of its own (started with --rollout-job --actor-address "
                                      "HOST:PORT; a host the rollout can reach); unset: the rollout runs in this job")

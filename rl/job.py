@@ -39,6 +39,7 @@ from rl.config import RunConfig
 from rl.data import PromptDataset, make_prompt_iterator
 from rl.data_formats import build_datasets, resolve_reward_name
 from rl.exact import exact_layout
+from rl.job_identity import job_identity
 from rl.learner import Learner
 from rl.learner_state import resolve_param_dtype
 from rl.math_rewards import make_reward, prompt_independent_best
@@ -273,7 +274,8 @@ def build(cfg: RunConfig) -> Job:
         state = nnx.state(abstract)
         pusher = JobPusher(plan, sampler, state, plan.param_shardings(ACTOR, state))
         rollout = JobRollout(cfg.rollout.address, pusher, learner.params_for_push, timeout_s=cfg.rollout.push_timeout,
-                             restart_timeout_s=cfg.rollout.restart_timeout, channel=channel)
+                             restart_timeout_s=cfg.rollout.restart_timeout, channel=channel,
+                             identity=job_identity(cfg, shapes_cfg, tok, max_prompt_len=max_prompt))
     elif not layout.mpmd:
         if init != "random":
             sampler.set_weights(checkpoint_rollout_weights(sampler, init, config=shapes_cfg,
@@ -345,7 +347,8 @@ def build_rollout_job(cfg: RunConfig) -> Job:
     sampler = make_sampler(abstract, plan.rollout, cfg.rollout, max_prompt_len=max_prompt, slots=slots,
                            kv_budget_bytes=kv_budget)
     server = RolloutJobServer(sampler, cfg.rollout.actor_address, timeout_s=cfg.rollout.push_timeout,
-                              connect_timeout_s=cfg.rollout.restart_timeout)
+                              connect_timeout_s=cfg.rollout.restart_timeout,
+                              identity=job_identity(cfg, shapes_cfg, tok, max_prompt_len=max_prompt))
     return Job(cfg=cfg, model_cfg=model_cfg, plan=plan, tokenizer=tok, task=task, train_data=train,
                eval_prompts=ev_prompts, eval_refs=ev_refs, reward=None, learner=None, rollout=None, iterator=None,
                ckpt=None, logger=None, server=server)

@@ -45,6 +45,13 @@ Giving up, with one line naming the rollout (its host and pid, its last log line
 losses within `RESTART_WINDOW_S` (a crash loop, e.g. an out-of-memory on a prompt, is not waited out).
 The rollout job exits with one line when its actor is gone (closed connection or silent for --push-timeout).
 
+Registration (issue 42). A rollout job must match its actor: the same weight tiling (the mesh's rollout section,
+--config's shapes, --rollout-dtype) and the same identity (`rl.job_identity`: a digest of the model config, every
+field, e.g. rope_theta; the tokenizer; the sampling knobs; the dtypes). The actor's listener compares both in its
+accepting thread (`peer_refusal`): a rollout job that differs is refused there, before the actor ever sees it; the
+rollout job exits 2 with one line naming what differs (`RolloutMismatchError`), the actor logs one line and keeps
+waiting for a right one (up to --rollout-restart-timeout, its state kept: a wrong restart does not end the run).
+
 Tests: `.venv/bin/python -m pytest -q tests/launch/test_two_jobs.py`; benchmark `benchmarks/rollout_fault.py`.
 """
 
@@ -63,7 +70,9 @@ import jax
 
 from parallel.job_push import JobPusher, WeightReceiver, tiling
 from rl.rollout_service import RolloutRequest, RolloutResult, RolloutService, run_request
-from sharding.job_link import JobListener, LinkLost, authkey, connect, local_host_towards, split_address
+from rl.job_identity import identity_mismatch
+from sharding.job_link import (JobListener, LinkLost, LinkRefused, authkey, connect, describe_peer, local_host_towards,
+                               split_address)
 from sharding.mpmd import HostChannel
 from sharding.rules import ACTOR
 
@@ -74,11 +83,30 @@ RESTART_WINDOW_S = 600.0
 
 
 class RolloutJobError(RuntimeError):
-    """The rollout job did not come back in time, kept dying, or cannot serve this actor (one line)."""
+    """The rollout job did not come back in time, kept dying, or cannot serve this actor (one line). `status`: the
+    process's exit status (launch/run.py)."""
+
+    status = 1
 
 
-def _describe(hello: dict) -> str:
-    return f"the rollout job {hello.get('host', '?')} pid {hello.get('pid', '?')}"
+class RolloutMismatchError(RolloutJobError):
+    """This rollout job does not match its actor (another tiling or identity: `peer_refusal`): a user error, exit 2."""
+
+    status = 2
+
+
+TILING_HINT = "start both jobs with the same --mesh, --config and --rollout-dtype"
+IDENTITY_HINT = "start both jobs with the same --config, --tokenizer / task, sampling and dtype flags"
+
+
+def peer_refusal(actor_hello: dict, rollout_hello: dict) -> str | None:
+    """Why the actor (`actor_hello`) must refuse the rollout job (`rollout_hello`), in one line, or None when it
+    matches: the same weight tiling (`parallel.job_push.tiling`) and the same identity (`rl.job_identity`: model
+    config, tokenizer, sampling knobs, dtypes; issue 42)."""
+    if rollout_hello.get("tiling") != actor_hello.get("tiling"):
+        return f"it cuts the weights differently from the actor's plan of its mesh: {TILING_HINT}"
+    why = identity_mismatch(actor_hello.get("identity"), rollout_hello.get("identity"))
+    return None if why is None else f"{why}: {IDENTITY_HINT}"
 
 
 class JobRollout(RolloutService):
@@ -89,12 +117,13 @@ class JobRollout(RolloutService):
       rollout mesh). params_fn: () -> the learner's current params. timeout_s: --push-timeout (heartbeat age that
       counts as dead). restart_timeout_s: --rollout-restart-timeout (waiting for a rollout to register).
       channel: an actor job of several processes: its HostChannel (`sharding.mpmd.actor_job_layout`); None: one
-      process.
+      process. identity: this job's `rl.job_identity.job_identity` (a rollout job whose identity or tiling differs
+      is refused at registration, `peer_refusal`, and the actor keeps waiting).
     Raises (from any call): RolloutJobError (module docstring); PeerTimeoutError when an actor process stops answering.
     """
 
     def __init__(self, address: str, pusher: JobPusher, params_fn, *, timeout_s: float, restart_timeout_s: float,
-                 channel: HostChannel | None = None):
+                 channel: HostChannel | None = None, identity: dict | None = None):
         self.pusher, self.params_fn, self.channel = pusher, params_fn, channel
         self.timeout_s, self.restart_timeout_s = float(timeout_s), float(restart_timeout_s)
         self.process, n = jax.process_index(), jax.process_count()
@@ -121,8 +150,8 @@ class JobRollout(RolloutService):
         self.addresses = [mine] if channel is None else [
             channel.receive(f"job/transfer/{p}", ACTOR, f"actor process {p}'s transfer server address")
             for p in range(n)]
-        self.listener = JobListener(address, authkey(host), hello={"tiling": pusher.tiling,
-                                                                   "holders": pusher.holders})
+        hello = {"tiling": pusher.tiling, "holders": pusher.holders, "identity": identity}
+        self.listener = JobListener(address, authkey(host), hello=hello, check=lambda peer: peer_refusal(hello, peer))
         log.info("two-job layout: waiting up to %g s for a rollout job to register at %s (--rollout-restart-timeout; "
                  "an actor job of %d process(es))", self.restart_timeout_s, self.listener.address, n)
         self._register(self.restart_timeout_s, first=True)
@@ -130,20 +159,19 @@ class JobRollout(RolloutService):
     # ---------------------------------------------------------------- registration and recovery
 
     def _register(self, deadline_s: float, first: bool = False) -> None:
-        """Accept the next rollout job (RolloutJobError when none registers within `deadline_s`) and check it
-        serves this actor's tiling."""
+        """Accept the next rollout job that matches this actor (RolloutJobError when none registers within
+        `deadline_s`). One that does not (`peer_refusal`) is refused by the listener's thread with one line on
+        both sides, and this wait goes on (issue 42)."""
         link = self.listener.accept(deadline_s, self.timeout_s)
         if link is None:
             who = "" if first else f"{self.rollout_name} is gone and "
             last = f"; its last log line: {self.last_line!r}" if self.last_line else ""
+            refused = self.listener.refused
+            also = f"; {len(refused)} refused, the last: {refused[-1]}" if refused else ""
             raise RolloutJobError(f"{who}no rollout job registered at {self.listener.address} within {deadline_s:g} s "
-                                  f"(--rollout-restart-timeout){last}")
-        self.link, self.rollout_name = link, _describe(link.hello)
+                                  f"(--rollout-restart-timeout){last}{also}")
+        self.link, self.rollout_name = link, describe_peer(link.hello)
         link.name = self.rollout_name
-        if link.hello.get("tiling") != self.pusher.tiling:
-            link.close()
-            raise RolloutJobError(f"{self.rollout_name} cuts the weights differently from this actor's plan of its "
-                                  "mesh: start both jobs with the same --mesh, --config and --rollout-dtype")
         log.info("two-job layout: %s registered", self.rollout_name)
 
     def _recover(self, lost: LinkLost) -> None:
@@ -328,12 +356,15 @@ class RolloutJobServer:
     Args:
       sampler: the rollout Sampler (abstract model on this job's rollout mesh; the weights arrive by pull).
       actor_address: --actor-address. timeout_s: --push-timeout. connect_timeout_s: how long to retry the first
-      connection (--rollout-restart-timeout).
+      connection (--rollout-restart-timeout). identity: this job's `rl.job_identity.job_identity` (sent with the
+      hello; the actor refuses a mismatch).
     """
 
-    def __init__(self, sampler, actor_address: str, *, timeout_s: float, connect_timeout_s: float):
+    def __init__(self, sampler, actor_address: str, *, timeout_s: float, connect_timeout_s: float,
+                 identity: dict | None = None):
         self.sampler, self.actor_address = sampler, actor_address
         self.timeout_s, self.connect_timeout_s = float(timeout_s), float(connect_timeout_s)
+        self.identity = identity
         self.generate_calls = 0
         host = split_address(actor_address, "--actor-address")[0]
         self.key = authkey(host)  # ValueError (one line) for a remote actor without $DSV4RL_ROLLOUT_AUTHKEY
@@ -343,14 +374,19 @@ class RolloutJobServer:
 
     def serve(self) -> dict:
         """Serve until the actor's "stop"; returns {"generate": calls, "train_steps": 0}. Raises LinkLost naming
-        the actor when it is gone; RolloutJobError when it plans another tiling."""
+        the actor when it is gone; RolloutMismatchError (exit 2) when the actor refused this job or plans another
+        tiling or identity (`peer_refusal`)."""
         hello = {"host": socket.gethostname(), "pid": os.getpid(), "tiling": tiling(self.sampler),
-                 "line": self._line.line}
-        link = connect(self.actor_address, self.key, timeout_s=self.timeout_s, deadline_s=self.connect_timeout_s,
-                       hello=hello, line_fn=lambda: self._line.line)
-        if link.hello.get("tiling") != hello["tiling"]:
-            raise RolloutJobError(f"{link.name} cuts the weights differently from this rollout job's mesh: start "
-                                  "both jobs with the same --mesh, --config and --rollout-dtype")
+                 "identity": self.identity, "line": self._line.line}
+        try:
+            link = connect(self.actor_address, self.key, timeout_s=self.timeout_s, deadline_s=self.connect_timeout_s,
+                           hello=hello, line_fn=lambda: self._line.line)
+        except LinkRefused as e:
+            raise RolloutMismatchError(str(e)) from None
+        why = peer_refusal(link.hello, hello)  # the actor checked it too: a backstop
+        if why is not None:
+            link.close()
+            raise RolloutMismatchError(f"{link.name} does not match this rollout job: {why}")
         log.info("two-job layout: registered with %s", link.name)
         try:
             while True:

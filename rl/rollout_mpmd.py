@@ -18,8 +18,9 @@ actor's writer numbers and publishes commands; the pipeline's schedule (rl/pipel
 function of the flags (a generate of batch m is sent only once P(max(0, m - K)) was pushed; a push only when no
 request is in flight), so every actor process sees the same results whatever the timing.
 
-Liveness: every wait is the channel's, which fails once the other side's heartbeat has stopped for
-`--push-timeout` s, naming that side (`sharding.mpmd.PeerTimeoutError`; launch/run.py exits with one line).
+Liveness: every wait is the channel's, which fails once a process of the other side stopped beating for the liveness
+timeout (`sharding.mpmd.liveness_s`: 20 s, or `--push-timeout` when shorter), naming it
+(`sharding.mpmd.PeerTimeoutError`; its heartbeat thread or launch/run.py exits with one line).
 The rollout processes hold no checkpointed state: the actor checkpoints (and restores) the learner, the data order
 and the in-flight batches; on resume the rollout is sent the restored weights by a push, so nothing else is needed
 for the resumed run to equal the uninterrupted one.

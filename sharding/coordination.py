@@ -27,10 +27,11 @@ Lifetime rules (`watch`, `main`):
    and the sidecar exits 0.
 2. Process 0 died or exited without the word (its stdin reached end-of-file, or the sidecar's parent changed, which
    also covers a fork of process 0 holding the pipe open): the service keeps serving, silently, for `--grace` seconds
-   (default: the heartbeat timeout + `GRACE_MARGIN_S`), long enough for the survivors' own detection (within
-   --push-timeout, which is `JAX_HEARTBEAT_MARGIN_S` shorter than the heartbeat timeout) to post its one-line
-   failure and exit; then the sidecar exits 0. No sidecar outlives its process 0 by more than grace + `POLL_S`
-   seconds (run.py's default --push-timeout 600: 600 + 30 + 10 = 640 s).
+   (without the flag: the heartbeat timeout + `GRACE_MARGIN_S`; a run passes
+   `sharding.distributed.sidecar_grace_s`: the project's liveness timeout, `sharding.mpmd.LIVENESS_S` = 20 s, +
+   `GRACE_MARGIN_S`), long enough for the survivors' own detection (a heartbeat silent for the liveness timeout,
+   or a failure posted in the store) to post its one-line failure and exit; then the sidecar exits 0. No sidecar
+   outlives its process 0 by more than grace + `POLL_S` seconds (a run at the defaults: 20 + 10 = 30 s).
 3. A SIGKILL of the sidecar itself ends the job as the death of jax's own in-process coordinator did: every client
    aborts in jaxlib C++. It is a do-nothing process (no devices, no allocation after start-up, no file): it only dies
    by a signal sent to it (SIGKILL, SIGSTOP/SIGQUIT) or its machine going down, as process 0's node would.

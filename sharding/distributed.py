@@ -59,8 +59,8 @@ from jax._src import distributed as jd  # private: the process id / coordinator 
 from jax._src import xla_bridge  # private: whether the backends have started
 from jax._src.lib import _jax  # private: process 0's client-only connection (`_connect_client`)
 
-from sharding.coordination import Sidecar, start_sidecar
-from sharding.mpmd import configure_transfer, transfer_socket_address
+from sharding.coordination import GRACE_MARGIN_S, Sidecar, start_sidecar
+from sharding.mpmd import LIVENESS_S, configure_transfer, transfer_socket_address
 
 log = logging.getLogger("dsv4rl")
 
@@ -245,7 +245,8 @@ def _join(settings: _Settings, local_device_ids: Sequence[int] | None, initializ
         return None
     # where jax would bind its in-process service: JAX_COORDINATOR_BIND_ADDRESS, else every address, same port
     bind = os.environ.get("JAX_COORDINATOR_BIND_ADDRESS") or "[::]:" + coordinator.rsplit(":", 1)[1]
-    sidecar = start_sidecar(bind, n, heartbeat_timeout_s=beat, shutdown_timeout_s=SHUTDOWN_TIMEOUT_S)
+    sidecar = start_sidecar(bind, n, heartbeat_timeout_s=beat, shutdown_timeout_s=SHUTDOWN_TIMEOUT_S,
+                            grace=sidecar_grace_s(beat))
     log.info("coordination service on %s in sidecar process %d (sharding/coordination.py)", bind, sidecar.pid)
     atexit.register(_end_cleanly, sidecar)  # before HostChannel's (sharding/mpmd.py), so it runs after it
     _connect_client(coordinator, n, local, initialization_timeout, beat)
@@ -286,6 +287,15 @@ def _end_cleanly(sidecar: Sidecar) -> None:
     except Exception:  # noqa: BLE001 - a failed barrier: the sidecar must end all the same
         pass
     sidecar.stop()
+
+
+def sidecar_grace_s(heartbeat_timeout_s: float) -> float:
+    """Seconds process 0's coordination sidecar keeps serving after process 0 died or exited on a failure
+    (sharding/coordination.py rule 2): the survivors' own detection of a dead process (the project's heartbeats,
+    `sharding.mpmd.LIVENESS_S` at most, or a failure posted in the store, read within a second) + `GRACE_MARGIN_S`,
+    and never more than jax's heartbeat timeout + the margin: 30 s at the defaults, so no sidecar outlives its run
+    by minutes (issue 42)."""
+    return min(LIVENESS_S, float(heartbeat_timeout_s)) + GRACE_MARGIN_S
 
 
 JAX_HEARTBEAT_MARGIN_S = 30.0  # after --push-timeout: our wait's poll (<= 2 s) + report_failure's grace (5 s) + slack

@@ -16,6 +16,11 @@ with `LinkLost` when the connection closed (the peer process died: the kernel cl
 heartbeat is older than `timeout_s` (a hung peer); the error names the peer and says which, with the peer's last
 log line when it sent one. The hello exchanged on connect carries the peer's description (host, pid, ...).
 
+Refusal. The listener's `check(peer_hello)` (the actor's: the same tiling and identity, rl/rollout_job.py) runs in
+its accepting thread, before the peer is queued: a peer it refuses gets ("refused", reason) instead of the
+listener's hello and is closed, the listener logs one line and goes on listening (the actor, busy or waiting in
+`accept`, never sees it); `connect` raises `LinkRefused` with the reason on the peer's side.
+
 Tests: `.venv/bin/python -m pytest -q tests/launch/test_two_jobs.py` (through the launched jobs).
 """
 
@@ -46,6 +51,10 @@ class LinkLost(RuntimeError):
     def __init__(self, peer: str, why: str, what: str = "", last_line: str = ""):
         self.peer, self.why, self.last_line = peer, why, last_line
         super().__init__(f"{peer} {why}" + (f" ({what})" if what else ""))
+
+
+class LinkRefused(RuntimeError):
+    """The listener refused this peer at registration (its `check`): the message says why, in one line."""
 
 
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
@@ -82,6 +91,11 @@ def local_host_towards(host: str) -> str:
             return s.getsockname()[0]
     except OSError:
         return socket.gethostbyname(socket.gethostname())
+
+
+def describe_peer(hello: dict) -> str:
+    """How logs and errors name a rollout job from its hello: its "name", else "the rollout job HOST pid PID"."""
+    return str(hello.get("name") or f"the rollout job {hello.get('host', '?')} pid {hello.get('pid', '?')}")
 
 
 class Link:
@@ -175,15 +189,18 @@ class JobListener:
     rollout may register at any time; a peer with a wrong key is logged and dropped. An accepted peer is a Link at
     once, heartbeats both ways, before the actor takes it (`accept`): a rollout job restarted while the actor is busy
     (a compile, a step) before it noticed the old one's loss waits for it alive instead of finding the actor silent
-    and giving up after --push-timeout."""
+    and giving up after --push-timeout. `check(peer_hello) -> None | str`: a reason (one line) refuses the peer
+    (module docstring); None: none refused."""
 
-    def __init__(self, address: str, key: bytes, *, flag: str = "--rollout-address", hello: dict | None = None):
+    def __init__(self, address: str, key: bytes, *, flag: str = "--rollout-address", hello: dict | None = None,
+                 check=None):
         host, port = split_address(address, flag)
         try:
             self.listener = Listener((host, port), authkey=key)
         except OSError as e:
             raise ValueError(f"{flag} {address}: cannot listen there ({e.strerror})") from None
-        self.address, self.hello = f"{host}:{self.listener.address[1]}", dict(hello or {})
+        self.address, self.hello, self.check = f"{host}:{self.listener.address[1]}", dict(hello or {}), check
+        self.refused: list[str] = []  # "<peer>: <reason>" of every peer refused so far
         self._ready: queue.Queue = queue.Queue()
         threading.Thread(target=self._accept, name="dsv4-link-accept", daemon=True).start()
 
@@ -201,6 +218,14 @@ class JobListener:
                 if not conn.poll(60):
                     raise EOFError("no hello")
                 key, hello = conn.recv()
+                why = self.check(hello) if self.check is not None else None
+                if why is not None:
+                    log.warning("rollout channel: refused %s: %s (still waiting for one that matches)",
+                                describe_peer(hello), why)
+                    self.refused.append(f"{describe_peer(hello)}: {why}")
+                    conn.send(("refused", why))
+                    conn.close()
+                    continue
                 conn.send(("hello", self.hello))
             except (EOFError, OSError, ValueError):
                 conn.close()
@@ -226,7 +251,8 @@ def connect(address: str, key: bytes, *, timeout_s: float, deadline_s: float, he
             flag: str = "--actor-address") -> Link:
     """The rollout job's side: connect to the actor at `address`, retrying while it is not listening yet, for up
     to `deadline_s` seconds; send `hello`, read the actor's. Raises LinkLost naming the address when nothing
-    answered in time; ValueError naming `flag` for a malformed address or a refused key."""
+    answered in time; ValueError naming `flag` for a malformed address or a refused key; LinkRefused (the actor's
+    reason) when the actor's check refused `hello`."""
     host, port = split_address(address, flag)
     end = time.monotonic() + deadline_s
     while True:
@@ -243,6 +269,13 @@ def connect(address: str, key: bytes, *, timeout_s: float, deadline_s: float, he
     conn.send(("hello", hello))
     if not conn.poll(timeout_s):
         raise LinkLost(f"the actor at {address}", "did not answer the hello")
-    _, peer = conn.recv()
+    try:
+        kind, peer = conn.recv()
+    except (EOFError, OSError) as e:
+        raise LinkLost(f"the actor at {address}", f"closed the connection at registration ({type(e).__name__})"
+                       ) from None
+    if kind == "refused":
+        conn.close()
+        raise LinkRefused(f"the actor at {address} refused this rollout job: {peer}")
     peer = {"name": f"the actor at {address}", **peer}
     return Link(conn, peer, timeout_s, line_fn)

@@ -18,8 +18,9 @@ role's programs (the learner's jits on actor processes, `Sampler.generate` on ro
 2. host messages (`HostChannel`): pickled, chunked values in the coordination service's key-value store (rollout
    results: tokens, logprobs, routing, rewards, the rollout's metrics; the actor's push decisions; push receipts).
    Small next to the weights. Each process bumps a heartbeat key every second from a thread, so a wait tolerates
-   long compiles and steps of a live peer and fails once the peer's heartbeat stopped for the timeout, with an
-   error naming the side that did not answer (`PeerTimeoutError`).
+   long compiles and steps of a live peer and fails once the peer's heartbeat stopped for the liveness timeout
+   (`liveness_s`: 20 s, or --push-timeout when shorter), with one line naming the dead process and its side
+   (`PeerTimeoutError`); the heartbeat thread ends this process so wherever its main thread waits.
 
 Transfer options (`configure_transfer`, before the backend starts): `jax_cross_host_transfer_socket_address` =
 this process's `--transfer-address`, else the local address that routes to the coordinator's host with port
@@ -55,6 +56,28 @@ from sharding.rules import ACTOR, ROLLOUT
 log = logging.getLogger("dsv4rl")
 
 PIECE_BYTES = 2 * 2**20  # key-value store values stay well under gRPC's default message limit
+HEARTBEAT_S = 1.0  # a process bumps its heartbeat key this often, from a thread (it ticks through compiles and steps)
+LIVENESS_S = 20.0  # a process whose heartbeat, once seen, stopped this long is dead (issue 42: seconds, not minutes)
+
+
+def liveness_s(timeout_s: float) -> float:
+    """Seconds a peer's heartbeat may stand still before the peer counts as dead: `LIVENESS_S`, or `timeout_s`
+    (--push-timeout) when shorter. Dead, not slow: the heartbeat thread beats every `HEARTBEAT_S` while the main
+    thread compiles, steps or waits, so only a killed, crashed or stopped process falls silent (a live peer is waited
+    for as long as it beats); --push-timeout (default 600 s) stays the bound on a peer whose heartbeat was never seen
+    (a slow start is no death) and on a weight transfer."""
+    return min(float(timeout_s), LIVENESS_S)
+
+
+def dead_peer_error(layout: RoleLayout, silent: Sequence[int], silence_s: float, when: str = "") -> PeerTimeoutError:
+    """The PeerTimeoutError for processes `silent` of one side whose heartbeat stopped for `silence_s` seconds: one
+    line naming the side and the process(es); `when`: what this process was doing (optional)."""
+    side = ACTOR if silent[0] in layout.actor_processes else ROLLOUT
+    during = f"; {when}" if when else ""
+    return PeerTimeoutError(side, layout.processes(side), when, silence_s, message=(
+        f"the {side} side lost process(es) {list(silent)} (no heartbeat for {silence_s:g} s{during}): "
+        f"{'an' if side == ACTOR else 'a'} {side} process died or hung; rerun the same command to resume from the "
+        "last checkpoint"))
 
 
 class PeerTimeoutError(RuntimeError):
@@ -254,20 +277,23 @@ class HostChannel:
 
     `publish(tag, value)` once per tag (tags are unique per run: e.g. "rollout/<step>"); `receive(tag, sender)` on
     any number of processes waits for it. Every process runs a heartbeat thread (a counter in the store, bumped
-    every `HEARTBEAT_S`; it ticks through long compiles and steps), so a wait fails only when the sender side's
-    heartbeat has not moved for `timeout_s`: PeerTimeoutError naming that side. A publisher deletes its values `keep`
-    publications later (by then every reader has them in the loop's order).
+    every `HEARTBEAT_S`; it ticks through long compiles and steps), so a wait fails only when a sender process's
+    heartbeat, once seen, has not moved for `liveness_s` (`liveness_s(timeout_s)`: 20 s at the default
+    --push-timeout), or was never seen within `timeout_s`: PeerTimeoutError naming that side. A publisher deletes
+    its values `keep` publications later (by then every reader has them in the loop's order).
 
     The same thread watches the other processes (`_watch`): a peer whose heartbeat, once seen, has not moved for
-    `timeout_s` while its exit is not posted, or a failure another process posted (`FAILED_KEY`), ends this
-    process with one line (`exit_on_failure`) wherever its main thread is blocked: a barrier of orbax's checkpoint,
-    a collective, a transfer. That comes before jax's own heartbeat timeout (`--push-timeout` + 30 s,
-    sharding/distributed.py), whose expiry would abort this process in C++ instead (issue 23)."""
+    `liveness_s` while its exit is not posted, or a failure another process posted (`FAILED_KEY`), ends this
+    process with one line naming the dead process (`exit_on_failure`) wherever its main thread is blocked: a
+    barrier of orbax's checkpoint, a collective, a transfer, a wait for the other role's results. That comes long
+    before jax's own heartbeat timeout (`--push-timeout` + 30 s, sharding/distributed.py), whose expiry would
+    abort this process in C++ instead (issues 23, 42), and before the sidecar's grace (sharding/coordination.py)."""
 
-    HEARTBEAT_S = 1.0
+    HEARTBEAT_S = HEARTBEAT_S
 
     def __init__(self, layout: RoleLayout, timeout_s: float, prefix: str = "dsv4", keep: int = 2):
         self.layout, self.timeout_s, self.prefix, self.keep = layout, float(timeout_s), prefix, int(keep)
+        self.liveness_s = liveness_s(timeout_s)
         self._published: list[tuple[str, int]] = []
         self._stop = threading.Event()
         self._beat = threading.Thread(target=self._heartbeat, name="dsv4-mpmd-heartbeat", daemon=True)
@@ -306,13 +332,21 @@ class HostChannel:
                 continue
             if beat != seen.get(p):
                 seen[p], changed[p] = beat, now
-            elif now - changed[p] > self.timeout_s and not _try_get(client, f"{self.prefix}/exit/{p}"):
+            elif now - changed[p] > self.liveness_s and not _try_get(client, f"{self.prefix}/exit/{p}"):
                 silent.append(p)
         if not silent:
             return None
-        side = ACTOR if silent[0] in self.layout.actor_processes else ROLLOUT
-        return PeerTimeoutError(side, self.layout.processes(side), f"no heartbeat from process(es) {silent}",
-                                self.timeout_s)
+        return dead_peer_error(self.layout, [p for p in silent if self._side_of(p) == self._side_of(silent[0])],
+                               self.liveness_s)
+
+    def _side_of(self, p: int) -> str:
+        return ACTOR if p in self.layout.actor_processes else ROLLOUT
+
+    def _silent(self, procs, seen: dict, changed: dict, now: float) -> list[int]:
+        """Of `procs`, those dead by the class docstring's rule: a heartbeat seen (`seen[p]` not None) that has not
+        moved since `changed[p]` for `liveness_s`, or none seen since `changed[p]` (the wait's start) for
+        `timeout_s`."""
+        return [p for p in procs if now - changed[p] > (self.timeout_s if seen[p] is None else self.liveness_s)]
 
     def close(self) -> None:
         self._stop.set()
@@ -343,11 +377,11 @@ class HostChannel:
                     beat = _try_get(client, f"{self.prefix}/alive/{p}")
                     if beat != seen[p]:
                         seen[p], changed[p] = beat, now
-                silent = sorted(p for p in pending if now - changed[p] > self.timeout_s)
+                silent = sorted(self._silent(pending, seen, changed, now))
                 if silent:
-                    side = ACTOR if silent[0] in self.layout.actor_processes else ROLLOUT
-                    raise PeerTimeoutError(side, self.layout.processes(side), f"the run's end; no heartbeat from "
-                                           f"process(es) {silent}", self.timeout_s)
+                    silent = [p for p in silent if self._side_of(p) == self._side_of(silent[0])]
+                    raise dead_peer_error(self.layout, silent, self.liveness_s if seen[silent[0]] is not None
+                                          else self.timeout_s, "at the run's end")
                 time.sleep(0.2 if pending else 0)
         except PeerTimeoutError as e:
             exit_on_failure(e)
@@ -370,8 +404,8 @@ class HostChannel:
                 client.key_value_delete(f"{self.prefix}/{old}/{i}")
 
     def _wait_key(self, key: str, sender: str, what: str) -> bytes:
-        """The value of `key`, polling while the sender side's heartbeats move; PeerTimeoutError once they stopped
-        for `timeout_s`."""
+        """The value of `key`, polling while the sender side's heartbeats move; PeerTimeoutError naming the dead
+        process(es) once one stopped (`_silent`)."""
         client = _client()
         procs = self.layout.processes(sender)
         seen: dict[int, Any] = {p: None for p in procs}
@@ -405,10 +439,12 @@ class HostChannel:
                     beat = None
                 if beat is not None and beat != seen[p]:
                     seen[p], changed[p] = beat, now
-            silent = [p for p in procs if now - changed[p] > self.timeout_s]
+            silent = self._silent(procs, seen, changed, now)
             if silent:
-                raise PeerTimeoutError(sender, procs, f"{what}; no heartbeat from process(es) {silent}",
-                                       self.timeout_s)
+                if seen[silent[0]] is None:  # never seen beating within the timeout: it did not start
+                    raise PeerTimeoutError(sender, procs, f"{what}; no heartbeat from process(es) {silent}",
+                                           self.timeout_s)
+                raise dead_peer_error(self.layout, silent, self.liveness_s, f"waiting for {what}")
 
     def receive(self, tag: str, sender: str, what: str = "") -> Any:
         what = what or f"message {tag!r}"

@@ -1,21 +1,28 @@
 """rl/rollout_job.py without processes or programs: `JobRollout` over a real socket with fake rollout jobs in threads
-(the in-flight request sent again to the next rollout; one that never comes back -> one line naming it), and the
-restart policy of `JobRollout._recover` (a rollout that keeps dying ends the run with one line naming its last log
-line). The launched two-job runs: tests/launch/test_two_jobs.py."""
+(the in-flight request sent again to the next rollout; one that never comes back -> one line naming it; a foreign
+rollout job, of the same shapes but another model config, or of another mesh, refused in one line while the actor
+waits for the right one, issue 42), and the restart policy of `JobRollout._recover` (a rollout that keeps dying
+ends the run with one line naming its last log line). The launched two-job runs: tests/launch/test_two_jobs.py."""
 
 from __future__ import annotations
 
 import collections
+import dataclasses
+import logging
 import threading
 from types import SimpleNamespace
 
 import portpicker
 import pytest
 
+from dsv4.config import DSV4Config
 from rl import rollout_job
-from rl.rollout_job import JobRollout, RolloutJobError
+from rl.config import RunConfig
+from rl.job_identity import job_identity
+from rl.rollout_job import JobRollout, RolloutJobError, RolloutJobServer, RolloutMismatchError
 from rl.rollout_service import RolloutRequest
-from sharding.job_link import LinkLost, authkey, connect
+from rl.tasks import DigitTask
+from sharding.job_link import JobListener, LinkLost, LinkRefused, authkey, connect
 
 TILING = [("embed.weight", (8, 4), "float8_e4m3fn", (("data", 1),), "P()")]
 
@@ -34,10 +41,10 @@ class _FakePusher:
         pass
 
 
-def _fake_rollout(address: str, pid: int, die_on_generate: bool) -> None:
+def _fake_rollout(address: str, pid: int, die_on_generate: bool, identity=None) -> None:
     """A rollout job's ops without a sampler: acks pulls, answers requests with its pid (or dies at the first)."""
     link = connect(address, authkey(), timeout_s=10, deadline_s=10,
-                   hello={"host": "h", "pid": pid, "tiling": TILING, "line": f"rollout {pid} up"})
+                   hello={"host": "h", "pid": pid, "tiling": TILING, "line": f"rollout {pid} up", "identity": identity})
     while True:
         cmd = link.get("cmd", "op")
         if cmd["op"] == "pull":
@@ -52,8 +59,8 @@ def _fake_rollout(address: str, pid: int, die_on_generate: bool) -> None:
             return
 
 
-def _start(address, pid, die):
-    t = threading.Thread(target=_fake_rollout, args=(address, pid, die), daemon=True)
+def _start(address, pid, die, identity=None):
+    t = threading.Thread(target=_fake_rollout, args=(address, pid, die, identity), daemon=True)
     t.start()
     return t
 
@@ -156,3 +163,73 @@ def test_losses_outside_the_window_are_forgiven(monkeypatch):
     for _ in range(3):
         r._recover(LinkLost("the rollout job h pid 9", "closed the connection (EOFError)"))
     assert r.restarts == 3 and registered == [5.0, 5.0, 5.0] and len(r._losses) == 1 and r.recovery_s > 0
+
+
+def _identity(**model):
+    tok = DigitTask(kind="copy", n_digits=3, seed=0).tokenizer
+    return job_identity(RunConfig(), dataclasses.replace(DSV4Config.preset("tiny"), **model), tok, max_prompt_len=8)
+
+
+def test_a_foreign_rollout_job_is_refused_while_the_actor_waits(caplog):
+    """Issue 42, reproductions 2 and 7: a rollout job of the same shapes whose config.json differs in rope_theta, and
+    one restarted with another --mesh (another tiling), are each refused in one line on their side (exit 2 in a
+    run: RolloutMismatchError) and logged once by the actor, which keeps waiting: the right one registers next
+    and serves."""
+    address = f"127.0.0.1:{portpicker.pick_unused_port()}"
+    mine, errors, refused = _identity(), [], threading.Event()
+
+    def foreign(pid, identity, tiling):
+        try:
+            connect(address, authkey(), timeout_s=10, deadline_s=10,
+                    hello={"host": "h", "pid": pid, "tiling": tiling, "identity": identity})
+        except LinkRefused as e:
+            errors.append(str(e))
+        if len(errors) == 2:
+            refused.set()
+
+    for pid, ident, tiling in ((3, _identity(rope_theta=20000.0), TILING), (4, mine, [*TILING, ("x", (1,))])):
+        threading.Thread(target=foreign, args=(pid, ident, tiling), daemon=True).start()
+
+    def right():
+        assert refused.wait(30)
+        _fake_rollout(address, 5, False, mine)
+
+    t = threading.Thread(target=right, daemon=True)
+    t.start()
+    with caplog.at_level(logging.WARNING, logger="dsv4rl"):
+        r = JobRollout(address, _FakePusher(), dict, timeout_s=10, restart_timeout_s=60, identity=mine)
+    try:
+        r.load_weights(0)
+        assert r.collect(r.submit(RolloutRequest(prompts=[[1]], params=None, seed=0, tag="t"))) == "t by 5"
+        assert r.rollout_name == "the rollout job h pid 5" and r.stats()["rollout/restarts"] == 0.0
+    finally:
+        r.close()
+    t.join(timeout=10)
+    errors.sort(reverse=True)  # the model config's, then the mesh's
+    assert errors[0] == (f"the actor at {address} refused this rollout job: model config differs (rope_theta: "
+                         "20000.0 in the rollout job, 10000.0 in the actor): " + rollout_job.IDENTITY_HINT)
+    assert errors[1] == (f"the actor at {address} refused this rollout job: it cuts the weights differently from "
+                         "the actor's plan of its mesh: " + rollout_job.TILING_HINT)
+    lines = [m for m in caplog.messages if "refused" in m]
+    assert len(lines) == 2 and all("\n" not in m and "still waiting" in m for m in lines), lines
+    assert {m.split(":")[1].strip() for m in lines} == {"refused the rollout job h pid 3", "refused the rollout job h "
+                                                                                           "pid 4"}
+
+
+def test_a_refused_rollout_job_exits_2_with_the_actors_reason(monkeypatch):
+    """The rollout job's side: the actor's refusal -> RolloutMismatchError (launch/run.py: its one line, exit 2)."""
+    listener = JobListener("127.0.0.1:0", authkey(), hello={"tiling": TILING, "identity": _identity()},
+                           check=lambda peer: rollout_job.peer_refusal({"tiling": TILING, "identity": _identity()},
+                                                                       peer))
+    monkeypatch.setattr(rollout_job, "tiling", lambda sampler: TILING)
+    server = RolloutJobServer.__new__(RolloutJobServer)  # no sampler, no receiver: only the registration
+    server.actor_address, server.key, server.timeout_s, server.connect_timeout_s = listener.address, authkey(), 10, 10
+    server.identity, server._line = _identity(routed_scaling_factor=2.0), SimpleNamespace(line="")
+    server.sampler = None
+    try:
+        with pytest.raises(RolloutMismatchError) as e:
+            server.serve()
+    finally:
+        listener.close()
+    assert e.value.status == 2 and "model config differs (routed_scaling_factor: 2.0 in the rollout job" in str(e.value)
+    assert listener.accept(0.1, 10) is None and len(listener.refused) == 1  # never handed to the actor

@@ -10,8 +10,9 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from sharding.mesh import MeshSpecError, build_mesh_plan
 from parallel.mpmd_push import plan_transfer
-from sharding.distributed import heartbeat_timeout
-from sharding.mpmd import HostChannel, RoleLayout, actor_job_layout, lost_peer, role_layout, transfer_socket_address
+from sharding.distributed import heartbeat_timeout, sidecar_grace_s
+from sharding.mpmd import (HostChannel, PeerTimeoutError, RoleLayout, actor_job_layout, liveness_s, lost_peer,
+                           role_layout, transfer_socket_address)
 
 
 def _two_per_process(d):
@@ -124,8 +125,12 @@ def test_lost_peer_names_the_dead_process_and_its_side(monkeypatch):
 
 
 def test_jax_heartbeat_outlasts_the_push_timeout():
-    """jax's heartbeat timeout stays behind --push-timeout (our one-line detection and its report come first)."""
+    """jax's heartbeat timeout stays behind --push-timeout (our one-line detection and its report come first); a dead
+    process is found in seconds at the default --push-timeout (600 s: 20 s of silence), and the sidecar lingers only
+    that + 10 s after process 0's death (issue 42)."""
     assert heartbeat_timeout(600.0) == 630.0 and heartbeat_timeout(20.0) == 50.0
+    assert liveness_s(600.0) == 20.0 and liveness_s(5.0) == 5.0
+    assert sidecar_grace_s(heartbeat_timeout(600.0)) == 30.0 and sidecar_grace_s(15.0) == 25.0
 
 
 class _Store:
@@ -145,15 +150,37 @@ def test_heartbeat_watch_names_a_silent_peer_or_a_posted_failure(monkeypatch):
     monkeypatch.setattr(distributed.global_state, "client", _Store(store))
     channel = HostChannel.__new__(HostChannel)  # no thread, no store writes: only the watch's reads
     channel.layout = RoleLayout(process=1, actor_processes=(0, 1), rollout_processes=(2,), mpmd=True)
-    channel.timeout_s, channel.prefix = 0.0, "dsv4"
+    channel.timeout_s, channel.liveness_s, channel.prefix = 600.0, 0.0, "dsv4"  # dead after 0 s of silence
     seen, changed = {}, {}
     assert channel._watch(seen, changed) is None and seen == {0: "5"}  # first sight of process 0's beat
-    e = channel._watch(seen, changed)  # process 0's beat did not move for the (zero) timeout
+    e = channel._watch(seen, changed)  # process 0's beat did not move for the (zero) liveness timeout
     assert e is not None and e.side == "actor"
-    assert str(e).startswith("the actor side (processes [0, 1]) did not answer within 0 s: no heartbeat from "
-                             "process(es) [0]; did an actor process die?")
+    assert str(e) == ("the actor side lost process(es) [0] (no heartbeat for 0 s): an actor process died or hung; "
+                      "rerun the same command to resume from the last checkpoint")
     store["dsv4/exit/0"] = "1"  # process 0 ended normally: silent, not dead
     assert channel._watch(seen, changed) is None
     store["dsv4/failed"] = "rollout\nthe rollout side lost process(es) [2] (...)"
     e = channel._watch(seen, changed)
     assert e.side == "rollout" and str(e) == "the rollout side lost process(es) [2] (...)"
+
+
+def test_a_wait_names_a_dead_sender_after_the_liveness_timeout_a_slow_start_after_the_push_timeout(monkeypatch):
+    """`_wait_key` on the rollout's result: its process beats and then stops -> dead after the liveness timeout (not
+    --push-timeout), one line naming it; a process never seen beating is given the push timeout (a slow start)."""
+    store = {"dsv4/alive/2": "1"}
+
+    class Client(_Store):
+        def blocking_key_value_get_bytes(self, key, ms):
+            raise jax.errors.JaxRuntimeError("DEADLINE_EXCEEDED: not yet")
+
+    monkeypatch.setattr(distributed.global_state, "client", Client(store))
+    channel = HostChannel.__new__(HostChannel)
+    channel.layout = RoleLayout(process=0, actor_processes=(0, 1), rollout_processes=(2,), mpmd=True)
+    channel.timeout_s, channel.liveness_s, channel.prefix, channel.HEARTBEAT_S = 600.0, 0.05, "dsv4", 0.01
+    with pytest.raises(PeerTimeoutError) as e:
+        channel._wait_key("dsv4/rollout/3/n", "rollout", "the rollout results of train/3")
+    assert e.value.side == "rollout" and str(e.value).startswith(
+        "the rollout side lost process(es) [2] (no heartbeat for 0.05 s; waiting for the rollout results of train/3)")
+    now = 100.0
+    assert channel._silent([2], {2: None}, {2: now - 599.0}, now) == []  # never seen: not dead before 600 s
+    assert channel._silent([2], {2: "1"}, {2: now - 1.0}, now) == [2]  # seen, then silent for the liveness timeout
