@@ -36,17 +36,11 @@ import re
 from collections.abc import Callable, Sequence
 
 from rl.config import REWARDS  # noqa: F401  (re-exported: the --reward names)
-from rl.rewards import MAX_ANSWER_CHARS, combine_rewards, format_reward, gsm8k_reward, last_boxed
+from rl.answers import last_boxed, plain_decimal
+from rl.rewards import MAX_ANSWER_CHARS, combine_rewards, format_reward, gsm8k_reward
 
 
 _ANSWER_LINE_RE = re.compile(r"(?i)answer\s*:\s*([^\n]+)")
-_DECIMAL_RE = re.compile(r"[+-]?(?:\d+|\d{1,3}(?:,\d{3})+)(?:\.\d+)?|[+-]?\.\d+")
-
-
-def _plain_decimal(text: str) -> decimal.Decimal | None:
-    """`text` as an exact decimal if it is a plain number ("34", "-3.5", "1,000", "$18"), else None."""
-    s = text.strip().removeprefix("$").strip()
-    return decimal.Decimal(s.replace(",", "")) if _DECIMAL_RE.fullmatch(s) else None
 _INT_RE = re.compile(r"[+-]?\d+")
 
 
@@ -87,7 +81,7 @@ def _math_equal(pred: str, gold: str) -> bool:
     """Exact for plain numbers; otherwise math-verify (both sides parsed as `\\boxed{...}` LaTeX)."""
     if len(pred) > MAX_ANSWER_CHARS:
         return False
-    p, g = _plain_decimal(pred), _plain_decimal(gold)
+    p, g = plain_decimal(pred), plain_decimal(gold)
     if p is not None and g is not None:
         return p == g
     if p is None and g is None and pred.replace(" ", "") == gold.replace(" ", ""):
@@ -163,7 +157,7 @@ def _answer_class(reference: str) -> str:
     s = _clean(reference)
     if "####" in s:
         s = s[s.rfind("####") + 4:].strip()
-    d = _plain_decimal(s)
+    d = plain_decimal(s)
     return str(d.normalize()) if isinstance(d, decimal.Decimal) else s
 
 

@@ -4,7 +4,7 @@ Functions:
 - `gsm8k_reward`: 1.0 if the response's final answer equals the reference final answer, else 0.0.
   The final answer is the text after the last `####`, else the last `\\boxed{...}`, else the last
   number. Plain decimals on both sides are compared exactly in Python (`decimal.Decimal`) after
-  normalisation (`_plain_decimal`: Unicode minus, spaced signs, currency, thousands separators, scientific
+  normalisation (`rl.answers.plain_decimal`: Unicode minus, spaced signs, currency, thousands separators, scientific
   notation, trailing units); anything else (fractions, LaTeX) goes to math-verify (`math_verify.parse` + `math_verify.verify`,
   which parse with latex2sympy / sympy). Model output is never evaluated as code.
 - `format_reward`: 1.0 if the response ends with a GSM8K answer line `#### <number>`.
@@ -33,7 +33,6 @@ Run the tests: `.venv/bin/python -m pytest -q tests/rl/test_rewards.py`.
 from __future__ import annotations
 
 import dataclasses
-import decimal
 import logging
 import math
 import multiprocessing
@@ -50,6 +49,8 @@ from multiprocessing.reduction import ForkingPickler
 from typing import Any, Protocol
 
 import numpy as np
+
+from rl.answers import extract_final_answer, plain_decimal
 
 logger = logging.getLogger(__name__)
 
@@ -89,76 +90,7 @@ class TextReward:
 # expressions are where sympy spends seconds (300 nested parentheses take ~2.5 s).
 MAX_ANSWER_CHARS = 200
 
-_NUMBER_RE = re.compile(r"[-\u2212]?(?:\d[\d,]*(?:\.\d+)?|\.\d+)(?:[eE][-+]?\d+)?")
-# Answer normalisation (`_plain_decimal`): minus-like characters -> "-", thousands separators (comma, space,
-# thin / narrow no-break / no-break space) in groups of three, scientific notation, trailing unit words or %.
-_MINUS_TABLE = str.maketrans({c: "-" for c in "\u2212\u2012\u2013\u2014\u2015\ufe63\uff0d"})
-_GROUPED_RE = re.compile(r"\d{1,3}(?:([, \u2009\u202f\u00a0])\d{3})(?:\1\d{3})*(?:\.\d+)?")
-_PLAIN_NUMBER_RE = re.compile(r"(?:\d+(?:\.\d*)?|\.\d+)(?:[eE][-+]?\d{1,6})?")
-_UNIT_TAIL_RE = re.compile(r"(?<=[\d.])\s*(?:%|[^\W\d_]+\.?(?:\s+[^\W\d_]+\.?)*)\Z")
 _FORMAT_RE = re.compile(r"(?:^|\n)[ \t]*####[ \t]*\$?-?\d[\d,]*(?:\.\d+)?[ \t]*\Z")
-
-
-# -- answer extraction ------------------------------------------------------------------------------
-
-def last_boxed(text: str) -> str | None:
-    """Content of the last `\\boxed{...}` in `text` (braces balanced), or None."""
-    start = text.rfind("\\boxed{")
-    if start < 0:
-        return None
-    i = start + len("\\boxed{")
-    depth = 1
-    for j in range(i, len(text)):
-        if text[j] == "{":
-            depth += 1
-        elif text[j] == "}":
-            depth -= 1
-            if depth == 0:
-                return text[i:j]
-    return None
-
-
-def extract_final_answer(text: str) -> tuple[str, str] | None:
-    """-> (answer text, how) with how in {"####", "boxed", "number"}, or None if there is none.
-
-    "####": the rest of the line after the last `####`. "boxed": the last `\\boxed{...}`.
-    "number": the last number in the text (e.g. "The answer is 18." -> "18").
-    """
-    if "####" in text:
-        tail = text[text.rfind("####") + 4:].strip().split("\n", 1)[0].strip()
-        if tail:
-            return tail, "####"
-    boxed = last_boxed(text)
-    if boxed is not None and boxed.strip():
-        return boxed.strip(), "boxed"
-    numbers = _NUMBER_RE.findall(text)
-    if numbers:
-        return numbers[-1].rstrip(".,"), "number"
-    return None
-
-
-def _plain_decimal(text: str) -> decimal.Decimal | None:
-    """`text` as an exact decimal if it is a plain number, else None (then math-verify decides).
-
-    Accepted (normalised before an exact `decimal.Decimal` comparison; nothing is evaluated): an optional sign,
-    also Unicode minus / dashes and spaced ("- 5"); a currency sign ($ EUR GBP); thousands separators in groups of
-    three (comma, space, thin or no-break space: "1,000", "1 000"); scientific notation ("1e3", "2.5E-2");
-    a trailing period; trailing unit words or % ("18 apples", "5 km", "50%"). Examples: "18", "-3.5",
-    "\u22125", "- 5", "$1,000.00", "1e3", "12 dollars".
-    """
-    s = text.strip().translate(_MINUS_TABLE).rstrip(".").strip()
-    sign = ""
-    for _ in range(2):  # sign and currency in either order: "-$5", "$-5"
-        if s[:1] in ("-", "+"):
-            sign, s = ("-" if s[0] == "-" else ""), s[1:].lstrip()
-        if s[:1] in ("$", "\u20ac", "\u00a3"):
-            s = s[1:].lstrip()
-    s = _UNIT_TAIL_RE.sub("", s).rstrip(".")
-    if _GROUPED_RE.fullmatch(s):
-        s = re.sub(r"[, \u2009\u202f\u00a0]", "", s)
-    if not _PLAIN_NUMBER_RE.fullmatch(s):
-        return None
-    return decimal.Decimal(sign + s)
 
 
 # -- reward functions -------------------------------------------------------------------------------
@@ -182,7 +114,7 @@ def gsm8k_reward(response_text: str, reference: str) -> float:
     answer, how = found
     if len(answer) > MAX_ANSWER_CHARS:
         return 0.0
-    pred, gold = _plain_decimal(answer), _plain_decimal(reference)
+    pred, gold = plain_decimal(answer), plain_decimal(reference)
     if pred is not None and gold is not None:
         return float(pred == gold)
     return float(_math_verify_equal(answer, how, reference))

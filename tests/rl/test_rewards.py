@@ -7,13 +7,13 @@ import operator
 import numpy as np
 import pytest
 
+from rl.answers import extract_final_answer
 from rl.data import gsm8k_final_answer
 from rl.rewards import (
     RewardPool,
     RewardStats,
     combine_rewards,
     compute_rewards,
-    extract_final_answer,
     format_reward,
     gsm8k_reward,
     safe_reward,

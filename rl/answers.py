@@ -1,0 +1,84 @@
+"""Final answers out of model text: the one parser of the math rewards (`rl/rewards.py`, `rl/math_rewards.py`).
+
+- `last_boxed(text)`: the content of the last `\\boxed{...}` (braces balanced).
+- `extract_final_answer(text)`: GSM8K's order: the text after the last `####`, else the last `\\boxed{}`, else the
+  last number.
+- `plain_decimal(text)`: an answer as an exact `decimal.Decimal` when it is a plain number (after normalising
+  signs, currency, thousands separators, scientific notation and trailing units), else None (then math-verify
+  decides). Nothing is evaluated.
+"""
+
+from __future__ import annotations
+
+import decimal
+import re
+
+_NUMBER_RE = re.compile(r"[-\u2212]?(?:\d[\d,]*(?:\.\d+)?|\.\d+)(?:[eE][-+]?\d+)?")
+# Answer normalisation (`plain_decimal`): minus-like characters -> "-", thousands separators (comma, space,
+# thin / narrow no-break / no-break space) in groups of three, scientific notation, trailing unit words or %.
+_MINUS_TABLE = str.maketrans({c: "-" for c in "\u2212\u2012\u2013\u2014\u2015\ufe63\uff0d"})
+_GROUPED_RE = re.compile(r"\d{1,3}(?:([, \u2009\u202f\u00a0])\d{3})(?:\1\d{3})*(?:\.\d+)?")
+_PLAIN_NUMBER_RE = re.compile(r"(?:\d+(?:\.\d*)?|\.\d+)(?:[eE][-+]?\d{1,6})?")
+_UNIT_TAIL_RE = re.compile(r"(?<=[\d.])\s*(?:%|[^\W\d_]+\.?(?:\s+[^\W\d_]+\.?)*)\Z")
+
+
+# -- answer extraction ------------------------------------------------------------------------------
+
+def last_boxed(text: str) -> str | None:
+    """Content of the last `\\boxed{...}` in `text` (braces balanced), or None."""
+    start = text.rfind("\\boxed{")
+    if start < 0:
+        return None
+    i = start + len("\\boxed{")
+    depth = 1
+    for j in range(i, len(text)):
+        if text[j] == "{":
+            depth += 1
+        elif text[j] == "}":
+            depth -= 1
+            if depth == 0:
+                return text[i:j]
+    return None
+
+
+def extract_final_answer(text: str) -> tuple[str, str] | None:
+    """-> (answer text, how) with how in {"####", "boxed", "number"}, or None if there is none.
+
+    "####": the rest of the line after the last `####`. "boxed": the last `\\boxed{...}`.
+    "number": the last number in the text (e.g. "The answer is 18." -> "18").
+    """
+    if "####" in text:
+        tail = text[text.rfind("####") + 4:].strip().split("\n", 1)[0].strip()
+        if tail:
+            return tail, "####"
+    boxed = last_boxed(text)
+    if boxed is not None and boxed.strip():
+        return boxed.strip(), "boxed"
+    numbers = _NUMBER_RE.findall(text)
+    if numbers:
+        return numbers[-1].rstrip(".,"), "number"
+    return None
+
+
+def plain_decimal(text: str) -> decimal.Decimal | None:
+    """`text` as an exact decimal if it is a plain number, else None (then math-verify decides).
+
+    Accepted (normalised before an exact `decimal.Decimal` comparison; nothing is evaluated): an optional sign,
+    also Unicode minus / dashes and spaced ("- 5"); a currency sign ($ EUR GBP); thousands separators in groups of
+    three (comma, space, thin or no-break space: "1,000", "1 000"); scientific notation ("1e3", "2.5E-2");
+    a trailing period; trailing unit words or % ("18 apples", "5 km", "50%"). Examples: "18", "-3.5",
+    "\u22125", "- 5", "$1,000.00", "1e3", "12 dollars".
+    """
+    s = text.strip().translate(_MINUS_TABLE).rstrip(".").strip()
+    sign = ""
+    for _ in range(2):  # sign and currency in either order: "-$5", "$-5"
+        if s[:1] in ("-", "+"):
+            sign, s = ("-" if s[0] == "-" else ""), s[1:].lstrip()
+        if s[:1] in ("$", "\u20ac", "\u00a3"):
+            s = s[1:].lstrip()
+    s = _UNIT_TAIL_RE.sub("", s).rstrip(".")
+    if _GROUPED_RE.fullmatch(s):
+        s = re.sub(r"[, \u2009\u202f\u00a0]", "", s)
+    if not _PLAIN_NUMBER_RE.fullmatch(s):
+        return None
+    return decimal.Decimal(sign + s)
