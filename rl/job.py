@@ -125,8 +125,11 @@ def _rollout_slots(cfg: RunConfig, model_cfg, plan, max_prompt: int) -> tuple[in
     budget, note = sl.kv_budget_from_plan(model_cfg, str(plan.spec), seq, rollout_dtype=r.dtype)
     fp8 = "e4m3fn" if kv_cache_layout(r.kv_cache_dtype, r.dtype) == "fp8" else None  # fn / fnuz: the same bytes
     shards = batch_shards(ROLLOUT_RULES, mesh) if mesh is not None else 1  # split over the rollout batch axes
-    n = sl.plan_slots(r.slots, per_slot_bytes=sl.cache_bytes_per_slot_for(model_cfg, seq, dtype, fp8),
-                      budget_bytes=budget, seq_len=seq, shards=shards)
+    try:
+        n = sl.plan_slots(r.slots, per_slot_bytes=sl.cache_bytes_per_slot_for(model_cfg, seq, dtype, fp8),
+                          budget_bytes=budget, seq_len=seq, shards=shards)
+    except ValueError as e:  # say which plan: a GPU's, or this CPU host's RAM
+        raise ValueError(f"{e} ({note})") from None
     rows = r.prompts_per_step * r.group_size
     n = min(n, rows) if r.slots == "auto" else n
     log.info("rollout: %s (--rollout-slots %s; %s)", f"continuous batching over {n} slots" if n else

@@ -278,5 +278,5 @@ def kv_budget_from_plan(model_cfg, mesh_spec: str, seq_len: int, *,
         return None, f"memory plan unavailable for {mesh_spec} on {gpu} ({type(e).__name__}: {e})"
     if jax.devices()[0].platform == "cpu":  # XLA:CPU: every device in the host's RAM (rl/host_memory.py)
         host = host_memory_bytes()
-        return cpu_kv_budget(report, host), f"memory plan on this host's {host / 2**30:.1f} GiB (XLA:CPU)"
+        return cpu_kv_budget(report, host), f"memory plan on this host's {host / 2**30:.1f} GiB of RAM, XLA:CPU"
     return float(report.rollout.margin), f"memory plan on {gpu} ({note})"
