@@ -444,7 +444,8 @@ class Checkpointer:
         if diff:
             shown = ", ".join(diff[:_SHOWN]) + (f", and {len(diff) - _SHOWN} more" if len(diff) > _SHOWN else "")
             fix = ("give the checkpoint's values of these flags (an evaluation compares only the model and the "
-                   "knobs that shape the saved state)") if self.read_only else "use another --ckpt-dir or --resume never"
+                   "knobs that shape the saved state)") if self.read_only else \
+                "use another --ckpt-dir or --resume never"
             raise CheckpointMismatchError(
                 f"checkpoint {self.dir}/{step} was written by a different config ({shown}); {fix}")
 

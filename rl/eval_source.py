@@ -77,8 +77,15 @@ def eval_checkpoint_dir(cfg: RunConfig) -> pathlib.Path | None:
     return None
 
 
+def _not_read_only_notice(record: logging.LogRecord) -> bool:
+    return not record.getMessage().startswith("Given directory is read only")  # orbax's, for every reader
+
+
 def eval_reader(directory: pathlib.Path, fingerprint: dict, processes=None) -> Checkpointer:
     """A read-only Checkpointer of `directory` for an evaluation: no lock, nothing created or renamed, the
     fingerprint compared without `EVAL_IGNORED` (a mismatch: CheckpointMismatchError naming the fields)."""
+    absl = logging.getLogger("absl")
+    if _not_read_only_notice not in absl.filters:
+        absl.addFilter(_not_read_only_notice)
     return Checkpointer(directory, fingerprint=fingerprint, processes=processes, read_only=True,
                         ignore=EVAL_IGNORED)

@@ -375,8 +375,9 @@ def run_dir(cfg: RunConfig) -> pathlib.Path | None:
 
 def write_resolved_config(cfg: RunConfig) -> pathlib.Path | None:
     """Write the resolved config to `run_dir(cfg)/config.yaml` (process 0; temp file, then rename: never
-    half-written; `build` logs it first and writes it once it holds the run lock). The file is the nested shape `launch/run.py --config-file` reads back to an
-    equal RunConfig. Returns its path (None: no run directory, or not process 0)."""
+    half-written; `build` logs it first and writes it once it holds the run lock). The file is the nested shape
+    `launch/run.py --config-file` reads back to an equal RunConfig. Returns its path (None: no run directory, or
+    not process 0)."""
     d = run_dir(cfg)
     if d is None or jax.process_index() != 0:
         return None

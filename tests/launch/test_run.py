@@ -234,7 +234,8 @@ def test_overridden_settings_get_one_warning_each(tmp_path, capsys, caplog, lt):
                            "--rollout-slots", "4", *TINY, *lt.outputs(tmp_path)], capsys)
     assert rc == 0, err
     lines = [r.getMessage() for r in caplog.records if r.levelname == "WARNING" and "--exact-rollout" in r.getMessage()]
-    assert len(lines) == 1 and "--rollout.speculative mtp and --rollout-slots 4 apply to the evaluation only" in lines[0]
+    assert len(lines) == 1
+    assert "--rollout.speculative mtp and --rollout-slots 4 apply to the evaluation only" in lines[0]
     caplog.clear()
     with caplog.at_level(logging.WARNING, logger="dsv4rl"):
         rc, _, err = main(["--dry-run", "--rollout.draft_tokens", "3", *TINY, *lt.outputs(tmp_path)], capsys)
