@@ -377,6 +377,9 @@ def test_eval_only_compares_only_what_is_evaluated(tmp_path, lt):
                                    "--group-size", "8", "--prompts-per-step", "2", "--algo", "dapo",
                                    "--max-new-tokens", "16"])
     assert eval_checkpoint_dir(other) == tmp_path / "ckpt"
+    init, _ = launch_run.resolve([*TINY, "--eval-only", "--init", str(tmp_path / "hf"), "--ckpt-dir",
+                                  str(tmp_path / "none")])
+    assert eval_checkpoint_dir(init) is None and not (tmp_path / "none").exists()  # no checkpoint: --init evaluated
     reader = eval_reader(tmp_path / "ckpt", fingerprint(other, resolve_model_config(other, 16)))
     assert reader.check_latest()["step"] == 3
     assert not (tmp_path / "ckpt" / LOCK_NAME).exists()  # a reader takes no lock
