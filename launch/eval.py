@@ -6,9 +6,12 @@
 
 Every flag of launch/run.py applies (see `python launch/run.py --help`). It prints greedy pass@1, sampled
 pass@1 and pass@k (k = --eval-samples) as a table and writes them to --metrics-jsonl / TensorBoard / W&B.
-Weights: `--init` (random or an official-format checkpoint folder), or with `--ckpt-dir DIR --resume auto` the
-newest checkpoint of a training run; the checkpoint must match the run's config (give the training run's flags,
-as `tests/launch/test_seed_workflow.py` does). `--ckpt-dir ''` evaluates `--init` alone.
+Weights: with `--ckpt-dir DIR --resume auto` the newest checkpoint of a training run, else `--init` (an
+official-format checkpoint folder); with neither (DIR missing or empty, and --init random) there is nothing to
+evaluate: one line naming DIR, exit 2. A step folder (`DIR/3`) is refused naming DIR. Only the model and the knobs
+that shape the saved state must match the checkpoint's (not lr, seed, group size, ...: rl/eval_source.py). It
+only reads DIR: no lock, nothing created or written there (a read-only directory works), no config.yaml.
+`--ckpt-dir ''` evaluates `--init` alone.
 """
 
 from __future__ import annotations

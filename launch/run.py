@@ -30,13 +30,14 @@ import traceback
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))  # runnable as a script from a fresh clone
 
 import jax  # noqa: E402  (importing jax starts no backend: XLA_FLAGS set below in __main__ still apply)
-import yaml  # noqa: E402
 
 from launch.ray_run import LaunchError, add_launcher_args, launch  # noqa: E402
 from parallel.mpmd_push import MpmdPushVerificationError  # noqa: E402
 from parallel.plan import GPUS, plan  # noqa: E402
 from rl import config_tree  # noqa: E402
 from rl.config import FLAT, RunConfig  # noqa: E402
+from rl.config_file import load_config_file  # noqa: E402
+from rl.config_notes import overridden_settings  # noqa: E402
 from rl.job import _data, build, resolve_model_config  # noqa: E402
 from rl.loop import run, run_eval  # noqa: E402
 from rl.rollout_job import RolloutJobError  # noqa: E402
@@ -119,14 +120,7 @@ def resolve(argv=None) -> tuple[RunConfig, argparse.Namespace]:
     dotted = _dotted(extra)
     items: list[tuple[str, object]] = []
     if args.config_file:
-        try:
-            data = yaml.safe_load(pathlib.Path(args.config_file).read_text()) or {}
-        except OSError as e:
-            raise ValueError(f"--config-file {args.config_file}: {e.strerror}") from None
-        except yaml.YAMLError as e:
-            raise ValueError(_yaml_error(args.config_file, e)) from None
-        if not isinstance(data, dict):
-            raise ValueError(f"--config-file {args.config_file}: expected a mapping of config keys")
+        data = load_config_file(args.config_file)  # one line naming FILE:LINE:COLUMN when bad (repeated keys too)
         for path, (key, v) in config_tree.flatten(data, RunConfig, f"--config-file {args.config_file}",
                                                   FLAT).items():
             items.append((path, config_tree.convert(_leaf(path), v, args.config_file, key)))
@@ -137,20 +131,11 @@ def resolve(argv=None) -> tuple[RunConfig, argparse.Namespace]:
     for path, raw in dotted:
         items.append((path, config_tree.convert(_leaf(path), raw, "--" + path)))
     items = [(p, None if p in _EMPTY_IS_NONE and v == "" else v) for p, v in items]
+    args.given = {p for p, _ in items}  # the knobs the user set (rl/config_notes.py)
     return RunConfig.from_overrides(items, source="launch/run.py"), args
 
 
 _EMPTY_IS_NONE = ("ckpt.dir", "log.metrics_jsonl", "log.tensorboard_dir")
-
-
-def _yaml_error(path, e) -> str:
-    """A PyYAML error -> one line `--config-file FILE:LINE:COLUMN: not valid YAML: <problem> (<context>)`."""
-    mark = getattr(e, "problem_mark", None) or getattr(e, "context_mark", None)
-    where = f"{path}:{mark.line + 1}:{mark.column + 1}" if mark is not None else str(path)
-    problem = getattr(e, "problem", None) or type(e).__name__
-    context = getattr(e, "context", None)
-    text = f"{problem} ({context})" if context else problem
-    return f"--config-file {where}: not valid YAML: {' '.join(str(text).split())}"
 
 
 def dry_run(cfg: RunConfig) -> None:
@@ -248,6 +233,8 @@ def main(argv=None) -> int:
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     for noisy in ("absl", "orbax", "jax._src", "grain"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
+    for line in overridden_settings(cfg, args.given):  # each overridden or ignored setting said once
+        log.warning(line)
     if args.launcher == "ray":  # the jobs run as Ray actors (launch/ray_run.py); this process starts no backend
         try:
             return launch(list(sys.argv[1:] if argv is None else argv), cfg.mesh, args.ray_address)

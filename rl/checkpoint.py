@@ -196,11 +196,14 @@ def _flatten(tree) -> tuple[dict, object]:
     return {jax.tree_util.keystr(p): x for p, x in leaves}, treedef
 
 
-def check_writable(directory: str | os.PathLike, what: str) -> pathlib.Path:
-    """Create `directory` and prove it is writable (before step 1); OSError -> ValueError naming the flag."""
+def check_writable(directory: str | os.PathLike, what: str, probe: bool = True) -> pathlib.Path:
+    """Create `directory` and prove it is writable (before step 1; `probe=False`: create only); OSError ->
+    ValueError naming the flag."""
     d = pathlib.Path(directory)
     try:
         d.mkdir(parents=True, exist_ok=True)
+        if not probe:
+            return d
         probe = d / f".write-probe-{os.getpid()}"
         probe.write_text("ok")
         probe.unlink()
@@ -244,7 +247,9 @@ class Checkpointer:
 
     Args:
       directory: checkpoint root (created). keep: how many to keep. fingerprint: JSON-able dict identifying
-        the run's math (compared on restore).
+        the run's math (compared on restore; keys in `ignore` skipped).
+      read_only: a reader (--eval-only): `directory` must exist; nothing in it is created, locked, cleaned, renamed
+        or saved (a read-only file system works).
       processes: the process indices that hold the saved arrays and call every method (None: all processes).
         MPMD runs pass the actor's: orbax's barriers (`MultiprocessingOptions.active_processes`) then involve
         those processes only, the first of them writes the metadata, and the rollout processes, which hold no
@@ -255,21 +260,33 @@ class Checkpointer:
     """
 
     def __init__(self, directory, *, keep: int = 2, fingerprint: dict, async_save: bool = True,
-                 processes=None):
-        self.dir = check_writable(directory, "--ckpt-dir").resolve()
+                 processes=None, read_only: bool = False, ignore: tuple[str, ...] = ()):
+        self.read_only, self.ignore = read_only, tuple(ignore)
+        self.dir = pathlib.Path(directory if read_only else check_writable(directory, "--ckpt-dir", False)).resolve()
         self.fingerprint = fingerprint
         self.primary = 0 if processes is None else min(processes)
         self.host_local = processes is not None and len(set(processes)) == 1 and jax.process_count() > 1
-        # the run lock first: the manager below deletes temp dirs, which may be another live run's unfinished save
-        self._lock = run_lock.acquire(self.dir, primary=self.primary, processes=processes)
+        # the run lock first, before any write in the directory (a refused run writes nothing there), and before
+        # the manager below deletes temp dirs, which may be another live run's unfinished save. A reader takes none.
+        try:
+            self._lock = None if read_only else run_lock.acquire(self.dir, primary=self.primary, processes=processes)
+        except OSError as e:  # the lock file cannot be created
+            raise ValueError(f"--ckpt-dir {self.dir} is not writable: {e}") from e
         self._release = weakref.finalize(self, run_lock.release, self._lock)  # also at interpreter exit
+        if not read_only:
+            try:
+                check_writable(self.dir, "--ckpt-dir")
+            except BaseException:
+                self._release()
+                raise
         _quiet_orbax_errors(self.dir)
         self._pending: int | None = None  # the step whose asynchronous write may still fail
         self._failed: CheckpointWriteError | None = None
         mp = {} if processes is None else dict(create=False, multiprocessing_options=ocp.options.MultiprocessingOptions(
             primary_host=self.primary, active_processes=set(processes), barrier_sync_key_prefix="actor"))
-        opts = ocp.CheckpointManagerOptions(max_to_keep=keep, enable_async_checkpointing=async_save,
-                                            cleanup_tmp_directories=True, **mp)
+        ro = dict(read_only=True, create=False, max_to_keep=None, cleanup_tmp_directories=False) if read_only else {}
+        opts = ocp.CheckpointManagerOptions(**{**dict(max_to_keep=keep, enable_async_checkpointing=async_save,
+                                                      cleanup_tmp_directories=True), **mp, **ro})
         try:
             self.mngr = ocp.CheckpointManager(self.dir, options=opts, item_names=("state", "meta"))
         except BaseException:
@@ -292,6 +309,8 @@ class Checkpointer:
         has no room for a checkpoint of the newest one's size (both checked first when one process writes: with
         several, a verdict of one process alone would leave the others at orbax's barriers), or the previous
         asynchronous save failed."""
+        if self.read_only:
+            raise RuntimeError(f"Checkpointer({self.dir}, read_only=True) cannot save")
         if self._failed is not None:
             raise self._failed
         self._finish()  # the previous save's background error, if any, belongs to that step
@@ -406,6 +425,9 @@ class Checkpointer:
         invisible to orbax), so the resumed run can save those steps again."""
         if not steps:
             return
+        if self.read_only:  # a reader changes nothing: the unreadable steps stay where they are
+            log.warning("unreadable checkpoint step(s) %s in %s left in place (read-only)", steps, self.dir)
+            return
         if jax.process_index() == self.primary:
             for step in steps:
                 src, dst = self.dir / str(step), self.dir / f"{step}.corrupt"
@@ -418,12 +440,14 @@ class Checkpointer:
 
     def _check(self, meta: dict, step: int) -> None:
         diff = fingerprint_diff(meta.get("fingerprint", {}), self.fingerprint,
-                                ignore=("dataset",) if meta.get("data_identity") else ())
+                                ignore=self.ignore + (("dataset",) if meta.get("data_identity") else ()))
         if diff:
             shown = ", ".join(diff[:_SHOWN]) + (f", and {len(diff) - _SHOWN} more" if len(diff) > _SHOWN else "")
+            fix = ("give the checkpoint's values of these flags (an evaluation compares only the model and the "
+                   "knobs that shape the saved state)") if self.read_only else \
+                "use another --ckpt-dir or --resume never"
             raise CheckpointMismatchError(
-                f"checkpoint {self.dir}/{step} was written by a different config ({shown}); use another "
-                f"--ckpt-dir or --resume never")
+                f"checkpoint {self.dir}/{step} was written by a different config ({shown}); {fix}")
 
     def wait(self) -> None:
         """Wait for the pending save. Raises its CheckpointWriteError (once: after a reported failure, nothing)."""

@@ -95,8 +95,10 @@ def sections(cls: type, prefix: str = "") -> dict[str, type]:
 
 
 def convert(leaf: Leaf, raw: Any, source: str, name: str | None = None) -> Any:
-    """`raw` (a YAML value or a command-line string) as `leaf`'s type. ValueError: "`source`: `name` must be
-    <type>, got <raw>" (name defaults to the leaf's path)."""
+    """`raw` (a YAML value or a command-line string) as `leaf`'s type, exactly: a YAML float is an int only when
+    integral (2.7 and 4.9 are refused, not truncated), a YAML number is never a bool nor a YAML bool a number
+    (command-line words true/false/1/0/yes/no are bools). ValueError: "`source`: `name` must be <type>, got <raw>"
+    (name defaults to the leaf's path)."""
     name = name or leaf.path
     if raw is None or (leaf.optional and isinstance(raw, str) and raw.lower() in _NONE_WORDS):
         if leaf.optional:
@@ -109,11 +111,13 @@ def convert(leaf: Leaf, raw: Any, source: str, name: str | None = None) -> Any:
         return raw
     if base is float and isinstance(raw, int) and not isinstance(raw, bool):
         return float(raw)
+    if base is int and isinstance(raw, float) and raw.is_integer():  # YAML 1.0e+3: exactly an int
+        return int(raw)
     try:
+        if isinstance(raw, (dict, list, bool)) or (base in (int, bool) and isinstance(raw, (int, float))):
+            raise ValueError  # a value of another type is refused, never truncated (2.7 -> 2) or reinterpreted
         if base is bool:
             return {"true": True, "false": False, "1": True, "0": False, "yes": True, "no": False}[str(raw).lower()]
-        if isinstance(raw, (dict, list, bool)):
-            raise ValueError
         return base(raw)
     except (ValueError, KeyError, TypeError):
         raise ValueError(f"{source}: {name} must be {base.__name__}, got {raw!r}") from None
@@ -124,18 +128,23 @@ def flatten(mapping: dict, cls: type, source: str, aliases: dict[str, str] | Non
     """A (possibly nested) mapping of knobs -> {dotted path: (key as written, value)}, in order.
 
     Keys may be nested sections (`learner: {lr: 1e-6}`), dotted (`learner.lr`), or top-level `aliases` (flat
-    names, e.g. `lr` -> `learner.lr`); `-` may stand for `_`. ValueError names `source` and an unknown key."""
+    names, e.g. `lr` -> `learner.lr`); `-` may stand for `_`. ValueError names `source` and an unknown key, or
+    two spellings of one knob (`lr` and `learner: {lr: ...}`)."""
     leaves, secs, out = paths(cls), sections(cls), {}
     for k, v in mapping.items():
         key = prefix + str(k).replace("-", "_")
         if not prefix and aliases and key in aliases:
             key = aliases[key]
         if key in secs and isinstance(v, dict):
-            out.update(flatten(v, cls, source, None, key + "."))
+            found = flatten(v, cls, source, None, key + ".")
         elif key in leaves:
-            out[key] = (prefix + str(k), v)
+            found = {key: (prefix + str(k), v)}
         else:
             raise ValueError(f"{source}: unknown key {prefix + str(k)!r}")
+        for path, (written, _) in found.items():
+            if path in out:  # two spellings of one knob (`lr` and `learner.lr`): which one wins is not obvious
+                raise ValueError(f"{source}: {out[path][0]!r} and {written!r} both set {path}; give it once")
+        out.update(found)
     return out
 
 

@@ -105,7 +105,9 @@ def _read_jsonl(path: str, bad: _BadRecords) -> tuple[list[dict], list[str]]:
             if not raw.strip():
                 continue  # blank lines (a trailing newline) are not records
             try:
-                record = json.loads(raw.decode("utf-8"))
+                # without its line break: an error at the end of the line is at its last column + 1, not at
+                # column 1 of a next line
+                record = json.loads(raw.rstrip(b"\r\n").decode("utf-8"))
             except UnicodeDecodeError as e:
                 bad(location, f"not UTF-8 ({e.reason} at byte {e.start})")
                 continue

@@ -38,6 +38,7 @@ from rl.checkpoint import Checkpointer, check_writable, file_identity
 from rl.config import RunConfig
 from rl.data import PromptDataset, make_prompt_iterator
 from rl.data_formats import build_datasets, resolve_reward_name
+from rl.eval_source import eval_checkpoint_dir, eval_reader
 from rl.exact import exact_layout
 from rl.job_identity import job_identity
 from rl.learner import Learner
@@ -125,8 +126,11 @@ def _rollout_slots(cfg: RunConfig, model_cfg, plan, max_prompt: int) -> tuple[in
     budget, note = sl.kv_budget_from_plan(model_cfg, str(plan.spec), seq, rollout_dtype=r.dtype)
     fp8 = "e4m3fn" if kv_cache_layout(r.kv_cache_dtype, r.dtype) == "fp8" else None  # fn / fnuz: the same bytes
     shards = batch_shards(ROLLOUT_RULES, mesh) if mesh is not None else 1  # split over the rollout batch axes
-    n = sl.plan_slots(r.slots, per_slot_bytes=sl.cache_bytes_per_slot_for(model_cfg, seq, dtype, fp8),
-                      budget_bytes=budget, seq_len=seq, shards=shards)
+    try:
+        n = sl.plan_slots(r.slots, per_slot_bytes=sl.cache_bytes_per_slot_for(model_cfg, seq, dtype, fp8),
+                          budget_bytes=budget, seq_len=seq, shards=shards)
+    except ValueError as e:  # say which plan: a GPU's, or this CPU host's RAM
+        raise ValueError(f"{e} ({note})") from None
     rows = r.prompts_per_step * r.group_size
     n = min(n, rows) if r.slots == "auto" else n
     log.info("rollout: %s (--rollout-slots %s; %s)", f"continuous batching over {n} slots" if n else
@@ -209,10 +213,8 @@ def build(cfg: RunConfig) -> Job:
     `build_rollout_job`."""
     if cfg.rollout.job:
         return build_rollout_job(cfg)
-    for path, flag in ((cfg.log.metrics_jsonl, "--metrics-jsonl"), (cfg.log.tensorboard_dir, "--tensorboard-dir")):
-        if path:
-            check_writable(pathlib.Path(path).parent if flag == "--metrics-jsonl" else path, flag)
-    write_resolved_config(cfg)
+    evaluated = eval_checkpoint_dir(cfg) if cfg.eval.only else None  # --eval-only: a checkpoint, --init or an error
+    log.info("resolved config: %s", json.dumps(cfg.to_tree(), sort_keys=False, default=str))
     tok, task, train, ev_prompts, ev_refs, reward, ev_data = _data(cfg)
     model_cfg = resolve_model_config(cfg, tok.vocab_size)
     two_jobs = cfg.rollout.address is not None  # the rollout is a job of its own (rl/rollout_job.py)
@@ -230,13 +232,24 @@ def build(cfg: RunConfig) -> Job:
     channel = HostChannel(layout, timeout_s=cfg.rollout.push_timeout, keep=channel_window(cfg)) \
         if layout.mpmd else None
     # the actor's processes save and restore the learner state; the rollout's is derived (rl/rollout_mpmd.py)
-    ckpt = Checkpointer(cfg.ckpt.dir, keep=cfg.ckpt.keep, fingerprint=fingerprint(cfg, model_cfg),
-                        processes=layout.actor_processes if layout.mpmd else None) \
-        if cfg.ckpt.dir and layout.is_actor else None
+    # (the run lock, taken here, comes before any write: a run refused by it writes nothing, not even config.yaml;
+    # an evaluation only reads its checkpoint: rl/eval_source.py)
+    processes = layout.actor_processes if layout.mpmd else None
+    if cfg.eval.only:
+        ckpt = eval_reader(evaluated, fingerprint(cfg, model_cfg), processes) \
+            if evaluated is not None and layout.is_actor else None
+    else:
+        ckpt = Checkpointer(cfg.ckpt.dir, keep=cfg.ckpt.keep, fingerprint=fingerprint(cfg, model_cfg),
+                            processes=processes) if cfg.ckpt.dir and layout.is_actor else None
+    for path, flag in ((cfg.log.metrics_jsonl, "--metrics-jsonl"), (cfg.log.tensorboard_dir, "--tensorboard-dir")):
+        if path:
+            check_writable(pathlib.Path(path).parent if flag == "--metrics-jsonl" else path, flag)
+    if not cfg.eval.only:  # an evaluation writes its metrics, not the run's config
+        write_resolved_config(cfg)
     data_identity = {"dataset": file_identity(cfg.data.dataset), "eval_dataset": file_identity(cfg.data.eval_dataset)}
     if ckpt is not None and cfg.ckpt.resume == "auto":
         latest = ckpt.check_latest()  # a checkpoint of another config is an error now, not after the model is built
-        if latest is not None:
+        if latest is not None and not cfg.eval.only:
             same_data(cfg, latest, data_identity)
     elif ckpt is not None and ckpt.all_steps():
         raise ValueError(f"--ckpt-dir {ckpt.dir} already holds checkpoints (steps {ckpt.all_steps()}); --resume never "
@@ -307,7 +320,7 @@ def build(cfg: RunConfig) -> Job:
         if restored is not None:
             state, meta = restored
             learner.load_state_dict(state)
-            if same_data(cfg, meta, data_identity):
+            if not cfg.eval.only and same_data(cfg, meta, data_identity):
                 it.set_state(meta["data"])
             job.start_step = int(meta["step"])
             job.weight_version = int(meta["weight_version"])
@@ -364,11 +377,10 @@ def run_dir(cfg: RunConfig) -> pathlib.Path | None:
 
 
 def write_resolved_config(cfg: RunConfig) -> pathlib.Path | None:
-    """Log the resolved config once and write it to `run_dir(cfg)/config.yaml` (process 0; temp file, then
-    rename: never half-written). The file is the nested shape `launch/run.py --config-file` reads back to an
-    equal RunConfig. Returns its path (None: no run directory, or not process 0)."""
-    text = json.dumps(cfg.to_tree(), sort_keys=False, default=str)
-    log.info("resolved config: %s", text)
+    """Write the resolved config to `run_dir(cfg)/config.yaml` (process 0; temp file, then rename: never
+    half-written; `build` logs it first and writes it once it holds the run lock). The file is the nested shape
+    `launch/run.py --config-file` reads back to an equal RunConfig. Returns its path (None: no run directory, or
+    not process 0)."""
     d = run_dir(cfg)
     if d is None or jax.process_index() != 0:
         return None

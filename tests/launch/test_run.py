@@ -97,9 +97,10 @@ def gsm(tmp_path, small_tokenizer, lt):
 
 
 def test_malformed_jsonl_line_names_file_and_line(tmp_path, gsm, capsys, caplog, lt):
-    data = lt.write_jsonl(tmp_path / "train.jsonl", lt.gsm8k_records(6), {3: '{"question": "How many", "answer": '})
+    cut = '{"question": "How many", "answer": '
+    data = lt.write_jsonl(tmp_path / "train.jsonl", lt.gsm8k_records(6), {3: cut})
     rc, _, err = main(gsm(data), capsys)
-    assert_user_error(rc, err, f"{data}:3", "invalid JSON")
+    assert_user_error(rc, err, f"{data}:3", f"invalid JSON: Expecting value at column {len(cut) + 1}")  # not 1
     rc, out, err = main(gsm(data, "--on-bad-record", "skip", "--dry-run"), capsys)  # skip: the run proceeds
     assert rc == 0, err
     assert "meshes:" in out and "memory plan" in out
@@ -205,6 +206,50 @@ def test_unwritable_output_is_an_error_before_step_1(tmp_path, flag, capsys, lt)
     assert_user_error(rc, err, flag, "not writable", str(blocker))
 
 
+def test_rollout_slots_on_cpu_plan_for_the_hosts_memory(tmp_path, capsys, lt, monkeypatch):
+    """Issue 42 §9: on XLA:CPU the --rollout-slots check plans for this host's RAM (all devices share it), not an
+    assumed H200: 6.6 M slots of the tiny job, which an H200's plan holds, are refused on a 23.5 GiB host."""
+    from parallel.plan import plan
+    from rl import slots
+    from rl.host_memory import cpu_kv_budget
+
+    monkeypatch.setattr(slots, "host_memory_bytes", lambda: int(23.5 * 2**30))
+    rc, _, err = main(["--rollout-slots", "6600000", *TINY, *lt.outputs(tmp_path)], capsys)
+    assert_user_error(rc, err, "--rollout-slots 6600000", "(memory plan on this host's 23.5 GiB of RAM, XLA:CPU)")
+    assert not (tmp_path / "ckpt").exists()  # refused before anything is written
+    report = plan("tiny", "actor:fsdp=2/rollout:expert=2", "h200", learner=RunConfig().learner)
+    gib = 2**30
+    h200, host = cpu_kv_budget(report, 140 * gib), cpu_kv_budget(report, 23.5 * gib)  # one RAM for 4 devices
+    assert report.rollout.margin > h200 > host > 0 and cpu_kv_budget(report, 0) == 0.0
+    assert h200 - host == pytest.approx((140 - 23.5) * gib * 0.9 * 0.9 / 2)  # usable 90%, reserve 10%, 2 devices
+
+
+def test_overridden_settings_get_one_warning_each(tmp_path, capsys, caplog, lt):
+    """--exact-rollout turns the rollout engine's speculation and slots off for training, and
+    --rollout.draft_tokens means nothing without --rollout.speculative: one warning line each, at start."""
+    import logging
+
+    with caplog.at_level(logging.WARNING, logger="dsv4rl"):
+        rc, _, err = main(["--dry-run", "--exact-rollout", "--rollout-dtype", "bf16", "--rollout.speculative", "mtp",
+                           "--rollout-slots", "4", *TINY, *lt.outputs(tmp_path)], capsys)
+    assert rc == 0, err
+    lines = [r.getMessage() for r in caplog.records if r.levelname == "WARNING" and "--exact-rollout" in r.getMessage()]
+    assert len(lines) == 1
+    assert "--rollout.speculative mtp and --rollout-slots 4 apply to the evaluation only" in lines[0]
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="dsv4rl"):
+        rc, _, err = main(["--dry-run", "--rollout.draft_tokens", "3", *TINY, *lt.outputs(tmp_path)], capsys)
+    assert rc == 0, err
+    lines = [r.getMessage() for r in caplog.records if "draft_tokens" in r.getMessage()]
+    assert lines == ["--rollout.draft_tokens 3 is ignored: speculative decoding is off (add --rollout.speculative "
+                     "mtp)"]
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="dsv4rl"):  # the defaults, or speculation on: nothing to say
+        rc, _, err = main(["--dry-run", "--rollout.speculative", "mtp", "--rollout.draft_tokens", "3", *TINY,
+                           *lt.outputs(tmp_path)], capsys)
+    assert rc == 0 and not [r for r in caplog.records if "draft_tokens" in r.getMessage()], err
+
+
 def test_unknown_remat_policy(tmp_path, capsys, lt):
     rc, _, err = main(["--remat", "full", *TINY, *lt.outputs(tmp_path)], capsys)
     assert_user_error(rc, err, "--remat", "block|dots|none", "'full'")
@@ -253,6 +298,96 @@ def test_checkpoint_of_another_config(tmp_path, capsys, lt):
     assert_user_error(rc, err, "different config", "group_size: checkpoint=4 run=8", str(tmp_path / "ckpt"))
     rc, _, err = main([*argv, "--resume", "never"], capsys)
     assert_user_error(rc, err, "already holds checkpoints", "[3]")
+
+
+HOLDER = """
+import sys, time
+from rl import run_lock
+run_lock.acquire(sys.argv[1])
+print("held", flush=True)
+time.sleep(600)
+"""
+
+
+def test_a_run_refused_by_the_lock_writes_nothing(tmp_path, capsys, lt):
+    """Issue 42 §8: a second run on a --ckpt-dir another process holds refuses in one line and writes nothing:
+    the first run's config.yaml, metrics and TensorBoard folder stay as they were (the lock comes first)."""
+    import os
+    import subprocess
+    import sys
+
+    out = tmp_path / "out"
+    (out / "ckpt").mkdir(parents=True)
+    (out / "config.yaml").write_text("# the first run's\n")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    holder = subprocess.Popen([sys.executable, "-c", HOLDER, str(out / "ckpt")], stdout=subprocess.PIPE, env=env)
+    try:
+        assert holder.stdout.readline().strip() == b"held"
+        before = {p: (p.stat().st_mtime_ns, p.read_bytes() if p.is_file() else None) for p in out.rglob("*")}
+        rc, _, err = main([*TINY, "--steps", "1", *lt.outputs(out)], capsys)
+        assert_user_error(rc, err, "in use by another run", f"pid {holder.pid}", str(out / "ckpt"))
+        after = {p: (p.stat().st_mtime_ns, p.read_bytes() if p.is_file() else None) for p in out.rglob("*")}
+        assert after == before
+    finally:
+        holder.kill()
+        holder.wait()
+
+
+# ------------------------------------------------------------------------------------------------ eval-only
+
+def test_eval_only_with_nothing_to_evaluate_refuses_and_creates_nothing(tmp_path, capsys, lt):
+    """Issue 42 §3: --eval-only (launch/eval.py) on a missing, empty or step-folder --ckpt-dir, or with no
+    checkpoint read at all, and --init random: one line naming the path, and nothing created or locked."""
+    out = tmp_path / "out"
+    run = ["--eval-only", *TINY, *lt.outputs(out)]
+    rc, _, err = main(run, capsys)
+    assert_user_error(rc, err, "nothing to evaluate", f"--ckpt-dir {out / 'ckpt'} does not exist", "--init is random")
+    assert not out.exists()
+    (out / "ckpt").mkdir(parents=True)
+    rc, _, err = main(run, capsys)
+    assert_user_error(rc, err, "nothing to evaluate", f"--ckpt-dir {out / 'ckpt'} holds no checkpoint")
+    (out / "ckpt" / "3" / "state").mkdir(parents=True)
+    rc, _, err = main([*run, "--ckpt-dir", out / "ckpt" / "3"], capsys)
+    assert_user_error(rc, err, f"--ckpt-dir {out / 'ckpt' / '3'} is the folder of one checkpoint (step 3)",
+                      f"give --ckpt-dir {out / 'ckpt'}")
+    rc, _, err = main([*run, "--ckpt-dir", ""], capsys)
+    assert_user_error(rc, err, "nothing to evaluate: no --ckpt-dir is given and --init is random")
+    rc, _, err = main([*run, "--resume", "never"], capsys)
+    assert_user_error(rc, err, "nothing to evaluate", "is not read (--resume never)")
+    assert sorted(p.relative_to(out).as_posix() for p in out.rglob("*")) == ["ckpt", "ckpt/3", "ckpt/3/state"]
+
+
+def test_eval_only_compares_only_what_is_evaluated(tmp_path, lt):
+    """An evaluation reads a checkpoint whose training-only knobs differ (lr, seed, group size, prompts per step,
+    algo, max new tokens) without a lock; a knob that shapes the saved state (KL's reference weights) or another
+    model is refused naming the field and what to give."""
+    import jax.numpy as jnp
+
+    from rl.checkpoint import CheckpointMismatchError, Checkpointer
+    from rl.eval_source import eval_checkpoint_dir, eval_reader
+    from rl.job import fingerprint, resolve_model_config
+    from rl.run_lock import LOCK_NAME
+
+    cfg, _ = launch_run.resolve([*TINY, *lt.outputs(tmp_path)])
+    ck = Checkpointer(tmp_path / "ckpt", fingerprint=fingerprint(cfg, resolve_model_config(cfg, 16)), async_save=False)
+    ck.save(3, {"w": jnp.zeros(2)}, {"data": {"next_index": 3}, "weight_version": 3, "seed": 0})
+    ck.close()
+    (tmp_path / "ckpt" / LOCK_NAME).unlink()
+    other, _ = launch_run.resolve([*TINY, *lt.outputs(tmp_path), "--eval-only", "--lr", "1e-3", "--seed", "7",
+                                   "--group-size", "8", "--prompts-per-step", "2", "--algo", "dapo",
+                                   "--max-new-tokens", "16"])
+    assert eval_checkpoint_dir(other) == tmp_path / "ckpt"
+    init, _ = launch_run.resolve([*TINY, "--eval-only", "--init", str(tmp_path / "hf"), "--ckpt-dir",
+                                  str(tmp_path / "none")])
+    assert eval_checkpoint_dir(init) is None and not (tmp_path / "none").exists()  # no checkpoint: --init evaluated
+    reader = eval_reader(tmp_path / "ckpt", fingerprint(other, resolve_model_config(other, 16)))
+    assert reader.check_latest()["step"] == 3
+    assert not (tmp_path / "ckpt" / LOCK_NAME).exists()  # a reader takes no lock
+    kl, _ = launch_run.resolve([*TINY, *lt.outputs(tmp_path), "--eval-only", "--kl-coef", "0.01"])
+    with pytest.raises(CheckpointMismatchError, match=r"kl_coef: checkpoint=0\.0 run=0\.01.*checkpoint's values"):
+        eval_reader(tmp_path / "ckpt", fingerprint(kl, resolve_model_config(kl, 16))).check_latest()
+    with pytest.raises(CheckpointMismatchError, match=r"model\.vocab_size: checkpoint=16 run=32"):
+        eval_reader(tmp_path / "ckpt", fingerprint(cfg, resolve_model_config(cfg, 32))).check_latest()
 
 
 # ------------------------------------------------------------------------------------------------ dry run

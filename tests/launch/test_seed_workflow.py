@@ -123,9 +123,33 @@ def test_seed_workflow_end_to_end(dapo, tmp_path, run_env, lt):
 
     import subprocess
 
-    proc = subprocess.run([sys.executable, str(REPO / "launch" / "eval.py"), *map(str, flags)], cwd=REPO,
-                          env=run_env, capture_output=True, text=True, timeout=900)
+    # issue 42 §3: the evaluation only reads: a read-only view of the checkpoint directory (a bind mount where this
+    # host allows one, else the folder itself, mode a-w) is read, and nothing there or in config.yaml changes
+    # (no lock, no temp-dir cleanup); a training-only knob that differs (--lr) is not compared
+    ckpt, ro = out / "ckpt", tmp_path / "ro_ckpt"
+    ro.mkdir()
+    mounted = subprocess.run(["mount", "--bind", str(ckpt), str(ro)], capture_output=True).returncode == 0 and \
+        subprocess.run(["mount", "-o", "remount,bind,ro", str(ro)], capture_output=True).returncode == 0
+    view = ro if mounted else ckpt
+    if not mounted:
+        for p in [ckpt, *ckpt.rglob("*")]:
+            p.chmod(p.stat().st_mode & ~0o222)
+
+    def snapshot():
+        return {p: (p.stat().st_mtime_ns, p.read_bytes() if p.is_file() else None)
+                for p in [out / "config.yaml", *ckpt.rglob("*")]}
+
+    before = snapshot()
+    evflags = [str(a) for a in flags]
+    evflags[evflags.index("--ckpt-dir") + 1] = str(view)
+    try:
+        proc = subprocess.run([sys.executable, str(REPO / "launch" / "eval.py"), *evflags, "--lr", "0.5"], cwd=REPO,
+                              env=run_env, capture_output=True, text=True, timeout=900)
+    finally:
+        if mounted:
+            subprocess.run(["umount", "-l", str(ro)], capture_output=True)
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
+    assert snapshot() == before
     assert "resumed from" in proc.stderr and "at step 2" in proc.stderr
     table = proc.stdout[proc.stdout.index("eval: 8 prompts of"):]
     assert "weights" in table and "step 2" in table and "pass@2 (sampled)" in table

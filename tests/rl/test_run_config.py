@@ -3,12 +3,14 @@ preset < YAML < flat flag < dotted flag, nested and flat YAML keys, one-line err
 config written to the run directory and read back. Pure Python: no model, no JAX computation."""
 
 import dataclasses
+import re
 import types
 
 import pytest
 
 from launch import run as launch_run
 from rl.config import DEFAULT_LEARNER, FLAT, LearnerConfig, LossConfig, RunConfig
+from rl.config_file import load_config_file
 from rl.config_tree import paths
 from rl.stages import sampling_params
 
@@ -198,3 +200,43 @@ def test_ignore_eos_lets_training_samples_run_to_their_limit():
     assert cfg.rollout.ignore_eos and sampling_params(job).stop_token_ids == ()
     job.cfg, _ = launch_run.resolve(["--max-new-tokens", "8"])
     assert sampling_params(job).stop_token_ids == (1,) and sampling_params(job).max_new_tokens == 8
+
+
+@pytest.mark.parametrize("text, needle", [
+    ("steps: 2.7\n", "steps must be int, got 2.7"),  # refused, not truncated to 2
+    ("rollout:\n  group_size: 4.9\n", "rollout.group_size must be int, got 4.9"),
+    ("steps: true\n", "steps must be int, got True"),  # a YAML bool is not a number
+    ("routing_replay: 1\n", "routing_replay must be bool, got 1"),  # nor a YAML number a bool
+    ("learner:\n  lr: true\n", "learner.lr must be float, got True"),
+])
+def test_yaml_values_must_fit_their_type_exactly(tmp_path, text, needle):
+    f = tmp_path / "run.yaml"
+    f.write_text(text)
+    with pytest.raises(ValueError, match=re.escape(needle)) as e:
+        launch_run.resolve(["--config-file", str(f)])
+    assert str(f) in str(e.value) and "\n" not in str(e.value)
+
+
+def test_yaml_integral_floats_and_flag_words_still_convert(tmp_path):
+    f = tmp_path / "run.yaml"
+    f.write_text("steps: 3.0\nlearner:\n  max_tokens_per_micro_batch: 1.0e+3\n  routing_replay: no\nlr: 1\n")
+    cfg, _ = launch_run.resolve(["--config-file", str(f), "--scan-layers", "--learner.freeze_router", "1"])
+    assert (cfg.steps, cfg.learner.max_tokens_per_micro_batch, cfg.learner.routing_replay, cfg.learner.lr) == \
+        (3, 1000, False, 1.0)
+    assert type(cfg.steps) is int and cfg.learner.scan_layers is True and cfg.learner.freeze_router is True
+
+
+def test_yaml_repeated_key_is_refused_naming_file_key_and_lines(tmp_path):
+    f = tmp_path / "run.yaml"
+    f.write_text("steps: 3\nseed: 1\nsteps: 5\n")  # PyYAML alone keeps 5 silently
+    with pytest.raises(ValueError) as e:
+        launch_run.resolve(["--config-file", str(f)])
+    assert str(e.value) == f"--config-file {f}:3:1: key 'steps' is given twice (first on line 1); give each key once"
+    f.write_text("learner:\n  lr: 1.0e-3\n  b1: 0.8\n  lr: 2.0e-3\n")  # inside a section
+    with pytest.raises(ValueError, match=rf"{re.escape(str(f))}:4:3: key 'lr' is given twice \(first on line 2\)"):
+        launch_run.resolve(["--config-file", str(f)])
+    f.write_text("lr: 1.0e-3\nlearner:\n  lr: 2.0e-3\n")  # two spellings of one knob
+    with pytest.raises(ValueError, match=r"'lr' and 'learner\.lr' both set learner\.lr; give it once"):
+        launch_run.resolve(["--config-file", str(f)])
+    f.write_text("a: &b {steps: 3, seed: 1}\nc:\n  <<: *b\n  steps: 4\n")  # a merge's key overridden: no repeat
+    assert load_config_file(f)["c"] == {"steps": 4, "seed": 1}
