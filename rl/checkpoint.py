@@ -10,9 +10,12 @@ A checkpoint at step s holds (docs/jax-stack.md §6):
   (`file_identity`: size + content hash; checked on resume by rl/loop.py). The sampler's weights are not saved: they are a pure
   function of the params (re-pushed on restore).
 Orbax writes `<step>.orbax-checkpoint-tmp` and renames it when complete, so a crash mid-save leaves the
-previous step as the latest. A latest checkpoint that fails to restore (corrupt or partial) falls back to the
-previous one with a warning and is renamed `<step>.corrupt` (kept, but no longer a step, so the resumed run can
-save that step again); a fingerprint mismatch is an error naming the differing fields (`field: checkpoint=..
+previous step as the latest. Each save records a digest of every array in the meta (`digests`: rl/digest.py,
+computed on device, layout-independent; orbax's crc32c covers only the zarr shard index, not the data), checked on
+restore. A latest checkpoint that fails to restore (unreadable, partial, an array off its digest, its in-flight
+batches file bad) falls back to the previous one with one warning line and is renamed `<step>.corrupt` (kept, but
+no longer a step, so the resumed run can save that step again); none usable is one line
+(`NoUsableCheckpointError`); a fingerprint mismatch is an error naming the differing fields (`field: checkpoint=..
 run=..`, a few at most; the model config field by field), checked by `check_latest` before the model is built.
 The dataset *path* is not compared when the checkpoint records the datasets' identity: the content check of
 rl/job.py::same_data decides (the same file at a new path resumes; a changed one names --allow-dataset-change).
@@ -49,6 +52,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 
 from rl import run_lock
+from rl.digest import ALGO, array_digests
 
 log = logging.getLogger(__name__)
 
@@ -87,6 +91,25 @@ def file_identity(path: str | os.PathLike | None) -> dict | None:
 
 class CheckpointMismatchError(ValueError):
     """The checkpoint was written by a run with another config; the message names the differing keys."""
+
+
+class CheckpointDigestError(ValueError):
+    """A restored array does not match the digest saved with it; the message names the array and the step."""
+
+
+class NoUsableCheckpointError(ValueError):
+    """Every checkpoint of the directory is unreadable or corrupt; the message is one line naming them."""
+
+
+def one_line(e: BaseException, limit: int = 200) -> str:
+    """`Type: first line of the message`, at most `limit` characters (library errors span many lines)."""
+    lines = str(e).strip().splitlines()
+    text = f"{type(e).__name__}: {lines[0] if lines else ''}"
+    return text if len(text) <= limit else text[:limit - 3] + "..."
+
+
+def _steps(steps: list[int]) -> str:
+    return f"step {steps[0]} is" if len(steps) == 1 else f"steps {', '.join(map(str, sorted(steps)))} are"
 
 
 class CheckpointWriteError(OSError):
@@ -252,12 +275,13 @@ class Checkpointer:
         process in a multi-process job (`processes` of one): orbax refuses its arrays (fully addressable, hence
         "host local" to orbax once jax.process_count() > 1), so they are saved from host copies (`jax.device_get`
         at save time, blocking) and restored as numpy, then placed on the target's shardings.
+      digest: record the arrays' digests with each save (False: only benchmarks/ckpt_digest.py's baseline).
     """
 
     def __init__(self, directory, *, keep: int = 2, fingerprint: dict, async_save: bool = True,
-                 processes=None):
+                 processes=None, digest: bool = True):
         self.dir = check_writable(directory, "--ckpt-dir").resolve()
-        self.fingerprint = fingerprint
+        self.fingerprint, self.digest = fingerprint, digest
         self.primary = 0 if processes is None else min(processes)
         self.host_local = processes is not None and len(set(processes)) == 1 and jax.process_count() > 1
         # the run lock first: the manager below deletes temp dirs, which may be another live run's unfinished save
@@ -298,9 +322,11 @@ class Checkpointer:
         if jax.process_count() == 1 or self.host_local:  # one writer: no other process waits at orbax's barriers
             self._preflight(step)
         flat, _ = _flatten(state)
+        # the arrays' digests, on their devices, before any host copy (rl/digest.py: layout-independent)
+        digests = {"digests": {"algo": ALGO, "arrays": array_digests(flat)}} if self.digest else {}
         if self.host_local:  # see the class docstring
             flat = jax.device_get(flat)
-        meta = {**meta, "step": int(step), "fingerprint": self.fingerprint}
+        meta = {**meta, "step": int(step), "fingerprint": self.fingerprint, **digests}
         self._pending = int(step)
         try:
             self.mngr.save(step, args=ocp.args.Composite(state=ocp.args.StandardSave(flat),
@@ -364,11 +390,16 @@ class Checkpointer:
             return meta
         return None
 
-    def restore(self, target_state):
+    def restore(self, target_state, check=None):
         """Restore the newest usable checkpoint onto `target_state`'s structure, shapes and shardings.
 
-        Returns (state, meta) or None when there is no checkpoint. Falls back to older steps (with a warning)
-        when the newest cannot be read. Raises CheckpointMismatchError on a fingerprint mismatch.
+        A step is usable when its meta and arrays read, every array matches the digest saved with it (rl/digest.py;
+        a checkpoint saved before digests were recorded is read unverified) and `check(step)` (the in-flight
+        batches file: rl/pipeline.py::read_inflight) raises nothing. Unusable steps newer than the restored one
+        are passed over with one warning line each (naming the step and, for a digest mismatch, the array) and
+        moved to `<step>.corrupt`. Returns (state, meta) or None when there is no checkpoint.
+        Raises CheckpointMismatchError on a fingerprint mismatch, NoUsableCheckpointError (one line) when no step
+        is usable.
         """
         flat_target, treedef = _flatten(target_state)
         abstract = {k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=v.sharding) for k, v in flat_target.items()}
@@ -378,28 +409,47 @@ class Checkpointer:
             try:
                 meta = self.mngr.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
                 self._check(meta, step)
+                if check is not None:
+                    check(step)
                 target = {k: np.empty(a.shape, a.dtype) for k, a in abstract.items()} if self.host_local else abstract
-                got = self.mngr.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore(target)))
+                flat = self.mngr.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore(target)))["state"]
+                missing = sorted(set(abstract) - set(flat))
+                if missing:
+                    raise CheckpointMismatchError(f"checkpoint {self.dir}/{step} lacks {len(missing)} tensors, e.g. "
+                                                  f"{missing[:5]}")
+                if self.host_local:  # restored as numpy: placed on the target's shardings
+                    flat = {k: jax.device_put(flat[k], abstract[k].sharding) for k in abstract}
+                self._verify(meta, flat, step)
             except CheckpointMismatchError:
                 raise
             except Exception as e:  # noqa: BLE001 - any read failure of this step: try the previous one
+                failed.append(step)
                 if i + 1 < len(steps):
-                    log.warning("checkpoint step %d in %s cannot be restored (%s: %s); falling back to the previous "
-                                "checkpoint", step, self.dir, type(e).__name__, str(e)[:200])
-                    failed.append(step)
+                    log.warning("checkpoint step %d in %s cannot be restored (%s); falling back to the previous "
+                                "checkpoint", step, self.dir, one_line(e))
                     continue
-                raise ValueError(f"no usable checkpoint in {self.dir}: step {step} failed with {e}") from e
-            flat = got["state"]
-            missing = sorted(set(abstract) - set(flat))
-            if missing:
-                raise CheckpointMismatchError(f"checkpoint {self.dir}/{step} lacks {len(missing)} tensors, e.g. "
-                                              f"{missing[:5]}")
-            if self.host_local:  # restored as numpy: placed on the target's shardings
-                flat = {k: jax.device_put(flat[k], abstract[k].sharding) for k in abstract}
+                raise NoUsableCheckpointError(
+                    f"no usable checkpoint in --ckpt-dir {self.dir}: {_steps(failed)} unreadable (step {step}: "
+                    f"{one_line(e)}); restore the files or use another --ckpt-dir") from None
             leaves = [flat[k] for k in flat_target]
             self._set_aside(failed)
             return jax.tree_util.tree_unflatten(treedef, leaves), meta
         return None
+
+    def _verify(self, meta: dict, flat: dict, step: int) -> None:
+        """Compare the restored arrays with the digests saved with them. Raises CheckpointDigestError naming the
+        first array that differs and the step."""
+        saved = meta.get("digests")
+        if not saved or saved.get("algo") != ALGO:
+            log.info("checkpoint step %d in %s has no array digests (saved before they were recorded): not verified",
+                     step, self.dir)
+            return
+        got = array_digests(flat)
+        bad = [k for k in sorted(got) if saved["arrays"].get(k) != got[k]]
+        if bad:
+            more = f" (and {len(bad) - 1} more)" if len(bad) > 1 else ""
+            raise CheckpointDigestError(f"array {bad[0]}{more} of step {step} does not match the digest saved "
+                                        "with it: the data is corrupt")
 
     def _set_aside(self, steps: list[int]) -> None:
         """Rename unreadable checkpoints newer than the restored one to `<step>.corrupt` (kept for inspection,
