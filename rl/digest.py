@@ -17,7 +17,9 @@ layout-independent; each term is a bijection of w_i, so ANY change of a single e
 change of several is missed with probability ~2^-64. Bits, not values: -0.0 != 0.0 and NaN payloads count. 8-byte
 elements are two words (two indices); flat indices wrap at 2^32 elements (an array that large still has every
 element covered; only a swap of elements 2^32 apart would go unseen). Cost: one read of the state on the device it
-lives on (HBM bandwidth on a GPU; benchmarks/ckpt_digest.py measures the CPU save path), no host copy of our own.
+lives on (HBM bandwidth on a GPU), no host copy of our own. Arrays on this process's CPU devices are digested in
+numpy instead, shard by shard (the same sums: XLA:CPU would first compile one program over the whole state, a
+minute for the tiny learner's ~400 arrays on 2 busy cores); benchmarks/ckpt_digest.py measures that save path.
 
 `write_npz` / `read_npz` (the in-flight batches, host numpy): blake2b-128 over every member (name, dtype, shape,
 bytes, sorted by name) stored as the member `__digest__`; written to a temp file, fsynced, renamed. zipfile also
@@ -90,12 +92,94 @@ def _scalar(x: jax.Array) -> int:
     return int(np.asarray(x.addressable_data(0)) if isinstance(x, jax.Array) else x)
 
 
-def array_digests(flat: dict[str, jax.Array]) -> dict[str, str]:
-    """{name: 16 hex digits} of each array of `flat` ({name: jax.Array of any shape, dtype and sharding}; see the
-    module docstring). Blocks until computed. Every process holding shards of the arrays must call it (one jitted
-    program, compiled once per structure, shapes and shardings). Raises TypeError for an unsupported dtype."""
-    lanes = _all_lanes(flat)
-    return {k: f"{_scalar(a):08x}{_scalar(b):08x}" for k, (a, b) in lanes.items()}
+# ------------------------------------------------------------------ the same lanes on the host, shard by shard
+
+_CHUNK = 1 << 18  # elements per pass: the temporaries stay in cache
+
+
+def _np_fmix32_(h: np.ndarray, t: np.ndarray) -> np.ndarray:
+    """fmix32 in place on uint32 `h` (`t`: scratch of the same size)."""
+    np.right_shift(h, 16, out=t)
+    h ^= t
+    h *= np.uint32(0x85EBCA6B)
+    np.right_shift(h, 13, out=t)
+    h ^= t
+    h *= np.uint32(0xC2B2AE35)
+    np.right_shift(h, 16, out=t)
+    h ^= t
+    return h
+
+
+def _np_lanes(block: np.ndarray, start: tuple[int, ...], shape: tuple[int, ...]) -> tuple[int, int]:
+    """The two lanes' partial sums over `block`, the part of a global array of `shape` starting at `start`."""
+    size = block.dtype.itemsize
+    if block.dtype == np.bool_:
+        w = block.astype(np.uint32)
+    elif size in (1, 2, 4, 8):
+        w = (block if block.flags.c_contiguous else block.copy()).view({1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint32}[size])
+        if size == 8:  # two words per element: [..., 2], as the device's bitcast
+            w = w.reshape(*block.shape, 2)
+            start, shape = (*start, 0), (*shape, 2)
+    else:
+        raise TypeError(f"no digest for dtype {block.dtype}")
+    whole = tuple(w.shape) == tuple(shape)
+    idx = None
+    if not whole:  # a shard: its elements' global flat indices (mod 2^32)
+        idx = np.zeros((1,) * w.ndim, np.uint32)
+        stride = 1
+        for d in reversed(range(w.ndim)):
+            ax = (np.arange(w.shape[d], dtype=np.uint64) + start[d]) * stride % (1 << 32)
+            idx = idx + ax.astype(np.uint32).reshape([-1 if i == d else 1 for i in range(w.ndim)])
+            stride *= shape[d]
+        idx = np.broadcast_to(idx, w.shape).ravel()
+    w = w.ravel()
+    a = b = 0
+    for s in range(0, w.size, _CHUNK):
+        n = min(_CHUNK, w.size - s)
+        i = (np.arange(s, s + n, dtype=np.uint64) % (1 << 32)).astype(np.uint32) if idx is None else idx[s:s + n]
+        wc, t = w[s:s + n].astype(np.uint32), np.empty(n, np.uint32)
+        k = _np_fmix32_(i ^ _GOLD, t)  # lane a: fmix32(w ^ fmix32(i ^ GOLD))
+        k ^= wc
+        a += int(_np_fmix32_(k, t).sum(dtype=np.uint64))
+        k = i * np.uint32(0x165667B1)  # lane b: fmix32(w * K1 + i * K2)
+        wc *= np.uint32(0x27D4EB2F)
+        k += wc
+        b += int(_np_fmix32_(k, t).sum(dtype=np.uint64))
+    return a % (1 << 32), b % (1 << 32)
+
+
+def _host_lanes(x) -> tuple[int, int]:
+    """Both lanes of a numpy array or of a fully addressable jax.Array, summed over its shards (one replica each)."""
+    if isinstance(x, np.ndarray) or np.isscalar(x):
+        x = np.asarray(x)
+        return _np_lanes(x, (0,) * x.ndim, x.shape)
+    a = b = 0
+    for sh in x.addressable_shards:
+        if sh.replica_id == 0:
+            start = tuple(0 if s.start is None else s.start for s in sh.index)
+            pa, pb = _np_lanes(np.asarray(sh.data), start, x.shape)
+            a, b = (a + pa) % (1 << 32), (b + pb) % (1 << 32)
+    return a, b
+
+
+def _on_host(x) -> bool:
+    """Digest on the host: numpy, or a fully addressable array on CPU devices (XLA:CPU would first compile one
+    program over the whole state: a minute for the tiny learner's 400 arrays on 2 busy cores)."""
+    return (not isinstance(x, jax.Array)) or (x.is_fully_addressable
+                                                and all(d.platform == "cpu" for d in x.sharding.device_set))
+
+
+def array_digests(flat: dict, where: str = "auto") -> dict[str, str]:
+    """{name: 16 hex digits} of each array of `flat` ({name: jax.Array of any shape, dtype and sharding, or numpy};
+    see the module docstring). Blocks until computed. Arrays on accelerators or spread over processes: one jitted
+    program over all of them (compiled once per structure, shapes and shardings; every process holding shards must
+    call it); numpy and arrays on this process's CPU devices: the same sums in numpy, shard by shard (equal values).
+    `where`: "auto" (as said), "device" or "host" (every array there; "host": fully addressable ones only).
+    Raises TypeError for an unsupported dtype."""
+    dev = {k: v for k, v in flat.items() if where == "device" or (where == "auto" and not _on_host(v))}
+    lanes = {k: tuple(map(_scalar, ab)) for k, ab in _all_lanes(dev).items()} if dev else {}
+    lanes.update({k: _host_lanes(v) for k, v in flat.items() if k not in dev})
+    return {k: f"{lanes[k][0]:08x}{lanes[k][1]:08x}" for k in flat}
 
 
 # ------------------------------------------------------------------------------------------------ host files

@@ -32,6 +32,8 @@ def test_array_digest_is_layout_independent_and_sees_one_changed_element():
     sharded = {k: jax.device_put(v, NamedSharding(mesh, P("x", "y" if k == "f32" else None))) if v.ndim == 2 else v
                for k, v in flat.items()}
     assert array_digests(sharded) == d
+    assert array_digests(sharded, where="device") == d  # one jitted program (accelerators): the same sums
+    assert array_digests({k: np.asarray(v) for k, v in flat.items()}) == d  # host numpy
     a = np.asarray(flat["f32"]).copy()
     a[3, 4] = np.nextafter(a[3, 4], np.float32(np.inf))  # one ulp of one element
     swapped = np.asarray(flat["f32"]).copy()
