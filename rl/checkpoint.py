@@ -10,9 +10,12 @@ A checkpoint at step s holds (docs/jax-stack.md §6):
   (`file_identity`: size + content hash; checked on resume by rl/loop.py). The sampler's weights are not saved: they are a pure
   function of the params (re-pushed on restore).
 Orbax writes `<step>.orbax-checkpoint-tmp` and renames it when complete, so a crash mid-save leaves the
-previous step as the latest. A latest checkpoint that fails to restore (corrupt or partial) falls back to the
-previous one with a warning and is renamed `<step>.corrupt` (kept, but no longer a step, so the resumed run can
-save that step again); a fingerprint mismatch is an error naming the differing fields (`field: checkpoint=..
+previous step as the latest. Each save records a digest of every array in the meta (`digests`: rl/digest.py,
+computed on device, layout-independent; orbax's crc32c covers only the zarr shard index, not the data), checked on
+restore. A latest checkpoint that fails to restore (unreadable, partial, an array off its digest, its in-flight
+batches file bad) falls back to the previous one with one warning line and is renamed `<step>.corrupt` (kept, but
+no longer a step, so the resumed run can save that step again); none usable is one line
+(`NoUsableCheckpointError`); a fingerprint mismatch is an error naming the differing fields (`field: checkpoint=..
 run=..`, a few at most; the model config field by field), checked by `check_latest` before the model is built.
 The dataset *path* is not compared when the checkpoint records the datasets' identity: the content check of
 rl/job.py::same_data decides (the same file at a new path resumes; a changed one names --allow-dataset-change).
@@ -39,9 +42,7 @@ import json
 import logging
 import os
 import pathlib
-import re
 import shutil
-import sys
 import weakref
 
 import jax
@@ -49,6 +50,8 @@ import numpy as np
 import orbax.checkpoint as ocp
 
 from rl import run_lock
+from rl.checkpoint_errors import CheckpointWriteError, one_line, os_error_of, quiet_orbax_errors
+from rl.digest import ALGO, array_digests
 
 log = logging.getLogger(__name__)
 
@@ -89,98 +92,16 @@ class CheckpointMismatchError(ValueError):
     """The checkpoint was written by a run with another config; the message names the differing keys."""
 
 
-class CheckpointWriteError(OSError):
-    """A checkpoint could not be written (the disk is full, read-only, not permitted, or the directory is gone).
-
-    `str(e)` is one line naming the step, the directory and the OS error; `e.errno` is the OS error number (None
-    when the library's error named none)."""
-
-    def __init__(self, step: int, directory, code: int | None, detail: str):
-        what = f"[Errno {code}] {os.strerror(code)}" if code else detail
-        extra = f" ({detail})" if code and detail else ""
-        super().__init__(f"checkpoint of step {step} could not be written to --ckpt-dir {directory}: {what}{extra}; "
-                         "the newest complete checkpoint is kept")
-        self.errno, self.step = code, step
+class CheckpointDigestError(ValueError):
+    """A restored array does not match the digest saved with it; the message names the array and the step."""
 
 
-_STRERRORS = {os.strerror(c): c for c in (errno.ENOSPC, errno.EROFS, errno.EACCES, errno.EPERM, errno.ENOENT,
-                                           errno.EDQUOT, errno.EIO, errno.ENOTDIR)}
+class NoUsableCheckpointError(ValueError):
+    """Every checkpoint of the directory is unreadable or corrupt; the message is one line naming them."""
 
 
-def os_error_of(e: BaseException) -> tuple[int, str] | None:
-    """The OS error behind a library exception -> (errno, path or ""), or None when there is none.
-
-    Looks through the exception chain for an OSError, then in the messages for tensorstore's
-    `[os_error_code='28']` or a known strerror text ("No space left on device")."""
-    seen, chain = set(), []
-    while e is not None and id(e) not in seen:
-        seen.add(id(e))
-        chain.append(e)
-        e = e.__cause__ or e.__context__
-    for x in chain:
-        if isinstance(x, OSError) and x.errno:
-            return x.errno, x.filename or ""
-    for x in chain:
-        text = str(x)
-        m = re.search(r"os_error_code='?(\d+)", text)
-        path = re.search(r'Failed (?:writing|to \w+)[^"]*"([^"]+)"', text)
-        code = int(m.group(1)) if m else next((c for s, c in _STRERRORS.items() if s in text), None)
-        if code:
-            return code, path.group(1) if path else ""
-    return None
-
-
-class _QuietOrbaxErrors(logging.Filter):
-    """Drops the error logs of a failed checkpoint write, which the Checkpointer reports as one line: orbax's
-    ERROR records (absl logger: tracebacks from its background threads) and asyncio's "exception was never
-    retrieved" records of the other writes that failed with it (their text names a checkpoint directory)."""
-
-    dirs: set[str] = set()
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        if record.levelno < logging.ERROR:
-            return True
-        text = record.getMessage()
-        if record.name == "asyncio":
-            return not ("never retrieved" in text and self._ours(text))
-        frames = []
-        tb = record.exc_info[2] if record.exc_info else None
-        while tb is not None:
-            frames.append(tb.tb_frame.f_code.co_filename)
-            tb = tb.tb_next
-        return not (self._ours(text) or any(f"{os.sep}orbax{os.sep}" in f for f in frames))
-
-    def _ours(self, text: str) -> bool:
-        return "orbax" in text or any(d in text for d in self.dirs)
-
-
-_QUIET = _QuietOrbaxErrors()
-
-
-def _closed_loop_hook(previous):
-    """sys.unraisablehook that drops tensorstore's write callbacks hitting orbax's already closed event loop (the
-    writes still in flight when the first failed one ended orbax's loop); everything else goes to `previous`."""
-
-    def hook(u):
-        tb, last = u.exc_traceback, None
-        while tb is not None:
-            last, tb = tb.tb_frame.f_code, tb.tb_next
-        if not (isinstance(u.exc_value, RuntimeError) and str(u.exc_value) == "Event loop is closed"
-                and last is not None and last.co_filename.endswith(os.path.join("asyncio", "base_events.py"))):
-            previous(u)
-
-    hook.quiet_closed_loop = True
-    return hook
-
-
-def _quiet_orbax_errors(directory: pathlib.Path) -> None:
-    _QUIET.dirs.add(str(directory))
-    if not getattr(sys.unraisablehook, "quiet_closed_loop", False):
-        sys.unraisablehook = _closed_loop_hook(sys.unraisablehook)
-    for name in ("absl", "asyncio"):
-        logger = logging.getLogger(name)
-        if _QUIET not in logger.filters:
-            logger.addFilter(_QUIET)
+def _steps(steps: list[int]) -> str:
+    return f"step {steps[0]} is" if len(steps) == 1 else f"steps {', '.join(map(str, sorted(steps)))} are"
 
 
 def _dir_bytes(path: pathlib.Path) -> int:
@@ -257,13 +178,14 @@ class Checkpointer:
         process in a multi-process job (`processes` of one): orbax refuses its arrays (fully addressable, hence
         "host local" to orbax once jax.process_count() > 1), so they are saved from host copies (`jax.device_get`
         at save time, blocking) and restored as numpy, then placed on the target's shardings.
+      digest: record the arrays' digests with each save (False: only benchmarks/ckpt_digest.py's baseline).
     """
 
     def __init__(self, directory, *, keep: int = 2, fingerprint: dict, async_save: bool = True,
-                 processes=None, read_only: bool = False, ignore: tuple[str, ...] = ()):
+                 processes=None, read_only: bool = False, ignore: tuple[str, ...] = (), digest: bool = True):
         self.read_only, self.ignore = read_only, tuple(ignore)
         self.dir = pathlib.Path(directory if read_only else check_writable(directory, "--ckpt-dir", False)).resolve()
-        self.fingerprint = fingerprint
+        self.fingerprint, self.digest = fingerprint, digest
         self.primary = 0 if processes is None else min(processes)
         self.host_local = processes is not None and len(set(processes)) == 1 and jax.process_count() > 1
         # the run lock first, before any write in the directory (a refused run writes nothing there), and before
@@ -279,7 +201,7 @@ class Checkpointer:
             except BaseException:
                 self._release()
                 raise
-        _quiet_orbax_errors(self.dir)
+        quiet_orbax_errors(self.dir)
         self._pending: int | None = None  # the step whose asynchronous write may still fail
         self._failed: CheckpointWriteError | None = None
         mp = {} if processes is None else dict(create=False, multiprocessing_options=ocp.options.MultiprocessingOptions(
@@ -317,9 +239,11 @@ class Checkpointer:
         if jax.process_count() == 1 or self.host_local:  # one writer: no other process waits at orbax's barriers
             self._preflight(step)
         flat, _ = _flatten(state)
+        # the arrays' digests, on their devices, before any host copy (rl/digest.py: layout-independent)
+        digests = {"digests": {"algo": ALGO, "arrays": array_digests(flat)}} if self.digest else {}
         if self.host_local:  # see the class docstring
             flat = jax.device_get(flat)
-        meta = {**meta, "step": int(step), "fingerprint": self.fingerprint}
+        meta = {**meta, "step": int(step), "fingerprint": self.fingerprint, **digests}
         self._pending = int(step)
         try:
             self.mngr.save(step, args=ocp.args.Composite(state=ocp.args.StandardSave(flat),
@@ -383,11 +307,16 @@ class Checkpointer:
             return meta
         return None
 
-    def restore(self, target_state):
+    def restore(self, target_state, check=None):
         """Restore the newest usable checkpoint onto `target_state`'s structure, shapes and shardings.
 
-        Returns (state, meta) or None when there is no checkpoint. Falls back to older steps (with a warning)
-        when the newest cannot be read. Raises CheckpointMismatchError on a fingerprint mismatch.
+        A step is usable when its meta and arrays read, every array matches the digest saved with it (rl/digest.py;
+        a checkpoint saved before digests were recorded is read unverified) and `check(step)` (the in-flight
+        batches file: rl/pipeline.py::read_inflight) raises nothing. Unusable steps newer than the restored one
+        are passed over with one warning line each (naming the step and, for a digest mismatch, the array) and
+        moved to `<step>.corrupt`. Returns (state, meta) or None when there is no checkpoint.
+        Raises CheckpointMismatchError on a fingerprint mismatch, NoUsableCheckpointError (one line) when no step
+        is usable.
         """
         flat_target, treedef = _flatten(target_state)
         abstract = {k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=v.sharding) for k, v in flat_target.items()}
@@ -397,28 +326,47 @@ class Checkpointer:
             try:
                 meta = self.mngr.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
                 self._check(meta, step)
+                if check is not None:
+                    check(step)
                 target = {k: np.empty(a.shape, a.dtype) for k, a in abstract.items()} if self.host_local else abstract
-                got = self.mngr.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore(target)))
+                flat = self.mngr.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore(target)))["state"]
+                missing = sorted(set(abstract) - set(flat))
+                if missing:
+                    raise CheckpointMismatchError(f"checkpoint {self.dir}/{step} lacks {len(missing)} tensors, e.g. "
+                                                  f"{missing[:5]}")
+                if self.host_local:  # restored as numpy: placed on the target's shardings
+                    flat = {k: jax.device_put(flat[k], abstract[k].sharding) for k in abstract}
+                self._verify(meta, flat, step)
             except CheckpointMismatchError:
                 raise
             except Exception as e:  # noqa: BLE001 - any read failure of this step: try the previous one
+                failed.append(step)
                 if i + 1 < len(steps):
-                    log.warning("checkpoint step %d in %s cannot be restored (%s: %s); falling back to the previous "
-                                "checkpoint", step, self.dir, type(e).__name__, str(e)[:200])
-                    failed.append(step)
+                    log.warning("checkpoint step %d in %s cannot be restored (%s); falling back to the previous "
+                                "checkpoint", step, self.dir, one_line(e))
                     continue
-                raise ValueError(f"no usable checkpoint in {self.dir}: step {step} failed with {e}") from e
-            flat = got["state"]
-            missing = sorted(set(abstract) - set(flat))
-            if missing:
-                raise CheckpointMismatchError(f"checkpoint {self.dir}/{step} lacks {len(missing)} tensors, e.g. "
-                                              f"{missing[:5]}")
-            if self.host_local:  # restored as numpy: placed on the target's shardings
-                flat = {k: jax.device_put(flat[k], abstract[k].sharding) for k in abstract}
+                raise NoUsableCheckpointError(
+                    f"no usable checkpoint in --ckpt-dir {self.dir}: {_steps(failed)} unreadable (step {step}: "
+                    f"{one_line(e)}); restore the files or use another --ckpt-dir") from None
             leaves = [flat[k] for k in flat_target]
             self._set_aside(failed)
             return jax.tree_util.tree_unflatten(treedef, leaves), meta
         return None
+
+    def _verify(self, meta: dict, flat: dict, step: int) -> None:
+        """Compare the restored arrays with the digests saved with them. Raises CheckpointDigestError naming the
+        first array that differs and the step."""
+        saved = meta.get("digests")
+        if not saved or saved.get("algo") != ALGO:
+            log.info("checkpoint step %d in %s has no array digests (saved before they were recorded): not verified",
+                     step, self.dir)
+            return
+        got = array_digests(flat)
+        bad = [k for k in sorted(got) if saved["arrays"].get(k) != got[k]]
+        if bad:
+            more = f" (and {len(bad) - 1} more)" if len(bad) > 1 else ""
+            raise CheckpointDigestError(f"array {bad[0]}{more} of step {step} does not match the digest saved "
+                                        "with it: the data is corrupt")
 
     def _set_aside(self, steps: list[int]) -> None:
         """Rename unreadable checkpoints newer than the restored one to `<step>.corrupt` (kept for inspection,

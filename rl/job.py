@@ -45,6 +45,7 @@ from rl.learner import Learner
 from rl.learner_state import resolve_param_dtype
 from rl.math_rewards import make_reward, prompt_independent_best
 from rl.partial import requests_per_batch
+from rl.pipeline import read_inflight
 from rl.rewards import TextReward
 from rl.rollout_init import checkpoint_rollout_weights
 from rl.rollout_job import JobRollout, RolloutJobServer
@@ -316,7 +317,9 @@ def build(cfg: RunConfig) -> Job:
               data_metrics=data_metrics(train, *([ev_data] if ev_data is not None else [])), layout=layout,
               server=server)
     if ckpt is not None and cfg.ckpt.resume == "auto":
-        restored = ckpt.restore(learner.state_dict())
+        # K >= 1: a checkpoint whose in-flight batches file is missing or corrupt is passed over like an unreadable one
+        inflight = (lambda step: read_inflight(ckpt.dir, step)) if cfg.staleness() and not cfg.eval.only else None
+        restored = ckpt.restore(learner.state_dict(), check=inflight)
         if restored is not None:
             state, meta = restored
             learner.load_state_dict(state)

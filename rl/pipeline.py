@@ -39,8 +39,10 @@ the largest seen); `_mean`, `_max`) the share of response tokens j versions olde
 (`pool/*` in the same file), so a resumed run continues bitwise.
 
 Checkpoints. A checkpoint after `done` steps also holds the in-flight batches done .. done + K - 1 (generated with
-older weights than the checkpoint's): `<ckpt_dir>/inflight/<done>.npz`, written atomically (temp file + rename)
-before the orbax save by the metrics writer, deleted once older than every kept checkpoint. The data iterator's
+older weights than the checkpoint's): `<ckpt_dir>/inflight/<done>.npz`, written atomically (temp file, fsync,
+rename) with a digest (rl/digest.py) before the orbax save by the metrics writer, deleted once older than every kept
+checkpoint. A missing, truncated or corrupt one makes its checkpoint unusable: the restore passes over it to the
+previous checkpoint (`read_inflight`), which resumes bitwise. The data iterator's
 state in the checkpoint is the one after those batches (the producer is held while the main thread saves). On
 resume they are loaded, the rollout serves P(done) (`rl.job.build` pushes it), and the producer continues with batch
 done + K: the same schedule as the uninterrupted run, in every layout. Batches past `--steps` are never generated,
@@ -55,9 +57,7 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import pathlib
-import tempfile
 import threading
 import time
 
@@ -65,6 +65,7 @@ import jax
 import numpy as np
 
 from rl.batch import RolloutBatch
+from rl.digest import read_npz, write_npz
 from rl.partial import PartialPool, token_staleness_metrics
 from rl.stages import RolloutRecord, produce
 
@@ -78,6 +79,29 @@ def batches_by_push_point(step: int, k: int, end: int) -> int:
     generated, n = min(step + K + 1, end): the last batch needing P(step) is step + K (batch m uses
     P(max(0, m - K))), and batches >= end (--steps) are never generated."""
     return min(step + k + 1, end)
+
+
+def inflight_path(ckpt_dir, done: int) -> pathlib.Path:
+    """The in-flight batches file of the checkpoint after `done` steps: `<ckpt_dir>/inflight/<done>.npz`."""
+    return pathlib.Path(ckpt_dir) / "inflight" / f"{done}.npz"
+
+
+def read_inflight(ckpt_dir, done: int) -> dict[str, np.ndarray]:
+    """The verified arrays of the in-flight batches file of checkpoint step `done` ({name: numpy array}).
+
+    Raises ValueError (one line naming the file and the step) when the file is missing, unreadable (truncated: a
+    crash or a full disk) or does not match its digest (rl/digest.py). `Checkpointer.restore` calls it for each
+    candidate step (`check=`), so such a checkpoint is passed over like one whose arrays are unreadable: the
+    previous checkpoint, with its own in-flight file, is restored and the run stays bitwise equal to the
+    uninterrupted one (the batches cannot be drawn again bitwise: they were generated with older weights than
+    the checkpoint's)."""
+    path = inflight_path(ckpt_dir, done)
+    if not path.exists():
+        raise ValueError(f"checkpoint step {done} has no in-flight batches file {path}")
+    try:
+        return read_npz(path, f"the in-flight batches file of checkpoint step {done}")
+    except ValueError as e:
+        raise ValueError(str(e)) from None
 
 
 def overlap(intervals, lo: float, hi: float) -> float:
@@ -265,10 +289,7 @@ class Pipeline:
         arrays["count"] = np.array(len(recs))
         if self.partial is not None:
             arrays.update(self.partial.state_arrays("pool/"))
-        fd, tmp = tempfile.mkstemp(dir=d, prefix=f".{done}.", suffix=".tmp")
-        with os.fdopen(fd, "wb") as f:
-            np.savez(f, **arrays)
-        os.replace(tmp, d / f"{done}.npz")
+        write_npz(d / f"{done}.npz", arrays)  # with its digest; temp file, fsync, rename
         kept = ckpt.all_steps()
         oldest = min([*kept, done])
         for old in d.glob("*.npz"):
@@ -276,34 +297,31 @@ class Pipeline:
                 old.unlink(missing_ok=True)
 
     def _load(self, ckpt_dir, done: int) -> None:
-        path = pathlib.Path(ckpt_dir) / "inflight" / f"{done}.npz"
-        if not path.exists():
-            raise ValueError(f"--max-staleness {self.k}: checkpoint step {done} in {ckpt_dir} has no in-flight "
-                             f"batches file {path}; use another --ckpt-dir or --resume never")
-        with np.load(path, allow_pickle=False) as z:
-            for i in range(int(z["count"])):
-                p = f"{i}/"
-                meta = json.loads(str(z[p + "meta"]))
-                rb = rewards = rows = versions = None
-                if p + "tokens" in z:
-                    rb = RolloutBatch(**{f: z[p + f] for f in ("tokens", "logprobs", "routing", "lengths",
-                                                               "prompt_tokens", "prompt_lengths")},
-                                      finish_reasons=[str(x) for x in z[p + "finish_reasons"]],
-                                      weight_version=int(z[p + "weight_version"]),
-                                      token_versions=z[p + "token_versions"] if p + "token_versions" in z else None)
-                    rewards = z[p + "rewards"]
-                    rows = z[p + "train_rows"] if p + "train_rows" in z else None
-                    versions = (z[p + "versions"] if p + "versions" in z
-                                else np.full(len(rewards), rb.weight_version, np.int64))
-                m = int(meta["step"])
-                self.records[m] = RolloutRecord(step=m, rb=rb, rewards=rewards, train_rows=rows, versions=versions,
-                                                metrics=meta["metrics"])
-            if self.partial is not None:
-                if "pool/count" not in z:
-                    raise ValueError(f"--partial-rollout: the in-flight batches file {path} has no partial-rollout "
-                                     f"pool (written without --partial-rollout); use the run's own flags or another "
-                                     f"--ckpt-dir")
-                self.partial.load(z, "pool/")
+        path = inflight_path(ckpt_dir, done)
+        z = read_inflight(ckpt_dir, done)
+        for i in range(int(z["count"])):
+            p = f"{i}/"
+            meta = json.loads(str(z[p + "meta"]))
+            rb = rewards = rows = versions = None
+            if p + "tokens" in z:
+                rb = RolloutBatch(**{f: z[p + f] for f in ("tokens", "logprobs", "routing", "lengths",
+                                                           "prompt_tokens", "prompt_lengths")},
+                                  finish_reasons=[str(x) for x in z[p + "finish_reasons"]],
+                                  weight_version=int(z[p + "weight_version"]),
+                                  token_versions=z[p + "token_versions"] if p + "token_versions" in z else None)
+                rewards = z[p + "rewards"]
+                rows = z[p + "train_rows"] if p + "train_rows" in z else None
+                versions = (z[p + "versions"] if p + "versions" in z
+                            else np.full(len(rewards), rb.weight_version, np.int64))
+            m = int(meta["step"])
+            self.records[m] = RolloutRecord(step=m, rb=rb, rewards=rewards, train_rows=rows, versions=versions,
+                                            metrics=meta["metrics"])
+        if self.partial is not None:
+            if "pool/count" not in z:
+                raise ValueError(f"--partial-rollout: the in-flight batches file {path} has no partial-rollout "
+                                 f"pool (written without --partial-rollout); use the run's own flags or another "
+                                 f"--ckpt-dir")
+            self.partial.load(z, "pool/")
         self.next_m = done + len(self.records)
         if len(self.records) < min(self.k, self.end - done):
             log.info("resume: %d in-flight batches in %s; batches %d.. are generated with weight version %d",

@@ -8,8 +8,9 @@ interrupted again and again in a fresh directory and restarted with the same com
   2. SIGTERM at a random moment after its next checkpoint: the current step finishes and is checkpointed, exit 0;
   3. Ctrl-C (SIGINT) likewise: exit status 130 with one line, no traceback;
   4. Ctrl-C twice (issue 15 class 4): out at once, status 130, the newest complete checkpoint kept and loadable;
-  5. the newest checkpoint is corrupted (a data file truncated): the restart falls back to the previous
-     checkpoint with a warning and runs to the end.
+  5. the newest checkpoint is corrupted (64 bytes flipped in the middle of its largest data file: only the array
+     digests see it, issue 42) and the one before it lost half of its in-flight batches file: the restart passes
+     over both with a warning each, resumes from the one before them and runs to the end.
 The in-flight batch (generated with the previous weights) travels with each checkpoint (`ckpt/inflight/<step>.npz`).
 Then every array of the final checkpoint (params, Adam moments, step, buffers) and every per-step metric except
 `perf/*` must be bitwise equal to the uninterrupted run's, and the metrics file must hold each step once, with the
@@ -32,7 +33,7 @@ import pytest
 
 STEPS = 8
 EVAL_EVERY = 4
-JOB = ["--steps", str(STEPS), "--ckpt-every", "1", "--keep-checkpoints", "2", "--eval-every", str(EVAL_EVERY),
+JOB = ["--steps", str(STEPS), "--ckpt-every", "1", "--keep-checkpoints", "3", "--eval-every", str(EVAL_EVERY),
        "--async-rollout"]
 
 
@@ -60,14 +61,24 @@ def test_interrupted_run_reproduces_uninterrupted_run(tmp_path, run_env, lt, cap
         if sig == lt.CTRL_C_TWICE:  # the newest complete checkpoint is intact
             assert len(lt.load_state(got / "ckpt", newest)) > 100
 
-    # corrupt the newest checkpoint: the restart falls back to the one before it
+    # corrupt the newest checkpoint's data (decodes without an error: the digest catches it) and the in-flight
+    # batches file of the one before it (cut in half): the restart passes over both to the one before them
+    assert lt.ckpt_steps(got / "ckpt")[-3:] == [newest - 2, newest - 1, newest]
     data = sorted((got / "ckpt" / str(newest) / "state").rglob("d/*"), key=lambda p: p.stat().st_size)[-1]
-    data.write_bytes(data.read_bytes()[: data.stat().st_size // 2])
+    b = bytearray(data.read_bytes())
+    b[len(b) // 2:len(b) // 2 + 64] = bytes(x ^ 0xFF for x in b[len(b) // 2:len(b) // 2 + 64])
+    data.write_bytes(bytes(b))
+    inflight = got / "ckpt" / "inflight" / f"{newest - 1}.npz"
+    inflight.write_bytes(inflight.read_bytes()[: inflight.stat().st_size // 2])
     rc, text = lt.launch(cmd, run_env, log)
     assert rc == 0, text[-3000:]
-    assert "falling back to the previous checkpoint" in text
-    assert f"at step {newest - 1} " in text
-    assert (got / "ckpt" / f"{newest}.corrupt").is_dir()  # kept for inspection, not a step any more
+    warned = [line for line in text.splitlines() if "falling back to the previous checkpoint" in line]
+    assert len(warned) == 2 and "Traceback" not in text, text[-3000:]
+    assert f"step {newest} " in warned[0] and "does not match the digest" in warned[0], warned
+    assert f"in-flight batches file of checkpoint step {newest - 1}" in warned[1], warned
+    assert f"at step {newest - 2} " in text
+    for step in (newest, newest - 1):  # kept for inspection, not steps any more
+        assert (got / "ckpt" / f"{step}.corrupt").is_dir()
 
     # bitwise: every array of the final checkpoint and every non-perf metric of every step
     a, ma = lt.assert_same_run(ref, got, STEPS)

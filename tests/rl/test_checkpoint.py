@@ -20,7 +20,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from rl.checkpoint import CheckpointMismatchError, Checkpointer, CheckpointWriteError, fingerprint_diff
+from rl.checkpoint import CheckpointMismatchError, Checkpointer, fingerprint_diff
+from rl.checkpoint_errors import CheckpointWriteError
 
 
 def _state(seed: int, n: int = 4):
@@ -157,3 +158,90 @@ def test_moved_dataset_file_is_judged_by_its_content(tmp_path):
     assert meta["step"] == 1
     with pytest.raises(CheckpointMismatchError, match="seed: checkpoint=0 run=1"):
         Checkpointer(tmp_path, fingerprint={"dataset": "/new/train.jsonl", "seed": 1}).check_latest()
+
+
+# ------------------------------------------------------------------------------------------------ issue 42: digests
+
+def _flip_middle(step_dir, n: int = 64) -> None:
+    """Flip `n` bytes in the middle of the step's largest data file (issue 42, reproduction 1)."""
+    data = sorted((step_dir / "state").rglob("d/*"), key=lambda p: p.stat().st_size)[-1]
+    b = bytearray(data.read_bytes())
+    m = len(b) // 2
+    b[m:m + n] = bytes(x ^ 0xFF for x in b[m:m + n])
+    data.write_bytes(bytes(b))
+
+
+def _two_steps(directory, **kw) -> dict:
+    ck = Checkpointer(directory, keep=3, fingerprint={"run": 1}, async_save=False, **kw)
+    states = {s: _state(s, 2) for s in (1, 2)}
+    for s, st in states.items():
+        ck.save(s, st, {"x": s})
+    ck.close()
+    return states
+
+
+def test_flipped_bytes_are_caught_by_the_digest(tmp_path, caplog):
+    """64 bytes flipped in the middle of the newest checkpoint's largest data file decode to other numbers without
+    an error (orbax / TensorStore check no array data: the `digest=False` run restores them); the digest catches
+    them: one warning naming the array and the step, the step moved to `2.corrupt`, step 1 restored bitwise."""
+    plain = _two_steps(tmp_path / "plain", digest=False)
+    _flip_middle(tmp_path / "plain" / "2")
+    got, meta = Checkpointer(tmp_path / "plain", fingerprint={"run": 1}).restore(_state(0, 2))
+    assert meta["step"] == 2 and not all(np.array_equal(np.asarray(got[k]), np.asarray(plain[2][k])) for k in got)
+
+    states = _two_steps(tmp_path / "ck")
+    _flip_middle(tmp_path / "ck" / "2")
+    caplog.clear()
+    ck = Checkpointer(tmp_path / "ck", keep=3, fingerprint={"run": 1})
+    got, meta = ck.restore(_state(0, 2))
+    assert meta["step"] == 1 and all(np.array_equal(np.asarray(got[k]), np.asarray(states[1][k])) for k in got)
+    warned = [r.getMessage() for r in caplog.records if "falling back" in r.getMessage()]
+    assert len(warned) == 1 and "\n" not in warned[0], warned
+    assert "step 2" in warned[0] and "array ['w" in warned[0] and "does not match the digest" in warned[0], warned
+    assert (tmp_path / "ck" / "2.corrupt").is_dir() and ck.all_steps() == [1]
+    ck.close()
+
+
+def test_bad_inflight_file_passes_over_its_checkpoint(tmp_path, caplog):
+    """The in-flight batches file of the newest checkpoint cut in half (issue 42, reproduction 4): its checkpoint is
+    passed over like an unreadable one (`check=` rl.pipeline.read_inflight) and the previous one, whose own file
+    is intact, is restored; the run resumes from there (bitwise: tests/launch/test_resume.py)."""
+    from rl.digest import write_npz
+    from rl.pipeline import inflight_path, read_inflight
+
+    states = _two_steps(tmp_path)
+    (tmp_path / "inflight").mkdir()
+    for s in (1, 2):
+        write_npz(inflight_path(tmp_path, s), {"count": np.array(1), "0/tokens": np.full((4, 8), s, np.int32)})
+    path = inflight_path(tmp_path, 2)
+    path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
+    ck = Checkpointer(tmp_path, keep=3, fingerprint={"run": 1})
+    got, meta = ck.restore(_state(0, 2), check=lambda step: read_inflight(tmp_path, step))
+    assert meta["step"] == 1 and np.array_equal(np.asarray(got["w0"]), np.asarray(states[1]["w0"]))
+    warned = [r.getMessage() for r in caplog.records if "falling back" in r.getMessage()]
+    assert len(warned) == 1 and "in-flight batches file of checkpoint step 2" in warned[0], warned
+    assert "BadZipFile" in warned[0] and "\n" not in warned[0]
+    assert read_inflight(tmp_path, 1)["0/tokens"][0, 0] == 1 and ck.all_steps() == [1]
+    ck.close()
+
+
+def test_no_usable_checkpoint_is_one_line(tmp_path, caplog, capfd):
+    """Every checkpoint unreadable (issue 42, reproduction 5): one line naming the directory and the steps; the
+    warnings of the steps passed over are one line each; no traceback, no library log."""
+    from rl.checkpoint import NoUsableCheckpointError
+
+    _two_steps(tmp_path)
+    _flip_middle(tmp_path / "2")
+    for f in (tmp_path / "1" / "state").rglob("d/*"):
+        f.write_bytes(f.read_bytes()[:16])
+    caplog.clear()
+    ck = Checkpointer(tmp_path, keep=3, fingerprint={"run": 1})
+    with pytest.raises(NoUsableCheckpointError) as e:
+        ck.restore(_state(0, 2))
+    ck.close()
+    msg = str(e.value)
+    assert "\n" not in msg and len(msg) < 400 and str(tmp_path) in msg and "steps 1, 2 are unreadable" in msg, msg
+    assert e.value.__cause__ is None and e.value.__suppress_context__
+    assert all("\n" not in r.getMessage() for r in caplog.records) and len(caplog.records) < 10
+    assert "Traceback" not in capfd.readouterr().err
+    assert sorted(p.name for p in tmp_path.iterdir() if p.name[0].isdigit()) == ["1", "2"]  # left as they were
