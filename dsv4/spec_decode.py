@@ -17,7 +17,12 @@ exactly the keys plain decoding shows it at that position:
     (`absorb`), under the visibility w < floor((t+1)/m) of its own position (entries completed later in the block
     are invisible to it; the CSA indexer scores and selects per query over the same working keys).
 Only the keys' order in the softmax and the GEMM shapes differ from one-token decoding, so logits agree to float
-rounding (tests/rl/test_speculative.py compares greedy rollouts token for token).
+rounding (tests/rl/test_speculative.py compares greedy rollouts token for token with fp32 weights, and the verify's
+logits with one-token decoding's on the FP8 rollout). The FP8 rollout quantises the same way on both paths (the
+activations per token and 1 x 128 block, the cache per vector and 64 dims), but not bitwise: a GEMM's rows round
+differently with its row count (B (k + 1) rows here, B in a decode step; XLA:CPU and GPU BLAS alike), and an FP8
+rounding of an activation can turn that 1-ulp difference into a visible one, so a near-tied greedy argmax can flip
+(`benchmarks/speculative.py --greedy-only` counts the rows; plain greedy at another batch shape differs likewise).
 
 MTP (spec §7; DeepSeek-V3's convention): the block at position t reads the main model's final residual streams
 h_t and the embedding of token t + 1 and predicts token t + 2; its cache is one sliding-window ring like a main

@@ -212,6 +212,12 @@ LRSchedule = Literal["constant", "cosine"]
 DTypeName = Literal["bfloat16", "float32"]
 
 
+# The on-policy MTP loss weight of a `--rollout.speculative mtp` run (`speculative_preset`): the draft learns the
+# policy's own samples by default. The head's gradient is clipped by its own norm and reaches no trunk weight, so
+# the weight only scales the head's loss next to its clip (benchmarks/speculative.py trains with 1 too).
+SPECULATIVE_MTP_LOSS_WEIGHT = 1.0
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class LearnerConfig:
     """One optimizer update per `rl.learner.Learner.train_step` (AdamW on fp32 master weights).
@@ -311,7 +317,8 @@ class LearnerConfig:
     train_mtp: bool = False
     mtp_loss_weight: float = knob(0.0, "weight of the on-policy MTP loss (next-next-token cross-entropy of the MTP "
                                        "head on the rollout's responses, stop-gradient into the trunk; needs "
-                                       "train_mtp); trains the draft of --rollout.speculative mtp")
+                                       "train_mtp); trains the draft of --rollout.speculative mtp (which sets it to "
+                                       f"{SPECULATIVE_MTP_LOSS_WEIGHT} and train_mtp on unless they are given)")
     compute_dtype: DTypeName = knob("bfloat16", "learner matmul dtype")
     ref_dtype: DTypeName = "bfloat16"
     fp8_forward: bool = knob(False, "FP8-aware forward: the rollout's quantised weights and activations, "
@@ -395,3 +402,16 @@ class LearnerConfig:
                 and math.isfinite(self.ep_capacity_factor) and self.ep_capacity_factor > 0):
             raise ValueError(f"{owner}.ep_capacity_factor (--ep-capacity-factor) must be > 0, or none (dropless), "
                              f"got {self.ep_capacity_factor!r}")
+
+
+def speculative_preset(user: dict) -> dict:
+    """The learner knobs a `--rollout.speculative mtp` run sets unless they are given (a preset under the user's
+    values, as the `algo` presets): `learner.train_mtp` True and, unless train_mtp is given False,
+    `learner.mtp_loss_weight` = SPECULATIVE_MTP_LOSS_WEIGHT, so the MTP draft is trained on the run's own samples
+    (without it the random or loaded head's acceptance stays where it starts: 1.06 tokens per step in issue 42).
+    user: {dotted path or section name: value} as given. Returns {dotted path: value} ({} without speculation)."""
+    rollout = user.get("rollout")
+    spec = user.get("rollout.speculative", getattr(rollout, "speculative", "off"))
+    if spec != "mtp" or user.get("learner.train_mtp", True) is not True:
+        return {}
+    return {"learner.train_mtp": True, "learner.mtp_loss_weight": SPECULATIVE_MTP_LOSS_WEIGHT}

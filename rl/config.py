@@ -35,7 +35,8 @@ import math
 from typing import Any, Literal
 
 from rl.algo_config import (AdvantageConfig, Correction, CorrectionLevel, DTypeName, KLEstimator,  # noqa: F401
-                            LearnerConfig, LossAggMode, LossConfig, LRSchedule, PolicyLossKind, _check_real)
+                            LearnerConfig, LossAggMode, LossConfig, LRSchedule, PolicyLossKind, _check_real,
+                            speculative_preset)
 from rl import config_tree as tree
 from rl.config_tree import knob
 
@@ -486,7 +487,7 @@ class RunConfig:
         mnt = user.get("rollout.max_new_tokens", user["rollout"].max_new_tokens if "rollout" in user
                        else RolloutConfig().max_new_tokens)
         whole = [p for p in user if p in secs]  # a whole section replaces the preset's values in it
-        values = {p: v for p, v in algo_preset(algo, mnt).items()
+        values = {p: v for p, v in {**algo_preset(algo, mnt), **speculative_preset(user)}.items()
                   if not any(p.startswith(w + ".") for w in whole)}
         values.update(user)
         self = object.__new__(cls)

@@ -10,8 +10,9 @@ Each decode step of a row (cur = its last emitted token, not yet fed, at positio
      probability min(1, p_{j-1}(d_j) / q_j(d_j)) while all before it were; at the first rejection the token is
      drawn from norm(max(0, p_{j-1} - q_j)), and after k acceptances a bonus token from p_k. p and q are the
      distributions plain sampling draws from (`sampling_probs`: temperature, then top-k and top-p, the filters of
-     rl/sampling.py; temperature 0 = one-hot argmax, which makes the rule plain greedy decoding), so every emitted
-     token has exactly plain sampling's distribution.
+     rl/sampling.py; temperature 0 = one-hot argmax, which makes the rule plain greedy decoding, up to the float
+     rounding of the verify's wider GEMMs: dsv4/spec_decode.py "Exactness"), so every emitted token has exactly
+     plain sampling's distribution.
   4. emit the a accepted drafts and the drawn token, cut at a stop token or `max_new_tokens`; commit the caches
      for the a + 1 fed positions only (rejected positions never touch the caches: `dsv4.spec_decode`), run the
      MTP block over the verified positions with the main model's streams (commit its ring likewise) -> next q_1.

@@ -212,9 +212,16 @@ def test_wandb_offline_real(tmp_path, monkeypatch):
     monkeypatch.setenv("WANDB_MODE", "offline")
     monkeypatch.setenv("WANDB_DIR", str(tmp_path))
     monkeypatch.setenv("WANDB_SILENT", "true")
+    # wandb's run-stop checker stops a script by SIGINT to its main thread (`wandb.sdk.lib.interrupt.interrupt_main`,
+    # polled from a thread for as long as the run lives and "best-effort" stopped at finish): here that would be a
+    # KeyboardInterrupt raised wherever pytest's main thread is (e.g. inside jax's gc callback), so record it instead
+    from wandb.sdk.lib import interrupt
+    stops = []
+    monkeypatch.setattr(interrupt, "interrupt_main", lambda: stops.append(1))
     sink = WandbSink("dsv4-test", {"steps": 2})
     sink.log(0, {"rollout/reward_mean": 0.25, "eval/pass@1": 0.5})
     sink.log(1, {"rollout/reward_mean": 0.5})
     sink.close()
     runs = list((tmp_path / "wandb").glob("offline-run-*"))
     assert len(runs) == 1 and list(runs[0].glob("*.wandb"))
+    assert not stops  # an offline run is never asked to stop

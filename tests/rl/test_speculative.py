@@ -18,9 +18,11 @@ from flax import nnx
 
 from dsv4 import DSV4Config, DSV4ForCausalLM
 from dsv4.cache import decode_step, prefill
+from dsv4.chunked import prefill_chunked
 from dsv4.quant import dequantize_fp8_blockwise
 from dsv4.spec_decode import commit, verify_forward
-from rl.config import LearnerConfig
+from rl.algo_config import SPECULATIVE_MTP_LOSS_WEIGHT
+from rl.config import LearnerConfig, RunConfig
 from rl.learner import Learner, TrainBatch
 from rl.optim import clip_by_global_norm_apart
 from rl.logprobs import token_logprobs
@@ -131,6 +133,49 @@ def test_verify_and_commit_leave_the_caches_of_one_token_decoding():
         if (pos - lens).min() >= plain_lg.shape[0]:
             break
     assert n_cmp >= 40 and max(errs) <= 1e-5, f"{n_cmp} positions, max |delta logits| {max(errs):.2e}"
+
+
+def test_verify_on_the_fp8_rollout_quantises_as_decoding():
+    """The run's default rollout (FP8 weights dequantised per layer with 1 x 128 ue8m0 activation quantisation, FP8
+    KV cache, fp32 compute): a verify of 4 positions gives one-token decoding's logits to f32 rounding (a different
+    quantisation group, scale or cache value would move them by ~1e-2) and its routing exactly. Bitwise equality is
+    not asserted: a GEMM's rows round differently with its row count (B (k+1) vs B), and FP8 activation rounding
+    can amplify that (benchmarks/speculative.py --greedy-only measures the greedy rows that differ)."""
+    cfg = DSV4Config.tiny(num_hidden_layers=2, compress_ratios=(4, 8, 0))  # CSA, HCA (+ the MTP block, unused)
+    model = randomize(DSV4ForCausalLM(cfg, rngs=nnx.Rngs(0)), seed=1, scale=0.1)
+    s = Sampler(model, weights="fp8", kv_cache_dtype="auto", max_prompt_len=16, compute_dtype=jnp.float32)
+    assert s.kv_fp8 and s.dequant == "per_layer"
+    ws, b, n = s.weight_state(), 3, 4
+    rs = np.random.RandomState(1)
+    lens = jnp.asarray([5, 13, 1], jnp.int32)
+    ids = jnp.asarray(rs.randint(3, CFG.vocab_size, (b, 16)), jnp.int32)
+    toks = jnp.asarray(rs.randint(3, CFG.vocab_size, (b, n)), jnp.int32)
+
+    @jax.jit
+    def both(ws):
+        m, lf = s._layerwise.shell(ws), s._layerwise.layer_fn(ws)
+        caches = prefill_chunked(m, ids, lens, 32, s.prefill_chunk, layer_fn=lf, kv_fp8=s.kv_fp8)[2]
+        lg, r, _, _ = verify_forward(m, toks, lens, caches, layer_fn=lf)
+
+        def body(c, i):
+            lg1, r1, c = decode_step(m, toks[:, i], lens + i, c, layer_fn=lf)
+            return c, (lg1, r1)
+        plg, pr = jax.lax.scan(body, caches, jnp.arange(n))[1]
+        return lg, r, plg.swapaxes(0, 1), pr.swapaxes(0, 1)
+
+    lg, r, plg, pr = (np.asarray(x) for x in both(ws))
+    assert np.abs(lg - plg).max() <= 1e-5 * max(1.0, np.abs(plg).max())
+    np.testing.assert_array_equal(r, pr)
+
+
+def test_speculative_run_trains_its_mtp_head_by_default():
+    """`--rollout.speculative mtp` turns on-policy MTP training on (train_mtp, mtp_loss_weight) unless given."""
+    on = RunConfig(**{"rollout.speculative": "mtp"}).learner
+    assert on.train_mtp and on.mtp_loss_weight == SPECULATIVE_MTP_LOSS_WEIGHT > 0
+    off = RunConfig(**{"rollout.speculative": "mtp", "learner.train_mtp": False}).learner
+    assert not off.train_mtp and off.mtp_loss_weight == 0.0
+    assert RunConfig(**{"rollout.speculative": "mtp", "learner.mtp_loss_weight": 0.5}).learner.mtp_loss_weight == 0.5
+    assert not RunConfig().learner.train_mtp
 
 
 def test_flags_are_checked():
