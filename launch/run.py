@@ -32,7 +32,7 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))  # runnable
 import jax  # noqa: E402  (importing jax starts no backend: XLA_FLAGS set below in __main__ still apply)
 
 from launch.ray_run import LaunchError, add_launcher_args, launch  # noqa: E402
-from parallel.mpmd_push import MpmdPushVerificationError  # noqa: E402
+from parallel.push.mpmd import MpmdPushVerificationError  # noqa: E402
 from parallel.plan import GPUS, plan  # noqa: E402
 from rl import config_tree  # noqa: E402
 from rl.config import FLAT, RunConfig  # noqa: E402

@@ -30,9 +30,9 @@ from flax import nnx
 from dsv4 import DSV4Config, DSV4ForCausalLM
 from dsv4.chunked import check_chunk
 from dsv4.load import init_model, load_hf_checkpoint, loaded_config
-from parallel.job_push import JobPusher
-from parallel.mpmd_push import MpmdPusher
-from parallel.push import WeightPusher
+from parallel.push.job import JobPusher
+from parallel.push.local import WeightPusher
+from parallel.push.mpmd import MpmdPusher
 from rl import slots as sl
 from rl.checkpoint import Checkpointer, check_writable, file_identity
 from rl.config import RunConfig
