@@ -21,7 +21,8 @@ Implementations:
 - `rl.rollout_job.JobRollout`: the rollout as a JAX job of its own, restartable (`RolloutJobServer` its loop);
 - tests drive the loop with a fake (tests/rl/fake_rollout.py).
 Every engine's `load_weights` is `pusher.push(params_fn(), version).metrics()` with its `parallel.push` transport
-(`parallel.push.protocol.Pusher`). Where the roles live decides the schedule's cost, not its shape: the loop (rl/loop.py, rl/pipeline.py) is one.
+(`parallel.push.protocol.Pusher`). Where the roles live decides the schedule's cost, not its shape: the loop
+(rl/loop.py, rl/pipeline.py) is one.
 """
 
 from __future__ import annotations
