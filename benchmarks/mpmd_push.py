@@ -1,4 +1,4 @@
-"""MPMD weight push between two local processes (`sharding/mpmd.py`) next to a plain cross-process device_put, CPU.
+"""MPMD weight push between two local processes (`parallel/push/mpmd.py`) next to a plain cross-process device_put, CPU.
 
 Two processes x 2 CPU devices (jax.distributed + gloo, socket transfers on 127.0.0.1), `--mesh
 actor:expert=2/rollout:expert=2`: process 0 is the actor, process 1 the rollout. Model `DSV4Config.small()`
@@ -47,7 +47,7 @@ def worker(pid: int, port: int, runs: int, config: str) -> None:
     from dsv4.load import init_model
     from rl.sampler import Sampler
     from sharding.mesh import build_mesh_plan
-    from parallel.mpmd_push import MpmdPusher
+    from parallel.push.mpmd import MpmdPusher
     from sharding.mpmd import HostChannel, role_layout
 
     mc = DSV4Config.preset(config)

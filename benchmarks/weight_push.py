@@ -1,8 +1,8 @@
-"""Weight push speed (`parallel/push.py`): actor fp32 -> FP8 rollout weights, against memcpy, CPU.
+"""Weight push speed (`parallel/push/local.py`): actor fp32 -> FP8 rollout weights, against memcpy, CPU.
 
 What is measured, per layout and per quantisation site, for `DSV4Config.small()` (109M parameters pushed) on 8 forced
 host devices:
-- push: wall time of `push_weights(..., verify=False)` after the `WeightPusher` warm-up. Two sites
+- push: wall time of `WeightPusher.push(..., verify=False)` after the `WeightPusher` warm-up. Two sites
   (`--quantize-on`): `actor` (the default of `WeightPusher`: FP8 blocks quantised on the actor mesh, fp8 q + f32
   scales on the wire) and `rollout` (bf16 on the wire, quantised chunk by chunk on arrival). GB/s = wire bytes /
   seconds; wire bytes per parameter = wire bytes / parameters (fp8 + scales for the FP8 tensors quantised on the
@@ -51,7 +51,7 @@ from jax import monitoring  # noqa: E402
 from dsv4 import DSV4Config, DSV4ForCausalLM  # noqa: E402
 from rl.sampler import Sampler  # noqa: E402
 from sharding.mesh import build_mesh_plan  # noqa: E402
-from parallel.push import WeightPusher, push_weights  # noqa: E402
+from parallel.push.local import WeightPusher  # noqa: E402
 
 _COMPILES = [0]
 
@@ -103,11 +103,11 @@ def bench_layout(name: str, spec: str, cfg: DSV4Config, runs: int, chunk_mib: in
     compiles0 = _COMPILES[0]
     for _ in range(runs):  # interleaved: push, then the two memcpy probes
         version += 1
-        pushes.append(push_weights(pusher, state, sampler, version, verify=False))
+        pushes.append(pusher.push(state, version, verify=False))
         d2d_s.append(d2d())
         copy_s.append(jcopy())
     version += 1
-    verified = push_weights(pusher, state, sampler, version, verify=True)
+    verified = pusher.push(state, version, verify=True)
     compiles = _COMPILES[0] - compiles0
     med = lambda xs: statistics.median(xs)  # noqa: E731
     gb = pusher.wire_bytes / 1e9

@@ -292,7 +292,7 @@ def act_fake_quant_ste(x, *, fmt: str = "e4m3fn", block: int = ACT_BLOCK, scale_
 
 
 # The precision learner weights are rounded to before FP8 rollout quantisation: the learner's compute precision,
-# and what the actor -> rollout push sends FP8-stored tensors as (parallel/push.py FP8_SOURCE_DTYPE).
+# and what the actor -> rollout push sends FP8-stored tensors as (parallel/push/transfer.py FP8_SOURCE_DTYPE).
 ROLLOUT_FP8_SOURCE_DTYPE = jnp.bfloat16
 
 

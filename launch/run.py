@@ -32,13 +32,13 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))  # runnable
 import jax  # noqa: E402  (importing jax starts no backend: XLA_FLAGS set below in __main__ still apply)
 
 from launch.ray_run import LaunchError, add_launcher_args, launch  # noqa: E402
-from parallel.mpmd_push import MpmdPushVerificationError  # noqa: E402
+from parallel.push.mpmd import MpmdPushVerificationError  # noqa: E402
 from parallel.plan import GPUS, plan  # noqa: E402
 from rl import config_tree  # noqa: E402
 from rl.config import FLAT, RunConfig  # noqa: E402
 from rl.config_file import load_config_file  # noqa: E402
 from rl.config_notes import overridden_settings  # noqa: E402
-from rl.job import _data, build, resolve_model_config  # noqa: E402
+from rl.job import build, load_data, resolve_model_config  # noqa: E402
 from rl.loop import run, run_eval  # noqa: E402
 from rl.rollout_job import RolloutJobError  # noqa: E402
 from rl.rollout_weights import kv_cache_layout  # noqa: E402
@@ -143,7 +143,7 @@ def dry_run(cfg: RunConfig) -> None:
     builds no model; a mesh larger than this machine is still planned."""
     print("config:", json.dumps(cfg.flat(), indent=1, default=str))  # the flags' names
     print("config tree:", json.dumps(cfg.to_tree(), indent=1, default=str))  # every knob, nested
-    tok, *_ = _data(cfg)
+    tok, *_ = load_data(cfg)
     mc = resolve_model_config(cfg, tok.vocab_size)
     spec = parse_mesh_spec(cfg.mesh)  # a malformed spec is an error (exit 2), not a planning note
     try:

@@ -2,7 +2,8 @@
 
     expert.py   expert parallelism (shard_map all-to-all dispatch, reusing `dsv4.moe`'s expert math) and
                 `default_dispatch`, the one place that picks the routed-expert implementation for a layout
-    push.py     the actor -> rollout weight push (transfer layouts, FP8 quantisation, verification)
+    push/       the actor -> rollout weight push: one `Pusher` protocol, three transports (in one process, across
+                processes, between jobs), transfer layouts, FP8 quantisation, verification
     plan.py     the memory planner's arithmetic (`plan(...) -> PlanReport`; CLI `python -m launch.plan`)
 
 Layers import downward only: sharding -> dsv4 -> parallel -> rl -> launch (`tests/test_layers.py`).

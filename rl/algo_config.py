@@ -22,8 +22,9 @@ from rl.config_tree import knob
 # ---------------------------------------------------------------------------------------------------------------
 
 
-def _check_real(owner: str, name: str, value: object) -> float:
-    """`value` must be a finite real number (bools are rejected); returns it as float."""
+def check_real(owner: str, name: str, value: object) -> float:
+    """`value` must be a finite real number (bools are rejected); returns it as float. Raises ValueError naming
+    `owner.name` (the config field) otherwise."""
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
         raise ValueError(f"{owner}.{name} must be a finite number, got {value!r}")
     return float(value)
@@ -75,7 +76,7 @@ class AdvantageConfig:
         for name in ("scale_by_std", "batch_norm", "dynamic_sampling"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{owner}.{name} must be a bool, got {getattr(self, name)!r}")
-        if _check_real(owner, "eps", self.eps) < 0:
+        if check_real(owner, "eps", self.eps) < 0:
             raise ValueError(f"{owner}.eps must be >= 0, got {self.eps!r}")
         _check_int(owner, "dynamic_sampling_max_rounds", self.dynamic_sampling_max_rounds, 1)
 
@@ -162,23 +163,23 @@ class LossConfig:
         _check_choice(owner, "correction_level", self.correction_level, ("token", "sequence", "geometric"))
         # The lower clip bound 1 - eps must stay a positive ratio.
         for name in ("clip_eps_low", "gspo_clip_eps_low"):
-            value = _check_real(owner, name, getattr(self, name))
+            value = check_real(owner, name, getattr(self, name))
             if not 0.0 <= value < 1.0:
                 raise ValueError(f"{owner}.{name} must be in [0, 1), got {value!r}")
         for name in ("clip_eps_high", "gspo_clip_eps_high"):
-            if _check_real(owner, name, getattr(self, name)) < 0.0:
+            if check_real(owner, name, getattr(self, name)) < 0.0:
                 raise ValueError(f"{owner}.{name} must be >= 0, got {getattr(self, name)!r}")
-        if self.dual_clip_c is not None and _check_real(owner, "dual_clip_c", self.dual_clip_c) <= 1.0:
+        if self.dual_clip_c is not None and check_real(owner, "dual_clip_c", self.dual_clip_c) <= 1.0:
             raise ValueError(f"{owner}.dual_clip_c must be > 1 (or None), got {self.dual_clip_c!r}")
         for name in ("kl_coef", "entropy_coef"):
-            if _check_real(owner, name, getattr(self, name)) < 0.0:
+            if check_real(owner, name, getattr(self, name)) < 0.0:
                 raise ValueError(f"{owner}.{name} must be >= 0, got {getattr(self, name)!r}")
         for name in ("kl_clamp", "tis_clip_high"):
-            if _check_real(owner, name, getattr(self, name)) <= 0.0:
+            if check_real(owner, name, getattr(self, name)) <= 0.0:
                 raise ValueError(f"{owner}.{name} must be > 0, got {getattr(self, name)!r}")
-        if _check_real(owner, "mis_low", self.mis_low) <= 0.0:
+        if check_real(owner, "mis_low", self.mis_low) <= 0.0:
             raise ValueError(f"{owner}.mis_low must be > 0, got {self.mis_low!r}")
-        if _check_real(owner, "mis_high", self.mis_high) <= self.mis_low:
+        if check_real(owner, "mis_high", self.mis_high) <= self.mis_low:
             raise ValueError(f"{owner}.mis_high must be > mis_low={self.mis_low!r}, got {self.mis_high!r}")
         if self.norm_length is not None:
             _check_int(owner, "norm_length", self.norm_length, 1)
@@ -350,7 +351,7 @@ class LearnerConfig:
     def __post_init__(self):
         owner = type(self).__name__
         _check_remat(self.remat)
-        if _check_real(owner, "lr", self.lr) <= 0.0:
+        if check_real(owner, "lr", self.lr) <= 0.0:
             raise ValueError(f"{owner}.lr must be > 0, got {self.lr!r}")
         _check_int(owner, "warmup_steps", self.warmup_steps, 0)
         _check_choice(owner, "schedule", self.schedule, ("constant", "cosine"))
@@ -359,16 +360,16 @@ class LearnerConfig:
         if self.schedule == "cosine" and (self.total_steps is None or self.total_steps <= self.warmup_steps):
             raise ValueError(f"{owner}.total_steps must be > warmup_steps={self.warmup_steps} for the cosine "
                              f"schedule, got {self.total_steps!r}")
-        if not 0.0 <= _check_real(owner, "min_lr_ratio", self.min_lr_ratio) <= 1.0:
+        if not 0.0 <= check_real(owner, "min_lr_ratio", self.min_lr_ratio) <= 1.0:
             raise ValueError(f"{owner}.min_lr_ratio must be in [0, 1], got {self.min_lr_ratio!r}")
-        if _check_real(owner, "weight_decay", self.weight_decay) < 0.0:
+        if check_real(owner, "weight_decay", self.weight_decay) < 0.0:
             raise ValueError(f"{owner}.weight_decay must be >= 0, got {self.weight_decay!r}")
         for name in ("b1", "b2"):
-            if not 0.0 <= _check_real(owner, name, getattr(self, name)) < 1.0:
+            if not 0.0 <= check_real(owner, name, getattr(self, name)) < 1.0:
                 raise ValueError(f"{owner}.{name} must be in [0, 1), got {getattr(self, name)!r}")
-        if _check_real(owner, "eps", self.eps) <= 0.0:
+        if check_real(owner, "eps", self.eps) <= 0.0:
             raise ValueError(f"{owner}.eps must be > 0, got {self.eps!r}")
-        if self.max_grad_norm is not None and _check_real(owner, "max_grad_norm", self.max_grad_norm) <= 0.0:
+        if self.max_grad_norm is not None and check_real(owner, "max_grad_norm", self.max_grad_norm) <= 0.0:
             raise ValueError(f"{owner}.max_grad_norm must be > 0 (or None), got {self.max_grad_norm!r}")
         for name in ("micro_batch_size", "logprob_chunk_size", "max_tokens_per_micro_batch"):
             if getattr(self, name) is not None:
@@ -378,7 +379,7 @@ class LearnerConfig:
         for name in ("routing_replay", "freeze_router", "train_mtp", "fp8_forward"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{owner}.{name} must be a bool, got {getattr(self, name)!r}")
-        if not _check_real(owner, "mtp_loss_weight", self.mtp_loss_weight) >= 0.0:
+        if not check_real(owner, "mtp_loss_weight", self.mtp_loss_weight) >= 0.0:
             raise ValueError(f"{owner}.mtp_loss_weight must be >= 0, got {self.mtp_loss_weight!r}")
         if self.mtp_loss_weight > 0 and not self.train_mtp:
             raise ValueError(f"{owner}.mtp_loss_weight {self.mtp_loss_weight} needs {owner}.train_mtp (the MTP loss "
@@ -388,10 +389,10 @@ class LearnerConfig:
         _check_choice(owner, "param_dtype", self.param_dtype, ("auto", "bfloat16", "float32"))
         if not isinstance(self.trim, bool):
             raise ValueError(f"{owner}.trim must be a bool, got {self.trim!r}")
-        if not 0.0 <= _check_real(owner, "offload_optimizer", self.offload_optimizer) <= 1.0:
+        if not 0.0 <= check_real(owner, "offload_optimizer", self.offload_optimizer) <= 1.0:
             raise ValueError(f"{owner}.offload_optimizer (--offload-optimizer) must be in [0, 1], "
                              f"got {self.offload_optimizer!r}")
-        if _check_real(owner, "temperature", self.temperature) < 0.0:
+        if check_real(owner, "temperature", self.temperature) < 0.0:
             raise ValueError(f"{owner}.temperature must be >= 0, got {self.temperature!r}")
         for name in ("scan_layers", "stream_optimizer"):
             if not isinstance(getattr(self, name), bool):

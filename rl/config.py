@@ -35,7 +35,7 @@ import math
 from typing import Any, Literal
 
 from rl.algo_config import (AdvantageConfig, Correction, CorrectionLevel, DTypeName, KLEstimator,  # noqa: F401
-                            LearnerConfig, LossAggMode, LossConfig, LRSchedule, PolicyLossKind, _check_real,
+                            LearnerConfig, LossAggMode, LossConfig, LRSchedule, PolicyLossKind, check_real,
                             speculative_preset)
 from rl import config_tree as tree
 from rl.config_tree import knob
@@ -119,7 +119,7 @@ class DataConfig:
         _min("data", self, ("task_digits", "max_prompt_len"), 1)
         if self.reward not in REWARDS:
             raise ValueError(f"data.reward (--reward) must be {'|'.join(REWARDS)}, got {self.reward!r}")
-        if _check_real("data", "reward_timeout_s", self.reward_timeout_s) <= 0:
+        if check_real("data", "reward_timeout_s", self.reward_timeout_s) <= 0:
             raise ValueError(f"data.reward_timeout_s must be > 0, got {self.reward_timeout_s!r}")
         if self.dataset is not None and self.tokenizer is None:
             raise ValueError(f"data.tokenizer (--tokenizer) is required with --dataset {self.dataset}")
@@ -135,7 +135,7 @@ class DataConfig:
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class RolloutConfig:
-    """Sampling on the rollout mesh (rl/sampler.py) and the weight push to it (parallel/push.py)."""
+    """Sampling on the rollout mesh (rl/sampler.py) and the weight push to it (parallel/push/)."""
 
     prompts_per_step: int = knob(32, "prompts per step")
     group_size: int = knob(16, "samples per prompt (G)")
@@ -245,9 +245,9 @@ class RolloutConfig:
             raise ValueError(f"rollout.slots (--rollout-slots) must be auto or an int >= 0 (0 = static batching), "
                              f"got {self.slots!r}")
         object.__setattr__(self, "slots", slots)
-        if not _check_real("rollout", "push_timeout", self.push_timeout) > 0:
+        if not check_real("rollout", "push_timeout", self.push_timeout) > 0:
             raise ValueError(f"rollout.push_timeout (--push-timeout) must be > 0 seconds, got {self.push_timeout}")
-        if not _check_real("rollout", "restart_timeout", self.restart_timeout) > 0:
+        if not check_real("rollout", "restart_timeout", self.restart_timeout) > 0:
             raise ValueError(f"rollout.restart_timeout (--rollout-restart-timeout) must be > 0 seconds, "
                              f"got {self.restart_timeout}")
         for name, flag in (("address", "--rollout-address"), ("actor_address", "--actor-address")):
@@ -286,7 +286,7 @@ class RolloutConfig:
         if self.kv_cache_dtype not in ("auto", "fp8", "bf16"):
             raise ValueError(f"rollout.kv_cache_dtype (--kv-cache-dtype) must be fp8|bf16|auto, "
                              f"got {self.kv_cache_dtype!r}")
-        if _check_real("rollout", "temperature", self.temperature) < 0 or not 0 < self.top_p <= 1:
+        if check_real("rollout", "temperature", self.temperature) < 0 or not 0 < self.top_p <= 1:
             raise ValueError("rollout: --temperature must be >= 0 and --top-p in (0, 1]")
 
 

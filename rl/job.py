@@ -30,9 +30,9 @@ from flax import nnx
 from dsv4 import DSV4Config, DSV4ForCausalLM
 from dsv4.chunked import check_chunk
 from dsv4.load import init_model, load_hf_checkpoint, loaded_config
-from parallel.job_push import JobPusher
-from parallel.mpmd_push import MpmdPusher
-from parallel.push import WeightPusher
+from parallel.push.job import JobPusher
+from parallel.push.local import WeightPusher
+from parallel.push.mpmd import MpmdPusher
 from rl import slots as sl
 from rl.checkpoint import Checkpointer, check_writable, file_identity
 from rl.config import RunConfig
@@ -158,7 +158,7 @@ def resolve_model_config(cfg: RunConfig, tokenizer_vocab: int):
     return mc
 
 
-def _data(cfg: RunConfig):
+def load_data(cfg: RunConfig):
     """(tokenizer, task or None, train PromptDataset, eval prompts [list[int]], eval references, reward (the
     `rl.rewards.RewardFn` of the task or of --reward), eval PromptDataset when it is a separate file else None)."""
     d = cfg.data
@@ -216,7 +216,7 @@ def build(cfg: RunConfig) -> Job:
         return build_rollout_job(cfg)
     evaluated = eval_checkpoint_dir(cfg) if cfg.eval.only else None  # --eval-only: a checkpoint, --init or an error
     log.info("resolved config: %s", json.dumps(cfg.to_tree(), sort_keys=False, default=str))
-    tok, task, train, ev_prompts, ev_refs, reward, ev_data = _data(cfg)
+    tok, task, train, ev_prompts, ev_refs, reward, ev_data = load_data(cfg)
     model_cfg = resolve_model_config(cfg, tok.vocab_size)
     two_jobs = cfg.rollout.address is not None  # the rollout is a job of its own (rl/rollout_job.py)
     plan = build_job_plan(cfg.mesh, ACTOR, config=model_cfg) if two_jobs else build_mesh_plan(cfg.mesh,
@@ -348,7 +348,7 @@ def build_rollout_job(cfg: RunConfig) -> Job:
     data only to size the prompt buckets as the actor does; it writes no metrics, config file or checkpoint."""
     if jax.process_count() > 1:
         raise ValueError(f"--rollout-job: a rollout job of one process for now (this one has {jax.process_count()})")
-    tok, task, train, ev_prompts, ev_refs, _, _ = _data(cfg)
+    tok, task, train, ev_prompts, ev_refs, _, _ = load_data(cfg)
     model_cfg = resolve_model_config(cfg, tok.vocab_size)
     plan = build_job_plan(cfg.mesh, ROLLOUT, config=model_cfg)
     log.info("meshes: %s (the actor mesh: unused here)", plan.describe())

@@ -10,7 +10,7 @@ Both jobs take the run's flags (the rollout job reads the mesh's rollout section
 writes no metrics, checkpoints or config file). `JobRollout` is the actor's side of the rollout service contract
 (rl/rollout_service.py), `RolloutJobServer` the loop the rollout job runs. Messages (versions, requests, results,
 acknowledgements, heartbeats) travel over `sharding.job_link` (a `multiprocessing.connection` socket with an HMAC
-key); weights by `jax.experimental.transfer` (`parallel.job_push`: the actor stages the rollout's tiling, the rollout
+key); weights by `jax.experimental.transfer` (`parallel.push.job`: the actor stages the rollout's tiling, the rollout
 pulls). Ops, actor -> rollout, in order: {"op": "generate", "request"} -> "result/<tag>"; {"op": "pull", "uuid",
 "version", "addresses"} -> "ack/<uuid>"; {"op": "stop"}.
 
@@ -21,7 +21,7 @@ layout's actor processes do: `sharding.mpmd.actor_job_layout`). Only process 0 h
 (and the restart counters) with the other actor processes through the actor job's coordination key-value store
 (`sharding.mpmd.HostChannel`, "job/result/<tag>"), so every process feeds the same batch to the learner. Weights:
 every actor process serves its own shards of the staged tiling through its own transfer server
-(`parallel.job_push`, per-process servers: no host gathers the weights); their addresses are collected by process 0
+(`parallel.push.job`, per-process servers: no host gathers the weights); their addresses are collected by process 0
 at start ("job/transfer/<p>") and travel with every pull op. Process 0 asks the others to offer a version under a
 pull's uuid through the store ("job/offer/<uuid>", answered by a thread on each of them once that version is staged
 there, acknowledged with "job/offered/<uuid>"), so a recovery re-offers the served version with no help from the
@@ -33,7 +33,7 @@ link, so the rollout job exits 1 with one line naming the actor.
 Recovery in place. When the rollout's connection closes (its process died) or its heartbeat is older than
 `--push-timeout`, the actor logs one line and waits up to `--rollout-restart-timeout` for a rollout job to register
 (the same command, restarted by a supervisor, a scheduler or a user). The learner, the data order and the pipeline
-never notice: the new rollout pulls the served version from the actor's staged copy (`parallel.job_push`: the weights
+never notice: the new rollout pulls the served version from the actor's staged copy (`parallel.push.job`: the weights
 the in-flight batches were being generated with, even if the learner has moved on), then every request submitted and
 not yet answered is sent again under its tag. A request's randomness is a function of (seed, step, prompt index,
 sample index) (rl/rollout_service.py), so the regenerated batch equals the lost one bitwise on CPU: nothing is
@@ -68,7 +68,7 @@ import time
 
 import jax
 
-from parallel.job_push import JobPusher, WeightReceiver, tiling
+from parallel.push.job import JobPusher, WeightReceiver, tiling
 from rl.rollout_service import RolloutRequest, RolloutResult, RolloutService, run_request
 from rl.job_identity import identity_mismatch
 from sharding.job_link import (JobListener, LinkLost, LinkRefused, authkey, connect, describe_peer, local_host_towards,
@@ -101,7 +101,7 @@ IDENTITY_HINT = "start both jobs with the same --config, --tokenizer / task, sam
 
 def peer_refusal(actor_hello: dict, rollout_hello: dict) -> str | None:
     """Why the actor (`actor_hello`) must refuse the rollout job (`rollout_hello`), in one line, or None when it
-    matches: the same weight tiling (`parallel.job_push.tiling`) and the same identity (`rl.job_identity`: model
+    matches: the same weight tiling (`parallel.push.job.tiling`) and the same identity (`rl.job_identity`: model
     config, tokenizer, sampling knobs, dtypes; issue 42)."""
     if rollout_hello.get("tiling") != actor_hello.get("tiling"):
         return f"it cuts the weights differently from the actor's plan of its mesh: {TILING_HINT}"
@@ -113,7 +113,7 @@ class JobRollout(RolloutService):
     """The actor job's rollout service in the two-job layout (module docstring).
 
     Args:
-      address: --rollout-address (HOST:PORT to listen on). pusher: the `parallel.job_push.JobPusher` (stand-in
+      address: --rollout-address (HOST:PORT to listen on). pusher: the `parallel.push.job.JobPusher` (stand-in
       rollout mesh). params_fn: () -> the learner's current params. timeout_s: --push-timeout (heartbeat age that
       counts as dead). restart_timeout_s: --rollout-restart-timeout (waiting for a rollout to register).
       channel: an actor job of several processes: its HostChannel (`sharding.mpmd.actor_job_layout`); None: one
@@ -133,7 +133,7 @@ class JobRollout(RolloutService):
         self.link = None
         self.rollout_name, self.last_line = "the rollout job", ""
         self._version = -1
-        self._served = None  # parallel.job_push.Served: the staged copy of the version the rollout serves
+        self._served = None  # parallel.push.job.Served: the staged copy of the version the rollout serves
         self._staged = threading.Condition()  # notified when _served changes (the offer thread waits on it)
         self._pending: dict[str, RolloutRequest] = {}  # submitted, not yet collected (in submit order)
         self._uuid = itertools.count(1)
@@ -141,6 +141,7 @@ class JobRollout(RolloutService):
         self.restarts, self.recovery_s = 0, 0.0
         self._losses: collections.deque = collections.deque()
         self._stop = threading.Event()
+        pusher.deliver = self._deliver
         mine = pusher.start(self.host)
         if channel is not None:
             channel.publish(f"job/transfer/{self.process}", mine)
@@ -284,23 +285,24 @@ class JobRollout(RolloutService):
         return self._version
 
     def load_weights(self, version: int) -> dict:
-        t0 = time.perf_counter()
-        served = self.pusher.stage(self.params_fn(), int(version))
+        stats = self.pusher.push(self.params_fn(), int(version))  # stages, then `_deliver`
+        self._version = int(version)
+        return stats.metrics()
+
+    def _deliver(self, served) -> None:
+        """The pusher's hand-off of a staged version (`JobPusher.deliver`): from now on a restarted rollout gets
+        `served` (the old copy is dropped); process 0 has the rollout pull it (other processes' shards are offered
+        by `_offers` when process 0 asks)."""
         with self._staged:
-            self._served = served  # from now on a restarted rollout gets this one (the old copy is dropped)
+            self._served = served
             self._staged.notify_all()
-        if not self.lead:  # this process's shards are offered by `_offers` when process 0 asks
-            self._version = int(version)
-            dt = time.perf_counter() - t0
-            return {"perf/weight_push_s": dt, "perf/weight_push_gbps": served.nbytes / dt / 1e9}
+        if not self.lead:
+            return
         with self._lock:
             try:
                 self._pull(served)
             except LinkLost as e:
                 self._recover(e)  # the new rollout pulls `served`
-        self._version = int(version)
-        dt = time.perf_counter() - t0
-        return {"perf/weight_push_s": dt, "perf/weight_push_gbps": served.nbytes / dt / 1e9}
 
     def stats(self) -> dict:
         return {"rollout/restarts": float(self.restarts), "rollout/recovery_s": float(self.recovery_s)}
@@ -397,8 +399,8 @@ class RolloutJobServer:
                     self.generate_calls += 1
                     link.send(f"result/{req.tag}", run_request(self.sampler, req))
                 elif op == "pull":
-                    m = self.receiver.pull(cmd["addresses"], link.hello["holders"], cmd["uuid"], cmd["version"])
-                    log.info("weight version %d pulled in %.2f s", cmd["version"], m["perf/weight_push_s"])
+                    got = self.receiver.pull(cmd["addresses"], link.hello["holders"], cmd["uuid"], cmd["version"])
+                    log.info("weight version %d pulled in %.2f s", cmd["version"], got.seconds)
                     link.send(f"ack/{cmd['uuid']}")
                 elif op == "stop":
                     link.send("bye")

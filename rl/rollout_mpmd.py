@@ -12,7 +12,7 @@ two sides speak through a command queue in the host channel (`sharding.mpmd.Host
 
 Commands: {"op": "generate", "request": RolloutRequest} (the rollout processes run `Sampler.generate` on their mesh;
 the first of them publishes the RolloutResult with its counters), {"op": "push", "version": v} (the cross-process
-transfer of the learner's params, `parallel.mpmd_push.MpmdPusher`), {"op": "load_init"} (version 0 read from
+transfer of the learner's params, `parallel.push.mpmd.MpmdPusher`), {"op": "load_init"} (version 0 read from
 --init's own FP8 blocks on the rollout, `rl.rollout_init.checkpoint_rollout_weights`), {"op": "stop"}. Only the
 actor's writer numbers and publishes commands; the pipeline's schedule (rl/pipeline.py) makes their order a
 function of the flags (a generate of batch m is sent only once P(max(0, m - K)) was pushed; a push only when no
@@ -82,9 +82,9 @@ class ProcessRollout(RolloutService):
 
     def load_weights(self, version: int) -> dict:
         self._command({"op": "push", "version": int(version)})
-        metrics = self.pusher.push(self.params_fn(), int(version))
+        stats = self.pusher.push(self.params_fn(), int(version))
         self._version = int(version)
-        return metrics
+        return stats.metrics()
 
     def load_init(self) -> None:
         """Version 0 from --init's checkpoint, read by the rollout processes themselves (its own FP8 blocks)."""

@@ -14,12 +14,15 @@ service serves it and whenever. Evaluation is two requests (rl/stages.py::evalua
 
 Implementations:
 - `LocalRollout` (here): the `rl.sampler.Sampler` in this process: one mesh, two disjoint meshes of this process,
-  or colocated; the push is `parallel.push.push_weights` (or the sampler's own `update_weights` without a pusher);
+  or colocated; the push is `parallel.push.local.WeightPusher` (or `SamplerPusher`, the sampler's own
+  `update_weights`, without a mesh plan);
 - `rl.rollout_mpmd.ProcessRollout`: the rollout on processes of its own (MPMD), a command queue over the host
   channel; `rl.rollout_mpmd.RolloutServer` is the other side;
 - `rl.rollout_job.JobRollout`: the rollout as a JAX job of its own, restartable (`RolloutJobServer` its loop);
 - tests drive the loop with a fake (tests/rl/fake_rollout.py).
-Where the roles live decides the schedule's cost, not its shape: the loop (rl/loop.py, rl/pipeline.py) is one.
+Every engine's `load_weights` is `pusher.push(params_fn(), version).metrics()` with its `parallel.push` transport
+(`parallel.push.protocol.Pusher`). Where the roles live decides the schedule's cost, not its shape: the loop
+(rl/loop.py, rl/pipeline.py) is one.
 """
 
 from __future__ import annotations
@@ -30,9 +33,9 @@ import time
 from collections.abc import Callable, Sequence
 
 import jax
-import numpy as np
 
-from parallel.push import push_weights
+from parallel.push.local import SamplerPusher
+from parallel.push.protocol import Pusher
 from rl.batch import RolloutBatch
 from rl.sampler import Sampler, SamplingParams
 
@@ -124,11 +127,13 @@ class LocalRollout(RolloutService):
     Args:
       sampler: the rl.sampler.Sampler (on the rollout mesh, or unmeshed in tests).
       params_fn: () -> the learner's current params (`Learner.params_for_push`), read by `load_weights`.
-      pusher: parallel.push.WeightPusher for the actor -> rollout push; None: `Sampler.update_weights`.
+      pusher: the actor -> rollout push (`parallel.push.local.WeightPusher`); None: `SamplerPusher(sampler)`
+        (`Sampler.update_weights`).
     """
 
-    def __init__(self, sampler, params_fn: Callable[[], dict] | None = None, pusher=None):
-        self.sampler, self.params_fn, self.pusher = sampler, params_fn, pusher
+    def __init__(self, sampler, params_fn: Callable[[], dict] | None = None, pusher: Pusher | None = None):
+        self.sampler, self.params_fn = sampler, params_fn
+        self.pusher = SamplerPusher(sampler) if pusher is None else pusher
         self._done: dict[int, RolloutResult] = {}
         self._next = 0
 
@@ -146,16 +151,7 @@ class LocalRollout(RolloutService):
         return self.sampler.weight_version
 
     def load_weights(self, version: int) -> dict:
-        t0 = time.perf_counter()
-        params = self.params_fn()
-        nbytes = sum(int(np.prod(x.shape)) * 2 for x in jax.tree.leaves(params))  # bf16 on the wire
-        if self.pusher is not None:
-            nbytes = push_weights(self.pusher, params, self.sampler, version).bytes
-        else:
-            self.sampler.update_weights(params, version)
-            jax.block_until_ready(jax.tree.leaves(self.sampler.weight_state()))
-        dt = time.perf_counter() - t0
-        return {"perf/weight_push_s": dt, "perf/weight_push_gbps": nbytes / dt / 1e9}
+        return self.pusher.push(self.params_fn(), version).metrics()
 
 
 def rollout_compute_dtype(rollout, platform: str) -> str | None:

@@ -285,7 +285,7 @@ class Sampler:
         """Jitted quantisation on the rollout mesh: {key: array on the rollout mesh} -> rollout weight state.
 
         The single function that builds rollout weights: version 0 (`Sampler(model)`), `update_weights` (a
-        rebuilt sampler, a resumed run without a pusher) and every push (parallel/push.py) all call it; FP8
+        rebuilt sampler, a resumed run without a pusher) and every push (parallel/push/) all call it; FP8
         tensors go through `dsv4.quant.quantize_rollout_fp8` (bf16 rounding, e4m3fn blocks, exact fnuz
         conversion), so the result does not depend on how the weights arrived (fp32 master or bf16 wire copy).
         """

@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 
 
-def _filter_logits(scaled: jax.Array, top_p: jax.Array, top_k: jax.Array) -> jax.Array:
+def filter_logits(scaled: jax.Array, top_p: jax.Array, top_k: jax.Array) -> jax.Array:
     """Top-k then nucleus filtering of scaled logits [B, V] (traced k and p); removed entries -> -inf."""
     v = scaled.shape[-1]
     srt = jnp.sort(scaled, axis=-1)[:, ::-1]
@@ -35,7 +35,7 @@ def sample_tokens(logits: jax.Array, keys: jax.Array, temperature, top_p, top_k)
     t = jnp.where(greedy, 1.0, temperature)
     scaled = logits / t
     lp_all = jax.nn.log_softmax(scaled, axis=-1)
-    filtered = jax.lax.cond((top_k > 0) | (top_p < 1), _filter_logits, lambda s, p, k: s, scaled, top_p, top_k)
+    filtered = jax.lax.cond((top_k > 0) | (top_p < 1), filter_logits, lambda s, p, k: s, scaled, top_p, top_k)
     drawn = jax.vmap(jax.random.categorical)(keys, filtered)
     tok = jnp.where(greedy, jnp.argmax(logits, axis=-1), drawn).astype(jnp.int32)
     return tok, jnp.take_along_axis(lp_all, tok[:, None], axis=-1)[:, 0]

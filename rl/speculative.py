@@ -37,7 +37,7 @@ import jax.numpy as jnp
 from dsv4.chunked import chunk_multiple, prefill_chunked
 from dsv4.spec_decode import commit, mtp_cache, mtp_forward, ring_commit, verify_forward
 from rl import slots as _slots
-from rl.sampling import _filter_logits, sample_tokens
+from rl.sampling import filter_logits, sample_tokens
 
 SPECULATIVE_MODES = ("off", "mtp")
 _SALT = 0x5BEC  # key stream of the speculative draws (plain decoding folds in the token index only)
@@ -69,7 +69,7 @@ def sampling_probs(logits: jax.Array, temperature, top_p, top_k) -> jax.Array:
     lg = logits.reshape(-1, shape[-1])
     greedy = temperature <= 0
     scaled = lg / jnp.where(greedy, 1.0, temperature)
-    filtered = jax.lax.cond((top_k > 0) | (top_p < 1), _filter_logits, lambda s, p, k: s, scaled, top_p, top_k)
+    filtered = jax.lax.cond((top_k > 0) | (top_p < 1), filter_logits, lambda s, p, k: s, scaled, top_p, top_k)
     probs = jnp.where(greedy, jax.nn.one_hot(jnp.argmax(lg, -1), shape[-1], dtype=jnp.float32),
                       jax.nn.softmax(filtered, axis=-1))
     return probs.reshape(shape)

@@ -2,7 +2,7 @@
 
     layout = role_layout(plan)                  # which processes are actor, which are rollout (whole processes)
     channel = HostChannel(layout, timeout_s=600)  # host messages + heartbeats; publish(tag, value) / receive(...)
-    pusher = parallel.mpmd_push.MpmdPusher(plan, layout, sampler, abstract_state, actor_shardings, channel)
+    pusher = parallel.push.mpmd.MpmdPusher(plan, layout, sampler, abstract_state, actor_shardings, channel)
     pusher.push(params if layout.is_actor else None, version)       # called by every process, same order
 
 A mesh spec with a disjoint rollout (`actor:fsdp=2,expert=8/rollout:expert=8`) on a multi-process job is MPMD when
@@ -10,11 +10,11 @@ every process holds devices of one role only: the seed layout (nodes 0-1 actor, 
 three local processes x 2 CPU devices with `actor:fsdp=2,expert=2/rollout:expert=2`. Each process then runs only its
 role's programs (the learner's jits on actor processes, `Sampler.generate` on rollout processes); the roles meet at
 
-1. the weight push (`parallel/mpmd_push.py::MpmdPusher`): a cross-process `jax.device_put` per tensor from an
+1. the weight push (`parallel/push/mpmd.py::MpmdPusher`): a cross-process `jax.device_put` per tensor from an
    actor-side staging in exactly the rollout's tiling (the only kind jax moves between processes, docs/jax-stack.md
    §2.4); the rollout acks each chunk before the actor frees its staged copies. A layout the transfer cannot serve
    is a `MeshSpecError` at start-up: a process holding devices of both roles or of none (`role_layout`), a tensor
-   the actor mesh cannot cut as the rollout does (`parallel.mpmd_push.plan_transfer`).
+   the actor mesh cannot cut as the rollout does (`parallel.push.mpmd.plan_transfer`).
 2. host messages (`HostChannel`): pickled, chunked values in the coordination service's key-value store (rollout
    results: tokens, logprobs, routing, rewards, the rollout's metrics; the actor's push decisions; push receipts).
    Small next to the weights. Each process bumps a heartbeat key every second from a thread, so a wait tolerates

@@ -24,10 +24,10 @@ def _checkpoint_of(argv):
     """A step-3 checkpoint as `build` + `save` would write it for the run `argv` (placeholder learner state)."""
     from launch.run import resolve
     from rl.checkpoint import Checkpointer, file_identity
-    from rl.job import _data, fingerprint, resolve_model_config
+    from rl.job import load_data, fingerprint, resolve_model_config
 
     cfg, _ = resolve(argv)
-    tok = _data(cfg)[0]
+    tok = load_data(cfg)[0]
     ck = Checkpointer(cfg.ckpt.dir, fingerprint=fingerprint(cfg, resolve_model_config(cfg, tok.vocab_size)),
                       async_save=False)
     ident = {"dataset": file_identity(cfg.data.dataset), "eval_dataset": file_identity(cfg.data.eval_dataset)}
@@ -78,7 +78,7 @@ def test_moved_dataset_resumes_and_a_changed_one_names_allow_dataset_change(tmp_
 
     from launch.run import main, resolve
     from rl.checkpoint import Checkpointer, file_identity
-    from rl.job import _data, fingerprint, resolve_model_config, same_data
+    from rl.job import load_data, fingerprint, resolve_model_config, same_data
 
     train, test, argv = _cfg_args(tmp_path, small_tokenizer, lt)
     _checkpoint_of(argv)
@@ -87,7 +87,7 @@ def test_moved_dataset_resumes_and_a_changed_one_names_allow_dataset_change(tmp_
     shutil.move(train, moved)
     argv_moved = [str(moved) if a == str(train) else a for a in argv]
     cfg, _ = resolve(argv_moved)
-    ck = Checkpointer(cfg.ckpt.dir, fingerprint=fingerprint(cfg, resolve_model_config(cfg, _data(cfg)[0].vocab_size)))
+    ck = Checkpointer(cfg.ckpt.dir, fingerprint=fingerprint(cfg, resolve_model_config(cfg, load_data(cfg)[0].vocab_size)))
     meta = ck.check_latest()  # no "different config" for the path alone
     ident = {"dataset": file_identity(cfg.data.dataset), "eval_dataset": file_identity(cfg.data.eval_dataset)}
     assert same_data(cfg, meta, ident) is True  # the data order resumes

@@ -40,12 +40,12 @@ def parts():
 
     from rl.config import LearnerConfig
     from rl.learner import Learner
-    from rl.job import _data
+    from rl.job import load_data
     from rl.sampler import Sampler
 
     cfg = RunConfig(steps=4, prompts_per_step=4, group_size=4, max_new_tokens=4, eval_every=0, ckpt_dir=None,
                     metrics_jsonl=None, tensorboard_dir=None, progress=False, async_rollout=True)
-    tok, task, train, *_ = _data(cfg)
+    tok, task, train, *_ = load_data(cfg)
     mc = DSV4Config.tiny(num_hidden_layers=2, compress_ratios=(4, 8), num_nextn_predict_layers=0,
                          vocab_size=tok.vocab_size)
     model = DSV4ForCausalLM(mc, rngs=nnx.Rngs(0))

@@ -40,7 +40,7 @@ import pytest
 
 import dsv4
 from dsv4.load import init_model
-from parallel.push import WeightPusher
+from parallel.push.local import WeightPusher
 from rl import loop
 from rl.config import LearnerConfig, RunConfig
 from rl.data import PromptDataset, make_prompt_iterator

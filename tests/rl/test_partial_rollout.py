@@ -42,14 +42,14 @@ def parts():
     from flax import nnx
 
     from rl.config import LearnerConfig
-    from rl.job import _data
+    from rl.job import load_data
     from rl.learner import Learner
     from rl.sampler import Sampler
 
     cfg = RunConfig(steps=STEPS, prompts_per_step=4, group_size=2, max_new_tokens=8, eval_every=0, ckpt_dir=None,
                     metrics_jsonl=None, tensorboard_dir=None, progress=False, max_staleness=1, partial_rollout=True,
                     **{"rollout.length_schedule": "0.25:3"})
-    tok, task, train, *_ = _data(cfg)
+    tok, task, train, *_ = load_data(cfg)
     mc = DSV4Config.tiny(num_hidden_layers=2, compress_ratios=(4, 8), num_nextn_predict_layers=0,
                          vocab_size=tok.vocab_size)
     model = DSV4ForCausalLM(mc, rngs=nnx.Rngs(0))

@@ -16,6 +16,7 @@ import portpicker
 import pytest
 
 from dsv4.config import DSV4Config
+from parallel.push.job import JobPusher
 from rl import rollout_job
 from rl.config import RunConfig
 from rl.job_identity import job_identity
@@ -27,9 +28,16 @@ from sharding.job_link import JobListener, LinkLost, LinkRefused, authkey, conne
 TILING = [("embed.weight", (8, 4), "float8_e4m3fn", (("data", 1),), "P()")]
 
 
-class _FakePusher:
+class _FakePusher(JobPusher):
+    """`JobPusher.push` (stage, then the rollout's `deliver`) over a fake staging: no mesh, no transfer server."""
+
     tiling = TILING
     holders = [[0]]
+    tensors: list = []
+    n_params = 0
+
+    def __init__(self):
+        self.deliver = None
 
     def start(self, host):
         return "127.0.0.1:1"
@@ -70,7 +78,7 @@ def test_the_request_in_flight_is_sent_again_to_the_next_rollout():
     _start(address, 1, True)
     r = JobRollout(address, _FakePusher(), dict, timeout_s=10, restart_timeout_s=10)
     try:
-        r.load_weights(0)
+        assert set(r.load_weights(0)) == {"perf/weight_push_s", "perf/weight_push_gbps"}  # JobPusher.push's
         handle = r.submit(RolloutRequest(prompts=[[1, 2]], params=None, seed=0, tag="train/0/0"))
         second = _start(address, 2, False)  # as a supervisor would (it may register before the first one dies)
         assert r.collect(handle) == "train/0/0 by 2" and r.weight_version == 0

@@ -1,15 +1,11 @@
 """sharding/mpmd.py on one process: role layouts (whole processes per role, clear errors otherwise), transfer
-layouts whose tiling is identical to the rollout's (the condition of jax's cross-process device_put), transfer
-socket addresses. The multi-process run itself: tests/launch/test_mpmd_run.py (slow)."""
+socket addresses (the push's transfer layouts: tests/parallel/test_mpmd_wire.py). The multi-process run itself: tests/launch/test_mpmd_run.py (slow)."""
 
 import jax
-import numpy as np
 from jax._src import distributed
 import pytest
-from jax.sharding import NamedSharding, PartitionSpec as P
 
 from sharding.mesh import MeshSpecError, build_mesh_plan
-from parallel.mpmd_push import plan_transfer
 from sharding.distributed import heartbeat_timeout, sidecar_grace_s
 from sharding.mpmd import (HostChannel, PeerTimeoutError, RoleLayout, actor_job_layout, liveness_s, lost_peer,
                            role_layout, transfer_socket_address)
@@ -48,45 +44,6 @@ def test_role_layout_rejects_split_processes(spec, message):
     plan = build_mesh_plan(spec, devices=jax.devices()[:6])
     with pytest.raises(MeshSpecError, match=message.replace("[", r"\[").replace("]", r"\]")):
         role_layout(plan, process_index=0, process_count=3, process_of=_two_per_process)
-
-
-@pytest.mark.parametrize("actor_spec, rollout_spec", [
-    (P("expert", "fsdp"), P("expert", None)),
-    (P("fsdp", None), P(None, "expert")),
-    (P(None, ("fsdp", "expert")), P()),  # replicated on the rollout: one copy per rollout device
-    (P(("fsdp", "expert")), P("tensor")),
-])
-def test_transfer_tiling_is_the_rollouts(actor_spec, rollout_spec):
-    devs = jax.devices()
-    plan = build_mesh_plan("actor:fsdp=2,expert=2/rollout:expert=2,tensor=2", devices=devs[:8])
-    shape = (8, 12) if len(actor_spec) > 1 or len(rollout_spec) > 1 else (8,)
-    a_sh, r_sh = NamedSharding(plan.actor, actor_spec), NamedSharding(plan.rollout, rollout_spec)
-    t = plan_transfer("w", shape, np.float32, a_sh, r_sh)
-    assert t.transfer_sharding._to_xla_hlo_sharding(len(shape)) == r_sh._to_xla_hlo_sharding(len(shape))
-    actor_devs = set(plan.actor.devices.flat)
-    assert set(t.transfer_sharding.mesh.devices.flat) <= actor_devs
-    assert len(set(t.transfer_sharding.mesh.devices.flat)) == r_sh.mesh.devices.size  # distinct devices
-    # the staged copy, viewed on the transfer mesh, holds at each device the slice the rollout device at the same
-    # position receives: the data path of the cross-process device_put, checked on one process
-    x = np.arange(np.prod(shape), dtype=np.float32).reshape(shape)
-    staged = jax.device_put(x, t.staged_sharding)
-    local = {s.device: s.data for s in staged.addressable_shards}
-    view = jax.make_array_from_single_device_arrays(shape, t.transfer_sharding,
-                                                    [local[d] for d in t.transfer_sharding.mesh.devices.flat])
-    np.testing.assert_array_equal(np.asarray(view), x)
-    out = jax.device_put(view, r_sh)
-    np.testing.assert_array_equal(np.asarray(out), x)
-
-
-def test_transfer_layout_the_actor_cannot_serve():
-    devs = jax.devices()
-    plan = build_mesh_plan("actor:fsdp=3/rollout:expert=2", devices=devs[:5])
-    with pytest.raises(MeshSpecError, match="cannot express"):
-        plan_transfer("layers/0/w", (6, 4), np.float32, NamedSharding(plan.actor, P("fsdp")),
-                      NamedSharding(plan.rollout, P("expert")))
-    plan = build_mesh_plan("actor:fsdp=2/rollout:expert=4", devices=devs[:6])
-    with pytest.raises(MeshSpecError, match="more copies of a slice"):
-        plan_transfer("norm", (8,), np.float32, NamedSharding(plan.actor, P()), NamedSharding(plan.rollout, P()))
 
 
 def test_transfer_socket_address():

@@ -1,4 +1,4 @@
-"""The MPMD push's wire (`parallel/mpmd_push.py`) on one process: a RoleLayout whose single process is both the
+"""The MPMD push's wire (`parallel/push/mpmd.py`) on one process: a RoleLayout whose single process is both the
 actor and the rollout runs every step of `MpmdPusher.push` (actor-side staging and quantisation, the device_put onto
 the rollout's tiling, acks, checksums through a channel) with an in-memory channel in place of the coordination
 service; the cross-process run itself is tests/launch/test_mpmd_run.py (slow).
@@ -6,7 +6,8 @@ service; the cross-process run itself is tests/launch/test_mpmd_run.py (slow).
 Checks: FP8 blocks + scales on the wire (wire bytes per parameter about half of bf16), the rollout's state after a
 push bitwise equal to quantising the actor's params directly (`Sampler.update_weights`, the sampler's own
 `quantize_rollout_fp8`), in the sampler's shardings; a corrupted arrival fails verification with one line naming
-the tensor, and the rollout keeps its previous weights."""
+the tensor, and the rollout keeps its previous weights. The transfer layouts (`plan_transfer`): tiling identical to
+the rollout's (the condition of jax's cross-process device_put), one line for a tensor the actor cannot serve."""
 
 import pathlib
 import sys
@@ -16,12 +17,15 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
+from jax.sharding import NamedSharding, PartitionSpec as P
 
 import dsv4
 from dsv4 import quant
-from parallel.mpmd_push import MpmdPusher, MpmdPushVerificationError
+
+from parallel.push.mpmd import MpmdPusher, MpmdPushVerificationError, plan_transfer
+from parallel.push.protocol import Pusher, PushStats
 from rl.sampler import Sampler
-from sharding.mesh import build_mesh_plan
+from sharding.mesh import MeshSpecError, build_mesh_plan
 from sharding.mpmd import RoleLayout
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "dsv4"))
@@ -71,7 +75,9 @@ def _bits(x):
 
 def test_fp8_wire_equals_direct_quantisation(setup):
     plan, state, sampler, pusher, channel = setup
-    pusher.push(state, 1)
+    stats = pusher.push(state, 1)
+    assert isinstance(pusher, Pusher) and isinstance(stats, PushStats) and stats.verified
+    assert stats.bytes == pusher.wire_bytes and set(stats.metrics()) == {"perf/weight_push_s", "perf/weight_push_gbps"}
     assert sampler.weight_version == 1 and len(pusher.chunks) > 1
     assert "verify/1/actor" in channel.values  # the first push is verified
     got = sampler.weight_state()
@@ -141,3 +147,42 @@ def test_corrupted_arrival_fails_verification_one_line(setup, monkeypatch):
     assert [k for k, _ in err.value.failures] == [bad_key]
     assert sampler.weight_version == live_version and sampler.weight_state() is live_state
     assert not any(x.is_deleted() for x in jax.tree.leaves(live_state))
+
+
+@pytest.mark.parametrize("actor_spec, rollout_spec", [
+    (P("expert", "fsdp"), P("expert", None)),
+    (P("fsdp", None), P(None, "expert")),
+    (P(None, ("fsdp", "expert")), P()),  # replicated on the rollout: one copy per rollout device
+    (P(("fsdp", "expert")), P("tensor")),
+])
+def test_transfer_tiling_is_the_rollouts(actor_spec, rollout_spec):
+    devs = jax.devices()
+    plan = build_mesh_plan("actor:fsdp=2,expert=2/rollout:expert=2,tensor=2", devices=devs[:8])
+    shape = (8, 12) if len(actor_spec) > 1 or len(rollout_spec) > 1 else (8,)
+    a_sh, r_sh = NamedSharding(plan.actor, actor_spec), NamedSharding(plan.rollout, rollout_spec)
+    t = plan_transfer("w", shape, np.float32, a_sh, r_sh)
+    assert t.transfer_sharding._to_xla_hlo_sharding(len(shape)) == r_sh._to_xla_hlo_sharding(len(shape))
+    actor_devs = set(plan.actor.devices.flat)
+    assert set(t.transfer_sharding.mesh.devices.flat) <= actor_devs
+    assert len(set(t.transfer_sharding.mesh.devices.flat)) == r_sh.mesh.devices.size  # distinct devices
+    # the staged copy, viewed on the transfer mesh, holds at each device the slice the rollout device at the same
+    # position receives: the data path of the cross-process device_put, checked on one process
+    x = np.arange(np.prod(shape), dtype=np.float32).reshape(shape)
+    staged = jax.device_put(x, t.staged_sharding)
+    local = {s.device: s.data for s in staged.addressable_shards}
+    view = jax.make_array_from_single_device_arrays(shape, t.transfer_sharding,
+                                                    [local[d] for d in t.transfer_sharding.mesh.devices.flat])
+    np.testing.assert_array_equal(np.asarray(view), x)
+    out = jax.device_put(view, r_sh)
+    np.testing.assert_array_equal(np.asarray(out), x)
+
+
+def test_transfer_layout_the_actor_cannot_serve():
+    devs = jax.devices()
+    plan = build_mesh_plan("actor:fsdp=3/rollout:expert=2", devices=devs[:5])
+    with pytest.raises(MeshSpecError, match="cannot express"):
+        plan_transfer("layers/0/w", (6, 4), np.float32, NamedSharding(plan.actor, P("fsdp")),
+                      NamedSharding(plan.rollout, P("expert")))
+    plan = build_mesh_plan("actor:fsdp=2/rollout:expert=4", devices=devs[:6])
+    with pytest.raises(MeshSpecError, match="more copies of a slice"):
+        plan_transfer("norm", (8,), np.float32, NamedSharding(plan.actor, P()), NamedSharding(plan.rollout, P()))

@@ -3,13 +3,15 @@
     # actor job (its plan's rollout mesh is a stand-in of the rollout job's: same shape and axes, actor devices)
     pusher = JobPusher(plan, standin_sampler, abstract_state, actor_shardings)
     address = pusher.start(host)                 # this process's transfer server (every process of the actor job)
-    served = pusher.stage(params, version)       # wire arrays in the rollout's tiling, kept until the next push
-    pusher.offer(served, uuid)                    # this process's server waits for one pull of its shards
+    pusher.deliver = hand_off                    # Served -> None: offers + the rollout's pull (rl/rollout_job.py)
+    stats = pusher.push(params, version)         # `protocol.Pusher`: stage, then deliver
+    #   = served = pusher.stage(params, version)  (wire arrays in the rollout's tiling, kept until the next push)
+    #     pusher.offer(served, uuid)               (this process's server waits for one pull of its shards)
     # rollout job
-    receiver = WeightReceiver(sampler)
+    receiver = WeightReceiver(sampler, host)
     receiver.pull(addresses, pusher.holders, uuid, version)  # one pull per actor process; set_weights
 
-Staging is the MPMD push's (`parallel.mpmd_push.MpmdPusher`, one jit per tensor: bf16 cast, FP8 quantisation with
+Staging is the MPMD push's (`mpmd.MpmdPusher`, one jit per tensor: bf16 cast, FP8 quantisation with
 `dsv4.quant.quantize_rollout_fp8` for FP8-stored tensors, every dim cut exactly as the rollout cuts it), so the wire
 is FP8 blocks + scales (about 1.1 B per parameter) and the rollout never holds a bf16 copy. The actor job has no
 rollout devices: its plan's rollout mesh is a stand-in (the rollout job's mesh shape and axis names over actor
@@ -18,7 +20,7 @@ checks at registration (`tiling`: a list both sides compute; a mismatch is a one
 
 Per-process servers (an actor job of several processes, e.g. the seed layout's 16 devices on 2 nodes). Each rollout
 device's slice of a wire array (a position of the rollout mesh) is taken from one actor device holding that slice
-(`parallel.mpmd_push.plan_transfer` with `spread`: the holders are spread over the actor processes); `holders` says,
+(`mpmd.plan_transfer` with `spread`: the holders are spread over the actor processes); `holders` says,
 per wire array, which actor process serves each position. Every actor process runs a transfer server and offers
 its own positions' shards as single-device arrays; the rollout pulls from every process the positions it serves
 (one `pull` per process, single-device shapes on the matching rollout device) and assembles each wire array from
@@ -40,15 +42,18 @@ Tests: `.venv/bin/python -m pytest -q tests/launch/test_two_jobs.py`.
 from __future__ import annotations
 
 import dataclasses
+import math
 import time
+from collections.abc import Callable
 
 import jax
 from jax.experimental import transfer
 from jax.sharding import SingleDeviceSharding
 
 from dsv4 import quant
-from parallel.mpmd_push import MpmdPusher
-from parallel.transfer import _flat
+from parallel.push.mpmd import MpmdPusher
+from parallel.push.protocol import PushStats
+from parallel.push.transfer import flat_state
 
 
 def start_server(host: str):
@@ -96,7 +101,10 @@ class JobPusher(MpmdPusher):
     the layout and channel: `plan` with the stand-in rollout mesh, the stand-in `sampler` (abstract model on that
     mesh), `abstract_state`, `actor_shardings`. `holders`: per wire array, the actor process serving each position
     of the rollout mesh (a list of ints per array, sent to the rollout at registration). Raises MeshSpecError as
-    `MpmdPusher` when the actor mesh cannot cut a tensor as the rollout does."""
+    `MpmdPusher` when the actor mesh cannot cut a tensor as the rollout does.
+
+    `deliver`: Served -> None, what `push` does once a version is staged: the hand-off to the rollout job (offers
+    and the rollout's pull over the link, recovery: `rl.rollout_job.JobRollout` sets it); None: stage only."""
 
     def __init__(self, plan, sampler, abstract_state, actor_shardings):
         super().__init__(plan, None, sampler, abstract_state, actor_shardings, None, spread=True)
@@ -104,6 +112,18 @@ class JobPusher(MpmdPusher):
         self.holders = [[d.process_index for d in w.transfer_sharding.mesh.devices.flat]
                         for t in self.tensors for w in t.wires]
         self.server = None
+        self.deliver: Callable[[Served], None] | None = None
+
+    def push(self, params, version: int) -> PushStats:
+        """`protocol.Pusher`: stage `params` as `version` (`stage`), then `deliver` it. Returns PushStats (this
+        process's wall time, the staged wire bytes; not verified: module docstring). Raises what `stage` and
+        `deliver` raise."""
+        t0 = time.perf_counter()
+        served = self.stage(params, version)
+        if self.deliver is not None:
+            self.deliver(served)
+        return PushStats(version=int(version), seconds=time.perf_counter() - t0, bytes=served.nbytes,
+                         n_tensors=len(self.tensors), n_params=self.n_params)
 
     def start(self, host: str) -> str:
         """Start this process's transfer server on `host` (once); returns its address."""
@@ -114,10 +134,10 @@ class JobPusher(MpmdPusher):
     def stage(self, params, version: int) -> Served:
         """Stage the learner's `params` ({key: array} / nnx.State) as `version`: every wire array in the rollout's
         tiling on the actor mesh (waits until they are computed; every actor process calls it: one SPMD program)."""
-        flat = _flat(params)
+        flat = flat_state(params)
         staged, shards, me = [], [], jax.process_index()
         for t in self.tensors:
-            ys, _, _ = self._stage(t, flat[t.key], False)
+            ys, _, _ = self.stage_tensor(t, flat[t.key], False)
             staged += ys
             for w, y in zip(t.wires, ys):
                 local = {s.device: s.data for s in y.addressable_shards}
@@ -144,8 +164,8 @@ class WeightReceiver:
 
     def pull(self, addresses: list[str], holders: list[list[int]], uuid: int, version: int) -> dict:
         """Pull wire arrays `uuid` from the actor processes' transfer servers (`addresses[p]`: process p's; `holders`:
-        `JobPusher.holders`), make them weight `version`. Returns {"perf/weight_push_s", "perf/weight_push_gbps"}
-        (this side's wall time)."""
+        `JobPusher.holders`), make them weight `version`. Returns PushStats (this side's wall time and the pulled
+        wire bytes; `metrics()`: {"perf/weight_push_s", "perf/weight_push_gbps"})."""
         t0 = time.perf_counter()
         if self.server is None:
             self.server = start_server(self.host)
@@ -178,6 +198,6 @@ class WeightReceiver:
                                                   shape=shape)
         jax.block_until_ready(jax.tree.leaves(wstate))
         self.sampler.set_weights(wstate, version)
-        dt = time.perf_counter() - t0
-        nbytes = sum(s.size * s.dtype.itemsize for s in specs)
-        return {"perf/weight_push_s": dt, "perf/weight_push_gbps": nbytes / dt / 1e9}
+        return PushStats(version=int(version), seconds=time.perf_counter() - t0,
+                         bytes=sum(s.size * s.dtype.itemsize for s in specs), n_tensors=len(self.targets),
+                         n_params=sum(math.prod(qmeta[3] if qmeta else ss[0].shape) for _, qmeta, ss in self.targets))

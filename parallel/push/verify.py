@@ -1,9 +1,27 @@
-"""Verification rows of the actor -> rollout push (the math is in `parallel/push.py`'s docstring).
+"""Verification rows of the actor -> rollout push (every push: `local.py`, `mpmd.py`).
 
 Per tensor and side, `_row` computes ROW_TERMS uint32 terms: the position-weighted 32-bit checksum pair of every
 wire array, NaN/inf flags (of the actor weight, the rollout copy, FP8 after dequantisation), the all-zero check of
-integer tables and the e4m3 rounding bound; `_stored_row` computes the rollout side's terms from the stored state.
-The checksums loop over slabs (`_slab`) so an integer reduction never materialises a whole large tensor.
+integer tables and the e4m3 rounding bound; `stored_row` computes the rollout side's terms from the stored state.
+The checksums loop over slabs (`slab_loop`) so an integer reduction never materialises a whole large tensor.
+
+Verification (`verify=True`, or every `verify_every`-th push): per tensor a row of 10 uint32 terms is computed on
+the actor side (in the stage jit, from exactly the wire arrays it sends) and on the rollout side (for tensors
+quantised on arrival: in the land jit, from the bf16 that arrived; for everything else: one program over the
+stored new state), see `_row`. They must agree on the position-weighted 32-bit checksum pair of every wire array
+(fp8 q and f32 scales bitwise; int hash tables and f32/bf16 tensors bitwise); nothing may be NaN/inf (the actor
+weight, the rollout copy, FP8 after dequantisation); integer tables must not be all zero (an all-zero `tid2eid`
+routes every token to expert 0: the failure of stacks that forget buffers); and every FP8 element must satisfy
+the e4m3 rounding bound
+    |q * s - w| <= (eps/2 + 2^-20) |w| + (1 + 2^-20) * (smallest_subnormal/2) * s + tiny_f32
+where w is the bf16 weight that was quantised, s its block's scale, eps/smallest_subnormal from `jnp.finfo` of the
+fp8 dtype (e4m3fn: eps = 2^-3, subnormal step 2^-9; e4m3fnuz: 2^-3, 2^-10). Derivation: y = fl(w / s) has
+relative error 2^-24; clipping at +-fmax moves y by at most 2^-22 fmax because s >= amax/fmax up to rounding;
+round-to-nearest-even to e4m3 errs by at most half a spacing, i.e. eps/2 |y| for normals and
+smallest_subnormal/2 below the normal range; q * s adds another 2^-24 relative; tiny_f32 covers the FTZ of
+f32-subnormal inputs on XLA:CPU. Failure raises `PushVerificationError` naming every bad tensor and the reason;
+the new state is deleted and the old version stays live. The verdicts come to the host as one small
+`device_get` (10 uint32 per tensor and side), the only device-to-host traffic of a push.
 """
 
 from __future__ import annotations
@@ -17,7 +35,7 @@ import numpy as np
 from jax.sharding import NamedSharding
 
 from dsv4 import quant
-from parallel.transfer import _quantize_as, _splits
+from parallel.push.transfer import dim_splits, quantize_as
 
 ROW_TERMS = 10  # uint32 verification terms per tensor and side (`_row`)
 
@@ -91,10 +109,10 @@ def _digest_terms(x, slab: tuple[int, int] | None = None):
     return jax.lax.fori_loop(0, k, body, jnp.zeros(4, jnp.uint32))
 
 
-def _slab(shape: tuple[int, ...], sharding: NamedSharding, max_elems: int) -> tuple[int, int] | None:
+def slab_loop(shape: tuple[int, ...], sharding: NamedSharding, max_elems: int) -> tuple[int, int] | None:
     """(dim, k): cut the largest unsharded dim of `shape` into k equal slabs so that one slab holds at most
     `max_elems` elements per device; None when the whole tensor already does (or no dim can be cut)."""
-    splits = _splits(sharding, len(shape))
+    splits = dim_splits(sharding, len(shape))
     per_dev = math.prod(shape) // max(math.prod(splits), 1)
     dims = [d for d in range(len(shape)) if splits[d] == 1 and shape[d] > 1]
     if per_dev <= max_elems or not dims:
@@ -143,12 +161,12 @@ def _row(w=None, q=None, scale=None, qmeta=None):
 
 
 @functools.partial(jax.jit, static_argnums=(1, 2, 3, 4))
-def _stage(x, dense_dtype, qmeta, shardings, verify):
+def stage_wires(x, dense_dtype, qmeta, shardings, verify):
     """Actor side, one tensor: x (actor dtype, one-copy view) -> (wire arrays laid out as `shardings`, row | None).
     qmeta None (or quantisation on arrival: pass None): the dense wire x.astype(dense_dtype); else (q, scale) of
-    the bf16 value (`_quantize_as`)."""
+    the bf16 value (`quantize_as`)."""
     w = x.astype(dense_dtype)
-    outs = (w,) if qmeta is None else _quantize_as(w, qmeta)
+    outs = (w,) if qmeta is None else quantize_as(w, qmeta)
     outs = tuple(jax.lax.with_sharding_constraint(o, s) for o, s in zip(outs, shardings))
     if not verify:
         return outs, None
@@ -156,16 +174,16 @@ def _stage(x, dense_dtype, qmeta, shardings, verify):
 
 
 @jax.jit
-def _dense_row(x):
+def dense_row(x):
     """Actor side, a tensor sent as it is (no stage jit): its verification row."""
     return _row(x)
 
 
 @functools.partial(jax.jit, static_argnums=(1, 2, 3))
-def _land_quantize(w, qmeta, shardings, verify):
+def land_quantize(w, qmeta, shardings, verify):
     """Rollout side, quantisation on arrival: w (bf16 as landed) -> ((q, scale) in the stored `shardings`,
     row of the arrival | None)."""
-    q, scale = _quantize_as(w, qmeta)
+    q, scale = quantize_as(w, qmeta)
     outs = tuple(jax.lax.with_sharding_constraint(o, s) for o, s in zip((q, scale), shardings))
     if not verify:
         return outs, None
@@ -174,9 +192,9 @@ def _land_quantize(w, qmeta, shardings, verify):
 
 
 @functools.partial(jax.jit, static_argnums=(1,))
-def _stored_row(arrays, slabs):
+def stored_row(arrays, slabs):
     """Rollout side, one tensor as stored: arrays (array,) | (q, scale) -> uint32[ROW_TERMS] (`_row` terms 0-7),
-    each digest looping over its `slabs` entry (`_slab`)."""
+    each digest looping over its `slabs` entry (`slab_loop`)."""
     d = [_digest_terms(x, sl) for x, sl in zip(arrays, slabs)]
     return jnp.concatenate([d[0], d[1] if len(d) > 1 else _ZEROS(4), _ZEROS(2)])
 
@@ -186,7 +204,7 @@ def _stored_row(arrays, slabs):
 
 def row_failures(a, r, dense_dtype) -> list[str]:
     """The reasons a tensor fails verification, from its actor row `a` and rollout row `r` (uint32[ROW_TERMS] on the
-    host, `_row` / `_stored_row` / `_land_quantize`); `dense_dtype` is what the actor sends dense (integer tables
+    host, `_row` / `stored_row` / `land_quantize`); `dense_dtype` is what the actor sends dense (integer tables
     must not be all zero). [] = the tensor passed. Shared by the colocated and the MPMD push."""
     reasons = []
     if a[2] or r[2]:

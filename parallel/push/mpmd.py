@@ -2,7 +2,7 @@
 
 jax moves an array between processes only when the source and destination HLO shardings are identical (same tiling,
 other devices: `jax/_src/dispatch.py::_is_supported_cross_host_transfer`; docs/jax-stack.md §2.4). So per tensor:
-1. actor processes: one jit (`parallel.push_verify._stage`, the colocated push's) casts the learner's tensor to bf16
+1. actor processes: one jit (`verify.stage_wires`, the in-process push's) casts the learner's tensor to bf16
    and, for a tensor the sampler stores in FP8, quantises it with `dsv4.quant.quantize_rollout_fp8` (the one path
    from learner weights to rollout FP8 weights), writing each wire array -- the dense tensor, or (q fp8, scale f32)
    -- on the actor mesh with every dim cut exactly as the rollout cuts it (`staged_sharding`). FP8 blocks + scales
@@ -13,22 +13,22 @@ other devices: `jax/_src/dispatch.py::_is_supported_cross_host_transfer`; docs/j
    rollout's spec: identical tiling by construction (`plan_transfer`);
 3. every process calls `jax.device_put` onto the rollout sharding (rollout processes pass an empty handle built
    with `dtype=`, as they hold no shard of the source; they call it once every actor process acked that it staged
-   the chunk, since their wait for the actors' transfer servers has only jax's fixed timeout); the rollout waits for its copies and acks the chunk through
-   the HostChannel; only then do the actor processes free the staged copies (a sender that deletes them before the
-   receiver pulled them loses the transfer);
+   the chunk, since their wait for the actors' transfer servers has only jax's fixed timeout); the rollout waits
+   for its copies and acks the chunk through the HostChannel; only then do the actor processes free the staged
+   copies (a sender that deletes them before the receiver pulled them loses the transfer);
 4. rollout processes: the arrivals already are the stored state ({key: QuantizedTensor(q, scale) | array}, in the
    sampler's shardings); `Sampler.set_weights` swaps it in once every chunk arrived (and passed verification).
 A tensor the transfer cannot serve (the actor mesh cannot cut it as the rollout does, or holds fewer copies of a
 slice than the rollout) is a `MeshSpecError` when the pusher is built, before step 1.
 
 Verification (every `verify_every`-th push, the first included; `--rollout.push_verify_every`): the colocated
-push's terms (`parallel/push_verify.py`): the actor's stage jit computes the row of exactly what it sends (checksum
+push's terms (`parallel/push/verify.py`): the actor's stage jit computes the row of exactly what it sends (checksum
 pairs of q and scales or of the dense wire, NaN/inf, the e4m3 rounding bound), the rollout computes the rows of what
-arrived (`_stored_row`); the actor's rows (10 uint32 per tensor) travel to the rollout processes through the
+arrived (`stored_row`); the actor's rows (10 uint32 per tensor) travel to the rollout processes through the
 HostChannel, which compare them (`row_failures`) and send the verdict back, so a mismatch stops every process of
 both roles with one line naming the tensor (`MpmdPushVerificationError`) and the rollout keeps its old weights.
 
-Tests: `.venv/bin/python -m pytest -q tests/sharding/test_mpmd.py tests/sharding/test_mpmd_wire.py`; benchmark
+Tests: `.venv/bin/python -m pytest -q tests/parallel/test_mpmd.py tests/parallel/test_mpmd_wire.py`; benchmark
 `benchmarks/mpmd_push.py`.
 """
 
@@ -44,9 +44,9 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from dsv4 import quant
-from parallel.push import PushVerificationError
-from parallel.push_verify import _slab, _stage, _stored_row, row_failures
-from parallel.transfer import FP8_SOURCE_DTYPE, _flat, _realize, _splits
+from parallel.push.protocol import PushStats, PushVerificationError
+from parallel.push.transfer import FP8_SOURCE_DTYPE, chunked, dim_splits, flat_state, realize_spec
+from parallel.push.verify import row_failures, slab_loop, stage_wires, stored_row
 from sharding.mesh import MeshSpecError
 from sharding.mpmd import HostChannel, RoleLayout
 from sharding.rules import ACTOR, ROLLOUT
@@ -74,12 +74,12 @@ def plan_transfer(key: str, shape: tuple[int, ...], wire_dtype, actor_sh: NamedS
                   rollout_sh: NamedSharding, *, spread: bool = False) -> _Plan:
     """The staged (actor mesh) and transfer (actor devices, rollout tiling) shardings of one tensor (module
     docstring, point 1). `spread`: among the actor devices holding a slice, take one of the process that serves the
-    fewest of this tensor's slices so far (the two-job layout, parallel/job_push.py: every actor process serves its
+    fewest of this tensor's slices so far (the two-job layout, parallel/push/job.py: every actor process serves its
     share through its own transfer server; default: the first holder). Raises MeshSpecError when the actor mesh
     cannot cut the tensor as the rollout does or holds fewer copies of a slice than the rollout needs."""
     ndim = len(shape)
-    target = _splits(rollout_sh, ndim)
-    spec = _realize(actor_sh.mesh, target, rollout_sh.spec)
+    target = dim_splits(rollout_sh, ndim)
+    spec = realize_spec(actor_sh.mesh, target, rollout_sh.spec)
     a_axes = dict(actor_sh.mesh.shape)
     if spec is None:
         raise MeshSpecError(
@@ -164,8 +164,8 @@ class MpmdPusher:
         self.plan, self.layout, self.sampler, self.channel = plan, layout, sampler, channel
         self.colocated = False
         self.chunk_bytes, self.verify_every = int(chunk_bytes), int(verify_every)
-        flat = _flat(abstract_state)
-        a_sh = _flat(actor_shardings)
+        flat = flat_state(abstract_state)
+        a_sh = flat_state(actor_shardings)
         rollout_sh = sampler.rollout_shardings()
         missing = sorted(set(rollout_sh) - set(flat))
         if missing:
@@ -183,14 +183,7 @@ class MpmdPusher:
             wires = tuple(plan_transfer(name, tuple(x.shape), x.dtype, a_sh[k], x.sharding or r, spread=spread)
                           for name, x in arrays)
             self.tensors.append(_Tensor(key=k, qmeta=qmeta, dense_dtype=dense, actor_sharding=a_sh[k], wires=wires))
-        chunks, cur, size = [], [], 0
-        for t in self.tensors:
-            if cur and size + t.nbytes > chunk_bytes:
-                chunks.append(cur)
-                cur, size = [], 0
-            cur.append(t)
-            size += t.nbytes
-        self.chunks = chunks + ([cur] if cur else [])
+        self.chunks = chunked(self.tensors, self.chunk_bytes)
         self.wire_bytes = sum(t.nbytes for t in self.tensors)
         self.n_params = sum(t.n_params for t in self.tensors)
         self.n_pushes = 0
@@ -204,13 +197,13 @@ class MpmdPusher:
         """Whether the next push verifies (every `verify_every`-th push, the first included)."""
         return self.verify_every > 0 and self.n_pushes % self.verify_every == 0
 
-    def _stage(self, t: _Tensor, x, verify: bool) -> tuple[list, list, Any]:
+    def stage_tensor(self, t: _Tensor, x, verify: bool) -> tuple[list, list, Any]:
         """Actor side: (staged wire arrays on the actor mesh, their transfer-mesh views, verification row | None).
-        One jit (`parallel.push_verify._stage`, as the colocated push): cast to `dense_dtype`, quantise with
+        One jit (`verify.stage_wires`, as the in-process push): cast to `dense_dtype`, quantise with
         `quant.quantize_rollout_fp8` for an FP8-stored tensor, lay every wire array out in the rollout's tiling."""
         mesh = t.actor_sharding.mesh
         with jax.set_mesh(mesh):
-            outs, row = _stage(x, t.dense_dtype, t.qmeta, tuple(w.staged_sharding for w in t.wires), verify)
+            outs, row = stage_wires(x, t.dense_dtype, t.qmeta, tuple(w.staged_sharding for w in t.wires), verify)
         if self._cpu:  # one program at a time: concurrent collectives deadlock on CPU (gloo)
             jax.block_until_ready((outs, row))
         views = []
@@ -233,24 +226,24 @@ class MpmdPusher:
         else:
             self.channel.wait_acks(tag, sender, what)
 
-    def push(self, params, version: int, *, verify: bool | None = None) -> dict:
+    def push(self, params, version: int, *, verify: bool | None = None) -> PushStats:
         """Push `params` (actor processes: {key: array} / nnx.State of the learner's tensors; rollout processes:
         None) as weight `version`. Every process calls it in the same order (verify None: the `verify_every`
         schedule, the same on every process). Rollout processes swap the new weights into the sampler after every
-        chunk arrived (and, when verifying, passed). Returns {"perf/weight_push_s", "perf/weight_push_gbps"} (this
-        process's wall time). Raises PeerTimeoutError naming the side that did not confirm in time,
-        MpmdPushVerificationError (both roles) when a tensor's checksums differ or a check fails."""
+        chunk arrived (and, when verifying, passed). Returns PushStats (this process's wall time; `metrics()`:
+        {"perf/weight_push_s", "perf/weight_push_gbps"}). Raises PeerTimeoutError naming the side that did not
+        confirm in time, MpmdPushVerificationError (both roles) when a tensor's checksums differ or a check fails."""
         t0 = time.perf_counter()
         verify = self.wants_verify() if verify is None else bool(verify)
         lay = self.layout
-        flat = _flat(params) if lay.is_actor else None
+        flat = flat_state(params) if lay.is_actor else None
         arrived, a_rows = {}, {}
         try:
             for c, chunk in enumerate(self.chunks):
                 staged, handles = [], []
                 for t in chunk:
                     if lay.is_actor:
-                        ys, views, row = self._stage(t, flat[t.key], verify)
+                        ys, views, row = self.stage_tensor(t, flat[t.key], verify)
                         staged += ys
                         if verify:
                             a_rows[t.key] = row
@@ -283,8 +276,9 @@ class MpmdPusher:
         if lay.is_rollout:
             self.sampler.set_weights(self._assemble(arrived), version)
         self.n_pushes += 1
-        dt = time.perf_counter() - t0
-        return {"perf/weight_push_s": dt, "perf/weight_push_gbps": self.wire_bytes / dt / 1e9}
+        return PushStats(version=int(version), seconds=time.perf_counter() - t0, bytes=self.wire_bytes,
+                         n_tensors=len(self.tensors), n_params=self.n_params, n_chunks=len(self.chunks),
+                         verified=verify)
 
     def _assemble(self, arrived: dict) -> dict:
         out = {}
@@ -298,7 +292,7 @@ class MpmdPusher:
         return out
 
     def _verify(self, version: int, a_rows: dict, arrived: dict) -> None:
-        """Checksums of both sides compared on the rollout processes (`parallel.push_verify`; the actor's rows travel
+        """Checksums of both sides compared on the rollout processes (`parallel.push.verify`; the actor's rows travel
         through the HostChannel, ROW_TERMS uint32 per tensor); the verdict travels back so every process of both
         roles raises the same MpmdPushVerificationError."""
         lay, ch = self.layout, self.channel
@@ -310,8 +304,8 @@ class MpmdPusher:
             r_rows = {}
             for t in self.tensors:  # one program at a time: concurrent collectives deadlock on CPU (gloo)
                 with jax.set_mesh(self.plan.rollout):
-                    row = _stored_row(arrived[t.key], tuple(
-                        _slab(w.shape, w.rollout_sharding, max(self.chunk_bytes // 16, 1024)) for w in t.wires))
+                    row = stored_row(arrived[t.key], tuple(
+                        slab_loop(w.shape, w.rollout_sharding, max(self.chunk_bytes // 16, 1024)) for w in t.wires))
                 r_rows[t.key] = _host_row(row)
             rows = rows if lay.is_actor else ch.receive(f"verify/{version}/actor", ACTOR,
                                                         f"the actor's checksums of weight version {version}")

@@ -1,4 +1,4 @@
-"""Actor -> rollout weight push (`parallel/push.py`) on 8 CPU devices.
+"""Actor -> rollout weight push (`parallel/push/local.py`) on 8 CPU devices.
 
 Config: `DSV4Config.tiny(num_hidden_layers=2, compress_ratios=(4, 8), num_nextn_predict_layers=0)` (a hash-routed
 layer with `tid2eid`, a top-k layer with the selection `bias`, CSA + indexer and HCA; the MTP block is left out to
@@ -13,8 +13,8 @@ one by an ulp on some scales: XLA rewrites `amax / 448` as `amax * (1/448)`).
 
 Transfer guards around every push: `jax.transfer_guard("disallow")` (implicit transfers),
 `transfer_guard_host_to_device("disallow_explicit")` (on CPU the only guard that sees a host round trip inside a
-cross-mesh device_put) and `transfer_guard_device_to_host("disallow")` (never fires on CPU, see parallel/push.py;
-kept for GPU runs); unverified pushes run under device-to-host "disallow_explicit".
+cross-mesh device_put) and `transfer_guard_device_to_host("disallow")` (never fires on CPU, see
+parallel/push/transfer.py; kept for GPU runs); unverified pushes run under device-to-host "disallow_explicit".
 """
 
 import gc
@@ -33,9 +33,10 @@ from jax.sharding import PartitionSpec as P
 import dsv4
 from dsv4 import quant
 from rl.sampler import Sampler, SamplingParams
-from parallel import transfer as transfer_lib
+from parallel.push import transfer as transfer_lib
 from sharding.mesh import build_mesh_plan
-from parallel.push import PushVerificationError, WeightPusher, push_weights
+from parallel.push.local import WeightPusher
+from parallel.push.protocol import Pusher, PushVerificationError
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "dsv4"))
 from randomize import randomize  # noqa: E402
@@ -74,7 +75,7 @@ def _guarded_push(pusher, state, sampler, version, verify=True):
     d2h = "disallow" if verify else "disallow_explicit"  # verification reads its verdict: one explicit device_get
     with (jax.transfer_guard("disallow"), jax.transfer_guard_host_to_device("disallow_explicit"),
           jax.transfer_guard_device_to_host(d2h)):
-        return push_weights(pusher, state, sampler, version, verify=verify)
+        return pusher.push(state, version, verify=verify)
 
 
 def _quantize_ref(x_bf16, fmt, block):
@@ -132,6 +133,7 @@ def test_disjoint_fp8_push_is_exact(disjoint):
     assert stats.wire_bytes_per_param < 1.8  # bf16 on the wire for the FP8 tensors would be about 2.2 here
     assert stats.n_chunks == len(pusher.chunks) > 1 and stats.n_tensors == len(flat)
     assert set(stats.metrics()) == {"perf/weight_push_s", "perf/weight_push_gbps"} and stats.gbps > 0
+    assert isinstance(pusher, Pusher)
 
 
 def test_hash_tables_and_bias_arrive(disjoint):
@@ -154,14 +156,14 @@ def test_no_recompiles_and_flat_memory_over_five_pushes(disjoint):
     _guarded_push(pusher, state, sampler, version=sampler.weight_version + 1)  # both paths ran in the warm-up
     gc.collect()
     live0 = sum(x.nbytes for x in jax.live_arrays())
-    compiles0, cache0 = _COMPILES[0], transfer_lib._cast_reshard._cache_size()
+    compiles0, cache0 = _COMPILES[0], transfer_lib.cast_reshard._cache_size()
     for i in range(5):
         verify = i % 2 == 0
         stats = _guarded_push(pusher, state, sampler, version=sampler.weight_version + 1, verify=verify)
         assert stats.verified == verify
     gc.collect()
     assert _COMPILES[0] == compiles0, "a push after the warm-up compiled something"
-    assert transfer_lib._cast_reshard._cache_size() == cache0
+    assert transfer_lib.cast_reshard._cache_size() == cache0
     assert sum(x.nbytes for x in jax.live_arrays()) == live0, "live device memory grew over 5 pushes"
 
 
@@ -169,7 +171,7 @@ def test_verify_every_schedule(disjoint):
     plan, state, sampler, _, pusher = disjoint
     pusher.verify_every, pusher.n_pushes = 3, 0
     try:
-        got = [push_weights(pusher, state, sampler, sampler.weight_version + 1).verified for _ in range(4)]
+        got = [pusher.push(state, sampler.weight_version + 1).verified for _ in range(4)]
     finally:
         pusher.verify_every = 1
     assert got == [True, False, False, True]
@@ -224,7 +226,7 @@ def test_corruption_in_transit_is_caught_by_the_slabbed_checksums(disjoint, monk
     _guarded_push(pusher, state, sampler, version=sampler.weight_version + 1)
     live_version, live_state = sampler.weight_version, sampler.weight_state()
     keys = {"embed/weight": 0, "layers/1/attn/wq_b/weight": 0}  # key -> which wire array (0: dense / q)
-    slabbed = {t.key: pusher._slabs(t)[0] for t in pusher.tensors if t.key in keys}
+    slabbed = {t.key: t.slabs(pusher.slab_elems)[0] for t in pusher.tensors if t.key in keys}
     assert all(sl is not None for sl in slabbed.values()), slabbed  # both digests run as slab loops
     move = pusher._transfer_chunk
 
@@ -249,18 +251,17 @@ def test_key_set_and_version_errors(disjoint):
     flat = _flat(state)
     missing = {k: v for k, v in flat.items() if not k.endswith("tid2eid")}
     with pytest.raises(ValueError, match="1 missing.*layers/0/ffn/gate/tid2eid"):
-        push_weights(pusher, missing, sampler, sampler.weight_version + 1)
+        pusher.push(missing, sampler.weight_version + 1)
     with pytest.raises(ValueError, match="1 unexpected.*extra/table"):
-        push_weights(pusher, {**flat, "extra/table": flat["layers/0/ffn/gate/tid2eid"]}, sampler,
-                     sampler.weight_version + 1)
+        pusher.push({**flat, "extra/table": flat["layers/0/ffn/gate/tid2eid"]}, sampler.weight_version + 1)
     with pytest.raises(ValueError, match="must exceed"):
-        push_weights(pusher, flat, sampler, sampler.weight_version)
+        pusher.push(flat, sampler.weight_version)
     # PRNG keys are not weights: dropped, not an unexpected key (the sampler seeds its own randomness)
-    stats = push_weights(pusher, {**flat, "rngs/default/key": jax.random.key(0)}, sampler, sampler.weight_version + 1)
+    stats = pusher.push({**flat, "rngs/default/key": jax.random.key(0)}, sampler.weight_version + 1)
     assert stats.n_tensors == len(flat)
     wrong = {**flat, "embed/weight": jax.device_put(flat["embed/weight"], NamedSharding(plan.actor, P()))}
     with pytest.raises(ValueError, match="embed/weight has sharding"):
-        push_weights(pusher, wrong, sampler, sampler.weight_version + 1)
+        pusher.push(wrong, sampler.weight_version + 1)
 
 
 def test_generate_after_push_uses_new_version(disjoint):
@@ -306,15 +307,15 @@ def test_transfer_layout_when_the_actor_cannot_express_the_rollout_split():
     shape = (8, 32, 64)
     actor_sh = NamedSharding(plan.actor, P(None, None, "fsdp"))
     rollout_sh = NamedSharding(plan.rollout, P("expert", "tensor", None))
-    transfer, landing = transfer_lib._transfer_layout(actor_sh, rollout_sh, 3)
-    assert transfer_lib._splits(transfer, 3) == transfer_lib._splits(landing, 3) == (2, 1, 1)
+    transfer, landing = transfer_lib.transfer_layout(actor_sh, rollout_sh, 3)
+    assert transfer_lib.dim_splits(transfer, 3) == transfer_lib.dim_splits(landing, 3) == (2, 1, 1)
     x = jax.device_put(jnp.arange(np.prod(shape), dtype=jnp.float32).reshape(shape), actor_sh)
     with jax.set_mesh(plan.actor):
-        y = transfer_lib._cast_reshard(x, np.dtype(jnp.bfloat16), transfer)
+        y = transfer_lib.cast_reshard(x, np.dtype(jnp.bfloat16), transfer)
     with jax.transfer_guard("disallow"), jax.transfer_guard_host_to_device("disallow_explicit"):
         landed = jax.device_put(y, landing)
         with jax.set_mesh(plan.rollout):
-            out = transfer_lib._cast_reshard(landed, np.dtype(jnp.bfloat16), rollout_sh)
+            out = transfer_lib.cast_reshard(landed, np.dtype(jnp.bfloat16), rollout_sh)
     assert out.sharding.is_equivalent_to(rollout_sh, 3)
     np.testing.assert_array_equal(np.asarray(out), np.asarray(x).astype(jnp.bfloat16))
     # and a tiling mismatch without the transfer layout does go through the host (why the layout exists)
