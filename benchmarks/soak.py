@@ -12,9 +12,11 @@ Each job runs in a child process `python benchmarks/soak.py --worker SAMPLES -- 
 processes) and after every served request (`rl.rollout_mpmd.run_request`, the MPMD rollout process) it appends one
 sample {step, t, rss (VmRSS, KiB), live (len(jax.live_arrays()) after gc.collect()), fds (/proc/self/fd), threads
 (/proc/self/task: OS threads, XLA's included)} to SAMPLES (opened and closed per sample: no descriptor held).
-Measured after warm-up (the first 10% of the steps): each growth is the value at the last sample minus the value at
-the first sample after warm-up with the same phase modulo `--every` (eval and checkpoint steps compared with their
-own kind; an asynchronous checkpoint save may hold arrays at its own phase); step-time drift = median step time of
+Measured after warm-up (the first 10% of the steps): live arrays and fds: the value at the last sample minus the
+value at the first sample after warm-up with the same phase modulo `--every` (eval and checkpoint steps compared with
+their own kind; an asynchronous checkpoint save may hold arrays at its own phase); RSS: the median of the last 10% of
+the samples minus the median of the 10% after warm-up; threads: the same windows' floors, TensorStore's on-demand I/O
+pool left out and reported as its maximum (`figures` says why); step-time drift = median step time of
 the last 10% of the steps / median of the 10% right after warm-up - 1. ckpt_dir_mib: the checkpoint directory's
 size at the end (bounded: `--keep-checkpoints` checkpoints).
 
@@ -45,6 +47,18 @@ sys.path.insert(0, str(ROOT))
 MPMD_MESH = "actor:fsdp=2,expert=2/rollout:expert=2"
 
 
+def _thread_names() -> dict[str, int]:
+    """{OS thread name (/proc/self/task/*/comm, XLA's and Python's alike): count}: which kind of thread grows."""
+    names: dict[str, int] = {}
+    for t in os.listdir("/proc/self/task"):
+        try:
+            name = pathlib.Path(f"/proc/self/task/{t}/comm").read_text().strip()
+        except OSError:  # the thread ended meanwhile
+            continue
+        names[name] = names.get(name, 0) + 1
+    return names
+
+
 def sample(path: pathlib.Path, step: int) -> None:
     """Append one sample of this process (see the module docstring) to `path`."""
     import jax
@@ -55,7 +69,8 @@ def sample(path: pathlib.Path, step: int) -> None:
         if line.startswith("VmRSS:"):
             rss = int(line.split()[1])
     rec = {"step": step, "t": time.monotonic(), "rss": rss, "live": len(jax.live_arrays()),
-           "fds": len(os.listdir("/proc/self/fd")), "threads": len(os.listdir("/proc/self/task"))}
+           "fds": len(os.listdir("/proc/self/fd")), "threads": len(os.listdir("/proc/self/task")),
+           "thread_names": _thread_names()}
     with open(path, "a") as f:
         f.write(json.dumps(rec) + "\n")
 
@@ -90,6 +105,14 @@ def worker(out: str, argv: list[str]) -> int:
     return launch_run.main(argv)
 
 
+TS_POOL = "ts_pool_worker"  # TensorStore's on-demand I/O thread pool (its threads' /proc comm name)
+
+
+def _floor(rows: list[dict]) -> int:
+    """The fewest threads of `rows`' samples, TensorStore's pool left out."""
+    return min(r["threads"] - r.get("thread_names", {}).get(TS_POOL, 0) for r in rows)
+
+
 def _rows(path: pathlib.Path) -> list[dict]:
     return [json.loads(ln) for ln in path.read_text().splitlines() if ln.strip()] if path.exists() else []
 
@@ -103,9 +126,21 @@ def figures(rows: list[dict], every: int) -> dict:
     base = next(r for r in rows[warm:] if (r["step"] - last["step"]) % every == 0)
     dts = [b["t"] - a["t"] for a, b in zip(rows, rows[1:])]
     early, late = dts[warm:warm + max(1, n // 10)], dts[-max(1, n // 10):]
-    return {"samples": n, "rss_growth_mib": (last["rss"] - base["rss"]) / 1024.0,
+    early_rows, late_rows = rows[warm:warm + max(1, n // 10)], rows[-max(1, n // 10):]
+    # RSS: the median of the last 10% of the samples against the median of the 10% after warm-up (one sample moves
+    # +-100 MiB within a period: the allocator, an eval step's buffers, a save in flight)
+    rss_mid = lambda rs: statistics.median(r["rss"] for r in rs) / 1024.0  # noqa: E731
+    return {"samples": n, "rss_growth_mib": rss_mid(late_rows) - rss_mid(early_rows),
             "live_arrays_growth": last["live"] - base["live"], "fds_growth": last["fds"] - base["fds"],
-            "threads_growth": last["threads"] - base["threads"],
+            # threads: the floor of the last 10% of the samples against the floor of the 10% after warm-up, without
+            # TensorStore's I/O pool. A sample can land while short-lived threads run (an asynchronous checkpoint
+            # commit, a reward worker's pipe reader: 18-26 Python threads within one period), so two single samples
+            # differ by those; a leak raises the floor. TensorStore's pool (`ts_pool_worker`) starts threads on
+            # demand at each save and ends them when idle (1-6 seen between saves), so it is reported on its own
+            # as its maximum over the run (`ts_pool_max`: bounded, not growing, is what to read there).
+            "threads_growth": _floor(late_rows) - _floor(early_rows),
+            "ts_pool_max": max(r.get("thread_names", {}).get(TS_POOL, 0) for r in rows),
+            "thread_names": last.get("thread_names", {}),
             "step_time_drift": statistics.median(late) / statistics.median(early) - 1.0,
             "step_s": statistics.median(late), "rss_mib": last["rss"] / 1024.0, "live": last["live"],
             "fds": last["fds"], "threads": last["threads"],
@@ -197,7 +232,7 @@ def main() -> int:
         line += (f" steps={a.steps} rss_growth_mib={res['rss_growth_mib']:.1f} "
                  f"live_arrays_growth={res['live_arrays_growth']} fds_growth={res['fds_growth']} "
                  f"threads_growth={res['threads_growth']} step_time_drift={res['step_time_drift']:.3f} "
-                 f"ckpt_dir_mib={res['ckpt_dir_mib']:.1f}")
+                 f"ckpt_dir_mib={res['ckpt_dir_mib']:.1f} ts_pool_max={res['ts_pool_max']}")
     if a.mpmd_steps:
         (d / "mpmd").mkdir(exist_ok=True)
         m = run_mpmd(d / "mpmd", a)
