@@ -191,7 +191,8 @@ def test_config_file_compile_gets_the_runs_device_count(monkeypatch, capsys):
         raise CompileFailed(f"the {role} compile: not run here")
 
     monkeypatch.setattr(plan_mod, "compile_in_child", fake)
-    assert plan_main(["--config-file", str(SEED), "--compile", "--target", "cpu", "--gpu", "mi308x"]) == 1
+    assert plan_main(["--config-file", str(SEED), "--compile", "--target", "cpu", "--gpu", "mi308x", "--num-layers",
+                      "4"]) == 1
     assert [c[:2] for c in calls] == [("actor", 24), ("rollout", 24)]
     assert all("--xla_force_host_platform_device_count=24" in c[2] for c in calls)
     assert capsys.readouterr().err.count("error: the ") == 2
