@@ -25,6 +25,13 @@ pulled, in-flight requests regenerated under the same sample ids; `rollout/resta
 restarts without a limit of its own: the actor job's crash-loop policy (`MAX_RESTARTS` within `RESTART_WINDOW_S`)
 and `--rollout-restart-timeout` are the one policy that ends a run. The actor job's Ray actor is not restarted: its
 death ends the run, which resumes from its checkpoint with the same command (as in the other layouts).
+Stopping (issue 42): SIGTERM or Ctrl-C to the launcher reaches the actor job as a plain run gets them (the
+`SignalRelay`: the step finishes, is saved, exit 0 for SIGTERM, 130 for Ctrl-C; a second signal makes it exit at
+once, the newest complete checkpoint kept); the jobs run in process groups of their own, so a terminal's Ctrl-C
+reaches them once, through the launcher. Whatever ends the launcher, its Ray actors are killed (their run.py with
+them) and a local cluster it started is stopped. `--ray-address HOST:PORT` is probed (name, TCP connect) before
+`ray.init`, which would retry an unreachable GCS silently for about two minutes, and `ray.init` runs under a
+watchdog: nothing answering within `--ray-connect-timeout` (15 s) is one line, exit 2.
 The channel's HMAC key: `$DSV4RL_ROLLOUT_AUTHKEY` if set, else a random one made here (the actor listens on its
 node's address, not loopback), given to both jobs through Ray. The driver's JAX_*, XLA_*, DSV4RL_* variables travel
 to the jobs; every node needs this checkout at the same path (the jobs run `<repo>/launch/run.py`).
@@ -57,6 +64,7 @@ import sys
 import threading
 import time
 
+from launch.ray_guard import Interrupted, LaunchError, SignalRelay, connect_watchdog, probe_address
 from sharding.job_link import ENV_AUTHKEY
 from sharding.mesh import parse_mesh_spec
 
@@ -68,10 +76,6 @@ CONNECT_TIMEOUT_S = 15.0  # --ray-connect-timeout's default: Ray's own GCS conne
 VISIBLE_DEVICES = ("CUDA_VISIBLE_DEVICES", "HIP_VISIBLE_DEVICES", "ROCR_VISIBLE_DEVICES")  # what Ray sets per GPU
 SIDE_FLAGS = ("--rollout-address", "--rollout-job", "--actor-address", "--coordinator", "--num-processes",
               "--process-id")
-
-
-class LaunchError(ValueError):
-    """Bad launcher input (one line, exit 2)."""
 
 
 def add_launcher_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -134,124 +138,13 @@ def job_argv(argv: list[str]) -> list[str]:
     return out
 
 
-def probe_address(address: str, timeout_s: float) -> None:
-    """--ray-address HOST:PORT (or ray://HOST:PORT): resolve HOST and open a TCP connection to PORT, all within
-    `timeout_s` seconds, before `ray.init` (which retries an unreachable GCS for about two minutes, silently).
-    `auto` and `local` are left to `ray.init` (bounded by `launch`'s watchdog).
-    Raises LaunchError (one line naming the address): not HOST:PORT, an unknown host, nothing listening there, no
-    answer in time."""
-    if address in ("auto", "local"):
-        return
-    host, sep, port = address.split("://", 1)[-1].rpartition(":")
-    host = host.strip("[]")  # [IPv6]:PORT
-    if not sep or not host or not port.isdigit():
-        raise LaunchError(f"--ray-address {address}: expected auto or HOST:PORT (a Ray head's GCS port, e.g. "
-                          "node0:6379)")
-    deadline = time.monotonic() + timeout_s
-    found: dict = {}
-
-    def resolve() -> None:  # in a thread: a resolver without an answer can block for its own timeouts
-        try:
-            found["addrs"] = socket.getaddrinfo(host, int(port), type=socket.SOCK_STREAM)
-        except OSError as e:
-            found["error"] = e
-
-    t = threading.Thread(target=resolve, name="dsv4-ray-resolve", daemon=True)
-    t.start()
-    t.join(timeout_s)
-    if t.is_alive():
-        raise LaunchError(f"--ray-address {address}: the name {host} did not resolve within {timeout_s:g} s "
-                          "(--ray-connect-timeout)")
-    if "error" in found:
-        why = getattr(found["error"], "strerror", None) or found["error"]
-        raise LaunchError(f"--ray-address {address}: unknown host {host!r} ({why})")
-    family, kind, proto, _, sockaddr = found["addrs"][0]
-    try:
-        with socket.socket(family, kind, proto) as s:
-            s.settimeout(max(0.1, deadline - time.monotonic()))
-            s.connect(sockaddr)
-    except OSError as e:
-        why = "no answer within %g s (--ray-connect-timeout)" % timeout_s if isinstance(e, TimeoutError) else (
-            e.strerror or str(e))
-        raise LaunchError(f"--ray-address {address}: no Ray cluster there ({why}); is one running (`ray start "
-                          f"--head --port {port}` on {host})?") from None
-
-
-def connect_watchdog(address: str, timeout_s: float) -> threading.Timer:
-    """A timer that ends the launcher (one line, exit 2) when `ray.init(address)` has not returned within
-    `timeout_s` seconds (a port that answers but is no Ray GCS, a stale `auto`): cancel it once connected."""
-    def fire() -> None:
-        sys.stderr.write(f"error: --ray-address {address}: no Ray cluster answered within {timeout_s:g} s "
-                         "(--ray-connect-timeout; is a cluster running there, `ray start --head`?)\n")
-        sys.stderr.flush()
-        os._exit(2)  # ray.init holds the main thread in its own retries; nothing of ours is started yet
-
-    timer = threading.Timer(timeout_s, fire)
-    timer.daemon = True
-    timer.start()
-    return timer
-
-
-class Interrupted(Exception):
-    """SIGTERM / SIGINT to the launcher before the jobs were started (`SignalRelay`); `signum` names it."""
-
-    def __init__(self, signum: int):
-        super().__init__(signal.Signals(signum).name)
-        self.signum = signum
-
-
-class SignalRelay:
-    """SIGTERM and SIGINT (Ctrl-C) to the launcher, passed to the actor job's processes as a plain run gets them
-    (rl/loop.py: finish the step, save, exit 0 for SIGTERM, 130 for SIGINT). The first signal goes on as it came;
-    any later one as SIGINT, which makes a job that is already stopping exit at once (the newest complete
-    checkpoint kept). Before the jobs are started (`armed` False) a signal raises `Interrupted` in the main thread
-    (out of a blocking `ray.get` too: Ray checks for signals while it waits).
-
-    Handlers run in the main thread between bytecodes; they only record: `take()` (the launcher's wait loop) hands
-    out the signals to send, as (received, sent) pairs."""
-
-    def __init__(self):
-        self.armed = False  # True once the jobs exist: record instead of raise
-        self.received: list[int] = []
-        self._sent = 0
-        self._old: dict = {}
-
-    def install(self) -> "SignalRelay":
-        """Replace SIGTERM's and SIGINT's handlers (Ray's driver makes SIGTERM a sys.exit) with the relay's (in
-        the main thread only: elsewhere Python has no handlers to set)."""
-        if threading.current_thread() is not threading.main_thread():
-            return self
-        for s in (signal.SIGTERM, signal.SIGINT):
-            old = signal.signal(s, self._on)
-            self._old.setdefault(s, old)  # installed again after ray.init: keep the first (the process's own)
-        return self
-
-    def restore(self) -> None:
-        for s, h in self._old.items():
-            signal.signal(s, h)
-        self._old = {}
-
-    def _on(self, signum, frame) -> None:
-        if not self.armed:
-            raise Interrupted(signum)
-        self.received.append(signum)
-
-    def take(self) -> list[tuple[int, int]]:
-        out = []
-        for sig in self.received[self._sent:]:
-            out.append((sig, sig if self._sent == 0 else signal.SIGINT))
-            self._sent += 1
-        return out
-
-    @property
-    def first(self) -> int | None:
-        return self.received[0] if self.received else None
-
-
 def _die_with_parent() -> None:
     """preexec_fn: the child gets SIGKILL when the Ray actor's process dies (Linux PR_SET_PDEATHSIG = 1), and gets
     SIGINT and SIGTERM as a plain run does: Ray starts its processes with SIGINT blocked (a mask the child would
-    inherit through exec, so a Ctrl-C passed on would never arrive)."""
+    inherit through exec, so a Ctrl-C passed on would never arrive). Its own process group: a Ctrl-C at the
+    terminal reaches the launcher, which passes it on once (`SignalRelay`), not the jobs directly as well (the
+    actor job would see two: "interrupted again", no save)."""
+    os.setpgid(0, 0)
     signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT, signal.SIGTERM})
     try:
         libc = ctypes.CDLL(None, use_errno=True)
@@ -379,9 +272,10 @@ def launch(argv: list[str], mesh: str, address: str | None, log=print,
         relay.install()  # again: ray.init's driver makes SIGTERM a sys.exit (rc -6 at teardown)
         return _run_jobs(ray, placement_group, PlacementGroupSchedulingStrategy, place, args, env, relay, groups,
                          actors, log)
-    except Interrupted as e:
-        print(f"interrupted ({e}) before the jobs started: nothing to save", file=sys.stderr)
-        return 128 + e.signum
+    except KeyboardInterrupt as e:  # `Interrupted`, or a plain one from inside ray.get
+        sig = e.signum if isinstance(e, Interrupted) else (relay.received or [signal.SIGINT])[-1]
+        print(f"interrupted ({signal.Signals(sig).name}) before the jobs started: nothing to save", file=sys.stderr)
+        return 128 + sig
     finally:
         relay.armed = True  # a signal during the teardown is only recorded: the teardown must finish
         if ray.is_initialized():
@@ -457,7 +351,7 @@ def _run_jobs(ray, placement_group, PlacementGroupSchedulingStrategy, place: Pla
     actors.append(rollout)
     log(f"ray: the actor job on {', '.join(nodes[:-1])} (listening at {actor_address}), the rollout job on "
         f"{nodes[-1]} (Ray restarts it when it dies)")
-    relay.armed = True
+    relay.arm()
     try:
         waits = [a.wait.remote() for a in jobs]
         while len(ray.wait(waits, num_returns=len(waits), timeout=0.5)[0]) < len(waits):

@@ -35,7 +35,7 @@ import time
 import portpicker
 import pytest
 
-from launch import ray_run, run as launch_run
+from launch import ray_guard, ray_run, run as launch_run
 
 MESH = "actor:data=2/rollout:data=2"
 STEPS = 3
@@ -268,7 +268,7 @@ def test_ray_launcher_connect_watchdog_is_one_line(tmp_path):
     """A port that accepts but is no Ray GCS keeps ray.init retrying: the watchdog ends the launcher after
     --ray-connect-timeout with one line naming the address, exit 2 (here the watchdog alone, in a child process
     that sleeps as a hung ray.init would)."""
-    code = ("import time; from launch.ray_run import connect_watchdog; connect_watchdog('10.0.0.1:6379', 0.5); "
+    code = ("import time; from launch.ray_guard import connect_watchdog; connect_watchdog('10.0.0.1:6379', 0.5); "
             "time.sleep(60)")
     proc = subprocess.run([sys.executable, "-c", code], cwd=ray_run.REPO, capture_output=True, text=True, timeout=120,
                           env={**os.environ, "PYTHONPATH": str(ray_run.REPO)})
@@ -280,13 +280,13 @@ def test_signal_relay_raises_before_the_jobs_then_passes_signals_on():
     """Before the jobs exist a signal interrupts the launcher (`Interrupted`); after, the first signal is passed on
     as it came and any later one as SIGINT (the job then exits at once); the old handlers come back."""
     before = signal.getsignal(signal.SIGTERM)
-    relay = ray_run.SignalRelay().install()
+    relay = ray_guard.SignalRelay().install()
     try:
-        with pytest.raises(ray_run.Interrupted) as e:
+        with pytest.raises(ray_guard.Interrupted) as e:
             os.kill(os.getpid(), signal.SIGTERM)
             time.sleep(5)  # the handler raises at the next bytecode
         assert e.value.signum == signal.SIGTERM
-        relay.armed = True
+        relay.arm()
         os.kill(os.getpid(), signal.SIGTERM)
         os.kill(os.getpid(), signal.SIGTERM)
         time.sleep(0.1)
