@@ -95,8 +95,10 @@ def _pool_local(compressor, a: jax.Array, z: jax.Array, axis: str, n: int) -> ja
 
 
 def _gather(x: jax.Array, axis: str) -> jax.Array:
-    """[B, W_l, ...] per shard -> [B, C W_l, ...] (all shards, in order)."""
-    return jax.lax.all_gather(x, axis, axis=1, tiled=True)
+    """[B, W_l, ...] per shard -> [B, C W_l, ...] (all shards, in order), x's dtype. Gathered as float32 (exact for
+    bf16): its transpose, a psum_scatter of the cotangent, must not be a bf16 reduce-scatter in this partially manual
+    shard_map, which aborts XLA:CPU as the bf16 psum does (`attend_context`)."""
+    return jax.lax.all_gather(x.astype(jnp.float32), axis, axis=1, tiled=True).astype(x.dtype)
 
 
 def _select(indexer, qi: jax.Array, omega: jax.Array, positions: jax.Array, keys: jax.Array, block_q: int):
@@ -158,10 +160,16 @@ def attend_context(attn, x: jax.Array, q: jax.Array, q_latent: jax.Array, kv: ja
             ia, iz = ind.compressor.project(x)
             qi, omega = ind.queries(x, q_latent, cos, sin)
             args.update(ia=ia, iz=iz + _ape(ind.compressor, s), qi=qi, omega=omega)
-    sink = attn.attn_sink[...]
-    norms = {"c": attn.compressor.norm.weight[...]} if attn.kind != SLIDING else {}
+    # the replicated inputs enter as float32 (their use inside is float32 already: rms_norm, the softmax sink): the
+    # transpose of a replicated input is a psum of its cotangent over `axis`, and a bf16 psum (or reduce-scatter:
+    # `_gather`) inside this partially manual shard_map aborts XLA:CPU (AllReducePromotion clones its reduction,
+    # whose root Shardy left as a copy: `F hlo_instruction.cc Invalid binary instruction opcode copy`;
+    # tests/dsv4/test_context.py keeps the smallest such program)
+    f32 = lambda w: w.astype(jnp.float32)  # noqa: E731
+    sink = f32(attn.attn_sink[...])
+    norms = {"c": f32(attn.compressor.norm.weight[...])} if attn.kind != SLIDING else {}
     if attn.kind == CSA:
-        norms["i"] = attn.indexer.compressor.norm.weight[...]
+        norms["i"] = f32(attn.indexer.compressor.norm.weight[...])
     h = attn.window - 1
 
     def body(args, sink, norms):

@@ -3,7 +3,10 @@
     python -m launch.plan --config flash --mesh 'actor:fsdp=2,expert=8/rollout:expert=8' --gpu mi308x --nodes 3
 
 prints the planner's table and its `PLAN` line; with `--compile` also the real train step AOT-compiled on CPU
-devices (`launch/aot.py`) and XLA's memory analysis, last line `RESULT actor_xla_gib=.. ... fits=yes|no`.
+devices (`launch/aot.py`) and XLA's memory analysis, last line `RESULT actor_xla_gib=.. ... fits=yes|no`. Each
+compile runs in a child process of its own (`launch/compile_child.py`, with the devices it needs): XLA aborting
+there is one `error:` line naming the role, the target and what to try, the other role's program is still compiled
+and printed, and the exit status is 1.
 It lives in launch/ because `--compile` builds the learner and the sampler (rl/); the arithmetic it prints is
 `parallel.plan.plan`, importable on its own.
 """
@@ -13,7 +16,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import os
-import subprocess
 import sys
 from collections.abc import Sequence
 
@@ -23,7 +25,8 @@ import dsv4
 from dsv4.cache import KV_CACHE_DTYPES
 from launch import gpu_target as gt
 from launch import run as run_cli
-from launch.aot import compile_actor, compile_rollout, reduced_depth
+from launch.aot import reduced_depth
+from launch.compile_child import CompileFailed, Job, compile_in_child
 from launch.roofline import actor_summary, rollout_summary
 from parallel.flops import train_flops_per_token
 from parallel.plan import _BYTES, GPUS, GPUS_PER_NODE, GiB, plan
@@ -201,10 +204,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             return 2
         args.gpu = args.target
     target = None if args.target == "cpu" else gt.TARGETS[args.target]
-    if args.compile:
-        rc = _compile_in_child(argv, gpu=target is not None, mesh=args.mesh)
-        if rc is not None:
-            return rc
+    if args.compile and target is not None and not os.environ.get("JAX_PLATFORMS"):
+        jax.config.update("jax_platforms", "cpu")  # deviceless topologies: the CUDA plugin skips its driver checks
     if args.compile and target is not None:
         err = gt.plugin_error()
         if err:
@@ -243,21 +244,33 @@ def main(argv: Sequence[str] | None = None) -> int:
         return _compile_gpu(config, report, args, learner, seq, target)
     a, r = report.actor, report.rollout
     a_xla = None
+    failed = False
     if args.compile_only in ("both", "actor"):
         try:
-            xla = compile_actor(config, report.mesh_spec, seq_len=seq, learner=learner)
+            xla = _in_child("launch.aot:compile_actor", dict(config=config, mesh_spec=report.mesh_spec, seq_len=seq,
+                                                               learner=learner), "actor", args, report)
         except ValueError as e:
             print(f"error: {e}", file=sys.stderr)
             return 2
-        a_xla = xla.total
-        print("\n".join(xla.lines()))
-        print(f"  planner arithmetic for the same step: {a.total / GiB:.2f} GiB (XLA/plan = {xla.total / a.total:.2f}), "
-              f"of which {a.cpu_only / GiB:.2f} GiB are the items only XLA:CPU holds; XLA:CPU upcasts bf16 dots to f32 "
-              "(temporaries above a GPU's)")
-        print(f"  GPU estimate: plan {a.gpu_total / GiB:.2f} GiB; XLA:CPU figure less the planned XLA:CPU-only items "
-              f"(CPU-artefact-corrected, an estimate) {(xla.total - a.cpu_only) / GiB:.2f} GiB; raw XLA:CPU "
-              f"{xla.total / GiB:.2f} GiB")
-    rx = _compile_rollout(config, report, args) if args.compile_only in ("both", "rollout") else None
+        except CompileFailed as e:
+            print(f"error: {e}", file=sys.stderr)
+            failed = True
+        else:
+            a_xla = xla.total
+            print("\n".join(xla.lines()))
+            print(f"  planner arithmetic for the same step: {a.total / GiB:.2f} GiB (XLA/plan = "
+                  f"{xla.total / a.total:.2f}), of which {a.cpu_only / GiB:.2f} GiB are the items only XLA:CPU holds; "
+                  "XLA:CPU upcasts bf16 dots to f32 (temporaries above a GPU's)")
+            print(f"  GPU estimate: plan {a.gpu_total / GiB:.2f} GiB; XLA:CPU figure less the planned XLA:CPU-only "
+                  f"items (CPU-artefact-corrected, an estimate) {(xla.total - a.cpu_only) / GiB:.2f} GiB; raw XLA:CPU "
+                  f"{xla.total / GiB:.2f} GiB")
+    rx = None
+    if args.compile_only in ("both", "rollout"):
+        try:
+            rx = _compile_rollout(config, report, args)
+        except CompileFailed as e:
+            print(f"error: {e}", file=sys.stderr)
+            failed = True
     r_xla = None if rx is None else rx.total
     if args.gpu in gt.TARGETS:  # XLA:CPU's HLO with the GPU's peaks: the CPU artefacts in flops and bytes
         peaks = gt.TARGETS[args.gpu]
@@ -268,7 +281,23 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(f"RESULT actor_xla_gib={gib(a_xla):.2f} actor_plan_gib={a.total / GiB:.2f} "
           f"actor_usable_gib={a.usable / GiB:.2f} rollout_xla_gib={gib(r_xla):.2f} rollout_plan_gib={r.total / GiB:.2f} "
           f"rollout_usable_gib={r.usable / GiB:.2f} fits={'yes' if fits else 'no'}")
-    return 0
+    return 1 if failed else 0
+
+
+def _in_child(fn: str, kwargs: dict, role: str, args, report, gpu_target: gt.Target | None = None):
+    """`fn(**kwargs)` ("launch.aot:compile_actor" / "launch.aot:compile_rollout") in a child process of its own
+    (launch/compile_child.py): on XLA:CPU with the mesh's devices, or on abstract GPUs of `gpu_target`.
+    Returns its report; raises ValueError (its own) or CompileFailed (one line naming `role`, the target and what
+    to try)."""
+    other = {"actor": "rollout", "rollout": "actor"}[role]
+    alone = f", or --compile-only {other} to compile the {other} program alone"
+    if gpu_target is None:
+        target, hint = "XLA:CPU, --target cpu", f"a GPU --target (XLA:GPU, deviceless; the [gpu-aot] extra){alone}"
+    else:
+        target, hint = f"XLA:GPU {gpu_target.label}, --target {args.target}", f"--target cpu (XLA:CPU){alone}"
+    n_dev = mesh_lib.parse_mesh_spec(report.mesh_spec).n_devices
+    job = Job(fn, kwargs, gpu_target=gpu_target, n_devices=n_dev, gpus_per_node=GPUS_PER_NODE)
+    return compile_in_child(job, role=role, target=target, hint=hint, n_devices=n_dev, gpu=gpu_target is not None)
 
 
 def compiled_tokens_per_device(mesh: str, seq: int, micro_batch_tokens: int | None) -> int:
@@ -315,7 +344,6 @@ def _compile_gpu(config, report, args, learner, seq: int, target: gt.Target) -> 
             f"{target.memory_bytes() / GiB:.0f} GiB of device memory (buffer assignment and partitioning are "
             f"XLA:GPU's; kernels and fusions are NVIDIA's); usable = {args.usable_fraction:.0%} of it, as planned")
     a, r = report.actor, report.rollout
-    n_dev = mesh_lib.parse_mesh_spec(report.mesh_spec).n_devices
     # abstract devices have no host memory: the actor compiles with its offloaded optimizer state on the device, so
     # its memory limit (the scheduler's, the rematerialisation's) is the device's plus those bytes (the plan's)
     a_target = dataclasses.replace(target, hbm_bytes=target.memory_bytes() + int(a.host)) if a.host else target
@@ -323,21 +351,22 @@ def _compile_gpu(config, report, args, learner, seq: int, target: gt.Target) -> 
         say(f"actor compile: device memory limit {a_target.memory_bytes() / GiB:.1f} GiB = "
             f"{target.memory_bytes() / GiB:.0f} GiB + the {a.host / GiB:.1f} GiB of offloaded optimizer state it "
             f"holds on the device here (abstract devices have no host memory kind)")
-    try:
-        devices = gt.topology_devices(target, n_dev, GPUS_PER_NODE)
-        a_devices = gt.topology_devices(a_target, n_dev, GPUS_PER_NODE)
-    except RuntimeError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
     backend = f"XLA:GPU {target.label}"
-    a_xla = r_xla = None
+    a_xla = r_xla = xla = None
+    failed = False
     if args.compile_only in ("both", "actor"):
         try:
-            xla = compile_actor(config, report.mesh_spec, seq_len=seq, learner=learner, devices=a_devices,
-                                backend=backend, compiler_options=gt.compile_options())
+            xla = _in_child("launch.aot:compile_actor", dict(config=config, mesh_spec=report.mesh_spec, seq_len=seq,
+                                                               learner=learner, backend=backend,
+                                                               compiler_options=gt.compile_options()),
+                            "actor", args, report, gpu_target=a_target)
         except ValueError as e:
             print(f"error: {e}", file=sys.stderr)
             return 2
+        except CompileFailed as e:
+            print(f"error: {e}", file=sys.stderr)
+            failed = True
+    if xla is not None:
         if xla.host_from_shardings:  # the streamed update's device transient: the plan's arithmetic
             key = "optimizer update: offloaded state moved to the device (learner's step)"
             xla = dataclasses.replace(xla, transient=int(a.items.get(key, 0)))
@@ -347,8 +376,12 @@ def _compile_gpu(config, report, args, learner, seq: int, target: gt.Target) -> 
             f"{xla.total / a.gpu_total:.2f})")
     rx = None
     if args.compile_only in ("both", "rollout"):
-        rx = _compile_rollout(config, report, args, devices=devices, backend=backend, say=say,
-                              compiler_options=gt.compile_options())
+        try:
+            rx = _compile_rollout(config, report, args, gpu_target=target, backend=backend, say=say,
+                                  compiler_options=gt.compile_options())
+        except CompileFailed as e:
+            print(f"error: {e}", file=sys.stderr)
+            failed = True
         r_xla = None if rx is None else rx.total
         if rx is not None and "fnuz" in args.rollout_dtype:
             say(f"  --rollout-dtype {args.rollout_dtype}: XLA:CUDA has no e4m3fnuz GEMM, so on this NVIDIA target the "
@@ -363,7 +396,7 @@ def _compile_gpu(config, report, args, learner, seq: int, target: gt.Target) -> 
     print(f"RESULT target={name} actor_gpu_gib={gib(a_xla):.2f} actor_usable_gib={a.usable / GiB:.2f} "
           f"rollout_gpu_gib={gib(r_xla):.2f} actor_step_s_roofline={step_s:.3f} rollout_tok_s_roofline={tok_s:.0f} "
           f"remat_flops_ratio={ratio:.2f} fits={'yes' if fits else 'no'}")
-    return 0
+    return 1 if failed else 0
 
 
 def _rooflines(config, report, seq: int, target: gt.Target, label: str, xla, rx, say=print):
@@ -387,22 +420,23 @@ def _rooflines(config, report, seq: int, target: gt.Target, label: str, xla, rx,
     return step_s, ratio, tok_s
 
 
-def _compile_rollout(config, report, args, devices=None, backend: str = "XLA:CPU", say=print,
+def _compile_rollout(config, report, args, gpu_target: gt.Target | None = None, backend: str = "XLA:CPU", say=print,
                      compiler_options: dict | None = None):
     """--compile, rollout side: XLA's figures of the sampler's generate program on the rollout mesh
     (`launch.aot.compile_rollout`, `--rollout-batch` x `--rollout-context`; continuous batching over
     `--rollout-slots` slots with `--prefill-chunk` chunked per-request prefill, or static with slots 0), printed
     with the KV capacity left;
-    returns the `RolloutCompileReport` (None, with the error printed, when it cannot be compiled)."""
+    returns the `RolloutCompileReport` (None, with the error printed, when it cannot be compiled). In a child
+    process (`_in_child`; on abstract GPUs of `gpu_target` when given): CompileFailed when it aborts or fails."""
     try:
-        rx = compile_rollout(config, report.mesh_spec, batch=args.rollout_batch, context=args.rollout_context,
-                             prompt_len=args.rollout_prompt_len, rollout_dtype=args.rollout_dtype,
-                             slots=args.rollout_slots, prefill_chunk=args.prefill_chunk,
-                             kv_budget=report.rollout.margin, kv_cache_dtype=args.kv_cache_dtype,
-                             speculative="mtp" if args.speculative_k else "off",
-                             draft_tokens=args.speculative_k or default(RolloutConfig, "draft_tokens"),
-                             ep_backend=args.rollout_ep_backend, ep_capacity_factor=args.rollout_ep_capacity_factor,
-                             devices=devices, backend=backend, compiler_options=compiler_options)
+        rx = _in_child("launch.aot:compile_rollout", dict(
+            config=config, mesh_spec=report.mesh_spec, batch=args.rollout_batch, context=args.rollout_context,
+            prompt_len=args.rollout_prompt_len, rollout_dtype=args.rollout_dtype, slots=args.rollout_slots,
+            prefill_chunk=args.prefill_chunk, kv_budget=report.rollout.margin, kv_cache_dtype=args.kv_cache_dtype,
+            speculative="mtp" if args.speculative_k else "off",
+            draft_tokens=args.speculative_k or default(RolloutConfig, "draft_tokens"),
+            ep_backend=args.rollout_ep_backend, ep_capacity_factor=args.rollout_ep_capacity_factor,
+            backend=backend, compiler_options=compiler_options), "rollout", args, report, gpu_target=gpu_target)
     except ValueError as e:
         print(f"error (rollout compile): {e}", file=sys.stderr)
         return None
@@ -411,41 +445,6 @@ def _compile_rollout(config, report, args, devices=None, backend: str = "XLA:CPU
     say(f"  planner arithmetic for the rollout: {r.total / GiB:.2f} GiB counted (weights + reserve) of "
         f"{r.usable / GiB:.1f} GiB usable")
     return rx
-
-
-_CHILD = "DSV4_PLAN_COMPILE_CHILD"
-
-
-def _compile_in_child(argv: Sequence[str] | None, gpu: bool = False, mesh: str | None = None) -> int | None:
-    """--compile needs as many XLA:CPU devices as the mesh spec. XLA reads the device-count flag when its CPU
-    backend starts, so unless this process already has enough CPU devices (e.g. under the tests' 8), the same
-    command is re-run in a child process with `--xla_force_host_platform_device_count` and JAX_PLATFORMS=cpu.
-    `gpu` (a GPU --target): the deviceless topology needs only JAX_PLATFORMS=cpu (the CUDA plugin then skips its
-    driver checks and still makes topologies); re-run with it unless it is set. `mesh`: the resolved mesh spec (from
-    --mesh or the --config-file's run), whose device count the child gets.
-    Returns the child's exit status, or None to compile here."""
-    argv = list(sys.argv[1:] if argv is None else argv)
-    if gpu:
-        if os.environ.get("JAX_PLATFORMS", "") == "cpu" or os.environ.get(_CHILD):
-            return None
-        env = {**os.environ, _CHILD: "1", "JAX_PLATFORMS": "cpu"}
-        return subprocess.run([sys.executable, "-m", "launch.plan", *argv], env=env).returncode
-    try:
-        n_dev = mesh_lib.parse_mesh_spec(mesh).n_devices
-    except (ValueError, TypeError):
-        return None  # let the normal path report the bad spec
-    if os.environ.get(_CHILD) or "xla_force_host_platform_device_count" in os.environ.get("XLA_FLAGS", ""):
-        if all(d.platform == "cpu" for d in jax.devices()) and jax.device_count() >= n_dev:
-            return None
-        if os.environ.get(_CHILD):
-            print(f"error: --compile needs {n_dev} CPU devices, this process has {jax.device_count()}",
-                  file=sys.stderr)
-            return 2
-    flags = " ".join(f for f in os.environ.get("XLA_FLAGS", "").split()
-                     if "xla_force_host_platform_device_count" not in f)
-    env = {**os.environ, _CHILD: "1", "JAX_PLATFORMS": "cpu",
-           "XLA_FLAGS": f"{flags} --xla_force_host_platform_device_count={n_dev}".strip()}
-    return subprocess.run([sys.executable, "-m", "launch.plan", *argv], env=env).returncode
 
 
 if __name__ == "__main__":

@@ -25,6 +25,13 @@ pulled, in-flight requests regenerated under the same sample ids; `rollout/resta
 restarts without a limit of its own: the actor job's crash-loop policy (`MAX_RESTARTS` within `RESTART_WINDOW_S`)
 and `--rollout-restart-timeout` are the one policy that ends a run. The actor job's Ray actor is not restarted: its
 death ends the run, which resumes from its checkpoint with the same command (as in the other layouts).
+Stopping (issue 42): SIGTERM or Ctrl-C to the launcher reaches the actor job as a plain run gets them (the
+`SignalRelay`: the step finishes, is saved, exit 0 for SIGTERM, 130 for Ctrl-C; a second signal makes it exit at
+once, the newest complete checkpoint kept); the jobs run in process groups of their own, so a terminal's Ctrl-C
+reaches them once, through the launcher. Whatever ends the launcher, its Ray actors are killed (their run.py with
+them) and a local cluster it started is stopped. `--ray-address HOST:PORT` is probed (name, TCP connect) before
+`ray.init`, which would retry an unreachable GCS silently for about two minutes, and `ray.init` runs under a
+watchdog: nothing answering within `--ray-connect-timeout` (15 s) is one line, exit 2.
 The channel's HMAC key: `$DSV4RL_ROLLOUT_AUTHKEY` if set, else a random one made here (the actor listens on its
 node's address, not loopback), given to both jobs through Ray. The driver's JAX_*, XLA_*, DSV4RL_* variables travel
 to the jobs; every node needs this checkout at the same path (the jobs run `<repo>/launch/run.py`).
@@ -57,20 +64,18 @@ import sys
 import threading
 import time
 
+from launch.ray_guard import Interrupted, LaunchError, SignalRelay, connect_watchdog, probe_address
 from sharding.job_link import ENV_AUTHKEY
 from sharding.mesh import parse_mesh_spec
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 RUN_PY = REPO / "launch" / "run.py"
 ENV_PREFIXES = ("JAX_", "XLA_", "DSV4RL_", "TF_CPP_")  # the driver's variables the jobs get
-LAUNCHER_FLAGS = ("--launcher", "--ray-address")
+LAUNCHER_FLAGS = ("--launcher", "--ray-address", "--ray-connect-timeout")
+CONNECT_TIMEOUT_S = 15.0  # --ray-connect-timeout's default: Ray's own GCS connect retries for ~2 minutes
 VISIBLE_DEVICES = ("CUDA_VISIBLE_DEVICES", "HIP_VISIBLE_DEVICES", "ROCR_VISIBLE_DEVICES")  # what Ray sets per GPU
 SIDE_FLAGS = ("--rollout-address", "--rollout-job", "--actor-address", "--coordinator", "--num-processes",
               "--process-id")
-
-
-class LaunchError(ValueError):
-    """Bad launcher input (one line, exit 2)."""
 
 
 def add_launcher_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -83,6 +88,9 @@ def add_launcher_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParse
     g.add_argument("--ray-address", default=None, metavar="ADDR",
                    help="with --launcher ray: a running cluster (auto, HOST:PORT); unset: start a local one for "
                         "this run")
+    g.add_argument("--ray-connect-timeout", type=float, default=CONNECT_TIMEOUT_S, metavar="SECONDS",
+                   help="with --ray-address: give up (one line, exit 2) when the cluster there does not answer "
+                        "within this many seconds (default %(default)s)")
     return parser
 
 
@@ -131,9 +139,19 @@ def job_argv(argv: list[str]) -> list[str]:
 
 
 def _die_with_parent() -> None:
-    """preexec_fn: the child gets SIGKILL when the Ray actor's process dies (Linux PR_SET_PDEATHSIG = 1)."""
+    """preexec_fn: the child gets SIGKILL when the Ray actor's process dies (Linux PR_SET_PDEATHSIG = 1), and gets
+    SIGINT and SIGTERM as a plain run does: Ray starts its processes with SIGINT blocked (a mask the child would
+    inherit through exec, so a Ctrl-C passed on would never arrive). Its own process group: a Ctrl-C at the
+    terminal reaches the launcher, which passes it on once (`SignalRelay`), not the jobs directly as well (the
+    actor job would see two: "interrupted again", no save)."""
+    os.setpgid(0, 0)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT, signal.SIGTERM})
     try:
-        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(1, signal.SIGKILL)
+        libc.signal.restype = ctypes.c_void_p
+        for s in (signal.SIGINT, signal.SIGTERM):  # SIG_DFL: an ignored signal stays ignored through exec
+            libc.signal(ctypes.c_int(s), ctypes.c_void_p(0))
     except (OSError, AttributeError):
         pass
 
@@ -182,6 +200,17 @@ class JobProcess:
         self._done.wait()
         return {"rc": self.rc, "error": self.error, "pid": self.child_pid}
 
+    def send_signal(self, signum: int) -> bool:
+        """Send `signum` to the child (`SignalRelay`; needs the actor's max_concurrency > 1, `wait` holds one
+        thread) -> whether it was still running."""
+        if self.child_pid is None or self.rc is not None:
+            return False
+        try:
+            os.kill(self.child_pid, signum)
+        except ProcessLookupError:
+            return False
+        return True
+
 
 def node_ip() -> str:
     """This Ray node's address (run inside a Ray worker)."""
@@ -212,15 +241,20 @@ def _visible_env(probes: list[dict]) -> dict:
     return {k: ",".join(v) for k, v in out.items()}
 
 
-def launch(argv: list[str], mesh: str, address: str | None, log=print) -> int:
-    """Run the two-job layout under Ray (module docstring) -> the actor job's exit status.
+def launch(argv: list[str], mesh: str, address: str | None, log=print,
+           connect_timeout: float = CONNECT_TIMEOUT_S) -> int:
+    """Run the two-job layout under Ray (module docstring) -> the actor job's exit status (130 / 128 + signal
+    when the launcher was interrupted: `SignalRelay`).
 
     Args: argv: the run's flags (launcher flags included: dropped here). mesh: the resolved --mesh.
       address: --ray-address (None: a local cluster, started and stopped here). log: one line -> shown.
-    Raises LaunchError (bad input, one line); a missing `ray` is one line too (exit 2).
+      connect_timeout: seconds for reaching `address` (`probe_address`, then a watchdog over `ray.init`).
+    Raises LaunchError (bad input or an unreachable address, one line); a missing `ray` is one line too (exit 2).
     """
     place = placement(mesh)
     args = job_argv(argv)
+    if not connect_timeout > 0:
+        raise LaunchError(f"--ray-connect-timeout {connect_timeout:g}: expected seconds > 0")
     try:
         import ray
         from ray.util.placement_group import placement_group, remove_placement_group
@@ -231,73 +265,119 @@ def launch(argv: list[str], mesh: str, address: str | None, log=print) -> int:
     env.setdefault(ENV_AUTHKEY, secrets.token_hex(16))
     env["PYTHONUNBUFFERED"] = "1"
     runtime_env = {"env_vars": {"PYTHONPATH": str(REPO)}}
-    if address:
-        try:
-            ray.init(address=address, runtime_env=runtime_env, log_to_driver=True)
-        except ConnectionError as e:
-            raise LaunchError(f"--ray-address {address}: {e} (is a cluster running there, `ray start --head`? Ray's "
-                              "token authentication (on by default in ray 2.60) also needs RAY_AUTH_MODE=token "
-                              "here, with the cluster's ~/.ray/auth_token)") from None
-    else:  # a cluster of this run only ("local": never one another user started on this machine)
-        ray.init(address="local", num_cpus=place.bundles + 1, include_dashboard=False, runtime_env=runtime_env,
-                 object_store_memory=100 * 2**20, log_to_driver=True)
-    groups, actors, rollout = [], [], None
+    relay = SignalRelay().install()
+    groups, actors = [], []
     try:
-        gpu = ray.cluster_resources().get("GPU", 0) > 0
-        bundle = {"GPU": 1, "CPU": 1} if gpu else {"CPU": 1}
-        n_groups = place.actor_processes + 1
-        for _ in range(n_groups):
-            groups.append(placement_group([dict(bundle)] * place.devices, strategy="STRICT_PACK"))
-        log(f"ray: {n_groups} placement groups of {place.devices} bundles {bundle} (STRICT_PACK) for "
-            f"{place.actor_processes} actor process(es) and 1 rollout process; waiting for the cluster to hold them")
-        ray.get([g.ready() for g in groups])
-
-        def at(g, i=0):  # bundle i of placement group g
-            return PlacementGroupSchedulingStrategy(placement_group=g, placement_group_bundle_index=i)
-
-        probe = ray.remote(_probe)
-        probes = [ray.get([probe.options(num_cpus=0, num_gpus=1 if gpu else 0, scheduling_strategy=at(g, i)).remote()
-                           for i in range(place.devices)]) for g in groups]
-        nodes = [p[0]["node"] for p in probes]
-        port_on = ray.remote(_free_port_on_node)
-        host, port = ray.get(port_on.options(num_cpus=0, scheduling_strategy=at(groups[0])).remote())
-        actor_address = f"{host}:{port}"
-        coordinator = None
-        if place.actor_processes > 1:
-            coordinator = "%s:%d" % ray.get(port_on.options(num_cpus=0, scheduling_strategy=at(groups[0])).remote())
-        remote = ray.remote(JobProcess)
-        for i in range(place.actor_processes):
-            side = ["--rollout-address", actor_address]
-            if coordinator:
-                side += ["--coordinator", coordinator, "--num-processes", str(place.actor_processes),
-                         "--process-id", str(i)]
-            actors.append(remote.options(num_cpus=1, max_restarts=0, scheduling_strategy=at(groups[i])).remote(
-                "actor", [*args, *side], {**env, **_visible_env(probes[i])}, False))
-        rollout = remote.options(num_cpus=1, max_restarts=-1, max_task_retries=0,
-                                 scheduling_strategy=at(groups[-1])).remote(
-            "rollout", [*args, "--rollout-job", "--actor-address", actor_address],
-            {**env, **_visible_env(probes[-1])}, True)
-        log(f"ray: the actor job on {', '.join(nodes[:-1])} (listening at {actor_address}), the rollout job on "
-            f"{nodes[-1]} (Ray restarts it when it dies)")
-        try:
-            results = ray.get([a.wait.remote() for a in actors])
-        except ray.exceptions.RayActorError as e:
-            print(f"error: the actor job's Ray actor died ({type(e).__name__}); rerun the same command to resume "
-                  "from its checkpoint", file=sys.stderr)
-            return 1
-        bad = next((r for r in results if r["rc"] != 0), None)
-        if bad is None:
-            try:
-                ray.get(rollout.wait.remote(), timeout=60)
-            except (ray.exceptions.GetTimeoutError, ray.exceptions.RayActorError):
-                pass  # the run is done; the rollout is stopped below either way
-            return 0
-        print(bad["error"] or f"error: the actor job exited {bad['rc']} (its output above)", file=sys.stderr)
-        return bad["rc"] if bad["rc"] and bad["rc"] > 0 else 1
+        _connect(ray, address, connect_timeout, runtime_env, place.bundles + 1)
+        relay.install()  # again: ray.init's driver makes SIGTERM a sys.exit (rc -6 at teardown)
+        return _run_jobs(ray, placement_group, PlacementGroupSchedulingStrategy, place, args, env, relay, groups,
+                         actors, log)
+    except KeyboardInterrupt as e:  # `Interrupted`, or a plain one from inside ray.get
+        sig = e.signum if isinstance(e, Interrupted) else (relay.received or [signal.SIGINT])[-1]
+        print(f"interrupted ({signal.Signals(sig).name}) before the jobs started: nothing to save", file=sys.stderr)
+        return 128 + sig
     finally:
-        for a in [*actors, *([rollout] if rollout is not None else [])]:
-            ray.kill(a, no_restart=True)
-        for g in groups:
-            remove_placement_group(g)
-        time.sleep(0.5)  # let Ray's log monitor forward the last lines
-        ray.shutdown()
+        relay.armed = True  # a signal during the teardown is only recorded: the teardown must finish
+        if ray.is_initialized():
+            for a in actors:
+                ray.kill(a, no_restart=True)
+            for g in groups:
+                remove_placement_group(g)
+            time.sleep(0.5)  # let Ray's log monitor forward the last lines
+            ray.shutdown()  # a local cluster started here stops with it
+        relay.restore()
+
+
+def _connect(ray, address: str | None, timeout_s: float, runtime_env: dict, num_cpus: int) -> None:
+    """`ray.init`: to the cluster at `address` (probed, then under a watchdog: `timeout_s`), or a local cluster of
+    `num_cpus` CPUs for this run only ("local": never one another user started on this machine)."""
+    if not address:
+        ray.init(address="local", num_cpus=num_cpus, include_dashboard=False, runtime_env=runtime_env,
+                 object_store_memory=100 * 2**20, log_to_driver=True)
+        return
+    probe_address(address, timeout_s)
+    watchdog = connect_watchdog(address, timeout_s)
+    try:
+        ray.init(address=address, runtime_env=runtime_env, log_to_driver=True)
+    except ConnectionError as e:
+        raise LaunchError(f"--ray-address {address}: {e} (is a cluster running there, `ray start --head`? Ray's "
+                          "token authentication (on by default in ray 2.60) also needs RAY_AUTH_MODE=token "
+                          "here, with the cluster's ~/.ray/auth_token)") from None
+    finally:
+        watchdog.cancel()
+
+
+def _run_jobs(ray, placement_group, PlacementGroupSchedulingStrategy, place: Placement, args: list[str], env: dict,
+              relay: SignalRelay, groups: list, actors: list, log) -> int:
+    """`launch`'s body on a connected Ray: place the groups, start the jobs (appended to `groups` and `actors`, the
+    rollout's last, for `launch` to remove), relay signals while the actor job runs -> the exit status."""
+    gpu = ray.cluster_resources().get("GPU", 0) > 0
+    bundle = {"GPU": 1, "CPU": 1} if gpu else {"CPU": 1}
+    n_groups = place.actor_processes + 1
+    for _ in range(n_groups):
+        groups.append(placement_group([dict(bundle)] * place.devices, strategy="STRICT_PACK"))
+    log(f"ray: {n_groups} placement groups of {place.devices} bundles {bundle} (STRICT_PACK) for "
+        f"{place.actor_processes} actor process(es) and 1 rollout process; waiting for the cluster to hold them")
+    ray.get([g.ready() for g in groups])
+
+    def at(g, i=0):  # bundle i of placement group g
+        return PlacementGroupSchedulingStrategy(placement_group=g, placement_group_bundle_index=i)
+
+    probe = ray.remote(_probe)
+    probes = [ray.get([probe.options(num_cpus=0, num_gpus=1 if gpu else 0, scheduling_strategy=at(g, i)).remote()
+                       for i in range(place.devices)]) for g in groups]
+    nodes = [p[0]["node"] for p in probes]
+    port_on = ray.remote(_free_port_on_node)
+    host, port = ray.get(port_on.options(num_cpus=0, scheduling_strategy=at(groups[0])).remote())
+    actor_address = f"{host}:{port}"
+    coordinator = None
+    if place.actor_processes > 1:
+        coordinator = "%s:%d" % ray.get(port_on.options(num_cpus=0, scheduling_strategy=at(groups[0])).remote())
+    remote = ray.remote(JobProcess)
+    jobs = []
+    for i in range(place.actor_processes):
+        side = ["--rollout-address", actor_address]
+        if coordinator:
+            side += ["--coordinator", coordinator, "--num-processes", str(place.actor_processes),
+                     "--process-id", str(i)]
+        jobs.append(remote.options(num_cpus=1, max_restarts=0, max_concurrency=2,  # wait + send_signal
+                                   scheduling_strategy=at(groups[i])).remote(
+            "actor", [*args, *side], {**env, **_visible_env(probes[i])}, False))
+        actors.append(jobs[-1])
+    rollout = remote.options(num_cpus=1, max_restarts=-1, max_task_retries=0,
+                             scheduling_strategy=at(groups[-1])).remote(
+        "rollout", [*args, "--rollout-job", "--actor-address", actor_address],
+        {**env, **_visible_env(probes[-1])}, True)
+    actors.append(rollout)
+    log(f"ray: the actor job on {', '.join(nodes[:-1])} (listening at {actor_address}), the rollout job on "
+        f"{nodes[-1]} (Ray restarts it when it dies)")
+    relay.arm()
+    try:
+        waits = [a.wait.remote() for a in jobs]
+        while len(ray.wait(waits, num_returns=len(waits), timeout=0.5)[0]) < len(waits):
+            for got, sent in relay.take():
+                how = ("finishes the step, saves, exits" if sent == got else "exits at once, the newest complete "
+                       "checkpoint kept")
+                log(f"ray: {signal.Signals(got).name}: passed to the actor job as {signal.Signals(sent).name} (it "
+                    f"{how}{'; a second signal exits at once' if sent == got else ''})")
+                ray.get([a.send_signal.remote(sent) for a in jobs], timeout=30)
+        results = ray.get(waits)
+    except ray.exceptions.RayActorError as e:
+        print(f"error: the actor job's Ray actor died ({type(e).__name__}); rerun the same command to resume "
+              "from its checkpoint", file=sys.stderr)
+        return 1
+    bad = next((r for r in results if r["rc"] != 0), None)
+    if bad is None:
+        try:
+            ray.get(rollout.wait.remote(), timeout=60)
+        except (ray.exceptions.GetTimeoutError, ray.exceptions.RayActorError):
+            pass  # the run is done; the rollout is stopped by `launch` either way
+        return 0
+    if relay.first is not None and bad["rc"] == 130:  # Ctrl-C: the job said what it saved (its line above)
+        return 130
+    if relay.first is not None and bad["rc"] is not None and bad["rc"] < 0:  # before the job's own handler
+        print(f"interrupted ({signal.Signals(relay.first).name}): the actor job stopped before its first step "
+              f"(killed by {signal.Signals(-bad['rc']).name}): nothing saved", file=sys.stderr)
+        return 128 - bad["rc"]
+    print(bad["error"] or f"error: the actor job exited {bad['rc']} (its output above)", file=sys.stderr)
+    return bad["rc"] if bad["rc"] and bad["rc"] > 0 else 1

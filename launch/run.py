@@ -237,7 +237,8 @@ def main(argv=None) -> int:
         log.warning(line)
     if args.launcher == "ray":  # the jobs run as Ray actors (launch/ray_run.py); this process starts no backend
         try:
-            return launch(list(sys.argv[1:] if argv is None else argv), cfg.mesh, args.ray_address)
+            return launch(list(sys.argv[1:] if argv is None else argv), cfg.mesh, args.ray_address,
+                          connect_timeout=args.ray_connect_timeout)
         except (LaunchError, ValueError) as e:
             print(f"error: {e}", file=sys.stderr)
             return 2

@@ -10,7 +10,17 @@ and the sink all depend on global positions.
   parameter equal the single-device model's; weights are split over fsdp x context (embed dim over 4).
 * `actor:context=4` forward: S_l = 12 < window - 1 = 15, so the halo comes from two shards back.
 Compiles: 3 (reference, CP step, CP forward), a few seconds each.
+
+XLA:CPU bug kept as a strict xfail (`test_xla_cpu_compiles_a_bf16_psum_in_a_partially_manual_shard_map`): a bf16
+psum inside a shard_map manual over some mesh axes only (the context shard_map's, `axis_names={axis}`) aborts
+XLA:CPU; the context path psums only float32 (dsv4/context.py), the planner's compiles run in child processes
+(launch/compile_child.py).
 """
+
+import os
+import signal
+import subprocess
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -111,3 +121,34 @@ def test_context4_forward_two_hop_halo(setup):
     text = lowered.as_text()
     assert "collective_permute" in text and "all_gather" in text  # the halo and the compressed entries
     np.testing.assert_allclose(_real(logits, setup["mask"]), _real(setup["logits"], setup["mask"]), **TOL)
+
+
+# The smallest program we found that aborts XLA:CPU (jax / jaxlib 0.10.2): a bf16 psum in a shard_map manual over one
+# axis of a 2-axis mesh. Shardy leaves the psum's reduction computation with `ROOT copy(add)` and XLA:CPU's
+# AllReducePromotion (bf16 all-reduce -> f32) rebuilds that root with HloInstruction::CreateBinary(copy): a failed
+# CHECK, SIGABRT. The same psum in float32, or over all the mesh's axes, compiles. The learner met it as the
+# transpose of the context shard_map's replicated bf16 inputs (the compressors' norm weights, issue 42).
+XLA_CPU_PSUM_ABORT = """
+import jax, jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
+mesh = jax.make_mesh((2, 2), ("d", "c"))
+f = jax.shard_map(lambda x: jax.lax.psum(x, "c"), mesh=mesh, in_specs=P("c"), out_specs=P(), axis_names={"c"},
+                  check_vma=False)
+jax.jit(f).lower(jax.ShapeDtypeStruct((8,), jnp.bfloat16)).compile()
+"""
+XLA_CPU_PSUM_FATAL = "Invalid binary instruction opcode copy"
+
+
+@pytest.mark.xfail(strict=True, raises=AssertionError,
+                   reason="XLA:CPU bug (jaxlib 0.10.2): a bf16 psum in a partially manual shard_map aborts in "
+                          "AllReducePromotion (F hlo_instruction.cc: Invalid binary instruction opcode copy); when "
+                          "this passes, XLA is fixed: drop the marker")
+def test_xla_cpu_compiles_a_bf16_psum_in_a_partially_manual_shard_map():
+    """The minimal program in a child process (4 host devices): it should compile. Today it aborts with the known
+    fatal line (an AssertionError: the expected failure); any other failure is an error, not this bug."""
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": "--xla_force_host_platform_device_count=4"}
+    proc = subprocess.run([sys.executable, "-c", XLA_CPU_PSUM_ABORT], env=env, capture_output=True, text=True,
+                          timeout=300)
+    if proc.returncode != 0 and not (proc.returncode == -signal.SIGABRT and XLA_CPU_PSUM_FATAL in proc.stderr):
+        raise RuntimeError(f"not the known XLA:CPU abort: exit {proc.returncode}\n{proc.stderr[-3000:]}")
+    assert proc.returncode == 0, f"XLA:CPU aborted: {XLA_CPU_PSUM_FATAL}"

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import dataclasses
 import pathlib
-from types import SimpleNamespace
 
 import jax
 import jax.numpy as jnp
@@ -24,6 +23,7 @@ from launch import gpu_target as gt
 from launch import hlo_stats
 from launch.aot import compile_actor, compile_rollout, reduced_depth
 from launch import plan as plan_mod
+from launch.compile_child import CompileFailed, child_env
 from launch.plan import main as plan_main
 from rl.config import DEFAULT_LEARNER
 
@@ -181,14 +181,21 @@ def test_config_file_plans_the_run(capsys):
     assert "--config-file /no/such.yaml" in capsys.readouterr().err
 
 
-def test_config_file_compile_gets_the_runs_device_count(monkeypatch):
-    """--config-file --compile on XLA:CPU re-runs itself with as many host devices as the file's mesh (24 for the
-    seed layout), not --mesh's (absent here)."""
-    envs = []
-    monkeypatch.delenv("DSV4_PLAN_COMPILE_CHILD", raising=False)
-    monkeypatch.setattr(plan_mod.subprocess, "run", lambda argv, env: envs.append(env) or SimpleNamespace(returncode=0))
-    assert plan_main(["--config-file", str(SEED), "--compile", "--target", "cpu", "--gpu", "mi308x"]) == 0
-    assert "--xla_force_host_platform_device_count=24" in envs[0]["XLA_FLAGS"]
+def test_config_file_compile_gets_the_runs_device_count(monkeypatch, capsys):
+    """--config-file --compile on XLA:CPU compiles each program in a child process with as many host devices as the
+    file's mesh (24 for the seed layout), not --mesh's (absent here)."""
+    calls = []
+
+    def fake(job, *, role, target, hint, n_devices, gpu):
+        calls.append((role, n_devices, child_env(n_devices, gpu)["XLA_FLAGS"]))
+        raise CompileFailed(f"the {role} compile: not run here")
+
+    monkeypatch.setattr(plan_mod, "compile_in_child", fake)
+    assert plan_main(["--config-file", str(SEED), "--compile", "--target", "cpu", "--gpu", "mi308x", "--num-layers",
+                      "4"]) == 1
+    assert [c[:2] for c in calls] == [("actor", 24), ("rollout", 24)]
+    assert all("--xla_force_host_platform_device_count=24" in c[2] for c in calls)
+    assert capsys.readouterr().err.count("error: the ") == 2
 
 
 def test_compiled_tokens_per_device_split_over_context():

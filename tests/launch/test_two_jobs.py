@@ -17,8 +17,9 @@ mesh `actor:data=2/rollout:data=2` (the seed layout's shape in miniature). One l
 - run R (only with the [ray] extra): the same 3 steps under `--launcher ray` (launch/ray_run.py) on a local Ray
   cluster the launcher starts and stops, started when A's rollout is killed (the programs are cached by then); the
   rollout's Ray actor is SIGKILLed (its pid, from the launcher's log) once the first step is logged: Ray restarts it,
-  the actor job recovers in place, the launcher exits 0, the metrics are B's (bitwise: the same shapes), and no job
-  process outlives it.
+  the actor job recovers in place; once the restarted rollout is started the launcher gets SIGTERM (issue 42): the
+  actor job finishes the step it is in (the recovered one), saves it, the launcher exits 0, the metrics so far are
+  B's (bitwise: the same shapes), and no process of the launcher (its jobs, its local Ray cluster) outlives it.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ import json
 import os
 import re
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -34,7 +36,7 @@ import time
 import portpicker
 import pytest
 
-from launch import ray_run, run as launch_run
+from launch import ray_guard, ray_run, run as launch_run
 
 MESH = "actor:data=2/rollout:data=2"
 STEPS = 3
@@ -42,11 +44,11 @@ TIMEOUTS = ("--push-timeout", "20")
 ONE = ["--cpu-devices-per-process", "1"]  # A's actor processes
 TWO = ["--cpu-devices-per-process", "2"]  # the rollout jobs, the 1-process actor jobs
 try:
-    import ray  # noqa: F401  (the [ray] extra: `make test` installs it)
+    import ray  # the [ray] extra: `make test` installs it
 
     RAY = True
 except ImportError:
-    RAY = False
+    ray, RAY = None, False
 
 
 def _flags(lt, metrics, *extra):
@@ -56,6 +58,20 @@ def _flags(lt, metrics, *extra):
 
 def _rows(path):
     return [json.loads(x) for x in path.read_text().splitlines() if x.strip()] if path.exists() else []
+
+
+def _in_session(sid: int) -> list[str]:
+    """'pid command' of each live process of session `sid` (zombies left out)."""
+    out = []
+    for d in os.listdir("/proc"):
+        try:
+            stat = open(f"/proc/{d}/stat").read()
+        except (OSError, ValueError):
+            continue
+        fields = stat.rsplit(")", 1)[-1].split()  # state, ppid, pgrp, session, ...
+        if d.isdigit() and int(fields[3]) == sid and fields[0] != "Z":
+            out.append(f"{d} {stat.split('(', 1)[1].rsplit(')', 1)[0]}")
+    return out
 
 
 def _alive(pid: int) -> bool:
@@ -87,6 +103,7 @@ def runs(tmp_path_factory, run_env, lt):
     }
     ray_env = {**run_env, "RAY_COLOR_PREFIX": "0"}
     ray_pid = None
+    leftover = []
     try:
         deadline = time.monotonic() + 900
         killed = set()
@@ -107,7 +124,8 @@ def runs(tmp_path_factory, run_env, lt):
                 if RAY:  # R: its own session (the local Ray cluster's processes too), killed as a group if need be
                     with open(logs["R"], "ab") as f:
                         procs["R"] = subprocess.Popen(
-                            [sys.executable, str(lt.RUN_PY), "--launcher", "ray", *_flags(lt, mr, *TWO)], cwd=lt.REPO,
+                            [sys.executable, str(lt.RUN_PY), "--launcher", "ray", *_flags(lt, mr, *TWO),
+                             "--ckpt-dir", str(tmp_path / "R_ckpt")], cwd=lt.REPO,
                             env=ray_env, stdout=f, stderr=subprocess.STDOUT, start_new_session=True)
             for k in ("a", "a1", *(() if "r3" in killed else ("c",))):  # alive
                 assert procs[k].poll() is None, logs[k].read_text()[-3000:]
@@ -121,7 +139,15 @@ def runs(tmp_path_factory, run_env, lt):
                     ray_pid = int(m.group(1))
                     os.kill(ray_pid, signal.SIGKILL)
                 time.sleep(0.05)
+            # SIGTERM to the launcher once Ray restarted the rollout: the actor job is in its step 1, waiting for it
+            while len(re.findall(r"the rollout job: Ray actor pid", logs["R"].read_text())) < 2:
+                assert time.monotonic() < deadline and procs["R"].poll() is None, logs["R"].read_text()[-3000:]
+                time.sleep(0.05)
+            procs["R"].send_signal(signal.SIGTERM)
             rc["R"] = procs["R"].wait(timeout=max(1.0, deadline - time.monotonic()))
+            end = time.monotonic() + 30  # the launcher's processes (its jobs, its Ray cluster): all in its session
+            while (leftover := _in_session(procs["R"].pid)) and time.monotonic() < end:
+                time.sleep(0.2)
         rc["b"] = procs["b"].wait(timeout=max(1.0, deadline - time.monotonic()))
     finally:
         for k, p in procs.items():
@@ -131,15 +157,16 @@ def runs(tmp_path_factory, run_env, lt):
                 else:
                     p.kill()
     out = {k: v.read_text() for k, v in logs.items() if v.exists()}
-    return {"rc": rc, "out": out, "procs": procs, "tmp": tmp_path, "ray_pid": ray_pid,
+    return {"rc": rc, "out": out, "procs": procs, "tmp": tmp_path, "ray_pid": ray_pid, "leftover": leftover,
             "rows": {k: _rows(m) for k, m in (("a", ma), ("b", mb), ("c", mc), ("R", mr))}}
 
 
-def _same_metrics(lt, ra, rb, train_tol: float | None = None):
+def _same_metrics(lt, ra, rb, train_tol: float | None = None, steps: int = STEPS):
     """Every per-step metric of `ra` that is not a timing or the two-job layout's own equals `rb`'s (bitwise; with
-    `train_tol`, the train/* ones within it, absolute: an actor job of other process counts)."""
+    `train_tol`, the train/* ones within it, absolute: an actor job of other process counts), steps 0..steps-1."""
     new = {"rollout/restarts", "rollout/recovery_s"}  # the two-job layout's own metrics (the fault, a timing)
-    assert [r["step"] for r in ra] == [r["step"] for r in rb] == list(range(STEPS))  # nothing twice or skipped
+    rb = rb[:steps]
+    assert [r["step"] for r in ra] == [r["step"] for r in rb] == list(range(steps))  # nothing twice or skipped
     assert all(y["rollout/restarts"] == 0.0 for y in rb)
     for x, y in zip(ra, rb):
         assert set(x) == set(y)
@@ -178,18 +205,27 @@ def test_two_jobs_rollout_killed_restarted_and_lost(runs, lt):
 
 @pytest.mark.skipif(not RAY, reason="the [ray] extra is not installed (pip install -e '.[ray]'; `make test` does)")
 def test_ray_launcher_rollout_actor_killed_recovers_in_place(runs, lt):
-    """R (module docstring): Ray placed both jobs, restarted the killed rollout actor, the run recovered in place."""
+    """R (module docstring): Ray placed both jobs, restarted the killed rollout actor, the run recovered in place;
+    the launcher's SIGTERM reached the actor job, which finished its step, saved it and exited 0 (issue 42: it was
+    rc -6, a C++ stack and only an orbax temp dir); nothing of the launcher is left running."""
     rc, out = runs["rc"], runs["out"]["R"]
     assert rc["R"] == 0, out[-4000:]
+    assert "ray: SIGTERM: passed to the actor job as SIGTERM" in out, out[-4000:]
+    assert "SIGTERM: finishing the current step, saving, exiting" in out, out[-4000:]
+    rr = runs["rows"]["R"]
+    k = len(rr)  # stopped after the step the signal came in: step 1 (the recovered one) or later
+    assert 2 <= k <= STEPS and f"done: {k} steps" in out, out[-4000:]
+    ckpt = runs["tmp"] / "R_ckpt"
+    assert lt.ckpt_steps(ckpt) == [k] and not [p for p in ckpt.iterdir() if "tmp" in p.name], sorted(ckpt.iterdir())
+    assert runs["leftover"] == [], runs["leftover"]
     assert "placement groups of 2 bundles {'CPU': 1} (STRICT_PACK)" in out
     starts = re.findall(r"the rollout job: Ray actor pid (\d+) on \S+ started launch/run.py pid (\d+)", out)
     assert len(starts) == 2 and int(starts[0][0]) == runs["ray_pid"] != int(starts[1][0]), out[-4000:]  # restarted
     lost = [x for x in out.splitlines() if "closed the connection" in x and "for a rollout job to register" in x]
     assert len(lost) == 1 and f"pid {starts[0][1]} " in lost[0], out[-4000:]  # the killed actor's run.py died too
-    assert "recovered in" in out and "done: 3 steps" in out and "Traceback" not in out
-    rr = runs["rows"]["R"]
+    assert "recovered in" in out and "Traceback" not in out and "Check failure" not in out
     assert rr[0]["rollout/restarts"] == 0.0 and rr[-1]["rollout/restarts"] == 1.0 and rr[-1]["rollout/recovery_s"] > 0
-    _same_metrics(lt, rr, runs["rows"]["b"])
+    _same_metrics(lt, rr, runs["rows"]["b"], steps=k)
     pids = [int(p) for p in re.findall(r"started launch/run.py pid (\d+)", out)]
     assert len(pids) == 3 and not any(_alive(p) for p in pids)  # no job process outlives the launcher
 
@@ -208,6 +244,60 @@ def test_ray_launcher_flags_are_checked(capsys):
         assert launch_run.main(args) == 2, args
         err = capsys.readouterr().err
         assert err.startswith("error: ") and err.count("\n") == 1 and needle in err, (args, err)
+
+
+@pytest.mark.skipif(not RAY, reason="the [ray] extra is not installed (pip install -e '.[ray]'; `make test` does)")
+def test_ray_launcher_unreachable_address_is_one_line(capsys):
+    """--ray-address with nothing there (a closed port, an unknown host, no port): one line naming the address,
+    exit 2, before ray.init (which retries an unreachable GCS for about two minutes); no Ray started."""
+    handlers = signal.getsignal(signal.SIGTERM), signal.getsignal(signal.SIGINT)
+    with socket.socket() as s:  # a port nothing listens on: bound, never listening
+        s.bind(("127.0.0.1", 0))
+        closed = f"127.0.0.1:{s.getsockname()[1]}"
+        for addr, needle in ((closed, "no Ray cluster there (Connection refused)"),
+                             ("no-such-host.invalid:6379", "unknown host 'no-such-host.invalid'"),
+                             ("no-such-host", "expected auto or HOST:PORT")):
+            args = ["--launcher", "ray", "--ray-address", addr, "--ray-connect-timeout", "5", "--mesh", MESH]
+            assert launch_run.main(args) == 2, addr
+            err = capsys.readouterr().err
+            assert err.startswith(f"error: --ray-address {addr}: ") and err.count("\n") == 1 and needle in err, err
+    assert not ray.is_initialized()
+    assert (signal.getsignal(signal.SIGTERM), signal.getsignal(signal.SIGINT)) == handlers  # restored
+
+
+def test_ray_launcher_connect_watchdog_is_one_line(tmp_path):
+    """A port that accepts but is no Ray GCS keeps ray.init retrying: the watchdog ends the launcher after
+    --ray-connect-timeout with one line naming the address, exit 2 (here the watchdog alone, in a child process
+    that sleeps as a hung ray.init would)."""
+    code = ("import time; from launch.ray_guard import connect_watchdog; connect_watchdog('10.0.0.1:6379', 0.5); "
+            "time.sleep(60)")
+    proc = subprocess.run([sys.executable, "-c", code], cwd=ray_run.REPO, capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "PYTHONPATH": str(ray_run.REPO)})
+    assert proc.returncode == 2 and proc.stderr.count("\n") == 1, proc.stderr
+    assert proc.stderr.startswith("error: --ray-address 10.0.0.1:6379: no Ray cluster answered within 0.5 s")
+
+
+def test_signal_relay_raises_before_the_jobs_then_passes_signals_on():
+    """Before the jobs exist a signal interrupts the launcher (`Interrupted`); after, the first signal is passed on
+    as it came and any later one as SIGINT (the job then exits at once); the old handlers come back."""
+    before = signal.getsignal(signal.SIGTERM)
+    relay = ray_guard.SignalRelay().install()
+    try:
+        with pytest.raises(ray_guard.Interrupted) as e:
+            os.kill(os.getpid(), signal.SIGTERM)
+            time.sleep(5)  # the handler raises at the next bytecode
+        assert e.value.signum == signal.SIGTERM
+        relay.arm()
+        os.kill(os.getpid(), signal.SIGTERM)
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(0.1)
+        assert relay.take() == [(signal.SIGTERM, signal.SIGTERM), (signal.SIGTERM, signal.SIGINT)]
+        os.kill(os.getpid(), signal.SIGINT)
+        time.sleep(0.1)
+        assert relay.take() == [(signal.SIGINT, signal.SIGINT)] and relay.first == signal.SIGTERM
+    finally:
+        relay.restore()
+    assert signal.getsignal(signal.SIGTERM) is before
 
 
 def test_rollout_job_flags_are_checked(capsys):

@@ -9,6 +9,8 @@ import dataclasses
 import math
 
 import dsv4
+from launch import compile_child
+from launch import plan as plan_mod
 from launch.aot import compile_actor, reduced_depth
 from parallel import plan as pl
 from launch.plan import main as plan_main
@@ -96,3 +98,30 @@ def test_cli_compile_only_rollout_continuous_batching(capsys):
     assert "XLA memory analysis of the actor" not in out
     assert plan_main(argv[:-4] + ["--rollout-slots", "many"]) == 2
     assert "--rollout-slots many" in capsys.readouterr().err
+
+
+def test_cli_compile_abort_is_one_line_and_the_context_actor_compiles(capfd, monkeypatch):
+    """Issue 42: each compile runs in a child process. The rollout's child aborts here (SIGABRT, as XLA's failed
+    CHECKs do): one `error:` line naming the role, the target and what to try, no C++ stack, exit 1, and the actor's
+    program is still compiled and printed. The actor is the bf16 context-parallel step (a CSA layer on
+    fsdp=2,expert=2,context=2), which aborted XLA:CPU before dsv4/context.py psummed only float32."""
+    real = compile_child.compile_in_child
+
+    def rollout_aborts(job, **kw):
+        if kw["role"] == "rollout":
+            job = compile_child.Job("faulthandler:_sigabrt", {})
+        return real(job, **kw)
+
+    monkeypatch.setattr(plan_mod, "compile_in_child", rollout_aborts)
+    argv = ["--config", "tiny", "--mesh", "actor:fsdp=2,expert=2,context=2/rollout:expert=8", "--gpu", "mi308x",
+            "--compile", "--seq-len", "16", "--num-layers", "2", "--rollout-batch", "8", "--rollout-context", "48",
+            "--rollout-prompt-len", "16"]
+    assert plan_main(argv) == 1
+    out, err = capfd.readouterr()
+    errors = [x for x in err.splitlines() if x.startswith("error:")]
+    assert len(errors) == 1 and errors[0].startswith("error: the rollout compile (XLA:CPU, --target cpu) aborted "
+                                                     "inside XLA (killed by SIGABRT); try a GPU --target"), err
+    assert "--compile-only actor" in errors[0] and "Check failure" not in err and "Fatal Python" not in err
+    assert "XLA memory analysis of the actor train step" in out and "rollout generate program" not in out
+    fields = dict(kv.split("=", 1) for kv in out.strip().splitlines()[-1].split()[1:])
+    assert not math.isnan(float(fields["actor_xla_gib"])) and math.isnan(float(fields["rollout_xla_gib"]))
