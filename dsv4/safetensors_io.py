@@ -21,6 +21,7 @@ Tests: tests/dsv4/test_safetensors_io.py (incl. interop with `safetensors.torch`
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -29,6 +30,7 @@ import shutil
 import struct
 import tempfile
 from collections.abc import Callable, Iterable, Iterator, Mapping
+from typing import BinaryIO
 
 import ml_dtypes
 import numpy as np
@@ -212,6 +214,25 @@ def bytes_read() -> int:
     return _STATS["bytes"]
 
 
+@contextlib.contextmanager
+def atomic_file(path: str | os.PathLike) -> Iterator[BinaryIO]:
+    """A binary file to write `path` atomically: a temp file in the same folder (`.<name>.*.tmp`, mode 0644: checkpoints
+    are meant to be shared), fsynced and renamed over `path` when the block ends without an error, removed when it
+    raises. A reader sees the old file or the whole new one. Raises OSError."""
+    path = pathlib.Path(path)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        os.fchmod(fd, 0o644)  # mkstemp makes 0600 files
+        with os.fdopen(fd, "wb") as f:
+            yield f
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        pathlib.Path(tmp).unlink(missing_ok=True)
+        raise
+
+
 def save_safetensors(path, tensors: Mapping[str, np.ndarray], metadata: Mapping[str, str] | None = None) -> int:
     """Write `tensors` (name -> array, any dtype in `DTYPES`; jax arrays are converted) to `path` atomically.
 
@@ -234,22 +255,13 @@ def save_safetensors(path, tensors: Mapping[str, np.ndarray], metadata: Mapping[
         offset += a.nbytes
     blob = json.dumps(header, separators=(",", ":")).encode()
     blob += b" " * (-len(blob) % 8)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        os.fchmod(fd, 0o644)  # mkstemp makes 0600 files; checkpoints are meant to be shared
-        with os.fdopen(fd, "wb") as f:
-            f.write(struct.pack("<Q", len(blob)))
-            f.write(blob)
-            for a in arrays.values():
-                if a.dtype.byteorder == ">":
-                    a = a.byteswap().view(a.dtype.newbyteorder("<"))
-                f.write(a.reshape(-1).view(np.uint8).data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        pathlib.Path(tmp).unlink(missing_ok=True)
-        raise
+    with atomic_file(path) as f:
+        f.write(struct.pack("<Q", len(blob)))
+        f.write(blob)
+        for a in arrays.values():
+            if a.dtype.byteorder == ">":
+                a = a.byteswap().view(a.dtype.newbyteorder("<"))
+            f.write(a.reshape(-1).view(np.uint8).data)
     return offset
 
 

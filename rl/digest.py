@@ -30,8 +30,6 @@ from __future__ import annotations
 
 import hashlib
 import os
-import pathlib
-import tempfile
 import zipfile
 import zlib
 
@@ -39,6 +37,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
+
+from dsv4.safetensors_io import atomic_file
 
 ALGO = "dsv4rl-fmix32x2-sum/1"  # recorded with the digests; a restore verifies only digests of this algorithm
 
@@ -203,19 +203,10 @@ def npz_digest(arrays: dict[str, np.ndarray]) -> str:
 
 def write_npz(path: str | os.PathLike, arrays: dict[str, np.ndarray]) -> None:
     """Write `arrays` ({name: numpy array}, no name `__digest__`) as an uncompressed .npz with their digest, to a
-    temp file in the same folder (`.<name>.*.tmp`), fsynced, then renamed over `path`: a reader sees the old file
-    or the whole new one. Raises OSError."""
-    path = pathlib.Path(path)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.stem}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            np.savez(f, **arrays, **{_DIGEST: np.array(npz_digest(arrays))})
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        pathlib.Path(tmp).unlink(missing_ok=True)
-        raise
+    temp file in the same folder, fsynced, then renamed over `path` (`dsv4.safetensors_io.atomic_file`): a reader
+    sees the old file or the whole new one. Raises OSError."""
+    with atomic_file(path) as f:
+        np.savez(f, **arrays, **{_DIGEST: np.array(npz_digest(arrays))})
 
 
 def read_npz(path: str | os.PathLike, what: str = "file") -> dict[str, np.ndarray]:
