@@ -17,7 +17,8 @@ value at the first sample after warm-up with the same phase modulo `--every` (ev
 their own kind; an asynchronous checkpoint save may hold arrays at its own phase); RSS: the median of the last 10% of
 the samples minus the median of the 10% after warm-up; threads: the same windows' floors, TensorStore's on-demand I/O
 pool left out and reported as its maximum (`figures` says why); step-time drift = median step time of
-the last 10% of the steps / median of the 10% right after warm-up - 1. ckpt_dir_mib: the checkpoint directory's
+the last 10% of the steps / median of the 10% right after warm-up - 1; step_cpu_drift: the same on the process's CPU
+seconds per step (`time.process_time`, all threads), which a shared machine's changing load does not move. ckpt_dir_mib: the checkpoint directory's
 size at the end (bounded: `--keep-checkpoints` checkpoints).
 
 Run:   .venv/bin/python benchmarks/soak.py                              (500 steps, then MPMD 200)
@@ -68,7 +69,7 @@ def sample(path: pathlib.Path, step: int) -> None:
     for line in pathlib.Path("/proc/self/status").read_text().splitlines():
         if line.startswith("VmRSS:"):
             rss = int(line.split()[1])
-    rec = {"step": step, "t": time.monotonic(), "rss": rss, "live": len(jax.live_arrays()),
+    rec = {"step": step, "t": time.monotonic(), "cpu": time.process_time(), "rss": rss, "live": len(jax.live_arrays()),
            "fds": len(os.listdir("/proc/self/fd")), "threads": len(os.listdir("/proc/self/task")),
            "thread_names": _thread_names()}
     with open(path, "a") as f:
@@ -125,6 +126,7 @@ def figures(rows: list[dict], every: int) -> dict:
     last = rows[-1]
     base = next(r for r in rows[warm:] if (r["step"] - last["step"]) % every == 0)
     dts = [b["t"] - a["t"] for a, b in zip(rows, rows[1:])]
+    cpu = [b["cpu"] - a["cpu"] for a, b in zip(rows, rows[1:])] if "cpu" in last else []
     early, late = dts[warm:warm + max(1, n // 10)], dts[-max(1, n // 10):]
     early_rows, late_rows = rows[warm:warm + max(1, n // 10)], rows[-max(1, n // 10):]
     # RSS: the median of the last 10% of the samples against the median of the 10% after warm-up (one sample moves
@@ -142,6 +144,10 @@ def figures(rows: list[dict], every: int) -> dict:
             "ts_pool_max": max(r.get("thread_names", {}).get(TS_POOL, 0) for r in rows),
             "thread_names": last.get("thread_names", {}),
             "step_time_drift": statistics.median(late) / statistics.median(early) - 1.0,
+            # the same on the process's CPU seconds per step (all its threads: XLA's too): what the step costs,
+            # independent of the machine's load, which moves the wall-clock drift on a shared machine
+            "step_cpu_drift": (statistics.median(cpu[-max(1, n // 10):]) / statistics.median(cpu[warm:warm + max(1, n // 10)])
+                               - 1.0) if cpu else float("nan"),
             "step_s": statistics.median(late), "rss_mib": last["rss"] / 1024.0, "live": last["live"],
             "fds": last["fds"], "threads": last["threads"],
             "rss_max_growth_mib": (max(r["rss"] for r in rows[warm:]) - base["rss"]) / 1024.0}
@@ -232,7 +238,8 @@ def main() -> int:
         line += (f" steps={a.steps} rss_growth_mib={res['rss_growth_mib']:.1f} "
                  f"live_arrays_growth={res['live_arrays_growth']} fds_growth={res['fds_growth']} "
                  f"threads_growth={res['threads_growth']} step_time_drift={res['step_time_drift']:.3f} "
-                 f"ckpt_dir_mib={res['ckpt_dir_mib']:.1f} ts_pool_max={res['ts_pool_max']}")
+                 f"ckpt_dir_mib={res['ckpt_dir_mib']:.1f} ts_pool_max={res['ts_pool_max']} "
+                 f"step_cpu_drift={res['step_cpu_drift']:.3f}")
     if a.mpmd_steps:
         (d / "mpmd").mkdir(exist_ok=True)
         m = run_mpmd(d / "mpmd", a)
