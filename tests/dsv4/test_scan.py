@@ -150,7 +150,9 @@ def test_scanned_forward_equals_unrolled(model, sdef):
     ref = _unrolled_jit(graphdef, params, buffers, ids, mask, free)
     got = _scanned_jit(sdef, sp, sb, ids, mask, free)
     for a, b in zip(got, ref):
-        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=0, atol=TOL)
+        # 5 x TOL: on this CI machine's XLA:CPU the scanned and unrolled programs sum the 4 layers differently,
+        # up to 2.4e-6 on logits of |x| <= 3 and not the same from run to run (the tree before 2026-12-03 too)
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=0, atol=5 * TOL)
     np.testing.assert_array_equal(np.asarray(got[1]), np.asarray(ref[1]))
     assert (np.asarray(ref[1])[0, :7] == -1).all() and (np.asarray(ref[1])[:, 7:] >= 0).all()
     # Replay another batch's routing: forced per layer in the scan exactly as in the loop.
@@ -163,7 +165,7 @@ def test_scanned_forward_equals_unrolled(model, sdef):
     np.testing.assert_array_equal(np.asarray(got2[1]), np.asarray(ref2[1]))
     assert np.abs(np.asarray(ref2[0]) - np.asarray(ref[0])).max() > 1e-3  # the replay changed the result
     for a, b in zip(got2, ref2):
-        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=0, atol=TOL)
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=0, atol=5 * TOL)  # the same rounding as above
 
 
 def _nll(logits, ids, mask):
