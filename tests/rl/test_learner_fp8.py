@@ -58,9 +58,12 @@ def test_fp8_forward_is_the_fp8_rollouts_forward(setup):
         d = np.abs(np.asarray(res.logprobs) - rlp)[resp > 0]
         diffs[fp8] = (float(d.mean()), float(d.max()), float(m["train/train_rollout_logprob_abs_diff"]))
     print("fp32 learner vs FP8 rollout (mean, max, metric):", diffs[False], "FP8-aware:", diffs[True])
-    # measured: fp32 learner mean 5.8e-3 / max 1.8e-2 nats; the FP8-aware learner 0 / 0 (the same ops, bitwise)
+    # measured: fp32 learner mean 5.8e-3 / max 1.8e-2 nats; the FP8-aware learner 0 / 0 here (the same ops), 4.5e-8 /
+    # 4.8e-7 on CI's x86 (one f32 ulp at |logp| in [4, 8): two programs that XLA:CPU fuses and vectorises apart;
+    # the bitwise contract is exact mode's, tests/rl/test_exact.py). The FP8-aware learner must sit within a few ulps,
+    # >= 1e4 times closer than the fp32 one.
     assert diffs[False][0] > 3e-3
-    assert diffs[True][1] == 0.0 and diffs[True][2] == 0.0
+    assert diffs[True][1] <= 2e-6 and diffs[True][2] <= 1e-4 * diffs[False][2], diffs
 
 
 def test_fp8_forward_gradients_reach_the_masters(setup):
