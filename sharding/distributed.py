@@ -50,6 +50,7 @@ import logging
 import math
 import os
 import re
+import socket
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -71,8 +72,8 @@ ENV_PROCESS_ID = "JAX_PROCESS_ID"
 _HOST_PORT = re.compile(r"^(?:\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9_.\-]+):(\d{1,5})$")
 
 
-class DistributedInitError(RuntimeError):
-    """Bad or conflicting distributed settings, or initialisation requested too late."""
+class DistributedInitError(ValueError):
+    """Bad or conflicting distributed settings, or initialisation requested too late (a user error: one line)."""
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -210,6 +211,10 @@ def maybe_initialize_distributed(coordinator: str | None = None, num_processes: 
             jax.config.update("jax_cpu_collectives_implementation", "gloo")
     if not multi:
         return DistributedInfo(process_id=0, process_count=1, coordinator=settings.coordinator, source="single")
+    if transfers and settings.process_id is not None and (settings.coordinator or transfer_address):
+        # before the join: a refused process holds up no other
+        check_bindable(transfer_socket_address(settings.coordinator or "", settings.process_id, transfer_address),
+                       settings.process_id)
     _join(settings, local_device_ids, initialization_timeout, heartbeat_timeout_s)
     if transfers:
         _configure_transfer(settings.coordinator, transfer_address, transfer_timeout_s)
@@ -319,6 +324,22 @@ def _configure_transfer(coordinator: str | None, address: str | None, timeout_s:
     if address is not None:
         check_coordinator(address)
     configure_transfer(transfer_socket_address(coordinator or "", jd.global_state.process_id, address), timeout_s)
+
+
+def check_bindable(address: str, process_id: int) -> None:
+    """Raise DistributedInitError (one line) unless this host can listen on `address` (HOST:PORT), the socket jax
+    binds for cross-process transfers at the first one: in use (the default port is the coordinator's + 1 + process
+    id) or not an address of this host would otherwise surface as a `bind` error in the middle of a weight push."""
+    host, port = address.rsplit(":", 1)
+    host = host.strip("[]")
+    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind((host, int(port)))
+        except OSError as e:
+            raise DistributedInitError(f"process {process_id} cannot listen on its transfer address {address} "
+                                       f"({e.strerror or e}): pass --transfer-address HOST:PORT, a free port of this "
+                                       "host (default: the coordinator's port + 1 + process id)") from None
 
 
 def _device_ids(text: str) -> list[int]:

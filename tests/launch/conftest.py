@@ -20,6 +20,7 @@ import sys
 import time
 
 import numpy as np
+import portpicker
 import pytest
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
@@ -63,6 +64,16 @@ SENTENCES = [f"Tom has {a} apples and buys {b} more. How many apples does Tom ha
 def small_tokenizer(tmp_path_factory) -> pathlib.Path:
     """A BPE tokenizer.json (<= 256 ids) trained on GSM8K-like sentences (no shared data needed)."""
     return train_bpe(SENTENCES * 4, tmp_path_factory.mktemp("tok") / "tokenizer.json", vocab_size=128)
+
+
+def processes(n: int) -> list[list[str]]:
+    """The flags of an `n`-process run on this host, one list per process: a free coordinator port and a free
+    `--transfer-address` port each. The default transfer port (coordinator port + 1 + process id) is a neighbour of
+    an OS-assigned port, so it can be another socket's ephemeral port while tests run side by side (a fresh-clone run
+    saw `bind: Address already in use` on the rollout's first weight transfer)."""
+    coordinator = f"127.0.0.1:{portpicker.pick_unused_port()}"
+    return [["--coordinator", coordinator, "--num-processes", str(n), "--process-id", str(i),
+             "--transfer-address", f"127.0.0.1:{portpicker.pick_unused_port()}"] for i in range(n)]
 
 
 def write_jsonl(path: pathlib.Path, records: list, raw_lines: dict[int, str] | None = None) -> pathlib.Path:

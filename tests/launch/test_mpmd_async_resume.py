@@ -37,7 +37,6 @@ import re
 import signal
 import time
 
-import portpicker
 import pytest
 
 STEPS = 6
@@ -56,11 +55,9 @@ STACK = re.compile(r"Traceback|Check failure|terminate called|^\*\*\* |^[FE]\d{4
 
 
 def _start(lt, run_dir, env, name):
-    port = portpicker.pick_unused_port()
     args = [*JOB, "--ckpt-dir", run_dir / "ckpt", "--metrics-jsonl", run_dir / "metrics.jsonl",
-            "--coordinator", f"127.0.0.1:{port}", "--num-processes", "2", "--cpu-devices-per-process", "1",
-            "--push-timeout", str(PUSH_TIMEOUT)]
-    return [lt.start([*args, "--process-id", i], env, run_dir / f"{name}.p{i}.log") for i in range(2)]
+            "--cpu-devices-per-process", "1", "--push-timeout", str(PUSH_TIMEOUT)]
+    return [lt.start([*args, *flags], env, run_dir / f"{name}.p{i}.log") for i, flags in enumerate(lt.processes(2))]
 
 
 def _wait(procs, timeout=900):

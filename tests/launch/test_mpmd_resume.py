@@ -28,7 +28,6 @@ import signal
 import subprocess
 import time
 
-import portpicker
 import pytest
 
 MESH = "actor:expert=2/rollout:expert=2"
@@ -36,11 +35,10 @@ MESH = "actor:expert=2/rollout:expert=2"
 
 def _launch_mpmd(lt, args, env, log_dir: pathlib.Path, name: str, timeout: float = 900) -> list[str]:
     """`launch/run.py *args` as 2 processes of one jax.distributed job -> their outputs; both must exit 0."""
-    port = portpicker.pick_unused_port()
     logs = [log_dir / f"{name}.p{i}.log" for i in range(2)]
     env = {**env, "PYTHONFAULTHANDLER": "1"}
-    procs = [lt.start([*args, "--coordinator", f"127.0.0.1:{port}", "--num-processes", "2", "--process-id", str(i),
-                       "--cpu-devices-per-process", "2", "--push-timeout", "120"], env, logs[i]) for i in range(2)]
+    procs = [lt.start([*args, *flags, "--cpu-devices-per-process", "2", "--push-timeout", "120"], env, logs[i])
+             for i, flags in enumerate(lt.processes(2))]
     deadline = time.monotonic() + timeout
     try:
         for p in procs:

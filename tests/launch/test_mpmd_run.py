@@ -16,7 +16,6 @@ import subprocess
 import sys
 import time
 
-import portpicker
 import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
@@ -39,13 +38,11 @@ def _cmd(mesh, steps, metrics, extra=()):
             "--tensorboard-dir", "", "--metrics-jsonl", str(metrics), "--no-progress", *extra]
 
 
-def _launch(mesh, steps, metrics, tmp_path, env, n=3, flags=()):
-    port = portpicker.pick_unused_port()
+def _launch(lt, mesh, steps, metrics, tmp_path, env, n=3, flags=()):
     procs, logs = [], []
-    for i in range(n):
+    for i, cluster in enumerate(lt.processes(n)):
         log = open(tmp_path / f"p{i}.log", "w")
-        extra = (*flags, "--coordinator", f"127.0.0.1:{port}", "--num-processes", str(n), "--process-id", str(i),
-                 "--cpu-devices-per-process", "2")
+        extra = (*flags, *cluster, "--cpu-devices-per-process", "2")
         procs.append(subprocess.Popen(_cmd(mesh, steps, metrics, extra), env=env, stdout=log,
                                       stderr=subprocess.STDOUT, text=True))
         logs.append(log)
@@ -67,9 +64,9 @@ def _rows(path):
 
 
 @pytest.mark.slow
-def test_mpmd_three_processes_steps_parity_and_rollout_killed(tmp_path, run_env):
+def test_mpmd_three_processes_steps_parity_and_rollout_killed(tmp_path, run_env, lt):
     metrics = tmp_path / "m.jsonl"
-    procs, logs = _launch(MESH, 10, metrics, tmp_path, run_env, flags=PARTIAL)
+    procs, logs = _launch(lt, MESH, 10, metrics, tmp_path, run_env, flags=PARTIAL)
     try:
         deadline = time.monotonic() + 1500
         while len(_rows(metrics)) < 3:  # 3 GRPO steps completed (the writer logs after the step's push)
@@ -140,10 +137,10 @@ def test_mpmd_three_processes_steps_parity_and_rollout_killed(tmp_path, run_env)
 
 
 @pytest.mark.slow
-def test_mpmd_bad_spec_fails_before_step_one(tmp_path, run_env):
+def test_mpmd_bad_spec_fails_before_step_one(tmp_path, run_env, lt):
     metrics = tmp_path / "m.jsonl"
     # process 0 would hold one actor and one rollout device (process 2 none): the transfer cannot serve it
-    procs, logs = _launch("actor:fsdp=1/rollout:expert=2", 3, metrics, tmp_path, run_env)
+    procs, logs = _launch(lt, "actor:fsdp=1/rollout:expert=2", 3, metrics, tmp_path, run_env)
     try:
         for p in procs:
             p.wait(timeout=600)

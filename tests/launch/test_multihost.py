@@ -8,24 +8,21 @@ import pathlib
 import subprocess
 import sys
 
-import portpicker
 import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 
 
 @pytest.mark.slow
-def test_two_processes_run_two_steps(tmp_path, run_env):
-    port = portpicker.pick_unused_port()
+def test_two_processes_run_two_steps(tmp_path, run_env, lt):
     env = run_env
     metrics = tmp_path / "m.jsonl"
     procs = []
-    for i in range(2):
+    for cluster in lt.processes(2):
         cmd = [sys.executable, str(ROOT / "launch/run.py"), "--mesh", "actor:data=2,expert=2", "--steps", "2",
                "--prompts-per-step", "2", "--group-size", "4", "--eval-every", "0", "--ckpt-dir", "",
                "--tensorboard-dir", "", "--metrics-jsonl", str(metrics), "--no-progress",
-               "--coordinator", f"127.0.0.1:{port}", "--num-processes", "2", "--process-id", str(i),
-               "--cpu-devices-per-process", "2"]
+               *cluster, "--cpu-devices-per-process", "2"]
         procs.append(subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
     outs = []
     try:

@@ -90,9 +90,8 @@ def runs(tmp_path_factory, run_env, lt):
     ma, mb, mc, mr = (tmp_path / f"{k}.jsonl" for k in "abcR")
     logs = {k: tmp_path / f"{k}.log" for k in ("a", "a1", "r1", "r2", "b", "c", "r3", "R")}
     rollout = lambda port, m: _flags(lt, m, *TWO, "--rollout-job", "--actor-address", f"127.0.0.1:{port}")  # noqa: E731
-    coord = portpicker.pick_unused_port()
-    actor_a = lambda i: _flags(lt, ma, *ONE, "--rollout-address", f"127.0.0.1:{pa}", "--coordinator",  # noqa: E731
-                               f"127.0.0.1:{coord}", "--num-processes", "2", "--process-id", str(i))
+    cluster = lt.processes(2)
+    actor_a = lambda i: _flags(lt, ma, *ONE, "--rollout-address", f"127.0.0.1:{pa}", *cluster[i])  # noqa: E731
     procs = {
         "a": lt.start(actor_a(0), run_env, logs["a"]),
         "a1": lt.start(actor_a(1), run_env, logs["a1"]),

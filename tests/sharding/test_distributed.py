@@ -6,6 +6,7 @@ import argparse
 import importlib.util
 import os
 import pathlib
+import socket
 import subprocess
 import sys
 import time
@@ -135,3 +136,14 @@ def test_two_processes_match_single_process(tmp_path):
     assert got.shape == expected.shape == (worker.B, worker.S, worker.CFG.vocab_size)
     assert np.isfinite(got).all() and np.abs(got).max() > 0
     np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-5)
+
+
+def test_a_transfer_address_in_use_is_one_line_before_the_join():
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        address = f"127.0.0.1:{held.getsockname()[1]}"
+        said = rf"process 1 cannot listen on its transfer address {address} \(Address already in use\): pass --transfer"
+        with pytest.raises(dist.DistributedInitError, match=said):
+            dist.check_bindable(address, 1)
+    dist.check_bindable(address, 1)  # free again
