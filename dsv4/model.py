@@ -1,7 +1,7 @@
 """DeepSeek-V4 causal LM in Flax NNX: embed -> 4 mHC streams -> blocks -> hyper head -> norm -> head (spec §3).
 
 Module attribute names follow the official checkpoint keys, so the NNX path `layers/3/attn/wq_a/weight` is the
-official key `layers.3.attn.wq_a.weight` (only the stacked experts differ: see `dsv4/convert.py`).
+official key `layers.3.attn.wq_a.weight` (only the stacked experts differ: see `dsv4/io/convert.py`).
 
 Padding: `attention_mask` [B, S] may mark left (or right) padding. Each row is right-aligned internally
 (rolled so its first real token sits at position 0), run with positions 0.., and rolled back. Because the
