@@ -10,7 +10,7 @@ Then two worker processes (this script with `--worker`, joined through `sharding
 CPU devices load it with `dsv4.load_hf_checkpoint(path, dtype=bfloat16, mesh=actor, rules=ACTOR_RULES)` on the
 8-device actor mesh `actor:fsdp=2,expert=2,tensor=2` (fsdp spans the processes). Each worker reports:
 - load_s: wall time of the call (compiles of the dequantisation jits included);
-- read bytes: bytes this process read from the checkpoint's data (`dsv4.safetensors_io.bytes_read`, cross-checked
+- read bytes: bytes this process read from the checkpoint's data (`dsv4.io.safetensors.bytes_read`, cross-checked
   with /proc/self/io rchar), as a fraction of the whole checkpoint;
 - peak RSS growth: `ru_maxrss` after the load minus the RSS before it, over the bytes the process's devices hold
   (its bf16 shard: every addressable shard of every leaf, f32 leaves counted as they are);
@@ -59,9 +59,9 @@ def write_checkpoint(path: pathlib.Path) -> tuple[int, int]:
     from flax import nnx
 
     from dsv4 import DSV4ForCausalLM, count_params, quant
-    from dsv4.convert import official_tensors
+    from dsv4.io.convert import official_tensors
+    from dsv4.io.safetensors import save_sharded_checkpoint
     from dsv4.names import EXPERT_KEY
-    from dsv4.safetensors_io import save_sharded_checkpoint
 
     cfg = config()
     abstract = nnx.eval_shape(lambda: DSV4ForCausalLM(cfg, rngs=nnx.Rngs(0)))
@@ -122,7 +122,7 @@ def worker(args) -> int:
     from flax import nnx
 
     from dsv4 import load_hf_checkpoint, quant
-    from dsv4.safetensors_io import DTYPES, bytes_read, checkpoint_keys
+    from dsv4.io.safetensors import DTYPES, bytes_read, checkpoint_keys
     from sharding import mesh as mesh_lib
     from sharding.rules import ACTOR_RULES
 
@@ -175,7 +175,7 @@ def flash_arithmetic() -> None:
     from flax import nnx
 
     from dsv4 import DSV4Config, DSV4ForCausalLM, quant
-    from dsv4.convert import official_tensors
+    from dsv4.io.convert import official_tensors
     from dsv4.names import EXPERT_KEY, official_key
     from sharding.rules import ACTOR_RULES, ROLLOUT_RULES, logical_to_spec
 

@@ -44,7 +44,7 @@ def worker(pid: int, port: int, runs: int, config: str) -> None:
     from jax.sharding import NamedSharding, PartitionSpec as P
 
     from dsv4 import DSV4Config, DSV4ForCausalLM
-    from dsv4.load import init_model
+    from dsv4.io.load import init_model
     from rl.sampler import Sampler
     from sharding.mesh import build_mesh_plan
     from parallel.push.mpmd import MpmdPusher

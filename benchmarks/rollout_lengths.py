@@ -32,7 +32,7 @@ import numpy as np  # noqa: E402
 from flax import nnx  # noqa: E402
 
 from dsv4 import DSV4Config  # noqa: E402
-from dsv4.load import init_model  # noqa: E402
+from dsv4.io.load import init_model  # noqa: E402
 from rl.sampler import Sampler, SamplingParams  # noqa: E402
 
 

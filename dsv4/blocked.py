@@ -26,7 +26,7 @@ import jax.numpy as jnp
 
 from dsv4.layers import dot_out
 
-_FAR = 1 << 29  # position given to padding: outside every window / causal range of a real query (no int32 overflow)
+FAR = 1 << 29  # position given to padding: outside every window / causal range of a real query (no int32 overflow)
 
 
 def _pad_seq(x: jax.Array, before: int, after: int, value) -> jax.Array:
@@ -84,10 +84,10 @@ def attend_blocked(q: jax.Array, kv: jax.Array, positions: jax.Array, sink: jax.
     nq = -(-s // qb)
     pad = nq * qb - s
     n_prev = -(-(window - 1) // qb)
-    qpos = _pad_seq(positions, 0, pad, _FAR)
+    qpos = _pad_seq(positions, 0, pad, FAR)
     xs = {"q": _blocks(_pad_seq(q, 0, pad, 0), qb), "qpos": _blocks(qpos, qb),
           "k": _key_blocks(_pad_seq(kv, 0, pad, 0), qb, n_prev, 0),
-          "kpos": _key_blocks(qpos, qb, n_prev, -_FAR)}
+          "kpos": _key_blocks(qpos, qb, n_prev, -FAR)}
     has_comp = entries is not None and entries.shape[1] > 0
     if has_comp and selected is not None:
         idx, valid = selected

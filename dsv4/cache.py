@@ -28,6 +28,7 @@ full forward at every position (tests/dsv4/test_cache.py). Sources: official `Co
 
 from __future__ import annotations
 
+import functools
 import math
 
 import jax
@@ -36,7 +37,6 @@ import jax.numpy as jnp
 from dsv4.attention import Attention, attend
 from dsv4.compressor import Compressor, window_pool
 from dsv4.config import CSA, HCA
-from dsv4.mhc import hc_post
 
 LayerCache = dict
 KV_FP8_BLOCK = 64  # dims per ue8m0 scale of the ring / compressed entries (spec §5.8)
@@ -95,7 +95,7 @@ def _entry_zeros(name: str, prefix: tuple, d: int, dtype, fp8: str | None, rope:
     return out
 
 
-def _encode(c: LayerCache, name: str, x: jax.Array) -> LayerCache:
+def encode_entries(c: LayerCache, name: str, x: jax.Array) -> LayerCache:
     """Vectors x [..., d] -> {part: array} in the storage layout of `name` in cache c (dense or FP8 parts)."""
     if name + "_scale" not in c:
         return {name: x.astype(c[name].dtype)}
@@ -128,7 +128,7 @@ def _set_rows(buf: jax.Array, idx: jax.Array, val: jax.Array) -> jax.Array:
         buf, idx, val)
 
 
-def _gather_rows(buf: jax.Array, idx: jax.Array) -> jax.Array:
+def gather_rows(buf: jax.Array, idx: jax.Array) -> jax.Array:
     """buf [B, N, ...], idx [B, M] int -> [B, M, ...] (indices clipped into range)."""
     idx = jnp.clip(idx, 0, buf.shape[1] - 1)
     return jax.vmap(lambda c, i: c[i])(buf, idx)
@@ -168,7 +168,7 @@ def build_layer_cache(attn: Attention, aux: dict, lengths: jax.Array, cache_len:
     j = jnp.arange(w)[None]
     last = lengths[:, None] - 1
     p_j = last - jnp.mod(last - j, w)  # position held by ring slot j: p = j (mod W), p in [len - W, len)
-    c.update(_encode(c, "kv", _gather_rows(kv, p_j)))
+    c.update(encode_entries(c, "kv", gather_rows(kv, p_j)))
     c["pos"] = jnp.where(p_j >= 0, p_j, -1).astype(jnp.int32)
 
     if attn.kind in (CSA, HCA):
@@ -182,11 +182,11 @@ def _fill(c, comp: Compressor, a, z, entries, lengths, keys) -> None:
     """Compressor state after the prefill: entries, the current partial window and the previous window."""
     ka, kz, kpa, kpz, kent = keys
     m = comp.ratio
-    for k, v in _encode(c, kent, entries).items():
+    for k, v in encode_entries(c, kent, entries).items():
         c[k] = jax.lax.dynamic_update_slice_in_dim(c[k], v, 0, 1)
     cur = ((lengths // m) * m)[:, None] + jnp.arange(m)[None]  # positions of the current (incomplete) window
-    c[ka], c[kz] = _gather_rows(a, cur), _gather_rows(z, cur)
-    c[kpa], c[kpz] = _gather_rows(a, cur - m), _gather_rows(z, cur - m)
+    c[ka], c[kz] = gather_rows(a, cur), gather_rows(z, cur)
+    c[kpa], c[kpz] = gather_rows(a, cur - m), gather_rows(z, cur - m)
 
 
 def _compress_step(comp: Compressor, x: jax.Array, t: jax.Array, c: LayerCache, keys) -> None:
@@ -206,8 +206,8 @@ def absorb(comp: Compressor, a: jax.Array, z: jax.Array, t: jax.Array, c: LayerC
     z = z + comp.ape[...].astype(jnp.float32)[t % m]
     slot = t % m
     if live is not None:
-        a = jnp.where(live[:, None], a, _gather_rows(c[ka], slot[:, None])[:, 0])
-        z = jnp.where(live[:, None], z, _gather_rows(c[kz], slot[:, None])[:, 0])
+        a = jnp.where(live[:, None], a, gather_rows(c[ka], slot[:, None])[:, 0])
+        z = jnp.where(live[:, None], z, gather_rows(c[kz], slot[:, None])[:, 0])
     c[ka] = _set_rows(c[ka], slot, a)
     c[kz] = _set_rows(c[kz], slot, z)
     complete = (t + 1) % m == 0
@@ -218,8 +218,8 @@ def absorb(comp: Compressor, a: jax.Array, z: jax.Array, t: jax.Array, c: LayerC
     pooled = window_pool(c[ka][:, None], c[kz][:, None], overlap=comp.overlap, d=comp.d, prev_a=c[kpa], prev_z=pz)
     entry = comp.finish(pooled, jnp.maximum(w, 0))[:, 0]  # [B, d]
     wi = jnp.clip(w, 0, c[kent].shape[1] - 1)
-    for k, v in _encode(c, kent, entry).items():
-        old = _gather_rows(c[k], wi[:, None])[:, 0]
+    for k, v in encode_entries(c, kent, entry).items():
+        old = gather_rows(c[k], wi[:, None])[:, 0]
         c[k] = _set_rows(c[k], wi, jnp.where(complete[:, None], v, old))
     c[kpa] = jnp.where(complete[:, None, None], c[ka], c[kpa])
     c[kpz] = jnp.where(complete[:, None, None], c[kz], c[kpz])
@@ -232,7 +232,7 @@ def decode_attention(attn: Attention, x: jax.Array, t: jax.Array, cache: LayerCa
     q, q_latent = attn.query(x, cos, sin)
     kv = attn.key_value(x, cos, sin)
     w = attn.window
-    for k, v in _encode(c, "kv", kv[:, 0]).items():
+    for k, v in encode_entries(c, "kv", kv[:, 0]).items():
         c[k] = _set_rows(c[k], t % w, v)
     c["pos"] = _set_rows(c["pos"], t % w, t)
     tt = t[:, None]
@@ -257,11 +257,37 @@ def decode_attention(attn: Attention, x: jax.Array, t: jax.Array, cache: LayerCa
 # ------------------------------------------------------------------------------------------ model level
 
 def _layers(model, layer_fn):
-    """(i, x) -> (layer i, x): `layer_fn` when given (the sampler builds layer i there, e.g. dequantising its
-    weights once x is known), else `model.layers[i]` with x unchanged."""
-    if layer_fn is not None:
-        return layer_fn
-    return lambda i, x: (model.layers[i], x)
+    """(i, x) -> (layer i, x): `layer_fn` when given, else `model.layers[i]` with x unchanged."""
+    return layer_fn if layer_fn is not None else (lambda i, x: (model.layers[i], x))
+
+
+def run_blocks(model, x: jax.Array, token_ids: jax.Array, attend, *, layer_fn=None, dispatch_fn=None,
+               routing_replay: jax.Array | None = None, n_layers: int | None = None):
+    """The main layers of the cached paths (prefill, decode, chunked prefill, speculative verify), each through
+    `Block.step` with this path's attention.
+
+    x [B, S, n, D] streams; token_ids [B, S] int32. attend: (i, attn, h [B, S, D]) -> (out [B, S, D], state) for
+    layer i (its cache read / write; `Block.step`'s `attend` with i bound). layer_fn: optional (i, x) -> (Block, x)
+    giving main layer i (the sampler builds layer i there, e.g. dequantising its weights once x is known; then
+    `model.layers` is not read; `rl.rollout_weights.LayerwiseWeights`). routing_replay: [B, S, L, k] int32 expert
+    ids to force (None = route freely). n_layers: how many layers (default: the config's).
+    Returns (x' [B, S, n, D], routing [B, S, L, k] int32, [state of each layer])."""
+    get = _layers(model, layer_fn)
+    routes, states = [], []
+    for i in range(model.config.num_hidden_layers if n_layers is None else n_layers):
+        blk, x = get(i, x)
+        forced = None if routing_replay is None else routing_replay[:, :, i]
+        x, r, state = blk.step(x, token_ids, functools.partial(attend, i), forced, dispatch_fn)
+        routes.append(r)
+        states.append(state)
+    return x, jnp.stack(routes, axis=2), states
+
+
+def layer_attentions(model, layer_fn, x: jax.Array) -> list:
+    """The attention module of every main layer (`run_blocks`'s layer_fn or `model.layers`), for the static cache
+    layout; x: any streams [B, S, n, D] to hand layer_fn."""
+    get = _layers(model, layer_fn)
+    return [get(i, x)[0].attn for i in range(model.config.num_hidden_layers)]
 
 
 def prefill(model, ids: jax.Array, lengths: jax.Array, cache_len: int, routing_replay: jax.Array | None = None,
@@ -282,23 +308,17 @@ def prefill(model, ids: jax.Array, lengths: jax.Array, cache_len: int, routing_r
     b, p = ids.shape
     positions = jnp.broadcast_to(jnp.arange(p, dtype=jnp.int32)[None], (b, p))
     x = jnp.broadcast_to(model.embed_tokens(ids)[:, :, None, :], (b, p, cfg.hc_mult, cfg.hidden_size))
-    caches, routes = [], []
-    get = _layers(model, layer_fn)
-    for i in range(cfg.num_hidden_layers):
-        blk, x = get(i, x)
-        y, post, comb = blk._pre(x, "attn")
-        a, aux = blk.attn(blk.attn_norm(y), positions, return_aux=True)
-        caches.append(build_layer_cache(blk.attn, aux, lengths, cache_len, kv_fp8))
-        x = hc_post(x, a, post, comb)
-        y, post, comb = blk._pre(x, "ffn")
-        forced = None if routing_replay is None else routing_replay[:, :, i]
-        f, r = blk.ffn(blk.ffn_norm(y), ids, forced, dispatch_fn)
-        x = hc_post(x, f, post, comb)
-        routes.append(r)
+
+    def attend(i, attn, h):
+        a, aux = attn(h, positions, return_aux=True)
+        return a, build_layer_cache(attn, aux, lengths, cache_len, kv_fp8)
+
+    x, routing, caches = run_blocks(model, x, ids, attend, layer_fn=layer_fn, dispatch_fn=dispatch_fn,
+                                    routing_replay=routing_replay)
     last = jnp.take_along_axis(x, (lengths - 1)[:, None, None, None], axis=1)[:, 0]  # [B, n, D]
     logits = model.lm_head(model.collapse(last))
     real = jnp.arange(p)[None] < lengths[:, None]
-    routing = jnp.where(real[:, :, None, None], jnp.stack(routes, axis=2), -1)
+    routing = jnp.where(real[:, :, None, None], routing, -1)
     if tail:
         idx = jnp.clip(lengths[:, None] - tail + jnp.arange(tail)[None], 0, p - 1)
         return logits, routing, caches, jnp.take_along_axis(x, idx[:, :, None, None], axis=1)
@@ -312,20 +332,10 @@ def decode_step(model, tokens: jax.Array, t: jax.Array, caches: list, dispatch_f
     b = tokens.shape[0]
     ids = tokens[:, None]
     x = jnp.broadcast_to(model.embed_tokens(ids)[:, :, None, :], (b, 1, cfg.hc_mult, cfg.hidden_size))
-    new_caches, routes = [], []
-    get = _layers(model, layer_fn)
-    for i, cache in enumerate(caches):
-        blk, x = get(i, x)
-        y, post, comb = blk._pre(x, "attn")
-        a, cache = decode_attention(blk.attn, blk.attn_norm(y), t, cache)
-        new_caches.append(cache)
-        x = hc_post(x, a, post, comb)
-        y, post, comb = blk._pre(x, "ffn")
-        f, r = blk.ffn(blk.ffn_norm(y), ids, None, dispatch_fn)
-        x = hc_post(x, f, post, comb)
-        routes.append(r[:, 0])
+    x, routing, new_caches = run_blocks(model, x, ids, lambda i, attn, h: decode_attention(attn, h, t, caches[i]),
+                                        layer_fn=layer_fn, dispatch_fn=dispatch_fn, n_layers=len(caches))
     logits = model.lm_head(model.collapse(x[:, 0]))
-    return logits, jnp.stack(routes, axis=1), new_caches
+    return logits, routing[:, 0], new_caches
 
 
 def teacher_forced_logprobs(model, ids: jax.Array, lengths: jax.Array, n_new: int, cache_len: int, *,

@@ -27,11 +27,11 @@ import math
 import jax
 import jax.numpy as jnp
 
-from dsv4.blocked import _FAR, attend_blocked
-from dsv4.cache import LayerCache, _encode, _gather_rows, _layers, cache_shapes, prefill, read_entries
+from dsv4.blocked import FAR, attend_blocked
+from dsv4.cache import (LayerCache, cache_shapes, encode_entries, gather_rows, layer_attentions, prefill, read_entries,
+                        run_blocks)
 from dsv4.compressor import visible_entries, window_pool
 from dsv4.config import CSA, HCA
-from dsv4.mhc import hc_post
 
 
 def chunk_multiple(config) -> int:
@@ -59,10 +59,10 @@ def _advance_window(c: LayerCache, a, z, s, c_len: int, m: int, progress, active
     idx = (cw - s)[:, None] + jnp.arange(m)[None]
     take_cur = (active & (cw < s + c_len))[:, None, None]
     take_prev = (active & (cw - m >= s))[:, None, None]
-    c[ka] = jnp.where(take_cur, _gather_rows(a, idx), c[ka])
-    c[kz] = jnp.where(take_cur, _gather_rows(z, idx), c[kz])
-    c[kpa] = jnp.where(take_prev, _gather_rows(a, idx - m), c[kpa])
-    c[kpz] = jnp.where(take_prev, _gather_rows(z, idx - m), c[kpz])
+    c[ka] = jnp.where(take_cur, gather_rows(a, idx), c[ka])
+    c[kz] = jnp.where(take_cur, gather_rows(z, idx), c[kz])
+    c[kpa] = jnp.where(take_prev, gather_rows(a, idx - m), c[kpa])
+    c[kpz] = jnp.where(take_prev, gather_rows(z, idx - m), c[kpz])
 
 
 def _compress_chunk(comp, x, s, c: LayerCache, progress, active, keys):
@@ -78,7 +78,7 @@ def _compress_chunk(comp, x, s, c: LayerCache, progress, active, keys):
     pooled = window_pool(a.reshape(b, c_len // m, m, width), z.reshape(b, c_len // m, m, width),
                          overlap=comp.overlap, d=comp.d, prev_a=c[kpa], prev_z=prev_z)
     entries = comp.finish(pooled, jnp.full((b,), s // m, jnp.int32))
-    for k, v in _encode(c, kent, entries).items():  # dense, or the FP8 parts (dsv4.cache's layout)
+    for k, v in encode_entries(c, kent, entries).items():  # dense, or the FP8 parts (dsv4.cache's layout)
         c[k] = jax.lax.dynamic_update_slice_in_dim(c[k], v, s // m, 1)
     _advance_window(c, a, z, s, c_len, m, progress, active, (ka, kz, kpa, kpz))
     return c
@@ -124,14 +124,14 @@ def chunk_attention(attn, x: jax.Array, s: jax.Array, lengths: jax.Array, cache:
     pp = s - n_pre + jnp.arange(n_pre, dtype=jnp.int32)  # their positions
     slot = jnp.mod(pp, w)
     pre_kv = read_entries(c, "kv", kv.dtype)[:, slot]  # dequantised when the cache is FP8
-    pre_pos = jnp.where((c["pos"][:, slot] == pp[None]) & (pp[None] >= 0), pp[None], -_FAR)  # not in the ring: masked
+    pre_pos = jnp.where((c["pos"][:, slot] == pp[None]) & (pp[None] >= 0), pp[None], -FAR)  # not in the ring: masked
     progress = jnp.clip(lengths, s, s + c_len)
     active = lengths > s
     # ring buffer: the last W positions < progress (`build_layer_cache`'s formula), where they lie in this chunk
     last = (progress - 1)[:, None]
     p_j = last - jnp.mod(last - jnp.arange(w)[None], w)
     take = active[:, None] & (p_j >= s)
-    for k, v in _encode(c, "kv", _gather_rows(kv, p_j - s)).items():
+    for k, v in encode_entries(c, "kv", gather_rows(kv, p_j - s)).items():
         c[k] = jnp.where(take[..., None], v, c[k])
     c["pos"] = jnp.where(take, p_j, c["pos"]).astype(jnp.int32)
     entries = selected = None
@@ -176,10 +176,9 @@ def prefill_chunked(model, ids: jax.Array, lengths: jax.Array, cache_len: int, c
     p_pad = n_chunks * chunk
     ids = jnp.pad(ids, ((0, 0), (0, p_pad - p)))
     work_len = max(cache_len, p_pad)  # every chunk's entries fit; trimmed to cache_len at the end
-    get = _layers(model, layer_fn)
     n_l, k = cfg.num_hidden_layers, cfg.num_experts_per_tok
     x0 = jnp.zeros((b, chunk, cfg.hc_mult, cfg.hidden_size), jnp.float32)
-    attns = [get(i, x0)[0].attn for i in range(n_l)]  # static layout only (unused weights are dropped by XLA)
+    attns = layer_attentions(model, layer_fn, x0)  # static layout only (unused weights are dropped by XLA)
     caches = [cache_shapes(a, b, work_len, a.dtype, kv_fp8) for a in attns]
     seen = {}
 
@@ -188,19 +187,11 @@ def prefill_chunked(model, ids: jax.Array, lengths: jax.Array, cache_len: int, c
         s = i * chunk
         ids_c = jax.lax.dynamic_slice_in_dim(ids, s, chunk, 1)
         x = jnp.broadcast_to(model.embed_tokens(ids_c)[:, :, None, :], (b, chunk, cfg.hc_mult, cfg.hidden_size))
-        new, routes = [], []
-        for li in range(n_l):
-            blk, x = get(li, x)
-            y, post, comb = blk._pre(x, "attn")
-            a, c = chunk_attention(blk.attn, blk.attn_norm(y), s, lengths, caches[li])
-            new.append(c)
-            x = hc_post(x, a, post, comb)
-            y, post, comb = blk._pre(x, "ffn")
-            f, r = blk.ffn(blk.ffn_norm(y), ids_c, None, dispatch_fn)
-            x = hc_post(x, f, post, comb)
-            routes.append(r)
+        x, routes, new = run_blocks(model, x, ids_c,
+                                    lambda li, attn, h: chunk_attention(attn, h, s, lengths, caches[li]),
+                                    layer_fn=layer_fn, dispatch_fn=dispatch_fn)
         seen["dtype"] = x.dtype
-        routing = jax.lax.dynamic_update_slice_in_dim(routing, jnp.stack(routes, axis=2).astype(jnp.int32), s, 1)
+        routing = jax.lax.dynamic_update_slice_in_dim(routing, routes.astype(jnp.int32), s, 1)
         j = lengths - 1 - s
         here = jnp.take_along_axis(x, jnp.clip(j, 0, chunk - 1)[:, None, None, None], axis=1)[:, 0]
         last = jnp.where(((j >= 0) & (j < chunk))[:, None, None], here.astype(jnp.float32), last)

@@ -62,10 +62,10 @@ class Compressor(nnx.Module):
         c = 2 if overlap else 1
         self.d, self.ratio, self.overlap, self.eps, self.dtype = d, ratio, overlap, eps, dtype
         self.inv_freq = tuple(inv_freq)
-        self.wkv = _Weight(param(rngs, (c * d, d_model), (ax.COMPRESS, ax.EMBED), dtype=param_dtype, std=std))
-        self.wgate = _Weight(param(rngs, (c * d, d_model), (ax.COMPRESS, ax.EMBED), dtype=param_dtype, std=std))
+        self.wkv = Weight(param(rngs, (c * d, d_model), (ax.COMPRESS, ax.EMBED), dtype=param_dtype, std=std))
+        self.wgate = Weight(param(rngs, (c * d, d_model), (ax.COMPRESS, ax.EMBED), dtype=param_dtype, std=std))
         self.ape = param(rngs, (ratio, c * d), (None, ax.COMPRESS), dtype=jnp.float32, init="zeros")
-        self.norm = _Weight(param(None, (d,), (ax.KV,), dtype=param_dtype, init="ones"))
+        self.norm = Weight(param(None, (d,), (ax.KV,), dtype=param_dtype, init="ones"))
 
     def project(self, x: jax.Array) -> tuple[jax.Array, jax.Array]:
         """x [B, S, D] -> (A, Z) [B, S, c*d] float32, Z without ape (spec §12 item 10: fp32 projections)."""
@@ -114,7 +114,7 @@ class Compressor(nnx.Module):
         return self.full(x)[0]
 
 
-class _Weight(nnx.Module):
+class Weight(nnx.Module):
     """Holder so that checkpoint names read `compressor.wkv.weight` like the official keys."""
 
     def __init__(self, weight: nnx.Param):

@@ -34,7 +34,7 @@ import jax.numpy as jnp
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
-from dsv4.blocked import _FAR, attend_blocked
+from dsv4.blocked import FAR, attend_blocked
 from dsv4.compressor import visible_entries, window_pool
 from dsv4.config import CSA, SLIDING
 from sharding import axes as ax
@@ -186,7 +186,7 @@ def attend_context(attn, x: jax.Array, q: jax.Array, q_latent: jax.Array, kv: ja
         if h > 0:
             idx = jax.lax.axis_index(axis)
             before = idx * s_l - h + jnp.arange(h, dtype=jnp.int32)  # global index of each halo slot
-            halo_pos = jnp.where(before >= 0, pos[:, :1] - h + jnp.arange(h, dtype=jnp.int32)[None], -_FAR)
+            halo_pos = jnp.where(before >= 0, pos[:, :1] - h + jnp.arange(h, dtype=jnp.int32)[None], -FAR)
             kv_l = jnp.concatenate([_halo(kv_l, axis, n, h), kv_l], axis=1)
             q_l = jnp.concatenate([jnp.zeros((b, h, n_h, d), q_l.dtype), q_l], axis=1)
             pos = jnp.concatenate([halo_pos, pos], axis=1)

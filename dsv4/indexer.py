@@ -16,7 +16,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from dsv4.compressor import Compressor, _Weight, visible_entries
+from dsv4.compressor import Compressor, Weight, visible_entries
 from dsv4.layers import apply_rope, linear_f32, param, weight_of
 from sharding import axes as ax
 
@@ -28,9 +28,9 @@ class Indexer(nnx.Module):
         std = cfg.initializer_range
         self.n_heads, self.head_dim, self.topk = cfg.index_n_heads, cfg.index_head_dim, cfg.index_topk
         self.ratio = cfg.csa_compress_ratio
-        self.wq_b = _Weight(param(rngs, (cfg.index_n_heads * cfg.index_head_dim, cfg.q_lora_rank),
+        self.wq_b = Weight(param(rngs, (cfg.index_n_heads * cfg.index_head_dim, cfg.q_lora_rank),
                                   (ax.INDEX_HEADS, ax.Q_LORA), dtype=param_dtype, std=std))
-        self.weights_proj = _Weight(param(rngs, (cfg.index_n_heads, cfg.hidden_size), (ax.INDEX_HEADS, ax.EMBED),
+        self.weights_proj = Weight(param(rngs, (cfg.index_n_heads, cfg.hidden_size), (ax.INDEX_HEADS, ax.EMBED),
                                           dtype=param_dtype, std=std))
         self.compressor = Compressor(cfg.hidden_size, cfg.index_head_dim, self.ratio, True, eps=cfg.rms_norm_eps,
                                      inv_freq=inv_freq, rngs=rngs, param_dtype=param_dtype, dtype=jnp.float32,

@@ -1,7 +1,7 @@
 """DeepSeek-V4 causal LM in Flax NNX: embed -> 4 mHC streams -> blocks -> hyper head -> norm -> head (spec §3).
 
 Module attribute names follow the official checkpoint keys, so the NNX path `layers/3/attn/wq_a/weight` is the
-official key `layers.3.attn.wq_a.weight` (only the stacked experts differ: see `dsv4/convert.py`).
+official key `layers.3.attn.wq_a.weight` (only the stacked experts differ: see `dsv4/io/convert.py`).
 
 Padding: `attention_mask` [B, S] may mark left (or right) padding. Each row is right-aligned internally
 (rolled so its first real token sits at position 0), run with positions 0.., and rolled back. Because the
@@ -27,6 +27,9 @@ gradients; they trade memory for recompute.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any
+
 import jax
 import jax.numpy as jnp
 from flax import nnx, struct
@@ -42,6 +45,8 @@ from sharding.rules import constrain
 
 _STREAMS = (ax.ACT_BATCH, ax.ACT_SEQ, None, ax.ACT_EMBED)  # [B, S, n, D] residual streams
 REMAT_POLICIES = ("block", "dots", "none")
+# a path's attention inside `Block.step`: (attn, normalised block input [B, S, D]) -> (out [B, S, D], state)
+AttendFn = Callable[[Attention, jax.Array], tuple[jax.Array, Any]]
 
 
 def remat_policy(name: str):
@@ -86,18 +91,36 @@ class Block(nnx.Module):
         self.attn = Attention(cfg, layer_idx, rngs=rngs, param_dtype=param_dtype, dtype=dtype, **attn_options)
         self.ffn = MoE(cfg, layer_idx, rngs=rngs, param_dtype=param_dtype, dtype=dtype)
 
-    def _pre(self, x, site):
+    def _pre(self, x: jax.Array, site: str):
+        """mHC pre-mix of site "attn" | "ffn": streams x [B, S, n, D] -> (block input y [B, S, D], post, comb)
+        (`dsv4.mhc.hc_pre` with this block's weights; `hc_post` takes post and comb back)."""
         n, iters, hc_eps, eps = self.cfg_hc
         return hc_pre(x, getattr(self, f"hc_{site}_fn")[...], getattr(self, f"hc_{site}_base")[...],
                       getattr(self, f"hc_{site}_scale")[...], n=n, iters=iters, hc_eps=hc_eps, norm_eps=eps)
 
-    def __call__(self, x, positions, token_ids, forced_ids=None, dispatch_fn=None):
-        """x [B, S, n, D] streams -> (x' [B, S, n, D], routing ids [B, S, k])."""
+    def step(self, x: jax.Array, token_ids: jax.Array, attend: AttendFn, forced_ids: jax.Array | None = None,
+             dispatch_fn=None):
+        """The one body of a decoder layer, shared by every path (full forward, `dsv4.scan`, prefill, decode,
+        chunked prefill, speculative verify, MTP): mHC(attn) -> attn_norm -> attention -> mHC(ffn) -> ffn_norm
+        -> MoE, each mHC post-mix adding the residual.
+
+        x [B, S, n, D] streams; token_ids [B, S] int32 (hash routing). attend: (attn, h [B, S, D]) -> (out [B, S, D],
+        state): how this path's attention reads / writes its cache (`state` is handed back untouched: the new
+        cache, the prefill's aux tensors, the verify's pending state, or None). forced_ids [B, S, k] int32: routing
+        replay (entries < 0 route freely; None = route freely). dispatch_fn: routed-expert implementation
+        (`dsv4.moe.MoE`). Returns (x' [B, S, n, D], routing ids [B, S, k] int32, state)."""
         y, post, comb = self._pre(x, "attn")
-        x = hc_post(x, self.attn(self.attn_norm(y), positions), post, comb)
+        a, state = attend(self.attn, self.attn_norm(y))
+        x = hc_post(x, a, post, comb)
         y, post, comb = self._pre(x, "ffn")
         f, ids = self.ffn(self.ffn_norm(y), token_ids, forced_ids, dispatch_fn)
-        return hc_post(x, f, post, comb), ids
+        return hc_post(x, f, post, comb), ids, state
+
+    def __call__(self, x, positions, token_ids, forced_ids=None, dispatch_fn=None):
+        """Full-sequence layer: x [B, S, n, D] streams at positions [B, S] -> (x' [B, S, n, D], routing ids
+        [B, S, k]): `step` with the plain attention over the sequence itself."""
+        x, ids, _ = self.step(x, token_ids, lambda attn, h: (attn(h, positions), None), forced_ids, dispatch_fn)
+        return x, ids
 
 
 def block_step(layer: Block, x, positions, token_ids, forced_ids=None, dispatch_fn=None):
@@ -123,6 +146,11 @@ class MTPBlock(Block):
         self.hc_head_fn = param(rngs, (n, n * dm), (ax.HC, None), dtype=jnp.float32, std=std)
         self.hc_head_base = param(rngs, (n,), (ax.HC,), dtype=jnp.float32, init="zeros")
         self.hc_head_scale = param(rngs, (1,), (None,), dtype=jnp.float32, init="ones")
+
+    def inputs(self, e: jax.Array, h: jax.Array) -> jax.Array:
+        """The block's input streams X~ = e_proj(enorm(e)) + h_proj(hnorm(h)) (spec §7): e [B, S, D] the embedding
+        of the next token, h [B, S, n, D] the trunk's final streams -> [B, S, n, D] in h's dtype."""
+        return (self.e_proj(self.enorm(e))[:, :, None, :] + self.h_proj(self.hnorm(h))).astype(h.dtype)
 
 
 class DSV4ForCausalLM(nnx.Module):
@@ -311,9 +339,8 @@ class DSV4ForCausalLM(nnx.Module):
     def _mtp(self, blk: MTPBlock, x, next_ids, positions, dispatch_fn, detached: bool = False):
         """MTP: X~_k = e_proj(enorm(embed(next))) + h_proj(hnorm(X_k)); block; own hyper head + norm (spec §7).
         detached: the shared embedding through `stop_gradient`."""
-        e = blk.enorm(self.embed_tokens(next_ids, detached))
-        xm = blk.e_proj(e)[:, :, None, :] + blk.h_proj(blk.hnorm(x))
-        xm, _ = self._block(blk, xm.astype(x.dtype), positions, next_ids, None, dispatch_fn)
+        xm, _ = self._block(blk, blk.inputs(self.embed_tokens(next_ids, detached), x), positions, next_ids, None,
+                            dispatch_fn)
         return self.collapse(xm, owner=blk)
 
     def _block(self, blk: Block, x, positions, ids, forced, dispatch_fn):

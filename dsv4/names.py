@@ -9,7 +9,7 @@ the learner's optimizer labels, the planner) reads these, so a name means the sa
 
 The NNX module tree mirrors the official checkpoint's names (dsv4/model.py), so the official key of a parameter
 is its path joined with "."; only the stacked routed experts differ (`EXPERT_KEY`: one [E, ...] array here, one
-tensor per expert in the checkpoint, dsv4/convert.py).
+tensor per expert in the checkpoint, dsv4/io/convert.py).
 """
 
 from __future__ import annotations

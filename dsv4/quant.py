@@ -149,7 +149,7 @@ def f32_to_e8m0(x):
     return xp.where(xp.isnan(x), 255, xp.clip(b, 0, 254)).astype(xp.uint8)
 
 
-def _scale_to_f32(scale):
+def scale_to_f32(scale):
     """Scale tensor (e8m0 bytes as uint8 / float8_e8m0fnu, or float powers of two) -> float32."""
     dt = np.dtype(scale.dtype)
     if dt == np.uint8 or dt == np.dtype(jnp.float8_e8m0fnu):
@@ -323,7 +323,7 @@ def dequantize_fp8_blockwise(q, scale, *, block: tuple[int, int] = (128, 128), d
     if tuple(scale.shape) != grid:
         raise ValueError(f"fp8 scale shape {tuple(scale.shape)} does not match q {tuple(q.shape)} "
                          f"with block {block} (expected {grid})")
-    s = xp.repeat(xp.repeat(_scale_to_f32(scale), b0, axis=-2), b1, axis=-1)[..., :rows, :cols]
+    s = xp.repeat(xp.repeat(scale_to_f32(scale), b0, axis=-2), b1, axis=-1)[..., :rows, :cols]
     return (q.astype(xp.float32) * s).astype(dtype)
 
 
@@ -471,7 +471,7 @@ def dequantize_fp4(packed, scale, dtype=jnp.float32, *, block: int = FP4_BLOCK):
     # trailing reshape is free (no stack/interleave copy; 3-4x faster on XLA:CPU than unpack_fp4_e2m1 + gather)
     g = block // 2
     codes = (b.reshape(*lead, rows, n // g, g, 1) >> xp.asarray([0, 4], dtype=xp.uint8)) & np.uint8(0x0F)
-    vals = fp4_codes_to_values(codes, xp.float32) * _scale_to_f32(scale)[..., None, None]
+    vals = fp4_codes_to_values(codes, xp.float32) * scale_to_f32(scale)[..., None, None]
     return vals.reshape(*lead, rows, cols).astype(dtype)
 
 
@@ -526,7 +526,7 @@ def fp4_to_fp8_blockwise(packed, scale, *, block: tuple[int, int] = (128, 128), 
     """
     xp = _xp(packed, scale)
     w = dequantize_fp4(packed, scale, xp.float32, block=fp4_block)  # exact in f32
-    s = _scale_to_f32(scale)
+    s = scale_to_f32(scale)
     *lead, rows, cols = w.shape
     b0, b1 = block
     nb0, nb1 = -(-rows // b0), -(-cols // b1)

@@ -244,7 +244,7 @@ def stack_params(state: Any, groups: Sequence[LayerGroup]) -> nnx.State:
 
 def unstack_params(state: Any, groups: Sequence[LayerGroup]) -> nnx.State:
     """Inverse of `stack_params`: the per-layer state, whose paths are the official checkpoint names again
-    (`nnx.update(model, unstack_params(...))`, `dsv4.convert`, the sampler push)."""
+    (`nnx.update(model, unstack_params(...))`, `dsv4.io.convert`, the sampler push)."""
     d = dict(_raw(state))
     if "layers" in d:
         d["layers"] = unstack_layers(d["layers"], groups).raw_mapping

@@ -37,9 +37,8 @@ import jax
 import jax.numpy as jnp
 
 from dsv4.attention import attend
-from dsv4.cache import LayerCache, _encode, _gather_rows, _layers, absorb, cache_shapes, read_entries
+from dsv4.cache import LayerCache, absorb, cache_shapes, encode_entries, gather_rows, read_entries, run_blocks
 from dsv4.config import CSA, HCA
-from dsv4.mhc import hc_post
 
 _COMP_KEYS = ("ca", "cz", "pa", "pz", "comp")
 _IDX_KEYS = ("ia", "iz", "ipa", "ipz", "ik")
@@ -58,7 +57,7 @@ def verify_attention(attn, x: jax.Array, p0: jax.Array, cache: LayerCache, extra
     cos, sin = attn.rope(pos)
     q, q_latent = attn.query(x, cos, sin)
     kv = attn.key_value(x, cos, sin)
-    own = read_entries(_encode(cache, "kv", kv), "kv", kv.dtype)  # FP8 round trip when the cache is FP8
+    own = read_entries(encode_entries(cache, "kv", kv), "kv", kv.dtype)  # FP8 round trip when the cache is FP8
     keys = [read_entries(cache, "kv", kv.dtype), own]
     kpos = [cache["pos"], pos]
     if extra is not None:
@@ -115,43 +114,36 @@ def ring_commit(c: LayerCache, kv: jax.Array, pos: jax.Array, live: jax.Array, w
     live = live & (pos >= 0)
     slot = jnp.mod(pos, window)
     scatter = jax.vmap(lambda buf, i, v: buf.at[i].set(v))
-    for k, v in _encode(c, "kv", kv).items():
-        old = _gather_rows(c[k], slot)
+    for k, v in encode_entries(c, "kv", kv).items():
+        old = gather_rows(c[k], slot)
         c[k] = scatter(c[k], slot, jnp.where(live.reshape(*live.shape, *(1,) * (v.ndim - 2)), v, old))
-    c["pos"] = scatter(c["pos"], slot, jnp.where(live, pos, _gather_rows(c["pos"], slot)))
+    c["pos"] = scatter(c["pos"], slot, jnp.where(live, pos, gather_rows(c["pos"], slot)))
 
 
 def verify_forward(model, tokens: jax.Array, p0: jax.Array, caches: list, dispatch_fn=None, layer_fn=None):
     """Main-model forward of tokens [B, S] at positions p0 .. p0 + S - 1 against the caches (unchanged).
 
     Returns (logits [B, S, V] f32, routing [B, S, L, k] int32, final streams [B, S, n, D], pending) — the
-    pending state (the layers' attention modules and per-layer dicts; use it in the same trace) goes to
+    pending state (per layer its attention module and dict; use it in the same trace) goes to
     `commit`. layer_fn: as `dsv4.cache.prefill`.
     """
     cfg = model.config
     b, s = tokens.shape
     x = jnp.broadcast_to(model.embed_tokens(tokens)[:, :, None, :], (b, s, cfg.hc_mult, cfg.hidden_size))
-    attns, pendings, routes = [], [], []
-    get = _layers(model, layer_fn)
-    for i, cache in enumerate(caches):
-        blk, x = get(i, x)
-        y, post, comb = blk._pre(x, "attn")
-        a, pend = verify_attention(blk.attn, blk.attn_norm(y), p0, cache)
-        pendings.append(pend)
-        attns.append(blk.attn)
-        x = hc_post(x, a, post, comb)
-        y, post, comb = blk._pre(x, "ffn")
-        f, r = blk.ffn(blk.ffn_norm(y), tokens, None, dispatch_fn)
-        x = hc_post(x, f, post, comb)
-        routes.append(r)
+
+    def attend(i, attn, h):
+        out, pend = verify_attention(attn, h, p0, caches[i])
+        return out, (attn, pend)
+
+    x, routing, pending = run_blocks(model, x, tokens, attend, layer_fn=layer_fn, dispatch_fn=dispatch_fn,
+                                     n_layers=len(caches))
     logits = model.lm_head(model.collapse(x))
-    return logits, jnp.stack(routes, axis=2), x, (attns, pendings)
+    return logits, routing, x, pending
 
 
 def commit(caches: list, pending, p0: jax.Array, n: jax.Array) -> list:
     """Caches after feeding the first n [B] positions of a `verify_forward` (its `pending`; see `commit_layer`)."""
-    attns, pendings = pending
-    return [commit_layer(a, c, pend, p0, n) for a, c, pend in zip(attns, caches, pendings)]
+    return [commit_layer(a, c, pend, p0, n) for (a, pend), c in zip(pending, caches)]
 
 
 def mtp_cache(model, batch: int, dtype, kv_fp8: str | None = None) -> LayerCache:
@@ -170,14 +162,9 @@ def mtp_forward(model, h: jax.Array, next_tokens: jax.Array, p0: jax.Array, cach
     kv [B, S, d] of the positions, for `ring_commit` or as `extra`).
     """
     blk = model.mtp[0]
-    e = blk.enorm(model.embed_tokens(next_tokens))
-    xm = (blk.e_proj(e)[:, :, None, :] + blk.h_proj(blk.hnorm(h))).astype(h.dtype)
-    y, post, comb = blk._pre(xm, "attn")
-    a, pend = verify_attention(blk.attn, blk.attn_norm(y), p0, cache, extra)
-    xm = hc_post(xm, a, post, comb)
-    y, post, comb = blk._pre(xm, "ffn")
-    f, _ = blk.ffn(blk.ffn_norm(y), next_tokens, None, dispatch_fn)
-    xm = hc_post(xm, f, post, comb)
+    xm = blk.inputs(model.embed_tokens(next_tokens), h)
+    xm, _, pend = blk.step(xm, next_tokens, lambda attn, y: verify_attention(attn, y, p0, cache, extra),
+                           dispatch_fn=dispatch_fn)
     return model.lm_head(model.collapse(xm, owner=blk)), xm, pend["kv"]
 
 

@@ -38,7 +38,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from dsv4.safetensors_io import atomic_file
+from dsv4.io.safetensors import atomic_file
 
 ALGO = "dsv4rl-fmix32x2-sum/1"  # recorded with the digests; a restore verifies only digests of this algorithm
 
@@ -203,7 +203,7 @@ def npz_digest(arrays: dict[str, np.ndarray]) -> str:
 
 def write_npz(path: str | os.PathLike, arrays: dict[str, np.ndarray]) -> None:
     """Write `arrays` ({name: numpy array}, no name `__digest__`) as an uncompressed .npz with their digest, to a
-    temp file in the same folder, fsynced, then renamed over `path` (`dsv4.safetensors_io.atomic_file`): a reader
+    temp file in the same folder, fsynced, then renamed over `path` (`dsv4.io.safetensors.atomic_file`): a reader
     sees the old file or the whole new one. Raises OSError."""
     with atomic_file(path) as f:
         np.savez(f, **arrays, **{_DIGEST: np.array(npz_digest(arrays))})

@@ -29,7 +29,7 @@ from flax import nnx
 
 from dsv4 import DSV4Config, DSV4ForCausalLM
 from dsv4.chunked import check_chunk
-from dsv4.load import init_model, load_hf_checkpoint, loaded_config
+from dsv4.io.load import init_model, load_hf_checkpoint, loaded_config
 from parallel.push.job import JobPusher
 from parallel.push.local import WeightPusher
 from parallel.push.mpmd import MpmdPusher

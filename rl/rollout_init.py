@@ -1,6 +1,6 @@
 """The rollout's first weights straight from an official checkpoint's own FP8 blocks (no dequantise/requantise).
 
-`checkpoint_rollout_weights(sampler, path)` reads the checkpoint with `dsv4.load.load_quantized_state` on the
+`checkpoint_rollout_weights(sampler, path)` reads the checkpoint with `dsv4.io.load.load_quantized_state` on the
 sampler's mesh and rules (each rollout process reads only its shards) and turns it into the sampler's weight
 state (`Sampler.set_weights` format: {path key: QuantizedTensor | array}) inside one jit whose out_shardings are
 the sampler's:
@@ -22,7 +22,7 @@ import jax
 import jax.numpy as jnp
 
 from dsv4 import quant
-from dsv4.load import load_quantized_state
+from dsv4.io.load import load_quantized_state
 from dsv4.names import param_key
 from rl.rollout_weights import KEEP_F32
 
@@ -48,7 +48,7 @@ def checkpoint_rollout_weights(sampler, path, *, config=None, progress: bool | N
     Returns:
       {path key: QuantizedTensor | jax.Array} with the sampler's shardings.
     Raises:
-      dsv4.load.CheckpointError as `load_hf_checkpoint` does.
+      dsv4.io.load.CheckpointError as `load_hf_checkpoint` does.
     """
     stored = load_quantized_state(path, dtype=sampler.compute_dtype, config=config or sampler.config,
                                   mesh=sampler.mesh, rules=sampler.rules, progress=progress)

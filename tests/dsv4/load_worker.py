@@ -21,7 +21,7 @@ import numpy as np  # noqa: E402
 from flax import nnx  # noqa: E402
 
 from dsv4 import load_hf_checkpoint, save_hf_checkpoint  # noqa: E402
-from dsv4.safetensors_io import bytes_read, checkpoint_keys, DTYPES  # noqa: E402
+from dsv4.io.safetensors import bytes_read, checkpoint_keys, DTYPES  # noqa: E402
 from sharding import distributed, mesh as mesh_lib  # noqa: E402
 from sharding.rules import ACTOR_RULES, param_shardings  # noqa: E402
 

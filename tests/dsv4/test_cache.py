@@ -7,11 +7,14 @@ from flax import nnx
 
 from dsv4 import DSV4Config, DSV4ForCausalLM
 from dsv4.cache import decode_step, prefill
+from dsv4.model import Block
 from randomize import randomize
 
 
-def test_cached_decode_equals_full_forward_across_window_and_compression_boundaries():
+def test_cached_decode_equals_full_forward_across_window_and_compression_boundaries(monkeypatch):
     cfg = DSV4Config.tiny()  # window 8, CSA m=4 (top-3 of the entries), HCA m=8
+    steps, real = [], Block.step  # every path runs its layers through the one Block.step (counted at trace time)
+    monkeypatch.setattr(Block, "step", lambda self, *a, **kw: steps.append(type(self).__name__) or real(self, *a, **kw))
     model = randomize(DSV4ForCausalLM(cfg, rngs=nnx.Rngs(0)), seed=1, scale=0.1)
     b, s, p_bucket, cache_len = 3, 43, 16, 48
     rs = np.random.RandomState(0)
@@ -37,3 +40,5 @@ def test_cached_decode_equals_full_forward_across_window_and_compression_boundar
     assert max(errs) <= 1e-5, f"max |delta logits| {max(errs):.2e}"
     assert route_mismatch == 0
     assert np.abs(full_logits).max() > 1.0  # not a vacuous comparison
+    assert steps == ["Block"] * (3 * cfg.num_hidden_layers)  # full forward, prefill, decode: each layer one Block.step
+

@@ -10,6 +10,7 @@ from flax import nnx
 from dsv4 import DSV4Config, DSV4ForCausalLM
 from dsv4.cache import decode_step, prefill
 from dsv4.chunked import check_chunk, chunk_multiple, prefill_chunked
+from dsv4.model import Block
 from randomize import randomize
 
 CFG = DSV4Config.tiny()  # window 8, CSA m=4 (top-3), HCA m=8
@@ -27,7 +28,9 @@ def _valid_cache_parts(c, lens, cfg_ratio):
 
 
 @pytest.mark.parametrize("chunk", [8, 24])
-def test_chunked_prefill_equals_whole_prompt(chunk):
+def test_chunked_prefill_equals_whole_prompt(chunk, monkeypatch):
+    steps, real = [], Block.step  # every path runs its layers through the one Block.step (counted at trace time)
+    monkeypatch.setattr(Block, "step", lambda self, *a, **kw: steps.append(type(self).__name__) or real(self, *a, **kw))
     model = randomize(DSV4ForCausalLM(CFG, rngs=nnx.Rngs(0), attn_block_q=8), seed=1, scale=0.1)
     rs = np.random.RandomState(0)
     p = int(LENS.max())
@@ -57,6 +60,7 @@ def test_chunked_prefill_equals_whole_prompt(chunk):
         np.testing.assert_allclose(np.asarray(lb), np.asarray(la), atol=1e-5, rtol=0)
         np.testing.assert_array_equal(np.asarray(rb), np.asarray(ra))
         t = t + 1
+    assert steps == ["Block"] * (3 * CFG.num_hidden_layers)  # prefill, chunked prefill, decode
 
 
 def test_chunk_checks():

@@ -1,4 +1,4 @@
-"""Tests for dsv4/convert.py: FP8/FP4 dequantisation on load against an independent NumPy decoder,
+"""Tests for dsv4/io/convert.py: FP8/FP4 dequantisation on load against an independent NumPy decoder,
 transformers-named checkpoints (fused experts), checkpoint errors, atomic export, the name table.
 
 The reference decoders here are written from the format description (spec §9.2, §12 item 23), not from
@@ -20,10 +20,10 @@ import pytest
 from flax import nnx
 
 from dsv4 import DSV4Config, DSV4ForCausalLM, load_hf_checkpoint, save_hf_checkpoint
-from dsv4 import safetensors_io
-from dsv4.convert import CheckpointError, hf_to_official, official_tensors
+from dsv4.io import safetensors as safetensors_io
+from dsv4.io.convert import CheckpointError, hf_to_official, official_tensors
+from dsv4.io.safetensors import iter_checkpoint_tensors, save_sharded_checkpoint
 from dsv4.quant import QuantizedTensor
-from dsv4.safetensors_io import iter_checkpoint_tensors, save_sharded_checkpoint
 from randomize import random_model
 
 # Official names the release stores quantised (spec §9.1, §12 item 24): FP8 128x128 for these ...

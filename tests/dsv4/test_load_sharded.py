@@ -19,9 +19,9 @@ import pytest
 from flax import nnx
 
 from dsv4 import DSV4Config, DSV4ForCausalLM, load_hf_checkpoint, save_hf_checkpoint, quant
-from dsv4.convert import CheckpointError, hf_to_official
-from dsv4.load import init_model
-from dsv4.safetensors_io import INDEX_NAME, iter_checkpoint_tensors
+from dsv4.io.convert import CheckpointError, hf_to_official
+from dsv4.io.load import init_model
+from dsv4.io.safetensors import INDEX_NAME, iter_checkpoint_tensors
 from randomize import random_model
 from sharding.mesh import build_mesh_plan
 from sharding.rules import ACTOR_RULES, ROLLOUT_RULES, param_shardings
@@ -227,7 +227,7 @@ def test_corrupt_bytes_name_the_tensor(ckpts, tmp_path):
     raw = {n: load() for n, load in iter_checkpoint_tensors(d)}
     q = raw["layers.1.attn.wq_b.weight"].view(np.uint8).copy()
     q[0, 0] = 0x7F  # e4m3fn NaN
-    from dsv4.safetensors_io import save_sharded_checkpoint
+    from dsv4.io.safetensors import save_sharded_checkpoint
 
     raw["layers.1.attn.wq_b.weight"] = q.view(ml_dtypes.float8_e4m3fn)
     d2 = tmp_path / "nan2"
@@ -260,7 +260,7 @@ def _nocfg(ckpts, tmp_path):
 
 
 def test_wrong_dtype_and_missing_tensor_sharded(ckpts, plan, tmp_path):
-    from dsv4.safetensors_io import save_sharded_checkpoint
+    from dsv4.io.safetensors import save_sharded_checkpoint
 
     raw = {n: load() for n, load in iter_checkpoint_tensors(ckpts["fp8_fp4"])}
     bad = dict(raw)

@@ -1,4 +1,4 @@
-"""Tests for dsv4/safetensors_io.py: every dtype round-trips, interop with `safetensors.torch` both ways,
+"""Tests for dsv4/io/safetensors.py: every dtype round-trips, interop with `safetensors.torch` both ways,
 error messages for broken files, sharded save + index reading.
 
 Run: .venv/bin/python -m pytest -q tests/dsv4/test_safetensors_io.py
@@ -13,7 +13,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from dsv4 import safetensors_io as S
+from dsv4.io import safetensors as S
 
 # safetensors dtype string -> torch dtype (the ones torch 2.13 has).
 TORCH = {

@@ -39,7 +39,7 @@ import numpy as np
 import pytest
 
 import dsv4
-from dsv4.load import init_model
+from dsv4.io.load import init_model
 from parallel.push.local import WeightPusher
 from rl import loop
 from rl.config import LearnerConfig, RunConfig

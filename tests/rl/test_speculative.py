@@ -19,6 +19,7 @@ from flax import nnx
 from dsv4 import DSV4Config, DSV4ForCausalLM
 from dsv4.cache import decode_step, prefill
 from dsv4.chunked import prefill_chunked
+from dsv4.model import Block
 from dsv4.quant import dequantize_fp8_blockwise
 from dsv4.spec_decode import commit, verify_forward
 from rl.algo_config import SPECULATIVE_MTP_LOSS_WEIGHT
@@ -86,10 +87,12 @@ def test_acceptance_rule_emits_the_target_distribution():
     assert list(np.asarray(yg)) == [best[0, 2], best[1, 1], best[2, 0]]
 
 
-def test_verify_and_commit_leave_the_caches_of_one_token_decoding():
+def test_verify_and_commit_leave_the_caches_of_one_token_decoding(monkeypatch):
     """Verify k + 1 = 4 positions, commit a random 1..4 of them (the rest garbage tokens): the logits and routing
     of every committed position equal one-token decoding's, across ring wrap-around and CSA / HCA window
     boundaries (window 8, ratios 4 and 8)."""
+    steps, real = [], Block.step  # every path runs its layers through the one Block.step (counted at trace time)
+    monkeypatch.setattr(Block, "step", lambda self, *a, **kw: steps.append(type(self).__name__) or real(self, *a, **kw))
     cfg = DSV4Config.tiny(num_hidden_layers=3, compress_ratios=(0, 4, 8, 0))  # sliding (hash), CSA, HCA
     model = randomize(DSV4ForCausalLM(cfg, rngs=nnx.Rngs(0)), seed=1, scale=0.1)
     b, s, p_bucket, cache_len, k = 3, 30, 16, 48, 3
@@ -133,6 +136,7 @@ def test_verify_and_commit_leave_the_caches_of_one_token_decoding():
         if (pos - lens).min() >= plain_lg.shape[0]:
             break
     assert n_cmp >= 40 and max(errs) <= 1e-5, f"{n_cmp} positions, max |delta logits| {max(errs):.2e}"
+    assert steps == ["Block"] * (3 * cfg.num_hidden_layers)  # prefill, decode, verify
 
 
 def test_verify_on_the_fp8_rollout_quantises_as_decoding():

@@ -10,7 +10,7 @@ Quantised tensors: an FP8 `F8_E4M3` weight with a sibling `.scale` (official, e8
 `.weight_scale_inv` (transformers) is block-dequantised (128x128 unless `quantization_config` says otherwise);
 an `I8`/`U8` weight with a scale is an FP4 e2m1 pack (1x32 e8m0 scales) (spec §9.2, §12 item 23).
 
-Load: `dsv4/load.py` (sharded, region reads, on-device dequantisation). Export (`save_hf_checkpoint`) streams
+Load: `dsv4/io/load.py` (sharded, region reads, on-device dequantisation). Export (`save_hf_checkpoint`) streams
 one tensor at a time from the possibly sharded model (quantised on its devices, then gathered), one writer
 process, into a temp directory renamed into place, with a `config.json` that transformers 5.23 loads with no
 missing or unexpected keys.
@@ -34,9 +34,9 @@ from flax import nnx
 from jax.experimental import multihost_utils
 
 from dsv4 import quant
+from dsv4.io.safetensors import save_sharded_checkpoint
 from dsv4.model import DSV4ForCausalLM
 from dsv4.names import EXPERT_KEY, official_key
-from dsv4.safetensors_io import save_sharded_checkpoint
 
 
 class CheckpointError(ValueError):
