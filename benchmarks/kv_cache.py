@@ -30,7 +30,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from dsv4 import DSV4Config, DSV4ForCausalLM  # noqa: E402
 from dsv4.cache import teacher_forced_logprobs  # noqa: E402
 from parallel.plan import KVCache  # noqa: E402
-from rl.sampler import Sampler, SamplingParams  # noqa: E402
+from rl.rollout.engine import Sampler, SamplingParams  # noqa: E402
 
 
 def marginal_bytes(sampler: Sampler, lo: int, hi: int) -> float:

@@ -33,13 +33,13 @@ import jax.numpy as jnp
 from flax import nnx
 
 import dsv4
-from rl import slots as sl
+from rl.rollout import slots as sl
 from rl.config import DEFAULT_LEARNER, DataConfig, LearnerConfig, RolloutConfig
 from rl.config_tree import default
 from launch.hlo_stats import HloStats, count
 from rl.learner import TRAIN, Learner, TrainBatch
-from rl.rollout_service import make_sampler
-from rl.rollout_weights import kv_cache_layout
+from rl.rollout.service import make_sampler
+from dsv4.rollout_format import kv_cache_layout
 from sharding.mesh import build_mesh_plan, parse_mesh_spec
 from sharding import offload as so
 from sharding.rules import ROLLOUT_RULES, batch_shards
@@ -245,9 +245,9 @@ def compile_rollout(config, mesh_spec: str, *, batch: int = 1024, context: int =
     abstract model (no weights): `batch` sequences of `prompt_len` prompt tokens and `context - prompt_len` new
     tokens (bucketed as `Sampler.generate` buckets them), bf16 compute, FP8-resident weights dequantised layer by
     layer, the KV cache as `kv_cache_dtype` (the run's --kv-cache-dtype). `slots`: 0 = the static program; N or
-    "auto" = continuous batching (rl/slots.py) over N slots (auto: as many as `kv_budget` bytes per device hold,
+    "auto" = continuous batching (rl/rollout/slots.py) over N slots (auto: as many as `kv_budget` bytes per device hold,
     at most `batch`; `batch` without a budget), each refill prefilling its own request in chunks of
-    `prefill_chunk` tokens. `speculative` "mtp" compiles the speculative program instead (rl/speculative.py: the
+    `prefill_chunk` tokens. `speculative` "mtp" compiles the speculative program instead (rl/rollout/speculative.py: the
     MTP drafts, the (draft_tokens + 1)-position verify and the commits; static batching). `ep_backend` /
     `ep_capacity_factor`: the sampler's expert dispatch (the run's --rollout.ep_backend / ep_capacity_factor; auto =
     padded on GPUs, `parallel.expert.rollout_backend`). Needs `spec.n_devices`
@@ -271,7 +271,7 @@ def compile_rollout(config, mesh_spec: str, *, batch: int = 1024, context: int =
         slots = sl.plan_slots(slots, per_slot_bytes=sl.cache_bytes_per_slot_for(config, seq, jnp.bfloat16, fp8),
                               budget_bytes=kv_budget, seq_len=seq, shards=batch_shards(ROLLOUT_RULES, plan.rollout))
         slots = min(slots or batch, batch)
-    # the run's Sampler (rl.rollout_service.make_sampler), in bf16 as on the GPU the plan is for
+    # the run's Sampler (rl.rollout.service.make_sampler), in bf16 as on the GPU the plan is for
     rollout = RolloutConfig(dtype=rollout_dtype, kv_cache_dtype=kv_cache_dtype, prefill_chunk=prefill_chunk,
                             speculative=speculative, draft_tokens=draft_tokens, ep_backend=ep_backend,
                             ep_capacity_factor=ep_capacity_factor)

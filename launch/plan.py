@@ -34,7 +34,7 @@ from parallel.plan import __doc__ as _PLAN_DOC
 from rl import config_tree
 from rl.config import DEFAULT_LEARNER, DataConfig, LearnerConfig, RolloutConfig
 from rl.config_tree import default
-from rl.rollout_weights import kv_cache_layout
+from dsv4.rollout_format import kv_cache_layout
 from sharding import mesh as mesh_lib
 from sharding.rules import CONTEXT
 
@@ -386,7 +386,7 @@ def _compile_gpu(config, report, args, learner, seq: int, target: gt.Target) -> 
         if rx is not None and "fnuz" in args.rollout_dtype:
             say(f"  --rollout-dtype {args.rollout_dtype}: XLA:CUDA has no e4m3fnuz GEMM, so on this NVIDIA target the "
                 "FP8 projections are converted before their dots (0 FP8 dots below); on gfx942 (ROCm) they are FP8 "
-                "GEMMs (rl/rollout_weights.py `GEMM_KEYS`; --rollout-dtype fp8 shows them on an NVIDIA target). The "
+                "GEMMs (dsv4/rollout_format.py `GEMM_KEYS`; --rollout-dtype fp8 shows them on an NVIDIA target). The "
                 "routed experts are dequantised per layer on every backend (no grouped FP8 GEMM)")
     step_s, ratio, tok_s = _rooflines(config, report, seq, target, target.label,
                                       xla if a_xla is not None else None, rx, say=say)

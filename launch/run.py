@@ -40,8 +40,8 @@ from rl.config_file import load_config_file  # noqa: E402
 from rl.config_notes import overridden_settings  # noqa: E402
 from rl.job import build, load_data, resolve_model_config  # noqa: E402
 from rl.loop import run, run_eval  # noqa: E402
-from rl.rollout_job import RolloutJobError  # noqa: E402
-from rl.rollout_weights import kv_cache_layout  # noqa: E402
+from rl.rollout.two_job import RolloutJobError  # noqa: E402
+from dsv4.rollout_format import kv_cache_layout  # noqa: E402
 from sharding.distributed import add_distributed_args, initialize_from_args  # noqa: E402
 from sharding.job_link import LinkLost  # noqa: E402
 from sharding.mesh import DeviceCountError, build_mesh_plan, parse_mesh_spec  # noqa: E402

@@ -62,7 +62,7 @@ streamed update) XLA:CPU's figure is above the plan with its XLA:CPU-only item b
 (the same at 8 and 43 layers: more f32 temporaries of one layer's dots than the item counts; benchmarks/README.md
 "Flash actor step compiled for the seed layouts"); the per-layer slope agrees. The GPU plan leaves the item out.
 
-Rollout, per device, as rl/sampler.py holds it: FP8 e4m3 (1 byte per weight) for the checkpoint's FP8 set
+Rollout, per device, as rl/rollout/engine.py holds it: FP8 e4m3 (1 byte per weight) for the checkpoint's FP8 set
 (`dsv4.quant.FP8_WEIGHT_RE`: attention wq_a/wq_b/wkv/wo_a/wo_b, indexer wq_b, shared experts, MTP e/h_proj) and
 the routed experts (`rollout_experts="fp8"`), with one f32 scale per 128x128 block replicated on every device
 (`fp8_scale_bytes` = 4; E8M0 would be 1); or FP4 e2m1 experts ("fp4": 0.5 byte + one `fp4_scale_bytes` = 1 E8M0
@@ -212,7 +212,7 @@ def rollout_leaf_bytes(leaf: Leaf, shape: tuple[int, ...], experts: str, fp8_sca
                        fp4_scale_bytes: float) -> tuple[str, float, float]:
     """(category, bytes, bytes of a bf16 dequantised copy or 0) of one rollout tensor whose local shard is `shape`.
 
-    FP8 scales are replicated on the rollout mesh (as rl/sampler.py places them), so they count with the global
+    FP8 scales are replicated on the rollout mesh (as rl/rollout/engine.py places them), so they count with the global
     shape; FP4 scales (no sampler path yet; the released layout) are assumed split like their weight.
     """
     n = math.prod(shape)
@@ -235,10 +235,10 @@ class KVCache:
 
     @classmethod
     def for_config(cls, config, dtype=jnp.bfloat16, fp8: str | None = None, draft_tokens: int = 0) -> "KVCache":
-        """From `dsv4.cache.cache_shapes` of every main layer (the sampler's layout: rl/sampler.py builds one cache
+        """From `dsv4.cache.cache_shapes` of every main layer (the sampler's layout: rl/rollout/engine.py builds one cache
         per `model.layers` entry; the MTP block has none), evaluated abstractly at two cache lengths. fp8: None
         (entries in `dtype`) or the FP8 layout ("e4m3fn" / "e4m3fnuz": the same bytes). draft_tokens: k >= 1 =
-        speculative rollouts (`--rollout.speculative mtp`, rl/speculative.py): the MTP block's ring cache and the
+        speculative rollouts (`--rollout.speculative mtp`, rl/rollout/speculative.py): the MTP block's ring cache and the
         k verify positions past the last token (rounded to the compression ratios' lcm) are added to `fixed`."""
 
         model = abstract_model(config)
@@ -350,7 +350,7 @@ class PlanReport:
                              f"fp8 {pt.get('fp8', 0):,.0f} B, bf16 {pt.get('bf16', 0):,.0f} B; --kv-cache-dtype "
                              f"{o['kv_dtype']})")
                 lines.append(f"  KV capacity: {r.kv_seqs_per_device:,} sequences = {r.kv_tokens_per_device:,} tokens "
-                             f"per device (rl/sampler.py splits the batch and its caches over data x expert: "
+                             f"per device (rl/rollout/engine.py splits the batch and its caches over data x expert: "
                              f"x{shards} rollout-wide)")
             verdict = "fits" if r.fits else "does not fit"
             what = "left for the KV cache" if r.kv_per_seq is not None else "GPU margin"

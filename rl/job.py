@@ -4,12 +4,12 @@
                                   # checkpoints, metric sinks; every input error is raised here, before step 1
 
 Where the roles live is decided here, once (`sharding.mpmd.role_layout`): both roles in this process (one mesh,
-two disjoint meshes, colocated) -> `job.rollout` is an `rl.rollout_service.LocalRollout`; the rollout on processes
-of its own (MPMD) -> on actor processes `job.rollout` is an `rl.rollout_mpmd.ProcessRollout`, on rollout processes
-`job.server` is the `rl.rollout_mpmd.RolloutServer` they run instead of the loop; the rollout as a JAX job of its
-own (the two-job layout, --rollout-address / --rollout-job) -> `job.rollout` is an `rl.rollout_job.JobRollout` on
-the actor job, and a rollout job (`build_rollout_job`) runs `rl.rollout_job.RolloutJobServer` as `job.server`.
-The learner, the Sampler (`rl.rollout_service.make_sampler`), the checkpoints and the resume are built by the same
+two disjoint meshes, colocated) -> `job.rollout` is an `rl.rollout.service.LocalRollout`; the rollout on processes
+of its own (MPMD) -> on actor processes `job.rollout` is an `rl.rollout.mpmd.ProcessRollout`, on rollout processes
+`job.server` is the `rl.rollout.mpmd.RolloutServer` they run instead of the loop; the rollout as a JAX job of its
+own (the two-job layout, --rollout-address / --rollout-job) -> `job.rollout` is an `rl.rollout.two_job.JobRollout` on
+the actor job, and a rollout job (`build_rollout_job`) runs `rl.rollout.two_job.RolloutJobServer` as `job.server`.
+The learner, the Sampler (`rl.rollout.service.make_sampler`), the checkpoints and the resume are built by the same
 code for every layout.
 """
 
@@ -33,13 +33,13 @@ from dsv4.load import init_model, load_hf_checkpoint, loaded_config
 from parallel.push.job import JobPusher
 from parallel.push.local import WeightPusher
 from parallel.push.mpmd import MpmdPusher
-from rl import slots as sl
+from rl.rollout import slots as sl
 from rl.checkpoint import Checkpointer, check_writable, file_identity
 from rl.config import RunConfig
 from rl.data import PromptDataset, make_prompt_iterator
 from rl.data_formats import build_datasets, resolve_reward_name
 from rl.eval_source import eval_checkpoint_dir, eval_reader
-from rl.exact import exact_layout
+from rl.rollout.exact import exact_layout
 from rl.job_identity import job_identity
 from rl.learner import Learner
 from rl.learner_state import resolve_param_dtype
@@ -47,11 +47,11 @@ from rl.math_rewards import make_reward, prompt_independent_best
 from rl.partial import requests_per_batch
 from rl.pipeline import read_inflight
 from rl.rewards import TextReward
-from rl.rollout_init import checkpoint_rollout_weights
-from rl.rollout_job import JobRollout, RolloutJobServer
-from rl.rollout_mpmd import ProcessRollout, RolloutServer
-from rl.rollout_service import LocalRollout, RolloutService, make_sampler, rollout_compute_dtype
-from rl.rollout_weights import kv_cache_layout
+from rl.rollout.init import checkpoint_rollout_weights
+from rl.rollout.two_job import JobRollout, RolloutJobServer
+from rl.rollout.mpmd import ProcessRollout, RolloutServer
+from rl.rollout.service import LocalRollout, RolloutService, make_sampler, rollout_compute_dtype
+from dsv4.rollout_format import kv_cache_layout
 from rl.sinks import MetricsLogger
 from rl.tasks import DigitTask, TaskReward
 from rl.tokenizer import load_tokenizer
@@ -80,12 +80,12 @@ class Job:
     tokenizer: the prompt/response tokenizer (`eos_id`, `decode`). task: the built-in task (None with
     --dataset). train_data: the training prompts. eval_prompts / eval_refs: held-out prompt ids and their
     references. reward: the run's one `rl.rewards.RewardFn` (the built-in task's or --reward's). learner: the
-    actor (None on MPMD rollout processes). rollout: the rollout service (rl/rollout_service.py; None on MPMD
+    actor (None on MPMD rollout processes). rollout: the rollout service (rl/rollout/service.py; None on MPMD
     rollout processes). iterator: the checkpointable prompt-batch iterator. ckpt: checkpoints (None: --ckpt-dir
     ''). logger: the metric sinks. start_step / weight_version: where the run starts (0, or the restored
     checkpoint's). data_identity: the dataset files' identity (checked on resume). data_metrics: load-time data
     counters. inflight: the pipeline (rl/pipeline.py) while `rl.loop.run` runs. layout: the process roles.
-    server: on an MPMD rollout process, the loop it runs instead (rl/rollout_mpmd.py). counters: train steps run
+    server: on an MPMD rollout process, the loop it runs instead (rl/rollout/mpmd.py). counters: train steps run
     by this process.
     """
 
@@ -115,7 +115,7 @@ class Job:
 
 def _rollout_slots(cfg: RunConfig, model_cfg, plan, max_prompt: int) -> tuple[int, float | None]:
     """--rollout-slots -> (slots for the Sampler, KV budget per rollout device from the memory plan or None).
-    0 stays static batching; N is checked against the plan here, before any model is built (rl/slots.py)."""
+    0 stays static batching; N is checked against the plan here, before any model is built (rl/rollout/slots.py)."""
     r = cfg.rollout
     if r.slots == 0:
         return 0, None
@@ -218,7 +218,7 @@ def build(cfg: RunConfig) -> Job:
     log.info("resolved config: %s", json.dumps(cfg.to_tree(), sort_keys=False, default=str))
     tok, task, train, ev_prompts, ev_refs, reward, ev_data = load_data(cfg)
     model_cfg = resolve_model_config(cfg, tok.vocab_size)
-    two_jobs = cfg.rollout.address is not None  # the rollout is a job of its own (rl/rollout_job.py)
+    two_jobs = cfg.rollout.address is not None  # the rollout is a job of its own (rl/rollout/two_job.py)
     plan = build_job_plan(cfg.mesh, ACTOR, config=model_cfg) if two_jobs else build_mesh_plan(cfg.mesh,
                                                                                               config=model_cfg)
     log.info("meshes: %s%s", plan.describe(), " (the rollout mesh: a stand-in for the rollout job's tiling)"
@@ -232,7 +232,7 @@ def build(cfg: RunConfig) -> Job:
     # MPMD: heartbeats from now on (builds and compiles are long); the results channel keeps a few steps' values
     channel = HostChannel(layout, timeout_s=cfg.rollout.push_timeout, keep=channel_window(cfg)) \
         if layout.mpmd else None
-    # the actor's processes save and restore the learner state; the rollout's is derived (rl/rollout_mpmd.py)
+    # the actor's processes save and restore the learner state; the rollout's is derived (rl/rollout/mpmd.py)
     # (the run lock, taken here, comes before any write: a run refused by it writes nothing, not even config.yaml;
     # an evaluation only reads its checkpoint: rl/eval_source.py)
     processes = layout.actor_processes if layout.mpmd else None
@@ -269,7 +269,7 @@ def build(cfg: RunConfig) -> Job:
         else:
             model = load_hf_checkpoint(init, dtype=load_dtype, config=model_cfg, mesh=plan.actor,
                                        progress=cfg.log.progress)
-        r = cfg.rollout  # --exact-rollout: the learner's fixed micro-batch layout (rl/exact.py)
+        r = cfg.rollout  # --exact-rollout: the learner's fixed micro-batch layout (rl/rollout/exact.py)
         exact = exact_layout(lcfg, rows_per_step=r.prompts_per_step * r.group_size, max_prompt_len=max_prompt,
                              max_new_tokens=r.max_new_tokens, batch_devices=batch_shards(ACTOR_RULES, plan.actor)) \
             if r.exact else None
@@ -343,7 +343,7 @@ def build(cfg: RunConfig) -> Job:
 
 
 def build_rollout_job(cfg: RunConfig) -> Job:
-    """A rollout job of the two-job layout (rl/rollout_job.py): the Sampler on this job's devices (the mesh's
+    """A rollout job of the two-job layout (rl/rollout/two_job.py): the Sampler on this job's devices (the mesh's
     rollout section; weights arrive from the actor by pull) and the loop it serves (`job.server`). It reads the
     data only to size the prompt buckets as the actor does; it writes no metrics, config file or checkpoint."""
     if jax.process_count() > 1:

@@ -1,4 +1,4 @@
-"""What a rollout job must share with its actor job (the two-job layout, rl/rollout_job.py): everything that changes the
+"""What a rollout job must share with its actor job (the two-job layout, rl/rollout/two_job.py): everything that changes the
 numbers it generates, compared at registration.
 
     ident = job_identity(cfg, shapes_cfg, tokenizer, max_prompt_len=max_prompt)  # {"digest", "parts": {...}}

@@ -37,7 +37,7 @@ Choices (and why):
   is divided by the *full batch's* token/sequence counts (`rl.losses.loss_normalizers`) and the results are
   summed, so loss, gradient and every loss metric equal the full-batch values exactly (up to fp rounding).
 - FP8-aware forward (`fp8_forward`, `--learner.fp8_forward`): every forward (policy, `compute_logprobs`, the
-  reference) runs on `rl.rollout_weights.fp8_aware_params(params)`: the weights the FP8 rollout holds, built from
+  reference) runs on `dsv4.rollout_format.fp8_aware_params(params)`: the weights the FP8 rollout holds, built from
   the masters by the rollout's own rule (`RolloutFormat`, shared with `Sampler.quantize_weights`) and dequantised
   as its layers do, and the rollout's activation quantisation at the same linears, all straight-through to the
   masters. The quantised copy is made per micro-batch forward, up front (one copy of the quantised weights in the
@@ -110,7 +110,7 @@ from rl.logprobs import next_token_logits, token_logprobs
 from rl.losses import kl_penalty, loss_normalizers, mtp_mask, policy_loss
 from rl.metrics import masked_mean
 from rl.replay import check_replay_routing
-from rl.rollout_weights import RolloutFormat, fp8_aware_params, parse_rollout_dtype
+from dsv4.rollout_format import RolloutFormat, fp8_aware_params, parse_rollout_dtype
 from sharding import axes as ax
 from sharding import offload as so
 from sharding import rules as sr
@@ -143,7 +143,7 @@ class Learner:
         rollout_dtype: the rollout's `--rollout-dtype` (default the run's), read only with `cfg.fp8_forward`: the
             weights the FP8-aware forward reproduces. rollout_devices: the rollout's devices, which decide "auto"
             (`dsv4.quant.select_fp8_format`; default the learner's). fp8_block: the rollout's FP8 scale block.
-        exact_layout: (rows R, width W) of exact mode (`rl.exact`, `--exact-rollout`): every forward runs in
+        exact_layout: (rows R, width W) of exact mode (`rl.rollout.exact`, `--exact-rollout`): every forward runs in
             micro-batches of R rows x W columns (`rl.batching.fixed_layout`), so a row's logprobs do not depend
             on its batch; None (default): the layout of "Input size".
         abstract: build only the state's shapes, dtypes and shardings (`jax.ShapeDtypeStruct`s; `model` may be
@@ -169,7 +169,7 @@ class Learner:
         self.cfg, self.dispatch_fn, self.exact_layout = cfg, dispatch_fn, exact_layout
         self.model_config = module.config
         compute = jnp.dtype(cfg.compute_dtype)
-        self.rformat = None  # fp8_forward: how the rollout stores each weight (rl.rollout_weights.RolloutFormat)
+        self.rformat = None  # fp8_forward: how the rollout stores each weight (dsv4.rollout_format.RolloutFormat)
         if cfg.fp8_forward:
             rdt = parse_rollout_dtype(rollout_dtype)
             if not rdt.fp8:
@@ -484,7 +484,7 @@ class Learner:
         """[N, V] float32: the tempered logits (logits / T, as the loss scores them) from which the learner predicts
         the token after the one `batch.response_mask` marks in each row (exactly one 1 per row), with the model,
         weights and micro-batch layout of `compute_logprobs` (no routing replay). Exact mode draws its tokens from
-        these (rl/exact.py). Needs rows that start at column 0 (no re-alignment: ValueError otherwise)."""
+        these (rl/rollout/exact.py). Needs rows that start at column 0 (no re-alignment: ValueError otherwise)."""
         batch = self._check_batch(batch, False)
         batch, lay, shift = self._fit(batch)
         if np.any(shift):

@@ -1,11 +1,11 @@
 """The stages of one GRPO step, written once for every layout: batch -> sample -> score -> advantages -> update ->
 push, and the evaluation. They know nothing of schedules (rl/pipeline.py: synchronous or K steps off) or of where
-the rollout runs (behind `job.rollout`, an `rl.rollout_service.RolloutService`).
+the rollout runs (behind `job.rollout`, an `rl.rollout.service.RolloutService`).
 
 1. batch: the next prompt batch from the grain iterator (checkpointable), the same on every host (`global_batch`);
 2. sample: `group_size` rows per prompt through the rollout service (FP8 weights by default): a `RolloutBatch`
    (rl/batch.py: tokens, logprobs, routing in the one layout) with the weight version it was generated with;
-   with `--exact-rollout` the samples are drawn from the learner's own forward instead (rl/exact.py);
+   with `--exact-rollout` the samples are drawn from the learner's own forward instead (rl/rollout/exact.py);
 3. score: the run's one `rl.rewards.RewardFn` (the built-in task's exact partial credit, or a dataset reward in a
    worker process with a per-sample time limit `--data.reward_timeout_s`); DAPO (`--algo dapo`) samples and scores
    further rounds until the batch holds `prompts_per_step` groups whose rewards differ (`dynamic_rollout`,
@@ -34,12 +34,12 @@ import jax.numpy as jnp
 import numpy as np
 from jax.experimental import multihost_utils
 
-from rl import exact
+from rl.rollout import exact
 from rl.advantages import DynamicSampler, compute_advantages
 from rl.batch import RolloutBatch, TrainBatch, concat_rollouts
 from rl.metrics import pass_at_k, response_stats, reward_stats, to_python
-from rl.rollout_service import RolloutRequest
-from rl.sampler import SamplingParams
+from rl.rollout.service import RolloutRequest
+from rl.rollout.engine import SamplingParams
 
 log = logging.getLogger("dsv4rl")
 
@@ -108,7 +108,7 @@ def sample(job, prompts: list[list[int]], step: int, round_index: int = 0,
         return generate(job, rows, sp, seed=job.cfg.seed, step=step, prompt_index=pi, sample_index=si,
                         tag=f"train/{step}/{round_index}",
                         max_new_tokens_per_row=None if caps is None else [c for c in caps for _ in range(g)])
-    # --exact-rollout: drawn from the learner's own forward (rl/exact.py), not by the rollout service; every row
+    # --exact-rollout: drawn from the learner's own forward (rl/rollout/exact.py), not by the rollout service; every row
     # up to --max-new-tokens (RunConfig refuses --rollout.length_schedule with it)
     t0 = time.perf_counter()
     rb, metrics = exact.generate(job.learner, rows, sp, seed=job.cfg.seed, step=step, prompt_index=pi, sample_index=si,

@@ -1,4 +1,4 @@
-"""A fake rollout service and a fake learner for loop tests that compile nothing (rl/rollout_service.py contract).
+"""A fake rollout service and a fake learner for loop tests that compile nothing (rl/rollout/service.py contract).
 
 `FakeRollout` answers a request with tokens that are a function of the request's sample ids and of the weight
 version it serves (so a test can tell which weights sampled which batch), and records every call in `trace`:
@@ -12,7 +12,7 @@ from __future__ import annotations
 import numpy as np
 
 from rl.batch import RolloutBatch
-from rl.rollout_service import RolloutResult, RolloutService
+from rl.rollout.service import RolloutResult, RolloutService
 
 
 class FakeRollout(RolloutService):

@@ -46,7 +46,7 @@ from rl.config import LearnerConfig, RunConfig
 from rl.data import PromptDataset, make_prompt_iterator
 from rl.job import Job
 from rl.learner import Learner
-from rl.rollout_service import LocalRollout, make_sampler
+from rl.rollout.service import LocalRollout, make_sampler
 from rl.tasks import CharTokenizer
 from sharding.mesh import build_mesh_plan
 

@@ -1,4 +1,4 @@
-"""Exact mode (`--exact-rollout`, rl/exact.py; issue 26 point 4): the training samples are drawn from the learner's own
+"""Exact mode (`--exact-rollout`, rl/rollout/exact.py; issue 26 point 4): the training samples are drawn from the learner's own
 forward in the fixed layout, so the distribution each token was drawn from is the one the train step scores, to the
 bit, for every row whatever its neighbours in the request and in the learner's batch. FP8-aware learner (the FP8
 rollout's weights and activation quantisation), routing recorded and replayed; tiny model, 2 layers (CSA, HCA).
@@ -12,11 +12,11 @@ from flax import nnx
 
 from dsv4 import DSV4Config, DSV4ForCausalLM
 from launch import run as launch_run
-from rl import exact
+from rl.rollout import exact
 from rl.batch import concat_rollouts
 from rl.config import LearnerConfig, LossConfig, RunConfig
 from rl.learner import Learner, TrainBatch
-from rl.sampler import SamplingParams
+from rl.rollout.engine import SamplingParams
 
 CFG = DSV4Config.tiny(num_hidden_layers=2, compress_ratios=(4, 8), num_nextn_predict_layers=0)
 P, T = 24, 12  # max prompt length, max new tokens

@@ -12,9 +12,9 @@ from flax import nnx
 
 from dsv4 import DSV4Config, DSV4ForCausalLM
 from dsv4.cache import prefill, resolve_kv_cache_dtype, teacher_forced_logprobs
-from rl import slots as sl
+from rl.rollout import slots as sl
 from rl.config import RunConfig
-from rl.sampler import Sampler, SamplingParams
+from rl.rollout.engine import Sampler, SamplingParams
 
 CFG = DSV4Config.tiny()  # head_dim 32 (rope 8: 24 FP8 dims, blocks of gcd(64, 24) = 8), CSA m=4 (d_I 16), HCA m=8
 P = 16

@@ -20,7 +20,7 @@ from launch import run as launch_run
 from rl.config import LearnerConfig
 from rl.learner import Learner, TrainBatch
 from rl.logprobs import token_logprobs
-from rl.sampler import Sampler
+from rl.rollout.engine import Sampler
 
 CFG = DSV4Config.tiny(num_hidden_layers=2, compress_ratios=(4, 8), num_nextn_predict_layers=0)
 N, S, P = 4, 16, 8  # rows, tokens per row (all real: no trimming, both sides see [4, 16]), prompt part

@@ -13,8 +13,8 @@ from jax.sharding import Mesh
 from dsv4 import DSV4Config, DSV4ForCausalLM, quant
 from dsv4 import moe
 from dsv4.fp8_gemm import fp8_gemm_available, fp8_linear, quantized_linear
-from rl.rollout_weights import check_fp4_experts, parse_rollout_dtype
-from rl.sampler import Sampler, SamplingParams
+from dsv4.rollout_format import check_fp4_experts, parse_rollout_dtype
+from rl.rollout.engine import Sampler, SamplingParams
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "dsv4"))
 from randomize import randomize  # noqa: E402

@@ -173,7 +173,7 @@ def test_max_prompt_len_and_the_rollout_knobs_have_one_default():
     from rl.config import DataConfig, RolloutConfig
     from rl.config_tree import default
     from rl.data import PromptDataset, load_records
-    from rl.sampler import Sampler, SamplingParams
+    from rl.rollout.engine import Sampler, SamplingParams
 
     sampler = inspect.signature(Sampler.__init__).parameters
     records = inspect.signature(PromptDataset.from_records).parameters

@@ -1,4 +1,4 @@
-"""Continuous batching (rl/slots.py): same results per request key as the static path, slot refills counted,
+"""Continuous batching (rl/rollout/slots.py): same results per request key as the static path, slot refills counted,
 slot count checked against the memory plan, prompts longer than the cache rejected."""
 
 import pathlib
@@ -9,9 +9,9 @@ import pytest
 from flax import nnx
 
 from dsv4 import DSV4Config, DSV4ForCausalLM
-from rl import slots as sl
+from rl.rollout import slots as sl
 from rl.config import RunConfig
-from rl.sampler import Sampler, SamplingParams
+from rl.rollout.engine import Sampler, SamplingParams
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "dsv4"))
 from randomize import randomize  # noqa: E402
@@ -179,7 +179,7 @@ def test_rollout_ep_dispatch_knobs_reach_the_sampler():
     from jax.sharding import Mesh
 
     from rl.config import RolloutConfig
-    from rl.rollout_service import make_sampler
+    from rl.rollout.service import make_sampler
 
     mesh = Mesh(np.array(jax.devices()[:8]).reshape(2, 1, 4, 1), ("data", "fsdp", "expert", "tensor"))
     abstract = nnx.eval_shape(lambda: DSV4ForCausalLM(CFG, rngs=nnx.Rngs(0)))

@@ -1,4 +1,4 @@
-"""Speculative decoding with the MTP block (rl/speculative.py, dsv4/spec_decode.py): the acceptance rule's output
+"""Speculative decoding with the MTP block (rl/rollout/speculative.py, dsv4/spec_decode.py): the acceptance rule's output
 distribution, the verify + commit caches against one-token decoding, greedy rollouts equal to plain ones (tokens,
 logprobs, routing; independent of the batch around a row), sampled rollouts' logprobs and routing against the full
 forward, and the decoupled on-policy MTP loss with the push carrying its weights.
@@ -26,8 +26,8 @@ from rl.config import LearnerConfig, RunConfig
 from rl.learner import Learner, TrainBatch
 from rl.optim import clip_by_global_norm_apart
 from rl.logprobs import token_logprobs
-from rl.sampler import Sampler, SamplingParams
-from rl.speculative import accept_drafts, check_speculative, sampling_probs
+from rl.rollout.engine import Sampler, SamplingParams
+from rl.rollout.speculative import accept_drafts, check_speculative, sampling_probs
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "dsv4"))
 from randomize import randomize  # noqa: E402

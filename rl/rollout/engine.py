@@ -9,7 +9,7 @@ Usage:
 
 Design (docs/jax-stack.md §5; Tunix `sampler.py`, MaxText `maxengine` read for ideas):
 - Static batching by default (`slots=0`); `slots=N` (`--rollout-slots`) runs continuous batching instead
-  (rl/slots.py: N decode slots refilled as samples finish, cache sized to prompt + max_new_tokens rounded to the
+  (rl/rollout/slots.py: N decode slots refilled as samples finish, cache sized to prompt + max_new_tokens rounded to the
   compression ratios; same per-sample results). Static: prompt lengths, the batch size and max_new_tokens are
   bucketed to powers of two, so steady state never recompiles; temperature, top-p, top-k, max_new_tokens (per
   row) and stop ids are traced values.
@@ -21,7 +21,7 @@ Design (docs/jax-stack.md §5; Tunix `sampler.py`, MaxText `maxengine` read for 
   `fp8_e4m3fnuz` for MI300/MI308 (gfx942) is the exact byte conversion of the e4m3fn result; `auto` picks by
   device kind; `fp8+fp4experts` keeps the routed experts FP4 e2m1 (1x32 ue8m0 scales); `bf16` / `fp32` dense. Each
   layer's weights are dequantised right before it runs, in the prefill and in every decode step
-  (`dequant="per_layer"`, default: rl/rollout_weights.py), or, as references, the whole model once per call
+  (`dequant="per_layer"`, default: rl/rollout/layerwise.py), or, as references, the whole model once per call
   (`"per_call"`) / per decode step (`"per_step"`). FP8 GEMMs where the backend has them (`matmul="auto"`, logged).
 - KV cache (`kv_cache_dtype`, `--kv-cache-dtype`): "fp8" stores the window ring, the compressed entries and the
   indexer keys in FP8 with ue8m0 scales (the release's layout, `dsv4.cache` docstring; e4m3fnuz when the weights
@@ -63,14 +63,14 @@ from dsv4.model import DSV4ForCausalLM
 from dsv4.names import param_key
 from parallel import expert as expert_lib
 from sharding.mesh import auto_axes
-from rl import slots as _slots
-from rl import speculative as _spec
-from rl.batch import RolloutBatch, concat_rollouts  # noqa: F401  (re-exported: rl.sampler.RolloutBatch)
+from rl.rollout import slots as _slots
+from rl.rollout import speculative as _spec
+from rl.batch import RolloutBatch
 from rl.config import DataConfig, RolloutConfig
 from rl.config_tree import default
-from rl.rollout_weights import (DEQUANT_MODES, LayerwiseWeights, RolloutFormat, check_fp4_experts, default_tie,
-                                layer_value, parse_rollout_dtype, select_fp8_matmul)
-from rl.sampling import row_keys, sample_tokens
+from dsv4.rollout_format import RolloutFormat, check_fp4_experts, layer_value, parse_rollout_dtype
+from rl.rollout.layerwise import DEQUANT_MODES, LayerwiseWeights, default_tie, select_fp8_matmul
+from rl.rollout.sampling import row_keys, sample_tokens
 from sharding import axes as ax
 from sharding.rules import (ROLLOUT_RULES, activation_spec, batch_shards, cache_shardings, param_shardings,
                             use_rules)
@@ -117,16 +117,16 @@ class Sampler:
 
     Args:
       model: a DSV4ForCausalLM (its weights become version 0; any param dtype), or an abstract one
-        (`nnx.eval_shape`): no weights until `set_weights` (e.g. `rl.rollout_init.checkpoint_rollout_weights`).
+        (`nnx.eval_shape`): no weights until `set_weights` (e.g. `rl.rollout.init.checkpoint_rollout_weights`).
       mesh: rollout `jax.sharding.Mesh` (None = default device). rules: logical-axis rules (default
         `sharding.rules.ROLLOUT_RULES`).
       weights: "fp8" | "fp8_e4m3fn" | "fp8_e4m3fnuz" | "auto" | "fp8+fp4experts" | "bf16" | "fp32"
-        (`rl.rollout_weights.parse_rollout_dtype`).
+        (`dsv4.rollout_format.parse_rollout_dtype`).
       max_prompt_len: largest prompt bucket (longer prompts raise ValueError); prompt buckets are powers of two
         from 16. Default: the run's `--max-prompt-len` default (`rl.config.DataConfig.max_prompt_len`); likewise
         `weights`, `slots` and `prefill_chunk` default to the run's `--rollout-dtype`, `--rollout-slots` and
         `--prefill-chunk` (`rl.config.RolloutConfig`). fp8_block: block of the FP8 scales. dequant: "per_layer"
-        (default: each layer's weights are dequantised right before it runs, `rl.rollout_weights.LayerwiseWeights`)
+        (default: each layer's weights are dequantised right before it runs, `rl.rollout.layerwise.LayerwiseWeights`)
         | "per_call" | "per_step" (the whole model at once, per call / per decode step; kept as references).
       matmul: "auto" (FP8 GEMMs where the backend has them, logged) | "dequant" | "fp8" (forced; per_layer only).
       compute_dtype: matmul dtype (default bf16, fp32 for `weights="fp32"`); FP8 weights are dequantised to it
@@ -136,7 +136,7 @@ class Sampler:
         `--rollout.ep_capacity_factor`; "auto" = `parallel.expert.rollout_backend`: capacity on CPU, padded on
         GPUs, dropless without a factor), else `moe.routed_experts_cpu` on CPU with unsharded experts and the
         model's stock `ragged_dot` elsewhere.
-      slots: 0 = static batching; N >= 1 = continuous batching over N decode slots (rl/slots.py).
+      slots: 0 = static batching; N >= 1 = continuous batching over N decode slots (rl/rollout/slots.py).
       kv_budget_bytes: KV-cache bytes per rollout device the memory plan allows (None = unchecked); `generate`
         raises ValueError naming --rollout-slots when N slots of its cache length need more.
       kv_cache_dtype: "bf16" (default here: the unquantised cache) | "fp8" | "auto" (fp8 for FP8 weights; the run's
@@ -145,7 +145,7 @@ class Sampler:
         far (`dsv4.chunked.prefill_chunked`: temporaries bounded by one chunk); 0 = whole prompt at once. A
         multiple of the compression ratios' lcm (`--prefill-chunk`).
       speculative, draft_tokens: "off" | "mtp" and k in 1..3 (`--rollout.speculative`, `--rollout.draft_tokens`):
-        speculative decoding with the MTP block as the draft (rl/speculative.py; static or continuous batching).
+        speculative decoding with the MTP block as the draft (rl/rollout/speculative.py; static or continuous batching).
     Raises:
       ValueError: unknown `weights` / `dequant` / `matmul` / `kv_cache_dtype`, slots < 0, prefill_chunk not a
         multiple of the compression ratios.
@@ -185,7 +185,7 @@ class Sampler:
             compute_dtype = jnp.float32 if weights == "fp32" else jnp.bfloat16
         self.compute_dtype = jnp.dtype(compute_dtype)
         self.fp8_block = tuple(fp8_block)
-        # the one rule from learner weights to rollout weights (also the FP8-aware learner's, rl/rollout_weights.py)
+        # the one rule from learner weights to rollout weights (also the FP8-aware learner's, dsv4/rollout_format.py)
         self.rformat = RolloutFormat(rdt=rdt, fmt=self.fmt, block=self.fp8_block, compute_dtype=self.compute_dtype)
         self.dequant = dequant
         self.max_prompt_len = max_prompt_len
@@ -223,7 +223,7 @@ class Sampler:
             self._generate_jit = jax.jit(lambda *a: _spec.spec_program(self, *a[:-1]), static_argnums=(0,),
                                          donate_argnums=(2,), out_shardings=None if out_sh is None else
                                          out_sh[:6] + (rep,) + out_sh[6:])
-        # continuous batching (rl/slots.py): slot caches split like the batch
+        # continuous batching (rl/rollout/slots.py): slot caches split like the batch
         slot_out = None  # per-request outputs split over the batch axes like the slots (at 1,024 x 32K the routing
         if mesh is not None:  # alone is ~0.8 GB per layer: replicated, it would not fit), stats replicated
             rows = self._input_shardings()[0]
@@ -476,7 +476,7 @@ class Sampler:
         an abstract model). Shapes are bucketed as `generate` buckets them, so `.compile().memory_analysis()`
         gives XLA's per-device figures of exactly the program a `generate` call of that size runs: arguments =
         weight state + caches + inputs, temporaries = activations and dequantised weights. With `slots` >= 1 it
-        is the continuous-batching program (rl/slots.py: `slot_count()` slot caches of `max_prompt_len` +
+        is the continuous-batching program (rl/rollout/slots.py: `slot_count()` slot caches of `max_prompt_len` +
         `max_new_tokens`, split over the batch shards; per-request chunked prefill), else the static one.
 
         Raises ValueError when prompt_len > max_prompt_len or any size is < 1.
@@ -605,7 +605,7 @@ class Sampler:
             tok, lp, prompt_routing, resp_routing, length, stopped, stats, caches = out
             stats = jax.device_get(stats)
             self.last_stats = _slots.slot_stats(stats[:3], s_n)
-            if len(stats) > 3:  # speculative (rl/speculative.py)
+            if len(stats) > 3:  # speculative (rl/rollout/speculative.py)
                 self.last_stats.update(_spec.spec_stats(stats[3:], self.draft_tokens))
         else:
             caches = self._empty_caches(b, p_bucket + t_cap + self._cache_pad())

@@ -13,12 +13,12 @@ sample index), DAPO rounds offsetting the prompt index (rl/stages.py), so a requ
 service serves it and whenever. Evaluation is two requests (rl/stages.py::evaluate), so every service evaluates.
 
 Implementations:
-- `LocalRollout` (here): the `rl.sampler.Sampler` in this process: one mesh, two disjoint meshes of this process,
+- `LocalRollout` (here): the `rl.rollout.engine.Sampler` in this process: one mesh, two disjoint meshes of this process,
   or colocated; the push is `parallel.push.local.WeightPusher` (or `SamplerPusher`, the sampler's own
   `update_weights`, without a mesh plan);
-- `rl.rollout_mpmd.ProcessRollout`: the rollout on processes of its own (MPMD), a command queue over the host
-  channel; `rl.rollout_mpmd.RolloutServer` is the other side;
-- `rl.rollout_job.JobRollout`: the rollout as a JAX job of its own, restartable (`RolloutJobServer` its loop);
+- `rl.rollout.mpmd.ProcessRollout`: the rollout on processes of its own (MPMD), a command queue over the host
+  channel; `rl.rollout.mpmd.RolloutServer` is the other side;
+- `rl.rollout.two_job.JobRollout`: the rollout as a JAX job of its own, restartable (`RolloutJobServer` its loop);
 - tests drive the loop with a fake (tests/rl/fake_rollout.py).
 Every engine's `load_weights` is `pusher.push(params_fn(), version).metrics()` with its `parallel.push` transport
 (`parallel.push.protocol.Pusher`). Where the roles live decides the schedule's cost, not its shape: the loop
@@ -37,7 +37,7 @@ import jax
 from parallel.push.local import SamplerPusher
 from parallel.push.protocol import Pusher
 from rl.batch import RolloutBatch
-from rl.sampler import Sampler, SamplingParams
+from rl.rollout.engine import Sampler, SamplingParams
 
 
 @dataclasses.dataclass(frozen=True)
@@ -125,7 +125,7 @@ class LocalRollout(RolloutService):
     thread when the run is asynchronous), so `collect` only hands the result over.
 
     Args:
-      sampler: the rl.sampler.Sampler (on the rollout mesh, or unmeshed in tests).
+      sampler: the rl.rollout.engine.Sampler (on the rollout mesh, or unmeshed in tests).
       params_fn: () -> the learner's current params (`Learner.params_for_push`), read by `load_weights`.
       pusher: the actor -> rollout push (`parallel.push.local.WeightPusher`); None: `SamplerPusher(sampler)`
         (`Sampler.update_weights`).
@@ -171,7 +171,7 @@ def make_sampler(model, mesh, rollout, *, max_prompt_len: int, slots: int = 0,
     unmeshed), the run's `RolloutConfig` (weights dtype, compute dtype, KV cache dtype, prefill chunk,
     speculative decoding, EP dispatch),
     `max_prompt_len` (the largest prompt bucket), `slots` / `kv_budget_bytes` (continuous batching, resolved by
-    `rl.slots.plan_slots`). `compute_dtype` overrides the config's (the planner compiles in bf16 on CPU devices)."""
+    `rl.rollout.slots.plan_slots`). `compute_dtype` overrides the config's (the planner compiles in bf16 on CPU devices)."""
     platform = (mesh.devices.flat[0] if mesh is not None else jax.devices()[0]).platform
     cd = compute_dtype if compute_dtype is not None else rollout_compute_dtype(rollout, platform)
     return Sampler(model, mesh=mesh, weights=rollout.dtype, max_prompt_len=max_prompt_len, compute_dtype=cd,

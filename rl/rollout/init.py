@@ -24,7 +24,7 @@ import jax.numpy as jnp
 from dsv4 import quant
 from dsv4.load import load_quantized_state
 from dsv4.names import param_key
-from rl.rollout_weights import KEEP_F32
+from dsv4.rollout_format import KEEP_F32
 
 
 def _as_sampler_fp8(x, fmt: str, block):
@@ -42,7 +42,7 @@ def checkpoint_rollout_weights(sampler, path, *, config=None, progress: bool | N
     """Weight state for `sampler.set_weights(state, version)` from the checkpoint directory `path`.
 
     Args:
-      sampler: an `rl.sampler.Sampler` (possibly built from an abstract model); its mesh, rules, fp8 format,
+      sampler: an `rl.rollout.engine.Sampler` (possibly built from an abstract model); its mesh, rules, fp8 format,
         block and compute dtype decide the result.
       config: the model config (default: the sampler's); checked against the file's config.json.
     Returns:

@@ -47,7 +47,7 @@ from parallel.plan import GPUS, plan
 from rl.config import LearnerConfig, RolloutConfig
 from rl.config_tree import default
 from rl.host_memory import cpu_kv_budget, host_memory_bytes
-from rl.sampling import sample_tokens
+from rl.rollout.sampling import sample_tokens
 from sharding import axes as ax
 from sharding.rules import activation_spec, cache_shardings
 
@@ -160,7 +160,7 @@ def slots_program(sampler, shape, wstate, caches, ids, lens, key_data, n_real, t
     cache_len = cache_len_for(cfg, p, t_cap)
     keys = jax.random.wrap_key_data(key_data)
     per_step = sampler.dequant == "per_step"
-    layerwise = sampler.dequant == "per_layer"  # each layer dequantised right before it runs (rl/rollout_weights.py)
+    layerwise = sampler.dequant == "per_layer"  # each layer dequantised right before it runs (rl/rollout/layerwise.py)
     layer_fn = sampler._layerwise.layer_fn(wstate) if layerwise else None
     model = None if per_step else sampler._layerwise.shell(wstate) if layerwise else sampler._model(wstate)
 

@@ -18,7 +18,7 @@ its logits differ from the learner's by ~1e-7 (fp32) to ~4e-2 nats (FP8 KV cache
 2. draws token g of every row from softmax(z), z = the learner's tempered logits at the row's last token
    (`Learner.next_logits`: the same model call, weights, layout and head chunk as the loss's scoring; the
    FP8-aware forward, `--learner.fp8_forward`, with an FP8 rollout), with the rollout's randomness
-   (`rl.sampling.row_keys`: key fold_in(key_row, g); top-k / top-p as the sampler's `sample_tokens`): one full
+   (`rl.rollout.sampling.row_keys`: key fold_in(key_row, g); top-k / top-p as the sampler's `sample_tokens`): one full
    forward of the [R, W] layout per generated token (causal: the positions after the row's last token are padding
    and change nothing before it);
 3. scores the finished rows once with `Learner.compute_logprobs` (the logprobs and the routing the batch carries;
@@ -56,8 +56,8 @@ from rl import batching
 from rl.algo_config import LearnerConfig
 from rl.batch import RolloutBatch, TrainBatch
 from rl.learner import Learner
-from rl.sampler import SamplingParams
-from rl.sampling import row_keys, sample_tokens
+from rl.rollout.engine import SamplingParams
+from rl.rollout.sampling import row_keys, sample_tokens
 
 log = logging.getLogger(__name__)
 
@@ -88,7 +88,7 @@ def rescore(learner: Learner, rb: RolloutBatch, *, routing_replay: bool) -> Roll
     routing_replay: score with `rb.routing` forced, as the train step will (`LearnerConfig.routing_replay`).
     Raises ValueError from `Learner.compute_logprobs` (mis-shaped or invalid routing, row longer than W)."""
     if learner.exact_layout is None:
-        raise ValueError("rl.exact.rescore needs a Learner built with exact_layout (--exact-rollout)")
+        raise ValueError("rl.rollout.exact.rescore needs a Learner built with exact_layout (--exact-rollout)")
     n, p = rb.prompt_tokens.shape
     tb = TrainBatch.from_rollout(rb, np.zeros(n, np.float32), routing=routing_replay)
     res, _ = learner.compute_logprobs(learner.state, tb, routing_replay=routing_replay)
@@ -108,13 +108,13 @@ def generate(learner: Learner, prompts: Sequence[Sequence[int]], params: Samplin
     routing_replay: score with the drawn routing forced, as the train step will (`LearnerConfig.routing_replay`).
     Raises ValueError: no exact layout, an empty prompt, or a prompt + max_new_tokens longer than the width W."""
     if learner.exact_layout is None:
-        raise ValueError("rl.exact.generate needs a Learner built with exact_layout (--exact-rollout)")
+        raise ValueError("rl.rollout.exact.generate needs a Learner built with exact_layout (--exact-rollout)")
     n, width, t_max = len(prompts), learner.exact_layout[1], params.max_new_tokens
     lens = np.array([len(p) for p in prompts], np.int64)
     if n == 0 or lens.min() < 1:
-        raise ValueError("rl.exact.generate: every prompt needs at least one token")
+        raise ValueError("rl.rollout.exact.generate: every prompt needs at least one token")
     if lens.max() + t_max > width:
-        raise ValueError(f"rl.exact.generate: a prompt of {lens.max()} tokens + {t_max} new tokens is longer than the "
+        raise ValueError(f"rl.rollout.exact.generate: a prompt of {lens.max()} tokens + {t_max} new tokens is longer than the "
                          f"exact layout's width {width} (--max-prompt-len + --max-new-tokens)")
     ids = np.zeros((n, width), np.int32)
     for i, p in enumerate(prompts):
