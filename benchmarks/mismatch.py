@@ -102,7 +102,7 @@ def variant_models(sampler: Sampler, model: DSV4ForCausalLM):
     assert any(GEMM_KEYS.search(k) for k in acts)
 
     def build(vals):
-        flat = [(p, var.replace(vals[param_key(p)])) for p, var in sampler._abs_flat]
+        flat = [(p, var.replace(vals[param_key(p)])) for p, var in sampler.weights.abstract_params]
         return nnx.merge(sampler.graphdef, nnx.from_flat_state(flat))
 
     return build(dense), build(acts)
@@ -199,7 +199,7 @@ def main(argv=None) -> int:
     w_only, a_only = variant_models(fp8, model)
     rows["fp8 weights"] = stats(at_resp(full_forward(w_only, ids, mask, fp8.dispatch_fn)), ref)
     rows["fp8 activations"] = stats(at_resp(full_forward(a_only, ids, mask, fp8.dispatch_fn)), ref)
-    both = fp8._model(fp8.weight_state())
+    both = fp8.dense_model(fp8.weight_state())
     rows["fp8 weights+activations"] = stats(at_resp(full_forward(both, ids, mask, fp8.dispatch_fn)), ref)
 
     tf_ids = np.zeros((args.rows, p + new), np.int32)  # right-padded prompt, then the response

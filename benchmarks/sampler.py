@@ -243,17 +243,17 @@ def decode_step_hlo_bytes(sampler: Sampler, prompts, n: int) -> dict:
     """Bytes the compiled decode step reads through its matmuls: `hlo_dot_operand_bytes` of the sampler's compiled
     generate program (the exact signature of a `generate(prompts, max_new_tokens=n)` call) over the ops named
     `decode_step` (weights as the dots really read them, plus the cache tensors attention contracts with)."""
-    jitted, seen = sampler._generate_jit, {}
+    jitted, seen = sampler.static_jit, {}
 
     def spy(*a):
         seen["args"] = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype) if hasattr(x, "dtype") else x, a)
         return jitted(*a)
 
-    sampler._generate_jit = spy
+    sampler.static_jit = spy
     try:
         ours_fn(sampler, prompts, n)()
     finally:
-        sampler._generate_jit = jitted
+        sampler.static_jit = jitted
     # An executable loaded from the persistent compilation cache prints without op metadata; a compile option
     # that only affects profiling makes a distinct cache key, so this compiles afresh.
     lowered = jitted.lower(*seen["args"])

@@ -9,8 +9,7 @@
   bf16 | fp32        dense
 
 The rule from learner weights to rollout weights (`RolloutFormat`, `layer_value`): what the rollout engine
-(rl/rollout/engine.py) stores and what the FP8-aware learner's forward (`fp8_aware_params`) sees; the KV cache layout a
-`--kv-cache-dtype` resolves to for a `--rollout-dtype` (`kv_cache_layout`).
+(rl/rollout/engine.py) stores and what the FP8-aware learner's forward (`fp8_aware_params`) sees.
 """
 
 from __future__ import annotations
@@ -24,7 +23,6 @@ import jax.numpy as jnp
 from flax import nnx
 
 from dsv4 import quant
-from dsv4.cache import resolve_kv_cache_dtype
 from dsv4.fp8_gemm import FakeQuantWeight
 from dsv4.names import param_key
 
@@ -59,14 +57,6 @@ def parse_rollout_dtype(weights: str) -> RolloutDtype:
     if weights == FP4_EXPERTS:
         return RolloutDtype(weights, True, "fp8", True)
     return RolloutDtype(weights, True, weights, False)
-
-
-def kv_cache_layout(kv_cache_dtype: str, rollout_dtype: str) -> str:
-    """`--kv-cache-dtype` resolved for `--rollout-dtype`: "fp8" | "bf16" (`dsv4.cache.resolve_kv_cache_dtype` with
-    `parse_rollout_dtype(rollout_dtype).fp8`: auto = fp8 for FP8-resident weights). The one place the run, the
-    planner and the slot sizing ask which cache layout the sampler will build. Raises ValueError naming the flag
-    for a bad value of either."""
-    return resolve_kv_cache_dtype(kv_cache_dtype, parse_rollout_dtype(rollout_dtype).fp8)
 
 
 def layer_value(key: str, v, dtype, *, fp8_gemm: bool):

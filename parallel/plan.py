@@ -83,7 +83,7 @@ an entry (ring slot or compressed) is e = (d - r) FP8 + (d - r) / 64 ue8m0 scale
 an indexer key d_I + 1 = 129 B, so a token costs 21 * (583 + 129) / 4 + 20 * 583 / 128 = 3,829 B, on top of
 25 MiB per sequence (FP8 rings, f32 window states). DeepSeek's kernels pad an entry to 584 B (+0.2 B per token).
 The sampler replicates the caches over the
-rollout mesh (`Sampler._empty_caches`), so the per-device capacity is also the rollout-wide one; split over the
+rollout mesh (`Sampler.empty_caches`), so the per-device capacity is also the rollout-wide one; split over the
 batch axes it would multiply by devices / tensor (one shared K=V head: no tensor split).
 
 Nodes: `nodes` x `gpus_per_node` (8) must equal the spec's device count; devices are process-major, so the actor
@@ -225,6 +225,19 @@ def rollout_leaf_bytes(leaf: Leaf, shape: tuple[int, ...], experts: str, fp8_sca
     return "bf16/fp32/int32 rest", n * np.dtype(leaf.dtype).itemsize, 0.0
 
 
+@functools.lru_cache(maxsize=64)
+def kv_cache_bytes(config, cache_len: int, dtype=jnp.bfloat16, fp8: str | None = None) -> int:
+    """Bytes of one sequence's decode cache of model `config` at `cache_len` positions: `dsv4.cache.cache_shapes` of
+    every main layer (the rollout engine's layout: one cache per `model.layers` entry; the MTP block has none),
+    evaluated abstractly. dtype: kv / entries when unquantised; fp8: None or the FP8 layout's format ("e4m3fn" /
+    "e4m3fnuz": the same bytes). The one KV-bytes function: the planner (`KVCache`), the slot plan
+    (`rl.rollout.slots.plan_slots`) and the engine ask it."""
+    model = abstract_model(config)
+    dtype = jnp.dtype(dtype)
+    tree = jax.eval_shape(lambda: [cache_shapes(layer.attn, 1, int(cache_len), dtype, fp8) for layer in model.layers])
+    return int(sum(math.prod(a.shape) * np.dtype(a.dtype).itemsize for a in jax.tree.leaves(tree)))
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class KVCache:
     """Decode-cache bytes of one sequence: `per_seq(S)` = fixed + per_token * S (exact when the compress ratios
@@ -243,14 +256,8 @@ class KVCache:
 
         model = abstract_model(config)
         step = math.lcm(*(r for r in config.compress_ratios if r) or (1,))
-
-        def total(cache_len):
-            tree = jax.eval_shape(lambda: [cache_shapes(layer.attn, 1, cache_len, dtype, fp8)
-                                           for layer in model.layers])
-            return sum(math.prod(a.shape) * np.dtype(a.dtype).itemsize for a in jax.tree.leaves(tree))
-
-        fixed = total(0)
-        per_token = (total(step) - fixed) / step
+        fixed = kv_cache_bytes(config, 0, dtype, fp8)
+        per_token = (kv_cache_bytes(config, step, dtype, fp8) - fixed) / step
         if draft_tokens and len(model.mtp):
             attn = model.mtp[0].attn
             ring = jax.eval_shape(lambda: cache_shapes(attn, 1, attn.window, dtype, fp8))

@@ -432,7 +432,7 @@ class Learner:
         abstract = any(isinstance(x, jax.ShapeDtypeStruct) for x in jax.tree.leaves(batch))
         if abstract:
             n, s = batch.input_ids.shape
-            lay = self._layout(n, s, s)
+            lay = self.layout(n, s, s)
         else:
             batch, lay, _ = self._fit(batch)
         fn = self._jit(("step", lay), functools.partial(self._step, lay=lay), donate=True)
@@ -546,31 +546,34 @@ class Learner:
             self._jits[key] = jax.jit(fn, **kw)
         return self._jits[key]
 
-    def _batch_devices(self) -> int:
+    def batch_devices(self) -> int:
+        """Devices the batch's rows are split over (the rules' `act_batch` axes), 1 without a mesh."""
         if self.mesh is None:
             return 1
         return math.prod(self.mesh.shape[a] for a in sr.mesh_axes_for(ax.ACT_BATCH, self.rules) if a in self.mesh.shape)
 
-    def _context_devices(self) -> int:
+    def context_devices(self) -> int:
         """Devices one row's tokens are split over (the rules' `act_seq` axes: context parallelism), 1 without."""
         if self.mesh is None:
             return 1
         return math.prod(self.mesh.shape[a] for a in sr.mesh_axes_for(ax.ACT_SEQ, self.rules) if a in self.mesh.shape)
 
-    def _layout(self, n: int, s: int, longest: int) -> batching.Layout:
+    def layout(self, n: int, s: int, longest: int) -> batching.Layout:
+        """The micro-batch layout (`rl.batching.Layout`) of a step batch of `n` rows x `s` columns whose longest row
+        has `longest` tokens: exact mode's fixed layout, else `rl.batching.layout` with the learner's knobs."""
         c = self.cfg
         if self.exact_layout is not None:
             return batching.fixed_layout(n, s, longest, rows=self.exact_layout[0], width=self.exact_layout[1])
         return batching.layout(n, s, longest, trim=c.trim, micro_batch_size=c.micro_batch_size,
-                               max_tokens=c.max_tokens_per_micro_batch, batch_devices=self._batch_devices(),
-                               context=self._context_devices())
+                               max_tokens=c.max_tokens_per_micro_batch, batch_devices=self.batch_devices(),
+                               context=self.context_devices())
 
     def _fit(self, batch: TrainBatch) -> tuple[TrainBatch, batching.Layout, np.ndarray]:
         """Host side: trim to the longest real row (rl/batching.py) -> (batch, layout, per-row shift).
         Raises ValueError when the token budget is below the longest row."""
         n, s = batch.input_ids.shape
         shift, longest = batching.real_extent(batch.attention_mask)
-        lay = self._layout(n, s, longest)
+        lay = self.layout(n, s, longest)
         if not self.cfg.trim and self.exact_layout is None:
             return batch, lay, np.zeros(n, np.int64)
         batch = batching.pad_columns(batch, lay.width)  # exact_layout: a batch narrower than its width
@@ -583,7 +586,7 @@ class Learner:
         """Static shape checks (ValueError; `rl.batch.check_train_batch`); drops routing when replay is off (not
         sent to the device)."""
         check_train_batch(batch, micro_batch_size=self.cfg.micro_batch_size,
-                          token_budget=self.cfg.max_tokens_per_micro_batch, batch_devices=self._batch_devices())
+                          token_budget=self.cfg.max_tokens_per_micro_batch, batch_devices=self.batch_devices())
         n, s = batch.input_ids.shape
         self._replay_metrics = {}
         if not replay:

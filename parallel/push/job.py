@@ -65,7 +65,7 @@ def start_server(host: str):
 def wire_targets(sampler) -> list[tuple[str, tuple | None, list[jax.ShapeDtypeStruct]]]:
     """[(key, qmeta | None, [ShapeDtypeStruct with the rollout sharding, per wire array])] in the push's order
     (`MpmdPusher.tensors`): a dense tensor crosses as one array, an FP8-stored one as (q, scale)."""
-    stored = sampler._abstract_wstate()
+    stored = sampler.abstract_weights()
     out = []
     for k, r in sampler.rollout_shardings().items():
         x = stored[k]

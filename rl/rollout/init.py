@@ -9,7 +9,8 @@ the sampler's:
 - FP4 experts become FP8 tiles with `dsv4.quant.fp4_to_fp8_blockwise` (exact when the 1x32 scales of a tile
   span <= 14 binades; bound in its docstring).
 - Anything the sampler quantises but the file stores dense (a bf16 checkpoint) is quantised by
-  `dsv4.quant.quantize_rollout_fp8`, the path every push takes; everything else is cast as `Sampler._quantize_fn` casts it.
+  `dsv4.quant.quantize_rollout_fp8`, the path every push takes; everything else is cast as
+  `rl.rollout.weights.EngineWeights.quantize_fn` casts it.
 Converted leaf by leaf with the input donated: the peak is the converted state plus one leaf's stored blocks.
 Tests: tests/dsv4/test_load_sharded.py (same logprobs as the dense-loaded fp32 sampler).
 """
@@ -52,12 +53,12 @@ def checkpoint_rollout_weights(sampler, path, *, config=None, progress: bool | N
     """
     stored = load_quantized_state(path, dtype=sampler.compute_dtype, config=config or sampler.config,
                                   mesh=sampler.mesh, rules=sampler.rules, progress=progress)
-    abs_flat = sampler._abs_flat
+    abs_flat = sampler.weights.abstract_params
     missing = [param_key(p) for p, _ in abs_flat if param_key(p) not in stored]
     if missing:
         raise ValueError(f"{path}: the checkpoint lacks {len(missing)} tensors the rollout model needs, e.g. {missing[:3]}")
 
-    out_sh = sampler._wstate_shardings()
+    out_sh = sampler.weights.state_shardings()
     cpu = sampler.mesh is not None and sampler.mesh.devices.flat[0].platform == "cpu"
     jits: dict = {}
 
@@ -74,7 +75,7 @@ def checkpoint_rollout_weights(sampler, path, *, config=None, progress: bool | N
     for p, v in abs_flat:
         k = param_key(p)
         x = stored.pop(k)
-        if sampler._is_fp8(k, v.get_value()):
+        if sampler.weights.is_quantized(k, v.get_value()):
             mode, dtype = "fp8", None
         elif jnp.issubdtype(x.dtype if not isinstance(x, quant.QuantizedTensor) else jnp.float32, jnp.floating) \
                 and not KEEP_F32.search(k):

@@ -80,16 +80,17 @@ class ProcessRollout(RolloutService):
     def weight_version(self) -> int:
         return self._version
 
-    def load_weights(self, version: int) -> dict:
+    def load_weights(self, version: int, source: str | None = None) -> dict:
+        """The push of the actor's params as `version`; with `source` (--init's checkpoint at version 0) the rollout
+        processes read it themselves (its own FP8 blocks, the directory their `RolloutServer(init=...)` names)."""
+        if source is not None:
+            self._command({"op": "load_init", "version": int(version)})
+            self._version = int(version)
+            return {}
         self._command({"op": "push", "version": int(version)})
         stats = self.pusher.push(self.params_fn(), int(version))
         self._version = int(version)
         return stats.metrics()
-
-    def load_init(self) -> None:
-        """Version 0 from --init's checkpoint, read by the rollout processes themselves (its own FP8 blocks)."""
-        self._command({"op": "load_init"})
-        self._version = 0
 
     def close(self) -> None:
         self._command({"op": "stop"})
@@ -129,7 +130,8 @@ class RolloutServer:
                 self.pusher.push(None, int(cmd["version"]))
             elif op == "load_init":
                 self.sampler.set_weights(checkpoint_rollout_weights(self.sampler, self.init, config=self.config,
-                                                                    progress=self.progress), version=0)
+                                                                    progress=self.progress),
+                                         version=int(cmd.get("version", 0)))
                 log.info("MPMD: rollout weights version 0 read from %s (its own FP8 blocks)", self.init)
             elif op == "stop":
                 return {"generate": self.generate_calls, "train_steps": 0}

@@ -36,7 +36,7 @@ import jax.numpy as jnp
 
 from dsv4.chunked import chunk_multiple, prefill_chunked
 from dsv4.spec_decode import commit, mtp_cache, mtp_forward, ring_commit, verify_forward
-from rl.rollout import slots as _slots
+from rl.rollout import slots as slots_lib
 from rl.rollout.sampling import filter_logits, sample_tokens
 
 SPECULATIVE_MODES = ("off", "mtp")
@@ -109,8 +109,8 @@ class _Ctx:
 
     def __init__(self, sampler, wstate, temperature, top_p, top_k, stop_ids):
         layerwise = sampler.dequant == "per_layer"
-        self.model = sampler._layerwise.shell(wstate) if layerwise else sampler._model(wstate)
-        self.layer_fn = sampler._layerwise.layer_fn(wstate) if layerwise else None
+        self.model = sampler.layerwise.shell(wstate) if layerwise else sampler.dense_model(wstate)
+        self.layer_fn = sampler.layerwise.layer_fn(wstate) if layerwise else None
         self.fn, self.k, self.sampler = sampler.dispatch_fn, sampler.draft_tokens, sampler
         self.temperature, self.top_p, self.top_k, self.stop_ids = temperature, top_p, top_k, stop_ids
         self.w_mtp = self.model.mtp[0].attn.window
@@ -208,7 +208,7 @@ class _Ctx:
 
 def spec_program(sampler, shape, wstate, caches, ids, lens, key_data, temperature, top_p, top_k, max_new, stop_ids):
     """The static-batch speculative rollout (traced by the sampler's generate jit); inputs and outputs as
-    `Sampler._generate_fn` plus stats [3] f32 = (tokens emitted, verify steps of live rows, accepted drafts)
+    `rl.rollout.static.static_program` plus stats [3] f32 = (tokens emitted, verify steps of live rows, accepted drafts)
     before the caches. shape = (B, P, T) static; the caches hold P + T + `cache_pad` positions."""
     b, p, t_cap = shape
     cfg = sampler.config
@@ -237,14 +237,14 @@ def spec_program(sampler, shape, wstate, caches, ids, lens, key_data, temperatur
 
 def spec_slots_program(sampler, shape, wstate, caches, ids, lens, key_data, n_real, temperature, top_p, top_k,
                        max_new, stop_ids):
-    """Continuous batching with speculative steps (rl/rollout/slots.py's program, traced by the sampler's slots jit; the same
-    inputs and outputs, stats [6] f32 = rl/rollout/slots.py's three then `spec_program`'s three). A request is admitted
+    """Continuous batching with speculative steps (rl/rollout/slots.py's program, traced by the sampler's slots
+    jit; the same inputs and outputs, stats [6] f32 = rl/rollout/slots.py's three then `spec_program`'s three). A request is admitted
     into a free slot by its own prefill (+ the MTP block over its prompt tail); each step advances every slot by
     one speculative step; a slot whose sample has ended (its last token fed) writes its result and is freed."""
     nb, p, t_cap, s = shape
     cfg = sampler.config
     n_l, ke = cfg.num_hidden_layers, cfg.num_experts_per_tok
-    cache_len = _slots.cache_len_for(cfg, p, t_cap + cache_pad(cfg, sampler.draft_tokens))
+    cache_len = slots_lib.cache_len_for(cfg, p, t_cap + cache_pad(cfg, sampler.draft_tokens))
     keys = jax.random.wrap_key_data(key_data)
     ctx = _Ctx(sampler, wstate, temperature, top_p, top_k, stop_ids)
     def put_row(big, small, j):

@@ -284,7 +284,8 @@ class JobRollout(RolloutService):
     def weight_version(self) -> int:
         return self._version
 
-    def load_weights(self, version: int) -> dict:
+    def load_weights(self, version: int, source: str | None = None) -> dict:
+        # `source` (--init): the rollout job cannot read the actor's checkpoint; the push carries the same weights
         stats = self.pusher.push(self.params_fn(), int(version))  # stages, then `_deliver`
         self._version = int(version)
         return stats.metrics()
@@ -306,12 +307,6 @@ class JobRollout(RolloutService):
 
     def stats(self) -> dict:
         return {"rollout/restarts": float(self.restarts), "rollout/recovery_s": float(self.recovery_s)}
-
-    def health(self) -> str | None:
-        if not self.lead:
-            return None
-        link = self.link
-        return None if link is not None and not link.closed else f"{self.rollout_name} is not connected"
 
     def close(self) -> None:
         if not self.lead:  # serve offers (process 0's last push, a recovery) until process 0 is done with the rollout;

@@ -48,7 +48,7 @@ class FakeRollout(RolloutService):
     def weight_version(self) -> int:
         return self._version
 
-    def load_weights(self, version: int) -> dict:
+    def load_weights(self, version: int, source: str | None = None) -> dict:
         self.trace.append(("push", version))
         self._version = version
         return {"perf/weight_push_s": 0.0}

@@ -153,7 +153,7 @@ def test_verify_on_the_fp8_rollout_quantises_as_decoding():
 
     @jax.jit
     def both(ws):
-        m, lf = s._layerwise.shell(ws), s._layerwise.layer_fn(ws)
+        m, lf = s.layerwise.shell(ws), s.layerwise.layer_fn(ws)
         caches = prefill_chunked(m, ids, lens, 32, s.prefill_chunk, layer_fn=lf, kv_fp8=s.kv_fp8)[2]
         lg, r, _, _ = verify_forward(m, toks, lens, caches, layer_fn=lf)
 
