@@ -103,7 +103,7 @@ def variant_models(sampler: Sampler, model: DSV4ForCausalLM):
 
     def build(vals):
         flat = [(p, var.replace(vals[param_key(p)])) for p, var in sampler.weights.abstract_params]
-        return nnx.merge(sampler.graphdef, nnx.from_flat_state(flat))
+        return nnx.merge(sampler.weights.graphdef, nnx.from_flat_state(flat))
 
     return build(dense), build(acts)
 

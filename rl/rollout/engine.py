@@ -133,7 +133,6 @@ class Sampler(EngineShapes):
         if settings is not None and knobs:
             raise TypeError(f"Sampler: pass settings or its fields, not both ({sorted(knobs)})")
         rdt = st.rdt
-        self.kv_cache_dtype = st.kv_layout
         self.config = cfg = model.config
         self.prefill_chunk = check_chunk(cfg, st.prefill_chunk)
         self.mesh = mesh = auto_axes(mesh)  # Explicit or Auto axes (sharding.mesh.auto_axes)
@@ -142,7 +141,7 @@ class Sampler(EngineShapes):
         devs = None if mesh is None else list(mesh.devices.flat)
         self.fmt = quant.select_fp8_format(rdt.fp8_name, devs) if self.fp8 else None
         # FP8 cache format: the weights' (e4m3fnuz on gfx942), else the device's
-        self.kv_fp8 = None if self.kv_cache_dtype == "bf16" else (self.fmt or quant.select_fp8_format("auto", devs))
+        self.kv_fp8 = None if st.kv_layout == "bf16" else (self.fmt or quant.select_fp8_format("auto", devs))
         self.fp8_gemm = select_fp8_matmul(st.matmul, self.fp8, devs) and st.dequant == "per_layer"
         self.compute_dtype, self.fp8_block, self.dequant = st.compute_dtype, st.fp8_block, st.dequant
         self.max_prompt_len, self.slots, self.kv_budget_bytes = st.max_prompt_len, st.slots, st.kv_budget_bytes

@@ -58,7 +58,7 @@ def _expected_bytes_per_token(cfg) -> float:
 
 def test_cache_arrays_are_fp8_and_bytes_match_the_formula(model):
     s = Sampler(model, weights="fp8", max_prompt_len=P, kv_cache_dtype="auto")  # auto + FP8 weights -> fp8
-    assert s.kv_cache_dtype == "fp8" and s.kv_fp8 == "e4m3fn"
+    assert s.settings.kv_layout == "fp8" and s.kv_fp8 == "e4m3fn"
     assert Sampler(model, weights="fp32", max_prompt_len=P, kv_cache_dtype="auto").kv_fp8 is None
 
     def nbytes(caches):
