@@ -298,7 +298,9 @@ def build(cfg: RunConfig) -> Job:
         rollout = JobRollout(cfg.rollout.address, pusher, learner.params_for_push, timeout_s=cfg.rollout.push_timeout,
                              restart_timeout_s=cfg.rollout.restart_timeout, channel=channel,
                              identity=job_identity(cfg, shapes_cfg, tok, max_prompt_len=max_prompt))
-    elif not layout.mpmd:  # --init: version 0 read from the file's own FP8 blocks (`load_weights(0, source=init)`)
+    elif not layout.mpmd:
+        if init != "random":  # version 0 from the file's own FP8 blocks, first: the pusher copies the stored layout
+            LocalRollout(sampler, config=shapes_cfg, progress=cfg.log.progress).load_weights(0, source=init)
         pusher = WeightPusher(plan, sampler, learner.params_for_push(), verify_every=cfg.rollout.push_verify_every)
         rollout = LocalRollout(sampler, learner.params_for_push, pusher, config=shapes_cfg, progress=cfg.log.progress)
     else:
