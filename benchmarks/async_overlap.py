@@ -29,7 +29,7 @@ layout in miniature, 2 local processes (`--num-processes 2 --cpu-devices-per-pro
 own core (`sched_setaffinity` before exec: XLA:CPU sizes its thread pool from the affinity mask) with XLA
 single-threaded (`XLA_FLAGS=--xla_cpu_multi_thread_eigen=false`; jax 0.10.2 has no intra-op thread option of its
 own, and the pool already has one core). The async side is the one loop's pipeline (rl/pipeline.py) over
-`rl.rollout_mpmd.ProcessRollout` (the rollout process generates batch n + 1 while the actor process trains on
+`rl.rollout.mpmd.ProcessRollout` (the rollout process generates batch n + 1 while the actor process trains on
 batch n).
 
 Partial rollouts (`--partial-rollout`, issue 23 point 4): every run gets a length spread where a long tail holds the
@@ -40,7 +40,7 @@ from the groups that finished, the long ones continued after the push). partial_
 (async) run's mean step time / the partial run's, over the steps after the warm-up, compile steps (> 4x the median)
 left out (`steady_mean`): a tail holds some steps, so the median would hide it; partial_speedup_median is the ratio
 of the medians; partial_first10 / partial_last10 the partial run's reward curve. In every layout: with `--mpmd` the
-actor process runs the partial producer and the rollout process generates its segments (rl/rollout_mpmd.py), the
+actor process runs the partial producer and the rollout process generates its segments (rl/rollout/mpmd.py), the
 regime the feature is for (a rollout slower than the update, on its own core).
 
 Last line: `RESULT sync_step_s=.. async_step_s=.. speedup=.. overlap_frac=.. async_first10=.. async_last10=..

@@ -1,4 +1,4 @@
-"""One steady-state GRPO step: dsv4-rl (JAX: `rl.sampler.Sampler` + `rl.learner.Learner`) vs TRL's `GRPOTrainer`
+"""One steady-state GRPO step: dsv4-rl (JAX: `rl.rollout.engine.Sampler` + `rl.learner.Learner`) vs TRL's `GRPOTrainer`
 (transformers generate + torch autograd), same tiny DeepSeek-V4 weights, same work, same CPU, fp32 on both sides.
 
 The work of one step, on both sides: 2 prompts (8 tokens each) x 4 generations = 8 samples of exactly 16 new
@@ -98,7 +98,7 @@ def make_ours(ckpt: str, prompts: list[list[int]], warmup: int = 2):
     from rl.advantages import grpo_advantages
     from rl.config import LearnerConfig, LossConfig
     from rl.learner import Learner, TrainBatch
-    from rl.sampler import Sampler, SamplingParams
+    from rl.rollout.engine import Sampler, SamplingParams
 
     model = load_hf_checkpoint(ckpt, dtype=jnp.float32)
     sampler = Sampler(model, weights="fp32", max_prompt_len=PROMPT_LEN)

@@ -3,7 +3,7 @@
     .venv/bin/python benchmarks/kv_cache.py [--config small] [--rows 4] [--new 96]
 
 - Bytes: Flash's per-token KV bytes of both layouts from `dsv4.cache.cache_shapes` (`parallel.plan.KVCache`,
-  abstract: no memory), and the benchmark model's from the live cache arrays of its Sampler (`_empty_caches` at two
+  abstract: no memory), and the benchmark model's from the live cache arrays of its Sampler (`empty_caches` at two
   cache lengths: the marginal bytes per added token).
 - Logprob effect: the benchmark model (`--config`, default init, seed 0; fp32 weights and compute so only the cache
   differs) samples `--rows` responses of `--new` tokens at temperature 1 with the unquantised cache; those very
@@ -30,13 +30,13 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from dsv4 import DSV4Config, DSV4ForCausalLM  # noqa: E402
 from dsv4.cache import teacher_forced_logprobs  # noqa: E402
 from parallel.plan import KVCache  # noqa: E402
-from rl.sampler import Sampler, SamplingParams  # noqa: E402
+from rl.rollout.engine import Sampler, SamplingParams  # noqa: E402
 
 
 def marginal_bytes(sampler: Sampler, lo: int, hi: int) -> float:
     """Bytes per added token of the sampler's live cache arrays between cache lengths lo and hi."""
     def nb(n):
-        return sum(x.nbytes for x in jax.tree.leaves(sampler._empty_caches(1, n)))
+        return sum(x.nbytes for x in jax.tree.leaves(sampler.empty_caches(1, n)))
     return (nb(hi) - nb(lo)) / (hi - lo)
 
 

@@ -29,12 +29,12 @@ Cost of `fp8_forward` (`--cost`, on by default): the learner's train step on the
 compiled temp bytes (`Learner.lower(batch).compile().memory_analysis()`; XLA:CPU figures) and step time (median of
 3 calls of that compiled step).
 
-Exact mode (`--exact-rollout`, rl/exact.py): the learner built with `exact_layout` draws a batch from the same
-prompts with its own forward (`rl.exact.generate`) and the train step's own metric
+Exact mode (`--exact-rollout`, rl/rollout/exact.py): the learner built with `exact_layout` draws a batch from the same
+prompts with its own forward (`rl.rollout.exact.generate`) and the train step's own metric
 `train/train_rollout_logprob_abs_diff` is read on it (`Learner.loss_and_grads`): `exact` (FP8-aware learner, the FP8
 rollout's weights and activations), `exact fp32` (fp32 learner), and `exact, 2 micro-batches` (the FP8-aware case
 with `micro_batch_size` = rows / 2: the step's scanned micro-batch loop, the one part left inexact). Cost: rollout
-tok/s of the FP8 sampler's `generate` (static batch, FP8 KV cache) vs `rl.exact.generate` (each the median of 3 warm
+tok/s of the FP8 sampler's `generate` (static batch, FP8 KV cache) vs `rl.rollout.exact.generate` (each the median of 3 warm
 calls), `exact_cost_frac` = exact s / generate s - 1 (the rollout time exact mode adds, as a fraction).
 
 Last line: `RESULT fp8_mean_abs_dlogp=.. fp8_aware_mean_abs_dlogp=.. exact_mean_abs_dlogp=.. exact_cost_frac=..
@@ -65,13 +65,13 @@ from dsv4.names import param_key  # noqa: E402
 from dsv4.quant import QuantizedTensor  # noqa: E402
 from rl.batch import RolloutBatch  # noqa: E402
 from rl.config import LearnerConfig, LossConfig  # noqa: E402
-from rl.exact import exact_layout  # noqa: E402
-from rl.exact import generate as exact_generate  # noqa: E402
+from rl.rollout.exact import exact_layout  # noqa: E402
+from rl.rollout.exact import generate as exact_generate  # noqa: E402
 from rl.learner import Learner, TrainBatch  # noqa: E402
 from rl.logprobs import token_logprobs  # noqa: E402
 from rl.losses import kl_penalty  # noqa: E402
-from rl.rollout_weights import GEMM_KEYS, layer_value  # noqa: E402
-from rl.sampler import Sampler, SamplingParams  # noqa: E402
+from dsv4.rollout_format import GEMM_KEYS, layer_value  # noqa: E402
+from rl.rollout.engine import Sampler, SamplingParams  # noqa: E402
 
 
 def stats(lp: np.ndarray, ref: np.ndarray, mask: np.ndarray | None = None) -> tuple[float, float, float, int]:
@@ -102,8 +102,8 @@ def variant_models(sampler: Sampler, model: DSV4ForCausalLM):
     assert any(GEMM_KEYS.search(k) for k in acts)
 
     def build(vals):
-        flat = [(p, var.replace(vals[param_key(p)])) for p, var in sampler._abs_flat]
-        return nnx.merge(sampler.graphdef, nnx.from_flat_state(flat))
+        flat = [(p, var.replace(vals[param_key(p)])) for p, var in sampler.weights.abstract_params]
+        return nnx.merge(sampler.weights.graphdef, nnx.from_flat_state(flat))
 
     return build(dense), build(acts)
 
@@ -146,7 +146,7 @@ def exact_row(model, prompts, sp: SamplingParams, adv: np.ndarray, *, fp8: bool,
               micro_batches: int = 1):
     """(stats of the train step's own metric on an exact-mode batch, learner, the batch): exact mode's learner
     (FP8-aware when `fp8`, fp32 compute, routing replay, TIS) draws the batch from `prompts`
-    (`rl.exact.generate`); the step (`loss_and_grads`) then reads it."""
+    (`rl.rollout.exact.generate`); the step (`loss_and_grads`) then reads it."""
     n = len(prompts)
     cfg = LearnerConfig(lr=1e-6, compute_dtype="float32", routing_replay=True, fp8_forward=fp8,
                         loss=LossConfig(correction="tis"), micro_batch_size=n // micro_batches)
@@ -199,7 +199,7 @@ def main(argv=None) -> int:
     w_only, a_only = variant_models(fp8, model)
     rows["fp8 weights"] = stats(at_resp(full_forward(w_only, ids, mask, fp8.dispatch_fn)), ref)
     rows["fp8 activations"] = stats(at_resp(full_forward(a_only, ids, mask, fp8.dispatch_fn)), ref)
-    both = fp8._model(fp8.weight_state())
+    both = fp8.dense_model(fp8.weight_state())
     rows["fp8 weights+activations"] = stats(at_resp(full_forward(both, ids, mask, fp8.dispatch_fn)), ref)
 
     tf_ids = np.zeros((args.rows, p + new), np.int32)  # right-padded prompt, then the response

@@ -45,7 +45,7 @@ def worker(pid: int, port: int, runs: int, config: str) -> None:
 
     from dsv4 import DSV4Config, DSV4ForCausalLM
     from dsv4.io.load import init_model
-    from rl.sampler import Sampler
+    from rl.rollout.engine import Sampler
     from sharding.mesh import build_mesh_plan
     from parallel.push.mpmd import MpmdPusher
     from sharding.mpmd import HostChannel, role_layout

@@ -4,7 +4,7 @@
     .venv/bin/python benchmarks/rollout_fault.py --steps 20 --kills 5 --seed 1
 
 The default task and model (launch/run.py's defaults, no eval, no checkpoints) in the two-job layout on local
-processes (rl/rollout_job.py): an actor job (`--rollout-address`) and a rollout job (`--rollout-job
+processes (rl/rollout/two_job.py): an actor job (`--rollout-address`) and a rollout job (`--rollout-job
 --actor-address`), one CPU device each (`--mesh actor:data=1/rollout:data=1 --cpu-devices-per-process 1`). Two runs,
 one after the other, sharing one JAX compilation cache:
 1. uninterrupted: the reference per-step metrics (and the warm cache, so the faulted run's restarts do not pay the

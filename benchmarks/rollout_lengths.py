@@ -6,7 +6,7 @@ loop draws them), sampled at temperature 1 with a length schedule: 90% of the re
 `Sampler.generate(max_new_tokens_per_row=...)` and no stop tokens, so both sides generate exactly the same
 number of tokens for every request (checked). `--scale s` multiplies both lengths (the spread's shape stays).
 
-- continuous: `Sampler(model, slots=S)` (rl/slots.py), one `generate` call over the 256 requests: S decode slots,
+- continuous: `Sampler(model, slots=S)` (rl/rollout/slots.py), one `generate` call over the 256 requests: S decode slots,
   a slot is refilled with the next request as soon as its sample ends.
 - static: today's path, `Sampler(model, slots=0)` at the same slot count: the requests in order, S per
   `generate` call (each call decodes until its longest row ends, as the loop's static batch does).
@@ -33,7 +33,7 @@ from flax import nnx  # noqa: E402
 
 from dsv4 import DSV4Config  # noqa: E402
 from dsv4.io.load import init_model  # noqa: E402
-from rl.sampler import Sampler, SamplingParams  # noqa: E402
+from rl.rollout.engine import Sampler, SamplingParams  # noqa: E402
 
 
 def workload(n: int, short: int, long: int, long_frac: float, seed: int) -> np.ndarray:

@@ -1,4 +1,4 @@
-"""Rollout sampler decode speed: ours (`rl.sampler.Sampler`, jitted) vs transformers 5.23 `generate`, same weights,
+"""Rollout sampler decode speed: ours (`rl.rollout.engine.Sampler`, jitted) vs transformers 5.23 `generate`, same weights,
 same CPU, same run; plus the memory-bandwidth roofline and the resident weight bytes of FP8 vs BF16.
 
 What is measured, per config (tiny, small) and batch B (1, 8, 32), prompts of P = 32 random tokens, greedy:
@@ -94,7 +94,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from dsv4 import DSV4Config, load_hf_checkpoint  # noqa: E402
 from dsv4.cache import cache_shapes  # noqa: E402
 from dsv4.moe import routed_experts_cpu, routed_experts_ragged  # noqa: E402
-from rl.sampler import Sampler, SamplingParams  # noqa: E402
+from rl.rollout.engine import Sampler, SamplingParams  # noqa: E402
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests", "dsv4"))
 from hf_ref import hf_model  # noqa: E402
@@ -243,17 +243,17 @@ def decode_step_hlo_bytes(sampler: Sampler, prompts, n: int) -> dict:
     """Bytes the compiled decode step reads through its matmuls: `hlo_dot_operand_bytes` of the sampler's compiled
     generate program (the exact signature of a `generate(prompts, max_new_tokens=n)` call) over the ops named
     `decode_step` (weights as the dots really read them, plus the cache tensors attention contracts with)."""
-    jitted, seen = sampler._generate_jit, {}
+    jitted, seen = sampler.static_jit, {}
 
     def spy(*a):
         seen["args"] = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype) if hasattr(x, "dtype") else x, a)
         return jitted(*a)
 
-    sampler._generate_jit = spy
+    sampler.static_jit = spy
     try:
         ours_fn(sampler, prompts, n)()
     finally:
-        sampler._generate_jit = jitted
+        sampler.static_jit = jitted
     # An executable loaded from the persistent compilation cache prints without op metadata; a compile option
     # that only affects profiling makes a distinct cache key, so this compiles afresh.
     lowered = jitted.lower(*seen["args"])
@@ -451,7 +451,7 @@ def step_breakdown(name: str, batch: int, n_hi: int = 24, n_lo: int = 8) -> list
 
     from dsv4 import DSV4ForCausalLM
     from dsv4.cache import decode_step, prefill
-    from rl.sampling import sample_tokens
+    from rl.rollout.sampling import sample_tokens
 
     cfg = CONFIGS[name]()
     cache_len = PROMPT_LEN + T_CAP

@@ -1,5 +1,5 @@
 """Speculative rollouts with the MTP block: plain vs speculative decode tok/s at k = 1, 2, 3, and the acceptance
-length with the random-init MTP head and after on-policy MTP training (rl/speculative.py, issue 27).
+length with the random-init MTP head and after on-policy MTP training (rl/rollout/speculative.py, issue 27).
 
 What runs (one process, CPU by default):
   1. the model: `--config` (small) from random init, made learnable first: `--sft-steps` updates of the repo's
@@ -53,7 +53,7 @@ from dsv4.spec_decode import commit, verify_forward
 from rl.batch import TrainBatch
 from rl.config import LearnerConfig
 from rl.learner import Learner
-from rl.sampler import Sampler, SamplingParams
+from rl.rollout.engine import Sampler, SamplingParams
 
 
 def language(rs, alphabet: int, vocab: int):

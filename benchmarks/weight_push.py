@@ -49,7 +49,7 @@ from flax import nnx  # noqa: E402
 from jax import monitoring  # noqa: E402
 
 from dsv4 import DSV4Config, DSV4ForCausalLM  # noqa: E402
-from rl.sampler import Sampler  # noqa: E402
+from rl.rollout.engine import Sampler  # noqa: E402
 from sharding.mesh import build_mesh_plan  # noqa: E402
 from parallel.push.local import WeightPusher  # noqa: E402
 

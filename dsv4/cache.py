@@ -269,7 +269,7 @@ def run_blocks(model, x: jax.Array, token_ids: jax.Array, attend, *, layer_fn=No
     x [B, S, n, D] streams; token_ids [B, S] int32. attend: (i, attn, h [B, S, D]) -> (out [B, S, D], state) for
     layer i (its cache read / write; `Block.step`'s `attend` with i bound). layer_fn: optional (i, x) -> (Block, x)
     giving main layer i (the sampler builds layer i there, e.g. dequantising its weights once x is known; then
-    `model.layers` is not read; `rl.rollout_weights.LayerwiseWeights`). routing_replay: [B, S, L, k] int32 expert
+    `model.layers` is not read; `rl.rollout.layerwise.LayerwiseWeights`). routing_replay: [B, S, L, k] int32 expert
     ids to force (None = route freely). n_layers: how many layers (default: the config's).
     Returns (x' [B, S, n, D], routing [B, S, L, k] int32, [state of each layer])."""
     get = _layers(model, layer_fn)
@@ -296,7 +296,7 @@ def prefill(model, ids: jax.Array, lengths: jax.Array, cache_len: int, routing_r
 
     ids [B, P] int32 (row b real at [0, lengths[b])), lengths [B] int32 >= 1, cache_len >= P + max new tokens.
     layer_fn: optional (i, x) -> (Block, x) giving main layer i (then `model.layers` is not read; see
-    `rl.rollout_weights.LayerwiseWeights`). kv_fp8: None (unquantised caches in the compute dtype) or the FP8
+    `rl.rollout.layerwise.LayerwiseWeights`). kv_fp8: None (unquantised caches in the compute dtype) or the FP8
     cache layout "e4m3fn" | "e4m3fnuz" (`cache_shapes`; `decode_step` reads the layout from the caches).
     tail: 0, or T >= 1: also return the final residual streams of each row's last T real positions
     (speculative decoding's MTP block starts from them; rl/speculative.py).

@@ -101,7 +101,7 @@ def quantized_linear(x: jax.Array, w: QuantizedTensor, dtype, *, scale_fmt: str 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class FakeQuantWeight:
-    """A weight of the FP8-aware learner (`LearnerConfig.fp8_forward`, `rl.rollout_weights.fp8_aware_params`) in a
+    """A weight of the FP8-aware learner (`LearnerConfig.fp8_forward`, `dsv4.rollout_format.fp8_aware_params`) in a
     slot where the rollout holds a `QuantizedTensor` that multiplies quantised activations (the `GEMM_KEYS`
     projections, the routed experts). A jax pytree: `w` (the leaf) is the rollout's dequantised weight [..., out, in]
     in the compute dtype, straight-through to the master (`dsv4.quant.straight_through`); `fmt` (static) is the fp8

@@ -370,14 +370,14 @@ class MoE(nnx.Module):
         # "Context parallelism": +24% temp at 16K tokens on context=4).
         w1, w3, w2 = e.w1.get_value(), e.w3.get_value(), e.w2.get_value()
         if isinstance(w1, QuantizedTensor):
-            # The rollout's quantised experts (`rl.rollout_weights`): as the release's FP8 x FP4 (or FP8) expert GEMMs,
+            # The rollout's quantised experts (`dsv4.rollout_format`): as the release's FP8 x FP4 (or FP8) expert GEMMs,
             # the inputs of w1/w3 and of w2 are quantised to FP8 per 1 x 128 block (`act_fake_quant`, ue8m0 scales)
             # and multiply the dequantised weights (the same products as the quantised GEMM).
             w1, w3, w2 = (v.dequantize(self.dtype) for v in (w1, w3, w2))
             y = fn(act_fake_quant(uf.astype(self.dtype)), ids, w, w1, w3, w2, limit=self.limit, dtype=self.dtype,
                    act_q=act_fake_quant)
         elif isinstance(w1, FakeQuantWeight):
-            # The FP8-aware learner (`rl.rollout_weights.fp8_aware_params`): the rollout's dequantised experts and the
+            # The FP8-aware learner (`dsv4.rollout_format.fp8_aware_params`): the rollout's dequantised experts and the
             # same activation quantisation, with straight-through gradients (the tiled CPU path's custom VJP treats
             # act_q as the identity already).
             w1, w3, w2 = (v.w for v in (w1, w3, w2))

@@ -33,13 +33,14 @@ import jax.numpy as jnp
 from flax import nnx
 
 import dsv4
-from rl import slots as sl
+from parallel.plan import kv_cache_bytes
+from rl.rollout import slots as sl
 from rl.config import DEFAULT_LEARNER, DataConfig, LearnerConfig, RolloutConfig
 from rl.config_tree import default
 from launch.hlo_stats import HloStats, count
 from rl.learner import TRAIN, Learner, TrainBatch
-from rl.rollout_service import make_sampler
-from rl.rollout_weights import kv_cache_layout
+from rl.rollout.engine import Sampler
+from rl.rollout.settings import EngineSettings
 from sharding.mesh import build_mesh_plan, parse_mesh_spec
 from sharding import offload as so
 from sharding.rules import ROLLOUT_RULES, batch_shards
@@ -136,8 +137,8 @@ def compile_actor(config, mesh_spec: str, *, seq_len: int, learner: LearnerConfi
     micro_batch_tokens, routing_replay = cfg.max_tokens_per_micro_batch, cfg.routing_replay
     learner = Learner(model, cfg, mesh=plan.actor, abstract=True)
     # rows per device of the batch axes, as the learner lays them out: the budget counts tokens per context shard
-    per_dev = 1 if micro_batch_tokens is None else max(1, micro_batch_tokens * learner._context_devices() // seq_len)
-    n = per_dev * learner._batch_devices()
+    per_dev = 1 if micro_batch_tokens is None else max(1, micro_batch_tokens * learner.context_devices() // seq_len)
+    n = per_dev * learner.batch_devices()
     sds = jax.ShapeDtypeStruct
     routing = sds((n, seq_len, config.num_hidden_layers, config.num_experts_per_tok), jnp.int32)
     batch = TrainBatch(input_ids=sds((n, seq_len), jnp.int32), attention_mask=sds((n, seq_len), jnp.int32),
@@ -153,7 +154,7 @@ def compile_actor(config, mesh_spec: str, *, seq_len: int, learner: LearnerConfi
     for x in jax.tree.leaves(learner.state):
         if x.sharding.memory_kind == "pinned_host":
             host += math.prod(x.sharding.shard_shape(x.shape)) * x.dtype.itemsize
-    lay = learner._layout(n, seq_len, seq_len)
+    lay = learner.layout(n, seq_len, seq_len)
     return CompileReport(argument=ma.argument_size_in_bytes, output=ma.output_size_in_bytes,
                          alias=ma.alias_size_in_bytes, temp=ma.temp_size_in_bytes, host=host, rows=n,
                          seq_len=seq_len, micro_batches=lay.micro_batches, compile_s=dt, backend=backend,
@@ -198,7 +199,7 @@ class RolloutCompileReport:
     prefill_chunk: int = 0
     backend: str = "XLA:CPU"  # or "XLA:GPU <target label>"
     hlo: HloStats | None = None  # flops / bytes / collectives of the whole generate program (launch/hlo_stats.py)
-    ep_dispatch: str = ""  # the sampler's routed-expert dispatch, as its docstring names it
+    ep_dispatch: str = ""  # the sampler's routed-expert dispatch (`Sampler.dispatch_name`)
 
     @property
     def total(self) -> int:
@@ -231,29 +232,21 @@ class RolloutCompileReport:
 
 
 def compile_rollout(config, mesh_spec: str, *, batch: int = 1024, context: int = 32768,
-                    prompt_len: int = default(DataConfig, "max_prompt_len"),
-                    rollout_dtype: str = default(RolloutConfig, "dtype"),
-                    slots: int | str = default(RolloutConfig, "slots"),
-                    prefill_chunk: int = default(RolloutConfig, "prefill_chunk"), kv_budget: float | None = None,
-                    kv_cache_dtype: str = default(RolloutConfig, "kv_cache_dtype"),
-                    speculative: str = default(RolloutConfig, "speculative"),
-                    draft_tokens: int = default(RolloutConfig, "draft_tokens"),
-                    ep_backend: str = default(RolloutConfig, "ep_backend"),
-                    ep_capacity_factor: float | None = default(RolloutConfig, "ep_capacity_factor"), devices=None,
-                    backend: str = "XLA:CPU", compiler_options: dict | None = None) -> RolloutCompileReport:
+                    prompt_len: int = default(DataConfig, "max_prompt_len"), rollout: RolloutConfig = RolloutConfig(),
+                    kv_budget: float | None = None, devices=None, backend: str = "XLA:CPU",
+                    compiler_options: dict | None = None) -> RolloutCompileReport:
     """Lower and compile the sampler's generate program for `config` on the rollout mesh of `mesh_spec` with an
     abstract model (no weights): `batch` sequences of `prompt_len` prompt tokens and `context - prompt_len` new
     tokens (bucketed as `Sampler.generate` buckets them), bf16 compute, FP8-resident weights dequantised layer by
-    layer, the KV cache as `kv_cache_dtype` (the run's --kv-cache-dtype). `slots`: 0 = the static program; N or
-    "auto" = continuous batching (rl/slots.py) over N slots (auto: as many as `kv_budget` bytes per device hold,
-    at most `batch`; `batch` without a budget), each refill prefilling its own request in chunks of
-    `prefill_chunk` tokens. `speculative` "mtp" compiles the speculative program instead (rl/speculative.py: the
-    MTP drafts, the (draft_tokens + 1)-position verify and the commits; static batching). `ep_backend` /
-    `ep_capacity_factor`: the sampler's expert dispatch (the run's --rollout.ep_backend / ep_capacity_factor; auto =
-    padded on GPUs, `parallel.expert.rollout_backend`). Needs `spec.n_devices`
-    local devices. Raises ValueError for sizes the sampler rejects (and --rollout-slots beyond the budget), and
-    XLA's errors. `devices`: abstract GPU devices instead (launch/gpu_target.py; the rollout mesh takes the ones
-    after the actor's, as on the real machines); `compiler_options` as `compile_actor`'s.
+    layer. `rollout`: the run's rollout knobs (`RolloutConfig`: --rollout-dtype, --kv-cache-dtype, --rollout-slots,
+    --prefill-chunk, speculative decoding, the EP dispatch), resolved into the engine's settings as the run resolves
+    them (`rl.rollout.settings.EngineSettings.for_run`). `rollout.slots`: 0 = the static program; N or "auto" =
+    continuous batching (rl/rollout/slots.py) over N slots (auto: as many as `kv_budget` bytes per device hold, at
+    most `batch`; `batch` without a budget), each refill prefilling its own request in chunks of the prefill chunk.
+    `rollout.speculative` "mtp" compiles the speculative program instead (rl/rollout/speculative.py). Needs
+    `spec.n_devices` local devices. Raises ValueError for sizes the sampler rejects (and --rollout-slots beyond the
+    budget), and XLA's errors. `devices`: abstract GPU devices instead (launch/gpu_target.py; the rollout mesh takes
+    the ones after the actor's, as on the real machines); `compiler_options` as `compile_actor`'s.
     """
     if isinstance(config, str):
         config = dsv4.DSV4Config.preset(config)
@@ -265,53 +258,34 @@ def compile_rollout(config, mesh_spec: str, *, batch: int = 1024, context: int =
     model = nnx.eval_shape(lambda: dsv4.DSV4ForCausalLM(config, rngs=nnx.Rngs(0), param_dtype=jnp.bfloat16,
                                                          dtype=jnp.bfloat16))
     new = context - prompt_len
+    # the run's engine settings, in bf16 as on the GPU the plan is for
+    settings = EngineSettings.for_run(rollout, platform=devices[0].platform, max_prompt_len=prompt_len,
+                                      compute_dtype=jnp.bfloat16)
+    slots = rollout.slots
     if slots:
         seq = sl.cache_len_for(config, prompt_len, new)
-        fp8 = "e4m3fn" if kv_cache_layout(kv_cache_dtype, rollout_dtype) == "fp8" else None  # fn / fnuz: same bytes
-        slots = sl.plan_slots(slots, per_slot_bytes=sl.cache_bytes_per_slot_for(config, seq, jnp.bfloat16, fp8),
+        slots = sl.plan_slots(slots, per_slot_bytes=kv_cache_bytes(config, seq, jnp.bfloat16, settings.kv_bytes_format),
                               budget_bytes=kv_budget, seq_len=seq, shards=batch_shards(ROLLOUT_RULES, plan.rollout))
         slots = min(slots or batch, batch)
-    # the run's Sampler (rl.rollout_service.make_sampler), in bf16 as on the GPU the plan is for
-    rollout = RolloutConfig(dtype=rollout_dtype, kv_cache_dtype=kv_cache_dtype, prefill_chunk=prefill_chunk,
-                            speculative=speculative, draft_tokens=draft_tokens, ep_backend=ep_backend,
-                            ep_capacity_factor=ep_capacity_factor)
-    sampler = make_sampler(model, plan.rollout, rollout, max_prompt_len=prompt_len, slots=slots,
-                           compute_dtype=jnp.bfloat16)
+    sampler = Sampler(model, dataclasses.replace(settings, slots=slots), mesh=plan.rollout)
     t0 = time.perf_counter()
     lowered = sampler.lower(batch, prompt_len, new)
     compiled = lowered.compile(compiler_options)
     dt = time.perf_counter() - t0
     ma = compiled.memory_analysis()
-    b, p, t_cap = sampler._buckets(batch, prompt_len, new)
-    if slots:
-        s_n, p, cache_len = sampler._slot_inputs(b, new)
-        t_cap = new
-        caches = sampler._abstract_caches(s_n, cache_len)
-    else:
-        s_n, cache_len = 0, p + t_cap + sampler._cache_pad()
-        caches = sampler._abstract_caches(b, cache_len)
-    c_sh = sampler._cache_shardings(caches)
+    shape = sampler.program_shape(batch, prompt_len, new)
+    caches = sampler.cache_shapes(shape.cache_rows, shape.cache_len, placed=True)
 
-    def dev_bytes(x, sh):
-        shape = x.shape if sh is None else sh.shard_shape(x.shape)
+    def dev_bytes(x):
+        shape = x.shape if x.sharding is None else x.sharding.shard_shape(x.shape)
         return math.prod(shape) * jnp.dtype(x.dtype).itemsize
 
-    kv = sum(dev_bytes(x, s) for x, s in zip(jax.tree.leaves(caches), jax.tree.leaves(c_sh)))
-    w_abs = sampler._abstract_wstate()
-    weights = sum(dev_bytes(x, x.sharding) for x in jax.tree.leaves(w_abs))
+    kv = sum(dev_bytes(x) for x in jax.tree.leaves(caches))
+    weights = sum(dev_bytes(x) for x in jax.tree.leaves(sampler.abstract_weights()))
     return RolloutCompileReport(argument=ma.argument_size_in_bytes, output=ma.output_size_in_bytes,
                                 alias=ma.alias_size_in_bytes, temp=ma.temp_size_in_bytes, weights=weights, kv=kv,
-                                batch=b, prompt_len=p, max_new_tokens=t_cap, cache_len=cache_len,
-                                rollout_dtype=rollout_dtype, compile_s=dt,
-                                batch_shards=batch_shards(sampler.rules, sampler.mesh), slots=s_n,
+                                batch=shape.batch, prompt_len=shape.prompt, max_new_tokens=shape.new,
+                                cache_len=shape.cache_len, rollout_dtype=rollout.dtype, compile_s=dt,
+                                batch_shards=sampler.batch_shards(), slots=shape.slots,
                                 prefill_chunk=sampler.prefill_chunk, backend=backend, hlo=count(compiled.as_text()),
-                                ep_dispatch=_dispatch_name(sampler.dispatch_fn, ep_capacity_factor))
-
-
-def _dispatch_name(fn, capacity_factor: float | None) -> str:
-    """'EP dispatch (padded) over expert=8, ...; dropless' / '...; capacity factor 2': how the sampler's routed
-    experts run (`parallel.expert.make_ep_dispatch` names itself in its docstring)."""
-    if fn is None or not (fn.__doc__ or "").startswith("EP dispatch"):
-        return getattr(fn, "__name__", "the model's ragged_dot")
-    bound = "dropless" if capacity_factor is None else f"capacity factor {capacity_factor:g}"
-    return f"{fn.__doc__.rstrip('.')}; {bound}"
+                                ep_dispatch=sampler.dispatch_name)

@@ -34,7 +34,7 @@ from parallel.plan import __doc__ as _PLAN_DOC
 from rl import config_tree
 from rl.config import DEFAULT_LEARNER, DataConfig, LearnerConfig, RolloutConfig
 from rl.config_tree import default
-from rl.rollout_weights import kv_cache_layout
+from rl.rollout.settings import EngineSettings
 from sharding import mesh as mesh_lib
 from sharding.rules import CONTEXT
 
@@ -227,8 +227,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                       train_seq_len=seq if args.compile else args.train_seq_len,
                       rollout_experts=args.rollout_experts, fp8_scale_bytes=args.fp8_scale_bytes,
                       fp4_scale_bytes=args.fp4_scale_bytes, rollout_dequant=args.rollout_dequant,
-                      kv_dtype=("fp8" if kv_cache_layout(args.kv_cache_dtype, args.rollout_dtype) == "fp8"
-                                else args.kv_dtype),
+                      kv_dtype="fp8" if _engine(args).kv_layout == "fp8" else args.kv_dtype,
                       usable_fraction=args.usable_fraction, rollout_reserve=args.rollout_reserve,
                       rollout_seqs_per_device=args.rollout_seqs_per_device, draft_tokens=args.speculative_k,
                       host_gib_per_node=args.host_gib_per_node, config_name=name,
@@ -282,6 +281,20 @@ def main(argv: Sequence[str] | None = None) -> int:
           f"actor_usable_gib={a.usable / GiB:.2f} rollout_xla_gib={gib(r_xla):.2f} rollout_plan_gib={r.total / GiB:.2f} "
           f"rollout_usable_gib={r.usable / GiB:.2f} fits={'yes' if fits else 'no'}")
     return 1 if failed else 0
+
+
+def _rollout(args) -> RolloutConfig:
+    """The rollout knobs the planner's flags name, as the run's `RolloutConfig` (the engine's settings are resolved
+    from it as the run resolves them: `rl.rollout.settings.EngineSettings.for_run`)."""
+    return RolloutConfig(dtype=args.rollout_dtype, kv_cache_dtype=args.kv_cache_dtype, slots=args.rollout_slots,
+                         prefill_chunk=args.prefill_chunk, speculative="mtp" if args.speculative_k else "off",
+                         draft_tokens=args.speculative_k or default(RolloutConfig, "draft_tokens"),
+                         ep_backend=args.rollout_ep_backend, ep_capacity_factor=args.rollout_ep_capacity_factor)
+
+
+def _engine(args) -> EngineSettings:
+    """The engine settings of the planned rollout (its weights and KV cache layout)."""
+    return EngineSettings(weights=args.rollout_dtype, kv_cache_dtype=args.kv_cache_dtype)
 
 
 def _in_child(fn: str, kwargs: dict, role: str, args, report, gpu_target: gt.Target | None = None):
@@ -386,7 +399,7 @@ def _compile_gpu(config, report, args, learner, seq: int, target: gt.Target) -> 
         if rx is not None and "fnuz" in args.rollout_dtype:
             say(f"  --rollout-dtype {args.rollout_dtype}: XLA:CUDA has no e4m3fnuz GEMM, so on this NVIDIA target the "
                 "FP8 projections are converted before their dots (0 FP8 dots below); on gfx942 (ROCm) they are FP8 "
-                "GEMMs (rl/rollout_weights.py `GEMM_KEYS`; --rollout-dtype fp8 shows them on an NVIDIA target). The "
+                "GEMMs (dsv4/rollout_format.py `GEMM_KEYS`; --rollout-dtype fp8 shows them on an NVIDIA target). The "
                 "routed experts are dequantised per layer on every backend (no grouped FP8 GEMM)")
     step_s, ratio, tok_s = _rooflines(config, report, seq, target, target.label,
                                       xla if a_xla is not None else None, rx, say=say)
@@ -431,11 +444,7 @@ def _compile_rollout(config, report, args, gpu_target: gt.Target | None = None, 
     try:
         rx = _in_child("launch.aot:compile_rollout", dict(
             config=config, mesh_spec=report.mesh_spec, batch=args.rollout_batch, context=args.rollout_context,
-            prompt_len=args.rollout_prompt_len, rollout_dtype=args.rollout_dtype, slots=args.rollout_slots,
-            prefill_chunk=args.prefill_chunk, kv_budget=report.rollout.margin, kv_cache_dtype=args.kv_cache_dtype,
-            speculative="mtp" if args.speculative_k else "off",
-            draft_tokens=args.speculative_k or default(RolloutConfig, "draft_tokens"),
-            ep_backend=args.rollout_ep_backend, ep_capacity_factor=args.rollout_ep_capacity_factor,
+            prompt_len=args.rollout_prompt_len, rollout=_rollout(args), kv_budget=report.rollout.margin,
             backend=backend, compiler_options=compiler_options), "rollout", args, report, gpu_target=gpu_target)
     except ValueError as e:
         print(f"error (rollout compile): {e}", file=sys.stderr)

@@ -4,7 +4,7 @@
     python launch/run.py --launcher ray --ray-address auto ...     #   on the other nodes), or no --ray-address: a
                                                                    #   local cluster started (and stopped) here
 
-The launcher starts the actor job and the rollout job of the two-job layout (rl/rollout_job.py) as Ray actors and
+The launcher starts the actor job and the rollout job of the two-job layout (rl/rollout/two_job.py) as Ray actors and
 waits for the actor job; its exit status and one-line error are the launcher's. Placement: one placement group per
 process, one bundle per device ({"GPU": 1, "CPU": 1} on a cluster with GPUs, {"CPU": 1} per CPU device otherwise),
 strategy STRICT_PACK (a process's devices on one node). A process holds a node's worth of devices, so on nodes of
@@ -12,7 +12,7 @@ that many devices each group fills a node of its own: the seed layout `actor:fsd
 3 nodes x 8 GPUs = the actor job on nodes 0-1 (two processes of 8 bundles), the rollout job on node 2 (8 bundles).
 Node numbers are Ray's choice; the launcher logs where each process landed. Devices per process = the rollout
 mesh's size (the rollout job is one process); the actor job takes actor size / that many processes (one
-`jax.distributed` job over them: rl/rollout_job.py, its process 0 talks to the rollout, every process serves its
+`jax.distributed` job over them: rl/rollout/two_job.py, its process 0 talks to the rollout, every process serves its
 shards of the weights).
 
 Each process of a job is a Ray actor (`JobProcess`) that runs `launch/run.py` with the run's flags plus its side's
@@ -20,7 +20,7 @@ Each process of a job is a Ray actor (`JobProcess`) that runs `launch/run.py` wi
 job of several processes) as a child process that dies with it (Linux PR_SET_PDEATHSIG), its output forwarded line by
 line to the driver (Ray's log forwarding). The rollout's Ray actor has `max_restarts=-1`: when it dies (its node, a
 `ray.kill(no_restart=False)`, a SIGKILL of its pid) or its run.py exits non-zero (but 2: bad input), Ray starts
-it again, the new rollout job registers and the actor job recovers in place (rl/rollout_job.py: served weights
+it again, the new rollout job registers and the actor job recovers in place (rl/rollout/two_job.py: served weights
 pulled, in-flight requests regenerated under the same sample ids; `rollout/restarts`, `rollout/recovery_s`). Ray
 restarts without a limit of its own: the actor job's crash-loop policy (`MAX_RESTARTS` within `RESTART_WINDOW_S`)
 and `--rollout-restart-timeout` are the one policy that ends a run. The actor job's Ray actor is not restarted: its

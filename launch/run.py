@@ -40,8 +40,8 @@ from rl.config_file import load_config_file  # noqa: E402
 from rl.config_notes import overridden_settings  # noqa: E402
 from rl.job import build, load_data, resolve_model_config  # noqa: E402
 from rl.loop import run, run_eval  # noqa: E402
-from rl.rollout_job import RolloutJobError  # noqa: E402
-from rl.rollout_weights import kv_cache_layout  # noqa: E402
+from rl.rollout.two_job import RolloutJobError  # noqa: E402
+from rl.rollout.settings import EngineSettings  # noqa: E402
 from sharding.distributed import add_distributed_args, initialize_from_args  # noqa: E402
 from sharding.job_link import LinkLost  # noqa: E402
 from sharding.mesh import DeviceCountError, build_mesh_plan, parse_mesh_spec  # noqa: E402
@@ -161,7 +161,8 @@ def _memory_plan(cfg: RunConfig, model_cfg, spec: str) -> str:
     gpu = gpu or ("mi308x" if cfg.rollout.dtype == "fp8_e4m3fnuz" else "h200")
     seq = cfg.data.max_prompt_len + cfg.rollout.max_new_tokens
     try:
-        kv = kv_cache_layout(cfg.rollout.kv_cache_dtype, cfg.rollout.dtype)
+        kv = EngineSettings.for_run(cfg.rollout, platform=jax.devices()[0].platform,
+                                    max_prompt_len=cfg.data.max_prompt_len).kv_layout
         report = plan(model_cfg, spec, gpu, learner=cfg.learner, rollout_seq_len=seq, config_name=cfg.model.config,
                       kv_dtype=kv)
     except Exception as e:  # noqa: BLE001 - the plan is advice; the run itself checks the mesh

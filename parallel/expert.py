@@ -412,7 +412,18 @@ def make_ep_dispatch(mesh: Mesh, *, backend: str = "capacity", capacity_factor: 
         return out[:t] if pad else out
 
     dispatch.__doc__ = f"EP dispatch ({backend}) over {expert_axis}={ep}, tokens split over {tok_axes}."
+    bound = "dropless" if capacity_factor is None else f"capacity factor {capacity_factor:g}"
+    dispatch.dispatch_name = f"EP dispatch ({backend}) over {expert_axis}={ep}, tokens split over {tok_axes}; {bound}"
     return dispatch
+
+
+def dispatch_name(fn) -> str:
+    """How a routed-expert implementation runs, in words: 'EP dispatch (padded) over expert=8, tokens split over
+    (...); dropless' / '...; capacity factor 2' for `make_ep_dispatch`'s, else the function's name (None: the
+    model's stock ragged_dot)."""
+    if fn is None:
+        return "the model's ragged_dot"
+    return getattr(fn, "dispatch_name", None) or getattr(fn, "__name__", "the model's ragged_dot")
 
 
 def rollout_backend(cpu: bool) -> str:

@@ -62,7 +62,7 @@ streamed update) XLA:CPU's figure is above the plan with its XLA:CPU-only item b
 (the same at 8 and 43 layers: more f32 temporaries of one layer's dots than the item counts; benchmarks/README.md
 "Flash actor step compiled for the seed layouts"); the per-layer slope agrees. The GPU plan leaves the item out.
 
-Rollout, per device, as rl/sampler.py holds it: FP8 e4m3 (1 byte per weight) for the checkpoint's FP8 set
+Rollout, per device, as rl/rollout/engine.py holds it: FP8 e4m3 (1 byte per weight) for the checkpoint's FP8 set
 (`dsv4.quant.FP8_WEIGHT_RE`: attention wq_a/wq_b/wkv/wo_a/wo_b, indexer wq_b, shared experts, MTP e/h_proj) and
 the routed experts (`rollout_experts="fp8"`), with one f32 scale per 128x128 block replicated on every device
 (`fp8_scale_bytes` = 4; E8M0 would be 1); or FP4 e2m1 experts ("fp4": 0.5 byte + one `fp4_scale_bytes` = 1 E8M0
@@ -83,7 +83,7 @@ an entry (ring slot or compressed) is e = (d - r) FP8 + (d - r) / 64 ue8m0 scale
 an indexer key d_I + 1 = 129 B, so a token costs 21 * (583 + 129) / 4 + 20 * 583 / 128 = 3,829 B, on top of
 25 MiB per sequence (FP8 rings, f32 window states). DeepSeek's kernels pad an entry to 584 B (+0.2 B per token).
 The sampler replicates the caches over the
-rollout mesh (`Sampler._empty_caches`), so the per-device capacity is also the rollout-wide one; split over the
+rollout mesh (`Sampler.empty_caches`), so the per-device capacity is also the rollout-wide one; split over the
 batch axes it would multiply by devices / tensor (one shared K=V head: no tensor split).
 
 Nodes: `nodes` x `gpus_per_node` (8) must equal the spec's device count; devices are process-major, so the actor
@@ -212,7 +212,7 @@ def rollout_leaf_bytes(leaf: Leaf, shape: tuple[int, ...], experts: str, fp8_sca
                        fp4_scale_bytes: float) -> tuple[str, float, float]:
     """(category, bytes, bytes of a bf16 dequantised copy or 0) of one rollout tensor whose local shard is `shape`.
 
-    FP8 scales are replicated on the rollout mesh (as rl/sampler.py places them), so they count with the global
+    FP8 scales are replicated on the rollout mesh (as rl/rollout/engine.py places them), so they count with the global
     shape; FP4 scales (no sampler path yet; the released layout) are assumed split like their weight.
     """
     n = math.prod(shape)
@@ -225,6 +225,19 @@ def rollout_leaf_bytes(leaf: Leaf, shape: tuple[int, ...], experts: str, fp8_sca
     return "bf16/fp32/int32 rest", n * np.dtype(leaf.dtype).itemsize, 0.0
 
 
+@functools.lru_cache(maxsize=64)
+def kv_cache_bytes(config, cache_len: int, dtype=jnp.bfloat16, fp8: str | None = None) -> int:
+    """Bytes of one sequence's decode cache of model `config` at `cache_len` positions: `dsv4.cache.cache_shapes` of
+    every main layer (the rollout engine's layout: one cache per `model.layers` entry; the MTP block has none),
+    evaluated abstractly. dtype: kv / entries when unquantised; fp8: None or the FP8 layout's format ("e4m3fn" /
+    "e4m3fnuz": the same bytes). The one KV-bytes function: the planner (`KVCache`), the slot plan
+    (`rl.rollout.slots.plan_slots`) and the engine ask it."""
+    model = abstract_model(config)
+    dtype = jnp.dtype(dtype)
+    tree = jax.eval_shape(lambda: [cache_shapes(layer.attn, 1, int(cache_len), dtype, fp8) for layer in model.layers])
+    return int(sum(math.prod(a.shape) * np.dtype(a.dtype).itemsize for a in jax.tree.leaves(tree)))
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class KVCache:
     """Decode-cache bytes of one sequence: `per_seq(S)` = fixed + per_token * S (exact when the compress ratios
@@ -235,22 +248,16 @@ class KVCache:
 
     @classmethod
     def for_config(cls, config, dtype=jnp.bfloat16, fp8: str | None = None, draft_tokens: int = 0) -> "KVCache":
-        """From `dsv4.cache.cache_shapes` of every main layer (the sampler's layout: rl/sampler.py builds one cache
+        """From `dsv4.cache.cache_shapes` of every main layer (the sampler's layout: rl/rollout/engine.py builds one cache
         per `model.layers` entry; the MTP block has none), evaluated abstractly at two cache lengths. fp8: None
         (entries in `dtype`) or the FP8 layout ("e4m3fn" / "e4m3fnuz": the same bytes). draft_tokens: k >= 1 =
-        speculative rollouts (`--rollout.speculative mtp`, rl/speculative.py): the MTP block's ring cache and the
+        speculative rollouts (`--rollout.speculative mtp`, rl/rollout/speculative.py): the MTP block's ring cache and the
         k verify positions past the last token (rounded to the compression ratios' lcm) are added to `fixed`."""
 
         model = abstract_model(config)
         step = math.lcm(*(r for r in config.compress_ratios if r) or (1,))
-
-        def total(cache_len):
-            tree = jax.eval_shape(lambda: [cache_shapes(layer.attn, 1, cache_len, dtype, fp8)
-                                           for layer in model.layers])
-            return sum(math.prod(a.shape) * np.dtype(a.dtype).itemsize for a in jax.tree.leaves(tree))
-
-        fixed = total(0)
-        per_token = (total(step) - fixed) / step
+        fixed = kv_cache_bytes(config, 0, dtype, fp8)
+        per_token = (kv_cache_bytes(config, step, dtype, fp8) - fixed) / step
         if draft_tokens and len(model.mtp):
             attn = model.mtp[0].attn
             ring = jax.eval_shape(lambda: cache_shapes(attn, 1, attn.window, dtype, fp8))
@@ -350,7 +357,7 @@ class PlanReport:
                              f"fp8 {pt.get('fp8', 0):,.0f} B, bf16 {pt.get('bf16', 0):,.0f} B; --kv-cache-dtype "
                              f"{o['kv_dtype']})")
                 lines.append(f"  KV capacity: {r.kv_seqs_per_device:,} sequences = {r.kv_tokens_per_device:,} tokens "
-                             f"per device (rl/sampler.py splits the batch and its caches over data x expert: "
+                             f"per device (rl/rollout/engine.py splits the batch and its caches over data x expert: "
                              f"x{shards} rollout-wide)")
             verdict = "fits" if r.fits else "does not fit"
             what = "left for the KV cache" if r.kv_per_seq is not None else "GPU margin"

@@ -256,7 +256,7 @@ class LearnerConfig:
             are always float32. ref_dtype: storage dtype of the reference copy's matrices (kl_coef > 0 only).
         fp8_forward: the FP8-aware learner (`--learner.fp8_forward`): the forward (policy, old logprobs and
             reference alike) uses the rollout's weights, the FP8 (FP4 experts) values of `--rollout-dtype` built by
-            the rollout's own rule (`rl.rollout_weights.fp8_aware_params`), and quantises the activations of the
+            the rollout's own rule (`dsv4.rollout_format.fp8_aware_params`), and quantises the activations of the
             same linears as the rollout (`dsv4.quant.act_fake_quant`, ue8m0 1 x 128 blocks), with straight-through
             gradients to the masters (`dsv4.quant.straight_through`). Needs an FP8 `--rollout-dtype`. Cost and
             effect: benchmarks/README.md "Train/rollout mismatch".

@@ -12,7 +12,7 @@ them, and `TrainBatch.from_rollout` is the one place that turns a rollout (+ adv
 batch. Per-token arrays sit at each token's own position, so `response_mask` selects the same tokens in the
 rollout's logprobs, the learner's logprobs and the loss (rl/learner.py "Data"; rl/logprobs.py).
 All arrays are host numpy until `rl.learner.Learner` places the batch on the actor mesh, once.
-`rl.sampler.RolloutBatch` / `rl.sampler.concat_rollouts` and `rl.learner.TrainBatch` re-export these names.
+The rollout engine (`rl.rollout.engine`) returns `RolloutBatch`; `rl.learner` takes `TrainBatch`.
 """
 
 from __future__ import annotations

@@ -89,7 +89,7 @@ def layout(n: int, seq_len: int, longest: int, *, trim: bool, micro_batch_size: 
 
 
 def fixed_layout(n: int, seq_len: int, longest: int, *, rows: int, width: int) -> Layout:
-    """The batch-invariant Layout of exact mode (rl/exact.py): every micro-batch is R = `rows` rows of W = `width`
+    """The batch-invariant Layout of exact mode (rl/rollout/exact.py): every micro-batch is R = `rows` rows of W = `width`
     columns whatever N, S and the longest row, so each row runs in a program of one shape (its value then does not
     depend on the batch around it: XLA:CPU's results depend on the shapes, measured in tests/rl/test_exact.py).
     M = ceil(N / R) micro-batches (`split` pads the last with neutral rows); a batch narrower than W is padded with

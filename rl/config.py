@@ -135,7 +135,7 @@ class DataConfig:
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class RolloutConfig:
-    """Sampling on the rollout mesh (rl/sampler.py) and the weight push to it (parallel/push/)."""
+    """Sampling on the rollout mesh (rl/rollout/engine.py) and the weight push to it (parallel/push/)."""
 
     prompts_per_step: int = knob(32, "prompts per step")
     group_size: int = knob(16, "samples per prompt (G)")
@@ -153,7 +153,7 @@ class RolloutConfig:
     push_verify_every: int = knob(10, "verify the pushed FP8 weights against the learner's every N-th push "
                                       "(0 = never)")
     slots: int | str = knob(0, "rollout batching: 0 = static (all rows until the longest ends) | N = continuous "
-                               "batching over N decode slots refilled as samples finish (rl/slots.py) | auto = as "
+                               "batching over N decode slots refilled as samples finish (rl/rollout/slots.py) | auto = as "
                                "many slots as the memory plan's KV budget holds (capped by the rows)")
     prefill_chunk: int = knob(2048, "prompts longer than this prefill in chunks of this many tokens against the KV "
                                     "cache built so far (memory bounded by one chunk; dsv4/chunked.py); 0 = whole "
@@ -170,7 +170,7 @@ class RolloutConfig:
     speculative: Literal["off", "mtp"] = knob(
         "off", "speculative decoding: off | mtp (DeepSeek-V4's MTP block drafts --rollout.draft_tokens tokens per "
                "step, one forward of the policy verifies them; the output distribution is plain sampling's; "
-               "rl/speculative.py)")
+               "rl/rollout/speculative.py)")
     draft_tokens: int = knob(2, "tokens the MTP block drafts per step with --rollout.speculative mtp (1..3)")
     max_staleness: int = knob(0, "asynchronous rollout (rl/pipeline.py): K >= 1 generates the next batches while "
                                  "the actor trains, with weights at most K versions old (needs --correction tis|mis); "
@@ -190,7 +190,7 @@ class RolloutConfig:
     ignore_eos: bool = knob(False, "benchmarks: training samples do not stop at the tokenizer's eos, so every "
                                    "response runs to its limit (--max-new-tokens, or --rollout.length_schedule's); "
                                    "evaluation still stops at eos (vLLM's SamplingParams.ignore_eos)")
-    exact: bool = knob(False, "exact mode (rl/exact.py): training samples are drawn from the learner's own forward "
+    exact: bool = knob(False, "exact mode (rl/rollout/exact.py): training samples are drawn from the learner's own forward "
                               "in a batch-invariant layout (a full forward per token), so "
                               "train/train_rollout_logprob_abs_diff is 0 (needs --max-staleness 0; with an FP8 "
                               "--rollout-dtype, --learner.fp8_forward)")
@@ -198,7 +198,7 @@ class RolloutConfig:
                                       "20) s, or never started within this, is dead (the others exit naming it); "
                                       "the weight transfer's timeout; the two-job layout: the heartbeat age after "
                                       "which the other job counts as dead")
-    address: str | None = knob(None, "the two-job layout (rl/rollout_job.py): HOST:PORT this actor job listens on "
+    address: str | None = knob(None, "the two-job layout (rl/rollout/two_job.py): HOST:PORT this actor job listens on "
                                      "for a rollout job of its own (started with --rollout-job --actor-address "
                                      "HOST:PORT; a host the rollout can reach); unset: the rollout runs in this job")
     job: bool = knob(False, "this process is a rollout job of the two-job layout: it serves the actor job at "

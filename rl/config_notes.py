@@ -3,7 +3,7 @@
     for line in overridden_settings(cfg, given): log.warning(line)
 
 `given` is the set of dotted paths the user set (YAML file or flags), so a knob left at its default never warns.
-- `--exact-rollout` draws the training samples from the learner's own forward (rl/exact.py): the rollout engine's
+- `--exact-rollout` draws the training samples from the learner's own forward (rl/rollout/exact.py): the rollout engine's
   speculative decoding (`--rollout.speculative`) and continuous batching (`--rollout-slots`) then serve the
   evaluation only.
 - `--rollout.draft_tokens` without `--rollout.speculative mtp` drafts nothing.

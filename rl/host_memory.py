@@ -4,7 +4,7 @@ On a CPU host every XLA device (`--xla_force_host_platform_device_count`) lives 
 of parallel/plan.py, made for a GPU's HBM per device, is re-read for the host: what each role holds per device
 (weights, optimizer state, activations: the plan's items, whatever the GPU) times its devices, out of the host's
 memory (physical RAM, or the cgroup's limit when lower) with the plan's usable fraction and rollout reserve; what
-is left is split over the rollout devices (`cpu_kv_budget`). `rl.slots.kv_budget_from_plan` uses it on CPU, so
+is left is split over the rollout devices (`cpu_kv_budget`). `rl.rollout.slots.kv_budget_from_plan` uses it on CPU, so
 `--rollout-slots N` is checked against the RAM the run really has.
 """
 

@@ -4,13 +4,13 @@
                                   # checkpoints, metric sinks; every input error is raised here, before step 1
 
 Where the roles live is decided here, once (`sharding.mpmd.role_layout`): both roles in this process (one mesh,
-two disjoint meshes, colocated) -> `job.rollout` is an `rl.rollout_service.LocalRollout`; the rollout on processes
-of its own (MPMD) -> on actor processes `job.rollout` is an `rl.rollout_mpmd.ProcessRollout`, on rollout processes
-`job.server` is the `rl.rollout_mpmd.RolloutServer` they run instead of the loop; the rollout as a JAX job of its
-own (the two-job layout, --rollout-address / --rollout-job) -> `job.rollout` is an `rl.rollout_job.JobRollout` on
-the actor job, and a rollout job (`build_rollout_job`) runs `rl.rollout_job.RolloutJobServer` as `job.server`.
-The learner, the Sampler (`rl.rollout_service.make_sampler`), the checkpoints and the resume are built by the same
-code for every layout.
+two disjoint meshes, colocated) -> `job.rollout` is an `rl.rollout.service.LocalRollout`; the rollout on processes
+of its own (MPMD) -> on actor processes `job.rollout` is an `rl.rollout.mpmd.ProcessRollout`, on rollout processes
+`job.server` is the `rl.rollout.mpmd.RolloutServer` they run instead of the loop; the rollout as a JAX job of its
+own (the two-job layout, --rollout-address / --rollout-job) -> `job.rollout` is an `rl.rollout.two_job.JobRollout` on
+the actor job, and a rollout job (`build_rollout_job`) runs `rl.rollout.two_job.RolloutJobServer` as `job.server`.
+The learner, the Sampler (`rl.rollout.engine.Sampler` with the run's `EngineSettings`), the checkpoints and the
+resume are built by the same code for every layout.
 """
 
 from __future__ import annotations
@@ -32,14 +32,15 @@ from dsv4.chunked import check_chunk
 from dsv4.io.load import init_model, load_hf_checkpoint, loaded_config
 from parallel.push.job import JobPusher
 from parallel.push.local import WeightPusher
+from parallel.plan import kv_cache_bytes
 from parallel.push.mpmd import MpmdPusher
-from rl import slots as sl
+from rl.rollout import slots as sl
 from rl.checkpoint import Checkpointer, check_writable, file_identity
 from rl.config import RunConfig
 from rl.data import PromptDataset, make_prompt_iterator
 from rl.data_formats import build_datasets, resolve_reward_name
 from rl.eval_source import eval_checkpoint_dir, eval_reader
-from rl.exact import exact_layout
+from rl.rollout.exact import ExactRollout, exact_layout
 from rl.job_identity import job_identity
 from rl.learner import Learner
 from rl.learner_state import resolve_param_dtype
@@ -47,11 +48,11 @@ from rl.math_rewards import make_reward, prompt_independent_best
 from rl.partial import requests_per_batch
 from rl.pipeline import read_inflight
 from rl.rewards import TextReward
-from rl.rollout_init import checkpoint_rollout_weights
-from rl.rollout_job import JobRollout, RolloutJobServer
-from rl.rollout_mpmd import ProcessRollout, RolloutServer
-from rl.rollout_service import LocalRollout, RolloutService, make_sampler, rollout_compute_dtype
-from rl.rollout_weights import kv_cache_layout
+from rl.rollout.two_job import JobRollout, RolloutJobServer
+from rl.rollout.mpmd import ProcessRollout, RolloutServer
+from rl.rollout.engine import Sampler
+from rl.rollout.service import LocalRollout, RolloutService
+from rl.rollout.settings import EngineSettings
 from rl.sinks import MetricsLogger
 from rl.tasks import DigitTask, TaskReward
 from rl.tokenizer import load_tokenizer
@@ -80,12 +81,12 @@ class Job:
     tokenizer: the prompt/response tokenizer (`eos_id`, `decode`). task: the built-in task (None with
     --dataset). train_data: the training prompts. eval_prompts / eval_refs: held-out prompt ids and their
     references. reward: the run's one `rl.rewards.RewardFn` (the built-in task's or --reward's). learner: the
-    actor (None on MPMD rollout processes). rollout: the rollout service (rl/rollout_service.py; None on MPMD
+    actor (None on MPMD rollout processes). rollout: the rollout service (rl/rollout/service.py; None on MPMD
     rollout processes). iterator: the checkpointable prompt-batch iterator. ckpt: checkpoints (None: --ckpt-dir
     ''). logger: the metric sinks. start_step / weight_version: where the run starts (0, or the restored
     checkpoint's). data_identity: the dataset files' identity (checked on resume). data_metrics: load-time data
     counters. inflight: the pipeline (rl/pipeline.py) while `rl.loop.run` runs. layout: the process roles.
-    server: on an MPMD rollout process, the loop it runs instead (rl/rollout_mpmd.py). counters: train steps run
+    server: on an MPMD rollout process, the loop it runs instead (rl/rollout/mpmd.py). counters: train steps run
     by this process.
     """
 
@@ -113,22 +114,29 @@ class Job:
     counters: dict = dataclasses.field(default_factory=lambda: {"train_steps": 0})
 
 
+def _engine_settings(cfg: RunConfig, mesh, max_prompt: int, slots: int = 0,
+                     kv_budget: float | None = None) -> EngineSettings:
+    """The run's rollout engine settings (`EngineSettings.for_run` of `cfg.rollout` on the rollout mesh's
+    platform; None: this process's default device)."""
+    platform = (mesh.devices.flat[0] if mesh is not None else jax.devices()[0]).platform
+    return EngineSettings.for_run(cfg.rollout, platform=platform, max_prompt_len=max_prompt, slots=slots,
+                                  kv_budget_bytes=kv_budget)
+
+
 def _rollout_slots(cfg: RunConfig, model_cfg, plan, max_prompt: int) -> tuple[int, float | None]:
     """--rollout-slots -> (slots for the Sampler, KV budget per rollout device from the memory plan or None).
-    0 stays static batching; N is checked against the plan here, before any model is built (rl/slots.py)."""
+    0 stays static batching; N is checked against the plan here, before any model is built (rl/rollout/slots.py)."""
     r = cfg.rollout
     if r.slots == 0:
         return 0, None
     mesh = getattr(plan, "rollout", None)  # (a plan of the spec alone: unmeshed, one shard)
-    # the cache dtype is the sampler's compute dtype (as make_sampler resolves it)
-    dtype = rollout_compute_dtype(r, (mesh.devices.flat[0] if mesh is not None else jax.devices()[0]).platform) \
-        or "float32"
+    # the cache layout and dtype of the run's engine (its settings, as `_engine_settings` resolves them)
+    st = _engine_settings(cfg, mesh, max_prompt)
     seq = sl.cache_len_for(model_cfg, max_prompt, r.max_new_tokens)  # as Sampler.generate sizes it
     budget, note = sl.kv_budget_from_plan(model_cfg, str(plan.spec), seq, rollout_dtype=r.dtype)
-    fp8 = "e4m3fn" if kv_cache_layout(r.kv_cache_dtype, r.dtype) == "fp8" else None  # fn / fnuz: the same bytes
     shards = batch_shards(ROLLOUT_RULES, mesh) if mesh is not None else 1  # split over the rollout batch axes
     try:
-        n = sl.plan_slots(r.slots, per_slot_bytes=sl.cache_bytes_per_slot_for(model_cfg, seq, dtype, fp8),
+        n = sl.plan_slots(r.slots, per_slot_bytes=kv_cache_bytes(model_cfg, seq, st.compute_dtype, st.kv_bytes_format),
                           budget_bytes=budget, seq_len=seq, shards=shards)
     except ValueError as e:  # say which plan: a GPU's, or this CPU host's RAM
         raise ValueError(f"{e} ({note})") from None
@@ -218,7 +226,7 @@ def build(cfg: RunConfig) -> Job:
     log.info("resolved config: %s", json.dumps(cfg.to_tree(), sort_keys=False, default=str))
     tok, task, train, ev_prompts, ev_refs, reward, ev_data = load_data(cfg)
     model_cfg = resolve_model_config(cfg, tok.vocab_size)
-    two_jobs = cfg.rollout.address is not None  # the rollout is a job of its own (rl/rollout_job.py)
+    two_jobs = cfg.rollout.address is not None  # the rollout is a job of its own (rl/rollout/two_job.py)
     plan = build_job_plan(cfg.mesh, ACTOR, config=model_cfg) if two_jobs else build_mesh_plan(cfg.mesh,
                                                                                               config=model_cfg)
     log.info("meshes: %s%s", plan.describe(), " (the rollout mesh: a stand-in for the rollout job's tiling)"
@@ -232,7 +240,7 @@ def build(cfg: RunConfig) -> Job:
     # MPMD: heartbeats from now on (builds and compiles are long); the results channel keeps a few steps' values
     channel = HostChannel(layout, timeout_s=cfg.rollout.push_timeout, keep=channel_window(cfg)) \
         if layout.mpmd else None
-    # the actor's processes save and restore the learner state; the rollout's is derived (rl/rollout_mpmd.py)
+    # the actor's processes save and restore the learner state; the rollout's is derived (rl/rollout/mpmd.py)
     # (the run lock, taken here, comes before any write: a run refused by it writes nothing, not even config.yaml;
     # an evaluation only reads its checkpoint: rl/eval_source.py)
     processes = layout.actor_processes if layout.mpmd else None
@@ -269,7 +277,7 @@ def build(cfg: RunConfig) -> Job:
         else:
             model = load_hf_checkpoint(init, dtype=load_dtype, config=model_cfg, mesh=plan.actor,
                                        progress=cfg.log.progress)
-        r = cfg.rollout  # --exact-rollout: the learner's fixed micro-batch layout (rl/exact.py)
+        r = cfg.rollout  # --exact-rollout: the learner's fixed micro-batch layout (rl/rollout/exact.py)
         exact = exact_layout(lcfg, rows_per_step=r.prompts_per_step * r.group_size, max_prompt_len=max_prompt,
                              max_new_tokens=r.max_new_tokens, batch_devices=batch_shards(ACTOR_RULES, plan.actor)) \
             if r.exact else None
@@ -280,8 +288,8 @@ def build(cfg: RunConfig) -> Job:
     # a random init in one process: the rollout's version 0 is quantised from the same model; else its weights
     # come from --init's own FP8 blocks or by the first push
     here = init == "random" and not layout.mpmd and not two_jobs
-    sampler = make_sampler(model if here else abstract, plan.rollout, cfg.rollout, max_prompt_len=max_prompt,
-                           slots=slots, kv_budget_bytes=kv_budget)
+    sampler = Sampler(model if here else abstract, _engine_settings(cfg, plan.rollout, max_prompt, slots, kv_budget),
+                      mesh=plan.rollout)
     del model
     rollout = server = None
     if two_jobs:  # the stand-in sampler gives the rollout job's tiling; the weights leave by transfer server
@@ -291,11 +299,10 @@ def build(cfg: RunConfig) -> Job:
                              restart_timeout_s=cfg.rollout.restart_timeout, channel=channel,
                              identity=job_identity(cfg, shapes_cfg, tok, max_prompt_len=max_prompt))
     elif not layout.mpmd:
-        if init != "random":
-            sampler.set_weights(checkpoint_rollout_weights(sampler, init, config=shapes_cfg,
-                                                           progress=cfg.log.progress), version=0)
+        if init != "random":  # version 0 from the file's own FP8 blocks, first: the pusher copies the stored layout
+            LocalRollout(sampler, config=shapes_cfg, progress=cfg.log.progress).load_weights(0, source=init)
         pusher = WeightPusher(plan, sampler, learner.params_for_push(), verify_every=cfg.rollout.push_verify_every)
-        rollout = LocalRollout(sampler, learner.params_for_push, pusher)
+        rollout = LocalRollout(sampler, learner.params_for_push, pusher, config=shapes_cfg, progress=cfg.log.progress)
     else:
         state = nnx.state(abstract)
         pusher = MpmdPusher(plan, layout, sampler, state, plan.param_shardings(ACTOR, state), channel,
@@ -307,6 +314,8 @@ def build(cfg: RunConfig) -> Job:
                                    progress=cfg.log.progress)
         log.info("MPMD: process %d runs the %s (actor processes %s, rollout processes %s)", layout.process,
                  layout.role, list(layout.actor_processes), list(layout.rollout_processes))
+    if rollout is not None and cfg.rollout.exact:  # training batches drawn from the learner's forward
+        rollout = ExactRollout(learner, rollout, routing_replay=cfg.learner.routing_replay)
     # MPMD: every actor process reads one unsharded stream (the global batch), so the data order is the one-process
     # run's; otherwise each host reads its shard (rl/stages.py::global_batch)
     it = make_prompt_iterator(train, batch_size=cfg.rollout.prompts_per_step, seed=cfg.seed,
@@ -333,17 +342,15 @@ def build(cfg: RunConfig) -> Job:
     owns = ckpt is not None and cfg.ckpt.resume == "auto" and not cfg.eval.only
     job.logger.open(job.start_step if owns else None)
     if rollout is not None and rollout.weight_version != job.weight_version:
-        # the rollout serves the restored params (or, MPMD, its first weights): version 0 of --init from the
-        # file's own FP8 blocks, else the learner's params pushed
-        if isinstance(rollout, ProcessRollout) and init != "random" and job.weight_version == 0:
-            rollout.load_init()
-        else:
-            rollout.load_weights(job.weight_version)
+        # the rollout serves the restored params (or its first weights): version 0 of --init from the file's own
+        # FP8 blocks where the engine can read it, else the learner's params pushed
+        from_init = init != "random" and job.weight_version == 0
+        rollout.load_weights(job.weight_version, source=init if from_init else None)
     return job
 
 
 def build_rollout_job(cfg: RunConfig) -> Job:
-    """A rollout job of the two-job layout (rl/rollout_job.py): the Sampler on this job's devices (the mesh's
+    """A rollout job of the two-job layout (rl/rollout/two_job.py): the Sampler on this job's devices (the mesh's
     rollout section; weights arrive from the actor by pull) and the loop it serves (`job.server`). It reads the
     data only to size the prompt buckets as the actor does; it writes no metrics, config file or checkpoint."""
     if jax.process_count() > 1:
@@ -360,8 +367,7 @@ def build_rollout_job(cfg: RunConfig) -> Job:
     init = cfg.model.init
     shapes_cfg = loaded_config(init, model_cfg) if init != "random" else model_cfg
     abstract = nnx.eval_shape(lambda: DSV4ForCausalLM(shapes_cfg, rngs=nnx.Rngs(0), param_dtype=load_dtype))
-    sampler = make_sampler(abstract, plan.rollout, cfg.rollout, max_prompt_len=max_prompt, slots=slots,
-                           kv_budget_bytes=kv_budget)
+    sampler = Sampler(abstract, _engine_settings(cfg, plan.rollout, max_prompt, slots, kv_budget), mesh=plan.rollout)
     server = RolloutJobServer(sampler, cfg.rollout.actor_address, timeout_s=cfg.rollout.push_timeout,
                               connect_timeout_s=cfg.rollout.restart_timeout,
                               identity=job_identity(cfg, shapes_cfg, tok, max_prompt_len=max_prompt))

@@ -1,4 +1,4 @@
-"""What a rollout job must share with its actor job (the two-job layout, rl/rollout_job.py): everything that changes the
+"""What a rollout job must share with its actor job (the two-job layout, rl/rollout/two_job.py): everything that changes the
 numbers it generates, compared at registration.
 
     ident = job_identity(cfg, shapes_cfg, tokenizer, max_prompt_len=max_prompt)  # {"digest", "parts": {...}}
@@ -25,17 +25,18 @@ Tests: `.venv/bin/python -m pytest -q tests/rl/test_job_identity.py`.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import os
 
-from rl.config import RunConfig
+from rl.config import RolloutConfig, RunConfig
 
 PARTS = ("model config", "tokenizer", "sampling", "dtypes")
 SAMPLING_KNOBS = ("max_new_tokens", "temperature", "top_p", "top_k", "slots", "prefill_chunk", "ep_backend",
                   "ep_capacity_factor", "speculative", "draft_tokens", "ignore_eos", "length_schedule",
                   "partial_rollout", "partial_segment")
-DTYPE_KNOBS = ("dtype", "compute_dtype", "kv_cache_dtype")
+DTYPE_KNOBS = tuple(f.name for f in dataclasses.fields(RolloutConfig) if f.name.endswith("dtype"))  # weights, compute, KV cache
 SHOWN = 3  # differing fields named per part in a refusal line
 
 

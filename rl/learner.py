@@ -37,7 +37,7 @@ Choices (and why):
   is divided by the *full batch's* token/sequence counts (`rl.losses.loss_normalizers`) and the results are
   summed, so loss, gradient and every loss metric equal the full-batch values exactly (up to fp rounding).
 - FP8-aware forward (`fp8_forward`, `--learner.fp8_forward`): every forward (policy, `compute_logprobs`, the
-  reference) runs on `rl.rollout_weights.fp8_aware_params(params)`: the weights the FP8 rollout holds, built from
+  reference) runs on `dsv4.rollout_format.fp8_aware_params(params)`: the weights the FP8 rollout holds, built from
   the masters by the rollout's own rule (`RolloutFormat`, shared with `Sampler.quantize_weights`) and dequantised
   as its layers do, and the rollout's activation quantisation at the same linears, all straight-through to the
   masters. The quantised copy is made per micro-batch forward, up front (one copy of the quantised weights in the
@@ -110,7 +110,7 @@ from rl.logprobs import next_token_logits, token_logprobs
 from rl.losses import kl_penalty, loss_normalizers, mtp_mask, policy_loss
 from rl.metrics import masked_mean
 from rl.replay import check_replay_routing
-from rl.rollout_weights import RolloutFormat, fp8_aware_params, parse_rollout_dtype
+from dsv4.rollout_format import RolloutFormat, fp8_aware_params, parse_rollout_dtype
 from sharding import axes as ax
 from sharding import offload as so
 from sharding import rules as sr
@@ -143,7 +143,7 @@ class Learner:
         rollout_dtype: the rollout's `--rollout-dtype` (default the run's), read only with `cfg.fp8_forward`: the
             weights the FP8-aware forward reproduces. rollout_devices: the rollout's devices, which decide "auto"
             (`dsv4.quant.select_fp8_format`; default the learner's). fp8_block: the rollout's FP8 scale block.
-        exact_layout: (rows R, width W) of exact mode (`rl.exact`, `--exact-rollout`): every forward runs in
+        exact_layout: (rows R, width W) of exact mode (`rl.rollout.exact`, `--exact-rollout`): every forward runs in
             micro-batches of R rows x W columns (`rl.batching.fixed_layout`), so a row's logprobs do not depend
             on its batch; None (default): the layout of "Input size".
         abstract: build only the state's shapes, dtypes and shardings (`jax.ShapeDtypeStruct`s; `model` may be
@@ -169,7 +169,7 @@ class Learner:
         self.cfg, self.dispatch_fn, self.exact_layout = cfg, dispatch_fn, exact_layout
         self.model_config = module.config
         compute = jnp.dtype(cfg.compute_dtype)
-        self.rformat = None  # fp8_forward: how the rollout stores each weight (rl.rollout_weights.RolloutFormat)
+        self.rformat = None  # fp8_forward: how the rollout stores each weight (dsv4.rollout_format.RolloutFormat)
         if cfg.fp8_forward:
             rdt = parse_rollout_dtype(rollout_dtype)
             if not rdt.fp8:
@@ -432,7 +432,7 @@ class Learner:
         abstract = any(isinstance(x, jax.ShapeDtypeStruct) for x in jax.tree.leaves(batch))
         if abstract:
             n, s = batch.input_ids.shape
-            lay = self._layout(n, s, s)
+            lay = self.layout(n, s, s)
         else:
             batch, lay, _ = self._fit(batch)
         fn = self._jit(("step", lay), functools.partial(self._step, lay=lay), donate=True)
@@ -484,7 +484,7 @@ class Learner:
         """[N, V] float32: the tempered logits (logits / T, as the loss scores them) from which the learner predicts
         the token after the one `batch.response_mask` marks in each row (exactly one 1 per row), with the model,
         weights and micro-batch layout of `compute_logprobs` (no routing replay). Exact mode draws its tokens from
-        these (rl/exact.py). Needs rows that start at column 0 (no re-alignment: ValueError otherwise)."""
+        these (rl/rollout/exact.py). Needs rows that start at column 0 (no re-alignment: ValueError otherwise)."""
         batch = self._check_batch(batch, False)
         batch, lay, shift = self._fit(batch)
         if np.any(shift):
@@ -546,31 +546,34 @@ class Learner:
             self._jits[key] = jax.jit(fn, **kw)
         return self._jits[key]
 
-    def _batch_devices(self) -> int:
+    def batch_devices(self) -> int:
+        """Devices the batch's rows are split over (the rules' `act_batch` axes), 1 without a mesh."""
         if self.mesh is None:
             return 1
         return math.prod(self.mesh.shape[a] for a in sr.mesh_axes_for(ax.ACT_BATCH, self.rules) if a in self.mesh.shape)
 
-    def _context_devices(self) -> int:
+    def context_devices(self) -> int:
         """Devices one row's tokens are split over (the rules' `act_seq` axes: context parallelism), 1 without."""
         if self.mesh is None:
             return 1
         return math.prod(self.mesh.shape[a] for a in sr.mesh_axes_for(ax.ACT_SEQ, self.rules) if a in self.mesh.shape)
 
-    def _layout(self, n: int, s: int, longest: int) -> batching.Layout:
+    def layout(self, n: int, s: int, longest: int) -> batching.Layout:
+        """The micro-batch layout (`rl.batching.Layout`) of a step batch of `n` rows x `s` columns whose longest row
+        has `longest` tokens: exact mode's fixed layout, else `rl.batching.layout` with the learner's knobs."""
         c = self.cfg
         if self.exact_layout is not None:
             return batching.fixed_layout(n, s, longest, rows=self.exact_layout[0], width=self.exact_layout[1])
         return batching.layout(n, s, longest, trim=c.trim, micro_batch_size=c.micro_batch_size,
-                               max_tokens=c.max_tokens_per_micro_batch, batch_devices=self._batch_devices(),
-                               context=self._context_devices())
+                               max_tokens=c.max_tokens_per_micro_batch, batch_devices=self.batch_devices(),
+                               context=self.context_devices())
 
     def _fit(self, batch: TrainBatch) -> tuple[TrainBatch, batching.Layout, np.ndarray]:
         """Host side: trim to the longest real row (rl/batching.py) -> (batch, layout, per-row shift).
         Raises ValueError when the token budget is below the longest row."""
         n, s = batch.input_ids.shape
         shift, longest = batching.real_extent(batch.attention_mask)
-        lay = self._layout(n, s, longest)
+        lay = self.layout(n, s, longest)
         if not self.cfg.trim and self.exact_layout is None:
             return batch, lay, np.zeros(n, np.int64)
         batch = batching.pad_columns(batch, lay.width)  # exact_layout: a batch narrower than its width
@@ -583,7 +586,7 @@ class Learner:
         """Static shape checks (ValueError; `rl.batch.check_train_batch`); drops routing when replay is off (not
         sent to the device)."""
         check_train_batch(batch, micro_batch_size=self.cfg.micro_batch_size,
-                          token_budget=self.cfg.max_tokens_per_micro_batch, batch_devices=self._batch_devices())
+                          token_budget=self.cfg.max_tokens_per_micro_batch, batch_devices=self.batch_devices())
         n, s = batch.input_ids.shape
         self._replay_metrics = {}
         if not replay:

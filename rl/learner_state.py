@@ -131,7 +131,7 @@ def opt_state_to(opt_state: Any, kind: str, offloaded: frozenset[str], streamed:
     state's params (their paths name the state's owners); `opt_shardings`: the optimizer state's shardings."""
     if not offloaded:
         return opt_state
-    owner = optim._owner({tree_key(p) for p, _ in jax.tree_util.tree_leaves_with_path(params)})
+    owner = optim.param_owner({tree_key(p) for p, _ in jax.tree_util.tree_leaves_with_path(params)})
 
     def move(path, x, sh):
         if sh.memory_kind != so.HOST_MEMORY_KIND or owner(path) in streamed:

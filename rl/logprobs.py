@@ -164,7 +164,7 @@ def next_token_logits(model: Any, input_ids: jnp.ndarray, attention_mask: jnp.nd
     """The tempered logits z [N, V] float32 at position `at[i]` of row i: the distribution from which
     `token_logprobs` scores token at[i] + 1 (log p = z[token] - logsumexp(z)), computed the same way (the same
     model call; with `chunk_size` the head runs on each row's chunk of C positions, the shape `token_logprobs`
-    gives it), so that a token drawn from softmax(z) has the learner's own probability (exact mode, rl/exact.py).
+    gives it), so that a token drawn from softmax(z) has the learner's own probability (exact mode, rl/rollout/exact.py).
 
     input_ids / attention_mask [N, S] as `token_logprobs` (no routing replay); at [N] int32 in [0, S - 2].
     """

@@ -6,8 +6,8 @@ eval and checkpoint.
 
 The stages are rl/stages.py (they know nothing of schedules); the schedule is rl/pipeline.py: the rollout as
 producer, the learner as consumer, one bounded queue between them (`--max-staleness K`: K = 0 synchronous, K >= 1
-K steps off). Where the rollout runs is behind `job.rollout` (rl/rollout_service.py: this process, or processes of
-its own in MPMD, rl/rollout_mpmd.py), decided once by `build`; a rollout process of an MPMD run serves instead of
+K steps off). Where the rollout runs is behind `job.rollout` (rl/rollout/service.py: this process, or processes of
+its own in MPMD, rl/rollout/mpmd.py), decided once by `build`; a rollout process of an MPMD run serves instead of
 running this loop (`job.server`). Per step (`train_step`): take the step's batch from the pipeline, advantages,
 update, wait for the push point, push, evaluate when due, metrics (rl/sinks.py: JSONL, TensorBoard, W&B, progress
 bar), a checkpoint every `ckpt.every` (with the in-flight batches when K >= 1). Resume (`resume="auto"`) restores the
@@ -87,7 +87,7 @@ def run(job: Job) -> dict:
     SIGTERM and SIGINT (Ctrl-C) are handled alike: the current step finishes, a checkpoint of it is saved and
     the loop ends (`summary["signal"]` names the signal). A second Ctrl-C exits the process at once (status
     130): an unfinished save is only an orbax temp directory, so the newest complete checkpoint is untouched.
-    On a rollout process of an MPMD run: serve the actor until it stops (`rl.rollout_mpmd.RolloutServer`).
+    On a rollout process of an MPMD run: serve the actor until it stops (`rl.rollout.mpmd.RolloutServer`).
     """
     if job.server is not None:
         counters = job.server.serve()

@@ -84,7 +84,7 @@ def offload_shardings(opt_shardings, param_paths: set[str], chosen: frozenset[st
         lambda path, sh: sh.with_memory_kind(memory_kind) if owner(path) in chosen else sh, opt_shardings)
 
 
-def _owner(param_paths: set[str]):
+def param_owner(param_paths: set[str]):
     """Key path of an optimizer-state leaf -> the param path it belongs to (longest dict-key suffix), or None."""
 
     def owner(path) -> str | None:
@@ -136,7 +136,7 @@ def update_streamed(tx: optax.GradientTransformation, grads, opt_state, params, 
     p_paths = [tree_key(p) for p, _ in p_flat]
     g_leaves = jax.tree.leaves(grads)
     o_flat, o_def = jax.tree_util.tree_flatten_with_path(opt_state)
-    owner = _owner(set(p_paths))
+    owner = param_owner(set(p_paths))
     o_owner = [owner(p) for p, _ in o_flat]
     p_vals = [x for _, x in p_flat]
     o_vals = [x for _, x in o_flat]

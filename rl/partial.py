@@ -22,7 +22,7 @@ P = `--prompts-per-step`, G = `--group-size`, segment = `--rollout.partial_segme
 functions of the schedule and of the sampled tokens, never of wall time: the same flags give the same tokens.
 
 Continuing a sample = re-prefill: the rollout is asked for prompt + the sample's tokens so far as a prompt, with
-`token_offset` = its length, so its token g is still drawn with fold_in(key_sample, g) (rl/sampler.py): the keys of
+`token_offset` = its length, so its token g is still drawn with fold_in(key_sample, g) (rl/rollout/engine.py): the keys of
 an uninterrupted sample. The old version's KV caches are not kept (they would have to go into the checkpoint and
 would hold keys of the old weights); this is what abort + resubmit does on SGLang (Miles `--fully-async`, slime's
 partial rollout). The pool is host numpy (tokens, logprobs, routing, versions), so it goes into the in-flight
@@ -39,15 +39,15 @@ response tokens per staleness (`rollout/token_staleness_<j>`, rl/pipeline.py). P
 Randomness: sample j of the prompt at position i of the d-th drawn iterator batch uses (seed, step 0, prompt index
 d x P + i, sample j): a function of the data order alone.
 
-Layouts: every one, through the rollout service contract (rl/rollout_service.py: a segment is one RolloutRequest
+Layouts: every one, through the rollout service contract (rl/rollout/service.py: a segment is one RolloutRequest
 with `max_new_tokens_per_row` and `token_offset`, tagged "train/partial/<m>/<segment>"). The in-process rollout
-(`LocalRollout`); MPMD (rl/rollout_mpmd.py): every actor process runs this producer in lock-step on the same
+(`LocalRollout`); MPMD (rl/rollout/mpmd.py): every actor process runs this producer in lock-step on the same
 results (one unsharded prompt stream), the writer (process 0) sends the segments, the rollout processes generate
-them; the two-job layout (rl/rollout_job.py): actor process 0 sends them over the link (a restarted rollout job is
+them; the two-job layout (rl/rollout/two_job.py): actor process 0 sends them over the link (a restarted rollout job is
 sent the unanswered segments again, with the same ids: the same tokens). Every side sizes its prompt buckets for
 the re-prefill (`rl.job.prompt_bucket`: + max_new_tokens), and the host channel keeps `requests_per_batch` results
 per batch (`rl.job.channel_window`). The pool is saved by the metrics writer and loaded by every actor process.
-Continuous batching (`--rollout-slots`, rl/slots.py) honours both per-row fields (tests/rl/test_partial_rollout.py).
+Continuous batching (`--rollout-slots`, rl/rollout/slots.py) honours both per-row fields (tests/rl/test_partial_rollout.py).
 """
 
 from __future__ import annotations

@@ -20,7 +20,7 @@ uninterrupted one bitwise on CPU):
   let the producer go on with batch s + K + 1 (the next `take`).
 For K = 1 that is the usual one-step-off pipeline: step time ~ max(rollout, update) + push instead of the sum.
 Only the last K batches use P(0) twice. Where the rollout runs (this process, or processes of its own behind
-`rl.rollout_mpmd.ProcessRollout`) changes nothing here: the producer talks to `job.rollout`.
+`rl.rollout.mpmd.ProcessRollout`) changes nothing here: the producer talks to `job.rollout`.
 
 Versions. Every sample carries the weight version it was generated with (`RolloutRecord.versions`;
 `Pipeline.sample_versions[s]` [N] int per trained step). Metrics (K >= 1): `weight_version/staleness_mean|max`

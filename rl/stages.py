@@ -1,11 +1,11 @@
 """The stages of one GRPO step, written once for every layout: batch -> sample -> score -> advantages -> update ->
 push, and the evaluation. They know nothing of schedules (rl/pipeline.py: synchronous or K steps off) or of where
-the rollout runs (behind `job.rollout`, an `rl.rollout_service.RolloutService`).
+the rollout runs (behind `job.rollout`, an `rl.rollout.service.RolloutService`).
 
 1. batch: the next prompt batch from the grain iterator (checkpointable), the same on every host (`global_batch`);
 2. sample: `group_size` rows per prompt through the rollout service (FP8 weights by default): a `RolloutBatch`
    (rl/batch.py: tokens, logprobs, routing in the one layout) with the weight version it was generated with;
-   with `--exact-rollout` the samples are drawn from the learner's own forward instead (rl/exact.py);
+   with `--exact-rollout` the service draws them from the learner's own forward (`rl.rollout.exact.ExactRollout`);
 3. score: the run's one `rl.rewards.RewardFn` (the built-in task's exact partial credit, or a dataset reward in a
    worker process with a per-sample time limit `--data.reward_timeout_s`); DAPO (`--algo dapo`) samples and scores
    further rounds until the batch holds `prompts_per_step` groups whose rewards differ (`dynamic_rollout`,
@@ -34,12 +34,11 @@ import jax.numpy as jnp
 import numpy as np
 from jax.experimental import multihost_utils
 
-from rl import exact
 from rl.advantages import DynamicSampler, compute_advantages
 from rl.batch import RolloutBatch, TrainBatch, concat_rollouts
 from rl.metrics import pass_at_k, response_stats, reward_stats, to_python
-from rl.rollout_service import RolloutRequest
-from rl.sampler import SamplingParams
+from rl.rollout.service import RolloutRequest
+from rl.rollout.engine import SamplingParams
 
 log = logging.getLogger("dsv4rl")
 
@@ -69,11 +68,12 @@ def score(job, rb: RolloutBatch, refs: list[str]) -> tuple[np.ndarray, np.ndarra
 def generate(job, rows: list[list[int]], params: SamplingParams, *, seed: int, step: int = 0,
              prompt_index: list[int] | None = None, sample_index: list[int] | None = None,
              tag: str = "", max_new_tokens_per_row: list[int] | None = None,
-             token_offset: list[int] | None = None) -> tuple[RolloutBatch, dict]:
-    """One request to the rollout service, waited for -> (RolloutBatch, the generation's stats + perf metrics)."""
+             token_offset: list[int] | None = None, train: bool = False) -> tuple[RolloutBatch, dict]:
+    """One request to the rollout service, waited for -> (RolloutBatch, the generation's stats + perf metrics).
+    `train`: a training batch's request (`RolloutRequest.train`)."""
     req = RolloutRequest(prompts=rows, params=params, seed=seed, step=step, prompt_index=prompt_index,
                          sample_index=sample_index, tag=tag or f"gen/{step}",
-                         max_new_tokens_per_row=max_new_tokens_per_row, token_offset=token_offset)
+                         max_new_tokens_per_row=max_new_tokens_per_row, token_offset=token_offset, train=train)
     t0 = time.perf_counter()
     res = job.rollout.collect(job.rollout.submit(req))
     dt = time.perf_counter() - t0
@@ -104,18 +104,10 @@ def sample(job, prompts: list[list[int]], step: int, round_index: int = 0,
     pi = [off + i for i in range(len(prompts)) for _ in range(g)]
     si = [j for _ in prompts for j in range(g)]
     caps = None if data_index is None else r.length_caps(data_index)
-    if not r.exact:
-        return generate(job, rows, sp, seed=job.cfg.seed, step=step, prompt_index=pi, sample_index=si,
-                        tag=f"train/{step}/{round_index}",
-                        max_new_tokens_per_row=None if caps is None else [c for c in caps for _ in range(g)])
-    # --exact-rollout: drawn from the learner's own forward (rl/exact.py), not by the rollout service; every row
-    # up to --max-new-tokens (RunConfig refuses --rollout.length_schedule with it)
-    t0 = time.perf_counter()
-    rb, metrics = exact.generate(job.learner, rows, sp, seed=job.cfg.seed, step=step, prompt_index=pi, sample_index=si,
-                                 weight_version=job.weight_version, routing_replay=job.cfg.learner.routing_replay)
-    dt = time.perf_counter() - t0
-    metrics.update({"perf/rollout_s": dt, "perf/rollout_tok_per_s": int(rb.lengths.sum()) / dt})
-    return rb, metrics
+    # --exact-rollout: the service draws training requests from the learner's own forward (rl/rollout/exact.py)
+    return generate(job, rows, sp, seed=job.cfg.seed, step=step, prompt_index=pi, sample_index=si,
+                    tag=f"train/{step}/{round_index}", train=True,
+                    max_new_tokens_per_row=None if caps is None else [c for c in caps for _ in range(g)])
 
 
 def rollout(job, prompts: list[list[int]], refs: list[str], step: int, round_index: int = 0, data_index=None):

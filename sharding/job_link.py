@@ -16,7 +16,7 @@ with `LinkLost` when the connection closed (the peer process died: the kernel cl
 heartbeat is older than `timeout_s` (a hung peer); the error names the peer and says which, with the peer's last
 log line when it sent one. The hello exchanged on connect carries the peer's description (host, pid, ...).
 
-Refusal. The listener's `check(peer_hello)` (the actor's: the same tiling and identity, rl/rollout_job.py) runs in
+Refusal. The listener's `check(peer_hello)` (the actor's: the same tiling and identity, rl/rollout/two_job.py) runs in
 its accepting thread, before the peer is queued: a peer it refuses gets ("refused", reason) instead of the
 listener's hello and is closed, the listener logs one line and goes on listening (the actor, busy or waiting in
 `accept`, never sees it); `connect` raises `LinkRefused` with the reason on the peer's side.

@@ -275,8 +275,8 @@ def auto_axes(mesh: Mesh | None) -> Mesh | None:
     """`mesh` with every axis of type Auto: the same devices, axis names and order (None passes through).
 
     Every public function of dsv4-rl that takes a mesh (`dsv4.load_hf_checkpoint`, `dsv4.io.load.init_model`,
-    `rl.learner.Learner`, `rl.sampler.Sampler`, `parallel.push.local.WeightPusher`, `MeshPlan`) converts it here, so a
-    mesh from `jax.make_mesh` works whatever its axis types (Explicit is its default since jax 0.7). Why Auto: the
+    `rl.learner.Learner`, `rl.rollout.engine.Sampler`, `parallel.push.local.WeightPusher`, `MeshPlan`) converts it
+    here, so a mesh from `jax.make_mesh` works whatever its axis types (Explicit is its default since jax 0.7). Why Auto: the
     model's programs place arrays by the rule tables (sharding constraints on logical axes) and let XLA propagate
     the rest; under Explicit axes the sharding is part of every array's type, and each op whose output sharding is
     not implied by its inputs (`jnp.repeat` in the FP8 dequantisation, gathers, the expert dispatch, contractions
@@ -358,7 +358,7 @@ def build_mesh_plan(spec: str | MeshSpec, devices: Sequence[Any] | None = None, 
 def build_job_plan(spec: str | MeshSpec, role: str, devices: Sequence[Any] | None = None,
                    config: Any = None) -> MeshPlan:
     """The plan of one job of the two-job layout (the actor and the rollout as independent JAX jobs,
-    rl/rollout_job.py): `role`'s mesh on this job's `devices` (default `jax.devices()`), and the other role's mesh
+    rl/rollout/two_job.py): `role`'s mesh on this job's `devices` (default `jax.devices()`), and the other role's mesh
     a stand-in of the same shape and axis names over this job's devices (the actor needs the rollout's tiling to
     stage its weights, parallel/push/job.py; the rollout job uses no actor mesh). The spec must have a rollout
     section. Raises MeshSpecError for a colocated spec; DeviceCountError when this job has fewer devices than

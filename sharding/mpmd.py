@@ -223,7 +223,7 @@ def role_layout(plan, process_index: int | None = None, process_count: int | Non
 
 
 def actor_job_layout(process_index: int | None = None, process_count: int | None = None) -> RoleLayout:
-    """The RoleLayout of the actor job of the two-job layout (rl/rollout_job.py): every process of this job is an
+    """The RoleLayout of the actor job of the two-job layout (rl/rollout/two_job.py): every process of this job is an
     actor (the rollout is a job of its own). With several processes it is `mpmd` as an MPMD run's actor side is:
     every process reads the one unsharded prompt stream, a HostChannel carries process 0's rollout results to the
     others, and a dead process is named (`lost_peer`, `HostChannel._at_exit`)."""

@@ -24,7 +24,7 @@ placement for a random init).
   (numpy, f32 scales). With a mesh, returns `{NNX path key "a/b/c": QuantizedTensor | jax.Array}`: the stored
   FP8 / FP4 blocks of the quantised tensors (q in the leaf's sharding, f32 scales aligned with it where the
   block grid allows, else replicated) and the dense arrays of all other tensors, with no dequantisation
-  (the rollout's FP8 weights come from here: `rl/rollout_init.py`).
+  (the rollout's FP8 weights come from here: `rl/rollout/init.py`).
 
 Errors are `CheckpointError` (a ValueError) with one line naming the directory / file and the tensor: unreadable
 directory, truncated or corrupt file, missing / unexpected tensors, wrong shape or dtype, NaN/inf, a config.json

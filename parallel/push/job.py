@@ -3,7 +3,7 @@
     # actor job (its plan's rollout mesh is a stand-in of the rollout job's: same shape and axes, actor devices)
     pusher = JobPusher(plan, standin_sampler, abstract_state, actor_shardings)
     address = pusher.start(host)                 # this process's transfer server (every process of the actor job)
-    pusher.deliver = hand_off                    # Served -> None: offers + the rollout's pull (rl/rollout_job.py)
+    pusher.deliver = hand_off                    # Served -> None: offers + the rollout's pull (rl/rollout/two_job.py)
     stats = pusher.push(params, version)         # `protocol.Pusher`: stage, then deliver
     #   = served = pusher.stage(params, version)  (wire arrays in the rollout's tiling, kept until the next push)
     #     pusher.offer(served, uuid)               (this process's server waits for one pull of its shards)
@@ -26,7 +26,7 @@ its own positions' shards as single-device arrays; the rollout pulls from every 
 (one `pull` per process, single-device shapes on the matching rollout device) and assembles each wire array from
 its shards (`jax.make_array_from_single_device_arrays`). No host gathers the weights: 16 devices' worth never
 crosses one node's network card (what the seeds avoided); each node sends its share. The addresses travel over the
-host channel with every pull (rl/rollout_job.py).
+host channel with every pull (rl/rollout/two_job.py).
 
 Recovery: the staged arrays of the served version stay alive on the actor until the next push replaces them, so a
 rollout job that restarts pulls exactly the weights the in-flight batches were being generated with (the learner may
@@ -65,7 +65,7 @@ def start_server(host: str):
 def wire_targets(sampler) -> list[tuple[str, tuple | None, list[jax.ShapeDtypeStruct]]]:
     """[(key, qmeta | None, [ShapeDtypeStruct with the rollout sharding, per wire array])] in the push's order
     (`MpmdPusher.tensors`): a dense tensor crosses as one array, an FP8-stored one as (q, scale)."""
-    stored = sampler._abstract_wstate()
+    stored = sampler.abstract_weights()
     out = []
     for k, r in sampler.rollout_shardings().items():
         x = stored[k]
@@ -104,7 +104,7 @@ class JobPusher(MpmdPusher):
     `MpmdPusher` when the actor mesh cannot cut a tensor as the rollout does.
 
     `deliver`: Served -> None, what `push` does once a version is staged: the hand-off to the rollout job (offers
-    and the rollout's pull over the link, recovery: `rl.rollout_job.JobRollout` sets it); None: stage only."""
+    and the rollout's pull over the link, recovery: `rl.rollout.two_job.JobRollout` sets it); None: stage only."""
 
     def __init__(self, plan, sampler, abstract_state, actor_shardings):
         super().__init__(plan, None, sampler, abstract_state, actor_shardings, None, spread=True)

@@ -87,7 +87,7 @@ class WeightPusher:
     Args:
       plan_or_meshes: a `sharding.mesh.MeshPlan` or an (actor_mesh, rollout_mesh) pair (the same Mesh twice, or a
         colocated plan, = colocated). The rollout mesh must be `sampler.mesh`.
-      sampler: an `rl.sampler.Sampler` built on a mesh, holding a weight state (version 0 at the latest): its
+      sampler: an `rl.rollout.engine.Sampler` built on a mesh, holding a weight state (version 0 at the latest): its
         `rollout_shardings()`, `weight_state()` (dtypes, quantisation format and shardings of what it stores) and
         `set_weights` are used.
       abstract_actor_state: nnx.State / Module / {key: ShapeDtypeStruct or array} of every tensor the learner

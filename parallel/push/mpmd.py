@@ -147,7 +147,7 @@ class MpmdPusher:
 
     Args:
       plan: the MeshPlan; layout: its RoleLayout (mpmd). sampler: the rollout `Sampler` (built on every process from
-        the abstract model: its stored formats and shardings, `_abstract_wstate()`, are used; only rollout
+        the abstract model: its stored formats and shardings, `Sampler.abstract_weights()`, are used; only rollout
         processes hold weights).
       abstract_state: {key: ShapeDtypeStruct} (or nnx.State) of every pushed tensor, in the learner's dtypes.
       actor_shardings: {key: NamedSharding} of those tensors on the actor mesh.
@@ -170,7 +170,7 @@ class MpmdPusher:
         missing = sorted(set(rollout_sh) - set(flat))
         if missing:
             raise ValueError(f"MpmdPusher: the actor state lacks {len(missing)} sampler tensors: {missing[:5]}")
-        stored = sampler._abstract_wstate()  # formats, dtypes and shardings of what the sampler stores
+        stored = sampler.abstract_weights()  # formats, dtypes and shardings of what the sampler stores
         self.tensors = []
         for k, r in rollout_sh.items():
             out = stored[k]

@@ -133,8 +133,8 @@ def test_rollout_from_checkpoint_equals_the_dense_fp32_rollout(ckpts, plan):
     the rollout quantised activations the two rollouts were equal to 1e-6; now the weights are checked bitwise and
     the rollouts compared loosely (random tiny weights, small logit gaps): measured greedy, 4 prompts x 6 tokens,
     first divergence at tokens [6, 2, 1, 0], max |dlogp| before it 0.214."""
-    from rl.rollout_init import checkpoint_rollout_weights
-    from rl.sampler import Sampler, SamplingParams
+    from rl.rollout.init import checkpoint_rollout_weights
+    from rl.rollout.engine import Sampler, SamplingParams
 
     d = ckpts["fp8_fp4"]
     dense = load_hf_checkpoint(d, dtype=jnp.float32)

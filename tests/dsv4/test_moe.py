@@ -92,7 +92,7 @@ def test_default_dispatch_sampler_and_learner():
     from dsv4 import DSV4Config, DSV4ForCausalLM
     from rl.config import LearnerConfig
     from rl.learner import Learner
-    from rl.sampler import Sampler
+    from rl.rollout.engine import Sampler
     from sharding.mesh import build_mesh_plan
 
     model = DSV4ForCausalLM(DSV4Config.tiny(), rngs=nnx.Rngs(0))

@@ -28,7 +28,7 @@ RUN_PY = REPO / "launch" / "run.py"
 CONFIGS = REPO / "launch" / "configs"
 
 # The smallest sensible job: 4 prompts x 4 samples, 4 new tokens, 8 eval prompts x 2 samples. The sampler compiles
-# one program per batch bucket (rl/sampler.py: powers of two): 8 x 2 sampled eval rows are the training batch's
+# one program per batch bucket (rl/rollout/engine.py: powers of two): 8 x 2 sampled eval rows are the training batch's
 # 16, so a job with eval compiles 2 generate programs (16, greedy 8), not 3 (16, 4, 8) as with 4 eval prompts.
 TINY = ["--prompts-per-step", "4", "--group-size", "4", "--max-new-tokens", "4", "--eval-prompts", "8",
         "--eval-samples", "2", "--no-progress"]

@@ -25,7 +25,7 @@ from launch.aot import compile_actor, compile_rollout, reduced_depth
 from launch import plan as plan_mod
 from launch.compile_child import CompileFailed, child_env
 from launch.plan import main as plan_main
-from rl.config import DEFAULT_LEARNER
+from rl.config import DEFAULT_LEARNER, RolloutConfig
 
 SEED = pathlib.Path(__file__).resolve().parents[2] / "launch" / "configs" / "dapo_seed_mi308x.yaml"
 MESH = "actor:fsdp=2,expert=2/rollout:expert=2"
@@ -224,8 +224,8 @@ def test_deviceless_gpu_compile_actor_and_rollout(capfd):
     assert a.argument > 0 and a.temp > 0 and a.host_from_shardings and 0 < a.host < a.argument
     assert a.hlo.flops > 0 and a.hlo.dots > 0 and a.hlo.collectives.get("all-gather", 0) > 0 and a.hlo.bytes > 0
     assert "on XLA:GPU h200" in a.lines()[0]
-    r = compile_rollout(cfg, MESH, batch=8, context=48, prompt_len=16, slots=4, devices=devices,
-                        backend="XLA:GPU h200", compiler_options=FAST)
+    r = compile_rollout(cfg, MESH, batch=8, context=48, prompt_len=16, rollout=RolloutConfig(slots=4),
+                        devices=devices, backend="XLA:GPU h200", compiler_options=FAST)
     assert r.argument > 0 and r.weights > 0 and r.hlo.flops > 0 and r.hlo.decode_step is not None
     # the run's rollout on a GPU: continuous batching, the dropless padded expert dispatch (no ragged_dot)
     assert r.slots == 4 and "(padded)" in r.ep_dispatch and r.ep_dispatch.endswith("dropless")

@@ -3,7 +3,7 @@ processes (`--rollout-slots`), parity with one process, and recovery from crashe
 resumes, issue 22 point 3).
 
 Two local processes x 1 CPU device, `--mesh actor:data=1/rollout:data=1 --async-rollout` (K = 1; process 0 the actor,
-process 1 the rollout, behind `rl.rollout_mpmd.ProcessRollout`; the layout of `benchmarks/async_overlap.py --mpmd`),
+process 1 the rollout, behind `rl.rollout.mpmd.ProcessRollout`; the layout of `benchmarks/async_overlap.py --mpmd`),
 the tiny job with `--rollout-slots 3`, an evaluation every 2 steps and a checkpoint per step. One uninterrupted run
 serves every check of the schedule:
 - batch m is generated with P(max(0, m - K)), so every sample's version (per-sample, all equal within a batch) is

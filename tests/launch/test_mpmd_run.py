@@ -1,6 +1,6 @@
 """MPMD: the rollout on its own process. Three local processes x 2 CPU devices, `--mesh
 actor:fsdp=2,expert=2/rollout:expert=2`: processes 0-1 run the actor, process 2 the rollout (sharding/mpmd.py,
-rl/rollout_mpmd.py). One run, one step off with partial rollouts (`--max-staleness 1 --partial-rollout` on a length
+rl/rollout/mpmd.py). One run, one step off with partial rollouts (`--max-staleness 1 --partial-rollout` on a length
 spread where half the prompts' samples span two segments, rl/partial.py: both actor processes run the partial
 producer in lock-step, the writer sends the segments), covers the steps, the roles' counters, the single writer,
 the token versions, parity of every completed step with the single-process run of the same meshes and flags, and

@@ -210,7 +210,7 @@ def test_rollout_slots_on_cpu_plan_for_the_hosts_memory(tmp_path, capsys, lt, mo
     """Issue 42 §9: on XLA:CPU the --rollout-slots check plans for this host's RAM (all devices share it), not an
     assumed H200: 6.6 M slots of the tiny job, which an H200's plan holds, are refused on a 23.5 GiB host."""
     from parallel.plan import plan
-    from rl import slots
+    from rl.rollout import slots
     from rl.host_memory import cpu_kv_budget
 
     monkeypatch.setattr(slots, "host_memory_bytes", lambda: int(23.5 * 2**30))

@@ -36,7 +36,7 @@ def dapo(tmp_path_factory) -> dict:
     d = tmp_path_factory.mktemp("dapo")
     train = write_parquet(d / "dapo_math_17k.parquet", verl_records(20))
     # 8 eval prompts x 2 samples = the training batch's 16 rows: one sampled generate program serves both
-    # (rl/sampler.py compiles one per row bucket; 4 x 2 would compile a third)
+    # (rl/rollout/engine.py compiles one per row bucket; 4 x 2 would compile a third)
     ev = write_parquet(d / "aime.parquet", verl_records(8, start=100))
     texts = [m["content"] for r in verl_records(30) for m in r["prompt"]] + ["Answer: 12", DAPO_INSTRUCTION] * 4
     tok = make_chat_tokenizer(d / "tok", texts=texts)

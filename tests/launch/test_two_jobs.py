@@ -1,4 +1,4 @@
-"""The two-job layout (rl/rollout_job.py): the rollout as a JAX job of its own, on local processes with CPU devices,
+"""The two-job layout (rl/rollout/two_job.py): the rollout as a JAX job of its own, on local processes with CPU devices,
 mesh `actor:data=2/rollout:data=2` (the seed layout's shape in miniature). One launched set of jobs (the module fixture
 `runs`) serves every assertion (A and C side by side, then B and R beside A's last steps):
 - run A: an actor job of 2 processes x 1 device (one jax.distributed job: process 0 holds the link, both serve their

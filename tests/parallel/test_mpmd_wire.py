@@ -24,7 +24,7 @@ from dsv4 import quant
 
 from parallel.push.mpmd import MpmdPusher, MpmdPushVerificationError, plan_transfer
 from parallel.push.protocol import Pusher, PushStats
-from rl.sampler import Sampler
+from rl.rollout.engine import Sampler
 from sharding.mesh import MeshSpecError, build_mesh_plan
 from sharding.mpmd import RoleLayout
 

@@ -32,7 +32,7 @@ from jax.sharding import PartitionSpec as P
 
 import dsv4
 from dsv4 import quant
-from rl.sampler import Sampler, SamplingParams
+from rl.rollout.engine import Sampler, SamplingParams
 from parallel.push import transfer as transfer_lib
 from sharding.mesh import build_mesh_plan
 from parallel.push.local import WeightPusher

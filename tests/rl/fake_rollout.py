@@ -1,4 +1,4 @@
-"""A fake rollout service and a fake learner for loop tests that compile nothing (rl/rollout_service.py contract).
+"""A fake rollout service and a fake learner for loop tests that compile nothing (rl/rollout/service.py contract).
 
 `FakeRollout` answers a request with tokens that are a function of the request's sample ids and of the weight
 version it serves (so a test can tell which weights sampled which batch), and records every call in `trace`:
@@ -12,7 +12,7 @@ from __future__ import annotations
 import numpy as np
 
 from rl.batch import RolloutBatch
-from rl.rollout_service import RolloutResult, RolloutService
+from rl.rollout.service import RolloutResult, RolloutService
 
 
 class FakeRollout(RolloutService):
@@ -48,7 +48,7 @@ class FakeRollout(RolloutService):
     def weight_version(self) -> int:
         return self._version
 
-    def load_weights(self, version: int) -> dict:
+    def load_weights(self, version: int, source: str | None = None) -> dict:
         self.trace.append(("push", version))
         self._version = version
         return {"perf/weight_push_s": 0.0}

@@ -1,5 +1,5 @@
 """rl/pipeline.py: the one-step-off asynchronous schedule (issue 14 point 2) on one host, in this process, and the
-one loop over the rollout service contract (rl/rollout_service.py) driven by a fake service.
+one loop over the rollout service contract (rl/rollout/service.py) driven by a fake service.
 
 A 2-layer tiny model on the built-in digit task, no meshes (the sampler's `update_weights` is the push), fp32
 rollout weights: one learner and one sampler shared by the tests (compiled once). Asserted:
@@ -41,7 +41,7 @@ def parts():
     from rl.config import LearnerConfig
     from rl.learner import Learner
     from rl.job import load_data
-    from rl.sampler import Sampler
+    from rl.rollout.engine import Sampler
 
     cfg = RunConfig(steps=4, prompts_per_step=4, group_size=4, max_new_tokens=4, eval_every=0, ckpt_dir=None,
                     metrics_jsonl=None, tensorboard_dir=None, progress=False, async_rollout=True)
@@ -58,7 +58,7 @@ def parts():
 def _job(parts, **overrides):
     from rl.data import make_prompt_iterator
     from rl.job import Job
-    from rl.rollout_service import LocalRollout
+    from rl.rollout.service import LocalRollout
     from rl.tasks import TaskReward
 
     cfg, learner, sampler, task, tok, train = parts

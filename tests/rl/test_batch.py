@@ -4,7 +4,8 @@ loss, stays host numpy; the re-exported names are the same classes. Host arrays 
 
 import numpy as np
 
-from rl import learner, sampler
+from rl import learner
+from rl.rollout import engine
 from rl.batch import RolloutBatch, TrainBatch, concat_rollouts
 from rl.rewards import RewardFn, TextReward
 from rl.tasks import DigitTask, TaskReward
@@ -64,7 +65,7 @@ def _has_7(text: str, reference: str) -> float:
 
 
 def test_reexports_and_one_reward_interface():
-    assert learner.TrainBatch is TrainBatch and sampler.RolloutBatch is RolloutBatch
+    assert learner.TrainBatch is TrainBatch and engine.RolloutBatch is RolloutBatch
     task = DigitTask(kind="copy", n_digits=3, seed=0)
     tok = task.tokenizer
     refs = [p.answer for p in task.prompts("eval", 2)]

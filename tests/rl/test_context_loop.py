@@ -46,7 +46,9 @@ from rl.config import LearnerConfig, RunConfig
 from rl.data import PromptDataset, make_prompt_iterator
 from rl.job import Job
 from rl.learner import Learner
-from rl.rollout_service import LocalRollout, make_sampler
+from rl.rollout.engine import Sampler
+from rl.rollout.service import LocalRollout
+from rl.rollout.settings import EngineSettings
 from rl.tasks import CharTokenizer
 from sharding.mesh import build_mesh_plan
 
@@ -98,7 +100,8 @@ def run_layout(context: int, *, prompt_len: int, new_tokens: int, steps: int = 2
                          max_tokens_per_micro_batch=(prompt_len + new_tokens) // context)
     learner = Learner(model, lcfg, mesh=plan.actor, rollout_dtype=cfg.rollout.dtype,
                       rollout_devices=list(plan.rollout.devices.flat))
-    sampler = make_sampler(model, plan.rollout, cfg.rollout, max_prompt_len=prompt_len)
+    sampler = Sampler(model, EngineSettings.for_run(cfg.rollout, platform="cpu", max_prompt_len=prompt_len),
+                      mesh=plan.rollout)
     pusher = WeightPusher(plan, sampler, learner.params_for_push())
     batches = []
     rollout = LocalRollout(sampler, learner.params_for_push, pusher)

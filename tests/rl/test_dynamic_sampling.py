@@ -1,5 +1,5 @@
 """DAPO dynamic sampling in the loop (`rl.stages.dynamic_rollout`) and the batch concatenation it relies on
-(`rl.sampler.concat_rollouts`). The sampler is replaced by a fake that returns chosen rewards, so no model is
+(`rl.batch.concat_rollouts`). The sampler is replaced by a fake that returns chosen rewards, so no model is
 compiled: what is tested is the bookkeeping (which groups are kept, the resampling budget, the layout)."""
 
 import types

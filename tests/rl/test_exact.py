@@ -1,10 +1,13 @@
-"""Exact mode (`--exact-rollout`, rl/exact.py; issue 26 point 4): the training samples are drawn from the learner's own
-forward in the fixed layout, so the distribution each token was drawn from is the one the train step scores, to the
-bit, for every row whatever its neighbours in the request and in the learner's batch. FP8-aware learner (the FP8
+"""Exact mode (`--exact-rollout`, rl/rollout/exact.py; issue 26 point 4): the training samples are drawn from the
+learner's own forward in the fixed layout, so the distribution each token was drawn from is the one the train step
+scores, to the bit, for every row whatever its neighbours in the request and in the learner's batch. FP8-aware learner (the FP8
 rollout's weights and activation quantisation), routing recorded and replayed; tiny model, 2 layers (CSA, HCA).
 
 Run: `.venv/bin/python -m pytest -q tests/rl/test_exact.py`.
 """
+
+import pathlib
+import sys
 
 import numpy as np
 import pytest
@@ -12,11 +15,17 @@ from flax import nnx
 
 from dsv4 import DSV4Config, DSV4ForCausalLM
 from launch import run as launch_run
-from rl import exact
+from rl.rollout import exact
 from rl.batch import concat_rollouts
 from rl.config import LearnerConfig, LossConfig, RunConfig
 from rl.learner import Learner, TrainBatch
-from rl.sampler import SamplingParams
+from rl.rollout.engine import SamplingParams
+from rl.rollout.service import RolloutRequest
+
+sys.path.insert(0, str(pathlib.Path(__file__).parent))
+from fake_rollout import FakeRollout  # noqa: E402  (tests/rl/fake_rollout.py)
+
+sys.path.pop(0)
 
 CFG = DSV4Config.tiny(num_hidden_layers=2, compress_ratios=(4, 8), num_nextn_predict_layers=0)
 P, T = 24, 12  # max prompt length, max new tokens
@@ -68,8 +77,16 @@ def test_exact_rollout_draws_from_the_learners_forward_bitwise(monkeypatch):
     # the rows drawn again in another order and in two requests (other neighbours, a half-empty micro-batch)
     perm, _ = exact.generate(learner, [prompts[i] for i in PERM], sp, seed=0, prompt_index=PERM, weight_version=3,
                              routing_replay=True)
-    half, _ = exact.generate(learner, [prompts[i] for i in (1, 4, 7)], sp, seed=0, prompt_index=[1, 4, 7],
-                             weight_version=3, routing_replay=True)
+    # (the second through the service contract: `ExactRollout` draws training requests, evaluation goes to the engine)
+    trace = []
+    service = exact.ExactRollout(learner, FakeRollout(CFG.vocab_size, 1, trace, version=3), routing_replay=True)
+    res = service.collect(service.submit(RolloutRequest(prompts=[prompts[i] for i in (1, 4, 7)], params=sp, seed=0,
+                                                        prompt_index=[1, 4, 7], tag="train/0/0", train=True)))
+    half = res.rb
+    assert half.weight_version == 3 and res.stats["rollout/exact_forwards"] > 0 and trace == []
+    service.collect(service.submit(RolloutRequest(prompts=prompts[:2], params=sp, seed=0, tag="eval/0")))
+    assert service.load_weights(4) == {"perf/weight_push_s": 0.0} and service.weight_version == 4
+    assert trace == [("generate", "eval/0", 3), ("push", 4)]
     for got, idx in ((perm, PERM), (half, [1, 4, 7])):
         np.testing.assert_array_equal(got.tokens, full.tokens[idx])
         np.testing.assert_array_equal(got.logprobs, full.logprobs[idx])
@@ -96,4 +113,4 @@ def test_exact_rollout_is_a_flag():
         RunConfig(exact_rollout=True, rollout_dtype="fp32", async_rollout=True)
     with pytest.raises(ValueError, match="--exact-rollout: a row of 70 tokens is longer"):
         Learner(DSV4ForCausalLM(CFG, rngs=nnx.Rngs(0)), LearnerConfig(compute_dtype="float32"),
-                exact_layout=(2, 64))._layout(2, 80, 70)
+                exact_layout=(2, 64)).layout(2, 80, 70)

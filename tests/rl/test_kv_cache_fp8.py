@@ -12,9 +12,8 @@ from flax import nnx
 
 from dsv4 import DSV4Config, DSV4ForCausalLM
 from dsv4.cache import prefill, resolve_kv_cache_dtype, teacher_forced_logprobs
-from rl import slots as sl
 from rl.config import RunConfig
-from rl.sampler import Sampler, SamplingParams
+from rl.rollout.engine import Sampler, SamplingParams
 
 CFG = DSV4Config.tiny()  # head_dim 32 (rope 8: 24 FP8 dims, blocks of gcd(64, 24) = 8), CSA m=4 (d_I 16), HCA m=8
 P = 16
@@ -59,13 +58,13 @@ def _expected_bytes_per_token(cfg) -> float:
 
 def test_cache_arrays_are_fp8_and_bytes_match_the_formula(model):
     s = Sampler(model, weights="fp8", max_prompt_len=P, kv_cache_dtype="auto")  # auto + FP8 weights -> fp8
-    assert s.kv_cache_dtype == "fp8" and s.kv_fp8 == "e4m3fn"
+    assert s.settings.kv_layout == "fp8" and s.kv_fp8 == "e4m3fn"
     assert Sampler(model, weights="fp32", max_prompt_len=P, kv_cache_dtype="auto").kv_fp8 is None
 
     def nbytes(caches):
         return sum(x.nbytes for x in jax.tree.leaves(caches))
 
-    live = s._empty_caches(2, 32)  # the arrays generate donates to its program
+    live = s.empty_caches(2, 32)  # the arrays generate donates to its program
     ids = jnp.asarray(np.random.RandomState(1).randint(3, CFG.vocab_size, (2, P)), jnp.int32)
     filled = jax.jit(lambda i: prefill(model, i, jnp.array([5, 16], jnp.int32), 32, kv_fp8="e4m3fn")[2])(ids)
     for caches in (live, filled):
@@ -78,12 +77,12 @@ def test_cache_arrays_are_fp8_and_bytes_match_the_formula(model):
                 assert layer["ik"].dtype == jnp.float8_e4m3fn and layer["ik_scale"].shape[-1] == 1
         assert any("ik" in layer for layer in caches) and any("comp" in layer and "ik" not in layer for layer in caches)
     assert nbytes(filled) == nbytes(live)
-    per_token = (nbytes(s._empty_caches(1, 64)) - nbytes(s._empty_caches(1, 32))) / 32  # 8 | 32: whole entries
+    per_token = (nbytes(s.empty_caches(1, 64)) - nbytes(s.empty_caches(1, 32))) / 32  # 8 | 32: whole entries
     assert per_token == _expected_bytes_per_token(CFG)
     dense = Sampler(model, weights="fp8", max_prompt_len=P, kv_cache_dtype="bf16")
-    dense_per_token = (nbytes(dense._empty_caches(1, 64)) - nbytes(dense._empty_caches(1, 32))) / 32
+    dense_per_token = (nbytes(dense.empty_caches(1, 64)) - nbytes(dense.empty_caches(1, 32))) / 32
     assert per_token < 0.5 * dense_per_token
-    assert sl.cache_bytes_per_slot(s, 32) == nbytes(s._empty_caches(1, 32))
+    assert s.cache_bytes(32) == nbytes(s.empty_caches(1, 32))
 
 
 def test_fp8_cache_logprobs_of_the_same_tokens_within_bound(model, prompts):

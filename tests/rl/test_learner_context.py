@@ -56,11 +56,11 @@ def test_context2_train_step_equals_context1(model, batch):
                   mesh=build_mesh_plan("actor:fsdp=2,expert=2", config=CFG).actor)
     cp = Learner(model, LearnerConfig(max_tokens_per_micro_batch=32, **kw),
                  mesh=build_mesh_plan("actor:fsdp=2,expert=2,context=2", config=CFG).actor)
-    assert cp._context_devices() == 2 and ref._context_devices() == 1
-    assert cp._layout(N, P + T, 37) == ref._layout(N, P + T, 37)
-    assert (cp._layout(N, P + T, 37).width, cp._layout(N, P + T, 37).micro_batches) == (40, 1)
+    assert cp.context_devices() == 2 and ref.context_devices() == 1
+    assert cp.layout(N, P + T, 37) == ref.layout(N, P + T, 37)
+    assert (cp.layout(N, P + T, 37).width, cp.layout(N, P + T, 37).micro_batches) == (40, 1)
     with pytest.raises(ValueError, match="max-tokens-per-micro-batch.*per context shard"):
-        cp._layout(N, 128, 70)  # 35 tokens per shard > 32
+        cp.layout(N, 128, 70)  # 35 tokens per shard > 32
     loss_r, grads_r, met_r = ref.loss_and_grads(ref.state, batch)
     loss_c, grads_c, met_c = cp.loss_and_grads(cp.state, batch)
     np.testing.assert_allclose(float(loss_c), float(loss_r), rtol=1e-5, atol=1e-5)

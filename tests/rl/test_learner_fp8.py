@@ -20,7 +20,7 @@ from launch import run as launch_run
 from rl.config import LearnerConfig
 from rl.learner import Learner, TrainBatch
 from rl.logprobs import token_logprobs
-from rl.sampler import Sampler
+from rl.rollout.engine import Sampler
 
 CFG = DSV4Config.tiny(num_hidden_layers=2, compress_ratios=(4, 8), num_nextn_predict_layers=0)
 N, S, P = 4, 16, 8  # rows, tokens per row (all real: no trimming, both sides see [4, 16]), prompt part
@@ -44,7 +44,7 @@ def _learner(model, fp8: bool):
 def test_fp8_forward_is_the_fp8_rollouts_forward(setup):
     model, ids, mask, resp = setup
     sampler = Sampler(model, weights="fp8", compute_dtype=jnp.float32, max_prompt_len=16)
-    rollout = sampler._model(sampler.weight_state())  # the rollout's layers with its FP8 weights and activations
+    rollout = sampler.dense_model(sampler.weight_state())  # the rollout's layers with its FP8 weights and activations
     chunk = LearnerConfig().logprob_chunk_size
     rlp, _, _ = jax.jit(lambda i, m: token_logprobs(rollout, i, m, chunk_size=chunk,
                                                     dispatch_fn=sampler.dispatch_fn))(ids, mask)

@@ -74,7 +74,7 @@ def test_trimmed_token_budget_micro_batches_equal_the_full_batch(model, batch):
     loss_cfg = LossConfig(loss_agg_mode="seq-mean-token-sum-norm", correction="tis")
     ref = Learner(model, _lc(lr=1e-3, compute_dtype="float32", trim=False, logprob_chunk_size=None,
                                        loss=loss_cfg, routing_replay=True))
-    lay = ref._layout(N, P + T, 7)
+    lay = ref.layout(N, P + T, 7)
     assert (lay.width, lay.micro_batches, lay.rows) == (16, 1, 5)
     new = Learner(model, _lc(lr=1e-3, compute_dtype="float32", max_tokens_per_micro_batch=16,
                                        logprob_chunk_size=3, loss=loss_cfg, routing_replay=True))

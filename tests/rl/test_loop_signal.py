@@ -14,9 +14,9 @@ from dsv4 import DSV4Config, DSV4ForCausalLM
 from rl.config import LearnerConfig, RunConfig
 from rl.learner import Learner
 from rl.job import Job
-from rl.rollout_service import LocalRollout
+from rl.rollout.service import LocalRollout
 from rl.stages import learn, push
-from rl.sampler import Sampler, SamplingParams
+from rl.rollout.engine import Sampler, SamplingParams
 
 CFG = DSV4Config.tiny(num_hidden_layers=2, compress_ratios=(4, 8), num_nextn_predict_layers=0)
 

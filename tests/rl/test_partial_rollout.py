@@ -44,7 +44,7 @@ def parts():
     from rl.config import LearnerConfig
     from rl.job import load_data
     from rl.learner import Learner
-    from rl.sampler import Sampler
+    from rl.rollout.engine import Sampler
 
     cfg = RunConfig(steps=STEPS, prompts_per_step=4, group_size=2, max_new_tokens=8, eval_every=0, ckpt_dir=None,
                     metrics_jsonl=None, tensorboard_dir=None, progress=False, max_staleness=1, partial_rollout=True,
@@ -79,7 +79,7 @@ class _Spy:
 def _job(parts, ckpt=None, start_step=0, iterator_state=None, state=None, version=0):
     from rl.data import make_prompt_iterator
     from rl.job import Job
-    from rl.rollout_service import LocalRollout
+    from rl.rollout.service import LocalRollout
     from rl.tasks import TaskReward
 
     cfg, learner, init, sampler, task, tok, train = parts
@@ -133,7 +133,7 @@ class _Ckpt:
 
 
 def test_continued_sample_draws_with_the_uninterrupted_keys(parts):
-    from rl.sampler import SamplingParams
+    from rl.rollout.engine import SamplingParams
 
     cfg, learner, init, sampler, task, tok, train = parts
     prompts = [train[i]["prompt_ids"][: train[i]["prompt_len"]].tolist() for i in range(8)]  # the loop's bucket
@@ -157,7 +157,7 @@ def test_continuous_batching_honours_offsets_and_row_budgets(parts):
     from dsv4 import DSV4ForCausalLM
     from flax import nnx
 
-    from rl.sampler import Sampler, SamplingParams
+    from rl.rollout.engine import Sampler, SamplingParams
 
     cfg, learner, init, sampler, task, tok, train = parts
     abstract = nnx.eval_shape(lambda: DSV4ForCausalLM(sampler.config, rngs=nnx.Rngs(0)))

@@ -1,4 +1,4 @@
-"""rl/rollout_job.py without processes or programs: `JobRollout` over a real socket with fake rollout jobs in threads
+"""rl/rollout/two_job.py without processes or programs: `JobRollout` over a real socket with fake rollout jobs in threads
 (the in-flight request sent again to the next rollout; one that never comes back -> one line naming it; a foreign
 rollout job, of the same shapes but another model config, or of another mesh, refused in one line while the actor
 waits for the right one, issue 42), and the restart policy of `JobRollout._recover` (a rollout that keeps dying
@@ -17,11 +17,11 @@ import pytest
 
 from dsv4.config import DSV4Config
 from parallel.push.job import JobPusher
-from rl import rollout_job
+from rl.rollout import two_job
 from rl.config import RunConfig
 from rl.job_identity import job_identity
-from rl.rollout_job import JobRollout, RolloutJobError, RolloutJobServer, RolloutMismatchError
-from rl.rollout_service import RolloutRequest
+from rl.rollout.two_job import JobRollout, RolloutJobError, RolloutJobServer, RolloutMismatchError
+from rl.rollout.service import RolloutRequest
 from rl.tasks import DigitTask
 from sharding.job_link import JobListener, LinkLost, LinkRefused, authkey, connect
 
@@ -140,18 +140,18 @@ def test_a_rollout_that_keeps_dying_ends_the_run_with_one_line(monkeypatch):
     with pytest.raises(RolloutJobError) as e:
         r._recover(LinkLost("the rollout job h pid 0", "closed the connection (EOFError)"))
     msg = str(e.value)
-    assert r.restarts == rollout_job.MAX_RESTARTS + 1  # the first loss + MAX_RESTARTS replacements that died
-    assert f"died {rollout_job.MAX_RESTARTS + 1} times within" in msg and "\n" not in msg
-    assert f"the rollout job h pid {rollout_job.MAX_RESTARTS}" in msg  # the last one, by host and pid
-    assert f"its last log line: 'out of memory on prompt {rollout_job.MAX_RESTARTS}'" in msg
+    assert r.restarts == two_job.MAX_RESTARTS + 1  # the first loss + MAX_RESTARTS replacements that died
+    assert f"died {two_job.MAX_RESTARTS + 1} times within" in msg and "\n" not in msg
+    assert f"the rollout job h pid {two_job.MAX_RESTARTS}" in msg  # the last one, by host and pid
+    assert f"its last log line: 'out of memory on prompt {two_job.MAX_RESTARTS}'" in msg
 
 
 def test_losses_outside_the_window_are_forgiven(monkeypatch):
     r = _service()
     r._version = 3
     clock = iter(range(0, 10**6, 1000))  # every clock read 1000 s later: each loss outside the previous' window
-    monkeypatch.setattr(rollout_job.time, "monotonic", lambda: float(next(clock)))
-    monkeypatch.setattr(rollout_job, "MAX_RESTARTS", 1)
+    monkeypatch.setattr(two_job.time, "monotonic", lambda: float(next(clock)))
+    monkeypatch.setattr(two_job, "MAX_RESTARTS", 1)
     registered = []
 
     class _Live:
@@ -215,9 +215,9 @@ def test_a_foreign_rollout_job_is_refused_while_the_actor_waits(caplog):
     t.join(timeout=10)
     errors.sort(reverse=True)  # the model config's, then the mesh's
     assert errors[0] == (f"the actor at {address} refused this rollout job: model config differs (rope_theta: "
-                         "20000.0 in the rollout job, 10000.0 in the actor): " + rollout_job.IDENTITY_HINT)
+                         "20000.0 in the rollout job, 10000.0 in the actor): " + two_job.IDENTITY_HINT)
     assert errors[1] == (f"the actor at {address} refused this rollout job: it cuts the weights differently from "
-                         "the actor's plan of its mesh: " + rollout_job.TILING_HINT)
+                         "the actor's plan of its mesh: " + two_job.TILING_HINT)
     lines = [m for m in caplog.messages if "refused" in m]
     assert len(lines) == 2 and all("\n" not in m and "still waiting" in m for m in lines), lines
     assert {m.split(":")[1].strip() for m in lines} == {"refused the rollout job h pid 3", "refused the rollout job h "
@@ -227,9 +227,9 @@ def test_a_foreign_rollout_job_is_refused_while_the_actor_waits(caplog):
 def test_a_refused_rollout_job_exits_2_with_the_actors_reason(monkeypatch):
     """The rollout job's side: the actor's refusal -> RolloutMismatchError (launch/run.py: its one line, exit 2)."""
     listener = JobListener("127.0.0.1:0", authkey(), hello={"tiling": TILING, "identity": _identity()},
-                           check=lambda peer: rollout_job.peer_refusal({"tiling": TILING, "identity": _identity()},
+                           check=lambda peer: two_job.peer_refusal({"tiling": TILING, "identity": _identity()},
                                                                        peer))
-    monkeypatch.setattr(rollout_job, "tiling", lambda sampler: TILING)
+    monkeypatch.setattr(two_job, "tiling", lambda sampler: TILING)
     server = RolloutJobServer.__new__(RolloutJobServer)  # no sampler, no receiver: only the registration
     server.actor_address, server.key, server.timeout_s, server.connect_timeout_s = listener.address, authkey(), 10, 10
     server.identity, server._line = _identity(routed_scaling_factor=2.0), SimpleNamespace(line="")

@@ -9,7 +9,7 @@ from flax import nnx
 from dsv4 import DSV4Config, DSV4ForCausalLM
 from rl.config import LearnerConfig, LossConfig
 from rl.learner import Learner, TrainBatch
-from rl.sampler import Sampler, SamplingParams
+from rl.rollout.engine import Sampler, SamplingParams
 
 CFG = DSV4Config.tiny(num_hidden_layers=2, compress_ratios=(4, 8), num_nextn_predict_layers=0)
 

@@ -13,8 +13,8 @@ from jax.sharding import Mesh
 from dsv4 import DSV4Config, DSV4ForCausalLM, quant
 from dsv4 import moe
 from dsv4.fp8_gemm import fp8_gemm_available, fp8_linear, quantized_linear
-from rl.rollout_weights import check_fp4_experts, parse_rollout_dtype
-from rl.sampler import Sampler, SamplingParams
+from dsv4.rollout_format import check_fp4_experts, parse_rollout_dtype
+from rl.rollout.engine import Sampler, SamplingParams
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "dsv4"))
 from randomize import randomize  # noqa: E402
@@ -43,7 +43,7 @@ def _teacher_logprobs(sampler, batch, temperature):
     ids, mask, resp, _ = batch.sequences()
     # jitted (eager, op by op, a forward costs ~3x the CPU of its compile): the weights are an argument, so the
     # dequantisation runs inside the program, as in the sampler's
-    logits = jax.jit(lambda w, i, m: sampler._model(w)(i, attention_mask=m).logits)(
+    logits = jax.jit(lambda w, i, m: sampler.dense_model(w)(i, attention_mask=m).logits)(
         sampler.weight_state(), jnp.asarray(ids), jnp.asarray(mask))
     lp = np.asarray(jax.nn.log_softmax(logits / temperature, axis=-1))
     return np.take_along_axis(lp[:, :-1], ids[:, 1:, None], axis=-1)[..., 0], resp[:, 1:].astype(bool)
@@ -188,9 +188,10 @@ def test_cache_sharded_over_data_and_expert(model):
     mesh = Mesh(devs, ("data", "fsdp", "expert", "tensor"))
     s = Sampler(nnx.eval_shape(lambda: DSV4ForCausalLM(CFG, rngs=nnx.Rngs(0))), mesh=mesh, weights="fp8",
                 compute_dtype=jnp.float32, max_prompt_len=32)
-    b, p, t = s._buckets(3, 20, 12)
+    shape = s.program_shape(3, 20, 12)
+    b, p, t = shape.batch, shape.prompt, shape.new
     assert b == 8  # padded to a multiple of data x expert
-    caches = s._empty_caches(b, p + t)
+    caches = s.empty_caches(b, p + t)
     total = sum(x.nbytes for x in jax.tree.leaves(caches))
     for d in mesh.devices.flat:
         per_dev = sum(sh.data.nbytes for x in jax.tree.leaves(caches) for sh in x.addressable_shards if sh.device == d)
@@ -229,6 +230,6 @@ def test_planner_compiles_the_rollout_program():
     assert rx.temp > 0 and rx.argument > 0 and rx.total > rx.kv > 0
     s = Sampler(nnx.eval_shape(lambda: DSV4ForCausalLM(CFG, rngs=nnx.Rngs(0))), weights="fp8",
                 compute_dtype=jnp.bfloat16, max_prompt_len=16, kv_cache_dtype="auto")  # compile_rollout's cache: fp8
-    full = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(s._abstract_caches(8, 80)))
+    full = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(s.cache_shapes(8, 80)))
     assert rx.kv * 4 == full
     assert any("KV capacity left" in line for line in rx.lines(usable=2**30))

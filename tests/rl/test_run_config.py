@@ -173,21 +173,21 @@ def test_max_prompt_len_and_the_rollout_knobs_have_one_default():
     from rl.config import DataConfig, RolloutConfig
     from rl.config_tree import default
     from rl.data import PromptDataset, load_records
-    from rl.sampler import Sampler, SamplingParams
+    from rl.rollout.engine import SamplingParams
+    from rl.rollout.settings import EngineSettings
 
-    sampler = inspect.signature(Sampler.__init__).parameters
+    sampler = EngineSettings()  # the engine's knobs (`Sampler(model, settings)` or its fields as keywords)
     records = inspect.signature(PromptDataset.from_records).parameters
     rollout = inspect.signature(compile_rollout).parameters
     run = RunConfig()
-    assert sampler["max_prompt_len"].default == records["max_prompt_len"].default == run.data.max_prompt_len == \
+    assert sampler.max_prompt_len == records["max_prompt_len"].default == run.data.max_prompt_len == \
         rollout["prompt_len"].default == default(DataConfig, "max_prompt_len")
-    assert (sampler["weights"].default, sampler["slots"].default, sampler["prefill_chunk"].default) == (
+    assert (sampler.weights, sampler.slots, sampler.prefill_chunk) == (
         run.rollout.dtype, run.rollout.slots, run.rollout.prefill_chunk)
     sp = SamplingParams()
     assert (sp.temperature, sp.top_p, sp.top_k, sp.max_new_tokens) == (
         run.rollout.temperature, run.rollout.top_p, run.rollout.top_k, run.rollout.max_new_tokens)
-    assert (rollout["rollout_dtype"].default, rollout["prefill_chunk"].default, rollout["kv_cache_dtype"].default) \
-        == (run.rollout.dtype, run.rollout.prefill_chunk, run.rollout.kv_cache_dtype)
+    assert rollout["rollout"].default == run.rollout == RolloutConfig()  # the planner compiles the run's knobs
     assert records["on_bad_record"].default == inspect.signature(load_records).parameters["on_bad_record"].default \
         == run.data.on_bad_record
 

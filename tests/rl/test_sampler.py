@@ -11,7 +11,7 @@ from flax import nnx
 
 from dsv4 import DSV4Config, DSV4ForCausalLM
 from rl.batch import RolloutBatch
-from rl.sampler import Sampler, SamplingParams
+from rl.rollout.engine import Sampler, SamplingParams
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "dsv4"))
 from randomize import randomize  # noqa: E402

@@ -20,7 +20,7 @@ pytest.importorskip("transformers")
 import jax.numpy as jnp  # noqa: E402
 
 from dsv4 import DSV4Config, load_hf_checkpoint  # noqa: E402
-from rl.sampler import Sampler, SamplingParams  # noqa: E402
+from rl.rollout.engine import Sampler, SamplingParams  # noqa: E402
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "dsv4"))
 from hf_ref import hf_logits, hf_model  # noqa: E402

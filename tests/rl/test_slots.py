@@ -1,4 +1,4 @@
-"""Continuous batching (rl/slots.py): same results per request key as the static path, slot refills counted,
+"""Continuous batching (rl/rollout/slots.py): same results per request key as the static path, slot refills counted,
 slot count checked against the memory plan, prompts longer than the cache rejected."""
 
 import pathlib
@@ -9,9 +9,9 @@ import pytest
 from flax import nnx
 
 from dsv4 import DSV4Config, DSV4ForCausalLM
-from rl import slots as sl
+from rl.rollout import slots as sl
 from rl.config import RunConfig
-from rl.sampler import Sampler, SamplingParams
+from rl.rollout.engine import Sampler, SamplingParams
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "dsv4"))
 from randomize import randomize  # noqa: E402
@@ -107,7 +107,7 @@ def test_slots_refilled_count(slots3, prompts):
 
 
 def test_bad_input(model, slots3):
-    per_slot = sl.cache_bytes_per_slot(slots3, sl.cache_len_for(CFG, P, 16))
+    per_slot = slots3.cache_bytes(sl.cache_len_for(CFG, P, 16))
     tight = Sampler(model, weights="fp32", max_prompt_len=P, slots=3, kv_budget_bytes=2.5 * per_slot)
     with pytest.raises(ValueError, match=r"--rollout-slots 3: .*room for 2 slots"):
         tight.generate([[5]], SP, seed=0)
@@ -161,7 +161,7 @@ def test_slot_caches_sharded_over_data_and_expert(model, prompts):
     assert cont.batch_shards() == 8 and cont.slot_count() == 8
     out = cont.generate(prompts, SP, seed=1, step=3, max_new_tokens_per_row=LIMITS)
     total, per_dev = cont.last_cache_bytes
-    assert total == 8 * sl.cache_bytes_per_slot(cont, sl.cache_len_for(CFG, P, SP.max_new_tokens))
+    assert total == 8 * cont.cache_bytes(sl.cache_len_for(CFG, P, SP.max_new_tokens))
     assert per_dev * 8 == total
     static = Sampler(model, mesh=mesh, weights="fp32", max_prompt_len=P)
     for i in (0, 3):  # one request per static call: a device's shapes are the slot program's ([1, P] rows)
@@ -179,15 +179,16 @@ def test_rollout_ep_dispatch_knobs_reach_the_sampler():
     from jax.sharding import Mesh
 
     from rl.config import RolloutConfig
-    from rl.rollout_service import make_sampler
+    from rl.rollout.settings import EngineSettings
 
     mesh = Mesh(np.array(jax.devices()[:8]).reshape(2, 1, 4, 1), ("data", "fsdp", "expert", "tensor"))
     abstract = nnx.eval_shape(lambda: DSV4ForCausalLM(CFG, rngs=nnx.Rngs(0)))
     for kw, name in ((dict(), "(capacity)"), (dict(ep_backend="padded"), "(padded)"),
                      (dict(ep_backend="padded", ep_capacity_factor=2.0), "(padded)")):
-        s = make_sampler(abstract, mesh, RolloutConfig(dtype="fp32", **kw), max_prompt_len=P)
-        assert name in s.dispatch_fn.__doc__ and "expert=4" in s.dispatch_fn.__doc__
-        assert s.ep_capacity_factor == kw.get("ep_capacity_factor")
+        s = Sampler(abstract, EngineSettings.for_run(RolloutConfig(dtype="fp32", **kw), platform="cpu",
+                                                     max_prompt_len=P), mesh=mesh)
+        assert name in s.dispatch_name and "expert=4" in s.dispatch_name
+        assert s.settings.ep_capacity_factor == kw.get("ep_capacity_factor")
     with pytest.raises(ValueError, match=r"rollout.ep_capacity_factor \(--rollout.ep_capacity_factor\) must be > 0"):
         RolloutConfig(ep_capacity_factor=0.0)
 

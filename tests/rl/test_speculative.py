@@ -1,4 +1,4 @@
-"""Speculative decoding with the MTP block (rl/speculative.py, dsv4/spec_decode.py): the acceptance rule's output
+"""Speculative decoding with the MTP block (rl/rollout/speculative.py, dsv4/spec_decode.py): the acceptance rule's output
 distribution, the verify + commit caches against one-token decoding, greedy rollouts equal to plain ones (tokens,
 logprobs, routing; independent of the batch around a row), sampled rollouts' logprobs and routing against the full
 forward, and the decoupled on-policy MTP loss with the push carrying its weights.
@@ -27,8 +27,8 @@ from rl.config import LearnerConfig, RunConfig
 from rl.learner import Learner, TrainBatch
 from rl.optim import clip_by_global_norm_apart
 from rl.logprobs import token_logprobs
-from rl.sampler import Sampler, SamplingParams
-from rl.speculative import accept_drafts, check_speculative, sampling_probs
+from rl.rollout.engine import Sampler, SamplingParams
+from rl.rollout.speculative import accept_drafts, check_speculative, sampling_probs
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "dsv4"))
 from randomize import randomize  # noqa: E402
@@ -157,7 +157,7 @@ def test_verify_on_the_fp8_rollout_quantises_as_decoding():
 
     @jax.jit
     def both(ws):
-        m, lf = s._layerwise.shell(ws), s._layerwise.layer_fn(ws)
+        m, lf = s.layerwise.shell(ws), s.layerwise.layer_fn(ws)
         caches = prefill_chunked(m, ids, lens, 32, s.prefill_chunk, layer_fn=lf, kv_fp8=s.kv_fp8)[2]
         lg, r, _, _ = verify_forward(m, toks, lens, caches, layer_fn=lf)
 

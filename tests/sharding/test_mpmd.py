@@ -28,7 +28,7 @@ def test_role_layout_whole_processes():
 
 
 def test_actor_job_layout_every_process_an_actor():
-    """The two-job layout's actor job (rl/rollout_job.py): all its processes are actors; several -> the MPMD actor
+    """The two-job layout's actor job (rl/rollout/two_job.py): all its processes are actors; several -> the MPMD actor
     side's treatment (one prompt stream, results over the channel, a dead process named), process 0 the writer."""
     lay = actor_job_layout(process_index=1, process_count=2)
     assert lay.mpmd and lay.actor_processes == (0, 1) and lay.rollout_processes == ()

@@ -95,7 +95,7 @@ def test_actor_weights_fsdp8_expert8(flash_leaves):
 
 
 def test_rollout_expert_bytes(flash_leaves):
-    """Routed experts on rollout:expert=8. FP8 (as rl/sampler.py holds them): 1 B per weight split over 8, plus
+    """Routed experts on rollout:expert=8. FP8 (as rl/rollout/engine.py holds them): 1 B per weight split over 8, plus
     one f32 scale per 128x128 tile (each [2048, 4096] matrix is 16 x 32 whole tiles) replicated on every device.
     FP4: 0.5 B + one 1-byte E8M0 scale per 32 inputs, split like the weight."""
     spec = "actor:expert=8/rollout:expert=8"

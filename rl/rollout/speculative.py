@@ -10,7 +10,7 @@ Each decode step of a row (cur = its last emitted token, not yet fed, at positio
      probability min(1, p_{j-1}(d_j) / q_j(d_j)) while all before it were; at the first rejection the token is
      drawn from norm(max(0, p_{j-1} - q_j)), and after k acceptances a bonus token from p_k. p and q are the
      distributions plain sampling draws from (`sampling_probs`: temperature, then top-k and top-p, the filters of
-     rl/sampling.py; temperature 0 = one-hot argmax, which makes the rule plain greedy decoding, up to the float
+     rl/rollout/sampling.py; temperature 0 = one-hot argmax, which makes the rule plain greedy decoding, up to the float
      rounding of the verify's wider GEMMs: dsv4/spec_decode.py "Exactness"), so every emitted token has exactly
      plain sampling's distribution.
   4. emit the a accepted drafts and the drawn token, cut at a stop token or `max_new_tokens`; commit the caches
@@ -25,7 +25,7 @@ After the prompt's prefill (first token drawn exactly as plain decoding draws it
 prompt's last W positions (W = its window) to fill its ring and give the first q_1.
 Metrics (`Sampler.last_stats`): rollout/spec_accept_len (mean tokens emitted per verify step of a live row) and
 rollout/spec_accept_rate (accepted drafts / proposed drafts).
-Static batching (`spec_program`) and continuous batching (`spec_slots_program`, rl/slots.py's slots with one
+Static batching (`spec_program`) and continuous batching (`spec_slots_program`, rl/rollout/slots.py's slots with one
 speculative step per slot per iteration) share the step (`_Ctx.step`); a row's math reads only its own cache row.
 """
 
@@ -36,8 +36,8 @@ import jax.numpy as jnp
 
 from dsv4.chunked import chunk_multiple, prefill_chunked
 from dsv4.spec_decode import commit, mtp_cache, mtp_forward, ring_commit, verify_forward
-from rl import slots as _slots
-from rl.sampling import filter_logits, sample_tokens
+from rl.rollout import slots as slots_lib
+from rl.rollout.sampling import filter_logits, sample_tokens
 
 SPECULATIVE_MODES = ("off", "mtp")
 _SALT = 0x5BEC  # key stream of the speculative draws (plain decoding folds in the token index only)
@@ -63,7 +63,7 @@ def cache_pad(config, k: int) -> int:
 
 
 def sampling_probs(logits: jax.Array, temperature, top_p, top_k) -> jax.Array:
-    """The distribution plain sampling draws from (rl/sampling.py): logits [..., V] f32 -> probs [..., V] f32 of
+    """The distribution plain sampling draws from (rl/rollout/sampling.py): logits [..., V] f32 -> probs [..., V] f32 of
     softmax(filter(logits / T)) (top-k then top-p), or one-hot at the argmax for temperature 0."""
     shape = logits.shape
     lg = logits.reshape(-1, shape[-1])
@@ -109,8 +109,8 @@ class _Ctx:
 
     def __init__(self, sampler, wstate, temperature, top_p, top_k, stop_ids):
         layerwise = sampler.dequant == "per_layer"
-        self.model = sampler._layerwise.shell(wstate) if layerwise else sampler._model(wstate)
-        self.layer_fn = sampler._layerwise.layer_fn(wstate) if layerwise else None
+        self.model = sampler.layerwise.shell(wstate) if layerwise else sampler.dense_model(wstate)
+        self.layer_fn = sampler.layerwise.layer_fn(wstate) if layerwise else None
         self.fn, self.k, self.sampler = sampler.dispatch_fn, sampler.draft_tokens, sampler
         self.temperature, self.top_p, self.top_k, self.stop_ids = temperature, top_p, top_k, stop_ids
         self.w_mtp = self.model.mtp[0].attn.window
@@ -208,7 +208,7 @@ class _Ctx:
 
 def spec_program(sampler, shape, wstate, caches, ids, lens, key_data, temperature, top_p, top_k, max_new, stop_ids):
     """The static-batch speculative rollout (traced by the sampler's generate jit); inputs and outputs as
-    `Sampler._generate_fn` plus stats [3] f32 = (tokens emitted, verify steps of live rows, accepted drafts)
+    `rl.rollout.static.static_program` plus stats [3] f32 = (tokens emitted, verify steps of live rows, accepted drafts)
     before the caches. shape = (B, P, T) static; the caches hold P + T + `cache_pad` positions."""
     b, p, t_cap = shape
     cfg = sampler.config
@@ -237,14 +237,14 @@ def spec_program(sampler, shape, wstate, caches, ids, lens, key_data, temperatur
 
 def spec_slots_program(sampler, shape, wstate, caches, ids, lens, key_data, n_real, temperature, top_p, top_k,
                        max_new, stop_ids):
-    """Continuous batching with speculative steps (rl/slots.py's program, traced by the sampler's slots jit; the same
-    inputs and outputs, stats [6] f32 = rl/slots.py's three then `spec_program`'s three). A request is admitted
+    """Continuous batching with speculative steps (rl/rollout/slots.py's program, traced by the sampler's slots
+    jit; the same inputs and outputs, stats [6] f32 = rl/rollout/slots.py's three then `spec_program`'s three). A request is admitted
     into a free slot by its own prefill (+ the MTP block over its prompt tail); each step advances every slot by
     one speculative step; a slot whose sample has ended (its last token fed) writes its result and is freed."""
     nb, p, t_cap, s = shape
     cfg = sampler.config
     n_l, ke = cfg.num_hidden_layers, cfg.num_experts_per_tok
-    cache_len = _slots.cache_len_for(cfg, p, t_cap + cache_pad(cfg, sampler.draft_tokens))
+    cache_len = slots_lib.cache_len_for(cfg, p, t_cap + cache_pad(cfg, sampler.draft_tokens))
     keys = jax.random.wrap_key_data(key_data)
     ctx = _Ctx(sampler, wstate, temperature, top_p, top_k, stop_ids)
     def put_row(big, small, j):

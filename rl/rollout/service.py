@@ -3,9 +3,9 @@
     handle = service.submit(RolloutRequest(prompts, params, seed=, step=, prompt_index=, sample_index=, tag=))
     result = service.collect(handle)          # RolloutResult: the RolloutBatch (its weight version inside) + stats
     metrics = service.load_weights(version)   # the actor's current params become the served version (the push)
+    service.load_weights(0, source=path)      # or: the engine reads a checkpoint's own FP8 blocks itself (--init)
     service.weight_version                    # the version the rollout serves now
     service.stats()                           # counters of the engine's side (MPMD: `mpmd/rollout_*`), {} here
-    service.health()                          # None when healthy, else one line saying what is wrong
     service.close()
 
 A request carries the deterministic sample ids: every row's randomness is a function of (seed, step, prompt index,
@@ -13,12 +13,13 @@ sample index), DAPO rounds offsetting the prompt index (rl/stages.py), so a requ
 service serves it and whenever. Evaluation is two requests (rl/stages.py::evaluate), so every service evaluates.
 
 Implementations:
-- `LocalRollout` (here): the `rl.sampler.Sampler` in this process: one mesh, two disjoint meshes of this process,
+- `LocalRollout` (here): the `rl.rollout.engine.Sampler` in this process: one mesh, two disjoint meshes of this process,
   or colocated; the push is `parallel.push.local.WeightPusher` (or `SamplerPusher`, the sampler's own
   `update_weights`, without a mesh plan);
-- `rl.rollout_mpmd.ProcessRollout`: the rollout on processes of its own (MPMD), a command queue over the host
-  channel; `rl.rollout_mpmd.RolloutServer` is the other side;
-- `rl.rollout_job.JobRollout`: the rollout as a JAX job of its own, restartable (`RolloutJobServer` its loop);
+- `rl.rollout.mpmd.ProcessRollout`: the rollout on processes of its own (MPMD), a command queue over the host
+  channel; `rl.rollout.mpmd.RolloutServer` is the other side;
+- `rl.rollout.two_job.JobRollout`: the rollout as a JAX job of its own, restartable (`RolloutJobServer` its loop);
+- `rl.rollout.exact.ExactRollout`: exact mode, training requests drawn from the learner's own forward;
 - tests drive the loop with a fake (tests/rl/fake_rollout.py).
 Every engine's `load_weights` is `pusher.push(params_fn(), version).metrics()` with its `parallel.push` transport
 (`parallel.push.protocol.Pusher`). Where the roles live decides the schedule's cost, not its shape: the loop
@@ -32,12 +33,11 @@ import dataclasses
 import time
 from collections.abc import Callable, Sequence
 
-import jax
-
 from parallel.push.local import SamplerPusher
 from parallel.push.protocol import Pusher
 from rl.batch import RolloutBatch
-from rl.sampler import Sampler, SamplingParams
+from rl.rollout.engine import SamplingParams
+from rl.rollout.init import checkpoint_rollout_weights
 
 
 @dataclasses.dataclass(frozen=True)
@@ -48,7 +48,8 @@ class RolloutRequest:
     "eval/<step>/<version>/greedy") that names the request in messages and logs. Optional per-row [N] ints:
     `max_new_tokens_per_row` (length limits <= params.max_new_tokens: `--rollout.length_schedule`, the segments of
     partial rollouts) and `token_offset` (index of each row's first new token in its sample: a partial rollout
-    continued from prompt + its first g tokens; rl/partial.py); None: params.max_new_tokens and 0."""
+    continued from prompt + its first g tokens; rl/partial.py); None: params.max_new_tokens and 0. `train`: a
+    training batch's request (stage 2, `rl.stages.sample`); exact mode draws these from the learner."""
 
     prompts: Sequence[Sequence[int]]
     params: SamplingParams
@@ -59,6 +60,7 @@ class RolloutRequest:
     tag: str = ""
     max_new_tokens_per_row: Sequence[int] | None = None
     token_offset: Sequence[int] | None = None
+    train: bool = False
 
 
 @dataclasses.dataclass
@@ -99,9 +101,11 @@ class RolloutService(abc.ABC):
         """Wait for the request of `handle` and return it (each handle once)."""
 
     @abc.abstractmethod
-    def load_weights(self, version: int) -> dict:
+    def load_weights(self, version: int, source: str | None = None) -> dict:
         """Make the actor's current params the served weights, as `version`; returns perf metrics
-        (`perf/weight_push_s`, `perf/weight_push_gbps`)."""
+        (`perf/weight_push_s`, `perf/weight_push_gbps`). `source`: a checkpoint directory holding those weights
+        (--init at version 0): an engine that can read it itself does (`rl.rollout.init`: its own FP8 blocks, no
+        push; returns {}), one that cannot pushes the actor's params, which hold the same weights."""
 
     @property
     @abc.abstractmethod
@@ -112,10 +116,6 @@ class RolloutService(abc.ABC):
         """Counters of the engine's side, logged with each step (MPMD: the rollout processes' programs)."""
         return {}
 
-    def health(self) -> str | None:
-        """None while the engine is usable, else one line saying what is wrong."""
-        return None
-
     def close(self) -> None:
         """Release the engine (MPMD: tell the rollout processes that the run is over)."""
 
@@ -125,14 +125,17 @@ class LocalRollout(RolloutService):
     thread when the run is asynchronous), so `collect` only hands the result over.
 
     Args:
-      sampler: the rl.sampler.Sampler (on the rollout mesh, or unmeshed in tests).
+      sampler: the rl.rollout.engine.Sampler (on the rollout mesh, or unmeshed in tests).
       params_fn: () -> the learner's current params (`Learner.params_for_push`), read by `load_weights`.
       pusher: the actor -> rollout push (`parallel.push.local.WeightPusher`); None: `SamplerPusher(sampler)`
         (`Sampler.update_weights`).
+      config, progress: the model config a `load_weights(source=...)` checkpoint is checked against, and whether
+        its read shows progress (`rl.rollout.init.checkpoint_rollout_weights`).
     """
 
-    def __init__(self, sampler, params_fn: Callable[[], dict] | None = None, pusher: Pusher | None = None):
-        self.sampler, self.params_fn = sampler, params_fn
+    def __init__(self, sampler, params_fn: Callable[[], dict] | None = None, pusher: Pusher | None = None, *,
+                 config=None, progress: bool | None = None):
+        self.sampler, self.params_fn, self.config, self.progress = sampler, params_fn, config, progress
         self.pusher = SamplerPusher(sampler) if pusher is None else pusher
         self._done: dict[int, RolloutResult] = {}
         self._next = 0
@@ -150,32 +153,9 @@ class LocalRollout(RolloutService):
     def weight_version(self) -> int:
         return self.sampler.weight_version
 
-    def load_weights(self, version: int) -> dict:
+    def load_weights(self, version: int, source: str | None = None) -> dict:
+        if source is not None:
+            self.sampler.set_weights(checkpoint_rollout_weights(self.sampler, source, config=self.config,
+                                                                progress=self.progress), version=version)
+            return {}
         return self.pusher.push(self.params_fn(), version).metrics()
-
-
-def rollout_compute_dtype(rollout, platform: str) -> str | None:
-    """The rollout's compute dtype for a `RolloutConfig` on devices of `platform`: None for fp32 weights (the
-    weights' own dtype); "auto" is float32 on CPUs (bf16 matmuls are emulated there: slow) and bfloat16 elsewhere."""
-    if rollout.dtype == "fp32":
-        return None
-    if rollout.compute_dtype == "auto":
-        return "float32" if platform == "cpu" else "bfloat16"
-    return rollout.compute_dtype
-
-
-def make_sampler(model, mesh, rollout, *, max_prompt_len: int, slots: int = 0,
-                 kv_budget_bytes: float | None = None, compute_dtype=None) -> Sampler:
-    """The rollout engine of a run, the one place a run's Sampler is built (the run in every layout, the planner's
-    compile, the benchmarks): `model` (a DSV4ForCausalLM or its `nnx.eval_shape`), the rollout `mesh` (None:
-    unmeshed), the run's `RolloutConfig` (weights dtype, compute dtype, KV cache dtype, prefill chunk,
-    speculative decoding, EP dispatch),
-    `max_prompt_len` (the largest prompt bucket), `slots` / `kv_budget_bytes` (continuous batching, resolved by
-    `rl.slots.plan_slots`). `compute_dtype` overrides the config's (the planner compiles in bf16 on CPU devices)."""
-    platform = (mesh.devices.flat[0] if mesh is not None else jax.devices()[0]).platform
-    cd = compute_dtype if compute_dtype is not None else rollout_compute_dtype(rollout, platform)
-    return Sampler(model, mesh=mesh, weights=rollout.dtype, max_prompt_len=max_prompt_len, compute_dtype=cd,
-                   slots=slots, kv_budget_bytes=kv_budget_bytes, kv_cache_dtype=rollout.kv_cache_dtype,
-                   prefill_chunk=rollout.prefill_chunk, speculative=rollout.speculative,
-                   draft_tokens=rollout.draft_tokens, ep_backend=rollout.ep_backend,
-                   ep_capacity_factor=rollout.ep_capacity_factor)

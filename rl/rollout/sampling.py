@@ -1,6 +1,7 @@
 """The token draw of the rollout: temperature, top-k and top-p over one decode step's logits, with the logprob
-the learner recomputes. Shared by the static sampler (rl/sampler.py) and continuous batching (rl/slots.py), so
-both draw a sample's tokens with the same math from the same keys.
+the learner recomputes. Shared by the static program (rl/rollout/static.py), continuous batching
+(rl/rollout/slots.py), speculative decoding and exact mode, so all draw a sample's tokens with the same math from
+the same keys.
 
 Logprobs are `log_softmax(logits / T)` over the full vocabulary at the drawn token: after temperature, before
 top-k/top-p truncation (the distribution the learner recomputes from training logits / T). Temperature 0 is

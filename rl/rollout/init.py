@@ -9,7 +9,8 @@ the sampler's:
 - FP4 experts become FP8 tiles with `dsv4.quant.fp4_to_fp8_blockwise` (exact when the 1x32 scales of a tile
   span <= 14 binades; bound in its docstring).
 - Anything the sampler quantises but the file stores dense (a bf16 checkpoint) is quantised by
-  `dsv4.quant.quantize_rollout_fp8`, the path every push takes; everything else is cast as `Sampler._quantize_fn` casts it.
+  `dsv4.quant.quantize_rollout_fp8`, the path every push takes; everything else is cast as
+  `rl.rollout.weights.EngineWeights.quantize_fn` casts it.
 Converted leaf by leaf with the input donated: the peak is the converted state plus one leaf's stored blocks.
 Tests: tests/dsv4/test_load_sharded.py (same logprobs as the dense-loaded fp32 sampler).
 """
@@ -24,7 +25,7 @@ import jax.numpy as jnp
 from dsv4 import quant
 from dsv4.io.load import load_quantized_state
 from dsv4.names import param_key
-from rl.rollout_weights import KEEP_F32
+from dsv4.rollout_format import KEEP_F32
 
 
 def _as_sampler_fp8(x, fmt: str, block):
@@ -42,7 +43,7 @@ def checkpoint_rollout_weights(sampler, path, *, config=None, progress: bool | N
     """Weight state for `sampler.set_weights(state, version)` from the checkpoint directory `path`.
 
     Args:
-      sampler: an `rl.sampler.Sampler` (possibly built from an abstract model); its mesh, rules, fp8 format,
+      sampler: an `rl.rollout.engine.Sampler` (possibly built from an abstract model); its mesh, rules, fp8 format,
         block and compute dtype decide the result.
       config: the model config (default: the sampler's); checked against the file's config.json.
     Returns:
@@ -52,12 +53,12 @@ def checkpoint_rollout_weights(sampler, path, *, config=None, progress: bool | N
     """
     stored = load_quantized_state(path, dtype=sampler.compute_dtype, config=config or sampler.config,
                                   mesh=sampler.mesh, rules=sampler.rules, progress=progress)
-    abs_flat = sampler._abs_flat
+    abs_flat = sampler.weights.abstract_params
     missing = [param_key(p) for p, _ in abs_flat if param_key(p) not in stored]
     if missing:
         raise ValueError(f"{path}: the checkpoint lacks {len(missing)} tensors the rollout model needs, e.g. {missing[:3]}")
 
-    out_sh = sampler._wstate_shardings()
+    out_sh = sampler.weights.state_shardings()
     cpu = sampler.mesh is not None and sampler.mesh.devices.flat[0].platform == "cpu"
     jits: dict = {}
 
@@ -74,7 +75,7 @@ def checkpoint_rollout_weights(sampler, path, *, config=None, progress: bool | N
     for p, v in abs_flat:
         k = param_key(p)
         x = stored.pop(k)
-        if sampler._is_fp8(k, v.get_value()):
+        if sampler.weights.is_quantized(k, v.get_value()):
             mode, dtype = "fp8", None
         elif jnp.issubdtype(x.dtype if not isinstance(x, quant.QuantizedTensor) else jnp.float32, jnp.floating) \
                 and not KEEP_F32.search(k):

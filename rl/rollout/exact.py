@@ -6,6 +6,8 @@ tokens were drawn with.
     learner = Learner(model, cfg.learner, ..., exact_layout=layout)
     rb, stats = generate(learner, prompts, params, seed=, step=, prompt_index=, sample_index=, weight_version=,
                          routing_replay=cfg.learner.routing_replay)
+    service = ExactRollout(learner, rollout, routing_replay=...)   # the contract: training requests drawn here,
+                                                                   # evaluation served by `rollout`
 
 How. XLA's results depend on the program's shapes (measured on XLA:CPU: a row scored alone, or in a batch trimmed
 to another width, differs by ~1e-6 from the same row in the full batch), and the rollout's decode path (one token
@@ -18,7 +20,7 @@ its logits differ from the learner's by ~1e-7 (fp32) to ~4e-2 nats (FP8 KV cache
 2. draws token g of every row from softmax(z), z = the learner's tempered logits at the row's last token
    (`Learner.next_logits`: the same model call, weights, layout and head chunk as the loss's scoring; the
    FP8-aware forward, `--learner.fp8_forward`, with an FP8 rollout), with the rollout's randomness
-   (`rl.sampling.row_keys`: key fold_in(key_row, g); top-k / top-p as the sampler's `sample_tokens`): one full
+   (`rl.rollout.sampling.row_keys`: key fold_in(key_row, g); top-k / top-p as the sampler's `sample_tokens`): one full
    forward of the [R, W] layout per generated token (causal: the positions after the row's last token are padding
    and change nothing before it);
 3. scores the finished rows once with `Learner.compute_logprobs` (the logprobs and the routing the batch carries;
@@ -45,6 +47,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import time
 
 from collections.abc import Sequence
 
@@ -56,8 +59,9 @@ from rl import batching
 from rl.algo_config import LearnerConfig
 from rl.batch import RolloutBatch, TrainBatch
 from rl.learner import Learner
-from rl.sampler import SamplingParams
-from rl.sampling import row_keys, sample_tokens
+from rl.rollout.engine import SamplingParams
+from rl.rollout.service import RolloutRequest, RolloutResult, RolloutService
+from rl.rollout.sampling import row_keys, sample_tokens
 
 log = logging.getLogger(__name__)
 
@@ -88,7 +92,7 @@ def rescore(learner: Learner, rb: RolloutBatch, *, routing_replay: bool) -> Roll
     routing_replay: score with `rb.routing` forced, as the train step will (`LearnerConfig.routing_replay`).
     Raises ValueError from `Learner.compute_logprobs` (mis-shaped or invalid routing, row longer than W)."""
     if learner.exact_layout is None:
-        raise ValueError("rl.exact.rescore needs a Learner built with exact_layout (--exact-rollout)")
+        raise ValueError("rl.rollout.exact.rescore needs a Learner built with exact_layout (--exact-rollout)")
     n, p = rb.prompt_tokens.shape
     tb = TrainBatch.from_rollout(rb, np.zeros(n, np.float32), routing=routing_replay)
     res, _ = learner.compute_logprobs(learner.state, tb, routing_replay=routing_replay)
@@ -108,14 +112,14 @@ def generate(learner: Learner, prompts: Sequence[Sequence[int]], params: Samplin
     routing_replay: score with the drawn routing forced, as the train step will (`LearnerConfig.routing_replay`).
     Raises ValueError: no exact layout, an empty prompt, or a prompt + max_new_tokens longer than the width W."""
     if learner.exact_layout is None:
-        raise ValueError("rl.exact.generate needs a Learner built with exact_layout (--exact-rollout)")
+        raise ValueError("rl.rollout.exact.generate needs a Learner built with exact_layout (--exact-rollout)")
     n, width, t_max = len(prompts), learner.exact_layout[1], params.max_new_tokens
     lens = np.array([len(p) for p in prompts], np.int64)
     if n == 0 or lens.min() < 1:
-        raise ValueError("rl.exact.generate: every prompt needs at least one token")
+        raise ValueError("rl.rollout.exact.generate: every prompt needs at least one token")
     if lens.max() + t_max > width:
-        raise ValueError(f"rl.exact.generate: a prompt of {lens.max()} tokens + {t_max} new tokens is longer than the "
-                         f"exact layout's width {width} (--max-prompt-len + --max-new-tokens)")
+        raise ValueError(f"rl.rollout.exact.generate: a prompt of {lens.max()} tokens + {t_max} new tokens is "
+                         f"longer than the exact layout's width {width} (--max-prompt-len + --max-new-tokens)")
     ids = np.zeros((n, width), np.int32)
     for i, p in enumerate(prompts):
         ids[i, : len(p)] = p
@@ -158,6 +162,61 @@ def generate(learner: Learner, prompts: Sequence[Sequence[int]], params: Samplin
                              logprobs=np.where(resp_cols, _to_host(res.logprobs), 0.0)[:, p:].astype(np.float32))
     scored = rescore(learner, rb, routing_replay=True) if routing_replay else rb  # the train step's forced routing
     return scored, {"rollout/exact_forwards": float(forwards)}
+
+
+class ExactRollout(RolloutService):
+    """Exact mode as a rollout engine (`--exact-rollout`): a training request (`RolloutRequest.train`) is drawn
+    from the learner's own forward (`generate`, with the weight version the inner engine serves: the learner's,
+    since exact mode is synchronous); every other request (evaluation) and every weight load go to `inner`, the
+    run's rollout engine. The request's per-row length limits and token offsets are not supported (`RunConfig`
+    refuses --rollout.length_schedule and partial rollouts with exact mode): ValueError.
+
+    Args:
+      learner: the `Learner` built with `exact_layout`. inner: the run's `RolloutService`. routing_replay: score with
+        the drawn routing forced, as the train step will (`LearnerConfig.routing_replay`).
+    """
+
+    def __init__(self, learner: Learner, inner: RolloutService, *, routing_replay: bool):
+        self.learner, self.inner, self.routing_replay = learner, inner, routing_replay
+        self._done: dict[int, RolloutResult] = {}
+        self._inner: dict[int, object] = {}
+        self._next = 0
+
+    def submit(self, request: RolloutRequest) -> int:
+        handle, self._next = self._next, self._next + 1
+        if not request.train:
+            self._inner[handle] = self.inner.submit(request)
+            return handle
+        if request.max_new_tokens_per_row is not None or request.token_offset is not None:
+            raise ValueError("exact mode (--exact-rollout) draws every row up to --max-new-tokens from the start")
+        t0 = time.time()
+        rb, stats = generate(self.learner, request.prompts, request.params, seed=request.seed, step=request.step,
+                             prompt_index=request.prompt_index, sample_index=request.sample_index,
+                             weight_version=self.weight_version, routing_replay=self.routing_replay)
+        self._done[handle] = RolloutResult(rb=rb, stats=stats, t0=t0, t1=time.time())
+        return handle
+
+    def collect(self, handle: int) -> RolloutResult:
+        if handle in self._inner:
+            return self.inner.collect(self._inner.pop(handle))
+        return self._done.pop(handle)
+
+    @property
+    def weight_version(self) -> int:
+        return self.inner.weight_version
+
+    @property
+    def generate_calls(self) -> int:  # the rollout engine's programs (the draws run the learner's)
+        return self.inner.generate_calls
+
+    def load_weights(self, version: int, source: str | None = None) -> dict:
+        return self.inner.load_weights(version, source=source)
+
+    def stats(self) -> dict:
+        return self.inner.stats()
+
+    def close(self) -> None:
+        self.inner.close()
 
 
 @jax.jit

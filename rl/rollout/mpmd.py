@@ -1,5 +1,5 @@
 """The rollout on processes of its own (MPMD): `ProcessRollout`, the actor's side of the rollout service contract
-(rl/rollout_service.py), and `RolloutServer`, the loop the rollout processes run.
+(rl/rollout/service.py), and `RolloutServer`, the loop the rollout processes run.
 
 A disjoint rollout mesh whose devices are whole processes (e.g. `--mesh actor:fsdp=2,expert=2/rollout:expert=2` on 3
 processes x 2 devices: processes 0-1 the actor, process 2 the rollout; `sharding.mpmd.role_layout`) runs the one loop
@@ -13,7 +13,7 @@ two sides speak through a command queue in the host channel (`sharding.mpmd.Host
 Commands: {"op": "generate", "request": RolloutRequest} (the rollout processes run `Sampler.generate` on their mesh;
 the first of them publishes the RolloutResult with its counters), {"op": "push", "version": v} (the cross-process
 transfer of the learner's params, `parallel.push.mpmd.MpmdPusher`), {"op": "load_init"} (version 0 read from
---init's own FP8 blocks on the rollout, `rl.rollout_init.checkpoint_rollout_weights`), {"op": "stop"}. Only the
+--init's own FP8 blocks on the rollout, `rl.rollout.init.checkpoint_rollout_weights`), {"op": "stop"}. Only the
 actor's writer numbers and publishes commands; the pipeline's schedule (rl/pipeline.py) makes their order a
 function of the flags (a generate of batch m is sent only once P(max(0, m - K)) was pushed; a push only when no
 request is in flight), so every actor process sees the same results whatever the timing.
@@ -34,8 +34,8 @@ import logging
 import threading
 from collections.abc import Callable
 
-from rl.rollout_init import checkpoint_rollout_weights
-from rl.rollout_service import RolloutRequest, RolloutResult, RolloutService, run_request
+from rl.rollout.init import checkpoint_rollout_weights
+from rl.rollout.service import RolloutRequest, RolloutResult, RolloutService, run_request
 from sharding.rules import ACTOR, ROLLOUT
 
 log = logging.getLogger("dsv4rl")
@@ -80,16 +80,17 @@ class ProcessRollout(RolloutService):
     def weight_version(self) -> int:
         return self._version
 
-    def load_weights(self, version: int) -> dict:
+    def load_weights(self, version: int, source: str | None = None) -> dict:
+        """The push of the actor's params as `version`; with `source` (--init's checkpoint at version 0) the rollout
+        processes read it themselves (its own FP8 blocks, the directory their `RolloutServer(init=...)` names)."""
+        if source is not None:
+            self._command({"op": "load_init", "version": int(version)})
+            self._version = int(version)
+            return {}
         self._command({"op": "push", "version": int(version)})
         stats = self.pusher.push(self.params_fn(), int(version))
         self._version = int(version)
         return stats.metrics()
-
-    def load_init(self) -> None:
-        """Version 0 from --init's checkpoint, read by the rollout processes themselves (its own FP8 blocks)."""
-        self._command({"op": "load_init"})
-        self._version = 0
 
     def close(self) -> None:
         self._command({"op": "stop"})
@@ -129,7 +130,8 @@ class RolloutServer:
                 self.pusher.push(None, int(cmd["version"]))
             elif op == "load_init":
                 self.sampler.set_weights(checkpoint_rollout_weights(self.sampler, self.init, config=self.config,
-                                                                    progress=self.progress), version=0)
+                                                                    progress=self.progress),
+                                         version=int(cmd.get("version", 0)))
                 log.info("MPMD: rollout weights version 0 read from %s (its own FP8 blocks)", self.init)
             elif op == "stop":
                 return {"generate": self.generate_calls, "train_steps": 0}

@@ -37,17 +37,15 @@ import math
 import jax
 import jax.numpy as jnp
 import numpy as np
-from flax import nnx
 from jax.sharding import NamedSharding
 
-from dsv4.cache import cache_shapes, decode_step
+from dsv4.cache import decode_step
 from dsv4.chunked import prefill_chunked
-from dsv4.model import DSV4ForCausalLM
 from parallel.plan import GPUS, plan
 from rl.config import LearnerConfig, RolloutConfig
 from rl.config_tree import default
 from rl.host_memory import cpu_kv_budget, host_memory_bytes
-from rl.sampling import sample_tokens
+from rl.rollout.sampling import sample_tokens
 from sharding import axes as ax
 from sharding.rules import activation_spec, cache_shardings
 
@@ -60,35 +58,14 @@ def cache_len_for(config, prompt_len: int, max_new_tokens: int) -> int:
     return -(-n // step) * step
 
 
-def cache_bytes_per_slot(sampler, cache_len: int) -> int:
-    """Bytes of one slot's decode cache (every main layer, `dsv4.cache.cache_shapes` in the sampler's compute
-    dtype and KV layout) at `cache_len` positions."""
-    return cache_bytes_per_slot_for(sampler.config, cache_len, sampler.compute_dtype, fp8=sampler.kv_fp8)
-
-
-def cache_bytes_per_slot_for(config, cache_len: int, dtype="bfloat16", fp8: str | None = None) -> int:
-    """Bytes of one sequence's decode cache of model `config` at `cache_len` positions (`dtype`: kv / entries
-    when unquantised; fp8: the FP8 layout's format, `dsv4.cache.cache_shapes`)."""
-    key = (config, int(cache_len), str(jnp.dtype(dtype)), fp8)
-    if key not in _BYTES:
-        abstract = nnx.eval_shape(lambda: DSV4ForCausalLM(config, rngs=nnx.Rngs(0)))
-        tree = jax.eval_shape(lambda: [cache_shapes(l.attn, 1, cache_len, jnp.dtype(dtype), fp8)
-                                       for l in abstract.layers])
-        _BYTES[key] = int(sum(math.prod(a.shape) * np.dtype(a.dtype).itemsize for a in jax.tree.leaves(tree)))
-    return _BYTES[key]
-
-
-_BYTES: dict = {}
-
-
 def plan_slots(requested, *, per_slot_bytes: float, budget_bytes: float | None, seq_len: int,
                flag: str = "--rollout-slots", shards: int = 1) -> int:
     """The slot count for `requested` (int >= 0 or "auto") against a KV-cache budget.
 
     Args:
       requested: 0 = static batching (returned as is), N >= 1 slots, or "auto" (as many slots as the budget holds).
-      per_slot_bytes: one slot's decode cache (`cache_bytes_per_slot`). budget_bytes: bytes the memory plan leaves
-        for the KV cache on one rollout device (`parallel.plan` rollout margin), None = unknown (no check; "auto"
+      per_slot_bytes: one slot's decode cache (`parallel.plan.kv_cache_bytes`). budget_bytes: bytes the memory plan
+        leaves for the KV cache on one rollout device (`parallel.plan` rollout margin), None = unknown (no check; "auto"
         then means 0, static batching). seq_len: max prompt + max new tokens (for the message). shards: the
         batch shards the slots are split over (data x expert, `Sampler.batch_shards`): a device holds
         ceil(N / shards) slots.
@@ -144,7 +121,7 @@ def _put_row(big, small, j):
 
 def slots_program(sampler, shape, wstate, caches, ids, lens, key_data, n_real, temperature, top_p, top_k,
                   max_new, stop_ids, token_offset):
-    """The continuous-batching rollout (traced by `Sampler._slots_jit`; see the module docstring).
+    """The continuous-batching rollout (traced by `Sampler.slots_jit`; see the module docstring).
 
     shape = (nb, P, T, S) static: request rows (padded), prompt bucket, max_new_tokens, slots.
     caches: S-row decode caches (donated). ids [nb, P] right-padded prompts, lens [nb], key_data [nb, ...] per
@@ -160,14 +137,14 @@ def slots_program(sampler, shape, wstate, caches, ids, lens, key_data, n_real, t
     cache_len = cache_len_for(cfg, p, t_cap)
     keys = jax.random.wrap_key_data(key_data)
     per_step = sampler.dequant == "per_step"
-    layerwise = sampler.dequant == "per_layer"  # each layer dequantised right before it runs (rl/rollout_weights.py)
-    layer_fn = sampler._layerwise.layer_fn(wstate) if layerwise else None
-    model = None if per_step else sampler._layerwise.shell(wstate) if layerwise else sampler._model(wstate)
+    layerwise = sampler.dequant == "per_layer"  # each layer dequantised right before it runs (rl/rollout/layerwise.py)
+    layer_fn = sampler.layerwise.layer_fn(wstate) if layerwise else None
+    model = None if per_step else sampler.layerwise.shell(wstate) if layerwise else sampler.dense_model(wstate)
 
     pin = _pinner(sampler)
 
     def model_now():
-        return sampler._model(jax.lax.optimization_barrier(wstate)) if per_step else model
+        return sampler.dense_model(jax.lax.optimization_barrier(wstate)) if per_step else model
 
     def is_stop(tok):
         return jnp.any(tok[..., None] == stop_ids, axis=-1)

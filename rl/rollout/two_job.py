@@ -8,7 +8,7 @@
 
 Both jobs take the run's flags (the rollout job reads the mesh's rollout section, the sampling and model knobs; it
 writes no metrics, checkpoints or config file). `JobRollout` is the actor's side of the rollout service contract
-(rl/rollout_service.py), `RolloutJobServer` the loop the rollout job runs. Messages (versions, requests, results,
+(rl/rollout/service.py), `RolloutJobServer` the loop the rollout job runs. Messages (versions, requests, results,
 acknowledgements, heartbeats) travel over `sharding.job_link` (a `multiprocessing.connection` socket with an HMAC
 key); weights by `jax.experimental.transfer` (`parallel.push.job`: the actor stages the rollout's tiling, the rollout
 pulls). Ops, actor -> rollout, in order: {"op": "generate", "request"} -> "result/<tag>"; {"op": "pull", "uuid",
@@ -36,7 +36,7 @@ Recovery in place. When the rollout's connection closes (its process died) or it
 never notice: the new rollout pulls the served version from the actor's staged copy (`parallel.push.job`: the weights
 the in-flight batches were being generated with, even if the learner has moved on), then every request submitted and
 not yet answered is sent again under its tag. A request's randomness is a function of (seed, step, prompt index,
-sample index) (rl/rollout_service.py), so the regenerated batch equals the lost one bitwise on CPU: nothing is
+sample index) (rl/rollout/service.py), so the regenerated batch equals the lost one bitwise on CPU: nothing is
 trained twice, nothing skipped, and the per-step metrics equal an uninterrupted run's. Metrics (each step, from
 `stats`): `rollout/restarts` (rollout jobs lost so far), `rollout/recovery_s` (seconds spent recovering so far,
 summed over the restarts: each from the loss noticed to the in-flight requests sent again; 0 before any).
@@ -69,7 +69,7 @@ import time
 import jax
 
 from parallel.push.job import JobPusher, WeightReceiver, tiling
-from rl.rollout_service import RolloutRequest, RolloutResult, RolloutService, run_request
+from rl.rollout.service import RolloutRequest, RolloutResult, RolloutService, run_request
 from rl.job_identity import identity_mismatch
 from sharding.job_link import (JobListener, LinkLost, LinkRefused, authkey, connect, describe_peer, local_host_towards,
                                split_address)
@@ -284,7 +284,8 @@ class JobRollout(RolloutService):
     def weight_version(self) -> int:
         return self._version
 
-    def load_weights(self, version: int) -> dict:
+    def load_weights(self, version: int, source: str | None = None) -> dict:
+        # `source` (--init): the rollout job cannot read the actor's checkpoint; the push carries the same weights
         stats = self.pusher.push(self.params_fn(), int(version))  # stages, then `_deliver`
         self._version = int(version)
         return stats.metrics()
@@ -306,12 +307,6 @@ class JobRollout(RolloutService):
 
     def stats(self) -> dict:
         return {"rollout/restarts": float(self.restarts), "rollout/recovery_s": float(self.recovery_s)}
-
-    def health(self) -> str | None:
-        if not self.lead:
-            return None
-        link = self.link
-        return None if link is not None and not link.closed else f"{self.rollout_name} is not connected"
 
     def close(self) -> None:
         if not self.lead:  # serve offers (process 0's last push, a recovery) until process 0 is done with the rollout;
