@@ -154,7 +154,7 @@ class EngineShapes:
     def input_shapes(self, shape: ProgramShape) -> tuple:
         """ShapeDtypeStructs (with shardings) of the program's inputs, as `generate` passes them."""
         sds, b = jax.ShapeDtypeStruct, shape.batch
-        key_shape = jax.random.key_data(jax.random.key(0)).shape
+        key_shape = jax.eval_shape(lambda: jax.random.key_data(jax.random.key(0))).shape  # traced: nothing runs
         scalars = (sds((), jnp.float32), sds((), jnp.float32), sds((), jnp.int32))
         head = (sds((b, shape.prompt), jnp.int32), sds((b,), jnp.int32), sds((b, *key_shape), jnp.uint32))
         if shape.slots:
