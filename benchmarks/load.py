@@ -121,7 +121,7 @@ def worker(args) -> int:
     import numpy as np
     from flax import nnx
 
-    from dsv4 import load_hf_checkpoint, quant
+    from dsv4 import fp4, load_hf_checkpoint
     from dsv4.io.safetensors import DTYPES, bytes_read, checkpoint_keys
     from sharding import mesh as mesh_lib
     from sharding.rules import ACTOR_RULES
@@ -150,7 +150,7 @@ def worker(args) -> int:
     rs = np.random.default_rng(1)
     q = jax.device_put(rs.integers(-128, 128, (e, i, d // 2), dtype=np.int8), sh)
     s = jax.device_put(rs.integers(120, 124, (e, i, d // 32), dtype=np.uint8), sh)
-    f = jax.jit(lambda q, s: quant.dequantize_fp4(q, s, jnp.bfloat16), out_shardings=sh)
+    f = jax.jit(lambda q, s: fp4.dequantize_fp4(q, s, jnp.bfloat16), out_shardings=sh)
     dq_gbps = float("nan")
     if info.process_id == 0:
         f(q, s).block_until_ready()

@@ -1,12 +1,11 @@
-"""FP8 (e4m3fn / e4m3fnuz) 128x128-block and FP4 (e2m1, 1x32 e8m0) weight quantisation, pure functions.
+"""FP8 (e4m3fn / e4m3fnuz) 128x128-block weight and 1x128 activation quantisation, pure functions.
 
 What the DeepSeek-V4 checkpoint stores (docs/dsv4-architecture.md §9.2, §12 items 23-24):
 - FP8 weights `F8_E4M3` (OCP e4m3fn, max 448) with one scale per 128x128 tile, W = Q * S (S is a
   *multiplier*, shape [ceil(out/128), ceil(in/128)], stored as `F8_E8M0`, i.e. a power of two).
-- FP4 routed experts stored as `I8` [out, in/2]: two e2m1 codes per byte along the input dim, low
-  nibble = logical column 2k, high nibble = column 2k+1 (official `inference/convert.py`,
-  `cast_e2m1fn_to_e4m3fn`); one e8m0 scale per 32 consecutive inputs of a row, W[o, i] = val * 2^(b-127).
-- e8m0 (OCP MX spec): an unsigned exponent byte b with value 2^(b-127); b = 255 is NaN; no zero.
+- FP4 routed experts stored as `I8` [out, in/2] with one e8m0 scale per 32 inputs: packed, unpacked and
+  (de)quantised in `dsv4.fp4`; here only their exact conversion to FP8 tiles and their `QuantizedTensor` form.
+- e8m0 scales (OCP MX spec: a byte b with value 2^(b-127)) and the numpy / jax helpers: `dsv4.scales`.
 
 Choices:
 - Every function takes numpy arrays (eager, used by the checkpoint loader; returns numpy) or jax arrays
@@ -14,15 +13,14 @@ Choices:
   `scale_fmt`, `dtype`) are Python values: close over them or mark them static under `jax.jit`.
 - Values are clipped to +-fmax *before* the cast to fp8: an overflowing cast gives NaN, not saturation
   (ml_dtypes and XLA alike; docs/jax-stack.md §4.1).
-- Power-of-two scales are computed exactly with `frexp` (never `ceil(log2(x))` in floating point) and
-  their exponents are clamped to [-126, 127] so every scale is a *normal* f32 (XLA:CPU flushes
-  subnormals to zero, which would turn a division by a tiny scale into inf).
+- Power-of-two scales are computed exactly (`dsv4.scales.pow2_ceil`): every scale is a *normal* f32 (XLA:CPU
+  flushes subnormals to zero, which would turn a division by a tiny scale into inf).
 - The MI300 (gfx942) path converts e4m3fn checkpoints to e4m3fnuz by reinterpreting bytes and doubling
   the scale (`fp8_fn_to_fnuz`), never by a value cast.
 
 Sources: OCP 8-bit Floating Point Specification (OFP8) rev 1.0 and OCP Microscaling Formats (MX) v1.0
-(e4m3fn, e2m1, e8m0 encodings); ml_dtypes 0.6 (`float8_e4m3fnuz`: bias 8, 0x80 = NaN, no -0);
-DeepSeek-V4 `inference/convert.py` (nibble order). Tests: tests/dsv4/test_quant.py.
+(e4m3fn, e8m0 encodings); ml_dtypes 0.6 (`float8_e4m3fnuz`: bias 8, 0x80 = NaN, no -0); DeepSeek-V4
+`inference/convert.py` (`cast_e2m1fn_to_e4m3fn`). Tests: tests/dsv4/test_quant.py.
 """
 
 from __future__ import annotations
@@ -35,6 +33,9 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+
+from dsv4.fp4 import FP4_BLOCK, dequantize_fp4, quantize_fp4
+from dsv4.scales import array_module, bitcast, e8m0_to_f32, pow2_ceil, scale_times_pow2, scale_to_f32
 
 logger = logging.getLogger(__name__)
 
@@ -61,39 +62,8 @@ FP8_WEIGHT_RE = re.compile(r"(attn[./](wq_a|wq_b|wkv|wo_a|wo_b)[./]weight|attn[.
                            r"ffn[./]shared_experts[./]w[123][./]weight|(e_proj|h_proj)[./]weight)$")
 ROUTED_EXPERT_RE = re.compile(r"ffn[./]experts[./](\d+[./])?w[123]([./]weight)?$")
 
-FP4_MAX = 6.0
-FP4_BLOCK = 32
-# e2m1 code -> value for codes 0..15 (bit 3 = sign), OCP MX spec §5.3.3.
-FP4_E2M1_VALUES = np.array(
-    [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0], np.float32
-)
-# Rounding to nearest e2m1 magnitude: the code is the number of midpoints below |x|, plus one at the
-# midpoints whose lower neighbour has an odd code (ties to even, as IEEE and ml_dtypes do).
-_FP4_MIDPOINTS = (0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0)
-_FP4_TIES_UP = (0.75, 1.75, 3.5)
 
-
-# ------------------------------------------------------------------------------------------- helpers
-
-
-def _xp(*arrays):
-    """numpy when every input is a numpy array (eager loader path), else jax.numpy (jit path)."""
-    return np if all(isinstance(a, (np.ndarray, np.generic)) for a in arrays) else jnp
-
-
-def _bitcast(x, dtype):
-    """Reinterpret the bits of `x` as the same-width `dtype` (numpy view or lax.bitcast_convert_type)."""
-    if isinstance(x, (np.ndarray, np.generic)):
-        return np.asarray(x).view(dtype)
-    return jax.lax.bitcast_convert_type(x, dtype)
-
-
-def _pow2_ceil(xp, x):
-    """Exact 2^ceil(log2 x) for x > 0 (f32), exponent clamped to [-126, 127]; x = 0 gives 1 (callers mask it)."""
-    mant, exp = xp.frexp(x)  # x = mant * 2^exp, mant in [0.5, 1)
-    exp = xp.where(mant == 0.5, exp - 1, exp)  # x is already a power of two
-    exp = xp.clip(exp, -126, 127).astype(xp.int32)
-    return _bitcast(((exp + 127).astype(xp.uint32) << 23).astype(xp.uint32), xp.float32)
+# -------------------------------------------------------------------------------------- format names
 
 
 def canonical_fp8_format(fmt: str) -> str:
@@ -111,72 +81,13 @@ def _fp8_format_of(dtype) -> str:
     raise ValueError(f"expected an fp8 array of {sorted(FP8_FORMATS)}, got dtype {dtype}")
 
 
-# ---------------------------------------------------------------------------------------- e8m0 scales
-
-
-def e8m0_to_f32(b):
-    """e8m0 exponent bytes -> float32 2^(b-127); b = 255 -> NaN.
-
-    b: uint8 (or float8_e8m0fnu, reinterpreted) array of any shape. Built from bits (exponent field = b),
-    so it is exact; b = 0 gives the subnormal 2^-127, which XLA:CPU arithmetic may later flush to zero.
-    """
-    xp = _xp(b)
-    if np.dtype(b.dtype) != np.uint8:
-        if np.dtype(b.dtype) != np.dtype(jnp.float8_e8m0fnu):
-            raise ValueError(f"e8m0_to_f32 expects uint8 or float8_e8m0fnu, got {b.dtype}")
-        b = _bitcast(b, xp.uint8)
-    bits = b.astype(xp.uint32) << 23
-    bits = xp.where(b == 0, np.uint32(0x00400000), bits)  # 2^-127 is the subnormal with mantissa 0b10...
-    bits = xp.where(b == 255, np.uint32(0x7FC00000), bits)  # quiet NaN
-    return _bitcast(bits.astype(xp.uint32), xp.float32)
-
-
-def f32_to_e8m0(x):
-    """Positive power-of-two floats -> uint8 e8m0 bytes b with x = 2^(b-127); NaN -> 255.
-
-    numpy path: ValueError if any value is not a power of two in [2^-127, 2^127] (or NaN).
-    jnp path: no check; exponents are clamped to [0, 254] and non-powers of two are rounded down.
-    """
-    xp = _xp(x)
-    x = x.astype(xp.float32)
-    mant, exp = xp.frexp(x)
-    b = exp.astype(xp.int32) - 1 + 127
-    if xp is np:
-        bad = ~np.isnan(x) & ((mant != 0.5) | (b < 0) | (b > 254))
-        if bad.any():
-            raise ValueError(f"f32_to_e8m0: {int(bad.sum())} value(s) are not powers of two in [2^-127, 2^127], "
-                             f"e.g. {x[bad].flat[0]!r}")
-    return xp.where(xp.isnan(x), 255, xp.clip(b, 0, 254)).astype(xp.uint8)
-
-
-def scale_to_f32(scale):
-    """Scale tensor (e8m0 bytes as uint8 / float8_e8m0fnu, or float powers of two) -> float32."""
-    dt = np.dtype(scale.dtype)
-    if dt == np.uint8 or dt == np.dtype(jnp.float8_e8m0fnu):
-        return e8m0_to_f32(scale)
-    return scale.astype(_xp(scale).float32)
-
-
-def _scale_times_pow2(scale, up: bool):
-    """scale * 2 (up) or scale / 2, keeping its dtype; e8m0 scales change their exponent byte by one."""
-    xp = _xp(scale)
-    dt = np.dtype(scale.dtype)
-    if dt == np.uint8 or dt == np.dtype(jnp.float8_e8m0fnu):
-        b = scale if dt == np.uint8 else _bitcast(scale, xp.uint8)
-        if xp is np and ((b >= 254) if up else (b == 0) | (b == 255)).any():
-            raise ValueError("e8m0 scale out of range (or NaN) after the fp8 format conversion")
-        b = (b.astype(xp.int32) + (1 if up else -1)).astype(xp.uint8)
-        return b if dt == np.uint8 else _bitcast(b, scale.dtype)
-    return scale * 2 if up else scale / 2
-
-
 # ---------------------------------------------------------------------------------------- FP8 blocks
 
 
 def saturating_cast_fp8(x, fmt: str = "e4m3fn"):
     """Clip x to +-fmax, then cast to FP8_FORMATS[fmt] (a plain cast of |x| > fmax gives NaN). Jittable."""
     fmt = canonical_fp8_format(fmt)
-    xp = _xp(x)
+    xp = array_module(x)
     return xp.clip(x.astype(xp.float32), -FP8_MAX[fmt], FP8_MAX[fmt]).astype(FP8_FORMATS[fmt])
 
 
@@ -193,7 +104,7 @@ def quantize_fp8_blockwise(w, *, fmt: str = "e4m3fn", block: tuple[int, int] = (
     fmt = canonical_fp8_format(fmt)
     if scale_fmt not in ("f32", "ue8m0"):
         raise ValueError(f"scale_fmt must be 'f32' or 'ue8m0', got {scale_fmt!r}")
-    xp = _xp(w)
+    xp = array_module(w)
     if w.ndim < 2 or w.size == 0:
         raise ValueError(f"quantize_fp8_blockwise needs a non-empty array with ndim >= 2, got shape {w.shape}")
     w = w.astype(xp.float32)
@@ -206,7 +117,7 @@ def quantize_fp8_blockwise(w, *, fmt: str = "e4m3fn", block: tuple[int, int] = (
     wb = wp.reshape(*lead, nb0, b0, nb1, b1)
     amax = xp.max(xp.abs(wb), axis=(-3, -1))  # -> [..., nb0, nb1]
     if scale_fmt == "ue8m0":
-        scale = _pow2_ceil(xp, amax / fmax)
+        scale = pow2_ceil(xp, amax / fmax)
     else:
         scale = xp.maximum(amax / fmax, np.finfo(np.float32).tiny)
     scale = xp.where(amax > 0, scale, 1.0).astype(xp.float32)
@@ -246,7 +157,7 @@ def act_quant(x, *, fmt: str = "e4m3fn", block: int = ACT_BLOCK, scale_fmt: str 
     if fmt == "e4m3fnuz":  # the e4m3fn rule, then the exact fn -> fnuz conversion (2 * s): the same values as fn,
         # as the weights' conversion keeps them, so an fnuz engine computes what the fn engine computes
         return fp8_fn_to_fnuz(*act_quant(x, fmt="e4m3fn", block=block, scale_fmt=scale_fmt), name="activation")
-    xp = _xp(x)
+    xp = array_module(x)
     xf = x.astype(xp.float32)
     *lead, k = xf.shape
     nb = -(-k // block)
@@ -256,7 +167,7 @@ def act_quant(x, *, fmt: str = "e4m3fn", block: int = ACT_BLOCK, scale_fmt: str 
     amax = xp.maximum(xp.max(xp.abs(xb), axis=-1), np.float32(ACT_AMAX_FLOOR))  # -> [..., nb]
     s = (amax * np.float32(1.0 / FP8_MAX[fmt])).astype(xp.float32)
     if scale_fmt == "ue8m0":
-        s = _pow2_ceil(xp, s)
+        s = pow2_ceil(xp, s)
     q = saturating_cast_fp8(xb / s[..., None], fmt).reshape(*lead, nb * block)[..., :k]
     return q, s
 
@@ -266,7 +177,7 @@ def act_fake_quant(x, *, fmt: str = "e4m3fn", block: int = ACT_BLOCK, scale_fmt:
     value times a power of two). What the release's FP8 / FP4 GEMMs see of x, for paths that multiply by
     dequantised weights instead of running the quantised GEMM. Jittable."""
     q, s = act_quant(x, fmt=fmt, block=block, scale_fmt=scale_fmt)
-    xp = _xp(x)
+    xp = array_module(x)
     k = x.shape[-1]
     nb = s.shape[-1]
     qf = q.astype(xp.float32)
@@ -316,7 +227,7 @@ def dequantize_fp8_blockwise(q, scale, *, block: tuple[int, int] = (128, 128), d
 
     ValueError if scale's shape does not match q's block grid.
     """
-    xp = _xp(q, scale)
+    xp = array_module(q, scale)
     b0, b1 = block
     *lead, rows, cols = q.shape
     grid = (*lead, -(-rows // b0), -(-cols // b1))
@@ -352,12 +263,12 @@ def fp8_fn_to_fnuz(q_fn, scale, *, name: str = "tensor"):
     """
     if _fp8_format_of(q_fn.dtype) != "e4m3fn":
         raise ValueError(f"{name}: fp8_fn_to_fnuz expects e4m3fn, got {q_fn.dtype}")
-    xp = _xp(q_fn)
+    xp = array_module(q_fn)
     if xp is np:
         check_fp8_finite(q_fn, name=name)
-    b = _bitcast(q_fn, xp.uint8)
+    b = bitcast(q_fn, xp.uint8)
     b = xp.where(b == 0x80, np.uint8(0), b).astype(xp.uint8)
-    return _bitcast(b, FP8_FORMATS["e4m3fnuz"]), _scale_times_pow2(scale, up=True)
+    return bitcast(b, FP8_FORMATS["e4m3fnuz"]), scale_times_pow2(scale, up=True)
 
 
 def fp8_fnuz_to_fn(q_fnuz, scale, *, name: str = "tensor"):
@@ -371,8 +282,8 @@ def fp8_fnuz_to_fn(q_fnuz, scale, *, name: str = "tensor"):
     """
     if _fp8_format_of(q_fnuz.dtype) != "e4m3fnuz":
         raise ValueError(f"{name}: fp8_fnuz_to_fn expects e4m3fnuz, got {q_fnuz.dtype}")
-    xp = _xp(q_fnuz)
-    b = _bitcast(q_fnuz, xp.uint8)
+    xp = array_module(q_fnuz)
+    b = bitcast(q_fnuz, xp.uint8)
     if xp is np:
         check_fp8_finite(q_fnuz, name=name)
         over = (b == 0x7F) | (b == 0xFF)
@@ -380,7 +291,7 @@ def fp8_fnuz_to_fn(q_fnuz, scale, *, name: str = "tensor"):
             raise ValueError(f"{name}: {int(over.sum())} e4m3fnuz value(s) of +-240 (bytes 0x7f/0xff) are not "
                              "representable in e4m3fn after the exact conversion; requantise instead")
     b = xp.where(b == 0x80, np.uint8(0x7F), xp.where((b & 0x7F) == 0x7F, b - np.uint8(1), b)).astype(xp.uint8)
-    return _bitcast(b, FP8_FORMATS["e4m3fn"]), _scale_times_pow2(scale, up=False)
+    return bitcast(b, FP8_FORMATS["e4m3fn"]), scale_times_pow2(scale, up=False)
 
 
 # -------------------------------------------------------------------------------- format selection
@@ -415,99 +326,7 @@ def select_fp8_format(fmt: str = "auto", devices=None) -> str:
     return chosen
 
 
-# ------------------------------------------------------------------------------------------------ FP4
-
-
-def unpack_fp4_e2m1(packed):
-    """Packed fp4 bytes [..., n] (int8 as stored, or uint8) -> e2m1 codes uint8 [..., 2n].
-
-    Byte k of a row holds logical column 2k in its low nibble (bits 0-3) and column 2k+1 in its high nibble
-    (bits 4-7), as DeepSeek-V4 `inference/convert.py` unpacks it.
-    """
-    xp = _xp(packed)
-    b = packed if np.dtype(packed.dtype) == np.uint8 else _bitcast(packed, xp.uint8)
-    codes = xp.stack([b & np.uint8(0x0F), b >> np.uint8(4)], axis=-1)  # -> [..., n, 2]
-    return codes.reshape(*b.shape[:-1], 2 * b.shape[-1])
-
-
-def pack_fp4_e2m1(codes):
-    """Inverse of `unpack_fp4_e2m1`: codes [..., 2n] (values 0..15) -> int8 [..., n]."""
-    xp = _xp(codes)
-    if codes.shape[-1] % 2:
-        raise ValueError(f"pack_fp4_e2m1 needs an even last dim, got shape {codes.shape}")
-    c = codes.astype(xp.uint8)
-    return _bitcast((c[..., 0::2] & np.uint8(0x0F)) | (c[..., 1::2] << np.uint8(4)), xp.int8)
-
-
-def fp4_codes_to_values(codes, dtype=jnp.float32):
-    """e2m1 codes (0..15, bit 3 = sign) -> values 0, .5, 1, 1.5, 2, 3, 4, 6 and negatives, in `dtype`.
-
-    Built from bits, not a table gather (a gather is slow on XLA:CPU): exponent field e = bits 1-2, mantissa
-    m = bit 0; e > 0 gives the f32 2^(e-1) * (1 + m/2), e = 0 gives m * 0.5 (OCP MX spec §5.3.3); sign = bit 3.
-    """
-    xp = _xp(codes)
-    c = codes.astype(xp.uint32)
-    e, m = (c >> np.uint32(1)) & np.uint32(3), c & np.uint32(1)
-    bits = xp.where(e == 0, m * np.uint32(126 << 23), ((e + np.uint32(126)) << np.uint32(23)) | (m << np.uint32(22)))
-    bits = bits | ((c >> np.uint32(3)) << np.uint32(31))
-    return _bitcast(bits.astype(xp.uint32), xp.float32).astype(dtype)
-
-
-def dequantize_fp4(packed, scale, dtype=jnp.float32, *, block: int = FP4_BLOCK):
-    """FP4 expert weight -> dense: packed [..., out, in/2] int8, scale [..., out, in/block] -> [..., out, in].
-
-    W[o, i] = e2m1(code[o, i]) * S[o, i // block]. scale: e8m0 bytes (uint8 or float8_e8m0fnu, value
-    2^(b-127)) or float powers of two. Jittable, so the sampler can keep experts packed and dequantise
-    inside the jit. ValueError if the scale shape does not match.
-    """
-    xp = _xp(packed, scale)
-    b = packed if np.dtype(packed.dtype) == np.uint8 else _bitcast(packed, xp.uint8)
-    *lead, rows, n = b.shape
-    cols = 2 * n
-    if block % 2 or cols % block or tuple(scale.shape) != (*lead, rows, cols // block):
-        raise ValueError(f"fp4 scale shape {tuple(scale.shape)} does not match packed {tuple(packed.shape)} "
-                         f"(logical [..., {rows}, {cols}], block {block})")
-    # nibbles by a broadcast shift ([..., groups, block/2, 1] >> [0, 4]): low nibble = even column, and the
-    # trailing reshape is free (no stack/interleave copy; 3-4x faster on XLA:CPU than unpack_fp4_e2m1 + gather)
-    g = block // 2
-    codes = (b.reshape(*lead, rows, n // g, g, 1) >> xp.asarray([0, 4], dtype=xp.uint8)) & np.uint8(0x0F)
-    vals = fp4_codes_to_values(codes, xp.float32) * scale_to_f32(scale)[..., None, None]
-    return vals.reshape(*lead, rows, cols).astype(dtype)
-
-
-def fp4_round_codes(x):
-    """Round values already in [-6, 6] to the nearest e2m1 code (ties to even). The sign bit is x's, as an IEEE cast
-    (the release's `T.Cast` / torch `.to(float4_e2m1fn_x2)`) writes it: -0 and negatives that round to zero give
-    code 8 (-0)."""
-    xp = _xp(x)
-    a = xp.abs(x)
-    mag = sum((a > t).astype(xp.uint8) for t in _FP4_MIDPOINTS) + sum((a == t).astype(xp.uint8) for t in _FP4_TIES_UP)
-    sign = xp.signbit(x).astype(xp.uint8)
-    return (mag | (sign << np.uint8(3))).astype(xp.uint8)
-
-
-def quantize_fp4(w, *, block: int = FP4_BLOCK):
-    """Dense w [..., out, in] -> (packed int8 [..., out, in/2], scale e8m0 uint8 [..., out, in/block]).
-
-    Per `block` consecutive inputs: s = 2^ceil(log2(amax / 6)) (1 for an all-zero block), codes = nearest
-    e2m1 value of w / s (ties to even). Exact round trip for w already of the form e2m1 * 2^k per block
-    with its amax at 6 * s. Zeros keep their sign (code 8 for -0 and for negatives that round to 0, as an IEEE
-    cast writes them). An all-zero block keeps s = 1: the release's FP4 rule (`fp4_act_quant`) would floor it at
-    2^-126, which its FP4 -> FP8 conversion turns into a tile scale of 2^-132, below e8m0's range.
-    ValueError if `in` is not a multiple of `block` (or the numpy w is non-finite).
-    """
-    xp = _xp(w)
-    w = w.astype(xp.float32)
-    *lead, rows, cols = w.shape
-    if cols % block:
-        raise ValueError(f"quantize_fp4: last dim {cols} is not a multiple of the block {block}")
-    if xp is np and not np.isfinite(w).all():
-        raise ValueError("quantize_fp4: w has NaN or inf values")
-    wb = w.reshape(*lead, rows, cols // block, block)
-    amax = xp.max(xp.abs(wb), axis=-1)  # -> [..., out, in/block]
-    scale = xp.where(amax > 0, _pow2_ceil(xp, amax / FP4_MAX), 1.0).astype(xp.float32)
-    codes = fp4_round_codes(xp.clip(wb / scale[..., None], -FP4_MAX, FP4_MAX))
-    return pack_fp4_e2m1(codes.reshape(*lead, rows, cols)), f32_to_e8m0(scale)
+# ------------------------------------------------------------------------------------------ FP4 -> FP8
 
 
 def fp4_to_fp8_blockwise(packed, scale, *, block: tuple[int, int] = (128, 128), fp4_block: int = FP4_BLOCK):
@@ -524,7 +343,7 @@ def fp4_to_fp8_blockwise(packed, scale, *, block: tuple[int, int] = (128, 128), 
     s_max * 2^-16 per element. Zeros are written as +0 (byte 0x00), as the release's `cast_e2m1fn_to_e4m3fn`
     (`inference/convert.py`, whose e2m1 table maps code 8 to +0.0) writes them. Tests: tests/dsv4/test_load_sharded.py.
     """
-    xp = _xp(packed, scale)
+    xp = array_module(packed, scale)
     w = dequantize_fp4(packed, scale, xp.float32, block=fp4_block)  # exact in f32
     s = scale_to_f32(scale)
     *lead, rows, cols = w.shape

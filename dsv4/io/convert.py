@@ -33,7 +33,7 @@ import numpy as np
 from flax import nnx
 from jax.experimental import multihost_utils
 
-from dsv4 import quant
+from dsv4 import fp4, quant, scales
 from dsv4.io.safetensors import save_sharded_checkpoint
 from dsv4.model import DSV4ForCausalLM
 from dsv4.names import EXPERT_KEY, official_key
@@ -126,9 +126,9 @@ def _quantize_on_device(x, kind: str, block):
     """Sharded x [..., out, in] -> (q, e8m0 scale bytes uint8) in the release's format, on x's devices."""
     x = x.astype(jnp.float32)
     if kind == "fp4":
-        return quant.quantize_fp4(x)
+        return fp4.quantize_fp4(x)
     q, sc = quant.quantize_fp8_blockwise(x, fmt="e4m3fn", block=block, scale_fmt="ue8m0")
-    return q, quant.f32_to_e8m0(sc)
+    return q, scales.f32_to_e8m0(sc)
 
 
 def _expert_slices(x):

@@ -17,7 +17,7 @@ import pathlib
 import numpy as np
 from flax import nnx
 
-from dsv4 import quant
+from dsv4 import fp4
 from dsv4.config import ConfigError, DSV4Config
 from dsv4.io.convert import CheckpointError, hf_to_official
 from dsv4.io.safetensors import DTYPES, checkpoint_keys
@@ -187,7 +187,7 @@ def _check_shapes(leaf: Leaf, cfg: DSV4Config) -> None:
                 b0, b1 = fp8_block(cfg)
                 grid = (*want[:-2], -(-want[-2] // b0), -(-want[-1] // b1))
             else:
-                grid = (*per[:-1], per[-1] // quant.FP4_BLOCK)
+                grid = (*per[:-1], per[-1] // fp4.FP4_BLOCK)
             if sc.shape != grid or sc.dtype not in ("F8_E8M0", "F32", "U8"):
                 raise CheckpointError(f"{sc.file}: tensor {sc.name!r}: expected a {leaf.kind} scale of shape "
                                       f"{list(grid)} (F8_E8M0 or F32), found {list(sc.shape)} {sc.dtype}")

@@ -19,7 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
-from dsv4 import quant
+from dsv4 import fp4, quant, scales
 from dsv4.io.convert import CheckpointError
 from dsv4.io.plan import FP8_DTYPES, Leaf, Src, packed_shape, short_error
 from dsv4.io.safetensors import SafetensorsFile, region_bounds
@@ -143,7 +143,7 @@ def _dequant_fn(kind, block, dtype):
     def f(q, s):
         if kind == "fp8":
             return quant.dequantize_fp8_blockwise(q, s, block=block, dtype=dtype)
-        return quant.dequantize_fp4(q, s, dtype)
+        return fp4.dequantize_fp4(q, s, dtype)
     return f
 
 
@@ -198,19 +198,19 @@ def load_leaf(fh, leaf: Leaf, sharding, mesh, block, cfg, keep_quantized, dense=
     q_sh = s_sh = None
     if sharding is not None:
         q_sh = NamedSharding(mesh, _fit_spec(sharding.spec, qshape, mesh))
-        grid_block = lead + (block if leaf.kind == "fp8" else (1, quant.FP4_BLOCK // 2))
+        grid_block = lead + (block if leaf.kind == "fp8" else (1, fp4.FP4_BLOCK // 2))
         s_sh = NamedSharding(mesh, _aligned_spec(q_sh.spec, qshape, grid_block, mesh))
     q = _place(fh, leaf.srcs, leaf.stacked, qshape, q_sh, None, _finite_check)
     s = _place(fh, leaf.scales, leaf.stacked, sshape, s_sh, None, _finite_check)
     qt = None
     if keep_quantized:
         with _mesh_ctx(mesh):
-            s32 = _jit(("scale",), quant.scale_to_f32, s_sh)(s)
+            s32 = _jit(("scale",), scales.scale_to_f32, s_sh)(s)
         if leaf.kind == "fp8":
             fmt = "e4m3fnuz" if leaf.srcs[0].dtype == "F8_E4M3FNUZ" else "e4m3fn"
             qt = quant.QuantizedTensor(q=q, scale=s32, kind="fp8", fmt=fmt, block=block, shape=leaf.shape)
         else:
-            qt = quant.QuantizedTensor(q=q, scale=s32, kind="fp4", fmt="e2m1", block=(1, quant.FP4_BLOCK),
+            qt = quant.QuantizedTensor(q=q, scale=s32, kind="fp4", fmt="e2m1", block=(1, fp4.FP4_BLOCK),
                                        shape=leaf.shape)
     if not dense:
         return None, qt

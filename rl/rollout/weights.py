@@ -15,7 +15,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
-from dsv4 import quant
+from dsv4 import fp4, quant
 from dsv4.model import DSV4ForCausalLM
 from dsv4.names import param_key
 from dsv4.rollout_format import RolloutFormat, layer_value
@@ -64,7 +64,7 @@ class EngineWeights:
             sh = self.dense_shardings[k]
             kind = self.rformat.kind(k, leaf.ndim)
             if kind == "fp4":  # scales [E, out, in/32]: split like q
-                out[k] = quant.QuantizedTensor(q=sh, scale=sh, kind="fp4", fmt="e2m1", block=(1, quant.FP4_BLOCK),
+                out[k] = quant.QuantizedTensor(q=sh, scale=sh, kind="fp4", fmt="e2m1", block=(1, fp4.FP4_BLOCK),
                                                shape=leaf.shape)
             elif kind == "fp8":
                 out[k] = quant.QuantizedTensor(q=sh, scale=rep, kind="fp8", fmt=self.rformat.fmt,

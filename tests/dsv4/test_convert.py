@@ -2,8 +2,8 @@
 transformers-named checkpoints (fused experts), checkpoint errors, atomic export, the name table.
 
 The reference decoders here are written from the format description (spec §9.2, §12 item 23), not from
-dsv4/quant.py: FP8 e4m3fn bytes are cast by ml_dtypes and multiplied by a Kronecker-expanded 2^(b-127) block
-scale; FP4 e2m1 codes are split into nibbles (low nibble = even column) and decoded from their sign /
+dsv4/quant.py or dsv4/fp4.py: FP8 e4m3fn bytes are cast by ml_dtypes and multiplied by a Kronecker-expanded
+2^(b-127) block scale; FP4 e2m1 codes are split into nibbles (low nibble = even column) and decoded from their sign /
 exponent / mantissa bits. No model forward is run (no XLA compile), so the file is fast.
 Run: .venv/bin/python -m pytest -q tests/dsv4/test_convert.py
 """

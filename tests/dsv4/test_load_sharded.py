@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from dsv4 import DSV4Config, DSV4ForCausalLM, load_hf_checkpoint, save_hf_checkpoint, quant
+from dsv4 import DSV4Config, DSV4ForCausalLM, fp4, load_hf_checkpoint, save_hf_checkpoint, quant
 from dsv4.io.convert import CheckpointError, hf_to_official
 from dsv4.io.load import init_model
 from dsv4.io.safetensors import INDEX_NAME, iter_checkpoint_tensors
@@ -163,15 +163,15 @@ def test_rollout_from_checkpoint_equals_the_dense_fp32_rollout(ckpts, plan):
 def test_fp4_to_fp8_exact_within_14_binades_and_bounded_beyond():
     rs = np.random.default_rng(0)
     w = rs.standard_normal((2, 256, 512)).astype(np.float32)
-    packed, s = quant.quantize_fp4(w * np.repeat(np.exp2(rs.integers(-4, 5, (2, 256, 16))), 32, -1))
+    packed, s = fp4.quantize_fp4(w * np.repeat(np.exp2(rs.integers(-4, 5, (2, 256, 16))), 32, -1))
     assert int(s.max()) - int(s.min()) <= 14
-    dense = quant.dequantize_fp4(packed, s)
+    dense = fp4.dequantize_fp4(packed, s)
     q, tile = jax.jit(quant.fp4_to_fp8_blockwise)(packed, s)
     assert q.dtype == jnp.float8_e4m3fn and tile.shape == (2, 2, 4)
     np.testing.assert_array_equal(np.asarray(quant.dequantize_fp8_blockwise(q, tile)), dense)
     s2 = s.copy()
     s2[..., 0], s2[..., 1] = 127 + 4, 127 - 14  # 18 binades apart inside one tile
-    dense2 = quant.dequantize_fp4(packed, s2)
+    dense2 = fp4.dequantize_fp4(packed, s2)
     q2, t2 = quant.fp4_to_fp8_blockwise(packed, s2)
     err = np.abs(quant.dequantize_fp8_blockwise(q2, t2) - dense2)
     smax = np.repeat(np.repeat(np.asarray(t2) * 64, 128, -2), 128, -1)

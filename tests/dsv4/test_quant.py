@@ -1,4 +1,5 @@
-"""Tests for dsv4/quant.py: FP8 block quantisation bounds, fn<->fnuz byte conversion, FP4 e2m1 packing, e8m0.
+"""Tests for dsv4/quant.py: FP8 block quantisation bounds, fn<->fnuz byte conversion, activation quantisation,
+format selection, QuantizedTensor (FP4: tests/dsv4/test_fp4.py; e8m0 scales: tests/dsv4/test_scales.py).
 
 References are written independently of the code under test (bit-level Python decoders, ml_dtypes casts,
 hand-computed numbers). Run: .venv/bin/python -m pytest -q tests/dsv4/test_quant.py
@@ -11,6 +12,7 @@ import numpy as np
 import pytest
 
 from dsv4 import quant as Q
+from dsv4.fp4 import dequantize_fp4
 
 FN, FNUZ = ml_dtypes.float8_e4m3fn, ml_dtypes.float8_e4m3fnuz
 
@@ -157,98 +159,6 @@ def test_fp8_conversion_nan_and_unrepresentable_bytes():
     np.testing.assert_array_equal(Q.fp8_fnuz_to_fn(np.zeros(2, FNUZ), e8)[1], [126, 129])
 
 
-# ----------------------------------------------------------------------------------------------- e8m0
-
-
-def test_e8m0_conversions():
-    b = np.arange(256, dtype=np.uint8)
-    expect = np.array([2.0 ** (int(i) - 127) for i in range(255)] + [np.nan], np.float64)
-    for arr in (b, b.view(ml_dtypes.float8_e8m0fnu)):
-        np.testing.assert_array_equal(Q.e8m0_to_f32(arr).astype(np.float64), expect)
-    np.testing.assert_array_equal(np.asarray(Q.e8m0_to_f32(jnp.asarray(b[1:])), np.float64), expect[1:])
-    np.testing.assert_array_equal(Q.f32_to_e8m0(expect.astype(np.float32)), b)
-    np.testing.assert_array_equal(np.asarray(Q.f32_to_e8m0(jnp.asarray(expect[1:], jnp.float32))), b[1:])
-    for bad in (3.0, 0.0, -2.0):
-        with pytest.raises(ValueError, match="not powers of two"):
-            Q.f32_to_e8m0(np.array([1.0, bad], np.float32))
-
-
-# ------------------------------------------------------------------------------------------------ FP4
-
-
-def _ref_decode_e2m1(code: int) -> float:
-    """Bit-level e2m1 decoder (OCP MX): sign bit 3, exponent bits 2-1 (bias 1), mantissa bit 0."""
-    sign = -1.0 if code & 0b1000 else 1.0
-    exp, man = (code >> 1) & 0b11, code & 0b1
-    if exp == 0:  # subnormal: 2^(1 - bias) * (man / 2)
-        return sign * 0.5 * man
-    return sign * 2.0 ** (exp - 1) * (1 + man / 2)
-
-
-def _ref_dequantize_fp4(packed: np.ndarray, scale_bytes: np.ndarray) -> np.ndarray:
-    rows, half = packed.shape
-    out = np.zeros((rows, 2 * half), np.float64)
-    for o in range(rows):
-        for k in range(half):
-            byte = int(packed[o, k]) & 0xFF
-            for j, code in enumerate((byte & 0xF, byte >> 4)):  # column 2k from the low nibble
-                i = 2 * k + j
-                out[o, i] = _ref_decode_e2m1(code) * 2.0 ** (int(scale_bytes[o, i // 32]) - 127)
-    return out
-
-
-def test_fp4_dequantize_matches_bit_level_reference():
-    rng = np.random.default_rng(3)
-    packed = rng.integers(-128, 128, size=(3, 32), dtype=np.int8)  # logical [3, 64]
-    sb = rng.integers(117, 138, size=(3, 2), dtype=np.uint8)
-    ref = _ref_dequantize_fp4(packed, sb)
-    for scale in (sb, sb.view(ml_dtypes.float8_e8m0fnu), 2.0 ** (sb.astype(np.float32) - 127)):
-        np.testing.assert_array_equal(Q.dequantize_fp4(packed, scale).astype(np.float64), ref)
-    got = jax.jit(Q.dequantize_fp4)(jnp.asarray(packed), jnp.asarray(sb))
-    np.testing.assert_array_equal(np.asarray(got, np.float64), ref)
-    stacked = Q.dequantize_fp4(np.stack([packed, packed]), np.stack([sb, sb]), np.float32)  # [E, out, in]
-    np.testing.assert_array_equal(stacked[1], ref)
-    with pytest.raises(ValueError, match="does not match"):
-        Q.dequantize_fp4(packed, sb[:, :1])
-
-
-def test_fp4_nibble_order():
-    packed = np.array([[0x71, 0x9A]], np.uint8).view(np.int8)  # 0x71: lo 1 (0.5), hi 7 (6); 0x9A: lo -1, hi -0.5
-    np.testing.assert_array_equal(Q.unpack_fp4_e2m1(packed), [[1, 7, 10, 9]])
-    np.testing.assert_array_equal(Q.fp4_codes_to_values(Q.unpack_fp4_e2m1(packed)), [[0.5, 6.0, -1.0, -0.5]])
-    np.testing.assert_array_equal(Q.pack_fp4_e2m1(np.array([[1, 7, 10, 9]])), packed)
-
-
-def test_fp4_rounding_matches_ml_dtypes():
-    grid = np.concatenate([np.linspace(-6, 6, 481), [0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, -0.75, -5.0]])
-    x = grid.astype(np.float32)
-    ours = Q.fp4_codes_to_values(Q.fp4_round_codes(x))
-    np.testing.assert_array_equal(ours, x.astype(ml_dtypes.float4_e2m1fn).astype(np.float32))
-    np.testing.assert_array_equal(np.asarray(Q.fp4_round_codes(jnp.asarray(x))), Q.fp4_round_codes(x))
-
-
-def test_fp4_quantize_roundtrip_exact_on_representable_values():
-    rng = np.random.default_rng(4)
-    codes = rng.integers(0, 16, size=(4, 64)).astype(np.uint8)
-    codes[:, ::32] = 7  # every 32-block has amax 6 * 2^k, so its scale is exactly 2^k
-    k = rng.integers(-8, 8, size=(4, 2))
-    w = (Q.FP4_E2M1_VALUES[codes] * np.repeat(2.0 ** k, 32, axis=1)).astype(np.float32)
-    packed, sb = Q.quantize_fp4(w)
-    assert packed.dtype == np.int8 and packed.shape == (4, 32) and sb.dtype == np.uint8 and sb.shape == (4, 2)
-    np.testing.assert_array_equal(sb, k + 127)
-    np.testing.assert_array_equal(Q.dequantize_fp4(packed, sb), w)
-    np.testing.assert_array_equal(_ref_dequantize_fp4(packed, sb), w)
-    pj, sj = jax.jit(Q.quantize_fp4)(jnp.asarray(w))
-    np.testing.assert_array_equal(np.asarray(pj), packed)
-    np.testing.assert_array_equal(np.asarray(sj), sb)
-    # Random weights: power-of-two scales with amax / 6 <= s < 2 amax / 6; all-zero blocks get s = 1.
-    w = rng.normal(size=(8, 96)).astype(np.float32)
-    w[0, :32] = 0
-    _, sb = Q.quantize_fp4(w)
-    s, amax = Q.e8m0_to_f32(sb), np.abs(w).reshape(8, 3, 32).max(-1)
-    assert s[0, 0] == 1.0 and (s[1:] >= amax[1:] / 6).all() and (s[1:] < amax[1:] / 3).all()
-
-
 # ---------------------------------------------------------------------------------- format selection
 
 
@@ -296,7 +206,7 @@ def test_quantized_tensor_pytree_and_dequantize():
     f = jax.jit(lambda t: t.dequantize(jnp.float32))
     ref8 = Q.dequantize_fp8_blockwise(np.asarray(t8.q), np.asarray(t8.scale), block=(64, 64))
     np.testing.assert_array_equal(np.asarray(f(t8)), ref8)
-    np.testing.assert_array_equal(np.asarray(f(t4)), Q.dequantize_fp4(np.asarray(t4.q), np.asarray(t4.scale)))
+    np.testing.assert_array_equal(np.asarray(f(t4)), dequantize_fp4(np.asarray(t4.q), np.asarray(t4.scale)))
     t8u = t8.to_fp8_format("e4m3fnuz")
     assert t8u.fmt == "e4m3fnuz" and t8u.q.dtype == jnp.float8_e4m3fnuz
     np.testing.assert_array_equal(np.asarray(f(t8u)), np.asarray(f(t8)))
@@ -347,21 +257,3 @@ def test_act_quant_f32_option_and_jit():
     np.testing.assert_array_equal(np.asarray(y, np.float32)[0, :2], [1.0, 26 / 256])
     with pytest.raises(ValueError, match="scale_fmt"):
         Q.act_quant(x, scale_fmt="e8m0")
-
-
-def test_fp4_signs_of_zero_as_an_ieee_cast():
-    # quantisation: -0 and a negative below the smallest e2m1 step (0.25 of the scale) -> code 8 (-0)
-    w = np.zeros((1, 32), np.float32)
-    w[0, :4] = [6.0, -0.0, -0.1, 0.1]  # amax 6 -> s = 1; -0.1 rounds to -0, 0.1 to +0
-    packed, _ = Q.quantize_fp4(w)
-    codes = Q.unpack_fp4_e2m1(packed)[0]
-    assert list(codes[:4]) == [7, 8, 8, 0]
-    # FP4 -> FP8: the release's e2m1 table maps code 8 to +0.0, so the FP8 byte is 0x00, never 0x80
-    w8 = np.zeros((128, 128), np.float32)
-    w8[0, 0], w8[0, 1] = 6.0, -0.0
-    packed, scale = Q.quantize_fp4(w8)
-    assert Q.unpack_fp4_e2m1(packed)[0, 1] == 8
-    q, tile = Q.fp4_to_fp8_blockwise(packed, scale)
-    b = np.asarray(q).view(np.uint8)
-    assert tile[0, 0] == 1.0 / 64 and float(np.asarray(q, np.float32)[0, 0]) == 384.0
-    assert not (b == 0x80).any()
