@@ -2,7 +2,7 @@
 
     .venv/bin/python benchmarks/kv_cache.py [--config small] [--rows 4] [--new 96]
 
-- Bytes: Flash's per-token KV bytes of both layouts from `dsv4.cache.cache_shapes` (`parallel.plan.KVCache`,
+- Bytes: Flash's per-token KV bytes of both layouts from `dsv4.cache.cache_shapes` (`parallel.model_bytes.KVCache`,
   abstract: no memory), and the benchmark model's from the live cache arrays of its Sampler (`empty_caches` at two
   cache lengths: the marginal bytes per added token).
 - Logprob effect: the benchmark model (`--config`, default init, seed 0; fp32 weights and compute so only the cache
@@ -29,7 +29,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from dsv4 import DSV4Config, DSV4ForCausalLM  # noqa: E402
 from dsv4.cache import teacher_forced_logprobs  # noqa: E402
-from parallel.plan import KVCache  # noqa: E402
+from parallel.model_bytes import KVCache  # noqa: E402
 from rl.rollout.engine import Sampler, SamplingParams  # noqa: E402
 
 

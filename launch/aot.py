@@ -33,7 +33,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 import dsv4
-from parallel.plan import kv_cache_bytes
+from parallel.model_bytes import kv_cache_bytes
 from rl.rollout import slots as sl
 from rl.config import DEFAULT_LEARNER, DataConfig, LearnerConfig, RolloutConfig
 from rl.config_tree import default

@@ -29,7 +29,8 @@ from launch.aot import reduced_depth
 from launch.compile_child import CompileFailed, Job, compile_in_child
 from launch.roofline import actor_summary, rollout_summary
 from parallel.flops import train_flops_per_token
-from parallel.plan import _BYTES, GPUS, GPUS_PER_NODE, GiB, plan
+from parallel.model_bytes import DTYPE_BYTES
+from parallel.plan import GPUS, GPUS_PER_NODE, GiB, plan
 from parallel.plan import __doc__ as _PLAN_DOC
 from rl import config_tree
 from rl.config import DEFAULT_LEARNER, DataConfig, LearnerConfig, RolloutConfig
@@ -76,7 +77,7 @@ def parser() -> argparse.ArgumentParser:
                         "topology of that GPU (needs the [gpu-aot] extra; AMD GPUs through an NVIDIA spec with the "
                         "AMD memory size, labelled proxy; launch/gpu_target.py) (default %(default)s)")
     p.add_argument("--nodes", type=int, default=None, help=f"nodes of {GPUS_PER_NODE} GPUs (default: from the mesh)")
-    p.add_argument("--optimizer-dtype", choices=sorted(_BYTES), default="fp32")
+    p.add_argument("--optimizer-dtype", choices=sorted(DTYPE_BYTES), default="fp32")
     p.add_argument("--offload-optimizer", type=float, default=DEFAULT_LEARNER.offload_optimizer, metavar="FRACTION",
                    help=_knob_help("offload_optimizer"))
     p.add_argument("--tokens-per-device", type=int, default=4096, help="actor tokens per device per micro-step")
@@ -87,7 +88,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--fp4-scale-bytes", type=float, default=1.0, help="bytes per FP4 1x32 scale (E8M0 = 1)")
     p.add_argument("--rollout-dequant", choices=("per_step", "per_call"), default="per_step",
                    help="sampler dequant mode; per_call keeps a bf16 copy of the quantised weights")
-    p.add_argument("--kv-dtype", choices=sorted(_BYTES), default="bf16",
+    p.add_argument("--kv-dtype", choices=sorted(DTYPE_BYTES), default="bf16",
                    help="sampler compute dtype (KV entries of the unquantised cache, --kv-cache-dtype bf16)")
     p.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES, default=default(RolloutConfig, "kv_cache_dtype"),
                    help="the run's --kv-cache-dtype: fp8 | bf16 | auto (fp8 for --rollout-dtype fp8*)")

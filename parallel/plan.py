@@ -2,11 +2,9 @@
 
     python -m launch.plan --config flash --mesh 'actor:fsdp=2,expert=8/rollout:expert=8' --gpu mi308x --nodes 3
 
-The numbers come from the code, not from a copy of it: the parameter tree is `nnx.eval_shape` of the real
-`DSV4ForCausalLM(config)` (bf16 weights, with the leaves the model keeps in fp32 / int32), each leaf is placed by
-the real rule table of its role (`rules.logical_to_spec` on a `jax.sharding.AbstractMesh` of the spec's sizes, so
-meshes far larger than the local machine work), and per-device bytes = the leaf's local shard (global dims divided
-by the product of the mesh axes that split them). A dim that does not divide is an error, as in jit.
+The numbers come from the code, not from a copy of it: per-device bytes of every model tensor under its role's
+rules and the decode cache's bytes are parallel/model_bytes.py's, the learner's activations parallel/activations.py's
+(each module's docstring has its formulas); this module adds them up per role and checks them against the GPU.
 
 Units: GiB = 2^30 bytes everywhere. GPU HBM (`GPUS`): the vendors' "192 GB" / "288 GB" / "141 GB" are binary
 capacities in practice (MI300X/MI308X: 8 HBM3 stacks x 24 GiB; MI355X: 8 HBM3E stacks x 36 GiB; H200: 141 GB
@@ -22,28 +20,8 @@ bf16 params, Adam moments (2 x optimizer dtype) of the trained params (frozen on
 optimizer state (master + moments) of the params `sharding.offload.select_offloaded` picks (largest first, <= F of
 the bytes) to host memory (`pinned_host`, the learner's `--offload-optimizer`; reported per node, not counted on
 the GPU; with `host_gib_per_node` given, an actor needing more host RAM than that does not fit).
-Activation estimate for T = tokens per device in one micro-batch, S = sequence length, as the learner runs
-(`--remat block`: only each layer's input is kept, the layer is recomputed in the backward; blocked attention,
-dsv4/blocked.py; log-probs in chunks of 1024 positions), tp = tensor size, L = main layers (the learner never runs
-the MTP block), R = expert-FFN rows per local token on a rank (`ep_rows_per_token`: "padded" min(f * k, E), dropless
-E; "capacity" min(ep, f) * k; "ragged" ep * k dropless or f * k; f = --ep-capacity-factor, k = experts per
-token):
-    saved layer inputs   L * T * n_hc * D * 2                        the [n_hc, D] bf16 residual streams
-    one layer's backward T * [ 4 * H * d * 4 / tp                    q, attention output and their grads (f32)
-                             + 2 * H * (W + 128 + topk) * 4 / tp     blocked attention logits + probs per query
-                                                                     (window + one query block + CSA top-k), f32
-                             + 2 * R * (8 * D + 4 * D + 14 * I / tp) EP rows: sent / received / returned (bf16),
-                                                                     y (f32), h1 / h3 (f32) and h (bf16), fwd + bwd
-                             + 6 * n_hc * D * 4 ]                    mHC f32 temporaries
-                         + rows * min(S, 1024) * 3 * V * 4 / tp      one log-prob chunk: logits, lse, grad (f32)
-    gathered weights     2 * (largest layer's weights gathered over data x fsdp x context) + the head gathered:
-                         FSDP's all-gather for the recompute and the weight grads before their reduce-scatter.
-Context parallelism (`context` = C > 1 on the actor, dsv4/context.py): T stays the tokens *per device*, so a row of
-S tokens covers C devices with S / C each (rows per micro-batch = T C / S; the log-prob chunk is over the S / C
-local positions), weights and optimizer state are split over fsdp x context like FSDP, and one item is added:
-    gathered comp. KV    rows * 2 * (max over layers of (S / m) * (d * 2 + CSA: d_I * 4) + (W - 1) * d * 2)
-                         the all-gathered compressed entries (+ CSA indexer keys) of the whole sequence and the
-                         sliding-window halo, value and gradient (`context_gathered`).
+Activations: parallel/activations.py (T = tokens per device in one micro-batch, S = sequence length, remat block,
+blocked attention, log-probs in chunks, EP rows, context parallelism's gathered compressed KV).
 With `xla_cpu=True` (`--compile`) one item labelled "XLA:CPU only" is added, buffers XLA:CPU holds and a GPU does
 not (found in XLA's buffer assignment of the Flash step, `--xla_dump_to`; benchmarks/README.md "Flash actor step
 compiled for the seed layouts"): XLA:CPU runs its dots in f32, so it holds f32 copies of the gathered layer's
@@ -62,29 +40,10 @@ streamed update) XLA:CPU's figure is above the plan with its XLA:CPU-only item b
 (the same at 8 and 43 layers: more f32 temporaries of one layer's dots than the item counts; benchmarks/README.md
 "Flash actor step compiled for the seed layouts"); the per-layer slope agrees. The GPU plan leaves the item out.
 
-Rollout, per device, as rl/rollout/engine.py holds it: FP8 e4m3 (1 byte per weight) for the checkpoint's FP8 set
-(`dsv4.quant.FP8_WEIGHT_RE`: attention wq_a/wq_b/wkv/wo_a/wo_b, indexer wq_b, shared experts, MTP e/h_proj) and
-the routed experts (`rollout_experts="fp8"`), with one f32 scale per 128x128 block replicated on every device
-(`fp8_scale_bytes` = 4; E8M0 would be 1); or FP4 e2m1 experts ("fp4": 0.5 byte + one `fp4_scale_bytes` = 1 E8M0
-scale per 32 inputs, split like the weight; the released layout, which the sampler cannot run yet). Everything
-else as stored (bf16; fp32 mHC / sinks / ape / bias; int32 tid2eid). `rollout_dequant="per_call"` (the sampler's
-default) adds a bf16 copy of every quantised tensor for the duration of a generate call; "per_step" (its
-memory-saving mode, the one Flash needs) keeps only the FP8 copy (a layer's transient bf16 weights fall in the
-reserve). Then `rollout_reserve` (default 10% of usable) for prefill/decode activations and fragmentation; the
-rest is KV cache, whose layout comes from `dsv4.cache.cache_shapes` for every main layer (no MTP cache), evaluated
-abstractly: with W = window, d = head_dim, d_I = index_head_dim, b = kv dtype bytes (bf16 = 2), per sequence of S:
-    every layer:     W * d * b + W * 4                          sliding ring + int32 positions
-    CSA (ratio m):   + floor(S/m) * (d * b + d_I * 4)            entries + f32 indexer keys
-                     + 4 * m * 2d * 4 + 4 * m * 2d_I * 4         A, Z of the current and previous window (f32)
-    HCA (ratio m'):  + floor(S/m') * d * b + 4 * m' * d * 4
-so a token costs 8,224 bytes for Flash on top of 27 MiB per sequence (`kv_dtype` "bf16"). With the FP8 cache
-(`kv_dtype="fp8"`, the sampler's `--kv-cache-dtype fp8`, the default for FP8 rollouts; r = RoPE dims, kept bf16):
-an entry (ring slot or compressed) is e = (d - r) FP8 + (d - r) / 64 ue8m0 scale bytes + 2r = 583 B for Flash,
-an indexer key d_I + 1 = 129 B, so a token costs 21 * (583 + 129) / 4 + 20 * 583 / 128 = 3,829 B, on top of
-25 MiB per sequence (FP8 rings, f32 window states). DeepSeek's kernels pad an entry to 584 B (+0.2 B per token).
-The sampler replicates the caches over the
-rollout mesh (`Sampler.empty_caches`), so the per-device capacity is also the rollout-wide one; split over the
-batch axes it would multiply by devices / tensor (one shared K=V head: no tensor split).
+Rollout: its weights (FP8 / FP4 / as stored) and the KV cache per sequence are parallel/model_bytes.py's
+(`rollout_leaf_bytes`, `KVCache`). `rollout_dequant="per_call"` (the sampler's default) adds a bf16 copy of every
+quantised tensor for the duration of a generate call; "per_step" keeps only the FP8 copy. Then `rollout_reserve`
+(default 10% of usable) for prefill/decode activations and fragmentation; the rest is KV cache.
 
 Nodes: `nodes` x `gpus_per_node` (8) must equal the spec's device count; devices are process-major, so the actor
 takes the first nodes and the rollout the following ones (`actor nodes` is printed; a fraction = a shared node).
@@ -97,22 +56,17 @@ Tests: `.venv/bin/python -m pytest -q tests/sharding/test_plan.py`.
 from __future__ import annotations
 
 import dataclasses
-import functools
 import math
 import re
 from typing import Any, Protocol
 
-import jax
 import jax.numpy as jnp
 import numpy as np
-from flax import nnx
-from jax.sharding import AbstractMesh, AxisType
 
 import dsv4
-from dsv4.cache import cache_shapes
-from dsv4.names import official_key
-from dsv4.quant import FP8_WEIGHT_RE
 from parallel import expert as expert_lib
+from parallel.activations import EP_BACKENDS, actor_activations, context_gathered, saved_layer_inputs
+from parallel.model_bytes import DTYPE_BYTES, KVCache, abstract_mesh, local_shape, model_leaves, rollout_leaf_bytes
 from sharding import mesh as mesh_lib
 from sharding import offload as offload_lib
 from sharding import rules as rl
@@ -137,136 +91,7 @@ GPUS: dict[str, GpuSpec] = {
                     source="XLA's h100_sxm spec: device_memory_size 84942979072 B"),
     "b200": GpuSpec(name="NVIDIA B200", hbm_gib=178.4, source="XLA's b200 spec: device_memory_size 191514411008 B"),
 }
-_BYTES = {"fp32": 4, "bf16": 2}
 _LAYER = re.compile(r"layers\.(\d+)\.")  # a decoder layer's leaf: stacked under --scan-layers, hence streamed
-_EXPERTS = re.compile(r"\.ffn\.experts\.w[123]$")  # the stacked routed experts (NNX paths joined with ".")
-
-
-def _fp8_keys() -> re.Pattern:
-    """The release's FP8 set, as defined once in `dsv4.quant`."""
-    return FP8_WEIGHT_RE
-
-
-@dataclasses.dataclass(frozen=True)
-class Leaf:
-    """One model tensor: NNX path, global shape, dtype name, logical axes, trained (nnx.Param) or buffer."""
-
-    path: str
-    shape: tuple[int, ...]
-    dtype: str
-    logical_axes: tuple[str | None, ...] | None
-    trained: bool
-
-
-@functools.lru_cache(maxsize=4)
-def abstract_model(config):
-    """`nnx.eval_shape` of `DSV4ForCausalLM(config)` with bf16 weights (no memory used). Cached per config: the
-    Flash trace takes 10-35 s (flax compares each RNG draw's tracer sharding, which makes jax walk the jaxpr)."""
-
-    return nnx.eval_shape(lambda: dsv4.DSV4ForCausalLM(config, rngs=nnx.Rngs(0), param_dtype=jnp.bfloat16,
-                                                        dtype=jnp.bfloat16))
-
-
-@functools.lru_cache(maxsize=4)
-def model_leaves(config) -> tuple[Leaf, ...]:
-    """Every tensor (nnx.Param or Buffer) of `abstract_model(config)`, in state order."""
-    out = []
-    for path, var in nnx.to_flat_state(nnx.state(abstract_model(config))):
-        value = var.get_value()
-        logical = getattr(var, "logical_axes", None) or var.get_metadata().get("logical_axes")
-        out.append(Leaf(official_key(path), tuple(value.shape), str(value.dtype),
-                        None if logical is None else tuple(logical), isinstance(var, nnx.Param)))
-    return tuple(out)
-
-
-def abstract_mesh(sizes: dict[str, int]) -> AbstractMesh:
-    """An AbstractMesh with the mesh axes of `sizes` (absent ones: 1; no devices needed)."""
-    return AbstractMesh(tuple(sizes.get(a, 1) for a in rl.MESH_AXES), rl.MESH_AXES,
-                        axis_types=(AxisType.Auto,) * len(rl.MESH_AXES))
-
-
-def local_shape(leaf: Leaf, rules: rl.Rules, mesh: AbstractMesh) -> tuple[int, ...]:
-    """Per-device shard shape of `leaf` under `rules` on `mesh`. Raises MeshSpecError for a dim that does not
-    divide (the message names the leaf, as `rules.param_shardings` would)."""
-    if leaf.logical_axes is None:
-        return leaf.shape
-    spec = rl.logical_to_spec(leaf.logical_axes, rules, mesh)
-    out = []
-    for dim, (size, entry) in enumerate(zip(leaf.shape, spec)):
-        axes = () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
-        parts = math.prod(mesh.shape[a] for a in axes)
-        if size % parts:
-            raise mesh_lib.MeshSpecError(f"{leaf.path}: dim {dim} ({leaf.logical_axes[dim]!r}) of size {size} is not "
-                                         f"divisible by {'*'.join(axes)} = {parts}")
-        out.append(size // parts)
-    return tuple(out)
-
-
-def _blocks(shape: tuple[int, ...], block: int = 128) -> int:
-    """Number of block x block scale tiles of a [..., out, in] weight."""
-    lead = math.prod(shape[:-2]) if len(shape) > 2 else 1
-    return lead * math.ceil(shape[-2] / block) * math.ceil(shape[-1] / block)
-
-
-def rollout_leaf_bytes(leaf: Leaf, shape: tuple[int, ...], experts: str, fp8_scale_bytes: float,
-                       fp4_scale_bytes: float) -> tuple[str, float, float]:
-    """(category, bytes, bytes of a bf16 dequantised copy or 0) of one rollout tensor whose local shard is `shape`.
-
-    FP8 scales are replicated on the rollout mesh (as rl/rollout/engine.py places them), so they count with the global
-    shape; FP4 scales (no sampler path yet; the released layout) are assumed split like their weight.
-    """
-    n = math.prod(shape)
-    if _EXPERTS.search(leaf.path):
-        if experts == "fp4":
-            return "routed experts", n * 0.5 + n / 32 * fp4_scale_bytes, 2 * n
-        return "routed experts", n + _blocks(leaf.shape) * fp8_scale_bytes, 2 * n
-    if _fp8_keys().search(leaf.path):
-        return "fp8 set", n + _blocks(leaf.shape) * fp8_scale_bytes, 2 * n
-    return "bf16/fp32/int32 rest", n * np.dtype(leaf.dtype).itemsize, 0.0
-
-
-@functools.lru_cache(maxsize=64)
-def kv_cache_bytes(config, cache_len: int, dtype=jnp.bfloat16, fp8: str | None = None) -> int:
-    """Bytes of one sequence's decode cache of model `config` at `cache_len` positions: `dsv4.cache.cache_shapes` of
-    every main layer (the rollout engine's layout: one cache per `model.layers` entry; the MTP block has none),
-    evaluated abstractly. dtype: kv / entries when unquantised; fp8: None or the FP8 layout's format ("e4m3fn" /
-    "e4m3fnuz": the same bytes). The one KV-bytes function: the planner (`KVCache`), the slot plan
-    (`rl.rollout.slots.plan_slots`) and the engine ask it."""
-    model = abstract_model(config)
-    dtype = jnp.dtype(dtype)
-    tree = jax.eval_shape(lambda: [cache_shapes(layer.attn, 1, int(cache_len), dtype, fp8) for layer in model.layers])
-    return int(sum(math.prod(a.shape) * np.dtype(a.dtype).itemsize for a in jax.tree.leaves(tree)))
-
-
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class KVCache:
-    """Decode-cache bytes of one sequence: `per_seq(S)` = fixed + per_token * S (exact when the compress ratios
-    divide S; `dsv4.cache` allocates floor(S / m) entries)."""
-
-    fixed: float  # independent of S: sliding rings, positions, compressor window states
-    per_token: float  # compressed entries and indexer keys, per token of max length
-
-    @classmethod
-    def for_config(cls, config, dtype=jnp.bfloat16, fp8: str | None = None, draft_tokens: int = 0) -> "KVCache":
-        """From `dsv4.cache.cache_shapes` of every main layer (the sampler's layout: rl/rollout/engine.py builds one cache
-        per `model.layers` entry; the MTP block has none), evaluated abstractly at two cache lengths. fp8: None
-        (entries in `dtype`) or the FP8 layout ("e4m3fn" / "e4m3fnuz": the same bytes). draft_tokens: k >= 1 =
-        speculative rollouts (`--rollout.speculative mtp`, rl/rollout/speculative.py): the MTP block's ring cache and the
-        k verify positions past the last token (rounded to the compression ratios' lcm) are added to `fixed`."""
-
-        model = abstract_model(config)
-        step = math.lcm(*(r for r in config.compress_ratios if r) or (1,))
-        fixed = kv_cache_bytes(config, 0, dtype, fp8)
-        per_token = (kv_cache_bytes(config, step, dtype, fp8) - fixed) / step
-        if draft_tokens and len(model.mtp):
-            attn = model.mtp[0].attn
-            ring = jax.eval_shape(lambda: cache_shapes(attn, 1, attn.window, dtype, fp8))
-            fixed += sum(math.prod(a.shape) * np.dtype(a.dtype).itemsize for a in jax.tree.leaves(ring))
-            fixed += per_token * (-(-draft_tokens // step) * step)
-        return cls(fixed=fixed, per_token=per_token)
-
-    def per_seq(self, seq_len: int) -> float:
-        return self.fixed + self.per_token * seq_len
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -368,68 +193,6 @@ class PlanReport:
         return "\n".join(lines)
 
 
-EP_BACKENDS = ("capacity", "ragged", "padded")  # parallel.expert.BACKENDS
-BLOCK_Q = 128  # dsv4.attention.Attention(block_q=): queries per block of the blocked attention
-LOGPROB_CHUNK = 1024  # rl.config.LearnerConfig.logprob_chunk_size default
-
-
-def ep_rows_per_token(cfg, sizes: dict[str, int], ep_backend: str, ep_capacity: float | None) -> float:
-    """Expert-FFN rows per local token on one rank (parallel/expert.py's buffers), k = picks per token:
-    padded: min(f * k, E) (dropless: E, every expert's buffer sized for all local tokens, `padded_capacity`);
-    capacity: ep * C / T = min(ep, f) * k;
-    ragged: its receive buffer, ep * k dropless or f * k."""
-    k, ep, e = cfg.num_experts_per_tok, sizes[rl.EXPERT], cfg.n_routed_experts
-    if ep_backend == "padded":
-        return e if ep_capacity is None else min(ep_capacity * k, e)
-    if ep_backend == "capacity":
-        return k * (ep if ep_capacity is None else min(ep_capacity, ep))
-    return k * (ep if ep_capacity is None else ep_capacity)
-
-
-def _actor_activations(cfg, sizes: dict[str, int], tokens: int, seq_len: int, ep_capacity: float | None,
-                       ep_backend: str = "ragged") -> float:
-    """Bytes per device of one layer's backward working set plus one log-prob chunk (module docstring formula:
-    the per-token terms other than the saved layer inputs, and the chunk)."""
-    tp, cp = sizes[rl.TENSOR], sizes.get(rl.CONTEXT, 1)
-    d, n, h, hd = cfg.hidden_size, cfg.hc_mult, cfg.num_attention_heads, cfg.head_dim
-    i_ = cfg.moe_intermediate_size / tp
-    rows = ep_rows_per_token(cfg, sizes, ep_backend, ep_capacity)
-    keys = cfg.sliding_window + BLOCK_Q + (cfg.index_topk if cfg.csa_compress_ratio in cfg.compress_ratios else 0)
-    per_tok = (4 * h * hd * 4 / tp                       # q, attention output and their grads (f32), one layer
-               + 2 * h * keys * 4 / tp                   # blocked attention: logits + probs per query (f32)
-               + 2 * rows * (4 * d * 2 + d * 4 + 3 * i_ * 4 + i_ * 2)  # EP rows: sent/received/back (bf16),
-                                                          # y (f32), h1/h3/h (f32, bf16), fwd + bwd
-               + 6 * n * d * 4)                          # mHC f32 temporaries
-    n_rows = max(1, math.ceil(tokens * cp / seq_len))  # context parallelism: a row's S tokens over cp devices
-    logits = n_rows * min(seq_len // cp, LOGPROB_CHUNK) * 3 * cfg.vocab_size * 4 / tp  # one chunk: logits, lse, grad
-    return tokens * per_tok + logits
-
-
-def context_gathered(cfg, sizes: dict[str, int], tokens: int, seq_len: int) -> float:
-    """Bytes per device that context parallelism adds (dsv4/context.py), for the largest layer: the all-gathered
-    compressed entries of the whole sequence (bf16 [S/m, d]) and, CSA, the indexer's keys (f32 [S/m, d_I]), value
-    and gradient (x 2), plus the sliding-window halo ((window - 1) keys/values, bf16, and its gradient), per row
-    (rows = tokens * cp / S). 0 without a context axis (> 1)."""
-    cp = sizes.get(rl.CONTEXT, 1)
-    if cp <= 1:
-        return 0.0
-    n_rows = max(1, math.ceil(tokens * cp / seq_len))
-    per_layer = [0.0]
-    for i in range(cfg.num_hidden_layers):
-        m = cfg.compress_ratios[i]
-        if m:
-            keys = cfg.index_head_dim * 4 if m == cfg.csa_compress_ratio else 0
-            per_layer.append(seq_len // m * (cfg.head_dim * 2 + keys))
-    halo = (cfg.sliding_window - 1) * cfg.head_dim * 2
-    return n_rows * 2 * (max(per_layer) + halo)
-
-
-def saved_layer_inputs(cfg, tokens: int, itemsize: int = 2) -> float:
-    """Bytes per device of the remat'd layers' saved inputs: every main layer's [n_hc, D] streams per token in the
-    compute dtype (bf16: 2). The learner never runs the MTP block (`rl.logprobs.token_logprobs`)."""
-    return cfg.num_hidden_layers * tokens * cfg.hc_mult * cfg.hidden_size * itemsize
-
-
 class LearnerKnobs(Protocol):
     """The learner knobs `plan` reads: the fields of `rl.config.LearnerConfig` (one layer up) of those names."""
 
@@ -485,14 +248,14 @@ def plan(config, mesh_spec: str, gpu: str, *, learner: LearnerKnobs, nodes: int 
     config_name = config_name or "custom"
     if gpu not in GPUS:
         raise ValueError(f"unknown gpu {gpu!r}; known: {', '.join(GPUS)}")
-    if optimizer_dtype not in _BYTES:
-        raise ValueError(f"optimizer dtype must be one of {list(_BYTES)}, got {optimizer_dtype!r}")
+    if optimizer_dtype not in DTYPE_BYTES:
+        raise ValueError(f"optimizer dtype must be one of {list(DTYPE_BYTES)}, got {optimizer_dtype!r}")
     if rollout_experts not in ("fp8", "fp4"):
         raise ValueError(f"rollout experts must be 'fp8' or 'fp4', got {rollout_experts!r}")
     if rollout_dequant not in ("per_step", "per_call"):
         raise ValueError(f"rollout dequant must be 'per_step' or 'per_call', got {rollout_dequant!r}")
-    if kv_dtype not in (*_BYTES, "fp8"):
-        raise ValueError(f"kv dtype must be one of {[*_BYTES, 'fp8']}, got {kv_dtype!r}")
+    if kv_dtype not in (*DTYPE_BYTES, "fp8"):
+        raise ValueError(f"kv dtype must be one of {[*DTYPE_BYTES, 'fp8']}, got {kv_dtype!r}")
     for name, v in (("offload_optimizer", offload_optimizer), ("usable_fraction", usable_fraction),
                     ("rollout_reserve", rollout_reserve)):
         if not 0.0 <= v <= 1.0:
@@ -528,7 +291,7 @@ def plan(config, mesh_spec: str, gpu: str, *, learner: LearnerKnobs, nodes: int 
     # optimizer state as rl/learner.py + rl/optim.py hold it: an fp32 master for trained non-fp32 params, two
     # moments for every trained param (frozen ones: none), whole params offloaded by `select_offloaded`
     def _state(leaf, n):
-        return (n * 4 if leaf.dtype != "float32" else 0), 2 * n * _BYTES[optimizer_dtype]
+        return (n * 4 if leaf.dtype != "float32" else 0), 2 * n * DTYPE_BYTES[optimizer_dtype]
 
     has_state = [leaf for leaf in leaves if leaf.trained
                  and offload_lib.is_trained(leaf.path, train_mtp=train_mtp, freeze_router=freeze_router)]
@@ -567,7 +330,7 @@ def plan(config, mesh_spec: str, gpu: str, *, learner: LearnerKnobs, nodes: int 
             head = math.prod(local_shape(leaf, rl.ACTOR_RULES, g_mesh)) * item
     layer_w = max(gathered.values(), default=0.0)
     tokens = tokens_per_device
-    act = _actor_activations(config, a_sizes, tokens, opts["train_seq_len"], ep_capacity_factor, ep_backend)
+    act = actor_activations(config, a_sizes, tokens, opts["train_seq_len"], ep_capacity_factor, ep_backend)
     saved = saved_layer_inputs(config, tokens)
     cp_kv = context_gathered(config, a_sizes, tokens, opts["train_seq_len"])
     off = off_master + off_mom

@@ -32,7 +32,7 @@ from dsv4.chunked import check_chunk
 from dsv4.io.load import init_model, load_hf_checkpoint, loaded_config
 from parallel.push.job import JobPusher
 from parallel.push.local import WeightPusher
-from parallel.plan import kv_cache_bytes
+from parallel.model_bytes import kv_cache_bytes
 from parallel.push.mpmd import MpmdPusher
 from rl.rollout import slots as sl
 from rl.checkpoint import Checkpointer, check_writable, file_identity

@@ -104,6 +104,6 @@ class EngineSettings:
 
     @property
     def kv_bytes_format(self) -> str | None:
-        """The FP8 format to count the KV cache's bytes with (`parallel.plan.kv_cache_bytes`): "e4m3fn" for the FP8
+        """The FP8 format to count the KV cache's bytes with (`parallel.model_bytes.kv_cache_bytes`): "e4m3fn" for the FP8
         layout (e4m3fnuz has the same bytes), None for the unquantised one."""
         return "e4m3fn" if self.kv_layout == "fp8" else None

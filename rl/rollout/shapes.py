@@ -26,7 +26,7 @@ from jax.experimental import multihost_utils
 from jax.sharding import NamedSharding, PartitionSpec
 
 from dsv4.cache import cache_shapes
-from parallel.plan import kv_cache_bytes
+from parallel.model_bytes import kv_cache_bytes
 from rl.rollout import slots as slots_lib
 from rl.rollout import speculative as spec_lib
 from sharding import axes as ax
@@ -135,7 +135,7 @@ class EngineShapes:
 
     def cache_bytes(self, cache_len: int) -> int:
         """Bytes of one row's decode cache at `cache_len` positions in this engine's layout
-        (`parallel.plan.kv_cache_bytes`)."""
+        (`parallel.model_bytes.kv_cache_bytes`)."""
         return kv_cache_bytes(self.config, cache_len, self.compute_dtype, self.kv_fp8)
 
     def input_shardings(self, shape: ProgramShape | None = None):

@@ -64,7 +64,7 @@ def plan_slots(requested, *, per_slot_bytes: float, budget_bytes: float | None, 
 
     Args:
       requested: 0 = static batching (returned as is), N >= 1 slots, or "auto" (as many slots as the budget holds).
-      per_slot_bytes: one slot's decode cache (`parallel.plan.kv_cache_bytes`). budget_bytes: bytes the memory plan
+      per_slot_bytes: one slot's decode cache (`parallel.model_bytes.kv_cache_bytes`). budget_bytes: bytes the memory plan
         leaves for the KV cache on one rollout device (`parallel.plan` rollout margin), None = unknown (no check; "auto"
         then means 0, static batching). seq_len: max prompt + max new tokens (for the message). shards: the
         batch shards the slots are split over (data x expert, `Sampler.batch_shards`): a device holds

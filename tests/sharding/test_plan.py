@@ -1,8 +1,9 @@
-"""Tests for parallel/plan.py: Flash weight bytes per device equal hand arithmetic from the spec's parameter
-counts (docs/dsv4-architecture.md §10) on two actor meshes and the rollout FP8/FP4 expert bytes; per-device bytes
-agree with jax's own NamedSharding shard shapes on the tiny model; the KV-cache formula by hand; impossible
-layouts are reported as not fitting; the CLI runs for the seed layouts; errors name the problem.
-The Flash `nnx.eval_shape` (10-20 s) runs once per process (`plan.model_leaves` is cached)."""
+"""Tests for parallel/plan.py, parallel/model_bytes.py and parallel/activations.py: Flash weight bytes per device
+equal hand arithmetic from the spec's parameter counts (docs/dsv4-architecture.md §10) on two actor meshes and the
+rollout FP8/FP4 expert bytes; per-device bytes agree with jax's own NamedSharding shard shapes on the tiny model;
+the KV-cache formula by hand; impossible layouts are reported as not fitting; the CLI runs for the seed layouts;
+errors name the problem.
+The Flash `nnx.eval_shape` (10-20 s) runs once per process (`model_bytes.model_leaves` is cached)."""
 
 import math
 import types
@@ -13,9 +14,11 @@ from flax import nnx
 
 import dsv4
 from launch.plan import main as plan_main
+from parallel import activations, model_bytes
 from parallel import plan as pl
 from rl.config import LearnerConfig
 from sharding.mesh import MeshSpecError, build_mesh_plan
+from sharding.rules import ACTOR_RULES, ROLLOUT_RULES
 
 GiB = 2**30
 # the hand counts below include the MTP block's master weights and moments: a learner that trains it
@@ -56,7 +59,7 @@ def test_hand_counts_match_the_spec():
 
 @pytest.fixture(scope="module")
 def flash_leaves():
-    return pl.model_leaves(dsv4.DSV4Config.flash())
+    return model_bytes.model_leaves(dsv4.DSV4Config.flash())
 
 
 def test_model_leaves_match_hand_counts(flash_leaves):
@@ -114,7 +117,7 @@ def test_kv_cache_layout():
     """Flash, from dsv4.cache: 43 main layers of sliding ring (128 x 512 bf16 + 128 int32); 21 CSA layers (m=4)
     with bf16 entries, f32 indexer keys (128) and 4 f32 [m, 2d] / [m, 2d_I] window states; 20 HCA (m'=128) with
     bf16 entries and 4 f32 [m', d] window states. The MTP block has no decode cache."""
-    kv = pl.KVCache.for_config(dsv4.DSV4Config.flash())
+    kv = model_bytes.KVCache.for_config(dsv4.DSV4Config.flash())
     fixed = 43 * (128 * 512 * 2 + 128 * 4) + 21 * 4 * (4 * 1024 + 4 * 256) * 4 + 20 * 4 * 128 * 512 * 4
     per_token = 21 * (512 * 2 + 128 * 4) / 4 + 20 * 512 * 2 / 128
     assert kv.fixed == fixed == 28_349_952 and kv.per_token == per_token == 8224
@@ -127,14 +130,14 @@ def test_per_device_bytes_match_jax_shardings():
     abstract = nnx.state(nnx.eval_shape(lambda: dsv4.DSV4ForCausalLM(cfg, rngs=nnx.Rngs(0),
                                                                     param_dtype=jnp.bfloat16)))
     plan = build_mesh_plan("actor:fsdp=2,expert=2,tensor=2")
-    leaves = {lf.path: lf for lf in pl.model_leaves(cfg)}
-    for role, rules in (("actor", pl.rl.ACTOR_RULES), ("rollout", pl.rl.ROLLOUT_RULES)):
+    leaves = {lf.path: lf for lf in model_bytes.model_leaves(cfg)}
+    for role, rules in (("actor", ACTOR_RULES), ("rollout", ROLLOUT_RULES)):
         shardings = plan.param_shardings(role, abstract)
-        amesh = pl.abstract_mesh(dict(plan.actor.shape))
+        amesh = model_bytes.abstract_mesh(dict(plan.actor.shape))
         for path, sh in nnx.to_flat_state(shardings):
             key = ".".join(map(str, path))
             leaf = leaves[key]
-            assert pl.local_shape(leaf, rules, amesh) == sh.get_value().shard_shape(leaf.shape), (role, key)
+            assert model_bytes.local_shape(leaf, rules, amesh) == sh.get_value().shard_shape(leaf.shape), (role, key)
 
 
 def test_errors():
@@ -192,12 +195,12 @@ def test_ep_rows_follow_the_dispatch_backend():
     cfg = dsv4.DSV4Config.preset("flash")
     sizes = {"data": 1, "fsdp": 2, "expert": 8, "tensor": 1}
     k, e = cfg.num_experts_per_tok, cfg.n_routed_experts
-    assert pl.ep_rows_per_token(cfg, sizes, "padded", 1.25) == 1.25 * k
-    assert pl.ep_rows_per_token(cfg, sizes, "padded", None) == e
-    assert pl.ep_rows_per_token(cfg, sizes, "capacity", None) == 8 * k
-    assert pl.ep_rows_per_token(cfg, sizes, "capacity", 2.0) == 2.0 * k
-    assert pl.ep_rows_per_token(cfg, sizes, "ragged", None) == 8 * k
-    act = {b: pl._actor_activations(cfg, sizes, 8192, 8192, None if b == "ragged" else 1.25, b)
+    assert activations.ep_rows_per_token(cfg, sizes, "padded", 1.25) == 1.25 * k
+    assert activations.ep_rows_per_token(cfg, sizes, "padded", None) == e
+    assert activations.ep_rows_per_token(cfg, sizes, "capacity", None) == 8 * k
+    assert activations.ep_rows_per_token(cfg, sizes, "capacity", 2.0) == 2.0 * k
+    assert activations.ep_rows_per_token(cfg, sizes, "ragged", None) == 8 * k
+    act = {b: activations.actor_activations(cfg, sizes, 8192, 8192, None if b == "ragged" else 1.25, b)
            for b in ("padded", "ragged")}
     assert act["padded"] < act["ragged"]
     with pytest.raises(ValueError, match="--ep-backend must be one of"):
@@ -226,7 +229,7 @@ def test_kv_cache_layout_fp8():
     """Flash with the FP8 cache (dsv4.cache): each ring slot / compressed entry = 448 FP8 no-RoPE dims + 7 ue8m0
     scale bytes (one per 64 dims) + 64 bf16 RoPE dims = 583 B (DeepSeek's kernels pad it to 584); each CSA layer's
     indexer key = 128 FP8 + 1 scale byte; compressor window states stay f32."""
-    kv = pl.KVCache.for_config(dsv4.DSV4Config.flash(), fp8="e4m3fn")
+    kv = model_bytes.KVCache.for_config(dsv4.DSV4Config.flash(), fp8="e4m3fn")
     entry = 448 + 7 + 64 * 2
     fixed = 43 * (128 * entry + 128 * 4) + 21 * 4 * (4 * 1024 + 4 * 256) * 4 + 20 * 4 * 128 * 512 * 4
     per_token = 21 * (entry + 129) / 4 + 20 * entry / 128
