@@ -34,7 +34,7 @@ batch n).
 
 Partial rollouts (`--partial-rollout`, issue 23 point 4): every run gets a length spread where a long tail holds the
 synchronous step, `--max-new-tokens --tail-max-new-tokens` (64) with `--rollout.length_schedule --tail-schedule`
-(0.1:8: 90% of the prompts' responses capped at 8 tokens, 10% at 64, i.e. 8x longer; rl/config.py), and a third
+(0.1:8: 90% of the prompts' responses capped at 8 tokens, 10% at 64, i.e. 8x longer; rl/rollout/config.py), and a third
 timed run, `--async-rollout --partial-rollout` (rl/partial.py: segments of ceil(64 / 2) = 32 decode steps, a batch
 from the groups that finished, the long ones continued after the push). partial_speedup = the one-step-off
 (async) run's mean step time / the partial run's, over the steps after the warm-up, compile steps (> 4x the median)

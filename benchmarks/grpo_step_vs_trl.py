@@ -96,7 +96,7 @@ def as_text(ids) -> str:
 def make_ours(ckpt: str, prompts: list[list[int]], warmup: int = 2):
     """-> (step(i) -> seconds, per-stage times {stage: [s]}, warm-up seconds): our GRPO step, compiled."""
     from rl.advantages import grpo_advantages
-    from rl.config import LearnerConfig, LossConfig
+    from rl.algo_config import LearnerConfig, LossConfig
     from rl.learner import Learner, TrainBatch
     from rl.rollout.engine import Sampler, SamplingParams
 

@@ -64,7 +64,7 @@ from dsv4.fp8_gemm import FakeQuantWeight  # noqa: E402
 from dsv4.names import param_key  # noqa: E402
 from dsv4.quant import QuantizedTensor  # noqa: E402
 from rl.batch import RolloutBatch  # noqa: E402
-from rl.config import LearnerConfig, LossConfig  # noqa: E402
+from rl.algo_config import LearnerConfig, LossConfig  # noqa: E402
 from rl.rollout.exact import exact_layout  # noqa: E402
 from rl.rollout.exact import generate as exact_generate  # noqa: E402
 from rl.learner import Learner, TrainBatch  # noqa: E402

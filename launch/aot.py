@@ -35,7 +35,9 @@ from flax import nnx
 import dsv4
 from parallel.model_bytes import kv_cache_bytes
 from rl.rollout import slots as sl
-from rl.config import DEFAULT_LEARNER, DataConfig, LearnerConfig, RolloutConfig
+from rl.algo_config import LearnerConfig
+from rl.config import DEFAULT_LEARNER, DataConfig
+from rl.rollout.config import RolloutConfig
 from rl.config_tree import default
 from launch.hlo_stats import HloStats, count
 from rl.learner import TRAIN, Learner, TrainBatch

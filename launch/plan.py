@@ -33,7 +33,9 @@ from parallel.model_bytes import DTYPE_BYTES
 from parallel.plan import GPUS, GPUS_PER_NODE, GiB, plan
 from parallel.plan import __doc__ as _PLAN_DOC
 from rl import config_tree
-from rl.config import DEFAULT_LEARNER, DataConfig, LearnerConfig, RolloutConfig
+from rl.algo_config import LearnerConfig
+from rl.config import DEFAULT_LEARNER, DataConfig
+from rl.rollout.config import RolloutConfig
 from rl.config_tree import default
 from rl.rollout.settings import EngineSettings
 from sharding import mesh as mesh_lib
@@ -45,7 +47,7 @@ _ROLLOUT = config_tree.paths(RolloutConfig)
 
 
 def _knob_help(name: str) -> str:
-    """The run's help of the learner knob `name` and its launch/run.py flag (rl/config.py, one definition)."""
+    """The run's help of the learner knob `name` and its launch/run.py flag (rl/algo_config.py, one definition)."""
     return f"{_LEARNER[name].help} (launch/run.py --{name.replace('_', '-')}; default %(default)s)"
 
 
@@ -61,7 +63,7 @@ def _learner(args) -> LearnerConfig:
 
 def parser() -> argparse.ArgumentParser:
     """The planner's flags; the learner's, the rollout's and the data's take their defaults (and help) from the
-    run's definitions (`rl.config`: `DEFAULT_LEARNER`, `RolloutConfig`, `DataConfig`)."""
+    run's definitions (`rl.config.DEFAULT_LEARNER`, `rl.rollout.config.RolloutConfig`, `rl.config.DataConfig`)."""
     p = argparse.ArgumentParser(prog="python -m launch.plan", description=_PLAN_DOC.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--config-file", default=None, metavar="YAML",

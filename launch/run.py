@@ -35,7 +35,8 @@ from launch.ray_run import LaunchError, add_launcher_args, launch  # noqa: E402
 from parallel.push.mpmd import MpmdPushVerificationError  # noqa: E402
 from parallel.plan import GPUS, plan  # noqa: E402
 from rl import config_tree  # noqa: E402
-from rl.config import FLAT, RunConfig  # noqa: E402
+from rl.config import RunConfig  # noqa: E402
+from rl.config_flags import FLAT  # noqa: E402
 from rl.config_file import load_config_file  # noqa: E402
 from rl.config_notes import overridden_settings  # noqa: E402
 from rl.job import build, load_data, resolve_model_config  # noqa: E402
@@ -63,8 +64,8 @@ class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
 
 
 def parser() -> argparse.ArgumentParser:
-    """The flat flags (`rl.config.FLAT`: `--group-size` <-> `rollout.group_size`), help and type from the knob's
-    field. Dotted flags (`--learner.lr 1e-6`, any path of the config tree) are read by `resolve`."""
+    """The flat flags (`rl.config_flags.FLAT`: `--group-size` <-> `rollout.group_size`), help and type from the
+    knob's field. Dotted flags (`--learner.lr 1e-6`, any path of the config tree) are read by `resolve`."""
     p = argparse.ArgumentParser(prog="launch/run.py", description=__doc__.split("\n\n")[0],
                                 formatter_class=_HelpFormatter,
                                 epilog="Any knob of the nested config also takes a dotted flag, e.g. --learner.lr "

@@ -33,7 +33,7 @@ from sharding import rules as rl
 
 EP_BACKENDS = ("capacity", "ragged", "padded")  # parallel.expert.BACKENDS
 BLOCK_Q = 128  # dsv4.attention.Attention(block_q=): queries per block of the blocked attention
-LOGPROB_CHUNK = 1024  # rl.config.LearnerConfig.logprob_chunk_size default
+LOGPROB_CHUNK = 1024  # rl.algo_config.LearnerConfig.logprob_chunk_size default
 
 
 def ep_rows_per_token(cfg, sizes: dict[str, int], ep_backend: str, ep_capacity: float | None) -> float:

@@ -194,7 +194,7 @@ class PlanReport:
 
 
 class LearnerKnobs(Protocol):
-    """The learner knobs `plan` reads: the fields of `rl.config.LearnerConfig` (one layer up) of those names."""
+    """The learner knobs `plan` reads: the fields of `rl.algo_config.LearnerConfig` (one layer up) of those names."""
 
     offload_optimizer: float
     stream_optimizer: bool
@@ -221,7 +221,7 @@ def plan(config, mesh_spec: str, gpu: str, *, learner: LearnerKnobs, nodes: int 
       config: a `dsv4.DSV4Config` or a preset name ("flash", "small", "tiny").
       mesh_spec: `sharding.mesh` grammar; "auto" needs `nodes`.
       gpu: a key of `GPUS`.
-      learner: the learner whose memory is planned (`rl.config.LearnerConfig`, e.g. the run's `cfg.learner`):
+      learner: the learner whose memory is planned (`rl.algo_config.LearnerConfig`, e.g. the run's `cfg.learner`):
         its `offload_optimizer`, `stream_optimizer`, `ep_backend` ("auto": `parallel.expert.auto_backend`:
         capacity with `xla_cpu`, as the learner on XLA:CPU; else padded with a capacity factor, ragged without),
         `ep_capacity_factor`, and the frozen set `train_mtp` /

@@ -23,7 +23,7 @@ from typing import Any
 import jax.numpy as jnp
 import numpy as np
 
-from rl.config import AdvantageConfig
+from rl.algo_config import AdvantageConfig
 
 Metrics = dict[str, jnp.ndarray]
 

@@ -1,8 +1,8 @@
 """The algorithm's configs: advantages (AdvantageConfig), policy loss (LossConfig), learner (LearnerConfig).
 
 Frozen, kw-only dataclasses, one per concern, validated on construction; `rl.config` imports them as the
-`advantage` and `learner` (with `learner.loss`) sections of the run config (`rl.config.RunConfig`), and
-re-exports them: `rl.config.LearnerConfig` stays where callers import it.
+`advantage` and `learner` (with `learner.loss`) sections of the run config (`rl.config.RunConfig`); import them
+from here.
 
 Every config is `@dataclass(frozen=True, kw_only=True)` and checks itself in `__post_init__`, raising
 `ValueError` that names the offending field. Frozen dataclasses are hashable, so a config can be passed as a

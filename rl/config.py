@@ -4,7 +4,7 @@
     ├── mesh, steps, seed, algo            the run itself
     ├── model      ModelConfig             config (tiny|small|flash|config.json), init (random|checkpoint dir)
     ├── data       DataConfig              built-in task or dataset + tokenizer, formats, templates, reward
-    ├── rollout    RolloutConfig           prompts x group per step, sampling, rollout weights, push checks
+    ├── rollout    RolloutConfig           rl/rollout/config.py: prompts x group per step, sampling, rollout weights
     ├── dapo       DapoConfig              DAPO's dynamic-sampling budget
     ├── advantage  AdvantageConfig         rl/algo_config.py (filled by the algo preset)
     ├── learner    LearnerConfig           rl/algo_config.py, with learner.loss = LossConfig (algo preset)
@@ -14,16 +14,15 @@
 
 Precedence (`RunConfig.from_overrides`): defaults < the `algo` preset < overrides in order (launch/run.py passes
 the YAML file, then the flat flags, then the dotted flags). Every knob has a dotted path (`learner.lr`); the
-historic flat names (`lr`, `group_size`, `eval_every`, ...: `FLAT`) are spellings of one path each: they work as
-`RunConfig(lr=...)`, `--lr` and flat YAML keys, and `cfg.flat()` lists them; the code reads the nested fields
-(`cfg.learner.lr`). The run's defaults are the embedded default run (tiny
-DeepSeek-V4 from random init on the built-in digit-copy task, on CPU). Library classes read the same
-declarations: the learner section is `LearnerConfig` itself, and the run's learner (`DEFAULT_LEARNER`) changes only
-its recipe values (lr 2e-3, b2 0.99, fp32 compute, routing replay, TIS; `RECIPE_KNOBS`, reasons next to it);
-`Sampler`, `SamplingParams`, `PromptDataset.from_records` and the planner take their defaults of the rollout and
-data knobs (`max_prompt_len`, `prefill_chunk`, `slots`, rollout dtype, sampling parameters, KV-cache dtype for the
-planner) from the fields here
-(`config_tree.default`).
+historic flat names (`lr`, `group_size`, `eval_every`, ...: `rl.config_flags.FLAT`) are spellings of one path
+each: they work as `RunConfig(lr=...)`, `--lr` and flat YAML keys, and `cfg.flat()` lists them; the code reads the
+nested fields (`cfg.learner.lr`). The run's defaults are the embedded default run (tiny DeepSeek-V4 from random
+init on the built-in digit-copy task, on CPU). Library classes read the same declarations: the learner section is
+`LearnerConfig` itself, and the run's learner (`DEFAULT_LEARNER`) changes only its recipe values (lr 2e-3, b2 0.99,
+fp32 compute, routing replay, TIS; `RECIPE_KNOBS`, reasons next to it); `Sampler`, `SamplingParams`,
+`PromptDataset.from_records` and the planner take their defaults of the rollout and data knobs (`max_prompt_len`,
+`prefill_chunk`, `slots`, rollout dtype, sampling parameters, KV-cache dtype for the planner) from the fields of
+the sections (`config_tree.default`).
 Derived (not settable): `learner.temperature` = `rollout.temperature`; `advantage.dynamic_sampling_max_rounds`
 = 1 + `dapo.max_resample_batches`. Impossible values raise ValueError naming the field and its flag.
 """
@@ -31,40 +30,16 @@ Derived (not settable): `learner.temperature` = `rollout.temperature`; `advantag
 from __future__ import annotations
 
 import dataclasses
-import math
 from typing import Any, Literal
 
-from rl.algo_config import (AdvantageConfig, Correction, CorrectionLevel, DTypeName, KLEstimator,  # noqa: F401
-                            LearnerConfig, LossAggMode, LossConfig, LRSchedule, PolicyLossKind, check_real,
-                            speculative_preset)
 from rl import config_tree as tree
+from rl.algo_config import AdvantageConfig, LearnerConfig, LossConfig, check_real, speculative_preset
+from rl.config_flags import FLAT, check_choices, check_ints, flag
 from rl.config_tree import knob
+from rl.rollout.config import RolloutConfig
 
 ALGOS = ("grpo", "dr_grpo", "dapo", "gspo")
 REWARDS = ("auto", "task", "gsm8k", "gsm8k+format", "math", "dapo", "aime")  # the reward table: rl/math_rewards.py
-ROLLOUT_DTYPES = ("fp8", "fp8_e4m3fn", "fp8_e4m3fnuz", "fp8+fp4experts", "bf16", "fp32", "auto")
-
-
-def _flag(path: str) -> str:
-    """The command-line flag of a path: its flat alias when it has one (`--group-size`), else `--a.b`."""
-    flat = _FLAT_OF.get(path)
-    return "--" + flat.replace("_", "-") if flat else "--" + path
-
-
-def _min(section: str, obj: Any, names: tuple[str, ...], minimum: int) -> None:
-    for name in names:
-        v = getattr(obj, name)
-        if isinstance(v, bool) or not isinstance(v, int) or v < minimum:
-            raise ValueError(f"{section}.{name} ({_flag(section + '.' + name)}) must be an int >= {minimum}, "
-                             f"got {v!r}")
-
-
-def _choices(section: str, obj: Any) -> None:
-    """Every Literal-typed knob of the section holds one of its choices."""
-    for path, leaf in tree.paths(type(obj), section + ".").items():
-        v = getattr(obj, leaf.field.name)
-        if leaf.owner is type(obj) and leaf.choices and v not in leaf.choices and not (leaf.optional and v is None):
-            raise ValueError(f"{path} ({_flag(path)}) must be {'|'.join(leaf.choices)}, got {v!r}")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -115,8 +90,8 @@ class DataConfig:
                                                           "leaves the template's default")
 
     def __post_init__(self):
-        _choices("data", self)
-        _min("data", self, ("task_digits", "max_prompt_len"), 1)
+        check_choices("data", self)
+        check_ints("data", self, ("task_digits", "max_prompt_len"), 1)
         if self.reward not in REWARDS:
             raise ValueError(f"data.reward (--reward) must be {'|'.join(REWARDS)}, got {self.reward!r}")
         if check_real("data", "reward_timeout_s", self.reward_timeout_s) <= 0:
@@ -134,163 +109,6 @@ class DataConfig:
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class RolloutConfig:
-    """Sampling on the rollout mesh (rl/rollout/engine.py) and the weight push to it (parallel/push/)."""
-
-    prompts_per_step: int = knob(32, "prompts per step")
-    group_size: int = knob(16, "samples per prompt (G)")
-    max_new_tokens: int = knob(4, "response length limit")
-    temperature: float = knob(1.0, "sampling temperature (0 = greedy)")
-    top_p: float = knob(1.0, "nucleus sampling")
-    top_k: int = knob(0, "top-k sampling (0 = off)")
-    dtype: str = knob("fp8", "rollout weights: fp8 | fp8_e4m3fnuz (MI300/MI308) | fp8+fp4experts (FP4 routed "
-                              "experts, the release's format) | bf16 | fp32 | auto")
-    compute_dtype: Literal["auto", "bfloat16", "float32"] = knob(
-        "auto", "rollout matmul dtype: auto (fp32 on CPU, bf16 on GPU) | bfloat16 | float32")
-    kv_cache_dtype: str = knob("auto", "rollout KV cache: fp8 (window ring, compressed entries and indexer keys in FP8 "
-                                       "with ue8m0 scales, the release's layout) | bf16 (unquantised) | auto (fp8 "
-                                       "for --rollout-dtype fp8*, else bf16)")
-    push_verify_every: int = knob(10, "verify the pushed FP8 weights against the learner's every N-th push "
-                                      "(0 = never)")
-    slots: int | str = knob(0, "rollout batching: 0 = static (all rows until the longest ends) | N = continuous "
-                               "batching over N decode slots refilled as samples finish (rl/rollout/slots.py) | auto = as "
-                               "many slots as the memory plan's KV budget holds (capped by the rows)")
-    prefill_chunk: int = knob(2048, "prompts longer than this prefill in chunks of this many tokens against the KV "
-                                    "cache built so far (memory bounded by one chunk; dsv4/chunked.py); 0 = whole "
-                                    "prompt; a multiple of the compression ratios' lcm (128 for Flash)")
-    ep_backend: Literal["auto", "capacity", "ragged", "padded"] = knob(
-        "auto", "the sampler's expert-parallel dispatch on an expert rollout mesh (parallel/expert.py): auto "
-                "(capacity on XLA:CPU, padded on GPUs: `parallel.expert.rollout_backend`) | capacity | ragged | "
-                "padded (per-expert buffers, dense batched matmuls)")
-    ep_capacity_factor: float | None = knob(
-        None, "the sampler's EP buffer factor: none = dropless (padded: T_local rows per expert and source rank, "
-              "bounded by the tokens per device of one call: use --rollout-slots) | f > 0 = capacity "
-              "min(T_local, ceil(f T_local k / E)), pairs past it dropped (first come in (token, pick) order; the "
-              "token keeps its other experts and the shared one)")
-    speculative: Literal["off", "mtp"] = knob(
-        "off", "speculative decoding: off | mtp (DeepSeek-V4's MTP block drafts --rollout.draft_tokens tokens per "
-               "step, one forward of the policy verifies them; the output distribution is plain sampling's; "
-               "rl/rollout/speculative.py)")
-    draft_tokens: int = knob(2, "tokens the MTP block drafts per step with --rollout.speculative mtp (1..3)")
-    max_staleness: int = knob(0, "asynchronous rollout (rl/pipeline.py): K >= 1 generates the next batches while "
-                                 "the actor trains, with weights at most K versions old (needs --correction tis|mis); "
-                                 "0 = synchronous")
-    async_rollout: bool = knob(False, "one-step-off asynchronous rollout: shorthand for --max-staleness 1")
-    partial_rollout: bool = knob(False, "partial rollouts (rl/partial.py; needs --max-staleness K >= 1): generations "
-                                        "run in segments of --rollout.partial_segment decode steps; a step's batch is "
-                                        "the first groups that finished, the others continue after the next push "
-                                        "under the new weights (re-prefilled from their tokens), every token "
-                                        "recording its version; a sample spans at most K + 1 versions")
-    partial_segment: int = knob(0, "with --partial-rollout: decode steps per segment (0 = ceil(max_new_tokens / "
-                                   "(K + 1)), so no sample is cut short by the K + 1 version limit)")
-    length_schedule: str | None = knob(None, "synthetic response lengths (benchmarks): FRAC:SHORT caps every "
-                                             "response at SHORT new tokens except for a FRAC share of the prompts "
-                                             "(evenly spread over the data index), which keep --max-new-tokens; "
-                                             "e.g. 0.1:4; none = off")
-    ignore_eos: bool = knob(False, "benchmarks: training samples do not stop at the tokenizer's eos, so every "
-                                   "response runs to its limit (--max-new-tokens, or --rollout.length_schedule's); "
-                                   "evaluation still stops at eos (vLLM's SamplingParams.ignore_eos)")
-    exact: bool = knob(False, "exact mode (rl/rollout/exact.py): training samples are drawn from the learner's own forward "
-                              "in a batch-invariant layout (a full forward per token), so "
-                              "train/train_rollout_logprob_abs_diff is 0 (needs --max-staleness 0; with an FP8 "
-                              "--rollout-dtype, --learner.fp8_forward)")
-    push_timeout: float = knob(600.0, "MPMD runs (sharding/mpmd.py): a process whose heartbeat stopped for min(this, "
-                                      "20) s, or never started within this, is dead (the others exit naming it); "
-                                      "the weight transfer's timeout; the two-job layout: the heartbeat age after "
-                                      "which the other job counts as dead")
-    address: str | None = knob(None, "the two-job layout (rl/rollout/two_job.py): HOST:PORT this actor job listens on "
-                                     "for a rollout job of its own (started with --rollout-job --actor-address "
-                                     "HOST:PORT; a host the rollout can reach); unset: the rollout runs in this job")
-    job: bool = knob(False, "this process is a rollout job of the two-job layout: it serves the actor job at "
-                            "--actor-address (same run flags otherwise) and exits when the actor stops")
-    actor_address: str | None = knob(None, "with --rollout-job: the actor job's --rollout-address (HOST:PORT)")
-    restart_timeout: float = knob(1800.0, "the two-job layout: seconds the actor waits for a rollout job to "
-                                          "register (at start, and after its rollout died) before exiting with an "
-                                          "error naming it")
-
-    def length_split(self) -> tuple[float, int]:
-        """(long share, short cap) of `length_schedule` 'FRAC:SHORT'; ValueError naming the flag when malformed."""
-        frac, _, short = str(self.length_schedule).partition(":")
-        try:
-            f, n = float(frac), int(short)
-        except ValueError:
-            f, n = -1.0, 0
-        if not (0 <= f <= 1 and 1 <= n <= self.max_new_tokens):
-            raise ValueError(f"rollout.length_schedule (--rollout.length_schedule) must be FRAC:SHORT with FRAC in "
-                             f"[0, 1] and SHORT in 1..--max-new-tokens ({self.max_new_tokens}), got "
-                             f"{self.length_schedule!r}")
-        return f, n
-
-    def length_caps(self, data_index) -> list[int] | None:
-        """Per-prompt response length limits [n] of `length_schedule` for prompts of data indices `data_index`
-        [n] (a function of the index alone: the same prompt gets the same limit in every schedule); None when
-        unset. Prompt i is long (keeps max_new_tokens) iff floor((i + 1) FRAC) > floor(i FRAC)."""
-        if self.length_schedule is None:
-            return None
-        f, short = self.length_split()
-        return [self.max_new_tokens if math.floor((int(i) + 1) * f) > math.floor(int(i) * f) else short
-                for i in data_index]
-
-    def __post_init__(self):
-        _choices("rollout", self)
-        slots = self.slots
-        if isinstance(slots, str) and slots.strip().lower() != "auto":
-            try:
-                slots = int(slots)
-            except ValueError:
-                slots = None
-        elif isinstance(slots, str):
-            slots = "auto"
-        if slots is None or isinstance(slots, bool) or (slots != "auto" and (not isinstance(slots, int) or slots < 0)):
-            raise ValueError(f"rollout.slots (--rollout-slots) must be auto or an int >= 0 (0 = static batching), "
-                             f"got {self.slots!r}")
-        object.__setattr__(self, "slots", slots)
-        if not check_real("rollout", "push_timeout", self.push_timeout) > 0:
-            raise ValueError(f"rollout.push_timeout (--push-timeout) must be > 0 seconds, got {self.push_timeout}")
-        if not check_real("rollout", "restart_timeout", self.restart_timeout) > 0:
-            raise ValueError(f"rollout.restart_timeout (--rollout-restart-timeout) must be > 0 seconds, "
-                             f"got {self.restart_timeout}")
-        for name, flag in (("address", "--rollout-address"), ("actor_address", "--actor-address")):
-            value = getattr(self, name)
-            host, sep, port = str(value).rpartition(":")
-            if value is not None and not (sep and host and port.isdigit() and int(port) < 65536):
-                raise ValueError(f"rollout.{name} ({flag}) must be HOST:PORT, got {value!r}")
-        if self.job and self.actor_address is None:
-            raise ValueError("rollout.job (--rollout-job) needs --actor-address HOST:PORT (the actor job's "
-                             "--rollout-address)")
-        if self.job and self.address is not None:
-            raise ValueError("rollout: --rollout-job and --rollout-address name the two sides of the two-job "
-                             "layout; give a process one of them")
-        if isinstance(self.max_staleness, bool) or not isinstance(self.max_staleness, int) or self.max_staleness < 0:
-            raise ValueError(f"rollout.max_staleness (--max-staleness) must be an int >= 0, "
-                             f"got {self.max_staleness!r}")
-        _min("rollout", self, ("prompts_per_step", "max_new_tokens"), 1)
-        _min("rollout", self, ("partial_segment",), 0)
-        if self.length_schedule is not None:
-            self.length_split()
-        if isinstance(self.draft_tokens, bool) or not isinstance(self.draft_tokens, int) or not 1 <= self.draft_tokens <= 3:
-            raise ValueError(f"rollout.draft_tokens (--rollout.draft_tokens) must be an int in 1..3, "
-                             f"got {self.draft_tokens!r}")
-        _min("rollout", self, ("top_k", "push_verify_every", "prefill_chunk"), 0)
-        f = self.ep_capacity_factor
-        if f is not None and (isinstance(f, bool) or not isinstance(f, (int, float)) or not math.isfinite(f)
-                              or f <= 0):
-            raise ValueError(f"rollout.ep_capacity_factor (--rollout.ep_capacity_factor) must be > 0, or none "
-                             f"(dropless), got {f!r}")
-        if not isinstance(self.group_size, int) or self.group_size < 2:
-            raise ValueError(f"rollout.group_size (--group-size) must be >= 2 for group advantages, "
-                             f"got {self.group_size}")
-        if self.dtype not in ROLLOUT_DTYPES:
-            raise ValueError(f"rollout.dtype (--rollout-dtype) must be fp8|fp8_e4m3fnuz|fp8+fp4experts|bf16|fp32|auto, "
-                             f"got {self.dtype!r}")
-        if self.kv_cache_dtype not in ("auto", "fp8", "bf16"):
-            raise ValueError(f"rollout.kv_cache_dtype (--kv-cache-dtype) must be fp8|bf16|auto, "
-                             f"got {self.kv_cache_dtype!r}")
-        if check_real("rollout", "temperature", self.temperature) < 0 or not 0 < self.top_p <= 1:
-            raise ValueError("rollout: --temperature must be >= 0 and --top-p in (0, 1]")
-
-
-@dataclasses.dataclass(frozen=True, kw_only=True)
 class DapoConfig:
     """DAPO dynamic sampling (arXiv 2503.14476 §3.2; `rl.loop.dynamic_rollout`)."""
 
@@ -301,8 +119,8 @@ class DapoConfig:
                  "kept groups) | skip (the step)")
 
     def __post_init__(self):
-        _min("dapo", self, ("max_resample_batches",), 0)
-        _choices("dapo", self)
+        check_ints("dapo", self, ("max_resample_batches",), 0)
+        check_choices("dapo", self)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -318,8 +136,8 @@ class EvalConfig:
                                      "--eval-only)")
 
     def __post_init__(self):
-        _min("eval", self, ("prompts", "samples"), 1)
-        _min("eval", self, ("every",), 0)
+        check_ints("eval", self, ("prompts", "samples"), 1)
+        check_ints("eval", self, ("every",), 0)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -335,9 +153,9 @@ class CheckpointConfig:
     keep: int = knob(2, "checkpoints kept")
 
     def __post_init__(self):
-        _choices("ckpt", self)
-        _min("ckpt", self, ("keep",), 1)
-        _min("ckpt", self, ("every",), 0)
+        check_choices("ckpt", self)
+        check_ints("ckpt", self, ("keep",), 1)
+        check_ints("ckpt", self, ("every",), 0)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -364,42 +182,6 @@ DEFAULT_LEARNER = LearnerConfig(lr=2e-3, b2=0.99, compute_dtype="float32", routi
                                 loss=LossConfig(correction="tis"))
 RECIPE_KNOBS = ("lr", "b2", "compute_dtype", "routing_replay", "loss")  # where DEFAULT_LEARNER differs
 
-# flat name (flag --a-b, flat YAML key, RunConfig(a_b=...), cfg.a_b) -> the one dotted path it stands for
-FLAT = {
-    "mesh": "mesh", "config": "model.config", "init": "model.init",
-    **{k: "data." + k for k in ("task", "task_digits", "dataset", "tokenizer", "data_format", "prompt_field",
-                                 "answer_field", "chat_template", "eval_dataset", "reward", "max_prompt_len",
-                                 "on_bad_record", "on_overlong_prompt", "apply_chat_template", "system_prompt",
-                                 "thinking")},
-    "steps": "steps",
-    **{k: "rollout." + k for k in ("prompts_per_step", "group_size", "max_new_tokens", "temperature", "top_p",
-                                    "top_k")},
-    "rollout_dtype": "rollout.dtype", "rollout_compute_dtype": "rollout.compute_dtype",
-    "kv_cache_dtype": "rollout.kv_cache_dtype",
-    "algo": "algo", "dapo_max_resample_batches": "dapo.max_resample_batches",
-    "dapo_on_budget_exhausted": "dapo.on_budget_exhausted",
-    "lr": "learner.lr", "warmup_steps": "learner.warmup_steps",
-    **{k: "learner.loss." + k for k in ("kl_coef", "kl_estimator", "correction", "correction_level", "mis_low",
-                                         "mis_high")},
-    "tis_clip": "learner.loss.tis_clip_high",
-    **{k: "learner." + k for k in ("routing_replay", "freeze_router", "micro_batch_size", "max_tokens_per_micro_batch",
-                                    "logprob_chunk_size", "compute_dtype", "param_dtype", "offload_optimizer")},
-    **{"eval_" + k: "eval." + k for k in ("every", "prompts", "samples", "only", "before_train")},
-    "ckpt_dir": "ckpt.dir", "ckpt_every": "ckpt.every", "resume": "ckpt.resume",
-    "allow_dataset_change": "ckpt.allow_dataset_change", "keep_checkpoints": "ckpt.keep",
-    **{k: "log." + k for k in ("metrics_jsonl", "tensorboard_dir", "wandb_project")},
-    "seed": "seed", "progress": "log.progress", "remat": "learner.remat", "scan_layers": "learner.scan_layers",
-    "stream_optimizer": "learner.stream_optimizer", "ep_backend": "learner.ep_backend",
-    "ep_capacity_factor": "learner.ep_capacity_factor",
-    "rollout_slots": "rollout.slots", "max_staleness": "rollout.max_staleness",
-    "prefill_chunk": "rollout.prefill_chunk",
-    "async_rollout": "rollout.async_rollout", "partial_rollout": "rollout.partial_rollout",
-    "push_timeout": "rollout.push_timeout",
-    "rollout_address": "rollout.address", "rollout_job": "rollout.job", "actor_address": "rollout.actor_address",
-    "rollout_restart_timeout": "rollout.restart_timeout",
-    "exact_rollout": "rollout.exact",
-}
-_FLAT_OF = {v: k for k, v in FLAT.items()}
 DERIVED = {"learner.temperature": "rollout.temperature",
            "advantage.dynamic_sampling_max_rounds": "dapo.max_resample_batches"}
 # the loss knobs an algo preset sets (KL and the off-policy correction are the run's own knobs)
@@ -431,7 +213,7 @@ def _rename(owner: type, e: ValueError) -> ValueError:
         for f in dataclasses.fields(owner):
             old = f"{owner.__name__}.{f.name}"
             if msg.startswith(old + " ") and not msg.startswith(old + " (--"):
-                return ValueError(f"{prefix}{f.name} ({_flag(prefix + f.name)}) " + msg[len(old) + 1:])
+                return ValueError(f"{prefix}{f.name} ({flag(prefix + f.name)}) " + msg[len(old) + 1:])
     return e
 
 

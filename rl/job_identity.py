@@ -30,7 +30,8 @@ import hashlib
 import json
 import os
 
-from rl.config import RolloutConfig, RunConfig
+from rl.config import RunConfig
+from rl.rollout.config import RolloutConfig
 
 PARTS = ("model config", "tokenizer", "sampling", "dtypes")
 SAMPLING_KNOBS = ("max_new_tokens", "temperature", "top_p", "top_k", "slots", "prefill_chunk", "ep_backend",

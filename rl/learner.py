@@ -102,7 +102,8 @@ from dsv4.quant import select_fp8_format
 from parallel import expert as expert_lib
 from rl import batching, optim
 from rl.batch import TrainBatch, check_train_batch  # TrainBatch: re-exported (rl.learner.TrainBatch)
-from rl.config import LearnerConfig, RolloutConfig
+from rl.algo_config import LearnerConfig
+from rl.rollout.config import RolloutConfig
 from rl.config_tree import default
 from rl.learner_state import (LogprobResult, TrainState, master_like_params, offload_shardings, opt_state_to,
                               place, resolve_param_dtype, state_shardings, streamable)

@@ -25,7 +25,7 @@ from jax.sharding import Mesh
 
 from dsv4.names import tree_key
 from rl import optim
-from rl.config import LearnerConfig
+from rl.algo_config import LearnerConfig
 from sharding import offload as so
 from sharding import rules as sr
 

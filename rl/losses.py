@@ -34,7 +34,7 @@ import math
 import jax
 import jax.numpy as jnp
 
-from rl.config import LossConfig
+from rl.algo_config import LossConfig
 
 Metrics = dict[str, jnp.ndarray]
 

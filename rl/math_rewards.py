@@ -35,7 +35,7 @@ import decimal
 import re
 from collections.abc import Callable, Sequence
 
-from rl.config import REWARDS  # noqa: F401  (re-exported: the --reward names)
+from rl.config import REWARDS
 from rl.answers import last_boxed, plain_decimal
 from rl.rewards import MAX_ANSWER_CHARS, combine_rewards, format_reward, gsm8k_reward
 

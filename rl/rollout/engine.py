@@ -64,7 +64,7 @@ from dsv4.rollout_format import RolloutFormat, check_fp4_experts
 from parallel import expert as expert_lib
 from sharding.mesh import auto_axes
 from rl.batch import RolloutBatch
-from rl.config import RolloutConfig
+from rl.rollout.config import RolloutConfig
 from rl.config_tree import default
 from rl.rollout import slots as slots_lib
 from rl.rollout import speculative as spec_lib
@@ -83,7 +83,7 @@ log = logging.getLogger(__name__)
 class SamplingParams:
     """temperature (0 = greedy), top_p in (0, 1], top_k (0 = off), max_new_tokens >= 1, stop_token_ids (<= 16).
 
-    Defaults: the run's `--temperature`, `--top-p`, `--top-k`, `--max-new-tokens` (`rl.config.RolloutConfig`).
+    Defaults: the run's `--temperature`, `--top-p`, `--top-k`, `--max-new-tokens` (`rl.rollout.config.RolloutConfig`).
     Raises ValueError naming the field for out-of-range values.
     """
 

@@ -23,7 +23,8 @@ import numpy as np
 
 from dsv4.cache import resolve_kv_cache_dtype
 from dsv4.rollout_format import RolloutDtype, parse_rollout_dtype
-from rl.config import DataConfig, RolloutConfig
+from rl.config import DataConfig
+from rl.rollout.config import RolloutConfig
 from rl.config_tree import default
 from rl.rollout.layerwise import DEQUANT_MODES, MATMUL_MODES
 

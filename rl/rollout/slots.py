@@ -42,7 +42,8 @@ from jax.sharding import NamedSharding
 from dsv4.cache import decode_step
 from dsv4.chunked import prefill_chunked
 from parallel.plan import GPUS, plan
-from rl.config import LearnerConfig, RolloutConfig
+from rl.algo_config import LearnerConfig
+from rl.rollout.config import RolloutConfig
 from rl.config_tree import default
 from rl.host_memory import cpu_kv_budget, host_memory_bytes
 from rl.rollout.sampling import sample_tokens

@@ -25,7 +25,8 @@ from launch.aot import compile_actor, compile_rollout, reduced_depth
 from launch import plan as plan_mod
 from launch.compile_child import CompileFailed, child_env
 from launch.plan import main as plan_main
-from rl.config import DEFAULT_LEARNER, RolloutConfig
+from rl.config import DEFAULT_LEARNER
+from rl.rollout.config import RolloutConfig
 
 SEED = pathlib.Path(__file__).resolve().parents[2] / "launch" / "configs" / "dapo_seed_mi308x.yaml"
 MESH = "actor:fsdp=2,expert=2/rollout:expert=2"

@@ -14,7 +14,7 @@ from rl.advantages import (
     grpo_advantages,
     rloo_advantages,
 )
-from rl.config import AdvantageConfig
+from rl.algo_config import AdvantageConfig
 
 # Two prompts, G = 4: prompt 0 has one correct answer, prompt 1 is all correct (no signal).
 REWARDS = jnp.array([1.0, 0.0, 0.0, 0.0, 1.0, 1.0, 1.0, 1.0])

@@ -38,7 +38,7 @@ def parts():
     from dsv4 import DSV4Config, DSV4ForCausalLM
     from flax import nnx
 
-    from rl.config import LearnerConfig
+    from rl.algo_config import LearnerConfig
     from rl.learner import Learner
     from rl.job import load_data
     from rl.rollout.engine import Sampler

@@ -42,7 +42,8 @@ import dsv4
 from dsv4.io.load import init_model
 from parallel.push.local import WeightPusher
 from rl import loop
-from rl.config import LearnerConfig, RunConfig
+from rl.algo_config import LearnerConfig
+from rl.config import RunConfig
 from rl.data import PromptDataset, make_prompt_iterator
 from rl.job import Job
 from rl.learner import Learner

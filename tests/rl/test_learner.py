@@ -14,7 +14,7 @@ from flax import nnx
 
 import dsv4
 from rl.advantages import grpo_advantages
-from rl.config import LearnerConfig, LossConfig
+from rl.algo_config import LearnerConfig, LossConfig
 from rl.learner import METRIC_NAMES, Learner, TrainBatch
 from rl.logprobs import token_logprobs
 from parallel.expert import make_ep_dispatch

@@ -17,7 +17,7 @@ import pytest
 from flax import nnx
 
 import dsv4
-from rl.config import LearnerConfig
+from rl.algo_config import LearnerConfig
 from rl.learner import Learner, TrainBatch
 from sharding.mesh import build_mesh_plan
 

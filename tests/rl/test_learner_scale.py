@@ -17,7 +17,8 @@ import pytest
 from flax import nnx
 
 import dsv4
-from rl.config import LearnerConfig, LossConfig, RunConfig
+from rl.algo_config import LearnerConfig, LossConfig
+from rl.config import RunConfig
 from rl.learner import Learner, TrainBatch
 from rl.logprobs import token_logprobs
 from sharding import offload as so

@@ -16,7 +16,7 @@ from flax import nnx
 
 import dsv4
 from dsv4 import scan as sc
-from rl.config import LearnerConfig, LossConfig
+from rl.algo_config import LearnerConfig, LossConfig
 from rl.learner import Learner, TrainBatch
 from rl.logprobs import token_logprobs
 from parallel.expert import make_ep_dispatch

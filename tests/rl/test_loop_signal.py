@@ -11,7 +11,8 @@ import numpy as np
 from flax import nnx
 
 from dsv4 import DSV4Config, DSV4ForCausalLM
-from rl.config import LearnerConfig, RunConfig
+from rl.algo_config import LearnerConfig
+from rl.config import RunConfig
 from rl.learner import Learner
 from rl.job import Job
 from rl.rollout.service import LocalRollout

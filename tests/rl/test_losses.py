@@ -11,7 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from rl.config import LossConfig
+from rl.algo_config import LossConfig
 from rl.losses import agg_loss, kl_penalty, loss_normalizers, policy_loss
 
 LOG = math.log

@@ -10,7 +10,8 @@ import pickle
 
 import pytest
 
-from rl.math_rewards import (REWARDS, aime_reward, answer_line, boxed_answer, dapo_reward, make_reward, math_reward,
+from rl.config import REWARDS
+from rl.math_rewards import (aime_reward, answer_line, boxed_answer, dapo_reward, make_reward, math_reward,
                              prompt_independent_best)
 from rl.rewards import RewardPool, compute_rewards
 

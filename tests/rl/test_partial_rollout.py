@@ -41,7 +41,7 @@ def parts():
     from dsv4 import DSV4Config, DSV4ForCausalLM
     from flax import nnx
 
-    from rl.config import LearnerConfig
+    from rl.algo_config import LearnerConfig
     from rl.job import load_data
     from rl.learner import Learner
     from rl.rollout.engine import Sampler

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from rl.advantages import grpo_advantages, rloo_advantages
-from rl.config import LossConfig
+from rl.algo_config import LossConfig
 from rl.losses import policy_loss
 
 # Tunix draws these rewards with jax.random.uniform(PRNGKey(0), (1, 6)) under jax_threefry_partitionable=False;

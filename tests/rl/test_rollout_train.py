@@ -7,7 +7,7 @@ import pytest
 from flax import nnx
 
 from dsv4 import DSV4Config, DSV4ForCausalLM
-from rl.config import LearnerConfig, LossConfig
+from rl.algo_config import LearnerConfig, LossConfig
 from rl.learner import Learner, TrainBatch
 from rl.rollout.engine import Sampler, SamplingParams
 

@@ -9,7 +9,9 @@ import types
 import pytest
 
 from launch import run as launch_run
-from rl.config import DEFAULT_LEARNER, FLAT, LearnerConfig, LossConfig, RunConfig
+from rl.algo_config import LearnerConfig, LossConfig
+from rl.config import DEFAULT_LEARNER, RunConfig
+from rl.config_flags import FLAT
 from rl.config_file import load_config_file
 from rl.config_tree import paths
 from rl.stages import sampling_params
@@ -143,7 +145,8 @@ def test_planner_defaults_are_the_runs_definitions():
     definition (one default for --train-mtp, the EP backend and capacity, the streamed / scanned / offloaded state,
     the prompt length, the prefill chunk, the rollout and KV-cache dtypes); the flag names stay."""
     from launch import plan as launch_plan
-    from rl.config import DataConfig, RolloutConfig
+    from rl.config import DataConfig
+    from rl.rollout.config import RolloutConfig
     from rl.config_tree import default
 
     d = vars(launch_plan.parser().parse_args(["--mesh", "actor:fsdp=2", "--gpu", "h200"]))
@@ -170,7 +173,8 @@ def test_max_prompt_len_and_the_rollout_knobs_have_one_default():
     import inspect
 
     from launch.aot import compile_rollout
-    from rl.config import DataConfig, RolloutConfig
+    from rl.config import DataConfig
+    from rl.rollout.config import RolloutConfig
     from rl.config_tree import default
     from rl.data import PromptDataset, load_records
     from rl.rollout.engine import SamplingParams

@@ -178,7 +178,7 @@ def test_rollout_ep_dispatch_knobs_reach_the_sampler():
     import jax
     from jax.sharding import Mesh
 
-    from rl.config import RolloutConfig
+    from rl.rollout.config import RolloutConfig
     from rl.rollout.settings import EngineSettings
 
     mesh = Mesh(np.array(jax.devices()[:8]).reshape(2, 1, 4, 1), ("data", "fsdp", "expert", "tensor"))

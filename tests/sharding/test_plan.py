@@ -16,7 +16,7 @@ import dsv4
 from launch.plan import main as plan_main
 from parallel import activations, model_bytes
 from parallel import plan as pl
-from rl.config import LearnerConfig
+from rl.algo_config import LearnerConfig
 from sharding.mesh import MeshSpecError, build_mesh_plan
 from sharding.rules import ACTOR_RULES, ROLLOUT_RULES
 
