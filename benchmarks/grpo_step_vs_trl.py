@@ -97,7 +97,8 @@ def make_ours(ckpt: str, prompts: list[list[int]], warmup: int = 2):
     """-> (step(i) -> seconds, per-stage times {stage: [s]}, warm-up seconds): our GRPO step, compiled."""
     from rl.advantages import grpo_advantages
     from rl.algo_config import LearnerConfig, LossConfig
-    from rl.learner import Learner, TrainBatch
+    from rl.batch import TrainBatch
+    from rl.learner import Learner
     from rl.rollout.engine import Sampler, SamplingParams
 
     model = load_hf_checkpoint(ckpt, dtype=jnp.float32)

@@ -70,7 +70,8 @@ from dsv4 import DSV4Config, DSV4ForCausalLM  # noqa: E402
 from parallel.flops import train_flops_per_token  # noqa: E402
 from rl.algo_config import LearnerConfig  # noqa: E402
 from rl.config import DEFAULT_LEARNER  # noqa: E402
-from rl.learner import Learner, TrainBatch  # noqa: E402
+from rl.batch import TrainBatch  # noqa: E402
+from rl.learner import Learner  # noqa: E402
 from sharding.mesh import build_mesh_plan  # noqa: E402
 
 MIB = 1 << 20

@@ -63,11 +63,11 @@ from dsv4.cache import teacher_forced_logprobs  # noqa: E402
 from dsv4.fp8_gemm import FakeQuantWeight  # noqa: E402
 from dsv4.names import param_key  # noqa: E402
 from dsv4.quant import QuantizedTensor  # noqa: E402
-from rl.batch import RolloutBatch  # noqa: E402
+from rl.batch import RolloutBatch, TrainBatch  # noqa: E402
 from rl.algo_config import LearnerConfig, LossConfig  # noqa: E402
 from rl.rollout.exact import exact_layout  # noqa: E402
 from rl.rollout.exact import generate as exact_generate  # noqa: E402
-from rl.learner import Learner, TrainBatch  # noqa: E402
+from rl.learner import Learner  # noqa: E402
 from rl.logprobs import token_logprobs  # noqa: E402
 from rl.losses import kl_penalty  # noqa: E402
 from dsv4.rollout_format import GEMM_KEYS, layer_value  # noqa: E402
@@ -121,7 +121,7 @@ def cost(model, batch: TrainBatch, fp8: bool) -> tuple[int, float]:
                       rollout_dtype="fp8")
     compiled = learner.lower(batch).compile()  # the train step's own jit, lowered for this batch
     temp = compiled.memory_analysis().temp_size_in_bytes
-    fitted = learner._fit(learner._check_batch(batch, True))[0]  # the batch as train_step hands it to that jit
+    fitted = learner.fit_batch(batch, True)[0]  # the batch as train_step hands it to that jit
     state, times = learner.state, []
     for _ in range(3):
         t0 = time.perf_counter()

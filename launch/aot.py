@@ -40,7 +40,9 @@ from rl.config import DEFAULT_LEARNER, DataConfig
 from rl.rollout.config import RolloutConfig
 from rl.config_tree import default
 from launch.hlo_stats import HloStats, count
-from rl.learner import TRAIN, Learner, TrainBatch
+from rl.batch import TrainBatch
+from rl.learner import Learner
+from rl.learner_step import TRAIN
 from rl.rollout.engine import Sampler
 from rl.rollout.settings import EngineSettings
 from sharding.mesh import build_mesh_plan, parse_mesh_spec

@@ -1,5 +1,6 @@
 """The learner: one jitted GRPO/PPO update step on the actor mesh (fp32 master weights, AdamW, micro-batches,
-inputs at their real size, optional host offload of the optimizer state).
+inputs at their real size, optional host offload of the optimizer state). This module holds the state, the jits and
+the host side of a batch; the traced math (forward, loss, gradients, update) is `rl.learner_step.LearnerStep`.
 
 Data: a `TrainBatch` holds N rows laid out by the sampler as `[left-padded prompt (P) | response (T),
 right-padded]`, S = P + T. The per-token arrays are aligned at each token's own position (`rl.logprobs`), so
@@ -82,7 +83,6 @@ Run the tests: `.venv/bin/python -m pytest -q tests/rl/test_learner.py`.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import functools
 import math
 import re
@@ -99,31 +99,23 @@ from dsv4 import scan
 from dsv4.layers import Buffer
 from dsv4.names import tree_key
 from dsv4.quant import select_fp8_format
+from dsv4.rollout_format import RolloutFormat, parse_rollout_dtype
 from parallel import expert as expert_lib
 from rl import batching, optim
-from rl.batch import TrainBatch, check_train_batch  # TrainBatch: re-exported (rl.learner.TrainBatch)
 from rl.algo_config import LearnerConfig
-from rl.rollout.config import RolloutConfig
+from rl.batch import TrainBatch, check_train_batch
 from rl.config_tree import default
-from rl.learner_state import (LogprobResult, TrainState, master_like_params, offload_shardings, opt_state_to,
-                              place, resolve_param_dtype, state_shardings, streamable)
-from rl.logprobs import next_token_logits, token_logprobs
-from rl.losses import kl_penalty, loss_normalizers, mtp_mask, policy_loss
-from rl.metrics import masked_mean
+from rl.learner_state import (LogprobResult, TrainState, master_like_params, offload_shardings, place,
+                              resolve_param_dtype, state_shardings, streamable)
+from rl.learner_step import FROZEN, TRAIN, LearnerStep, Metrics
 from rl.replay import check_replay_routing
-from dsv4.rollout_format import RolloutFormat, fp8_aware_params, parse_rollout_dtype
+from rl.rollout.config import RolloutConfig
 from sharding import axes as ax
 from sharding import offload as so
 from sharding import rules as sr
 from sharding.mesh import auto_axes
 
-Metrics = dict[str, jax.Array]
-TRAIN, FROZEN = "train", "frozen"
 _HASH_TABLE = re.compile(r"layers/(\d+)/ffn/gate/tid2eid")
-# Names that every train_step reports (0 where they do not apply), besides what policy_loss returns.
-METRIC_NAMES = ("train/pg_loss", "train/pg_clipfrac", "train/ppo_kl", "train/kl_loss", "train/entropy",
-                "train/grad_norm", "train/train_rollout_logprob_abs_diff", "train/train_rollout_kl",
-                "train/tis_clipfrac", "train/skipped_nonfinite", "train/lr")
 
 
 class Learner:
@@ -253,6 +245,10 @@ class Learner:
         self._hash_buffers = {int(m.group(1)): leaf for p, leaf in jax.tree_util.tree_leaves_with_path(buffers)
                               if (m := _HASH_TABLE.fullmatch(tree_key(p)))}
         self._replay_metrics: dict[str, Any] = {}
+        self.math = LearnerStep(cfg=cfg, graphdef=self.graphdef, sdef=self.sdef, rformat=self.rformat,
+                                dispatch_fn=self.dispatch_fn, labels=self.labels, tx=self.tx, matrix=self._matrix,
+                                offloaded=self.offloaded, streamed=self.streamed,
+                                opt_shardings=self._state_shardings.opt_state)
 
     def _param_shardings(self) -> Any:
         """The params' shardings in the per-layer layout (official paths, e.g. for `expert_lib.default_dispatch`)."""
@@ -264,146 +260,11 @@ class Learner:
             return jax.tree.map(lambda _: one, self._per_layer_params)
         return scan.unstack_params(sh, self.sdef.groups)
 
-    def _placement(self) -> tuple:
-        """`rl.learner_state.opt_state_to`'s placement arguments: (offloaded, streamed, params, opt shardings)."""
-        return self.offloaded, self.streamed, self.state.params, self._state_shardings.opt_state
-
     # ------------------------------------------------------------------ optimizer
     def _label(self, path, _leaf) -> str:
         """TRAIN or FROZEN: `sharding.offload.is_trained` (the planner counts optimizer state by the same rule)."""
         trained = so.is_trained(tree_key(path), train_mtp=self.cfg.train_mtp, freeze_router=self.cfg.freeze_router)
         return TRAIN if trained else FROZEN
-
-    # ------------------------------------------------------------------ the math (traced inside jit)
-    def _model(self, params, buffers):
-        """-> (model, layer stack or None): the learner's forward model of `params` (the FP8-aware one with
-        `fp8_forward`: the rollout's weights, straight-through to the masters)."""
-        if self.rformat is not None:
-            params = fp8_aware_params(params, self.rformat)
-        if self.sdef is None:
-            return nnx.merge(self.graphdef, params, buffers), None
-        # the shell (embedding, head, ...) + the stacked layers under lax.scan, remat per sub-layer
-        return scan.merge_stacked(self.sdef, params, buffers, remat=self.cfg.remat)
-
-    def _logprobs(self, params, buffers, mb: TrainBatch, replay: bool, mtp: bool = False):
-        model, stack = self._model(params, buffers)
-        return token_logprobs(model, mb.input_ids, mb.attention_mask, temperature=self.cfg.temperature,
-                              routing_replay=mb.routing if replay else None, return_entropy=True,
-                              chunk_size=self.cfg.logprob_chunk_size, dispatch_fn=self.dispatch_fn,
-                              layer_stack=stack, mtp=mtp)
-
-    def _next_logits(self, state: TrainState, batch: TrainBatch, lay: batching.Layout) -> jax.Array:
-        """`next_logits`' device side, micro-batched exactly as `_forward` (same split, same `lax.map`)."""
-        def one(mb):
-            model, stack = self._model(state.params, state.buffers)
-            return next_token_logits(model, mb.input_ids, mb.attention_mask, jnp.argmax(mb.response_mask, axis=1),
-                                     temperature=self.cfg.temperature, chunk_size=self.cfg.logprob_chunk_size,
-                                     dispatch_fn=self.dispatch_fn, layer_stack=stack)
-
-        if lay.micro_batches == 1 and lay.rows == batch.input_ids.shape[0]:
-            return one(batch)
-        return batching.merge(jax.lax.map(one, batching.split(batch, lay)), batch.input_ids.shape[0])
-
-    def _loss(self, params, buffers, ref_params, mb: TrainBatch, norms: dict[str, jax.Array], loss_cfg=None):
-        """Loss of one micro-batch with the full batch's normalisers -> (loss, metrics); differentiated in params.
-        loss_cfg: the step's LossConfig (cfg.loss with the caller's S as Dr.GRPO's default length)."""
-        replay = self.cfg.routing_replay
-        w_mtp = self.cfg.mtp_loss_weight
-        lp, ent, _, *lq = self._logprobs(params, buffers, mb, replay, mtp=w_mtp > 0)
-        old = jax.lax.stop_gradient(lp) if mb.old_logprobs is None else mb.old_logprobs
-        ref_lp = None
-        if ref_params is not None:
-            ref_lp = jax.lax.stop_gradient(self._logprobs(ref_params, buffers, mb, replay)[0])
-        if self.cfg.loss.entropy_coef == 0:
-            ent = jax.lax.stop_gradient(ent)
-        norms = dict(norms)
-        mtp_norm = norms.pop("mtp_tokens", None)
-        loss, metrics = policy_loss(lp, old, mb.advantages, mb.response_mask, loss_cfg or self.cfg.loss,
-                                    rollout_logprobs=mb.rollout_logprobs, ref_logprobs=ref_lp, entropy=ent, **norms)
-        if w_mtp > 0:  # on-policy MTP loss: cross-entropy over the batch's response tokens (stop-gradient trunk)
-            mtp_loss = -jnp.sum(lq[0] * mtp_mask(mb.response_mask)) / mtp_norm
-            loss = loss + w_mtp * mtp_loss
-            metrics = dict(metrics, **{"train/mtp_loss": mtp_loss})
-        return loss, metrics
-
-    def _loss_cfg(self, lay: batching.Layout):
-        """cfg.loss; for Dr.GRPO without norm_length, the caller's S (not the trimmed width) as the length."""
-        c = self.cfg.loss
-        if c.loss_agg_mode == "seq-mean-token-sum-norm" and c.norm_length is None and lay.width != lay.seq_len:
-            return dataclasses.replace(c, norm_length=lay.seq_len)
-        return c
-
-    def _loss_and_grads(self, state: TrainState, batch: TrainBatch, lay: batching.Layout):
-        """-> (loss, grads (nnx.State like params, param dtype), metrics), accumulated exactly over micro-batches."""
-        norms = loss_normalizers(batch.response_mask, self.cfg.loss)
-        if self.cfg.mtp_loss_weight > 0:
-            norms = dict(norms, mtp_tokens=jnp.maximum(jnp.sum(mtp_mask(batch.response_mask)), 1.0))
-        grad_fn = jax.value_and_grad(functools.partial(self._loss, loss_cfg=self._loss_cfg(lay)), has_aux=True)
-        m = lay.micro_batches
-        if m == 1 and lay.rows == batch.input_ids.shape[0]:
-            (loss, metrics), grads = grad_fn(state.params, state.buffers, state.ref_params, batch, norms)
-            return loss, grads, metrics
-        mbs = batching.split(batch, lay)
-
-        def body(acc, mb):
-            (loss, metrics), grads = grad_fn(state.params, state.buffers, state.ref_params, mb, norms)
-            return jax.tree.map(jnp.add, acc, (loss, grads, metrics)), None
-
-        first = jax.tree.map(lambda x: x[0], mbs)
-        (_, metric_shapes), _ = jax.eval_shape(grad_fn, state.params, state.buffers, state.ref_params, first, norms)
-        zeros = lambda t: jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), t)  # noqa: E731
-        init = (jnp.zeros((), jnp.float32), jax.tree.map(jnp.zeros_like, state.params), zeros(metric_shapes))
-        (loss, grads, metrics), _ = jax.lax.scan(body, init, mbs)
-        return loss, grads, metrics
-
-    def _step(self, state: TrainState, batch: TrainBatch, lay: batching.Layout) -> tuple[TrainState, Metrics]:
-        loss, grads, metrics = self._loss_and_grads(state, batch, lay)
-        grad_norm = optax.tree.norm([g.astype(jnp.float32) for g, label in
-                                     zip(jax.tree.leaves(grads), jax.tree.leaves(self.labels)) if label == TRAIN])
-        old_opt = opt_state_to(state.opt_state, "device", *self._placement())
-        finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
-        keep = lambda new, old: jax.tree.map(lambda a, b: jnp.where(finite, a, b), new, old)  # noqa: E731
-        if self.streamed:  # offloaded stacked state: one slice at a time on the device (rl.optim.update_streamed)
-            tx = optax.multi_transform({TRAIN: optim.train_tx(self.cfg, self._matrix, clip=False),
-                                        FROZEN: optax.set_to_zero()}, self.labels)
-            stepped, opt_state = optim.update_streamed(
-                tx, grads, old_opt, state.params, self.streamed, finite=finite, g_norm=grad_norm,
-                max_norm=self.cfg.max_grad_norm, to_device=lambda x: jax.device_put(x, jax.memory.Space.Device),
-                to_host=lambda x: jax.device_put(x, jax.memory.Space.Host))
-            params = jax.tree.map(lambda new, old, label: new if label == TRAIN else old, stepped, state.params,
-                                  self.labels)
-        else:
-            stepped, opt_state = optim.update(self.tx, grads, old_opt, state.params)
-            params = jax.tree.map(lambda new, old, label: new if label == TRAIN else old, stepped, state.params,
-                                  self.labels)
-            params, opt_state = keep(params, state.params), keep(opt_state, old_opt)
-        new_state = state.replace(step=keep(state.step + 1, state.step), params=params,
-                                  opt_state=opt_state_to(opt_state, "host", *self._placement()))
-        out = {name: jnp.zeros((), jnp.float32) for name in METRIC_NAMES}
-        out.update(metrics)
-        out["train/grad_norm"] = grad_norm
-        out["train/lr"] = optim.lr_schedule(self.cfg)(state.step)
-        out["train/skipped_nonfinite"] = (~finite).astype(jnp.float32)
-        return new_state, out
-
-    def _forward(self, state: TrainState, batch: TrainBatch, replay: bool, lay: batching.Layout
-                 ) -> tuple[LogprobResult, Metrics]:
-        n = batch.input_ids.shape[0]
-
-        def one(mb):
-            return LogprobResult(*self._logprobs(state.params, state.buffers, mb, replay))
-
-        if lay.micro_batches == 1 and lay.rows == n:
-            res = one(batch)
-        else:  # [M, R, ...] -> back to [N, ...] (inverse of the strided split, padding rows dropped)
-            res = jax.tree.map(lambda x: batching.merge(x, n), jax.lax.map(one, batching.split(batch, lay)))
-        mask = batch.response_mask > 0
-        diff = jnp.where(mask, res.logprobs - jnp.where(mask, batch.rollout_logprobs, 0.0), 0.0)
-        kl = kl_penalty(jnp.where(mask, batch.rollout_logprobs, 0.0), res.logprobs, "k3", self.cfg.loss.kl_clamp)
-        metrics = {"train/train_rollout_logprob_abs_diff": masked_mean(jnp.abs(diff), mask),
-                   "train/train_rollout_kl": masked_mean(jnp.where(mask, kl, 0.0), mask),
-                   "train/entropy": masked_mean(res.entropy, mask)}
-        return res, metrics
 
     # ------------------------------------------------------------------ public API
     def train_step(self, state: TrainState, batch: TrainBatch) -> tuple[TrainState, Metrics]:
@@ -415,9 +276,8 @@ class Learner:
             ValueError: mis-shaped batch arrays, N not a multiple of micro_batch_size (or of the mesh's batch
                 axes), or routing missing / mis-shaped while `routing_replay` is on. Nothing has run then.
         """
-        batch = self._check_batch(batch, self.cfg.routing_replay)
-        batch, lay, _ = self._fit(batch)
-        fn = self._jit(("step", lay), functools.partial(self._step, lay=lay), donate=True)
+        batch, lay, _ = self.fit_batch(batch)
+        fn = self._jit(("step", lay), functools.partial(self.math.step, lay=lay), donate=True)
         with self._context():
             new_state, metrics = fn(state, self._place(batch))
         return new_state, {**metrics, **self._replay_metrics}
@@ -436,7 +296,7 @@ class Learner:
             lay = self.layout(n, s, s)
         else:
             batch, lay, _ = self._fit(batch)
-        fn = self._jit(("step", lay), functools.partial(self._step, lay=lay), donate=True)
+        fn = self._jit(("step", lay), functools.partial(self.math.step, lay=lay), donate=True)
         state = self.state if state is None else state
         if abstract and self._batch_sharding is not None:
             batch = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=self._batch_sharding),
@@ -451,9 +311,8 @@ class Learner:
 
     def loss_and_grads(self, state: TrainState, batch: TrainBatch) -> tuple[jax.Array, Any, Metrics]:
         """The step's (loss, grads, metrics) without updating (no donation); for tests and diagnostics."""
-        batch = self._check_batch(batch, self.cfg.routing_replay)
-        batch, lay, _ = self._fit(batch)
-        fn = self._jit(("grads", lay), functools.partial(self._loss_and_grads, lay=lay), donate=False,
+        batch, lay, _ = self.fit_batch(batch)
+        fn = self._jit(("grads", lay), functools.partial(self.math.loss_and_grads, lay=lay), donate=False,
                        out_batch=False)
         with self._context():
             return fn(state, self._place(batch))
@@ -469,9 +328,8 @@ class Learner:
             train/train_rollout_kl (k3 estimate of KL(rollout || learner)), train/entropy}: masked token means).
         """
         replay = self.cfg.routing_replay if routing_replay is None else routing_replay
-        batch = self._check_batch(batch, replay)
-        batch, lay, shift = self._fit(batch)
-        fn = self._jit(("logprobs", replay, lay), lambda s, b: self._forward(s, b, replay, lay), donate=False,
+        batch, lay, shift = self.fit_batch(batch, replay)
+        fn = self._jit(("logprobs", replay, lay), lambda s, b: self.math.forward(s, b, replay, lay), donate=False,
                        out_batch=True)
         with self._context():
             res, metrics = fn(state, self._place(batch))
@@ -486,11 +344,10 @@ class Learner:
         the token after the one `batch.response_mask` marks in each row (exactly one 1 per row), with the model,
         weights and micro-batch layout of `compute_logprobs` (no routing replay). Exact mode draws its tokens from
         these (rl/rollout/exact.py). Needs rows that start at column 0 (no re-alignment: ValueError otherwise)."""
-        batch = self._check_batch(batch, False)
-        batch, lay, shift = self._fit(batch)
+        batch, lay, shift = self.fit_batch(batch, False)
         if np.any(shift):
             raise ValueError("Learner.next_logits: rows must start at column 0 (right-padded)")
-        fn = self._jit(("next", lay), lambda s, b: (self._next_logits(s, b, lay), None), donate=False, out_batch=True)
+        fn = self._jit(("next", lay), lambda s, b: (self.math.next_logits(s, b, lay), None), donate=False, out_batch=True)
         with self._context():
             return fn(state, self._place(batch))[0]
 
@@ -568,6 +425,14 @@ class Learner:
         return batching.layout(n, s, longest, trim=c.trim, micro_batch_size=c.micro_batch_size,
                                max_tokens=c.max_tokens_per_micro_batch, batch_devices=self.batch_devices(),
                                context=self.context_devices())
+
+    def fit_batch(self, batch: TrainBatch, replay: bool | None = None
+                  ) -> tuple[TrainBatch, batching.Layout, np.ndarray]:
+        """The host side of `train_step` / `compute_logprobs`: the batch checked (routing dropped unless `replay`,
+        default `cfg.routing_replay`) and trimmed -> (the batch as the step's jit takes it, its micro-batch layout,
+        the per-row column shift). Raises ValueError as `train_step`."""
+        replay = self.cfg.routing_replay if replay is None else replay
+        return self._fit(self._check_batch(batch, replay))
 
     def _fit(self, batch: TrainBatch) -> tuple[TrainBatch, batching.Layout, np.ndarray]:
         """Host side: trim to the longest real row (rl/batching.py) -> (batch, layout, per-row shift).

@@ -15,7 +15,9 @@ from flax import nnx
 import dsv4
 from rl.advantages import grpo_advantages
 from rl.algo_config import LearnerConfig, LossConfig
-from rl.learner import METRIC_NAMES, Learner, TrainBatch
+from rl.batch import TrainBatch
+from rl.learner import Learner
+from rl.learner_step import METRIC_NAMES
 from rl.logprobs import token_logprobs
 from parallel.expert import make_ep_dispatch
 from sharding.mesh import build_mesh_plan

@@ -18,7 +18,8 @@ from flax import nnx
 
 import dsv4
 from rl.algo_config import LearnerConfig
-from rl.learner import Learner, TrainBatch
+from rl.batch import TrainBatch
+from rl.learner import Learner
 from sharding.mesh import build_mesh_plan
 
 CFG = dsv4.DSV4Config.tiny(num_hidden_layers=2, compress_ratios=(4, 8, 0))

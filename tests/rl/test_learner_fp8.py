@@ -18,7 +18,8 @@ from dsv4.layers import linear
 from dsv4.quant import act_fake_quant, quantize_rollout_fp8, straight_through
 from launch import run as launch_run
 from rl.algo_config import LearnerConfig
-from rl.learner import Learner, TrainBatch
+from rl.batch import TrainBatch
+from rl.learner import Learner
 from rl.logprobs import token_logprobs
 from rl.rollout.engine import Sampler
 

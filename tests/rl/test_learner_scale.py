@@ -19,7 +19,8 @@ from flax import nnx
 import dsv4
 from rl.algo_config import LearnerConfig, LossConfig
 from rl.config import RunConfig
-from rl.learner import Learner, TrainBatch
+from rl.batch import TrainBatch
+from rl.learner import Learner
 from rl.logprobs import token_logprobs
 from sharding import offload as so
 from sharding.mesh import build_mesh_plan
@@ -79,7 +80,7 @@ def test_trimmed_token_budget_micro_batches_equal_the_full_batch(model, batch):
     assert (lay.width, lay.micro_batches, lay.rows) == (16, 1, 5)
     new = Learner(model, _lc(lr=1e-3, compute_dtype="float32", max_tokens_per_micro_batch=16,
                                        logprob_chunk_size=3, loss=loss_cfg, routing_replay=True))
-    _, lay, shift = new._fit(batch)
+    _, lay, shift = new.fit_batch(batch)
     assert (lay.width, lay.micro_batches, lay.rows) == (8, 3, 2) and shift.max() > 0
     (l_ref, g_ref, m_ref), (l_new, g_new, m_new) = (lr.loss_and_grads(lr.state, batch) for lr in (ref, new))
     np.testing.assert_allclose(float(l_new), float(l_ref), rtol=1e-5, atol=1e-7)

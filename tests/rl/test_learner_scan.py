@@ -17,7 +17,8 @@ from flax import nnx
 import dsv4
 from dsv4 import scan as sc
 from rl.algo_config import LearnerConfig, LossConfig
-from rl.learner import Learner, TrainBatch
+from rl.batch import TrainBatch
+from rl.learner import Learner
 from rl.logprobs import token_logprobs
 from parallel.expert import make_ep_dispatch
 from sharding.mesh import build_mesh_plan

@@ -8,7 +8,8 @@ from flax import nnx
 
 from dsv4 import DSV4Config, DSV4ForCausalLM
 from rl.algo_config import LearnerConfig, LossConfig
-from rl.learner import Learner, TrainBatch
+from rl.batch import TrainBatch
+from rl.learner import Learner
 from rl.rollout.engine import Sampler, SamplingParams
 
 CFG = DSV4Config.tiny(num_hidden_layers=2, compress_ratios=(4, 8), num_nextn_predict_layers=0)

@@ -24,7 +24,8 @@ from dsv4.quant import dequantize_fp8_blockwise
 from dsv4.spec_decode import commit, verify_forward
 from rl.algo_config import SPECULATIVE_MTP_LOSS_WEIGHT, LearnerConfig
 from rl.config import RunConfig
-from rl.learner import Learner, TrainBatch
+from rl.batch import TrainBatch
+from rl.learner import Learner
 from rl.optim import clip_by_global_norm_apart
 from rl.logprobs import token_logprobs
 from rl.rollout.engine import Sampler, SamplingParams

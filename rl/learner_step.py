@@ -1,0 +1,193 @@
+"""The learner's math, traced inside its jits: the forward model of a state's params, per-token logprobs, the
+micro-batched loss and gradients, one optimizer update (with the non-finite guard and the streamed offloaded update)
+and the no-gradient forward. `rl.learner.Learner` builds one `LearnerStep` from its config, model graph and state
+layout, and jits these methods; its module docstring gives the choices (precision, micro-batches, FP8-aware forward,
+routing replay, freezing, the non-finite guard, scanned layers). Tests: tests/rl/test_learner.py.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import optax
+from flax import nnx
+
+from dsv4 import scan
+from dsv4.rollout_format import RolloutFormat, fp8_aware_params
+from rl import batching, optim
+from rl.algo_config import LearnerConfig
+from rl.batch import TrainBatch
+from rl.learner_state import LogprobResult, TrainState, opt_state_to
+from rl.logprobs import next_token_logits, token_logprobs
+from rl.losses import kl_penalty, loss_normalizers, mtp_mask, policy_loss
+from rl.metrics import masked_mean
+
+Metrics = dict[str, jax.Array]
+TRAIN, FROZEN = "train", "frozen"  # a param's optimizer label: updated, or carried over as-is (no Adam state)
+# Names that every train_step reports (0 where they do not apply), besides what policy_loss returns.
+METRIC_NAMES = ("train/pg_loss", "train/pg_clipfrac", "train/ppo_kl", "train/kl_loss", "train/entropy",
+                "train/grad_norm", "train/train_rollout_logprob_abs_diff", "train/train_rollout_kl",
+                "train/tis_clipfrac", "train/skipped_nonfinite", "train/lr")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True, eq=False)
+class LearnerStep:
+    """What the traced step needs of a `Learner`, and the step's functions (pure in their array arguments).
+
+    cfg: the resolved LearnerConfig. graphdef: the learner's model graph; sdef: the `dsv4.scan.StackDef` with
+    scan_layers, else None. rformat: the rollout's weight format for the FP8-aware forward, else None.
+    dispatch_fn: the routed-expert implementation. labels: TRAIN / FROZEN per param (the state's layout); tx: the
+    optimizer (`optax.multi_transform` over the labels); matrix: {param path: ndim >= 2 per layer} (weight decay).
+    offloaded / streamed: the params whose optimizer state lives in host memory / is updated slice by slice;
+    opt_shardings: the optimizer state's shardings (`rl.learner_state.opt_state_to`).
+    """
+
+    cfg: LearnerConfig
+    graphdef: Any
+    sdef: Any
+    rformat: RolloutFormat | None
+    dispatch_fn: Any
+    labels: Any
+    tx: Any
+    matrix: dict[str, bool]
+    offloaded: frozenset[str]
+    streamed: frozenset[str]
+    opt_shardings: Any
+
+    def placement(self, params) -> tuple:
+        """`rl.learner_state.opt_state_to`'s placement arguments for a state whose params are `params`."""
+        return self.offloaded, self.streamed, params, self.opt_shardings
+
+    def model(self, params, buffers):
+        """-> (model, layer stack or None): the learner's forward model of `params` (the FP8-aware one with
+        `fp8_forward`: the rollout's weights, straight-through to the masters)."""
+        if self.rformat is not None:
+            params = fp8_aware_params(params, self.rformat)
+        if self.sdef is None:
+            return nnx.merge(self.graphdef, params, buffers), None
+        # the shell (embedding, head, ...) + the stacked layers under lax.scan, remat per sub-layer
+        return scan.merge_stacked(self.sdef, params, buffers, remat=self.cfg.remat)
+
+    def logprobs(self, params, buffers, mb: TrainBatch, replay: bool, mtp: bool = False):
+        model, stack = self.model(params, buffers)
+        return token_logprobs(model, mb.input_ids, mb.attention_mask, temperature=self.cfg.temperature,
+                              routing_replay=mb.routing if replay else None, return_entropy=True,
+                              chunk_size=self.cfg.logprob_chunk_size, dispatch_fn=self.dispatch_fn,
+                              layer_stack=stack, mtp=mtp)
+
+    def next_logits(self, state: TrainState, batch: TrainBatch, lay: batching.Layout) -> jax.Array:
+        """`Learner.next_logits`' device side, micro-batched exactly as `forward` (same split, same `lax.map`)."""
+        def one(mb):
+            model, stack = self.model(state.params, state.buffers)
+            return next_token_logits(model, mb.input_ids, mb.attention_mask, jnp.argmax(mb.response_mask, axis=1),
+                                     temperature=self.cfg.temperature, chunk_size=self.cfg.logprob_chunk_size,
+                                     dispatch_fn=self.dispatch_fn, layer_stack=stack)
+
+        if lay.micro_batches == 1 and lay.rows == batch.input_ids.shape[0]:
+            return one(batch)
+        return batching.merge(jax.lax.map(one, batching.split(batch, lay)), batch.input_ids.shape[0])
+
+    def loss(self, params, buffers, ref_params, mb: TrainBatch, norms: dict[str, jax.Array], loss_cfg=None):
+        """Loss of one micro-batch with the full batch's normalisers -> (loss, metrics); differentiated in params.
+        loss_cfg: the step's LossConfig (cfg.loss with the caller's S as Dr.GRPO's default length)."""
+        replay = self.cfg.routing_replay
+        w_mtp = self.cfg.mtp_loss_weight
+        lp, ent, _, *lq = self.logprobs(params, buffers, mb, replay, mtp=w_mtp > 0)
+        old = jax.lax.stop_gradient(lp) if mb.old_logprobs is None else mb.old_logprobs
+        ref_lp = None
+        if ref_params is not None:
+            ref_lp = jax.lax.stop_gradient(self.logprobs(ref_params, buffers, mb, replay)[0])
+        if self.cfg.loss.entropy_coef == 0:
+            ent = jax.lax.stop_gradient(ent)
+        norms = dict(norms)
+        mtp_norm = norms.pop("mtp_tokens", None)
+        loss, metrics = policy_loss(lp, old, mb.advantages, mb.response_mask, loss_cfg or self.cfg.loss,
+                                    rollout_logprobs=mb.rollout_logprobs, ref_logprobs=ref_lp, entropy=ent, **norms)
+        if w_mtp > 0:  # on-policy MTP loss: cross-entropy over the batch's response tokens (stop-gradient trunk)
+            mtp_loss = -jnp.sum(lq[0] * mtp_mask(mb.response_mask)) / mtp_norm
+            loss = loss + w_mtp * mtp_loss
+            metrics = dict(metrics, **{"train/mtp_loss": mtp_loss})
+        return loss, metrics
+
+    def loss_cfg(self, lay: batching.Layout):
+        """cfg.loss; for Dr.GRPO without norm_length, the caller's S (not the trimmed width) as the length."""
+        c = self.cfg.loss
+        if c.loss_agg_mode == "seq-mean-token-sum-norm" and c.norm_length is None and lay.width != lay.seq_len:
+            return dataclasses.replace(c, norm_length=lay.seq_len)
+        return c
+
+    def loss_and_grads(self, state: TrainState, batch: TrainBatch, lay: batching.Layout):
+        """-> (loss, grads (nnx.State like params, param dtype), metrics), accumulated exactly over micro-batches."""
+        norms = loss_normalizers(batch.response_mask, self.cfg.loss)
+        if self.cfg.mtp_loss_weight > 0:
+            norms = dict(norms, mtp_tokens=jnp.maximum(jnp.sum(mtp_mask(batch.response_mask)), 1.0))
+        grad_fn = jax.value_and_grad(functools.partial(self.loss, loss_cfg=self.loss_cfg(lay)), has_aux=True)
+        m = lay.micro_batches
+        if m == 1 and lay.rows == batch.input_ids.shape[0]:
+            (loss, metrics), grads = grad_fn(state.params, state.buffers, state.ref_params, batch, norms)
+            return loss, grads, metrics
+        mbs = batching.split(batch, lay)
+
+        def body(acc, mb):
+            (loss, metrics), grads = grad_fn(state.params, state.buffers, state.ref_params, mb, norms)
+            return jax.tree.map(jnp.add, acc, (loss, grads, metrics)), None
+
+        first = jax.tree.map(lambda x: x[0], mbs)
+        (_, metric_shapes), _ = jax.eval_shape(grad_fn, state.params, state.buffers, state.ref_params, first, norms)
+        zeros = lambda t: jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), t)  # noqa: E731
+        init = (jnp.zeros((), jnp.float32), jax.tree.map(jnp.zeros_like, state.params), zeros(metric_shapes))
+        (loss, grads, metrics), _ = jax.lax.scan(body, init, mbs)
+        return loss, grads, metrics
+
+    def step(self, state: TrainState, batch: TrainBatch, lay: batching.Layout) -> tuple[TrainState, Metrics]:
+        loss, grads, metrics = self.loss_and_grads(state, batch, lay)
+        grad_norm = optax.tree.norm([g.astype(jnp.float32) for g, label in
+                                     zip(jax.tree.leaves(grads), jax.tree.leaves(self.labels)) if label == TRAIN])
+        old_opt = opt_state_to(state.opt_state, "device", *self.placement(state.params))
+        finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
+        keep = lambda new, old: jax.tree.map(lambda a, b: jnp.where(finite, a, b), new, old)  # noqa: E731
+        if self.streamed:  # offloaded stacked state: one slice at a time on the device (rl.optim.update_streamed)
+            tx = optax.multi_transform({TRAIN: optim.train_tx(self.cfg, self.matrix, clip=False),
+                                        FROZEN: optax.set_to_zero()}, self.labels)
+            stepped, opt_state = optim.update_streamed(
+                tx, grads, old_opt, state.params, self.streamed, finite=finite, g_norm=grad_norm,
+                max_norm=self.cfg.max_grad_norm, to_device=lambda x: jax.device_put(x, jax.memory.Space.Device),
+                to_host=lambda x: jax.device_put(x, jax.memory.Space.Host))
+            params = jax.tree.map(lambda new, old, label: new if label == TRAIN else old, stepped, state.params,
+                                  self.labels)
+        else:
+            stepped, opt_state = optim.update(self.tx, grads, old_opt, state.params)
+            params = jax.tree.map(lambda new, old, label: new if label == TRAIN else old, stepped, state.params,
+                                  self.labels)
+            params, opt_state = keep(params, state.params), keep(opt_state, old_opt)
+        new_state = state.replace(step=keep(state.step + 1, state.step), params=params,
+                                  opt_state=opt_state_to(opt_state, "host", *self.placement(state.params)))
+        out = {name: jnp.zeros((), jnp.float32) for name in METRIC_NAMES}
+        out.update(metrics)
+        out["train/grad_norm"] = grad_norm
+        out["train/lr"] = optim.lr_schedule(self.cfg)(state.step)
+        out["train/skipped_nonfinite"] = (~finite).astype(jnp.float32)
+        return new_state, out
+
+    def forward(self, state: TrainState, batch: TrainBatch, replay: bool, lay: batching.Layout
+                 ) -> tuple[LogprobResult, Metrics]:
+        n = batch.input_ids.shape[0]
+
+        def one(mb):
+            return LogprobResult(*self.logprobs(state.params, state.buffers, mb, replay))
+
+        if lay.micro_batches == 1 and lay.rows == n:
+            res = one(batch)
+        else:  # [M, R, ...] -> back to [N, ...] (inverse of the strided split, padding rows dropped)
+            res = jax.tree.map(lambda x: batching.merge(x, n), jax.lax.map(one, batching.split(batch, lay)))
+        mask = batch.response_mask > 0
+        diff = jnp.where(mask, res.logprobs - jnp.where(mask, batch.rollout_logprobs, 0.0), 0.0)
+        kl = kl_penalty(jnp.where(mask, batch.rollout_logprobs, 0.0), res.logprobs, "k3", self.cfg.loss.kl_clamp)
+        metrics = {"train/train_rollout_logprob_abs_diff": masked_mean(jnp.abs(diff), mask),
+                   "train/train_rollout_kl": masked_mean(jnp.where(mask, kl, 0.0), mask),
+                   "train/entropy": masked_mean(res.entropy, mask)}
+        return res, metrics
