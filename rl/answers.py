@@ -6,12 +6,19 @@
 - `plain_decimal(text)`: an answer as an exact `decimal.Decimal` when it is a plain number (after normalising
   signs, currency, thousands separators, scientific notation and trailing units), else None (then math-verify
   decides). Nothing is evaluated.
+- `math_verify_equal(pred, gold)`: math-verify's equivalence of two answer texts (LaTeX parsed by latex2sympy /
+  sympy), with its signal timeouts off: the callers run it in the reward worker, whose deadline replaces them
+  (rl/rewards.py's docstring). Answers longer than `MAX_ANSWER_CHARS` are not worth parsing (the callers check).
 """
 
 from __future__ import annotations
 
 import decimal
 import re
+
+# Answers longer than this are not worth parsing: GSM8K answers are short integers, and long
+# expressions are where sympy spends seconds (300 nested parentheses take ~2.5 s).
+MAX_ANSWER_CHARS = 200
 
 _NUMBER_RE = re.compile(r"[-\u2212]?(?:\d[\d,]*(?:\.\d+)?|\.\d+)(?:[eE][-+]?\d+)?")
 # Answer normalisation (`plain_decimal`): minus-like characters -> "-", thousands separators (comma, space,
@@ -82,3 +89,16 @@ def plain_decimal(text: str) -> decimal.Decimal | None:
     if not _PLAIN_NUMBER_RE.fullmatch(s):
         return None
     return decimal.Decimal(sign + s)
+
+
+def math_verify_equal(pred: str, gold: str) -> bool:
+    """math-verify's `verify(parse(gold), parse(pred))`, both texts parsed as given (wrap one in `\\boxed{}` to
+    parse it as a boxed answer); False when either side does not parse. Signal timeouts off (see the module
+    docstring); sympy can take unbounded time on hostile input, so call it under a deadline."""
+    import math_verify  # sympy is heavy: imported on first use (the reward worker preloads it)
+
+    g = math_verify.parse(gold, parsing_timeout=None)
+    p = math_verify.parse(pred, parsing_timeout=None)
+    if not g or not p:
+        return False
+    return bool(math_verify.verify(g, p, timeout_seconds=None))

@@ -35,9 +35,9 @@ import decimal
 import re
 from collections.abc import Callable, Sequence
 
+from rl.answers import MAX_ANSWER_CHARS, last_boxed, math_verify_equal, plain_decimal
 from rl.config import REWARDS
-from rl.answers import last_boxed, plain_decimal
-from rl.rewards import MAX_ANSWER_CHARS, combine_rewards, format_reward, gsm8k_reward
+from rl.rewards import combine_rewards, format_reward, gsm8k_reward
 
 
 _ANSWER_LINE_RE = re.compile(r"(?i)answer\s*:\s*([^\n]+)")
@@ -86,13 +86,7 @@ def _math_equal(pred: str, gold: str) -> bool:
         return p == g
     if p is None and g is None and pred.replace(" ", "") == gold.replace(" ", ""):
         return True
-    import math_verify  # sympy is heavy: imported on first use (the reward worker preloads it)
-
-    gp = math_verify.parse(f"\\boxed{{{gold}}}", parsing_timeout=None)
-    pp = math_verify.parse(f"\\boxed{{{pred}}}", parsing_timeout=None)
-    if not gp or not pp:
-        return False
-    return bool(math_verify.verify(gp, pp, timeout_seconds=None))
+    return math_verify_equal(f"\\boxed{{{pred}}}", f"\\boxed{{{gold}}}")
 
 
 def _reference(reference) -> str:

@@ -5,8 +5,9 @@ Functions:
   The final answer is the text after the last `####`, else the last `\\boxed{...}`, else the last
   number. Plain decimals on both sides are compared exactly in Python (`decimal.Decimal`) after
   normalisation (`rl.answers.plain_decimal`: Unicode minus, spaced signs, currency, thousands separators, scientific
-  notation, trailing units); anything else (fractions, LaTeX) goes to math-verify (`math_verify.parse` + `math_verify.verify`,
-  which parse with latex2sympy / sympy). Model output is never evaluated as code.
+  notation, trailing units); anything else (fractions, LaTeX) goes to math-verify (`rl.answers.math_verify_equal`:
+  `math_verify.parse` + `math_verify.verify`, which parse with latex2sympy / sympy). Model output is never evaluated
+  as code.
 - `format_reward`: 1.0 if the response ends with a GSM8K answer line `#### <number>`.
 - `combine_rewards`: a weighted sum of reward functions, itself a reward function.
 
@@ -50,7 +51,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from rl.answers import extract_final_answer, plain_decimal
+from rl.answers import MAX_ANSWER_CHARS, extract_final_answer, math_verify_equal, plain_decimal
 
 logger = logging.getLogger(__name__)
 
@@ -86,10 +87,6 @@ class TextReward:
         r, m = compute_rewards(self.fn, texts, list(references), timeout_s=self.timeout_s)
         return r, r >= 0.999, m
 
-# Answers longer than this are not worth parsing: GSM8K answers are short integers, and long
-# expressions are where sympy spends seconds (300 nested parentheses take ~2.5 s).
-MAX_ANSWER_CHARS = 200
-
 _FORMAT_RE = re.compile(r"(?:^|\n)[ \t]*####[ \t]*\$?-?\d[\d,]*(?:\.\d+)?[ \t]*\Z")
 
 
@@ -117,19 +114,7 @@ def gsm8k_reward(response_text: str, reference: str) -> float:
     pred, gold = plain_decimal(answer), plain_decimal(reference)
     if pred is not None and gold is not None:
         return float(pred == gold)
-    return float(_math_verify_equal(answer, how, reference))
-
-
-def _math_verify_equal(answer: str, how: str, reference: str) -> bool:
-    """math-verify comparison; signal timeouts off (see the module docstring)."""
-    import math_verify  # sympy is heavy: import on first use (the worker preloads it)
-
-    pred_text = f"\\boxed{{{answer}}}" if how == "boxed" else answer
-    gold = math_verify.parse(reference, parsing_timeout=None)
-    pred = math_verify.parse(pred_text, parsing_timeout=None)
-    if not gold or not pred:
-        return False
-    return bool(math_verify.verify(gold, pred, timeout_seconds=None))
+    return float(math_verify_equal(f"\\boxed{{{answer}}}" if how == "boxed" else answer, reference))
 
 
 def format_reward(response_text: str, reference: str | None = None) -> float:
