@@ -15,9 +15,9 @@ CALL = ('\n\n<｜DSML｜tool_calls>\n<｜DSML｜invoke name="lookup">\n<｜DSML�
 
 
 def test_registry_names_and_one_line_error():
-    assert sorted(ENVIRONMENTS) == ["key_lookup"]
+    assert sorted(ENVIRONMENTS) == ["key_lookup", "python_math"]
     assert make_env("key_lookup").name == "key_lookup"
-    with pytest.raises(ValueError, match=r"--rollout.env must be one of key_lookup, got 'nope'") as e:
+    with pytest.raises(ValueError, match=r"--rollout.env must be one of key_lookup\|python_math, got 'nope'") as e:
         make_env("nope")
     assert "\n" not in str(e.value)
 
