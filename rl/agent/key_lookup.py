@@ -75,7 +75,7 @@ def key_lookup_tokenizer() -> PieceTokenizer:
     whole pieces; lower-case letters, digits, space, '=' and newline, '?' as characters (52 ids in all)."""
     pieces = ["\n\n" + render_tools([LOOKUP_TOOL]), USER, ASSISTANT, THINK, END_THINK, CALL_HEAD, CALL_TAIL,
               RESULT_OPEN, RESULT_CLOSE]
-    return PieceTokenizer(pieces, "abcdefghijklmnopqrstuvwxyz0123456789 =\n?")
+    return PieceTokenizer(pieces, "".join(map(chr, range(32, 127))) + "\n")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
