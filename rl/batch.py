@@ -39,6 +39,9 @@ class RolloutBatch:
     token_versions [N, T] int32 or None: the weight version each response token was sampled with (-1 after
       `lengths`); None = every token `weight_version` (one generation). Partial rollouts (rl/partial.py) set it:
       a sample continued across weight updates holds tokens of several versions. `versions_per_token()` reads both.
+    loss_mask [N, T] int32 or None: 1 on the tokens the model sampled, 0 on response-side tokens an environment
+      wrote (multi-turn rollouts, rl/rollout/multiturn.py: tool results; their `logprobs` are 0); None = every
+      response token is the model's. The learner sees the whole sequence as context either way.
     """
 
     tokens: np.ndarray
@@ -50,6 +53,7 @@ class RolloutBatch:
     prompt_lengths: np.ndarray
     weight_version: int = 0
     token_versions: np.ndarray | None = None
+    loss_mask: np.ndarray | None = None
 
     def versions_per_token(self) -> np.ndarray:
         """[N, T] int32: the weight version of each response token, -1 after `lengths` (module docstring)."""
@@ -60,7 +64,8 @@ class RolloutBatch:
 
     def sequences(self):
         """The learner's layout: (input_ids [N, P+T], attention_mask [N, P+T], response_mask [N, P+T],
-        rollout_logprobs [N, P+T]) with prompts left-padded and responses right-padded."""
+        rollout_logprobs [N, P+T]) with prompts left-padded and responses right-padded. response_mask is 0 on the
+        tokens `loss_mask` gives to an environment (they stay in attention_mask: context)."""
         n, p = self.prompt_tokens.shape
         t = self.tokens.shape[1]
         ids = np.concatenate([self.prompt_tokens, self.tokens], axis=1).astype(np.int32)
@@ -69,7 +74,10 @@ class RolloutBatch:
         resp = (pos >= p) & (pos < p + self.lengths[:, None])
         lp = np.zeros((n, p + t), np.float32)
         lp[:, p:] = self.logprobs
-        return ids, (prompt_real | resp).astype(np.int32), resp.astype(np.int32), np.where(resp, lp, 0.0)
+        real = prompt_real | resp
+        if self.loss_mask is not None:
+            resp = resp & np.pad(np.asarray(self.loss_mask, bool), ((0, 0), (p, 0)))
+        return ids, real.astype(np.int32), resp.astype(np.int32), np.where(resp, lp, 0.0)
 
     def response_lists(self) -> list[list[int]]:
         return [self.tokens[i, : self.lengths[i]].tolist() for i in range(len(self.lengths))]
@@ -84,6 +92,8 @@ def concat_rollouts(parts: Sequence[tuple[RolloutBatch, np.ndarray]]) -> Rollout
     """
     if not parts:
         raise ValueError("concat_rollouts needs at least one part")
+    if any(b.loss_mask is not None for b, _ in parts):
+        raise ValueError("concat_rollouts: multi-turn parts (loss_mask) are not concatenated")
     if any(b.token_versions is not None for b, _ in parts):
         raise ValueError("concat_rollouts: parts with per-token versions (partial rollouts) are not concatenated")
     versions = {b.weight_version for b, _ in parts}

@@ -22,23 +22,9 @@ maps `--thinking on|off` to both names; `auto` passes neither (the template's de
 
 DeepSeek-V4 checkpoints ship their chat encoding as Python (`encoding/encoding_dsv4.py`) instead of a Jinja
 template. That code is never imported or run here: when a folder has no Jinja template but has that file,
-`load_chat_template` returns `DEEPSEEK_V4`, and `render_chat` renders the format it implements, written here from
-its behaviour (`encode_messages` with its default options: BOS added, reasoning of earlier turns dropped, no
-`reasoning_effort`):
-
-    <｜begin▁of▁sentence｜>{system}<｜User｜>{user}<｜Assistant｜></think>{answer}<｜end▁of▁sentence｜><｜User｜>{user}
-    <｜Assistant｜><think>          (the last turn: "<think>" in thinking mode, "</think>" in chat mode)
-
-- consecutive user messages are one user turn, their contents joined by "\n\n" (its `merge_tool_messages`);
-- an assistant turn after the last user message keeps its reasoning in thinking mode:
-  `<think>` (from the user turn) `{reasoning_content}</think>{content}<｜end▁of▁sentence｜>`; in chat mode, and
-  for turns before the last user message, the reasoning is dropped;
-- not supported (a one-line ChatTemplateError instead of silently different text): `tools` / `response_format`
-  in a message (the release renders a tool-use section and switches reasoning-dropping off), assistant
-  `tool_calls`, and roles other than system / user / assistant (tool, developer, latest_reminder).
-
-`--thinking on` is its thinking mode, `off` and `auto` its chat mode. A `chat_template.jinja` in the folder
-takes precedence over this built-in format.
+`load_chat_template` returns `DEEPSEEK_V4`, and `render_chat` renders the format it implements, tools, tool calls
+and tool results included (rl/chat_dsv4.py, written from its behaviour). `--thinking on` is its thinking mode,
+`off` and `auto` its chat mode. A `chat_template.jinja` in the folder takes precedence over this built-in format.
 """
 
 from __future__ import annotations
@@ -55,16 +41,11 @@ import jinja2.ext
 import jinja2.nodes
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
+from rl.chat_dsv4 import ChatTemplateError, render_deepseek_v4
 from rl.tokenizer import read_tokenizer_config
 
-DEEPSEEK_V4 = "builtin:deepseek_v4"  # the format of DeepSeek-V4's encoding/encoding_dsv4.py (module docstring)
-_DSV4 = {"bos": "<｜begin▁of▁sentence｜>", "eos": "<｜end▁of▁sentence｜>", "user": "<｜User｜>",
-         "assistant": "<｜Assistant｜>", "think": "<think>", "end_think": "</think>"}
+DEEPSEEK_V4 = "builtin:deepseek_v4"  # the format of DeepSeek-V4's encoding/encoding_dsv4.py (rl/chat_dsv4.py)
 SPECIAL_TOKEN_KEYS = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
-
-
-class ChatTemplateError(ValueError):
-    """A chat template that cannot be found, compiled or rendered."""
 
 
 def _config_token(config: dict, key: str) -> str | None:
@@ -181,54 +162,6 @@ def render_chat(template: str, messages: Sequence[dict], *, add_generation_promp
                                **{**(special_tokens or {}), **kwargs})
     except jinja2.exceptions.TemplateError as e:
         raise ChatTemplateError(f"chat template failed: {e}") from None
-
-
-def _dsv4_turns(messages: Sequence[dict]) -> list[dict]:
-    """Checked messages with consecutive user messages merged into one (contents joined by "\n\n", as the release's
-    `merge_tool_messages` + `render_message` do). Raises ChatTemplateError for what the built-in format does not
-    render (module docstring)."""
-    turns: list[dict] = []
-    for m in messages:
-        role = m.get("role")
-        if role not in ("system", "user", "assistant"):
-            raise ChatTemplateError(f"the DeepSeek-V4 chat format takes system / user / assistant messages, "
-                                    f"got role {role!r}")
-        for key in ("tools", "response_format", "tool_calls"):
-            if m.get(key):
-                raise ChatTemplateError(f"the DeepSeek-V4 chat format: {key!r} in a {role} message is not supported "
-                                        f"by the built-in renderer (the release renders it; drop it or use a Jinja "
-                                        f"chat_template.jinja)")
-        if role == "user" and turns and turns[-1]["role"] == "user":
-            turns[-1] = {**turns[-1], "content": turns[-1]["content"] + "\n\n" + (m.get("content") or "")}
-        else:
-            turns.append({**m, "content": m.get("content") or ""})
-    return turns
-
-
-def render_deepseek_v4(messages: Sequence[dict], *, add_generation_prompt: bool = True, thinking: bool = False
-                       ) -> str:
-    """`messages` (system / user / assistant; assistant may carry `reasoning_content`) in DeepSeek-V4's chat format
-    (module docstring; the release's `encoding/encoding_dsv4.py::encode_messages` with thinking_mode "thinking" if
-    `thinking` else "chat"). add_generation_prompt: after a final user turn, open the assistant turn (the release
-    always does). Raises ChatTemplateError for what is not supported (tools, tool calls, other roles).
-    """
-    t = _DSV4
-    turns = _dsv4_turns(messages)
-    last_user = max((i for i, m in enumerate(turns) if m["role"] == "user"), default=-1)
-    out = [t["bos"]]
-    for i, m in enumerate(turns):
-        role, content = m["role"], m["content"]
-        if role == "system":
-            out.append(content)
-        elif role == "user":
-            out.append(t["user"] + content)
-            follows = turns[i + 1]["role"] if i + 1 < len(turns) else None
-            if follows == "assistant" or (follows is None and add_generation_prompt):
-                out.append(t["assistant"] + (t["think"] if thinking and i == last_user else t["end_think"]))
-        else:  # assistant: the reasoning is kept after the last user turn in thinking mode, dropped otherwise
-            kept = (m.get("reasoning_content") or "") + t["end_think"] if thinking and i > last_user else ""
-            out.append(kept + content + t["eos"])
-    return "".join(out)
 
 
 def as_messages(prompt: str | Sequence[dict], system_prompt: str | None = None) -> list[dict]:

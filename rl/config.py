@@ -40,6 +40,7 @@ from rl.rollout.config import RolloutConfig
 
 ALGOS = ("grpo", "dr_grpo", "dapo", "gspo")
 REWARDS = ("auto", "task", "gsm8k", "gsm8k+format", "math", "dapo", "aime")  # the reward table: rl/math_rewards.py
+ENVS = ("key_lookup", "python_math")  # multi-turn environments: rl/agent/registry.py
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -313,6 +314,16 @@ class RunConfig:
         if r.exact and r.length_schedule is not None:
             raise ValueError("RunConfig: --exact-rollout draws every row up to --max-new-tokens; "
                              "--rollout.length_schedule is not combined with it")
+        if r.env is not None:
+            if r.env not in ENVS:
+                raise ValueError(f"rollout.env (--rollout.env) must be {'|'.join(ENVS)}, got {r.env!r}")
+            for on, flag in ((r.exact, "--exact-rollout"), (r.speculative != "off", "--rollout.speculative mtp"),
+                             (r.partial_rollout, "--partial-rollout"),
+                             (r.length_schedule is not None, "--rollout.length_schedule"),
+                             (self.advantage.dynamic_sampling, f"--algo {self.algo} (dynamic sampling)")):
+                if on:
+                    raise ValueError(f"RunConfig: multi-turn rollouts (--rollout.env {r.env}) are not combined with "
+                                     f"{flag}")
         if r.partial_rollout and r.speculative != "off":
             raise ValueError("RunConfig: --partial-rollout is not supported with --rollout.speculative mtp")
         if self.rollout.exact and self.staleness() > 0:

@@ -220,6 +220,9 @@ def build(cfg: RunConfig) -> Job:
     """Set up meshes, data, model, learner, the rollout service, checkpoints and metric sinks (errors before step
     1), the same code for every layout (module docstring). A rollout job of the two-job layout (--rollout-job):
     `build_rollout_job`."""
+    if cfg.rollout.env is not None:  # the rollout side exists (rl/rollout/multiturn.py); the loop's side does not yet
+        raise ValueError(f"--rollout.env {cfg.rollout.env}: the training loop does not build multi-turn requests yet "
+                         f"(the environment's dataset, its reward and the tokenizer for the engine are not wired)")
     if cfg.rollout.job:
         return build_rollout_job(cfg)
     evaluated = eval_checkpoint_dir(cfg) if cfg.eval.only else None  # --eval-only: a checkpoint, --init or an error

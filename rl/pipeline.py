@@ -283,6 +283,8 @@ class Pipeline:
             if rb.token_versions is not None:  # partial rollouts
                 arrays[p + "token_versions"] = rb.token_versions
                 arrays[p + "versions"] = np.asarray(r.versions)
+            if rb.loss_mask is not None:  # multi-turn rollouts
+                arrays[p + "loss_mask"] = rb.loss_mask
             arrays[p + "rewards"] = np.asarray(r.rewards)
             if r.train_rows is not None:
                 arrays[p + "train_rows"] = np.asarray(r.train_rows)
@@ -308,7 +310,8 @@ class Pipeline:
                                                            "prompt_tokens", "prompt_lengths")},
                                   finish_reasons=[str(x) for x in z[p + "finish_reasons"]],
                                   weight_version=int(z[p + "weight_version"]),
-                                  token_versions=z[p + "token_versions"] if p + "token_versions" in z else None)
+                                  token_versions=z[p + "token_versions"] if p + "token_versions" in z else None,
+                                  loss_mask=z[p + "loss_mask"] if p + "loss_mask" in z else None)
                 rewards = z[p + "rewards"]
                 rows = z[p + "train_rows"] if p + "train_rows" in z else None
                 versions = (z[p + "versions"] if p + "versions" in z

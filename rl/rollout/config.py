@@ -75,6 +75,13 @@ class RolloutConfig:
     ignore_eos: bool = knob(False, "benchmarks: training samples do not stop at the tokenizer's eos, so every "
                                    "response runs to its limit (--max-new-tokens, or --rollout.length_schedule's); "
                                    "evaluation still stops at eos (vLLM's SamplingParams.ignore_eos)")
+    env: str | None = knob(None, "multi-turn agentic rollout (rl/rollout/multiturn.py): the environment whose tools "
+                                 "the model calls in DeepSeek-V4's format: key_lookup | python_math "
+                                 "(rl/agent/registry.py); none = one response per prompt")
+    max_turns: int = knob(4, "with --rollout.env: model turns per trajectory (a call pending after the last one "
+                             "ends it as truncated); --max-new-tokens bounds all its response-side tokens")
+    tool_timeout_s: float = knob(30.0, "with --rollout.env: seconds a row's tool calls of one turn may take before "
+                                       "they answer 'error: tool timed out'")
     exact: bool = knob(False, "exact mode (rl/rollout/exact.py): training samples are drawn from the learner's own forward "
                               "in a batch-invariant layout (a full forward per token), so "
                               "train/train_rollout_logprob_abs_diff is 0 (needs --max-staleness 0; with an FP8 "
@@ -151,6 +158,9 @@ class RolloutConfig:
                              f"got {self.max_staleness!r}")
         check_ints("rollout", self, ("prompts_per_step", "max_new_tokens"), 1)
         check_ints("rollout", self, ("partial_segment",), 0)
+        check_ints("rollout", self, ("max_turns",), 1)
+        if check_real("rollout", "tool_timeout_s", self.tool_timeout_s) <= 0:
+            raise ValueError(f"rollout.tool_timeout_s must be > 0, got {self.tool_timeout_s!r}")
         if self.length_schedule is not None:
             self.length_split()
         if isinstance(self.draft_tokens, bool) or not isinstance(self.draft_tokens, int) or not 1 <= self.draft_tokens <= 3:

@@ -189,6 +189,8 @@ class ExactRollout(RolloutService):
             return handle
         if request.max_new_tokens_per_row is not None or request.token_offset is not None:
             raise ValueError("exact mode (--exact-rollout) draws every row up to --max-new-tokens from the start")
+        if request.multiturn is not None:
+            raise ValueError("exact mode (--exact-rollout) is not combined with multi-turn rollouts (--rollout.env)")
         t0 = time.time()
         rb, stats = generate(self.learner, request.prompts, request.params, seed=request.seed, step=request.step,
                              prompt_index=request.prompt_index, sample_index=request.sample_index,

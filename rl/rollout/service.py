@@ -38,6 +38,7 @@ from parallel.push.protocol import Pusher
 from rl.batch import RolloutBatch
 from rl.rollout.engine import SamplingParams
 from rl.rollout.init import checkpoint_rollout_weights
+from rl.rollout.multiturn import MultiTurn, generate_multiturn
 
 
 @dataclasses.dataclass(frozen=True)
@@ -49,7 +50,9 @@ class RolloutRequest:
     `max_new_tokens_per_row` (length limits <= params.max_new_tokens: `--rollout.length_schedule`, the segments of
     partial rollouts) and `token_offset` (index of each row's first new token in its sample: a partial rollout
     continued from prompt + its first g tokens; rl/partial.py); None: params.max_new_tokens and 0. `train`: a
-    training batch's request (stage 2, `rl.stages.sample`); exact mode draws these from the learner."""
+    training batch's request (stage 2, `rl.stages.sample`); exact mode draws these from the learner. `multiturn`: a
+    multi-turn agentic request (rl/rollout/multiturn.py: the environment and each row's data); the engine then
+    needs the run's tokenizer, and the per-row length and offset fields stay None."""
 
     prompts: Sequence[Sequence[int]]
     params: SamplingParams
@@ -61,6 +64,7 @@ class RolloutRequest:
     max_new_tokens_per_row: Sequence[int] | None = None
     token_offset: Sequence[int] | None = None
     train: bool = False
+    multiturn: MultiTurn | None = None
 
 
 @dataclasses.dataclass
@@ -75,10 +79,25 @@ class RolloutResult:
     t1: float
 
 
-def run_request(sampler, req: RolloutRequest) -> RolloutResult:
+def run_request(sampler, req: RolloutRequest, tokenizer=None) -> RolloutResult:
     """Generate `req` with a Sampler in this process (the engine of `LocalRollout` and of the MPMD rollout
-    processes)."""
+    processes). A multi-turn request (`req.multiturn`) runs `rl.rollout.multiturn.generate_multiturn` with
+    `tokenizer`. Raises ValueError (one line) for a multi-turn request without a tokenizer, with per-row lengths or
+    offsets, or on an engine with speculative decoding."""
     t0 = time.time()
+    if req.multiturn is not None:
+        if tokenizer is None:
+            raise ValueError("multi-turn request (--rollout.env): this rollout engine was built without the run's "
+                             "tokenizer")
+        if req.max_new_tokens_per_row is not None or req.token_offset is not None:
+            raise ValueError("multi-turn request (--rollout.env): per-row length limits and token offsets "
+                             "(--rollout.length_schedule, --partial-rollout) are not combined with it")
+        if getattr(sampler, "speculative", "off") != "off":
+            raise ValueError("multi-turn request (--rollout.env) is not supported with --rollout.speculative mtp")
+        rb, stats = generate_multiturn(sampler, tokenizer, req.prompts, req.params, req.multiturn, seed=req.seed,
+                                       step=req.step, prompt_index=req.prompt_index, sample_index=req.sample_index)
+        return RolloutResult(rb=rb, stats={**dict(getattr(sampler, "last_stats", None) or {}), **stats}, t0=t0,
+                             t1=time.time())
     rb = sampler.generate([list(p) for p in req.prompts], req.params, seed=req.seed, step=req.step,
                           prompt_index=req.prompt_index, sample_index=req.sample_index,
                           max_new_tokens_per_row=req.max_new_tokens_per_row, token_offset=req.token_offset)
@@ -131,11 +150,13 @@ class LocalRollout(RolloutService):
         (`Sampler.update_weights`).
       config, progress: the model config a `load_weights(source=...)` checkpoint is checked against, and whether
         its read shows progress (`rl.rollout.init.checkpoint_rollout_weights`).
+      tokenizer: the run's tokenizer, for multi-turn requests (`RolloutRequest.multiturn`); None: refused.
     """
 
     def __init__(self, sampler, params_fn: Callable[[], dict] | None = None, pusher: Pusher | None = None, *,
-                 config=None, progress: bool | None = None):
+                 config=None, progress: bool | None = None, tokenizer=None):
         self.sampler, self.params_fn, self.config, self.progress = sampler, params_fn, config, progress
+        self.tokenizer = tokenizer
         self.pusher = SamplerPusher(sampler) if pusher is None else pusher
         self._done: dict[int, RolloutResult] = {}
         self._next = 0
@@ -143,7 +164,7 @@ class LocalRollout(RolloutService):
     def submit(self, request: RolloutRequest) -> int:
         self.generate_calls += 1
         handle, self._next = self._next, self._next + 1
-        self._done[handle] = run_request(self.sampler, request)
+        self._done[handle] = run_request(self.sampler, request, self.tokenizer)
         return handle
 
     def collect(self, handle: int) -> RolloutResult:

@@ -114,8 +114,8 @@ def test_deepseek_v4_encoding_folder(tmp_path):
                {"role": "user", "content": "1+1=?"}]
     assert render_chat(template, history, **thinking_kwargs("on")) == (
         f"{BOS}<｜User｜>hi<｜Assistant｜></think>Hello.<｜end▁of▁sentence｜><｜User｜>1+1=?<｜Assistant｜><think>")
-    with pytest.raises(ChatTemplateError, match="role 'tool'"):
-        render_chat(template, [{"role": "tool", "content": "x"}])
+    with pytest.raises(ChatTemplateError, match="role 'developer'"):
+        render_chat(template, [{"role": "developer", "content": "x"}])
     (tmp_path / "chat_template.jinja").write_text("J{{ messages[0].content }}")  # a Jinja template wins
     assert load_chat_template(tmp_path)[0] == "J{{ messages[0].content }}"
 
@@ -147,16 +147,3 @@ def test_deepseek_v4_assistant_last_keeps_its_reasoning_in_thinking_mode():
     # chat mode: every reasoning is dropped
     assert render_chat(DEEPSEEK_V4, msgs, add_generation_prompt=False, **thinking_kwargs("off")) == (
         f"{BOS}{USER}q1{ASSISTANT}</think>A1{EOS}{USER}q2{ASSISTANT}</think>A2{EOS}")
-
-
-def test_deepseek_v4_tools_are_a_one_line_error():
-    from rl.chat import DEEPSEEK_V4
-
-    tool = {"type": "function", "function": {"name": "f", "description": "d", "parameters": {"type": "object"}}}
-    msgs = [{"role": "system", "content": "S", "tools": [tool]}, {"role": "user", "content": "q"}]
-    with pytest.raises(ChatTemplateError, match="'tools' in a system message is not supported") as e:
-        render_chat(DEEPSEEK_V4, msgs)
-    assert "\n" not in str(e.value)
-    with pytest.raises(ChatTemplateError, match="'tool_calls'"):
-        render_chat(DEEPSEEK_V4, [{"role": "user", "content": "q"},
-                                  {"role": "assistant", "content": "", "tool_calls": [{"function": {"name": "f"}}]}])

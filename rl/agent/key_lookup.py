@@ -1,0 +1,117 @@
+"""Key lookup: the prompt names a key, a `lookup` tool returns its value, the reward checks the value is copied.
+
+The smallest task where a tool is the only way to the reward: every prompt draws its own random value (seeded by
+the prompt's index), so nothing in the prompt or the weights predicts it; a model must call `lookup` and then copy
+the tool's answer. Transcript of a perfect trajectory, in DeepSeek-V4's chat format (rl/chat_dsv4.py), chat mode:
+
+    <bos>{tools section}<｜User｜>key k07<｜Assistant｜></think>                                   (prompt)
+    \\n\\n<｜DSML｜tool_calls>...name="key" string="true">k07</｜DSML｜parameter>...</｜DSML｜tool_calls><eos>   (model)
+    <｜User｜><tool_result>4821</tool_result><｜Assistant｜></think>                                (environment)
+    4821<eos>                                                                                      (model)
+
+With `key_lookup_tokenizer()` (rl/agent/pieces.py) the prompt is 12 ids, the call 6 (call head, "k07", call tail,
+EOS), the environment's turn 9 (with a 4-digit value) and the answer 5: short enough for the tiny model to stumble
+on from random init.
+
+Reward (`value_reward`, per-position partial credit like the built-in digit task, rl/tasks.py):
+    (right digits at their positions / n) x (0.5 + 0.5 x [answer has exactly n characters])
+in [0, 1]; 1 only for the exact value. Row data (the dataset's reference) is "KEY=VALUE".
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+
+from rl.agent.env import Environment, ToolError, reset
+from rl.agent.pieces import PieceTokenizer
+from rl.chat_dsv4 import (ASSISTANT, CALLS_CLOSE, CALLS_START, DSML, END_THINK, RESULT_CLOSE, RESULT_OPEN, THINK,
+                          USER, render_deepseek_v4, render_tools)
+
+LOOKUP_TOOL = {"type": "function", "function": {
+    "name": "lookup", "description": "Return the value stored under a key.",
+    "parameters": {"type": "object", "properties": {"key": {"type": "string", "description": "the key, e.g. k07"}},
+                   "required": ["key"]}}}
+CALL_HEAD = f'{CALLS_START}>\n<{DSML}invoke name="lookup">\n<{DSML}parameter name="key" string="true">'
+CALL_TAIL = f"</{DSML}parameter>\n</{DSML}invoke>\n{CALLS_CLOSE}"
+
+
+def split_data(data: str) -> tuple[str, str]:
+    """"KEY=VALUE" -> (key, value). Raises ValueError naming the record for anything else."""
+    key, sep, value = data.partition("=")
+    if not sep or not key or not value:
+        raise ValueError(f"key_lookup: row data must be 'KEY=VALUE', got {data!r}")
+    return key, value
+
+
+def lookup(args: dict, data: str) -> str:
+    """The `lookup` tool: the row's value for its key; another key or a missing argument is a ToolError."""
+    key, value = split_data(data)
+    asked = args.get("key")
+    if not isinstance(asked, str):
+        raise ToolError("lookup needs a string argument 'key'")
+    if asked.strip() != key:
+        raise ToolError(f"no such key {asked.strip()!r}")
+    return value
+
+
+def value_reward(answer: str, data: str) -> float:
+    """Partial credit for copying the value into the final answer (module docstring)."""
+    _, value = split_data(data)
+    got = answer.strip()
+    right = sum(a == b for a, b in zip(got, value))
+    return right / len(value) * (0.5 + 0.5 * (len(got) == len(value)))
+
+
+def key_lookup_env(thinking: bool = False) -> Environment:
+    """The key-lookup Environment: one `lookup` tool, `value_reward`."""
+    return Environment(name="key_lookup", tools=(LOOKUP_TOOL,), handlers={"lookup": lookup},
+                       reward_fn=value_reward, thinking=thinking)
+
+
+def key_lookup_tokenizer() -> PieceTokenizer:
+    """The task's PieceTokenizer: the tools section, the chat markers, the call head / tail and the result tags as
+    whole pieces; lower-case letters, digits, space, '=' and newline, '?' as characters (52 ids in all)."""
+    pieces = ["\n\n" + render_tools([LOOKUP_TOOL]), USER, ASSISTANT, THINK, END_THINK, CALL_HEAD, CALL_TAIL,
+              RESULT_OPEN, RESULT_CLOSE]
+    return PieceTokenizer(pieces, "".join(map(chr, range(32, 127))) + "\n")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class KeyLookupTask:
+    """Prompts of the task: key "k{i:02d}" (i < n_keys) with a random `value_digits`-digit value per prompt.
+
+    prompts(n, start) -> [(prompt token ids, data "KEY=VALUE")]: prompt j (global index start + j) draws its key
+    and value from a generator seeded by (seed, index), so any prompt is reproducible alone.
+    Raises ValueError naming the field for out-of-range knobs."""
+
+    n_keys: int = 100
+    value_digits: int = 4
+    seed: int = 0
+    thinking: bool = False
+
+    def __post_init__(self):
+        if not 1 <= self.n_keys <= 100:
+            raise ValueError(f"KeyLookupTask.n_keys must be in 1..100, got {self.n_keys}")
+        if not 1 <= self.value_digits <= 9:
+            raise ValueError(f"KeyLookupTask.value_digits must be in 1..9, got {self.value_digits}")
+
+    @property
+    def tokenizer(self) -> PieceTokenizer:
+        return key_lookup_tokenizer()
+
+    def data(self, index: int) -> str:
+        rng = np.random.default_rng([self.seed, index])
+        key = f"k{int(rng.integers(self.n_keys)):02d}"
+        value = "".join(str(d) for d in rng.integers(0, 10, self.value_digits))
+        return f"{key}={value}"
+
+    def prompts(self, n: int, start: int = 0) -> list[tuple[list[int], str]]:
+        tok, env = self.tokenizer, key_lookup_env(self.thinking)
+        out = []
+        for index in range(start, start + n):
+            data = self.data(index)
+            msgs = reset(env, f"key {split_data(data)[0]}", data)
+            out.append((tok.encode(render_deepseek_v4(msgs, thinking=self.thinking)), data))
+        return out

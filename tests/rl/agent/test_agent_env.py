@@ -1,0 +1,76 @@
+"""rl/agent/env.py, rl/agent/registry.py, rl/agent/key_lookup.py, rl/agent/pieces.py: the environment interface,
+its registry and the key-lookup task (nothing compiles; no process is started)."""
+
+from __future__ import annotations
+
+import pytest
+
+from rl.agent import env as envlib
+from rl.agent.key_lookup import CALL_TAIL, KeyLookupTask, key_lookup_tokenizer, value_reward
+from rl.agent.registry import ENVIRONMENTS, make_env
+from rl.chat_dsv4 import EOS, render_deepseek_v4, tool_result_turn
+
+CALL = ('\n\n<｜DSML｜tool_calls>\n<｜DSML｜invoke name="lookup">\n<｜DSML｜parameter name="key" string="true">{key}'
+        '</｜DSML｜parameter>\n</｜DSML｜invoke>\n</｜DSML｜tool_calls>' + EOS)
+
+
+def test_registry_names_and_one_line_error():
+    assert sorted(ENVIRONMENTS) == ["key_lookup", "python_math"]
+    assert make_env("key_lookup").name == "key_lookup"
+    with pytest.raises(ValueError, match=r"--rollout.env must be one of key_lookup\|python_math, got 'nope'") as e:
+        make_env("nope")
+    assert "\n" not in str(e.value)
+
+
+def test_key_lookup_episode():
+    env = make_env("key_lookup")
+    data = "k07=4821"
+    msgs = envlib.reset(env, "key k07", data)
+    assert msgs[0]["tools"][0]["function"]["name"] == "lookup" and msgs[1] == {"role": "user", "content": "key k07"}
+    res = envlib.step(env, CALL.format(key="k07"), data)
+    assert (res.done, res.calls, res.errors, res.contents) == (False, 1, 0, ["4821"])
+    assert res.messages[0]["role"] == "tool"
+    wrong = envlib.step(env, CALL.format(key="k08"), data)
+    assert (wrong.done, wrong.errors, wrong.contents) == (False, 1, ["error: no such key 'k08'"])
+    done = envlib.step(env, "4821" + EOS, data)
+    assert (done.done, done.calls, done.messages) == (True, 0, ())
+    assert envlib.reward(env, "4821" + EOS, data) == 1.0
+    assert envlib.reward(env, "4820" + EOS, data) == 0.75          # 3/4 digits, right length
+    assert envlib.reward(env, "48", data) == pytest.approx(0.25)   # cut (no EOS): 2/4 digits x 0.5
+    assert value_reward(" 4821\n", data) == 1.0
+
+
+def test_tool_errors_are_results_not_exceptions():
+    env = make_env("key_lookup")
+    bad_args = CALL.replace('string="true">{key}', 'string="false">[1]').format()
+    cases = {
+        CALL.replace("lookup", "search").format(key="k07"): "error: unknown tool 'search'",
+        bad_args: "error: lookup needs a string argument 'key'",
+        CALL.replace(CALL_TAIL, "</｜DSML｜parameter>").format(key="k07"): "error: tool call",  # block cut
+        CALL.replace('string="true">{key}', 'string="false">{{oops').format(): "error: arguments of 'lookup'",
+    }
+    for text, start in cases.items():
+        res = envlib.step(env, text, "k07=1")
+        assert not res.done and res.errors == 1 and res.contents[0].startswith(start), res.contents
+        assert "\n" not in res.contents[0]
+    boom = envlib.Environment(name="b", tools=env.tools, handlers={"lookup": lambda a, d: 1 / 0},
+                              reward_fn=value_reward)
+    assert envlib.step(boom, CALL.format(key="k07"), "k07=1").contents == ["error: ZeroDivisionError: division by zero"]
+    with pytest.raises(ValueError, match="no handler"):
+        envlib.Environment(name="x", tools=env.tools, handlers={}, reward_fn=value_reward)
+
+
+def test_key_lookup_task_tokens_round_trip():
+    task, tok = KeyLookupTask(), key_lookup_tokenizer()
+    (ids, data), = task.prompts(1, start=5)
+    assert task.prompts(1, start=5)[0] == (ids, data) and data == task.data(5)  # reproducible alone
+    key = data.split("=")[0]
+    text = render_deepseek_v4(envlib.reset(make_env("key_lookup"), f"key {key}"))
+    assert tok.decode_with_specials(ids) == text and ids[0] == tok.bos_id
+    assert len(ids) == 12 and tok.vocab_size == 108
+    call = tok.encode(CALL.format(key=key))
+    assert len(call) == 6 and call[-1] == tok.eos_id and tok.decode(call).endswith("</｜DSML｜tool_calls>")
+    assert len(tok.encode(tool_result_turn(["4821"]))) == 9
+    assert tok.decode_with_specials([0, 9999]) == "\ufffd"
+    with pytest.raises(ValueError, match="'é'"):
+        tok.encode("é")

@@ -1,0 +1,132 @@
+"""rl/rollout/multiturn.py through the rollout contract (LocalRollout.submit/collect): a 2-turn key-lookup rollout
+with a scripted engine (nothing compiles): the joined layout, loss masks, logprobs, routing and the metrics."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from rl.agent.key_lookup import KeyLookupTask, key_lookup_tokenizer
+from rl.agent.registry import ENVIRONMENTS
+from rl.batch import RolloutBatch, TrainBatch
+from rl.chat_dsv4 import RESULT_CLOSE, RESULT_OPEN, tool_result_turn
+from rl.config import ENVS, RunConfig
+from rl.rollout.engine import SamplingParams
+from rl.rollout.multiturn import MultiTurn
+from rl.rollout.service import LocalRollout, RolloutRequest, run_request
+
+TOK = key_lookup_tokenizer()
+CALL = ('\n\n<｜DSML｜tool_calls>\n<｜DSML｜invoke name="lookup">\n<｜DSML｜parameter name="key" string="true">{}'
+        '</｜DSML｜parameter>\n</｜DSML｜invoke>\n</｜DSML｜tool_calls><｜end▁of▁sentence｜>')
+LP = -0.25
+
+
+class ScriptedEngine:
+    """`generate` as the engine's, with a policy per sample index: 0 looks the key up then copies the value, 1 asks
+    a wrong key then answers "0", 2 answers "0" at once, 3 calls forever. Routing of a token = its id (one layer, k=1)."""
+
+    max_prompt_len, weight_version, speculative = 64, 7, "off"
+
+    def __init__(self):
+        self.calls = []
+
+    def _turn(self, ctx: str, policy: int, key: str) -> str:
+        seen = ctx.count(RESULT_OPEN)
+        if policy == 2 or (policy in (0, 1) and seen):
+            return (ctx.rsplit(RESULT_OPEN, 1)[1].split(RESULT_CLOSE)[0] if policy == 0 else "0") + \
+                "<｜end▁of▁sentence｜>"
+        return CALL.format("k99" if policy == 1 else key)
+
+    def generate(self, prompts, params, *, seed, step, prompt_index, sample_index, max_new_tokens_per_row,
+                 token_offset):
+        self.calls.append((list(sample_index), list(max_new_tokens_per_row), list(token_offset)))
+        n, t, p = len(prompts), params.max_new_tokens, 64
+        out = {"tokens": np.zeros((n, t), np.int32), "logprobs": np.zeros((n, t), np.float32),
+               "routing": np.full((n, p + t, 1, 1), -1, np.int32), "prompt_tokens": np.zeros((n, p), np.int32)}
+        lengths, reasons = [], []
+        for j, ctx in enumerate(prompts):
+            text = TOK.decode_with_specials(ctx)
+            key = text.split("<｜User｜>key ")[1][:3]
+            new = TOK.encode(self._turn(text, int(sample_index[j]), key))[:max_new_tokens_per_row[j]]
+            out["tokens"][j, :len(new)], out["logprobs"][j, :len(new)] = new, LP
+            out["prompt_tokens"][j, p - len(ctx):] = ctx
+            out["routing"][j, p - len(ctx): p + len(new), 0, 0] = list(ctx) + new
+            lengths.append(len(new))
+            reasons.append("stop" if new[-1] == TOK.eos_id else "length")
+        return RolloutBatch(lengths=np.array(lengths, np.int32), finish_reasons=reasons,
+                            prompt_lengths=np.array([len(c) for c in prompts]), weight_version=self.weight_version,
+                            **out)
+
+
+def test_two_turn_key_lookup_masks_and_metrics():
+    (prompt, data), = KeyLookupTask().prompts(1)
+    value = data.split("=")[1]
+    engine = ScriptedEngine()
+    service = LocalRollout(engine, tokenizer=TOK)
+    req = RolloutRequest(prompts=[prompt] * 4, params=SamplingParams(max_new_tokens=48), seed=0,
+                         sample_index=[0, 1, 2, 3],
+                         multiturn=MultiTurn(env="key_lookup", data=(data,) * 4, max_turns=2))
+    res = service.collect(service.submit(req))
+    rb = res.rb
+    call, env_turn, answer = (TOK.encode(CALL.format(data[:3])), TOK.encode(tool_result_turn([value])),
+                              TOK.encode(value + "<｜end▁of▁sentence｜>"))
+    assert len(call) == 6 and len(env_turn) == 9 and len(answer) == 5
+    # row 0: call (model) | tool result (environment) | answer (model)
+    assert rb.response_lists()[0] == call + env_turn + answer
+    assert rb.loss_mask[0, :20].tolist() == [1] * 6 + [0] * 9 + [1] * 5 and rb.loss_mask[0, 20:].sum() == 0
+    assert np.all(rb.logprobs[0, :20] == np.array([LP] * 6 + [0.0] * 9 + [LP] * 5, np.float32))
+    # row 1: a wrong key is a tool error the model reads, then it answers; row 2 answers at once
+    err = TOK.encode(tool_result_turn(["error: no such key 'k99'"]))
+    assert rb.response_lists()[1] == TOK.encode(CALL.format("k99")) + err + TOK.encode("0<｜end▁of▁sentence｜>")
+    assert rb.response_lists()[2] == TOK.encode("0<｜end▁of▁sentence｜>") and rb.loss_mask[2, :2].all()
+    # row 3 called in both turns: cut by the turn budget, its second call not answered
+    assert rb.response_lists()[3] == call + env_turn + call and rb.finish_reasons == ["stop", "stop", "stop", "length"]
+    # the learner's view: every token is context, only the model's are trained on, with their logprobs
+    ids, attn, resp, rlp = rb.sequences()
+    p = rb.prompt_tokens.shape[1]
+    assert attn[0, p:p + 20].all() and resp[0, p:].tolist()[:20] == rb.loss_mask[0, :20].tolist()
+    assert np.all(rlp[resp == 0] == 0) and np.all(rlp[resp == 1] == LP)
+    assert TrainBatch.from_rollout(rb, np.zeros(4)).rows()[0]["response"].tolist() == call + answer
+    # routing covers the prompt, the model's and the environment's tokens (each token routed to its own id here)
+    assert np.array_equal(rb.routing[0, p - len(prompt): p + 20, 0, 0], prompt + call + env_turn + answer)
+    assert (rb.routing[0, p + 20:] == -1).all() and rb.weight_version == 7
+    # turn 2 re-prefilled rows 0, 1, 3 with the budget left and the token offset of their first new token
+    e1 = 6 + len(err)
+    assert engine.calls == [([0, 1, 2, 3], [48] * 4, [0] * 4), ([0, 1, 3], [33, 48 - e1, 33], [15, e1, 15])]
+    s = res.stats
+    assert s["rollout/turns_mean"] == (2 + 2 + 1 + 2) / 4 and s["rollout/tool_calls_per_traj"] == 4 / 4
+    assert s["rollout/tool_errors"] == 1 / 4 and s["rollout/turn_truncated_frac"] == 1 / 4
+    assert s["rollout/env_token_frac"] == (9 + len(err) + 9) / (20 + e1 + 2 + 2 + 21) and s["rollout/tool_s"] >= 0
+
+
+def test_token_budget_cuts_the_environment_turn_and_refusals():
+    (prompt, data), = KeyLookupTask().prompts(1)
+    mt = MultiTurn(env="key_lookup", data=(data,))
+    rb, stats = run_request(ScriptedEngine(), RolloutRequest(prompts=[prompt], params=SamplingParams(max_new_tokens=10),
+                                                             seed=0, sample_index=[0], multiturn=mt), TOK).rb, None
+    assert rb.lengths[0] == 10 and rb.loss_mask[0].tolist() == [1] * 6 + [0] * 4 and rb.finish_reasons == ["length"]
+    req = RolloutRequest(prompts=[prompt], params=SamplingParams(max_new_tokens=60), seed=0, multiturn=mt)
+    with pytest.raises(ValueError, match="--max-prompt-len 64 < longest prompt 12 \\+ --max-new-tokens 60"):
+        run_request(ScriptedEngine(), req, TOK)
+    with pytest.raises(ValueError, match="without the run's tokenizer"):
+        run_request(ScriptedEngine(), req)
+    spec = ScriptedEngine()
+    spec.speculative = "mtp"
+    with pytest.raises(ValueError, match="not supported with --rollout.speculative mtp"):
+        run_request(spec, req, TOK)
+    with pytest.raises(ValueError, match="max_turns"):
+        MultiTurn(env="key_lookup", data=(), max_turns=0)
+
+
+def test_run_config_env_knobs_and_refusals():
+    assert sorted(ENVS) == sorted(ENVIRONMENTS)  # the flag's choices are the registry's names
+    cfg = RunConfig.from_overrides([("rollout.env", "key_lookup"), ("rollout.max_turns", 3)])
+    assert (cfg.rollout.env, cfg.rollout.max_turns, cfg.rollout.tool_timeout_s) == ("key_lookup", 3, 30.0)
+    for over, needle in [({"rollout.env": "web"}, "rollout.env .--rollout.env. must be key_lookup|python_math"),
+                         ({"rollout.env": "key_lookup", "rollout.exact": True}, "not combined with --exact-rollout"),
+                         ({"rollout.env": "key_lookup", "rollout.speculative": "mtp"}, "--rollout.speculative mtp"),
+                         ({"rollout.env": "key_lookup", "algo": "dapo"}, "--algo dapo"),
+                         ({"rollout.max_turns": 0}, "max_turns")]:
+        with pytest.raises(ValueError, match=needle) as e:
+            RunConfig.from_overrides(list(over.items()))
+        assert "\n" not in str(e.value)
