@@ -1,12 +1,14 @@
-"""Tests for parallel/expert.py on the 8 forced CPU devices: the EP dispatch equals the single-device reference
-`dsv4.moe.routed_experts_ragged` (fp32, <= 1e-5) for both backends (ragged through the all_gather reference of
-ragged_all_to_all, since XLA:CPU lacks the op), including when every token picks the same experts, with padding
-and skipped pairs, with a bounded capacity (drops predicted by hand), on actor and rollout layouts; gradients
-w.r.t. x, the routing weights and w1/w3/w2 equal the unsharded ones; the native ragged op lowers (CPU) / runs (GPU).
+"""Tests for parallel/expert.py and parallel/padded.py on the 8 forced CPU devices: the EP dispatch equals the
+single-device reference `dsv4.moe.routed_experts_ragged` (fp32, <= 1e-5) for every backend (ragged through the
+all_gather reference of ragged_all_to_all, since XLA:CPU lacks the op), including when every token picks the same
+experts, with padding and skipped pairs, with a bounded capacity (drops predicted by hand and counted), on actor
+and rollout layouts; "sized" runs the capacity its loads need (balanced: the routed rows); gradients w.r.t. x, the
+routing weights and w1/w3/w2 equal the unsharded ones; the native ragged op lowers (CPU) / runs (GPU).
 """
 
 import functools
 import math
+import re
 
 import jax
 import jax.numpy as jnp
@@ -15,8 +17,8 @@ import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from dsv4 import moe
-from parallel.expert import (_ragged_all_to_all_reference, make_ep_dispatch, merge_repeated_picks, padded_capacity,
-                             rollout_backend)
+from parallel.expert import _ragged_all_to_all_reference, make_ep_dispatch, rollout_backend
+from parallel.padded import capacity_buckets, merge_repeated_picks, padded_capacity
 from sharding.mesh import build_mesh_plan
 from sharding.rules import ACTOR_RULES, ROLLOUT_RULES, param_shardings
 
@@ -131,7 +133,7 @@ def test_bf16_matches_reference(spec, exact):
         assert np.abs(out - ref).max() <= K * 2.0**-8 * np.abs(ref).max()
 
 
-@pytest.mark.parametrize("backend", ["capacity", "ragged", "padded"])
+@pytest.mark.parametrize("backend", ["capacity", "ragged", "padded", "sized"])
 def test_gradients_match(actor_mesh, backend):
     x, ids, w, w1, w3, w2 = _inputs(seed=2)
     name, hook = _backend(backend)
@@ -244,6 +246,55 @@ def test_padded_dropless_is_t_local_and_exact_with_repeated_picks(actor_mesh):
     ref = routed_experts_ragged(x, ids, w, w1, w3, w2, limit=LIMIT, dtype=jnp.float32)
     out = _run(actor_mesh, make_ep_dispatch(actor_mesh, backend="padded"), x, ids, w, w1, w3, w2)
     np.testing.assert_allclose(np.asarray(out), np.asarray(ref), **TOL)
+
+
+def _dispatch_stats(mesh, fn, *args):
+    """(output, DispatchStats as ints, compiled HLO text) of `fn.with_stats(*args)` on `mesh` (weights as `_run`)."""
+    wsh = [NamedSharding(mesh, s) for s in _weight_specs(mesh, ACTOR_RULES)]
+    args = (*args[:3], *(jax.device_put(a, s) for a, s in zip(args[3:], wsh)))
+    with jax.set_mesh(mesh):
+        compiled = jax.jit(lambda *a: fn.with_stats(*a, limit=LIMIT, dtype=jnp.float32)).lower(*args).compile(
+            compiler_options=FAST_COMPILE)
+        out, st = compiled(*args)
+    return out, tuple(int(v) for v in st), compiled.as_text()
+
+
+@pytest.mark.parametrize("same", [False, True], ids=["balanced", "all_same_expert"])
+def test_sized_is_exact_at_the_routed_cost(actor_mesh, same):
+    """The "sized" backend, dropless (4 token shards of T_local = 12, k = 2, E = 8: capacities (3, 6, 12) under
+    one lax.switch), equals the reference. Balanced routing (token t -> experts 2t, 2t + 1 mod 8: every shard sends
+    every expert T_local k / E = 3 rows) runs the bottom capacity 3: expert rows per call = shards x E x C = 96 =
+    the routed rows (fixed dropless padded: 384, E / k = 4x). Every token on experts (3, 5) runs the top one, C =
+    T_local.
+    The compiled program holds each capacity's batched expert dots, [n_local, ep * C, D]."""
+    x, ids, w, w1, w3, w2 = _inputs(seed=7, same=same)
+    if not same:
+        t = jnp.arange(T)
+        ids = jnp.stack([2 * t % E, (2 * t + 1) % E], axis=1).astype(jnp.int32)
+    ref = routed_experts_ragged(x, ids, w, w1, w3, w2, limit=LIMIT, dtype=jnp.float32)
+    out, (bucket, cap, dropped, routed), hlo = _dispatch_stats(actor_mesh, make_ep_dispatch(
+        actor_mesh, backend="sized"), x, ids, w, w1, w3, w2)
+    np.testing.assert_allclose(np.asarray(out), np.asarray(ref), **TOL)
+    assert capacity_buckets(T // 4, K, E) == (3, 6, 12)
+    assert (bucket, cap, dropped, routed) == ((2, 12) if same else (0, 3)) + (0, T * K)
+    assert 4 * E * cap == (T * K * E // K if same else T * K)  # expert matmul rows of the call vs routed
+    assert "conditional(" in hlo
+    assert {int(r) for r in re.findall(r"f32\[4,(\d+),16\][^ ]* dot\(", hlo)} == {6, 12, 24}  # ep x (3, 6, 12)
+
+
+@pytest.mark.parametrize("backend", ["padded", "sized"])
+def test_drops_are_counted(actor_mesh, backend):
+    """With a capacity factor (f_max for "sized": capacities (3, 6)) the pairs past an expert's capacity 6 are
+    dropped as predicted by hand and counted: `DispatchStats.dropped` / `.routed` (train/expert_drop_frac)."""
+    x, ids, w, w1, w3, w2 = _inputs(seed=4)
+    ids = ids.at[: T // 2].set(jnp.array([0, 1], jnp.int32))  # shards 0 and 1 send experts 0 and 1 12 rows each
+    keep = _kept_pairs(ids, 4, 2, E // 2, "padded", 2.0)
+    ref = routed_experts_ragged(x, ids, jnp.where(keep, w, 0.0), w1, w3, w2, limit=LIMIT, dtype=jnp.float32)
+    fn = make_ep_dispatch(actor_mesh, backend=backend, capacity_factor=2.0)
+    out, (bucket, cap, dropped, routed), _ = _dispatch_stats(actor_mesh, fn, x, ids, w, w1, w3, w2)
+    np.testing.assert_allclose(np.asarray(out), np.asarray(ref), **TOL)
+    assert fn.can_drop and (bucket, cap, dropped, routed) == (int(backend == "sized"), 6, int((~keep).sum()), T * K)
+    assert dropped == 2 * 2 * (12 - 6)
 
 
 def test_native_ragged_all_to_all_lowers(actor_mesh):
