@@ -44,7 +44,7 @@ Backends (`backend=`):
   prefill: one request's chunk / shards). With a factor it is a capacity dispatch, C = min(T_local,
   ceil(f * T_local * k / E)): pairs past an expert's C are dropped, first come first served in (token, k) order
   (they contribute 0; the token keeps its other picks and the shared expert).
-* "sized" (every backend): "padded" with C chosen per call from
+* "sized" (every backend; the rollout's default on GPUs, `rollout_backend`): "padded" with C chosen per call from
   the actual loads: the global max of the rows a rank sends one expert (a scalar pmax) selects the smallest of a
   few compiled capacities that holds it (`parallel.padded.capacity_buckets`: x `bucket_growth` from the mean load
   up to T_local, or up to f_max = `capacity_factor`), run under `jax.lax.switch`. Dropless (no factor): equal to
@@ -372,11 +372,13 @@ def dispatch_name(fn) -> str:
 
 def rollout_backend(cpu: bool) -> str:
     """The backend the sampler's `--rollout.ep_backend auto` picks: "capacity" on XLA:CPU (as the learner), on GPUs
-    "padded" with or without a capacity factor. Why not ragged: XLA:GPU expands the sampler's `ragged_dot` densely
+    "sized" with or without a capacity factor. Why not ragged: XLA:GPU expands the sampler's `ragged_dot` densely
     and sizes the dropless ragged buffers for the worst case (the seed rollout compiled to 4,481 GiB per device;
-    benchmarks/README.md "GPU plan"); dropless padded (C = T_local) is bounded by the tokens per device of one
-    call, which continuous batching keeps small (decode: slots / shards; prefill: one request's chunk)."""
-    return "capacity" if cpu else "padded"
+    benchmarks/README.md "GPU plan"); the padded buffers are bounded by the tokens per device of one call
+    (C <= T_local), which continuous batching keeps small (decode: slots / shards; prefill: one request's chunk).
+    Why "sized" rather than fixed dropless "padded" (C = T_local): the same bound and the same (exact) result, but
+    a call runs the smallest compiled capacity its loads need, ~ the routed rows instead of E / k = 43x them."""
+    return "capacity" if cpu else "sized"
 
 
 def auto_backend(cpu: bool, capacity_factor: float | None) -> str:

@@ -240,7 +240,7 @@ def test_padded_dropless_is_t_local_and_exact_with_repeated_picks(actor_mesh):
     still equals the reference, which sums the repeated picks' outputs."""
     assert padded_capacity(12, 6, 256, None) == 12 and padded_capacity(12, 6, 256, 1.25) == 1
     assert padded_capacity(12, 6, 4, 4.0) == 12  # a factor never asks for more than the dropless bound
-    assert rollout_backend(cpu=True) == "capacity" and rollout_backend(cpu=False) == "padded"
+    assert rollout_backend(cpu=True) == "capacity" and rollout_backend(cpu=False) == "sized"
     x, ids, w, w1, w3, w2 = _inputs(seed=6, same=True)
     ids = ids.at[::3, 1].set(ids[::3, 0])  # every third token picks expert 3 twice
     ref = routed_experts_ragged(x, ids, w, w1, w3, w2, limit=LIMIT, dtype=jnp.float32)
