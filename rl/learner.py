@@ -123,6 +123,8 @@ _HASH_TABLE = re.compile(r"layers/(\d+)/ffn/gate/tid2eid")
 METRIC_NAMES = ("train/pg_loss", "train/pg_clipfrac", "train/ppo_kl", "train/kl_loss", "train/entropy",
                 "train/grad_norm", "train/train_rollout_logprob_abs_diff", "train/train_rollout_kl",
                 "train/tis_clipfrac", "train/skipped_nonfinite", "train/lr")
+# + "train/expert_drop_frac" when the expert dispatch can drop (`dispatch_fn.can_drop`: a capacity factor)
+_DROPPED, _ROUTED = "_expert_pairs_dropped", "_expert_pairs_routed"  # per micro-batch, summed, then divided
 
 
 class Learner:
@@ -284,12 +286,12 @@ class Learner:
         # the shell (embedding, head, ...) + the stacked layers under lax.scan, remat per sub-layer
         return scan.merge_stacked(self.sdef, params, buffers, remat=self.cfg.remat)
 
-    def _logprobs(self, params, buffers, mb: TrainBatch, replay: bool, mtp: bool = False):
+    def _logprobs(self, params, buffers, mb: TrainBatch, replay: bool, mtp: bool = False, drops: bool = False):
         model, stack = self._model(params, buffers)
         return token_logprobs(model, mb.input_ids, mb.attention_mask, temperature=self.cfg.temperature,
                               routing_replay=mb.routing if replay else None, return_entropy=True,
                               chunk_size=self.cfg.logprob_chunk_size, dispatch_fn=self.dispatch_fn,
-                              layer_stack=stack, mtp=mtp)
+                              layer_stack=stack, mtp=mtp, expert_drops=drops)
 
     def _next_logits(self, state: TrainState, batch: TrainBatch, lay: batching.Layout) -> jax.Array:
         """`next_logits`' device side, micro-batched exactly as `_forward` (same split, same `lax.map`)."""
@@ -308,7 +310,9 @@ class Learner:
         loss_cfg: the step's LossConfig (cfg.loss with the caller's S as Dr.GRPO's default length)."""
         replay = self.cfg.routing_replay
         w_mtp = self.cfg.mtp_loss_weight
-        lp, ent, _, *lq = self._logprobs(params, buffers, mb, replay, mtp=w_mtp > 0)
+        counted = getattr(self.dispatch_fn, "can_drop", False)  # a capacity factor: count the dropped pairs
+        lp, ent, _, *lq = self._logprobs(params, buffers, mb, replay, mtp=w_mtp > 0, drops=counted)
+        drops = lq.pop() if counted else None
         old = jax.lax.stop_gradient(lp) if mb.old_logprobs is None else mb.old_logprobs
         ref_lp = None
         if ref_params is not None:
@@ -323,6 +327,8 @@ class Learner:
             mtp_loss = -jnp.sum(lq[0] * mtp_mask(mb.response_mask)) / mtp_norm
             loss = loss + w_mtp * mtp_loss
             metrics = dict(metrics, **{"train/mtp_loss": mtp_loss})
+        if drops is not None:  # raw counts, summed over micro-batches; `_step` divides them
+            metrics = dict(metrics, **{_DROPPED: drops[0].astype(jnp.float32), _ROUTED: drops[1].astype(jnp.float32)})
         return loss, metrics
 
     def _loss_cfg(self, lay: batching.Layout):
@@ -379,6 +385,10 @@ class Learner:
         new_state = state.replace(step=keep(state.step + 1, state.step), params=params,
                                   opt_state=opt_state_to(opt_state, "host", *self._placement()))
         out = {name: jnp.zeros((), jnp.float32) for name in METRIC_NAMES}
+        metrics = dict(metrics)
+        if _DROPPED in metrics:  # pairs past the EP dispatch's capacity / pairs routed, main layers, whole batch
+            dropped, routed = metrics.pop(_DROPPED), metrics.pop(_ROUTED)
+            out["train/expert_drop_frac"] = dropped / jnp.maximum(routed, 1.0)
         out.update(metrics)
         out["train/grad_norm"] = grad_norm
         out["train/lr"] = optim.lr_schedule(self.cfg)(state.step)

@@ -338,3 +338,45 @@ def test_errors(actor_mesh):
     fn = make_ep_dispatch(actor_mesh)
     with pytest.raises(ValueError, match="n_routed_experts=7 is not divisible"):
         fn(x, ids, w, w1[:7], w3[:7], w2[:7], limit=LIMIT, dtype=jnp.float32)
+
+
+def test_model_forward_counts_expert_drops():
+    """The model returns its EP dispatch's drop counts summed over the main MoE layers (`DSV4Output.expert_drops`,
+    the path of the routing records; the learner logs train/expert_drop_frac from it): with a capacity factor
+    (padded, C = 2 rows per (source shard, expert), 4 shards of one 16-token row each) they equal the count from
+    the returned routing by hand, the same through the scanned layer stack; dropless, constant zeros."""
+    import dsv4
+    from dsv4 import scan as sc
+    from dsv4.layers import Buffer
+    from flax import nnx
+
+    cfg = dsv4.DSV4Config.tiny(num_hidden_layers=2, compress_ratios=(4, 8), num_nextn_predict_layers=0)
+    plan = build_mesh_plan("actor:fsdp=2,expert=2,tensor=2", config=cfg)
+    model = dsv4.DSV4ForCausalLM(cfg, rngs=nnx.Rngs(0))
+    graphdef, params, buffers = nnx.split(model, nnx.Param, Buffer)
+    sdef = sc.stack_def(model)
+    sp, sb = sc.stack_params(params, sdef.groups), sc.stack_params(buffers, sdef.groups)
+    ids = jax.random.randint(jax.random.key(3), (4, 16), 0, cfg.vocab_size)
+    capped = make_ep_dispatch(plan.actor, backend="padded", capacity_factor=0.5)
+    assert padded_capacity(16, cfg.num_experts_per_tok, cfg.n_routed_experts, 0.5) == 2
+
+    def loop(fn):
+        out = nnx.merge(graphdef, params, buffers)(ids, dispatch_fn=fn)
+        return out.routing, out.expert_drops
+
+    def scanned(fn):
+        shell, stack = sc.merge_stacked(sdef, sp, sb)
+        return shell(ids, dispatch_fn=fn, layer_stack=stack).expert_drops
+
+    with plan.activate("actor"):
+        routing, drops = jax.jit(lambda: loop(capped))()
+        drops_scan = jax.jit(lambda: scanned(capped))()
+        zero = jax.jit(lambda: loop(make_ep_dispatch(plan.actor, backend="padded"))[1])()
+    dropped = routed = 0
+    for layer in range(cfg.num_hidden_layers):
+        merged, _ = merge_repeated_picks(routing[:, :, layer].reshape(64, -1), jnp.ones((64, cfg.num_experts_per_tok)))
+        for row in np.asarray(merged).reshape(4, 16, -1):  # one token shard per row
+            counts = np.bincount(row[row >= 0], minlength=cfg.n_routed_experts)
+            dropped, routed = dropped + int(np.maximum(counts - 2, 0).sum()), routed + int(counts.sum())
+    assert dropped > 0 and [int(v) for v in drops] == [int(v) for v in drops_scan] == [dropped, routed]
+    assert [int(v) for v in zero] == [0, 0]
