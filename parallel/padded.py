@@ -19,6 +19,13 @@ all_to_all moves that much too. Memory is the largest branch's, the dropless (or
 switch index is an integer from the (non-differentiable) ids; the backward pass re-runs the chosen branch's
 transpose. `check_vma` holds: the index and the capacity are invariant over every mesh axis.
 
+C is set by the busiest (source rank, expert) cell, so random routing still pads: at Flash decode (128 tokens
+per rank, k = 6, E = 256, ep = 8; uniform random picks) the peak cell holds 9 rows against a mean of 3, C = 12,
+4x the routed rows. `compact=True` (`make_ep_dispatch`) adds a second compaction after the all_to_all: each
+local expert's real rows (sum over the ep sources, peak/mean 1.6 there) move to the front and the FFN runs on the
+smallest of a second set of row counts that holds the busiest expert (a nested `lax.switch`): 2x the routed
+rows there, at the price of more compiled branches (outer x inner) and the gathers; the all_to_all still moves C.
+
 Every body returns `DispatchStats` (local counts; `make_ep_dispatch` sums them over the token axes): the chosen
 bucket and capacity, the pairs dropped and the pairs routed (rows after merging repeated picks; pad tokens and
 skipped picks excluded), so callers can log `train/expert_drop_frac` = dropped / routed. Unused, XLA drops them.
@@ -41,11 +48,14 @@ from dsv4.moe import swiglu
 class DispatchStats(NamedTuple):
     """What one EP dispatch call did (int32 scalars): `bucket` the index of the compiled capacity that ran (0 for a
     fixed one), `capacity` its rows per (source rank, expert) ("padded"/"sized"; the per-rank buffer for
-    "capacity"/"ragged"), `dropped` the (token, expert) pairs past it, `routed` the pairs routed."""
+    "capacity"/"ragged"), `dropped` the (token, expert) pairs past it, `routed` the pairs routed, `rows` the
+    expert FFN's rows per local expert ("padded"/"sized": ep x capacity, or the compacted count; else
+    `capacity`)."""
     bucket: jax.Array
     capacity: jax.Array
     dropped: jax.Array
     routed: jax.Array
+    rows: jax.Array
 
 
 def return_dtype(dtype, partial: bool):
@@ -126,9 +136,24 @@ def _slots(ids, w, n_exp):
     return w.reshape(-1), jnp.argsort(key, stable=True), counts, exclusive_cumsum(counts)
 
 
+def _compact_ffn(xs, gw, valid, w1, w3, w2, *, rows, **ffn_kw):
+    """`padded_ffn` of each expert's valid rows only, moved to the front and cut to `rows`: xs [n, R, D], gw [n, R],
+    valid [n, R] bool (at most `rows` per expert) -> [n, R, D] float32 in place, 0 elsewhere (invalid rows carry
+    routing weight 0: their output is 0 either way)."""
+    if rows >= xs.shape[1]:
+        return padded_ffn(xs, gw, w1, w3, w2, **ffn_kw)
+    idx = jnp.argsort(~valid, axis=1, stable=True)[:, :rows]  # [n, rows]: the valid rows first
+    y = padded_ffn(jnp.take_along_axis(xs, idx[..., None], axis=1), jnp.take_along_axis(gw, idx, axis=1), w1, w3, w2,
+                   **ffn_kw)
+    return jnp.zeros(xs.shape, jnp.float32).at[jnp.arange(xs.shape[0])[:, None], idx].set(y)
+
+
 def _buffers_ffn(x, w, order, counts, starts, w1, w3, w2, *, k, ep, n_local, capacity, expert_axis, limit, dtype,
-                 partial, act_q):
-    """The padded body at one capacity: slots -> all_to_all -> `padded_ffn` -> all_to_all -> combine [Tl, D] f32."""
+                 partial, act_q, inner=None, token_axes=()):
+    """The padded body at one capacity: slots -> all_to_all -> `padded_ffn` -> all_to_all -> combine -> ([Tl, D]
+    f32, the FFN's rows per local expert). `inner` (ascending row counts): after the all_to_all each local expert's
+    valid rows are compacted and the FFN runs on the smallest of `inner` (capped at ep * C) holding the largest
+    expert's rows over `token_axes` (`_compact_ffn`, a second `lax.switch`)."""
     t_loc, d = x.shape
     n_exp = ep * n_local
     slot = jnp.arange(capacity)
@@ -142,34 +167,52 @@ def _buffers_ffn(x, w, order, counts, starts, w1, w3, w2, *, k, ep, n_local, cap
         send_x, send_w = a2a(send_x), a2a(send_w)  # now [source rank, n_local, C, ...]
     xs = jnp.swapaxes(send_x, 0, 1).reshape(n_local, ep * capacity, d)
     gw = jnp.swapaxes(send_w, 0, 1).reshape(n_local, ep * capacity)
-    y = padded_ffn(xs, gw, w1, w3, w2, limit=limit, dtype=dtype, partial=partial, act_q=act_q)
+    ffn_kw = dict(limit=limit, dtype=dtype, partial=partial, act_q=act_q)
+    if inner is None:
+        rows = jnp.int32(ep * capacity)
+        y = padded_ffn(xs, gw, w1, w3, w2, **ffn_kw)
+    else:
+        got = jnp.minimum(counts, capacity).reshape(ep, n_local).astype(jnp.int32)  # rows sent per (dst, expert)
+        got = a2a(got) if ep > 1 else got  # rows received per (source rank, local expert)
+        held = jnp.swapaxes(slot[None, None, :] < got[:, :, None], 0, 1).reshape(n_local, ep * capacity)
+        peak = jnp.max(jnp.sum(got, axis=0))
+        if token_axes:
+            peak = jax.lax.pmax(peak, token_axes)  # the same on every rank: every rank runs the same branch
+        caps = tuple(c for c in inner if c < ep * capacity) + (ep * capacity,)
+        j = jnp.minimum(jnp.sum(jnp.asarray(caps) < peak), len(caps) - 1).astype(jnp.int32)
+        rows = jnp.asarray(caps, jnp.int32)[j]
+        y = jax.lax.switch(j, [functools.partial(_compact_ffn, rows=c, **ffn_kw) for c in caps], xs, gw, held, w1,
+                           w3, w2)
     y = jnp.swapaxes(y.reshape(n_local, ep, capacity, d), 0, 1)  # [source rank, n_local, C, D]
     if ep > 1:  # back to [destination rank, n_local, C, D]
         y = jax.lax.all_to_all(y.astype(return_dtype(dtype, partial)), expert_axis, 0, 0, tiled=True)
     y = jnp.where(valid[..., None], y.reshape(n_exp, capacity, d), 0.0)
-    return jnp.zeros((t_loc, d), jnp.float32).at[tok.reshape(-1)].add(y.reshape(-1, d).astype(jnp.float32))
+    return jnp.zeros((t_loc, d), jnp.float32).at[tok.reshape(-1)].add(y.reshape(-1, d).astype(jnp.float32)), rows
 
 
-def local_stats(bucket, capacity, counts):
-    """This rank's `DispatchStats` (dropped / routed to be summed over the token ranks by the caller)."""
+def local_stats(bucket, capacity, counts, rows=None):
+    """This rank's `DispatchStats` (dropped / routed to be summed over the token ranks by the caller); rows: the
+    expert FFN's rows (default `capacity`)."""
     dropped = jnp.sum(jnp.maximum(counts - capacity, 0))
     return DispatchStats(jnp.asarray(bucket, jnp.int32), jnp.asarray(capacity, jnp.int32), dropped.astype(jnp.int32),
-                         jnp.sum(counts).astype(jnp.int32))
+                         jnp.sum(counts).astype(jnp.int32), jnp.asarray(capacity if rows is None else rows, jnp.int32))
 
 
 def padded_body(x, ids, w, w1, w3, w2, *, ep, n_local, capacity, expert_axis, limit, dtype, partial, act_q=None):
     """One rank, padded backend at a fixed `capacity`. x [Tl, D], ids/w [Tl, k] -> ([Tl, D] float32 (partial over I
     if TP), local `DispatchStats`). Pairs past an expert's capacity are dropped (module docstring)."""
     w, order, counts, starts = _slots(ids, w, ep * n_local)
-    y = _buffers_ffn(x, w, order, counts, starts, w1, w3, w2, k=ids.shape[1], ep=ep, n_local=n_local,
-                     capacity=capacity, expert_axis=expert_axis, limit=limit, dtype=dtype, partial=partial, act_q=act_q)
-    return y, local_stats(0, capacity, counts)
+    y, rows = _buffers_ffn(x, w, order, counts, starts, w1, w3, w2, k=ids.shape[1], ep=ep, n_local=n_local,
+                           capacity=capacity, expert_axis=expert_axis, limit=limit, dtype=dtype, partial=partial,
+                           act_q=act_q)
+    return y, local_stats(0, capacity, counts, rows)
 
 
 def sized_body(x, ids, w, w1, w3, w2, *, ep, n_local, buckets, expert_axis, token_axes, limit, dtype, partial,
-               act_q=None):
+               act_q=None, inner=None):
     """One rank, "sized" backend: the padded body at the smallest of `buckets` (ascending capacities) that holds
-    the largest (source rank, expert) load of this call over `token_axes`, else the last (module docstring).
+    the largest (source rank, expert) load of this call over `token_axes`, else the last (module docstring);
+    `inner`: the compaction's row counts (`_buffers_ffn`), None = none.
     x [Tl, D], ids/w [Tl, k] -> ([Tl, D] float32 (partial over I if TP), local `DispatchStats`)."""
     w, order, counts, starts = _slots(ids, w, ep * n_local)
     peak = jnp.max(counts)
@@ -178,7 +221,7 @@ def sized_body(x, ids, w, w1, w3, w2, *, ep, n_local, buckets, expert_axis, toke
     caps = jnp.asarray(buckets, jnp.int32)
     index = jnp.minimum(jnp.sum(caps < peak), len(buckets) - 1).astype(jnp.int32)
     kw = dict(k=ids.shape[1], ep=ep, n_local=n_local, expert_axis=expert_axis, limit=limit, dtype=dtype,
-              partial=partial, act_q=act_q)
+              partial=partial, act_q=act_q, inner=inner, token_axes=token_axes)
     branches = [functools.partial(_buffers_ffn, capacity=c, **kw) for c in buckets]
-    y = jax.lax.switch(index, branches, x, w, order, counts, starts, w1, w3, w2)
-    return y, local_stats(index, caps[index], counts)
+    y, rows = jax.lax.switch(index, branches, x, w, order, counts, starts, w1, w3, w2)
+    return y, local_stats(index, caps[index], counts, rows)

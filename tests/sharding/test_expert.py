@@ -272,11 +272,11 @@ def test_sized_is_exact_at_the_routed_cost(actor_mesh, same):
         t = jnp.arange(T)
         ids = jnp.stack([2 * t % E, (2 * t + 1) % E], axis=1).astype(jnp.int32)
     ref = routed_experts_ragged(x, ids, w, w1, w3, w2, limit=LIMIT, dtype=jnp.float32)
-    out, (bucket, cap, dropped, routed), hlo = _dispatch_stats(actor_mesh, make_ep_dispatch(
+    out, (bucket, cap, dropped, routed, rows), hlo = _dispatch_stats(actor_mesh, make_ep_dispatch(
         actor_mesh, backend="sized"), x, ids, w, w1, w3, w2)
     np.testing.assert_allclose(np.asarray(out), np.asarray(ref), **TOL)
     assert capacity_buckets(T // 4, K, E) == (3, 6, 12)
-    assert (bucket, cap, dropped, routed) == ((2, 12) if same else (0, 3)) + (0, T * K)
+    assert (bucket, cap, dropped, routed, rows) == ((2, 12) if same else (0, 3)) + (0, T * K, 2 * cap)
     assert 4 * E * cap == (T * K * E // K if same else T * K)  # expert matmul rows of the call vs routed
     assert "conditional(" in hlo
     assert {int(r) for r in re.findall(r"f32\[4,(\d+),16\][^ ]* dot\(", hlo)} == {6, 12, 24}  # ep x (3, 6, 12)
@@ -291,10 +291,33 @@ def test_drops_are_counted(actor_mesh, backend):
     keep = _kept_pairs(ids, 4, 2, E // 2, "padded", 2.0)
     ref = routed_experts_ragged(x, ids, jnp.where(keep, w, 0.0), w1, w3, w2, limit=LIMIT, dtype=jnp.float32)
     fn = make_ep_dispatch(actor_mesh, backend=backend, capacity_factor=2.0)
-    out, (bucket, cap, dropped, routed), _ = _dispatch_stats(actor_mesh, fn, x, ids, w, w1, w3, w2)
+    out, (bucket, cap, dropped, routed, _), _ = _dispatch_stats(actor_mesh, fn, x, ids, w, w1, w3, w2)
     np.testing.assert_allclose(np.asarray(out), np.asarray(ref), **TOL)
     assert fn.can_drop and (bucket, cap, dropped, routed) == (int(backend == "sized"), 6, int((~keep).sum()), T * K)
     assert dropped == 2 * 2 * (12 - 6)
+
+
+def test_sized_compact_runs_each_experts_rows(actor_mesh):
+    """`compact=True`: each (source shard, expert) load is 6 or 0 (in each EP pair of shards the even one sends
+    experts 0, 1, 4, 5 six rows each, the odd one 2, 3, 6, 7), so C = 6 and the all_to_all brings each expert
+    2 x 6 rows of which 6 are real; compacted, the FFN runs 6 rows per local expert (= the routed rows; 12
+    without compaction). Equal to the reference, values and gradients (x, routing weights, w1)."""
+    x, _, w, w1, w3, w2 = _inputs(seed=8)
+    i, p = np.arange(T) % 12, (np.arange(T) // 12) % 2
+    ids = jnp.asarray(np.stack([2 * p + i % 2, 4 + 2 * p + i % 2], axis=1), jnp.int32)
+    ref = routed_experts_ragged(x, ids, w, w1, w3, w2, limit=LIMIT, dtype=jnp.float32)
+    fn = make_ep_dispatch(actor_mesh, backend="sized", compact=True)
+    out, (bucket, cap, _, _, rows), _ = _dispatch_stats(actor_mesh, fn, x, ids, w, w1, w3, w2)
+    np.testing.assert_allclose(np.asarray(out), np.asarray(ref), **TOL)
+    assert (bucket, cap, rows) == (1, 6, 6)
+    probe = jax.random.normal(jax.random.key(9), (T, D))
+    grad = lambda f: jax.grad(lambda *a: jnp.sum(probe * f(a[0], ids, a[1], a[2], w3, w2, limit=LIMIT,  # noqa: E731
+                                                            dtype=jnp.float32)), argnums=(0, 1, 2))
+    want = _call(jax.jit(grad(moe.routed_experts_ragged)), x, w, w1)
+    with jax.set_mesh(actor_mesh):
+        got = _call(jax.jit(grad(fn)), x, w, w1)
+    for g, r in zip(got, want):
+        np.testing.assert_allclose(np.asarray(g), np.asarray(r), rtol=1e-5, atol=1e-5 * float(jnp.abs(r).max()))
 
 
 def test_native_ragged_all_to_all_lowers(actor_mesh):
