@@ -138,14 +138,15 @@ def _slots(ids, w, n_exp):
 
 def _compact_ffn(xs, gw, valid, w1, w3, w2, *, rows, **ffn_kw):
     """`padded_ffn` of each expert's valid rows only, moved to the front and cut to `rows`: xs [n, R, D], gw [n, R],
-    valid [n, R] bool (at most `rows` per expert) -> [n, R, D] float32 in place, 0 elsewhere (invalid rows carry
-    routing weight 0: their output is 0 either way)."""
+    valid [n, R] bool (at most `rows` per expert) -> [n, R, D] in place, 0 elsewhere (invalid rows carry routing
+    weight 0: their output is 0 either way), in `return_dtype` (exact: the dots round to it)."""
+    out = return_dtype(ffn_kw["dtype"], ffn_kw["partial"])
     if rows >= xs.shape[1]:
-        return padded_ffn(xs, gw, w1, w3, w2, **ffn_kw)
+        return padded_ffn(xs, gw, w1, w3, w2, **ffn_kw).astype(out)
     idx = jnp.argsort(~valid, axis=1, stable=True)[:, :rows]  # [n, rows]: the valid rows first
     y = padded_ffn(jnp.take_along_axis(xs, idx[..., None], axis=1), jnp.take_along_axis(gw, idx, axis=1), w1, w3, w2,
                    **ffn_kw)
-    return jnp.zeros(xs.shape, jnp.float32).at[jnp.arange(xs.shape[0])[:, None], idx].set(y)
+    return jnp.zeros(xs.shape, out).at[jnp.arange(xs.shape[0])[:, None], idx].set(y.astype(out))
 
 
 def _buffers_ffn(x, w, order, counts, starts, w1, w3, w2, *, k, ep, n_local, capacity, expert_axis, limit, dtype,
