@@ -9,7 +9,7 @@ Rows, in this order (each prints its own `RESULT target=..` line; the last line 
   cpu_4l / gpu_4l: the seed run at 4 layers, XLA:CPU (its HLO with the MI308X peaks) beside XLA:GPU (MI308X proxy):
                    the CPU artefacts quantified.
 The rollout regime is the seed config's (64 prompts x 16 samples = 1,024 sequences of 1,024 + 8,192 tokens, FP8
-weights and KV cache, continuous batching over the slots the KV budget holds, dropless padded expert dispatch);
+weights and KV cache, continuous batching over the slots the KV budget holds, dropless "sized" expert dispatch);
 `--rollout-context 32768` (flag on top of the file) gives the 32K regime; other planner flags pass through (e.g.
 `--rollout-ep-capacity-factor 2`, `--compile-only rollout`). Flash compiles take
 minutes each (flat in depth: scanned layers) and several GB of RAM: rows run one at a time.

@@ -277,7 +277,7 @@ def run_blocks(model, x: jax.Array, token_ids: jax.Array, attend, *, layer_fn=No
     for i in range(model.config.num_hidden_layers if n_layers is None else n_layers):
         blk, x = get(i, x)
         forced = None if routing_replay is None else routing_replay[:, :, i]
-        x, r, state = blk.step(x, token_ids, functools.partial(attend, i), forced, dispatch_fn)
+        x, r, state, _ = blk.step(x, token_ids, functools.partial(attend, i), forced, dispatch_fn)
         routes.append(r)
         states.append(state)
     return x, jnp.stack(routes, axis=2), states

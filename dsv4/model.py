@@ -66,12 +66,16 @@ class DSV4Output:
     mtp_logits: [B, S, V] float32 or None: MTP head logits at position t (predicting token t+2; fed the
       embedding of token t+1, the DeepSeek-V3 convention) when `return_mtp=True`.
     hidden: [B, S, D] final normalised hidden state when `return_hidden=True`, else None.
+    expert_drops: [2] int32 (expert pairs dropped, pairs routed), summed over the main MoE layers (padding tokens
+      included: they take buffer slots too), by a `dispatch_fn` that can drop (a capacity factor:
+      `parallel.expert.make_ep_dispatch`); constant zeros otherwise.
     """
 
     logits: jax.Array
     routing: jax.Array
     mtp_logits: jax.Array | None = None
     hidden: jax.Array | None = None
+    expert_drops: jax.Array | None = None
 
 
 class Block(nnx.Module):
@@ -108,26 +112,29 @@ class Block(nnx.Module):
         state): how this path's attention reads / writes its cache (`state` is handed back untouched: the new
         cache, the prefill's aux tensors, the verify's pending state, or None). forced_ids [B, S, k] int32: routing
         replay (entries < 0 route freely; None = route freely). dispatch_fn: routed-expert implementation
-        (`dsv4.moe.MoE`). Returns (x' [B, S, n, D], routing ids [B, S, k] int32, state)."""
+        (`dsv4.moe.MoE`). Returns (x' [B, S, n, D], routing ids [B, S, k] int32, state, drops [2] int32: the
+        MoE's (pairs dropped, pairs routed), zeros unless the dispatch can drop)."""
         y, post, comb = self._pre(x, "attn")
         a, state = attend(self.attn, self.attn_norm(y))
         x = hc_post(x, a, post, comb)
         y, post, comb = self._pre(x, "ffn")
-        f, ids = self.ffn(self.ffn_norm(y), token_ids, forced_ids, dispatch_fn)
-        return hc_post(x, f, post, comb), ids, state
+        f, ids, drops = self.ffn(self.ffn_norm(y), token_ids, forced_ids, dispatch_fn)
+        return hc_post(x, f, post, comb), ids, state, drops
 
     def __call__(self, x, positions, token_ids, forced_ids=None, dispatch_fn=None):
-        """Full-sequence layer: x [B, S, n, D] streams at positions [B, S] -> (x' [B, S, n, D], routing ids
-        [B, S, k]): `step` with the plain attention over the sequence itself."""
-        x, ids, _ = self.step(x, token_ids, lambda attn, h: (attn(h, positions), None), forced_ids, dispatch_fn)
-        return x, ids
+        """Full-sequence layer: x [B, S, n, D] streams at positions [B, S] -> (x' [B, S, n, D], (routing ids
+        [B, S, k], drops [2])): `step` with the plain attention over the sequence itself."""
+        x, ids, _, drops = self.step(x, token_ids, lambda attn, h: (attn(h, positions), None), forced_ids,
+                                     dispatch_fn)
+        return x, (ids, drops)
 
 
 def block_step(layer: Block, x, positions, token_ids, forced_ids=None, dispatch_fn=None):
     """One step of the full-sequence layer loop (the Python loop and `dsv4.scan.run_layers` both run it):
-    x [B, S, n, D] -> (x' [B, S, n, D] constrained to the stream layout, routing ids [B, S, k] int32)."""
-    x, ids = layer(x, positions, token_ids, forced_ids, dispatch_fn)
-    return constrain(x, _STREAMS), ids
+    x [B, S, n, D] -> (x' [B, S, n, D] constrained to the stream layout, (routing ids [B, S, k] int32, drops [2]
+    int32: `Block.step`'s))."""
+    x, routes = layer(x, positions, token_ids, forced_ids, dispatch_fn)
+    return constrain(x, _STREAMS), routes
 
 
 class MTPBlock(Block):
@@ -290,7 +297,8 @@ class DSV4ForCausalLM(nnx.Module):
                            routing_replay, ((0, 0), (0, pad), (0, 0), (0, 0)), constant_values=-1),
                        return_mtp=return_mtp, return_hidden=return_hidden, dispatch_fn=dispatch_fn,
                        layer_stack=layer_stack)
-            return jax.tree.map(lambda t: t[:, :s], out)
+            return out.replace(**{f: getattr(out, f)[:, :s] for f in ("logits", "routing", "mtp_logits", "hidden")
+                                  if getattr(out, f) is not None})  # expert_drops: the padded call's
         valid = None
         if attention_mask is not None:
             m = attention_mask.astype(bool)
@@ -308,14 +316,15 @@ class DSV4ForCausalLM(nnx.Module):
         x = constrain(x, _STREAMS)
         # ---- layer loop (begin) ----
         if layer_stack is None:
-            routes = []
+            routes, drops = [], jnp.zeros((2,), jnp.int32)
             for i, layer in enumerate(self.layers):
                 forced = None if routing_replay is None else routing_replay[:, :, i]
-                x, r = self._block(layer, x, positions, ids, forced, dispatch_fn)
+                x, (r, d) = self._block(layer, x, positions, ids, forced, dispatch_fn)
                 routes.append(r)
+                drops = drops + d
             routing = jnp.stack(routes, axis=2)  # [B, S, L, k]
         else:  # stacked layers under lax.scan (dsv4/scan.py), each layer through block_step too
-            x, routing = layer_stack.run(x, positions, ids, routing_replay, dispatch_fn)
+            x, routing, drops = layer_stack.run(x, positions, ids, routing_replay, dispatch_fn)
         # ---- layer loop (end) ----
         h = self.collapse(x)
         mtp_h = None
@@ -334,7 +343,7 @@ class DSV4ForCausalLM(nnx.Module):
         logits = constrain(self.lm_head(h), (ax.ACT_BATCH, ax.ACT_SEQ, ax.ACT_VOCAB))
         return DSV4Output(logits=logits, routing=routing,
                           mtp_logits=None if mtp_h is None else self.lm_head(mtp_h, return_mtp == "detached"),
-                          hidden=h if return_hidden else None)
+                          hidden=h if return_hidden else None, expert_drops=drops)
 
     def _mtp(self, blk: MTPBlock, x, next_ids, positions, dispatch_fn, detached: bool = False):
         """MTP: X~_k = e_proj(enorm(embed(next))) + h_proj(hnorm(X_k)); block; own hyper head + norm (spec §7).

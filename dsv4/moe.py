@@ -359,11 +359,14 @@ class MoE(nnx.Module):
 
     def __call__(self, u: jax.Array, token_ids: jax.Array, forced_ids: jax.Array | None = None,
                  dispatch_fn: DispatchFn | None = None):
-        """u [B, S, D] (normalised), token_ids [B, S], forced_ids [B, S, k] | None -> (out [B, S, D], ids [B, S, k])."""
+        """u [B, S, D] (normalised), token_ids [B, S], forced_ids [B, S, k] | None -> (out [B, S, D], ids [B, S, k],
+        drops [2] int32: (pairs dropped, pairs routed) by a dispatch that can drop (`dispatch_fn.can_drop` and
+        `.with_stats`, `parallel.expert.make_ep_dispatch` with a capacity factor), else constant zeros)."""
         b, s, d = u.shape
         uf = u.reshape(b * s, d)
         ids, w = self.route(uf, token_ids.reshape(-1), None if forced_ids is None else forced_ids.reshape(b * s, -1))
-        fn = dispatch_fn or routed_experts_ragged
+        counted = getattr(dispatch_fn, "can_drop", False)
+        fn = dispatch_fn.with_stats if counted else (dispatch_fn or routed_experts_ragged)
         e = self.experts
         # The routed experts stay as placed (not `weight_of`): the EP dispatch gathers D inside its shard_map, and
         # gathering every expert for the single-device path costs more than it saves (benchmarks/README.md
@@ -385,10 +388,14 @@ class MoE(nnx.Module):
                    act_q=act_fake_quant_ste)
         else:
             y = fn(uf, ids, w, w1, w3, w2, limit=self.limit, dtype=self.dtype)
+        drops = jnp.zeros((2,), jnp.int32)
+        if counted:
+            y, st = y
+            drops = jnp.stack([st.dropped, st.routed]).astype(jnp.int32)
         if self.shared_experts is not None:
             se = self.shared_experts
             h = swiglu(linear(uf, weight_of(se.w1.weight), self.dtype),
                        linear(uf, weight_of(se.w3.weight), self.dtype),
                        self.limit)
             y = y + linear(h, weight_of(se.w2.weight), self.dtype).astype(jnp.float32)
-        return y.astype(u.dtype).reshape(b, s, d), ids.reshape(b, s, -1)
+        return y.astype(u.dtype).reshape(b, s, d), ids.reshape(b, s, -1), drops

@@ -291,17 +291,17 @@ def _from_bits(a: jax.Array, dtype) -> jax.Array:
 
 
 def _run_period(steps: Sequence[Callable], st: Sequence[Any], fo: Any, x: jax.Array, positions: jax.Array,
-                ids: jax.Array, saved: list | None = None) -> tuple[jax.Array, jax.Array]:
-    """One scan step: sub-layers `steps[j](st[j], x, fo[j], positions, ids)` in order -> (x, routes [period, B, S,
-    k] int32). `fo`: [period, B, S, k] forced ids or None. With a `saved` list, each sub-layer's input is appended
-    to it (`_to_bits`)."""
+                ids: jax.Array, saved: list | None = None) -> tuple[jax.Array, tuple[jax.Array, jax.Array]]:
+    """One scan step: sub-layers `steps[j](st[j], x, fo[j], positions, ids)` in order -> (x, (routes [period, B, S,
+    k] int32, drops [period, 2] int32)). `fo`: [period, B, S, k] forced ids or None. With a `saved` list, each
+    sub-layer's input is appended to it (`_to_bits`)."""
     rs = []
     for j, step in enumerate(steps):
         if saved is not None:
             saved.append(_to_bits(x))
         x, r = step(st[j], x, None if fo is None else fo[j], positions, ids)
         rs.append(r)
-    return x, jnp.stack(rs)
+    return x, jax.tree.map(lambda *a: jnp.stack(a), *rs)
 
 
 def _scan_block_remat(steps: Sequence[Callable], n: int):
@@ -316,10 +316,10 @@ def _scan_block_remat(steps: Sequence[Callable], n: int):
     weight gradients leave the backward loop as its stacked outputs. Gradients equal the checkpointed scan's
     (tests/dsv4/test_scan.py).
 
-    steps[j](state_j, x, forced_j, positions, ids) -> (x', routes_j [B, S, k] int32), state_j a pytree of one
-    layer's arrays. Arguments of f: states (tuple over j of stacked pytrees, leading axis n), x [B, S, n_hc, D],
-    forced ([n, period, B, S, k] int32 or None), positions and ids [B, S] int32. Returns (x, routes
-    [n, period, B, S, k] int32).
+    steps[j](state_j, x, forced_j, positions, ids) -> (x', (routes_j [B, S, k] int32, drops_j [2] int32)), state_j a
+    pytree of one layer's arrays. Arguments of f: states (tuple over j of stacked pytrees, leading axis n), x [B, S,
+    n_hc, D], forced ([n, period, B, S, k] int32 or None), positions and ids [B, S] int32. Returns (x, (routes
+    [n, period, B, S, k] int32, drops [n, period, 2] int32)).
     """
     period = len(steps)
 
@@ -391,14 +391,15 @@ def run_layers(groups: Sequence[LayerGroup], graphdefs: Sequence[Sequence[Any]],
         weight matmul outputs), or a `jax.checkpoint` policy; applied to each sub-layer of the scan body.
         "block" runs `_scan_block_remat` (the same gradients, computed without copies of the stacks).
     Returns:
-      (x [B, S, n, D], routing [B, S, L, k] int32): equal to the Python loop's (same ops per layer, in order).
+      (x [B, S, n, D], routing [B, S, L, k] int32, expert drops [2] int32 summed over the layers): equal to the
+      Python loop's (same ops per layer, in order).
 
     The stacked weights are loop constants read one layer per step by `_take`, never the scan's `xs` (see
     `_take` for the copy that avoids).
     """
     policy = _policy(remat)
     b, s = ids.shape
-    routes = []
+    routes, drops = [], jnp.zeros((2,), jnp.int32)
     for g, grp in enumerate(groups):
         def make_raw(gdef):
             def step(state, x, forced, positions, ids):
@@ -423,12 +424,14 @@ def run_layers(groups: Sequence[LayerGroup], graphdefs: Sequence[Sequence[Any]],
 
             if inline:  # one repetition: the body inline (a length-1 loop only adds compile work)
                 x, r = _run_period(steps, *jax.tree.map(lambda a: a[0], (states, forced)), x, positions, ids)
-                r = r[None]
+                r = jax.tree.map(lambda a: a[None], r)
             else:  # r [repeats, period, B, S, k]
                 x, r = jax.lax.scan(lambda x, i, steps=steps, sf=(states, forced):
                                     _run_period(steps, *_take(sf, i), x, positions, ids), x, jnp.arange(grp.repeats))
+        r, d = r
         routes.append(jnp.transpose(r, (2, 3, 0, 1, 4)).reshape(b, s, grp.repeats * grp.period, -1))
-    return x, jnp.concatenate(routes, axis=2)
+        drops = drops + jnp.sum(d.reshape(-1, 2), axis=0)
+    return x, jnp.concatenate(routes, axis=2), drops
 
 
 @struct.dataclass

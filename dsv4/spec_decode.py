@@ -163,7 +163,7 @@ def mtp_forward(model, h: jax.Array, next_tokens: jax.Array, p0: jax.Array, cach
     """
     blk = model.mtp[0]
     xm = blk.inputs(model.embed_tokens(next_tokens), h)
-    xm, _, pend = blk.step(xm, next_tokens, lambda attn, y: verify_attention(attn, y, p0, cache, extra),
+    xm, _, pend, _ = blk.step(xm, next_tokens, lambda attn, y: verify_attention(attn, y, p0, cache, extra),
                            dispatch_fn=dispatch_fn)
     return model.lm_head(model.collapse(xm, owner=blk)), xm, pend["kv"]
 

@@ -31,7 +31,7 @@ import math
 
 from sharding import rules as rl
 
-EP_BACKENDS = ("capacity", "ragged", "padded")  # parallel.expert.BACKENDS
+EP_BACKENDS = ("capacity", "ragged", "padded", "sized")  # parallel.expert.BACKENDS
 BLOCK_Q = 128  # dsv4.attention.Attention(block_q=): queries per block of the blocked attention
 LOGPROB_CHUNK = 1024  # rl.algo_config.LearnerConfig.logprob_chunk_size default
 
@@ -39,10 +39,11 @@ LOGPROB_CHUNK = 1024  # rl.algo_config.LearnerConfig.logprob_chunk_size default
 def ep_rows_per_token(cfg, sizes: dict[str, int], ep_backend: str, ep_capacity: float | None) -> float:
     """Expert-FFN rows per local token on one rank (parallel/expert.py's buffers), k = picks per token:
     padded: min(f * k, E) (dropless: E, every expert's buffer sized for all local tokens, `padded_capacity`);
+    sized: padded's, its largest compiled capacity (the memory bound; a balanced call runs ~k);
     capacity: ep * C / T = min(ep, f) * k;
     ragged: its receive buffer, ep * k dropless or f * k."""
     k, ep, e = cfg.num_experts_per_tok, sizes[rl.EXPERT], cfg.n_routed_experts
-    if ep_backend == "padded":
+    if ep_backend in ("padded", "sized"):
         return e if ep_capacity is None else min(ep_capacity * k, e)
     if ep_backend == "capacity":
         return k * (ep if ep_capacity is None else min(ep_capacity, ep))

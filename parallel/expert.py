@@ -28,10 +28,10 @@ Backends (`backend=`):
   fits. The price is memory and traffic O(ep * T_local * k * D) per rank, so on large EP meshes pass
   `capacity_factor=f`: C = ceil(f * T_local * k / ep); pairs beyond a rank's C are dropped (they contribute 0,
   the token keeps its other picks and the shared expert): NOT equal to the reference any more, a rollout knob.
-* "padded" (every backend; GShard/Switch-style, the path with memory bounded by the capacity): each rank writes
-  its pairs into per-expert slots [E, C, D] (C = ceil(f * T_local * k / E), `padded_capacity`; pairs past an
-  expert's C dropped, first come in (token, k) order), one all_to_all over the expert axis gives each rank
-  [n_local, ep * C, D], and the FFN is three batched dense matmuls (`padded_ffn`) instead of `ragged_dot`. Memory
+* "padded" (every backend; GShard/Switch-style, the path with memory bounded by the capacity; `parallel/padded.py`):
+  each rank writes its pairs into per-expert slots [E, C, D] (C = ceil(f * T_local * k / E), `padded_capacity`;
+  pairs past an expert's C dropped, first come in (token, k) order), one all_to_all over the expert axis gives each
+  rank [n_local, ep * C, D], and the FFN is three batched dense matmuls (`padded_ffn`) instead of `ragged_dot`. Memory
   and traffic per rank O(f * T_local * k * D). Why it exists: XLA:CPU (and CUDA jaxlib 0.10) lower `ragged_dot`
   densely, every row through every local expert ([n_local, rows, I] f32: at Flash scale, 96-192 GiB per buffer,
   measured with `python -m launch.plan --compile`), and on MI300X a grouped `ragged_dot` has been reported
@@ -44,12 +44,24 @@ Backends (`backend=`):
   prefill: one request's chunk / shards). With a factor it is a capacity dispatch, C = min(T_local,
   ceil(f * T_local * k / E)): pairs past an expert's C are dropped, first come first served in (token, k) order
   (they contribute 0; the token keeps its other picks and the shared expert).
+* "sized" (every backend; the rollout's default on GPUs, `rollout_backend`): "padded" with C chosen per call from
+  the actual loads: the global max of the rows a rank sends one expert (a scalar pmax) selects the smallest of a
+  few compiled capacities that holds it (`parallel.padded.capacity_buckets`: x `bucket_growth` from the mean load
+  up to T_local, or up to f_max = `capacity_factor`), run under `jax.lax.switch`. Dropless (no factor): equal to
+  the reference at every load, and a balanced call runs <= `bucket_growth` x the routed rows (all_to_all and
+  matmuls) instead of E / k times; memory is the top bucket's, today's dropless bound. With f_max, pairs past
+  it are dropped and counted. `compact=True`: each local expert's rows compacted after the all_to_all, the FFN
+  on a second load-sized count (random routing at Flash decode: 2x the routed rows instead of 4x).
 * "ragged" (GPU): pairs sorted by expert are sent with `jax.lax.ragged_all_to_all` (only the real rows move);
   send/receive offsets come from an all_gather of the [ep] per-rank counts. The receive buffer is
   ep * T_local * k rows (dropless) or ceil(f * T_local * k) with `capacity_factor` (every rank knows all counts,
   so senders clip what a full receiver cannot take, consistently on both sides). XLA:CPU has no
   ragged-all-to-all ("HLO opcode ragged-all-to-all is not supported by XLA:CPU ThunkEmitter"), so on CPU the
   tests exercise this backend's offset bookkeeping with `_ragged_all_to_all_reference` (all_gather based).
+
+Every backend counts what it did: `dispatch_fn.with_stats` returns the output and a `DispatchStats` (capacity
+bucket, pairs dropped, pairs routed; global over the token ranks) for `train/expert_drop_frac`; the plain call
+returns the output alone and XLA removes the counting.
 
 Numerics follow the reference exactly: the routing weight multiplies the SwiGLU output before w2 (as the official
 code), dots return their input dtype for bf16 (`dsv4.layers.dot_out`), the combine accumulates in float32. Tokens
@@ -78,11 +90,13 @@ from jax.sharding import Mesh, PartitionSpec
 
 from dsv4.layers import dot_out
 from dsv4.moe import ROUTED_EXPERT_RE, routed_experts_local, swiglu
+from parallel import padded as padded_lib
+from parallel.padded import DispatchStats, exclusive_cumsum, return_dtype
 from sharding import axes as ax
 from sharding import rules as rl
 from sharding.mesh import auto_axes
 
-BACKENDS = ("capacity", "ragged", "padded")
+BACKENDS = ("capacity", "ragged", "padded", "sized")
 DEFAULT_TOKEN_AXES = None  # = the rules' act_batch axes then act_seq axes (`token_axes_of`)
 
 
@@ -127,25 +141,16 @@ def grouped_ffn(rows: jax.Array, eid: jax.Array, gate_w: jax.Array, w1: jax.Arra
     return jnp.zeros_like(y).at[order].set(y)
 
 
-def _return_dtype(dtype, partial: bool):
-    """Dtype of the expert outputs on the way back: `dtype` holds them exactly (the w2 dot rounds to it), except
-    tensor-parallel partial sums, which stay float32 until the psum."""
-    return jnp.float32 if partial else jnp.dtype(dtype)
-
-
-def _exclusive_cumsum(x: jax.Array, axis: int = -1) -> jax.Array:
-    return jnp.cumsum(x, axis=axis) - x
-
-
 def _capacity_body(x, ids, w, w1, w3, w2, *, ep, n_local, capacity, expert_axis, limit, dtype, partial, act_q=None):
-    """One rank, capacity backend. x [Tl, D], ids/w [Tl, k] -> [Tl, D] float32 (partial over I if TP)."""
+    """One rank, capacity backend. x [Tl, D], ids/w [Tl, k] -> ([Tl, D] float32 (partial over I if TP), local
+    `DispatchStats`: pairs past a destination rank's C dropped)."""
     t_loc, k = ids.shape
     n_pairs = t_loc * k
     flat = ids.reshape(-1)
     dest = jnp.where(flat >= 0, flat // n_local, ep)  # [N] destination rank; ep = skipped pair
     order = jnp.argsort(dest, stable=True)
     counts = jnp.bincount(dest, length=ep)  # [ep]
-    starts = _exclusive_cumsum(counts)
+    starts = exclusive_cumsum(counts)
     slot = jnp.arange(capacity)
     valid = slot[None, :] < jnp.minimum(counts, capacity)[:, None]  # [ep, C]
     pair = order[jnp.clip(starts[:, None] + slot[None, :], 0, n_pairs - 1)]  # [ep, C] pair index per slot
@@ -160,80 +165,10 @@ def _capacity_body(x, ids, w, w1, w3, w2, *, ep, n_local, capacity, expert_axis,
     y = grouped_ffn(send_x.reshape(-1, d), send_e.reshape(-1), send_w.reshape(-1), w1, w3, w2, limit=limit,
                     dtype=dtype, partial=partial, act_q=act_q).reshape(ep, capacity, d)
     if ep > 1:  # back to [destination rank, C, D]; exact in `dtype` unless a tensor-parallel partial sum
-        y = jax.lax.all_to_all(y.astype(_return_dtype(dtype, partial)), expert_axis, 0, 0, tiled=True)
+        y = jax.lax.all_to_all(y.astype(return_dtype(dtype, partial)), expert_axis, 0, 0, tiled=True)
     y = jnp.where(valid[..., None], y, 0.0)
-    return jnp.zeros((t_loc, d), jnp.float32).at[tok.reshape(-1)].add(y.reshape(-1, d).astype(jnp.float32))
-
-
-def padded_ffn(xs: jax.Array, gate_w: jax.Array, w1: jax.Array, w3: jax.Array, w2: jax.Array, *, limit: float,
-               dtype, partial: bool = False, act_q=None) -> jax.Array:
-    """Clamped-SwiGLU FFN of capacity-padded per-expert buffers as batched dense matmuls (no `ragged_dot`).
-
-    xs [n, R, D] rows of each local expert (compute dtype; empty slots are zero rows with gate_w 0);
-    gate_w [n, R] float32; w1, w3 [n, I', D]; w2 [n, D, I'] (I' may be a tensor-parallel slice: then `partial`).
-    Returns [n, R, D] float32; empty slots are exactly 0 (their routing weight is 0). Same math as `grouped_ffn`.
-    """
-    bd = lambda c: ((c, ((0,), (0,))))  # noqa: E731  batch over the local expert dim
-    g = jax.lax.dot_general(xs, w1.astype(dtype), bd(((2,), (2,))), preferred_element_type=dot_out(dtype))
-    u = jax.lax.dot_general(xs, w3.astype(dtype), bd(((2,), (2,))), preferred_element_type=dot_out(dtype))
-    h = (swiglu(g, u, limit) * gate_w[..., None]).astype(dtype)  # [n, R, I']
-    h = h if act_q is None else act_q(h)
-    y = jax.lax.dot_general(h, w2.astype(dtype), bd(((2,), (2,))),
-                            preferred_element_type=jnp.float32 if partial else dot_out(dtype))
-    return y.astype(jnp.float32)
-
-
-def merge_repeated_picks(ids: jax.Array, w: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """One pick per (token, expert): a repeated pick of an expert (hash routing's table may repeat one; top-k never
-    does) adds its weight to the token's first pick of that expert and is skipped (id -1).
-
-    ids [T, k] int32 (< 0 = skipped, left as is), w [T, k] float32 -> (ids, w) of the same shapes. Exact for the
-    routed-expert sum: expert e's output is linear in its routing weight (w2 (SwiGLU(x) * g), `grouped_ffn`).
-    """
-    k = ids.shape[-1]
-    same = (ids[:, :, None] == ids[:, None, :]) & (ids[:, :, None] >= 0)  # [T, k (pick j), k (pick i)]
-    same = same | jnp.eye(k, dtype=bool)[None]  # a skipped pick is its own first
-    first = jnp.argmax(same, axis=-1)  # [T, k] the first pick of pick j's expert (j itself if none earlier)
-    is_first = first == jnp.arange(k)[None, :]
-    merged = jnp.einsum("tj,tji->ti", w, jax.nn.one_hot(first, k, dtype=w.dtype))
-    return jnp.where(is_first | (ids < 0), ids, -1), jnp.where(is_first, merged, 0.0).astype(w.dtype)
-
-
-def _padded_body(x, ids, w, w1, w3, w2, *, ep, n_local, capacity, expert_axis, limit, dtype, partial, act_q=None):
-    """One rank, padded backend. x [Tl, D], ids/w [Tl, k] -> [Tl, D] float32 (partial over I if TP).
-
-    Each (token, pick) pair gets a slot in its global expert's buffer of `capacity` rows (first come, in (token, k)
-    order; pairs past the capacity are dropped); the [E, C, D] buffer is [ep, n_local, C, D], so one all_to_all
-    over the expert axis delivers every rank its experts' rows from every source: [n_local, ep * C, D], run as
-    batched dense matmuls (`padded_ffn`), and back.
-    """
-    ids, w = merge_repeated_picks(ids, w)  # <= one row per (token, expert): C = T_local is dropless
-    t_loc, k = ids.shape
-    n_exp = ep * n_local
-    n_pairs = t_loc * k
-    flat = ids.reshape(-1)
-    key = jnp.where(flat >= 0, flat, n_exp)  # skipped pairs sort last, outside every expert
-    order = jnp.argsort(key, stable=True)
-    counts = jnp.bincount(key, length=n_exp)  # [E]
-    starts = _exclusive_cumsum(counts)
-    slot = jnp.arange(capacity)
-    valid = slot[None, :] < jnp.minimum(counts, capacity)[:, None]  # [E, C]
-    pair = order[jnp.clip(starts[:, None] + slot[None, :], 0, n_pairs - 1)]  # [E, C]
-    tok = pair // k
-    d = x.shape[-1]
-    send_x = jnp.where(valid[..., None], x[tok].astype(dtype), 0).reshape(ep, n_local, capacity, d)
-    send_w = jnp.where(valid, w.reshape(-1)[pair], 0.0).reshape(ep, n_local, capacity)
-    if ep > 1:
-        a2a = functools.partial(jax.lax.all_to_all, axis_name=expert_axis, split_axis=0, concat_axis=0, tiled=True)
-        send_x, send_w = a2a(send_x), a2a(send_w)  # now [source rank, n_local, C, ...]
-    xs = jnp.swapaxes(send_x, 0, 1).reshape(n_local, ep * capacity, d)
-    gw = jnp.swapaxes(send_w, 0, 1).reshape(n_local, ep * capacity)
-    y = padded_ffn(xs, gw, w1, w3, w2, limit=limit, dtype=dtype, partial=partial, act_q=act_q)
-    y = jnp.swapaxes(y.reshape(n_local, ep, capacity, d), 0, 1)  # [source rank, n_local, C, D]
-    if ep > 1:  # back to [destination rank, n_local, C, D]
-        y = jax.lax.all_to_all(y.astype(_return_dtype(dtype, partial)), expert_axis, 0, 0, tiled=True)
-    y = jnp.where(valid[..., None], y.reshape(n_exp, capacity, d), 0.0)
-    return jnp.zeros((t_loc, d), jnp.float32).at[tok.reshape(-1)].add(y.reshape(-1, d).astype(jnp.float32))
+    y = jnp.zeros((t_loc, d), jnp.float32).at[tok.reshape(-1)].add(y.reshape(-1, d).astype(jnp.float32))
+    return y, padded_lib.local_stats(0, capacity, counts)
 
 
 def _ragged_all_to_all_reference(operand, output, input_offsets, send_sizes, output_offsets, recv_sizes, *,
@@ -259,7 +194,8 @@ def _ragged_all_to_all_reference(operand, output, input_offsets, send_sizes, out
 
 def _ragged_body(x, ids, w, w1, w3, w2, *, ep, n_local, buffer_rows, expert_axis, limit, dtype, partial, ra2a,
                  act_q=None):
-    """One rank, ragged backend. x [Tl, D], ids/w [Tl, k] -> [Tl, D] float32 (partial over I if TP)."""
+    """One rank, ragged backend. x [Tl, D], ids/w [Tl, k] -> ([Tl, D] float32 (partial over I if TP), local
+    `DispatchStats`: pairs a full receiver could not take dropped)."""
     t_loc, k = ids.shape
     d = x.shape[-1]
     flat = ids.reshape(-1)
@@ -272,11 +208,11 @@ def _ragged_body(x, ids, w, w1, w3, w2, *, ep, n_local, buffer_rows, expert_axis
         y = grouped_ffn(x[tok], key[order].astype(jnp.int32), w.reshape(-1)[order], w1, w3, w2, limit=limit,
                         dtype=dtype, partial=partial,
                         act_q=act_q)  # one rank: the global id is the local one; skipped = n_local
-        return jnp.zeros((t_loc, d), jnp.float32).at[tok].add(y)
+        return jnp.zeros((t_loc, d), jnp.float32).at[tok].add(y), padded_lib.local_stats(0, t_loc * k, counts)
     me = jax.lax.axis_index(expert_axis)
     all_counts = jax.lax.all_gather(counts, expert_axis)  # [ep src, ep dst]
-    in_off = _exclusive_cumsum(all_counts, axis=1)  # where rows for dst start in src's send buffer
-    out_off = _exclusive_cumsum(all_counts, axis=0)  # where src's rows start in dst's receive buffer
+    in_off = exclusive_cumsum(all_counts, axis=1)  # where rows for dst start in src's send buffer
+    out_off = exclusive_cumsum(all_counts, axis=0)  # where src's rows start in dst's receive buffer
     sent = jnp.clip(buffer_rows - out_off, 0, all_counts)  # what fits in a full receiver (dropless: all)
     # Offsets of empty (size-0) slices are clipped into range; a non-empty slice always starts in range.
     n_pairs = t_loc * k
@@ -288,21 +224,13 @@ def _ragged_body(x, ids, w, w1, w3, w2, *, ep, n_local, buffer_rows, expert_axis
     gw = ra2a(w.reshape(-1)[order], jnp.zeros((buffer_rows,), jnp.float32), *send_args, axis_name=expert_axis)
     y = grouped_ffn(rows, eid, gw, w1, w3, w2, limit=limit, dtype=dtype, partial=partial,
                     act_q=act_q)  # [buffer_rows, D]
-    ret = _return_dtype(dtype, partial)
+    ret = return_dtype(dtype, partial)
     back_args = (jnp.minimum(out_off[:, me], buffer_rows - 1), sent[:, me], jnp.minimum(in_off[:, me], n_pairs - 1),
                  sent[me])
     back = ra2a(y.astype(ret), jnp.zeros((n_pairs, d), ret), *back_args, axis_name=expert_axis)  # sorted pairs
-    return jnp.zeros((t_loc, d), jnp.float32).at[tok].add(back.astype(jnp.float32))
-
-
-def padded_capacity(t_local: int, k: int, n_experts: int, capacity_factor: float | None) -> int:
-    """Rows per (source rank, expert) of the padded backend: ceil(f * T_local * k / E) (f = `capacity_factor`,
-    the mean load of an expert times f, GShard/Switch), at most T_local; None = T_local (dropless: a token sends an
-    expert at most one row once repeated picks are merged, `merge_repeated_picks`, so T_local rows hold every
-    routing: DeepEP's low-latency buffer bound)."""
-    if capacity_factor is None:
-        return t_local
-    return min(t_local, max(1, math.ceil(capacity_factor * t_local * k / n_experts)))
+    stats = padded_lib.DispatchStats(jnp.int32(0), jnp.int32(buffer_rows), jnp.sum(counts - sent[me]).astype(
+        jnp.int32), jnp.sum(counts).astype(jnp.int32), jnp.int32(buffer_rows))
+    return jnp.zeros((t_loc, d), jnp.float32).at[tok].add(back.astype(jnp.float32)), stats
 
 
 def _axes_tuple(entry) -> tuple[str, ...]:
@@ -313,19 +241,21 @@ def _axes_tuple(entry) -> tuple[str, ...]:
 
 def make_ep_dispatch(mesh: Mesh, *, backend: str = "capacity", capacity_factor: float | None = None,
                      token_axes: Sequence[str] | None = DEFAULT_TOKEN_AXES, expert_axis: str = rl.EXPERT,
-                     rules: rl.Rules = rl.ACTOR_RULES, _ragged_all_to_all: Callable | None = None) -> Callable:
+                     rules: rl.Rules = rl.ACTOR_RULES, bucket_growth: float = 2.0, compact: bool = False,
+                     _ragged_all_to_all: Callable | None = None) -> Callable:
     """Build the expert-parallel `dispatch_fn` for `mesh` (see the module docstring for the algorithm).
 
     Args:
       mesh: the jax Mesh the model's jit runs on (actor or rollout mesh of `MeshPlan`; Explicit axes are taken as
         Auto, `sharding.mesh.auto_axes`).
       backend: "capacity" (all_to_all on a padded per-rank buffer, `ragged_dot` over the local experts; CPU and
-        GPU), "ragged" (ragged_all_to_all + `ragged_dot`; GPU) or "padded" (all_to_all on per-expert buffers and
+        GPU), "ragged" (ragged_all_to_all + `ragged_dot`; GPU), "padded" (all_to_all on per-expert buffers and
         batched dense matmuls, no `ragged_dot`: GShard-style; every backend; the one with bounded memory on XLA:CPU
-        and with a `capacity_factor`).
+        and with a `capacity_factor`) or "sized" (padded with the buffer sized per call from the loads:
+        `parallel.padded.sized_body`).
       capacity_factor: None = dropless (default). f > 0 bounds the buffers (module docstring; "padded": C =
-        `padded_capacity`); pairs that do not fit are dropped, so results differ from the reference once any
-        buffer overflows.
+        `padded_capacity`; "sized": the largest of its capacities, f_max); pairs that do not fit are dropped, so
+        results differ from the reference once any buffer overflows (`with_stats` counts them).
       token_axes: mesh axes splitting the flattened tokens T; None = `token_axes_of(rules)` (the act_batch axes,
         then the act_seq axes: context parallelism); axes the mesh lacks are ignored. Must include `expert_axis`
         and the axes that split the weights' `embed` dim, and exclude the axes that split `mlp` (tokens must be
@@ -333,10 +263,17 @@ def make_ep_dispatch(mesh: Mesh, *, backend: str = "capacity", capacity_factor: 
       expert_axis: the mesh axis splitting the expert dim E.
       rules: rule table that placed the weights (ACTOR_RULES / ROLLOUT_RULES); it fixes the shard_map in_specs
         of w1, w3, w2. Weights laid out otherwise are resharded by XLA at the boundary (correct, slower).
+      bucket_growth: "sized": ratio of consecutive compiled capacities (`parallel.padded.capacity_buckets`).
+      compact: "sized": after the all_to_all, each local expert's rows are compacted and the FFN runs on the
+        smallest of a second set of compiled row counts (x `bucket_growth` from the mean rows per expert) that
+        holds the busiest expert: expert flops ~ the routed ones even where a few (source rank, expert) loads
+        set C; more compiled branches (outer x inner).
       _ragged_all_to_all: test hook replacing `jax.lax.ragged_all_to_all` (same signature).
     Returns:
       dispatch_fn(x [T, D], ids [T, k] int32, weights [T, k] f32, w1 [E, I, D], w3 [E, I, D], w2 [E, D, I], *,
       limit, dtype) -> [T, D] float32, equal to `dsv4.moe.routed_experts_ragged` (dropless). ids < 0 are skipped.
+      Its attributes: `with_stats` (same arguments) -> ([T, D], `DispatchStats` over all tokens: the capacity
+      bucket that ran, pairs dropped / routed), `can_drop` (a capacity factor is set), `dispatch_name`.
     Raises:
       ValueError: unknown backend, bad capacity_factor, unknown mesh axes, or token axes incompatible with the
         weight layout (at construction); E not divisible by the expert axis or a weight layout that does not
@@ -346,6 +283,8 @@ def make_ep_dispatch(mesh: Mesh, *, backend: str = "capacity", capacity_factor: 
         raise ValueError(f"unknown EP backend {backend!r}; expected one of {BACKENDS}")
     if capacity_factor is not None and not capacity_factor > 0:
         raise ValueError(f"capacity_factor must be None (dropless) or > 0, got {capacity_factor!r}")
+    if not bucket_growth > 1:
+        raise ValueError(f"bucket_growth must be > 1, got {bucket_growth!r}")
     mesh = auto_axes(mesh)  # a jax.make_mesh mesh (Explicit axes) works too: see sharding.mesh.auto_axes
     names = tuple(mesh.axis_names)
     if expert_axis not in names:
@@ -373,7 +312,7 @@ def make_ep_dispatch(mesh: Mesh, *, backend: str = "capacity", capacity_factor: 
     n_tok = math.prod(mesh.shape[a] for a in tok_axes)
     ra2a = _ragged_all_to_all or jax.lax.ragged_all_to_all
 
-    def dispatch(x, ids, weights, w1, w3, w2, *, limit, dtype, act_q=None):
+    def with_stats(x, ids, weights, w1, w3, w2, *, limit, dtype, act_q=None):
         t, k = ids.shape
         n_exp = w1.shape[0]
         if n_exp % ep:
@@ -393,7 +332,12 @@ def make_ep_dispatch(mesh: Mesh, *, backend: str = "capacity", capacity_factor: 
                                                                                          / ep)))
             local = functools.partial(_capacity_body, capacity=cap, **kw)
         elif backend == "padded":
-            local = functools.partial(_padded_body, capacity=padded_capacity(t_loc, k, n_exp, capacity_factor), **kw)
+            local = functools.partial(padded_lib.padded_body, capacity=padded_lib.padded_capacity(
+                t_loc, k, n_exp, capacity_factor), **kw)
+        elif backend == "sized":
+            inner = padded_lib.capacity_buckets(ep * t_loc, k, n_exp, None, bucket_growth) if compact else None
+            local = functools.partial(padded_lib.sized_body, buckets=padded_lib.capacity_buckets(
+                t_loc, k, n_exp, capacity_factor, bucket_growth), token_axes=tok_axes, inner=inner, **kw)
         else:
             rows = ep * n_pairs if capacity_factor is None else max(1, math.ceil(capacity_factor * n_pairs))
             local = functools.partial(_ragged_body, buffer_rows=rows, ra2a=ra2a, **kw)
@@ -403,17 +347,23 @@ def make_ep_dispatch(mesh: Mesh, *, backend: str = "capacity", capacity_factor: 
                 w1_l = jax.lax.all_gather(w1_l.astype(dtype), emb_axes, axis=2, tiled=True)
                 w3_l = jax.lax.all_gather(w3_l.astype(dtype), emb_axes, axis=2, tiled=True)
                 w2_l = jax.lax.all_gather(w2_l.astype(dtype), emb_axes, axis=1, tiled=True)
-            y = local(x_l, ids_l.astype(jnp.int32), w_l.astype(jnp.float32), w1_l, w3_l, w2_l)
-            return jax.lax.psum(y, mlp_axes) if mlp_axes else y  # complete the tensor-parallel w2 sum
+            y, st = local(x_l, ids_l.astype(jnp.int32), w_l.astype(jnp.float32), w1_l, w3_l, w2_l)
+            if tok_axes:  # counts over every token rank (unused by a plain call: XLA removes the psums)
+                st = st._replace(dropped=jax.lax.psum(st.dropped, tok_axes), routed=jax.lax.psum(st.routed, tok_axes))
+            return (jax.lax.psum(y, mlp_axes) if mlp_axes else y), st  # complete the tensor-parallel w2 sum
 
         tok2 = PartitionSpec(tok_axes or None, None)
-        out = jax.shard_map(body, mesh=mesh, in_specs=(tok2, tok2, tok2, w13_spec, w13_spec, w2_spec),
-                            out_specs=tok2)(x, ids, weights, w1, w3, w2)
-        return out[:t] if pad else out
+        out, st = jax.shard_map(body, mesh=mesh, in_specs=(tok2, tok2, tok2, w13_spec, w13_spec, w2_spec),
+                                out_specs=(tok2, DispatchStats(*(PartitionSpec(),) * 5)))(x, ids, weights, w1, w3, w2)
+        return (out[:t] if pad else out), st
+
+    def dispatch(*args, **kwargs):
+        return with_stats(*args, **kwargs)[0]
 
     dispatch.__doc__ = f"EP dispatch ({backend}) over {expert_axis}={ep}, tokens split over {tok_axes}."
     bound = "dropless" if capacity_factor is None else f"capacity factor {capacity_factor:g}"
     dispatch.dispatch_name = f"EP dispatch ({backend}) over {expert_axis}={ep}, tokens split over {tok_axes}; {bound}"
+    dispatch.with_stats, dispatch.can_drop = with_stats, capacity_factor is not None
     return dispatch
 
 
@@ -428,11 +378,13 @@ def dispatch_name(fn) -> str:
 
 def rollout_backend(cpu: bool) -> str:
     """The backend the sampler's `--rollout.ep_backend auto` picks: "capacity" on XLA:CPU (as the learner), on GPUs
-    "padded" with or without a capacity factor. Why not ragged: XLA:GPU expands the sampler's `ragged_dot` densely
+    "sized" with or without a capacity factor. Why not ragged: XLA:GPU expands the sampler's `ragged_dot` densely
     and sizes the dropless ragged buffers for the worst case (the seed rollout compiled to 4,481 GiB per device;
-    benchmarks/README.md "GPU plan"); dropless padded (C = T_local) is bounded by the tokens per device of one
-    call, which continuous batching keeps small (decode: slots / shards; prefill: one request's chunk)."""
-    return "capacity" if cpu else "padded"
+    benchmarks/README.md "GPU plan"); the padded buffers are bounded by the tokens per device of one call
+    (C <= T_local), which continuous batching keeps small (decode: slots / shards; prefill: one request's chunk).
+    Why "sized" rather than fixed dropless "padded" (C = T_local): the same bound and the same (exact) result, but
+    a call runs the smallest compiled capacity its loads need, ~ the routed rows instead of E / k = 43x them."""
+    return "capacity" if cpu else "sized"
 
 
 def auto_backend(cpu: bool, capacity_factor: float | None) -> str:
@@ -458,7 +410,7 @@ def default_dispatch(devices: Sequence[Any], param_shardings: Mapping[str, Any] 
       devices: the devices the model runs on (`jax.Device`s; only `.platform` is read).
       param_shardings: {"/"-joined parameter path, e.g. "layers/1/ffn/experts/w1": its sharding (None or a
         sharding without `.spec` = not sharded)}, or None for a single device.
-      ep_backend: backend of `make_ep_dispatch` ("capacity", "ragged", "padded"); None = `auto_backend`
+      ep_backend: backend of `make_ep_dispatch` (`BACKENDS`); None = `auto_backend`
         ("capacity" on CPU; on GPUs "padded" with a capacity factor, else "ragged"). ep_capacity_factor: its
         `capacity_factor` (None = dropless). Expert meshes only.
     Returns:

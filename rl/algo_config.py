@@ -296,7 +296,7 @@ class LearnerConfig:
     Expert parallelism (experts split over an `expert` mesh axis > 1; `parallel.expert.default_dispatch`):
         ep_backend: "auto" (default: "capacity" on XLA:CPU, which lacks ragged all-to-all; on GPUs "padded" with an
             ep_capacity_factor, else "ragged": `parallel.expert.auto_backend`, from XLA:GPU's figures),
-            "capacity", "ragged" or "padded" (`parallel.expert.make_ep_dispatch`'s backends).
+            "capacity", "ragged", "padded" or "sized" (`parallel.expert.make_ep_dispatch`'s backends).
         ep_capacity_factor: None = dropless (default); f > 0 bounds the dispatch buffers (pairs past a rank's or
             expert's capacity are dropped: they contribute 0).
     """
@@ -340,11 +340,11 @@ class LearnerConfig:
     stream_optimizer: bool = knob(True, "with --offload-optimizer: update the offloaded state of the scanned "
                                          "(stacked) layers one layer at a time (rl.optim.update_streamed), so only "
                                          "one layer's masters + moments are on the device at once")
-    ep_backend: Literal["auto", "capacity", "ragged", "padded"] = knob(
+    ep_backend: Literal["auto", "capacity", "ragged", "padded", "sized"] = knob(
         "auto", "expert-parallel dispatch of the routed experts on an expert mesh (parallel/expert.py): auto "
                 "(capacity on XLA:CPU; on GPUs padded with an ep_capacity_factor, else ragged) | capacity | "
-                "ragged | padded (per-expert capacity "
-                "buffers, no ragged_dot)")
+                "ragged | padded (per-expert capacity buffers, no ragged_dot) | sized (padded, the buffer chosen "
+                "per step from the loads up to the factor, drops counted: train/expert_drop_frac)")
     ep_capacity_factor: float | None = knob(None, "EP buffer factor f > 0 (pairs past the capacity are dropped); "
                                                   "none = dropless")
 
@@ -397,7 +397,7 @@ class LearnerConfig:
         for name in ("scan_layers", "stream_optimizer"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{owner}.{name} must be a bool, got {getattr(self, name)!r}")
-        _check_choice(owner, "ep_backend", self.ep_backend, ("auto", "capacity", "ragged", "padded"))
+        _check_choice(owner, "ep_backend", self.ep_backend, ("auto", "capacity", "ragged", "padded", "sized"))
         if self.ep_capacity_factor is not None and not (
                 not isinstance(self.ep_capacity_factor, bool) and isinstance(self.ep_capacity_factor, (int, float))
                 and math.isfinite(self.ep_capacity_factor) and self.ep_capacity_factor > 0):

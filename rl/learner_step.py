@@ -32,6 +32,8 @@ TRAIN, FROZEN = "train", "frozen"  # a param's optimizer label: updated, or carr
 METRIC_NAMES = ("train/pg_loss", "train/pg_clipfrac", "train/ppo_kl", "train/kl_loss", "train/entropy",
                 "train/grad_norm", "train/train_rollout_logprob_abs_diff", "train/train_rollout_kl",
                 "train/tis_clipfrac", "train/skipped_nonfinite", "train/lr")
+# + "train/expert_drop_frac" when the expert dispatch can drop (`dispatch_fn.can_drop`: a capacity factor)
+_DROPPED, _ROUTED = "_expert_pairs_dropped", "_expert_pairs_routed"  # per micro-batch, summed, then divided
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True, eq=False)
@@ -72,12 +74,12 @@ class LearnerStep:
         # the shell (embedding, head, ...) + the stacked layers under lax.scan, remat per sub-layer
         return scan.merge_stacked(self.sdef, params, buffers, remat=self.cfg.remat)
 
-    def logprobs(self, params, buffers, mb: TrainBatch, replay: bool, mtp: bool = False):
+    def logprobs(self, params, buffers, mb: TrainBatch, replay: bool, mtp: bool = False, drops: bool = False):
         model, stack = self.model(params, buffers)
         return token_logprobs(model, mb.input_ids, mb.attention_mask, temperature=self.cfg.temperature,
                               routing_replay=mb.routing if replay else None, return_entropy=True,
                               chunk_size=self.cfg.logprob_chunk_size, dispatch_fn=self.dispatch_fn,
-                              layer_stack=stack, mtp=mtp)
+                              layer_stack=stack, mtp=mtp, expert_drops=drops)
 
     def next_logits(self, state: TrainState, batch: TrainBatch, lay: batching.Layout) -> jax.Array:
         """`Learner.next_logits`' device side, micro-batched exactly as `forward` (same split, same `lax.map`)."""
@@ -96,7 +98,9 @@ class LearnerStep:
         loss_cfg: the step's LossConfig (cfg.loss with the caller's S as Dr.GRPO's default length)."""
         replay = self.cfg.routing_replay
         w_mtp = self.cfg.mtp_loss_weight
-        lp, ent, _, *lq = self.logprobs(params, buffers, mb, replay, mtp=w_mtp > 0)
+        counted = getattr(self.dispatch_fn, "can_drop", False)  # a capacity factor: count the dropped pairs
+        lp, ent, _, *lq = self.logprobs(params, buffers, mb, replay, mtp=w_mtp > 0, drops=counted)
+        drops = lq.pop() if counted else None
         old = jax.lax.stop_gradient(lp) if mb.old_logprobs is None else mb.old_logprobs
         ref_lp = None
         if ref_params is not None:
@@ -111,6 +115,8 @@ class LearnerStep:
             mtp_loss = -jnp.sum(lq[0] * mtp_mask(mb.response_mask)) / mtp_norm
             loss = loss + w_mtp * mtp_loss
             metrics = dict(metrics, **{"train/mtp_loss": mtp_loss})
+        if drops is not None:  # raw counts, summed over micro-batches; `step` divides them
+            metrics = dict(metrics, **{_DROPPED: drops[0].astype(jnp.float32), _ROUTED: drops[1].astype(jnp.float32)})
         return loss, metrics
 
     def loss_cfg(self, lay: batching.Layout):
@@ -167,6 +173,10 @@ class LearnerStep:
         new_state = state.replace(step=keep(state.step + 1, state.step), params=params,
                                   opt_state=opt_state_to(opt_state, "host", *self.placement(state.params)))
         out = {name: jnp.zeros((), jnp.float32) for name in METRIC_NAMES}
+        metrics = dict(metrics)
+        if _DROPPED in metrics:  # pairs past the EP dispatch's capacity / pairs routed, main layers, whole batch
+            dropped, routed = metrics.pop(_DROPPED), metrics.pop(_ROUTED)
+            out["train/expert_drop_frac"] = dropped / jnp.maximum(routed, 1.0)
         out.update(metrics)
         out["train/grad_norm"] = grad_norm
         out["train/lr"] = optim.lr_schedule(self.cfg)(state.step)

@@ -93,6 +93,7 @@ def token_logprobs(
     dispatch_fn: Any = None,
     layer_stack: Any = None,
     mtp: bool = False,
+    expert_drops: bool = False,
 ) -> tuple[jnp.ndarray, jnp.ndarray | None, jnp.ndarray]:
     """Log-probability of every token given its prefix, under `model` (a `dsv4.DSV4ForCausalLM`).
 
@@ -113,11 +114,13 @@ def token_logprobs(
         mtp: also return the MTP block's log-probability of every token given the prefix up to two tokens back
             (`return_mtp="detached"`: no gradient reaches the trunk, the embedding or the head; temperature 1; the
             full [N, S, V] MTP logits are materialised).
+        expert_drops: also return the model's `expert_drops` ([2] int32: expert pairs dropped, pairs routed by a
+            dispatch that can drop; `dsv4.model.DSV4Output`).
     Returns:
         (logprobs [N, S] float32, entropy [N, S] float32 or None, routing [N, S, L, k] int32 from the model),
         logprobs/entropy aligned and zeroed as in the module docstring; with `mtp`, a 4th element mtp_logprobs
         [N, S] float32 (position j: log q(token j) from the MTP block at j - 2; 0 where j < 2 or any of j - 2..j is
-        padding).
+        padding); with `expert_drops`, the drops last.
     Raises:
         ValueError: temperature < 0, chunk_size < 1, input_ids not [N, S], or a mis-shaped attention_mask /
             routing_replay (the latter two raised by the model).
@@ -149,13 +152,14 @@ def token_logprobs(
         x = jnp.where(valid, x, 0.0)
         return jnp.concatenate([jnp.zeros((x.shape[0], 1), jnp.float32), x], axis=1)
 
+    tail = (out.expert_drops,) if expert_drops else ()
     if not mtp:
-        return place(lp), (None if ent is None else place(ent)), out.routing
+        return place(lp), (None if ent is None else place(ent)), out.routing, *tail
     lq, _ = _score(out.mtp_logits[:, :-2].astype(jnp.float32), input_ids[:, 2:].astype(jnp.int32), False)
     ok = jnp.ones(lq.shape, bool) if attention_mask is None else (
         attention_mask[:, 2:].astype(bool) & attention_mask[:, 1:-1].astype(bool) & attention_mask[:, :-2].astype(bool))
     lq = jnp.concatenate([jnp.zeros((lq.shape[0], 2), jnp.float32), jnp.where(ok, lq, 0.0)], axis=1)
-    return place(lp), (None if ent is None else place(ent)), out.routing, lq
+    return place(lp), (None if ent is None else place(ent)), out.routing, lq, *tail
 
 
 def next_token_logits(model: Any, input_ids: jnp.ndarray, attention_mask: jnp.ndarray | None, at: jnp.ndarray, *,

@@ -43,15 +43,16 @@ class RolloutConfig:
     prefill_chunk: int = knob(2048, "prompts longer than this prefill in chunks of this many tokens against the KV "
                                     "cache built so far (memory bounded by one chunk; dsv4/chunked.py); 0 = whole "
                                     "prompt; a multiple of the compression ratios' lcm (128 for Flash)")
-    ep_backend: Literal["auto", "capacity", "ragged", "padded"] = knob(
+    ep_backend: Literal["auto", "capacity", "ragged", "padded", "sized"] = knob(
         "auto", "the sampler's expert-parallel dispatch on an expert rollout mesh (parallel/expert.py): auto "
-                "(capacity on XLA:CPU, padded on GPUs: `parallel.expert.rollout_backend`) | capacity | ragged | "
-                "padded (per-expert buffers, dense batched matmuls)")
+                "(capacity on XLA:CPU, sized on GPUs: `parallel.expert.rollout_backend`) | capacity | ragged | "
+                "padded (per-expert buffers, dense batched matmuls) | sized (padded with the buffer chosen per call "
+                "from the loads among a few compiled capacities: exact at the routed cost)")
     ep_capacity_factor: float | None = knob(
         None, "the sampler's EP buffer factor: none = dropless (padded: T_local rows per expert and source rank, "
               "bounded by the tokens per device of one call: use --rollout-slots) | f > 0 = capacity "
-              "min(T_local, ceil(f T_local k / E)), pairs past it dropped (first come in (token, pick) order; the "
-              "token keeps its other experts and the shared one)")
+              "min(T_local, ceil(f T_local k / E)) (sized: its largest capacity), pairs past it dropped (first "
+              "come in (token, pick) order; the token keeps its other experts and the shared one)")
     speculative: Literal["off", "mtp"] = knob(
         "off", "speculative decoding: off | mtp (DeepSeek-V4's MTP block drafts --rollout.draft_tokens tokens per "
                "step, one forward of the policy verifies them; the output distribution is plain sampling's; "

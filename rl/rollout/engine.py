@@ -38,7 +38,7 @@ Design (docs/jax-stack.md §5; Tunix `sampler.py`, MaxText `maxengine` read for 
   change when the batch around it changes.
 - Routing: expert ids of every main MoE layer for every prompt and response token; the last response token is
   fed once more after sampling stops so that its routing is recorded too.
-- Routed experts: `parallel.expert.default_dispatch` (an expert mesh: the EP dispatch of --rollout.ep_backend, padded
+- Routed experts: `parallel.expert.default_dispatch` (an expert mesh: the EP dispatch of --rollout.ep_backend, sized
   on GPUs; unsharded experts: `routed_experts_cpu` on CPU, else the model's `ragged_dot`); prefill and decode ops
   sit under the `prefill` / `decode_step` name scopes (profiles, compiled HLO; benchmarks/sampler.py counts the
   decode step's bytes from them).
@@ -118,7 +118,7 @@ class Sampler(EngineShapes):
       mesh: rollout `jax.sharding.Mesh` (None = default device). rules: logical-axis rules (default
         `sharding.rules.ROLLOUT_RULES`). dispatch_fn: routed-expert implementation for prefill and decode
         (`dsv4.moe` contract); None: `parallel.expert.default_dispatch` for `ep_backend` / `ep_capacity_factor`
-        ("auto" = `parallel.expert.rollout_backend`: capacity on CPU, padded on GPUs).
+        ("auto" = `parallel.expert.rollout_backend`: capacity on CPU, sized on GPUs).
     Public state: `settings`, `config`, `mesh`, `rules`, `weights` (`rl.rollout.weights.EngineWeights`),
     `layerwise`, `dispatch_fn` / `dispatch_name`, `kv_fp8` (the cache's FP8 format or None), `last_stats`,
     `last_cache_bytes`, `weight_version`; `static_jit` / `slots_jit` the two programs.

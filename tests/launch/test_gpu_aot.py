@@ -228,8 +228,8 @@ def test_deviceless_gpu_compile_actor_and_rollout(capfd):
     r = compile_rollout(cfg, MESH, batch=8, context=48, prompt_len=16, rollout=RolloutConfig(slots=4),
                         devices=devices, backend="XLA:GPU h200", compiler_options=FAST)
     assert r.argument > 0 and r.weights > 0 and r.hlo.flops > 0 and r.hlo.decode_step is not None
-    # the run's rollout on a GPU: continuous batching, the dropless padded expert dispatch (no ragged_dot)
-    assert r.slots == 4 and "(padded)" in r.ep_dispatch and r.ep_dispatch.endswith("dropless")
+    # the run's rollout on a GPU: continuous batching, the dropless load-sized padded expert dispatch (no ragged_dot)
+    assert r.slots == 4 and "(sized)" in r.ep_dispatch and r.ep_dispatch.endswith("dropless")
     assert REMAT not in capfd.readouterr().err
 
 

@@ -231,6 +231,16 @@ def test_grpo_steps_raise_the_reward_of_a_fixed_batch(model):
     assert delta[np.asarray(adv) > 0].mean() > 0 > delta[np.asarray(adv) < 0].mean()
 
 
+def test_expert_drop_frac_is_logged_when_the_dispatch_can_drop(model, batch):
+    """With a capacity factor (here "sized" capped at f_max = 0.5: 2 rows per expert and token shard) the step logs
+    `train/expert_drop_frac`: pairs dropped / pairs routed over the main MoE layers and both micro-batches, from the
+    forward's `DSV4Output.expert_drops` (counted by hand: tests/sharding/test_expert.py); dropless runs omit it."""
+    plan = build_mesh_plan("actor:fsdp=2,expert=2,tensor=2", config=CFG)
+    fn = make_ep_dispatch(plan.actor, backend="sized", capacity_factor=0.5)
+    m = Learner(model, _lc(compute_dtype="float32", micro_batch_size=4), mesh=plan.actor, dispatch_fn=fn).update(batch)
+    assert 0 < float(m["train/expert_drop_frac"]) < 1 and not [k for k in m if not k.startswith("train/")]
+
+
 @pytest.mark.parametrize("dispatch", ["ep", pytest.param("auto", marks=pytest.mark.slow)])
 def test_sharded_step_equals_unsharded(model, batch, dispatch):
     """One step on the actor mesh (fsdp=2, expert=2, tensor=2; batch over fsdp x expert) vs one device, with the

@@ -173,8 +173,8 @@ def test_slot_caches_sharded_over_data_and_expert(model, prompts):
 
 def test_rollout_ep_dispatch_knobs_reach_the_sampler():
     """`--rollout.ep_backend` / `--rollout.ep_capacity_factor` (RolloutConfig) pick the sampler's expert dispatch on
-    an expert rollout mesh: auto = capacity on XLA:CPU (padded on GPUs, `parallel.expert.rollout_backend`), padded
-    dropless or with a factor. (The padded dispatch's math against the reference: tests/sharding/test_expert.py.)"""
+    an expert rollout mesh: auto = capacity on XLA:CPU (sized on GPUs, `parallel.expert.rollout_backend`), padded
+    dropless or with a factor, sized. (The padded dispatch's math against the reference: tests/sharding/test_expert.py.)"""
     import jax
     from jax.sharding import Mesh
 
@@ -184,7 +184,8 @@ def test_rollout_ep_dispatch_knobs_reach_the_sampler():
     mesh = Mesh(np.array(jax.devices()[:8]).reshape(2, 1, 4, 1), ("data", "fsdp", "expert", "tensor"))
     abstract = nnx.eval_shape(lambda: DSV4ForCausalLM(CFG, rngs=nnx.Rngs(0)))
     for kw, name in ((dict(), "(capacity)"), (dict(ep_backend="padded"), "(padded)"),
-                     (dict(ep_backend="padded", ep_capacity_factor=2.0), "(padded)")):
+                     (dict(ep_backend="padded", ep_capacity_factor=2.0), "(padded)"),
+                     (dict(ep_backend="sized"), "(sized)")):
         s = Sampler(abstract, EngineSettings.for_run(RolloutConfig(dtype="fp32", **kw), platform="cpu",
                                                      max_prompt_len=P), mesh=mesh)
         assert name in s.dispatch_name and "expert=4" in s.dispatch_name

@@ -1,12 +1,14 @@
-"""Tests for parallel/expert.py on the 8 forced CPU devices: the EP dispatch equals the single-device reference
-`dsv4.moe.routed_experts_ragged` (fp32, <= 1e-5) for both backends (ragged through the all_gather reference of
-ragged_all_to_all, since XLA:CPU lacks the op), including when every token picks the same experts, with padding
-and skipped pairs, with a bounded capacity (drops predicted by hand), on actor and rollout layouts; gradients
-w.r.t. x, the routing weights and w1/w3/w2 equal the unsharded ones; the native ragged op lowers (CPU) / runs (GPU).
+"""Tests for parallel/expert.py and parallel/padded.py on the 8 forced CPU devices: the EP dispatch equals the
+single-device reference `dsv4.moe.routed_experts_ragged` (fp32, <= 1e-5) for every backend (ragged through the
+all_gather reference of ragged_all_to_all, since XLA:CPU lacks the op), including when every token picks the same
+experts, with padding and skipped pairs, with a bounded capacity (drops predicted by hand and counted), on actor
+and rollout layouts; "sized" runs the capacity its loads need (balanced: the routed rows); gradients w.r.t. x, the
+routing weights and w1/w3/w2 equal the unsharded ones; the native ragged op lowers (CPU) / runs (GPU).
 """
 
 import functools
 import math
+import re
 
 import jax
 import jax.numpy as jnp
@@ -15,8 +17,8 @@ import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from dsv4 import moe
-from parallel.expert import (_ragged_all_to_all_reference, make_ep_dispatch, merge_repeated_picks, padded_capacity,
-                             rollout_backend)
+from parallel.expert import _ragged_all_to_all_reference, make_ep_dispatch, rollout_backend
+from parallel.padded import capacity_buckets, merge_repeated_picks, padded_capacity
 from sharding.mesh import build_mesh_plan
 from sharding.rules import ACTOR_RULES, ROLLOUT_RULES, param_shardings
 
@@ -131,7 +133,7 @@ def test_bf16_matches_reference(spec, exact):
         assert np.abs(out - ref).max() <= K * 2.0**-8 * np.abs(ref).max()
 
 
-@pytest.mark.parametrize("backend", ["capacity", "ragged", "padded"])
+@pytest.mark.parametrize("backend", ["capacity", "ragged", "padded", "sized"])
 def test_gradients_match(actor_mesh, backend):
     x, ids, w, w1, w3, w2 = _inputs(seed=2)
     name, hook = _backend(backend)
@@ -238,12 +240,84 @@ def test_padded_dropless_is_t_local_and_exact_with_repeated_picks(actor_mesh):
     still equals the reference, which sums the repeated picks' outputs."""
     assert padded_capacity(12, 6, 256, None) == 12 and padded_capacity(12, 6, 256, 1.25) == 1
     assert padded_capacity(12, 6, 4, 4.0) == 12  # a factor never asks for more than the dropless bound
-    assert rollout_backend(cpu=True) == "capacity" and rollout_backend(cpu=False) == "padded"
+    assert rollout_backend(cpu=True) == "capacity" and rollout_backend(cpu=False) == "sized"
     x, ids, w, w1, w3, w2 = _inputs(seed=6, same=True)
     ids = ids.at[::3, 1].set(ids[::3, 0])  # every third token picks expert 3 twice
     ref = routed_experts_ragged(x, ids, w, w1, w3, w2, limit=LIMIT, dtype=jnp.float32)
     out = _run(actor_mesh, make_ep_dispatch(actor_mesh, backend="padded"), x, ids, w, w1, w3, w2)
     np.testing.assert_allclose(np.asarray(out), np.asarray(ref), **TOL)
+
+
+def _dispatch_stats(mesh, fn, *args):
+    """(output, DispatchStats as ints, compiled HLO text) of `fn.with_stats(*args)` on `mesh` (weights as `_run`)."""
+    wsh = [NamedSharding(mesh, s) for s in _weight_specs(mesh, ACTOR_RULES)]
+    args = (*args[:3], *(jax.device_put(a, s) for a, s in zip(args[3:], wsh)))
+    with jax.set_mesh(mesh):
+        compiled = jax.jit(lambda *a: fn.with_stats(*a, limit=LIMIT, dtype=jnp.float32)).lower(*args).compile(
+            compiler_options=FAST_COMPILE)
+        out, st = compiled(*args)
+    return out, tuple(int(v) for v in st), compiled.as_text()
+
+
+@pytest.mark.parametrize("same", [False, True], ids=["balanced", "all_same_expert"])
+def test_sized_is_exact_at_the_routed_cost(actor_mesh, same):
+    """The "sized" backend, dropless (4 token shards of T_local = 12, k = 2, E = 8: capacities (3, 6, 12) under
+    one lax.switch), equals the reference. Balanced routing (token t -> experts 2t, 2t + 1 mod 8: every shard sends
+    every expert T_local k / E = 3 rows) runs the bottom capacity 3: expert rows per call = shards x E x C = 96 =
+    the routed rows (fixed dropless padded: 384, E / k = 4x). Every token on experts (3, 5) runs the top one, C =
+    T_local.
+    The compiled program holds each capacity's batched expert dots, [n_local, ep * C, D]."""
+    x, ids, w, w1, w3, w2 = _inputs(seed=7, same=same)
+    if not same:
+        t = jnp.arange(T)
+        ids = jnp.stack([2 * t % E, (2 * t + 1) % E], axis=1).astype(jnp.int32)
+    ref = routed_experts_ragged(x, ids, w, w1, w3, w2, limit=LIMIT, dtype=jnp.float32)
+    out, (bucket, cap, dropped, routed, rows), hlo = _dispatch_stats(actor_mesh, make_ep_dispatch(
+        actor_mesh, backend="sized"), x, ids, w, w1, w3, w2)
+    np.testing.assert_allclose(np.asarray(out), np.asarray(ref), **TOL)
+    assert capacity_buckets(T // 4, K, E) == (3, 6, 12)
+    assert (bucket, cap, dropped, routed, rows) == ((2, 12) if same else (0, 3)) + (0, T * K, 2 * cap)
+    assert 4 * E * cap == (T * K * E // K if same else T * K)  # expert matmul rows of the call vs routed
+    assert "conditional(" in hlo
+    assert {int(r) for r in re.findall(r"f32\[4,(\d+),16\][^ ]* dot\(", hlo)} == {6, 12, 24}  # ep x (3, 6, 12)
+
+
+@pytest.mark.parametrize("backend", ["padded", "sized"])
+def test_drops_are_counted(actor_mesh, backend):
+    """With a capacity factor (f_max for "sized": capacities (3, 6)) the pairs past an expert's capacity 6 are
+    dropped as predicted by hand and counted: `DispatchStats.dropped` / `.routed` (train/expert_drop_frac)."""
+    x, ids, w, w1, w3, w2 = _inputs(seed=4)
+    ids = ids.at[: T // 2].set(jnp.array([0, 1], jnp.int32))  # shards 0 and 1 send experts 0 and 1 12 rows each
+    keep = _kept_pairs(ids, 4, 2, E // 2, "padded", 2.0)
+    ref = routed_experts_ragged(x, ids, jnp.where(keep, w, 0.0), w1, w3, w2, limit=LIMIT, dtype=jnp.float32)
+    fn = make_ep_dispatch(actor_mesh, backend=backend, capacity_factor=2.0)
+    out, (bucket, cap, dropped, routed, _), _ = _dispatch_stats(actor_mesh, fn, x, ids, w, w1, w3, w2)
+    np.testing.assert_allclose(np.asarray(out), np.asarray(ref), **TOL)
+    assert fn.can_drop and (bucket, cap, dropped, routed) == (int(backend == "sized"), 6, int((~keep).sum()), T * K)
+    assert dropped == 2 * 2 * (12 - 6)
+
+
+def test_sized_compact_runs_each_experts_rows(actor_mesh):
+    """`compact=True`: each (source shard, expert) load is 6 or 0 (in each EP pair of shards the even one sends
+    experts 0, 1, 4, 5 six rows each, the odd one 2, 3, 6, 7), so C = 6 and the all_to_all brings each expert
+    2 x 6 rows of which 6 are real; compacted, the FFN runs 6 rows per local expert (= the routed rows; 12
+    without compaction). Equal to the reference, values and gradients (x, routing weights, w1)."""
+    x, _, w, w1, w3, w2 = _inputs(seed=8)
+    i, p = np.arange(T) % 12, (np.arange(T) // 12) % 2
+    ids = jnp.asarray(np.stack([2 * p + i % 2, 4 + 2 * p + i % 2], axis=1), jnp.int32)
+    ref = routed_experts_ragged(x, ids, w, w1, w3, w2, limit=LIMIT, dtype=jnp.float32)
+    fn = make_ep_dispatch(actor_mesh, backend="sized", compact=True)
+    out, (bucket, cap, _, _, rows), _ = _dispatch_stats(actor_mesh, fn, x, ids, w, w1, w3, w2)
+    np.testing.assert_allclose(np.asarray(out), np.asarray(ref), **TOL)
+    assert (bucket, cap, rows) == (1, 6, 6)
+    probe = jax.random.normal(jax.random.key(9), (T, D))
+    grad = lambda f: jax.grad(lambda *a: jnp.sum(probe * f(a[0], ids, a[1], a[2], w3, w2, limit=LIMIT,  # noqa: E731
+                                                            dtype=jnp.float32)), argnums=(0, 1, 2))
+    want = _call(jax.jit(grad(moe.routed_experts_ragged)), x, w, w1)
+    with jax.set_mesh(actor_mesh):
+        got = _call(jax.jit(grad(fn)), x, w, w1)
+    for g, r in zip(got, want):
+        np.testing.assert_allclose(np.asarray(g), np.asarray(r), rtol=1e-5, atol=1e-5 * float(jnp.abs(r).max()))
 
 
 def test_native_ragged_all_to_all_lowers(actor_mesh):
@@ -287,3 +361,45 @@ def test_errors(actor_mesh):
     fn = make_ep_dispatch(actor_mesh)
     with pytest.raises(ValueError, match="n_routed_experts=7 is not divisible"):
         fn(x, ids, w, w1[:7], w3[:7], w2[:7], limit=LIMIT, dtype=jnp.float32)
+
+
+def test_model_forward_counts_expert_drops():
+    """The model returns its EP dispatch's drop counts summed over the main MoE layers (`DSV4Output.expert_drops`,
+    the path of the routing records; the learner logs train/expert_drop_frac from it): with a capacity factor
+    (padded, C = 2 rows per (source shard, expert), 4 shards of one 16-token row each) they equal the count from
+    the returned routing by hand, the same through the scanned layer stack; dropless, constant zeros."""
+    import dsv4
+    from dsv4 import scan as sc
+    from dsv4.layers import Buffer
+    from flax import nnx
+
+    cfg = dsv4.DSV4Config.tiny(num_hidden_layers=2, compress_ratios=(4, 8), num_nextn_predict_layers=0)
+    plan = build_mesh_plan("actor:fsdp=2,expert=2,tensor=2", config=cfg)
+    model = dsv4.DSV4ForCausalLM(cfg, rngs=nnx.Rngs(0))
+    graphdef, params, buffers = nnx.split(model, nnx.Param, Buffer)
+    sdef = sc.stack_def(model)
+    sp, sb = sc.stack_params(params, sdef.groups), sc.stack_params(buffers, sdef.groups)
+    ids = jax.random.randint(jax.random.key(3), (4, 16), 0, cfg.vocab_size)
+    capped = make_ep_dispatch(plan.actor, backend="padded", capacity_factor=0.5)
+    assert padded_capacity(16, cfg.num_experts_per_tok, cfg.n_routed_experts, 0.5) == 2
+
+    def loop(fn):
+        out = nnx.merge(graphdef, params, buffers)(ids, dispatch_fn=fn)
+        return out.routing, out.expert_drops
+
+    def scanned(fn):
+        shell, stack = sc.merge_stacked(sdef, sp, sb)
+        return shell(ids, dispatch_fn=fn, layer_stack=stack).expert_drops
+
+    with plan.activate("actor"):
+        routing, drops = jax.jit(lambda: loop(capped))()
+        drops_scan = jax.jit(lambda: scanned(capped))()
+        zero = jax.jit(lambda: loop(make_ep_dispatch(plan.actor, backend="padded"))[1])()
+    dropped = routed = 0
+    for layer in range(cfg.num_hidden_layers):
+        merged, _ = merge_repeated_picks(routing[:, :, layer].reshape(64, -1), jnp.ones((64, cfg.num_experts_per_tok)))
+        for row in np.asarray(merged).reshape(4, 16, -1):  # one token shard per row
+            counts = np.bincount(row[row >= 0], minlength=cfg.n_routed_experts)
+            dropped, routed = dropped + int(np.maximum(counts - 2, 0).sum()), routed + int(counts.sum())
+    assert dropped > 0 and [int(v) for v in drops] == [int(v) for v in drops_scan] == [dropped, routed]
+    assert [int(v) for v in zero] == [0, 0]
