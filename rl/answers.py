@@ -8,7 +8,9 @@
   decides). Nothing is evaluated.
 - `math_verify_equal(pred, gold)`: math-verify's equivalence of two answer texts (LaTeX parsed by latex2sympy /
   sympy), with its signal timeouts off: the callers run it in the reward worker, whose deadline replaces them
-  (rl/rewards.py's docstring). Answers longer than `MAX_ANSWER_CHARS` are not worth parsing (the callers check).
+  (rl/rewards.py's docstring).
+- `answers_equal(pred, gold)`: the one comparison of every math reward: plain numbers exactly, equal texts (spaces
+  aside) as equal, else math-verify on both as `\\boxed{}` answers; False past `MAX_ANSWER_CHARS`.
 """
 
 from __future__ import annotations
@@ -102,3 +104,19 @@ def math_verify_equal(pred: str, gold: str) -> bool:
     if not g or not p:
         return False
     return bool(math_verify.verify(g, p, timeout_seconds=None))
+
+
+def answers_equal(pred: str, gold: str) -> bool:
+    """Whether the extracted answer `pred` equals the reference answer `gold` (both already extracted: no `####`,
+    no `\\boxed{}` wrapper): exact `decimal.Decimal` equality when both are plain numbers (`plain_decimal`), True
+    when neither is and the texts are equal but for spaces, else math-verify with both parsed as `\\boxed{...}`
+    LaTeX. False for a `pred` longer than `MAX_ANSWER_CHARS`. Unbounded time on hostile input: call it under a
+    deadline (the reward worker)."""
+    if len(pred) > MAX_ANSWER_CHARS:
+        return False
+    p, g = plain_decimal(pred), plain_decimal(gold)
+    if p is not None and g is not None:
+        return p == g
+    if p is None and g is None and pred.replace(" ", "") == gold.replace(" ", ""):
+        return True
+    return math_verify_equal(f"\\boxed{{{pred}}}", f"\\boxed{{{gold}}}")

@@ -35,7 +35,7 @@ import decimal
 import re
 from collections.abc import Callable, Sequence
 
-from rl.answers import MAX_ANSWER_CHARS, last_boxed, math_verify_equal, plain_decimal
+from rl.answers import answers_equal, last_boxed, plain_decimal
 from rl.config import REWARDS
 from rl.rewards import combine_rewards, format_reward, gsm8k_reward
 
@@ -77,18 +77,6 @@ def boxed_answer(text: str) -> str | None:
     return s or None
 
 
-def _math_equal(pred: str, gold: str) -> bool:
-    """Exact for plain numbers; otherwise math-verify (both sides parsed as `\\boxed{...}` LaTeX)."""
-    if len(pred) > MAX_ANSWER_CHARS:
-        return False
-    p, g = plain_decimal(pred), plain_decimal(gold)
-    if p is not None and g is not None:
-        return p == g
-    if p is None and g is None and pred.replace(" ", "") == gold.replace(" ", ""):
-        return True
-    return math_verify_equal(f"\\boxed{{{pred}}}", f"\\boxed{{{gold}}}")
-
-
 def _reference(reference) -> str:
     if not isinstance(reference, str):
         raise TypeError(f"reference must be a string, got {type(reference).__name__}")
@@ -102,7 +90,7 @@ def math_reward(response_text: str, reference: str) -> float:
     """
     gold = _reference(reference)
     pred = boxed_answer(response_text)
-    return float(pred is not None and bool(gold) and _math_equal(pred, gold))
+    return float(pred is not None and bool(gold) and answers_equal(pred, gold))
 
 
 def dapo_reward(response_text: str, reference: str) -> float:
@@ -112,7 +100,7 @@ def dapo_reward(response_text: str, reference: str) -> float:
     pred = answer_line(response_text)
     if pred is None:
         pred = boxed_answer(response_text)
-    return float(pred is not None and bool(gold) and _math_equal(pred, gold))
+    return float(pred is not None and bool(gold) and answers_equal(pred, gold))
 
 
 def _as_int(text: str | None) -> int | None:

@@ -5,9 +5,9 @@ Functions:
   The final answer is the text after the last `####`, else the last `\\boxed{...}`, else the last
   number. Plain decimals on both sides are compared exactly in Python (`decimal.Decimal`) after
   normalisation (`rl.answers.plain_decimal`: Unicode minus, spaced signs, currency, thousands separators, scientific
-  notation, trailing units); anything else (fractions, LaTeX) goes to math-verify (`rl.answers.math_verify_equal`:
-  `math_verify.parse` + `math_verify.verify`, which parse with latex2sympy / sympy). Model output is never evaluated
-  as code.
+  notation, trailing units); anything else (fractions, LaTeX) goes to math-verify: `rl.answers.answers_equal`, the
+  one comparison of every math reward (`math_verify.parse` + `math_verify.verify`, which parse with latex2sympy /
+  sympy). Model output is never evaluated as code.
 - `format_reward`: 1.0 if the response ends with a GSM8K answer line `#### <number>`.
 - `combine_rewards`: a weighted sum of reward functions, itself a reward function.
 
@@ -51,7 +51,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from rl.answers import MAX_ANSWER_CHARS, extract_final_answer, math_verify_equal, plain_decimal
+from rl.answers import answers_equal, extract_final_answer
 
 logger = logging.getLogger(__name__)
 
@@ -108,13 +108,7 @@ def gsm8k_reward(response_text: str, reference: str) -> float:
     found = extract_final_answer(response_text)
     if found is None or not reference:
         return 0.0
-    answer, how = found
-    if len(answer) > MAX_ANSWER_CHARS:
-        return 0.0
-    pred, gold = plain_decimal(answer), plain_decimal(reference)
-    if pred is not None and gold is not None:
-        return float(pred == gold)
-    return float(math_verify_equal(f"\\boxed{{{answer}}}" if how == "boxed" else answer, reference))
+    return float(answers_equal(found[0], reference))
 
 
 def format_reward(response_text: str, reference: str | None = None) -> float:
