@@ -82,6 +82,18 @@ class RolloutBatch:
     def response_lists(self) -> list[list[int]]:
         return [self.tokens[i, : self.lengths[i]].tolist() for i in range(len(self.lengths))]
 
+    def final_turns(self) -> list[list[int]]:
+        """Each row's last model turn: its response tokens after the last one `loss_mask` gives to an environment
+        (empty when the row ends inside an environment's turn, cut by the token budget); without a `loss_mask`,
+        the whole response (`response_lists`). What a multi-turn run's reward reads (rl/env_task.py)."""
+        if self.loss_mask is None:
+            return self.response_lists()
+        out = []
+        for i, n in enumerate(self.lengths):
+            env = np.flatnonzero(np.asarray(self.loss_mask[i, :n]) == 0)
+            out.append(self.tokens[i, (env[-1] + 1 if len(env) else 0): n].tolist())
+        return out
+
 
 def concat_rollouts(parts: Sequence[tuple[RolloutBatch, np.ndarray]]) -> RolloutBatch:
     """Rows `rows_j` of batch `b_j`, for each (b_j, rows_j) in order, as one RolloutBatch (DAPO's resampling

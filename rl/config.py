@@ -59,7 +59,7 @@ class DataConfig:
 
     task: Literal["copy", "reverse"] = knob("copy", "built-in verifiable task when no --dataset is given: copy | "
                                                     "reverse (3 digits, partial credit)")
-    task_digits: int = knob(3, "digits per built-in task prompt")
+    task_digits: int = knob(3, "digits per built-in task prompt (--rollout.env key_lookup: digits per value)")
     dataset: str | None = knob(None, "prompt dataset (jsonl or parquet; GSM8K layout by default)")
     tokenizer: str | None = knob(None, "Hugging Face tokenizer.json (required with --dataset)")
     data_format: Literal["gsm8k", "verl", "miles"] = knob(

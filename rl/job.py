@@ -39,6 +39,7 @@ from rl.checkpoint import Checkpointer, check_writable, file_identity
 from rl.config import RunConfig
 from rl.data import PromptDataset, make_prompt_iterator
 from rl.data_formats import build_datasets, resolve_reward_name
+from rl.env_task import load_env_data
 from rl.eval_source import eval_checkpoint_dir, eval_reader
 from rl.rollout.exact import ExactRollout, exact_layout
 from rl.job_identity import job_identity
@@ -168,7 +169,10 @@ def resolve_model_config(cfg: RunConfig, tokenizer_vocab: int):
 
 def load_data(cfg: RunConfig):
     """(tokenizer, task or None, train PromptDataset, eval prompts [list[int]], eval references, reward (the
-    `rl.rewards.RewardFn` of the task or of --reward), eval PromptDataset when it is a separate file else None)."""
+    `rl.rewards.RewardFn` of the task or of --reward), eval PromptDataset when it is a separate file else None).
+    A multi-turn run (--rollout.env): the environment's prompts, tokenizer and reward (`rl.env_task.load_env_data`)."""
+    if cfg.rollout.env is not None:
+        return load_env_data(cfg)
     d = cfg.data
     if d.dataset is None and d.eval_dataset is None:
         task = DigitTask(kind=d.task, n_digits=d.task_digits, seed=cfg.seed)
@@ -196,15 +200,17 @@ def fingerprint(cfg: RunConfig, model_cfg) -> dict:
             **{k: flat[k] for k in keep},
             **({"scan_layers": True} if cfg.learner.scan_layers else {}),  # stacked state (absent: older ones)
             **({"fp8_forward": True} if cfg.learner.fp8_forward else {}),  # the FP8-aware learner's policy
-            **({"max_staleness": cfg.staleness()} if cfg.staleness() else {})}  # the pipeline's K (rl/pipeline.py)
+            **({"max_staleness": cfg.staleness()} if cfg.staleness() else {}),  # the pipeline's K (rl/pipeline.py)
+            **({"env": cfg.rollout.env} if cfg.rollout.env else {})}  # multi-turn: another task and tokenizer
 
 
 def prompt_bucket(cfg: RunConfig, train: PromptDataset, ev_prompts: list[list[int]]) -> int:
     """The rollout's largest prompt (tokens), the same on every side of a run (the actor, MPMD rollout processes,
     a rollout job): the longest training or eval prompt, + --max-new-tokens with --partial-rollout (a continued
-    sample is re-prefilled from prompt + its tokens so far, rl/partial.py)."""
+    sample is re-prefilled from prompt + its tokens so far, rl/partial.py) or --rollout.env (a later turn is
+    re-prefilled from prompt + every turn so far, rl/rollout/multiturn.py)."""
     n = max(train.max_prompt_len, max(len(p) for p in ev_prompts))
-    return n + cfg.rollout.max_new_tokens if cfg.rollout.partial_rollout else n
+    return n + cfg.rollout.max_new_tokens if cfg.rollout.partial_rollout or cfg.rollout.env else n
 
 
 def channel_window(cfg: RunConfig) -> int:
@@ -220,9 +226,9 @@ def build(cfg: RunConfig) -> Job:
     """Set up meshes, data, model, learner, the rollout service, checkpoints and metric sinks (errors before step
     1), the same code for every layout (module docstring). A rollout job of the two-job layout (--rollout-job):
     `build_rollout_job`."""
-    if cfg.rollout.env is not None:  # the rollout side exists (rl/rollout/multiturn.py); the loop's side does not yet
-        raise ValueError(f"--rollout.env {cfg.rollout.env}: the training loop does not build multi-turn requests yet "
-                         f"(the environment's dataset, its reward and the tokenizer for the engine are not wired)")
+    if cfg.rollout.env is not None and (cfg.rollout.job or cfg.rollout.address is not None):
+        raise ValueError(f"--rollout.env {cfg.rollout.env}: multi-turn rollouts run in one job for now; the two-job "
+                         f"layout (--rollout-address / --rollout-job) does not carry them")
     if cfg.rollout.job:
         return build_rollout_job(cfg)
     evaluated = eval_checkpoint_dir(cfg) if cfg.eval.only else None  # --eval-only: a checkpoint, --init or an error
@@ -240,6 +246,9 @@ def build(cfg: RunConfig) -> Job:
     # MPMD (whole processes per role) or both roles here; bad layouts fail now. The two-job layout's actor job: every
     # process an actor (several: one prompt stream, process 0's rollout results shared over the channel)
     layout = actor_job_layout() if two_jobs else role_layout(plan)
+    if cfg.rollout.env is not None and layout.mpmd:  # the rollout processes have no tokenizer nor environment
+        raise ValueError(f"--rollout.env {cfg.rollout.env}: multi-turn rollouts run with both roles in one process "
+                         f"for now; MPMD (--mesh with a rollout on processes of its own) does not carry them")
     # MPMD: heartbeats from now on (builds and compiles are long); the results channel keeps a few steps' values
     channel = HostChannel(layout, timeout_s=cfg.rollout.push_timeout, keep=channel_window(cfg)) \
         if layout.mpmd else None
@@ -305,7 +314,8 @@ def build(cfg: RunConfig) -> Job:
         if init != "random":  # version 0 from the file's own FP8 blocks, first: the pusher copies the stored layout
             LocalRollout(sampler, config=shapes_cfg, progress=cfg.log.progress).load_weights(0, source=init)
         pusher = WeightPusher(plan, sampler, learner.params_for_push(), verify_every=cfg.rollout.push_verify_every)
-        rollout = LocalRollout(sampler, learner.params_for_push, pusher, config=shapes_cfg, progress=cfg.log.progress)
+        rollout = LocalRollout(sampler, learner.params_for_push, pusher, config=shapes_cfg, progress=cfg.log.progress,
+                               tokenizer=tok)
     else:
         state = nnx.state(abstract)
         pusher = MpmdPusher(plan, layout, sampler, state, plan.param_shardings(ACTOR, state), channel,

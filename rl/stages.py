@@ -36,6 +36,7 @@ from jax.experimental import multihost_utils
 
 from rl.advantages import DynamicSampler, compute_advantages
 from rl.batch import RolloutBatch, TrainBatch, concat_rollouts
+from rl.env_task import multiturn_request
 from rl.metrics import pass_at_k, response_stats, reward_stats, to_python
 from rl.rollout.service import RolloutRequest
 from rl.rollout.engine import SamplingParams
@@ -61,19 +62,24 @@ class RolloutRecord:
 
 def score(job, rb: RolloutBatch, refs: list[str]) -> tuple[np.ndarray, np.ndarray, dict]:
     """Stage 3: the run's one `rl.rewards.RewardFn` on a rollout's responses against per-row references ->
-    (rewards [N] float32, exact [N] bool, metrics); host numpy throughout."""
-    return job.reward(refs, rb.response_lists())
+    (rewards [N] float32, exact [N] bool, metrics); host numpy throughout. A multi-turn batch (`rb.loss_mask`):
+    the reward reads each trajectory's last model turn (`RolloutBatch.final_turns`; rl/env_task.py)."""
+    return job.reward(refs, rb.final_turns())
 
 
 def generate(job, rows: list[list[int]], params: SamplingParams, *, seed: int, step: int = 0,
              prompt_index: list[int] | None = None, sample_index: list[int] | None = None,
              tag: str = "", max_new_tokens_per_row: list[int] | None = None,
-             token_offset: list[int] | None = None, train: bool = False) -> tuple[RolloutBatch, dict]:
+             token_offset: list[int] | None = None, train: bool = False,
+             refs: list[str] | None = None) -> tuple[RolloutBatch, dict]:
     """One request to the rollout service, waited for -> (RolloutBatch, the generation's stats + perf metrics).
-    `train`: a training batch's request (`RolloutRequest.train`)."""
+    `train`: a training batch's request (`RolloutRequest.train`). `refs` [N]: the rows' references, the
+    environment's data of a multi-turn request (--rollout.env; `rl.env_task.multiturn_request`)."""
+    mt = multiturn_request(job.cfg, refs) if refs is not None else None
     req = RolloutRequest(prompts=rows, params=params, seed=seed, step=step, prompt_index=prompt_index,
                          sample_index=sample_index, tag=tag or f"gen/{step}",
-                         max_new_tokens_per_row=max_new_tokens_per_row, token_offset=token_offset, train=train)
+                         max_new_tokens_per_row=max_new_tokens_per_row, token_offset=token_offset, train=train,
+                         multiturn=mt)
     t0 = time.perf_counter()
     res = job.rollout.collect(job.rollout.submit(req))
     dt = time.perf_counter() - t0
@@ -90,10 +96,11 @@ def sampling_params(job) -> SamplingParams:
 
 
 def sample(job, prompts: list[list[int]], step: int, round_index: int = 0,
-           data_index=None) -> tuple[RolloutBatch, dict]:
+           data_index=None, refs: list[str] | None = None) -> tuple[RolloutBatch, dict]:
     """Stage 2: `group_size` responses per prompt -> (RolloutBatch of N = len(prompts) x group_size rows,
     prompt-major; the generation's stats (continuous batching counters) and perf metrics). `data_index` [P]: the
-    prompts' data indices, for `--rollout.length_schedule` (`RolloutConfig.length_caps`).
+    prompts' data indices, for `--rollout.length_schedule` (`RolloutConfig.length_caps`). `refs` [P]: the prompts'
+    references, which a multi-turn run's environment reads (--rollout.env: the request carries them per row).
 
     `round_index` (DAPO resampling rounds within one step) offsets the prompt index of the sampler's randomness
     by round_index x len(prompts), so every round of a step draws fresh, reproducible samples."""
@@ -107,12 +114,13 @@ def sample(job, prompts: list[list[int]], step: int, round_index: int = 0,
     # --exact-rollout: the service draws training requests from the learner's own forward (rl/rollout/exact.py)
     return generate(job, rows, sp, seed=job.cfg.seed, step=step, prompt_index=pi, sample_index=si,
                     tag=f"train/{step}/{round_index}", train=True,
-                    max_new_tokens_per_row=None if caps is None else [c for c in caps for _ in range(g)])
+                    max_new_tokens_per_row=None if caps is None else [c for c in caps for _ in range(g)],
+                    refs=None if refs is None else [r for r in refs for _ in range(g)])
 
 
 def rollout(job, prompts: list[list[int]], refs: list[str], step: int, round_index: int = 0, data_index=None):
     """Stages 2-3 for one round of prompts: `sample`, then `score` -> (RolloutBatch, rewards [N], metrics)."""
-    rb, metrics = sample(job, prompts, step, round_index, data_index)
+    rb, metrics = sample(job, prompts, step, round_index, data_index, refs)
     rewards, _, rm = score(job, rb, [r for r in refs for _ in range(job.cfg.rollout.group_size)])
     return rb, rewards, {**rm, **metrics}
 
@@ -194,7 +202,8 @@ def sample_step(job, step: int):
     if cfg.advantage.dynamic_sampling:  # 2-3. DAPO: sample and score rounds until the groups have signal
         rb, rewards, train_rows, metrics = dynamic_rollout(job, step, batch)
     else:
-        rb, metrics = sample(job, prompt_lists(batch), step, data_index=batch["index"])  # 2. sample
+        rb, metrics = sample(job, prompt_lists(batch), step, data_index=batch["index"],  # 2. sample
+                             refs=batch["reference"])
         rewards, _, rm = score(job, rb, [r for r in batch["reference"] for _ in range(g)])  # 3. score
         metrics.update(rm)
         metrics.update(to_python(reward_stats(jnp.asarray(rewards), g)))
@@ -267,7 +276,7 @@ def evaluate(job, step: int) -> dict:
     eos = (job.tokenizer.eos_id,)
     greedy, _ = generate(job, job.eval_prompts, SamplingParams(temperature=0.0, max_new_tokens=r.max_new_tokens,
                                                                stop_token_ids=eos),
-                         seed=cfg.seed, tag=f"eval/{step}/{job.weight_version}/greedy")
+                         seed=cfg.seed, tag=f"eval/{step}/{job.weight_version}/greedy", refs=job.eval_refs)
     g_r, g_exact, _ = score(job, greedy, job.eval_refs)
     rows = [p for p in job.eval_prompts for _ in range(k)]
     sampled, _ = generate(job, rows, SamplingParams(temperature=max(r.temperature, 1e-3), top_p=r.top_p,
@@ -275,7 +284,8 @@ def evaluate(job, step: int) -> dict:
                           seed=cfg.seed + 1, step=step,
                           prompt_index=[i for i in range(len(job.eval_prompts)) for _ in range(k)],
                           sample_index=[j for _ in job.eval_prompts for j in range(k)],
-                          tag=f"eval/{step}/{job.weight_version}/sampled")
+                          tag=f"eval/{step}/{job.weight_version}/sampled",
+                          refs=[ref for ref in job.eval_refs for _ in range(k)])
     s_r, s_exact, _ = score(job, sampled, [ref for ref in job.eval_refs for _ in range(k)])
     c = s_exact.reshape(-1, k).sum(axis=1)
     return {"eval/greedy_pass@1": float(g_exact.mean()), "eval/greedy_reward": float(g_r.mean()),

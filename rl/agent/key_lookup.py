@@ -72,10 +72,11 @@ def key_lookup_env(thinking: bool = False) -> Environment:
 
 def key_lookup_tokenizer() -> PieceTokenizer:
     """The task's PieceTokenizer: the tools section, the chat markers, the call head / tail and the result tags as
-    whole pieces; lower-case letters, digits, space, '=' and newline, '?' as characters (52 ids in all)."""
+    whole pieces; printable ASCII and newline as characters (108 ids in all); any other character of an
+    environment's text (a tool error quoting a broken call block) encodes as '?'."""
     pieces = ["\n\n" + render_tools([LOOKUP_TOOL]), USER, ASSISTANT, THINK, END_THINK, CALL_HEAD, CALL_TAIL,
               RESULT_OPEN, RESULT_CLOSE]
-    return PieceTokenizer(pieces, "".join(map(chr, range(32, 127))) + "\n")
+    return PieceTokenizer(pieces, "".join(map(chr, range(32, 127))) + "\n", unknown="?")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

@@ -9,7 +9,9 @@ is 6 ids (call head, key characters, call tail, EOS) instead of ~150 characters.
 Ids: 0 <pad>, 1 <｜begin▁of▁sentence｜>, 2 <｜end▁of▁sentence｜>, then the pieces, then the characters, in order.
 `encode` never emits BOS / EOS for their text unless they are in the text (the chat renderer writes them);
 `decode` drops the specials (the `TokenizerLike` rule); `decode_with_specials` keeps BOS / EOS text (what the tool
-call parser reads). Unknown ids decode as U+FFFD, never an error (a model's vocabulary may be larger).
+call parser reads). Unknown ids decode as U+FFFD, never an error (a model's vocabulary may be larger). A character
+outside the pieces and characters is an error, or, with `unknown` (one of `chars`), encodes as that character: an
+environment's text (a tool error quoting a broken call) must always encode, or the rollout would stop.
 """
 
 from __future__ import annotations
@@ -20,18 +22,22 @@ from rl.chat_dsv4 import BOS, EOS
 
 
 class PieceTokenizer:
-    """See the module docstring. Raises ValueError for duplicate pieces / characters."""
+    """See the module docstring. Raises ValueError for duplicate pieces / characters, or an `unknown` that is not
+    one of `chars`."""
 
     PAD, BOS_ID, EOS_ID = 0, 1, 2
 
-    def __init__(self, pieces: Sequence[str], chars: str):
+    def __init__(self, pieces: Sequence[str], chars: str, unknown: str | None = None):
         table = ["<pad>", BOS, EOS, *pieces, *chars]
         if len(set(table)) != len(table) or any(not p for p in pieces):
             raise ValueError("PieceTokenizer: pieces and characters must be distinct and non-empty")
+        if unknown is not None and (len(unknown) != 1 or unknown not in chars):
+            raise ValueError(f"PieceTokenizer: unknown must be one of its characters, got {unknown!r}")
         self.table = tuple(table)
         self._ids = {p: i for i, p in enumerate(table) if i}  # <pad> is never matched from text
         self._by_len = sorted({len(p) for p in self._ids}, reverse=True)
         self.chat_template = None
+        self._unknown = None if unknown is None else self._ids[unknown]
 
     @property
     def vocab_size(self) -> int:
@@ -50,8 +56,8 @@ class PieceTokenizer:
         return self.PAD
 
     def encode(self, text: str) -> list[int]:
-        """text -> ids, longest piece first at each position. Raises ValueError naming a character it cannot
-        cover."""
+        """text -> ids, longest piece first at each position; a character no piece covers -> the `unknown`
+        character's id, or ValueError naming it (no `unknown`)."""
         out, i = [], 0
         while i < len(text):
             for n in self._by_len:
@@ -61,7 +67,11 @@ class PieceTokenizer:
                     i += n
                     break
             else:
-                raise ValueError(f"PieceTokenizer: character {text[i]!r} at {i} is not in its pieces or characters")
+                if self._unknown is None:
+                    raise ValueError(f"PieceTokenizer: character {text[i]!r} at {i} is not in its pieces or "
+                                     f"characters")
+                out.append(self._unknown)
+                i += 1
         return out
 
     def decode_with_specials(self, ids: Sequence[int]) -> str:

@@ -1,17 +1,22 @@
 """rl/rollout/multiturn.py through the rollout contract (LocalRollout.submit/collect): a 2-turn key-lookup rollout
-with a scripted engine (nothing compiles): the joined layout, loss masks, logprobs, routing and the metrics."""
+with a scripted engine (nothing compiles): the joined layout, loss masks, logprobs, routing and the metrics; and one
+through the compiled tiny engine (its logprobs and routing against a full forward of the trajectory)."""
 
 from __future__ import annotations
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
+from flax import nnx
 
+from dsv4 import DSV4Config, DSV4ForCausalLM
 from rl.agent.key_lookup import KeyLookupTask, key_lookup_tokenizer
 from rl.agent.registry import ENVIRONMENTS
 from rl.batch import RolloutBatch, TrainBatch
 from rl.chat_dsv4 import RESULT_CLOSE, RESULT_OPEN, tool_result_turn
 from rl.config import ENVS, RunConfig
-from rl.rollout.engine import SamplingParams
+from rl.rollout.engine import Sampler, SamplingParams
 from rl.rollout.multiturn import MultiTurn
 from rl.rollout.service import LocalRollout, RolloutRequest, run_request
 
@@ -130,3 +135,56 @@ def test_run_config_env_knobs_and_refusals():
         with pytest.raises(ValueError, match=needle) as e:
             RunConfig.from_overrides(list(over.items()))
         assert "\n" not in str(e.value)
+
+
+class _ForcedCall:
+    """The task's tokenizer, except that the engine's own first turn (`turn1`, ending with the id it uses as EOS)
+    reads as a lookup call: random weights never write one, so the test makes the model's turn the call."""
+
+    def __init__(self, turn1, call_text):
+        self.turn1, self.call_text, self.eos_id = list(turn1), call_text, int(turn1[-1])
+        self.encode = TOK.encode
+
+    def decode_with_specials(self, ids):
+        return self.call_text if list(ids) == self.turn1 else TOK.decode_with_specials(ids)
+
+
+def test_two_turn_key_lookup_through_the_compiled_engine():
+    """A real tiny Sampler (fp32 weights, random init): turn 1 is the engine's own sample, read as a call; the tool
+    result is appended and prefilled; turn 2 is the engine's continuation. The trajectory equals one re-prefilled
+    generation with the token offset, the model's logprobs and every token's routing (the environment's included)
+    equal a full forward of the joined sequence, and the learner's mask holds the model's tokens only."""
+    cfg = DSV4Config.tiny(num_hidden_layers=2, compress_ratios=(4, 8, 0), vocab_size=TOK.vocab_size)
+    model = DSV4ForCausalLM(cfg, rngs=nnx.Rngs(3))
+    sampler = Sampler(model, weights="fp32", max_prompt_len=48)
+    (prompt, data), = KeyLookupTask().prompts(1)
+    key, value = data.split("=")
+    free = sampler.generate([prompt], SamplingParams(max_new_tokens=32), seed=0).tokens[0].tolist()
+    j = next(j for j in range(1, 32) if free[j] not in free[:j])  # the first new id: the turn's "EOS"
+    tok = _ForcedCall(free[:j + 1], CALL.format(key))
+    sp = SamplingParams(max_new_tokens=32, stop_token_ids=(tok.eos_id,))
+    res = run_request(sampler, RolloutRequest(prompts=[prompt], params=sp, seed=0, multiturn=MultiTurn(
+        env="key_lookup", data=(data,), max_turns=2)), tok)
+    rb, turn1, env_ids = res.rb, tok.turn1, TOK.encode(tool_result_turn([value]))
+    ctx = prompt + turn1 + env_ids
+    off = len(turn1) + len(env_ids)
+    assert off < 32, off  # room left for the engine's second turn
+    again = sampler.generate([ctx], sp, seed=0, max_new_tokens_per_row=[32 - off], token_offset=[off])
+    turn2 = again.response_lists()[0]
+    n = off + len(turn2)
+    assert rb.response_lists()[0] == turn1 + env_ids + turn2 and rb.lengths[0] == n
+    assert rb.loss_mask[0, :n].tolist() == [1] * len(turn1) + [0] * len(env_ids) + [1] * len(turn2)
+    assert res.stats["rollout/tool_calls_per_traj"] == 1 and res.stats["rollout/tool_errors"] == 0
+    assert rb.final_turns()[0] == turn2
+    # the learner's view against a full forward of the joined sequence
+    ids, attn, resp, rlp = rb.sequences()
+    out = jax.jit(lambda m, i, a: (lambda o: (o.logits, o.routing))(m(i, attention_mask=a)))(
+        model, jnp.asarray(ids), jnp.asarray(attn))
+    lp = np.take_along_axis(np.asarray(jax.nn.log_softmax(out[0], -1))[:, :-1], ids[:, 1:, None], -1)[..., 0]
+    model_tok = resp[:, 1:].astype(bool)
+    assert model_tok.sum() == len(turn1) + len(turn2)
+    np.testing.assert_allclose(rlp[:, 1:][model_tok], lp[model_tok], atol=1e-5)
+    np.testing.assert_allclose(again.logprobs[0, :len(turn2)], rb.logprobs[0, off:n], atol=1e-6)
+    assert np.all(rb.logprobs[0, len(turn1):off] == 0)
+    real = attn.astype(bool)
+    assert np.array_equal(rb.routing[real], np.asarray(out[1])[real]) and (rb.routing[~real] == -1).all()

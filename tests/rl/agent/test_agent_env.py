@@ -7,6 +7,7 @@ import pytest
 
 from rl.agent import env as envlib
 from rl.agent.key_lookup import CALL_TAIL, KeyLookupTask, key_lookup_tokenizer, value_reward
+from rl.agent.pieces import PieceTokenizer
 from rl.agent.registry import ENVIRONMENTS, make_env
 from rl.chat_dsv4 import EOS, render_deepseek_v4, tool_result_turn
 
@@ -72,5 +73,8 @@ def test_key_lookup_task_tokens_round_trip():
     assert len(call) == 6 and call[-1] == tok.eos_id and tok.decode(call).endswith("</｜DSML｜tool_calls>")
     assert len(tok.encode(tool_result_turn(["4821"]))) == 9
     assert tok.decode_with_specials([0, 9999]) == "\ufffd"
+    assert tok.encode("a｜é") == tok.encode("a??")  # an environment's text always encodes (a tool error quoting a call)
     with pytest.raises(ValueError, match="'é'"):
-        tok.encode("é")
+        PieceTokenizer(["ab"], "ab").encode("é")
+    with pytest.raises(ValueError, match="unknown must be one of its characters"):
+        PieceTokenizer(["ab"], "ab", unknown="?")

@@ -1,0 +1,81 @@
+"""The data and the reward of a multi-turn run (`--rollout.env`, rl/rollout/multiturn.py): what `rl.job.load_data`
+builds instead of the built-in digit task's.
+
+    key_lookup    prompts generated from the seed (`rl.agent.key_lookup.KeyLookupTask`, value digits
+                  `--task-digits`, its keys `ENV_KEYS`): train = prompt indices [0, TRAIN_PROMPTS), eval = indices
+                  from EVAL_START on (never a train prompt); the tokenizer is the task's `PieceTokenizer`; each
+                  row's reference is its data "KEY=VALUE", which the environment's tools and reward read
+    python_math   refused for now (its prompts come from a math dataset rendered with the tools section, not wired)
+
+Reward (`EnvReward`, the run's one `rl.rewards.RewardFn`): the environment's end-of-trajectory reward
+(`rl.agent.env.reward`) on each row's last model turn (`RolloutBatch.final_turns`, what rl/stages.py's `score`
+passes with a multi-turn batch), decoded with its special tokens; exact = reward 1.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import numpy as np
+
+from rl.agent import env as envlib
+from rl.agent.key_lookup import KeyLookupTask
+from rl.agent.registry import make_env
+from rl.data import PromptDataset
+from rl.rollout.multiturn import MultiTurn
+
+TRAIN_PROMPTS = 4096
+EVAL_START = 1 << 20
+ENV_KEYS = 100  # keys k00..k99 (KeyLookupTask.n_keys)
+
+
+@dataclasses.dataclass(frozen=True)
+class EnvReward:
+    """`rl.rewards.RewardFn` of a multi-turn run: (references [N] row data, final model turns [N] token lists) ->
+    (rewards [N] float32 in [0, 1], exact [N] bool = reward 1, {}). No worker process: the environments' rewards are
+    string comparisons."""
+
+    env: envlib.Environment
+    tokenizer: Any
+
+    def __call__(self, references, responses):
+        dec = getattr(self.tokenizer, "decode_with_specials", self.tokenizer.decode)
+        r = np.array([envlib.reward(self.env, dec(list(map(int, x))), ref) for ref, x in zip(references, responses)],
+                     np.float32)
+        return r, r >= 1.0, {}
+
+
+def key_lookup_task(cfg) -> KeyLookupTask:
+    """The run's KeyLookupTask: `--task-digits` value digits, `ENV_KEYS` keys, `--seed`."""
+    return KeyLookupTask(n_keys=ENV_KEYS, value_digits=cfg.data.task_digits, seed=cfg.seed)
+
+
+def load_env_data(cfg):
+    """`rl.job.load_data` of a `--rollout.env` run -> (tokenizer, None, train PromptDataset, eval prompts, eval
+    references, EnvReward, None). Raises ValueError (one line, naming the flag) for an environment without built-in
+    prompts or with --dataset."""
+    name = cfg.rollout.env
+    if name != "key_lookup":
+        raise ValueError(f"--rollout.env {name}: the training loop builds prompts for key_lookup only (python_math "
+                         f"needs a math --dataset rendered with its tools, not wired yet)")
+    if cfg.data.dataset is not None or cfg.data.eval_dataset is not None:
+        raise ValueError("--rollout.env key_lookup generates its own prompts; drop --dataset / --eval-dataset")
+    task = key_lookup_task(cfg)
+    tok = task.tokenizer
+    train = task.prompts(TRAIN_PROMPTS)
+    n_eval = min(cfg.eval.prompts, TRAIN_PROMPTS)
+    ev = task.prompts(n_eval, start=EVAL_START)
+    source = f"KeyLookupTask(n_keys={task.n_keys}, value_digits={task.value_digits}, seed={task.seed})"
+    data = PromptDataset([p for p, _ in train], [d for _, d in train], max_prompt_len=max(len(p) for p, _ in train),
+                         pad_id=tok.pad_id, source=source)
+    return (tok, None, data, [p for p, _ in ev], [d for _, d in ev],
+            EnvReward(make_env(name, thinking=task.thinking), tok), None)
+
+
+def multiturn_request(cfg, data) -> MultiTurn | None:
+    """The `RolloutRequest.multiturn` of rows whose references are `data` [N] (None: not a --rollout.env run)."""
+    r = cfg.rollout
+    if r.env is None:
+        return None
+    return MultiTurn(env=r.env, data=tuple(data), max_turns=r.max_turns, tool_timeout_s=r.tool_timeout_s)
