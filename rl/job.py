@@ -246,16 +246,16 @@ def build(cfg: RunConfig) -> Job:
     # MPMD (whole processes per role) or both roles here; bad layouts fail now. The two-job layout's actor job: every
     # process an actor (several: one prompt stream, process 0's rollout results shared over the channel)
     layout = actor_job_layout() if two_jobs else role_layout(plan)
-    if cfg.rollout.env is not None and layout.mpmd:  # the rollout processes have no tokenizer nor environment
+    if cfg.rollout.env is not None and layout.split_roles:  # the rollout processes have no tokenizer nor environment
         raise ValueError(f"--rollout.env {cfg.rollout.env}: multi-turn rollouts run with both roles in one process "
                          f"for now; MPMD (--mesh with a rollout on processes of its own) does not carry them")
     # MPMD: heartbeats from now on (builds and compiles are long); the results channel keeps a few steps' values
     channel = HostChannel(layout, timeout_s=cfg.rollout.push_timeout, keep=channel_window(cfg)) \
-        if layout.mpmd else None
+        if layout.split_roles else None
     # the actor's processes save and restore the learner state; the rollout's is derived (rl/rollout/mpmd.py)
     # (the run lock, taken here, comes before any write: a run refused by it writes nothing, not even config.yaml;
     # an evaluation only reads its checkpoint: rl/eval_source.py)
-    processes = layout.actor_processes if layout.mpmd else None
+    processes = layout.actor_processes if layout.split_roles else None
     if cfg.eval.only:
         ckpt = eval_reader(evaluated, fingerprint(cfg, model_cfg), processes) \
             if evaluated is not None and layout.is_actor else None
@@ -299,7 +299,7 @@ def build(cfg: RunConfig) -> Job:
     abstract = nnx.eval_shape(lambda: DSV4ForCausalLM(shapes_cfg, rngs=nnx.Rngs(0), param_dtype=load_dtype))
     # a random init in one process: the rollout's version 0 is quantised from the same model; else its weights
     # come from --init's own FP8 blocks or by the first push
-    here = init == "random" and not layout.mpmd and not two_jobs
+    here = init == "random" and not layout.split_roles and not two_jobs
     sampler = Sampler(model if here else abstract, _engine_settings(cfg, plan.rollout, max_prompt, slots, kv_budget),
                       mesh=plan.rollout)
     del model
@@ -310,7 +310,7 @@ def build(cfg: RunConfig) -> Job:
         rollout = JobRollout(cfg.rollout.address, pusher, learner.params_for_push, timeout_s=cfg.rollout.push_timeout,
                              restart_timeout_s=cfg.rollout.restart_timeout, channel=channel,
                              identity=job_identity(cfg, shapes_cfg, tok, max_prompt_len=max_prompt))
-    elif not layout.mpmd:
+    elif not layout.split_roles:
         if init != "random":  # version 0 from the file's own FP8 blocks, first: the pusher copies the stored layout
             LocalRollout(sampler, config=shapes_cfg, progress=cfg.log.progress).load_weights(0, source=init)
         pusher = WeightPusher(plan, sampler, learner.params_for_push(), verify_every=cfg.rollout.push_verify_every)
@@ -332,7 +332,7 @@ def build(cfg: RunConfig) -> Job:
     # MPMD: every actor process reads one unsharded stream (the global batch), so the data order is the one-process
     # run's; otherwise each host reads its shard (rl/stages.py::global_batch)
     it = make_prompt_iterator(train, batch_size=cfg.rollout.prompts_per_step, seed=cfg.seed,
-                              **({"shard_index": 0, "shard_count": 1} if layout.mpmd else {}))
+                              **({"shard_index": 0, "shard_count": 1} if layout.split_roles else {}))
     job = Job(cfg=cfg, model_cfg=model_cfg, plan=plan, tokenizer=tok, task=task, train_data=train,
               eval_prompts=ev_prompts, eval_refs=ev_refs, reward=reward, learner=learner, rollout=rollout,
               iterator=it, ckpt=ckpt, logger=MetricsLogger(cfg), data_identity=data_identity,

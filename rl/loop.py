@@ -153,7 +153,7 @@ def run(job: Job) -> dict:
 
 
 def _log_role(job: Job, generate_calls: int, train_steps: int) -> None:
-    if job.layout is not None and job.layout.mpmd:  # the roles' programs, counted (tests read this line)
+    if job.layout is not None and job.layout.split_roles:  # the roles' programs, counted (tests read this line)
         log.info("role %s (process %d): generate calls %d, train steps %d", job.layout.role, job.layout.process,
                  generate_calls, train_steps)
 

@@ -142,8 +142,8 @@ class Pipeline:
         if job.start_step > 0 and job.ckpt is not None:
             self._load(job.ckpt.dir, job.start_step)
         # SPMD over processes: the two threads' collectives may interleave differently (MPMD has no such issue)
-        mpmd = job.layout is not None and job.layout.mpmd
-        if jax.process_count() > 1 and not mpmd:
+        split = job.layout is not None and job.layout.split_roles
+        if jax.process_count() > 1 and not split:
             log.warning("--max-staleness %d with %d processes: tested on one process only (the rollout thread's "
                         "host collectives run beside the learner's)", self.k, jax.process_count())
         self.thread = threading.Thread(target=self._work, name="rollout", daemon=True)
@@ -260,7 +260,7 @@ class Pipeline:
         `<ckpt.dir>/inflight/<done>.npz` atomically (the metrics writer only); delete the files older than every
         kept checkpoint. Call between steps (producer held)."""
         lay = self.job.layout
-        writer = lay.writer if lay is not None and lay.mpmd else 0
+        writer = lay.writer if lay is not None and lay.split_roles else 0
         if self.thread is None or jax.process_index() != writer:
             return
         d = pathlib.Path(ckpt.dir) / "inflight"

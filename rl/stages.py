@@ -129,7 +129,7 @@ def global_batch(job, batch: dict) -> dict:
     """Multi-host: every host reads its own shard of prompts (grain, per-host sharding); the hosts then share
     them so that every process feeds the same global batch to the jits that span all processes. With the rollout
     on processes of its own (MPMD) every actor process reads one unsharded stream: nothing to share."""
-    if jax.process_count() == 1 or (job.layout is not None and job.layout.mpmd):
+    if jax.process_count() == 1 or (job.layout is not None and job.layout.split_roles):
         return batch
     idx = np.asarray(multihost_utils.process_allgather(batch["index"], tiled=True))
     ids = np.asarray(multihost_utils.process_allgather(batch["prompt_ids"], tiled=True))

@@ -133,7 +133,7 @@ def lost_peer(layout: RoleLayout, cause: BaseException, wait_s: float = 3.0, pre
     ending normally (`HostChannel._at_exit`: their exit posted, their heartbeat stopped). None when the
     message is another error or every process still beats (then it is not a death: the caller shows it as it is)."""
     text = str(cause)
-    if not any(p in text for p in PEER_LOST) or not layout.mpmd:
+    if not any(p in text for p in PEER_LOST) or not layout.split_roles:
         return None
     procs = sorted({*layout.actor_processes, *layout.rollout_processes} - {layout.process})
     client = _client()
@@ -163,25 +163,27 @@ def lost_peer(layout: RoleLayout, cause: BaseException, wait_s: float = 3.0, pre
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class RoleLayout:
-    """Processes per role. `mpmd`: the roles live on disjoint processes (else every process runs both roles'
-    programs, as single-process and colocated runs do). `process`: this process's index."""
+    """Processes per role. `split_roles`: each process runs only its own role's programs: the MPMD layout (actor
+    and rollout on disjoint processes) and the actor job of the two-job layout with several processes (its rollout
+    lives in the other job); False: every process runs both roles' programs (single-process and colocated runs).
+    `process`: this process's index."""
 
     process: int
     actor_processes: tuple[int, ...]
     rollout_processes: tuple[int, ...]
-    mpmd: bool
+    split_roles: bool
 
     @property
     def is_actor(self) -> bool:
-        return not self.mpmd or self.process in self.actor_processes
+        return not self.split_roles or self.process in self.actor_processes
 
     @property
     def is_rollout(self) -> bool:
-        return not self.mpmd or self.process in self.rollout_processes
+        return not self.split_roles or self.process in self.rollout_processes
 
     @property
     def role(self) -> str:
-        return "both" if not self.mpmd else ACTOR if self.is_actor else ROLLOUT
+        return "both" if not self.split_roles else ACTOR if self.is_actor else ROLLOUT
 
     @property
     def writer(self) -> int:
@@ -205,7 +207,7 @@ def role_layout(plan, process_index: int | None = None, process_count: int | Non
     a = sorted({proc(d) for d in plan.actor.devices.flat})
     r = sorted({proc(d) for d in plan.rollout.devices.flat})
     if count == 1 or plan.colocated:
-        return RoleLayout(process=pid, actor_processes=tuple(a), rollout_processes=tuple(r), mpmd=False)
+        return RoleLayout(process=pid, actor_processes=tuple(a), rollout_processes=tuple(r), split_roles=False)
     spec = str(plan.spec)
     both = sorted(set(a) & set(r))
     if both:
@@ -219,7 +221,7 @@ def role_layout(plan, process_index: int | None = None, process_count: int | Non
     if idle:
         raise MeshSpecError(f"mesh spec {spec!r}: process {idle[0]} holds no device of either role (actor on "
                             f"processes {a}, rollout on {r}); size the meshes to use every process")
-    return RoleLayout(process=pid, actor_processes=tuple(a), rollout_processes=tuple(r), mpmd=True)
+    return RoleLayout(process=pid, actor_processes=tuple(a), rollout_processes=tuple(r), split_roles=True)
 
 
 def actor_job_layout(process_index: int | None = None, process_count: int | None = None) -> RoleLayout:
@@ -229,7 +231,7 @@ def actor_job_layout(process_index: int | None = None, process_count: int | None
     others, and a dead process is named (`lost_peer`, `HostChannel._at_exit`)."""
     pid = jax.process_index() if process_index is None else process_index
     count = jax.process_count() if process_count is None else process_count
-    return RoleLayout(process=pid, actor_processes=tuple(range(count)), rollout_processes=(), mpmd=count > 1)
+    return RoleLayout(process=pid, actor_processes=tuple(range(count)), rollout_processes=(), split_roles=count > 1)
 
 
 # ------------------------------------------------------------------------------------------ transfer options

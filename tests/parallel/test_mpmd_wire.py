@@ -57,7 +57,7 @@ class LocalChannel:
 @pytest.fixture(scope="module")
 def setup():
     plan = build_mesh_plan(MESH, config=CFG)
-    layout = RoleLayout(process=0, actor_processes=(0,), rollout_processes=(0,), mpmd=True)  # both roles here
+    layout = RoleLayout(process=0, actor_processes=(0,), rollout_processes=(0,), split_roles=True)  # both roles here
     model = randomize(dsv4.DSV4ForCausalLM(CFG, rngs=nnx.Rngs(0)), seed=5, scale=0.1)
     state = nnx.state(model)
     state = jax.device_put(state, plan.param_shardings("actor", state))

@@ -18,22 +18,22 @@ def _two_per_process(d):
 def test_role_layout_whole_processes():
     plan = build_mesh_plan("actor:fsdp=2,expert=2/rollout:expert=2", devices=jax.devices()[:6])
     lay = role_layout(plan, process_index=2, process_count=3, process_of=_two_per_process)
-    assert lay.mpmd and lay.actor_processes == (0, 1) and lay.rollout_processes == (2,)
+    assert lay.split_roles and lay.actor_processes == (0, 1) and lay.rollout_processes == (2,)
     assert lay.role == "rollout" and lay.is_rollout and not lay.is_actor and lay.writer == 0
     one = role_layout(plan, process_index=0, process_count=1)
-    assert not one.mpmd and one.is_actor and one.is_rollout  # single process: both roles, as before
+    assert not one.split_roles and one.is_actor and one.is_rollout  # single process: both roles, as before
     colo = role_layout(build_mesh_plan("actor:fsdp=2", devices=jax.devices()[:2]), process_index=0,
                        process_count=2, process_of=lambda d: d.id)
-    assert not colo.mpmd
+    assert not colo.split_roles
 
 
 def test_actor_job_layout_every_process_an_actor():
     """The two-job layout's actor job (rl/rollout/two_job.py): all its processes are actors; several -> the MPMD actor
     side's treatment (one prompt stream, results over the channel, a dead process named), process 0 the writer."""
     lay = actor_job_layout(process_index=1, process_count=2)
-    assert lay.mpmd and lay.actor_processes == (0, 1) and lay.rollout_processes == ()
+    assert lay.split_roles and lay.actor_processes == (0, 1) and lay.rollout_processes == ()
     assert lay.is_actor and not lay.is_rollout and lay.role == "actor" and lay.writer == 0
-    assert not actor_job_layout(process_index=0, process_count=1).mpmd
+    assert not actor_job_layout(process_index=0, process_count=1).split_roles
 
 
 @pytest.mark.parametrize("spec, message", [
@@ -68,7 +68,7 @@ class _Beats:
 def test_lost_peer_names_the_dead_process_and_its_side(monkeypatch):
     """A Gloo error from a closed connection -> the side and process whose heartbeat stopped; other errors -> None."""
     monkeypatch.setattr(distributed.global_state, "client", _Beats())
-    layout = RoleLayout(process=0, actor_processes=(0, 1), rollout_processes=(2,), mpmd=True)
+    layout = RoleLayout(process=0, actor_processes=(0, 1), rollout_processes=(2,), split_roles=True)
     gloo = RuntimeError("UNKNOWN: Gloo AllGather failed: [pair.cc:547] Connection closed by peer [127.0.0.1]:933")
     e = lost_peer(layout, gloo, wait_s=0.0)
     assert e is not None and e.side == "actor"
@@ -77,7 +77,7 @@ def test_lost_peer_names_the_dead_process_and_its_side(monkeypatch):
     assert lost_peer(layout, RuntimeError("RESOURCE_EXHAUSTED: out of memory"), wait_s=0.0) is None  # not a death
     monkeypatch.setattr(distributed.global_state, "client", _Beats(exiting=(1,)))
     assert lost_peer(layout, gloo, wait_s=0.0) is None  # process 1 is ending normally, not dead
-    colocated = RoleLayout(process=0, actor_processes=(0, 1), rollout_processes=(0, 1), mpmd=False)
+    colocated = RoleLayout(process=0, actor_processes=(0, 1), rollout_processes=(0, 1), split_roles=False)
     assert lost_peer(colocated, gloo, wait_s=0.0) is None  # no heartbeats to tell who died
 
 
@@ -106,7 +106,7 @@ def test_heartbeat_watch_names_a_silent_peer_or_a_posted_failure(monkeypatch):
     store = {"dsv4/alive/0": "5", "dsv4/alive/1": "9"}  # process 2 (the rollout) has not beaten yet
     monkeypatch.setattr(distributed.global_state, "client", _Store(store))
     channel = HostChannel.__new__(HostChannel)  # no thread, no store writes: only the watch's reads
-    channel.layout = RoleLayout(process=1, actor_processes=(0, 1), rollout_processes=(2,), mpmd=True)
+    channel.layout = RoleLayout(process=1, actor_processes=(0, 1), rollout_processes=(2,), split_roles=True)
     channel.timeout_s, channel.liveness_s, channel.prefix = 600.0, 0.0, "dsv4"  # dead after 0 s of silence
     seen, changed = {}, {}
     assert channel._watch(seen, changed) is None and seen == {0: "5"}  # first sight of process 0's beat
@@ -132,7 +132,7 @@ def test_a_wait_names_a_dead_sender_after_the_liveness_timeout_a_slow_start_afte
 
     monkeypatch.setattr(distributed.global_state, "client", Client(store))
     channel = HostChannel.__new__(HostChannel)
-    channel.layout = RoleLayout(process=0, actor_processes=(0, 1), rollout_processes=(2,), mpmd=True)
+    channel.layout = RoleLayout(process=0, actor_processes=(0, 1), rollout_processes=(2,), split_roles=True)
     channel.timeout_s, channel.liveness_s, channel.prefix, channel.HEARTBEAT_S = 600.0, 0.05, "dsv4", 0.01
     with pytest.raises(PeerTimeoutError) as e:
         channel._wait_key("dsv4/rollout/3/n", "rollout", "the rollout results of train/3")
