@@ -23,9 +23,10 @@ MESH = "actor:fsdp=2,expert=2/rollout:expert=2"
 DEAD_S = 60  # a dead process is noticed by every survivor within this at the default --push-timeout (issue 42)
 SIDECAR_S = 30 + 5  # sharding.distributed.sidecar_grace_s at the defaults, + polling
 # what a survivor must not print: a Python, C++ (glog) or Gloo stack (XLA's "Very slow compile?" alarm, an E line of a
-# loaded machine, is not one)
+# loaded machine, is not one; nor are gloo's "[Gloo] Rank N is connected" lines, which two threads may interleave
+# mid-line: "[Gloo] Rank [Gloo] Rank 0 is connected ...", seen 2026-12-05)
 STACK = re.compile(r"Traceback|Check failure|terminate called|^\*\*\* |^[FE]\d{4} (?!.*slow_operation_alarm)"
-                   r"|Gloo(?!\] Rank \d+ is connected)", re.M)
+                   r"|Gloo(?!\] Rank )", re.M)
 # one step off, partial rollouts: 4 new tokens in segments of 2, every other prompt capped at 3 (a length spread
 # whose samples all span two segments unless they stop; 3 rather than 2 keeps every batch's trimmed learner width
 # at the 4-token one: one learner compile per run)
