@@ -9,7 +9,8 @@ builds instead of the built-in digit task's.
 
 Reward (`EnvReward`, the run's one `rl.rewards.RewardFn`): the environment's end-of-trajectory reward
 (`rl.agent.env.reward`) on each row's last model turn (`RolloutBatch.final_turns`, what rl/stages.py's `score`
-passes with a multi-turn batch), decoded with its special tokens; exact = reward 1.
+passes with a multi-turn batch), decoded with its special tokens, and, for an environment with a shaped credit
+(key_lookup's `call_progress`), its first model turn (the trajectory up to its first EOS); exact = reward 1.
 """
 
 from __future__ import annotations
@@ -27,22 +28,30 @@ from rl.rollout.multiturn import MultiTurn
 
 TRAIN_PROMPTS = 4096
 EVAL_START = 1 << 20
-ENV_KEYS = 100  # keys k00..k99 (KeyLookupTask.n_keys)
+ENV_KEYS = 10  # keys k0..k9 (KeyLookupTask.n_keys)
 
 
 @dataclasses.dataclass(frozen=True)
 class EnvReward:
-    """`rl.rewards.RewardFn` of a multi-turn run: (references [N] row data, final model turns [N] token lists) ->
-    (rewards [N] float32 in [0, 1], exact [N] bool = reward 1, {}). No worker process: the environments' rewards are
-    string comparisons."""
+    """`rl.rewards.RewardFn` of a multi-turn run: (references [N] row data, final model turns [N] token lists,
+    optional trajectories [N] token lists: each row's whole response side, model and environment turns; default
+    the final turns) -> (rewards [N] float32 in [0, 1], exact [N] bool = reward 1, {}). The first model turn (what
+    an environment's shaping reads) is a trajectory up to its first EOS. No worker process: the environments'
+    rewards are string comparisons."""
 
     env: envlib.Environment
     tokenizer: Any
 
-    def __call__(self, references, responses):
+    def __call__(self, references, responses, trajectories=None):
         dec = getattr(self.tokenizer, "decode_with_specials", self.tokenizer.decode)
-        r = np.array([envlib.reward(self.env, dec(list(map(int, x))), ref) for ref, x in zip(references, responses)],
-                     np.float32)
+        eos = self.tokenizer.eos_id
+        trajectories = responses if trajectories is None else trajectories
+        r = []
+        for ref, x, t in zip(references, responses, trajectories):
+            t = list(map(int, t))
+            first = t[:t.index(eos) + 1] if eos in t else t
+            r.append(envlib.reward(self.env, dec(list(map(int, x))), ref, dec(first)))
+        r = np.array(r, np.float32)
         return r, r >= 1.0, {}
 
 

@@ -63,7 +63,10 @@ class RolloutRecord:
 def score(job, rb: RolloutBatch, refs: list[str]) -> tuple[np.ndarray, np.ndarray, dict]:
     """Stage 3: the run's one `rl.rewards.RewardFn` on a rollout's responses against per-row references ->
     (rewards [N] float32, exact [N] bool, metrics); host numpy throughout. A multi-turn batch (`rb.loss_mask`):
-    the reward reads each trajectory's last model turn (`RolloutBatch.final_turns`; rl/env_task.py)."""
+    the reward reads each trajectory's last model turn (`RolloutBatch.final_turns`) and its whole response side
+    (an environment's shaped credit reads the first turn; rl/env_task.py::EnvReward)."""
+    if rb.loss_mask is not None:
+        return job.reward(refs, rb.final_turns(), rb.response_lists())
     return job.reward(refs, rb.final_turns())
 
 

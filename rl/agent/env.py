@@ -7,7 +7,7 @@ so a trajectory is reproducible from its prompt and its sampled tokens (resume r
 
     messages = reset(env, prompt, data)            # the conversation the prompt renders: [system + tools, user]
     result = step(env, completion_text, data)      # the model's turn -> tool messages (or done) + counters
-    r = reward(env, final_text, data)              # the last assistant turn -> reward in [0, 1]
+    r = reward(env, final_text, data, first_turn)  # the last assistant turn (+ the first: shaping) -> [0, 1]
 
 `step` parses the model's turn (`rl.chat_dsv4.parse_completion`): no call block -> done; calls -> each is run
 (`handlers[name](arguments, data)`) and answered by one tool message, in call order; an unknown tool, arguments
@@ -39,8 +39,12 @@ class ToolError(Exception):
 class Environment:
     """name; tools: OpenAI-format schemas ({"type": "function", "function": {name, description, parameters}});
     handlers: tool name -> ToolFn; reward_fn: (final answer text, row data) -> float in [0, 1]; system: the system
-    text before the tools section; thinking: the chat's thinking mode (DeepSeek-V4's `<think>` switch).
-    Raises ValueError when a tool has no handler."""
+    text before the tools section; thinking: the chat's thinking mode (DeepSeek-V4's `<think>` switch);
+    shaping_fn: (first model turn text, special tokens kept, row data) -> float in [0, 1], a shaped credit for how
+    the trajectory started (e.g. how much of the right tool call it wrote), weighted `shaping_weight` in [0, 1) in
+    `reward`; terse_errors: every error result is the bare text "error" (a short environment turn for a task whose
+    token budget is small; the counters still count the errors).
+    Raises ValueError when a tool has no handler, or for a shaping_weight outside [0, 1) or without a shaping_fn."""
 
     name: str
     tools: tuple[dict, ...]
@@ -48,8 +52,14 @@ class Environment:
     reward_fn: Callable[[str, str], float]
     system: str = ""
     thinking: bool = False
+    shaping_fn: Callable[[str, str], float] | None = None
+    shaping_weight: float = 0.0
+    terse_errors: bool = False
 
     def __post_init__(self):
+        if not 0.0 <= self.shaping_weight < 1.0 or (self.shaping_weight > 0) != (self.shaping_fn is not None):
+            raise ValueError(f"Environment {self.name!r}: shaping_weight must be in [0, 1) and > 0 exactly when "
+                             f"shaping_fn is set, got {self.shaping_weight}")
         names = [t["function"]["name"] for t in self.tools]
         missing = sorted(set(names) - set(self.handlers))
         if missing:
@@ -112,8 +122,8 @@ def step(env: Environment, completion: str, data: str = "") -> StepResult:
     except ToolCallError as e:
         if CALLS_START not in completion:
             return StepResult(messages=(), done=True)  # not a tool call: the (malformed) final answer
-        return StepResult(messages=({"role": "tool", "tool_call_id": "call_0", "content": error_result(e)},),
-                          done=False, calls=1, errors=1)
+        bad = {"role": "tool", "tool_call_id": "call_0", "content": error_result(e)}
+        return StepResult(messages=(_terse(env, bad),), done=False, calls=1, errors=1)
     if not message["tool_calls"]:
         return StepResult(messages=(), done=True)
     t0, out, errors = time.perf_counter(), [], 0
@@ -121,8 +131,15 @@ def step(env: Environment, completion: str, data: str = "") -> StepResult:
         content, failed = _run_call(env, call, data)
         errors += failed
         out.append({"role": "tool", "tool_call_id": f"call_{k}", "content": content})
-    return StepResult(messages=tuple(out), done=False, calls=len(out), errors=errors,
+    return StepResult(messages=tuple(_terse(env, m) for m in out), done=False, calls=len(out), errors=errors,
                       tool_s=time.perf_counter() - t0)
+
+
+def _terse(env: Environment, message: dict) -> dict:
+    """A tool message as the environment writes it: with `terse_errors`, an error result is just "error"."""
+    if env.terse_errors and message["content"].startswith("error: "):
+        return {**message, "content": "error"}
+    return message
 
 
 def final_answer(env: Environment, text: str) -> str:
@@ -134,6 +151,14 @@ def final_answer(env: Environment, text: str) -> str:
         return text.split(EOS)[0]
 
 
-def reward(env: Environment, final_text: str, data: str) -> float:
-    """The reward of a trajectory: `env.reward_fn` on the answer of its last assistant turn (`final_answer`)."""
-    return float(env.reward_fn(final_answer(env, final_text), data))
+def reward(env: Environment, final_text: str, data: str, first_turn: str | None = None) -> float:
+    """The reward of a trajectory: `env.reward_fn` on the answer of its last assistant turn (`final_answer`); with
+    a `shaping_fn`, s = `shaping_fn(first_turn, data)` (`first_turn`: the trajectory's first model turn, default
+    `final_text`) and w x s + (1 - w) x [s == 1] x that (w = `shaping_weight`): the answer counts only once the
+    shaped start is complete (key_lookup: the right call was made, so a value cannot be guessed for credit), and 1
+    needs both."""
+    r = float(env.reward_fn(final_answer(env, final_text), data))
+    if env.shaping_fn is None:
+        return r
+    s = float(env.shaping_fn(final_text if first_turn is None else first_turn, data))
+    return env.shaping_weight * s + (1.0 - env.shaping_weight) * r * (s >= 1.0)

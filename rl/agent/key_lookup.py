@@ -4,18 +4,29 @@ The smallest task where a tool is the only way to the reward: every prompt draws
 the prompt's index), so nothing in the prompt or the weights predicts it; a model must call `lookup` and then copy
 the tool's answer. Transcript of a perfect trajectory, in DeepSeek-V4's chat format (rl/chat_dsv4.py), chat mode:
 
-    <bos>{tools section}<｜User｜>key k07<｜Assistant｜></think>                                   (prompt)
-    \\n\\n<｜DSML｜tool_calls>...name="key" string="true">k07</｜DSML｜parameter>...</｜DSML｜tool_calls><eos>   (model)
-    <｜User｜><tool_result>4821</tool_result><｜Assistant｜></think>                                (environment)
-    4821<eos>                                                                                      (model)
+    <bos>{tools section}<｜User｜>key k7<｜Assistant｜></think>                                   (prompt)
+    \\n\\n<｜DSML｜tool_calls>...name="key" string="true">k7</｜DSML｜parameter>...</｜DSML｜tool_calls><eos>   (model)
+    <｜User｜><tool_result>48</tool_result><｜Assistant｜></think>                                 (environment)
+    48<eos>                                                                                       (model)
 
-With `key_lookup_tokenizer()` (rl/agent/pieces.py) the prompt is 12 ids, the call 6 (call head, "k07", call tail,
-EOS), the environment's turn 9 (with a 4-digit value) and the answer 5: short enough for the tiny model to stumble
-on from random init.
+Sized so the tiny model stumbles on it from random init: `key_lookup_tokenizer()` (rl/agent/pieces.py) has 26 ids
+(the markup as whole pieces, "key " and "error" as pieces, the digits, "k" and "?" as characters), keys are "k" +
+one digit for up to 10 keys (two digits up to 100), so the prompt is 8 ids, the call 5 (call head, "k", the key's
+digit, call tail, EOS), the environment's turn 5 + the value's digits, the answer the digits + EOS. Errors are terse
+(`Environment.terse_errors`: a broken call is answered by the one-piece "error", so the row keeps room for a
+second turn).
 
-Reward (`value_reward`, per-position partial credit like the built-in digit task, rl/tasks.py):
-    (right digits at their positions / n) x (0.5 + 0.5 x [answer has exactly n characters])
-in [0, 1]; 1 only for the exact value. Row data (the dataset's reference) is "KEY=VALUE".
+Reward, shaped (as gsm8k+format is; `rl.agent.env.reward`): `CALL_WEIGHT x call_progress + (1 - CALL_WEIGHT) x
+[call_progress == 1] x value_reward`, in [0, 1], 1 only for the right call followed by the exact value; an answer
+without the right call earns nothing (it can only be a guess: without the gate a guessed 2-digit value's partial
+credit, ~0.08 on average, outweighs the first steps of the call and the policy learned to stop calling).
+- `value_reward` (per-position partial credit like the built-in digit task, rl/tasks.py) on the final answer:
+  (right digits at their positions / n) x (0.5 + 0.5 x [answer has exactly n characters]);
+- `call_progress` on the first model turn: how much of the right call it wrote, in order (call head, each character
+  of the key, call tail, EOS; one unit each, the prefix that matches / all units). A credit for calling right, not
+  for the value: the value is still only in the tool's answer.
+  Without it a well-formed call is ~V^-5 at random init and no group ever holds one (benchmarks/README.md).
+Row data (the dataset's reference) is "KEY=VALUE".
 """
 
 from __future__ import annotations
@@ -26,15 +37,16 @@ import numpy as np
 
 from rl.agent.env import Environment, ToolError, reset
 from rl.agent.pieces import PieceTokenizer
-from rl.chat_dsv4 import (ASSISTANT, CALLS_CLOSE, CALLS_START, DSML, END_THINK, RESULT_CLOSE, RESULT_OPEN, THINK,
-                          USER, render_deepseek_v4, render_tools)
+from rl.chat_dsv4 import (ASSISTANT, CALLS_CLOSE, CALLS_START, DSML, END_THINK, EOS, RESULT_CLOSE, RESULT_OPEN,
+                          THINK, USER, render_deepseek_v4, render_tools)
 
 LOOKUP_TOOL = {"type": "function", "function": {
     "name": "lookup", "description": "Return the value stored under a key.",
-    "parameters": {"type": "object", "properties": {"key": {"type": "string", "description": "the key, e.g. k07"}},
+    "parameters": {"type": "object", "properties": {"key": {"type": "string", "description": "the key, e.g. k7"}},
                    "required": ["key"]}}}
 CALL_HEAD = f'{CALLS_START}>\n<{DSML}invoke name="lookup">\n<{DSML}parameter name="key" string="true">'
 CALL_TAIL = f"</{DSML}parameter>\n</{DSML}invoke>\n{CALLS_CLOSE}"
+CALL_WEIGHT = 0.2  # the shaped reward's weight on call_progress (module docstring)
 
 
 def split_data(data: str) -> tuple[str, str]:
@@ -64,30 +76,45 @@ def value_reward(answer: str, data: str) -> float:
     return right / len(value) * (0.5 + 0.5 * (len(got) == len(value)))
 
 
+def call_progress(first_turn: str, data: str) -> float:
+    """The share of the right call that the first model turn (special tokens kept) writes, in order: units call
+    head, each key character, call tail, EOS (module docstring); 1.0 for exactly the right call."""
+    key, _ = split_data(data)
+    units = [CALL_HEAD, *key, CALL_TAIL, EOS]
+    rest, done = first_turn, 0
+    for u in units:
+        if not rest.startswith(u):
+            break
+        rest, done = rest[len(u):], done + 1
+    return done / len(units)
+
+
 def key_lookup_env(thinking: bool = False) -> Environment:
-    """The key-lookup Environment: one `lookup` tool, `value_reward`."""
+    """The key-lookup Environment: one `lookup` tool, terse errors, the shaped reward of the module docstring."""
     return Environment(name="key_lookup", tools=(LOOKUP_TOOL,), handlers={"lookup": lookup},
-                       reward_fn=value_reward, thinking=thinking)
+                       reward_fn=value_reward, thinking=thinking, shaping_fn=call_progress,
+                       shaping_weight=CALL_WEIGHT, terse_errors=True)
 
 
 def key_lookup_tokenizer() -> PieceTokenizer:
-    """The task's PieceTokenizer: the tools section, the chat markers, the call head / tail and the result tags as
-    whole pieces; printable ASCII and newline as characters (108 ids in all); any other character of an
-    environment's text (a tool error quoting a broken call block) encodes as '?'."""
+    """The task's PieceTokenizer (26 ids): the tools section, the chat markers, the call head / tail, the result
+    tags, "key " and "error" as whole pieces; the digits, "k" and "?" as characters; any other character of an
+    environment's text encodes as '?' (the environment's errors are terse, so none is expected)."""
     pieces = ["\n\n" + render_tools([LOOKUP_TOOL]), USER, ASSISTANT, THINK, END_THINK, CALL_HEAD, CALL_TAIL,
-              RESULT_OPEN, RESULT_CLOSE]
-    return PieceTokenizer(pieces, "".join(map(chr, range(32, 127))) + "\n", unknown="?")
+              RESULT_OPEN, RESULT_CLOSE, "key ", "error"]
+    return PieceTokenizer(pieces, "0123456789k?", unknown="?")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class KeyLookupTask:
-    """Prompts of the task: key "k{i:02d}" (i < n_keys) with a random `value_digits`-digit value per prompt.
+    """Prompts of the task: key "k{i}" (i < n_keys; i zero-padded to the digits of n_keys - 1) with a random
+    `value_digits`-digit value per prompt.
 
     prompts(n, start) -> [(prompt token ids, data "KEY=VALUE")]: prompt j (global index start + j) draws its key
     and value from a generator seeded by (seed, index), so any prompt is reproducible alone.
     Raises ValueError naming the field for out-of-range knobs."""
 
-    n_keys: int = 100
+    n_keys: int = 10
     value_digits: int = 4
     seed: int = 0
     thinking: bool = False
@@ -104,7 +131,7 @@ class KeyLookupTask:
 
     def data(self, index: int) -> str:
         rng = np.random.default_rng([self.seed, index])
-        key = f"k{int(rng.integers(self.n_keys)):02d}"
+        key = f"k{int(rng.integers(self.n_keys)):0{len(str(self.n_keys - 1))}d}"
         value = "".join(str(d) for d in rng.integers(0, 10, self.value_digits))
         return f"{key}={value}"
 

@@ -14,7 +14,7 @@ from dsv4 import DSV4Config, DSV4ForCausalLM
 from rl.agent.key_lookup import KeyLookupTask, key_lookup_tokenizer
 from rl.agent.registry import ENVIRONMENTS
 from rl.batch import RolloutBatch, TrainBatch
-from rl.chat_dsv4 import RESULT_CLOSE, RESULT_OPEN, tool_result_turn
+from rl.chat_dsv4 import CALLS_START, RESULT_CLOSE, RESULT_OPEN, tool_result_turn
 from rl.config import ENVS, RunConfig
 from rl.rollout.engine import Sampler, SamplingParams
 from rl.rollout.multiturn import MultiTurn
@@ -51,7 +51,7 @@ class ScriptedEngine:
         lengths, reasons = [], []
         for j, ctx in enumerate(prompts):
             text = TOK.decode_with_specials(ctx)
-            key = text.split("<｜User｜>key ")[1][:3]
+            key = text.split("<｜User｜>key ")[1].split("<")[0]
             new = TOK.encode(self._turn(text, int(sample_index[j]), key))[:max_new_tokens_per_row[j]]
             out["tokens"][j, :len(new)], out["logprobs"][j, :len(new)] = new, LP
             out["prompt_tokens"][j, p - len(ctx):] = ctx
@@ -73,15 +73,15 @@ def test_two_turn_key_lookup_masks_and_metrics():
                          multiturn=MultiTurn(env="key_lookup", data=(data,) * 4, max_turns=2))
     res = service.collect(service.submit(req))
     rb = res.rb
-    call, env_turn, answer = (TOK.encode(CALL.format(data[:3])), TOK.encode(tool_result_turn([value])),
+    call, env_turn, answer = (TOK.encode(CALL.format(data.split("=")[0])), TOK.encode(tool_result_turn([value])),
                               TOK.encode(value + "<｜end▁of▁sentence｜>"))
-    assert len(call) == 6 and len(env_turn) == 9 and len(answer) == 5
+    assert len(call) == 5 and len(env_turn) == 9 and len(answer) == 5
     # row 0: call (model) | tool result (environment) | answer (model)
     assert rb.response_lists()[0] == call + env_turn + answer
-    assert rb.loss_mask[0, :20].tolist() == [1] * 6 + [0] * 9 + [1] * 5 and rb.loss_mask[0, 20:].sum() == 0
-    assert np.all(rb.logprobs[0, :20] == np.array([LP] * 6 + [0.0] * 9 + [LP] * 5, np.float32))
+    assert rb.loss_mask[0, :19].tolist() == [1] * 5 + [0] * 9 + [1] * 5 and rb.loss_mask[0, 19:].sum() == 0
+    assert np.all(rb.logprobs[0, :19] == np.array([LP] * 5 + [0.0] * 9 + [LP] * 5, np.float32))
     # row 1: a wrong key is a tool error the model reads, then it answers; row 2 answers at once
-    err = TOK.encode(tool_result_turn(["error: no such key 'k99'"]))
+    err = TOK.encode(tool_result_turn(["error"]))  # key_lookup's terse errors
     assert rb.response_lists()[1] == TOK.encode(CALL.format("k99")) + err + TOK.encode("0<｜end▁of▁sentence｜>")
     assert rb.response_lists()[2] == TOK.encode("0<｜end▁of▁sentence｜>") and rb.loss_mask[2, :2].all()
     # row 3 called in both turns: cut by the turn budget, its second call not answered
@@ -89,19 +89,19 @@ def test_two_turn_key_lookup_masks_and_metrics():
     # the learner's view: every token is context, only the model's are trained on, with their logprobs
     ids, attn, resp, rlp = rb.sequences()
     p = rb.prompt_tokens.shape[1]
-    assert attn[0, p:p + 20].all() and resp[0, p:].tolist()[:20] == rb.loss_mask[0, :20].tolist()
+    assert attn[0, p:p + 19].all() and resp[0, p:].tolist()[:19] == rb.loss_mask[0, :19].tolist()
     assert np.all(rlp[resp == 0] == 0) and np.all(rlp[resp == 1] == LP)
     assert TrainBatch.from_rollout(rb, np.zeros(4)).rows()[0]["response"].tolist() == call + answer
     # routing covers the prompt, the model's and the environment's tokens (each token routed to its own id here)
-    assert np.array_equal(rb.routing[0, p - len(prompt): p + 20, 0, 0], prompt + call + env_turn + answer)
-    assert (rb.routing[0, p + 20:] == -1).all() and rb.weight_version == 7
+    assert np.array_equal(rb.routing[0, p - len(prompt): p + 19, 0, 0], prompt + call + env_turn + answer)
+    assert (rb.routing[0, p + 19:] == -1).all() and rb.weight_version == 7
     # turn 2 re-prefilled rows 0, 1, 3 with the budget left and the token offset of their first new token
-    e1 = 6 + len(err)
-    assert engine.calls == [([0, 1, 2, 3], [48] * 4, [0] * 4), ([0, 1, 3], [33, 48 - e1, 33], [15, e1, 15])]
+    e1 = len(TOK.encode(CALL.format("k99"))) + len(err)
+    assert engine.calls == [([0, 1, 2, 3], [48] * 4, [0] * 4), ([0, 1, 3], [34, 48 - e1, 34], [14, e1, 14])]
     s = res.stats
     assert s["rollout/turns_mean"] == (2 + 2 + 1 + 2) / 4 and s["rollout/tool_calls_per_traj"] == 4 / 4
     assert s["rollout/tool_errors"] == 1 / 4 and s["rollout/turn_truncated_frac"] == 1 / 4
-    assert s["rollout/env_token_frac"] == (9 + len(err) + 9) / (20 + e1 + 2 + 2 + 21) and s["rollout/tool_s"] >= 0
+    assert s["rollout/env_token_frac"] == (9 + len(err) + 9) / (19 + e1 + 2 + 2 + 19) and s["rollout/tool_s"] >= 0
 
 
 def test_token_budget_cuts_the_environment_turn_and_refusals():
@@ -109,9 +109,9 @@ def test_token_budget_cuts_the_environment_turn_and_refusals():
     mt = MultiTurn(env="key_lookup", data=(data,))
     rb, stats = run_request(ScriptedEngine(), RolloutRequest(prompts=[prompt], params=SamplingParams(max_new_tokens=10),
                                                              seed=0, sample_index=[0], multiturn=mt), TOK).rb, None
-    assert rb.lengths[0] == 10 and rb.loss_mask[0].tolist() == [1] * 6 + [0] * 4 and rb.finish_reasons == ["length"]
+    assert rb.lengths[0] == 10 and rb.loss_mask[0].tolist() == [1] * 5 + [0] * 5 and rb.finish_reasons == ["length"]
     req = RolloutRequest(prompts=[prompt], params=SamplingParams(max_new_tokens=60), seed=0, multiturn=mt)
-    with pytest.raises(ValueError, match="--max-prompt-len 64 < longest prompt 12 \\+ --max-new-tokens 60"):
+    with pytest.raises(ValueError, match="--max-prompt-len 64 < longest prompt 8 \\+ --max-new-tokens 60"):
         run_request(ScriptedEngine(), req, TOK)
     with pytest.raises(ValueError, match="without the run's tokenizer"):
         run_request(ScriptedEngine(), req)
@@ -174,7 +174,11 @@ def test_two_turn_key_lookup_through_the_compiled_engine():
     n = off + len(turn2)
     assert rb.response_lists()[0] == turn1 + env_ids + turn2 and rb.lengths[0] == n
     assert rb.loss_mask[0, :n].tolist() == [1] * len(turn1) + [0] * len(env_ids) + [1] * len(turn2)
-    assert res.stats["rollout/tool_calls_per_traj"] == 1 and res.stats["rollout/tool_errors"] == 0
+    # turn 2 is the random model's own: in the task's small vocabulary it may write the call head (a broken call,
+    # answered by nothing: the turn budget is spent, but counted)
+    called2 = int(turn2[-1] == tok.eos_id and CALLS_START in TOK.decode_with_specials(turn2))
+    assert res.stats["rollout/tool_calls_per_traj"] == 1 + called2
+    assert res.stats["rollout/tool_errors"] == called2 / (1 + called2)
     assert rb.final_turns()[0] == turn2
     # the learner's view against a full forward of the joined sequence
     ids, attn, resp, rlp = rb.sequences()
