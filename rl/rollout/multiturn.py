@@ -100,7 +100,10 @@ def generate_multiturn(sampler, tokenizer, prompts: Sequence[Sequence[int]], par
     turn_cut = np.zeros(n, bool)
     reason = ["length"] * n
     active, first = list(range(n)), None
-    with ThreadPoolExecutor(max_workers=mt.workers, thread_name_prefix="tools") as pool:
+    # not `with`: its exit waits for every task, so a tool that never returns would hold the rollout past its
+    # timeout; a late task is abandoned instead (its thread ends when the tool does)
+    pool = ThreadPoolExecutor(max_workers=mt.workers, thread_name_prefix="tools")
+    try:
         for turn in range(mt.max_turns):
             if not active:
                 break
@@ -143,6 +146,8 @@ def generate_multiturn(sampler, tokenizer, prompts: Sequence[Sequence[int]], par
                 lps[i] += [0.0] * min(room, len(env_ids))
                 if len(env_ids) < room:
                     active.append(i)
+    finally:
+        pool.shutdown(wait=False, cancel_futures=True)
     return _batch(first, prompts, budget, hist, mask, lps, routes, reason, sampler), {
         "rollout/turns_mean": float(turns.mean()), "rollout/tool_calls_per_traj": calls / n,
         "rollout/tool_errors": errors / max(calls, 1), "rollout/tool_s": tool_s,
