@@ -65,6 +65,8 @@ def return_dtype(dtype, partial: bool):
 
 
 def exclusive_cumsum(x: jax.Array, axis: int = -1) -> jax.Array:
+    """The sum of the entries before each one along `axis` (0 first): same shape and dtype as `x` (int counts ->
+    each group's start offset)."""
     return jnp.cumsum(x, axis=axis) - x
 
 
