@@ -135,6 +135,13 @@ def step(env: Environment, completion: str, data: str = "") -> StepResult:
                       tool_s=time.perf_counter() - t0)
 
 
+def timed_out(env: Environment, seconds: float) -> StepResult:
+    """The step of a model turn whose tools did not answer within `seconds` (the rollout stopped waiting): one
+    tool error the model reads, as the environment writes errors (terse or not), counted as a call and an error."""
+    message = {"role": "tool", "tool_call_id": "call_0", "content": error_result(f"tool timed out after {seconds:g} s")}
+    return StepResult(messages=(_terse(env, message),), done=False, calls=1, errors=1, tool_s=seconds)
+
+
 def _terse(env: Environment, message: dict) -> dict:
     """A tool message as the environment writes it: with `terse_errors`, an error result is just "error"."""
     if env.terse_errors and message["content"].startswith("error: "):

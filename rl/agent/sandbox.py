@@ -4,7 +4,8 @@
 `SandboxResult` (output, error); nothing it does raises into the caller. `python_tool(limits)` is the same as an
 environment tool handler (rl/agent/env.py): the output, or a ToolError the model reads as "error: ...".
 
-What each limit protects against (`SandboxLimits`; rlimits are set in the child before it runs Python):
+What each limit protects against (`SandboxLimits`; the rlimits are set by rl/agent/sandbox_exec.py, a fresh
+interpreter that then execs the model's Python: no Python runs between fork and exec in the run's process):
 - `cpu_s` (RLIMIT_CPU): busy loops; the kernel sends SIGXCPU at the limit (SIGKILL one second later);
 - `memory_bytes` (RLIMIT_AS): allocation bombs (`[0] * 10**10`) and runaway recursion; a MemoryError at the limit;
 - `file_bytes` (RLIMIT_FSIZE): filling the disk (writing 1 GB); SIGXFSZ at the limit. It also caps the output
@@ -27,12 +28,9 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import ctypes
 import logging
 import os
-import platform
-import struct
-import resource
+import pathlib
 import shutil
 import signal
 import subprocess
@@ -105,34 +103,20 @@ def _user_tasks() -> int:
     return n
 
 
-def _command(mode: str, scratch: str) -> list[str]:
-    py = [sys.executable, "-I", "main.py"]
+SANDBOX_EXEC = pathlib.Path(__file__).with_name("sandbox_exec.py")
+
+
+def _command(mode: str, scratch: str, limits: SandboxLimits, nproc: int, no_fork: bool) -> list[str]:
+    """The child's argv: the namespace wrapper of `mode`, then rl/agent/sandbox_exec.py (sets the limits in a fresh
+    interpreter, then execs), then `python -I main.py`."""
+    py = [sys.executable, "-I", "-S", str(SANDBOX_EXEC), str(limits.cpu_s), str(limits.memory_bytes),
+          str(limits.file_bytes), str(nproc), str(int(no_fork)), "--", sys.executable, "-I", "main.py"]
     if mode == "bwrap":
         return ["bwrap", "--ro-bind", "/", "/", "--dev", "/dev", "--proc", "/proc", "--bind", scratch, scratch,
                 "--unshare-net", "--unshare-pid", "--die-with-parent", "--chdir", scratch, *py]
     if mode == "unshare":
         return ["unshare", "--net", "--map-root-user", *py]
     return py
-
-
-# seccomp-bpf (linux/filter.h, linux/seccomp.h): x86_64 fork (57), vfork (58), clone (56) without CLONE_THREAD ->
-# EAGAIN; clone3 (435) -> ENOSYS (glibc then falls back to clone); everything else, and other architectures, allowed.
-_AUDIT_ARCH_X86_64, _CLONE_THREAD, _ALLOW, _ERRNO = 0xC000003E, 0x10000, 0x7FFF0000, 0x00050000
-_NO_FORK = [(0x20, 0, 0, 4), (0x15, 0, 8, _AUDIT_ARCH_X86_64), (0x20, 0, 0, 0), (0x15, 7, 0, 57), (0x15, 6, 0, 58),
-            (0x15, 6, 0, 435), (0x15, 0, 3, 56), (0x20, 0, 0, 16), (0x45, 1, 0, _CLONE_THREAD),
-            (0x06, 0, 0, _ERRNO | 11), (0x06, 0, 0, _ALLOW), (0x06, 0, 0, _ERRNO | 11), (0x06, 0, 0, _ERRNO | 38)]
-
-
-def _forbid_new_processes() -> None:
-    """Install the no-fork seccomp filter in this process (the child, before exec); no-op off x86_64 Linux."""
-    if platform.machine() != "x86_64":
-        return
-    libc = ctypes.CDLL(None, use_errno=True)
-    prog = b"".join(struct.pack("HBBI", *ins) for ins in _NO_FORK)
-    buf = ctypes.create_string_buffer(prog)
-    fprog = struct.pack("HxxxxxxQ", len(_NO_FORK), ctypes.addressof(buf))
-    if libc.prctl(38, 1, 0, 0, 0) or libc.prctl(22, 2, ctypes.c_char_p(fprog), 0, 0):  # NO_NEW_PRIVS, SECCOMP
-        raise OSError(ctypes.get_errno(), "seccomp filter refused")
 
 
 _SIGNALS = {signal.SIGXCPU: "CPU time limit", signal.SIGXFSZ: "file size limit", signal.SIGKILL: "killed",
@@ -143,16 +127,6 @@ def run_python(code: str, limits: SandboxLimits = SandboxLimits()) -> SandboxRes
     """Run `code` in the sandbox (module docstring) -> SandboxResult. Never raises for anything `code` does."""
     t0 = time.perf_counter()
     nproc = _user_tasks() + limits.processes
-    root = os.getuid() == 0
-
-    def set_limits():  # in the child, between fork and exec
-        for what, value in ((resource.RLIMIT_CPU, limits.cpu_s), (resource.RLIMIT_AS, limits.memory_bytes),
-                            (resource.RLIMIT_FSIZE, limits.file_bytes), (resource.RLIMIT_NPROC, nproc),
-                            (resource.RLIMIT_CORE, 0)):
-            resource.setrlimit(what, (value, value + (what == resource.RLIMIT_CPU)))  # SIGXCPU, then SIGKILL
-        if root:
-            _forbid_new_processes()
-
     with tempfile.TemporaryDirectory(prefix="dsv4rl-sandbox-") as scratch, \
             tempfile.TemporaryFile(prefix="dsv4rl-sandbox-out-") as out:
         with open(os.path.join(scratch, "main.py"), "w", encoding="utf-8") as f:
@@ -160,9 +134,9 @@ def run_python(code: str, limits: SandboxLimits = SandboxLimits()) -> SandboxRes
         env = {"PATH": "/usr/bin:/bin", "HOME": scratch, "TMPDIR": scratch, "LANG": "C.UTF-8"}
         timed_out = False
         try:
-            proc = subprocess.Popen(_command(sandbox_mode(), scratch), cwd=scratch, env=env, stdin=subprocess.DEVNULL,
-                                    stdout=out, stderr=subprocess.STDOUT, preexec_fn=set_limits,
-                                    start_new_session=True)
+            proc = subprocess.Popen(_command(sandbox_mode(), scratch, limits, nproc, no_fork=os.getuid() == 0),
+                                    cwd=scratch, env=env, stdin=subprocess.DEVNULL, stdout=out,
+                                    stderr=subprocess.STDOUT, start_new_session=True)
         except OSError as e:
             return SandboxResult("", f"sandbox could not start: {e}", time.perf_counter() - t0)
         try:

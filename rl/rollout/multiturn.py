@@ -129,9 +129,7 @@ def generate_multiturn(sampler, tokenizer, prompts: Sequence[Sequence[int]], par
                 try:
                     res = fut.result(timeout=max(0.0, t0 + mt.tool_timeout_s - time.perf_counter()))
                 except FutureTimeout:
-                    res = envlib.StepResult(messages=({"role": "tool", "content": envlib.error_result(
-                        f"tool timed out after {mt.tool_timeout_s:g} s")},), done=False, calls=1, errors=1,
-                        tool_s=mt.tool_timeout_s)
+                    res = envlib.timed_out(env, mt.tool_timeout_s)
                 calls, errors, tool_s = calls + res.calls, errors + res.errors, tool_s + res.tool_s
                 if res.done:
                     reason[i] = "stop"

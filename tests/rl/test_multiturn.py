@@ -4,6 +4,10 @@ through the compiled tiny engine (its logprobs and routing against a full forwar
 
 from __future__ import annotations
 
+import dataclasses
+import threading
+import time
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -11,7 +15,7 @@ import pytest
 from flax import nnx
 
 from dsv4 import DSV4Config, DSV4ForCausalLM
-from rl.agent.key_lookup import KeyLookupTask, key_lookup_tokenizer
+from rl.agent.key_lookup import KeyLookupTask, key_lookup_env, key_lookup_tokenizer
 from rl.agent.registry import ENVIRONMENTS
 from rl.batch import RolloutBatch, TrainBatch
 from rl.chat_dsv4 import CALLS_START, RESULT_CLOSE, RESULT_OPEN, tool_result_turn
@@ -192,3 +196,26 @@ def test_two_turn_key_lookup_through_the_compiled_engine():
     assert np.all(rb.logprobs[0, len(turn1):off] == 0)
     real = attn.astype(bool)
     assert np.array_equal(rb.routing[real], np.asarray(out[1])[real]) and (rb.routing[~real] == -1).all()
+
+
+def test_a_tool_that_never_returns_is_a_timed_out_tool_error(monkeypatch):
+    """A tool blocked forever: the rollout stops waiting at `tool_timeout_s`, the row reads one tool error written
+    as the environment writes errors (key_lookup's terse "error"), the turn after it runs, and the abandoned tool's
+    thread does not hold the rollout."""
+    release = threading.Event()
+    hang = dataclasses.replace(key_lookup_env(), handlers={"lookup": lambda args, data: release.wait(60) and ""})
+    monkeypatch.setitem(ENVIRONMENTS, "hang", lambda **_: hang)
+    (prompt, data), = KeyLookupTask().prompts(1)
+    req = RolloutRequest(prompts=[prompt] * 2, params=SamplingParams(max_new_tokens=48), seed=0, sample_index=[0, 2],
+                         multiturn=MultiTurn(env="hang", data=(data,) * 2, max_turns=2, tool_timeout_s=0.3))
+    t0 = time.perf_counter()
+    try:
+        res = run_request(ScriptedEngine(), req, TOK)
+    finally:
+        release.set()
+    assert time.perf_counter() - t0 < 10
+    call, err = TOK.encode(CALL.format(data.split("=")[0])), TOK.encode(tool_result_turn(["error"]))
+    # row 0 called, waited 0.3 s, read "error", then answered what it read (policy 0 copies the result); row 2 answered
+    assert res.rb.response_lists()[0] == call + err + TOK.encode("error<｜end▁of▁sentence｜>")
+    assert res.rb.response_lists()[1] == TOK.encode("0<｜end▁of▁sentence｜>")
+    assert res.stats["rollout/tool_errors"] == 1.0 and res.stats["rollout/tool_calls_per_traj"] == 1 / 2  # per call
