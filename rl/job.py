@@ -246,9 +246,6 @@ def build(cfg: RunConfig) -> Job:
     # MPMD (whole processes per role) or both roles here; bad layouts fail now. The two-job layout's actor job: every
     # process an actor (several: one prompt stream, process 0's rollout results shared over the channel)
     layout = actor_job_layout() if two_jobs else role_layout(plan)
-    if cfg.rollout.env is not None and layout.split_roles:  # the rollout processes have no tokenizer nor environment
-        raise ValueError(f"--rollout.env {cfg.rollout.env}: multi-turn rollouts run with both roles in one process "
-                         f"for now; MPMD (--mesh with a rollout on processes of its own) does not carry them")
     # MPMD: heartbeats from now on (builds and compiles are long); the results channel keeps a few steps' values
     channel = HostChannel(layout, timeout_s=cfg.rollout.push_timeout, keep=channel_window(cfg)) \
         if layout.split_roles else None
@@ -324,7 +321,7 @@ def build(cfg: RunConfig) -> Job:
             rollout = ProcessRollout(layout, channel, pusher, learner.params_for_push)
         else:
             server = RolloutServer(sampler, layout, channel, pusher, init=init, config=shapes_cfg,
-                                   progress=cfg.log.progress)
+                                   progress=cfg.log.progress, tokenizer=tok)
         log.info("MPMD: process %d runs the %s (actor processes %s, rollout processes %s)", layout.process,
                  layout.role, list(layout.actor_processes), list(layout.rollout_processes))
     if rollout is not None and cfg.rollout.exact:  # training batches drawn from the learner's forward

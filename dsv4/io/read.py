@@ -151,9 +151,15 @@ _JITS: dict = {}
 
 
 def _jit(key, fn, out_shardings):
+    """`jax.jit(fn, out_shardings=...)`, cached per (key, sharding), whose call waits for its result: the loader
+    runs one program at a time. Its reshards and dequantisations move shards between devices (all-to-all); left
+    in flight, many of them at once deadlocked XLA:CPU's in-process collectives (a rendezvous short of
+    participants, aborted after 40 s: tests/dsv4/test_load_sharded.py under a loaded machine, 2026-12-03..05) and
+    hung gloo's across processes. Loading is bound by reading the files, so the wait costs nothing measurable."""
     k = (key, out_shardings)
     if k not in _JITS:
-        _JITS[k] = jax.jit(fn, out_shardings=out_shardings)
+        f = jax.jit(fn, out_shardings=out_shardings)
+        _JITS[k] = lambda *args: jax.block_until_ready(f(*args))
     return _JITS[k]
 
 

@@ -102,13 +102,16 @@ class RolloutServer:
     Args:
       sampler: the rollout Sampler (its weights arrive by push or from --init). layout, channel, pusher: as
         `ProcessRollout`. init: --init's checkpoint directory (for "load_init"), config: the model config,
-        progress: show load progress.
+        progress: show load progress. tokenizer: the run's tokenizer, for multi-turn requests (--rollout.env):
+        every rollout process runs the turns (rl/rollout/multiturn.py) and the environment's tools itself, so the
+        next turn's prefill is the same program on all of them; an environment whose tools can answer
+        differently on two processes (a wall-clock timeout) needs one rollout process.
     """
 
     def __init__(self, sampler, layout, channel, pusher, *, init: str | None = None, config=None,
-                 progress: bool | None = None):
+                 progress: bool | None = None, tokenizer=None):
         self.sampler, self.layout, self.channel, self.pusher = sampler, layout, channel, pusher
-        self.init, self.config, self.progress = init, config, progress
+        self.init, self.config, self.progress, self.tokenizer = init, config, progress, tokenizer
         self.generate_calls = 0
         self.publisher = self.layout.process == min(self.layout.rollout_processes)
 
@@ -123,7 +126,7 @@ class RolloutServer:
             if op == "generate":
                 req: RolloutRequest = cmd["request"]
                 self.generate_calls += 1
-                res = run_request(self.sampler, req)
+                res = run_request(self.sampler, req, self.tokenizer)
                 if self.publisher:
                     self.channel.publish(f"result/{req.tag}", {"result": res, "counters": self.counters()})
             elif op == "push":

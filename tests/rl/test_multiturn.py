@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 import threading
 import time
+import types
 
 import jax
 import jax.numpy as jnp
@@ -21,6 +22,7 @@ from rl.batch import RolloutBatch, TrainBatch
 from rl.chat_dsv4 import CALLS_START, RESULT_CLOSE, RESULT_OPEN, tool_result_turn
 from rl.config import ENVS, RunConfig
 from rl.rollout.engine import Sampler, SamplingParams
+from rl.rollout.mpmd import RolloutServer
 from rl.rollout.multiturn import MultiTurn
 from rl.rollout.service import LocalRollout, RolloutRequest, run_request
 
@@ -219,3 +221,34 @@ def test_a_tool_that_never_returns_is_a_timed_out_tool_error(monkeypatch):
     assert res.rb.response_lists()[0] == call + err + TOK.encode("error<｜end▁of▁sentence｜>")
     assert res.rb.response_lists()[1] == TOK.encode("0<｜end▁of▁sentence｜>")
     assert res.stats["rollout/tool_errors"] == 1.0 and res.stats["rollout/tool_calls_per_traj"] == 1 / 2  # per call
+
+
+def test_mpmd_rollout_server_runs_the_turns():
+    """An MPMD rollout process (rl/rollout/mpmd.py `RolloutServer`) given the run's tokenizer serves a multi-turn
+    request as the one-process service does: the same joined rows, masks and metrics published for the actor."""
+    (prompt, data), = KeyLookupTask().prompts(1)
+    req = RolloutRequest(prompts=[prompt] * 3, params=SamplingParams(max_new_tokens=48), seed=0,
+                         sample_index=[0, 1, 2], multiturn=MultiTurn(env="key_lookup", data=(data,) * 3, max_turns=2))
+
+    class Channel:  # the host channel of one rollout process: the actor's commands in order, results kept
+        def __init__(self, cmds):
+            self.cmds, self.published = cmds, {}
+
+        def receive(self, key, role, what):
+            return self.cmds[int(key.split("/")[1])]
+
+        def publish(self, key, value):
+            self.published[key] = value
+
+    layout = types.SimpleNamespace(process=1, rollout_processes=(1,))
+    channel = Channel([{"op": "generate", "request": req}, {"op": "stop"}])
+    served = RolloutServer(ScriptedEngine(), layout, channel, pusher=None, tokenizer=TOK).serve()
+    got = channel.published[f"result/{req.tag}"]["result"]
+    ref = run_request(ScriptedEngine(), req, TOK)
+    timing = "rollout/tool_s"
+    assert served["generate"] == 1 and {k: v for k, v in got.stats.items() if k != timing} == \
+        {k: v for k, v in ref.stats.items() if k != timing} and got.stats["rollout/turns_mean"] > 1
+    for f in ("tokens", "logprobs", "loss_mask", "routing", "lengths"):
+        np.testing.assert_array_equal(getattr(got.rb, f), getattr(ref.rb, f), err_msg=f)
+    with pytest.raises(ValueError, match="without the run's tokenizer"):
+        RolloutServer(ScriptedEngine(), layout, Channel([{"op": "generate", "request": req}]), pusher=None).serve()
