@@ -5,7 +5,11 @@ builds instead of the built-in digit task's.
                   `--task-digits`, its keys `ENV_KEYS`): train = prompt indices [0, TRAIN_PROMPTS), eval = indices
                   from EVAL_START on (never a train prompt); the tokenizer is the task's `PieceTokenizer`; each
                   row's reference is its data "KEY=VALUE", which the environment's tools and reward read
-    python_math   refused for now (its prompts come from a math dataset rendered with the tools section, not wired)
+    python_math   prompts from --dataset / --eval-dataset (`--data-format` fields, `--max-prompt-len`, `--on-bad-record`
+                  as a single-turn run reads them), each rendered in DeepSeek-V4's chat format with the environment's
+                  system text and its `python` tool section (`rl.chat_dsv4.render_deepseek_v4`, chat mode), encoded
+                  with --tokenizer; the reward is `--reward` (auto: the data format's) on the final turn's answer
+                  against the row's reference
 
 Reward (`EnvReward`, the run's one `rl.rewards.RewardFn`): the environment's end-of-trajectory reward
 (`rl.agent.env.reward`) on each row's last model turn (`RolloutBatch.final_turns`, what rl/stages.py's `score`
@@ -23,8 +27,11 @@ import numpy as np
 from rl.agent import env as envlib
 from rl.agent.key_lookup import KeyLookupTask
 from rl.agent.registry import make_env
+from rl.chat_dsv4 import render_deepseek_v4
 from rl.data import PromptDataset
+from rl.data_formats import resolve_format, resolve_reward_name
 from rl.rollout.multiturn import MultiTurn
+from rl.tokenizer import load_tokenizer
 
 TRAIN_PROMPTS = 4096
 EVAL_START = 1 << 20
@@ -65,9 +72,8 @@ def load_env_data(cfg):
     references, EnvReward, None). Raises ValueError (one line, naming the flag) for an environment without built-in
     prompts or with --dataset."""
     name = cfg.rollout.env
-    if name != "key_lookup":
-        raise ValueError(f"--rollout.env {name}: the training loop builds prompts for key_lookup only (python_math "
-                         f"needs a math --dataset rendered with its tools, not wired yet)")
+    if name == "python_math":
+        return load_python_math_data(cfg)
     if cfg.data.dataset is not None or cfg.data.eval_dataset is not None:
         raise ValueError("--rollout.env key_lookup generates its own prompts; drop --dataset / --eval-dataset")
     task = key_lookup_task(cfg)
@@ -80,6 +86,37 @@ def load_env_data(cfg):
                          pad_id=tok.pad_id, source=source)
     return (tok, None, data, [p for p, _ in ev], [d for _, d in ev],
             EnvReward(make_env(name, thinking=task.thinking), tok), None)
+
+
+def load_python_math_data(cfg):
+    """`load_env_data` of `--rollout.env python_math` (module docstring). Raises ValueError naming the flag without
+    --dataset (RunConfig requires --tokenizer with one); DataError / TokenizerError for a bad file, as a single-turn
+    run."""
+    d = cfg.data
+    if d.dataset is None and d.eval_dataset is None:
+        raise ValueError("--rollout.env python_math: its prompts come from a math --dataset (gsm8k / verl / miles "
+                         "jsonl or parquet, --data-format), none given")
+    env = make_env("python_math", reward=resolve_reward_name(cfg))
+    tok = load_tokenizer(d.tokenizer)
+    prompt_field, answer_field, fmt = resolve_format(cfg)
+
+    def render(prompt, record):
+        del record
+        messages = envlib.reset(env, prompt) if isinstance(prompt, str) else \
+            [{"role": "system", "content": env.system, "tools": list(env.tools)}, *prompt]
+        return render_deepseek_v4(messages)
+
+    def read(path):
+        return PromptDataset.from_file(path, tok, on_bad_record=d.on_bad_record, prompt_field=prompt_field,
+                                       answer_field=answer_field, answer_extractor=fmt.answer_extractor,
+                                       max_prompt_len=d.max_prompt_len, add_bos=False, render=render,
+                                       on_overlong=d.on_overlong_prompt)
+
+    train = read(d.dataset or d.eval_dataset)
+    evd = read(d.eval_dataset) if d.eval_dataset and d.eval_dataset != (d.dataset or d.eval_dataset) else train
+    n = min(cfg.eval.prompts, len(evd))
+    return (tok, None, train, [evd.prompt(i) for i in range(n)], evd.references[:n], EnvReward(env, tok),
+            evd if evd is not train else None)
 
 
 def multiturn_request(cfg, data) -> MultiTurn | None:

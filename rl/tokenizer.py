@@ -142,6 +142,12 @@ class HFTokenizer:
         keep = [int(i) for i in ids if 0 <= int(i) < self._vocab_size]
         return self._tok.decode(keep, skip_special_tokens=True)
 
+    def decode_with_specials(self, ids: Sequence[int]) -> str:
+        """ids -> text with the special tokens written out (a chat format's markup, e.g. DeepSeek-V4's EOS and
+        tool-call tokens, which a multi-turn rollout parses); ids outside [0, vocab_size) are dropped."""
+        keep = [int(i) for i in ids if 0 <= int(i) < self._vocab_size]
+        return self._tok.decode(keep, skip_special_tokens=False)
+
     def format_prompt(self, prompt: str, **fields) -> str:
         """The chat template filled with `prompt` (and `fields`); the prompt itself if there is none."""
         return apply_template(self.chat_template, prompt, fields)

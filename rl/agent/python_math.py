@@ -4,8 +4,8 @@ Tools: `python(code)` -> the code's stdout + stderr (at most `SandboxLimits.outp
 fails, runs too long or prints too much. The reward is the math reward named by `reward` (`rl.math_rewards.make_reward`:
 "math" = last \\boxed{}, "gsm8k", "dapo", "aime") on the final answer, i.e. the content of the last assistant turn,
 against the row's data (the dataset's reference answer), exactly as a single-turn run scores its responses.
-`rl.agent.env.reward` calls it in this process; a run scores trajectories through the time-limited reward pool
-(`rl.rewards.compute_rewards`) with the same function (`EnvReward`, rl/rollout/multiturn.py).
+`rl.agent.env.reward` calls it in this process (a run: `rl.env_task.EnvReward`, whose prompts
+`rl.env_task.load_python_math_data` reads from --dataset).
 """
 
 from __future__ import annotations
