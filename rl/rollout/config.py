@@ -78,9 +78,9 @@ class RolloutConfig:
                                    "evaluation still stops at eos (vLLM's SamplingParams.ignore_eos)")
     env: str | None = knob(None, "multi-turn agentic rollout (rl/rollout/multiturn.py): the environment whose tools "
                                  "the model calls in DeepSeek-V4's format: key_lookup | python_math "
-                                 "(rl/agent/registry.py); none = one response per prompt. The loop runs "
-                                 "key_lookup (its prompts generated from --seed, rl/env_task.py) with both roles "
-                                 "in one process")
+                                 "(rl/agent/registry.py); none = one response per prompt. key_lookup generates its "
+                                 "prompts from --seed, python_math reads a math --dataset (rl/env_task.py); one "
+                                 "process or MPMD")
     max_turns: int = knob(4, "with --rollout.env: model turns per trajectory (a call pending after the last one "
                              "ends it as truncated); --max-new-tokens bounds all its response-side tokens")
     tool_timeout_s: float = knob(30.0, "with --rollout.env: seconds a row's tool calls of one turn may take before "
