@@ -9,14 +9,18 @@ Counted, per device, per run of the program:
   loop's body counts `known_trip_count` times (scanned layers), a conditional its costliest branch. Elementwise
   flops are left out (the roofline is dot-bound).
 - bytes: what each kernel (top-level instruction: a fusion, a gemm, a copy, a collective's buffer) reads and writes
-  in HBM: its operands + its result, except that a fusion reading a parameter only through `dynamic-slice` counts
-  the slice, and a fusion rooted in `dynamic-update-slice` counts the update (in place) - the scan's per-layer
-  reads and writes of stacked weights and saved inputs. An estimate: caches and re-reads are not modelled.
+  in HBM: its operands + its result (a gemm's: not its s8 workspace), except that a fusion reading a parameter only
+  through `dynamic-slice` counts the slice, and a fusion rooted in `dynamic-update-slice` counts the update (in
+  place) - the scan's per-layer reads and writes of stacked weights and saved inputs. An estimate: caches and
+  re-reads are not modelled.
 - collective bytes: per kind, the bytes a device sends: all-gather (g-1)/g x result, reduce-scatter (g-1)/g x
   operand, all-reduce 2 (g-1)/g x operand (ring), all-to-all (g-1)/g x operand, collective-permute the operand; g =
   the replica group size. Split into groups inside one node of `gpus_per_node` devices (`intra`) and groups that
   span nodes (`inter`), by the group's device ids (the program's logical ids; a role's devices start on a node).
 - fp8 dots: dots / gemms with an 8-bit float operand (whether FP8 weights reach an FP8 GEMM) vs all dots.
+- kernels: each top-level kernel's bytes and flops summed over its runs (a loop body's kernels run trip-count
+  times), with what it is (op, the ops fused in it, the JAX op it came from): `HloStats.top_kernels` lists the
+  costliest; collectives also by replica group, which `collectives_by_axis` names with the mesh's axes.
 Tests: tests/launch/test_gpu_aot.py.
 """
 
@@ -37,6 +41,10 @@ _INSTR = re.compile(r"^\s*(?:ROOT )?%([\w.\-]+) = ")
 _NAME = re.compile(r"%([\w.\-]+)")
 _COLLECTIVES = ("all-gather", "reduce-scatter", "all-reduce", "all-to-all", "ragged-all-to-all",
                 "collective-permute")
+_DULL = {"broadcast", "reshape", "slice", "concatenate", "pad", "iota", "compare", "select", "add", "multiply",
+         "subtract", "maximum", "minimum", "and", "or", "not", "negate", "divide", "copy"}
+_TELLING = {"dot": 0, "convolution": 0, "scatter": 1, "gather": 1, "sort": 1, "reduce": 2, "reduce-window": 2,
+            "dynamic-update-slice": 3, "dynamic-slice": 3, "convert": 4, "transpose": 5, "exponential": 6}
 _FREE = {"bitcast", "get-tuple-element", "tuple", "parameter", "constant", "after-all", "partition-id",
          "replica-id", "iota", "opt-barrier"}
 
@@ -124,8 +132,20 @@ def parse_hlo(text: str) -> tuple[dict[str, list[_Instr]], dict[str, dict[str, s
 
 
 @dataclasses.dataclass
+class Kernel:
+    """One top-level kernel, per program run: `what` it is (op, fused ops, the JAX op it came from), `runs` (a loop
+    body's kernel runs trip-count times), HBM `bytes` and dot `flops` summed over those runs."""
+
+    what: str
+    runs: float = 0.0
+    bytes: float = 0.0
+    flops: float = 0.0
+
+
+@dataclasses.dataclass
 class HloStats:
-    """Per device, per program run (module docstring). `collectives`: {kind: bytes sent}."""
+    """Per device, per program run (module docstring). `collectives`: {kind: bytes sent}; `kernels`: {instruction
+    name: Kernel}; `groups`: {(kind, the first replica group's device ids): bytes sent}."""
 
     flops: float = 0.0
     bytes: float = 0.0
@@ -135,6 +155,8 @@ class HloStats:
     dots: int = 0
     fp8_dots: int = 0
     loops: list = dataclasses.field(default_factory=list)  # (body stats, trip count or None) of outermost loops
+    kernels: dict = dataclasses.field(default_factory=dict)
+    groups: dict = dataclasses.field(default_factory=dict)
 
     @property
     def decode_step(self) -> "HloStats | None":
@@ -168,6 +190,18 @@ class HloStats:
             self.loops += other.loops
         for k, v in other.collectives.items():
             self.collectives[k] = self.collectives.get(k, 0.0) + times * v
+        for k, v in other.groups.items():
+            self.groups[k] = self.groups.get(k, 0.0) + times * v
+        for name, k in other.kernels.items():
+            mine = self.kernels.setdefault(name, Kernel(k.what))
+            mine.runs += times * k.runs
+            mine.bytes += times * k.bytes
+            mine.flops += times * k.flops
+
+    def top_kernels(self, by: str = "bytes", n: int = 10) -> list[tuple[str, Kernel]]:
+        """The `n` kernels with the most `by` ("bytes" or "flops") over their runs, costliest first."""
+        ks = [(name, k) for name, k in self.kernels.items() if k.runs > 0.5 and getattr(k, by) > 0]
+        return sorted(ks, key=lambda nk: -getattr(nk[1], by))[:n]
 
     @property
     def collective_bytes(self) -> float:
@@ -235,6 +269,7 @@ class _Counter:
 
     def instr(self, ins: _Instr, sh: dict[str, str], st: HloStats, top: bool) -> None:
         op, called = ins.op, re.findall(r"(?:calls|to_apply|body|branch_computations)=\{?%?([\w.\-]+)", ins.attrs)
+        flops0 = st.flops
         operand_shapes = [sh.get(o, "") for o in ins.operands]
         if op == "dot":
             m = re.search(r"lhs_contracting_dims=\{([0-9,]*)\}", ins.attrs)
@@ -277,7 +312,25 @@ class _Counter:
             self.collective(ins, base, operand_shapes, st)
         if not top or op in _FREE or op.endswith("-done") or op in ("while", "call", "conditional"):
             return
-        st.bytes += self.kernel_bytes(ins, operand_shapes, called)
+        b = self.kernel_bytes(ins, operand_shapes, called)
+        st.bytes += b
+        flops = self.comp(called[0], top=False).flops if op == "fusion" and called else \
+            (st.flops - flops0 if op in ("dot", "custom-call") else 0.0)
+        st.kernels[ins.name] = Kernel(self.describe(ins, called), 1.0, b, flops)
+
+    def describe(self, ins: _Instr, called: list[str]) -> str:
+        """What a kernel is: its op (a fusion: the ops fused in it, most telling first), output, JAX op name."""
+        what = ins.op
+        if ins.op == "custom-call":
+            m = re.search(r'custom_call_target="([^"]+)"', ins.attrs)
+            what = m.group(1) if m else what
+        elif ins.op == "fusion" and called:
+            ops = {i.op for i in self.comps.get(called[0], [])} - _FREE - _DULL
+            what = "fusion(" + ",".join(sorted(ops, key=lambda o: (_TELLING.get(o, 9), o))[:4]) + ")"
+        out = " ".join(f"{dt}[{d}]" for dt, d in _SHAPE.findall(ins.shape)[:2])
+        m = re.search(r'op_name="([^"]*)"', ins.attrs)
+        src = "/".join(m.group(1).split("/")[-2:])[-60:] if m else ""
+        return f"{what} -> {out}" + (f" ({src})" if src else "")
 
     def collective(self, ins: _Instr, kind: str, operand_shapes: list[str], st: HloStats) -> None:
         groups = _groups(ins.attrs)
@@ -292,6 +345,8 @@ class _Counter:
         sent = {"all-gather": frac * outb, "reduce-scatter": frac * inb, "all-reduce": 2 * frac * inb,
                 "all-to-all": frac * inb, "ragged-all-to-all": frac * inb, "collective-permute": inb}[kind]
         st.collectives[kind] = st.collectives.get(kind, 0.0) + sent
+        key = (kind, tuple(groups[0]) if groups else None)
+        st.groups[key] = st.groups.get(key, 0.0) + sent
         crosses = groups is None or any(len({d // self.per_node for d in grp}) > 1 for grp in groups)
         if crosses:
             st.inter += sent
@@ -300,6 +355,8 @@ class _Counter:
 
     def kernel_bytes(self, ins: _Instr, operand_shapes: list[str], called: list[str]) -> float:
         out = shape_bytes(ins.shape)
+        if ins.op == "custom-call" and _is_gemm(ins.attrs) and ins.shape.startswith("("):
+            out = shape_bytes(" ".join(f"{dt}[{d}]" for dt, d in _SHAPE.findall(ins.shape)[:-1]))  # not its workspace
         ins_bytes = [shape_bytes(s) for s in operand_shapes]
         if ins.op == "fusion" and called:
             body = self.comps.get(called[0], [])
@@ -340,3 +397,18 @@ def backend_config(attrs: str) -> dict:
         return json.loads(m.group(1)) if m else {}
     except json.JSONDecodeError:
         return {}
+
+
+def collectives_by_axis(st: HloStats, axes: dict[str, int]) -> dict[tuple[str, str], float]:
+    """{(kind, mesh axes): bytes sent} of `st`'s collectives on a mesh of `axes` ({name: size}, in the mesh's
+    order): a replica group's device ids are positions in the mesh's device order, so the axes whose coordinate
+    varies inside the group are the axes it runs over ("?": no replica groups, or ids beyond the mesh)."""
+    names, sizes = list(axes), list(axes.values())
+    out: dict[tuple[str, str], float] = {}
+    for (kind, group), sent in st.groups.items():
+        label = "?"
+        if group and max(group) < math.prod(sizes):
+            coords = np.array(np.unravel_index(np.array(group), sizes))  # [axes, group]
+            label = ",".join(n for n, c in zip(names, coords) if len(set(c.tolist())) > 1) or "none"
+        out[(kind, label)] = out.get((kind, label), 0.0) + sent
+    return out

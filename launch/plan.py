@@ -424,12 +424,14 @@ def _rooflines(config, report, seq: int, target: gt.Target, label: str, xla, rx,
     if xla is not None:
         n_actor = mesh_lib.parse_mesh_spec(report.mesh_spec).size("actor")
         model = train_flops_per_token(config, seq)["total"] * xla.rows * seq / n_actor
-        lines, fig = actor_summary(xla.hlo, target, model_flops=model, label=label)
+        lines, fig = actor_summary(xla.hlo, target, model_flops=model, label=label,
+                                   axes=mesh_lib.parse_mesh_spec(report.mesh_spec).axes("actor"))
         say("\n".join(lines))
         step_s, ratio = fig["step_s"], fig["remat_flops_ratio"]
     if rx is not None:
         lines, fig = rollout_summary(rx.hlo, rx.hlo.decode_step, target, seqs=rx.slots or rx.batch,
-                                     weight_bytes=rx.weights, label=label)
+                                     weight_bytes=rx.weights, label=label,
+                                     axes=mesh_lib.parse_mesh_spec(report.mesh_spec).axes("rollout"))
         say("\n".join(lines))
         tok_s = fig["tok_s"]
     say(f"ROOFLINE actor_step_s={step_s:.3f} remat_flops_ratio={ratio:.2f} rollout_tok_s={tok_s:.0f}")

@@ -19,7 +19,7 @@ from __future__ import annotations
 import dataclasses
 
 from launch.gpu_target import NET_BW, Target
-from launch.hlo_stats import HloStats
+from launch.hlo_stats import HloStats, collectives_by_axis
 
 GiB = 2**30
 
@@ -51,8 +51,30 @@ def _coll(st: HloStats) -> str:
     return f"{st.collective_bytes / GiB:.2f} GiB ({kinds or 'none'}; {st.inter / GiB:.2f} GiB across nodes)"
 
 
-def actor_summary(st: HloStats, target: Target, *, model_flops: float, label: str) -> tuple[list[str], dict]:
-    """Lines and {"step_s", "remat_flops_ratio"} of the actor train step's counts `st` (per device)."""
+def kernel_lines(st: HloStats, axes: dict[str, int] | None = None, n: int = 10, indent: str = "    ") -> list[str]:
+    """Where the bytes and flops of `st` go: the `n` costliest kernels by HBM bytes and by dot flops (each with its
+    runs per program run, what it is and its share), and the collectives by kind and by the mesh `axes` their
+    replica groups run over (launch/hlo_stats.py `collectives_by_axis`; without `axes`, by kind)."""
+    lines = []
+    for by, total, unit, scale in (("bytes", st.bytes, "GiB", GiB), ("flops", st.flops, "TFLOP", 1e12)):
+        top = st.top_kernels(by, n)
+        if not top or total <= 0:
+            continue
+        lines.append(f"{indent}the {len(top)} costliest kernels by {'HBM bytes' if by == 'bytes' else 'dot flops'} "
+                     f"({sum(getattr(k, by) for _, k in top) / total:.0%} of {total / scale:,.2f} {unit}):")
+        lines += [f"{indent}  {getattr(k, by) / scale:10,.3f} {unit} {getattr(k, by) / total:4.0%}  x{k.runs:<5,.0f} "
+                  f"{name}: {k.what}" for name, k in top]
+    if st.groups:
+        by_axis = collectives_by_axis(st, axes) if axes else {(kind, "?"): b for (kind, _), b in st.groups.items()}
+        parts = [f"{kind} over {ax} {b / GiB:,.3f} GiB" for (kind, ax), b in sorted(by_axis.items(), key=lambda kv: -kv[1])]
+        lines.append(f"{indent}collectives by kind and mesh axes: " + "; ".join(parts))
+    return lines
+
+
+def actor_summary(st: HloStats, target: Target, *, model_flops: float, label: str,
+                  axes: dict[str, int] | None = None) -> tuple[list[str], dict]:
+    """Lines and {"step_s", "remat_flops_ratio"} of the actor train step's counts `st` (per device), with its
+    kernel breakdown (`kernel_lines`, collectives named with the actor mesh's `axes`)."""
     r = roofline(st, target)
     ratio = st.flops / model_flops if model_flops else float("nan")
     lines = [f"  roofline of the train step on {label} (per device; counted from the optimized HLO, "
@@ -64,13 +86,14 @@ def actor_summary(st: HloStats, target: Target, *, model_flops: float, label: st
              f"{r.step_s:.3f} s ({r.bound}-bound; peaks {target.peak_flops / 1e12:.0f} TFLOP/s, "
              f"{target.hbm_bw / 1e12:.2f} TB/s HBM, {target.link_bw / 1e9:.0f} GB/s link, {NET_BW / 1e9:.0f} GB/s "
              f"NIC{'; ' + target.assumed if target.assumed else ''})"]
-    return lines, {"step_s": r.step_s, "remat_flops_ratio": ratio}
+    return lines + kernel_lines(st, axes), {"step_s": r.step_s, "remat_flops_ratio": ratio}
 
 
 def rollout_summary(st: HloStats, decode: HloStats | None, target: Target, *, seqs: int, weight_bytes: int,
-                    label: str) -> tuple[list[str], dict]:
+                    label: str, axes: dict[str, int] | None = None) -> tuple[list[str], dict]:
     """Lines and {"tok_s"} of the generate program: `decode` = one decode step's counts (None: not found),
-    `seqs` sequences in flight on the rollout mesh, `weight_bytes` the resident (quantised) weights per device."""
+    `seqs` sequences in flight on the rollout mesh, `weight_bytes` the resident (quantised) weights per device;
+    the decode step's kernel breakdown (`kernel_lines`, collectives named with the rollout mesh's `axes`)."""
     lines = [f"  roofline of the rollout on {label} (per device; optimized HLO): program {st.flops / 1e12:.2f} TFLOP, "
              f"{st.bytes / GiB:.1f} GiB HBM, collectives {_coll(st)}; dots with an FP8 operand: {st.fp8_dots} of "
              f"{st.dots} (0: the FP8 weights are dequantised to bf16 before every GEMM)"]
@@ -85,4 +108,4 @@ def rollout_summary(st: HloStats, decode: HloStats | None, target: Target, *, se
               f"    compute {r.compute_s * 1e3:.2f} ms, HBM {r.memory_s * 1e3:.2f} ms, collectives "
               f"{r.collective_s * 1e3:.2f} ms -> {r.step_s * 1e3:.2f} ms per step ({r.bound}-bound) = {tok_s:,.0f} "
               f"tokens/s on the rollout mesh"]
-    return lines, {"tok_s": tok_s}
+    return lines + kernel_lines(decode, axes), {"tok_s": tok_s}

@@ -25,6 +25,7 @@ from launch.aot import compile_actor, compile_rollout, reduced_depth
 from launch import plan as plan_mod
 from launch.compile_child import CompileFailed, child_env
 from launch.plan import main as plan_main
+from launch.roofline import kernel_lines
 from rl.config import DEFAULT_LEARNER
 from rl.rollout.config import RolloutConfig
 
@@ -94,6 +95,17 @@ def test_hlo_counts_scan_trips_fusions_slices_and_collectives():
     assert st.collectives["all-reduce"] == 2 * 7 / 8 * 16 * 32 * 2
     assert st.inter == 0 and st.intra == st.collective_bytes > 0
     assert st.dots == 1 and st.fp8_dots == 0 and st.loops == [(st.decode_step, 4)]  # the outermost loop
+    # the kernel breakdown: each kernel's bytes and flops over its 4 runs, costliest first, what it is; they sum to
+    # the program's; the collectives named by the mesh axis their groups run over
+    assert sum(k.bytes for k in st.kernels.values()) == st.bytes and sum(k.flops for k in st.kernels.values()) == st.flops
+    (name, gemm), = st.top_kernels("flops")
+    assert name == "g" and gemm.runs == 4 and gemm.flops == st.flops and gemm.what == "fusion(dot) -> f32[8,32]"
+    assert [n for n, _ in st.top_kernels("bytes", 2)] == ["ag-start", "g"] and st.kernels["s"].what.startswith(
+        "fusion(dynamic-slice)")
+    assert hlo_stats.collectives_by_axis(st, {"a": 2, "b": 8}) == {("all-gather", "b"): st.collectives["all-gather"],
+                                                                   ("all-reduce", "b"): st.collectives["all-reduce"]}
+    lines = kernel_lines(st, {"a": 2, "b": 8})
+    assert "the 1 costliest kernels by dot flops (100% of" in "\n".join(lines) and "all-gather over b" in lines[-1]
 
 
 def test_decode_step_of_the_slots_loop_leaves_out_its_refill():
@@ -140,7 +152,8 @@ ENTRY %main (p: f32[64,64]) -> f32[64,64] {
 
 
 def test_hlo_counts_cublas_gemms():
-    """A cuBLASLt gemm custom call (what XLA:GPU emits without Triton gemms) counts its dot flops."""
+    """A cuBLASLt gemm custom call (what XLA:GPU emits without Triton gemms) counts its dot flops, and its operands and
+    result as bytes (its s8 workspace is scratch)."""
     text = """ENTRY %main (a: bf16[32,8], b: bf16[24,8]) -> f32[32,24] {
   %a = bf16[32,8]{1,0} parameter(0)
   %b = bf16[24,8]{1,0} parameter(1)
@@ -150,6 +163,7 @@ def test_hlo_counts_cublas_gemms():
 """
     st = hlo_stats.count(text)
     assert st.flops == 2 * 32 * 24 * 8 and st.dots == 1
+    assert st.bytes == (32 * 8 + 24 * 8) * 2 + 32 * 24 * 4  # its operands and result, not its 4 MiB workspace
 
 
 def test_replica_group_forms():
