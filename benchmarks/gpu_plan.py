@@ -26,8 +26,9 @@ Needs the [gpu-aot] extra (the CUDA plugin). Run:
     .venv/bin/python benchmarks/gpu_plan.py --rows gpu_4l cpu_4l
     .venv/bin/python benchmarks/gpu_plan.py --context           (the issue-25 rows; ~15-20 min on 2 busy cores)
 Last line: `RESULT target=.. actor_gpu_gib=.. actor_usable_gib=.. rollout_gpu_gib=.. actor_step_s_roofline=..
-rollout_tok_s_roofline=.. remat_flops_ratio=.. fits=yes|no` (for a CPU row actor_gpu_gib / rollout_gpu_gib hold
-XLA:CPU's figures).
+rollout_tok_s_roofline=.. remat_flops_ratio=.. decode_step_ms_roofline=.. decode_step_ms_limit=..
+decode_bytes_x_weights=.. fp8_gemm_byte_share=.. expert_flops_x_routed=.. fits=yes|no` (for a CPU row
+actor_gpu_gib / rollout_gpu_gib hold XLA:CPU's figures).
 """
 
 from __future__ import annotations
@@ -69,7 +70,8 @@ CONTEXT_ROWS = {
 }
 ROWS.update(CONTEXT_ROWS)
 FIELDS = ("target", "actor_gpu_gib", "actor_usable_gib", "rollout_gpu_gib", "actor_step_s_roofline",
-          "rollout_tok_s_roofline", "remat_flops_ratio", "fits")
+          "rollout_tok_s_roofline", "remat_flops_ratio", "decode_step_ms_roofline", "decode_step_ms_limit",
+          "decode_bytes_x_weights", "fp8_gemm_byte_share", "expert_flops_x_routed", "fits")
 
 
 def _fields(line: str) -> dict[str, str]:
@@ -95,7 +97,7 @@ def run_row(name: str, extra: list[str], log_dir: pathlib.Path) -> str:
              "rollout_gpu_gib": r["rollout_xla_gib"], "actor_step_s_roofline": f.get("actor_step_s", "nan"),
              "rollout_tok_s_roofline": f.get("rollout_tok_s", "nan"),
              "remat_flops_ratio": f.get("remat_flops_ratio", "nan"), "fits": r["fits"]}
-    line = "RESULT " + " ".join(f"{k}={r[k]}" for k in FIELDS)
+    line = "RESULT " + " ".join(f"{k}={r.get(k, 'nan')}" for k in FIELDS)
     print(f"# {name} ({time.perf_counter() - t0:.0f} s): {line}", flush=True)
     return line
 

@@ -35,6 +35,9 @@ def _aq(act_q, h):
     return h if act_q is None else act_q(h)
 
 
+# The name scope of the routed-expert dispatch (its FFN dots carry it in their HLO op_name metadata): what
+# launch/hlo_stats.py counts as the routed experts' flops (`expert_flops_x_routed`).
+ROUTED_EXPERTS_SCOPE = "routed_experts"
 _RAGGED_DN = jax.lax.RaggedDotDimensionNumbers(
     dot_dimension_numbers=(([1], [2]), ([], [])), lhs_ragged_dimensions=[0], rhs_group_dimensions=[0])
 
@@ -366,7 +369,8 @@ class MoE(nnx.Module):
         uf = u.reshape(b * s, d)
         ids, w = self.route(uf, token_ids.reshape(-1), None if forced_ids is None else forced_ids.reshape(b * s, -1))
         counted = getattr(dispatch_fn, "can_drop", False)
-        fn = dispatch_fn.with_stats if counted else (dispatch_fn or routed_experts_ragged)
+        fn = jax.named_scope(ROUTED_EXPERTS_SCOPE)(dispatch_fn.with_stats if counted else
+                                                    (dispatch_fn or routed_experts_ragged))
         e = self.experts
         # The routed experts stay as placed (not `weight_of`): the EP dispatch gathers D inside its shard_map, and
         # gathering every expert for the single-device path costs more than it saves (benchmarks/README.md

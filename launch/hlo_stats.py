@@ -18,6 +18,8 @@ Counted, per device, per run of the program:
   the replica group size. Split into groups inside one node of `gpus_per_node` devices (`intra`) and groups that
   span nodes (`inter`), by the group's device ids (the program's logical ids; a role's devices start on a node).
 - fp8 dots: dots / gemms with an 8-bit float operand (whether FP8 weights reach an FP8 GEMM) vs all dots.
+- gemm operand bytes, and those of 8-bit float operands (the FP8 share of what the GEMMs read); the flops of the dots
+  of the routed experts (their op_name holds `dsv4.moe.ROUTED_EXPERTS_SCOPE`).
 - kernels: each top-level kernel's bytes and flops summed over its runs (a loop body's kernels run trip-count
   times), with what it is (op, the ops fused in it, the JAX op it came from): `HloStats.top_kernels` lists the
   costliest; collectives also by replica group, which `collectives_by_axis` names with the mesh's axes.
@@ -32,6 +34,8 @@ import math
 import re
 
 import numpy as np
+
+from dsv4.moe import ROUTED_EXPERTS_SCOPE
 
 _DTYPE_BYTES = {"pred": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "f16": 2, "bf16": 2, "s32": 4, "u32": 4, "f32": 4,
                 "s64": 8, "u64": 8, "f64": 8, "c64": 8, "c128": 16, "s4": 0.5, "u4": 0.5, "s2": 0.25, "u2": 0.25}
@@ -155,6 +159,9 @@ class HloStats:
     dots: int = 0
     fp8_dots: int = 0
     loops: list = dataclasses.field(default_factory=list)  # (body stats, trip count or None) of outermost loops
+    gemm_bytes: float = 0.0
+    fp8_gemm_bytes: float = 0.0
+    expert_flops: float = 0.0
     kernels: dict = dataclasses.field(default_factory=dict)
     groups: dict = dataclasses.field(default_factory=dict)
 
@@ -181,6 +188,9 @@ class HloStats:
 
     def add(self, other: "HloStats", times: float = 1.0, loops: bool = True) -> None:
         self.flops += times * other.flops
+        self.gemm_bytes += times * other.gemm_bytes
+        self.fp8_gemm_bytes += times * other.fp8_gemm_bytes
+        self.expert_flops += times * other.expert_flops
         self.bytes += times * other.bytes
         self.intra += times * other.intra
         self.inter += times * other.inter
@@ -273,17 +283,13 @@ class _Counter:
         operand_shapes = [sh.get(o, "") for o in ins.operands]
         if op == "dot":
             m = re.search(r"lhs_contracting_dims=\{([0-9,]*)\}", ins.attrs)
-            st.flops += _dot_flops(ins.shape, operand_shapes[0], [int(x) for x in m.group(1).split(",") if x]
-                                   if m else [])
-            st.dots += 1
-            st.fp8_dots += any(_is_fp8(s) for s in operand_shapes[:2])
+            self.gemm(ins, st, _dot_flops(ins.shape, operand_shapes[0], [int(x) for x in m.group(1).split(",") if x]
+                                          if m else []), operand_shapes)
         elif op == "custom-call" and _is_gemm(ins.attrs):
             m = re.search(r'"lhs_contracting_dimensions":\[([^\]]*)\]', ins.attrs)
             out = ins.shape[1:] if ins.shape.startswith("(") else ins.shape
             contracting = [int(x) for x in re.findall(r"\d+", m.group(1))] if m else []
-            st.flops += _dot_flops(out.split("{")[0], operand_shapes[0], contracting)
-            st.dots += 1
-            st.fp8_dots += any(_is_fp8(s) for s in operand_shapes[:2])
+            self.gemm(ins, st, _dot_flops(out.split("{")[0], operand_shapes[0], contracting), operand_shapes)
         if op == "while":
             m = re.search(r'"known_trip_count":\{"n":"(\d+)"\}', ins.attrs)
             body = re.search(r"body=%([\w.\-]+)", ins.attrs)
@@ -307,6 +313,9 @@ class _Counter:
             st.flops += inner.flops
             st.dots += inner.dots
             st.fp8_dots += inner.fp8_dots
+            st.gemm_bytes += inner.gemm_bytes
+            st.fp8_gemm_bytes += inner.fp8_gemm_bytes
+            st.expert_flops += inner.expert_flops
         base = op.removesuffix("-start")
         if top and base in _COLLECTIVES and not op.endswith("-done"):
             self.collective(ins, base, operand_shapes, st)
@@ -317,6 +326,18 @@ class _Counter:
         flops = self.comp(called[0], top=False).flops if op == "fusion" and called else \
             (st.flops - flops0 if op in ("dot", "custom-call") else 0.0)
         st.kernels[ins.name] = Kernel(self.describe(ins, called), 1.0, b, flops)
+
+    @staticmethod
+    def gemm(ins: _Instr, st: HloStats, flops: float, operand_shapes: list[str]) -> None:
+        """Count one dot / gemm: its flops, its two operands' bytes (and theirs if 8-bit floats), the routed
+        experts' flops when its op_name is in their scope."""
+        st.flops += flops
+        st.dots += 1
+        st.fp8_dots += any(_is_fp8(s) for s in operand_shapes[:2])
+        st.gemm_bytes += sum(shape_bytes(s) for s in operand_shapes[:2])
+        st.fp8_gemm_bytes += sum(shape_bytes(s) for s in operand_shapes[:2] if _is_fp8(s))
+        if re.search(r'op_name="[^"]*' + ROUTED_EXPERTS_SCOPE, ins.attrs):
+            st.expert_flops += flops
 
     def describe(self, ins: _Instr, called: list[str]) -> str:
         """What a kernel is: its op (a fusion: the ops fused in it, most telling first), output, JAX op name."""

@@ -404,21 +404,28 @@ def _compile_gpu(config, report, args, learner, seq: int, target: gt.Target) -> 
                 "FP8 projections are converted before their dots (0 FP8 dots below); on gfx942 (ROCm) they are FP8 "
                 "GEMMs (dsv4/rollout_format.py `GEMM_KEYS`; --rollout-dtype fp8 shows them on an NVIDIA target). The "
                 "routed experts are dequantised per layer on every backend (no grouped FP8 GEMM)")
-    step_s, ratio, tok_s = _rooflines(config, report, seq, target, target.label,
-                                      xla if a_xla is not None else None, rx, say=say)
+    step_s, ratio, rfig = _rooflines(config, report, seq, target, target.label,
+                                     xla if a_xla is not None else None, rx, say=say)
     fits = _verdict(report, args, a_xla, r_xla, say=say)
     gib = lambda b: float("nan") if b is None else b / GiB  # noqa: E731
     name = target.name + ("-proxy" if target.proxy else "")
     print(f"RESULT target={name} actor_gpu_gib={gib(a_xla):.2f} actor_usable_gib={a.usable / GiB:.2f} "
-          f"rollout_gpu_gib={gib(r_xla):.2f} actor_step_s_roofline={step_s:.3f} rollout_tok_s_roofline={tok_s:.0f} "
-          f"remat_flops_ratio={ratio:.2f} fits={'yes' if fits else 'no'}")
+          f"rollout_gpu_gib={gib(r_xla):.2f} actor_step_s_roofline={step_s:.3f} "
+          f"rollout_tok_s_roofline={rfig.get('tok_s', float('nan')):.0f} remat_flops_ratio={ratio:.2f} "
+          + "".join(f"{k}={rfig.get(k, float('nan')):.{d}f} " for k, d in ROLLOUT_FIELDS) + f"fits={'yes' if fits else 'no'}")
     return 1 if failed else 0
+
+
+# issue 37's decode-step figures in the RESULT line (name, decimals): launch.roofline.rollout_summary's
+ROLLOUT_FIELDS = (("decode_step_ms_roofline", 3), ("decode_step_ms_limit", 3), ("decode_bytes_x_weights", 2),
+                  ("fp8_gemm_byte_share", 3), ("expert_flops_x_routed", 2))
 
 
 def _rooflines(config, report, seq: int, target: gt.Target, label: str, xla, rx, say=print):
     """The roofline lines of the compiled actor step `xla` and rollout program `rx` (either None: not compiled)
     with `target`'s peaks (launch/roofline.py), and the machine-readable `ROOFLINE actor_step_s=..
-    remat_flops_ratio=.. rollout_tok_s=..` line (benchmarks/gpu_plan.py reads it). Returns those three."""
+    remat_flops_ratio=.. rollout_tok_s=..` line (benchmarks/gpu_plan.py reads it). Returns (actor step s, remat
+    ratio, the rollout's figures: `launch.roofline.rollout_summary`'s, {} when not compiled)."""
     step_s = ratio = tok_s = float("nan")
     config = dsv4.DSV4Config.preset(config) if isinstance(config, str) else config
     if xla is not None:
@@ -428,14 +435,20 @@ def _rooflines(config, report, seq: int, target: gt.Target, label: str, xla, rx,
                                    axes=mesh_lib.parse_mesh_spec(report.mesh_spec).axes("actor"))
         say("\n".join(lines))
         step_s, ratio = fig["step_s"], fig["remat_flops_ratio"]
+    rfig = {}
     if rx is not None:
-        lines, fig = rollout_summary(rx.hlo, rx.hlo.decode_step, target, seqs=rx.slots or rx.batch,
-                                     weight_bytes=rx.weights, label=label,
-                                     axes=mesh_lib.parse_mesh_spec(report.mesh_spec).axes("rollout"))
+        spec, seqs = mesh_lib.parse_mesh_spec(report.mesh_spec), rx.slots or rx.batch
+        per_device = seqs / spec.size("rollout")  # decode tokens per device of one step
+        routed = (6.0 * config.hidden_size * config.moe_intermediate_size * config.num_experts_per_tok
+                  * config.num_hidden_layers)  # per token: w1, w3, w2 of k experts, every layer
+        lines, rfig = rollout_summary(rx.hlo, rx.hlo.decode_step, target, seqs=seqs, weight_bytes=rx.weights,
+                                      label=label, axes=spec.axes("rollout"), kv_bytes=rx.kv,
+                                      token_flops=per_device * train_flops_per_token(config, rx.cache_len)["total"] / 3,
+                                      routed_flops=per_device * routed)
         say("\n".join(lines))
-        tok_s = fig["tok_s"]
+        tok_s = rfig["tok_s"]
     say(f"ROOFLINE actor_step_s={step_s:.3f} remat_flops_ratio={ratio:.2f} rollout_tok_s={tok_s:.0f}")
-    return step_s, ratio, tok_s
+    return step_s, ratio, rfig
 
 
 def _compile_rollout(config, report, args, gpu_target: gt.Target | None = None, backend: str = "XLA:CPU", say=print,

@@ -90,22 +90,43 @@ def actor_summary(st: HloStats, target: Target, *, model_flops: float, label: st
 
 
 def rollout_summary(st: HloStats, decode: HloStats | None, target: Target, *, seqs: int, weight_bytes: int,
-                    label: str, axes: dict[str, int] | None = None) -> tuple[list[str], dict]:
-    """Lines and {"tok_s"} of the generate program: `decode` = one decode step's counts (None: not found),
-    `seqs` sequences in flight on the rollout mesh, `weight_bytes` the resident (quantised) weights per device;
-    the decode step's kernel breakdown (`kernel_lines`, collectives named with the rollout mesh's `axes`)."""
+                    label: str, axes: dict[str, int] | None = None, kv_bytes: int = 0, token_flops: float = 0.0,
+                    routed_flops: float = 0.0) -> tuple[list[str], dict]:
+    """Lines and figures of the generate program: `decode` = one decode step's counts (None: not found), `seqs`
+    sequences in flight on the rollout mesh, `weight_bytes` the resident (quantised) weights per device; the decode
+    step's kernel breakdown (`kernel_lines`, collectives named with the rollout mesh's `axes`).
+
+    The decode step against its physical limit (issue 37): `kv_bytes` the KV caches per device (all of them read:
+    every slot full, an upper bound on the KV in use), `token_flops` the model's forward flops of one decode step
+    per device, `routed_flops` the routed experts' share of them (k of E experts per token). Figures: tok_s,
+    decode_step_ms_roofline, decode_step_ms_limit (max of (weights + KV) / HBM bandwidth and token_flops / peak),
+    decode_bytes_x_weights, fp8_gemm_byte_share (8-bit float operand bytes / all GEMM operand bytes),
+    expert_flops_x_routed (the routed experts' HLO dot flops / routed_flops)."""
+    nan = float("nan")
     lines = [f"  roofline of the rollout on {label} (per device; optimized HLO): program {st.flops / 1e12:.2f} TFLOP, "
              f"{st.bytes / GiB:.1f} GiB HBM, collectives {_coll(st)}; dots with an FP8 operand: {st.fp8_dots} of "
              f"{st.dots} (0: the FP8 weights are dequantised to bf16 before every GEMM)"]
     if decode is None:
         lines.append("    no token loop found (no while loop in the program)")
-        return lines, {"tok_s": float("nan")}
+        return lines, {"tok_s": nan, "decode_step_ms_roofline": nan, "decode_step_ms_limit": nan,
+                       "decode_bytes_x_weights": nan, "fp8_gemm_byte_share": nan, "expert_flops_x_routed": nan}
     r = roofline(decode, target)
-    tok_s = seqs / r.step_s if r.step_s > 0 else float("nan")
+    tok_s = seqs / r.step_s if r.step_s > 0 else nan
+    limit_s = max((weight_bytes + kv_bytes) / target.hbm_bw, token_flops / target.peak_flops)
+    fig = {"tok_s": tok_s, "decode_step_ms_roofline": r.step_s * 1e3, "decode_step_ms_limit": limit_s * 1e3,
+           "decode_bytes_x_weights": decode.bytes / weight_bytes if weight_bytes else nan,
+           "fp8_gemm_byte_share": decode.fp8_gemm_bytes / decode.gemm_bytes if decode.gemm_bytes else nan,
+           "expert_flops_x_routed": decode.expert_flops / routed_flops if routed_flops else nan}
     lines += [f"    one decode step ({seqs} sequences): {decode.flops / 1e9:.1f} GFLOP, {decode.bytes / GiB:.2f} GiB "
-              f"read+written ({decode.bytes / max(weight_bytes, 1):.2f}x the {weight_bytes / GiB:.2f} GiB of resident "
+              f"read+written ({fig['decode_bytes_x_weights']:.2f}x the {weight_bytes / GiB:.2f} GiB of resident "
               f"weights), collectives {decode.collective_bytes / GiB:.3f} GiB",
               f"    compute {r.compute_s * 1e3:.2f} ms, HBM {r.memory_s * 1e3:.2f} ms, collectives "
               f"{r.collective_s * 1e3:.2f} ms -> {r.step_s * 1e3:.2f} ms per step ({r.bound}-bound) = {tok_s:,.0f} "
-              f"tokens/s on the rollout mesh"]
-    return lines + kernel_lines(decode, axes), {"tok_s": tok_s}
+              f"tokens/s on the rollout mesh",
+              f"    physical limit {limit_s * 1e3:.2f} ms (weights + {kv_bytes / GiB:.2f} GiB of KV caches at "
+              f"{target.hbm_bw / 1e12:.2f} TB/s: {(weight_bytes + kv_bytes) / target.hbm_bw * 1e3:.2f} ms; "
+              f"{token_flops / 1e9:.1f} GFLOP of model flops at peak: {token_flops / target.peak_flops * 1e3:.2f} ms)"
+              f": the roofline is {r.step_s / limit_s if limit_s else nan:.1f}x it; FP8 share of GEMM operand bytes "
+              f"{fig['fp8_gemm_byte_share']:.2f}; routed-expert dot flops {decode.expert_flops / 1e9:.1f} GFLOP = "
+              f"{fig['expert_flops_x_routed']:.2f}x the routed {routed_flops / 1e9:.1f} GFLOP"]
+    return lines + kernel_lines(decode, axes), fig

@@ -152,18 +152,21 @@ ENTRY %main (p: f32[64,64]) -> f32[64,64] {
 
 
 def test_hlo_counts_cublas_gemms():
-    """A cuBLASLt gemm custom call (what XLA:GPU emits without Triton gemms) counts its dot flops, and its operands and
-    result as bytes (its s8 workspace is scratch)."""
-    text = """ENTRY %main (a: bf16[32,8], b: bf16[24,8]) -> f32[32,24] {
-  %a = bf16[32,8]{1,0} parameter(0)
+    """A cuBLASLt gemm custom call (what XLA:GPU emits without Triton gemms) counts its dot flops, its operands and
+    result as bytes (its s8 workspace is scratch), its operands' FP8 share, and its flops as the routed experts'
+    when its op_name is in their scope (`dsv4.moe.ROUTED_EXPERTS_SCOPE`)."""
+    text = """ENTRY %main (a: f8e4m3fn[32,8], b: bf16[24,8]) -> f32[32,24] {
+  %a = f8e4m3fn[32,8]{1,0} parameter(0)
   %b = bf16[24,8]{1,0} parameter(1)
-  %cc = (f32[32,24]{1,0}, s8[4194304]{0}) custom-call(%a, %b), custom_call_target="__cublas$lt$matmul", backend_config={"gemm_backend_config":{"dot_dimension_numbers":{"lhs_contracting_dimensions":["1"],"rhs_contracting_dimensions":["1"]}}}
+  %cc = (f32[32,24]{1,0}, s8[4194304]{0}) custom-call(%a, %b), custom_call_target="__cublas$lt$matmul", backend_config={"gemm_backend_config":{"dot_dimension_numbers":{"lhs_contracting_dimensions":["1"],"rhs_contracting_dimensions":["1"]}}}, metadata={op_name="jit(f)/routed_experts/shard_map/dot_general"}
   ROOT %r = f32[32,24]{1,0} get-tuple-element(%cc), index=0
 }
 """
     st = hlo_stats.count(text)
-    assert st.flops == 2 * 32 * 24 * 8 and st.dots == 1
-    assert st.bytes == (32 * 8 + 24 * 8) * 2 + 32 * 24 * 4  # its operands and result, not its 4 MiB workspace
+    assert st.flops == 2 * 32 * 24 * 8 and st.dots == 1 and st.fp8_dots == 1 and st.expert_flops == st.flops
+    assert st.bytes == 32 * 8 + 24 * 8 * 2 + 32 * 24 * 4  # its operands and result, not its 4 MiB workspace
+    assert (st.gemm_bytes, st.fp8_gemm_bytes) == (32 * 8 + 24 * 8 * 2, 32 * 8)
+    assert hlo_stats.count(text.replace("routed_experts", "attention")).expert_flops == 0
 
 
 def test_replica_group_forms():
@@ -244,6 +247,8 @@ def test_deviceless_gpu_compile_actor_and_rollout(capfd):
     assert r.argument > 0 and r.weights > 0 and r.hlo.flops > 0 and r.hlo.decode_step is not None
     # the run's rollout on a GPU: continuous batching, the dropless load-sized padded expert dispatch (no ragged_dot)
     assert r.slots == 4 and "(sized)" in r.ep_dispatch and r.ep_dispatch.endswith("dropless")
+    # the routed experts' dots carry their name scope into the optimized HLO (issue 37's expert_flops_x_routed)
+    assert 0 < r.hlo.decode_step.expert_flops < r.hlo.decode_step.flops and a.hlo.expert_flops > 0
     assert REMAT not in capfd.readouterr().err
 
 
