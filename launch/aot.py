@@ -34,6 +34,8 @@ from flax import nnx
 
 import dsv4
 from parallel.model_bytes import kv_cache_bytes
+from parallel.padded import capacity_buckets
+from parallel.routing_load import bucket_index, peak_cell_load
 from rl.rollout import slots as sl
 from rl.algo_config import LearnerConfig
 from rl.config import DEFAULT_LEARNER, DataConfig
@@ -204,6 +206,7 @@ class RolloutCompileReport:
     backend: str = "XLA:CPU"  # or "XLA:GPU <target label>"
     hlo: HloStats | None = None  # flops / bytes / collectives of the whole generate program (launch/hlo_stats.py)
     ep_dispatch: str = ""  # the sampler's routed-expert dispatch (`Sampler.dispatch_name`)
+    routing: str = ""  # the routing load the counts assume, and the sized dispatch's capacity it picks
 
     @property
     def total(self) -> int:
@@ -218,7 +221,8 @@ class RolloutCompileReport:
         out = [f"XLA memory analysis of the rollout generate program{on} (per device; {self.batch} sequences x "
                f"{self.prompt_len} prompt + {self.max_new_tokens} new tokens, cache {self.cache_len} tokens; {how}; "
                f"--rollout-dtype {self.rollout_dtype}; compiled in {self.compile_s:.0f} s)",
-               f"  routed experts: {self.ep_dispatch or 'no EP dispatch'}",
+               f"  routed experts: {self.ep_dispatch or 'no EP dispatch'}"
+               + (f"; flops and bytes counted at {self.routing}" if "sized" in self.ep_dispatch else ""),
                f"  arguments (weights + KV caches + inputs)                 {g(self.argument)}",
                f"    of which weights (resident, quantised)                 {g(self.weights)}",
                f"    of which KV caches (batch split over data x expert)    {g(self.kv)}",
@@ -238,7 +242,7 @@ class RolloutCompileReport:
 def compile_rollout(config, mesh_spec: str, *, batch: int = 1024, context: int = 32768,
                     prompt_len: int = default(DataConfig, "max_prompt_len"), rollout: RolloutConfig = RolloutConfig(),
                     kv_budget: float | None = None, devices=None, backend: str = "XLA:CPU",
-                    compiler_options: dict | None = None) -> RolloutCompileReport:
+                    compiler_options: dict | None = None, routing_load: str = "worst") -> RolloutCompileReport:
     """Lower and compile the sampler's generate program for `config` on the rollout mesh of `mesh_spec` with an
     abstract model (no weights): `batch` sequences of `prompt_len` prompt tokens and `context - prompt_len` new
     tokens (bucketed as `Sampler.generate` buckets them), bf16 compute, FP8-resident weights dequantised layer by
@@ -250,7 +254,9 @@ def compile_rollout(config, mesh_spec: str, *, batch: int = 1024, context: int =
     `rollout.speculative` "mtp" compiles the speculative program instead (rl/rollout/speculative.py). Needs
     `spec.n_devices` local devices. Raises ValueError for sizes the sampler rejects (and --rollout-slots beyond the
     budget), and XLA's errors. `devices`: abstract GPU devices instead (launch/gpu_target.py; the rollout mesh takes
-    the ones after the actor's, as on the real machines); `compiler_options` as `compile_actor`'s.
+    the ones after the actor's, as on the real machines); `compiler_options` as `compile_actor`'s. `routing_load`
+    (--routing-load): the routed experts' load the flops and bytes are counted at, for the sized dispatch (which
+    capacity its switch runs in a decode step, parallel/routing_load.py; "worst": the dropless top).
     """
     if isinstance(config, str):
         config = dsv4.DSV4Config.preset(config)
@@ -285,11 +291,21 @@ def compile_rollout(config, mesh_spec: str, *, batch: int = 1024, context: int =
         return math.prod(shape) * jnp.dtype(x.dtype).itemsize
 
     kv = sum(dev_bytes(x) for x in jax.tree.leaves(caches))
+    # the sized dispatch's decode-step capacities (as `parallel.expert.make_ep_dispatch` builds them) and the one
+    # the routing load picks
+    t_local = max(1, (shape.slots or shape.batch) // sampler.batch_shards())
+    ep = dict(zip(plan.rollout.axis_names, plan.rollout.devices.shape)).get("expert", 1)
+    buckets = capacity_buckets(t_local, config.num_experts_per_tok, config.n_routed_experts,
+                               settings.ep_capacity_factor)
+    peak = peak_cell_load(t_local, config.num_experts_per_tok, config.n_routed_experts, ep, routing_load)
+    branch = bucket_index(buckets, peak)
     weights = sum(dev_bytes(x) for x in jax.tree.leaves(sampler.abstract_weights()))
     return RolloutCompileReport(argument=ma.argument_size_in_bytes, output=ma.output_size_in_bytes,
                                 alias=ma.alias_size_in_bytes, temp=ma.temp_size_in_bytes, weights=weights, kv=kv,
                                 batch=shape.batch, prompt_len=shape.prompt, max_new_tokens=shape.new,
                                 cache_len=shape.cache_len, rollout_dtype=rollout.dtype, compile_s=dt,
                                 batch_shards=sampler.batch_shards(), slots=shape.slots,
-                                prefill_chunk=sampler.prefill_chunk, backend=backend, hlo=count(compiled.as_text()),
-                                ep_dispatch=sampler.dispatch_name)
+                                prefill_chunk=sampler.prefill_chunk, backend=backend,
+                                hlo=count(compiled.as_text(), expert_branch=(branch, len(buckets))),
+                                ep_dispatch=sampler.dispatch_name,
+                                routing=f"{routing_load} routing: capacity {buckets[branch]} of {buckets}")

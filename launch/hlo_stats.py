@@ -6,7 +6,8 @@ Counted, per device, per run of the program:
 - flops: 2 x (output elements) x (contracted elements) of every `dot` (inside fusions too: XLA:GPU's Triton gemm
   fusions hold a `dot`) and of every cuBLAS / cuBLASLt gemm custom call (`__cublas$gemm`, `__cublas$lt$matmul`:
   its `dot_dimension_numbers`); a while
-  loop's body counts `known_trip_count` times (scanned layers), a conditional its costliest branch. Elementwise
+  loop's body counts `known_trip_count` times (scanned layers), a conditional its costliest branch (the sized
+  expert dispatch's switch: the branch a routing load picks, when told: `count(expert_branch=)`). Elementwise
   flops are left out (the roofline is dot-bound).
 - bytes: what each kernel (top-level instruction: a fusion, a gemm, a copy, a collective's buffer) reads and writes
   in HBM: its operands + its result (a gemm's: not its s8 workspace), except that a fusion reading a parameter only
@@ -261,9 +262,10 @@ def _is_fp8(shape: str) -> bool:
 
 
 class _Counter:
-    def __init__(self, text: str, gpus_per_node: int):
+    def __init__(self, text: str, gpus_per_node: int, expert_branch: tuple[int, int] | None = None):
         self.comps, self.shapes, self.entry = parse_hlo(text)
         self.per_node = gpus_per_node
+        self.expert_branch = expert_branch
         self.memo: dict[str, HloStats] = {}
 
     def comp(self, name: str, top: bool) -> HloStats:
@@ -302,7 +304,11 @@ class _Counter:
         if op == "conditional":
             branches = [self.comp(c, top) for c in re.findall(r"%([\w.\-]+)", ins.attrs.split("branch_computations=")
                                                                [-1].split("}")[0])]
-            if branches:
+            pick = self.expert_branch
+            if pick is not None and len(branches) == pick[1] and re.search(
+                    r'op_name="[^"]*' + ROUTED_EXPERTS_SCOPE, ins.attrs):
+                st.add(branches[pick[0]])  # the sized dispatch's switch: the branch the routing load picks
+            elif branches:
                 st.add(max(branches, key=lambda b: b.flops + b.bytes))
             return
         if op in ("call", "async-start") and called:
@@ -405,9 +411,12 @@ class _Counter:
         return out + sum(ins_bytes)
 
 
-def count(text: str, gpus_per_node: int = 8) -> HloStats:
-    """The module docstring's counts for the optimized HLO `text` of one device's program."""
-    c = _Counter(text, gpus_per_node)
+def count(text: str, gpus_per_node: int = 8, expert_branch: tuple[int, int] | None = None) -> HloStats:
+    """The module docstring's counts for the optimized HLO `text` of one device's program. `expert_branch` (index,
+    branches): a conditional of that many branches in the routed experts' scope (the sized dispatch's switch,
+    parallel/padded.py) counts branch `index` (the load a routing model picks, parallel/routing_load.py) instead
+    of its costliest."""
+    c = _Counter(text, gpus_per_node, expert_branch)
     return c.comp(c.entry, top=True)
 
 

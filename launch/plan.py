@@ -32,6 +32,7 @@ from parallel.flops import train_flops_per_token
 from parallel.model_bytes import DTYPE_BYTES
 from parallel.plan import GPUS, GPUS_PER_NODE, GiB, plan
 from parallel.plan import __doc__ as _PLAN_DOC
+from parallel.routing_load import ROUTING_LOADS
 from rl import config_tree
 from rl.algo_config import LearnerConfig
 from rl.config import DEFAULT_LEARNER, DataConfig
@@ -142,6 +143,10 @@ def parser() -> argparse.ArgumentParser:
                    help="--compile: the sampler's --prefill-chunk (tokens per prefill chunk; 0 = whole prompt)")
     p.add_argument("--compile-only", choices=("both", "actor", "rollout"), default="both",
                    help="--compile: which programs to compile (default both)")
+    p.add_argument("--routing-load", choices=ROUTING_LOADS, default="worst",
+                   help="--compile: the routed experts' load the rollout's flops and bytes are counted at, for the "
+                        "sized dispatch (parallel/routing_load.py): worst (the dropless top capacity, default), "
+                        "uniform (random routing: the busiest cell of simulated steps), balanced (every cell at its mean)")
     p.add_argument("--num-layers", type=int, default=None,
                    help="plan/compile a reduced-depth copy of the config (first N main layers; labelled)")
     return p
@@ -463,7 +468,8 @@ def _compile_rollout(config, report, args, gpu_target: gt.Target | None = None, 
         rx = _in_child("launch.aot:compile_rollout", dict(
             config=config, mesh_spec=report.mesh_spec, batch=args.rollout_batch, context=args.rollout_context,
             prompt_len=args.rollout_prompt_len, rollout=_rollout(args), kv_budget=report.rollout.margin,
-            backend=backend, compiler_options=compiler_options), "rollout", args, report, gpu_target=gpu_target)
+            backend=backend, compiler_options=compiler_options, routing_load=args.routing_load), "rollout", args,
+            report, gpu_target=gpu_target)
     except ValueError as e:
         print(f"error (rollout compile): {e}", file=sys.stderr)
         return None

@@ -1,0 +1,53 @@
+"""parallel/routing_load.py: the busiest (rank, expert) cell a routing model gives, and the sized dispatch's
+capacity it picks; launch/hlo_stats.py counting that branch of the dispatch's switch."""
+
+from __future__ import annotations
+
+import pytest
+
+from launch import hlo_stats
+from parallel.padded import capacity_buckets
+from parallel.routing_load import bucket_index, peak_cell_load
+
+# a conditional of 3 branches in the routed experts' scope (the sized switch) and one outside it
+HLO = """HloModule m
+
+%small (p: f32[4,8]) -> f32[4,8] {
+  %p = f32[4,8]{1,0} parameter(0)
+  ROOT %d = f32[4,8]{1,0} dot(%p, %p), lhs_contracting_dims={1}, rhs_contracting_dims={1}
+}
+
+%mid (p: f32[8,8]) -> f32[8,8] {
+  %p = f32[8,8]{1,0} parameter(0)
+  ROOT %d = f32[8,8]{1,0} dot(%p, %p), lhs_contracting_dims={1}, rhs_contracting_dims={1}
+}
+
+%big (p: f32[16,8]) -> f32[16,8] {
+  %p = f32[16,8]{1,0} parameter(0)
+  ROOT %d = f32[16,8]{1,0} dot(%p, %p), lhs_contracting_dims={1}, rhs_contracting_dims={1}
+}
+
+ENTRY %main (i: s32[], x: f32[16,8]) -> f32[16,8] {
+  %i = s32[] parameter(0)
+  %x = f32[16,8]{1,0} parameter(1)
+  ROOT %c = f32[16,8]{1,0} conditional(%i, %x, %x, %x), branch_computations={%small, %mid, %big}, metadata={op_name="jit(f)/routed_experts/shard_map/switch"}
+}
+"""
+
+
+def test_peak_cell_load_and_bucket():
+    buckets = capacity_buckets(128, 6, 256)  # Flash decode: 128 tokens per rank, k = 6 of 256
+    assert buckets == (3, 6, 12, 24, 48, 96, 128)
+    picks = {r: bucket_index(buckets, peak_cell_load(128, 6, 256, 8, r)) for r in ("balanced", "uniform", "worst")}
+    assert picks == {"balanced": 0, "uniform": 2, "worst": 6}  # uniform: C = 12 (benchmarks/ep_dispatch.py: 4x)
+    assert bucket_index(buckets, 500) == 6 and bucket_index(buckets, 1) == 0
+    with pytest.raises(ValueError, match="--routing-load must be one of worst|uniform|balanced"):
+        peak_cell_load(128, 6, 256, 8, "zipf")
+
+
+def test_hlo_counts_the_branch_the_routing_picks():
+    flops = {n: 2 * (n * 8) * 8 for n in (4, 8, 16)}  # 2 x output elements x contracted
+    assert hlo_stats.count(HLO).flops == flops[16]  # conservative: the costliest branch
+    assert hlo_stats.count(HLO, expert_branch=(1, 3)).flops == flops[8]
+    assert hlo_stats.count(HLO, expert_branch=(1, 4)).flops == flops[16]  # not the sized switch's branch count
+    assert hlo_stats.count(HLO.replace("routed_experts", "attention"), expert_branch=(0, 3)).flops == flops[16]
