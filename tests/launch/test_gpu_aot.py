@@ -169,6 +169,23 @@ def test_hlo_counts_cublas_gemms():
     assert hlo_stats.count(text.replace("routed_experts", "attention")).expert_flops == 0
 
 
+def test_hlo_counts_a_gather_by_its_rows():
+    """An embedding lookup (a gather fusion) reads the rows it gathers, not the whole table."""
+    text = """%g (t: bf16[1000,64], i: s32[8,1]) -> bf16[8,64] {
+  %t = bf16[1000,64]{1,0} parameter(0)
+  %i = s32[8,1]{1,0} parameter(1)
+  ROOT %r = bf16[8,64]{1,0} gather(%t, %i), offset_dims={1}, collapsed_slice_dims={0}, start_index_map={0}, index_vector_dim=1, slice_sizes={1,64}
+}
+
+ENTRY %main (t: bf16[1000,64], i: s32[8,1]) -> bf16[8,64] {
+  %t = bf16[1000,64]{1,0} parameter(0)
+  %i = s32[8,1]{1,0} parameter(1)
+  ROOT %f = bf16[8,64]{1,0} fusion(%t, %i), kind=kLoop, calls=%g
+}
+"""
+    assert hlo_stats.count(text).bytes == 8 * 64 * 2 + 8 * 4 + 8 * 64 * 2  # rows read, indices, rows written
+
+
 def test_replica_group_forms():
     assert hlo_stats._groups("replica_groups={{0,1},{2,3}}") == [[0, 1], [2, 3]]
     assert hlo_stats._groups("replica_groups=[2,2]<=[4]") == [[0, 1], [2, 3]]
