@@ -8,9 +8,12 @@ model:
     worst      every token of a rank on the same experts: the top capacity (T_local: dropless)
     uniform    each token picks k distinct experts uniformly at random (an untrained router, or a perfectly
                load-balanced one in expectation): the busiest cell's load, the median over `trials` simulated steps
+    zipf       each token picks k distinct experts with probability ~ 1 / rank^0.6 (a skew like a trained
+               router's, as benchmarks/ep_dispatch.py draws it): the busiest cell of simulated steps
     balanced   every cell at its mean load ceil(T_local k / E) (the lower bound: the first capacity)
 A trained router is skewed (benchmarks/README.md "EP dispatch rows": Zipf 0.6 routing needs 16x the mean), so
-"uniform" is optimistic and "worst" pessimistic; the planner's default is "worst".
+"uniform" is optimistic and "worst" pessimistic; the planner's default is "worst". `drop_fraction`: the share of
+routed pairs a fixed capacity drops under a routing model (the padded backend's capacity factor).
 """
 
 from __future__ import annotations
@@ -19,7 +22,18 @@ import math
 
 import numpy as np
 
-ROUTING_LOADS = ("worst", "uniform", "balanced")
+ROUTING_LOADS = ("worst", "uniform", "zipf", "balanced")
+ZIPF_EXPONENT = 0.6
+
+
+def cell_loads(t_local: int, k: int, n_experts: int, ep: int, routing: str, rng: np.random.Generator) -> np.ndarray:
+    """[ep, n_experts] rows per (source rank, expert) of one simulated dispatch under `routing` ("uniform" or
+    "zipf"): each of ep x t_local tokens picks k distinct experts (Gumbel top-k)."""
+    logits = np.zeros(n_experts) if routing == "uniform" else -ZIPF_EXPONENT * np.log(np.arange(1, n_experts + 1))
+    picks = np.argpartition(-(logits[None, :] + rng.gumbel(size=(ep * t_local, n_experts))), k - 1, axis=1)[:, :k]
+    counts = np.zeros((ep, n_experts), np.int64)
+    np.add.at(counts, (np.repeat(np.arange(ep), t_local * k), picks.reshape(-1)), 1)
+    return counts
 
 
 def peak_cell_load(t_local: int, k: int, n_experts: int, ep: int, routing: str, trials: int = 16,
@@ -34,13 +48,27 @@ def peak_cell_load(t_local: int, k: int, n_experts: int, ep: int, routing: str, 
     if routing == "balanced":
         return max(1, math.ceil(t_local * k / n_experts))
     rng = np.random.default_rng(seed)
-    peaks = []
+    return int(np.median([cell_loads(t_local, k, n_experts, ep, routing, rng).max() for _ in range(trials)]))
+
+
+def drop_fraction(t_local: int, k: int, n_experts: int, ep: int, capacity: int, routing: str, trials: int = 16,
+                  seed: int = 0) -> float:
+    """The share of routed pairs a dispatch of `capacity` rows per (source rank, expert) drops under `routing`
+    ("uniform" | "zipf"; "balanced": 0 once capacity >= the mean; "worst": all past `capacity`), over `trials`
+    simulated dispatches (the padded backend's capacity factor f: capacity = ceil(f T_local k / E))."""
+    if routing not in ROUTING_LOADS:
+        raise ValueError(f"--routing-load must be one of {'|'.join(ROUTING_LOADS)}, got {routing!r}")
+    if routing == "worst":  # a rank's every token on the same k experts: k cells of t_local rows
+        return max(0, t_local - capacity) / t_local
+    if routing == "balanced":  # every cell at its mean
+        mean = t_local * k / n_experts
+        return max(0.0, mean - capacity) / mean
+    rng = np.random.default_rng(seed)
+    dropped = routed = 0
     for _ in range(trials):
-        picks = np.argsort(rng.random((ep * t_local, n_experts)), axis=1)[:, :k]  # k distinct experts per token
-        counts = np.zeros((ep, n_experts), np.int64)
-        np.add.at(counts, (np.repeat(np.arange(ep), t_local * k), picks.reshape(-1)), 1)
-        peaks.append(int(counts.max()))
-    return int(np.median(peaks))
+        c = cell_loads(t_local, k, n_experts, ep, routing, rng)
+        dropped, routed = dropped + int(np.maximum(c - capacity, 0).sum()), routed + int(c.sum())
+    return dropped / routed
 
 
 def bucket_index(buckets: tuple[int, ...], peak: int) -> int:

@@ -38,11 +38,13 @@ ENTRY %main (i: s32[], x: f32[16,8]) -> f32[16,8] {
 def test_peak_cell_load_and_bucket():
     buckets = capacity_buckets(128, 6, 256)  # Flash decode: 128 tokens per rank, k = 6 of 256
     assert buckets == (3, 6, 12, 24, 48, 96, 128)
-    picks = {r: bucket_index(buckets, peak_cell_load(128, 6, 256, 8, r)) for r in ("balanced", "uniform", "worst")}
-    assert picks == {"balanced": 0, "uniform": 2, "worst": 6}  # uniform: C = 12 (benchmarks/ep_dispatch.py: 4x)
+    picks = {r: bucket_index(buckets, peak_cell_load(128, 6, 256, 8, r))
+             for r in ("balanced", "uniform", "zipf", "worst")}
+    # the capacities benchmarks/ep_dispatch.py measured: uniform C = 12 (4x the routed rows), Zipf 0.6 C = 48 (16x)
+    assert picks == {"balanced": 0, "uniform": 2, "zipf": 4, "worst": 6}
     assert bucket_index(buckets, 500) == 6 and bucket_index(buckets, 1) == 0
-    with pytest.raises(ValueError, match="--routing-load must be one of worst|uniform|balanced"):
-        peak_cell_load(128, 6, 256, 8, "zipf")
+    with pytest.raises(ValueError, match="--routing-load must be one of worst|uniform|zipf|balanced"):
+        peak_cell_load(128, 6, 256, 8, "pareto")
 
 
 def test_hlo_counts_the_branch_the_routing_picks():
@@ -51,3 +53,17 @@ def test_hlo_counts_the_branch_the_routing_picks():
     assert hlo_stats.count(HLO, expert_branch=(1, 3)).flops == flops[8]
     assert hlo_stats.count(HLO, expert_branch=(1, 4)).flops == flops[16]  # not the sized switch's branch count
     assert hlo_stats.count(HLO.replace("routed_experts", "attention"), expert_branch=(0, 3)).flops == flops[16]
+
+
+def test_drop_fraction_of_a_capacity():
+    """The padded backend's capacity factor 1.25 at 2,304 tokens per rank (k 6 of 256, ep 8; the seed learner has 9,216):
+    random routing drops about 1% of the pairs, a Zipf-skewed router about a quarter (the silent drops of issue
+    38); a capacity of T_local drops nothing under any routing."""
+    from parallel.padded import padded_capacity
+    from parallel.routing_load import drop_fraction
+
+    c = padded_capacity(2304, 6, 256, 1.25)
+    uniform, zipf = (drop_fraction(2304, 6, 256, 8, c, r, trials=2) for r in ("uniform", "zipf"))
+    assert 0 < uniform < 0.05 < 0.1 < zipf < 0.5, (uniform, zipf)
+    assert drop_fraction(2304, 6, 256, 8, c, "balanced") == 0 and drop_fraction(128, 6, 256, 8, 28, "worst") == 100 / 128
+    assert all(drop_fraction(128, 6, 256, 8, 128, r, trials=2) == 0 for r in ("uniform", "zipf", "worst", "balanced"))
