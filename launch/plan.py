@@ -22,7 +22,6 @@ from collections.abc import Sequence
 import jax
 
 import dsv4
-from dsv4.cache import KV_CACHE_DTYPES
 from launch import gpu_target as gt
 from launch import run as run_cli
 from launch.aot import reduced_depth
@@ -37,7 +36,7 @@ from rl.algo_config import LearnerConfig
 from rl.config import DEFAULT_LEARNER, DataConfig
 from rl.rollout.config import RolloutConfig
 from rl.config_tree import default
-from rl.rollout.settings import EngineSettings
+from rl.rollout.settings import KV_CACHE_DTYPES, EngineSettings
 from sharding import mesh as mesh_lib
 from sharding.rules import CONTEXT
 
@@ -230,7 +229,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                       train_seq_len=seq if args.compile else args.train_seq_len,
                       rollout_experts=args.rollout_experts, fp8_scale_bytes=args.fp8_scale_bytes,
                       fp4_scale_bytes=args.fp4_scale_bytes, rollout_dequant=args.rollout_dequant,
-                      kv_dtype="fp8" if _engine(args).kv_layout == "fp8" else args.kv_dtype,
+                      kv_layout="fp8" if _engine(args).kv_layout == "fp8" else args.kv_dtype,
                       usable_fraction=args.usable_fraction, rollout_reserve=args.rollout_reserve,
                       rollout_seqs_per_device=args.rollout_seqs_per_device, draft_tokens=args.speculative_k,
                       host_gib_per_node=args.host_gib_per_node, config_name=name,

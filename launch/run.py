@@ -165,7 +165,7 @@ def _memory_plan(cfg: RunConfig, model_cfg, spec: str) -> str:
         kv = EngineSettings.for_run(cfg.rollout, platform=jax.devices()[0].platform,
                                     max_prompt_len=cfg.data.max_prompt_len).kv_layout
         report = plan(model_cfg, spec, gpu, learner=cfg.learner, rollout_seq_len=seq, config_name=cfg.model.config,
-                      kv_dtype=kv)
+                      kv_layout=kv)
     except Exception as e:  # noqa: BLE001 - the plan is advice; the run itself checks the mesh
         return f"memory plan: unavailable for mesh {spec} on {gpu} ({type(e).__name__}: {e})"
     return f"memory plan (gpu {gpu}, {note}; sequences of {seq} tokens):\n{report.table()}\n{report.line()}"

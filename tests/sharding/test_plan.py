@@ -234,12 +234,12 @@ def test_kv_cache_layout_fp8():
     fixed = 43 * (128 * entry + 128 * 4) + 21 * 4 * (4 * 1024 + 4 * 256) * 4 + 20 * 4 * 128 * 512 * 4
     per_token = 21 * (entry + 129) / 4 + 20 * entry / 128
     assert kv.fixed == fixed == 25_922_688 and kv.per_token == per_token == 3829.09375
-    r = pl.plan("flash", "actor:expert=8/rollout:expert=8", "mi355x", learner=LEARNER, nodes=2, kv_dtype="fp8")
+    r = pl.plan("flash", "actor:expert=8/rollout:expert=8", "mi355x", learner=LEARNER, nodes=2, kv_layout="fp8")
     assert r.rollout.kv_per_token == {"fp8": per_token, "bf16": 8224}
     assert r.rollout.kv_per_seq == kv.per_seq(4096) and r.line().endswith("kv_dtype=fp8")
     assert "per added token: fp8 3,829 B, bf16 8,224 B" in r.table()
-    with pytest.raises(ValueError, match="kv dtype"):
-        pl.plan("flash", "actor:expert=8/rollout:expert=8", "mi355x", learner=LEARNER, nodes=2, kv_dtype="int8")
+    with pytest.raises(ValueError, match="kv layout"):
+        pl.plan("flash", "actor:expert=8/rollout:expert=8", "mi355x", learner=LEARNER, nodes=2, kv_layout="int8")
 
 
 def test_context_axis_splits_weights_with_fsdp_and_counts_the_gathered_kv(flash_leaves):
