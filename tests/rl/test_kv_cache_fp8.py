@@ -121,9 +121,11 @@ def test_continuous_equals_static_per_request_with_fp8_cache(model, prompts):
 
 
 def test_bad_kv_cache_dtype():
-    with pytest.raises(ValueError, match=r"^rollout.kv_cache_dtype \(--kv-cache-dtype\) must be fp8\|bf16\|auto"):
-        RunConfig(kv_cache_dtype="int4")
-    assert RunConfig().rollout.kv_cache_dtype == "auto" and RunConfig(kv_cache_dtype="bf16").rollout.kv_cache_dtype == "bf16"
+    with pytest.raises(ValueError, match=r"^rollout.kv_cache_dtype \(--rollout.kv_cache_dtype\) must be "
+                                         r"fp8\|bf16\|auto"):
+        RunConfig(**{"rollout.kv_cache_dtype": "int4"})
+    assert RunConfig().rollout.kv_cache_dtype == "auto"
+    assert RunConfig(**{"rollout.kv_cache_dtype": "bf16"}).rollout.kv_cache_dtype == "bf16"
     with pytest.raises(ValueError, match="--kv-cache-dtype"):
         EngineSettings(weights="fp8", kv_cache_dtype="fp16")
     with pytest.raises(ValueError, match="--kv-cache-dtype"):
