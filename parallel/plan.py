@@ -1,6 +1,7 @@
 """Memory planner: per-device bytes of the actor (training) and rollout (sampling) roles for a mesh spec and GPU.
 
-    python -m launch.plan --config flash --mesh 'actor:fsdp=2,expert=8/rollout:expert=8' --gpu mi308x --nodes 3
+    python -m launch.plan --config flash --mesh 'actor:fsdp=2,expert=8/rollout:expert=8' --gpu mi308x --nodes 3 \
+        --max-prompt-len 1024 --max-new-tokens 3072     # the run's flags (launch/run.py) + the planner's own
 
 The numbers come from the code, not from a copy of it: per-device bytes of every model tensor under its role's
 rules and the decode cache's bytes are parallel/model_bytes.py's, the learner's activations parallel/activations.py's

@@ -151,29 +151,24 @@ def test_the_runs_learner_is_the_library_learner_with_its_recipe_values():
                if f.name not in (*RECIPE_KNOBS, "temperature"))
 
 
-def test_planner_defaults_are_the_runs_definitions():
-    """`python -m launch.plan` plans the run's learner and rollout: each of its knob flags defaults to the run's
-    definition (one default for --train-mtp, the EP backend and capacity, the streamed / scanned / offloaded state,
-    the prompt length, the prefill chunk, the rollout and KV-cache dtypes); the flag names stay."""
+def test_planner_reads_the_runs_config():
+    """`python -m launch.plan` plans the run launch/run.py would start with the same flags: the run's config (the
+    same YAML, flat and dotted flags, the same defaults) for every knob the run defines; the planner's own flags
+    are only where / what to plan and compile, none of them a spelling of a run knob."""
     from launch import plan as launch_plan
-    from rl.config import DataConfig
-    from rl.rollout.config import RolloutConfig
-    from rl.config_tree import default
 
-    d = vars(launch_plan.parser().parse_args(["--mesh", "actor:fsdp=2", "--gpu", "h200"]))
-    names = ("train_mtp", "freeze_router", "scan_layers", "stream_optimizer", "ep_backend", "ep_capacity_factor",
-             "offload_optimizer")
-    learner = {k: getattr(DEFAULT_LEARNER, k) for k in names}
-    assert {k: d[k] for k in names} == learner
-    assert d["micro_batch_tokens"] == DEFAULT_LEARNER.max_tokens_per_micro_batch
-    assert not d["train_mtp"] and d["ep_backend"] == "auto" and d["ep_capacity_factor"] is None
-    assert (d["rollout_prompt_len"], d["prefill_chunk"], d["rollout_dtype"], d["kv_cache_dtype"]) == (
-        default(DataConfig, "max_prompt_len"), default(RolloutConfig, "prefill_chunk"), default(RolloutConfig, "dtype"),
-        default(RolloutConfig, "kv_cache_dtype"))
-    args = launch_plan.parser().parse_args(["--mesh", "actor:fsdp=2", "--gpu", "h200", "--train-mtp",
-                                            "--ep-backend", "padded", "--ep-capacity-factor", "1.5"])
-    assert launch_plan._learner(args) == dataclasses.replace(DEFAULT_LEARNER, train_mtp=True, ep_backend="padded",
-                                                             ep_capacity_factor=1.5)
+    run_flags = ["--mesh", "actor:fsdp=2", "--learner.train_mtp", "--ep-backend", "padded", "--ep-capacity-factor",
+                 "1.5", "--max-prompt-len", "64", "--max-new-tokens", "32", "--kv-cache-dtype", "bf16"]
+    args, cfg = launch_plan.resolve(["--gpu", "h200", *run_flags])
+    assert args.gpu == "h200" and cfg == launch_run.resolve(run_flags)[0]
+    assert cfg.learner == dataclasses.replace(RunConfig().learner, train_mtp=True, ep_backend="padded",
+                                              ep_capacity_factor=1.5)
+    assert launch_plan.seq_len(cfg) == 96 and launch_plan.kv_layout(cfg) == "bf16"
+    assert launch_plan.kv_layout(RunConfig()) == "fp8"  # the run's default: auto with FP8 rollout weights
+    own = {o for a in launch_plan.parser()._actions for o in a.option_strings} - {"-h", "--help"}
+    assert not own & {o for a in launch_run.parser()._actions for o in a.option_strings}
+    assert not own & {"--kv-dtype", "--seq-len", "--rollout-seq-len", "--train-seq-len", "--rollout-context",
+                      "--rollout-prompt-len", "--rollout-batch", "--micro-batch-tokens", "--speculative-k"}
 
 
 def test_max_prompt_len_and_the_rollout_knobs_have_one_default():

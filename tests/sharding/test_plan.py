@@ -174,7 +174,8 @@ SEEDS = [
 
 @pytest.mark.parametrize("argv, actor_fits, rollout_fits", SEEDS)
 def test_cli_seed_layouts(capsys, argv, actor_fits, rollout_fits):
-    assert plan_main(["--config", "flash", *argv]) == 0
+    # the run's knobs (launch/run.py flags): Flash, sequences of 1,024 + 3,072 = 4,096 tokens
+    assert plan_main(["--config", "flash", "--max-prompt-len", "1024", "--max-new-tokens", "3072", *argv]) == 0
     out = capsys.readouterr().out
     line = out.strip().splitlines()[-1]
     assert line.startswith("PLAN role=actor per_device_gib=")
@@ -185,7 +186,7 @@ def test_cli_seed_layouts(capsys, argv, actor_fits, rollout_fits):
 
 
 def test_cli_error_exit(capsys):
-    assert plan_main(["--mesh", "actor:fsdp=3", "--gpu", "h200"]) == 2
+    assert plan_main(["--config", "flash", "--mesh", "actor:fsdp=3", "--gpu", "h200"]) == 2
     assert "error:" in capsys.readouterr().err
 
 
