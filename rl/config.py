@@ -17,12 +17,12 @@ the YAML file, then the flat flags, then the dotted flags). Every knob has one n
 (`learner.lr`): `RunConfig(**{"learner.lr": 1e-6})`, `--learner.lr`, YAML `learner: {lr: ...}`; the code reads the
 nested fields (`cfg.learner.lr`). The historic flat flags (`--lr`, `--group-size`, ...) are spellings that only
 launch/run.py's argparse knows (`launch.run.FLAT`). The run's defaults are the embedded default run (tiny
-DeepSeek-V4 from random init on the built-in digit-copy task, on CPU). Library classes read the same declarations: the learner section is
-`LearnerConfig` itself, and the run's learner (`DEFAULT_LEARNER`) changes only its recipe values (lr 2e-3, b2 0.99,
-fp32 compute, routing replay, TIS; `RECIPE_KNOBS`, reasons next to it); `Sampler`, `SamplingParams`,
-`PromptDataset.from_records` and the planner take their defaults of the rollout and data knobs (`max_prompt_len`,
-`prefill_chunk`, `slots`, rollout dtype, sampling parameters, KV-cache dtype for the planner) from the fields of
-the sections (`config_tree.default`).
+DeepSeek-V4 from random init on the built-in digit-copy task, on CPU). Library classes read the same declarations:
+the learner section is `LearnerConfig` itself, and the run's learner (`DEFAULT_LEARNER`) changes only its recipe
+values (lr 2e-3, b2 0.99, fp32 compute, routing replay, TIS; `RECIPE_KNOBS`, reasons next to it); `Sampler`
+(`EngineSettings`), `SamplingParams` and `PromptDataset.from_records` take their defaults of the rollout and
+data knobs (`max_prompt_len`, `prefill_chunk`, `slots`, rollout and KV-cache dtypes, sampling parameters) from the
+fields of the sections (`config_tree.default`); the planner (`python -m launch.plan`) reads the run's config itself.
 Derived (not settable): `learner.temperature` = `rollout.temperature`; `advantage.dynamic_sampling_max_rounds`
 = 1 + `dapo.max_resample_batches`. Impossible values raise ValueError naming the field and its flag.
 """

@@ -1,7 +1,8 @@
 """The rollout section of the run config (`RunConfig.rollout`, rl/config.py): sampling on the rollout mesh
 (rl/rollout/engine.py), the rollout weights and KV cache, batching, speculative decoding, asynchrony, the weight push
 to it (parallel/push/) and the MPMD / two-job layouts. Each knob is declared once (default + help in the field);
-`Sampler`, `SamplingParams` and the planner take their defaults from here (`rl.config_tree.default`).
+`Sampler` / `EngineSettings` and `SamplingParams` take their defaults from here (`rl.config_tree.default`); the planner
+reads the run's config.
 Tests: tests/rl/test_run_config.py.
 """
 
