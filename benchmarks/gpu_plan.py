@@ -10,8 +10,8 @@ Rows, in this order (each prints its own `RESULT target=..` line; the last line 
                    the CPU artefacts quantified.
 The rollout regime is the seed config's (64 prompts x 16 samples = 1,024 sequences of 1,024 + 8,192 tokens, FP8
 weights and KV cache, continuous batching over the slots the KV budget holds, dropless "sized" expert dispatch);
-`--rollout-context 32768` (flag on top of the file) gives the 32K regime; other planner flags pass through (e.g.
-`--rollout-ep-capacity-factor 2`, `--compile-only rollout`). Flash compiles take
+`--max-new-tokens 31744` (a run flag on top of the file: 1,024 + 31,744 tokens) gives the 32K regime; other
+planner and run flags pass through (e.g. `--rollout.ep_capacity_factor 2`, `--compile-only rollout`). Flash compiles take
 minutes each (flat in depth: scanned layers) and several GB of RAM: rows run one at a time.
 
 `--context` runs the long-context rows of issue 25 instead (`CONTEXT_ROWS`: the actor with context parallelism
@@ -54,19 +54,18 @@ ROWS = {
 # 16 actor devices (context 4: 8K tokens per device) and at 64K on 4 x 8 MI355X (context 8); the seed rollout with
 # 64K tokens per sequence (1,024 prompt + 64,512 new, slots auto); the rollout program with 16K and 64K prompts
 # (4 layers: sliding, sliding, CSA, HCA; one slot per device, chunked prefill in chunks of --prefill-chunk 2048):
-# its temporaries are the chunk's, not the prompt's.
-_PREFILL = ["--target", "mi308x", "--num-layers", "4", "--compile-only", "rollout", "--rollout-batch", "8",
-            "--rollout-slots", "8"]
+# its temporaries are the chunk's, not the prompt's. Lengths are the run's: --max-prompt-len + --max-new-tokens.
+_PREFILL = ["--target", "mi308x", "--num-layers", "4", "--compile-only", "rollout", "--prompts-per-step", "4",
+            "--group-size", "2", "--rollout-slots", "8", "--max-new-tokens", "1024"]
 CONTEXT_ROWS = {
     "cp_32k_seed": ["--target", "mi308x", "--mesh", "actor:fsdp=2,context=4,expert=2/rollout:expert=8",
-                    "--seq-len", "32768", "--compile-only", "actor"],
+                    "--max-new-tokens", "31744", "--compile-only", "actor"],
     "cp_64k_mi355x": ["--target", "mi355x", "--gpu", "mi355x", "--nodes", "5", "--mesh",
-                      "actor:fsdp=2,context=8,expert=2/rollout:expert=8", "--seq-len", "65536", "--compile-only",
-                      "actor"],
-    "rollout_64k_seed": ["--target", "mi308x", "--rollout-context", "65536", "--rollout-seq-len", "65536",
-                         "--compile-only", "rollout"],
-    "prefill_16k": [*_PREFILL, "--rollout-prompt-len", "16384", "--rollout-context", "17408"],
-    "prefill_64k": [*_PREFILL, "--rollout-prompt-len", "65536", "--rollout-context", "66560"],
+                      "actor:fsdp=2,context=8,expert=2/rollout:expert=8", "--max-new-tokens", "64512",
+                      "--compile-only", "actor"],
+    "rollout_64k_seed": ["--target", "mi308x", "--max-new-tokens", "64512", "--compile-only", "rollout"],
+    "prefill_16k": [*_PREFILL, "--max-prompt-len", "16384"],
+    "prefill_64k": [*_PREFILL, "--max-prompt-len", "65536"],
 }
 ROWS.update(CONTEXT_ROWS)
 FIELDS = ("target", "actor_gpu_gib", "actor_usable_gib", "rollout_gpu_gib", "actor_step_s_roofline",

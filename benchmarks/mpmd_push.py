@@ -56,7 +56,8 @@ def worker(pid: int, port: int, runs: int, config: str) -> None:
     channel = HostChannel(layout, timeout_s=300)
     abstract = nnx.eval_shape(lambda: DSV4ForCausalLM(mc, rngs=nnx.Rngs(0)))
     state = nnx.state(abstract)
-    sampler = Sampler(abstract, mesh=plan.rollout, weights="fp8")  # bf16 dense tensors, as benchmarks/weight_push.py
+    # bf16 dense tensors, as benchmarks/weight_push.py
+    sampler = Sampler(abstract, mesh=plan.rollout, weights="fp8", kv_cache_dtype="bf16")
     pusher = MpmdPusher(plan, layout, sampler, state, plan.param_shardings("actor", state), channel)
     params = nnx.state(init_model(mc, seed=0, mesh=plan.actor)) if layout.is_actor else None
     n = pusher.wire_bytes // 2

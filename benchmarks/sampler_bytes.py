@@ -57,7 +57,7 @@ T_CAP = 64  # ours' response bucket: N_hi and N_lo must both be in (32, 64]
 def make_sampler(model, mode: str) -> Sampler:
     weights, dequant, compute, ragged = MODES[mode]
     return Sampler(model, weights=weights, max_prompt_len=PROMPT_LEN, dequant=dequant, compute_dtype=compute,
-                   dispatch_fn=routed_experts_ragged if ragged else None)
+                   kv_cache_dtype="bf16", dispatch_fn=routed_experts_ragged if ragged else None)
 
 
 def ours_fn(sampler: Sampler, prompts, n: int):
@@ -92,7 +92,8 @@ def compiled_memory(name: str = "small", batch: int = 8, new_tokens: int = T_CAP
     out = {}
     for mode, (weights, dequant) in list(MEMORY_MODES.items()) + [("bf16@bf16", ("bf16", "per_layer"))]:
         compute = "bfloat16" if mode == "bf16@bf16" else "float32"
-        s = Sampler(model, weights=weights, dequant=dequant, compute_dtype=compute, max_prompt_len=PROMPT_LEN)
+        s = Sampler(model, weights=weights, dequant=dequant, compute_dtype=compute, max_prompt_len=PROMPT_LEN,
+                    kv_cache_dtype="bf16")
         ma = s.lower(batch, PROMPT_LEN, new_tokens).compile().memory_analysis()
         out[mode] = {"args": ma.argument_size_in_bytes, "temp": ma.temp_size_in_bytes}
         print(f"  {mode:<16s} arguments {ma.argument_size_in_bytes / 2**20:8.1f} MiB  temp "

@@ -92,7 +92,8 @@ def bench_layout(name: str, spec: str, cfg: DSV4Config, runs: int, chunk_mib: in
     graphdef, abstract = nnx.split(nnx.eval_shape(make))
     with jax.set_mesh(plan.actor):
         state = jax.jit(lambda: nnx.state(make()), out_shardings=plan.param_shardings("actor", abstract))()
-    sampler = Sampler(nnx.merge(graphdef, state), mesh=plan.rollout, weights="fp8", max_prompt_len=16)
+    sampler = Sampler(nnx.merge(graphdef, state), mesh=plan.rollout, weights="fp8", max_prompt_len=16,
+                      kv_cache_dtype="bf16")
     t0 = time.perf_counter()
     pusher = WeightPusher(plan, sampler, abstract, chunk_bytes=chunk_mib * 2**20, verify_every=0,
                           quantize_on=quantize_on)

@@ -9,7 +9,7 @@ CSA / HCA layers add (m = compress ratio, Wc = cache_len // m, c = 2 for CSA els
   pa, pz [B, m, c d] float32   the previous complete window (CSA needs its first halves)
 CSA layers add the indexer's own compressor state and keys:
   ik [B, Wc, d_I], ia, iz, ipa, ipz [B, m, 2 d_I] float32.
-FP8 layout (`cache_shapes(..., fp8="e4m3fn" | "e4m3fnuz")`, the sampler's `--kv-cache-dtype fp8`; spec §5.7-5.8,
+FP8 layout (`cache_shapes(..., fp8="e4m3fn" | "e4m3fnuz")`, the rollout engine's FP8 KV layout; spec §5.7-5.8,
 the release's own cache): the ring `kv` and the compressed entries `comp` hold their d - r no-RoPE dims as FP8
 with one power-of-two (ue8m0) scale per `KV_FP8_BLOCK` = 64 dims, stored as its exponent byte (`<name>_scale`
 [.., (d - r) / 64] uint8, 2^(b - 127)), and their r = qk_rope_head_dim RoPE dims in bf16 (`<name>_rope`): 583 B
@@ -42,19 +42,6 @@ LayerCache = dict
 KV_FP8_BLOCK = 64  # dims per ue8m0 scale of the ring / compressed entries (spec §5.8)
 KV_FP8_FORMATS = {"e4m3fn": jnp.float8_e4m3fn, "e4m3fnuz": jnp.float8_e4m3fnuz}
 _ROPE_DTYPE = jnp.bfloat16  # the RoPE dims of FP8 entries (the release keeps them bf16)
-KV_CACHE_DTYPES = ("auto", "fp8", "bf16")  # --kv-cache-dtype
-
-
-def resolve_kv_cache_dtype(kv_cache_dtype: str, rollout_fp8: bool) -> str:
-    """`--kv-cache-dtype` -> "fp8" | "bf16": "auto" is fp8 for FP8 rollout weights (`--rollout-dtype fp8*`) and
-    bf16 (the unquantised layout, entries in the compute dtype) otherwise.
-
-    Raises ValueError (one line naming the flag) for any other value."""
-    if kv_cache_dtype not in KV_CACHE_DTYPES:
-        raise ValueError(f"--kv-cache-dtype must be fp8 | bf16 | auto, got {kv_cache_dtype!r}")
-    if kv_cache_dtype == "auto":
-        return "fp8" if rollout_fp8 else "bf16"
-    return kv_cache_dtype
 
 
 def _fp8_encode(x: jax.Array, fp8_dtype, block: int) -> tuple[jax.Array, jax.Array]:

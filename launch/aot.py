@@ -7,7 +7,7 @@ before JAX starts), the real meshes are built on them (`sharding.mesh.build_mesh
 `nnx.eval_shape`d (no weights exist), `rl.learner.Learner(..., abstract=True)` places the abstract train state with
 the learner's real shardings (actor rules, bf16 params, fp32 masters + moments, host offload), and
 `Learner.lower` lowers the exact `train_step` jit for an abstract `TrainBatch` of `rows` x `seq_len` tokens per
-device of the batch axes (one micro-batch; `--micro-batch-tokens` sets the learner's token budget).
+device of the batch axes (one micro-batch; `--max-tokens-per-micro-batch` sets the learner's token budget).
 `compiled.memory_analysis()` then gives, per device: arguments (state + batch), outputs (new state + metrics),
 aliases (the donated state) and temporaries.
 
@@ -261,7 +261,7 @@ def compile_rollout(config, mesh_spec: str, *, batch: int = 1024, context: int =
     if isinstance(config, str):
         config = dsv4.DSV4Config.preset(config)
     if not 1 <= prompt_len < context:
-        raise ValueError(f"--rollout-context {context} must exceed the prompt length {prompt_len}")
+        raise ValueError(f"the rollout context {context} must exceed the prompt length {prompt_len}")
     spec = parse_mesh_spec(mesh_spec)
     devices = list(jax.devices() if devices is None else devices)[:spec.n_devices]
     plan = build_mesh_plan(spec, devices=devices, config=config)

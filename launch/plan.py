@@ -1,8 +1,20 @@
 """`python -m launch.plan`: the memory planner's command line (the planner's arithmetic is `parallel/plan.py`).
 
-    python -m launch.plan --config flash --mesh 'actor:fsdp=2,expert=8/rollout:expert=8' --gpu mi308x --nodes 3
+    python -m launch.plan --config flash --mesh 'actor:fsdp=2,expert=8/rollout:expert=8' --gpu mi308x --nodes 3 \
+        --max-prompt-len 1024 --max-new-tokens 3072
+    python -m launch.plan --config-file launch/configs/dapo_seed_mi308x.yaml --compile --target mi308x
 
-prints the planner's table and its `PLAN` line; with `--compile` also the real train step AOT-compiled on CPU
+plans the run that launch/run.py would start with the same flags: every knob of the run (the model, the mesh, the
+learner, the rollout, the data's prompt length) is read from the run's config, resolved by `launch.run.resolve` from
+the same `--config-file` YAML, flat flags and dotted flags (`--learner.train_mtp`, `--rollout.speculative mtp`),
+with the run's defaults. One sequence length: prompt + completion (`--max-prompt-len` + `--max-new-tokens`), the
+KV cache's, the actor's rows' and the compiled rollout program's; the rollout program's batch is the step's
+`--prompts-per-step` x `--group-size`; the actor's tokens per device are the learner's
+(`--max-tokens-per-micro-batch`, `compiled_tokens_per_device`). The planner's own flags (`parser`) say what to
+plan on (`--gpu`, `--nodes`, `--target`, the memory fractions) and what to compile (`--compile`, `--compile-only`,
+`--num-layers`).
+
+Prints the planner's table and its `PLAN` line; with `--compile` also the real train step AOT-compiled on CPU
 devices (`launch/aot.py`) and XLA's memory analysis, last line `RESULT actor_xla_gib=.. ... fits=yes|no`. Each
 compile runs in a child process of its own (`launch/compile_child.py`, with the devices it needs): XLA aborting
 there is one `error:` line naming the role, the target and what to try, the other role's program is still compiled
@@ -20,9 +32,9 @@ import sys
 from collections.abc import Sequence
 
 import jax
+import jax.numpy as jnp
 
 import dsv4
-from dsv4.cache import KV_CACHE_DTYPES
 from launch import gpu_target as gt
 from launch import run as run_cli
 from launch.aot import reduced_depth
@@ -33,46 +45,20 @@ from parallel.model_bytes import DTYPE_BYTES
 from parallel.plan import GPUS, GPUS_PER_NODE, GiB, plan
 from parallel.plan import __doc__ as _PLAN_DOC
 from parallel.routing_load import ROUTING_LOADS
-from rl import config_tree
-from rl.algo_config import LearnerConfig
-from rl.config import DEFAULT_LEARNER, DataConfig
-from rl.rollout.config import RolloutConfig
-from rl.config_tree import default
+from rl.config import RunConfig
 from rl.rollout.settings import EngineSettings
 from sharding import mesh as mesh_lib
 from sharding.rules import CONTEXT
 
 
-_LEARNER = config_tree.paths(LearnerConfig)
-_ROLLOUT = config_tree.paths(RolloutConfig)
-
-
-def _knob_help(name: str) -> str:
-    """The run's help of the learner knob `name` and its launch/run.py flag (rl/algo_config.py, one definition)."""
-    return f"{_LEARNER[name].help} (launch/run.py --{name.replace('_', '-')}; default %(default)s)"
-
-
-def _learner(args) -> LearnerConfig:
-    """The run's learner (`rl.config.DEFAULT_LEARNER`) with this command's learner flags: what is planned and
-    compiled. ValueError (the run's one-line message) for a bad value."""
-    return dataclasses.replace(
-        DEFAULT_LEARNER, offload_optimizer=args.offload_optimizer, train_mtp=args.train_mtp,
-        freeze_router=args.freeze_router, scan_layers=args.scan_layers, stream_optimizer=args.stream_optimizer,
-        ep_backend=args.ep_backend, ep_capacity_factor=args.ep_capacity_factor,
-        max_tokens_per_micro_batch=args.micro_batch_tokens)
-
-
 def parser() -> argparse.ArgumentParser:
-    """The planner's flags; the learner's, the rollout's and the data's take their defaults (and help) from the
-    run's definitions (`rl.config.DEFAULT_LEARNER`, `rl.rollout.config.RolloutConfig`, `rl.config.DataConfig`)."""
+    """The planner's own flags; every other flag is the run's (launch/run.py), read by `launch.run.resolve`."""
     p = argparse.ArgumentParser(prog="python -m launch.plan", description=_PLAN_DOC.split("\n\n")[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--config-file", default=None, metavar="YAML",
-                   help="plan the run of this launch/run.py config file (its model, mesh, learner and rollout "
-                        "knobs; the dataset and checkpoint are not read); the flags given here override it")
-    p.add_argument("--config", default="flash", help="preset name: flash | small | tiny (default flash)")
-    p.add_argument("--mesh", default=None, help="mesh spec, e.g. 'actor:fsdp=2,expert=8/rollout:expert=8' "
-                                                "(required without --config-file)")
+                                formatter_class=argparse.RawDescriptionHelpFormatter, allow_abbrev=False,
+                                epilog="Every launch/run.py flag sets the planned run (python launch/run.py --help): "
+                                       "--config-file, --config, --mesh, --max-prompt-len, --max-new-tokens, "
+                                       "--prompts-per-step, --group-size, --rollout-dtype, --kv-cache-dtype, "
+                                       "--rollout-slots, --offload-optimizer, --learner.train_mtp, ...")
     p.add_argument("--gpu", default=None, choices=sorted(GPUS),
                    help="the planner's GPU table entry (default: --target's; required with --target cpu)")
     p.add_argument("--target", default="cpu", choices=gt.TARGET_NAMES,
@@ -80,132 +66,62 @@ def parser() -> argparse.ArgumentParser:
                         "topology of that GPU (needs the [gpu-aot] extra; AMD GPUs through an NVIDIA spec with the "
                         "AMD memory size, labelled proxy; launch/gpu_target.py) (default %(default)s)")
     p.add_argument("--nodes", type=int, default=None, help=f"nodes of {GPUS_PER_NODE} GPUs (default: from the mesh)")
-    p.add_argument("--optimizer-dtype", choices=sorted(DTYPE_BYTES), default="fp32")
-    p.add_argument("--offload-optimizer", type=float, default=DEFAULT_LEARNER.offload_optimizer, metavar="FRACTION",
-                   help=_knob_help("offload_optimizer"))
-    p.add_argument("--tokens-per-device", type=int, default=4096, help="actor tokens per device per micro-step")
-    p.add_argument("--rollout-seq-len", type=int, default=4096, help="max prompt + completion length (KV cache)")
-    p.add_argument("--train-seq-len", type=int, default=None, help="actor sequence length (default: rollout's)")
-    p.add_argument("--rollout-experts", choices=("fp8", "fp4"), default="fp8")
+    p.add_argument("--optimizer-dtype", choices=sorted(DTYPE_BYTES), default="fp32",
+                   help="what-if: bytes of the Adam moments (the learner keeps them fp32)")
     p.add_argument("--fp8-scale-bytes", type=float, default=4.0, help="bytes per FP8 block scale (sampler: f32 = 4)")
     p.add_argument("--fp4-scale-bytes", type=float, default=1.0, help="bytes per FP4 1x32 scale (E8M0 = 1)")
     p.add_argument("--rollout-dequant", choices=("per_step", "per_call"), default="per_step",
                    help="sampler dequant mode; per_call keeps a bf16 copy of the quantised weights")
-    p.add_argument("--kv-dtype", choices=sorted(DTYPE_BYTES), default="bf16",
-                   help="sampler compute dtype (KV entries of the unquantised cache, --kv-cache-dtype bf16)")
-    p.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES, default=default(RolloutConfig, "kv_cache_dtype"),
-                   help="the run's --kv-cache-dtype: fp8 | bf16 | auto (fp8 for --rollout-dtype fp8*)")
-    p.add_argument("--speculative-k", type=int, choices=(0, 1, 2, 3), default=0,
-                   help="plan and --compile speculative rollouts with k MTP draft tokens (--rollout.speculative mtp "
-                        "--rollout.draft_tokens k: the MTP cache, k more positions, the verify program); 0 = off")
     p.add_argument("--usable-fraction", type=float, default=0.90)
     p.add_argument("--rollout-reserve", type=float, default=0.10)
     p.add_argument("--rollout-seqs-per-device", type=int, default=1, help="sequences that must fit for 'fits'")
-    # the learner's scale knobs: the run's definitions (rl.config: help, choices, defaults of the run's learner)
-    p.add_argument("--ep-capacity-factor", type=float, default=DEFAULT_LEARNER.ep_capacity_factor,
-                   help=_knob_help("ep_capacity_factor"))
-    p.add_argument("--ep-backend", choices=_LEARNER["ep_backend"].choices, default=DEFAULT_LEARNER.ep_backend,
-                   help=_knob_help("ep_backend") + "; the plan without --compile counts auto as ragged (GPUs)")
-    p.add_argument("--stream-optimizer", action=argparse.BooleanOptionalAction,
-                   default=DEFAULT_LEARNER.stream_optimizer, help=_knob_help("stream_optimizer"))
     p.add_argument("--host-gib-per-node", type=float, default=None,
                    help="host RAM per node for the offloaded optimizer; checked only when given")
-    p.add_argument("--train-mtp", action=argparse.BooleanOptionalAction, default=DEFAULT_LEARNER.train_mtp,
-                   help="train the MTP module (optimizer state for it), the learner's train_mtp (default %(default)s)")
-    p.add_argument("--freeze-router", action=argparse.BooleanOptionalAction, default=DEFAULT_LEARNER.freeze_router,
-                   help=_knob_help("freeze_router"))
     p.add_argument("--compile", action="store_true",
-                   help="also AOT-compile the real actor train step on CPU devices and print XLA's memory analysis")
-    p.add_argument("--seq-len", type=int, default=None, help="--compile: tokens per row (default --train-seq-len "
-                   "or --rollout-seq-len)")
-    p.add_argument("--micro-batch-tokens", type=int, default=DEFAULT_LEARNER.max_tokens_per_micro_batch,
-                   help="--compile: the learner's --max-tokens-per-micro-batch (default: one row per device)")
-    p.add_argument("--scan-layers", action=argparse.BooleanOptionalAction, default=DEFAULT_LEARNER.scan_layers,
-                   help="--compile: " + _knob_help("scan_layers"))
-    p.add_argument("--rollout-batch", type=int, default=1024, help="--compile: sequences of the rollout program")
-    p.add_argument("--rollout-context", type=int, default=32768,
-                   help="--compile: prompt + new tokens per rollout sequence")
-    p.add_argument("--rollout-prompt-len", type=int, default=default(DataConfig, "max_prompt_len"),
-                   help="--compile: prompt tokens per sequence (the run's --max-prompt-len; default %(default)s)")
-    p.add_argument("--rollout-dtype", default=default(RolloutConfig, "dtype"),
-                   help="--compile: the sampler's --rollout-dtype (default %(default)s)")
-    p.add_argument("--rollout-slots", default="auto",
-                   help="--compile: the rollout program's --rollout-slots: auto (default: continuous batching over as "
-                        "many slots as the plan's KV budget holds, at most --rollout-batch) | N | 0 (static batching)")
-    p.add_argument("--rollout-ep-backend", choices=_ROLLOUT["ep_backend"].choices,
-                   default=default(RolloutConfig, "ep_backend"),
-                   help="--compile: " + _ROLLOUT["ep_backend"].help + " (the run's --rollout.ep_backend; default "
-                        "%(default)s)")
-    p.add_argument("--rollout-ep-capacity-factor", type=float, default=default(RolloutConfig, "ep_capacity_factor"),
-                   help="--compile: " + _ROLLOUT["ep_capacity_factor"].help + " (the run's "
-                        "--rollout.ep_capacity_factor; default %(default)s)")
-    p.add_argument("--prefill-chunk", type=int, default=default(RolloutConfig, "prefill_chunk"),
-                   help="--compile: the sampler's --prefill-chunk (tokens per prefill chunk; 0 = whole prompt)")
+                   help="also AOT-compile the real actor train step and the rollout program and print XLA's memory "
+                        "analysis")
     p.add_argument("--compile-only", choices=("both", "actor", "rollout"), default="both",
                    help="--compile: which programs to compile (default both)")
     p.add_argument("--routing-load", choices=ROUTING_LOADS, default="worst",
                    help="--compile: the routed experts' load the rollout's flops and bytes are counted at, for the "
                         "sized dispatch (parallel/routing_load.py): worst (the dropless top capacity, default), "
-                        "uniform (random routing: the busiest cell of simulated steps), balanced (every cell at its mean)")
+                        "uniform (random routing) or zipf (a Zipf-0.6 skew like a trained router's): the busiest cell "
+                        "of simulated steps; balanced (every cell at its mean)")
     p.add_argument("--num-layers", type=int, default=None,
                    help="plan/compile a reduced-depth copy of the config (first N main layers; labelled)")
     return p
 
 
-# planner flag (dest) -> its value in the run's config (`rl.config.RunConfig`), for --config-file
-_FROM_RUN = {
-    "config": lambda c: c.model.config, "mesh": lambda c: c.mesh,
-    **{k: (lambda c, k=k: getattr(c.learner, k)) for k in (
-        "offload_optimizer", "train_mtp", "freeze_router", "scan_layers", "stream_optimizer", "ep_backend",
-        "ep_capacity_factor")},
-    "micro_batch_tokens": lambda c: c.learner.max_tokens_per_micro_batch,
-    "tokens_per_device": lambda c: c.learner.max_tokens_per_micro_batch or c.data.max_prompt_len
-    + c.rollout.max_new_tokens,
-    "seq_len": lambda c: c.data.max_prompt_len + c.rollout.max_new_tokens,
-    "rollout_seq_len": lambda c: c.data.max_prompt_len + c.rollout.max_new_tokens,
-    "rollout_batch": lambda c: c.rollout.prompts_per_step * c.rollout.group_size,
-    "rollout_context": lambda c: c.data.max_prompt_len + c.rollout.max_new_tokens,
-    "rollout_prompt_len": lambda c: c.data.max_prompt_len,
-    "rollout_dtype": lambda c: c.rollout.dtype, "kv_cache_dtype": lambda c: c.rollout.kv_cache_dtype,
-    "rollout_slots": lambda c: str(c.rollout.slots), "prefill_chunk": lambda c: c.rollout.prefill_chunk,
-    "rollout_ep_backend": lambda c: c.rollout.ep_backend,
-    "rollout_ep_capacity_factor": lambda c: c.rollout.ep_capacity_factor,
-}
+def resolve(argv: Sequence[str]) -> tuple[argparse.Namespace, RunConfig]:
+    """argv -> (the planner's flags, the planned run's config: the rest of argv as launch/run.py resolves it).
+    ValueError (one line) for a bad run flag, file or value."""
+    args, rest = parser().parse_known_args(list(argv))
+    cfg, _ = run_cli.resolve(rest)
+    return args, cfg
 
 
-def _apply_config_file(p: argparse.ArgumentParser, args, argv: Sequence[str]) -> None:
-    """--config-file: every planner knob of `_FROM_RUN` not given on the command line takes the run's value, as
-    launch/run.py resolves the file (`launch.run.resolve`: defaults < algo preset < the YAML). ValueError names
-    the file for a bad one."""
-    run, _ = run_cli.resolve(["--config-file", args.config_file])
-    given = {a.dest for a in p._actions for tok in argv for opt in a.option_strings
-             if tok == opt or tok.startswith(opt + "=") or tok == opt.replace("--", "--no-", 1)}
-    for dest, get in _FROM_RUN.items():
-        if dest not in given:
-            setattr(args, dest, get(run))
+def seq_len(cfg: RunConfig) -> int:
+    """The planned sequence: prompt + completion (`--max-prompt-len` + `--max-new-tokens`)."""
+    return cfg.data.max_prompt_len + cfg.rollout.max_new_tokens
+
+
+def kv_layout(cfg: RunConfig) -> str:
+    """The rollout KV cache's layout on a GPU: "fp8" (`--kv-cache-dtype` resolved for `--rollout-dtype`), else the
+    entries' compute dtype ("bf16" | "fp32", `--rollout-compute-dtype`)."""
+    st = EngineSettings.for_run(cfg.rollout, platform="gpu", max_prompt_len=cfg.data.max_prompt_len)
+    if st.kv_layout == "fp8":
+        return "fp8"
+    return "fp32" if st.compute_dtype == jnp.float32 else "bf16"
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    p = parser()
     argv = list(sys.argv[1:] if argv is None else argv)
-    args = p.parse_args(argv)
-    if args.config_file:
-        try:
-            _apply_config_file(p, args, argv)
-        except ValueError as e:
-            print(f"error: {e}", file=sys.stderr)
-            return 2
-    if args.mesh is None:
-        print("error: --mesh is required (or --config-file)", file=sys.stderr)
+    try:
+        args, cfg = resolve(argv)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
         return 2
-    if str(args.rollout_slots).lower() == "auto":
-        args.rollout_slots = "auto"
-    else:
-        slots = int(args.rollout_slots) if str(args.rollout_slots).isdigit() else -1
-        if slots < 0:
-            print(f"error: --rollout-slots {args.rollout_slots}: expected auto or an int >= 0", file=sys.stderr)
-            return 2
-        args.rollout_slots = slots
+    args.run = cfg
     if args.gpu is None:
         if args.target == "cpu":
             print("error: --gpu is required (or a GPU --target)", file=sys.stderr)
@@ -219,25 +135,22 @@ def main(argv: Sequence[str] | None = None) -> int:
         if err:
             print(f"error: --target {args.target}: {err}", file=sys.stderr)
             return 2
+    learner, r = cfg.learner, cfg.rollout
+    seq = seq_len(cfg)
     try:
-        learner = _learner(args)  # the run's checks
-        config = args.config
+        config = cfg.model.config
         if args.num_layers is not None:
-            config = reduced_depth(dsv4.DSV4Config.preset(args.config), args.num_layers)
-        seq = args.seq_len or args.train_seq_len or args.rollout_seq_len
-        tokens = args.tokens_per_device
-        if args.compile:  # the plan of exactly what is compiled
-            tokens = compiled_tokens_per_device(args.mesh, seq, args.micro_batch_tokens)
-        name = args.config + (f" (reduced to {args.num_layers} layers)" if args.num_layers is not None else "")
-        report = plan(config, args.mesh, args.gpu, learner=learner, nodes=args.nodes,
-                      optimizer_dtype=args.optimizer_dtype, tokens_per_device=tokens,
-                      rollout_seq_len=args.rollout_seq_len,
-                      train_seq_len=seq if args.compile else args.train_seq_len,
-                      rollout_experts=args.rollout_experts, fp8_scale_bytes=args.fp8_scale_bytes,
-                      fp4_scale_bytes=args.fp4_scale_bytes, rollout_dequant=args.rollout_dequant,
-                      kv_dtype="fp8" if _engine(args).kv_layout == "fp8" else args.kv_dtype,
+            config = reduced_depth(dsv4.DSV4Config.preset(config), args.num_layers)
+        tokens = compiled_tokens_per_device(cfg.mesh, seq, learner.max_tokens_per_micro_batch)
+        name = cfg.model.config + (f" (reduced to {args.num_layers} layers)" if args.num_layers is not None else "")
+        report = plan(config, cfg.mesh, args.gpu, learner=learner, nodes=args.nodes,
+                      optimizer_dtype=args.optimizer_dtype, tokens_per_device=tokens, rollout_seq_len=seq,
+                      train_seq_len=seq, rollout_experts="fp4" if r.dtype == "fp8+fp4experts" else "fp8",
+                      fp8_scale_bytes=args.fp8_scale_bytes, fp4_scale_bytes=args.fp4_scale_bytes,
+                      rollout_dequant=args.rollout_dequant, kv_layout=kv_layout(cfg),
                       usable_fraction=args.usable_fraction, rollout_reserve=args.rollout_reserve,
-                      rollout_seqs_per_device=args.rollout_seqs_per_device, draft_tokens=args.speculative_k,
+                      rollout_seqs_per_device=args.rollout_seqs_per_device,
+                      draft_tokens=r.draft_tokens if r.speculative != "off" else 0,
                       host_gib_per_node=args.host_gib_per_node, config_name=name,
                       xla_cpu=args.compile and target is None)
     except ValueError as e:  # MeshSpecError is a ValueError
@@ -289,20 +202,6 @@ def main(argv: Sequence[str] | None = None) -> int:
           f"actor_usable_gib={a.usable / GiB:.2f} rollout_xla_gib={gib(r_xla):.2f} rollout_plan_gib={r.total / GiB:.2f} "
           f"rollout_usable_gib={r.usable / GiB:.2f} fits={'yes' if fits else 'no'}")
     return 1 if failed else 0
-
-
-def _rollout(args) -> RolloutConfig:
-    """The rollout knobs the planner's flags name, as the run's `RolloutConfig` (the engine's settings are resolved
-    from it as the run resolves them: `rl.rollout.settings.EngineSettings.for_run`)."""
-    return RolloutConfig(dtype=args.rollout_dtype, kv_cache_dtype=args.kv_cache_dtype, slots=args.rollout_slots,
-                         prefill_chunk=args.prefill_chunk, speculative="mtp" if args.speculative_k else "off",
-                         draft_tokens=args.speculative_k or default(RolloutConfig, "draft_tokens"),
-                         ep_backend=args.rollout_ep_backend, ep_capacity_factor=args.rollout_ep_capacity_factor)
-
-
-def _engine(args) -> EngineSettings:
-    """The engine settings of the planned rollout (its weights and KV cache layout)."""
-    return EngineSettings(weights=args.rollout_dtype, kv_cache_dtype=args.kv_cache_dtype)
 
 
 def _in_child(fn: str, kwargs: dict, role: str, args, report, gpu_target: gt.Target | None = None):
@@ -404,8 +303,8 @@ def _compile_gpu(config, report, args, learner, seq: int, target: gt.Target) -> 
             print(f"error: {e}", file=sys.stderr)
             failed = True
         r_xla = None if rx is None else rx.total
-        if rx is not None and "fnuz" in args.rollout_dtype:
-            say(f"  --rollout-dtype {args.rollout_dtype}: XLA:CUDA has no e4m3fnuz GEMM, so on this NVIDIA target the "
+        if rx is not None and "fnuz" in args.run.rollout.dtype:
+            say(f"  --rollout-dtype {args.run.rollout.dtype}: XLA:CUDA has no e4m3fnuz GEMM, so on this NVIDIA target the "
                 "FP8 projections are converted before their dots (0 FP8 dots below); on gfx942 (ROCm) they are FP8 "
                 "GEMMs (dsv4/rollout_format.py `GEMM_KEYS`; --rollout-dtype fp8 shows them on an NVIDIA target). The "
                 "routed experts are dequantised per layer on every backend (no grouped FP8 GEMM)")
@@ -459,16 +358,18 @@ def _rooflines(config, report, seq: int, target: gt.Target, label: str, xla, rx,
 def _compile_rollout(config, report, args, gpu_target: gt.Target | None = None, backend: str = "XLA:CPU", say=print,
                      compiler_options: dict | None = None):
     """--compile, rollout side: XLA's figures of the sampler's generate program on the rollout mesh
-    (`launch.aot.compile_rollout`, `--rollout-batch` x `--rollout-context`; continuous batching over
-    `--rollout-slots` slots with `--prefill-chunk` chunked per-request prefill, or static with slots 0), printed
-    with the KV capacity left;
+    (`launch.aot.compile_rollout`: the step's `--prompts-per-step` x `--group-size` sequences of `--max-prompt-len`
+    + `--max-new-tokens`; continuous batching over `--rollout-slots` slots with `--prefill-chunk` chunked
+    per-request prefill, or static with slots 0), printed with the KV capacity left;
     returns the `RolloutCompileReport` (None, with the error printed, when it cannot be compiled). In a child
     process (`_in_child`; on abstract GPUs of `gpu_target` when given): CompileFailed when it aborts or fails."""
+    run = args.run
     try:
         rx = _in_child("launch.aot:compile_rollout", dict(
-            config=config, mesh_spec=report.mesh_spec, batch=args.rollout_batch, context=args.rollout_context,
-            prompt_len=args.rollout_prompt_len, rollout=_rollout(args), kv_budget=report.rollout.margin,
-            backend=backend, compiler_options=compiler_options, routing_load=args.routing_load), "rollout", args,
+            config=config, mesh_spec=report.mesh_spec, batch=run.rollout.prompts_per_step * run.rollout.group_size,
+            context=seq_len(run), prompt_len=run.data.max_prompt_len, rollout=run.rollout,
+            kv_budget=report.rollout.margin, backend=backend, compiler_options=compiler_options,
+            routing_load=args.routing_load), "rollout", args,
             report, gpu_target=gpu_target)
     except ValueError as e:
         print(f"error (rollout compile): {e}", file=sys.stderr)

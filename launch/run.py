@@ -9,8 +9,8 @@
         # the two-job layout as Ray actors in placement groups (launch/ray_run.py; the [ray] extra)
 
 Every flag is a knob of the nested `rl.config.RunConfig` (`--group-size` <-> `rollout.group_size`); any knob
-also takes a dotted flag (`--learner.lr 1e-6`). `--config-file FILE.yaml` sets knobs from a YAML mapping (nested
-sections, or the flat flag names); precedence: defaults < `--algo` preset < YAML < flat flags < dotted flags. `--dry-run` prints the
+also takes a dotted flag (`--learner.lr 1e-6`); the flat spellings (`FLAT`) exist only here. `--config-file
+FILE.yaml` sets knobs from a YAML mapping (nested sections or dotted keys); precedence: defaults < `--algo` preset < YAML < flat flags < dotted flags. `--dry-run` prints the
 resolved config, the meshes and the memory plan, then exits. Bad input (files, fields, flags) ends with a
 one-line error naming what is wrong and exit status 2, never a traceback.
 """
@@ -36,7 +36,6 @@ from parallel.push.mpmd import MpmdPushVerificationError  # noqa: E402
 from parallel.plan import GPUS, plan  # noqa: E402
 from rl import config_tree  # noqa: E402
 from rl.config import RunConfig  # noqa: E402
-from rl.config_flags import FLAT  # noqa: E402
 from rl.config_file import load_config_file  # noqa: E402
 from rl.config_notes import overridden_settings  # noqa: E402
 from rl.job import build, load_data, resolve_model_config  # noqa: E402
@@ -49,6 +48,43 @@ from sharding.mesh import DeviceCountError, build_mesh_plan, parse_mesh_spec  # 
 from sharding.mpmd import PeerTimeoutError, exit_on_failure, lost_peer  # noqa: E402
 
 log = logging.getLogger("dsv4rl")
+
+# The historic flat flags, this argparse's only: flag --a-b (dest a_b) -> the one dotted path it spells (a contract:
+# these spellings keep working; everywhere else, RunConfig and the YAML file included, a knob is its dotted path)
+FLAT = {
+    "mesh": "mesh", "config": "model.config", "init": "model.init",
+    **{k: "data." + k for k in ("task", "task_digits", "dataset", "tokenizer", "data_format", "prompt_field",
+                                 "answer_field", "chat_template", "eval_dataset", "reward", "max_prompt_len",
+                                 "on_bad_record", "on_overlong_prompt", "apply_chat_template", "system_prompt",
+                                 "thinking")},
+    "steps": "steps",
+    **{k: "rollout." + k for k in ("prompts_per_step", "group_size", "max_new_tokens", "temperature", "top_p",
+                                    "top_k")},
+    "rollout_dtype": "rollout.dtype", "rollout_compute_dtype": "rollout.compute_dtype",
+    "kv_cache_dtype": "rollout.kv_cache_dtype",
+    "algo": "algo", "dapo_max_resample_batches": "dapo.max_resample_batches",
+    "dapo_on_budget_exhausted": "dapo.on_budget_exhausted",
+    "lr": "learner.lr", "warmup_steps": "learner.warmup_steps",
+    **{k: "learner.loss." + k for k in ("kl_coef", "kl_estimator", "correction", "correction_level", "mis_low",
+                                         "mis_high")},
+    "tis_clip": "learner.loss.tis_clip_high",
+    **{k: "learner." + k for k in ("routing_replay", "freeze_router", "micro_batch_size", "max_tokens_per_micro_batch",
+                                    "logprob_chunk_size", "compute_dtype", "param_dtype", "offload_optimizer")},
+    **{"eval_" + k: "eval." + k for k in ("every", "prompts", "samples", "only", "before_train")},
+    "ckpt_dir": "ckpt.dir", "ckpt_every": "ckpt.every", "resume": "ckpt.resume",
+    "allow_dataset_change": "ckpt.allow_dataset_change", "keep_checkpoints": "ckpt.keep",
+    **{k: "log." + k for k in ("metrics_jsonl", "tensorboard_dir", "wandb_project")},
+    "seed": "seed", "progress": "log.progress", "remat": "learner.remat", "scan_layers": "learner.scan_layers",
+    "stream_optimizer": "learner.stream_optimizer", "ep_backend": "learner.ep_backend",
+    "ep_capacity_factor": "learner.ep_capacity_factor",
+    "rollout_slots": "rollout.slots", "max_staleness": "rollout.max_staleness",
+    "prefill_chunk": "rollout.prefill_chunk",
+    "async_rollout": "rollout.async_rollout", "partial_rollout": "rollout.partial_rollout",
+    "push_timeout": "rollout.push_timeout",
+    "rollout_address": "rollout.address", "rollout_job": "rollout.job", "actor_address": "rollout.actor_address",
+    "rollout_restart_timeout": "rollout.restart_timeout",
+    "exact_rollout": "rollout.exact",
+}
 
 
 def _leaf(path: str):
@@ -64,7 +100,7 @@ class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
 
 
 def parser() -> argparse.ArgumentParser:
-    """The flat flags (`rl.config_flags.FLAT`: `--group-size` <-> `rollout.group_size`), help and type from the
+    """The flat flags (`FLAT`: `--group-size` <-> `rollout.group_size`), help and type from the
     knob's field. Dotted flags (`--learner.lr 1e-6`, any path of the config tree) are read by `resolve`."""
     p = argparse.ArgumentParser(prog="launch/run.py", description=__doc__.split("\n\n")[0],
                                 formatter_class=_HelpFormatter,
@@ -72,10 +108,10 @@ def parser() -> argparse.ArgumentParser:
                                        "1e-6, --learner.loss.clip_eps_high 0.28, --rollout.push_verify_every 0 "
                                        "(it wins over the flat flag and the YAML file).")
     p.add_argument("--config-file", help="YAML file of the config: nested sections (learner: {lr: ...}) and/or "
-                                         "the flat keys of the flags (flags override it)")
+                                         "dotted keys (learner.lr: ...) (flags override it)")
     p.add_argument("--dry-run", action="store_true", help="print config, meshes and memory plan, then exit")
     p.add_argument("--log-level", default="INFO", help="Python logging level: DEBUG, INFO, WARNING, ERROR")
-    flat = RunConfig().flat()
+    flat = flat_values(RunConfig())
     for name, path in FLAT.items():
         leaf = _leaf(path)
         flag = "--" + name.replace("_", "-")
@@ -87,6 +123,11 @@ def parser() -> argparse.ArgumentParser:
     add_distributed_args(p)
     add_launcher_args(p)
     return p
+
+
+def flat_values(cfg: RunConfig) -> dict:
+    """{flat flag name: value} of `cfg` (`--dry-run`'s first table, the names of the flags)."""
+    return {name: config_tree.get(cfg, path) for name, path in FLAT.items()}
 
 
 def _dotted(extra: list[str]) -> list[tuple[str, str]]:
@@ -122,8 +163,7 @@ def resolve(argv=None) -> tuple[RunConfig, argparse.Namespace]:
     items: list[tuple[str, object]] = []
     if args.config_file:
         data = load_config_file(args.config_file)  # one line naming FILE:LINE:COLUMN when bad (repeated keys too)
-        for path, (key, v) in config_tree.flatten(data, RunConfig, f"--config-file {args.config_file}",
-                                                  FLAT).items():
+        for path, (key, v) in config_tree.flatten(data, RunConfig, f"--config-file {args.config_file}").items():
             items.append((path, config_tree.convert(_leaf(path), v, args.config_file, key)))
     for name, path in FLAT.items():
         raw = getattr(args, name)
@@ -133,7 +173,18 @@ def resolve(argv=None) -> tuple[RunConfig, argparse.Namespace]:
         items.append((path, config_tree.convert(_leaf(path), raw, "--" + path)))
     items = [(p, None if p in _EMPTY_IS_NONE and v == "" else v) for p, v in items]
     args.given = {p for p, _ in items}  # the knobs the user set (rl/config_notes.py)
-    return RunConfig.from_overrides(items, source="launch/run.py"), args
+    try:
+        return RunConfig.from_overrides(items, source="launch/run.py"), args
+    except ValueError as e:
+        raise ValueError(_flat_spelling(str(e))) from None
+
+
+def _flat_spelling(msg: str) -> str:
+    """The config's messages name a knob's dotted flag, `(--rollout.group_size)`; on this command line they name its
+    flat spelling when it has one, `(--group-size)` (both flags work)."""
+    for name, path in FLAT.items():
+        msg = msg.replace(f"(--{path})", f"(--{name.replace('_', '-')})")
+    return msg
 
 
 _EMPTY_IS_NONE = ("ckpt.dir", "log.metrics_jsonl", "log.tensorboard_dir")
@@ -142,7 +193,7 @@ _EMPTY_IS_NONE = ("ckpt.dir", "log.metrics_jsonl", "log.tensorboard_dir")
 def dry_run(cfg: RunConfig) -> None:
     """Print the resolved config, the meshes and the memory plan. Loads the data (bad input fails here too) but
     builds no model; a mesh larger than this machine is still planned."""
-    print("config:", json.dumps(cfg.flat(), indent=1, default=str))  # the flags' names
+    print("config:", json.dumps(flat_values(cfg), indent=1, default=str))  # the flat flags' names
     print("config tree:", json.dumps(cfg.to_tree(), indent=1, default=str))  # every knob, nested
     tok, *_ = load_data(cfg)
     mc = resolve_model_config(cfg, tok.vocab_size)
@@ -165,7 +216,7 @@ def _memory_plan(cfg: RunConfig, model_cfg, spec: str) -> str:
         kv = EngineSettings.for_run(cfg.rollout, platform=jax.devices()[0].platform,
                                     max_prompt_len=cfg.data.max_prompt_len).kv_layout
         report = plan(model_cfg, spec, gpu, learner=cfg.learner, rollout_seq_len=seq, config_name=cfg.model.config,
-                      kv_dtype=kv)
+                      kv_layout=kv)
     except Exception as e:  # noqa: BLE001 - the plan is advice; the run itself checks the mesh
         return f"memory plan: unavailable for mesh {spec} on {gpu} ({type(e).__name__}: {e})"
     return f"memory plan (gpu {gpu}, {note}; sequences of {seq} tokens):\n{report.table()}\n{report.line()}"

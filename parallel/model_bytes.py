@@ -20,8 +20,8 @@ The KV cache (`kv_cache_bytes`, `KVCache`): its layout comes from `dsv4.cache.ca
     CSA (ratio m):   + floor(S/m) * (d * b + d_I * 4)            entries + f32 indexer keys
                      + 4 * m * 2d * 4 + 4 * m * 2d_I * 4         A, Z of the current and previous window (f32)
     HCA (ratio m'):  + floor(S/m') * d * b + 4 * m' * d * 4
-so a token costs 8,224 bytes for Flash on top of 27 MiB per sequence (`kv_dtype` "bf16"). With the FP8 cache
-(`kv_dtype="fp8"`, the sampler's `--kv-cache-dtype fp8`, the default for FP8 rollouts; r = RoPE dims, kept bf16):
+so a token costs 8,224 bytes for Flash on top of 27 MiB per sequence (bf16 entries). With the FP8 cache
+(`fp8="e4m3fn"`, the engine's FP8 KV layout, the default for FP8 rollouts; r = RoPE dims, kept bf16):
 an entry (ring slot or compressed) is e = (d - r) FP8 + (d - r) / 64 ue8m0 scale bytes + 2r = 583 B for Flash,
 an indexer key d_I + 1 = 129 B, so a token costs 21 * (583 + 129) / 4 + 20 * 583 / 128 = 3,829 B, on top of
 25 MiB per sequence (FP8 rings, f32 window states). DeepSeek's kernels pad an entry to 584 B (+0.2 B per token).

@@ -1,6 +1,7 @@
 """Memory planner: per-device bytes of the actor (training) and rollout (sampling) roles for a mesh spec and GPU.
 
-    python -m launch.plan --config flash --mesh 'actor:fsdp=2,expert=8/rollout:expert=8' --gpu mi308x --nodes 3
+    python -m launch.plan --config flash --mesh 'actor:fsdp=2,expert=8/rollout:expert=8' --gpu mi308x --nodes 3 \
+        --max-prompt-len 1024 --max-new-tokens 3072     # the run's flags (launch/run.py) + the planner's own
 
 The numbers come from the code, not from a copy of it: per-device bytes of every model tensor under its role's
 rules and the decode cache's bytes are parallel/model_bytes.py's, the learner's activations parallel/activations.py's
@@ -145,7 +146,7 @@ class PlanReport:
                       f"margin_gib={r.margin / GiB:.2f}"]
             if r.kv_tokens_per_device is not None:
                 parts.append(f"kv_tokens_per_device={r.kv_tokens_per_device}")
-                parts.append(f"kv_dtype={self.options['kv_dtype']}")
+                parts.append(f"kv_dtype={self.options['kv_layout']}")  # the field's name is the line's contract
         return " ".join(parts)
 
     def table(self) -> str:
@@ -172,15 +173,15 @@ class PlanReport:
                 shards = r.devices // r.sizes[rl.TENSOR]  # batch shards if caches were split (one K=V head: not TP)
                 seq_mib = r.kv_per_seq / 2**20
                 what = ("FP8 rings, entries and indexer keys with ue8m0 scales, bf16 RoPE dims, f32 compressor "
-                        "states" if o["kv_dtype"] == "fp8" else
-                        f"{o['kv_dtype']} entries, f32 compressor states and indexer keys")
+                        "states" if o["kv_layout"] == "fp8" else
+                        f"{o['kv_layout']} entries, f32 compressor states and indexer keys")
                 lines.append(f"  KV cache per sequence of {o['rollout_seq_len']} tokens: {seq_mib:.1f} MiB "
                              f"({what}; dsv4.cache layout)")
                 pt = r.kv_per_token or {}
                 lines.append(f"  KV cache bytes per token: {r.kv_per_seq / o['rollout_seq_len']:,.0f} B "
                              f"(at {o['rollout_seq_len']} tokens, fixed states included; per added token: "
-                             f"fp8 {pt.get('fp8', 0):,.0f} B, bf16 {pt.get('bf16', 0):,.0f} B; --kv-cache-dtype "
-                             f"{o['kv_dtype']})")
+                             f"fp8 {pt.get('fp8', 0):,.0f} B, bf16 {pt.get('bf16', 0):,.0f} B; KV layout "
+                             f"{o['kv_layout']})")
                 lines.append(f"  KV capacity: {r.kv_seqs_per_device:,} sequences = {r.kv_tokens_per_device:,} tokens "
                              f"per device (rl/rollout/engine.py splits the batch and its caches over data x expert: "
                              f"x{shards} rollout-wide)")
@@ -211,7 +212,7 @@ def _role_nodes(devices: int) -> float:
 def plan(config, mesh_spec: str, gpu: str, *, learner: LearnerKnobs, nodes: int | None = None,
          optimizer_dtype: str = "fp32", tokens_per_device: int = 4096, rollout_seq_len: int = 4096,
          train_seq_len: int | None = None, rollout_experts: str = "fp8", fp8_scale_bytes: float = 4.0,
-         fp4_scale_bytes: float = 1.0, rollout_dequant: str = "per_step", kv_dtype: str = "bf16",
+         fp4_scale_bytes: float = 1.0, rollout_dequant: str = "per_step", kv_layout: str = "bf16",
          usable_fraction: float = 0.90, rollout_reserve: float = 0.10, rollout_seqs_per_device: int = 1,
          host_gib_per_node: float | None = None, config_name: str | None = None,
          xla_cpu: bool = False, draft_tokens: int = 0) -> PlanReport:
@@ -254,8 +255,8 @@ def plan(config, mesh_spec: str, gpu: str, *, learner: LearnerKnobs, nodes: int 
         raise ValueError(f"rollout experts must be 'fp8' or 'fp4', got {rollout_experts!r}")
     if rollout_dequant not in ("per_step", "per_call"):
         raise ValueError(f"rollout dequant must be 'per_step' or 'per_call', got {rollout_dequant!r}")
-    if kv_dtype not in (*DTYPE_BYTES, "fp8"):
-        raise ValueError(f"kv dtype must be one of {[*DTYPE_BYTES, 'fp8']}, got {kv_dtype!r}")
+    if kv_layout not in (*DTYPE_BYTES, "fp8"):
+        raise ValueError(f"kv layout must be one of {[*DTYPE_BYTES, 'fp8']}, got {kv_layout!r}")
     for name, v in (("offload_optimizer", offload_optimizer), ("usable_fraction", usable_fraction),
                     ("rollout_reserve", rollout_reserve)):
         if not 0.0 <= v <= 1.0:
@@ -279,7 +280,7 @@ def plan(config, mesh_spec: str, gpu: str, *, learner: LearnerKnobs, nodes: int 
                 tokens_per_device=tokens_per_device, rollout_seq_len=rollout_seq_len,
                 train_seq_len=train_seq_len or rollout_seq_len, rollout_experts=rollout_experts,
                 fp8_scale_bytes=fp8_scale_bytes, fp4_scale_bytes=fp4_scale_bytes, rollout_dequant=rollout_dequant,
-                kv_dtype=kv_dtype, usable_fraction=usable_fraction,
+                kv_layout=kv_layout, usable_fraction=usable_fraction,
                 rollout_reserve=rollout_reserve, rollout_seqs_per_device=rollout_seqs_per_device,
                 ep_capacity_factor=ep_capacity_factor, ep_backend=ep_backend, stream_optimizer=stream_optimizer,
                 host_gib_per_node=host_gib_per_node)
@@ -376,8 +377,8 @@ def plan(config, mesh_spec: str, gpu: str, *, learner: LearnerKnobs, nodes: int 
         r_items["actor state resident (colocated; activations excluded)"] = (
             a_gpu - off - sum(v for k, v in a_items.items() if k.startswith("activations") and "XLA:CPU" not in k))
     r_items[f"reserve for activations / fragmentation ({rollout_reserve:.0%} of usable)"] = rollout_reserve * usable
-    kv = KVCache.for_config(config, jnp.float32 if kv_dtype == "fp32" else jnp.bfloat16,
-                            "e4m3fn" if kv_dtype == "fp8" else None, draft_tokens=draft_tokens)
+    kv = KVCache.for_config(config, jnp.float32 if kv_layout == "fp32" else jnp.bfloat16,
+                            "e4m3fn" if kv_layout == "fp8" else None, draft_tokens=draft_tokens)
     per_token = {"fp8": KVCache.for_config(config, fp8="e4m3fn").per_token,
                  "bf16": KVCache.for_config(config).per_token}
     free = usable - sum(r_items.values())

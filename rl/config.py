@@ -13,16 +13,16 @@
     └── log        LogConfig               metrics JSONL, TensorBoard, W&B, progress bar
 
 Precedence (`RunConfig.from_overrides`): defaults < the `algo` preset < overrides in order (launch/run.py passes
-the YAML file, then the flat flags, then the dotted flags). Every knob has a dotted path (`learner.lr`); the
-historic flat names (`lr`, `group_size`, `eval_every`, ...: `rl.config_flags.FLAT`) are spellings of one path
-each: they work as `RunConfig(lr=...)`, `--lr` and flat YAML keys, and `cfg.flat()` lists them; the code reads the
-nested fields (`cfg.learner.lr`). The run's defaults are the embedded default run (tiny DeepSeek-V4 from random
-init on the built-in digit-copy task, on CPU). Library classes read the same declarations: the learner section is
-`LearnerConfig` itself, and the run's learner (`DEFAULT_LEARNER`) changes only its recipe values (lr 2e-3, b2 0.99,
-fp32 compute, routing replay, TIS; `RECIPE_KNOBS`, reasons next to it); `Sampler`, `SamplingParams`,
-`PromptDataset.from_records` and the planner take their defaults of the rollout and data knobs (`max_prompt_len`,
-`prefill_chunk`, `slots`, rollout dtype, sampling parameters, KV-cache dtype for the planner) from the fields of
-the sections (`config_tree.default`).
+the YAML file, then the flat flags, then the dotted flags). Every knob has one name, its dotted path
+(`learner.lr`): `RunConfig(**{"learner.lr": 1e-6})`, `--learner.lr`, YAML `learner: {lr: ...}`; the code reads the
+nested fields (`cfg.learner.lr`). The historic flat flags (`--lr`, `--group-size`, ...) are spellings that only
+launch/run.py's argparse knows (`launch.run.FLAT`). The run's defaults are the embedded default run (tiny
+DeepSeek-V4 from random init on the built-in digit-copy task, on CPU). Library classes read the same declarations:
+the learner section is `LearnerConfig` itself, and the run's learner (`DEFAULT_LEARNER`) changes only its recipe
+values (lr 2e-3, b2 0.99, fp32 compute, routing replay, TIS; `RECIPE_KNOBS`, reasons next to it); `Sampler`
+(`EngineSettings`), `SamplingParams` and `PromptDataset.from_records` take their defaults of the rollout and
+data knobs (`max_prompt_len`, `prefill_chunk`, `slots`, rollout and KV-cache dtypes, sampling parameters) from the
+fields of the sections (`config_tree.default`); the planner (`python -m launch.plan`) reads the run's config itself.
 Derived (not settable): `learner.temperature` = `rollout.temperature`; `advantage.dynamic_sampling_max_rounds`
 = 1 + `dapo.max_resample_batches`. Impossible values raise ValueError naming the field and its flag.
 """
@@ -34,7 +34,7 @@ from typing import Any, Literal
 
 from rl import config_tree as tree
 from rl.algo_config import AdvantageConfig, LearnerConfig, LossConfig, check_real, speculative_preset
-from rl.config_flags import FLAT, check_choices, check_ints, flag
+from rl.config_flags import check_choices, check_ints, flag
 from rl.config_tree import knob
 from rl.rollout.config import RolloutConfig
 
@@ -222,9 +222,9 @@ def _rename(owner: type, e: ValueError) -> ValueError:
 class RunConfig:
     """The whole GRPO job (launch/run.py); see the module docstring for the tree, the presets and precedence.
 
-    `RunConfig(**kw)`: keys are top-level fields or whole sections (`learner=LearnerConfig(...)`), flat names
-    (`lr=1e-6`, `FLAT`) or dotted paths given as a dict (`RunConfig(**{"learner.lr": 1e-6})`); later keys win,
-    all of them over the `algo` preset. The code reads the nested fields (`cfg.learner.lr`).
+    `RunConfig(**kw)`: keys are top-level fields (`steps=3`), whole sections (`learner=LearnerConfig(...)`) or
+    dotted paths given as a dict (`RunConfig(**{"learner.lr": 1e-6})`); later keys win, all of them over the
+    `algo` preset. The code reads the nested fields (`cfg.learner.lr`).
     Raises ValueError naming the field and flag for impossible values and unknown keys.
     """
 
@@ -252,16 +252,17 @@ class RunConfig:
     def from_overrides(cls, items, source: str = "RunConfig") -> RunConfig:
         """Resolve (key, value) pairs in precedence order (later wins) over defaults + the algo preset.
 
-        Keys: dotted paths, flat names (`FLAT`), or whole sections. Values must already have the knob's type
-        (`rl.config_tree.convert` turns strings into it). ValueError names `source` and an unknown key."""
+        Keys: dotted paths or whole sections. Values must already have the knob's type (`rl.config_tree.convert`
+        turns strings into it). ValueError names `source` and an unknown key (and the paths ending in it)."""
         leaves, secs = tree.paths(cls), tree.sections(cls)
         user: dict[str, Any] = {}
-        for k, v in items:
-            path = FLAT.get(k, k)
+        for path, v in items:
             if path in DERIVED:
-                raise ValueError(f"{source}: {k} is derived from {DERIVED[path]} and cannot be set")
+                raise ValueError(f"{source}: {path} is derived from {DERIVED[path]} and cannot be set")
             if path not in leaves and path not in secs:
-                raise ValueError(f"{source}: unknown key {k!r}")
+                near = [p for p in leaves if p.endswith("." + path)]
+                raise ValueError(f"{source}: unknown key {path!r}" + (f" (a dotted path: {' or '.join(near)}?)"
+                                                                      if near else ""))
             user.pop(path, None)  # re-inserted last: dict order = precedence
             user[path] = v
         algo = user.get("algo", cls.__dataclass_fields__["algo"].default)
@@ -343,9 +344,9 @@ class RunConfig:
         `rollout.async_rollout` alone; 0 = the synchronous loop."""
         return int(self.rollout.max_staleness) or int(bool(self.rollout.async_rollout))
 
-    def flat(self) -> dict[str, Any]:
-        """{flat name: value} of every flat name (the W&B config keys, the historic RunConfig fields)."""
-        return {k: tree.get(self, p) for k, p in FLAT.items()}
+    def knobs(self) -> dict[str, Any]:
+        """{dotted path: value} of every settable knob (the W&B config keys)."""
+        return {p: tree.get(self, p) for p in tree.paths(RunConfig) if p not in DERIVED}
 
     def to_tree(self) -> dict:
         """The resolved config as nested dicts, derived knobs left out: a YAML of it loads back

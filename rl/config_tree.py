@@ -123,27 +123,24 @@ def convert(leaf: Leaf, raw: Any, source: str, name: str | None = None) -> Any:
         raise ValueError(f"{source}: {name} must be {base.__name__}, got {raw!r}") from None
 
 
-def flatten(mapping: dict, cls: type, source: str, aliases: dict[str, str] | None = None,
-            prefix: str = "") -> dict[str, tuple[str, Any]]:
+def flatten(mapping: dict, cls: type, source: str, prefix: str = "") -> dict[str, tuple[str, Any]]:
     """A (possibly nested) mapping of knobs -> {dotted path: (key as written, value)}, in order.
 
-    Keys may be nested sections (`learner: {lr: 1e-6}`), dotted (`learner.lr`), or top-level `aliases` (flat
-    names, e.g. `lr` -> `learner.lr`); `-` may stand for `_`. ValueError names `source` and an unknown key, or
-    two spellings of one knob (`lr` and `learner: {lr: ...}`)."""
+    Keys may be nested sections (`learner: {lr: 1e-6}`) or dotted (`learner.lr`); `-` may stand for `_`.
+    ValueError names `source` and an unknown key, or two spellings of one knob (`learner.lr` and
+    `learner: {lr: ...}`)."""
     leaves, secs, out = paths(cls), sections(cls), {}
     for k, v in mapping.items():
         key = prefix + str(k).replace("-", "_")
-        if not prefix and aliases and key in aliases:
-            key = aliases[key]
         if key in secs and isinstance(v, dict):
-            found = flatten(v, cls, source, None, key + ".")
+            found = flatten(v, cls, source, key + ".")
         elif key in leaves:
             found = {key: (prefix + str(k), v)}
         else:
             raise ValueError(f"{source}: unknown key {prefix + str(k)!r}")
         for path, (written, _) in found.items():
-            if path in out:  # two spellings of one knob (`lr` and `learner.lr`): which one wins is not obvious
-                raise ValueError(f"{source}: {out[path][0]!r} and {written!r} both set {path}; give it once")
+            if path in out:  # two spellings of one knob (`learner.lr`, `learner: {lr}`): which one wins is not obvious
+                raise ValueError(f"{source}: {path} is set twice (a dotted key and a section's); give it once")
         out.update(found)
     return out
 

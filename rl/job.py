@@ -191,13 +191,20 @@ def load_data(cfg: RunConfig):
             evd if evd is not train else None)
 
 
+# the fingerprint's keys as checkpoints store them (named before the dotted paths; renaming a key would refuse
+# every older checkpoint) -> the knob each one records
+_FINGERPRINT = {"config": "model.config", "init": "model.init", "task": "data.task", "task_digits": "data.task_digits",
+                "dataset": "data.dataset", "prompts_per_step": "rollout.prompts_per_step",
+                "group_size": "rollout.group_size", "max_new_tokens": "rollout.max_new_tokens", "algo": "algo",
+                "seed": "seed", "routing_replay": "learner.routing_replay", "kl_coef": "learner.loss.kl_coef",
+                "lr": "learner.lr"}
+
+
 def fingerprint(cfg: RunConfig, model_cfg) -> dict:
-    """What must match between a checkpoint and the run restoring it (the historic flat names are its keys)."""
-    keep = ("config", "init", "task", "task_digits", "dataset", "prompts_per_step", "group_size", "max_new_tokens",
-            "algo", "seed", "routing_replay", "kl_coef", "lr")
-    flat = cfg.flat()
+    """What must match between a checkpoint and the run restoring it (keys: `_FINGERPRINT`)."""
+    knobs = cfg.knobs()
     return {"model": json.dumps(model_cfg.to_dict(), sort_keys=True, default=str),
-            **{k: flat[k] for k in keep},
+            **{k: knobs[p] for k, p in _FINGERPRINT.items()},
             **({"scan_layers": True} if cfg.learner.scan_layers else {}),  # stacked state (absent: older ones)
             **({"fp8_forward": True} if cfg.learner.fp8_forward else {}),  # the FP8-aware learner's policy
             **({"max_staleness": cfg.staleness()} if cfg.staleness() else {}),  # the pipeline's K (rl/pipeline.py)

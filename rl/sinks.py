@@ -40,7 +40,7 @@ class MetricsLogger:
 
             self.tb = SummaryWriter(self.tb_dir, purge_step=first_step)
         if self.wandb_project:
-            self.wandb = WandbSink(self.wandb_project, {**self.cfg.flat(), "resolved": self.cfg.to_tree()},
+            self.wandb = WandbSink(self.wandb_project, {**self.cfg.knobs(), "resolved": self.cfg.to_tree()},
                                    run_dir=self.jsonl.parent if self.jsonl else None)
 
     def truncate(self, last_step: int) -> None:

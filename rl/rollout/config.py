@@ -1,7 +1,8 @@
 """The rollout section of the run config (`RunConfig.rollout`, rl/config.py): sampling on the rollout mesh
 (rl/rollout/engine.py), the rollout weights and KV cache, batching, speculative decoding, asynchrony, the weight push
 to it (parallel/push/) and the MPMD / two-job layouts. Each knob is declared once (default + help in the field);
-`Sampler`, `SamplingParams` and the planner take their defaults from here (`rl.config_tree.default`).
+`Sampler` / `EngineSettings` and `SamplingParams` take their defaults from here (`rl.config_tree.default`); the planner
+reads the run's config.
 Tests: tests/rl/test_run_config.py.
 """
 
@@ -32,9 +33,10 @@ class RolloutConfig:
                               "experts, the release's format) | bf16 | fp32 | auto")
     compute_dtype: Literal["auto", "bfloat16", "float32"] = knob(
         "auto", "rollout matmul dtype: auto (fp32 on CPU, bf16 on GPU) | bfloat16 | float32")
-    kv_cache_dtype: str = knob("auto", "rollout KV cache: fp8 (window ring, compressed entries and indexer keys in FP8 "
-                                       "with ue8m0 scales, the release's layout) | bf16 (unquantised) | auto (fp8 "
-                                       "for --rollout-dtype fp8*, else bf16)")
+    kv_cache_dtype: Literal["fp8", "bf16", "auto"] = knob(
+        "auto", "rollout KV cache: fp8 (window ring, compressed entries and indexer keys in FP8 with ue8m0 scales, "
+                "the release's layout) | bf16 (unquantised) | auto (fp8 for --rollout-dtype fp8*, else bf16; "
+                "resolved by `rl.rollout.settings.EngineSettings.kv_layout`)")
     push_verify_every: int = knob(10, "verify the pushed FP8 weights against the learner's every N-th push "
                                       "(0 = never)")
     slots: int | str = knob(0, "rollout batching: 0 = static (all rows until the longest ends) | N = continuous "
@@ -181,8 +183,5 @@ class RolloutConfig:
         if self.dtype not in ROLLOUT_DTYPES:
             raise ValueError(f"rollout.dtype (--rollout-dtype) must be fp8|fp8_e4m3fnuz|fp8+fp4experts|bf16|fp32|auto, "
                              f"got {self.dtype!r}")
-        if self.kv_cache_dtype not in ("auto", "fp8", "bf16"):
-            raise ValueError(f"rollout.kv_cache_dtype (--kv-cache-dtype) must be fp8|bf16|auto, "
-                             f"got {self.kv_cache_dtype!r}")
         if check_real("rollout", "temperature", self.temperature) < 0 or not 0 < self.top_p <= 1:
             raise ValueError("rollout: --temperature must be >= 0 and --top-p in (0, 1]")

@@ -24,10 +24,10 @@ Design (docs/jax-stack.md §5; Tunix `sampler.py`, MaxText `maxengine` read for 
   layer's weights are dequantised right before it runs, in the prefill and in every decode step
   (`dequant="per_layer"`, default: rl/rollout/layerwise.py), or, as references, the whole model once per call
   (`"per_call"`) / per decode step (`"per_step"`). FP8 GEMMs where the backend has them (`matmul="auto"`, logged).
-- KV cache (`kv_cache_dtype`, `--kv-cache-dtype`): "fp8" stores the window ring, the compressed entries and the
+- KV cache (`EngineSettings.kv_layout`): "fp8" stores the window ring, the compressed entries and the
   indexer keys in FP8 with ue8m0 scales (the release's layout, `dsv4.cache` docstring; e4m3fnuz when the weights
   are fnuz), dequantised on read in each decode step; "bf16" keeps today's unquantised layout (entries in the
-  compute dtype, f32 indexer keys); "auto" = fp8 for FP8 weights. The prefill attends to its own unquantised
+  compute dtype, f32 indexer keys). The prefill attends to its own unquantised
   keys; the decode steps read the cache. Static and continuous batching share the layout.
 - Placement: the batch, its inputs and the KV caches are split over the rule table's `ACT_BATCH` mesh axes (rollout:
   data x fsdp x expert, "EP as DP"; `sharding.rules.cache_shardings`), never replicated; outputs are replicated.
@@ -114,7 +114,7 @@ class Sampler(EngineShapes):
       model: a DSV4ForCausalLM (its weights become version 0; any param dtype), or an abstract one
         (`nnx.eval_shape`): no weights until `set_weights` (e.g. `rl.rollout.init.checkpoint_rollout_weights`).
       settings: the engine's knobs (`rl.rollout.settings.EngineSettings`, e.g. `EngineSettings.for_run(cfg.rollout,
-        ...)`); or pass its fields as keywords (`weights=`, `max_prompt_len=`, `slots=`, `kv_cache_dtype=`, ...).
+        ...)`); or pass its fields as keywords (`weights=`, `max_prompt_len=`, `slots=`, ...).
       mesh: rollout `jax.sharding.Mesh` (None = default device). rules: logical-axis rules (default
         `sharding.rules.ROLLOUT_RULES`). dispatch_fn: routed-expert implementation for prefill and decode
         (`dsv4.moe` contract); None: `parallel.expert.default_dispatch` for `ep_backend` / `ep_capacity_factor`
@@ -123,7 +123,7 @@ class Sampler(EngineShapes):
     `layerwise`, `dispatch_fn` / `dispatch_name`, `kv_fp8` (the cache's FP8 format or None), `last_stats`,
     `last_cache_bytes`, `weight_version`; `static_jit` / `slots_jit` the two programs.
     Raises:
-      ValueError: unknown `weights` / `dequant` / `matmul` / `kv_cache_dtype`, slots < 0, prefill_chunk not a
+      ValueError: an unknown setting (`EngineSettings`), slots < 0, prefill_chunk not a
         multiple of the compression ratios, speculative decoding the model cannot do.
     """
 

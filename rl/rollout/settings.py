@@ -7,7 +7,7 @@ planner (`launch.aot.compile_rollout`, `launch.plan`) and the run (`rl.job`, `la
     settings.kv_bytes_format  # None | "e4m3fn": the FP8 layout's bytes for the KV-bytes arithmetic (fn / fnuz alike)
 
 What is resolved here: `--rollout-dtype` (`dsv4.rollout_format.parse_rollout_dtype`), `--kv-cache-dtype` against it
-(`dsv4.cache.resolve_kv_cache_dtype`: auto = fp8 for FP8-resident weights), the compute dtype (auto: float32 on
+(`kv_layout`, the one place: auto = fp8 for FP8-resident weights), the compute dtype (auto: float32 on
 CPUs, whose bf16 matmuls are emulated, bfloat16 elsewhere; the weights' own dtype for fp32 weights), the dequant
 and matmul modes and the slot count. What needs the model config (the prefill chunk, speculative decoding) or the
 devices (the FP8 format, FP8 GEMMs, the expert dispatch) is checked by the engine.
@@ -21,12 +21,13 @@ from typing import Any
 import jax.numpy as jnp
 import numpy as np
 
-from dsv4.cache import resolve_kv_cache_dtype
 from dsv4.rollout_format import RolloutDtype, parse_rollout_dtype
 from rl.config import DataConfig
 from rl.rollout.config import RolloutConfig
-from rl.config_tree import default
+from rl.config_tree import default, paths
 from rl.rollout.layerwise import DEQUANT_MODES, MATMUL_MODES
+
+KV_CACHE_DTYPES = paths(RolloutConfig)["kv_cache_dtype"].choices  # fp8 | bf16 | auto, declared by the knob
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -37,8 +38,8 @@ class EngineSettings:
     the FP8 scales. dequant: "per_layer" | "per_call" | "per_step". matmul: "auto" | "dequant" | "fp8".
     compute_dtype: matmul dtype (None: float32 for fp32 weights, else bfloat16). slots: 0 = static batching, N >= 1
     decode slots (`--rollout-slots`). kv_budget_bytes: KV-cache bytes per rollout device (None = unchecked).
-    kv_cache_dtype: "bf16" (the library default: the unquantised cache) | "fp8" | "auto" (`--kv-cache-dtype`; the
-    run's default is `RolloutConfig.kv_cache_dtype`, passed by `for_run`). prefill_chunk, speculative, draft_tokens,
+    kv_cache_dtype: "fp8" | "bf16" | "auto" (`--kv-cache-dtype`; the one default, `RolloutConfig.kv_cache_dtype`;
+    resolved by `kv_layout`). prefill_chunk, speculative, draft_tokens,
     ep_backend, ep_capacity_factor: `--prefill-chunk`, `--rollout.speculative`, `--rollout.draft_tokens`,
     `--rollout.ep_backend`, `--rollout.ep_capacity_factor`.
     Raises ValueError (naming the knob) for an unknown weights / dequant / matmul / kv_cache_dtype or slots < 0.
@@ -52,7 +53,7 @@ class EngineSettings:
     compute_dtype: Any = None
     slots: int = default(RolloutConfig, "slots")
     kv_budget_bytes: float | None = None
-    kv_cache_dtype: str = "bf16"
+    kv_cache_dtype: str = default(RolloutConfig, "kv_cache_dtype")
     prefill_chunk: int = default(RolloutConfig, "prefill_chunk")
     speculative: str = default(RolloutConfig, "speculative")
     draft_tokens: int = default(RolloutConfig, "draft_tokens")
@@ -61,7 +62,8 @@ class EngineSettings:
 
     def __post_init__(self):
         rdt = parse_rollout_dtype(self.weights)
-        resolve_kv_cache_dtype(self.kv_cache_dtype, rdt.fp8)  # raises for a bad --kv-cache-dtype
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"--kv-cache-dtype must be {' | '.join(KV_CACHE_DTYPES)}, got {self.kv_cache_dtype!r}")
         if self.dequant not in DEQUANT_MODES:
             raise ValueError(f"Sampler dequant={self.dequant!r}: expected {' | '.join(DEQUANT_MODES)}")
         if self.matmul not in MATMUL_MODES:
@@ -100,8 +102,12 @@ class EngineSettings:
 
     @property
     def kv_layout(self) -> str:
-        """"fp8" | "bf16": the KV cache layout the engine builds (`--kv-cache-dtype` resolved for the weights)."""
-        return resolve_kv_cache_dtype(self.kv_cache_dtype, self.rdt.fp8)
+        """"fp8" | "bf16": the KV cache layout the engine builds, `--kv-cache-dtype` resolved for the weights (the
+        one place it is): "auto" is fp8 for FP8 rollout weights (`--rollout-dtype fp8*`), else bf16 (the
+        unquantised layout, entries in the compute dtype)."""
+        if self.kv_cache_dtype == "auto":
+            return "fp8" if self.rdt.fp8 else "bf16"
+        return self.kv_cache_dtype
 
     @property
     def kv_bytes_format(self) -> str | None:

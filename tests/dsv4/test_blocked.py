@@ -157,7 +157,7 @@ def test_unknown_options_are_one_line_errors(model):
     from rl.algo_config import LearnerConfig
     from rl.config import RunConfig
 
-    for make in (remat_policy, lambda r: LearnerConfig(remat=r), lambda r: RunConfig(remat=r)):
+    for make in (remat_policy, lambda r: LearnerConfig(remat=r), lambda r: RunConfig(**{"learner.remat": r})):
         with pytest.raises(ValueError, match=r"^--remat must be one of block\|dots\|none, got 'full'$"):
             make("full")
     assert LearnerConfig().remat == RunConfig().learner.remat == "block"

@@ -69,9 +69,10 @@ def test_chunk_checks():
     with pytest.raises(ValueError, match=r"--prefill-chunk 12: expected 0 .* multiple of 8"):
         check_chunk(CFG, 12)
     from rl.config import RunConfig
-    assert RunConfig().rollout.prefill_chunk == 2048 and RunConfig(prefill_chunk=256).rollout.prefill_chunk == 256
-    with pytest.raises(ValueError, match="--prefill-chunk"):
-        RunConfig(prefill_chunk=-1)
+    assert RunConfig().rollout.prefill_chunk == 2048
+    assert RunConfig(**{"rollout.prefill_chunk": 256}).rollout.prefill_chunk == 256
+    with pytest.raises(ValueError, match="--rollout.prefill_chunk"):
+        RunConfig(**{"rollout.prefill_chunk": -1})
 
 
 def test_chunked_prefill_with_the_fp8_cache():

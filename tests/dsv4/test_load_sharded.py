@@ -140,7 +140,8 @@ def test_rollout_from_checkpoint_equals_the_dense_fp32_rollout(ckpts, plan):
     dense = load_hf_checkpoint(d, dtype=jnp.float32)
     ref = Sampler(dense, mesh=plan.rollout, weights="fp32", max_prompt_len=16)
     abstract = nnx.eval_shape(lambda: DSV4ForCausalLM(CFG, rngs=nnx.Rngs(0)))
-    new = Sampler(abstract, mesh=plan.rollout, weights="fp8", max_prompt_len=16, compute_dtype=jnp.float32)
+    new = Sampler(abstract, mesh=plan.rollout, weights="fp8", max_prompt_len=16, compute_dtype=jnp.float32,
+                  kv_cache_dtype="bf16")
     assert new.weight_state() is None
     w = checkpoint_rollout_weights(new, d)
     new.set_weights(w, version=0)

@@ -136,7 +136,7 @@ def test_metrics_of_recomputed_steps_are_dropped(tmp_path):
 
     path = tmp_path / "metrics.jsonl"
     path.write_text("".join(json.dumps({"step": s, "x": s}) + "\n" for s in range(5)) + '{"step": 5, "x"')
-    logger = MetricsLogger(RunConfig(metrics_jsonl=str(path), tensorboard_dir=str(tmp_path / "tb")))
+    logger = MetricsLogger(RunConfig(**{"log.metrics_jsonl": str(path), "log.tensorboard_dir": str(tmp_path / "tb")}))
     logger.open(2)
     logger.log(2, {"x": 20})
     logger.close()

@@ -78,7 +78,8 @@ def test_flash_seed_layout():
 
 def test_cli_overrides_yaml(tmp_path):
     f = tmp_path / "run.yaml"
-    f.write_text("steps: 7\ngroup-size: 6\nrouting_replay: false\nlr: 3.0e-4\nckpt_dir: a/ckpt\nseed: 5\n")
+    f.write_text("steps: 7\nrollout.group-size: 6\nlearner.routing_replay: false\nlearner.lr: 3.0e-4\nckpt:\n  dir: a/ckpt\n"
+                 "seed: 5\n")
     cfg, _ = launch_run.resolve(["--config-file", str(f), "--group-size", "8", "--routing-replay", "--ckpt-dir", "",
                                  "--lr", "1e-3"])
     assert (cfg.steps, cfg.seed) == (7, 5)  # from the file

@@ -78,7 +78,7 @@ def test_dry_run_shows_the_rendered_prompt(dapo, tmp_path, capsys, caplog):
 
 def test_yaml_thinking_on_is_a_string(tmp_path):
     f = tmp_path / "run.yaml"
-    f.write_text("thinking: on\napply_chat_template: true\ndataset: d.parquet\ntokenizer: t.json\n")
+    f.write_text("data:\n  thinking: on\n  apply_chat_template: true\n  dataset: d.parquet\n  tokenizer: t.json\n")
     cfg, _ = launch_run.resolve(["--config-file", str(f)])
     assert cfg.data.thinking == "on" and cfg.data.apply_chat_template  # YAML 1.1 reads `on` as true
 
@@ -181,15 +181,15 @@ def test_wandb_sink_logs_the_same_names_and_config(tmp_path, monkeypatch):
     fake.init = lambda **kw: runs.append(FakeRun(**kw)) or runs[-1]
     monkeypatch.setitem(sys.modules, "wandb", fake)
     monkeypatch.delenv("WANDB_DIR", raising=False)
-    cfg = RunConfig(wandb_project="dsv4-seed", metrics_jsonl=str(tmp_path / "m" / "metrics.jsonl"),
-                    tensorboard_dir=None, ckpt_dir=None)
+    cfg = RunConfig(**{"log.wandb_project": "dsv4-seed", "log.metrics_jsonl": str(tmp_path / "m" / "metrics.jsonl"),
+                       "log.tensorboard_dir": None, "ckpt.dir": None})
     logger = MetricsLogger(cfg)
     logger.open(None)
     logger.log(3, {"rollout/reward_mean": 0.5, "eval/pass@1": 0.25, "perf/x": math.nan, "weight_version": 4})
     logger.close()
     (run,) = runs
-    assert run.init_kwargs["project"] == "dsv4-seed" and run.init_kwargs["config"]["wandb_project"] == "dsv4-seed"
-    assert run.init_kwargs["config"]["group_size"] == cfg.rollout.group_size and run.init_kwargs["dir"] == str(tmp_path / "m")
+    assert run.init_kwargs["project"] == "dsv4-seed" and run.init_kwargs["config"]["log.wandb_project"] == "dsv4-seed"
+    assert run.init_kwargs["config"]["rollout.group_size"] == cfg.rollout.group_size and run.init_kwargs["dir"] == str(tmp_path / "m")
     assert run.rows == [(3, {"rollout/reward_mean": 0.5, "eval/pass@1": 0.25, "weight_version": 4})]
     assert run.finished
     assert json.loads((tmp_path / "m" / "metrics.jsonl").read_text())["eval/pass@1"] == 0.25  # JSONL unchanged
@@ -199,7 +199,8 @@ def test_wandb_missing_is_a_one_line_error(tmp_path, monkeypatch):
     from rl.sinks import MetricsLogger
 
     monkeypatch.setitem(sys.modules, "wandb", None)  # import fails
-    logger = MetricsLogger(RunConfig(wandb_project="p", metrics_jsonl=None, tensorboard_dir=None, ckpt_dir=None))
+    logger = MetricsLogger(RunConfig(**{"log.wandb_project": "p", "log.metrics_jsonl": None,
+                                        "log.tensorboard_dir": None, "ckpt.dir": None}))
     with pytest.raises(ValueError, match=r"--wandb-project needs the wandb package.*\.\[wandb\]"):
         logger.open(None)
 

@@ -62,7 +62,8 @@ def setup():
     state = nnx.state(model)
     state = jax.device_put(state, plan.param_shardings("actor", state))
     abstract = nnx.eval_shape(lambda: dsv4.DSV4ForCausalLM(CFG, rngs=nnx.Rngs(0)))
-    sampler = Sampler(abstract, mesh=plan.rollout, weights="fp8", max_prompt_len=16, compute_dtype=jnp.float32)
+    sampler = Sampler(abstract, mesh=plan.rollout, weights="fp8", max_prompt_len=16, compute_dtype=jnp.float32,
+                      kv_cache_dtype="bf16")
     channel = LocalChannel()
     pusher = MpmdPusher(plan, layout, sampler, nnx.state(abstract), plan.param_shardings("actor", nnx.state(abstract)),
                         channel, chunk_bytes=64 * 1024, verify_every=1)
@@ -82,7 +83,7 @@ def test_fp8_wire_equals_direct_quantisation(setup):
     assert "verify/1/actor" in channel.values  # the first push is verified
     got = sampler.weight_state()
     ref_sampler = Sampler(nnx.eval_shape(lambda: dsv4.DSV4ForCausalLM(CFG, rngs=nnx.Rngs(0))), mesh=plan.rollout,
-                          weights="fp8", max_prompt_len=16, compute_dtype=jnp.float32)
+                          weights="fp8", max_prompt_len=16, compute_dtype=jnp.float32, kv_cache_dtype="bf16")
     ref_sampler.update_weights(state, 1)  # the actor's params quantised directly on the rollout mesh
     ref = ref_sampler.weight_state()
     assert set(got) == set(ref)

@@ -111,7 +111,7 @@ def disjoint():
     plan = build_mesh_plan(DISJOINT, config=CFG)
     state = _actor_state(plan, seed=3)
     sampler = Sampler(dsv4.DSV4ForCausalLM(CFG, rngs=nnx.Rngs(1)), mesh=plan.rollout, weights="fp8",
-                      max_prompt_len=16)
+                      max_prompt_len=16, kv_cache_dtype="bf16")
     v0 = jax.device_get({k: v for k, v in sampler.weight_state().items() if not isinstance(v, quant.QuantizedTensor)})
     pusher = WeightPusher(plan, sampler, state, chunk_bytes=CHUNK)
     return plan, state, sampler, v0, pusher
@@ -277,7 +277,7 @@ def test_colocated_fp8_push_is_exact():
     assert plan.colocated
     state = _actor_state(plan, seed=4)
     sampler = Sampler(dsv4.DSV4ForCausalLM(CFG, rngs=nnx.Rngs(1)), mesh=plan.rollout, weights="fp8",
-                      max_prompt_len=16)
+                      max_prompt_len=16, kv_cache_dtype="bf16")
     pusher = WeightPusher(plan, sampler, state, chunk_bytes=CHUNK)
     stats = _guarded_push(pusher, state, sampler, version=1)
     assert stats.colocated and sampler.weight_version == 1
@@ -333,7 +333,7 @@ def test_fresh_sampler_from_learner_params_equals_pushed(disjoint):
     _guarded_push(pusher, state, sampler, version=sampler.weight_version + 1)
     model = dsv4.DSV4ForCausalLM(CFG, rngs=nnx.Rngs(1))
     nnx.update(model, jax.device_get(state))
-    fresh = Sampler(model, mesh=plan.rollout, weights="fp8", max_prompt_len=16)
+    fresh = Sampler(model, mesh=plan.rollout, weights="fp8", max_prompt_len=16, kv_cache_dtype="bf16")
     pushed, built = sampler.weight_state(), fresh.weight_state()
     assert pushed.keys() == built.keys()
     for k, w in pushed.items():
@@ -427,7 +427,7 @@ def test_sampler_and_push_take_explicit_axis_meshes(disjoint):
                                   axis_types=(jax.sharding.AxisType.Explicit,) * len(m.axis_names))
                 for m in (plan.actor, plan.rollout)]
     sampler = Sampler(dsv4.DSV4ForCausalLM(CFG, rngs=nnx.Rngs(1)), mesh=explicit[1], weights="fp8",
-                      max_prompt_len=16)
+                      max_prompt_len=16, kv_cache_dtype="bf16")
     assert sampler.mesh == plan.rollout
     pusher = WeightPusher(tuple(explicit), sampler, state, chunk_bytes=CHUNK)
     _guarded_push(pusher, state, sampler, version=1)

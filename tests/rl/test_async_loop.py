@@ -43,8 +43,9 @@ def parts():
     from rl.job import load_data
     from rl.rollout.engine import Sampler
 
-    cfg = RunConfig(steps=4, prompts_per_step=4, group_size=4, max_new_tokens=4, eval_every=0, ckpt_dir=None,
-                    metrics_jsonl=None, tensorboard_dir=None, progress=False, async_rollout=True)
+    cfg = RunConfig(steps=4, **{"rollout.prompts_per_step": 4, "rollout.group_size": 4, "rollout.max_new_tokens": 4,
+                                "eval.every": 0, "ckpt.dir": None, "log.metrics_jsonl": None,
+                                "log.tensorboard_dir": None, "log.progress": False, "rollout.async_rollout": True})
     tok, task, train, *_ = load_data(cfg)
     mc = DSV4Config.tiny(num_hidden_layers=2, compress_ratios=(4, 8), num_nextn_predict_layers=0,
                          vocab_size=tok.vocab_size)
@@ -138,7 +139,7 @@ def test_staleness_is_bounded_by_k_and_versions_are_per_sample(parts):
     from rl import loop
 
     k, steps = 2, 5
-    job = _job(parts, steps=steps, async_rollout=False, max_staleness=k)
+    job = _job(parts, steps=steps, **{"rollout.async_rollout": False, "rollout.max_staleness": k})
     v0 = job.weight_version
     loop.run(job)
     versions = job.inflight.sample_versions
@@ -159,16 +160,16 @@ def test_staleness_is_bounded_by_k_and_versions_are_per_sample(parts):
 
 def test_flags():
     assert RunConfig().staleness() == 0
-    assert RunConfig(async_rollout=True).staleness() == 1
-    assert RunConfig(max_staleness=3).staleness() == 3
-    assert RunConfig(async_rollout=True, max_staleness=2).staleness() == 2
+    assert RunConfig(**{"rollout.async_rollout": True}).staleness() == 1
+    assert RunConfig(**{"rollout.max_staleness": 3}).staleness() == 3
+    assert RunConfig(**{"rollout.async_rollout": True, "rollout.max_staleness": 2}).staleness() == 2
     with pytest.raises(ValueError, match=r"--max-staleness.*>= 0"):
-        RunConfig(max_staleness=-1)
-    for kw in ({"async_rollout": True}, {"max_staleness": 2}):
+        RunConfig(**{"rollout.max_staleness": -1})
+    for kw in ({"rollout.async_rollout": True}, {"rollout.max_staleness": 2}):
         with pytest.raises(ValueError, match=r"--correction tis or --correction mis, not --correction none"):
-            RunConfig(correction="none", **kw)
-    RunConfig(correction="mis", max_staleness=2)
-    RunConfig(correction="none")  # synchronous: no correction needed
+            RunConfig(**kw, **{"learner.loss.correction": "none"})
+    RunConfig(**{"learner.loss.correction": "mis", "rollout.max_staleness": 2})
+    RunConfig(**{"learner.loss.correction": "none"})  # synchronous: no correction needed
 
 
 def test_cli_refuses_async_without_correction(tmp_path, capsys):
@@ -202,8 +203,9 @@ def _fake_job(steps: int, trace: list, **kw):
     from rl.job import Job
     from rl.tasks import DigitTask
 
-    cfg = RunConfig(steps=steps, prompts_per_step=2, group_size=4, max_new_tokens=4, eval_every=0, ckpt_dir="",
-                    metrics_jsonl="", tensorboard_dir="", progress=False, **kw)
+    cfg = RunConfig(steps=steps, **kw, **{"rollout.prompts_per_step": 2, "rollout.group_size": 4,
+                                          "rollout.max_new_tokens": 4, "eval.every": 0, "ckpt.dir": "",
+                                          "log.metrics_jsonl": "", "log.tensorboard_dir": "", "log.progress": False})
     task = DigitTask(kind="copy", n_digits=3, seed=0)
     train = PromptDataset.from_task(task, "train")
     return Job(cfg=cfg, model_cfg=None, plan=None, tokenizer=task.tokenizer, task=task, train_data=train,
@@ -222,7 +224,7 @@ def test_the_one_loop_over_a_fake_rollout_service_follows_the_schedule(k):
     from rl import loop
 
     steps, trace = 5, []
-    job = _fake_job(steps, trace, max_staleness=k, correction="tis")
+    job = _fake_job(steps, trace, **{"rollout.max_staleness": k, "learner.loss.correction": "tis"})
     summary = loop.run(job)
     assert summary["steps_run"] == steps and job.weight_version == steps == job.rollout.weight_version
     gens = [(int(tag.split("/")[1]), v) for op, tag, *rest in trace if op == "generate" for v in rest]
@@ -245,7 +247,7 @@ def test_the_loop_logs_the_same_numbers_whatever_the_schedule_when_staleness_is_
 
     runs = []
     for _ in range(2):
-        job = _fake_job(3, [], max_staleness=0)
+        job = _fake_job(3, [], **{"rollout.max_staleness": 0})
         loop.run(job)
         runs.append([{k: v for k, v in r.items() if not k.startswith("perf/")} for r in job.logger.records])
     assert runs[0] == runs[1] and len(runs[0]) == 3

@@ -83,9 +83,11 @@ def run_layout(context: int, *, prompt_len: int, new_tokens: int, steps: int = 2
     """Run the loop `steps` steps on `MESHES[context]` -> (the logged metrics of each step, the rollout batches
     of each step, wall seconds)."""
     tok = _NoStopTokenizer()
-    cfg = RunConfig(steps=steps, prompts_per_step=prompts, group_size=group, max_new_tokens=new_tokens,
-                    max_prompt_len=prompt_len, eval_every=0, ckpt_dir=None, metrics_jsonl=None, tensorboard_dir=None,
-                    progress=False, seed=seed, prefill_chunk=256)
+    cfg = RunConfig(steps=steps, seed=seed, **{"rollout.prompts_per_step": prompts, "rollout.group_size": group,
+                                               "rollout.max_new_tokens": new_tokens, "data.max_prompt_len": prompt_len,
+                                               "eval.every": 0, "ckpt.dir": None, "log.metrics_jsonl": None,
+                                               "log.tensorboard_dir": None, "log.progress": False,
+                                               "rollout.prefill_chunk": 256})
     mc = dsv4.DSV4Config.tiny(num_hidden_layers=2, compress_ratios=(4, 8, 0), vocab_size=tok.vocab_size)
     rs = np.random.default_rng(seed)
     digits = ["".join(map(str, rs.integers(0, 10, prompt_len - 3))) for _ in range(8)]

@@ -25,7 +25,7 @@ def chat_dir(tmp_path_factory):
 
 
 def cfg_for(path, chat_dir, **kw) -> RunConfig:
-    return RunConfig(dataset=str(path), tokenizer=str(chat_dir / "tokenizer.json"), **kw)
+    return RunConfig(**kw, **{"data.dataset": str(path), "data.tokenizer": str(chat_dir / "tokenizer.json")})
 
 
 def test_get_field_and_plain_answer():
@@ -42,17 +42,19 @@ def test_get_field_and_plain_answer():
 
 def test_presets_resolve():
     assert resolve_format(RunConfig())[:2] == ("question", "answer")
-    assert resolve_format(RunConfig(data_format="verl"))[:2] == ("prompt", "reward_model.ground_truth")
-    assert resolve_format(RunConfig(data_format="miles", answer_field="answer"))[:2] == ("prompt", "answer")
-    assert resolve_reward_name(RunConfig(data_format="verl")) == "dapo"
-    assert resolve_reward_name(RunConfig(data_format="gsm8k")) == "gsm8k"
-    assert resolve_reward_name(RunConfig(data_format="verl", reward="aime")) == "aime"
+    assert resolve_format(RunConfig(**{"data.data_format": "verl"}))[:2] == ("prompt", "reward_model.ground_truth")
+    miles = RunConfig(**{"data.data_format": "miles", "data.answer_field": "answer"})
+    assert resolve_format(miles)[:2] == ("prompt", "answer")
+    assert resolve_reward_name(RunConfig(**{"data.data_format": "verl"})) == "dapo"
+    assert resolve_reward_name(RunConfig(**{"data.data_format": "gsm8k"})) == "gsm8k"
+    assert resolve_reward_name(RunConfig(**{"data.data_format": "verl", "data.reward": "aime"})) == "aime"
 
 
 def test_verl_parquet_with_chat_template(tmp_path, chat_dir, caplog):
     path = write_parquet(tmp_path / "dapo.parquet", verl_records(6))
-    cfg = cfg_for(path, chat_dir, data_format="verl", apply_chat_template=True, system_prompt="Be careful.",
-                  thinking="off", max_prompt_len=512)
+    cfg = cfg_for(path, chat_dir, **{"data.data_format": "verl", "data.apply_chat_template": True,
+                                     "data.system_prompt": "Be careful.", "data.thinking": "off",
+                                     "data.max_prompt_len": 512})
     tok = load_tokenizer(cfg.data.tokenizer)
     with caplog.at_level(logging.INFO, logger="dsv4rl"):
         train, ev = build_datasets(cfg, tok)
@@ -68,15 +70,16 @@ def test_verl_parquet_with_chat_template(tmp_path, chat_dir, caplog):
 def test_miles_jsonl_string_prompt_with_instruction(tmp_path, chat_dir):
     path = tmp_path / "aime.jsonl"
     path.write_text("\n".join(json.dumps({"prompt": f"Find {i}.", "label": i}) for i in (204, 7)) + "\n")
-    cfg = cfg_for(path, chat_dir, data_format="miles", apply_chat_template=True, thinking="on",
-                  chat_template="{prompt} Put the answer in \\boxed{{}}.")
+    cfg = cfg_for(path, chat_dir, **{"data.data_format": "miles", "data.apply_chat_template": True,
+                                     "data.thinking": "on",
+                                     "data.chat_template": "{prompt} Put the answer in \\boxed{{}}."})
     ds = load_prompt_dataset(str(path), load_tokenizer(cfg.data.tokenizer), cfg)
     assert ds.references == ["204", "7"]
     assert ds.first_text == BOS + "<｜User｜>Find 204. Put the answer in \\boxed{}.<｜Assistant｜><think>"
     aime = tmp_path / "aime24.jsonl"  # AIME-24/25 jsonl with their own names: the preset's fields overridden
     aime.write_text(json.dumps({"id": 60, "problem": "Find the remainder.", "answer": 204}) + "\n")
-    cfg = cfg_for(aime, chat_dir, data_format="miles", prompt_field="problem", answer_field="answer",
-                  apply_chat_template=True)
+    cfg = cfg_for(aime, chat_dir, **{"data.data_format": "miles", "data.prompt_field": "problem",
+                                     "data.answer_field": "answer", "data.apply_chat_template": True})
     ds = load_prompt_dataset(str(aime), load_tokenizer(cfg.data.tokenizer), cfg)
     assert ds.references == ["204"] and ds.first_text == BOS + "<｜User｜>Find the remainder.<｜Assistant｜></think>"
 
@@ -85,7 +88,7 @@ def test_gsm8k_default_unchanged(tmp_path, chat_dir):
     path = tmp_path / "g.jsonl"
     path.write_text(json.dumps({"question": "What is 3 + 4?", "answer": "3 + 4 = 7 #### 7"}) + "\n")
     tok = load_tokenizer(chat_dir / "tokenizer.json")
-    ds = load_prompt_dataset(str(path), tok, cfg_for(path, chat_dir, chat_template="Q: {prompt}\nA:"))
+    ds = load_prompt_dataset(str(path), tok, cfg_for(path, chat_dir, **{"data.chat_template": "Q: {prompt}\nA:"}))
     assert ds.references == ["7"] and ds.first_text == "Q: What is 3 + 4?\nA:"
     assert ds.prompt(0)[0] == tok.bos_id  # no chat template: BOS added as before
 
@@ -94,7 +97,7 @@ def test_list_prompt_needs_the_chat_template(tmp_path, chat_dir):
     path = write_parquet(tmp_path / "v.parquet", verl_records(2))
     with pytest.raises(DataError, match=r"v.parquet\[row 0\].*--apply-chat-template"):
         load_prompt_dataset(str(path), load_tokenizer(chat_dir / "tokenizer.json"),
-                            cfg_for(path, chat_dir, data_format="verl"))
+                            cfg_for(path, chat_dir, **{"data.data_format": "verl"}))
 
 
 def test_overlong_prompts_drop_or_fail(tmp_path, chat_dir, caplog):
@@ -103,30 +106,34 @@ def test_overlong_prompts_drop_or_fail(tmp_path, chat_dir, caplog):
     records[3]["prompt"][0]["content"] += " padding" * 300
     path = write_parquet(tmp_path / "v.parquet", records)
     tok = load_tokenizer(chat_dir / "tokenizer.json")
-    cfg = cfg_for(path, chat_dir, data_format="verl", apply_chat_template=True, max_prompt_len=200)
+    cfg = cfg_for(path, chat_dir, **{"data.data_format": "verl", "data.apply_chat_template": True,
+                                     "data.max_prompt_len": 200})
     with caplog.at_level(logging.WARNING):
         ds = load_prompt_dataset(str(path), tok, cfg)
     assert len(ds) == 2 and ds.dropped_overlong == 2 and ds.references == ["3", "7"]
     assert any("dropped 2 prompt(s)" in r.getMessage() and "--max-prompt-len=200" in r.getMessage()
                for r in caplog.records)
     with pytest.raises(DataError, match=r"v.parquet\[row 1\]: prompt is \d+ tokens, .*--max-prompt-len"):
-        load_prompt_dataset(str(path), tok, cfg_for(path, chat_dir, data_format="verl", apply_chat_template=True,
-                                                     max_prompt_len=200, on_overlong_prompt="fail"))
+        load_prompt_dataset(str(path), tok, cfg_for(path, chat_dir, **{"data.data_format": "verl",
+                                                                       "data.apply_chat_template": True,
+                                                                       "data.max_prompt_len": 200,
+                                                                       "data.on_overlong_prompt": "fail"}))
     with pytest.raises(DataError, match=r"4 of 4 prompts are longer than max_prompt_len=20 .*--max-prompt-len"):
-        load_prompt_dataset(str(path), tok, cfg_for(path, chat_dir, data_format="verl", apply_chat_template=True,
-                                                     max_prompt_len=20))
+        load_prompt_dataset(str(path), tok, cfg_for(path, chat_dir, **{"data.data_format": "verl",
+                                                                       "data.apply_chat_template": True,
+                                                                       "data.max_prompt_len": 20}))
 
 
 def test_config_errors_name_the_flags(chat_dir):
     with pytest.raises(ValueError, match="--apply-chat-template"):
-        RunConfig(dataset="x.jsonl", tokenizer="t.json", system_prompt="s")
-    with pytest.raises(ValueError, match="--data-format"):
-        RunConfig(data_format="hf")
-    with pytest.raises(ValueError, match="--on-overlong-prompt"):
-        RunConfig(on_overlong_prompt="truncate")
+        RunConfig(**{"data.dataset": "x.jsonl", "data.tokenizer": "t.json", "data.system_prompt": "s"})
+    with pytest.raises(ValueError, match="--data.data_format"):  # the dotted flag (the CLI names --data-format)
+        RunConfig(**{"data.data_format": "hf"})
+    with pytest.raises(ValueError, match="--data.on_overlong_prompt"):
+        RunConfig(**{"data.on_overlong_prompt": "truncate"})
     with pytest.raises(ValueError, match="--reward"):
-        RunConfig(reward="boxed")
+        RunConfig(**{"data.reward": "boxed"})
     with pytest.raises(ValueError, match="--eval-only"):
-        RunConfig(eval_dataset="a.jsonl", tokenizer="t.json")
+        RunConfig(**{"data.eval_dataset": "a.jsonl", "data.tokenizer": "t.json"})
     with pytest.raises(ValueError, match="--tokenizer"):
-        RunConfig(eval_dataset="a.jsonl", eval_only=True)
+        RunConfig(**{"data.eval_dataset": "a.jsonl", "eval.only": True})

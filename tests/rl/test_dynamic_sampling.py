@@ -61,7 +61,7 @@ G, N = 4, 3  # group size, prompts per step
 
 def fake_job(monkeypatch, reward_rounds, **cfg_kw):
     """A Job whose rollout returns the given rewards per round ([N * G] each) and records each call."""
-    cfg = RunConfig(algo="dapo", prompts_per_step=N, group_size=G, **cfg_kw)
+    cfg = RunConfig(algo="dapo", **cfg_kw, **{"rollout.prompts_per_step": N, "rollout.group_size": G})
     calls = []
 
     def batches():
@@ -100,7 +100,7 @@ def test_resamples_until_the_batch_holds_groups_with_signal(monkeypatch):
 def test_budget_exhausted_trains_on_the_kept_groups(monkeypatch):
     r0 = [1, 0, 0, 0] + [1, 1, 1, 1] + [0, 0, 0, 0]
     r1 = [0, 0, 0, 0] * 3
-    job, first, calls = fake_job(monkeypatch, [r0, r1], dapo_max_resample_batches=1)
+    job, first, calls = fake_job(monkeypatch, [r0, r1], **{"dapo.max_resample_batches": 1})
     rb, rewards, train_rows, m = stages.dynamic_rollout(job, step=5, first=first)
     assert calls == [0, 1]
     assert rb.tokens.shape[0] == N * G  # same shape every step: fillers, masked out of the loss
@@ -112,17 +112,22 @@ def test_budget_exhausted_trains_on_the_kept_groups(monkeypatch):
 
 def test_budget_exhausted_skip_mode_and_no_signal_at_all(monkeypatch):
     r0 = [1, 0, 0, 0] + [1, 1, 1, 1] + [0, 0, 0, 0]
-    job, first, _ = fake_job(monkeypatch, [r0], dapo_max_resample_batches=0, dapo_on_budget_exhausted="skip")
+    job, first, _ = fake_job(monkeypatch, [r0], **{"dapo.max_resample_batches": 0, "dapo.on_budget_exhausted": "skip"})
     rb, rewards, train_rows, m = stages.dynamic_rollout(job, step=0, first=first)
     assert rb is None and m["rollout/dynamic_sampling/skipped_step"] == 1
-    job, first, _ = fake_job(monkeypatch, [[1] * 12], dapo_max_resample_batches=0)
+    job, first, _ = fake_job(monkeypatch, [[1] * 12], **{"dapo.max_resample_batches": 0})
     rb, _, _, m = stages.dynamic_rollout(job, step=0, first=first)
     assert rb is None and m["rollout/dynamic_sampling/kept_groups"] == 0  # nothing to train on: skipped
 
 
 def test_dapo_flags_validate():
-    with pytest.raises(ValueError, match="--dapo-max-resample-batches"):
-        RunConfig(dapo_max_resample_batches=-1)
-    with pytest.raises(ValueError, match="--dapo-on-budget-exhausted"):
-        RunConfig(dapo_on_budget_exhausted="maybe")
-    assert RunConfig(algo="dapo", dapo_max_resample_batches=2).advantage_config().dynamic_sampling_max_rounds == 3
+    with pytest.raises(ValueError, match="--dapo.max_resample_batches"):  # the dotted flag
+        RunConfig(**{"dapo.max_resample_batches": -1})
+    with pytest.raises(ValueError, match="--dapo.on_budget_exhausted"):
+        RunConfig(**{"dapo.on_budget_exhausted": "maybe"})
+    from launch.run import resolve  # the command line names its flat flag
+
+    with pytest.raises(ValueError, match=r"\(--dapo-on-budget-exhausted\) must be train\|skip"):
+        resolve(["--dapo-on-budget-exhausted", "maybe"])
+    cfg = RunConfig(algo="dapo", **{"dapo.max_resample_batches": 2})
+    assert cfg.advantage_config().dynamic_sampling_max_rounds == 3

@@ -107,11 +107,11 @@ def test_exact_rollout_is_a_flag():
     assert RunConfig().rollout.exact is False
     cfg, _ = launch_run.resolve(["--exact-rollout", "--learner.fp8_forward", "--ckpt-dir", ""])
     assert cfg.rollout.exact is True and cfg.learner.fp8_forward is True
-    assert RunConfig(exact_rollout=True, rollout_dtype="fp32").rollout.exact is True
+    assert RunConfig(**{"rollout.exact": True, "rollout.dtype": "fp32"}).rollout.exact is True
     with pytest.raises(ValueError, match="--exact-rollout with --rollout-dtype fp8 needs --learner.fp8_forward"):
-        RunConfig(exact_rollout=True)
+        RunConfig(**{"rollout.exact": True})
     with pytest.raises(ValueError, match="drop --max-staleness 1"):
-        RunConfig(exact_rollout=True, rollout_dtype="fp32", async_rollout=True)
+        RunConfig(**{"rollout.exact": True, "rollout.dtype": "fp32", "rollout.async_rollout": True})
     with pytest.raises(ValueError, match="--exact-rollout: a row of 70 tokens is longer"):
         Learner(DSV4ForCausalLM(CFG, rngs=nnx.Rngs(0)), LearnerConfig(compute_dtype="float32"),
                 exact_layout=(2, 64)).layout(2, 80, 70)

@@ -11,9 +11,10 @@ import pytest
 from flax import nnx
 
 from dsv4 import DSV4Config, DSV4ForCausalLM
-from dsv4.cache import prefill, resolve_kv_cache_dtype, teacher_forced_logprobs
+from dsv4.cache import prefill, teacher_forced_logprobs
 from rl.config import RunConfig
 from rl.rollout.engine import Sampler, SamplingParams
+from rl.rollout.settings import EngineSettings
 
 CFG = DSV4Config.tiny()  # head_dim 32 (rope 8: 24 FP8 dims, blocks of gcd(64, 24) = 8), CSA m=4 (d_I 16), HCA m=8
 P = 16
@@ -120,11 +121,15 @@ def test_continuous_equals_static_per_request_with_fp8_cache(model, prompts):
 
 
 def test_bad_kv_cache_dtype():
-    with pytest.raises(ValueError, match=r"^rollout.kv_cache_dtype \(--kv-cache-dtype\) must be fp8\|bf16\|auto"):
-        RunConfig(kv_cache_dtype="int4")
-    assert RunConfig().rollout.kv_cache_dtype == "auto" and RunConfig(kv_cache_dtype="bf16").rollout.kv_cache_dtype == "bf16"
+    with pytest.raises(ValueError, match=r"^rollout.kv_cache_dtype \(--rollout.kv_cache_dtype\) must be "
+                                         r"fp8\|bf16\|auto"):
+        RunConfig(**{"rollout.kv_cache_dtype": "int4"})
+    assert RunConfig().rollout.kv_cache_dtype == "auto"
+    assert RunConfig(**{"rollout.kv_cache_dtype": "bf16"}).rollout.kv_cache_dtype == "bf16"
     with pytest.raises(ValueError, match="--kv-cache-dtype"):
-        resolve_kv_cache_dtype("fp16", True)
+        EngineSettings(weights="fp8", kv_cache_dtype="fp16")
     with pytest.raises(ValueError, match="--kv-cache-dtype"):
         Sampler(DSV4ForCausalLM(CFG, rngs=nnx.Rngs(0)), weights="fp32", kv_cache_dtype="e5m2")
-    assert resolve_kv_cache_dtype("auto", True) == "fp8" and resolve_kv_cache_dtype("auto", False) == "bf16"
+    assert EngineSettings().kv_cache_dtype == RunConfig().rollout.kv_cache_dtype == "auto"  # one default
+    assert EngineSettings(weights="fp8").kv_layout == "fp8" and EngineSettings(weights="bf16").kv_layout == "bf16"
+    assert EngineSettings(weights="fp8", kv_cache_dtype="bf16").kv_layout == "bf16"

@@ -44,7 +44,7 @@ def _learner(model, fp8: bool):
 
 def test_fp8_forward_is_the_fp8_rollouts_forward(setup):
     model, ids, mask, resp = setup
-    sampler = Sampler(model, weights="fp8", compute_dtype=jnp.float32, max_prompt_len=16)
+    sampler = Sampler(model, weights="fp8", compute_dtype=jnp.float32, max_prompt_len=16, kv_cache_dtype="bf16")
     rollout = sampler.dense_model(sampler.weight_state())  # the rollout's layers with its FP8 weights and activations
     chunk = LearnerConfig().logprob_chunk_size
     rlp, _, _ = jax.jit(lambda i, m: token_logprobs(rollout, i, m, chunk_size=chunk,

@@ -105,9 +105,9 @@ def test_token_budget_below_the_longest_row_is_an_error(model, batch):
     with pytest.raises(ValueError, match=r"--offload-optimizer\) must be in \[0, 1\]"):
         _lc(offload_optimizer=1.5)
     with pytest.raises(ValueError, match=r"--offload-optimizer\) must be in \[0, 1\]"):
-        RunConfig(offload_optimizer=-0.1)
-    with pytest.raises(ValueError, match="--max-tokens-per-micro-batch"):
-        RunConfig(max_tokens_per_micro_batch=0)
+        RunConfig(**{"learner.offload_optimizer": -0.1})
+    with pytest.raises(ValueError, match="--learner.max_tokens_per_micro_batch"):  # the dotted flag
+        RunConfig(**{"learner.max_tokens_per_micro_batch": 0})
 
 
 def test_bf16_params_fp32_masters_and_offloaded_state(model, batch):

@@ -33,7 +33,7 @@ def test_no_signal_step_skips_update_and_push():
     rs = np.random.RandomState(0)
     prompts = [list(map(int, rs.randint(3, CFG.vocab_size, n))) for n in (5, 7, 3, 6)]
     rb = sampler.generate(prompts, SamplingParams(temperature=1.0, max_new_tokens=4), seed=0)
-    job = Job(cfg=RunConfig(routing_replay=True), model_cfg=CFG, plan=None, tokenizer=None, task=None,
+    job = Job(cfg=RunConfig(**{"learner.routing_replay": True}), model_cfg=CFG, plan=None, tokenizer=None, task=None,
               train_data=None, eval_prompts=[], eval_refs=[], reward=None, learner=learner,
               rollout=LocalRollout(sampler, learner.params_for_push), iterator=None, ckpt=None, logger=None)
 

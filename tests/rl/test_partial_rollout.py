@@ -46,9 +46,10 @@ def parts():
     from rl.learner import Learner
     from rl.rollout.engine import Sampler
 
-    cfg = RunConfig(steps=STEPS, prompts_per_step=4, group_size=2, max_new_tokens=8, eval_every=0, ckpt_dir=None,
-                    metrics_jsonl=None, tensorboard_dir=None, progress=False, max_staleness=1, partial_rollout=True,
-                    **{"rollout.length_schedule": "0.25:3"})
+    cfg = RunConfig(steps=STEPS, **{"rollout.prompts_per_step": 4, "rollout.group_size": 2, "rollout.max_new_tokens": 8,
+                                    "eval.every": 0, "ckpt.dir": None, "log.metrics_jsonl": None,
+                                    "log.tensorboard_dir": None, "log.progress": False, "rollout.max_staleness": 1,
+                                    "rollout.partial_rollout": True, "rollout.length_schedule": "0.25:3"})
     tok, task, train, *_ = load_data(cfg)
     mc = DSV4Config.tiny(num_hidden_layers=2, compress_ratios=(4, 8), num_nextn_predict_layers=0,
                          vocab_size=tok.vocab_size)
@@ -258,9 +259,9 @@ def test_token_versions_deterministic_and_resume_bitwise(parts, tmp_path):
 
 def test_partial_rollout_flags():
     with pytest.raises(ValueError, match="--partial-rollout .*--max-staleness"):
-        RunConfig(partial_rollout=True)
+        RunConfig(**{"rollout.partial_rollout": True})
     with pytest.raises(ValueError, match="length_schedule"):
         RunConfig(**{"rollout.length_schedule": "0.1"})
-    cfg = RunConfig(max_new_tokens=32, **{"rollout.length_schedule": "0.1:4"})
+    cfg = RunConfig(**{"rollout.max_new_tokens": 32, "rollout.length_schedule": "0.1:4"})
     caps = cfg.rollout.length_caps(range(100))
     assert caps.count(32) == 10 and caps.count(4) == 90

@@ -57,7 +57,7 @@ def test_train_rollout_mismatch_fp32_bf16_fp8(setup):
     learner = Learner(model, LearnerConfig(lr=1e-3, compute_dtype="float32", routing_replay=True))
     diffs = {}
     for weights in ("fp32", "bf16", "fp8"):
-        rb = Sampler(model, weights=weights, max_prompt_len=16).generate(
+        rb = Sampler(model, weights=weights, max_prompt_len=16, kv_cache_dtype="bf16").generate(
             prompts, SamplingParams(temperature=1.0, max_new_tokens=12), seed=1)
         _, m = learner.compute_logprobs(learner.state, _batch(rb, np.zeros(4)))
         diffs[weights] = float(m["train/train_rollout_logprob_abs_diff"])

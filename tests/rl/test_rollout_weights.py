@@ -34,8 +34,9 @@ def prompts():
     return [list(map(int, rs.randint(3, CFG.vocab_size, n))) for n in (5, 13, 1)]
 
 
-def _sampler(model, weights="fp8", dequant="per_layer", **kw):
-    return Sampler(model, weights=weights, dequant=dequant, compute_dtype=jnp.float32, max_prompt_len=32, **kw)
+def _sampler(model, weights="fp8", dequant="per_layer", kv_cache_dtype="bf16", **kw):
+    return Sampler(model, weights=weights, dequant=dequant, compute_dtype=jnp.float32, max_prompt_len=32,
+                   kv_cache_dtype=kv_cache_dtype, **kw)
 
 
 def _teacher_logprobs(sampler, batch, temperature):
@@ -187,7 +188,7 @@ def test_cache_sharded_over_data_and_expert(model):
     devs = np.array(jax.devices()[:8]).reshape(2, 1, 4, 1)
     mesh = Mesh(devs, ("data", "fsdp", "expert", "tensor"))
     s = Sampler(nnx.eval_shape(lambda: DSV4ForCausalLM(CFG, rngs=nnx.Rngs(0))), mesh=mesh, weights="fp8",
-                compute_dtype=jnp.float32, max_prompt_len=32)
+                compute_dtype=jnp.float32, max_prompt_len=32, kv_cache_dtype="bf16")
     shape = s.program_shape(3, 20, 12)
     b, p, t = shape.batch, shape.prompt, shape.new
     assert b == 8  # padded to a multiple of data x expert

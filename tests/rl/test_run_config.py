@@ -1,5 +1,5 @@
 """The nested run config (rl/config.py, rl/config_tree.py, launch/run.py `resolve`): precedence defaults < algo
-preset < YAML < flat flag < dotted flag, nested and flat YAML keys, one-line errors naming a bad key, the resolved
+preset < YAML < flat flag < dotted flag, nested and dotted YAML keys, one-line errors naming a bad key, the resolved
 config written to the run directory and read back. Pure Python: no model, no JAX computation."""
 
 import dataclasses
@@ -11,7 +11,6 @@ import pytest
 from launch import run as launch_run
 from rl.algo_config import LearnerConfig, LossConfig
 from rl.config import DEFAULT_LEARNER, RunConfig
-from rl.config_flags import FLAT
 from rl.config_file import load_config_file
 from rl.config_tree import paths
 from rl.stages import sampling_params
@@ -20,7 +19,7 @@ from rl.stages import sampling_params
 def test_precedence_defaults_yaml_flat_dotted(tmp_path):
     f = tmp_path / "run.yaml"
     f.write_text("learner:\n  lr: 3.0e-4\n  warmup_steps: 4\n  b2: 0.95\nrollout:\n  group_size: 6\nseed: 5\n"
-                 "top_k: 7\n")  # nested sections and a flat key in one file
+                 "rollout.top_k: 7\n")  # nested sections and a dotted key in one file
     cfg, _ = launch_run.resolve(["--learner.lr", "1e-6", "--config-file", str(f), "--lr", "1e-3",
                                  "--group-size", "8", "--learner.warmup_steps=2"])
     assert cfg.learner.lr == 1e-6  # dotted flag > flat flag > YAML, whatever the order on the command line
@@ -28,8 +27,19 @@ def test_precedence_defaults_yaml_flat_dotted(tmp_path):
     assert cfg.rollout.group_size == 8  # flat flag > YAML
     assert (cfg.learner.b2, cfg.seed, cfg.rollout.top_k) == (0.95, 5, 7)  # YAML > defaults
     assert cfg.rollout.prompts_per_step == RunConfig().rollout.prompts_per_step == 32  # defaults
-    assert (cfg.flat()["lr"], cfg.flat()["group_size"]) == (cfg.learner.lr, cfg.rollout.group_size)  # the aliases
+    flat = launch_run.flat_values(cfg)  # the flat flags' names: launch/run.py's argparse only
+    assert (flat["lr"], flat["group_size"]) == (cfg.learner.lr, cfg.rollout.group_size)
     assert not hasattr(cfg, "lr") and not hasattr(cfg, "group_size")  # flat names are spellings, not attributes
+
+
+def test_flat_names_live_only_in_the_cli():
+    """RunConfig and the YAML file take dotted paths (or sections); a flat name is an unknown key there, named
+    with the dotted path it may mean. The CLI's flat flags keep working (launch.run.FLAT)."""
+    with pytest.raises(ValueError, match=r"^RunConfig: unknown key 'group_size' \(a dotted path: "
+                                         r"rollout.group_size\?\)"):
+        RunConfig(group_size=4)
+    assert RunConfig(**{"rollout.group_size": 4}).rollout.group_size == 4
+    assert launch_run.resolve(["--group-size", "4"])[0].rollout.group_size == 4
 
 
 def test_algo_preset_fills_sections_and_user_knobs_win():
@@ -40,7 +50,7 @@ def test_algo_preset_fills_sections_and_user_knobs_win():
     cfg, _ = launch_run.resolve(["--algo", "dapo", "--learner.loss.clip_eps_high", "0.3",
                                  "--dapo-max-resample-batches", "1"])
     assert cfg.learner.loss.clip_eps_high == 0.3 and cfg.advantage.dynamic_sampling_max_rounds == 2
-    dr = RunConfig(algo="dr_grpo", max_new_tokens=12)
+    dr = RunConfig(algo="dr_grpo", **{"rollout.max_new_tokens": 12})
     assert dr.learner.loss.norm_length == 12 and not dr.advantage.scale_by_std
     # a whole section given by the caller is taken as it is (no preset on top of it)
     own = LearnerConfig(lr=1e-5, loss=LossConfig(clip_eps_high=0.5))
@@ -49,8 +59,9 @@ def test_algo_preset_fills_sections_and_user_knobs_win():
 
 def test_each_flat_name_is_one_knob():
     leaves = paths(RunConfig)
-    assert all(p in leaves for p in FLAT.values()) and len(set(FLAT.values())) == len(FLAT)
-    assert all(leaves[p].help for p in FLAT.values())  # every flag has its help in the field's metadata
+    flat = launch_run.FLAT
+    assert all(p in leaves for p in flat.values()) and len(set(flat.values())) == len(flat)
+    assert all(leaves[p].help for p in flat.values())  # every flag has its help in the field's metadata
     # the run's learner defaults are values of LearnerConfig's knobs, not a second declaration
     assert not {f.name for f in dataclasses.fields(RunConfig)} & {f.name for f in dataclasses.fields(LearnerConfig)}
     cfg = RunConfig()
@@ -101,9 +112,9 @@ def test_resolved_config_written_atomically_and_loads_back(tmp_path):
 
 def test_learner_scale_knobs_are_flags_with_the_runs_defaults():
     """--scan-layers / --no-scan-layers, --stream-optimizer / --no-stream-optimizer, --ep-backend and
-    --ep-capacity-factor are knobs of the learner section (one FLAT alias each); the run scans and streams by
+    --ep-capacity-factor are knobs of the learner section (one flat flag each); the run scans and streams by
     default, EP picks its backend itself and is dropless."""
-    assert {FLAT[k] for k in ("scan_layers", "stream_optimizer", "ep_backend", "ep_capacity_factor")} == \
+    assert {launch_run.FLAT[k] for k in ("scan_layers", "stream_optimizer", "ep_backend", "ep_capacity_factor")} == \
         {"learner.scan_layers", "learner.stream_optimizer", "learner.ep_backend", "learner.ep_capacity_factor"}
     d = RunConfig().learner
     assert (d.scan_layers, d.stream_optimizer, d.ep_backend, d.ep_capacity_factor) == (True, True, "auto", None)
@@ -140,29 +151,24 @@ def test_the_runs_learner_is_the_library_learner_with_its_recipe_values():
                if f.name not in (*RECIPE_KNOBS, "temperature"))
 
 
-def test_planner_defaults_are_the_runs_definitions():
-    """`python -m launch.plan` plans the run's learner and rollout: each of its knob flags defaults to the run's
-    definition (one default for --train-mtp, the EP backend and capacity, the streamed / scanned / offloaded state,
-    the prompt length, the prefill chunk, the rollout and KV-cache dtypes); the flag names stay."""
+def test_planner_reads_the_runs_config():
+    """`python -m launch.plan` plans the run launch/run.py would start with the same flags: the run's config (the
+    same YAML, flat and dotted flags, the same defaults) for every knob the run defines; the planner's own flags
+    are only where / what to plan and compile, none of them a spelling of a run knob."""
     from launch import plan as launch_plan
-    from rl.config import DataConfig
-    from rl.rollout.config import RolloutConfig
-    from rl.config_tree import default
 
-    d = vars(launch_plan.parser().parse_args(["--mesh", "actor:fsdp=2", "--gpu", "h200"]))
-    names = ("train_mtp", "freeze_router", "scan_layers", "stream_optimizer", "ep_backend", "ep_capacity_factor",
-             "offload_optimizer")
-    learner = {k: getattr(DEFAULT_LEARNER, k) for k in names}
-    assert {k: d[k] for k in names} == learner
-    assert d["micro_batch_tokens"] == DEFAULT_LEARNER.max_tokens_per_micro_batch
-    assert not d["train_mtp"] and d["ep_backend"] == "auto" and d["ep_capacity_factor"] is None
-    assert (d["rollout_prompt_len"], d["prefill_chunk"], d["rollout_dtype"], d["kv_cache_dtype"]) == (
-        default(DataConfig, "max_prompt_len"), default(RolloutConfig, "prefill_chunk"), default(RolloutConfig, "dtype"),
-        default(RolloutConfig, "kv_cache_dtype"))
-    args = launch_plan.parser().parse_args(["--mesh", "actor:fsdp=2", "--gpu", "h200", "--train-mtp",
-                                            "--ep-backend", "padded", "--ep-capacity-factor", "1.5"])
-    assert launch_plan._learner(args) == dataclasses.replace(DEFAULT_LEARNER, train_mtp=True, ep_backend="padded",
-                                                             ep_capacity_factor=1.5)
+    run_flags = ["--mesh", "actor:fsdp=2", "--learner.train_mtp", "--ep-backend", "padded", "--ep-capacity-factor",
+                 "1.5", "--max-prompt-len", "64", "--max-new-tokens", "32", "--kv-cache-dtype", "bf16"]
+    args, cfg = launch_plan.resolve(["--gpu", "h200", *run_flags])
+    assert args.gpu == "h200" and cfg == launch_run.resolve(run_flags)[0]
+    assert cfg.learner == dataclasses.replace(RunConfig().learner, train_mtp=True, ep_backend="padded",
+                                              ep_capacity_factor=1.5)
+    assert launch_plan.seq_len(cfg) == 96 and launch_plan.kv_layout(cfg) == "bf16"
+    assert launch_plan.kv_layout(RunConfig()) == "fp8"  # the run's default: auto with FP8 rollout weights
+    own = {o for a in launch_plan.parser()._actions for o in a.option_strings} - {"-h", "--help"}
+    assert not own & {o for a in launch_run.parser()._actions for o in a.option_strings}
+    assert not own & {"--kv-dtype", "--seq-len", "--rollout-seq-len", "--train-seq-len", "--rollout-context",
+                      "--rollout-prompt-len", "--rollout-batch", "--micro-batch-tokens", "--speculative-k"}
 
 
 def test_max_prompt_len_and_the_rollout_knobs_have_one_default():
@@ -210,7 +216,7 @@ def test_ignore_eos_lets_training_samples_run_to_their_limit():
     ("steps: 2.7\n", "steps must be int, got 2.7"),  # refused, not truncated to 2
     ("rollout:\n  group_size: 4.9\n", "rollout.group_size must be int, got 4.9"),
     ("steps: true\n", "steps must be int, got True"),  # a YAML bool is not a number
-    ("routing_replay: 1\n", "routing_replay must be bool, got 1"),  # nor a YAML number a bool
+    ("learner.routing_replay: 1\n", "learner.routing_replay must be bool, got 1"),  # nor a YAML number a bool
     ("learner:\n  lr: true\n", "learner.lr must be float, got True"),
 ])
 def test_yaml_values_must_fit_their_type_exactly(tmp_path, text, needle):
@@ -223,7 +229,7 @@ def test_yaml_values_must_fit_their_type_exactly(tmp_path, text, needle):
 
 def test_yaml_integral_floats_and_flag_words_still_convert(tmp_path):
     f = tmp_path / "run.yaml"
-    f.write_text("steps: 3.0\nlearner:\n  max_tokens_per_micro_batch: 1.0e+3\n  routing_replay: no\nlr: 1\n")
+    f.write_text("steps: 3.0\nlearner:\n  max_tokens_per_micro_batch: 1.0e+3\n  routing_replay: no\n  lr: 1\n")
     cfg, _ = launch_run.resolve(["--config-file", str(f), "--scan-layers", "--learner.freeze_router", "1"])
     assert (cfg.steps, cfg.learner.max_tokens_per_micro_batch, cfg.learner.routing_replay, cfg.learner.lr) == \
         (3, 1000, False, 1.0)
@@ -239,8 +245,8 @@ def test_yaml_repeated_key_is_refused_naming_file_key_and_lines(tmp_path):
     f.write_text("learner:\n  lr: 1.0e-3\n  b1: 0.8\n  lr: 2.0e-3\n")  # inside a section
     with pytest.raises(ValueError, match=rf"{re.escape(str(f))}:4:3: key 'lr' is given twice \(first on line 2\)"):
         launch_run.resolve(["--config-file", str(f)])
-    f.write_text("lr: 1.0e-3\nlearner:\n  lr: 2.0e-3\n")  # two spellings of one knob
-    with pytest.raises(ValueError, match=r"'lr' and 'learner\.lr' both set learner\.lr; give it once"):
+    f.write_text("learner.lr: 1.0e-3\nlearner:\n  lr: 2.0e-3\n")  # two spellings of one knob
+    with pytest.raises(ValueError, match=r"learner\.lr is set twice \(a dotted key and a section's\); give it once"):
         launch_run.resolve(["--config-file", str(f)])
     f.write_text("a: &b {steps: 3, seed: 1}\nc:\n  <<: *b\n  steps: 4\n")  # a merge's key overridden: no repeat
     assert load_config_file(f)["c"] == {"steps": 4, "seed": 1}

@@ -143,7 +143,7 @@ def test_fp8_vs_bf16_weights(model):
     rs = np.random.RandomState(5)
     prompts = _prompts(rs, (8, 12, 5, 16))
     s16 = Sampler(model, weights="bf16", max_prompt_len=64)
-    s8 = Sampler(model, weights="fp8", max_prompt_len=64)
+    s8 = Sampler(model, weights="fp8", max_prompt_len=64, kv_cache_dtype="bf16")
     sp = SamplingParams(temperature=0.0, max_new_tokens=16)
     g16, g8 = s16.generate(prompts, sp, seed=0), s8.generate(prompts, sp, seed=0)
     first_div = [int(np.argmax(a != b)) if (a != b).any() else 16 for a, b in zip(g16.tokens, g8.tokens)]
@@ -175,8 +175,9 @@ def test_fnuz_engine_equals_fn_engine(model):
 
     rs = np.random.RandomState(7)
     prompts = _prompts(rs, (6, 11, 3, 9))
-    fn = Sampler(model, weights="fp8", max_prompt_len=64, compute_dtype=jnp.float32)
-    nuz = Sampler(model, weights="fp8_e4m3fnuz", max_prompt_len=64, compute_dtype=jnp.float32)
+    fn = Sampler(model, weights="fp8", max_prompt_len=64, compute_dtype=jnp.float32, kv_cache_dtype="bf16")
+    nuz = Sampler(model, weights="fp8_e4m3fnuz", max_prompt_len=64, compute_dtype=jnp.float32,
+                  kv_cache_dtype="bf16")
     assert fn.fmt == "e4m3fn" and nuz.fmt == "e4m3fnuz"
     wf, wn = fn.weight_state(), nuz.weight_state()
     n_fp8 = 0

@@ -120,8 +120,9 @@ def test_bad_input(model, slots3):
     with pytest.raises(ValueError, match="--rollout-slots auto"):
         sl.plan_slots("auto", per_slot_bytes=100, budget_bytes=50, seq_len=8)
     with pytest.raises(ValueError, match="--rollout-slots"):
-        RunConfig(rollout_slots="many")
-    assert RunConfig(rollout_slots="auto").rollout.slots == "auto" and RunConfig(rollout_slots="4").rollout.slots == 4
+        RunConfig(**{"rollout.slots": "many"})
+    assert RunConfig(**{"rollout.slots": "auto"}).rollout.slots == "auto"
+    assert RunConfig(**{"rollout.slots": "4"}).rollout.slots == 4
 
 
 def test_cache_len_rounds_to_compression_ratios():
@@ -139,10 +140,11 @@ def test_run_config_slots_checked_against_the_plan():
     class _Plan:
         spec = parse_mesh_spec("actor:data=1")
 
-    cfg = RunConfig(rollout_slots=10 ** 9, max_new_tokens=64)
+    cfg = RunConfig(**{"rollout.slots": 10 ** 9, "rollout.max_new_tokens": 64})
     with pytest.raises(ValueError, match=r"--rollout-slots 1000000000: the memory plan leaves"):
         _rollout_slots(cfg, CFG, _Plan(), 16)
-    n, budget = _rollout_slots(RunConfig(rollout_slots="auto", prompts_per_step=4, group_size=2), CFG, _Plan(), 16)
+    n, budget = _rollout_slots(RunConfig(**{"rollout.slots": "auto", "rollout.prompts_per_step": 4,
+                                            "rollout.group_size": 2}), CFG, _Plan(), 16)
     assert n == 8 and budget > 0  # auto: capped by the rows of a step
     assert _rollout_slots(RunConfig(), CFG, _Plan(), 16) == (0, None)
 

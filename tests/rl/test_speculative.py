@@ -321,7 +321,7 @@ def test_mtp_loss_leaves_the_policy_gradient_and_update_and_the_push_carries_the
     assert float(metrics["train/mtp_loss"]) > 0
     new_mtp = np.asarray(with_mtp.params_for_push()["mtp"][0]["e_proj"]["weight"][...])
     assert not np.array_equal(new_mtp, old_mtp)
-    sampler = Sampler(m, weights="fp8", max_prompt_len=16)
+    sampler = Sampler(m, weights="fp8", max_prompt_len=16, kv_cache_dtype="bf16")
     sampler.update_weights(with_mtp.params_for_push(), version=1)
     pushed = sampler.weight_state()["mtp/0/e_proj/weight"]
     assert pushed.kind == "fp8"

@@ -174,7 +174,8 @@ SEEDS = [
 
 @pytest.mark.parametrize("argv, actor_fits, rollout_fits", SEEDS)
 def test_cli_seed_layouts(capsys, argv, actor_fits, rollout_fits):
-    assert plan_main(["--config", "flash", *argv]) == 0
+    # the run's knobs (launch/run.py flags): Flash, sequences of 1,024 + 3,072 = 4,096 tokens
+    assert plan_main(["--config", "flash", "--max-prompt-len", "1024", "--max-new-tokens", "3072", *argv]) == 0
     out = capsys.readouterr().out
     line = out.strip().splitlines()[-1]
     assert line.startswith("PLAN role=actor per_device_gib=")
@@ -185,7 +186,7 @@ def test_cli_seed_layouts(capsys, argv, actor_fits, rollout_fits):
 
 
 def test_cli_error_exit(capsys):
-    assert plan_main(["--mesh", "actor:fsdp=3", "--gpu", "h200"]) == 2
+    assert plan_main(["--config", "flash", "--mesh", "actor:fsdp=3", "--gpu", "h200"]) == 2
     assert "error:" in capsys.readouterr().err
 
 
@@ -234,12 +235,12 @@ def test_kv_cache_layout_fp8():
     fixed = 43 * (128 * entry + 128 * 4) + 21 * 4 * (4 * 1024 + 4 * 256) * 4 + 20 * 4 * 128 * 512 * 4
     per_token = 21 * (entry + 129) / 4 + 20 * entry / 128
     assert kv.fixed == fixed == 25_922_688 and kv.per_token == per_token == 3829.09375
-    r = pl.plan("flash", "actor:expert=8/rollout:expert=8", "mi355x", learner=LEARNER, nodes=2, kv_dtype="fp8")
+    r = pl.plan("flash", "actor:expert=8/rollout:expert=8", "mi355x", learner=LEARNER, nodes=2, kv_layout="fp8")
     assert r.rollout.kv_per_token == {"fp8": per_token, "bf16": 8224}
     assert r.rollout.kv_per_seq == kv.per_seq(4096) and r.line().endswith("kv_dtype=fp8")
     assert "per added token: fp8 3,829 B, bf16 8,224 B" in r.table()
-    with pytest.raises(ValueError, match="kv dtype"):
-        pl.plan("flash", "actor:expert=8/rollout:expert=8", "mi355x", learner=LEARNER, nodes=2, kv_dtype="int8")
+    with pytest.raises(ValueError, match="kv layout"):
+        pl.plan("flash", "actor:expert=8/rollout:expert=8", "mi355x", learner=LEARNER, nodes=2, kv_layout="int8")
 
 
 def test_context_axis_splits_weights_with_fsdp_and_counts_the_gathered_kv(flash_leaves):

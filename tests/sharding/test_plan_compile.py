@@ -46,9 +46,11 @@ def test_cli_compile_prints_the_result_line(capfd):
     """The CLI compiles both programs and prints its RESULT line; neither program makes XLA's SPMD partitioner
     replicate a whole tensor ("Involuntary full rematerialization", logged on stderr: the embedding lookup from the
     FSDP-split table did, issue 24)."""
-    argv = ["--config", "tiny", "--mesh", MESH, "--gpu", "mi308x", "--compile", "--seq-len", "16",
-            "--micro-batch-tokens", "32", "--num-layers", "2", "--rollout-batch", "8", "--rollout-context", "48",
-            "--rollout-prompt-len", "16", "--train-mtp"]  # MTP trained too: the tiny step's state reaches 0.01 GiB
+    # the run's flags: rows of 16 + 32 = 48 tokens, two per device; 4 x 2 rollout sequences; MTP trained too (the
+    # tiny step's state reaches 0.01 GiB)
+    argv = ["--config", "tiny", "--mesh", MESH, "--gpu", "mi308x", "--compile", "--max-prompt-len", "16",
+            "--max-new-tokens", "32", "--max-tokens-per-micro-batch", "96", "--num-layers", "2",
+            "--prompts-per-step", "4", "--group-size", "2", "--learner.train_mtp"]
     assert plan_main(argv) == 0
     out, err = capfd.readouterr()
     assert "Involuntary full rematerialization" not in err
@@ -61,7 +63,7 @@ def test_cli_compile_prints_the_result_line(capfd):
     assert float(fields["rollout_xla_gib"]) >= 0 and fields["fits"] == "yes"
     assert "rollout generate program" in out and "KV capacity left" in out
     assert float(fields["actor_usable_gib"]) == 192 * 0.9 and float(fields["actor_xla_gib"]) > 0
-    assert "reduced to 2 layers" in out and "8 rows x 16 tokens" in out and "XLA:CPU upcasts bf16" in out
+    assert "reduced to 2 layers" in out and "8 rows x 48 tokens" in out and "XLA:CPU upcasts bf16" in out
     assert math.isfinite(float(fields["actor_plan_gib"])) and math.isfinite(float(fields["rollout_xla_gib"]))
 
 
@@ -89,8 +91,8 @@ def test_cli_compile_only_rollout_continuous_batching(capsys):
     """--compile-only rollout: the continuous-batching program (3 slots -> 4, a multiple of the 2 batch shards;
     per-request prefill in chunks of 8) compiled alone; the actor's XLA field is nan; bad --rollout-slots named."""
     argv = ["--config", "tiny", "--mesh", MESH, "--gpu", "mi308x", "--compile", "--compile-only", "rollout",
-            "--num-layers", "2", "--rollout-batch", "6", "--rollout-context", "48", "--rollout-prompt-len", "20",
-            "--rollout-slots", "3", "--prefill-chunk", "8"]
+            "--num-layers", "2", "--prompts-per-step", "3", "--group-size", "2", "--max-prompt-len", "20",
+            "--max-new-tokens", "28", "--rollout-slots", "3", "--prefill-chunk", "8"]
     assert plan_main(argv) == 0
     out = capsys.readouterr().out
     fields = dict(kv.split("=", 1) for kv in out.strip().splitlines()[-1].split()[1:])
@@ -98,7 +100,8 @@ def test_cli_compile_only_rollout_continuous_batching(capsys):
     assert "continuous batching over 4 slots (2 per device), per-request prefill in chunks of 8" in out
     assert "XLA memory analysis of the actor" not in out
     assert plan_main(argv[:-4] + ["--rollout-slots", "many"]) == 2
-    assert "--rollout-slots many" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "--rollout-slots" in err and "'many'" in err
 
 
 def test_cli_compile_abort_is_one_line_and_the_context_actor_compiles(capfd, monkeypatch):
@@ -115,8 +118,8 @@ def test_cli_compile_abort_is_one_line_and_the_context_actor_compiles(capfd, mon
 
     monkeypatch.setattr(plan_mod, "compile_in_child", rollout_aborts)
     argv = ["--config", "tiny", "--mesh", "actor:fsdp=2,expert=2,context=2/rollout:expert=8", "--gpu", "mi308x",
-            "--compile", "--seq-len", "16", "--num-layers", "2", "--rollout-batch", "8", "--rollout-context", "48",
-            "--rollout-prompt-len", "16"]
+            "--compile", "--max-prompt-len", "16", "--max-new-tokens", "32", "--num-layers", "2",
+            "--prompts-per-step", "4", "--group-size", "2"]
     assert plan_main(argv) == 1
     out, err = capfd.readouterr()
     errors = [x for x in err.splitlines() if x.startswith("error:")]
