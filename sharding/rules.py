@@ -11,7 +11,11 @@ Two presets:
   XLA, so a context axis does not multiply the weight bytes per device), routed experts over `expert`, and the
   head/intermediate/vocab dims over `tensor`. The batch is split over `data`, `fsdp`, `expert` (FSDP and EP
   ranks are data-parallel for activations) and the sequence of every per-token activation (`act_seq`) over
-  `context` (context parallelism; the attention's collectives across it are in `dsv4/context.py`).
+  `context` (context parallelism; the attention's collectives across it are in `dsv4/context.py`). Pipeline
+  parallelism (`parallel/pipeline.py`): the stacked layer dim of the pipelined layer group (`layers`) is split
+  over `stage` (contiguous layers per stage); outside the pipeline (embedding, un-pipelined layers, head, loss) the
+  `stage` ranks are one more data axis of the batch (as MaxText's `activation_embed_and_logits_batch`), and inside
+  it the stage dim is the vmapped one (`without_mesh_axis` takes `stage` out of the rules there).
 * `ROLLOUT_RULES` (sampling mesh, FP8): EP + TP and no FSDP: weights are never split along `embed`, so decode
   steps never all-gather weights. The batch is split over `data`, `fsdp` and `expert`; on a rollout mesh the
   `fsdp` axis is therefore a second data axis. It is 1 on the usual disjoint rollout meshes and is only > 1
@@ -47,13 +51,16 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from sharding import axes as ax
 
-# Mesh axis names, in mesh order (major to minor). `tensor` is innermost so TP peers are adjacent devices.
+# Mesh axis names, in mesh order (major to minor). `tensor` is innermost so TP peers are adjacent devices; `stage`
+# (pipeline parallelism, parallel/pipeline.py) outermost: stage boundaries send one activation per micro-batch,
+# the cheapest traffic to put across nodes.
+STAGE = "stage"
 DATA = "data"
 FSDP = "fsdp"
 CONTEXT = "context"  # context parallelism: the actor's sequence dim of per-token activations (dsv4/context.py)
 EXPERT = "expert"
 TENSOR = "tensor"
-MESH_AXES = (DATA, FSDP, CONTEXT, EXPERT, TENSOR)
+MESH_AXES = (STAGE, DATA, FSDP, CONTEXT, EXPERT, TENSOR)
 
 # Roles.
 ACTOR = "actor"
@@ -78,8 +85,9 @@ ACTOR_RULES: Rules = (
     (ax.MLP, TENSOR),
     (ax.HC, None),
     (ax.TABLE, None),
+    (ax.LAYERS, STAGE),
     # Activations.
-    (ax.ACT_BATCH, (DATA, FSDP, EXPERT)),
+    (ax.ACT_BATCH, (STAGE, DATA, FSDP, EXPERT)),
     (ax.ACT_SEQ, CONTEXT),
     (ax.ACT_EMBED, None),
     (ax.ACT_HEADS, TENSOR),
@@ -89,8 +97,8 @@ ACTOR_RULES: Rules = (
 
 # Same as the actor except: no FSDP on weights (embed replicated), and no context parallelism: a rollout mesh
 # with a context axis (only when colocated with such an actor) uses it as one more data axis of the batch.
-_ROLLOUT_CHANGES: dict[str, MeshAxes] = {ax.EMBED: None, ax.ACT_SEQ: None,
-                                         ax.ACT_BATCH: (DATA, FSDP, CONTEXT, EXPERT)}
+_ROLLOUT_CHANGES: dict[str, MeshAxes] = {ax.EMBED: None, ax.ACT_SEQ: None, ax.LAYERS: None,
+                                         ax.ACT_BATCH: (STAGE, DATA, FSDP, CONTEXT, EXPERT)}
 ROLLOUT_RULES: Rules = tuple((name, _ROLLOUT_CHANGES.get(name, m)) for name, m in ACTOR_RULES)
 
 PRESETS: dict[str, Rules] = {ACTOR: ACTOR_RULES, ROLLOUT: ROLLOUT_RULES}
@@ -270,6 +278,16 @@ def constrain(x: jax.Array, logical_axes: Sequence[str | None]) -> jax.Array:
                          f"shape {x.shape}")
     rules, mesh = active
     return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, logical_to_spec(logical_axes, rules, mesh)))
+
+
+def without_mesh_axis(rules: Rules, mesh_axis: str) -> Rules:
+    """`rules` with `mesh_axis` removed from every entry (a logical axis mapped to it alone becomes replicated):
+    the rules inside a `jax.vmap(..., spmd_axis_name=mesh_axis)`, which puts that mesh axis on the vmapped dim."""
+    def drop(m: MeshAxes) -> MeshAxes:
+        kept = tuple(a for a in _as_tuple(m) if a != mesh_axis)
+        return None if not kept else kept[0] if len(kept) == 1 else kept
+
+    return tuple((name, drop(m)) for name, m in rules)
 
 
 def batch_shards(rules: Rules, mesh: Mesh) -> int:
