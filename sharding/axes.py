@@ -30,7 +30,8 @@ ACT_EMBED = "act_embed"
 ACT_HEADS = "act_heads"
 ACT_VOCAB = "act_vocab"
 ACT_EXPERT = "act_expert"
+ACT_STAGE = "act_stage"    # the pipeline's stage dim of its per-stage activations [P, ...] (parallel/pipeline.py)
 
 WEIGHT_AXES = (VOCAB, EMBED, Q_LORA, HEADS, KV, O_LORA, O_IN, COMPRESS, INDEX_HEADS, EXPERT, MLP, HC, TABLE, LAYERS)
-ACTIVATION_AXES = (ACT_BATCH, ACT_SEQ, ACT_EMBED, ACT_HEADS, ACT_VOCAB, ACT_EXPERT)
+ACTIVATION_AXES = (ACT_BATCH, ACT_SEQ, ACT_EMBED, ACT_HEADS, ACT_VOCAB, ACT_EXPERT, ACT_STAGE)
 ALL_AXES = WEIGHT_AXES + ACTIVATION_AXES

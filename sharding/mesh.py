@@ -3,8 +3,8 @@
 A run has two roles in one JAX program (house rule 9): the BF16 *actor* mesh that trains and the FP8
 *rollout* mesh that samples, on disjoint devices, or on the same devices when colocated. Both meshes have
 the six axes `(stage, data, fsdp, context, expert, tensor)` in that order (major to minor, `tensor` innermost so TP
-peers are neighbouring devices, `stage` outermost); an axis left out of a spec has size 1. Placement inside a mesh is decided by the
-role's rule table in `sharding/rules.py`.
+peers are neighbouring devices, `stage` outermost); an axis left out of a spec has size 1. Placement inside a mesh is
+decided by the role's rule table in `sharding/rules.py`.
 
 Spec grammar (also accepted by `launch/run.py --mesh`):
 
@@ -175,6 +175,7 @@ DIM_SOURCES: dict[str, tuple[str, str, int] | None] = {
     ax.ACT_HEADS: ("num_attention_heads", "activation [B, T, H, d]", 2),
     ax.ACT_VOCAB: ("vocab_size", "activation logits [B, T, V]", 2),
     ax.ACT_EXPERT: ("n_routed_experts", "activation router scores [B, T, E]", 2),
+    ax.ACT_STAGE: None,
 }
 
 

@@ -12,10 +12,12 @@ Two presets:
   head/intermediate/vocab dims over `tensor`. The batch is split over `data`, `fsdp`, `expert` (FSDP and EP
   ranks are data-parallel for activations) and the sequence of every per-token activation (`act_seq`) over
   `context` (context parallelism; the attention's collectives across it are in `dsv4/context.py`). Pipeline
-  parallelism (`parallel/pipeline.py`): the stacked layer dim of the pipelined layer group (`layers`) is split
-  over `stage` (contiguous layers per stage); outside the pipeline (embedding, un-pipelined layers, head, loss) the
-  `stage` ranks are one more data axis of the batch (as MaxText's `activation_embed_and_logits_batch`), and inside
-  it the stage dim is the vmapped one (`without_mesh_axis` takes `stage` out of the rules there).
+  parallelism (`parallel/pipeline.py`): the stacked layer dim of the pipelined layer group (`layers`) and the
+  pipeline's per-stage activations (`act_stage`) are split over `stage` (contiguous layers per stage). `act_batch`
+  does not use `stage`: inside the pipeline the stage dim is a `jax.vmap(spmd_axis_name="stage")` dim, on which
+  no constraint may name `stage` again (the rules cannot tell inside from outside: JAX traces a custom_vjp's
+  rules after the vmap's body), so outside it (embedding, un-pipelined layers, head, loss) the batch is replicated
+  over `stage` (not data-parallel over it, as MaxText's separate `activation_embed_and_logits_batch` is).
 * `ROLLOUT_RULES` (sampling mesh, FP8): EP + TP and no FSDP: weights are never split along `embed`, so decode
   steps never all-gather weights. The batch is split over `data`, `fsdp` and `expert`; on a rollout mesh the
   `fsdp` axis is therefore a second data axis. It is 1 on the usual disjoint rollout meshes and is only > 1
@@ -87,12 +89,13 @@ ACTOR_RULES: Rules = (
     (ax.TABLE, None),
     (ax.LAYERS, STAGE),
     # Activations.
-    (ax.ACT_BATCH, (STAGE, DATA, FSDP, EXPERT)),
+    (ax.ACT_BATCH, (DATA, FSDP, EXPERT)),
     (ax.ACT_SEQ, CONTEXT),
     (ax.ACT_EMBED, None),
     (ax.ACT_HEADS, TENSOR),
     (ax.ACT_VOCAB, TENSOR),
     (ax.ACT_EXPERT, EXPERT),
+    (ax.ACT_STAGE, STAGE),
 )
 
 # Same as the actor except: no FSDP on weights (embed replicated), and no context parallelism: a rollout mesh
@@ -278,16 +281,6 @@ def constrain(x: jax.Array, logical_axes: Sequence[str | None]) -> jax.Array:
                          f"shape {x.shape}")
     rules, mesh = active
     return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, logical_to_spec(logical_axes, rules, mesh)))
-
-
-def without_mesh_axis(rules: Rules, mesh_axis: str) -> Rules:
-    """`rules` with `mesh_axis` removed from every entry (a logical axis mapped to it alone becomes replicated):
-    the rules inside a `jax.vmap(..., spmd_axis_name=mesh_axis)`, which puts that mesh axis on the vmapped dim."""
-    def drop(m: MeshAxes) -> MeshAxes:
-        kept = tuple(a for a in _as_tuple(m) if a != mesh_axis)
-        return None if not kept else kept[0] if len(kept) == 1 else kept
-
-    return tuple((name, drop(m)) for name, m in rules)
 
 
 def batch_shards(rules: Rules, mesh: Mesh) -> int:

@@ -15,7 +15,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from sharding import axes as ax
 from sharding.mesh import build_mesh_plan
 from sharding.rules import (ACTOR_RULES, ROLLOUT_RULES, active_rules, activation_spec, check_rules, constrain,
-                            logical_to_spec, param_shardings, rules_for, use_rules, without_mesh_axis)
+                            logical_to_spec, param_shardings, rules_for, use_rules)
 
 D, F, E, B = 16, 32, 4, 8
 
@@ -70,7 +70,7 @@ def test_presets_cover_all_axes():
 
 
 def test_check_rules_errors():
-    with pytest.raises(ValueError, match=r"missing logical axes \['act_expert'\]"):
+    with pytest.raises(ValueError, match=r"missing logical axes \['act_stage'\]"):
         check_rules(ACTOR_RULES[:-1])
     with pytest.raises(ValueError, match=r"duplicated logical axes \['vocab'\]"):
         check_rules(ACTOR_RULES + ((ax.VOCAB, None),))
@@ -81,11 +81,9 @@ def test_check_rules_errors():
 def test_logical_to_spec(actor_mesh):
     assert logical_to_spec((ax.EMBED, ax.MLP), ACTOR_RULES) == P(("fsdp", "context"), "tensor")  # FSDP x CP
     assert logical_to_spec((ax.EMBED, ax.MLP), ROLLOUT_RULES) == P(None, "tensor")
-    assert logical_to_spec((ax.ACT_BATCH, None), ACTOR_RULES) == P(("stage", "data", "fsdp", "expert"), None)
+    assert logical_to_spec((ax.ACT_BATCH, None), ACTOR_RULES) == P(("data", "fsdp", "expert"), None)
     assert logical_to_spec((ax.LAYERS, ax.EMBED), ACTOR_RULES) == P("stage", ("fsdp", "context"))  # pipeline stages
-    inside = without_mesh_axis(ACTOR_RULES, "stage")  # inside the pipeline's stage vmap
-    check_rules(inside)
-    assert logical_to_spec((ax.ACT_BATCH, ax.LAYERS), inside) == P(("data", "fsdp", "expert"), None)
+    assert logical_to_spec((ax.ACT_STAGE, ax.ACT_BATCH), ACTOR_RULES) == P("stage", ("data", "fsdp", "expert"))
     # with a mesh: data (size 1) is dropped
     assert logical_to_spec((ax.ACT_BATCH, ax.ACT_SEQ), ACTOR_RULES, actor_mesh) == P(("fsdp", "expert"), None)
     # one mesh axis per spec: the first dim keeps it, later dims are replicated along it
