@@ -10,7 +10,7 @@ pipeline, as MaxText runs DeepSeek's dense prefix: with the embedding before it 
 and loss after it. Those run replicated over `stage` (each stage computes them for the whole batch: see
 sharding/rules.py for why `act_batch` cannot name `stage`); their weights are not split over `stage` either.
 The stacked state is today's (`dsv4.scan.stack_params`), so checkpoints and the push are unchanged; only the
-pipelined group's leading dim is split over `stage` (`stage_logical_axes` gives it the logical axis `layers`).
+pipelined group's leading dim is split over `stage` (`stage_shardings`: the mesh axes of the logical axis `layers`).
 
 How (ideas from MaxText's `layers/pipeline.py` and Praxis' `LayerwiseShardablePipelined`, no code): the group's
 leaves [R, ...] are viewed as [P, R / P, ...] and one stage's computation (`dsv4.scan.run_layers` over its R / P
@@ -45,6 +45,7 @@ from typing import Any, Callable, Sequence
 import jax
 import jax.numpy as jnp
 from flax import nnx, struct
+from jax.sharding import NamedSharding, PartitionSpec
 
 from dsv4.scan import LayerGroup, LayerStack, run_layers
 from sharding import axes as ax
@@ -105,23 +106,28 @@ def pipeline_plan(groups: Sequence[LayerGroup], stages: int, micro_batches: int)
     return PipelinePlan(stages=stages, micro_batches=micro_batches, group=g, repeats=grp.repeats)
 
 
-def stage_logical_axes(stacked: Any, plan: PipelinePlan) -> nnx.State:
-    """A stacked model-level state (`dsv4.scan.stack_params` of params / buffers, abstract or concrete) whose
-    pipelined group's Variables get the logical axis `layers` on their leading (stacked) dim, so that
-    `sharding.rules.param_shardings` splits that group's layers over `stage` (contiguous blocks: stage p holds its
-    own repetitions). Other leaves are unchanged."""
-    d = dict(stacked.raw_mapping if isinstance(stacked, nnx.State) else stacked)
-    layers = dict(d["layers"].raw_mapping if isinstance(d["layers"], nnx.State) else d["layers"])
+def _key(k: Any) -> Any:
+    """A pytree path entry as the name or index it stands for."""
+    for attr in ("key", "name", "idx"):
+        if hasattr(k, attr):
+            return getattr(k, attr)
+    return k
 
-    def one(v):
-        if not isinstance(v, nnx.Variable):
-            return v
-        la = v.get_metadata().get("logical_axes")
-        return v if la is None else v.replace(logical_axes=(ax.LAYERS, *tuple(la)[1:]))
 
-    layers[plan.group] = jax.tree.map(one, layers[plan.group], is_leaf=lambda x: isinstance(x, nnx.Variable))
-    d["layers"] = layers
-    return nnx.State(d)
+def stage_shardings(shardings: Any, plan: PipelinePlan, rules: rl.Rules) -> Any:
+    """`shardings` (a pytree of NamedShardings of stacked state: params, buffers, optimizer moments, masters, a
+    whole `TrainState`'s) with the leading dim of every leaf of the pipelined group (path `.../layers/<group>/...`)
+    split over the mesh axes `rules` give the logical axis `layers` (the actor's: `stage`), so stage p holds its
+    own repetitions (contiguous blocks). Other leaves are unchanged; structures and Variable metadata are kept."""
+    def one(path, sh):
+        keys = [_key(k) for k in path]
+        hit = any(a == "layers" and str(b) == str(plan.group) for a, b in zip(keys, keys[1:]))
+        if not hit or not isinstance(sh, NamedSharding) or not len(sh.spec) or sh.spec[0] is not None:
+            return sh
+        lead = rl.logical_to_spec((ax.LAYERS,), rules, sh.mesh)[0]
+        return NamedSharding(sh.mesh, PartitionSpec(lead, *tuple(sh.spec)[1:]))
+
+    return jax.tree_util.tree_map_with_path(one, shardings)
 
 
 def split_micro_batches(a: jax.Array, m: int) -> jax.Array:

@@ -107,15 +107,14 @@ def test_pipelined_equals_unpipelined(cfg, layout, stages, micro, remat, mtp):
 
     mesh = build_mesh_plan(layout).actor
     plan = pp.pipeline_plan(sdef.groups, stages=stages, micro_batches=micro)
-    abs_p = pp.stage_logical_axes(sc.stack_params(nnx.state(nnx.eval_shape(lambda: model), nnx.Param), sdef.groups),
-                                  plan)
-    shard = param_shardings(abs_p, mesh, ACTOR_RULES)
+    abs_p = sc.stack_params(nnx.state(nnx.eval_shape(lambda: model), nnx.Param), sdef.groups)
+    shard = pp.stage_shardings(param_shardings(abs_p, mesh, ACTOR_RULES), plan, ACTOR_RULES)
     g = plan.group
     assert shard["layers"][g][0]["attn"]["wq_a"]["weight"].get_value().spec[0] == "stage"  # split over the stages
     if g:  # the hash layers in front of the pipeline: not split over the stages
         assert shard["layers"][0][0]["attn"]["wq_a"]["weight"].get_value().spec[0] is None
     with jax.set_mesh(mesh), use_rules(ACTOR_RULES, mesh):
-        sp_m = jax.device_put(pp.stage_logical_axes(sp, plan), shard)
+        sp_m = jax.device_put(sp, shard)
         sb_m = jax.device_put(sb, NamedSharding(mesh, P()))
         loss1, out1, g1, hlo = grads(plan, sp_m, sb_m)
     assert "collective-permute" in hlo  # the stage -> stage + 1 shift (and back in the backward)
