@@ -58,7 +58,7 @@ def _learner(args) -> LearnerConfig:
         DEFAULT_LEARNER, offload_optimizer=args.offload_optimizer, train_mtp=args.train_mtp,
         freeze_router=args.freeze_router, scan_layers=args.scan_layers, stream_optimizer=args.stream_optimizer,
         ep_backend=args.ep_backend, ep_capacity_factor=args.ep_capacity_factor,
-        max_tokens_per_micro_batch=args.micro_batch_tokens)
+        max_tokens_per_micro_batch=args.micro_batch_tokens, pipeline_stages=args.pipeline_stages)
 
 
 def parser() -> argparse.ArgumentParser:
@@ -121,6 +121,10 @@ def parser() -> argparse.ArgumentParser:
                    help="--compile: the learner's --max-tokens-per-micro-batch (default: one row per device)")
     p.add_argument("--scan-layers", action=argparse.BooleanOptionalAction, default=DEFAULT_LEARNER.scan_layers,
                    help="--compile: " + _knob_help("scan_layers"))
+    p.add_argument("--pipeline-stages", type=int, default=DEFAULT_LEARNER.pipeline_stages,
+                   help=_knob_help("pipeline_stages"))
+    p.add_argument("--pipeline-micro-batches", type=int, default=None,
+                   help="micro-batches per step through the pipeline, for its bubble (default 4 x the stages)")
     p.add_argument("--rollout-batch", type=int, default=1024, help="--compile: sequences of the rollout program")
     p.add_argument("--rollout-context", type=int, default=32768,
                    help="--compile: prompt + new tokens per rollout sequence")
@@ -152,7 +156,7 @@ _FROM_RUN = {
     "config": lambda c: c.model.config, "mesh": lambda c: c.mesh,
     **{k: (lambda c, k=k: getattr(c.learner, k)) for k in (
         "offload_optimizer", "train_mtp", "freeze_router", "scan_layers", "stream_optimizer", "ep_backend",
-        "ep_capacity_factor")},
+        "ep_capacity_factor", "pipeline_stages")},
     "micro_batch_tokens": lambda c: c.learner.max_tokens_per_micro_batch,
     "tokens_per_device": lambda c: c.learner.max_tokens_per_micro_batch or c.data.max_prompt_len
     + c.rollout.max_new_tokens,
@@ -234,6 +238,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                       usable_fraction=args.usable_fraction, rollout_reserve=args.rollout_reserve,
                       rollout_seqs_per_device=args.rollout_seqs_per_device, draft_tokens=args.speculative_k,
                       host_gib_per_node=args.host_gib_per_node, config_name=name,
+                      pipeline_micro_batches=args.pipeline_micro_batches,
                       xla_cpu=args.compile and target is None)
     except ValueError as e:  # MeshSpecError is a ValueError
         print(f"error: {e}", file=sys.stderr)
