@@ -269,8 +269,8 @@ def test_pipeline_stages_split_the_pipelined_layers_and_print_the_bubble(flash_l
                 pipeline_micro_batches=8)
     ref = pl.plan("flash", "actor:expert=8/rollout:expert=8", "mi308x", nodes=2, learner=LEARNER)
     mesh = model_bytes.abstract_mesh({"expert": 8})
-    split = sum(math.prod(model_bytes.local_shape(lf, ACTOR_RULES, mesh)) * np.dtype(lf.dtype).itemsize for lf in flash_leaves
-                if lf.path.startswith("layers.") and 3 <= int(lf.path.split(".")[1]) <= 42)
+    split = sum(math.prod(model_bytes.local_shape(lf, ACTOR_RULES, mesh)) * np.dtype(lf.dtype).itemsize
+                for lf in flash_leaves if lf.path.startswith("layers.") and 3 <= int(lf.path.split(".")[1]) <= 42)
     w = "weights (bf16; fp32 mHC/sinks/ape/bias; int32 tid2eid)"
     assert r.actor.items[w] == ref.actor.items[w] - split / 2
     assert "pipeline: 2 stages over layers 3..42 (20 per stage" in r.table() and "= 0.111 at M=8" in r.table()
