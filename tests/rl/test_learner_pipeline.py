@@ -1,10 +1,12 @@
-"""rl/learner.py with `--learner.pipeline_stages 2` (parallel/pipeline.py) on an `actor:stage=2,fsdp=2` mesh against the
-unpipelined learner on one device: the step's loss, metrics and every gradient agree (1e-5, fp32), with micro-batches,
-routing replay and a KL reference (whose forward is pipelined too); the pipelined group's state is split over
-`stage`; stage counts that do not divide the group or the mesh's stage axis are refused naming the flag.
+"""rl/learner.py with `--learner.pipeline_stages 4` (parallel/pipeline.py) on an `actor:stage=4,fsdp=2` mesh (the 8 CPU
+devices) against the unpipelined learner on one device: the step's loss, metrics and every gradient agree (1e-5,
+fp32), with 4 micro-batches, routing replay, a KL reference (whose forward is pipelined too), the on-policy MTP loss
+(the MTP head after the pipeline) and remat "block" (each stage scans its 2 layers with `dsv4.scan`'s hand-written
+backward, inside the stage vmap); the pipelined group's state is split over `stage`; stage counts that do not divide
+the group or the mesh's stage axis are refused naming the flag.
 
-Model: the tiny config with 4 main layers (2 sliding hash layers, 2 CSA layers): two groups of 2 repetitions; the
-pipeline takes the first (the hash layers, with their hash routing per stage) and the CSA group runs after it.
+Model: the tiny config with 10 main layers: 2 sliding hash layers (a group run before the pipeline), then 8 CSA
+layers (the pipelined group: 2 per stage).
 Run: `.venv/bin/python -m pytest -q tests/rl/test_learner_pipeline.py`.
 """
 
@@ -21,8 +23,8 @@ from rl.learner import Learner
 from rl.logprobs import token_logprobs
 from sharding.mesh import build_mesh_plan
 
-CFG = dsv4.DSV4Config.tiny(num_hidden_layers=4, num_hash_layers=2, compress_ratios=(0, 0, 4, 4, 0))
-N, P, T = 4, 5, 5
+CFG = dsv4.DSV4Config.tiny(num_hidden_layers=10, num_hash_layers=2, compress_ratios=(0, 0) + (4,) * 8 + (0,))
+N, P, T = 8, 5, 5
 TOL = 1e-5
 
 
@@ -49,30 +51,32 @@ def _batch(model):
 
 def _cfg(**kw) -> LearnerConfig:
     return LearnerConfig(lr=1e-3, compute_dtype="float32", micro_batch_size=2, routing_replay=True,
-                         loss=LossConfig(kl_coef=0.05), **kw)
+                         loss=LossConfig(kl_coef=0.05), train_mtp=True, mtp_loss_weight=0.5, **kw)
 
 
 def test_pipelined_learner_equals_unpipelined(model):
     batch = _batch(model)
     ref = Learner(model, _cfg())
-    mesh = build_mesh_plan("actor:stage=2,fsdp=2").actor
-    piped = Learner(model, _cfg(pipeline_stages=2), mesh=mesh)
-    assert piped.pipeline.group == 0
-    assert piped.state.params["layers"][0][0]["attn"]["wq_a"]["weight"].get_value().sharding.spec[0] == "stage"
-    assert piped.state.params["layers"][1][0]["attn"]["wq_a"]["weight"].get_value().sharding.spec[0] is None
+    mesh = build_mesh_plan("actor:stage=4,fsdp=2").actor
+    piped = Learner(model, _cfg(pipeline_stages=4), mesh=mesh)
+    assert piped.pipeline.group == 1 and piped.cfg.remat == "block"
+    assert piped.state.params["layers"][1][0]["attn"]["wq_a"]["weight"].get_value().sharding.spec[0] == "stage"
+    assert piped.state.params["layers"][0][0]["attn"]["wq_a"]["weight"].get_value().sharding.spec[0] is None
     loss0, g0, m0 = ref.loss_and_grads(ref.state, batch)
     loss1, g1, m1 = piped.loss_and_grads(piped.state, batch)
     diffs = {"loss": abs(float(loss1) - float(loss0))}
     diffs["grads"] = max(float(jnp.max(jnp.abs(a - b))) for a, b in zip(jax.tree.leaves(g1), jax.tree.leaves(g0)))
     diffs["metrics"] = max(abs(float(m1[k]) - float(m0[k])) for k in m0)
-    print(f"pipelined learner (stage=2, 2 micro-batches) vs unpipelined: max abs diffs {diffs}")
-    assert set(m1) == set(m0) and all(v <= TOL for v in diffs.values()), diffs
-    assert float(jnp.max(jnp.abs(g1["layers"][0][0]["attn"]["wq_a"]["weight"].get_value()[1]))) > 0  # stage 1
+    print(f"pipelined learner (4 stages, 4 micro-batches) vs unpipelined: max abs diffs {diffs}")
+    assert set(m1) == set(m0) and "train/mtp_loss" in m1 and all(v <= TOL for v in diffs.values()), diffs
+    g_wq = g1["layers"][1][0]["attn"]["wq_a"]["weight"].get_value()  # [8 layers, ...]: every stage's layers
+    assert float(jnp.min(jnp.max(jnp.abs(g_wq), axis=(1, 2)))) > 0
+    assert float(jnp.max(jnp.abs(g1["mtp"][0]["e_proj"]["weight"].get_value()))) > 0
 
 
 def test_pipeline_stages_refused(model):
-    with pytest.raises(ValueError, match=r"--learner.pipeline_stages=4 does not divide the 2 repetitions"):
-        Learner(model, _cfg(pipeline_stages=4))
+    with pytest.raises(ValueError, match=r"--learner.pipeline_stages=3 does not divide the 8 repetitions"):
+        Learner(model, _cfg(pipeline_stages=3))
     with pytest.raises(ValueError, match=r"--learner.pipeline_stages=1 does not spread over the mesh's stage=2"):
         Learner(model, _cfg(), mesh=build_mesh_plan("actor:stage=2").actor)
     with pytest.raises(ValueError, match=r"needs --learner.scan_layers"):
