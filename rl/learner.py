@@ -258,7 +258,7 @@ class Learner:
             shardings = {tree_key(p): sh for p, sh in jax.tree_util.tree_leaves_with_path(self._param_shardings())}
             self.dispatch_fn = expert_lib.default_dispatch(  # --ep-backend / --ep-capacity-factor: expert meshes
                 devices, shardings, ep_backend=None if cfg.ep_backend == "auto" else cfg.ep_backend,
-                ep_capacity_factor=cfg.ep_capacity_factor)
+                ep_capacity_factor=cfg.ep_capacity_factor, check_vma=self.pipeline is None)
         self._jits: dict[Any, Any] = {}
         self._hash_buffers = {int(m.group(1)): leaf for p, leaf in jax.tree_util.tree_leaves_with_path(buffers)
                               if (m := _HASH_TABLE.fullmatch(tree_key(p)))}

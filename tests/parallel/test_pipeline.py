@@ -7,7 +7,7 @@ remat-"block" scan inside a stage, the MTP head, the KL reference and a group in
 
 `CFG`: the tiny config with 5 main layers, (CSA, HCA) x 2 then a sliding layer: the pipelined group has period 2
 (each stage runs a CSA and an HCA layer) and a group runs after the pipeline. One test compiles little (2 stages of
-one repetition on 2 devices); `FLASHLIKE` checks the group choice on Flash's pattern.
+one repetition, experts split over `expert`); `FLASHLIKE` checks the group choice on Flash's pattern.
 Run: .venv/bin/python -m pytest -q tests/parallel/test_pipeline.py
 """
 
@@ -26,6 +26,7 @@ from dsv4 import DSV4Config
 from dsv4 import scan as sc
 from dsv4.layers import Buffer
 from parallel import pipeline as pp
+from parallel.expert import make_ep_dispatch
 from sharding.mesh import build_mesh_plan
 from sharding.rules import ACTOR_RULES, param_shardings, use_rules
 
@@ -60,11 +61,11 @@ def _loss(out, ids, mask):
     return -jnp.sum(jnp.take_along_axis(lp, ids[:, 1:, None], axis=-1)[..., 0] * m) / jnp.sum(m)
 
 
-def _run(sdef, params, buffers, ids, mask, replay, plan):
+def _run(sdef, params, buffers, ids, mask, replay, plan, dispatch_fn=None):
     shell, stack = sc.merge_stacked(sdef, params, buffers)
     if plan is not None:
         stack = pp.PipelineStack.of(stack, plan)
-    out = shell(ids, attention_mask=mask, routing_replay=replay, layer_stack=stack)
+    out = shell(ids, attention_mask=mask, routing_replay=replay, layer_stack=stack, dispatch_fn=dispatch_fn)
     return _loss(out, ids, mask), out
 
 
@@ -76,8 +77,8 @@ def _batch():
 
 def test_pipelined_equals_unpipelined():
     """Loss, logits, routing and every gradient (layers, embedding, head) of the pipelined step (2 stages, 2
-    micro-batches) on `actor:stage=2` equal the unpipelined scanned step's (one device, the whole batch at once), with
-    a routing replay. Tolerances: loss and gradients 1e-5 absolute; logits 1e-5 of the largest logit (the unpipelined
+    micro-batches) on `actor:stage=2,expert=2,fsdp=2` (the routed experts by the EP all-to-all) equal the unpipelined
+    scanned step's (one device, the whole batch at once), with a routing replay. Tolerances: loss and gradients 1e-5 absolute; logits 1e-5 of the largest logit (the unpipelined
     model alone moves its logits by 1.0e-5 of |logits| <= 5 when run row by row instead of 4 rows at once: XLA:CPU
     sums matmuls of other shapes in another order; measured 2026-12-05)."""
     model = random_model(CFG, seed=0)
@@ -89,15 +90,15 @@ def test_pipelined_equals_unpipelined():
     replay = jnp.roll(free, 3, axis=1)  # another token's routes, forced in every layer
     replay = jnp.where(replay < 0, 0, replay)
 
-    def grads(plan, p, b):
-        fn = jax.value_and_grad(lambda p: _run(sdef, p, b, ids, mask, replay, plan), has_aux=True)
+    def grads(plan, p, b, dispatch_fn=None):
+        fn = jax.value_and_grad(lambda p: _run(sdef, p, b, ids, mask, replay, plan, dispatch_fn), has_aux=True)
         exe = jax.jit(fn, compiler_options=_FAST).lower(p).compile()
         (loss, out), g = exe(p)
         return loss, out, g, exe.as_text()
 
     loss0, out0, g0, _ = grads(None, sp, sb)
 
-    mesh = build_mesh_plan("actor:stage=2").actor
+    mesh = build_mesh_plan("actor:stage=2,expert=2,fsdp=2").actor
     plan = pp.pipeline_plan(sdef.groups, stages=2, micro_batches=2)
     abs_p = sc.stack_params(nnx.state(nnx.eval_shape(lambda: model), nnx.Param), sdef.groups)
     shard = pp.stage_shardings(param_shardings(abs_p, mesh, ACTOR_RULES), plan, ACTOR_RULES)
@@ -107,8 +108,10 @@ def test_pipelined_equals_unpipelined():
     with jax.set_mesh(mesh), use_rules(ACTOR_RULES, mesh):
         sp_m = jax.device_put(sp, shard)
         sb_m = jax.device_put(sb, NamedSharding(mesh, P()))
-        loss1, out1, g1, hlo = grads(plan, sp_m, sb_m)
+        ep = make_ep_dispatch(mesh, check_vma=False)  # the experts' all-to-all inside the stages
+        loss1, out1, g1, hlo = grads(plan, sp_m, sb_m, ep)
     assert "collective-permute" in hlo  # the stage -> stage + 1 shift (and back in the backward)
+    assert "all-to-all" in hlo  # the expert dispatch
 
     np.testing.assert_array_equal(np.asarray(out1.routing), np.asarray(out0.routing))
     real = np.asarray(mask, bool)
