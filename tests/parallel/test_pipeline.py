@@ -78,9 +78,10 @@ def _batch():
 def test_pipelined_equals_unpipelined():
     """Loss, logits, routing and every gradient (layers, embedding, head) of the pipelined step (2 stages, 2
     micro-batches) on `actor:stage=2,expert=2,fsdp=2` (the routed experts by the EP all-to-all) equal the unpipelined
-    scanned step's (one device, the whole batch at once), with a routing replay. Tolerances: loss and gradients 1e-5 absolute; logits 1e-5 of the largest logit (the unpipelined
-    model alone moves its logits by 1.0e-5 of |logits| <= 5 when run row by row instead of 4 rows at once: XLA:CPU
-    sums matmuls of other shapes in another order; measured 2026-12-05)."""
+    scanned step's (one device, the whole batch at once), with a routing replay. Tolerances: loss and gradients
+    1e-5 absolute; logits 1e-5 of the largest logit (the unpipelined model alone moves its logits by 1.0e-5 of
+    |logits| <= 5 when run row by row instead of 4 rows at once: XLA:CPU sums matmuls of other shapes in another
+    order; measured 2026-12-05)."""
     model = random_model(CFG, seed=0)
     sdef = sc.stack_def(model)
     _, params, buffers = nnx.split(model, nnx.Param, Buffer)
