@@ -3,7 +3,7 @@ micro-batches passed between stages by a collective permute) gives the unpipelin
 record and every gradient (fp32, 1e-5), with routing replay and left padding; the pipelined group's weights are split
 over `stage`; the plan refuses a stage count that does not divide the group's repetitions; the bubble fraction is
 (P - 1) / (M + P - 1). The learner-level test (tests/rl/test_learner_pipeline.py) runs 4 stages over 8 devices, the
-remat-"block" scan inside a stage, the MTP head, the KL reference and a group in front of the pipeline.
+remat-"block" scan inside a stage, the MTP head and a group in front of the pipeline.
 
 `CFG`: the tiny config with 5 main layers, (CSA, HCA) x 2 then a sliding layer: the pipelined group has period 2
 (each stage runs a CSA and an HCA layer) and a group runs after the pipeline. One test compiles little (2 stages of

@@ -1,9 +1,9 @@
 """rl/learner.py with `--learner.pipeline_stages 4` (parallel/pipeline.py) on an `actor:stage=4,fsdp=2` mesh (the 8 CPU
 devices) against the unpipelined learner on one device: the step's loss, metrics and every gradient agree (1e-5,
-fp32), with 4 micro-batches, routing replay, a KL reference (whose forward is pipelined too), the on-policy MTP loss
-(the MTP head after the pipeline) and remat "block" (each stage scans its 2 layers with `dsv4.scan`'s hand-written
-backward, inside the stage vmap); the pipelined group's state is split over `stage`; stage counts that do not divide
-the group or the mesh's stage axis are refused naming the flag.
+fp32), with 4 micro-batches, routing replay, the on-policy MTP loss (the MTP head after the pipeline) and remat
+"block" (each stage scans its 2 layers with `dsv4.scan`'s hand-written backward, inside the stage vmap); the
+pipelined group's state is split over `stage`; stage counts that do not divide the group or the mesh's stage axis
+are refused naming the flag.
 
 Model: the tiny config with 10 main layers: 2 sliding hash layers (a group run before the pipeline), then 8 CSA
 layers (the pipelined group: 2 per stage).
@@ -17,7 +17,7 @@ import pytest
 from flax import nnx
 
 import dsv4
-from rl.algo_config import LearnerConfig, LossConfig
+from rl.algo_config import LearnerConfig
 from rl.batch import TrainBatch
 from rl.learner import Learner
 from rl.logprobs import token_logprobs
@@ -51,7 +51,7 @@ def _batch(model):
 
 def _cfg(**kw) -> LearnerConfig:
     return LearnerConfig(lr=1e-3, compute_dtype="float32", micro_batch_size=2, routing_replay=True,
-                         loss=LossConfig(kl_coef=0.05), train_mtp=True, mtp_loss_weight=0.5, **kw)
+                         train_mtp=True, mtp_loss_weight=0.5, **kw)
 
 
 def test_pipelined_learner_equals_unpipelined(model):
