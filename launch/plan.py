@@ -89,6 +89,9 @@ def parser() -> argparse.ArgumentParser:
                         "of simulated steps; balanced (every cell at its mean)")
     p.add_argument("--num-layers", type=int, default=None,
                    help="plan/compile a reduced-depth copy of the config (first N main layers; labelled)")
+    p.add_argument("--pipeline-micro-batches", type=int, default=None,
+                   help="micro-batches per step through the learner's pipeline (--learner.pipeline_stages), for its "
+                        "bubble (default 4 x the stages)")
     return p
 
 
@@ -152,6 +155,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                       rollout_seqs_per_device=args.rollout_seqs_per_device,
                       draft_tokens=r.draft_tokens if r.speculative != "off" else 0,
                       host_gib_per_node=args.host_gib_per_node, config_name=name,
+                      pipeline_micro_batches=args.pipeline_micro_batches,
                       xla_cpu=args.compile and target is None)
     except ValueError as e:  # MeshSpecError is a ValueError
         print(f"error: {e}", file=sys.stderr)

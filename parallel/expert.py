@@ -242,7 +242,7 @@ def _axes_tuple(entry) -> tuple[str, ...]:
 def make_ep_dispatch(mesh: Mesh, *, backend: str = "capacity", capacity_factor: float | None = None,
                      token_axes: Sequence[str] | None = DEFAULT_TOKEN_AXES, expert_axis: str = rl.EXPERT,
                      rules: rl.Rules = rl.ACTOR_RULES, bucket_growth: float = 2.0, compact: bool = False,
-                     _ragged_all_to_all: Callable | None = None) -> Callable:
+                     check_vma: bool = True, _ragged_all_to_all: Callable | None = None) -> Callable:
     """Build the expert-parallel `dispatch_fn` for `mesh` (see the module docstring for the algorithm).
 
     Args:
@@ -264,6 +264,11 @@ def make_ep_dispatch(mesh: Mesh, *, backend: str = "capacity", capacity_factor: 
       rules: rule table that placed the weights (ACTOR_RULES / ROLLOUT_RULES); it fixes the shard_map in_specs
         of w1, w3, w2. Weights laid out otherwise are resharded by XLA at the boundary (correct, slower).
       bucket_growth: "sized": ratio of consecutive compiled capacities (`parallel.padded.capacity_buckets`).
+      check_vma: the shard_map's varying-axes check (module docstring "Gradients"). False for a dispatch that runs
+        inside the pipeline's stage vmap (`parallel/pipeline.py`, `jax.vmap(spmd_axis_name="stage")`): JAX's
+        batching of a checked shard_map marks the batched inputs as varying over `stage` but not the values the
+        body makes itself, and refuses the mix ("requires varying manual axes to match"). Unchecked, the weight
+        gradients are still the unpipelined step's (tests/parallel/test_pipeline.py, on stage x expert x fsdp).
       compact: "sized": after the all_to_all, each local expert's rows are compacted and the FFN runs on the
         smallest of a second set of compiled row counts (x `bucket_growth` from the mean rows per expert) that
         holds the busiest expert: expert flops ~ the routed ones even where a few (source rank, expert) loads
@@ -354,7 +359,8 @@ def make_ep_dispatch(mesh: Mesh, *, backend: str = "capacity", capacity_factor: 
 
         tok2 = PartitionSpec(tok_axes or None, None)
         out, st = jax.shard_map(body, mesh=mesh, in_specs=(tok2, tok2, tok2, w13_spec, w13_spec, w2_spec),
-                                out_specs=(tok2, DispatchStats(*(PartitionSpec(),) * 5)))(x, ids, weights, w1, w3, w2)
+                                out_specs=(tok2, DispatchStats(*(PartitionSpec(),) * 5)),
+                                check_vma=check_vma)(x, ids, weights, w1, w3, w2)
         return (out[:t] if pad else out), st
 
     def dispatch(*args, **kwargs):
@@ -402,7 +408,7 @@ def auto_backend(cpu: bool, capacity_factor: float | None) -> str:
 
 
 def default_dispatch(devices: Sequence[Any], param_shardings: Mapping[str, Any] | None = None, *,
-                     ep_backend: str | None = None, ep_capacity_factor: float | None = None):
+                     ep_backend: str | None = None, ep_capacity_factor: float | None = None, check_vma: bool = True):
     """The routed-expert implementation the sampler and the learner use when none is given (the one place that
     decides).
 
@@ -412,7 +418,8 @@ def default_dispatch(devices: Sequence[Any], param_shardings: Mapping[str, Any] 
         sharding without `.spec` = not sharded)}, or None for a single device.
       ep_backend: backend of `make_ep_dispatch` (`BACKENDS`); None = `auto_backend`
         ("capacity" on CPU; on GPUs "padded" with a capacity factor, else "ragged"). ep_capacity_factor: its
-        `capacity_factor` (None = dropless). Expert meshes only.
+        `capacity_factor` (None = dropless). check_vma: `make_ep_dispatch`'s (False under a pipeline). Expert
+        meshes only.
     Returns:
       - experts split over the `expert` mesh axis (size > 1) of a NamedSharding laid out by the actor or the
         rollout rule table: `make_ep_dispatch(mesh, rules=that table)`, the shard_map all-to-all expert
@@ -423,14 +430,14 @@ def default_dispatch(devices: Sequence[Any], param_shardings: Mapping[str, Any] 
         layout the EP dispatch cannot take).
     """
     expert_sh = [sh for k, sh in (param_shardings or {}).items() if ROUTED_EXPERT_RE.search(k)]
-    ep = _ep_dispatch(expert_sh, devices, ep_backend, ep_capacity_factor)
+    ep = _ep_dispatch(expert_sh, devices, ep_backend, ep_capacity_factor, check_vma)
     if ep is not None:
         return ep
     return routed_experts_local(devices, param_shardings)
 
 
 def _ep_dispatch(expert_shardings: Sequence[Any], devices: Sequence[Any], backend: str | None = None,
-                 capacity_factor: float | None = None):
+                 capacity_factor: float | None = None, check_vma: bool = True):
     """`make_ep_dispatch` for experts sharded over a mesh's `expert` axis (> 1) by a known rule table, else None."""
     named = [sh for sh in expert_shardings if isinstance(sh, jax.sharding.NamedSharding)]
     if not named or len(named) != len(expert_shardings):
@@ -446,7 +453,8 @@ def _ep_dispatch(expert_shardings: Sequence[Any], devices: Sequence[Any], backen
         w2 = norm(rl.logical_to_spec((ax.EXPERT, ax.EMBED, ax.MLP), rules, mesh))
         if all(norm(sh.spec) in (w13, w2) for sh in named):
             try:
-                return make_ep_dispatch(mesh, backend=backend, capacity_factor=capacity_factor, rules=rules)
+                return make_ep_dispatch(mesh, backend=backend, capacity_factor=capacity_factor, rules=rules,
+                                        check_vma=check_vma)
             except ValueError:  # a layout the EP dispatch cannot take (e.g. tokens split over tensor): GSPMD
                 return None
     return None

@@ -65,7 +65,9 @@ import jax.numpy as jnp
 import numpy as np
 
 import dsv4
+from dsv4 import scan
 from parallel import expert as expert_lib
+from parallel import pipeline
 from parallel.activations import EP_BACKENDS, actor_activations, context_gathered, saved_layer_inputs
 from parallel.model_bytes import DTYPE_BYTES, KVCache, abstract_mesh, local_shape, model_leaves, rollout_leaf_bytes
 from sharding import mesh as mesh_lib
@@ -155,6 +157,8 @@ class PlanReport:
                  f"MTP), gpu={self.gpu.name} ({self.gpu.hbm_gib:g} GiB HBM; {self.gpu.source})",
                  f"mesh {self.mesh_spec} on {self.nodes} node(s) x {GPUS_PER_NODE}; usable "
                  f"{o['usable_fraction']:.0%} = {self.actor.usable / GiB:.1f} GiB per device; units GiB (2^30 B)"]
+        if "pipeline" in o:
+            lines.append(o["pipeline"])
         for r in (self.actor, self.rollout):
             axes = ",".join(f"{a}={s}" for a, s in r.sizes.items() if s > 1) or "data=1"
             title = f"{r.role} ({r.devices} devices = {r.nodes:g} node(s); {axes}; {r.role} rules)"
@@ -194,6 +198,27 @@ class PlanReport:
         return "\n".join(lines)
 
 
+def pipeline_line(config, stages: int, stage_axis: int, micro_batches: int | None) -> tuple[str, range] | None:
+    """(the table's pipeline line, the pipelined layers) for `stages` P > 1 (`--learner.pipeline_stages`), else None:
+    the group `parallel.pipeline.pipeline_plan` splits, its layers per stage and the GPipe bubble (P - 1) / (M + P
+    - 1) at M micro-batches (None: 4 P). Raises ValueError (naming the flag) as the learner does."""
+    if stage_axis > 1 and stages % stage_axis:
+        raise ValueError(f"--learner.pipeline_stages={stages} does not spread over the mesh's {rl.STAGE}="
+                         f"{stage_axis} axis: use a multiple of {stage_axis}")
+    if stages <= 1:
+        return None
+    groups = scan.layer_groups(config)
+    m = micro_batches or 4 * stages
+    pp = pipeline.pipeline_plan(groups, stages, m)
+    grp = groups[pp.group]
+    line = (f"pipeline: {stages} stages over layers {grp.start}..{grp.stop - 1} ({grp.period * grp.repeats // stages} "
+            f"per stage; the other {config.num_hidden_layers - grp.period * grp.repeats} layers, embedding and head "
+            f"on every stage), GPipe bubble (P-1)/(M+P-1) = {pp.bubble:.3f} at M={m} micro-batches; the pipelined "
+            f"layers' weights and optimizer state are split over {rl.STAGE}={stage_axis}, activations counted "
+            f"as without a pipeline")
+    return line, range(grp.start, grp.stop)
+
+
 class LearnerKnobs(Protocol):
     """The learner knobs `plan` reads: the fields of `rl.algo_config.LearnerConfig` (one layer up) of those names."""
 
@@ -203,6 +228,7 @@ class LearnerKnobs(Protocol):
     ep_capacity_factor: float | None
     train_mtp: bool
     freeze_router: bool
+    pipeline_stages: int
 
 
 def _role_nodes(devices: int) -> float:
@@ -215,7 +241,7 @@ def plan(config, mesh_spec: str, gpu: str, *, learner: LearnerKnobs, nodes: int 
          fp4_scale_bytes: float = 1.0, rollout_dequant: str = "per_step", kv_layout: str = "bf16",
          usable_fraction: float = 0.90, rollout_reserve: float = 0.10, rollout_seqs_per_device: int = 1,
          host_gib_per_node: float | None = None, config_name: str | None = None,
-         xla_cpu: bool = False, draft_tokens: int = 0) -> PlanReport:
+         xla_cpu: bool = False, draft_tokens: int = 0, pipeline_micro_batches: int | None = None) -> PlanReport:
     """Plan the per-device memory of both roles. Arguments as the CLI flags (module docstring).
 
     Args:
@@ -232,6 +258,8 @@ def plan(config, mesh_spec: str, gpu: str, *, learner: LearnerKnobs, nodes: int 
       PlanReport (`.table()`, `.line()`).
       draft_tokens: k >= 1 plans speculative rollouts (`KVCache.for_config`: the MTP ring and k more positions per
         sequence); 0 = off.
+      pipeline_micro_batches: M, the micro-batches per step through the pipeline (learner.pipeline_stages P > 1),
+        for the GPipe bubble (P - 1) / (M + P - 1) the table prints; None = 4 P.
       xla_cpu: also count the buffers only XLA:CPU holds (items labelled "XLA:CPU only", `RoleReport.cpu_only`;
         module docstring), to compare with `--compile`'s XLA:CPU figures; the actor's `fits` stays the GPU's.
     Raises:
@@ -288,6 +316,10 @@ def plan(config, mesh_spec: str, gpu: str, *, learner: LearnerKnobs, nodes: int 
     # ---- actor
     a_sizes = spec.axes(rl.ACTOR)
     a_mesh = abstract_mesh(a_sizes)
+    pipe = pipeline_line(config, learner.pipeline_stages, a_sizes[rl.STAGE], pipeline_micro_batches)
+    if pipe is not None:
+        opts["pipeline"] = pipe[0]
+    split_layers, n_stage = (range(0) if pipe is None else pipe[1]), a_sizes[rl.STAGE]
     w = g = master = mom = off_master = off_mom = whole = slice_peak = 0.0
     # optimizer state as rl/learner.py + rl/optim.py hold it: an fp32 master for trained non-fp32 params, two
     # moments for every trained param (frozen ones: none), whole params offloaded by `select_offloaded`
@@ -301,6 +333,8 @@ def plan(config, mesh_spec: str, gpu: str, *, learner: LearnerKnobs, nodes: int 
     has_state = {leaf.path for leaf in has_state}
     for leaf in leaves:
         n = math.prod(local_shape(leaf, rl.ACTOR_RULES, a_mesh))
+        if (m := _LAYER.match(leaf.path)) and int(m.group(1)) in split_layers:  # a pipelined layer: on 1 stage of P
+            n = n / n_stage
         item = np.dtype(leaf.dtype).itemsize
         w += n * item
         if leaf.trained:

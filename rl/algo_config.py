@@ -287,6 +287,11 @@ class LearnerConfig:
         buffers, optimizer state and reference in the stacked layout (`params_for_push()` is per layer; its
         checkpoints load only with the same setting). Default True (the run's and the planner's too); False: the
         Python loop over the layers.
+    pipeline_stages: P > 1 splits the largest scanned layer group into P contiguous stages over the `stage` mesh axis
+        and runs the step's micro-batches through them (GPipe: all forwards, then all backwards;
+        `parallel/pipeline.py`): the loss and gradients of `train_step` and the logprobs of `compute_logprobs` come
+        from one pipelined forward over all M micro-batches (bubble (P - 1) / (M + P - 1)). P must divide that
+        group's repetitions; needs scan_layers. Default 1: no pipeline.
     stream_optimizer: with `offload_optimizer`, update the offloaded state of stacked params (ndim >= 3, leading
         dim unsplit: the scanned layers) one leading-dim slice at a time in a loop (`rl.optim.update_streamed`),
         so only one layer's masters + moments are on the device at once; otherwise the step moves the whole
@@ -337,6 +342,8 @@ class LearnerConfig:
     scan_layers: bool = knob(True, "run the learner's layers under lax.scan per group of identical layers "
                                     "(compile time flat in depth; the learner state and its checkpoints are then "
                                     "in the stacked layout)")
+    pipeline_stages: int = knob(1, "pipeline stages over the stage mesh axis (GPipe over the step's micro-batches, "
+                                   "parallel/pipeline.py); 1 = no pipeline")
     stream_optimizer: bool = knob(True, "with --offload-optimizer: update the offloaded state of the scanned "
                                          "(stacked) layers one layer at a time (rl.optim.update_streamed), so only "
                                          "one layer's masters + moments are on the device at once")
@@ -397,6 +404,10 @@ class LearnerConfig:
         for name in ("scan_layers", "stream_optimizer"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{owner}.{name} must be a bool, got {getattr(self, name)!r}")
+        _check_int(owner, "pipeline_stages", self.pipeline_stages, 1)
+        if self.pipeline_stages > 1 and not self.scan_layers:
+            raise ValueError(f"{owner}.pipeline_stages (--learner.pipeline_stages) {self.pipeline_stages} splits the "
+                             f"scanned layers: it needs --learner.scan_layers")
         _check_choice(owner, "ep_backend", self.ep_backend, ("auto", "capacity", "ragged", "padded", "sized"))
         if self.ep_capacity_factor is not None and not (
                 not isinstance(self.ep_capacity_factor, bool) and isinstance(self.ep_capacity_factor, (int, float))

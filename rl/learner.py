@@ -68,6 +68,14 @@ Choices (and why):
   (official per-layer paths). Optimizer offload then selects whole stacked leaves (all layers of a group's
   tensor at once), coarser than the planner's per-parameter count. `state_dict` is stacked (loads only into a
   learner with the same setting; the loop's checkpoint fingerprint records it).
+- Pipeline parallelism (`pipeline_stages` P > 1, `--learner.pipeline_stages`; `parallel/pipeline.py`): the largest
+  scanned layer group is split into P contiguous stages over the mesh's `stage` axis (its stacked leaves, and their
+  masters, moments and reference copies, split over `stage`: `parallel.pipeline.stage_shardings`; the stacked
+  state and its checkpoints are otherwise unchanged). `train_step` and `compute_logprobs` then run the step's M
+  micro-batches (the same rows as `rl.batching.split`) through one pipelined forward (GPipe; `jax.grad` of it for
+  the backward) instead of the `lax.scan` over micro-batches; embedding, head and loss run on the whole batch,
+  outside the pipeline. Equal to the unpipelined step (tests/rl/test_learner_pipeline.py). `next_logits` is not
+  pipelined (it runs the stack as is on the stage-split weights).
 - Mesh: with `mesh`, the state is placed by `sharding.rules.param_shardings` (actor rules by default), the
   batch is split along N over the rules' `act_batch` mesh axes (a `context` axis splits every row's activations
   along S inside the model: context parallelism, `dsv4/context.py`; the batch itself enters replicated over it), and the jits run inside `jax.set_mesh(mesh)`
@@ -101,6 +109,7 @@ from dsv4.names import tree_key
 from dsv4.quant import select_fp8_format
 from dsv4.rollout_format import RolloutFormat, parse_rollout_dtype
 from parallel import expert as expert_lib
+from parallel import pipeline
 from rl import batching, optim
 from rl.algo_config import LearnerConfig
 from rl.batch import TrainBatch, check_train_batch
@@ -184,6 +193,13 @@ class Learner:
         # scan_layers: the state holds `layers` stacked per group (dsv4/scan.py); labels and the matrix mask
         # (weight decay, reference dtype) are decided per layer, then stacked (a stacked leaf has one more dim)
         self.sdef = scan.stack_def(abs_model) if cfg.scan_layers else None
+        self.pipeline = None  # --learner.pipeline_stages: the stages' group (micro-batches: per step's layout)
+        if cfg.pipeline_stages > 1:
+            self.pipeline = pipeline.pipeline_plan(self.sdef.groups, cfg.pipeline_stages, 1)
+        stage_axis = 1 if mesh is None else mesh.shape.get(sr.STAGE, 1)
+        if cfg.pipeline_stages % stage_axis:
+            raise ValueError(f"--learner.pipeline_stages={cfg.pipeline_stages} does not spread over the mesh's "
+                             f"{sr.STAGE}={stage_axis} axis: use a multiple of {stage_axis}")
         self._per_layer_params = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), abs_params)
         labels = jax.tree_util.tree_map_with_path(self._label, params)
         matrix = jax.tree.map(lambda x: x.ndim >= 2, params)
@@ -220,6 +236,8 @@ class Learner:
         else:
             abstract_state = jax.eval_shape(init, params, buffers)
             self._state_shardings = state_shardings(abstract_state, mesh, self.rules)
+            if self.pipeline is not None:  # the pipelined group's layers split over `stage`
+                self._state_shardings = pipeline.stage_shardings(self._state_shardings, self.pipeline, self.rules)
             batch_axes = sr.activation_spec(ax.ACT_BATCH, rules=self.rules, mesh=mesh)
             self._batch_sharding = NamedSharding(mesh, batch_axes)
             self._replicated = NamedSharding(mesh, PartitionSpec())
@@ -240,7 +258,7 @@ class Learner:
             shardings = {tree_key(p): sh for p, sh in jax.tree_util.tree_leaves_with_path(self._param_shardings())}
             self.dispatch_fn = expert_lib.default_dispatch(  # --ep-backend / --ep-capacity-factor: expert meshes
                 devices, shardings, ep_backend=None if cfg.ep_backend == "auto" else cfg.ep_backend,
-                ep_capacity_factor=cfg.ep_capacity_factor)
+                ep_capacity_factor=cfg.ep_capacity_factor, check_vma=self.pipeline is None)
         self._jits: dict[Any, Any] = {}
         self._hash_buffers = {int(m.group(1)): leaf for p, leaf in jax.tree_util.tree_leaves_with_path(buffers)
                               if (m := _HASH_TABLE.fullmatch(tree_key(p)))}

@@ -18,6 +18,7 @@ from flax import nnx
 
 from dsv4 import scan
 from dsv4.rollout_format import RolloutFormat, fp8_aware_params
+from parallel import pipeline
 from rl import batching, optim
 from rl.algo_config import LearnerConfig
 from rl.batch import TrainBatch
@@ -64,18 +65,28 @@ class LearnerStep:
         """`rl.learner_state.opt_state_to`'s placement arguments for a state whose params are `params`."""
         return self.offloaded, self.streamed, params, self.opt_shardings
 
-    def model(self, params, buffers):
+    def model(self, params, buffers, micro_batches: int | None = None):
         """-> (model, layer stack or None): the learner's forward model of `params` (the FP8-aware one with
-        `fp8_forward`: the rollout's weights, straight-through to the masters)."""
+        `fp8_forward`: the rollout's weights, straight-through to the masters). micro_batches M: the stack
+        pipelined over `cfg.pipeline_stages` stages and M micro-batches (`parallel.pipeline.PipelineStack`)."""
         if self.rformat is not None:
             params = fp8_aware_params(params, self.rformat)
         if self.sdef is None:
             return nnx.merge(self.graphdef, params, buffers), None
         # the shell (embedding, head, ...) + the stacked layers under lax.scan, remat per sub-layer
-        return scan.merge_stacked(self.sdef, params, buffers, remat=self.cfg.remat)
+        shell, stack = scan.merge_stacked(self.sdef, params, buffers, remat=self.cfg.remat)
+        if micro_batches is not None:
+            stack = pipeline.PipelineStack.of(stack, pipeline.pipeline_plan(self.sdef.groups, self.cfg.pipeline_stages,
+                                                                            micro_batches))
+        return shell, stack
 
-    def logprobs(self, params, buffers, mb: TrainBatch, replay: bool, mtp: bool = False, drops: bool = False):
-        model, stack = self.model(params, buffers)
+    @property
+    def pipelined(self) -> bool:
+        return self.cfg.pipeline_stages > 1
+
+    def logprobs(self, params, buffers, mb: TrainBatch, replay: bool, mtp: bool = False, drops: bool = False,
+                 micro_batches: int | None = None):
+        model, stack = self.model(params, buffers, micro_batches)
         return token_logprobs(model, mb.input_ids, mb.attention_mask, temperature=self.cfg.temperature,
                               routing_replay=mb.routing if replay else None, return_entropy=True,
                               chunk_size=self.cfg.logprob_chunk_size, dispatch_fn=self.dispatch_fn,
@@ -93,18 +104,22 @@ class LearnerStep:
             return one(batch)
         return batching.merge(jax.lax.map(one, batching.split(batch, lay)), batch.input_ids.shape[0])
 
-    def loss(self, params, buffers, ref_params, mb: TrainBatch, norms: dict[str, jax.Array], loss_cfg=None):
+    def loss(self, params, buffers, ref_params, mb: TrainBatch, norms: dict[str, jax.Array], loss_cfg=None,
+             micro_batches: int | None = None):
         """Loss of one micro-batch with the full batch's normalisers -> (loss, metrics); differentiated in params.
-        loss_cfg: the step's LossConfig (cfg.loss with the caller's S as Dr.GRPO's default length)."""
+        loss_cfg: the step's LossConfig (cfg.loss with the caller's S as Dr.GRPO's default length). micro_batches:
+        `mb` is the whole (padded) batch, run through the pipeline in that many micro-batches."""
         replay = self.cfg.routing_replay
         w_mtp = self.cfg.mtp_loss_weight
         counted = getattr(self.dispatch_fn, "can_drop", False)  # a capacity factor: count the dropped pairs
-        lp, ent, _, *lq = self.logprobs(params, buffers, mb, replay, mtp=w_mtp > 0, drops=counted)
+        lp, ent, _, *lq = self.logprobs(params, buffers, mb, replay, mtp=w_mtp > 0, drops=counted,
+                                        micro_batches=micro_batches)
         drops = lq.pop() if counted else None
         old = jax.lax.stop_gradient(lp) if mb.old_logprobs is None else mb.old_logprobs
         ref_lp = None
         if ref_params is not None:
-            ref_lp = jax.lax.stop_gradient(self.logprobs(ref_params, buffers, mb, replay)[0])
+            ref_lp = jax.lax.stop_gradient(self.logprobs(ref_params, buffers, mb, replay,
+                                                         micro_batches=micro_batches)[0])
         if self.cfg.loss.entropy_coef == 0:
             ent = jax.lax.stop_gradient(ent)
         norms = dict(norms)
@@ -131,8 +146,15 @@ class LearnerStep:
         norms = loss_normalizers(batch.response_mask, self.cfg.loss)
         if self.cfg.mtp_loss_weight > 0:
             norms = dict(norms, mtp_tokens=jnp.maximum(jnp.sum(mtp_mask(batch.response_mask)), 1.0))
-        grad_fn = jax.value_and_grad(functools.partial(self.loss, loss_cfg=self.loss_cfg(lay)), has_aux=True)
         m = lay.micro_batches
+        if self.pipelined:  # one pipelined forward + backward over the whole (padded) batch: rows in the order
+            # batching.split pads them to, and the pipeline cuts the micro-batches batching.split would
+            grad_fn = jax.value_and_grad(functools.partial(self.loss, loss_cfg=self.loss_cfg(lay), micro_batches=m),
+                                         has_aux=True)
+            whole = jax.tree.map(pipeline.merge_micro_batches, batching.split(batch, lay))
+            (loss, metrics), grads = grad_fn(state.params, state.buffers, state.ref_params, whole, norms)
+            return loss, grads, metrics
+        grad_fn = jax.value_and_grad(functools.partial(self.loss, loss_cfg=self.loss_cfg(lay)), has_aux=True)
         if m == 1 and lay.rows == batch.input_ids.shape[0]:
             (loss, metrics), grads = grad_fn(state.params, state.buffers, state.ref_params, batch, norms)
             return loss, grads, metrics
@@ -187,10 +209,13 @@ class LearnerStep:
                  ) -> tuple[LogprobResult, Metrics]:
         n = batch.input_ids.shape[0]
 
-        def one(mb):
-            return LogprobResult(*self.logprobs(state.params, state.buffers, mb, replay))
+        def one(mb, micro_batches=None):
+            return LogprobResult(*self.logprobs(state.params, state.buffers, mb, replay, micro_batches=micro_batches))
 
-        if lay.micro_batches == 1 and lay.rows == n:
+        if self.pipelined:  # the whole (padded) batch through the pipeline, padding rows dropped
+            whole = jax.tree.map(pipeline.merge_micro_batches, batching.split(batch, lay))
+            res = jax.tree.map(lambda x: x[:n], one(whole, lay.micro_batches))
+        elif lay.micro_batches == 1 and lay.rows == n:
             res = one(batch)
         else:  # [M, R, ...] -> back to [N, ...] (inverse of the strided split, padding rows dropped)
             res = jax.tree.map(lambda x: batching.merge(x, n), jax.lax.map(one, batching.split(batch, lay)))

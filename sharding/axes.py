@@ -1,7 +1,8 @@
 """Logical axis names: the only place they are spelled.
 
 Model code names *logical* axes (what a dimension means); `sharding/rules.py` maps them to *mesh* axes
-(`data`, `fsdp`, `context`, `expert`, `tensor`) per role. Weights use bare names, activations the `act_` prefix.
+(`stage`, `data`, `fsdp`, `context`, `expert`, `tensor`) per role. Weights use bare names, activations the `act_`
+prefix.
 Every parameter of `dsv4` carries a tuple of these (or None for "never shard") as its `logical_axes`
 metadata, one entry per array dimension.
 """
@@ -20,6 +21,7 @@ EXPERT = "expert"          # routed-expert index
 MLP = "mlp"                # expert / shared-expert intermediate size
 HC = "hc"                  # mHC coefficient rows ((2+n)n or n): tiny, replicated
 TABLE = "table"            # integer lookup tables (tid2eid) columns: replicated
+LAYERS = "layers"          # the stacked layer dim of a pipelined layer group (parallel/pipeline.py): split in stages
 
 # Activation axes.
 ACT_BATCH = "act_batch"
@@ -28,7 +30,8 @@ ACT_EMBED = "act_embed"
 ACT_HEADS = "act_heads"
 ACT_VOCAB = "act_vocab"
 ACT_EXPERT = "act_expert"
+ACT_STAGE = "act_stage"    # the pipeline's stage dim of its per-stage activations [P, ...] (parallel/pipeline.py)
 
-WEIGHT_AXES = (VOCAB, EMBED, Q_LORA, HEADS, KV, O_LORA, O_IN, COMPRESS, INDEX_HEADS, EXPERT, MLP, HC, TABLE)
-ACTIVATION_AXES = (ACT_BATCH, ACT_SEQ, ACT_EMBED, ACT_HEADS, ACT_VOCAB, ACT_EXPERT)
+WEIGHT_AXES = (VOCAB, EMBED, Q_LORA, HEADS, KV, O_LORA, O_IN, COMPRESS, INDEX_HEADS, EXPERT, MLP, HC, TABLE, LAYERS)
+ACTIVATION_AXES = (ACT_BATCH, ACT_SEQ, ACT_EMBED, ACT_HEADS, ACT_VOCAB, ACT_EXPERT, ACT_STAGE)
 ALL_AXES = WEIGHT_AXES + ACTIVATION_AXES

@@ -2,19 +2,20 @@
 
 A run has two roles in one JAX program (house rule 9): the BF16 *actor* mesh that trains and the FP8
 *rollout* mesh that samples, on disjoint devices, or on the same devices when colocated. Both meshes have
-the five axes `(data, fsdp, context, expert, tensor)` in that order (major to minor, `tensor` innermost so TP peers
-are neighbouring devices); an axis left out of a spec has size 1. Placement inside a mesh is decided by the
-role's rule table in `sharding/rules.py`.
+the six axes `(stage, data, fsdp, context, expert, tensor)` in that order (major to minor, `tensor` innermost so TP
+peers are neighbouring devices, `stage` outermost); an axis left out of a spec has size 1. Placement inside a mesh is
+decided by the role's rule table in `sharding/rules.py`.
 
 Spec grammar (also accepted by `launch/run.py --mesh`):
 
     SPEC   := "auto" | ROLE ("/" ROLE)?
     ROLE   := ("actor" | "rollout") ":" AXIS ("," AXIS)*
-    AXIS   := ("data" | "fsdp" | "context" | "expert" | "tensor") "=" INT>=1
+    AXIS   := ("stage" | "data" | "fsdp" | "context" | "expert" | "tensor") "=" INT>=1
 
     actor:fsdp=2,expert=2/rollout:expert=2,tensor=2   actor on devices 0-3, rollout on 4-7
     actor:fsdp=4                                     colocated: rollout mesh IS the actor mesh
     actor:fsdp=2,expert=2,context=2                  context parallelism: the sequence split in two
+    actor:stage=2,fsdp=2,expert=2                    pipeline parallelism: the layers in two stages
     auto                                             the rule below, for the devices present
 
 Devices are taken in `jax.devices()` order (process-major on multi-host runs): the actor gets the first
@@ -124,7 +125,7 @@ class MeshSpec:
     def __str__(self) -> str:
         def role_text(role):
             sizes = self.axes(role)
-            items = [f"{a}={s}" for a, s in sizes.items() if s > 1] or [f"{MESH_AXES[0]}=1"]
+            items = [f"{a}={s}" for a, s in sizes.items() if s > 1] or [f"{rl.DATA}=1"]
             return f"{role}:" + ",".join(items)
 
         return role_text(ACTOR) if self.colocated else f"{role_text(ACTOR)}/{role_text(ROLLOUT)}"
@@ -167,12 +168,14 @@ DIM_SOURCES: dict[str, tuple[str, str, int] | None] = {
     ax.MLP: ("moe_intermediate_size", "parameter layers.*.ffn.experts.w1", 1),
     ax.HC: None,
     ax.TABLE: None,
+    ax.LAYERS: None,  # a layer group's repetitions: checked by parallel.pipeline.pipeline_plan
     ax.ACT_BATCH: None,
     ax.ACT_SEQ: None,
     ax.ACT_EMBED: ("hidden_size", "activation [B, T, D]", 2),
     ax.ACT_HEADS: ("num_attention_heads", "activation [B, T, H, d]", 2),
     ax.ACT_VOCAB: ("vocab_size", "activation logits [B, T, V]", 2),
     ax.ACT_EXPERT: ("n_routed_experts", "activation router scores [B, T, E]", 2),
+    ax.ACT_STAGE: None,
 }
 
 
@@ -328,13 +331,13 @@ class MeshPlan:
             yield mesh
 
     def describe(self) -> str:
-        """One line per role: axis sizes and device ids (for the run log; `context` only when > 1)."""
+        """One line per role: axis sizes and device ids (for the run log; `stage` and `context` only when > 1)."""
         lines = []
         for role in ROLES:
             mesh = self.mesh(role)
             ids = [d.id for d in mesh.devices.flat]
             where = " (colocated with actor)" if role == ROLLOUT and self.colocated else ""
-            sizes = " ".join(f"{a}={n}" for a, n in mesh.shape.items() if a != rl.CONTEXT or n > 1)
+            sizes = " ".join(f"{a}={n}" for a, n in mesh.shape.items() if a not in (rl.STAGE, rl.CONTEXT) or n > 1)
             lines.append(f"{role}: {sizes} devices {ids}{where}")
         return "\n".join(lines)
 

@@ -11,7 +11,13 @@ Two presets:
   XLA, so a context axis does not multiply the weight bytes per device), routed experts over `expert`, and the
   head/intermediate/vocab dims over `tensor`. The batch is split over `data`, `fsdp`, `expert` (FSDP and EP
   ranks are data-parallel for activations) and the sequence of every per-token activation (`act_seq`) over
-  `context` (context parallelism; the attention's collectives across it are in `dsv4/context.py`).
+  `context` (context parallelism; the attention's collectives across it are in `dsv4/context.py`). Pipeline
+  parallelism (`parallel/pipeline.py`): the stacked layer dim of the pipelined layer group (`layers`) and the
+  pipeline's per-stage activations (`act_stage`) are split over `stage` (contiguous layers per stage). `act_batch`
+  does not use `stage`: inside the pipeline the stage dim is a `jax.vmap(spmd_axis_name="stage")` dim, on which
+  no constraint may name `stage` again (the rules cannot tell inside from outside: JAX traces a custom_vjp's
+  rules after the vmap's body), so outside it (embedding, un-pipelined layers, head, loss) the batch is replicated
+  over `stage` (not data-parallel over it, as MaxText's separate `activation_embed_and_logits_batch` is).
 * `ROLLOUT_RULES` (sampling mesh, FP8): EP + TP and no FSDP: weights are never split along `embed`, so decode
   steps never all-gather weights. The batch is split over `data`, `fsdp` and `expert`; on a rollout mesh the
   `fsdp` axis is therefore a second data axis. It is 1 on the usual disjoint rollout meshes and is only > 1
@@ -47,13 +53,16 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from sharding import axes as ax
 
-# Mesh axis names, in mesh order (major to minor). `tensor` is innermost so TP peers are adjacent devices.
+# Mesh axis names, in mesh order (major to minor). `tensor` is innermost so TP peers are adjacent devices; `stage`
+# (pipeline parallelism, parallel/pipeline.py) outermost: stage boundaries send one activation per micro-batch,
+# the cheapest traffic to put across nodes.
+STAGE = "stage"
 DATA = "data"
 FSDP = "fsdp"
 CONTEXT = "context"  # context parallelism: the actor's sequence dim of per-token activations (dsv4/context.py)
 EXPERT = "expert"
 TENSOR = "tensor"
-MESH_AXES = (DATA, FSDP, CONTEXT, EXPERT, TENSOR)
+MESH_AXES = (STAGE, DATA, FSDP, CONTEXT, EXPERT, TENSOR)
 
 # Roles.
 ACTOR = "actor"
@@ -78,6 +87,7 @@ ACTOR_RULES: Rules = (
     (ax.MLP, TENSOR),
     (ax.HC, None),
     (ax.TABLE, None),
+    (ax.LAYERS, STAGE),
     # Activations.
     (ax.ACT_BATCH, (DATA, FSDP, EXPERT)),
     (ax.ACT_SEQ, CONTEXT),
@@ -85,12 +95,13 @@ ACTOR_RULES: Rules = (
     (ax.ACT_HEADS, TENSOR),
     (ax.ACT_VOCAB, TENSOR),
     (ax.ACT_EXPERT, EXPERT),
+    (ax.ACT_STAGE, STAGE),
 )
 
 # Same as the actor except: no FSDP on weights (embed replicated), and no context parallelism: a rollout mesh
 # with a context axis (only when colocated with such an actor) uses it as one more data axis of the batch.
-_ROLLOUT_CHANGES: dict[str, MeshAxes] = {ax.EMBED: None, ax.ACT_SEQ: None,
-                                         ax.ACT_BATCH: (DATA, FSDP, CONTEXT, EXPERT)}
+_ROLLOUT_CHANGES: dict[str, MeshAxes] = {ax.EMBED: None, ax.ACT_SEQ: None, ax.LAYERS: None,
+                                         ax.ACT_BATCH: (STAGE, DATA, FSDP, CONTEXT, EXPERT)}
 ROLLOUT_RULES: Rules = tuple((name, _ROLLOUT_CHANGES.get(name, m)) for name, m in ACTOR_RULES)
 
 PRESETS: dict[str, Rules] = {ACTOR: ACTOR_RULES, ROLLOUT: ROLLOUT_RULES}

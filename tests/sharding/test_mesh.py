@@ -19,8 +19,8 @@ CFG = SimpleNamespace(n_routed_experts=8, num_attention_heads=4, hidden_size=64,
 
 def test_parse_two_roles():
     s = parse_mesh_spec(" actor:fsdp=2, expert=2 / rollout:expert=2,tensor=2 ")
-    assert s.actor == {"data": 1, "fsdp": 2, "context": 1, "expert": 2, "tensor": 1}
-    assert s.shape("rollout") == (1, 1, 1, 2, 2)
+    assert s.actor == {"stage": 1, "data": 1, "fsdp": 2, "context": 1, "expert": 2, "tensor": 1}
+    assert s.shape("rollout") == (1, 1, 1, 1, 2, 2)
     assert not s.colocated and s.n_devices == 8
     assert str(s) == "actor:fsdp=2,expert=2/rollout:expert=2,tensor=2"
     assert parse_mesh_spec(str(s)) == s
@@ -29,7 +29,8 @@ def test_parse_two_roles():
 def test_parse_colocated():
     s = parse_mesh_spec("actor:data=2,tensor=4")
     assert s.colocated and s.rollout is None and s.n_devices == 8
-    assert s.axes("rollout") == s.axes("actor") == {"data": 2, "fsdp": 1, "context": 1, "expert": 1, "tensor": 4}
+    assert s.axes("rollout") == s.axes("actor") == {"stage": 1, "data": 2, "fsdp": 1, "context": 1, "expert": 1,
+                                                    "tensor": 4}
 
 
 @pytest.mark.parametrize("n, text", [
@@ -93,8 +94,8 @@ def test_plan_disjoint_and_auto_axes():
     assert not plan.colocated
     assert plan.actor.axis_names == plan.rollout.axis_names == MESH_AXES
     assert plan.actor.axis_types == (AxisType.Auto,) * len(MESH_AXES)
-    assert dict(plan.actor.shape) == {"data": 1, "fsdp": 2, "context": 1, "expert": 2, "tensor": 1}
-    assert dict(plan.rollout.shape) == {"data": 1, "fsdp": 1, "context": 1, "expert": 2, "tensor": 2}
+    assert dict(plan.actor.shape) == {"stage": 1, "data": 1, "fsdp": 2, "context": 1, "expert": 2, "tensor": 1}
+    assert dict(plan.rollout.shape) == {"stage": 1, "data": 1, "fsdp": 1, "context": 1, "expert": 2, "tensor": 2}
     actor_ids = [d.id for d in plan.actor.devices.flat]
     rollout_ids = [d.id for d in plan.rollout.devices.flat]
     assert actor_ids == [d.id for d in devs[:4]] and rollout_ids == [d.id for d in devs[4:]]

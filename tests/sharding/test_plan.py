@@ -5,10 +5,12 @@ the KV-cache formula by hand; impossible layouts are reported as not fitting; th
 errors name the problem.
 The Flash `nnx.eval_shape` (10-20 s) runs once per process (`model_bytes.model_leaves` is cached)."""
 
+import dataclasses
 import math
 import types
 
 import jax.numpy as jnp
+import numpy as np
 import pytest
 from flax import nnx
 
@@ -257,3 +259,22 @@ def test_context_axis_splits_weights_with_fsdp_and_counts_the_gathered_kv(flash_
     kv = [v for k, v in cp.actor.items.items() if k.startswith("activations: gathered compressed KV")]
     assert kv == [2 * (32768 // 4 * (512 * 2 + 128 * 4) + 127 * 512 * 2)]
     assert [v for k, v in ref.actor.items.items() if k.startswith("activations: gathered compressed KV")] == [0.0]
+
+
+def test_pipeline_stages_split_the_pipelined_layers_and_print_the_bubble(flash_leaves):
+    """`--learner.pipeline_stages 2` on `actor:stage=2,expert=8`: the 20 x (HCA, CSA) group (layers 3..42) is split
+    over the stages, so its weights (gradients, masters, moments alike) count half per device; the 3 hash layers,
+    embedding, head and MTP stay whole; the table prints the GPipe bubble (P-1)/(M+P-1) = 1/9 at M = 8."""
+    pipe = dataclasses.replace(LEARNER, pipeline_stages=2)
+    r = pl.plan("flash", "actor:stage=2,expert=8/rollout:expert=8", "mi308x", nodes=3, learner=pipe,
+                pipeline_micro_batches=8)
+    ref = pl.plan("flash", "actor:expert=8/rollout:expert=8", "mi308x", nodes=2, learner=LEARNER)
+    mesh = model_bytes.abstract_mesh({"expert": 8})
+    split = sum(math.prod(model_bytes.local_shape(lf, ACTOR_RULES, mesh)) * np.dtype(lf.dtype).itemsize
+                for lf in flash_leaves if lf.path.startswith("layers.") and 3 <= int(lf.path.split(".")[1]) <= 42)
+    w = "weights (bf16; fp32 mHC/sinks/ape/bias; int32 tid2eid)"
+    assert r.actor.items[w] == ref.actor.items[w] - split / 2
+    assert "pipeline: 2 stages over layers 3..42 (20 per stage" in r.table() and "= 0.111 at M=8" in r.table()
+    with pytest.raises(ValueError, match=r"--learner.pipeline_stages=3 does not divide the 20 repetitions"):
+        pl.plan("flash", "actor:stage=3,expert=8/rollout:expert=8", "mi308x", nodes=4,
+                learner=dataclasses.replace(LEARNER, pipeline_stages=3))

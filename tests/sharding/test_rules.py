@@ -59,10 +59,10 @@ def test_presets_cover_all_axes():
         check_rules(rules)
         assert [name for name, _ in rules] == list(ax.ALL_AXES)
     assert rules_for("actor") is ACTOR_RULES and rules_for("rollout") is ROLLOUT_RULES
-    # the rollout never splits weights over fsdp; only `embed` differs from the actor among weights, and the
-    # rollout takes no context parallelism (a context axis is one more data axis of its batch)
+    # the rollout never splits weights over fsdp; only `embed` and the pipelined `layers` differ from the actor
+    # among weights, and the rollout takes no context parallelism (a context axis is one more data axis of its batch)
     assert all("fsdp" not in np.atleast_1d(m) for n, m in ROLLOUT_RULES if n in ax.WEIGHT_AXES and m)
-    assert [n for (n, a), (_, r) in zip(ACTOR_RULES, ROLLOUT_RULES) if a != r] == [ax.EMBED, ax.ACT_BATCH,
+    assert [n for (n, a), (_, r) in zip(ACTOR_RULES, ROLLOUT_RULES) if a != r] == [ax.EMBED, ax.LAYERS, ax.ACT_BATCH,
                                                                                   ax.ACT_SEQ]
     assert dict(ACTOR_RULES)[ax.ACT_SEQ] == "context" and dict(ROLLOUT_RULES)[ax.ACT_SEQ] is None
     with pytest.raises(ValueError, match="unknown role 'critic'"):
@@ -70,7 +70,7 @@ def test_presets_cover_all_axes():
 
 
 def test_check_rules_errors():
-    with pytest.raises(ValueError, match=r"missing logical axes \['act_expert'\]"):
+    with pytest.raises(ValueError, match=r"missing logical axes \['act_stage'\]"):
         check_rules(ACTOR_RULES[:-1])
     with pytest.raises(ValueError, match=r"duplicated logical axes \['vocab'\]"):
         check_rules(ACTOR_RULES + ((ax.VOCAB, None),))
@@ -82,6 +82,8 @@ def test_logical_to_spec(actor_mesh):
     assert logical_to_spec((ax.EMBED, ax.MLP), ACTOR_RULES) == P(("fsdp", "context"), "tensor")  # FSDP x CP
     assert logical_to_spec((ax.EMBED, ax.MLP), ROLLOUT_RULES) == P(None, "tensor")
     assert logical_to_spec((ax.ACT_BATCH, None), ACTOR_RULES) == P(("data", "fsdp", "expert"), None)
+    assert logical_to_spec((ax.LAYERS, ax.EMBED), ACTOR_RULES) == P("stage", ("fsdp", "context"))  # pipeline stages
+    assert logical_to_spec((ax.ACT_STAGE, ax.ACT_BATCH), ACTOR_RULES) == P("stage", ("data", "fsdp", "expert"))
     # with a mesh: data (size 1) is dropped
     assert logical_to_spec((ax.ACT_BATCH, ax.ACT_SEQ), ACTOR_RULES, actor_mesh) == P(("fsdp", "expert"), None)
     # one mesh axis per spec: the first dim keeps it, later dims are replicated along it

@@ -1,0 +1,248 @@
+"""Pipeline parallelism over the scanned layer stack: contiguous stages of one layer group over the `stage` mesh axis,
+micro-batches moved between them by a rotating shift (a collective permute), GPipe schedule.
+
+What is pipelined. `dsv4.scan.layer_groups` covers the layers with periodic groups (DeepSeek-V4-Flash: 2 sliding
+hash layers, 1 CSA hash layer, then 20 x (HCA, CSA)). The group holding the most layers is split into `stages`
+contiguous stages: stage p runs repetitions [p R / P, (p + 1) R / P) of it, i.e. the contiguous layers
+start + p L_s .. start + (p + 1) L_s - 1 (L_s = period R / P), so its repetitions must divide by the stage count
+(else a one-line ValueError naming the flag). The other groups (Flash: the 3 hash layers in front) run outside the
+pipeline, as MaxText runs DeepSeek's dense prefix: with the embedding before it and the final norm, head, MTP head
+and loss after it. Those run replicated over `stage` (each stage computes them for the whole batch: see
+sharding/rules.py for why `act_batch` cannot name `stage`); their weights are not split over `stage` either.
+The stacked state is today's (`dsv4.scan.stack_params`), so checkpoints and the push are unchanged; only the
+pipelined group's leading dim is split over `stage` (`stage_shardings`: the mesh axes of the logical axis `layers`).
+
+How (ideas from MaxText's `layers/pipeline.py` and Praxis' `LayerwiseShardablePipelined`, no code): the group's
+leaves [R, ...] are viewed as [P, R / P, ...] and one stage's computation (`dsv4.scan.run_layers` over its R / P
+repetitions, remat policy included) is `jax.vmap`ped over the stage dim with `spmd_axis_name="stage"`, so XLA runs
+stage p on the devices of stage p. A carry `buf` [P, B_m, S, n, D] holds each stage's input; at iteration t
+(t = 0 .. M + P - 2) stage 0 reads micro-batch t, every stage runs, and `jnp.roll(out, 1, axis=0)` hands stage p's
+output to stage p + 1 (XLA lowers the roll of a stage-split dim to a collective permute). Stage p works on
+micro-batch t - p; the token ids (hash routing), positions and the routing-replay ids it needs are read per stage
+for that micro-batch, and the routes / expert drops it records are kept per stage and gathered once at the end
+(the routing record never travels through the ring). Iterations where a stage has no micro-batch (the bubble) run
+on real, finite data whose results are discarded, so their cotangents are exactly zero.
+
+Schedule: GPipe, all forwards then all backwards, as `jax.grad` of the pipelined forward (the backward of the
+scan over iterations runs the iterations in reverse, with the same permutes reversed). Bubble fraction
+(P - 1) / (M + P - 1) (`bubble_fraction`), in forward and backward alike. Activation memory: every micro-batch's
+per-layer residuals of its stage (each stage holds M micro-batches' inputs under remat "block"), as GPipe. Not
+done: 1F1B (needs a hand-written backward schedule) and circular / interleaved stages.
+
+Use:
+    plan = pipeline_plan(sdef.groups, stages=2, micro_batches=4)
+    shell, stack = dsv4.scan.merge_stacked(sdef, params, buffers, remat="block")
+    out = shell(ids, attention_mask=m, routing_replay=r, layer_stack=PipelineStack.of(stack, plan))
+Rows: the batch's B = M B_m rows, micro-batch m = rows m, m + M, m + 2M, ... (`split_micro_batches`).
+Tests: tests/parallel/test_pipeline.py (loss, logits, routing and every gradient equal to the unpipelined step).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable, Sequence
+
+import jax
+import jax.numpy as jnp
+from flax import nnx, struct
+from jax.sharding import NamedSharding, PartitionSpec
+
+from dsv4.scan import LayerGroup, LayerStack, run_layers
+from sharding import axes as ax
+from sharding import rules as rl
+
+PIPELINE_FLAG = "--learner.pipeline_stages"
+_BUF = (ax.ACT_STAGE, ax.ACT_BATCH, ax.ACT_SEQ, None, ax.ACT_EMBED)  # [P, B_m, S, n, D] per-stage streams
+
+
+def bubble_fraction(stages: int, micro_batches: int) -> float:
+    """Idle fraction of a GPipe schedule of `micro_batches` M over `stages` P: (P - 1) / (M + P - 1)."""
+    return (stages - 1) / (micro_batches + stages - 1)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class PipelinePlan:
+    """stages P, micro_batches M, group: the index (in `layer_groups`) of the pipelined group; `repeats` its
+    repetitions (P divides them). Hashable (a jit static argument)."""
+
+    stages: int
+    micro_batches: int
+    group: int
+    repeats: int
+
+    def __post_init__(self):
+        if self.stages < 1:
+            raise ValueError(f"{PIPELINE_FLAG} must be >= 1, got {self.stages}")
+        if self.micro_batches < 1:
+            raise ValueError(f"pipeline micro-batches must be >= 1, got {self.micro_batches}")
+        if self.repeats % self.stages:
+            raise ValueError(f"{PIPELINE_FLAG}={self.stages} does not divide the {self.repeats} repetitions of the "
+                             f"pipelined layer group {self.group}")
+
+    @property
+    def iterations(self) -> int:
+        """Steps of the schedule: M + P - 1."""
+        return self.micro_batches + self.stages - 1
+
+    @property
+    def bubble(self) -> float:
+        return bubble_fraction(self.stages, self.micro_batches)
+
+
+def pipelined_group(groups: Sequence[LayerGroup]) -> int:
+    """Index of the group the pipeline splits: the one with the most layers (the first of equals)."""
+    sizes = [g.period * g.repeats for g in groups]
+    return sizes.index(max(sizes))
+
+
+def pipeline_plan(groups: Sequence[LayerGroup], stages: int, micro_batches: int) -> PipelinePlan:
+    """The `PipelinePlan` of `stages` over `layer_groups(cfg)`. Raises ValueError (one line, naming
+    `--learner.pipeline_stages`) when the stage count does not divide the pipelined group's repetitions."""
+    g = pipelined_group(groups)
+    grp = groups[g]
+    if stages >= 1 and grp.repeats % stages:
+        raise ValueError(f"{PIPELINE_FLAG}={stages} does not divide the {grp.repeats} repetitions of layer group {g} "
+                         f"(layers {grp.start}..{grp.stop - 1}, period {grp.period}): use a divisor of {grp.repeats}")
+    return PipelinePlan(stages=stages, micro_batches=micro_batches, group=g, repeats=grp.repeats)
+
+
+def _key(k: Any) -> Any:
+    """A pytree path entry as the name or index it stands for."""
+    for attr in ("key", "name", "idx"):
+        if hasattr(k, attr):
+            return getattr(k, attr)
+    return k
+
+
+def stage_shardings(shardings: Any, plan: PipelinePlan, rules: rl.Rules) -> Any:
+    """`shardings` (a pytree of NamedShardings of stacked state: params, buffers, optimizer moments, masters, a
+    whole `TrainState`'s) with the leading dim of every leaf of the pipelined group (path `.../layers/<group>/...`)
+    split over the mesh axes `rules` give the logical axis `layers` (the actor's: `stage`), so stage p holds its
+    own repetitions (contiguous blocks). Other leaves are unchanged; structures and Variable metadata are kept."""
+    def one(path, sh):
+        keys = [_key(k) for k in path]
+        hit = any(a == "layers" and str(b) == str(plan.group) for a, b in zip(keys, keys[1:]))
+        if not hit or not isinstance(sh, NamedSharding) or not len(sh.spec) or sh.spec[0] is not None:
+            return sh
+        lead = rl.logical_to_spec((ax.LAYERS,), rules, sh.mesh)[0]
+        return NamedSharding(sh.mesh, PartitionSpec(lead, *tuple(sh.spec)[1:]))
+
+    return jax.tree_util.tree_map_with_path(one, shardings)
+
+
+def split_micro_batches(a: jax.Array, m: int) -> jax.Array:
+    """[B, ...] -> [M, B / M, ...], micro-batch i = rows i, i + M, i + 2M, ... (strided, as `rl.batching.split`: with
+    the batch split in blocks over the data axes, every device holds an equal share of each micro-batch)."""
+    return jnp.swapaxes(a.reshape(a.shape[0] // m, m, *a.shape[1:]), 0, 1)
+
+
+def merge_micro_batches(a: jax.Array) -> jax.Array:
+    """Inverse of `split_micro_batches`: [M, B_m, ...] -> [M B_m, ...]."""
+    return jnp.swapaxes(a, 0, 1).reshape(a.shape[0] * a.shape[1], *a.shape[2:])
+
+
+def _stage_axis() -> str | None:
+    """`stage` when the active rules split the stage dim over a mesh axis of size > 1 (the vmap's spmd axis)."""
+    active = rl.active_rules()
+    if active is None:
+        return None
+    rules, mesh = active
+    axes = rl.mesh_axes_for(ax.ACT_STAGE, rules)
+    return rl.STAGE if rl.STAGE in axes and mesh.shape.get(rl.STAGE, 1) > 1 else None
+
+
+def run_pipelined_group(plan: PipelinePlan, grp: LayerGroup, graphdefs: Sequence[Any], state: Any, x: jax.Array,
+                        positions: jax.Array, ids: jax.Array, routing_replay: jax.Array | None = None,
+                        dispatch_fn: Callable | None = None, *, remat: Any = None):
+    """Group `grp`'s layers (stacked `state` {j: tree of [R, ...]}) over `plan.stages` stages and
+    `plan.micro_batches` micro-batches.
+
+    Args: x [B, S, n, D] streams; positions, ids [B, S] int32; routing_replay [B, S, L, k] int32 (all layers; this
+      group's are read) or None; graphdefs: the group's sub-layer graphdefs; remat: as `dsv4.scan.run_layers`.
+    Returns:
+      (x [B, S, n, D], routes [B, S, period R, k] int32 of the group's layers in order, drops [2] int32): what
+      `run_layers((grp,), ...)` returns for the whole batch.
+    Raises:
+      ValueError: B not a multiple of the micro-batch count.
+    """
+    n_st, n_mb = plan.stages, plan.micro_batches
+    b, s = ids.shape
+    if b % n_mb:
+        raise ValueError(f"the pipeline's batch of {b} rows does not split into {n_mb} micro-batches")
+    bm, rps = b // n_mb, grp.repeats // n_st
+    lps = grp.period * rps  # layers per stage
+    sub = (LayerGroup(0, grp.period, rps),)
+    w = jax.tree.map(lambda a: a.reshape(n_st, rps, *a.shape[1:]), state)  # [R, ...] -> [P, R / P, ...]
+    x_mb, ids_mb, pos_mb = (split_micro_batches(a, n_mb) for a in (x, ids, positions))  # [M, B_m, ...]
+    forced = None
+    if routing_replay is not None:  # -> [P, M, B_m, S, L_s, k]: stage p's layers of micro-batch m
+        f = split_micro_batches(routing_replay[:, :, grp.start:grp.stop], n_mb).reshape(n_mb, bm, s, n_st, lps, -1)
+        forced = jnp.transpose(f, (3, 0, 1, 2, 4, 5))
+    stage = jnp.arange(n_st)
+
+    def one_stage(w, x, pos, tid, fo):  # [B_m, S, n, D] -> (x, routes [B_m, S, L_s, k], drops [2])
+        return run_layers(sub, (tuple(graphdefs),), {0: w}, x, pos, tid, fo, dispatch_fn, remat=remat)
+
+    spmd = _stage_axis()
+    stages_fn = jax.vmap(one_stage, in_axes=(0, 0, 0, 0, None if forced is None else 0), spmd_axis_name=spmd)
+
+    def body(buf, t):
+        mb = (t - stage) % n_mb  # [P]: the micro-batch each stage works on (bubble: any, discarded)
+        inp = rl.constrain(jnp.where((stage == 0)[:, None, None, None, None], x_mb[t % n_mb][None], buf), _BUF)
+        fo = None if forced is None else forced[stage, mb]  # -> [P, B_m, S, L_s, k]
+        out, r, d = stages_fn(w, inp, pos_mb[mb], ids_mb[mb], fo)  # the vmap puts `stage` on dim 0
+        valid = (t >= stage) & (t - stage < n_mb)
+        d = jnp.where(valid[:, None], d, 0)
+        nxt = rl.constrain(jnp.roll(out, 1, axis=0), _BUF)  # stage p -> p + 1: a collective permute over `stage`
+        return nxt, (out[n_st - 1], r, d)
+
+    buf0 = jnp.broadcast_to(x_mb[0][None], (n_st, *x_mb.shape[1:]))  # finite filler for the first iterations
+    _, (ys, rs, ds) = jax.lax.scan(body, buf0, jnp.arange(plan.iterations))
+    x_out = merge_micro_batches(ys[n_st - 1:])  # the last stage's outputs, micro-batch m at iteration m + P - 1
+    at = jnp.arange(n_mb)[:, None] + stage[None, :]  # iteration at which stage p ran micro-batch m: [M, P]
+    r = rs[at, stage[None, :]]  # -> [M, P, B_m, S, L_s, k]
+    routes = merge_micro_batches(jnp.transpose(r, (0, 2, 3, 1, 4, 5)).reshape(n_mb, bm, s, n_st * lps, -1))
+    return x_out, routes, jnp.sum(ds, axis=(0, 1))
+
+
+@struct.dataclass
+class PipelineStack:
+    """`LayerStack`'s interface (`num_layers`, `run`) for `DSV4ForCausalLM.__call__(..., layer_stack=...)`, with the
+    plan's group pipelined (`run_pipelined_group`) and the other groups run as `dsv4.scan.run_layers` does, in
+    layer order. A pytree whose only array child is `state` (gradients w.r.t. it are a PipelineStack)."""
+
+    state: Any
+    groups: tuple = struct.field(pytree_node=False)
+    graphdefs: tuple = struct.field(pytree_node=False)
+    plan: PipelinePlan = struct.field(pytree_node=False)
+    remat: Any = struct.field(pytree_node=False, default=None)
+
+    @classmethod
+    def of(cls, stack: LayerStack, plan: PipelinePlan) -> "PipelineStack":
+        """The pipelined form of a `dsv4.scan.merge_stacked` layer stack."""
+        return cls(stack.state, stack.groups, stack.graphdefs, plan, stack.remat)
+
+    @property
+    def num_layers(self) -> int:
+        return self.groups[-1].stop if self.groups else 0
+
+    def run(self, x, positions, ids, routing_replay=None, dispatch_fn=None):
+        """x [B, S, n, D], positions / ids [B, S] -> (x [B, S, n, D], routing [B, S, L, k] int32, drops [2] int32),
+        equal to `LayerStack.run`'s."""
+        g = self.plan.group
+        st = self.state.raw_mapping if isinstance(self.state, nnx.State) else self.state
+        routes, drops = [], jnp.zeros((2,), jnp.int32)
+        for lo, hi in ((0, g), (g, g + 1), (g + 1, len(self.groups))):
+            if lo == hi:
+                continue
+            part = {i: st[lo + i] for i in range(hi - lo)}
+            if lo == g:
+                gs = part[0].raw_mapping if isinstance(part[0], nnx.State) else part[0]
+                x, r, d = run_pipelined_group(self.plan, self.groups[g], self.graphdefs[g], gs, x, positions, ids,
+                                              routing_replay, dispatch_fn, remat=self.remat)
+            else:
+                x, r, d = run_layers(self.groups[lo:hi], self.graphdefs[lo:hi], part, x, positions, ids,
+                                     routing_replay, dispatch_fn, remat=self.remat)
+            routes.append(r)
+            drops = drops + d
+        return x, jnp.concatenate(routes, axis=2), drops
