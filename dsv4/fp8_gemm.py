@@ -108,6 +108,15 @@ def quantize_rows(x: jax.Array, fmt: str = "e4m3fn", *, scale_fmt: str = ACT_SCA
     return Fp8Rows(*act_quant(x, fmt=fmt, block=ACT_BLOCK, scale_fmt=scale_fmt))
 
 
+def dequantize_rows(x: Fp8Rows, dtype) -> jax.Array:
+    """q * s per 1 x 128 block: `Fp8Rows` [..., K] -> [..., K] in `dtype` (exact for ue8m0 scales: the values
+    `act_fake_quant` gives)."""
+    *lead, k = x.q.shape
+    kb = x.s.shape[-1]
+    qf = jnp.pad(x.q.astype(jnp.float32), [(0, 0)] * len(lead) + [(0, kb * ACT_BLOCK - k)])
+    return (qf.reshape(*lead, kb, ACT_BLOCK) * x.s[..., None]).reshape(*lead, kb * ACT_BLOCK)[..., :k].astype(dtype)
+
+
 def fp8_expert_matmul(x: Fp8Rows, w: QuantizedTensor) -> jax.Array:
     """y[e, r, o] = sum_kb s_x[e, r, kb] S[e, o // b0, kb] sum_{c in kb} q_x[e, r, c] q[e, o, c]: every local expert's
     rows times its FP8 block weight, on FP8 operands with f32 accumulation (module docstring).

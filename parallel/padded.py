@@ -29,7 +29,9 @@ rows there, at the price of more compiled branches (outer x inner) and the gathe
 FP8 experts (the rollout's FP8 GEMMs, `parallel.expert.make_ep_dispatch` given kind 'fp8' `QuantizedTensor`s): each
 token's row is quantised once per 1 x 128 block (`expert_rows`, the release's `act_quant`), the buffers and the
 all_to_all carry the FP8 bytes and their [.., D / 128] f32 scales (about half the bf16 rows' bytes), and `padded_ffn`
-multiplies FP8 by FP8 (`dsv4.fp8_gemm.fp8_expert_matmul`): no dequantised copy of the experts.
+multiplies FP8 by FP8 (`dsv4.fp8_gemm.fp8_expert_matmul`): no dequantised copy of the experts, up to
+`FP8_ROWS_MAX` rows per local expert (a static choice per compiled capacity; above it the rank's experts are
+dequantised, which moves fewer bytes than the FP8 GEMMs' f32 K-block partials).
 
 Every body returns `DispatchStats` (local counts; `make_ep_dispatch` sums them over the token axes): the chosen
 bucket and capacity, the pairs dropped and the pairs routed (rows after merging repeated picks; pad tokens and
@@ -46,10 +48,10 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from dsv4.fp8_gemm import fp8_expert_matmul, quantize_rows
+from dsv4.fp8_gemm import dequantize_rows, fp8_expert_matmul, quantize_rows
 from dsv4.layers import dot_out
 from dsv4.moe import swiglu
-from dsv4.quant import QuantizedTensor
+from dsv4.quant import QuantizedTensor, act_fake_quant
 
 
 class DispatchStats(NamedTuple):
@@ -93,18 +95,27 @@ def merge_repeated_picks(ids: jax.Array, w: jax.Array) -> tuple[jax.Array, jax.A
     return jnp.where(is_first | (ids < 0), ids, -1), jnp.where(is_first, merged, 0.0).astype(w.dtype)
 
 
+# Rows per local expert above which the padded FFN dequantises FP8 experts instead of running FP8 GEMMs. The FP8
+# GEMM writes and reads f32 partials [n, R, O] per 128-wide K block: 8 R O K / 128 = W R / 16 bytes for W bytes of
+# FP8 weights, against 5 W for the dequant path (read W, write and read 2 W of bf16): FP8 moves fewer bytes while
+# R < 64 (XLA:GPU, H200 spec: 0.50x at R = 24, 0.80x at 48, 1.37x at 96; benchmarks/README.md "FP8 expert GEMMs").
+FP8_ROWS_MAX = 64
+
+
 def padded_ffn(xs, gate_w: jax.Array, w1, w3, w2, *, limit: float, dtype, partial: bool = False,
-               act_q=None) -> jax.Array:
+               act_q=None, fp8_rows_max: int | None = FP8_ROWS_MAX) -> jax.Array:
     """Clamped-SwiGLU FFN of capacity-padded per-expert buffers as batched dense matmuls (no `ragged_dot`).
 
     xs [n, R, D] rows of each local expert (compute dtype; empty slots are zero rows with gate_w 0);
     gate_w [n, R] float32; w1, w3 [n, I', D]; w2 [n, D, I'] (I' may be a tensor-parallel slice: then `partial`).
     Returns [n, R, D] float32; empty slots are exactly 0 (their routing weight is 0). Same math as `grouped_ffn`.
     FP8 experts (w1, w3, w2 kind 'fp8' `QuantizedTensor`s, q [n, I', D] / [n, D, I'] with their local scales):
-    xs is `Fp8Rows` (q [n, R, D] fp8, s [n, R, D / 128]) and the three products are FP8 GEMMs
-    (`dsv4.fp8_gemm.fp8_expert_matmul`); the w2 input is quantised per 1 x 128 as the release does (act_q unused).
+    xs is `Fp8Rows` (q [n, R, D] fp8, s [n, R, D / 128]) and, for R <= `fp8_rows_max` (None: any R), the three
+    products are FP8 GEMMs (`dsv4.fp8_gemm.fp8_expert_matmul`), the w2 input quantised per 1 x 128 as the release
+    does (act_q unused); above it, the local experts are dequantised and the rows and the w2 input fake-quantised
+    (`FP8_ROWS_MAX`: where that moves fewer bytes; the same products).
     """
-    if isinstance(w1, QuantizedTensor):
+    if isinstance(w1, QuantizedTensor) and (fp8_rows_max is None or gate_w.shape[1] <= fp8_rows_max):
         # the dequant path's dots return `dtype`; so do the release's FP8 GEMMs (bf16 out)
         g = fp8_expert_matmul(xs, w1).astype(dtype)
         # w3's own copy of the row operand: XLA:GPU's dot merger would otherwise fuse each K block's w1 and w3 dots
@@ -113,6 +124,9 @@ def padded_ffn(xs, gate_w: jax.Array, w1, w3, w2, *, limit: float, dtype, partia
         h = (swiglu(g, u, limit) * gate_w[..., None]).astype(dtype)  # [n, R, I']
         y = fp8_expert_matmul(quantize_rows(h, w2.fmt), w2)
         return (y if partial else y.astype(dtype)).astype(jnp.float32)
+    if isinstance(w1, QuantizedTensor):  # many rows: the dequant path on this rank's experts
+        xs, act_q = dequantize_rows(xs, dtype), act_fake_quant
+        w1, w3, w2 = (v.dequantize(dtype) for v in (w1, w3, w2))
     bd = lambda c: ((c, ((0,), (0,))))  # noqa: E731  batch over the local expert dim
     g = jax.lax.dot_general(xs, w1.astype(dtype), bd(((2,), (2,))), preferred_element_type=dot_out(dtype))
     u = jax.lax.dot_general(xs, w3.astype(dtype), bd(((2,), (2,))), preferred_element_type=dot_out(dtype))

@@ -2,7 +2,8 @@
 same quantised activations within float rounding; the padded / sized EP dispatch given FP8 `QuantizedTensor` experts
 (`parallel.padded.padded_ffn`) runs FP8 dots and equals the dequant path (`dsv4.moe.MoE`'s: fake-quantised rows and
 w2 input times dequantised experts) on a tensor-parallel rollout layout and an FSDP actor layout, and falls back to
-that path where the tensor axis splits a scale block; on the H200 spec (deviceless XLA:GPU, launch/gpu_target.py)
+that path where the tensor axis splits a scale block or a buffer has more than `FP8_ROWS_MAX` rows per expert;
+on the H200 spec (deviceless XLA:GPU, launch/gpu_target.py)
 every expert dot takes f8 operands. Sampler-level parity: tests/rl/test_rollout_weights.py.
 Run: `.venv/bin/python -m pytest -q tests/parallel/test_fp8_experts.py`.
 """
@@ -78,18 +79,22 @@ def _reference(x, ids, w, w1, w3, w2):
                                                                                for v in (w1, w3, w2)))
 
 
-@pytest.mark.parametrize("spec, rules, backend, i, f8_dots", [
+ROLLOUT = "actor:fsdp=4/rollout:expert=2,tensor=2"
+
+
+@pytest.mark.parametrize("spec, rules, backend, t, i, f8_dots", [
     # rollout layout, I split over tensor=2 in whole 128-blocks: 3 FP8 GEMMs of 2 K blocks (w1, w3: D = 256; w2:
     # I / tp = 128 -> 1 block); "sized" with the compaction: every capacity x every row count runs them
-    ("actor:fsdp=4/rollout:expert=2,tensor=2", ROLLOUT_RULES, "padded", 256, 5),
-    ("actor:fsdp=4/rollout:expert=2,tensor=2", ROLLOUT_RULES, "sized", 256, None),
-    ("actor:fsdp=2,expert=2,tensor=2", ACTOR_RULES, "padded", 256, 5),  # FSDP: D gathered as FP8 bytes
-    ("actor:fsdp=4/rollout:expert=2,tensor=2", ROLLOUT_RULES, "padded", 64, 0),  # I / tp = 32: dequantised
+    (ROLLOUT, ROLLOUT_RULES, "padded", 16, 256, 5),
+    (ROLLOUT, ROLLOUT_RULES, "sized", 16, 256, None),
+    ("actor:fsdp=2,expert=2,tensor=2", ACTOR_RULES, "padded", 16, 256, 5),  # FSDP: D gathered as FP8 bytes
+    (ROLLOUT, ROLLOUT_RULES, "padded", 16, 64, 0),  # I / tp = 32 is not a whole scale block: dequantised
+    (ROLLOUT, ROLLOUT_RULES, "padded", 80, 256, 0),  # 2 x 40 rows per expert > FP8_ROWS_MAX: dequantised there
 ])
-def test_ep_dispatch_fp8_experts_match_the_dequant_path(spec, rules, backend, i, f8_dots):
+def test_ep_dispatch_fp8_experts_match_the_dequant_path(spec, rules, backend, t, i, f8_dots):
     plan = build_mesh_plan(spec)
     mesh = plan.rollout if rules is ROLLOUT_RULES else plan.actor
-    x, ids, w, w1, w3, w2 = _inputs(t=16, d=256, i=i)
+    x, ids, w, w1, w3, w2 = _inputs(t=t, d=256, i=i)
     ref = _reference(x, ids, w, w1, w3, w2)
     fn = make_ep_dispatch(mesh, backend=backend, rules=rules, compact=backend == "sized")
     assert fn.fp8_experts
@@ -102,9 +107,13 @@ def test_ep_dispatch_fp8_experts_match_the_dequant_path(spec, rules, backend, i,
         assert n_f8 > 5  # one set of FP8 GEMMs per compiled (capacity, rows) branch
     else:
         assert n_f8 == f8_dots, n_f8
-    # summation order only (f32 partials per 128-block vs one f32 dot); the w2 input's e4m3 rounding sees the same
-    # SwiGLU output up to that, so it rounds identically here
-    np.testing.assert_allclose(np.asarray(out), np.asarray(ref), rtol=1e-4, atol=1e-5 * float(jnp.abs(ref).max()))
+    # summation order only (f32 partials per 128-block, tensor-parallel partial sums vs one f32 dot), except where
+    # that moves a SwiGLU output across an e4m3 rounding boundary of the w2 input: that token's row then differs by
+    # one e4m3 step of one input element (<= 2^-3 of it) times w2 (here: 0 or 1 token of t)
+    out, ref = np.asarray(out), np.asarray(ref)
+    close = np.isclose(out, ref, rtol=1e-4, atol=1e-5 * np.abs(ref).max()).all(axis=1)
+    assert (~close).sum() <= max(1, t // 40), np.nonzero(~close)
+    assert np.abs(out - ref).max() <= 2.0**-4 * np.abs(ref).max()
 
 
 _PLUGIN = gt.plugin_error()
