@@ -1,8 +1,9 @@
 """FP8 expert GEMMs vs the dequant path: one rank's routed-expert FFN of the padded EP dispatch, compiled by XLA:GPU.
 
 What is compiled (deviceless, `--target` of launch/gpu_target.py, default the H200 spec; no GPU needed), for one
-rank's local experts at Flash's decode shapes (`--experts` 32 = 256 / ep 8, D = 4096, I = 2048, `--rows` 96 rows per
-local expert = ep x C at the "sized" dispatch's capacity C = 12 for 128 tokens per rank, parallel/padded.py):
+rank's local experts at Flash's decode shapes (`--experts` 32 = 256 / ep 8, D = 4096, I = 2048; `--rows` per local
+expert: default 24 = the routed rows at 128 tokens per rank (8 x 128 x 6 / 256), what an exact dispatch at the
+routed cost runs (issue 37 item 2); today's "sized" dispatch pads random routing to C = 12 per source rank: 96 rows):
 - fp8: `parallel.padded.padded_ffn` on FP8 rows (1 x 128 ue8m0 blocks) and the layer's FP8 128 x 128 expert blocks
   (`dsv4.fp8_gemm.fp8_expert_matmul`: one dot per K block batched over the experts, f32 partials), forced at any
   row count (`fp8_rows_max=None`; the dispatch itself takes it up to `parallel.padded.FP8_ROWS_MAX` rows);
@@ -13,8 +14,8 @@ read + written by the kernels; roofline us = max(bytes / HBM bandwidth, flops / 
 BF16 peak for both: FP8's is 2x on H100 / H200, so the FP8 figure is conservative where flop-bound).
 Not timed: no GPU here (`benchmarks/gpu_check.sh` is where a lent device times things).
 
-Run:   .venv/bin/python benchmarks/fp8_experts.py                      (needs the CUDA plugin: pip install -e '.[gpu-aot]')
-       .venv/bin/python benchmarks/fp8_experts.py --rows 24 --target mi308x
+Run:   .venv/bin/python benchmarks/fp8_experts.py            (needs the CUDA plugin: pip install -e '.[gpu-aot]')
+       .venv/bin/python benchmarks/fp8_experts.py --rows 96 --target mi308x
 Last line: `RESULT fp8_dots=.. dots=.. dequant_fp8_dots=.. dequant_dots=.. fp8_mib=.. dequant_mib=.. bytes_ratio=..
 fp8_us=.. dequant_us=.. rows=.. target=..`.
 """
@@ -66,7 +67,7 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--target", default="h200", help="launch/gpu_target.py target (h100, h200, b200, mi300x, ...)")
     ap.add_argument("--experts", type=int, default=32, help="local experts of one rank")
-    ap.add_argument("--rows", type=int, default=96, help="rows per local expert (the padded buffer)")
+    ap.add_argument("--rows", type=int, default=24, help="rows per local expert (the padded buffer)")
     ap.add_argument("--hidden", type=int, default=4096, help="D")
     ap.add_argument("--inter", type=int, default=2048, help="I (moe_intermediate_size, or its tensor-parallel slice)")
     args = ap.parse_args(argv)
