@@ -15,18 +15,29 @@ FP8; elsewhere (CPU) XLA upcasts the operands, so the result is the same math at
 Error against the dequantised reference `x @ dequant(W)^T`: only the activation is rounded (weights are used
 exactly as stored); e4m3 has a relative rounding error <= 2^-4 per element, so |y - y_ref| <= 2^-4 * sum_i
 |x_i| |W_oi| (a loose bound; typical errors are ~2^-4 / sqrt(K) relative). tests/rl/test_rollout_weights.py.
+The routed experts' form (`fp8_expert_matmul`, the padded EP dispatch's expert FFN, parallel/padded.py): rows of
+every local expert quantised per 1x128 (`quantize_rows` -> `Fp8Rows`), the stacked expert weights [E, O, K] kept as
+FP8 128x128 blocks, and one `dot_general` per K block batched over the experts, [E, R, 128] x [E, O, 128] ->
+[E, R, O] f32, on slices of the stored bytes; the per-block partials are combined with both scales in one fusion.
+Why per-K-block dots rather than one dot batched over (expert, K block) as `fp8_linear` does: that batch order is
+not the weights' layout, so XLA:GPU copies (transposes) the whole [E, O, K] expert tensor before its batched GEMM on
+every call (a layer's experts read twice and written once more); a K-block slice of the last dim fuses into the
+Triton GEMM's operand (no copy; benchmarks/README.md "FP8 expert GEMMs"). What stays in f32 between the two expert
+GEMMs is the scheme's own: the KB partials [E, R, O] of w1 and w3 (KB x their outputs), each read once by the
+fusion that applies the scales (and the SwiGLU); the w2 input is FP8 again.
 Sources: DeepSeek-V3 report §3.3 (fine-grained FP8 quantisation); OCP OFP8 spec (e4m3 ranges).
 """
 
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 
-from dsv4.quant import ACT_SCALE_FMT, FP8_FORMATS, QuantizedTensor, act_fake_quant, act_fake_quant_ste, act_quant
+from dsv4.quant import (ACT_BLOCK, ACT_SCALE_FMT, FP8_FORMATS, QuantizedTensor, act_fake_quant, act_fake_quant_ste,
+                        act_quant)
 
 # Backends whose XLA runs dot_general on f8 operands as an FP8 GEMM.
 _FP8_ROCM_MARKERS = ("gfx942", "gfx950", "mi300", "mi308", "mi325", "mi350", "mi355")
@@ -82,6 +93,56 @@ def fp8_linear(x: jax.Array, w: QuantizedTensor, dtype, *, scale_fmt: str = ACT_
     sw = jnp.repeat(w.scale.astype(jnp.float32), b0, axis=0)[:o]  # [O, KB]
     y = jnp.einsum("kto,tk,ok->to", part, sx, sw)
     return y.reshape(*lead, o).astype(dtype)
+
+
+class Fp8Rows(NamedTuple):
+    """Activation rows quantised per 1 x 128 block (`quantize_rows`): q [..., K] fp8, s [..., ceil(K / 128)] f32
+    (ue8m0 powers of two by default), x ~= q * s per block. A pytree: gathers, all_to_alls and switches map over
+    both leaves."""
+    q: jax.Array
+    s: jax.Array
+
+
+def quantize_rows(x: jax.Array, fmt: str = "e4m3fn", *, scale_fmt: str = ACT_SCALE_FMT) -> Fp8Rows:
+    """x [..., K] (the compute dtype) -> `Fp8Rows` by the release's rule (`dsv4.quant.act_quant`, 1 x 128 blocks)."""
+    return Fp8Rows(*act_quant(x, fmt=fmt, block=ACT_BLOCK, scale_fmt=scale_fmt))
+
+
+def dequantize_rows(x: Fp8Rows, dtype) -> jax.Array:
+    """q * s per 1 x 128 block: `Fp8Rows` [..., K] -> [..., K] in `dtype` (exact for ue8m0 scales: the values
+    `act_fake_quant` gives)."""
+    *lead, k = x.q.shape
+    kb = x.s.shape[-1]
+    qf = jnp.pad(x.q.astype(jnp.float32), [(0, 0)] * len(lead) + [(0, kb * ACT_BLOCK - k)])
+    return (qf.reshape(*lead, kb, ACT_BLOCK) * x.s[..., None]).reshape(*lead, kb * ACT_BLOCK)[..., :k].astype(dtype)
+
+
+def fp8_expert_matmul(x: Fp8Rows, w: QuantizedTensor) -> jax.Array:
+    """y[e, r, o] = sum_kb s_x[e, r, kb] S[e, o // b0, kb] sum_{c in kb} q_x[e, r, c] q[e, o, c]: every local expert's
+    rows times its FP8 block weight, on FP8 operands with f32 accumulation (module docstring).
+
+    x: `Fp8Rows` q [E, R, K] in w's fp8 format, s [E, R, ceil(K / 128)]; w: a kind 'fp8' QuantizedTensor q [E, O, K],
+    scale [E, ceil(O / b0), ceil(K / 128)] (block (b0, 128)). Returns [E, R, O] float32. One dot_general per K block,
+    batched over E, on slices of the stored bytes (a last block shorter than 128 is sliced, not padded: no copy).
+    Raises ValueError for a non-fp8 or non-3-d weight, a K block other than the activations' 128, or mismatched
+    shapes / formats."""
+    if w.kind != "fp8" or len(w.shape) != 3 or w.block[1] != ACT_BLOCK:
+        raise ValueError(f"fp8_expert_matmul needs a 3-d fp8 QuantizedTensor with {ACT_BLOCK}-wide K blocks, got "
+                         f"kind={w.kind} shape={w.shape} block={w.block}")
+    e, o, k = w.q.shape
+    if x.q.ndim != 3 or x.q.shape[0] != e or x.q.shape[2] != k or x.q.dtype != w.q.dtype:
+        raise ValueError(f"fp8_expert_matmul: rows {x.q.shape} {x.q.dtype} do not match weight {w.q.shape} "
+                         f"{w.q.dtype}")
+    b0, b1 = w.block
+    sw = jnp.repeat(w.scale.astype(jnp.float32), b0, axis=1)[:, :o]  # [E, O, KB]
+    batch = (((2,), (2,)), ((0,), (0,)))  # [E, R, c] x [E, O, c] -> [E, R, O]
+    y = None
+    for j in range(-(-k // b1)):
+        blk = slice(j * b1, min(k, (j + 1) * b1))
+        part = jax.lax.dot_general(x.q[:, :, blk], w.q[:, :, blk], batch, preferred_element_type=jnp.float32)
+        term = part * x.s[:, :, j, None] * sw[:, None, :, j]
+        y = term if y is None else y + term
+    return y
 
 
 def quantized_linear(x: jax.Array, w: QuantizedTensor, dtype, *, scale_fmt: str = ACT_SCALE_FMT) -> jax.Array:

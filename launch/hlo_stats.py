@@ -11,9 +11,10 @@ Counted, per device, per run of the program:
   flops are left out (the roofline is dot-bound).
 - bytes: what each kernel (top-level instruction: a fusion, a gemm, a copy, a collective's buffer) reads and writes
   in HBM: its operands + its result (a gemm's: not its s8 workspace), except that a fusion reading a parameter only
-  through `dynamic-slice` or `gather` counts the slice (the rows gathered: an embedding lookup reads its rows), and
-  a fusion rooted in `dynamic-update-slice` counts the update (in place) - the scan's per-layer reads and writes of
-  stacked weights and saved inputs. An estimate: caches and re-reads are not modelled.
+  through `dynamic-slice`, `slice` or `gather` counts what it reads (the scan's per-layer weights; the FP8 expert
+  GEMMs' K blocks; the rows an embedding lookup gathers), and a fusion rooted in `dynamic-update-slice` counts the
+  update (in place) - the scan's per-layer reads and writes of stacked weights and saved inputs. An estimate: caches
+  and re-reads are not modelled.
 - collective bytes: per kind, the bytes a device sends: all-gather (g-1)/g x result, reduce-scatter (g-1)/g x
   operand, all-reduce 2 (g-1)/g x operand (ring), all-to-all (g-1)/g x operand, collective-permute the operand; g =
   the replica group size. Split into groups inside one node of `gpus_per_node` devices (`intra`) and groups that
@@ -397,8 +398,8 @@ class _Counter:
                 if idx is None or idx >= len(ins_bytes):
                     continue
                 us = users.get(pname, [])
-                if us and all(u.op in ("dynamic-slice", "gather") and u.operands[0] == pname for u in us):
-                    ins_bytes[idx] = sum(shape_bytes(u.shape) for u in us)  # the rows it reads
+                if us and all(u.op in ("dynamic-slice", "slice", "gather") and u.operands[0] == pname for u in us):
+                    ins_bytes[idx] = sum(shape_bytes(u.shape) for u in us)  # the slices / rows it reads
                 elif us and all(u.op == "dynamic-update-slice" and u.operands[0] == pname for u in us):
                     ins_bytes[idx] = 0.0  # updated in place
             root = next((i for i in body if i.root), None)

@@ -59,6 +59,10 @@ Backends (`backend=`):
   ragged-all-to-all ("HLO opcode ragged-all-to-all is not supported by XLA:CPU ThunkEmitter"), so on CPU the
   tests exercise this backend's offset bookkeeping with `_ragged_all_to_all_reference` (all_gather based).
 
+FP8 experts ("padded" / "sized", `fp8_experts`): w1, w3, w2 may be kind 'fp8' `QuantizedTensor`s (the rollout's
+`--rollout.matmul fp8`); their bytes and scales go through the shard_map as they are stored and the expert FFN runs
+FP8 GEMMs (`parallel.padded.padded_ffn`); a layout whose I slices are not whole scale blocks is dequantised instead.
+
 Every backend counts what it did: `dispatch_fn.with_stats` returns the output and a `DispatchStats` (capacity
 bucket, pairs dropped, pairs routed; global over the token ranks) for `train/expert_drop_frac`; the plain call
 returns the output alone and XLA removes the counting.
@@ -79,6 +83,7 @@ Tests: `.venv/bin/python -m pytest -q tests/sharding/test_expert.py`.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 from collections.abc import Callable, Mapping, Sequence
@@ -90,6 +95,7 @@ from jax.sharding import Mesh, PartitionSpec
 
 from dsv4.layers import dot_out
 from dsv4.moe import ROUTED_EXPERT_RE, routed_experts_local, swiglu
+from dsv4.quant import QuantizedTensor, act_fake_quant
 from parallel import padded as padded_lib
 from parallel.padded import DispatchStats, exclusive_cumsum, return_dtype
 from sharding import axes as ax
@@ -97,6 +103,7 @@ from sharding import rules as rl
 from sharding.mesh import auto_axes
 
 BACKENDS = ("capacity", "ragged", "padded", "sized")
+FP8_BACKENDS = ("padded", "sized")  # the backends whose expert FFN multiplies FP8 experts as FP8 (`padded_ffn`)
 DEFAULT_TOKEN_AXES = None  # = the rules' act_batch axes then act_seq axes (`token_axes_of`)
 
 
@@ -315,7 +322,9 @@ def make_ep_dispatch(mesh: Mesh, *, backend: str = "capacity", capacity_factor: 
     if not set(emb_axes) <= set(tok_axes):
         raise ValueError(f"the weights' embed dim is split over {emb_axes}, which must be among token_axes {tok_axes}")
     n_tok = math.prod(mesh.shape[a] for a in tok_axes)
+    tp = math.prod(mesh.shape[a] for a in mlp_axes)
     ra2a = _ragged_all_to_all or jax.lax.ragged_all_to_all
+    fp8_experts = backend in FP8_BACKENDS
 
     def with_stats(x, ids, weights, w1, w3, w2, *, limit, dtype, act_q=None):
         t, k = ids.shape
@@ -330,6 +339,11 @@ def make_ep_dispatch(mesh: Mesh, *, backend: str = "capacity", capacity_factor: 
             weights = jnp.pad(weights, ((0, pad), (0, 0)))
         t_loc = (t + pad) // n_tok
         n_pairs = t_loc * k
+        fp8 = isinstance(w1, QuantizedTensor)
+        if fp8 and not (fp8_experts and padded_lib.fp8_layout_ok(w1, w2, tp)):  # the dequant path, as `dsv4.moe.MoE`'s
+            x, act_q = act_fake_quant(x.astype(dtype)), act_fake_quant
+            w1, w3, w2 = (v.dequantize(dtype) for v in (w1, w3, w2))
+            fp8 = False
         kw = dict(ep=ep, n_local=n_exp // ep, expert_axis=expert_axis, limit=limit, dtype=dtype,
                   partial=bool(mlp_axes), act_q=act_q)
         if backend == "capacity":
@@ -348,7 +362,10 @@ def make_ep_dispatch(mesh: Mesh, *, backend: str = "capacity", capacity_factor: 
             local = functools.partial(_ragged_body, buffer_rows=rows, ra2a=ra2a, **kw)
 
         def body(x_l, ids_l, w_l, w1_l, w3_l, w2_l):
-            if emb_axes:  # FSDP: gather the full D of the local experts (cast first: half the bytes in bf16)
+            if fp8:  # the local experts' FP8 bytes (D gathered under FSDP) and their local scale blocks
+                w1_l, w3_l = (padded_lib.local_fp8(v, 2, 1, emb_axes, mlp_axes) for v in (w1_l, w3_l))
+                w2_l = padded_lib.local_fp8(w2_l, 1, 2, emb_axes, mlp_axes)
+            elif emb_axes:  # FSDP: gather the full D of the local experts (cast first: half the bytes in bf16)
                 w1_l = jax.lax.all_gather(w1_l.astype(dtype), emb_axes, axis=2, tiled=True)
                 w3_l = jax.lax.all_gather(w3_l.astype(dtype), emb_axes, axis=2, tiled=True)
                 w2_l = jax.lax.all_gather(w2_l.astype(dtype), emb_axes, axis=1, tiled=True)
@@ -358,7 +375,12 @@ def make_ep_dispatch(mesh: Mesh, *, backend: str = "capacity", capacity_factor: 
             return (jax.lax.psum(y, mlp_axes) if mlp_axes else y), st  # complete the tensor-parallel w2 sum
 
         tok2 = PartitionSpec(tok_axes or None, None)
-        out, st = jax.shard_map(body, mesh=mesh, in_specs=(tok2, tok2, tok2, w13_spec, w13_spec, w2_spec),
+        w13_in, w2_in = w13_spec, w2_spec
+        if fp8:  # scales split over the experts only (small: 1 / 16,384 of the elements); sliced in the body
+            sc = PartitionSpec(w13_spec[0], None, None)
+            w13_in = dataclasses.replace(w1, q=w13_spec, scale=sc)
+            w2_in = dataclasses.replace(w2, q=w2_spec, scale=sc)
+        out, st = jax.shard_map(body, mesh=mesh, in_specs=(tok2, tok2, tok2, w13_in, w13_in, w2_in),
                                 out_specs=(tok2, DispatchStats(*(PartitionSpec(),) * 5)),
                                 check_vma=check_vma)(x, ids, weights, w1, w3, w2)
         return (out[:t] if pad else out), st
@@ -370,6 +392,7 @@ def make_ep_dispatch(mesh: Mesh, *, backend: str = "capacity", capacity_factor: 
     bound = "dropless" if capacity_factor is None else f"capacity factor {capacity_factor:g}"
     dispatch.dispatch_name = f"EP dispatch ({backend}) over {expert_axis}={ep}, tokens split over {tok_axes}; {bound}"
     dispatch.with_stats, dispatch.can_drop = with_stats, capacity_factor is not None
+    dispatch.fp8_experts = fp8_experts  # takes FP8 `QuantizedTensor` experts and runs FP8 GEMMs (`dsv4.moe.MoE`)
     return dispatch
 
 

@@ -26,6 +26,13 @@ local expert's real rows (sum over the ep sources, peak/mean 1.6 there) move to 
 smallest of a second set of row counts that holds the busiest expert (a nested `lax.switch`): 2x the routed
 rows there, at the price of more compiled branches (outer x inner) and the gathers; the all_to_all still moves C.
 
+FP8 experts (the rollout's FP8 GEMMs, `parallel.expert.make_ep_dispatch` given kind 'fp8' `QuantizedTensor`s): each
+token's row is quantised once per 1 x 128 block (`expert_rows`, the release's `act_quant`), the buffers and the
+all_to_all carry the FP8 bytes and their [.., D / 128] f32 scales (about half the bf16 rows' bytes), and `padded_ffn`
+multiplies FP8 by FP8 (`dsv4.fp8_gemm.fp8_expert_matmul`): no dequantised copy of the experts, up to
+`FP8_ROWS_MAX` rows per local expert (a static choice per compiled capacity; above it the rank's experts are
+dequantised, which moves fewer bytes than the FP8 GEMMs' f32 K-block partials).
+
 Every body returns `DispatchStats` (local counts; `make_ep_dispatch` sums them over the token axes): the chosen
 bucket and capacity, the pairs dropped and the pairs routed (rows after merging repeated picks; pad tokens and
 skipped picks excluded), so callers can log `train/expert_drop_frac` = dropped / routed. Unused, XLA drops them.
@@ -34,6 +41,7 @@ Sources (ideas): DeepEP low-latency buffers (the T_local bound); GShard/Switch c
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 from typing import NamedTuple
@@ -41,8 +49,10 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
+from dsv4.fp8_gemm import dequantize_rows, fp8_expert_matmul, quantize_rows
 from dsv4.layers import dot_out
 from dsv4.moe import swiglu
+from dsv4.quant import ACT_BLOCK, QuantizedTensor, act_fake_quant
 
 
 class DispatchStats(NamedTuple):
@@ -56,6 +66,30 @@ class DispatchStats(NamedTuple):
     dropped: jax.Array
     routed: jax.Array
     rows: jax.Array
+
+
+def fp8_layout_ok(w1: QuantizedTensor, w2: QuantizedTensor, tp: int) -> bool:
+    """Whether the padded bodies can run FP8 expert GEMMs on these weights split `tp` ways along I (the tensor axes):
+    kind 'fp8' with 128-wide K blocks (the activations' block), and each rank's I slice a whole number of scale
+    blocks (so its scales are a slice of the stored ones and its w2 input blocks are the release's)."""
+    if w1.kind != "fp8" or w2.kind != "fp8" or w1.block[1] != ACT_BLOCK or w2.block[1] != ACT_BLOCK:
+        return False
+    i = w1.shape[1]
+    return tp == 1 or (i % tp == 0 and (i // tp) % w1.block[0] == 0 and (i // tp) % ACT_BLOCK == 0)
+
+
+def local_fp8(w: QuantizedTensor, d_axis: int, i_axis: int, emb_axes: tuple, mlp_axes: tuple) -> QuantizedTensor:
+    """Inside the shard_map: one rank's FP8 expert weight from its local bytes (q [n, I', D] or [n, D, I'], D
+    all-gathered over `emb_axes` as bytes) and its experts' scales (all blocks: sliced along `i_axis` to this
+    rank's I' / block rows over `mlp_axes`). Needs `fp8_layout_ok`."""
+    q, sc = w.q, w.scale
+    if emb_axes:
+        u8 = jax.lax.all_gather(jax.lax.bitcast_convert_type(q, jnp.uint8), emb_axes, axis=d_axis, tiled=True)
+        q = jax.lax.bitcast_convert_type(u8, w.q.dtype)
+    if mlp_axes:
+        n = q.shape[i_axis] // (w.block[0] if i_axis == 1 else w.block[1])
+        sc = jax.lax.dynamic_slice_in_dim(sc, jax.lax.axis_index(mlp_axes) * n, n, axis=i_axis)
+    return dataclasses.replace(w, q=q, scale=sc, shape=q.shape)
 
 
 def return_dtype(dtype, partial: bool):
@@ -86,14 +120,38 @@ def merge_repeated_picks(ids: jax.Array, w: jax.Array) -> tuple[jax.Array, jax.A
     return jnp.where(is_first | (ids < 0), ids, -1), jnp.where(is_first, merged, 0.0).astype(w.dtype)
 
 
-def padded_ffn(xs: jax.Array, gate_w: jax.Array, w1: jax.Array, w3: jax.Array, w2: jax.Array, *, limit: float,
-               dtype, partial: bool = False, act_q=None) -> jax.Array:
+# Rows per local expert above which the padded FFN dequantises FP8 experts instead of running FP8 GEMMs. The FP8
+# GEMM writes and reads f32 partials [n, R, O] per 128-wide K block: 8 R O K / 128 = W R / 16 bytes for W bytes of
+# FP8 weights, against 5 W for the dequant path (read W, write and read 2 W of bf16): FP8 moves fewer bytes while
+# R < 64 (XLA:GPU, H200 spec: 0.50x at R = 24, 0.80x at 48, 1.37x at 96; benchmarks/README.md "FP8 expert GEMMs").
+FP8_ROWS_MAX = 64
+
+
+def padded_ffn(xs, gate_w: jax.Array, w1, w3, w2, *, limit: float, dtype, partial: bool = False,
+               act_q=None, fp8_rows_max: int | None = FP8_ROWS_MAX) -> jax.Array:
     """Clamped-SwiGLU FFN of capacity-padded per-expert buffers as batched dense matmuls (no `ragged_dot`).
 
     xs [n, R, D] rows of each local expert (compute dtype; empty slots are zero rows with gate_w 0);
     gate_w [n, R] float32; w1, w3 [n, I', D]; w2 [n, D, I'] (I' may be a tensor-parallel slice: then `partial`).
     Returns [n, R, D] float32; empty slots are exactly 0 (their routing weight is 0). Same math as `grouped_ffn`.
+    FP8 experts (w1, w3, w2 kind 'fp8' `QuantizedTensor`s, q [n, I', D] / [n, D, I'] with their local scales):
+    xs is `Fp8Rows` (q [n, R, D] fp8, s [n, R, D / 128]) and, for R <= `fp8_rows_max` (None: any R), the three
+    products are FP8 GEMMs (`dsv4.fp8_gemm.fp8_expert_matmul`), the w2 input quantised per 1 x 128 as the release
+    does (act_q unused); above it, the local experts are dequantised and the rows and the w2 input fake-quantised
+    (`FP8_ROWS_MAX`: where that moves fewer bytes; the same products).
     """
+    if isinstance(w1, QuantizedTensor) and (fp8_rows_max is None or gate_w.shape[1] <= fp8_rows_max):
+        # the dequant path's dots return `dtype`; so do the release's FP8 GEMMs (bf16 out)
+        g = fp8_expert_matmul(xs, w1).astype(dtype)
+        # w3's own copy of the row operand: XLA:GPU's dot merger would otherwise fuse each K block's w1 and w3 dots
+        # into one GEMM on concat(w1, w3) slices, which it can no longer read in place (it copies both slices)
+        u = fp8_expert_matmul(jax.lax.optimization_barrier(xs), w3).astype(dtype)
+        h = (swiglu(g, u, limit) * gate_w[..., None]).astype(dtype)  # [n, R, I']
+        y = fp8_expert_matmul(quantize_rows(h, w2.fmt), w2)
+        return (y if partial else y.astype(dtype)).astype(jnp.float32)
+    if isinstance(w1, QuantizedTensor):  # many rows: the dequant path on this rank's experts
+        xs, act_q = dequantize_rows(xs, dtype), act_fake_quant
+        w1, w3, w2 = (v.dequantize(dtype) for v in (w1, w3, w2))
     bd = lambda c: ((c, ((0,), (0,))))  # noqa: E731  batch over the local expert dim
     g = jax.lax.dot_general(xs, w1.astype(dtype), bd(((2,), (2,))), preferred_element_type=dot_out(dtype))
     u = jax.lax.dot_general(xs, w3.astype(dtype), bd(((2,), (2,))), preferred_element_type=dot_out(dtype))
@@ -102,6 +160,22 @@ def padded_ffn(xs: jax.Array, gate_w: jax.Array, w1: jax.Array, w3: jax.Array, w
     y = jax.lax.dot_general(h, w2.astype(dtype), bd(((2,), (2,))),
                             preferred_element_type=jnp.float32 if partial else dot_out(dtype))
     return y.astype(jnp.float32)
+
+
+def expert_rows(x: jax.Array, w1, dtype):
+    """The rows the expert FFN reads: x [Tl, D] in `dtype`, or for FP8 experts (w1 a `QuantizedTensor`) x in
+    `dtype` quantised per 1 x 128 to w1's fp8 format (`Fp8Rows`: q [Tl, D], s [Tl, D / 128]), so the buffers and
+    the all_to_all carry FP8 rows."""
+    x = x.astype(dtype)
+    return quantize_rows(x, w1.fmt) if isinstance(w1, QuantizedTensor) else x
+
+
+def all_to_all_rows(a: jax.Array, axis_name) -> jax.Array:
+    """`jax.lax.all_to_all` over `axis_name` (split and concat axis 0, tiled) of any array; fp8 moves as its bytes."""
+    a2a = functools.partial(jax.lax.all_to_all, axis_name=axis_name, split_axis=0, concat_axis=0, tiled=True)
+    if jnp.dtype(a.dtype).itemsize == 1 and jnp.issubdtype(a.dtype, jnp.floating):
+        return jax.lax.bitcast_convert_type(a2a(jax.lax.bitcast_convert_type(a, jnp.uint8)), a.dtype)
+    return a2a(a)
 
 
 def padded_capacity(t_local: int, k: int, n_experts: int, capacity_factor: float | None) -> int:
@@ -139,16 +213,17 @@ def _slots(ids, w, n_exp):
 
 
 def _compact_ffn(xs, gw, valid, w1, w3, w2, *, rows, **ffn_kw):
-    """`padded_ffn` of each expert's valid rows only, moved to the front and cut to `rows`: xs [n, R, D], gw [n, R],
-    valid [n, R] bool (at most `rows` per expert) -> [n, R, D] in place, 0 elsewhere (invalid rows carry routing
-    weight 0: their output is 0 either way), in `return_dtype` (exact: the dots round to it)."""
+    """`padded_ffn` of each expert's valid rows only, moved to the front and cut to `rows`: xs [n, R, D] (or
+    `Fp8Rows`), gw [n, R], valid [n, R] bool (at most `rows` per expert) -> [n, R, D] in place, 0 elsewhere (invalid
+    rows carry routing weight 0: their output is 0 either way), in `return_dtype` (exact: the dots round to it)."""
     out = return_dtype(ffn_kw["dtype"], ffn_kw["partial"])
-    if rows >= xs.shape[1]:
+    n, r = gw.shape
+    if rows >= r:
         return padded_ffn(xs, gw, w1, w3, w2, **ffn_kw).astype(out)
     idx = jnp.argsort(~valid, axis=1, stable=True)[:, :rows]  # [n, rows]: the valid rows first
-    y = padded_ffn(jnp.take_along_axis(xs, idx[..., None], axis=1), jnp.take_along_axis(gw, idx, axis=1), w1, w3, w2,
-                   **ffn_kw)
-    return jnp.zeros(xs.shape, out).at[jnp.arange(xs.shape[0])[:, None], idx].set(y.astype(out))
+    y = padded_ffn(jax.tree.map(lambda a: jnp.take_along_axis(a, idx[..., None], axis=1), xs),
+                   jnp.take_along_axis(gw, idx, axis=1), w1, w3, w2, **ffn_kw)
+    return jnp.zeros((n, r, y.shape[-1]), out).at[jnp.arange(n)[:, None], idx].set(y.astype(out))
 
 
 def _buffers_ffn(x, w, order, counts, starts, w1, w3, w2, *, k, ep, n_local, capacity, expert_axis, limit, dtype,
@@ -156,19 +231,20 @@ def _buffers_ffn(x, w, order, counts, starts, w1, w3, w2, *, k, ep, n_local, cap
     """The padded body at one capacity: slots -> all_to_all -> `padded_ffn` -> all_to_all -> combine -> ([Tl, D]
     f32, the FFN's rows per local expert). `inner` (ascending row counts): after the all_to_all each local expert's
     valid rows are compacted and the FFN runs on the smallest of `inner` (capped at ep * C) holding the largest
-    expert's rows over `token_axes` (`_compact_ffn`, a second `lax.switch`)."""
-    t_loc, d = x.shape
+    expert's rows over `token_axes` (`_compact_ffn`, a second `lax.switch`). x: `expert_rows` ([Tl, D] or `Fp8Rows`)."""
+    t_loc, d = jax.tree.leaves(x)[0].shape
     n_exp = ep * n_local
     slot = jnp.arange(capacity)
     valid = slot[None, :] < jnp.minimum(counts, capacity)[:, None]  # [E, C]
     pair = order[jnp.clip(starts[:, None] + slot[None, :], 0, t_loc * k - 1)]  # [E, C]
     tok = pair // k
-    send_x = jnp.where(valid[..., None], x[tok].astype(dtype), 0).reshape(ep, n_local, capacity, d)
+    send_x = jax.tree.map(lambda a: jnp.where(valid[..., None], a[tok], jnp.zeros((), a.dtype)).reshape(
+        ep, n_local, capacity, a.shape[-1]), x)  # [ep, n_local, C, D] (and [..., D / 128] scales)
     send_w = jnp.where(valid, w[pair], 0.0).reshape(ep, n_local, capacity)
     if ep > 1:
-        a2a = functools.partial(jax.lax.all_to_all, axis_name=expert_axis, split_axis=0, concat_axis=0, tiled=True)
-        send_x, send_w = a2a(send_x), a2a(send_w)  # now [source rank, n_local, C, ...]
-    xs = jnp.swapaxes(send_x, 0, 1).reshape(n_local, ep * capacity, d)
+        a2a = functools.partial(all_to_all_rows, axis_name=expert_axis)
+        send_x, send_w = jax.tree.map(a2a, send_x), a2a(send_w)  # now [source rank, n_local, C, ...]
+    xs = jax.tree.map(lambda a: jnp.swapaxes(a, 0, 1).reshape(n_local, ep * capacity, a.shape[-1]), send_x)
     gw = jnp.swapaxes(send_w, 0, 1).reshape(n_local, ep * capacity)
     ffn_kw = dict(limit=limit, dtype=dtype, partial=partial, act_q=act_q)
     if inner is None:
@@ -203,11 +279,12 @@ def local_stats(bucket, capacity, counts, rows=None):
 
 def padded_body(x, ids, w, w1, w3, w2, *, ep, n_local, capacity, expert_axis, limit, dtype, partial, act_q=None):
     """One rank, padded backend at a fixed `capacity`. x [Tl, D], ids/w [Tl, k] -> ([Tl, D] float32 (partial over I
-    if TP), local `DispatchStats`). Pairs past an expert's capacity are dropped (module docstring)."""
+    if TP), local `DispatchStats`). Pairs past an expert's capacity are dropped (module docstring). w1, w3, w2:
+    arrays, or local FP8 `QuantizedTensor`s (then the rows are quantised first, `expert_rows`; `padded_ffn`)."""
     w, order, counts, starts = _slots(ids, w, ep * n_local)
-    y, rows = _buffers_ffn(x, w, order, counts, starts, w1, w3, w2, k=ids.shape[1], ep=ep, n_local=n_local,
-                           capacity=capacity, expert_axis=expert_axis, limit=limit, dtype=dtype, partial=partial,
-                           act_q=act_q)
+    y, rows = _buffers_ffn(expert_rows(x, w1, dtype), w, order, counts, starts, w1, w3, w2, k=ids.shape[1], ep=ep,
+                           n_local=n_local, capacity=capacity, expert_axis=expert_axis, limit=limit, dtype=dtype,
+                           partial=partial, act_q=act_q)
     return y, local_stats(0, capacity, counts, rows)
 
 
@@ -216,8 +293,10 @@ def sized_body(x, ids, w, w1, w3, w2, *, ep, n_local, buckets, expert_axis, toke
     """One rank, "sized" backend: the padded body at the smallest of `buckets` (ascending capacities) that holds
     the largest (source rank, expert) load of this call over `token_axes`, else the last (module docstring);
     `inner`: the compaction's row counts (`_buffers_ffn`), None = none.
-    x [Tl, D], ids/w [Tl, k] -> ([Tl, D] float32 (partial over I if TP), local `DispatchStats`)."""
+    x [Tl, D], ids/w [Tl, k] -> ([Tl, D] float32 (partial over I if TP), local `DispatchStats`). w1, w3, w2: as
+    `padded_body`."""
     w, order, counts, starts = _slots(ids, w, ep * n_local)
+    x = expert_rows(x, w1, dtype)
     peak = jnp.max(counts)
     if token_axes:
         peak = jax.lax.pmax(peak, token_axes)  # the same on every rank: every rank runs the same branch

@@ -33,6 +33,10 @@ class RolloutConfig:
                               "experts, the release's format) | bf16 | fp32 | auto")
     compute_dtype: Literal["auto", "bfloat16", "float32"] = knob(
         "auto", "rollout matmul dtype: auto (fp32 on CPU, bf16 on GPU) | bfloat16 | float32")
+    matmul: Literal["auto", "dequant", "fp8"] = knob(
+        "auto", "FP8 rollout GEMMs: auto (FP8 GEMMs where XLA has them: CUDA sm90+, ROCm gfx942/gfx950; XLA:CPU "
+                "dequantises) | fp8 (always: the FP8-set projections, and the routed experts under the padded / sized "
+                "EP dispatch, multiply FP8 by FP8) | dequant (never: weights dequantised layer by layer)")
     kv_cache_dtype: Literal["fp8", "bf16", "auto"] = knob(
         "auto", "rollout KV cache: fp8 (window ring, compressed entries and indexer keys in FP8 with ue8m0 scales, "
                 "the release's layout) | bf16 (unquantised) | auto (fp8 for --rollout-dtype fp8*, else bf16; "

@@ -24,7 +24,11 @@ FP8 GEMMs (`matmul="auto"`): where XLA has FP8 GEMMs (`dsv4.fp8_gemm.fp8_gemm_av
 gfx942/gfx950) the `GEMM_KEYS` projections run as `dsv4.fp8_gemm.fp8_linear` (FP8 operands, f32 accumulation);
 elsewhere (`matmul="dequant"`) the fake-quantised activations multiply the dequantised weights (the same products,
 XLA's summation order). `matmul="fp8"` forces the FP8 GEMMs (also on CPU, where XLA upcasts: a numerics check).
-The routed experts always take the dequantised path (there is no grouped FP8 GEMM in XLA).
+The routed experts run FP8 GEMMs too where the expert dispatch has them (`parallel.expert.make_ep_dispatch` backends
+"padded" / "sized", the GPU rollout's default on an expert mesh: `fp8_experts`): the layer keeps them quantised
+(FP4 experts become FP8 blocks inside the layer, `dsv4.rollout_format.layer_value`) and the dispatch multiplies FP8
+rows by the FP8 blocks (`dsv4.fp8_gemm.fp8_expert_matmul`) in its buffers of up to `parallel.padded.FP8_ROWS_MAX`
+rows per expert (dequantising the rank's experts in larger ones); any other dispatch dequantises them as before.
 """
 
 from __future__ import annotations

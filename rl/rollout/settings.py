@@ -49,7 +49,7 @@ class EngineSettings:
     max_prompt_len: int = default(DataConfig, "max_prompt_len")
     fp8_block: tuple[int, int] = (128, 128)
     dequant: str = "per_layer"
-    matmul: str = "auto"
+    matmul: str = default(RolloutConfig, "matmul")
     compute_dtype: Any = None
     slots: int = default(RolloutConfig, "slots")
     kv_budget_bytes: float | None = None
@@ -81,8 +81,8 @@ class EngineSettings:
     @classmethod
     def for_run(cls, rollout: RolloutConfig, *, platform: str, max_prompt_len: int, slots: int = 0,
                 kv_budget_bytes: float | None = None, compute_dtype=None) -> EngineSettings:
-        """The engine of a run: its `RolloutConfig` (weights, compute dtype, KV cache, prefill chunk, speculative
-        decoding, EP dispatch) on devices of `platform` ("cpu", "gpu", ...); `slots` / `kv_budget_bytes` as
+        """The engine of a run: its `RolloutConfig` (weights, compute dtype, FP8 GEMMs, KV cache, prefill chunk,
+        speculative decoding, EP dispatch) on devices of `platform` ("cpu", "gpu", ...); `slots` / `kv_budget_bytes` as
         resolved by `rl.rollout.slots.plan_slots`; `compute_dtype` overrides the config's (the planner compiles
         in bf16 on CPU devices)."""
         if compute_dtype is None and rollout.dtype != "fp32":
@@ -93,7 +93,7 @@ class EngineSettings:
                    kv_budget_bytes=kv_budget_bytes, kv_cache_dtype=rollout.kv_cache_dtype,
                    prefill_chunk=rollout.prefill_chunk, speculative=rollout.speculative,
                    draft_tokens=rollout.draft_tokens, ep_backend=rollout.ep_backend,
-                   ep_capacity_factor=rollout.ep_capacity_factor)
+                   ep_capacity_factor=rollout.ep_capacity_factor, matmul=rollout.matmul)
 
     @property
     def rdt(self) -> RolloutDtype:

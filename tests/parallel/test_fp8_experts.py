@@ -1,0 +1,149 @@
+"""FP8 expert GEMMs (issue 37 item 1): `dsv4.fp8_gemm.fp8_expert_matmul` equals the dequantised reference with the
+same quantised activations within float rounding; the padded / sized EP dispatch given FP8 `QuantizedTensor` experts
+(`parallel.padded.padded_ffn`) runs FP8 dots and equals the dequant path (`dsv4.moe.MoE`'s: fake-quantised rows and
+w2 input times dequantised experts) on a tensor-parallel rollout layout and an FSDP actor layout, and falls back to
+that path where the tensor axis splits a scale block or a buffer has more than `FP8_ROWS_MAX` rows per expert;
+on the H200 spec (deviceless XLA:GPU, launch/gpu_target.py)
+every expert dot takes f8 operands. Sampler-level parity: tests/rl/test_rollout_weights.py.
+Run: `.venv/bin/python -m pytest -q tests/parallel/test_fp8_experts.py`.
+"""
+
+import functools
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from dsv4 import moe, quant
+from dsv4.fp8_gemm import fp8_expert_matmul, quantize_rows
+from dsv4.rollout_format import layer_value
+from launch import gpu_target as gt
+from launch import hlo_stats
+from parallel.expert import make_ep_dispatch
+from parallel.padded import padded_ffn
+from sharding.mesh import build_mesh_plan
+from sharding.rules import ACTOR_RULES, ROLLOUT_RULES
+
+LIMIT = 10.0
+F8_DOT = re.compile(r"stablehlo\.dot_general.*f8E4M3FN.*f8E4M3FN")
+
+
+def _qt(rs, shape, scale=0.05):
+    return quant.QuantizedTensor.from_fp8(jnp.asarray(rs.randn(*shape).astype(np.float32) * scale))
+
+
+def test_fp8_expert_matmul_equals_dequantised_reference():
+    """[E, R, K] FP8 rows x [E, O, K] FP8 blocks (K = 300: a short last block; O = 200: a short last row block)
+    against the same quantised rows times the dequantised weights in f32: summation order only."""
+    rs = np.random.RandomState(0)
+    w = _qt(rs, (3, 200, 300))
+    x = jnp.asarray(rs.randn(3, 5, 300).astype(np.float32))
+    y = jax.jit(lambda x, w: fp8_expert_matmul(quantize_rows(x), w))(x, w)
+    ref = jnp.einsum("eri,eoi->ero", quant.act_fake_quant(x), w.dequantize(jnp.float32))
+    assert y.shape == (3, 5, 200) and y.dtype == jnp.float32
+    np.testing.assert_allclose(np.asarray(y), np.asarray(ref), rtol=1e-5, atol=1e-5 * float(jnp.abs(ref).max()))
+    with pytest.raises(ValueError, match="3-d fp8"):
+        fp8_expert_matmul(quantize_rows(x), quant.QuantizedTensor.from_fp8(jnp.ones((200, 300))))
+
+
+def test_layer_value_keeps_routed_experts_fp8_only_for_fp8_gemms():
+    """`--rollout.matmul fp8`: routed experts stay FP8 for the FP8 expert GEMM (FP4 ones become exact FP8 blocks);
+    the dequant path (CPU `auto`) keeps today's form."""
+    rs = np.random.RandomState(1)
+    w = _qt(rs, (2, 64, 256))
+    key = "layers/0/ffn/experts/w1"
+    assert layer_value(key, w, jnp.float32, fp8_gemm=True).matmul == "fp8"
+    assert layer_value(key, w, jnp.float32, fp8_gemm=False).matmul == "dequant"
+    w4 = jax.jit(quant.QuantizedTensor.from_fp4)(jnp.asarray(rs.randn(2, 64, 256).astype(np.float32)))
+    v = jax.jit(lambda w: layer_value(key, w, jnp.float32, fp8_gemm=True))(w4)
+    assert v.kind == "fp8" and v.matmul == "fp8" and v.q.dtype == jnp.float8_e4m3fn
+    np.testing.assert_array_equal(*(np.asarray(jax.jit(lambda t: t.dequantize(jnp.float32))(t)) for t in (v, w4)))
+    assert layer_value(key, w4, jnp.float32, fp8_gemm=False).kind == "fp4"
+
+
+def _inputs(t, d, i, e=8, k=2, seed=0):
+    rs = np.random.RandomState(seed)
+    x = jnp.asarray(rs.randn(t, d).astype(np.float32))
+    ids = jnp.asarray(np.argsort(rs.rand(t, e), axis=1)[:, :k].astype(np.int32))
+    w = jnp.asarray(rs.uniform(0.1, 1.0, (t, k)).astype(np.float32))
+    return x, ids, w, _qt(rs, (e, i, d), 0.1), _qt(rs, (e, i, d), 0.1), _qt(rs, (e, d, i), 0.1)
+
+
+def _reference(x, ids, w, w1, w3, w2):
+    """The dequant path of `dsv4.moe.MoE` for quantised experts, single device, f32."""
+    fn = functools.partial(moe.routed_experts_ragged, limit=LIMIT, dtype=jnp.float32, act_q=quant.act_fake_quant)
+    return jax.jit(lambda x, *a: fn(quant.act_fake_quant(x), *a))(x, ids, w, *(v.dequantize(jnp.float32)
+                                                                               for v in (w1, w3, w2)))
+
+
+ROLLOUT = "actor:fsdp=4/rollout:expert=2,tensor=2"
+
+
+@pytest.mark.parametrize("spec, rules, backend, t, i, f8_dots", [
+    # rollout layout, I split over tensor=2 in whole 128-blocks: 3 FP8 GEMMs of 2 K blocks (w1, w3: D = 256; w2:
+    # I / tp = 128 -> 1 block); "sized" with the compaction: every capacity x every row count runs them
+    (ROLLOUT, ROLLOUT_RULES, "padded", 16, 256, 5),
+    (ROLLOUT, ROLLOUT_RULES, "sized", 16, 256, None),
+    ("actor:fsdp=2,expert=2,tensor=2", ACTOR_RULES, "padded", 16, 256, 5),  # FSDP: D gathered as FP8 bytes
+    (ROLLOUT, ROLLOUT_RULES, "padded", 16, 64, 0),  # I / tp = 32 is not a whole scale block: dequantised
+    (ROLLOUT, ROLLOUT_RULES, "padded", 80, 256, 0),  # 2 x 40 rows per expert > FP8_ROWS_MAX: dequantised there
+])
+def test_ep_dispatch_fp8_experts_match_the_dequant_path(spec, rules, backend, t, i, f8_dots):
+    plan = build_mesh_plan(spec)
+    mesh = plan.rollout if rules is ROLLOUT_RULES else plan.actor
+    x, ids, w, w1, w3, w2 = _inputs(t=t, d=256, i=i)
+    ref = _reference(x, ids, w, w1, w3, w2)
+    fn = make_ep_dispatch(mesh, backend=backend, rules=rules, compact=backend == "sized")
+    assert fn.fp8_experts
+    jitted = jax.jit(lambda *a: fn(*a, limit=LIMIT, dtype=jnp.float32))
+    with jax.set_mesh(mesh):
+        lowered = jitted.lower(x, ids, w, w1, w3, w2)
+        out = lowered.compile(compiler_options={"xla_backend_optimization_level": 0})(x, ids, w, w1, w3, w2)
+    n_f8 = len(F8_DOT.findall(lowered.as_text()))
+    if f8_dots is None:
+        assert n_f8 > 5  # one set of FP8 GEMMs per compiled (capacity, rows) branch
+    else:
+        assert n_f8 == f8_dots, n_f8
+    # summation order only (f32 partials per 128-block, tensor-parallel partial sums vs one f32 dot), except where
+    # that moves a SwiGLU output across an e4m3 rounding boundary of the w2 input: that token's row then differs by
+    # one e4m3 step of one input element (<= 2^-3 of it) times w2 (here: 0 or 1 token of t)
+    out, ref = np.asarray(out), np.asarray(ref)
+    close = np.isclose(out, ref, rtol=1e-4, atol=1e-5 * np.abs(ref).max()).all(axis=1)
+    assert (~close).sum() <= max(1, t // 40), np.nonzero(~close)
+    assert np.abs(out - ref).max() <= 2.0**-4 * np.abs(ref).max()
+
+
+_PLUGIN = gt.plugin_error()
+
+
+@pytest.mark.skipif(_PLUGIN is not None, reason=f"no deviceless XLA:GPU compile here: {_PLUGIN}")
+def test_h200_compiles_the_expert_ffn_to_fp8_gemms():
+    """XLA:GPU (H200 spec, deviceless) compiles the padded expert FFN of FP8 experts (4 local experts, 32 rows, D = I
+    = 256: 2 K blocks per GEMM) to 6 dots, all with f8 operands; the dequant path's dots take none. No copy of
+    the expert bytes: the K-block slices fuse into the GEMMs, and w1's and w3's GEMMs stay apart (XLA's dot merger
+    would concatenate their slices, i.e. copy them; `parallel.padded.padded_ffn`)."""
+    devices = gt.topology_devices(gt.TARGETS["h200"], 1)
+    rep = NamedSharding(jax.sharding.Mesh(np.array(devices), ("x",)), P())
+    n, r, d, i = 4, 32, 256, 256
+    rs = np.random.RandomState(0)
+    ws = [_qt(rs, s) for s in ((n, i, d), (n, i, d), (n, d, i))]
+    abstract = lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=rep)  # noqa: E731
+    wabs = [jax.tree.map(abstract, v) for v in ws]
+    xabs = jax.ShapeDtypeStruct((n, r, d), jnp.bfloat16, sharding=rep)
+    gabs = jax.ShapeDtypeStruct((n, r), jnp.float32, sharding=rep)
+    opts = gt.compile_options({"xla_gpu_disable_gpuasm_optimizations": True})
+    fp8 = jax.jit(lambda x, g, *w: padded_ffn(quantize_rows(x), g, *w, limit=LIMIT, dtype=jnp.bfloat16))
+    deq = jax.jit(lambda x, g, *w: padded_ffn(quant.act_fake_quant(x), g, *(v.dequantize(jnp.bfloat16) for v in w),
+                                              limit=LIMIT, dtype=jnp.bfloat16, act_q=quant.act_fake_quant))
+    st = {}
+    for name, fn in (("fp8", fp8), ("dequant", deq)):
+        text = fn.lower(xabs, gabs, *wabs).compile(opts).as_text()
+        st[name] = hlo_stats.count(text)
+        if name == "fp8":  # no kernel of the program writes expert bytes (a whole tensor or a K-block slice)
+            entry = text.split("\nENTRY ")[1]
+            assert not re.search(r"= f8e4m3fn\[4,256,(128|256)\]\S* (?!parameter\()", entry), "expert bytes copied"
+    assert (st["fp8"].dots, st["fp8"].fp8_dots) == (6, 6)
+    assert st["dequant"].dots >= 2 and st["dequant"].fp8_dots == 0  # (XLA merges its w1 and w3 dots)
