@@ -1,0 +1,62 @@
+"""LoRA adapters (dsv4/lora.py): attached adapters start as the identity; the unmerged forward equals the merged
+weights' forward; the knobs' errors name the flag."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from dsv4 import DSV4Config, DSV4ForCausalLM
+from dsv4.lora import LoraConfig, has_adapters, is_adapter_key, merged_params
+from dsv4.names import param_key
+
+
+def _flat(state):
+    return {param_key(p): v.get_value() for p, v in nnx.to_flat_state(state)}
+
+
+def _randomize_adapters(model, seed=1, std=0.05):
+    """Non-zero B (and A) so the adapters change the output."""
+    ad = nnx.state(model, nnx.LoRAParam)
+    leaves, tdef = jax.tree.flatten(ad)
+    keys = jax.random.split(jax.random.key(seed), len(leaves))
+    new = [std * jax.random.normal(k, x.shape, x.dtype) for k, x in zip(keys, leaves)]
+    nnx.update(model, jax.tree.unflatten(tdef, new))
+
+
+def test_lora_identity_at_init_and_merged_equals_unmerged():
+    cfg = DSV4Config.tiny()
+    lcfg = LoraConfig(rank=4, alpha=8.0, targets="attn,shared,experts")
+    ids = jax.random.randint(jax.random.key(0), (2, 12), 0, cfg.vocab_size)
+    base = DSV4ForCausalLM(cfg, rngs=nnx.Rngs(0))
+    adapted = DSV4ForCausalLM(cfg, rngs=nnx.Rngs(0), lora=lcfg)
+    assert has_adapters(adapted) and not has_adapters(base)
+    keys = [k for k in _flat(nnx.state(adapted, nnx.LoRAParam))]
+    assert keys and all(is_adapter_key(k) for k in keys)
+    # per layer: 5 attention + 3 shared-expert adapters (a, b) + 3 expert pairs; MTP gets none
+    assert len(keys) == cfg.num_hidden_layers * (2 * 8 + 6)
+    assert not any(k.startswith("mtp") for k in keys)
+    # the base weights are the same values (the adapters are created after the base, from the same stream)
+    fb, fa = _flat(nnx.state(base, nnx.Param)), _flat(nnx.state(adapted, nnx.Param))
+    assert all(np.array_equal(fb[k], fa[k]) for k in fb)
+
+    fwd = jax.jit(lambda m, x: m(x).logits)
+    ref = fwd(base, ids)
+    np.testing.assert_array_equal(np.asarray(fwd(adapted, ids)), np.asarray(ref))  # B = 0: exactly the base
+
+    _randomize_adapters(adapted)
+    out = fwd(adapted, ids)
+    assert float(jnp.max(jnp.abs(out - ref))) > 1e-3  # the adapters act
+    merged = merged_params(_flat(nnx.state(adapted)), lcfg)
+    assert set(merged) == set(_flat(nnx.state(base)))
+    nnx.update(base, nnx.from_flat_state({tuple(int(p) if p.isdigit() else p for p in k.split("/")): v
+                                          for k, v in merged.items()}))
+    np.testing.assert_allclose(np.asarray(fwd(base, ids)), np.asarray(out), rtol=2e-5, atol=2e-5)
+
+
+@pytest.mark.parametrize("kw, flag", [(dict(rank=-1), "--learner.lora.rank"), (dict(alpha=0.0), "--learner.lora.alpha"),
+                                      (dict(targets="attn,mlp"), "--learner.lora.targets")])
+def test_lora_config_errors_name_the_flag(kw, flag):
+    with pytest.raises(ValueError, match=flag):
+        LoraConfig(**kw)
