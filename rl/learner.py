@@ -218,7 +218,7 @@ class Learner:
             # each param in the learner's param dtype (the model keeps some leaves fp32 whatever it is)
             params = jax.tree.map(lambda x, a: x.astype(a.dtype), params, abs_params)
             ref = None
-            if cfg.loss.kl_coef > 0:
+            if cfg.loss.kl_coef > 0 and not cfg.lora.enabled:  # LoRA: the reference is the base (LearnerStep)
                 ref_dtype = jnp.dtype(cfg.ref_dtype)
                 ref = jax.tree_util.tree_map_with_path(
                     lambda p, x: x.astype(ref_dtype) if is_matrix(p, x) else x, params)
@@ -382,9 +382,12 @@ class Learner:
 
     def state_dict(self) -> dict[str, Any]:
         """{"step", "params", "opt_state", "buffers"} (+ "ref_params" when kl_coef > 0): a pytree of arrays
-        (with `scan_layers`, in the stacked layout: it only loads into a learner with the same setting)."""
+        (with `scan_layers`, in the stacked layout: it only loads into a learner with the same setting). LoRA:
+        "params" holds the adapters alone (the frozen base is the run's --init, recorded by the checkpoint's
+        fingerprint: rl/job.py), and there is no "ref_params" (the reference is the base)."""
         s = self.state
-        d = {"step": s.step, "params": s.params, "opt_state": s.opt_state, "buffers": s.buffers}
+        params = nnx.filter_state(s.params, nnx.LoRAParam) if self.cfg.lora.enabled else s.params
+        d = {"step": s.step, "params": params, "opt_state": s.opt_state, "buffers": s.buffers}
         if s.ref_params is not None:
             d["ref_params"] = s.ref_params
         return d
@@ -392,7 +395,10 @@ class Learner:
     def load_state_dict(self, d: dict[str, Any]) -> None:
         """Replace the state by `d` (as from `state_dict`), placed like the current state.
         Raises ValueError when its structure, shapes or dtypes differ from the learner's."""
-        new = TrainState(step=d["step"], params=d["params"], opt_state=d["opt_state"], buffers=d["buffers"],
+        params = d["params"]
+        if self.cfg.lora.enabled:  # the checkpoint holds the adapters; the frozen base is this learner's own
+            params = nnx.merge_state(nnx.filter_state(self.state.params, nnx.Not(nnx.LoRAParam)), params)
+        new = TrainState(step=d["step"], params=params, opt_state=d["opt_state"], buffers=d["buffers"],
                          ref_params=d.get("ref_params"))
         if jax.tree.structure(new) != jax.tree.structure(self.state):
             raise ValueError("state_dict structure differs from the learner's state (other model or config?)")

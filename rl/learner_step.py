@@ -155,23 +155,26 @@ class LearnerStep:
         if self.cfg.mtp_loss_weight > 0:
             norms = dict(norms, mtp_tokens=jnp.maximum(jnp.sum(mtp_mask(batch.response_mask)), 1.0))
         loss_fn = functools.partial(self.loss, loss_cfg=self.loss_cfg(lay))
-        wrt, expand = state.params, lambda g: g
+        wrt, expand, ref = state.params, lambda g: g, state.ref_params
+        if self.cfg.lora.enabled and self.cfg.loss.kl_coef > 0:  # the reference: the base (every adapter zero)
+            ref = jax.tree.map(lambda x, lab: jnp.zeros_like(x) if lab == TRAIN else jax.lax.stop_gradient(x),
+                               state.params, self.labels)
         if self.cfg.lora.enabled:
             wrt, with_trained, expand = self.trained_only(state.params)
             loss_fn = (lambda f: lambda tr, *a: f(with_trained(tr), *a))(loss_fn)
         grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
         m = lay.micro_batches
         if m == 1 and lay.rows == batch.input_ids.shape[0]:
-            (loss, metrics), grads = grad_fn(wrt, state.buffers, state.ref_params, batch, norms)
+            (loss, metrics), grads = grad_fn(wrt, state.buffers, ref, batch, norms)
             return loss, expand(grads), metrics
         mbs = batching.split(batch, lay)
 
         def body(acc, mb):
-            (loss, metrics), grads = grad_fn(wrt, state.buffers, state.ref_params, mb, norms)
+            (loss, metrics), grads = grad_fn(wrt, state.buffers, ref, mb, norms)
             return jax.tree.map(jnp.add, acc, (loss, grads, metrics)), None
 
         first = jax.tree.map(lambda x: x[0], mbs)
-        (_, metric_shapes), _ = jax.eval_shape(grad_fn, wrt, state.buffers, state.ref_params, first, norms)
+        (_, metric_shapes), _ = jax.eval_shape(grad_fn, wrt, state.buffers, ref, first, norms)
         zeros = lambda t: jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), t)  # noqa: E731
         init = (jnp.zeros((), jnp.float32), jax.tree.map(jnp.zeros_like, wrt), zeros(metric_shapes))
         (loss, grads, metrics), _ = jax.lax.scan(body, init, mbs)
