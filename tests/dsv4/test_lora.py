@@ -60,3 +60,29 @@ def test_lora_identity_at_init_and_merged_equals_unmerged():
 def test_lora_config_errors_name_the_flag(kw, flag):
     with pytest.raises(ValueError, match=flag):
         LoraConfig(**kw)
+
+
+def test_peft_export_reads_back_equal(tmp_path):
+    from dsv4.io.convert import hf_to_official
+    from dsv4.io.peft import load_peft_adapters, save_peft_adapters
+    from safetensors.numpy import load_file
+
+    cfg = DSV4Config.tiny(num_hidden_layers=2, compress_ratios=(0, 4, 0))
+    lcfg = LoraConfig(rank=4, alpha=8.0, targets="attn,shared,experts")
+    model = DSV4ForCausalLM(cfg, rngs=nnx.Rngs(0), lora=lcfg)
+    _randomize_adapters(model)
+    out = save_peft_adapters(model, tmp_path / "adapter", base_model_name_or_path="random:tiny")
+    flat, got_cfg = load_peft_adapters(out)
+    want = _flat(nnx.state(model, nnx.LoRAParam))
+    assert got_cfg == lcfg and set(flat) == set(want)
+    for k, v in want.items():
+        np.testing.assert_array_equal(flat[k], np.asarray(v), err_msg=k)
+    names = load_file(str(out / "adapter_model.safetensors"))
+    a = names["base_model.model.model.layers.1.self_attn.q_a_proj.lora_A.weight"]
+    assert a.shape == (4, cfg.hidden_size)  # PEFT: lora_A [r, in], lora_B [out, r]
+    assert names["base_model.model.model.layers.0.mlp.experts.3.down_proj.lora_B.weight"].shape == (cfg.hidden_size, 4)
+    for n in names:  # the module names are the transformers names our checkpoint reader maps to ours
+        module = n[len("base_model.model."):].rsplit(".lora_", 1)[0]
+        off = hf_to_official(module + ".weight")
+        if ".experts." not in module:
+            assert f"{off[:-len('.weight')].replace('.', '/')}/lora/lora_a" in want, (n, off)
