@@ -23,6 +23,7 @@ import jax
 
 import dsv4
 from dsv4.cache import KV_CACHE_DTYPES
+from dsv4.lora import LoraConfig
 from launch import gpu_target as gt
 from launch import run as run_cli
 from launch.aot import reduced_depth
@@ -58,7 +59,8 @@ def _learner(args) -> LearnerConfig:
         DEFAULT_LEARNER, offload_optimizer=args.offload_optimizer, train_mtp=args.train_mtp,
         freeze_router=args.freeze_router, scan_layers=args.scan_layers, stream_optimizer=args.stream_optimizer,
         ep_backend=args.ep_backend, ep_capacity_factor=args.ep_capacity_factor,
-        max_tokens_per_micro_batch=args.micro_batch_tokens)
+        max_tokens_per_micro_batch=args.micro_batch_tokens,
+        lora=LoraConfig(rank=args.lora_rank, alpha=args.lora_alpha, targets=args.lora_targets))
 
 
 def parser() -> argparse.ArgumentParser:
@@ -113,6 +115,13 @@ def parser() -> argparse.ArgumentParser:
                    help="train the MTP module (optimizer state for it), the learner's train_mtp (default %(default)s)")
     p.add_argument("--freeze-router", action=argparse.BooleanOptionalAction, default=DEFAULT_LEARNER.freeze_router,
                    help=_knob_help("freeze_router"))
+    lora_knobs = config_tree.paths(LoraConfig)
+    p.add_argument("--lora-rank", type=int, default=DEFAULT_LEARNER.lora.rank,
+                   help=f"{lora_knobs['rank'].help} (launch/run.py --learner.lora.rank; default %(default)s)")
+    p.add_argument("--lora-alpha", type=float, default=DEFAULT_LEARNER.lora.alpha,
+                   help=f"{lora_knobs['alpha'].help} (launch/run.py --learner.lora.alpha; default %(default)s)")
+    p.add_argument("--lora-targets", default=DEFAULT_LEARNER.lora.targets,
+                   help=f"{lora_knobs['targets'].help} (launch/run.py --learner.lora.targets; default %(default)s)")
     p.add_argument("--compile", action="store_true",
                    help="also AOT-compile the real actor train step on CPU devices and print XLA's memory analysis")
     p.add_argument("--seq-len", type=int, default=None, help="--compile: tokens per row (default --train-seq-len "
@@ -153,6 +162,8 @@ _FROM_RUN = {
     **{k: (lambda c, k=k: getattr(c.learner, k)) for k in (
         "offload_optimizer", "train_mtp", "freeze_router", "scan_layers", "stream_optimizer", "ep_backend",
         "ep_capacity_factor")},
+    "lora_rank": lambda c: c.learner.lora.rank, "lora_alpha": lambda c: c.learner.lora.alpha,
+    "lora_targets": lambda c: c.learner.lora.targets,
     "micro_batch_tokens": lambda c: c.learner.max_tokens_per_micro_batch,
     "tokens_per_device": lambda c: c.learner.max_tokens_per_micro_batch or c.data.max_prompt_len
     + c.rollout.max_new_tokens,
