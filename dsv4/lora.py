@@ -27,6 +27,10 @@ Targets (`LoraConfig.targets`, comma-separated groups):
            all-to-all) runs unchanged; cost: one transient [E, I, D] per matrix and layer. Per-expert rather than
            one adapter shared by all experts: experts specialise, a shared delta would move every expert by the
            same matrix, and PEFT has a per-module layout for per-expert adapters (`dsv4.io.peft`).
+  head     the output head (`lm_head`, [V, D]; unmerged in `DSV4ForCausalLM.lm_head`). Needed to fine-tune a
+           *randomly initialised* base (benchmarks/lora.py): with the head and the final norm frozen at their init
+           (std 0.02, weight 1) every logit stays within ~|head row| x sqrt(D) (about +-1.3 for the tiny model), so no
+           adapter behind them can make the policy confident; a pretrained head has no such bound.
 Default "attn,shared": the issue's default (routed experts are 98% of Flash's parameters; their adapters cost
 E x the others').
 
@@ -51,7 +55,7 @@ from flax import nnx
 from dsv4.layers import dot_out
 from sharding import axes as ax
 
-TARGET_GROUPS = ("attn", "shared", "experts")
+TARGET_GROUPS = ("attn", "shared", "experts", "head")
 ATTN_TARGETS = ("wq_a", "wq_b", "wkv", "wo_a", "wo_b")
 SHARED_TARGETS = ("w1", "w3", "w2")
 # the key of an adapter matrix in a flat state: group 1 = the adapted Linear's module path, group 2 = a | b; or
@@ -179,6 +183,9 @@ def attach(model, cfg: LoraConfig, rngs: nnx.Rngs):
         if "experts" in groups:
             e, i, d = ffn.experts.w1.get_value().shape
             ffn.experts.lora = ExpertAdapters(e, d, i, cfg, rngs=rngs)
+    if "head" in groups:
+        v, d = model.head.weight.get_value().shape
+        model.head.lora = Adapter(d, v, cfg, rngs=rngs, dtype=model.dtype)
     model.lora = cfg
     return model
 

@@ -254,8 +254,12 @@ class DSV4ForCausalLM(nnx.Module):
         """h [..., D] -> logits [..., V] float32; detached: no gradient to the head weights."""
         w = constrain(self.head.weight[...], (ax.VOCAB, None))  # gathered over its FSDP-split D, as `embed_tokens`
         w = jax.lax.stop_gradient(w) if detached else w
-        return jnp.einsum("...d,vd->...v", h.astype(self.dtype), w.astype(self.dtype),
-                          preferred_element_type=dot_out(self.dtype)).astype(jnp.float32)
+        logits = jnp.einsum("...d,vd->...v", h.astype(self.dtype), w.astype(self.dtype),
+                            preferred_element_type=dot_out(self.dtype)).astype(jnp.float32)
+        if self.head.lora is not None:  # LoRA on the head (dsv4.lora, target "head")
+            delta = self.head.lora(h.astype(self.dtype)).astype(jnp.float32)
+            logits = logits + (jax.lax.stop_gradient(delta) if detached else delta)
+        return logits
 
     # ------------------------------------------------------------------ forward
     def __call__(self, input_ids: jax.Array, *, attention_mask: jax.Array | None = None,
@@ -376,6 +380,7 @@ class _Table(nnx.Module):
 
     def __init__(self, weight):
         self.weight = weight
+        self.lora = nnx.data(None)  # the head's LoRA adapter (dsv4.lora, target "head"); unused on `embed`
 
 
 def count_params(model_or_state, *, active: bool = False, config: DSV4Config | None = None,

@@ -8,7 +8,7 @@ Names: PEFT prefixes the wrapped model's module path with `base_model.model.` an
 paths are the transformers DeepSeek-V4 names (the ones `dsv4.io.convert.hf_to_official` reads): `layers.N.attn.wq_a`
 -> `model.layers.N.self_attn.q_a_proj` (q_b_proj, kv_proj, o_a_proj, o_b_proj), `layers.N.ffn.shared_experts.w1|w3|w2`
 -> `model.layers.N.mlp.shared_experts.gate_proj|up_proj|down_proj`, and per-expert adapters of the routed experts
-`model.layers.N.mlp.experts.E.gate_proj|up_proj|down_proj`. Caveat on the last: that is the per-expert-module layout
+`model.layers.N.mlp.experts.E.gate_proj|up_proj|down_proj`; the head `head` -> `lm_head`. Caveat on the last: that is the per-expert-module layout
 (DeepSeek-V3-style checkpoints); transformers 5.23's `DeepseekV4Experts` holds fused 3-D parameters (`gate_up_proj`
 [E, 2I, D], `down_proj`), which PEFT adapts through `target_parameters` with another tensor layout, not written
 here. The attention and shared-expert names are the modules transformers' DeepSeek-V4 has. Ours: `lora_a` [in, r] = lora_A.weight.T, `lora_b` [r, out] = lora_B.weight.T; experts `w1_a` [E, in, r].
@@ -37,8 +37,8 @@ PREFIX = "base_model.model."
 _ATTN = {"wq_a": "q_a_proj", "wq_b": "q_b_proj", "wkv": "kv_proj", "wo_a": "o_a_proj", "wo_b": "o_b_proj"}
 _FFN = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}
 _LINEAR = re.compile(r"^layers/(\d+)/(attn/(wq_a|wq_b|wkv|wo_a|wo_b)|ffn/shared_experts/(w[123]))$")
-_PEFT = re.compile(r"^base_model\.model\.model\.layers\.(\d+)\.(?:self_attn\.(\w+)|mlp\.shared_experts\.(\w+)|"
-                   r"mlp\.experts\.(\d+)\.(\w+))\.lora_(A|B)\.weight$")
+_PEFT = re.compile(r"^base_model\.model\.(?:model\.layers\.(\d+)\.(?:self_attn\.(\w+)|mlp\.shared_experts\.(\w+)|"
+                   r"mlp\.experts\.(\d+)\.(\w+))|lm_head)\.lora_(A|B)\.weight$")
 
 
 def hf_module(module: str, expert: int | None = None, w: str | None = None) -> str:
@@ -47,6 +47,8 @@ def hf_module(module: str, expert: int | None = None, w: str | None = None) -> s
     if expert is not None:
         n = module.split("/")[1]
         return f"model.layers.{n}.mlp.experts.{expert}.{_FFN[w]}"
+    if module == "head":
+        return "lm_head"
     m = _LINEAR.match(module)
     if m is None:
         raise ValueError(f"no PEFT name for the adapted module {module!r}")
@@ -112,7 +114,9 @@ def load_peft_adapters(path) -> tuple[dict[str, np.ndarray], LoraConfig]:
         if m is None:
             raise ValueError(f"{path / ADAPTER_FILE}: unexpected tensor {name!r}")
         n, ab = m.group(1), m.group(6).lower()
-        if m.group(2):
+        if n is None:
+            flat[f"head/lora/lora_{ab}"] = x.T
+        elif m.group(2):
             flat[f"layers/{n}/attn/{attn[m.group(2)]}/lora/lora_{ab}"] = x.T
         elif m.group(3):
             flat[f"layers/{n}/ffn/shared_experts/{ffn[m.group(3)]}/lora/lora_{ab}"] = x.T

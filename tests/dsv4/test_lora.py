@@ -27,15 +27,15 @@ def _randomize_adapters(model, seed=1, std=0.05):
 
 def test_lora_identity_at_init_and_merged_equals_unmerged():
     cfg = DSV4Config.tiny()
-    lcfg = LoraConfig(rank=4, alpha=8.0, targets="attn,shared,experts")
+    lcfg = LoraConfig(rank=4, alpha=8.0, targets="attn,shared,experts,head")
     ids = jax.random.randint(jax.random.key(0), (2, 12), 0, cfg.vocab_size)
     base = DSV4ForCausalLM(cfg, rngs=nnx.Rngs(0))
     adapted = DSV4ForCausalLM(cfg, rngs=nnx.Rngs(0), lora=lcfg)
     assert has_adapters(adapted) and not has_adapters(base)
     keys = [k for k in _flat(nnx.state(adapted, nnx.LoRAParam))]
     assert keys and all(is_adapter_key(k) for k in keys)
-    # per layer: 5 attention + 3 shared-expert adapters (a, b) + 3 expert pairs; MTP gets none
-    assert len(keys) == cfg.num_hidden_layers * (2 * 8 + 6)
+    # per layer: 5 attention + 3 shared-expert adapters (a, b) + 3 expert pairs; the head's; MTP gets none
+    assert len(keys) == cfg.num_hidden_layers * (2 * 8 + 6) + 2
     assert not any(k.startswith("mtp") for k in keys)
     # the base weights are the same values (the adapters are created after the base, from the same stream)
     fb, fa = _flat(nnx.state(base, nnx.Param)), _flat(nnx.state(adapted, nnx.Param))
@@ -68,7 +68,7 @@ def test_peft_export_reads_back_equal(tmp_path):
     from safetensors.numpy import load_file
 
     cfg = DSV4Config.tiny(num_hidden_layers=2, compress_ratios=(0, 4, 0))
-    lcfg = LoraConfig(rank=4, alpha=8.0, targets="attn,shared,experts")
+    lcfg = LoraConfig(rank=4, alpha=8.0, targets="attn,shared,experts,head")
     model = DSV4ForCausalLM(cfg, rngs=nnx.Rngs(0), lora=lcfg)
     _randomize_adapters(model)
     out = save_peft_adapters(model, tmp_path / "adapter", base_model_name_or_path="random:tiny")
@@ -81,8 +81,9 @@ def test_peft_export_reads_back_equal(tmp_path):
     a = names["base_model.model.model.layers.1.self_attn.q_a_proj.lora_A.weight"]
     assert a.shape == (4, cfg.hidden_size)  # PEFT: lora_A [r, in], lora_B [out, r]
     assert names["base_model.model.model.layers.0.mlp.experts.3.down_proj.lora_B.weight"].shape == (cfg.hidden_size, 4)
+    assert names["base_model.model.lm_head.lora_B.weight"].shape == (cfg.vocab_size, 4)
     for n in names:  # the module names are the transformers names our checkpoint reader maps to ours
         module = n[len("base_model.model."):].rsplit(".lora_", 1)[0]
         off = hf_to_official(module + ".weight")
-        if ".experts." not in module:
+        if ".experts." not in module and module != "lm_head":
             assert f"{off[:-len('.weight')].replace('.', '/')}/lora/lora_a" in want, (n, off)
