@@ -4,8 +4,11 @@
     .venv/bin/python benchmarks/lora.py --skip-run     # the in-process measurements only (~1-2 min)
 
 1. Learning: `launch/run.py` as a real job, the default run (the tiny DeepSeek-V4 from random init, the digit-copy
-   task, GRPO, 80 steps, `--mesh auto`) with `--learner.lora.rank 8` (alpha 16, targets attn,shared: the adapters
-   alone train, the base stays at its random init), no eval, no checkpoints. Criterion of the default run
+   task, GRPO, 80 steps, `--mesh auto`, its lr 2e-3) with `--learner.lora.rank 8 --learner.lora.targets
+   attn,shared,head` (alpha 16: the adapters alone train, the base stays at its random init), no eval, no
+   checkpoints. Why "head" too: a random base's frozen head and final norm bound every logit to about +-1.3
+   (dsv4/lora.py), so no adapter behind them can make the policy confident (measured: attn,shared alone, lr 2e-3:
+   0.037 -> 0.077 in 80 steps; lr 5e-3 and 2e-2 collapse, gradient norm -> 0.01). Criterion of the default run
    (benchmarks/README.md "The default run"): mean rollout reward of the last 10% of steps >= 0.5 and >= 3x the
    first 10%'s. The full-fine-tuning figures are that section's (0.040 -> 0.927), not rerun here.
 2. Push, in process (2 forced host devices: actor = device 0, rollout = device 1, as `--mesh auto`): the FP8
@@ -15,12 +18,16 @@
    is synthetic) over the run's batch shape (512 rows x 16 tokens, 4 response tokens), LoRA vs full: median step
    seconds of 5 steps after the compile, the learner state's bytes (params + optimizer state) and XLA's temp bytes
    of the compiled step (`memory_analysis`).
-4. Flash arithmetic: the adapter push's wire bytes over the full push's for DeepSeek-V4-Flash (rank 8, attn,shared;
+4. Rollout: one generate call at the run's shape (512 prompts, 4 new tokens, FP8 weights), the LoRA sampler
+   (adapters unmerged: base product + low-rank path) vs the same base without adapters (what a rollout that merges
+   the adapters into its weights at each push runs): best of 3 after a compile call.
+5. Flash arithmetic: the adapter push's wire bytes over the full push's for DeepSeek-V4-Flash (rank 8, attn,shared;
    the FP8 rollout's stored tensors from `rl.rollout.weights.EngineWeights.abstract_state`, no weights built).
 
 Last line: `RESULT learns=0|1 first10=.. last10=.. push_wire_ratio=.. push_bytes_lora=.. push_bytes_full=..
 push_s_lora=.. push_s_full=.. step_s_lora=.. step_s_full=.. state_mib_lora=.. state_mib_full=.. temp_mib_lora=..
-temp_mib_full=.. flash_push_wire_ratio=..` (push_wire_ratio: the tiny model's measured ratio).
+temp_mib_full=.. generate_s_unmerged=.. generate_s_plain=.. flash_push_wire_ratio=..` (push_wire_ratio: the tiny
+model's measured ratio; flash_push_wire_ratio: the arithmetic for Flash at rank 8, attn,shared).
 """
 
 from __future__ import annotations
@@ -55,11 +62,12 @@ from parallel.push.local import WeightPusher  # noqa: E402
 from rl.batch import TrainBatch  # noqa: E402
 from rl.config import DEFAULT_LEARNER  # noqa: E402
 from rl.learner import Learner  # noqa: E402
-from rl.rollout.engine import Sampler  # noqa: E402
+from rl.rollout.engine import Sampler, SamplingParams  # noqa: E402
 from rl.rollout.weights import EngineWeights  # noqa: E402
 from sharding.mesh import build_mesh_plan  # noqa: E402
 
-LORA = LoraConfig(rank=8, alpha=16.0)
+LORA = LoraConfig(rank=8, alpha=16.0, targets="attn,shared,head")  # the tiny run's (module docstring, item 1)
+FLASH_LORA = LoraConfig(rank=8, alpha=16.0)  # the issue's default targets for the Flash arithmetic
 ROWS, PROMPT, RESPONSE = 512, 12, 4  # the default run: 32 prompts x 16 samples, 4 new tokens
 MIB = 2**20
 
@@ -69,7 +77,8 @@ def learning_run(steps: int, out: pathlib.Path, timeout: float) -> dict:
     metrics = out / "metrics.jsonl"
     cmd = [sys.executable, str(REPO / "launch" / "run.py"), "--no-progress", "--eval-every", "0", "--ckpt-dir", "",
            "--tensorboard-dir", "", "--mesh", "auto", "--steps", str(steps), "--metrics-jsonl", str(metrics),
-           "--learner.lora.rank", str(LORA.rank), "--learner.lora.alpha", str(LORA.alpha)]
+           "--learner.lora.rank", str(LORA.rank), "--learner.lora.alpha", str(LORA.alpha),
+           "--learner.lora.targets", LORA.targets]
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
     with open(out / "run.log", "wb") as log:
         rc = subprocess.run(cmd, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT, timeout=timeout).returncode
@@ -121,6 +130,21 @@ def push_figures(pusher, params_fn, sampler, n: int = 5) -> dict:
     return {"bytes": pusher.wire_bytes, "s": statistics.median(times)}
 
 
+def generate_s(sampler, n: int = 3) -> float:
+    """Best-of-n seconds of one generate call at the default run's rollout shape (512 prompts of 8 tokens, 4 new),
+    after a compile call."""
+    rng = np.random.default_rng(1)
+    prompts = [list(map(int, rng.integers(1, 16, 8))) for _ in range(ROWS)]
+    sp = SamplingParams(temperature=1.0, max_new_tokens=RESPONSE)
+    sampler.generate(prompts, sp, seed=0)
+    times = []
+    for i in range(n):
+        t0 = time.perf_counter()
+        sampler.generate(prompts, sp, seed=1 + i)
+        times.append(time.perf_counter() - t0)
+    return min(times)
+
+
 def flash_wire_ratio(lora: LoraConfig) -> tuple[float, int, int]:
     """(adapter bytes / all bytes, adapter bytes, all bytes) of the FP8 rollout's stored Flash state."""
     rf = RolloutFormat(rdt=parse_rollout_dtype("fp8"), fmt="e4m3fn", block=(128, 128), compute_dtype=jnp.bfloat16)
@@ -153,9 +177,14 @@ def main(argv=None) -> int:
     p_full = push_figures(WeightPusher(plan, sampler, lora_learner.params_for_push()), lora_learner.params_for_push,
                           sampler)
     print(f"push: LoRA {p_lora}  full {p_full}", flush=True)
-    ratio, ad, full = flash_wire_ratio(LORA)
-    print(f"Flash (rank {LORA.rank}, {LORA.targets}): adapter push {ad / MIB:.1f} MiB of {full / 2**30:.1f} GiB "
-          f"= {ratio:.5f}", flush=True)
+    gen_lora = generate_s(sampler)  # the adapters unmerged: base product + low-rank path
+    plain = Sampler(full_model, mesh=plan.rollout, weights="fp8", max_prompt_len=16)
+    gen_plain = generate_s(plain)  # what a merged rollout runs (the base's products alone)
+    print(f"generate (512 x 4 tokens, FP8): unmerged adapters {gen_lora:.3f} s, no adapters {gen_plain:.3f} s",
+          flush=True)
+    ratio, ad, full = flash_wire_ratio(FLASH_LORA)
+    print(f"Flash (rank {FLASH_LORA.rank}, {FLASH_LORA.targets}): adapter push {ad / MIB:.1f} MiB of "
+          f"{full / 2**30:.1f} GiB = {ratio:.5f}", flush=True)
     if not args.skip_run:
         with tempfile.TemporaryDirectory() as d:
             run = learning_run(args.steps, pathlib.Path(d), args.timeout)
@@ -168,6 +197,7 @@ def main(argv=None) -> int:
                state_mib_lora=f"{lo['state_mib']:.2f}", state_mib_full=f"{fu['state_mib']:.2f}",
                opt_mib_lora=f"{lo['opt_mib']:.3f}", opt_mib_full=f"{fu['opt_mib']:.2f}",
                temp_mib_lora=f"{lo['temp_mib']:.1f}", temp_mib_full=f"{fu['temp_mib']:.1f}",
+               generate_s_unmerged=f"{gen_lora:.3f}", generate_s_plain=f"{gen_plain:.3f}",
                flash_push_wire_ratio=f"{ratio:.5f}")
     print("RESULT " + " ".join(f"{k}={v}" for k, v in res.items()), flush=True)
     return 0
