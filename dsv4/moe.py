@@ -337,7 +337,8 @@ class MoE(nnx.Module):
         self.dtype = dtype
         self.gate = _Gate(cfg, self.is_hash, rngs=rngs, param_dtype=param_dtype)
         self.experts = _Experts(cfg, rngs=rngs, param_dtype=param_dtype)
-        self.shared_experts = _SharedExpert(cfg, rngs=rngs, param_dtype=param_dtype, dtype=dtype) if cfg.n_shared_experts else None
+        self.shared_experts = (_SharedExpert(cfg, rngs=rngs, param_dtype=param_dtype, dtype=dtype)
+                               if cfg.n_shared_experts else None)
 
     def route(self, u: jax.Array, token_ids: jax.Array, forced_ids: jax.Array | None = None):
         """u [T, D], token_ids [T] -> (ids [T, k] int32, weights [T, k] float32) (spec §6 router)."""

@@ -7,11 +7,12 @@ Names: PEFT prefixes the wrapped model's module path with `base_model.model.` an
 `lora_A.weight` [r, in] and `lora_B.weight` [out, r] (delta W = (lora_alpha / r) B A on a weight [out, in]). Module
 paths are the transformers DeepSeek-V4 names (the ones `dsv4.io.convert.hf_to_official` reads): `layers.N.attn.wq_a`
 -> `model.layers.N.self_attn.q_a_proj` (q_b_proj, kv_proj, o_a_proj, o_b_proj), `layers.N.ffn.shared_experts.w1|w3|w2`
--> `model.layers.N.mlp.shared_experts.gate_proj|up_proj|down_proj`, and per-expert adapters of the routed experts
-`model.layers.N.mlp.experts.E.gate_proj|up_proj|down_proj`; the head `head` -> `lm_head`. Caveat on the last: that is the per-expert-module layout
-(DeepSeek-V3-style checkpoints); transformers 5.23's `DeepseekV4Experts` holds fused 3-D parameters (`gate_up_proj`
-[E, 2I, D], `down_proj`), which PEFT adapts through `target_parameters` with another tensor layout, not written
-here. The attention and shared-expert names are the modules transformers' DeepSeek-V4 has. Ours: `lora_a` [in, r] = lora_A.weight.T, `lora_b` [r, out] = lora_B.weight.T; experts `w1_a` [E, in, r].
+-> `model.layers.N.mlp.shared_experts.gate_proj|up_proj|down_proj`, the head `head` -> `lm_head`, and per-expert
+adapters of the routed experts `model.layers.N.mlp.experts.E.gate_proj|up_proj|down_proj`. Caveat on the last: that
+is the per-expert-module layout (DeepSeek-V3-style checkpoints); transformers 5.23's `DeepseekV4Experts` holds fused
+3-D parameters (`gate_up_proj` [E, 2I, D], `down_proj`), which PEFT adapts through `target_parameters` with another
+tensor layout, not written here. The attention, shared-expert and head names are modules transformers' DeepSeek-V4
+has. Ours: `lora_a` [in, r] = lora_A.weight.T, `lora_b` [r, out] = lora_B.weight.T; experts `w1_a` [E, in, r].
 
 `adapter_config.json` holds PEFT's LoraConfig fields (peft_type LORA, r, lora_alpha, target_modules, ...) and, under
 `dsv4`, our `LoraConfig.targets` and the base checkpoint it applies to (`base_model_name_or_path`, as given).
