@@ -26,7 +26,7 @@ def _randomize_adapters(model, seed=1, std=0.05):
 
 
 def test_lora_identity_at_init_and_merged_equals_unmerged():
-    cfg = DSV4Config.tiny()
+    cfg = DSV4Config.tiny(num_hidden_layers=2, compress_ratios=(4, 8, 0))  # a CSA and an HCA layer
     lcfg = LoraConfig(rank=4, alpha=8.0, targets="attn,shared,experts,head")
     ids = jax.random.randint(jax.random.key(0), (2, 12), 0, cfg.vocab_size)
     base = DSV4ForCausalLM(cfg, rngs=nnx.Rngs(0))

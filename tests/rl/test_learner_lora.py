@@ -46,7 +46,7 @@ def _flat(tree):
 
 
 def test_lora_step_moves_only_the_adapters_and_resumes_bitwise(model, batch, tmp_path):
-    cfg = LearnerConfig(lr=1e-2, compute_dtype="float32", micro_batch_size=4, lora=LORA)  # scanned layers
+    cfg = LearnerConfig(lr=1e-2, compute_dtype="float32", lora=LORA)  # scanned layers
     learner = Learner(model, cfg)
     before = _flat(learner.state.params)
     adapters = {k for k in before if "/lora/" in k}  # stacked paths (layers/<group>/<sub-layer>/...)
