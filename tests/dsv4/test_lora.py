@@ -6,8 +6,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
+from safetensors.numpy import load_file
 
 from dsv4 import DSV4Config, DSV4ForCausalLM
+from dsv4.io.convert import hf_to_official
+from dsv4.io.peft import load_peft_adapters, save_peft_adapters
 from dsv4.lora import LoraConfig, has_adapters, is_adapter_key, merged_params
 from dsv4.names import param_key
 
@@ -63,10 +66,6 @@ def test_lora_config_errors_name_the_flag(kw, flag):
 
 
 def test_peft_export_reads_back_equal(tmp_path):
-    from dsv4.io.convert import hf_to_official
-    from dsv4.io.peft import load_peft_adapters, save_peft_adapters
-    from safetensors.numpy import load_file
-
     cfg = DSV4Config.tiny(num_hidden_layers=2, compress_ratios=(0, 4, 0))
     lcfg = LoraConfig(rank=4, alpha=8.0, targets="attn,shared,experts,head")
     model = DSV4ForCausalLM(cfg, rngs=nnx.Rngs(0), lora=lcfg)
