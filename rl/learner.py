@@ -61,8 +61,10 @@ Choices (and why):
   formed or accumulated). The adapters are float32 `nnx.LoRAParam`s whatever `param_dtype` (no masters); the
   frozen base stays in `param_dtype` (bf16 on accelerators). Not built: a base held in the release's FP8 / FP4
   blocks on the learner (the FP8-aware forward, `fp8_forward`, does run the rollout's FP8 products on the base
-  and the adapters' low-rank path beside them). `params_for_push()` is still the whole model;
-  `adapters_for_push()` the adapters alone.
+  and the adapters' low-rank path beside them; checked by hand, 2 steps: only the adapters move). With
+  `kl_coef > 0` the reference is the base itself (every adapter zero inside the step; no copy is kept).
+  `state_dict()` holds the adapters alone (the base is the run's --init). `params_for_push()` is still the whole
+  model; `adapters_for_push()` the adapters alone.
 - Non-finite guard (own, not `optax.apply_if_finite`, so nothing changes at all): if the loss or the global
   gradient norm is not finite, the new step/params/opt_state are discarded with `jnp.where`; the state is
   bitwise the old one (the step counter does not advance either) and `train/skipped_nonfinite` is 1.
