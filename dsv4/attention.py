@@ -24,6 +24,7 @@ from dsv4.compressor import Compressor, visible_entries
 from dsv4.config import CSA, HCA, SLIDING, yarn_inv_freq
 from dsv4.context import attend_context, context_axis
 from dsv4.indexer import Indexer
+from dsv4.lora import grouped_delta
 from dsv4.layers import Linear, RMSNorm, apply_rope, dot_out, linear, param, rms_norm, rope_cos_sin
 from sharding import axes as ax
 
@@ -112,6 +113,8 @@ class Attention(nnx.Module):
         og = o.reshape(b, s, g, -1)  # -> [B, S, G, (H/G) d]  (group g = heads [g H/G, (g+1) H/G))
         wa = self.wo_a.weight[...].astype(self.dtype).reshape(g, self.o_lora, -1)  # -> [G, o_lora, (H/G) d]
         r = jnp.einsum("bsgi,goi->bsgo", og, wa, preferred_element_type=dot_out(self.dtype)).astype(self.dtype)
+        if self.wo_a.lora is not None:  # LoRA on the grouped product (dsv4.lora.grouped_delta)
+            r = r + grouped_delta(self.wo_a.lora, og).astype(self.dtype)
         return self.wo_b(r.reshape(b, s, g * self.o_lora))
 
     # -- full sequence ---------------------------------------------------------------------------------------

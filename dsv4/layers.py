@@ -101,14 +101,19 @@ def weight_of(var):
 
 
 class Linear(nnx.Module):
-    """Bias-free linear layer with weight `[out, in]` named `weight` (official checkpoint layout)."""
+    """Bias-free linear layer with weight `[out, in]` named `weight` (official checkpoint layout).
+
+    `lora`: None, or a LoRA adapter attached by `dsv4.lora.attach` (a callable x [..., in] -> [..., out] in `dtype`):
+    its low-rank path is added to the base product, whatever the weight's form (dense, FP8, fake-quantised)."""
 
     def __init__(self, d_in: int, d_out: int, axes_out_in, *, rngs, param_dtype, dtype, std=0.02):
         self.weight = param(rngs, (d_out, d_in), axes_out_in, dtype=param_dtype, std=std)
         self.dtype = dtype
+        self.lora = nnx.data(None)
 
     def __call__(self, x):
-        return linear(x, weight_of(self.weight), self.dtype)
+        y = linear(x, weight_of(self.weight), self.dtype)
+        return y if self.lora is None else y + self.lora(x).astype(y.dtype)
 
 
 class RMSNorm(nnx.Module):

@@ -38,6 +38,7 @@ from dsv4.attention import ATTENTION_IMPLS, Attention
 from dsv4.config import DSV4Config
 from dsv4.context import context_axis, seq_multiple
 from dsv4.layers import Linear, RMSNorm, dot_out, param
+from dsv4.lora import LoraConfig, attach
 from dsv4.mhc import hc_head, hc_post, hc_pre
 from dsv4.moe import MoE
 from sharding import axes as ax
@@ -172,13 +173,14 @@ class DSV4ForCausalLM(nnx.Module):
       attention_impl: "blocked" (memory-linear, default) or "dense" (reference). attn_block_q / attn_block_k:
         query block and compressed-entry block sizes of the blocked path.
       remat: "none" (default here), "block" or "dots": see the module docstring (the learner sets `--remat`).
+      lora: None, or a `dsv4.lora.LoraConfig` with rank > 0: LoRA adapters on its targets (`dsv4.lora.attach`).
     Raises:
       ValueError: unknown attention_impl or remat (the message names the option).
     """
 
     def __init__(self, config: DSV4Config, *, rngs: nnx.Rngs, param_dtype=jnp.float32, dtype=jnp.float32,
                  attention_impl: str = "blocked", attn_block_q: int = 128, attn_block_k: int = 512,
-                 remat: str = "none"):
+                 remat: str = "none", lora: LoraConfig | None = None):
         cfg = config
         remat_policy(remat)
         if attention_impl not in ATTENTION_IMPLS:
@@ -200,12 +202,15 @@ class DSV4ForCausalLM(nnx.Module):
         self.hc_head_scale = param(rngs, (1,), (None,), dtype=jnp.float32, init="ones")
         self.mtp = nnx.List([MTPBlock(cfg, cfg.num_hidden_layers + j, rngs=rngs, param_dtype=param_dtype, dtype=dtype,
                                       **opts) for j in range(cfg.num_nextn_predict_layers)])
+        self.lora = None  # the LoraConfig of the attached adapters (set by dsv4.lora.attach)
+        if lora is not None and lora.enabled:
+            attach(self, lora, rngs)
 
     def build_options(self, **overrides) -> dict:
-        """The static constructor options of this model (attention_impl, block sizes, remat), with overrides:
+        """The static constructor options of this model (attention_impl, block sizes, remat, lora), with overrides:
         `type(m)(m.config, rngs=..., **m.build_options(remat="block"))` rebuilds it with another remat."""
         opts = dict(attention_impl=self.attention_impl, attn_block_q=self.attn_block_q,
-                    attn_block_k=self.attn_block_k, remat=self.remat)
+                    attn_block_k=self.attn_block_k, remat=self.remat, lora=self.lora)
         opts.update(overrides)
         return opts
 
@@ -249,8 +254,12 @@ class DSV4ForCausalLM(nnx.Module):
         """h [..., D] -> logits [..., V] float32; detached: no gradient to the head weights."""
         w = constrain(self.head.weight[...], (ax.VOCAB, None))  # gathered over its FSDP-split D, as `embed_tokens`
         w = jax.lax.stop_gradient(w) if detached else w
-        return jnp.einsum("...d,vd->...v", h.astype(self.dtype), w.astype(self.dtype),
-                          preferred_element_type=dot_out(self.dtype)).astype(jnp.float32)
+        logits = jnp.einsum("...d,vd->...v", h.astype(self.dtype), w.astype(self.dtype),
+                            preferred_element_type=dot_out(self.dtype)).astype(jnp.float32)
+        if self.head.lora is not None:  # LoRA on the head (dsv4.lora, target "head")
+            delta = self.head.lora(h.astype(self.dtype)).astype(jnp.float32)
+            logits = logits + (jax.lax.stop_gradient(delta) if detached else delta)
+        return logits
 
     # ------------------------------------------------------------------ forward
     def __call__(self, input_ids: jax.Array, *, attention_mask: jax.Array | None = None,
@@ -371,6 +380,7 @@ class _Table(nnx.Module):
 
     def __init__(self, weight):
         self.weight = weight
+        self.lora = nnx.data(None)  # the head's LoRA adapter (dsv4.lora, target "head"); unused on `embed`
 
 
 def count_params(model_or_state, *, active: bool = False, config: DSV4Config | None = None,

@@ -26,7 +26,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from dsv4.fp8_gemm import FakeQuantWeight
-from dsv4.layers import Buffer, dot_out, linear, linear_f32, param, weight_of
+from dsv4.layers import Buffer, Linear, dot_out, linear_f32, param, weight_of
 from dsv4.quant import ROUTED_EXPERT_RE, QuantizedTensor, act_fake_quant, act_fake_quant_ste
 from sharding import axes as ax
 
@@ -318,19 +318,16 @@ class _Experts(nnx.Module):
         self.w1 = param(rngs, (e, i, d), (ax.EXPERT, ax.MLP, ax.EMBED), dtype=param_dtype, std=std)
         self.w3 = param(rngs, (e, i, d), (ax.EXPERT, ax.MLP, ax.EMBED), dtype=param_dtype, std=std)
         self.w2 = param(rngs, (e, d, i), (ax.EXPERT, ax.EMBED, ax.MLP), dtype=param_dtype, std=std)
+        self.lora = nnx.data(None)  # per-expert LoRA adapters (`dsv4.lora.ExpertAdapters`), merged in the forward
 
 
 class _SharedExpert(nnx.Module):
-    def __init__(self, cfg, *, rngs, param_dtype):
+    def __init__(self, cfg, *, rngs, param_dtype, dtype):
         i, d, std = cfg.shared_intermediate_size, cfg.hidden_size, cfg.initializer_range
-        self.w1 = _W(param(rngs, (i, d), (ax.MLP, ax.EMBED), dtype=param_dtype, std=std))
-        self.w3 = _W(param(rngs, (i, d), (ax.MLP, ax.EMBED), dtype=param_dtype, std=std))
-        self.w2 = _W(param(rngs, (d, i), (ax.EMBED, ax.MLP), dtype=param_dtype, std=std))
-
-
-class _W(nnx.Module):
-    def __init__(self, weight):
-        self.weight = weight
+        kw = dict(rngs=rngs, param_dtype=param_dtype, dtype=dtype, std=std)
+        self.w1 = Linear(d, i, (ax.MLP, ax.EMBED), **kw)
+        self.w3 = Linear(d, i, (ax.MLP, ax.EMBED), **kw)
+        self.w2 = Linear(i, d, (ax.EMBED, ax.MLP), **kw)
 
 
 class MoE(nnx.Module):
@@ -343,7 +340,8 @@ class MoE(nnx.Module):
         self.dtype = dtype
         self.gate = _Gate(cfg, self.is_hash, rngs=rngs, param_dtype=param_dtype)
         self.experts = _Experts(cfg, rngs=rngs, param_dtype=param_dtype)
-        self.shared_experts = _SharedExpert(cfg, rngs=rngs, param_dtype=param_dtype) if cfg.n_shared_experts else None
+        self.shared_experts = (_SharedExpert(cfg, rngs=rngs, param_dtype=param_dtype, dtype=dtype)
+                               if cfg.n_shared_experts else None)
 
     def route(self, u: jax.Array, token_ids: jax.Array, forced_ids: jax.Array | None = None):
         """u [T, D], token_ids [T] -> (ids [T, k] int32, weights [T, k] float32) (spec §6 router)."""
@@ -385,6 +383,8 @@ class MoE(nnx.Module):
             # the inputs of w1/w3 and of w2 are quantised to FP8 per 1 x 128 block (`act_fake_quant`, ue8m0 scales)
             # and multiply the dequantised weights (the same products as the quantised GEMM).
             w1, w3, w2 = (v.dequantize(self.dtype) for v in (w1, w3, w2))
+            if e.lora is not None:
+                w1, w3, w2 = e.lora.merged(w1, w3, w2)
             y = fn(act_fake_quant(uf.astype(self.dtype)), ids, w, w1, w3, w2, limit=self.limit, dtype=self.dtype,
                    act_q=act_fake_quant)
         elif isinstance(w1, FakeQuantWeight):
@@ -392,9 +392,13 @@ class MoE(nnx.Module):
             # same activation quantisation, with straight-through gradients (the tiled CPU path's custom VJP treats
             # act_q as the identity already).
             w1, w3, w2 = (v.w for v in (w1, w3, w2))
+            if e.lora is not None:
+                w1, w3, w2 = e.lora.merged(w1, w3, w2)
             y = fn(act_fake_quant_ste(uf.astype(self.dtype)), ids, w, w1, w3, w2, limit=self.limit, dtype=self.dtype,
                    act_q=act_fake_quant_ste)
         else:
+            if e.lora is not None:
+                w1, w3, w2 = e.lora.merged(w1, w3, w2)
             y = fn(uf, ids, w, w1, w3, w2, limit=self.limit, dtype=self.dtype)
         drops = jnp.zeros((2,), jnp.int32)
         if counted:
@@ -402,8 +406,6 @@ class MoE(nnx.Module):
             drops = jnp.stack([st.dropped, st.routed]).astype(jnp.int32)
         if self.shared_experts is not None:
             se = self.shared_experts
-            h = swiglu(linear(uf, weight_of(se.w1.weight), self.dtype),
-                       linear(uf, weight_of(se.w3.weight), self.dtype),
-                       self.limit)
-            y = y + linear(h, weight_of(se.w2.weight), self.dtype).astype(jnp.float32)
+            h = swiglu(se.w1(uf), se.w3(uf), self.limit)
+            y = y + se.w2(h).astype(jnp.float32)
         return y.astype(u.dtype).reshape(b, s, d), ids.reshape(b, s, -1), drops

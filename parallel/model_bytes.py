@@ -67,19 +67,20 @@ class Leaf:
 
 
 @functools.lru_cache(maxsize=4)
-def abstract_model(config):
-    """`nnx.eval_shape` of `DSV4ForCausalLM(config)` with bf16 weights (no memory used). Cached per config: the
-    Flash trace takes 10-35 s (flax compares each RNG draw's tracer sharding, which makes jax walk the jaxpr)."""
+def abstract_model(config, lora=None):
+    """`nnx.eval_shape` of `DSV4ForCausalLM(config, lora=lora)` with bf16 weights (no memory used; `lora`: a
+    `dsv4.lora.LoraConfig` or None). Cached per config: the Flash trace takes 10-35 s (flax compares each RNG draw's
+    tracer sharding, which makes jax walk the jaxpr)."""
 
     return nnx.eval_shape(lambda: dsv4.DSV4ForCausalLM(config, rngs=nnx.Rngs(0), param_dtype=jnp.bfloat16,
-                                                        dtype=jnp.bfloat16))
+                                                        dtype=jnp.bfloat16, lora=lora))
 
 
 @functools.lru_cache(maxsize=4)
-def model_leaves(config) -> tuple[Leaf, ...]:
-    """Every tensor (nnx.Param or Buffer) of `abstract_model(config)`, in state order."""
+def model_leaves(config, lora=None) -> tuple[Leaf, ...]:
+    """Every tensor (nnx.Param or Buffer) of `abstract_model(config, lora)`, in state order."""
     out = []
-    for path, var in nnx.to_flat_state(nnx.state(abstract_model(config))):
+    for path, var in nnx.to_flat_state(nnx.state(abstract_model(config, lora))):
         value = var.get_value()
         logical = getattr(var, "logical_axes", None) or var.get_metadata().get("logical_axes")
         out.append(Leaf(official_key(path), tuple(value.shape), str(value.dtype),

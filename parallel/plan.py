@@ -66,6 +66,7 @@ import numpy as np
 
 import dsv4
 from dsv4 import scan
+from dsv4.lora import is_adapter_key
 from parallel import expert as expert_lib
 from parallel import pipeline
 from parallel.activations import EP_BACKENDS, actor_activations, context_gathered, saved_layer_inputs
@@ -229,6 +230,7 @@ class LearnerKnobs(Protocol):
     train_mtp: bool
     freeze_router: bool
     pipeline_stages: int
+    lora: Any  # dsv4.lora.LoraConfig: rank > 0 = only the adapters train (gradients and optimizer state)
 
 
 def _role_nodes(devices: int) -> float:
@@ -302,7 +304,8 @@ def plan(config, mesh_spec: str, gpu: str, *, learner: LearnerKnobs, nodes: int 
         raise mesh_lib.MeshSpecError(f"mesh {spec} uses {n_dev} devices but {nodes} node(s) x {GPUS_PER_NODE} = "
                                      f"{nodes * GPUS_PER_NODE}")
     spec.validate(n_dev, config)
-    leaves = model_leaves(config)
+    lora = learner.lora if learner.lora.enabled else None
+    leaves = model_leaves(config, lora)
     usable = GPUS[gpu].hbm_gib * GiB * usable_fraction
     opts = dict(optimizer_dtype=optimizer_dtype, offload_optimizer=offload_optimizer,
                 tokens_per_device=tokens_per_device, rollout_seq_len=rollout_seq_len,
@@ -326,8 +329,12 @@ def plan(config, mesh_spec: str, gpu: str, *, learner: LearnerKnobs, nodes: int 
     def _state(leaf, n):
         return (n * 4 if leaf.dtype != "float32" else 0), 2 * n * DTYPE_BYTES[optimizer_dtype]
 
-    has_state = [leaf for leaf in leaves if leaf.trained
-                 and offload_lib.is_trained(leaf.path, train_mtp=train_mtp, freeze_router=freeze_router)]
+    def updated(leaf) -> bool:  # a gradient and optimizer state (LoRA: the adapters alone, rl/learner.py "LoRA")
+        if lora is not None:
+            return is_adapter_key(leaf.path.replace(".", "/"))
+        return leaf.trained and offload_lib.is_trained(leaf.path, train_mtp=train_mtp, freeze_router=freeze_router)
+
+    has_state = [leaf for leaf in leaves if updated(leaf)]
     chosen = offload_lib.select_offloaded(
         [(leaf.path, sum(_state(leaf, math.prod(leaf.shape)))) for leaf in has_state], offload_optimizer)
     has_state = {leaf.path for leaf in has_state}
@@ -337,7 +344,7 @@ def plan(config, mesh_spec: str, gpu: str, *, learner: LearnerKnobs, nodes: int 
             n = n / n_stage
         item = np.dtype(leaf.dtype).itemsize
         w += n * item
-        if leaf.trained:
+        if leaf.trained and (lora is None or leaf.path in has_state):
             g += n * item
         if leaf.path in has_state:
             ms, mo = _state(leaf, n)

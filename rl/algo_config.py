@@ -15,6 +15,7 @@ import dataclasses
 import math
 from typing import Literal
 
+from dsv4.lora import LoraConfig
 from rl.config_tree import knob
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -240,6 +241,8 @@ class LearnerConfig:
         micro_batch_size: rows per forward/backward; the batch's N must be a multiple. None = the whole batch.
             Accumulation is exact (sum losses with the full batch's normalisers, `rl.losses.loss_normalizers`).
     loss: the policy loss (`rl.losses.policy_loss`); `loss.kl_coef > 0` makes the learner keep a frozen reference.
+    lora: LoRA (`dsv4.lora.LoraConfig`, `--learner.lora.rank|alpha|targets`); rank > 0: only the adapters train
+        (gradients and optimizer state for them alone), every base weight is frozen (rl/learner.py "LoRA").
     MoE:
         routing_replay: force the sampler's recorded experts (`TrainBatch.routing`) in the learner's forward
             ("rollout routing replay", R3, arXiv 2510.11370); the batch must then carry routing.
@@ -318,6 +321,7 @@ class LearnerConfig:
     max_grad_norm: float | None = 1.0
     micro_batch_size: int | None = knob(None, "rows per micro-batch (exact accumulation)")
     loss: LossConfig = dataclasses.field(default_factory=LossConfig)
+    lora: LoraConfig = dataclasses.field(default_factory=LoraConfig)
     routing_replay: bool = knob(False, "force the rollout's experts in training")
     freeze_router: bool = knob(False, "freeze router weights")
     train_mtp: bool = False
@@ -383,6 +387,8 @@ class LearnerConfig:
                 _check_int(owner, name, getattr(self, name), 1)
         if not isinstance(self.loss, LossConfig):
             raise ValueError(f"{owner}.loss must be a LossConfig, got {type(self.loss).__name__}")
+        if not isinstance(self.lora, LoraConfig):
+            raise ValueError(f"{owner}.lora must be a dsv4.lora.LoraConfig, got {type(self.lora).__name__}")
         for name in ("routing_replay", "freeze_router", "train_mtp", "fp8_forward"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{owner}.{name} must be a bool, got {getattr(self, name)!r}")

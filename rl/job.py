@@ -30,6 +30,7 @@ from flax import nnx
 from dsv4 import DSV4Config, DSV4ForCausalLM
 from dsv4.chunked import check_chunk
 from dsv4.io.load import init_model, load_hf_checkpoint, loaded_config
+from dsv4.lora import attach, is_adapter_key
 from parallel.push.job import JobPusher
 from parallel.push.local import WeightPusher
 from parallel.model_bytes import kv_cache_bytes
@@ -208,7 +209,17 @@ def fingerprint(cfg: RunConfig, model_cfg) -> dict:
             **({"scan_layers": True} if cfg.learner.scan_layers else {}),  # stacked state (absent: older ones)
             **({"fp8_forward": True} if cfg.learner.fp8_forward else {}),  # the FP8-aware learner's policy
             **({"max_staleness": cfg.staleness()} if cfg.staleness() else {}),  # the pipeline's K (rl/pipeline.py)
-            **({"env": cfg.rollout.env} if cfg.rollout.env else {})}  # multi-turn: another task and tokenizer
+            **({"env": cfg.rollout.env} if cfg.rollout.env else {}),  # multi-turn: another task and tokenizer
+            **(lora_fingerprint(cfg) if cfg.learner.lora.enabled else {})}
+
+
+def lora_fingerprint(cfg: RunConfig) -> dict:
+    """LoRA checkpoints hold the adapters alone (`Learner.state_dict`): the adapters' shape and the frozen base they
+    apply to: --init (already a key) and its content identity (`rl.checkpoint.file_identity` of the checkpoint
+    directory; a random base is the run's seed, also a key)."""
+    lo, init = cfg.learner.lora, cfg.model.init
+    return {"lora": f"rank={lo.rank} alpha={lo.alpha} targets={lo.targets}",
+            "lora_base": "random" if init == "random" else file_identity(init)}
 
 
 def prompt_bucket(cfg: RunConfig, train: PromptDataset, ev_prompts: list[list[int]]) -> int:
@@ -280,6 +291,10 @@ def build(cfg: RunConfig) -> Job:
         raise ValueError(f"--ckpt-dir {ckpt.dir} already holds checkpoints (steps {ckpt.all_steps()}); --resume never "
                          f"would collide with them: use another --ckpt-dir or --resume auto")
     lcfg = resolve_param_dtype(cfg.learner, plan.actor.devices.flat)  # the run's learner, "auto" resolved
+    lora = lcfg.lora if lcfg.lora.enabled else None  # LoRA: adapters on the actor's and the rollout's model
+    if lora is not None and (two_jobs or layout.split_roles):
+        raise ValueError(f"--learner.lora.rank {lora.rank}: the adapter push runs with both roles in one process for "
+                         f"now (not with --mesh roles on processes of their own nor with a rollout job)")
     # created in the actor's shardings (each process reads / computes only its shards), in the learner's param
     # dtype (the fp32 masters are made from these values by the optimizer: exact for a bf16 / FP8 checkpoint)
     load_dtype = jnp.bfloat16 if lcfg.param_dtype == "bfloat16" else jnp.float32
@@ -293,6 +308,8 @@ def build(cfg: RunConfig) -> Job:
         else:
             model = load_hf_checkpoint(init, dtype=load_dtype, config=model_cfg, mesh=plan.actor,
                                        progress=cfg.log.progress)
+        if lora is not None:  # fresh adapters (B = 0: the policy starts as the base), from the run's seed
+            attach(model, lora, nnx.Rngs(cfg.seed))
         r = cfg.rollout  # --exact-rollout: the learner's fixed micro-batch layout (rl/rollout/exact.py)
         exact = exact_layout(lcfg, rows_per_step=r.prompts_per_step * r.group_size, max_prompt_len=max_prompt,
                              max_new_tokens=r.max_new_tokens, batch_devices=batch_shards(ACTOR_RULES, plan.actor)) \
@@ -300,7 +317,8 @@ def build(cfg: RunConfig) -> Job:
         learner = Learner(model, lcfg, mesh=plan.actor, rollout_dtype=cfg.rollout.dtype,
                           rollout_devices=None if plan.rollout is None else list(plan.rollout.devices.flat),
                           exact_layout=exact)
-    abstract = nnx.eval_shape(lambda: DSV4ForCausalLM(shapes_cfg, rngs=nnx.Rngs(0), param_dtype=load_dtype))
+    abstract = nnx.eval_shape(lambda: DSV4ForCausalLM(shapes_cfg, rngs=nnx.Rngs(0), param_dtype=load_dtype,
+                                                      lora=lora))
     # a random init in one process: the rollout's version 0 is quantised from the same model; else its weights
     # come from --init's own FP8 blocks or by the first push
     here = init == "random" and not layout.split_roles and not two_jobs
@@ -317,8 +335,11 @@ def build(cfg: RunConfig) -> Job:
     elif not layout.split_roles:
         if init != "random":  # version 0 from the file's own FP8 blocks, first: the pusher copies the stored layout
             LocalRollout(sampler, config=shapes_cfg, progress=cfg.log.progress).load_weights(0, source=init)
-        pusher = WeightPusher(plan, sampler, learner.params_for_push(), verify_every=cfg.rollout.push_verify_every)
-        rollout = LocalRollout(sampler, learner.params_for_push, pusher, config=shapes_cfg, progress=cfg.log.progress,
+        # LoRA: the push moves the adapters alone; the rollout applies them unmerged over its base (dsv4/lora.py)
+        params_fn = learner.params_for_push if lora is None else learner.adapters_for_push
+        pusher = WeightPusher(plan, sampler, params_fn(), verify_every=cfg.rollout.push_verify_every,
+                              only=None if lora is None else is_adapter_key)
+        rollout = LocalRollout(sampler, params_fn, pusher, config=shapes_cfg, progress=cfg.log.progress,
                                tokenizer=tok)
     else:
         state = nnx.state(abstract)

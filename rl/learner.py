@@ -54,6 +54,17 @@ Choices (and why):
 - Freezing: `optax.multi_transform` gives frozen params `optax.set_to_zero()` (no Adam state is allocated for
   them) and their old values are carried over as-is. Frozen: the router weights with `freeze_router`, the MTP
   module unless `train_mtp`. Buffers are outside the optimizer altogether. Weight decay applies to matrices.
+- LoRA (`lora.rank > 0`, `--learner.lora.*`, dsv4/lora.py): the model must carry the adapters
+  (`DSV4ForCausalLM(..., lora=cfg.lora)` or `dsv4.lora.attach`); they alone are TRAIN, every base weight (the
+  router, the MTP module, norms, embeddings included) is FROZEN, and the gradient is taken with respect to the
+  adapters only (`LearnerStep.loss_and_grads`: the base enters the loss under stop_gradient, no base gradient is
+  formed or accumulated). The adapters are float32 `nnx.LoRAParam`s whatever `param_dtype` (no masters); the
+  frozen base stays in `param_dtype` (bf16 on accelerators). Not built: a base held in the release's FP8 / FP4
+  blocks on the learner (the FP8-aware forward, `fp8_forward`, does run the rollout's FP8 products on the base
+  and the adapters' low-rank path beside them; checked by hand, 2 steps: only the adapters move). With
+  `kl_coef > 0` the reference is the base itself (every adapter zero inside the step; no copy is kept).
+  `state_dict()` holds the adapters alone (the base is the run's --init). `params_for_push()` is still the whole
+  model; `adapters_for_push()` the adapters alone.
 - Non-finite guard (own, not `optax.apply_if_finite`, so nothing changes at all): if the loss or the global
   gradient norm is not finite, the new step/params/opt_state are discarded with `jnp.where`; the state is
   bitwise the old one (the step counter does not advance either) and `train/skipped_nonfinite` is 1.
@@ -105,6 +116,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from dsv4 import scan
 from dsv4.layers import Buffer
+from dsv4.lora import is_adapter_key
 from dsv4.names import tree_key
 from dsv4.quant import select_fp8_format
 from dsv4.rollout_format import RolloutFormat, parse_rollout_dtype
@@ -180,6 +192,10 @@ class Learner:
             devs = rollout_devices or ([jax.devices()[0]] if mesh is None else list(mesh.devices.flat))
             self.rformat = RolloutFormat(rdt=rdt, fmt=select_fp8_format(rdt.fp8_name, devs), block=tuple(fp8_block),
                                          compute_dtype=compute)
+        if cfg.lora.enabled and getattr(module, "lora", None) != cfg.lora:
+            raise ValueError(f"--learner.lora.rank {cfg.lora.rank}: the model holds no adapters of this LoraConfig "
+                             f"(it has {getattr(module, 'lora', None)}): build it with DSV4ForCausalLM(..., lora=...) "
+                             f"or dsv4.lora.attach")
         opts = module.build_options(remat=cfg.remat) if hasattr(module, "build_options") else {}
         abs_model = nnx.eval_shape(lambda: type(module)(module.config, rngs=nnx.Rngs(0),
                                                        param_dtype=jnp.dtype(cfg.param_dtype), dtype=compute, **opts))
@@ -220,7 +236,7 @@ class Learner:
             # each param in the learner's param dtype (the model keeps some leaves fp32 whatever it is)
             params = jax.tree.map(lambda x, a: x.astype(a.dtype), params, abs_params)
             ref = None
-            if cfg.loss.kl_coef > 0:
+            if cfg.loss.kl_coef > 0 and not cfg.lora.enabled:  # LoRA: the reference is the base (LearnerStep)
                 ref_dtype = jnp.dtype(cfg.ref_dtype)
                 ref = jax.tree_util.tree_map_with_path(
                     lambda p, x: x.astype(ref_dtype) if is_matrix(p, x) else x, params)
@@ -281,6 +297,8 @@ class Learner:
     # ------------------------------------------------------------------ optimizer
     def _label(self, path, _leaf) -> str:
         """TRAIN or FROZEN: `sharding.offload.is_trained` (the planner counts optimizer state by the same rule)."""
+        if self.cfg.lora.enabled:  # LoRA: the adapters alone train, every base weight is frozen
+            return TRAIN if is_adapter_key(tree_key(path)) else FROZEN
         trained = so.is_trained(tree_key(path), train_mtp=self.cfg.train_mtp, freeze_router=self.cfg.freeze_router)
         return TRAIN if trained else FROZEN
 
@@ -376,11 +394,20 @@ class Learner:
         merged = nnx.merge_state(self.state.params, self.state.buffers)
         return merged if self.sdef is None else scan.unstack_params(merged, self.sdef.groups)
 
+    def adapters_for_push(self) -> Any:
+        """LoRA: nnx.State of the adapters alone (`nnx.LoRAParam`s, per layer, official paths; sliced back, i.e.
+        copied, with `scan_layers`): what an adapter push moves (`parallel.push.local.WeightPusher(only=...)`)."""
+        ad = nnx.filter_state(self.state.params, nnx.LoRAParam)
+        return ad if self.sdef is None else scan.unstack_params(ad, self.sdef.groups)
+
     def state_dict(self) -> dict[str, Any]:
         """{"step", "params", "opt_state", "buffers"} (+ "ref_params" when kl_coef > 0): a pytree of arrays
-        (with `scan_layers`, in the stacked layout: it only loads into a learner with the same setting)."""
+        (with `scan_layers`, in the stacked layout: it only loads into a learner with the same setting). LoRA:
+        "params" holds the adapters alone (the frozen base is the run's --init, recorded by the checkpoint's
+        fingerprint: rl/job.py), and there is no "ref_params" (the reference is the base)."""
         s = self.state
-        d = {"step": s.step, "params": s.params, "opt_state": s.opt_state, "buffers": s.buffers}
+        params = nnx.filter_state(s.params, nnx.LoRAParam) if self.cfg.lora.enabled else s.params
+        d = {"step": s.step, "params": params, "opt_state": s.opt_state, "buffers": s.buffers}
         if s.ref_params is not None:
             d["ref_params"] = s.ref_params
         return d
@@ -388,7 +415,10 @@ class Learner:
     def load_state_dict(self, d: dict[str, Any]) -> None:
         """Replace the state by `d` (as from `state_dict`), placed like the current state.
         Raises ValueError when its structure, shapes or dtypes differ from the learner's."""
-        new = TrainState(step=d["step"], params=d["params"], opt_state=d["opt_state"], buffers=d["buffers"],
+        params = d["params"]
+        if self.cfg.lora.enabled:  # the checkpoint holds the adapters; the frozen base is this learner's own
+            params = nnx.merge_state(nnx.filter_state(self.state.params, nnx.Not(nnx.LoRAParam)), params)
+        new = TrainState(step=d["step"], params=params, opt_state=d["opt_state"], buffers=d["buffers"],
                          ref_params=d.get("ref_params"))
         if jax.tree.structure(new) != jax.tree.structure(self.state):
             raise ValueError("state_dict structure differs from the learner's state (other model or config?)")

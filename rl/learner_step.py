@@ -141,35 +141,64 @@ class LearnerStep:
             return dataclasses.replace(c, norm_length=lay.seq_len)
         return c
 
+    def trained_only(self, params):
+        """LoRA: (the TRAIN leaves of `params` [list], with_trained: list -> params with those leaves put back and
+        every other leaf under stop_gradient, expand: grads of the list -> a grads tree like params, zeros for the
+        frozen leaves (dead after the update, which keeps the frozen params as they are))."""
+        leaves, tdef = jax.tree.flatten(params)
+        idx = [i for i, lab in enumerate(jax.tree.leaves(self.labels)) if lab == TRAIN]
+        frozen = [jax.lax.stop_gradient(x) for x in leaves]
+
+        def with_trained(tr):
+            out = list(frozen)
+            for i, x in zip(idx, tr):
+                out[i] = x
+            return jax.tree.unflatten(tdef, out)
+
+        def expand(g):
+            out = [jnp.zeros_like(x) for x in leaves]
+            for i, x in zip(idx, g):
+                out[i] = x
+            return jax.tree.unflatten(tdef, out)
+
+        return [leaves[i] for i in idx], with_trained, expand
+
     def loss_and_grads(self, state: TrainState, batch: TrainBatch, lay: batching.Layout):
-        """-> (loss, grads (nnx.State like params, param dtype), metrics), accumulated exactly over micro-batches."""
+        """-> (loss, grads (nnx.State like params, param dtype), metrics), accumulated exactly over micro-batches.
+        With LoRA the gradient is taken with respect to the adapters alone (`trained_only`)."""
         norms = loss_normalizers(batch.response_mask, self.cfg.loss)
         if self.cfg.mtp_loss_weight > 0:
             norms = dict(norms, mtp_tokens=jnp.maximum(jnp.sum(mtp_mask(batch.response_mask)), 1.0))
         m = lay.micro_batches
+        loss_fn = functools.partial(self.loss, loss_cfg=self.loss_cfg(lay), micro_batches=m if self.pipelined else None)
+        wrt, expand, ref = state.params, lambda g: g, state.ref_params
+        if self.cfg.lora.enabled and self.cfg.loss.kl_coef > 0:  # the reference: the base (every adapter zero)
+            ref = jax.tree.map(lambda x, lab: jnp.zeros_like(x) if lab == TRAIN else jax.lax.stop_gradient(x),
+                               state.params, self.labels)
+        if self.cfg.lora.enabled:
+            wrt, with_trained, expand = self.trained_only(state.params)
+            loss_fn = (lambda f: lambda tr, *a: f(with_trained(tr), *a))(loss_fn)
+        grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
         if self.pipelined:  # one pipelined forward + backward over the whole (padded) batch: rows in the order
             # batching.split pads them to, and the pipeline cuts the micro-batches batching.split would
-            grad_fn = jax.value_and_grad(functools.partial(self.loss, loss_cfg=self.loss_cfg(lay), micro_batches=m),
-                                         has_aux=True)
             whole = jax.tree.map(pipeline.merge_micro_batches, batching.split(batch, lay))
-            (loss, metrics), grads = grad_fn(state.params, state.buffers, state.ref_params, whole, norms)
-            return loss, grads, metrics
-        grad_fn = jax.value_and_grad(functools.partial(self.loss, loss_cfg=self.loss_cfg(lay)), has_aux=True)
+            (loss, metrics), grads = grad_fn(wrt, state.buffers, ref, whole, norms)
+            return loss, expand(grads), metrics
         if m == 1 and lay.rows == batch.input_ids.shape[0]:
-            (loss, metrics), grads = grad_fn(state.params, state.buffers, state.ref_params, batch, norms)
-            return loss, grads, metrics
+            (loss, metrics), grads = grad_fn(wrt, state.buffers, ref, batch, norms)
+            return loss, expand(grads), metrics
         mbs = batching.split(batch, lay)
 
         def body(acc, mb):
-            (loss, metrics), grads = grad_fn(state.params, state.buffers, state.ref_params, mb, norms)
+            (loss, metrics), grads = grad_fn(wrt, state.buffers, ref, mb, norms)
             return jax.tree.map(jnp.add, acc, (loss, grads, metrics)), None
 
         first = jax.tree.map(lambda x: x[0], mbs)
-        (_, metric_shapes), _ = jax.eval_shape(grad_fn, state.params, state.buffers, state.ref_params, first, norms)
+        (_, metric_shapes), _ = jax.eval_shape(grad_fn, wrt, state.buffers, ref, first, norms)
         zeros = lambda t: jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), t)  # noqa: E731
-        init = (jnp.zeros((), jnp.float32), jax.tree.map(jnp.zeros_like, state.params), zeros(metric_shapes))
+        init = (jnp.zeros((), jnp.float32), jax.tree.map(jnp.zeros_like, wrt), zeros(metric_shapes))
         (loss, grads, metrics), _ = jax.lax.scan(body, init, mbs)
-        return loss, grads, metrics
+        return loss, expand(grads), metrics
 
     def step(self, state: TrainState, batch: TrainBatch, lay: batching.Layout) -> tuple[TrainState, Metrics]:
         loss, grads, metrics = self.loss_and_grads(state, batch, lay)

@@ -99,6 +99,10 @@ class WeightPusher:
       quantize_on: "actor" (default: quantised tensors cross as fp8 blocks + scales) or "rollout" (they cross as
         bf16 and are quantised chunk by chunk on arrival); colocated plans always quantise in the one jit.
       warmup: run the dry pushes now (default True).
+      only: None (default: every tensor of the sampler), or a predicate on tensor keys: the push moves those
+        tensors alone and the sampler keeps its others as stored (e.g. `dsv4.lora.is_adapter_key`: a LoRA push moves
+        the adapters, the rollout applies them unmerged over its base); `abstract_actor_state` and `push`'s params
+        may hold more keys (they are filtered). Verified as any push (per tensor pushed).
     Raises:
       ValueError: a key-set mismatch with the sampler (lists missing and unexpected keys), a shape mismatch, a
         sampler without a mesh, weights or on another mesh, missing actor shardings, an unknown quantize_on.
@@ -106,7 +110,7 @@ class WeightPusher:
 
     def __init__(self, plan_or_meshes, sampler, abstract_actor_state, *, actor_shardings=None,
                  chunk_bytes: int = DEFAULT_CHUNK_BYTES, verify_every: int = 1,
-                 quantize_on: str = DEFAULT_QUANTIZE_ON, warmup: bool = True):
+                 quantize_on: str = DEFAULT_QUANTIZE_ON, warmup: bool = True, only=None):
         if isinstance(plan_or_meshes, tuple):
             actor_mesh, rollout_mesh = plan_or_meshes
             plan = None
@@ -134,17 +138,18 @@ class WeightPusher:
         # all-gather rendezvous abort with a 6-device actor on 2 cores). On CPU each reshard program is therefore
         # waited for before the next is dispatched; GPUs order collectives per stream and keep the async dispatch.
         self._one_at_a_time = actor_mesh.devices.flat[0].platform == "cpu"
-        abstract = flat_state(abstract_actor_state)
-        rollout_sh = sampler.rollout_shardings()
+        self.only = only
+        abstract = self._selected(flat_state(abstract_actor_state))
+        rollout_sh = self._selected(sampler.rollout_shardings())
         check_keys(abstract, rollout_sh, "WeightPusher")
         if actor_shardings is None:
             actor_shardings = {k: getattr(v, "sharding", None) for k, v in abstract.items()}
             if any(not isinstance(s, NamedSharding) for s in actor_shardings.values()):
                 if plan is None:
                     raise ValueError("WeightPusher: pass actor_shardings= or a MeshPlan, or leaves with shardings")
-                actor_shardings = flat_state(plan.param_shardings("actor", abstract_actor_state))
+                actor_shardings = self._selected(flat_state(plan.param_shardings("actor", abstract_actor_state)))
         else:
-            actor_shardings = flat_state(actor_shardings)
+            actor_shardings = self._selected(flat_state(actor_shardings))
         self.tensors = plan_tensors(abstract, actor_shardings, rollout_sh, sampler.weight_state(),
                                     colocated=self.colocated, quantize_on=self.quantize_on)
         self.chunks = chunked(self.tensors, self.chunk_bytes)
@@ -153,6 +158,10 @@ class WeightPusher:
         self.n_params = sum(math.prod(t.shape) for t in self.tensors)
         if warmup:
             self.warmup()
+
+    def _selected(self, flat: dict) -> dict:
+        """{key: ...} restricted to the keys this pusher moves (`only`)."""
+        return flat if self.only is None else {k: v for k, v in flat.items() if self.only(k)}
 
     # -------------------------------------------------------------- the three steps of a chunk
 
@@ -292,7 +301,7 @@ class WeightPusher:
         """
         if version <= self.sampler.weight_version:
             raise ValueError(f"push: version {version} must exceed the live version {self.sampler.weight_version}")
-        flat = flat_state(params)
+        flat = self._selected(flat_state(params))
         check_keys(flat, {t.key: t for t in self.tensors}, "push")
         for t in self.tensors:
             x = flat[t.key]
@@ -325,6 +334,8 @@ class WeightPusher:
         if failures:
             _delete(wstate)
             raise PushVerificationError(version, failures)
+        if self.only is not None:  # the tensors not pushed stay as stored
+            wstate = {**self.sampler.weight_state(), **wstate}
         self.sampler.set_weights(wstate, version)
         if verify and self.sampler.weight_version != version:
             raise PushVerificationError(version, [("<version>", f"sampler reports {self.sampler.weight_version}")])

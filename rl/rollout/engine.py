@@ -149,7 +149,7 @@ class Sampler(EngineShapes):
         # the one rule from learner weights to rollout weights (also the FP8-aware learner's, dsv4/rollout_format.py)
         self.rformat = RolloutFormat(rdt=rdt, fmt=self.fmt, block=self.fp8_block, compute_dtype=self.compute_dtype)
         self.weights = EngineWeights(cfg, self.rformat, mesh=mesh, rules=self.rules, fp8_gemm=self.fp8_gemm,
-                                     tie=default_tie(devs))
+                                     tie=default_tie(devs), lora=getattr(model, "lora", None))
         self.layerwise, self.dense_model = self.weights.layerwise, self.weights.dense_model
         if dispatch_fn is None:  # an expert mesh: the EP dispatch; CPU + unsharded experts: moe.routed_experts_cpu
             ddevs = [jax.devices()[0]] if mesh is None else devs

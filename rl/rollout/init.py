@@ -24,6 +24,7 @@ import jax.numpy as jnp
 
 from dsv4 import quant
 from dsv4.io.load import load_quantized_state
+from dsv4.lora import is_adapter_key
 from dsv4.names import param_key
 from dsv4.rollout_format import KEEP_F32
 
@@ -54,6 +55,9 @@ def checkpoint_rollout_weights(sampler, path, *, config=None, progress: bool | N
     stored = load_quantized_state(path, dtype=sampler.compute_dtype, config=config or sampler.config,
                                   mesh=sampler.mesh, rules=sampler.rules, progress=progress)
     abs_flat = sampler.weights.abstract_params
+    for p, v in abs_flat:  # LoRA adapters (dsv4/lora.py) are not in a base checkpoint: zero (no delta) until a push
+        if is_adapter_key(k := param_key(p)) and k not in stored:
+            stored[k] = jnp.zeros(v.get_value().shape, jnp.float32)
     missing = [param_key(p) for p, _ in abs_flat if param_key(p) not in stored]
     if missing:
         raise ValueError(f"{path}: the checkpoint lacks {len(missing)} tensors the rollout model needs, e.g. {missing[:3]}")

@@ -29,15 +29,17 @@ class EngineWeights:
     Args:
       config: the model config. rformat: the rollout weight format (`dsv4.rollout_format.RolloutFormat`).
       mesh, rules: the rollout mesh and its rule table (None: unmeshed). fp8_gemm: the FP8-set projections stay
-        quantised for FP8 GEMMs. tie: `rl.rollout.layerwise.default_tie` of the devices.
+        quantised for FP8 GEMMs. tie: `rl.rollout.layerwise.default_tie` of the devices. lora: the model's
+        `dsv4.lora.LoraConfig` (None: no adapters): the engine then applies the adapters unmerged (base product +
+        low-rank path, dsv4/lora.py); they are dense tensors of the weight state, pushed like any other.
     """
 
     def __init__(self, config, rformat: RolloutFormat, *, mesh=None, rules=None, fp8_gemm: bool = False,
-                 tie: str = "cond"):
+                 tie: str = "cond", lora=None):
         self.rformat, self.mesh, self.fp8_gemm = rformat, mesh, fp8_gemm
         self.compute_dtype = rformat.compute_dtype
         abstract = nnx.eval_shape(lambda: DSV4ForCausalLM(config, rngs=nnx.Rngs(0), param_dtype=jnp.float32,
-                                                          dtype=self.compute_dtype))
+                                                          dtype=self.compute_dtype, lora=lora))
         self.layerwise = LayerwiseWeights(abstract, self.compute_dtype, fp8_gemm=fp8_gemm, tie=tie)
         self.graphdef, abs_state = nnx.split(abstract)
         self.abstract_params = list(nnx.to_flat_state(abs_state))  # [(path, abstract Variable)]

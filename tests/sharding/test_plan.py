@@ -15,6 +15,7 @@ import pytest
 from flax import nnx
 
 import dsv4
+from dsv4.lora import LoraConfig, is_adapter_key
 from launch.plan import main as plan_main
 from parallel import activations, model_bytes
 from parallel import plan as pl
@@ -278,3 +279,18 @@ def test_pipeline_stages_split_the_pipelined_layers_and_print_the_bubble(flash_l
     with pytest.raises(ValueError, match=r"--learner.pipeline_stages=3 does not divide the 20 repetitions"):
         pl.plan("flash", "actor:stage=3,expert=8/rollout:expert=8", "mi308x", nodes=4,
                 learner=dataclasses.replace(LEARNER, pipeline_stages=3))
+
+
+def test_lora_plan_counts_gradients_and_optimizer_state_of_the_adapters_alone():
+    """LoRA (learner.lora.rank > 0): gradients and Adam moments for the adapters only, bytes counted by hand."""
+    cfg = dsv4.DSV4Config.tiny()
+    lora = LoraConfig(rank=4)
+    full = pl.plan(cfg, "actor:data=1/rollout:data=1", "mi308x", learner=LEARNER, nodes=None)
+    r = pl.plan(cfg, "actor:data=1/rollout:data=1", "mi308x", learner=dataclasses.replace(LEARNER, lora=lora),
+                nodes=None)
+    adapters = [leaf for leaf in model_bytes.model_leaves(cfg, lora) if is_adapter_key(leaf.path.replace(".", "/"))]
+    n = sum(math.prod(leaf.shape) for leaf in adapters)  # float32 adapters: 4 B grads, 2 x 4 B moments, no master
+    assert adapters and all(leaf.dtype == "float32" for leaf in adapters)
+    assert r.actor.items["gradients (param dtype)"] == 4 * n
+    assert r.actor.items["Adam moments (2 x fp32)"] == 8 * n and r.actor.items["fp32 master weights"] == 0
+    assert r.actor.items["gradients (param dtype)"] < full.actor.items["gradients (param dtype)"] / 10
