@@ -12,16 +12,15 @@ Run: `.venv/bin/python -m pytest -q tests/rl/test_learner_pipeline.py`.
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 import pytest
 from flax import nnx
 
 import dsv4
 from rl.algo_config import LearnerConfig
-from rl.batch import TrainBatch
 from rl.learner import Learner
-from rl.logprobs import token_logprobs
 from sharding.mesh import build_mesh_plan
+
+from ragged_batch import ragged_batch  # noqa: E402  (tests/rl on sys.path)
 
 CFG = dsv4.DSV4Config.tiny(num_hidden_layers=10, num_hash_layers=2, compress_ratios=(0, 0) + (4,) * 8 + (0,))
 N, P, T = 8, 5, 5
@@ -34,19 +33,7 @@ def model():
 
 
 def _batch(model):
-    """N ragged rows [left-padded prompt | response, right-padded]; routing recorded from the model's forward."""
-    rng = np.random.default_rng(0)
-    plen, rlen = rng.integers(1, P + 1, N), rng.integers(1, T + 1, N)
-    rlen[0] = T
-    am, rm = np.zeros((N, P + T), np.int32), np.zeros((N, P + T), np.int32)
-    for i in range(N):
-        am[i, P - plen[i]:P + rlen[i]] = 1
-        rm[i, P:P + rlen[i]] = 1
-    ids = np.where(am > 0, rng.integers(1, CFG.vocab_size, (N, P + T)), 0).astype(np.int32)
-    lp, _, routing = jax.jit(lambda i, m: token_logprobs(model, i, m))(ids, am)
-    return TrainBatch(input_ids=jnp.asarray(ids), attention_mask=jnp.asarray(am), response_mask=jnp.asarray(rm),
-                      rollout_logprobs=lp * rm, advantages=jnp.asarray(rng.normal(size=N), jnp.float32),
-                      routing=routing)
+    return ragged_batch(model, N, P, T)
 
 
 def _cfg(**kw) -> LearnerConfig:
