@@ -19,6 +19,9 @@ Sized so the tiny model learns it from random init (benchmarks/README.md, "Multi
   back, to the head piece of that key) is where the signal is. The environment's turn is 5 + the value's digits,
   the answer the digits + EOS; the key and the value are both 3 ids before the position that writes them.
 - Errors are terse (`Environment.terse_errors`: a broken call is answered by the one-piece "error").
+- The training run's side (not this module): 4 keys (`rl.env_task.ENV_KEYS`), and benchmarks/agentic.py's defaults
+  of 12 new tokens (a perfect trajectory is 3 + 6 + 2) and an entropy bonus 0.02 (without one the first lesson,
+  "write a call head", spread to every position and every row of a group wrote the same turn).
 History: keys "k0".."k9" as "k" + a digit (a 5-id call: head, "k", digit, tail, EOS) let the policy learn the
 constant units (head, "k") and collapse before the key's digit, the first unit to copy, was ever sampled right.
 
