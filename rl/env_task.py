@@ -35,7 +35,7 @@ from rl.tokenizer import load_tokenizer
 
 TRAIN_PROMPTS = 4096
 EVAL_START = 1 << 20
-ENV_KEYS = 10  # keys k0..k9 (KeyLookupTask.n_keys)
+ENV_KEYS = 4  # keys 0..3 (KeyLookupTask.n_keys; benchmarks/README.md, agentic.py)
 
 
 @dataclasses.dataclass(frozen=True)

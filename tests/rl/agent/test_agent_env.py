@@ -26,27 +26,28 @@ def test_registry_names_and_one_line_error():
 
 def test_key_lookup_episode():
     env = make_env("key_lookup")
-    data = "k07=4821"
-    msgs = envlib.reset(env, "key k07", data)
-    assert msgs[0]["tools"][0]["function"]["name"] == "lookup" and msgs[1] == {"role": "user", "content": "key k07"}
-    res = envlib.step(env, CALL.format(key="k07"), data)
+    data = "7=4821"
+    msgs = envlib.reset(env, "key 7", data)
+    assert msgs[0]["tools"][0]["function"]["name"] == "lookup" and msgs[1] == {"role": "user", "content": "key 7"}
+    res = envlib.step(env, CALL.format(key="7"), data)
     assert (res.done, res.calls, res.errors, res.contents) == (False, 1, 0, ["4821"])
     assert res.messages[0]["role"] == "tool"
-    wrong = envlib.step(env, CALL.format(key="k08"), data)
+    wrong = envlib.step(env, CALL.format(key="8"), data)
     assert (wrong.done, wrong.errors, wrong.contents) == (False, 1, ["error"])  # terse errors
     done = envlib.step(env, "4821" + EOS, data)
     assert (done.done, done.calls, done.messages) == (True, 0, ())
-    call, w = CALL.format(key="k07"), CALL_WEIGHT
+    call, w = CALL.format(key="7"), CALL_WEIGHT
     assert envlib.reward(env, "4821" + EOS, data, call) == 1.0
     assert envlib.reward(env, "4820" + EOS, data, call) == pytest.approx((1 - w) * 0.75 + w)  # 3/4 digits
     assert envlib.reward(env, "48", data, call) == pytest.approx((1 - w) * 0.25 + w)  # cut: 2/4 digits x 0.5
     assert envlib.reward(env, "4821" + EOS, data) == 0.0  # an answer without the right call: a guess, no credit
-    assert envlib.reward(env, "4821" + EOS, data, CALL.format(key="k08")) == pytest.approx(w * 3 / 6)
+    assert envlib.reward(env, "4821" + EOS, data, CALL.format(key="8")) == pytest.approx(w * 1 / 4)
     assert value_reward(" 4821\n", data) == 1.0
-    # call_progress: units call head, "k", "0", "7", call tail, EOS; the matching prefix counts
+    # call_progress: units call head, the key, call tail, EOS; the matching prefix counts (a wrong key: the head)
     assert call_progress(call, data) == 1.0 and call_progress("4821" + EOS, data) == 0.0
-    assert call_progress(CALL_HEAD + "k0" + EOS, data) == pytest.approx(3 / 6)
-    assert call_progress(CALL.format(key="k08"), data) == pytest.approx(3 / 6)
+    assert call_progress(CALL_HEAD + "7" + EOS, data) == pytest.approx(2 / 4)
+    assert call_progress(CALL.format(key="8"), data) == pytest.approx(1 / 4)
+    assert call_progress(CALL_HEAD + "0" + CALL_TAIL + EOS, "07=1") == pytest.approx(1 / 4)  # 2-digit keys
     with pytest.raises(ValueError, match="shaping_weight"):
         envlib.Environment(name="x", tools=env.tools, handlers=env.handlers, reward_fn=value_reward, shaping_weight=0.5)
 
@@ -55,20 +56,20 @@ def test_tool_errors_are_results_not_exceptions():
     env = make_env("key_lookup")
     bad_args = CALL.replace('string="true">{key}', 'string="false">[1]').format()
     cases = {
-        CALL.replace("lookup", "search").format(key="k07"): "error: unknown tool 'search'",
+        CALL.replace("lookup", "search").format(key="7"): "error: unknown tool 'search'",
         bad_args: "error: lookup needs a string argument 'key'",
-        CALL.replace(CALL_TAIL, "</｜DSML｜parameter>").format(key="k07"): "error: tool call",  # block cut
+        CALL.replace(CALL_TAIL, "</｜DSML｜parameter>").format(key="7"): "error: tool call",  # block cut
         CALL.replace('string="true">{key}', 'string="false">{{oops').format(): "error: arguments of 'lookup'",
     }
     verbose = envlib.Environment(name="v", tools=env.tools, handlers=env.handlers, reward_fn=value_reward)
     for text, start in cases.items():
-        res = envlib.step(verbose, text, "k07=1")
+        res = envlib.step(verbose, text, "7=1")
         assert not res.done and res.errors == 1 and res.contents[0].startswith(start), res.contents
         assert "\n" not in res.contents[0]
-        assert envlib.step(env, text, "k07=1").contents == ["error"]  # key_lookup's terse errors
+        assert envlib.step(env, text, "7=1").contents == ["error"]  # key_lookup's terse errors
     boom = envlib.Environment(name="b", tools=env.tools, handlers={"lookup": lambda a, d: 1 / 0},
                               reward_fn=value_reward)
-    assert envlib.step(boom, CALL.format(key="k07"), "k07=1").contents == ["error: ZeroDivisionError: division by zero"]
+    assert envlib.step(boom, CALL.format(key="7"), "7=1").contents == ["error: ZeroDivisionError: division by zero"]
     with pytest.raises(ValueError, match="no handler"):
         envlib.Environment(name="x", tools=env.tools, handlers={}, reward_fn=value_reward)
 
@@ -80,13 +81,14 @@ def test_key_lookup_task_tokens_round_trip():
     key = data.split("=")[0]
     text = render_deepseek_v4(envlib.reset(make_env("key_lookup"), f"key {key}"))
     assert tok.decode_with_specials(ids) == text and ids[0] == tok.bos_id
-    assert len(ids) == 8 and tok.vocab_size == 26 and len(key) == 2  # keys k0..k9
-    call = tok.encode(CALL.format(key=key))
-    assert len(call) == 5 and call[-1] == tok.eos_id and tok.decode(call).endswith("</｜DSML｜tool_calls>")
+    assert len(ids) == 7 and ids[-3] == tok.encode(key)[0] and tok.vocab_size == 35 and len(key) == 1  # keys 0..9
+    call = tok.encode(CALL.format(key=key))  # the call head with the key is one piece
+    assert len(call) == 3 and call[-1] == tok.eos_id and tok.decode(call).endswith("</｜DSML｜tool_calls>")
+    assert tok.encode(CALL_HEAD + "?" + CALL_TAIL)[:2] == tok.encode(CALL_HEAD + "?")  # the bare head is a piece too
     assert len(tok.encode(tool_result_turn(["4821"]))) == 9 and len(tok.encode(tool_result_turn(["error"]))) == 6
-    assert len(KeyLookupTask(n_keys=100).data(5).split("=")[0]) == 3  # k00..k99
+    assert len(KeyLookupTask(n_keys=100).data(5).split("=")[0]) == 2  # 00..99
     assert tok.decode_with_specials([0, 9999]) == "\ufffd"
-    assert tok.encode("k｜é") == tok.encode("k??")  # an environment's text always encodes (a tool error quoting a call)
+    assert tok.encode("k｜é") == tok.encode("???")  # an environment's text always encodes (a tool error quoting a call)
     with pytest.raises(ValueError, match="'é'"):
         PieceTokenizer(["ab"], "ab").encode("é")
     with pytest.raises(ValueError, match="unknown must be one of its characters"):
