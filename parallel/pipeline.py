@@ -95,6 +95,14 @@ def pipelined_group(groups: Sequence[LayerGroup]) -> int:
     return sizes.index(max(sizes))
 
 
+def check_stage_axis(stages: int, stage_axis: int) -> None:
+    """Raises ValueError naming --learner.pipeline_stages when `stages` is not a multiple of the mesh's `stage`
+    axis size `stage_axis` (each device of the axis holds whole stages)."""
+    if stages % stage_axis:
+        raise ValueError(f"{PIPELINE_FLAG}={stages} does not spread over the mesh's stage={stage_axis} axis: use a "
+                         f"multiple of {stage_axis}")
+
+
 def pipeline_plan(groups: Sequence[LayerGroup], stages: int, micro_batches: int) -> PipelinePlan:
     """The `PipelinePlan` of `stages` over `layer_groups(cfg)`. Raises ValueError (one line, naming
     `--learner.pipeline_stages`) when the stage count does not divide the pipelined group's repetitions."""

@@ -118,16 +118,14 @@ from dsv4 import scan
 from dsv4.layers import Buffer
 from dsv4.lora import is_adapter_key
 from dsv4.names import tree_key
-from dsv4.quant import select_fp8_format
-from dsv4.rollout_format import RolloutFormat, parse_rollout_dtype
 from parallel import expert as expert_lib
 from parallel import pipeline
 from rl import batching, optim
 from rl.algo_config import LearnerConfig
 from rl.batch import TrainBatch, check_train_batch
 from rl.config_tree import default
-from rl.learner_state import (LogprobResult, TrainState, master_like_params, offload_shardings, place,
-                              resolve_param_dtype, state_shardings, streamable)
+from rl.learner_state import (LogprobResult, TrainState, check_lora, fp8_forward_format, master_like_params,
+                              offload_shardings, place, resolve_param_dtype, state_shardings, streamable)
 from rl.learner_step import FROZEN, TRAIN, LearnerStep, Metrics
 from rl.replay import check_replay_routing
 from rl.rollout.config import RolloutConfig
@@ -183,19 +181,9 @@ class Learner:
         self.cfg, self.dispatch_fn, self.exact_layout = cfg, dispatch_fn, exact_layout
         self.model_config = module.config
         compute = jnp.dtype(cfg.compute_dtype)
-        self.rformat = None  # fp8_forward: how the rollout stores each weight (dsv4.rollout_format.RolloutFormat)
-        if cfg.fp8_forward:
-            rdt = parse_rollout_dtype(rollout_dtype)
-            if not rdt.fp8:
-                raise ValueError(f"LearnerConfig.fp8_forward (--learner.fp8_forward) reproduces an FP8 rollout, but "
-                                 f"--rollout-dtype is {rollout_dtype}: use an fp8 --rollout-dtype")
-            devs = rollout_devices or ([jax.devices()[0]] if mesh is None else list(mesh.devices.flat))
-            self.rformat = RolloutFormat(rdt=rdt, fmt=select_fp8_format(rdt.fp8_name, devs), block=tuple(fp8_block),
-                                         compute_dtype=compute)
-        if cfg.lora.enabled and getattr(module, "lora", None) != cfg.lora:
-            raise ValueError(f"--learner.lora.rank {cfg.lora.rank}: the model holds no adapters of this LoraConfig "
-                             f"(it has {getattr(module, 'lora', None)}): build it with DSV4ForCausalLM(..., lora=...) "
-                             f"or dsv4.lora.attach")
+        devs = rollout_devices or ([jax.devices()[0]] if mesh is None else list(mesh.devices.flat))
+        self.rformat = fp8_forward_format(cfg, rollout_dtype, devs, fp8_block, compute)  # None without fp8_forward
+        check_lora(module, cfg)
         opts = module.build_options(remat=cfg.remat) if hasattr(module, "build_options") else {}
         abs_model = nnx.eval_shape(lambda: type(module)(module.config, rngs=nnx.Rngs(0),
                                                        param_dtype=jnp.dtype(cfg.param_dtype), dtype=compute, **opts))
@@ -210,12 +198,9 @@ class Learner:
         # (weight decay, reference dtype) are decided per layer, then stacked (a stacked leaf has one more dim)
         self.sdef = scan.stack_def(abs_model) if cfg.scan_layers else None
         self.pipeline = None  # --learner.pipeline_stages: the stages' group (micro-batches: per step's layout)
+        pipeline.check_stage_axis(cfg.pipeline_stages, 1 if mesh is None else mesh.shape.get(sr.STAGE, 1))
         if cfg.pipeline_stages > 1:
             self.pipeline = pipeline.pipeline_plan(self.sdef.groups, cfg.pipeline_stages, 1)
-        stage_axis = 1 if mesh is None else mesh.shape.get(sr.STAGE, 1)
-        if cfg.pipeline_stages % stage_axis:
-            raise ValueError(f"--learner.pipeline_stages={cfg.pipeline_stages} does not spread over the mesh's "
-                             f"{sr.STAGE}={stage_axis} axis: use a multiple of {stage_axis}")
         self._per_layer_params = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), abs_params)
         labels = jax.tree_util.tree_map_with_path(self._label, params)
         matrix = jax.tree.map(lambda x: x.ndim >= 2, params)

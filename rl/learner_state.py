@@ -24,6 +24,8 @@ from flax import nnx, struct
 from jax.sharding import Mesh
 
 from dsv4.names import tree_key
+from dsv4.quant import select_fp8_format
+from dsv4.rollout_format import RolloutFormat, parse_rollout_dtype
 from rl import optim
 from rl.algo_config import LearnerConfig
 from sharding import offload as so
@@ -139,3 +141,26 @@ def opt_state_to(opt_state: Any, kind: str, offloaded: frozenset[str], streamed:
         return jax.device_put(x, sh if kind == "host" else sh.with_memory_kind("device"))
 
     return jax.tree_util.tree_map_with_path(move, opt_state, opt_shardings)
+
+
+def fp8_forward_format(cfg: LearnerConfig, rollout_dtype: str, devices, block, compute_dtype) -> RolloutFormat | None:
+    """--learner.fp8_forward: how the rollout stores each weight (`dsv4.rollout_format.RolloutFormat`, its FP8
+    format chosen for the rollout's `devices`, scale `block` (b0, b1), dequantised to `compute_dtype`); None without
+    it. Raises ValueError naming the flag when --rollout-dtype is not an FP8 one."""
+    if not cfg.fp8_forward:
+        return None
+    rdt = parse_rollout_dtype(rollout_dtype)
+    if not rdt.fp8:
+        raise ValueError(f"LearnerConfig.fp8_forward (--learner.fp8_forward) reproduces an FP8 rollout, but "
+                         f"--rollout-dtype is {rollout_dtype}: use an fp8 --rollout-dtype")
+    return RolloutFormat(rdt=rdt, fmt=select_fp8_format(rdt.fp8_name, devices), block=tuple(block),
+                         compute_dtype=compute_dtype)
+
+
+def check_lora(module, cfg: LearnerConfig) -> None:
+    """Raises ValueError naming --learner.lora.rank when LoRA is on and `module` does not hold adapters of exactly
+    `cfg.lora` (build it with `DSV4ForCausalLM(..., lora=...)` or `dsv4.lora.attach`)."""
+    if cfg.lora.enabled and getattr(module, "lora", None) != cfg.lora:
+        raise ValueError(f"--learner.lora.rank {cfg.lora.rank}: the model holds no adapters of this LoraConfig "
+                         f"(it has {getattr(module, 'lora', None)}): build it with DSV4ForCausalLM(..., lora=...) "
+                         f"or dsv4.lora.attach")
