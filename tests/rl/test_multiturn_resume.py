@@ -24,6 +24,7 @@ from rl.config import RunConfig
 
 sys.path.insert(0, str(pathlib.Path(__file__).parent))
 from fake_rollout import ListLogger  # noqa: E402  (tests/rl/fake_rollout.py)
+from tiny_job import tiny_learner_and_sampler  # noqa: E402  (tests/rl/tiny_job.py)
 
 sys.path.pop(0)
 
@@ -35,13 +36,7 @@ STEPS, AT = 3, 1
 @pytest.fixture(scope="module")
 def parts():
     """(cfg, learner, its initial state on the host, sampler, tokenizer, train data, reward)."""
-    from flax import nnx
-
-    from dsv4 import DSV4Config, DSV4ForCausalLM
-    from rl.algo_config import LearnerConfig
     from rl.job import load_data
-    from rl.learner import Learner
-    from rl.rollout.engine import Sampler
 
     cfg = RunConfig.from_overrides([
         ("rollout.env", "key_lookup"), ("rollout.max_turns", 2), ("steps", STEPS), ("rollout.prompts_per_step", 2),
@@ -49,13 +44,7 @@ def parts():
         ("eval.every", 0), ("ckpt.dir", ""), ("log.metrics_jsonl", ""), ("log.tensorboard_dir", ""),
         ("log.progress", False)])
     tok, _, train, _, _, reward, _ = load_data(cfg)
-    mc = DSV4Config.tiny(num_hidden_layers=2, compress_ratios=(4, 8), num_nextn_predict_layers=0,
-                         vocab_size=tok.vocab_size)
-    model = DSV4ForCausalLM(mc, rngs=nnx.Rngs(0))
-    learner = Learner(model, LearnerConfig(lr=cfg.learner.lr, loss=cfg.loss_config(), routing_replay=True,
-                                           compute_dtype="float32", temperature=cfg.rollout.temperature))
-    init = jax.tree.map(np.asarray, learner.state_dict())
-    sampler = Sampler(model, weights="fp32", max_prompt_len=train.max_prompt_len + cfg.rollout.max_new_tokens)
+    learner, init, sampler = tiny_learner_and_sampler(cfg, tok.vocab_size, train.max_prompt_len)
     return cfg, learner, init, sampler, tok, train, reward
 
 

@@ -27,6 +27,7 @@ from rl.config import RunConfig
 
 sys.path.insert(0, str(pathlib.Path(__file__).parent))
 from fake_rollout import ListLogger  # noqa: E402  (tests/rl/fake_rollout.py)
+from tiny_job import tiny_learner_and_sampler  # noqa: E402  (tests/rl/tiny_job.py)
 
 sys.path.pop(0)
 
@@ -38,26 +39,14 @@ STEPS = 4
 @pytest.fixture(scope="module")
 def parts():
     """(cfg, learner, its initial state on the host, sampler, task, tokenizer, train data)."""
-    from dsv4 import DSV4Config, DSV4ForCausalLM
-    from flax import nnx
-
-    from rl.algo_config import LearnerConfig
     from rl.job import load_data
-    from rl.learner import Learner
-    from rl.rollout.engine import Sampler
 
     cfg = RunConfig(steps=STEPS, **{"rollout.prompts_per_step": 4, "rollout.group_size": 2, "rollout.max_new_tokens": 8,
                                     "eval.every": 0, "ckpt.dir": None, "log.metrics_jsonl": None,
                                     "log.tensorboard_dir": None, "log.progress": False, "rollout.max_staleness": 1,
                                     "rollout.partial_rollout": True, "rollout.length_schedule": "0.25:3"})
     tok, task, train, *_ = load_data(cfg)
-    mc = DSV4Config.tiny(num_hidden_layers=2, compress_ratios=(4, 8), num_nextn_predict_layers=0,
-                         vocab_size=tok.vocab_size)
-    model = DSV4ForCausalLM(mc, rngs=nnx.Rngs(0))
-    learner = Learner(model, LearnerConfig(lr=cfg.learner.lr, loss=cfg.loss_config(), routing_replay=True,
-                                           compute_dtype="float32", temperature=cfg.rollout.temperature))
-    init = jax.tree.map(np.asarray, learner.state_dict())
-    sampler = Sampler(model, weights="fp32", max_prompt_len=train.max_prompt_len + cfg.rollout.max_new_tokens)
+    learner, init, sampler = tiny_learner_and_sampler(cfg, tok.vocab_size, train.max_prompt_len)
     return cfg, learner, init, sampler, task, tok, train
 
 
