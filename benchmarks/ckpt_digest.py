@@ -30,14 +30,14 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from dsv4 import DSV4Config, DSV4ForCausalLM
+from dsv4 import DSV4Config, abstract_model
 from rl.checkpoint import Checkpointer
 from rl.digest import array_digests
 
 
 def learner_like_state(preset: str, seed: int = 0) -> dict:
     """{"step": int32, "params": {path: f32}, "opt_state": {"mu": ..., "nu": ...}} of the preset's parameter shapes."""
-    abstract = nnx.state(nnx.eval_shape(lambda: DSV4ForCausalLM(DSV4Config.preset(preset), rngs=nnx.Rngs(0))))
+    abstract = nnx.state(abstract_model(DSV4Config.preset(preset)))
     leaves = jax.tree_util.tree_leaves_with_path(abstract)
     rng = np.random.default_rng(seed)
 

@@ -32,9 +32,8 @@ import time
 import jax
 import jax.numpy as jnp
 import numpy as np
-from flax import nnx
 
-from dsv4 import DSV4Config, DSV4ForCausalLM, quant
+from dsv4 import DSV4Config, abstract_model, quant
 from dsv4.cache import cache_shapes
 from dsv4.moe import routed_experts_ragged
 from rl.rollout.engine import Sampler, SamplingParams
@@ -209,7 +208,7 @@ def decode_step_hlo_bytes(sampler: Sampler, prompts, n: int) -> dict:
 
 
 def _abstract_model(cfg: DSV4Config):
-    return nnx.eval_shape(lambda: DSV4ForCausalLM(cfg, rngs=nnx.Rngs(0)))
+    return abstract_model(cfg)
 
 
 def memcpy_bandwidth(mb: int = 512, reps: int = 3) -> dict:

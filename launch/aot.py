@@ -30,7 +30,6 @@ import time
 
 import jax
 import jax.numpy as jnp
-from flax import nnx
 
 import dsv4
 from parallel.model_bytes import kv_cache_bytes
@@ -133,8 +132,7 @@ def compile_actor(config, mesh_spec: str, *, seq_len: int, learner: LearnerConfi
     spec = parse_mesh_spec(mesh_spec)
     devices = list(jax.devices() if devices is None else devices)[:spec.n_devices]
     plan = build_mesh_plan(spec, devices=devices, config=config)
-    model = nnx.eval_shape(lambda: dsv4.DSV4ForCausalLM(config, rngs=nnx.Rngs(0), param_dtype=jnp.bfloat16,
-                                                         dtype=jnp.bfloat16))
+    model = dsv4.abstract_model(config, param_dtype=jnp.bfloat16, dtype=jnp.bfloat16)
     cfg = dataclasses.replace(learner, compute_dtype="bfloat16", param_dtype="bfloat16")
     deviceless = not devices[0].addressable_memories()
     offload = cfg.offload_optimizer
@@ -265,8 +263,7 @@ def compile_rollout(config, mesh_spec: str, *, batch: int = 1024, context: int =
     spec = parse_mesh_spec(mesh_spec)
     devices = list(jax.devices() if devices is None else devices)[:spec.n_devices]
     plan = build_mesh_plan(spec, devices=devices, config=config)
-    model = nnx.eval_shape(lambda: dsv4.DSV4ForCausalLM(config, rngs=nnx.Rngs(0), param_dtype=jnp.bfloat16,
-                                                         dtype=jnp.bfloat16))
+    model = dsv4.abstract_model(config, param_dtype=jnp.bfloat16, dtype=jnp.bfloat16)
     new = context - prompt_len
     # the run's engine settings, in bf16 as on the GPU the plan is for
     settings = EngineSettings.for_run(rollout, platform=devices[0].platform, max_prompt_len=prompt_len,

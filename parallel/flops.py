@@ -18,14 +18,14 @@ import math
 import jax.numpy as jnp
 from flax import nnx
 
-from dsv4 import DSV4Config, DSV4ForCausalLM
+from dsv4 import DSV4Config, abstract_model
 from dsv4.names import param_key
 
 
 def train_flops_per_token(cfg: DSV4Config, seq: int) -> dict:
     """Model FLOPs of one trained token (forward + backward, no recompute) at sequence length `seq`: {"matmul",
     "attention", "total"} (the module docstring's formulas). A forward-only token (sampling) is a third of it."""
-    abstract = nnx.eval_shape(lambda: DSV4ForCausalLM(cfg, rngs=nnx.Rngs(0)))
+    abstract = abstract_model(cfg)
     k_frac = cfg.num_experts_per_tok / cfg.n_routed_experts
     params = 0.0
     for path, v in nnx.to_flat_state(nnx.state(abstract, nnx.Param)):

@@ -68,12 +68,10 @@ class Leaf:
 
 @functools.lru_cache(maxsize=4)
 def abstract_model(config, lora=None):
-    """`nnx.eval_shape` of `DSV4ForCausalLM(config, lora=lora)` with bf16 weights (no memory used; `lora`: a
-    `dsv4.lora.LoraConfig` or None). Cached per config: the Flash trace takes 10-35 s (flax compares each RNG draw's
-    tracer sharding, which makes jax walk the jaxpr)."""
+    """`dsv4.abstract_model(config, lora=lora)` with bf16 weights (no memory used; `lora`: a `dsv4.lora.LoraConfig`
+    or None), cached per config (the planner asks for the same model per role and per layout; Flash takes ~2 s)."""
 
-    return nnx.eval_shape(lambda: dsv4.DSV4ForCausalLM(config, rngs=nnx.Rngs(0), param_dtype=jnp.bfloat16,
-                                                        dtype=jnp.bfloat16, lora=lora))
+    return dsv4.abstract_model(config, param_dtype=jnp.bfloat16, dtype=jnp.bfloat16, lora=lora)
 
 
 @functools.lru_cache(maxsize=4)

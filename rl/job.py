@@ -27,7 +27,7 @@ import jax.numpy as jnp
 import yaml
 from flax import nnx
 
-from dsv4 import DSV4Config, DSV4ForCausalLM
+from dsv4 import DSV4Config, abstract_model
 from dsv4.chunked import check_chunk
 from dsv4.io.load import init_model, load_hf_checkpoint, loaded_config
 from dsv4.lora import attach, is_adapter_key
@@ -317,8 +317,7 @@ def build(cfg: RunConfig) -> Job:
         learner = Learner(model, lcfg, mesh=plan.actor, rollout_dtype=cfg.rollout.dtype,
                           rollout_devices=None if plan.rollout is None else list(plan.rollout.devices.flat),
                           exact_layout=exact)
-    abstract = nnx.eval_shape(lambda: DSV4ForCausalLM(shapes_cfg, rngs=nnx.Rngs(0), param_dtype=load_dtype,
-                                                      lora=lora))
+    abstract = abstract_model(shapes_cfg, param_dtype=load_dtype, lora=lora)
     # a random init in one process: the rollout's version 0 is quantised from the same model; else its weights
     # come from --init's own FP8 blocks or by the first push
     here = init == "random" and not layout.split_roles and not two_jobs
@@ -404,7 +403,7 @@ def build_rollout_job(cfg: RunConfig) -> Job:
     load_dtype = jnp.bfloat16 if lcfg.param_dtype == "bfloat16" else jnp.float32
     init = cfg.model.init
     shapes_cfg = loaded_config(init, model_cfg) if init != "random" else model_cfg
-    abstract = nnx.eval_shape(lambda: DSV4ForCausalLM(shapes_cfg, rngs=nnx.Rngs(0), param_dtype=load_dtype))
+    abstract = abstract_model(shapes_cfg, param_dtype=load_dtype)
     sampler = Sampler(abstract, _engine_settings(cfg, plan.rollout, max_prompt, slots, kv_budget), mesh=plan.rollout)
     server = RolloutJobServer(sampler, cfg.rollout.actor_address, timeout_s=cfg.rollout.push_timeout,
                               connect_timeout_s=cfg.rollout.restart_timeout,

@@ -117,6 +117,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from dsv4 import scan
 from dsv4.layers import Buffer
 from dsv4.lora import is_adapter_key
+from dsv4.model import ShapeKeys
 from dsv4.names import tree_key
 from parallel import expert as expert_lib
 from parallel import pipeline
@@ -185,7 +186,7 @@ class Learner:
         self.rformat = fp8_forward_format(cfg, rollout_dtype, devs, fp8_block, compute)  # None without fp8_forward
         check_lora(module, cfg)
         opts = module.build_options(remat=cfg.remat) if hasattr(module, "build_options") else {}
-        abs_model = nnx.eval_shape(lambda: type(module)(module.config, rngs=nnx.Rngs(0),
+        abs_model = nnx.eval_shape(lambda: type(module)(module.config, rngs=ShapeKeys(),
                                                        param_dtype=jnp.dtype(cfg.param_dtype), dtype=compute, **opts))
         self.graphdef, abs_params, _ = nnx.split(abs_model, nnx.Param, Buffer)
         _, params, buffers, rest = nnx.split(module, nnx.Param, Buffer, ...)

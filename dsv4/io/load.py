@@ -50,7 +50,7 @@ from dsv4.io.convert import CheckpointError, hf_to_official
 from dsv4.io.plan import check_config_matches, fp8_block, plan_leaves, scan_checkpoint, src_nbytes
 from dsv4.io.read import Files, load_leaf
 from dsv4.io.safetensors import bytes_read
-from dsv4.model import DSV4ForCausalLM
+from dsv4.model import DSV4ForCausalLM, abstract_model
 from dsv4.names import param_key
 from sharding.mesh import auto_axes
 from sharding.rules import ACTOR_RULES, param_shardings
@@ -170,7 +170,7 @@ def _load(path, *, dtype, config, mesh, rules, keep_quantized, compute_dtype, pr
         log.warning("%s: no mtp.* tensors (a transformers checkpoint has none): loading without the MTP block", path)
         cfg = dataclasses.replace(cfg, num_nextn_predict_layers=0,
                                   compress_ratios=cfg.compress_ratios[: cfg.num_hidden_layers])
-    abstract = nnx.eval_shape(lambda: DSV4ForCausalLM(cfg, rngs=nnx.Rngs(0), param_dtype=dtype, dtype=compute_dtype))
+    abstract = abstract_model(cfg, param_dtype=dtype, dtype=compute_dtype)
     leaves = plan_leaves(path, cfg, abstract, files)
     shardings = None
     if mesh is not None:
@@ -209,7 +209,7 @@ def init_model(config: DSV4Config, *, seed: int = 0, param_dtype=jnp.float32, dt
     if mesh is None:
         return make()
     mesh = auto_axes(mesh)  # Explicit or Auto axes (sharding.mesh.auto_axes)
-    graphdef, abstract = nnx.split(nnx.eval_shape(make))
+    graphdef, abstract = nnx.split(abstract_model(config, param_dtype=param_dtype, dtype=dtype or param_dtype))
     sh = param_shardings(abstract, mesh, ACTOR_RULES if rules is None else rules)
     with jax.set_mesh(mesh):
         state = jax.jit(lambda: nnx.state(make()), out_shardings=sh)()

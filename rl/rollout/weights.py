@@ -16,7 +16,7 @@ from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
 from dsv4 import fp4, quant
-from dsv4.model import DSV4ForCausalLM
+from dsv4.model import abstract_model
 from dsv4.names import param_key
 from dsv4.rollout_format import RolloutFormat, layer_value
 from rl.rollout.layerwise import LayerwiseWeights
@@ -38,8 +38,7 @@ class EngineWeights:
                  tie: str = "cond", lora=None):
         self.rformat, self.mesh, self.fp8_gemm = rformat, mesh, fp8_gemm
         self.compute_dtype = rformat.compute_dtype
-        abstract = nnx.eval_shape(lambda: DSV4ForCausalLM(config, rngs=nnx.Rngs(0), param_dtype=jnp.float32,
-                                                          dtype=self.compute_dtype, lora=lora))
+        abstract = abstract_model(config, param_dtype=jnp.float32, dtype=self.compute_dtype, lora=lora)
         self.layerwise = LayerwiseWeights(abstract, self.compute_dtype, fp8_gemm=fp8_gemm, tie=tie)
         self.graphdef, abs_state = nnx.split(abstract)
         self.abstract_params = list(nnx.to_flat_state(abs_state))  # [(path, abstract Variable)]

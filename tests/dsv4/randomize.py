@@ -4,12 +4,11 @@ tests exercise every term (the default init zeroes several of them, which hides 
 `randomize(model)` overwrites a built model in place; `random_model(cfg, seed)` builds one abstractly and fills it
 from NumPy (no init compute). Their value streams differ; tests calibrated on one keep using it."""
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from dsv4 import DSV4Config, DSV4ForCausalLM
+from dsv4 import DSV4Config, DSV4ForCausalLM, abstract_model
 
 
 def randomize(model, seed: int = 0, scale: float = 0.15):
@@ -41,7 +40,7 @@ def random_model(cfg: DSV4Config, seed: int, *, param_dtype=jnp.float32, dtype=j
     then every leaf set from NumPy: non-trivial sinks / ape / mHC base+scale / norms / router bias, random
     weights (std 0.15), `tid2eid` distinct experts per token id. With `like`, the values are copied from that
     model instead (cast to this model's leaf dtypes)."""
-    model = nnx.eval_shape(lambda: DSV4ForCausalLM(cfg, rngs=nnx.Rngs(0), param_dtype=param_dtype, dtype=dtype))
+    model = abstract_model(cfg, param_dtype=param_dtype, dtype=dtype)
     src = None if like is None else dict(nnx.to_flat_state(nnx.state(like)))
     rs = np.random.RandomState(seed)
     for path, var in nnx.to_flat_state(nnx.state(model)):

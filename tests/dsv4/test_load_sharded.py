@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from dsv4 import DSV4Config, DSV4ForCausalLM, fp4, load_hf_checkpoint, save_hf_checkpoint, quant
+from dsv4 import DSV4Config, DSV4ForCausalLM, abstract_model, fp4, load_hf_checkpoint, save_hf_checkpoint, quant
 from dsv4.io.convert import CheckpointError, hf_to_official
 from dsv4.io.load import init_model
 from dsv4.io.safetensors import INDEX_NAME, iter_checkpoint_tensors
@@ -106,7 +106,7 @@ def test_transformers_names_sharded(plan, tmp_path):
 def test_keep_quantized_blocks_are_the_file_bytes(ckpts, plan, kind):
     raw = {hf_to_official(n): load() for n, load in iter_checkpoint_tensors(ckpts[kind])}
     state = load_hf_checkpoint(ckpts[kind], mesh=plan.rollout, rules=ROLLOUT_RULES, keep_quantized=True)
-    want = _targets(nnx.eval_shape(lambda: DSV4ForCausalLM(CFG, rngs=nnx.Rngs(0))), plan.rollout, ROLLOUT_RULES)
+    want = _targets(abstract_model(CFG), plan.rollout, ROLLOUT_RULES)
     n = 0
     for k, v in state.items():
         if not isinstance(v, quant.QuantizedTensor):
@@ -139,7 +139,7 @@ def test_rollout_from_checkpoint_equals_the_dense_fp32_rollout(ckpts, plan):
     d = ckpts["fp8_fp4"]
     dense = load_hf_checkpoint(d, dtype=jnp.float32)
     ref = Sampler(dense, mesh=plan.rollout, weights="fp32", max_prompt_len=16)
-    abstract = nnx.eval_shape(lambda: DSV4ForCausalLM(CFG, rngs=nnx.Rngs(0)))
+    abstract = abstract_model(CFG)
     new = Sampler(abstract, mesh=plan.rollout, weights="fp8", max_prompt_len=16, compute_dtype=jnp.float32,
                   kv_cache_dtype="bf16")
     assert new.weight_state() is None

@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from dsv4 import DSV4Config, DSV4ForCausalLM, count_params
+from dsv4 import DSV4Config, abstract_model, count_params
 from dsv4.layers import Buffer
 from randomize import random_model
 
@@ -102,7 +102,7 @@ def padded_left(cfg, model):
 
 @pytest.fixture(scope="module")
 def flash_abstract():
-    return nnx.eval_shape(lambda: DSV4ForCausalLM(DSV4Config.flash(), rngs=nnx.Rngs(0)))
+    return abstract_model(DSV4Config.flash())
 
 
 def test_flash_eval_shape_allocates_nothing(flash_abstract):

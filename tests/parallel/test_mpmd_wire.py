@@ -61,7 +61,7 @@ def setup():
     model = randomize(dsv4.DSV4ForCausalLM(CFG, rngs=nnx.Rngs(0)), seed=5, scale=0.1)
     state = nnx.state(model)
     state = jax.device_put(state, plan.param_shardings("actor", state))
-    abstract = nnx.eval_shape(lambda: dsv4.DSV4ForCausalLM(CFG, rngs=nnx.Rngs(0)))
+    abstract = dsv4.abstract_model(CFG)
     sampler = Sampler(abstract, mesh=plan.rollout, weights="fp8", max_prompt_len=16, compute_dtype=jnp.float32,
                       kv_cache_dtype="bf16")
     channel = LocalChannel()
@@ -82,7 +82,7 @@ def test_fp8_wire_equals_direct_quantisation(setup):
     assert sampler.weight_version == 1 and len(pusher.chunks) > 1
     assert "verify/1/actor" in channel.values  # the first push is verified
     got = sampler.weight_state()
-    ref_sampler = Sampler(nnx.eval_shape(lambda: dsv4.DSV4ForCausalLM(CFG, rngs=nnx.Rngs(0))), mesh=plan.rollout,
+    ref_sampler = Sampler(dsv4.abstract_model(CFG), mesh=plan.rollout,
                           weights="fp8", max_prompt_len=16, compute_dtype=jnp.float32, kv_cache_dtype="bf16")
     ref_sampler.update_weights(state, 1)  # the actor's params quantised directly on the rollout mesh
     ref = ref_sampler.weight_state()

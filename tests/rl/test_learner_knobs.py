@@ -26,7 +26,7 @@ CFG = dsv4.DSV4Config.tiny(num_hidden_layers=4, num_hash_layers=2, compress_rati
 def _learner(argv):
     cfg, _ = launch_run.resolve(["--mesh", MESH, "--ckpt-dir", "", *argv])
     plan = build_mesh_plan(cfg.mesh, config=CFG)
-    model = nnx.eval_shape(lambda: dsv4.DSV4ForCausalLM(CFG, rngs=nnx.Rngs(0), param_dtype=jnp.float32))
+    model = dsv4.abstract_model(CFG, param_dtype=jnp.float32)
     return Learner(model, dataclasses.replace(cfg.learner, param_dtype="float32"), mesh=plan.actor, abstract=True)
 
 

@@ -49,7 +49,7 @@ def _host_ids() -> np.ndarray:
 def compute(mesh: jax.sharding.Mesh) -> jax.Array:
     """Logits [B, S, V] float32 of the tiny model (seed 0) on `mesh`, batch over (fsdp, expert), vocab over
     tensor. Weights are created on the devices (jit with out_shardings); ids come from a per-shard callback."""
-    graphdef, abstract = nnx.split(nnx.eval_shape(lambda: dsv4.DSV4ForCausalLM(CFG, rngs=nnx.Rngs(0))))
+    graphdef, abstract = nnx.split(dsv4.abstract_model(CFG))
     state_sh = param_shardings(abstract, mesh, ACTOR_RULES)
     ids_sh = NamedSharding(mesh, activation_spec(ax.ACT_BATCH, ax.ACT_SEQ, rules=ACTOR_RULES, mesh=mesh))
     out_sh = NamedSharding(mesh, activation_spec(ax.ACT_BATCH, ax.ACT_SEQ, ax.ACT_VOCAB, rules=ACTOR_RULES,

@@ -130,8 +130,7 @@ def test_kv_cache_layout():
 def test_per_device_bytes_match_jax_shardings():
     """On the tiny model and the 8 CPU devices, the planner's local shapes are jax's NamedSharding shard shapes."""
     cfg = dsv4.DSV4Config.tiny()
-    abstract = nnx.state(nnx.eval_shape(lambda: dsv4.DSV4ForCausalLM(cfg, rngs=nnx.Rngs(0),
-                                                                    param_dtype=jnp.bfloat16)))
+    abstract = nnx.state(dsv4.abstract_model(cfg, param_dtype=jnp.bfloat16))
     plan = build_mesh_plan("actor:fsdp=2,expert=2,tensor=2")
     leaves = {lf.path: lf for lf in model_bytes.model_leaves(cfg)}
     for role, rules in (("actor", ACTOR_RULES), ("rollout", ROLLOUT_RULES)):
