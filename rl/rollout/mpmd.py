@@ -24,8 +24,7 @@ timeout (`sharding.mpmd.liveness_s`: 20 s, or `--push-timeout` when shorter), na
 The rollout processes hold no checkpointed state: the actor checkpoints (and restores) the learner, the data order
 and the in-flight batches; on resume the rollout is sent the restored weights by a push, so nothing else is needed
 for the resumed run to equal the uninterrupted one.
-Tests: `.venv/bin/python -m pytest -q -m slow tests/launch/test_mpmd_run.py tests/launch/test_mpmd_resume.py
-tests/launch/test_mpmd_async_resume.py`.
+Tests: `.venv/bin/python -m pytest -q -m slow tests/launch/test_mpmd_run.py tests/launch/test_mpmd_async_resume.py`.
 """
 
 from __future__ import annotations

@@ -100,9 +100,7 @@ def lt():
     return _THIS
 
 
-@pytest.fixture(scope="session")
-def hf_tiny_checkpoint(tmp_path_factory) -> pathlib.Path:
-    """An official-format tiny DeepSeek-V4 checkpoint (config.json + model.safetensors) saved by transformers."""
+def _hf_checkpoint(d: pathlib.Path, **config) -> pathlib.Path:
     sys.path.insert(0, str(REPO / "tests" / "dsv4"))
     try:
         from hf_ref import hf_model
@@ -110,9 +108,21 @@ def hf_tiny_checkpoint(tmp_path_factory) -> pathlib.Path:
         sys.path.pop(0)
     from dsv4 import DSV4Config
 
-    d = tmp_path_factory.mktemp("hf_tiny")
-    hf_model(DSV4Config.tiny()).save_pretrained(str(d))
+    hf_model(DSV4Config.tiny(**config)).save_pretrained(str(d))
     return d
+
+
+@pytest.fixture(scope="session")
+def hf_tiny_checkpoint(tmp_path_factory) -> pathlib.Path:
+    """An official-format tiny DeepSeek-V4 checkpoint (config.json + model.safetensors) saved by transformers."""
+    return _hf_checkpoint(tmp_path_factory.mktemp("hf_tiny"))
+
+
+@pytest.fixture(scope="session")
+def hf_tiny16_checkpoint(tmp_path_factory) -> pathlib.Path:
+    """The same with the built-in digit task's 16-id vocabulary (what a random init is resized to), so that a job
+    started from it samples the task's ids and gets a learning signal in its first steps."""
+    return _hf_checkpoint(tmp_path_factory.mktemp("hf_tiny16"), vocab_size=16)
 
 
 @pytest.fixture(scope="session")

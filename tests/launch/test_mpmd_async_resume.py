@@ -24,7 +24,9 @@ Then:
    timeout + 10 s, + polling); started again to
    the end: it resumes, and the final checkpoint and every per-step metric (but the rollout process's own counter,
    which restarts with it) equal the uninterrupted run's bitwise (`assert_same_run`). (Restarts of a restarted
-   async run, and a whole lost node's SIGKILL, are tests/launch/test_resume.py's, in one process.)
+   async run, and a whole lost node's SIGKILL, are tests/launch/test_resume.py's, in one process; the synchronous
+   pipeline (K = 0) resumes through the MPMD rollout server in tests/rl/test_multiturn_resume.py; `--init` in MPMD
+   is tests/launch/test_mpmd_run.py's.)
 
     .venv/bin/python -m pytest -q -m slow tests/launch/test_mpmd_async_resume.py
 """

@@ -3,8 +3,10 @@ actor:fsdp=2,expert=2/rollout:expert=2`: processes 0-1 run the actor, process 2 
 rl/rollout/mpmd.py). One run, one step off with partial rollouts (`--max-staleness 1 --partial-rollout` on a length
 spread where half the prompts' samples span two segments, rl/partial.py: both actor processes run the partial
 producer in lock-step, the writer sends the segments), covers the steps, the roles' counters, the single writer,
-the token versions, parity of every completed step with the single-process run of the same meshes and flags, and
-the fault at the default settings (--push-timeout 600): the rollout process SIGKILLed mid-run -> each actor process
+the token versions, parity of every completed step with the single-process run of the same meshes and flags,
+`--init` in MPMD (the run starts from an official-format tiny checkpoint, conftest's `hf_tiny16_checkpoint`: the
+actor processes load their shards of it, the rollout process reads its version 0 from the file's FP8 blocks, logged),
+and the fault at the default settings (--push-timeout 600): the rollout process SIGKILLed mid-run -> each actor process
 exits non-zero within 60 s (the liveness timeout, `sharding.mpmd.LIVENESS_S`, far ahead of jax's heartbeat abort at
 630 s) with one line naming the rollout process and no Python or C++ stack, and process 0's coordination sidecar is
 gone within its grace (issue 42). A bad MPMD spec fails before step 1."""
@@ -65,9 +67,10 @@ def _rows(path):
 
 
 @pytest.mark.slow
-def test_mpmd_three_processes_steps_parity_and_rollout_killed(tmp_path, run_env, lt):
+def test_mpmd_three_processes_steps_parity_and_rollout_killed(tmp_path, run_env, lt, hf_tiny16_checkpoint):
     metrics = tmp_path / "m.jsonl"
-    procs, logs = _launch(lt, MESH, 10, metrics, tmp_path, run_env, flags=PARTIAL)
+    flags = (*PARTIAL, "--init", str(hf_tiny16_checkpoint))
+    procs, logs = _launch(lt, MESH, 10, metrics, tmp_path, run_env, flags=flags)
     try:
         deadline = time.monotonic() + 1500
         while len(_rows(metrics)) < 3:  # 3 GRPO steps completed (the writer logs after the step's push)
@@ -104,6 +107,7 @@ def test_mpmd_three_processes_steps_parity_and_rollout_killed(tmp_path, run_env,
     steps = [r["step"] for r in rows]
     assert steps == list(range(len(steps))) and len(steps) >= 3  # one writer: each step once, in order
     assert "process 0 runs the actor" in out[0] and "process 2 runs the rollout" in out[2]
+    assert "rollout weights version 0 read from" in out[2], out[2][-2000:]  # --init: from the file, not a push
     segments = version = 0
     for r in rows:  # the rollout process never trained; it ran every segment (one request each) of every batch
         segments += r["rollout/partial/segments"]
@@ -122,7 +126,7 @@ def test_mpmd_three_processes_steps_parity_and_rollout_killed(tmp_path, run_env,
     # the single-process run of the same mesh shapes and flags, as many steps: rollout metrics equal (bitwise),
     # pg_loss within 1e-5, every completed step
     single = tmp_path / "single.jsonl"
-    res = subprocess.run(_cmd(MESH, len(rows), single, (*PARTIAL, "--cpu-devices-per-process", "6")), env=run_env,
+    res = subprocess.run(_cmd(MESH, len(rows), single, (*flags, "--cpu-devices-per-process", "6")), env=run_env,
                          capture_output=True, text=True, timeout=900)
     assert res.returncode == 0, res.stderr[-3000:]
     srows = _rows(single)

@@ -16,8 +16,8 @@ Then every array of the final checkpoint (params, Adam moments, step, buffers) a
 `perf/*` must be bitwise equal to the uninterrupted run's, and the metrics file must hold each step once, with the
 staleness metrics of one step off.
 
-The synchronous loop is the same pipeline with K = 0 (rl/pipeline.py): its resume is tests/launch/test_mpmd_resume.py's
-(bitwise, MPMD) and tests/rl's; two kills in a row of an async run are tests/launch/test_mpmd_async_resume.py's.
+The synchronous loop is the same pipeline with K = 0 (rl/pipeline.py): its resume is tests/rl's (in one process and
+through the MPMD rollout server: tests/rl/test_multiturn_resume.py); two kills in a row of an async run are tests/launch/test_mpmd_async_resume.py's.
 (One file for both signal families: each launched start costs ~25 s of CPU on top of the steps, so the former
 synchronous and asynchronous copies of this test, 9 starts, are 6 here.)
 

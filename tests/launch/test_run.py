@@ -439,8 +439,8 @@ def _gsm8k_lines(path: pathlib.Path, n: int, max_chars: int = 200) -> list[str]:
 def test_gsm8k_job_trains_evaluates_and_checkpoints(shared_dir, tmp_path, hf_tiny_checkpoint, run_env, lt):
     """Issue §5: real GSM8K lines, a Hugging Face BPE tokenizer.json, an official-format checkpoint (transformers
     save_pretrained) as --init; 4 steps with eval every 3 and a checkpoint every 3 (and the last). (Its resume was a
-    second launch of ~30 s of CPU; resuming is tests/launch/test_resume.py's, test_mpmd_resume.py's (with --init)
-    and test_seed_workflow.py's eval run's.)"""
+    second launch of ~30 s of CPU; resuming is tests/launch/test_resume.py's and test_mpmd_async_resume.py's, --init in MPMD
+    test_mpmd_run.py's, and test_seed_workflow.py's eval run's.)"""
     src = shared_dir / "data" / "gsm8k"
     if not (src / "train.jsonl").is_file() or not (src / "test.jsonl").is_file():
         pytest.skip(f"{src} has no GSM8K train.jsonl / test.jsonl")
