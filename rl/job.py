@@ -125,7 +125,7 @@ def _engine_settings(cfg: RunConfig, mesh, max_prompt: int, slots: int = 0,
                                   kv_budget_bytes=kv_budget)
 
 
-def _rollout_slots(cfg: RunConfig, model_cfg, plan, max_prompt: int) -> tuple[int, float | None]:
+def rollout_slots(cfg: RunConfig, model_cfg, plan, max_prompt: int) -> tuple[int, float | None]:
     """--rollout-slots -> (slots for the Sampler, KV budget per rollout device from the memory plan or None).
     0 stays static batching; N is checked against the plan here, before any model is built (rl/rollout/slots.py)."""
     r = cfg.rollout
@@ -259,7 +259,7 @@ def build(cfg: RunConfig) -> Job:
     log.info("meshes: %s%s", plan.describe(), " (the rollout mesh: a stand-in for the rollout job's tiling)"
              if two_jobs else "")
     max_prompt = prompt_bucket(cfg, train, ev_prompts)
-    slots, kv_budget = _rollout_slots(cfg, model_cfg, plan, max_prompt)  # --rollout-slots checked before any model
+    slots, kv_budget = rollout_slots(cfg, model_cfg, plan, max_prompt)  # --rollout-slots checked before any model
     check_chunk(model_cfg, cfg.rollout.prefill_chunk)  # --prefill-chunk: a multiple of the compression ratios
     # MPMD (whole processes per role) or both roles here; bad layouts fail now. The two-job layout's actor job: every
     # process an actor (several: one prompt stream, process 0's rollout results shared over the channel)
@@ -398,7 +398,7 @@ def build_rollout_job(cfg: RunConfig) -> Job:
     plan = build_job_plan(cfg.mesh, ROLLOUT, config=model_cfg)
     log.info("meshes: %s (the actor mesh: unused here)", plan.describe())
     max_prompt = prompt_bucket(cfg, train, ev_prompts)  # the actor's (its stand-in sampler's tiling, the requests)
-    slots, kv_budget = _rollout_slots(cfg, model_cfg, plan, max_prompt)
+    slots, kv_budget = rollout_slots(cfg, model_cfg, plan, max_prompt)
     check_chunk(model_cfg, cfg.rollout.prefill_chunk)
     lcfg = resolve_param_dtype(cfg.learner, plan.actor.devices.flat)  # the actor's dtype: the same tiling
     load_dtype = jnp.bfloat16 if lcfg.param_dtype == "bfloat16" else jnp.float32

@@ -138,8 +138,8 @@ def generate(learner: Learner, prompts: Sequence[Sequence[int]], params: Samplin
                         rollout_logprobs=zeros, advantages=np.zeros(n, np.float32))
         z = _to_host(learner.next_logits(learner.state, tb))
         forwards += 1
-        tok = np.asarray(_draw(z, _fold(keys, gen), np.float32(temperature), np.float32(params.top_p),
-                               np.int32(params.top_k))[0])
+        tok = np.asarray(draw_tokens(z, _fold(keys, gen), np.float32(temperature), np.float32(params.top_p),
+                                     np.int32(params.top_k))[0])
         act = np.flatnonzero(~done)
         ids[act, cur[act]] = tok[act]
         out_tok[act, gen[act]] = tok[act]
@@ -222,7 +222,11 @@ class ExactRollout(RolloutService):
 
 
 @jax.jit
-def _draw(z, keys, temperature, top_p, top_k):
+def draw_tokens(z, keys, temperature, top_p, top_k):
+    """One exact-mode draw: `sample_tokens` (rl/rollout/sampling.py) jitted on its own, so the logits the learner's
+    forward produced are drawn from exactly as the sampler draws. z [N, V] f32 logits, keys [N] PRNG keys (row i's
+    key already folded with its token index), temperature / top_p f32 scalars, top_k int -> (tokens [N] int32,
+    logprobs [N] f32). Public so a test can watch the draws."""
     return sample_tokens(z, keys, temperature, top_p, top_k)
 
 

@@ -15,6 +15,8 @@ from flax import nnx
 import dsv4
 from launch import run as launch_run
 from parallel import expert as expert_lib
+from rl import config_tree
+from rl.config import RunConfig
 from rl.learner import Learner
 from sharding.mesh import build_mesh_plan
 
@@ -46,7 +48,7 @@ def test_ep_flags_choose_the_learners_dispatch(monkeypatch):
     assert calls[-1]["backend"] == "padded" and calls[-1]["capacity_factor"] == 1.25
     assert "(padded)" in padded.dispatch_fn.__doc__
     # the run's choices are exactly parallel/expert.py's backends (+ auto)
-    assert set(launch_run._leaf("learner.ep_backend").choices) == {"auto", *expert_lib.BACKENDS}
+    assert set(config_tree.paths(RunConfig)["learner.ep_backend"].choices) == {"auto", *expert_lib.BACKENDS}
 
 
 def test_stream_and_scan_flags_reach_the_learner():
