@@ -1,8 +1,12 @@
 """Final answers out of model text: the one parser of the math rewards (`rl/rewards.py`, `rl/math_rewards.py`).
 
 - `last_boxed(text)`: the content of the last `\\boxed{...}` (braces balanced).
-- `extract_final_answer(text)`: GSM8K's order: the text after the last `####`, else the last `\\boxed{}`, else the
-  last number.
+- `clean_answer(text)`: an extracted answer without the wrapping a model adds (`$...$`, `\\(...\\)`, a trailing
+  period, an inner `\\boxed{}` or `\\text{}`); every extraction below and every reference goes through it.
+- `boxed_answer(text)` / `answer_line(text)`: the last `\\boxed{}` / the last "Answer: ..." line, cleaned.
+- `extract_final_answer(text)`: GSM8K's order: the text after the last `####`, else the last `\\boxed{}` (both
+  cleaned), else the last number.
+- `reference_answer(reference)`: a dataset's reference as an answer (the text after its last `####`, cleaned).
 - `plain_decimal(text)`: an answer as an exact `decimal.Decimal` when it is a plain number (after normalising
   signs, currency, thousands separators, scientific notation and trailing units), else None (then math-verify
   decides). Nothing is evaluated.
@@ -22,6 +26,7 @@ import re
 # expressions are where sympy spends seconds (300 nested parentheses take ~2.5 s).
 MAX_ANSWER_CHARS = 200
 
+_ANSWER_LINE_RE = re.compile(r"(?i)answer\s*:\s*([^\n]+)")
 _NUMBER_RE = re.compile(r"[-\u2212]?(?:\d[\d,]*(?:\.\d+)?|\.\d+)(?:[eE][-+]?\d+)?")
 # Answer normalisation (`plain_decimal`): minus-like characters -> "-", thousands separators (comma, space,
 # thin / narrow no-break / no-break space) in groups of three, scientific notation, trailing unit words or %.
@@ -50,19 +55,57 @@ def last_boxed(text: str) -> str | None:
     return None
 
 
+def clean_answer(answer: str) -> str:
+    """An extracted answer without the wrapping a model adds: `$...$`, `\\(...\\)`, `\\[...\\]`, a trailing
+    period, an inner `\\boxed{}` or `\\text{}` ("Answer: $\\boxed{34}$." -> "34", "\\text{18 apples}" ->
+    "18 apples")."""
+    s = answer.strip().rstrip(".").strip()
+    inner = last_boxed(s)
+    if inner is not None:
+        s = inner.strip()
+    for left, right in (("$", "$"), ("\\(", "\\)"), ("\\[", "\\]")):
+        if s.startswith(left) and s.endswith(right) and len(s) >= len(left) + len(right):
+            s = s[len(left):len(s) - len(right)].strip()
+    s = s.rstrip(".").strip()
+    m = re.fullmatch(r"\\text\{(.*)\}", s)
+    return m.group(1).strip() if m else s
+
+
+def boxed_answer(text: str) -> str | None:
+    """The content of the last `\\boxed{...}` of `text`, cleaned (`clean_answer`); None if absent or empty."""
+    b = last_boxed(text)
+    return (clean_answer(b) or None) if b is not None else None
+
+
+def answer_line(text: str) -> str | None:
+    """The text after the last "Answer:" (case-insensitive) up to the end of its line, cleaned; None if absent."""
+    found = _ANSWER_LINE_RE.findall(text)
+    return (clean_answer(found[-1]) or None) if found else None
+
+
+def reference_answer(reference: str) -> str:
+    """A dataset's reference as an answer: the text after its last `####` (a whole GSM8K answer field), else all of
+    it, cleaned (`clean_answer`). Raises TypeError if `reference` is not a string."""
+    if not isinstance(reference, str):
+        raise TypeError(f"reference must be a string, got {type(reference).__name__}")
+    if "####" in reference:
+        reference = reference[reference.rfind("####") + 4:]
+    return clean_answer(reference)
+
+
 def extract_final_answer(text: str) -> tuple[str, str] | None:
     """-> (answer text, how) with how in {"####", "boxed", "number"}, or None if there is none.
 
-    "####": the rest of the line after the last `####`. "boxed": the last `\\boxed{...}`.
-    "number": the last number in the text (e.g. "The answer is 18." -> "18").
+    "####": the rest of the line after the last `####`, cleaned. "boxed": the last `\\boxed{...}`, cleaned
+    (`boxed_answer`). "number": the last number in the text (e.g. "The answer is 18." -> "18").
     """
     if "####" in text:
-        tail = text[text.rfind("####") + 4:].strip().split("\n", 1)[0].strip()
+        tail = clean_answer(text[text.rfind("####") + 4:].strip().split("\n", 1)[0])
         if tail:
             return tail, "####"
-    boxed = last_boxed(text)
-    if boxed is not None and boxed.strip():
-        return boxed.strip(), "boxed"
+    boxed = boxed_answer(text)
+    if boxed is not None:
+        return boxed, "boxed"
     numbers = _NUMBER_RE.findall(text)
     if numbers:
         return numbers[-1].rstrip(".,"), "number"

@@ -35,52 +35,12 @@ import decimal
 import re
 from collections.abc import Callable, Sequence
 
-from rl.answers import answers_equal, last_boxed, plain_decimal
+from rl.answers import answer_line, answers_equal, boxed_answer, plain_decimal, reference_answer
 from rl.config import REWARDS
 from rl.rewards import combine_rewards, format_reward, gsm8k_reward
 
 
-_ANSWER_LINE_RE = re.compile(r"(?i)answer\s*:\s*([^\n]+)")
 _INT_RE = re.compile(r"[+-]?\d+")
-
-
-def _clean(answer: str) -> str:
-    """An extracted answer without the wrapping a model adds: `$...$`, `\\(...\\)`, a trailing period, an inner
-    `\\boxed{}` or `\\text{}` ("Answer: $\\boxed{34}$." -> "34")."""
-    s = answer.strip().rstrip(".").strip()
-    inner = last_boxed(s)
-    if inner is not None:
-        s = inner.strip()
-    for left, right in (("$", "$"), ("\\(", "\\)"), ("\\[", "\\]")):
-        if s.startswith(left) and s.endswith(right) and len(s) >= len(left) + len(right):
-            s = s[len(left):len(s) - len(right)].strip()
-    s = s.rstrip(".").strip()
-    m = re.fullmatch(r"\\text\{(.*)\}", s)
-    return m.group(1).strip() if m else s
-
-
-def answer_line(text: str) -> str | None:
-    """The text after the last "Answer:" (case-insensitive) up to the end of its line, cleaned; None if absent."""
-    found = _ANSWER_LINE_RE.findall(text)
-    if not found:
-        return None
-    s = _clean(found[-1])
-    return s or None
-
-
-def boxed_answer(text: str) -> str | None:
-    """The content of the last `\\boxed{...}`, cleaned; None if absent or empty."""
-    b = last_boxed(text)
-    if b is None:
-        return None
-    s = _clean(b)
-    return s or None
-
-
-def _reference(reference) -> str:
-    if not isinstance(reference, str):
-        raise TypeError(f"reference must be a string, got {type(reference).__name__}")
-    return _clean(reference)
 
 
 def math_reward(response_text: str, reference: str) -> float:
@@ -88,7 +48,7 @@ def math_reward(response_text: str, reference: str) -> float:
 
     No time limit here: run it through `rl.rewards.compute_rewards`. Raises TypeError on non-strings.
     """
-    gold = _reference(reference)
+    gold = reference_answer(reference)
     pred = boxed_answer(response_text)
     return float(pred is not None and bool(gold) and answers_equal(pred, gold))
 
@@ -96,7 +56,7 @@ def math_reward(response_text: str, reference: str) -> float:
 def dapo_reward(response_text: str, reference: str) -> float:
     """1.0 if the response's last "Answer: ..." line (else its last `\\boxed{}`) equals `reference`, else 0.0
     (DAPO-Math-17K asks for "Answer: $Answer" on the last line). Raises TypeError on non-strings."""
-    gold = _reference(reference)
+    gold = reference_answer(reference)
     pred = answer_line(response_text)
     if pred is None:
         pred = boxed_answer(response_text)
@@ -114,7 +74,7 @@ def aime_reward(response_text: str, reference: str) -> float:
     """1.0 if the response's final answer (last `\\boxed{}`, else last "Answer:" line) is the integer
     `reference` ("034" == "34"), else 0.0. No sympy. Raises TypeError on non-strings, ValueError if the
     reference is not an integer."""
-    gold = _as_int(_reference(reference))
+    gold = _as_int(reference_answer(reference))
     if gold is None:
         raise ValueError(f"aime_reward: reference {reference!r} is not an integer")
     if not isinstance(response_text, str):
@@ -136,9 +96,7 @@ def make_reward(name: str) -> Callable[[str, str], float]:
 
 
 def _answer_class(reference: str) -> str:
-    s = _clean(reference)
-    if "####" in s:
-        s = s[s.rfind("####") + 4:].strip()
+    s = reference_answer(reference)
     d = plain_decimal(s)
     return str(d.normalize()) if isinstance(d, decimal.Decimal) else s
 

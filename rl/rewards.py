@@ -3,11 +3,12 @@
 Functions:
 - `gsm8k_reward`: 1.0 if the response's final answer equals the reference final answer, else 0.0.
   The final answer is the text after the last `####`, else the last `\\boxed{...}`, else the last
-  number. Plain decimals on both sides are compared exactly in Python (`decimal.Decimal`) after
-  normalisation (`rl.answers.plain_decimal`: Unicode minus, spaced signs, currency, thousands separators, scientific
-  notation, trailing units); anything else (fractions, LaTeX) goes to math-verify: `rl.answers.answers_equal`, the
-  one comparison of every math reward (`math_verify.parse` + `math_verify.verify`, which parse with latex2sympy /
-  sympy). Model output is never evaluated as code.
+  number (`rl.answers.extract_final_answer`, cleaned as the math rewards clean theirs). Plain decimals on both
+  sides are compared exactly in Python (`decimal.Decimal`) after normalisation (`rl.answers.plain_decimal`:
+  Unicode minus, spaced signs, currency, thousands separators, scientific notation, trailing units); anything else
+  (fractions, LaTeX) goes to math-verify: `rl.answers.answers_equal`, the one comparison of every math reward
+  (`math_verify.parse` + `math_verify.verify`, which parse with latex2sympy / sympy). Model output is never
+  evaluated as code.
 - `format_reward`: 1.0 if the response ends with a GSM8K answer line `#### <number>`.
 - `combine_rewards`: a weighted sum of reward functions, itself a reward function.
 
@@ -51,7 +52,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from rl.answers import answers_equal, extract_final_answer
+from rl.answers import answers_equal, extract_final_answer, reference_answer
 
 logger = logging.getLogger(__name__)
 
@@ -102,9 +103,7 @@ def gsm8k_reward(response_text: str, reference: str) -> float:
     if not isinstance(response_text, str) or not isinstance(reference, str):
         raise TypeError(f"gsm8k_reward takes two strings, got {type(response_text).__name__}, "
                         f"{type(reference).__name__}")
-    if "####" in reference:
-        reference = reference[reference.rfind("####") + 4:]
-    reference = reference.strip()
+    reference = reference_answer(reference)
     found = extract_final_answer(response_text)
     if found is None or not reference:
         return 0.0
