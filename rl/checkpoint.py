@@ -18,7 +18,7 @@ no longer a step, so the resumed run can save that step again); none usable is o
 (`NoUsableCheckpointError`); a fingerprint mismatch is an error naming the differing fields (`field: checkpoint=..
 run=..`, a few at most; the model config field by field), checked by `check_latest` before the model is built.
 The dataset *path* is not compared when the checkpoint records the datasets' identity: the content check of
-rl/job.py::same_data decides (the same file at a new path resumes; a changed one names --allow-dataset-change).
+rl/wiring.py::same_data decides (the same file at a new path resumes; a changed one names --allow-dataset-change).
 
 One run at a time: the Checkpointer takes the directory's run lock (rl/run_lock.py) before it touches anything,
 so a second run on the same --ckpt-dir refuses at start with one line naming the running owner.

@@ -1,4 +1,4 @@
-"""The data and the reward of a multi-turn run (`--rollout.env`, rl/rollout/multiturn.py): what `rl.job.load_data`
+"""The data and the reward of a multi-turn run (`--rollout.env`, rl/rollout/multiturn.py): what `rl.wiring.load_data`
 builds instead of the built-in digit task's.
 
     key_lookup    prompts generated from the seed (`rl.agent.key_lookup.KeyLookupTask`, value digits
@@ -68,7 +68,7 @@ def key_lookup_task(cfg) -> KeyLookupTask:
 
 
 def load_env_data(cfg):
-    """`rl.job.load_data` of a `--rollout.env` run -> (tokenizer, None, train PromptDataset, eval prompts, eval
+    """`rl.wiring.load_data` of a `--rollout.env` run -> (tokenizer, None, train PromptDataset, eval prompts, eval
     references, EnvReward, None). Raises ValueError (one line, naming the flag) for an environment without built-in
     prompts or with --dataset."""
     name = cfg.rollout.env

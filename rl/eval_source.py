@@ -10,7 +10,7 @@ never evaluated silently). A step folder given as --ckpt-dir (`run/ckpt/3` inste
 one line naming the directory to give. It only reads: no directory is created, no run lock taken (a training run
 may be writing the directory meanwhile), no config.yaml written, nothing renamed (a read-only checkpoint directory
 works: `Checkpointer(read_only=True)`). Only what changes the evaluated weights is compared with the checkpoint's
-fingerprint (`rl.job.fingerprint`): the model config and the knobs that shape the saved state (KL reference
+fingerprint (`rl.wiring.fingerprint`): the model config and the knobs that shape the saved state (KL reference
 weights, stacked layers, the FP8-aware learner), not the training-only knobs in `EVAL_IGNORED` (lr, seed, group
 size, prompts per step, ...).
 """

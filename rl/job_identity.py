@@ -67,7 +67,7 @@ def tokenizer_identity(tokenizer) -> dict:
 def job_identity(cfg: RunConfig, model_cfg, tokenizer, *, max_prompt_len: int) -> dict:
     """The identity of a job of the two-job layout (module docstring): {"digest": sha256 hex str, "parts": {part:
     dict}}. `model_cfg`: the resolved `DSV4Config` the rollout model is built from; `tokenizer`: the run's
-    `TokenizerLike`; `max_prompt_len`: the rollout's prompt bucket (tokens, `rl.job.prompt_bucket`)."""
+    `TokenizerLike`; `max_prompt_len`: the rollout's prompt bucket (tokens, `rl.wiring.prompt_bucket`)."""
     r = cfg.rollout
     parts = {
         "model config": json.loads(_canonical(model_cfg.to_dict())),

@@ -389,7 +389,7 @@ class Learner:
         """{"step", "params", "opt_state", "buffers"} (+ "ref_params" when kl_coef > 0): a pytree of arrays
         (with `scan_layers`, in the stacked layout: it only loads into a learner with the same setting). LoRA:
         "params" holds the adapters alone (the frozen base is the run's --init, recorded by the checkpoint's
-        fingerprint: rl/job.py), and there is no "ref_params" (the reference is the base)."""
+        fingerprint: rl/wiring.py), and there is no "ref_params" (the reference is the base)."""
         s = self.state
         params = nnx.filter_state(s.params, nnx.LoRAParam) if self.cfg.lora.enabled else s.params
         d = {"step": s.step, "params": params, "opt_state": s.opt_state, "buffers": s.buffers}

@@ -45,8 +45,8 @@ with `max_new_tokens_per_row` and `token_offset`, tagged "train/partial/<m>/<seg
 results (one unsharded prompt stream), the writer (process 0) sends the segments, the rollout processes generate
 them; the two-job layout (rl/rollout/two_job.py): actor process 0 sends them over the link (a restarted rollout job is
 sent the unanswered segments again, with the same ids: the same tokens). Every side sizes its prompt buckets for
-the re-prefill (`rl.job.prompt_bucket`: + max_new_tokens), and the host channel keeps `requests_per_batch` results
-per batch (`rl.job.channel_window`). The pool is saved by the metrics writer and loaded by every actor process.
+the re-prefill (`rl.wiring.prompt_bucket`: + max_new_tokens), and the host channel keeps `requests_per_batch` results
+per batch (`rl.wiring.channel_window`). The pool is saved by the metrics writer and loaded by every actor process.
 Continuous batching (`--rollout-slots`, rl/rollout/slots.py) honours both per-row fields (tests/rl/test_partial_rollout.py).
 """
 
@@ -71,7 +71,7 @@ def segment_tokens(max_new_tokens: int, k: int, segment: int = 0) -> int:
 def requests_per_batch(max_new_tokens: int, k: int, segment: int = 0) -> int:
     """The most rollout requests one batch sends: its first segment + at most ceil(max_new_tokens / segment)
     deficit rounds (the groups started in the first deficit round are finished by then). Sizes the MPMD / two-job
-    host channel's window of results (rl/job.py)."""
+    host channel's window of results (rl/wiring.py)."""
     return 1 + -(-int(max_new_tokens) // segment_tokens(max_new_tokens, k, segment))
 
 

@@ -1,7 +1,7 @@
 """The one schedule: the rollout as producer (stages 1-3, `rl.stages.produce`), the learner as consumer, joined by
 a bounded queue of `RolloutRecord`s. `--max-staleness K` is the queue's bound (`--async-rollout` = K 1):
 
-    pipe = Pipeline(job).start()
+    pipe = Pipeline(wiring).start()
     rec = pipe.take(step)          # the batch of step `step`; releases P(step) to the producer
     ...                            # advantages, update (rl/loop.py)
     pipe.to_push_point(step)       # every batch that needs P(step) is generated: the push may happen
@@ -20,7 +20,7 @@ uninterrupted one bitwise on CPU):
   let the producer go on with batch s + K + 1 (the next `take`).
 For K = 1 that is the usual one-step-off pipeline: step time ~ max(rollout, update) + push instead of the sum.
 Only the last K batches use P(0) twice. Where the rollout runs (this process, or processes of its own behind
-`rl.rollout.mpmd.ProcessRollout`) changes nothing here: the producer talks to `job.rollout`.
+`rl.rollout.mpmd.ProcessRollout`) changes nothing here: the producer talks to `wiring.rollout`.
 
 Versions. Every sample carries the weight version it was generated with (`RolloutRecord.versions`;
 `Pipeline.sample_versions[s]` [N] int per trained step). Metrics (K >= 1): `weight_version/staleness_mean|max`
@@ -44,7 +44,7 @@ rename) with a digest (rl/digest.py) before the orbax save by the metrics writer
 checkpoint. A missing, truncated or corrupt one makes its checkpoint unusable: the restore passes over it to the
 previous checkpoint (`read_inflight`), which resumes bitwise. The data iterator's
 state in the checkpoint is the one after those batches (the producer is held while the main thread saves). On
-resume they are loaded, the rollout serves P(done) (`rl.job.build` pushes it), and the producer continues with batch
+resume they are loaded, the rollout serves P(done) (`rl.wiring.build` pushes it), and the producer continues with batch
 done + K: the same schedule as the uninterrupted run, in every layout. Batches past `--steps` are never generated,
 so a run resumed with a larger `--steps` generates its first K new batches with P(done) (logged).
 
@@ -113,20 +113,20 @@ class Pipeline:
     """The producer and the queue of the loop (module docstring).
 
     Args:
-      job: a built `rl.job.Job` (`job.start_step`, the rollout serving P(start_step), the data iterator at the
-        checkpoint's state). With K >= 1 and a resumed run the in-flight batches are read from
+      wiring: a built `rl.wiring.RunWiring` (`wiring.start_step`, the rollout serving P(start_step), the data
+        iterator at the checkpoint's state). With K >= 1 and a resumed run the in-flight batches are read from
         `<ckpt_dir>/inflight/<start_step>.npz`.
     Raises:
       ValueError: a resumed asynchronous run whose checkpoint lacks its in-flight batches file.
     """
 
-    def __init__(self, job):
-        self.job, self.k = job, job.cfg.staleness()
-        self.end = job.cfg.steps  # batches >= end are never generated
+    def __init__(self, wiring):
+        self.wiring, self.k = wiring, wiring.cfg.staleness()
+        self.end = wiring.cfg.steps  # batches >= end are never generated
         self.cond = threading.Condition()
         self.records: dict[int, RolloutRecord] = {}
-        self.released = job.start_step  # the rollout serves P(released); the producer may generate m <= released + K
-        self.next_m = job.start_step  # the next batch the producer generates
+        self.released = wiring.start_step  # the rollout serves P(released); the producer may generate m <= released + K
+        self.next_m = wiring.start_step  # the next batch the producer generates
         self.error: BaseException | None = None
         self.closed = False
         self.busy: list[tuple[float, float]] = []  # rollout work intervals (wall clock)
@@ -137,12 +137,12 @@ class Pipeline:
         self.partial = None
         if self.k == 0:
             return
-        if job.cfg.rollout.partial_rollout:  # --partial-rollout: batches from a pool of in-flight groups
-            self.partial = PartialPool(job)
-        if job.start_step > 0 and job.ckpt is not None:
-            self._load(job.ckpt.dir, job.start_step)
+        if wiring.cfg.rollout.partial_rollout:  # --partial-rollout: batches from a pool of in-flight groups
+            self.partial = PartialPool(wiring)
+        if wiring.start_step > 0 and wiring.ckpt is not None:
+            self._load(wiring.ckpt.dir, wiring.start_step)
         # SPMD over processes: the two threads' collectives may interleave differently (MPMD has no such issue)
-        split = job.layout is not None and job.layout.split_roles
+        split = wiring.layout is not None and wiring.layout.split_roles
         if jax.process_count() > 1 and not split:
             log.warning("--max-staleness %d with %d processes: tested on one process only (the rollout thread's "
                         "host collectives run beside the learner's)", self.k, jax.process_count())
@@ -158,7 +158,7 @@ class Pipeline:
     def _produce(self, m: int) -> RolloutRecord:
         t0 = _clock()
         self.events.append(("generate_start", m, t0))
-        rec = self.partial.produce(m) if self.partial is not None else produce(self.job, m)
+        rec = self.partial.produce(m) if self.partial is not None else produce(self.wiring, m)
         with self.cond:
             self.busy.append((t0, _clock()))
         return rec
@@ -236,13 +236,13 @@ class Pipeline:
         if self.thread is None or rec.rb is None:
             return {}
         self.sample_versions[step] = rec.versions
-        staleness = self.job.weight_version - rec.versions
+        staleness = self.wiring.weight_version - rec.versions
         out = {"weight_version/staleness_mean": float(staleness.mean()),
                "weight_version/staleness_max": float(staleness.max()),
                "weight_version/sample_min": float(rec.versions.min()),
                "weight_version/sample_max": float(rec.versions.max())}
         if self.partial is not None:  # a sample's oldest token above; per token here
-            out.update(token_staleness_metrics(rec.rb, self.job.weight_version, self.k))
+            out.update(token_staleness_metrics(rec.rb, self.wiring.weight_version, self.k))
         return out
 
     def close(self) -> None:
@@ -259,7 +259,7 @@ class Pipeline:
         """K >= 1: write the in-flight batches done .. done + K - 1 (those generated) to
         `<ckpt.dir>/inflight/<done>.npz` atomically (the metrics writer only); delete the files older than every
         kept checkpoint. Call between steps (producer held)."""
-        lay = self.job.layout
+        lay = self.wiring.layout
         writer = lay.writer if lay is not None and lay.split_roles else 0
         if self.thread is None or jax.process_index() != writer:
             return
@@ -328,4 +328,4 @@ class Pipeline:
         self.next_m = done + len(self.records)
         if len(self.records) < min(self.k, self.end - done):
             log.info("resume: %d in-flight batches in %s; batches %d.. are generated with weight version %d",
-                     len(self.records), path, self.next_m, self.job.weight_version)
+                     len(self.records), path, self.next_m, self.wiring.weight_version)

@@ -1,6 +1,6 @@
 """The stages of one GRPO step, written once for every layout: batch -> sample -> score -> advantages -> update ->
 push, and the evaluation. They know nothing of schedules (rl/pipeline.py: synchronous or K steps off) or of where
-the rollout runs (behind `job.rollout`, an `rl.rollout.service.RolloutService`).
+the rollout runs (behind `wiring.rollout`, an `rl.rollout.service.RolloutService`).
 
 1. batch: the next prompt batch from the grain iterator (checkpointable), the same on every host (`global_batch`);
 2. sample: `group_size` rows per prompt through the rollout service (FP8 weights by default): a `RolloutBatch`
@@ -10,16 +10,16 @@ the rollout runs (behind `job.rollout`, an `rl.rollout.service.RolloutService`).
    worker process with a per-sample time limit `--data.reward_timeout_s`); DAPO (`--algo dapo`) samples and scores
    further rounds until the batch holds `prompts_per_step` groups whose rewards differ (`dynamic_rollout`,
    bounded by `--dapo-max-resample-batches`);
-   stages 1-3 together: `produce(job, step)` -> a `RolloutRecord`, what the pipeline queues;
+   stages 1-3 together: `produce(wiring, step)` -> a `RolloutRecord`, what the pipeline queues;
 4. advantages: group advantages (GRPO / Dr.GRPO / RLOO, `cfg.advantage`), host numpy;
 5. update: `learn`: `Learner.update(TrainBatch.from_rollout(...))` on the actor mesh (routing replay, off-policy
    correction), a new weight version when it changed the weights;
 6. push: `push`: the service loads the learner's params as that version (`RolloutService.load_weights`).
 `evaluate`: greedy and sampled pass@k on the held-out prompts, two requests to the same service.
 
-`job` is an `rl.job.Job` (duck-typed here: a stage reads `job.cfg`, `job.rollout`, `job.reward`, `job.learner`,
-`job.iterator`, `job.tokenizer`, ...; tests pass partial jobs). Randomness is a function of (seed, step, prompt,
-sample): a resumed run is bitwise identical on CPU.
+`wiring` is an `rl.wiring.RunWiring` (duck-typed here: a stage reads `wiring.cfg`, `wiring.rollout`,
+`wiring.reward`, `wiring.learner`, `wiring.iterator`, `wiring.tokenizer`, ...; tests pass partial wirings).
+Randomness is a function of (seed, step, prompt, sample): a resumed run is bitwise identical on CPU.
 """
 
 from __future__ import annotations
@@ -60,17 +60,17 @@ class RolloutRecord:
 
 # ------------------------------------------------------------------------------------------------ 1-3
 
-def score(job, rb: RolloutBatch, refs: list[str]) -> tuple[np.ndarray, np.ndarray, dict]:
+def score(wiring, rb: RolloutBatch, refs: list[str]) -> tuple[np.ndarray, np.ndarray, dict]:
     """Stage 3: the run's one `rl.rewards.RewardFn` on a rollout's responses against per-row references ->
     (rewards [N] float32, exact [N] bool, metrics); host numpy throughout. A multi-turn batch (`rb.loss_mask`):
     the reward reads each trajectory's last model turn (`RolloutBatch.final_turns`) and its whole response side
     (an environment's shaped credit reads the first turn; rl/env_task.py::EnvReward)."""
     if rb.loss_mask is not None:
-        return job.reward(refs, rb.final_turns(), rb.response_lists())
-    return job.reward(refs, rb.final_turns())
+        return wiring.reward(refs, rb.final_turns(), rb.response_lists())
+    return wiring.reward(refs, rb.final_turns())
 
 
-def generate(job, rows: list[list[int]], params: SamplingParams, *, seed: int, step: int = 0,
+def generate(wiring, rows: list[list[int]], params: SamplingParams, *, seed: int, step: int = 0,
              prompt_index: list[int] | None = None, sample_index: list[int] | None = None,
              tag: str = "", max_new_tokens_per_row: list[int] | None = None,
              token_offset: list[int] | None = None, train: bool = False,
@@ -78,27 +78,27 @@ def generate(job, rows: list[list[int]], params: SamplingParams, *, seed: int, s
     """One request to the rollout service, waited for -> (RolloutBatch, the generation's stats + perf metrics).
     `train`: a training batch's request (`RolloutRequest.train`). `refs` [N]: the rows' references, the
     environment's data of a multi-turn request (--rollout.env; `rl.env_task.multiturn_request`)."""
-    mt = multiturn_request(job.cfg, refs) if refs is not None else None
+    mt = multiturn_request(wiring.cfg, refs) if refs is not None else None
     req = RolloutRequest(prompts=rows, params=params, seed=seed, step=step, prompt_index=prompt_index,
                          sample_index=sample_index, tag=tag or f"gen/{step}",
                          max_new_tokens_per_row=max_new_tokens_per_row, token_offset=token_offset, train=train,
                          multiturn=mt)
     t0 = time.perf_counter()
-    res = job.rollout.collect(job.rollout.submit(req))
+    res = wiring.rollout.collect(wiring.rollout.submit(req))
     dt = time.perf_counter() - t0
     n_tok = int(res.rb.lengths.sum())
     return res.rb, {**res.stats, "perf/rollout_s": dt, "perf/rollout_tok_per_s": n_tok / dt}
 
 
-def sampling_params(job) -> SamplingParams:
+def sampling_params(wiring) -> SamplingParams:
     """The run's training SamplingParams (`cfg.rollout`; the tokenizer's eos stops a response, unless
     --rollout.ignore_eos)."""
-    r = job.cfg.rollout
+    r = wiring.cfg.rollout
     return SamplingParams(temperature=r.temperature, top_p=r.top_p, top_k=r.top_k, max_new_tokens=r.max_new_tokens,
-                          stop_token_ids=() if r.ignore_eos else (job.tokenizer.eos_id,))
+                          stop_token_ids=() if r.ignore_eos else (wiring.tokenizer.eos_id,))
 
 
-def sample(job, prompts: list[list[int]], step: int, round_index: int = 0,
+def sample(wiring, prompts: list[list[int]], step: int, round_index: int = 0,
            data_index=None, refs: list[str] | None = None) -> tuple[RolloutBatch, dict]:
     """Stage 2: `group_size` responses per prompt -> (RolloutBatch of N = len(prompts) x group_size rows,
     prompt-major; the generation's stats (continuous batching counters) and perf metrics). `data_index` [P]: the
@@ -107,45 +107,45 @@ def sample(job, prompts: list[list[int]], step: int, round_index: int = 0,
 
     `round_index` (DAPO resampling rounds within one step) offsets the prompt index of the sampler's randomness
     by round_index x len(prompts), so every round of a step draws fresh, reproducible samples."""
-    r = job.cfg.rollout
+    r = wiring.cfg.rollout
     g, off = r.group_size, round_index * len(prompts)
     rows = [p for p in prompts for _ in range(g)]
-    sp = sampling_params(job)
+    sp = sampling_params(wiring)
     pi = [off + i for i in range(len(prompts)) for _ in range(g)]
     si = [j for _ in prompts for j in range(g)]
     caps = None if data_index is None else r.length_caps(data_index)
     # --exact-rollout: the service draws training requests from the learner's own forward (rl/rollout/exact.py)
-    return generate(job, rows, sp, seed=job.cfg.seed, step=step, prompt_index=pi, sample_index=si,
+    return generate(wiring, rows, sp, seed=wiring.cfg.seed, step=step, prompt_index=pi, sample_index=si,
                     tag=f"train/{step}/{round_index}", train=True,
                     max_new_tokens_per_row=None if caps is None else [c for c in caps for _ in range(g)],
                     refs=None if refs is None else [r for r in refs for _ in range(g)])
 
 
-def rollout(job, prompts: list[list[int]], refs: list[str], step: int, round_index: int = 0, data_index=None):
+def rollout(wiring, prompts: list[list[int]], refs: list[str], step: int, round_index: int = 0, data_index=None):
     """Stages 2-3 for one round of prompts: `sample`, then `score` -> (RolloutBatch, rewards [N], metrics)."""
-    rb, metrics = sample(job, prompts, step, round_index, data_index, refs)
-    rewards, _, rm = score(job, rb, [r for r in refs for _ in range(job.cfg.rollout.group_size)])
+    rb, metrics = sample(wiring, prompts, step, round_index, data_index, refs)
+    rewards, _, rm = score(wiring, rb, [r for r in refs for _ in range(wiring.cfg.rollout.group_size)])
     return rb, rewards, {**rm, **metrics}
 
 
-def global_batch(job, batch: dict) -> dict:
+def global_batch(wiring, batch: dict) -> dict:
     """Multi-host: every host reads its own shard of prompts (grain, per-host sharding); the hosts then share
     them so that every process feeds the same global batch to the jits that span all processes. With the rollout
     on processes of its own (MPMD) every actor process reads one unsharded stream: nothing to share."""
-    if jax.process_count() == 1 or (job.layout is not None and job.layout.split_roles):
+    if jax.process_count() == 1 or (wiring.layout is not None and wiring.layout.split_roles):
         return batch
     idx = np.asarray(multihost_utils.process_allgather(batch["index"], tiled=True))
     ids = np.asarray(multihost_utils.process_allgather(batch["prompt_ids"], tiled=True))
     lens = np.asarray(multihost_utils.process_allgather(batch["prompt_len"], tiled=True))
     return {"prompt_ids": ids, "prompt_len": lens, "index": idx,
-            "reference": [job.train_data.references[int(i)] for i in idx]}
+            "reference": [wiring.train_data.references[int(i)] for i in idx]}
 
 
 def prompt_lists(batch: dict) -> list[list[int]]:
     return [batch["prompt_ids"][i, : batch["prompt_len"][i]].tolist() for i in range(len(batch["reference"]))]
 
 
-def dynamic_rollout(job, step: int, first: dict):
+def dynamic_rollout(wiring, step: int, first: dict):
     """DAPO dynamic sampling (arXiv 2503.14476 §3.2): sample rounds of `prompts_per_step` prompts until
     `prompts_per_step` groups with non-equal rewards are held, at most 1 + `dapo_max_resample_batches` rounds
     (each extra round takes the next prompt batch from the data iterator, so the data order stays resumable).
@@ -159,19 +159,19 @@ def dynamic_rollout(job, step: int, first: dict):
     masked out of the loss), "skip" skips the update and the push; with no kept group at all the step is skipped
     either way. Metrics `rollout/dynamic_sampling/*` (rounds, kept_groups, sampled_groups, budget_hit,
     kept_frac, skipped_step)."""
-    cfg = job.cfg
+    cfg = wiring.cfg
     g, n = cfg.rollout.group_size, cfg.rollout.prompts_per_step
     ds = DynamicSampler(target_groups=n, group_size=g, max_rounds=cfg.advantage.dynamic_sampling_max_rounds)
     batch, rounds, first_metrics = first, [], None
     while True:
         r_i = len(rounds)
-        rb, rewards, m = rollout(job, prompt_lists(batch), batch["reference"], step, round_index=r_i,
+        rb, rewards, m = rollout(wiring, prompt_lists(batch), batch["reference"], step, round_index=r_i,
                                  data_index=batch["index"])
         rounds.append((rb, rewards))
         first_metrics = first_metrics or m
         if ds.add_round(rewards, [(r_i, i) for i in range(len(rewards) // g)]):
             break
-        batch = global_batch(job, next(job.iterator))
+        batch = global_batch(wiring, next(wiring.iterator))
     kept, metrics = ds.result()
     # reward statistics are of the first round: the on-policy sample of the data, comparable across algorithms
     metrics = {**first_metrics, **to_python(reward_stats(jnp.asarray(rounds[0][1]), g)), **metrics}
@@ -196,18 +196,18 @@ def dynamic_rollout(job, step: int, first: dict):
     return rb, rewards, train_rows, metrics
 
 
-def sample_step(job, step: int):
+def sample_step(wiring, step: int):
     """Stages 1-3 of step `step` -> (RolloutBatch, rewards [N], train_rows [N] bool or None, metrics); the
     RolloutBatch is None when DAPO skips the step."""
-    cfg = job.cfg
+    cfg = wiring.cfg
     g = cfg.rollout.group_size
-    batch = global_batch(job, next(job.iterator))  # 1. batch (every host: the same global batch)
+    batch = global_batch(wiring, next(wiring.iterator))  # 1. batch (every host: the same global batch)
     if cfg.advantage.dynamic_sampling:  # 2-3. DAPO: sample and score rounds until the groups have signal
-        rb, rewards, train_rows, metrics = dynamic_rollout(job, step, batch)
+        rb, rewards, train_rows, metrics = dynamic_rollout(wiring, step, batch)
     else:
-        rb, metrics = sample(job, prompt_lists(batch), step, data_index=batch["index"],  # 2. sample
+        rb, metrics = sample(wiring, prompt_lists(batch), step, data_index=batch["index"],  # 2. sample
                              refs=batch["reference"])
-        rewards, _, rm = score(job, rb, [r for r in batch["reference"] for _ in range(g)])  # 3. score
+        rewards, _, rm = score(wiring, rb, [r for r in batch["reference"] for _ in range(g)])  # 3. score
         metrics.update(rm)
         metrics.update(to_python(reward_stats(jnp.asarray(rewards), g)))
         train_rows = None
@@ -217,29 +217,29 @@ def sample_step(job, step: int):
     return rb, rewards, train_rows, metrics
 
 
-def produce(job, step: int) -> RolloutRecord:
+def produce(wiring, step: int) -> RolloutRecord:
     """Stages 1-3 of step `step` (`sample_step`), plus the weight version of every sample and the rollout
     service's counters (`RolloutService.stats`: MPMD's `mpmd/rollout_*`) -> the RolloutRecord the pipeline
     queues."""
-    rb, rewards, train_rows, metrics = sample_step(job, step)
-    metrics.update(job.rollout.stats())
+    rb, rewards, train_rows, metrics = sample_step(wiring, step)
+    metrics.update(wiring.rollout.stats())
     versions = None if rb is None else np.full(len(rewards), rb.weight_version, np.int64)
     return RolloutRecord(step=step, rb=rb, rewards=rewards, train_rows=train_rows, versions=versions, metrics=metrics)
 
 
 # ------------------------------------------------------------------------------------------------ 4-6
 
-def advantages(job, rewards: np.ndarray, train_rows: np.ndarray | None = None) -> tuple[np.ndarray, dict]:
+def advantages(wiring, rewards: np.ndarray, train_rows: np.ndarray | None = None) -> tuple[np.ndarray, dict]:
     """Stage 4: group advantages of rewards [N] (`cfg.advantage`: GRPO / Dr.GRPO / RLOO, rl/advantages.py) ->
     (advantages [N] float32 host, metrics). Rows where `train_rows` is False (DAPO fillers) get 0."""
-    adv, am = compute_advantages(jnp.asarray(rewards), job.cfg.rollout.group_size, job.cfg.advantage)
+    adv, am = compute_advantages(jnp.asarray(rewards), wiring.cfg.rollout.group_size, wiring.cfg.advantage)
     if train_rows is not None:  # DAPO filler groups: out of the loss (tokens, normalisers, metrics)
         adv = jnp.where(jnp.asarray(train_rows), adv, 0.0)
     return np.asarray(adv), to_python(am)
 
 
-def learn(job, rb: RolloutBatch, adv: np.ndarray, train_rows: np.ndarray | None = None) -> dict:
-    """Stage 5: one learner update on the rollout batch; a new weight version (`job.weight_version`) when it
+def learn(wiring, rb: RolloutBatch, adv: np.ndarray, train_rows: np.ndarray | None = None) -> dict:
+    """Stage 5: one learner update on the rollout batch; a new weight version (`wiring.weight_version`) when it
     changed the weights. The caller pushes it (`push`) at the schedule's push point.
 
     A step without learning signal (every advantage exactly 0: all groups zero-std or filtered by DAPO's
@@ -251,45 +251,45 @@ def learn(job, rb: RolloutBatch, adv: np.ndarray, train_rows: np.ndarray | None 
     if not np.any(np.asarray(adv) != 0):
         log.info("no learning signal in this batch (all advantages 0): update and push skipped")
         return {"train/skipped_no_signal": 1.0}
-    tb = TrainBatch.from_rollout(rb, adv, routing=job.cfg.learner.routing_replay, train_rows=train_rows)
+    tb = TrainBatch.from_rollout(rb, adv, routing=wiring.cfg.learner.routing_replay, train_rows=train_rows)
     t0 = time.perf_counter()
-    job.counters["train_steps"] += 1
-    tm = to_python(job.learner.update(tb))
+    wiring.counters["train_steps"] += 1
+    tm = to_python(wiring.learner.update(tb))
     metrics = {**tm, "train/skipped_no_signal": 0.0, "perf/train_s": time.perf_counter() - t0}
     if not tm.get("train/skipped_nonfinite", 0):
-        job.weight_version += 1
+        wiring.weight_version += 1
     return metrics
 
 
-def push(job) -> dict:
-    """Stage 6: the rollout service loads the learner's current params as version `job.weight_version`, when it
+def push(wiring) -> dict:
+    """Stage 6: the rollout service loads the learner's current params as version `wiring.weight_version`, when it
     serves an older one (nothing to push otherwise: no signal, non-finite, DAPO skip) -> perf metrics."""
-    if job.rollout.weight_version == job.weight_version:
+    if wiring.rollout.weight_version == wiring.weight_version:
         return {}
-    return job.rollout.load_weights(job.weight_version)
+    return wiring.rollout.load_weights(wiring.weight_version)
 
 
 # ------------------------------------------------------------------------------------------------ eval
 
-def evaluate(job, step: int) -> dict:
+def evaluate(wiring, step: int) -> dict:
     """pass@1 (greedy and sampled, unbiased) and pass@k (k = eval.samples) on the held-out prompts: two requests
     to the rollout service (greedy, then k samples per prompt), scored here."""
-    cfg = job.cfg
+    cfg = wiring.cfg
     r, k = cfg.rollout, cfg.eval.samples
-    eos = (job.tokenizer.eos_id,)
-    greedy, _ = generate(job, job.eval_prompts, SamplingParams(temperature=0.0, max_new_tokens=r.max_new_tokens,
-                                                               stop_token_ids=eos),
-                         seed=cfg.seed, tag=f"eval/{step}/{job.weight_version}/greedy", refs=job.eval_refs)
-    g_r, g_exact, _ = score(job, greedy, job.eval_refs)
-    rows = [p for p in job.eval_prompts for _ in range(k)]
-    sampled, _ = generate(job, rows, SamplingParams(temperature=max(r.temperature, 1e-3), top_p=r.top_p,
-                                                    max_new_tokens=r.max_new_tokens, stop_token_ids=eos),
+    eos = (wiring.tokenizer.eos_id,)
+    greedy, _ = generate(wiring, wiring.eval_prompts, SamplingParams(temperature=0.0, max_new_tokens=r.max_new_tokens,
+                                                                     stop_token_ids=eos),
+                         seed=cfg.seed, tag=f"eval/{step}/{wiring.weight_version}/greedy", refs=wiring.eval_refs)
+    g_r, g_exact, _ = score(wiring, greedy, wiring.eval_refs)
+    rows = [p for p in wiring.eval_prompts for _ in range(k)]
+    sampled, _ = generate(wiring, rows, SamplingParams(temperature=max(r.temperature, 1e-3), top_p=r.top_p,
+                                                       max_new_tokens=r.max_new_tokens, stop_token_ids=eos),
                           seed=cfg.seed + 1, step=step,
-                          prompt_index=[i for i in range(len(job.eval_prompts)) for _ in range(k)],
-                          sample_index=[j for _ in job.eval_prompts for j in range(k)],
-                          tag=f"eval/{step}/{job.weight_version}/sampled",
-                          refs=[ref for ref in job.eval_refs for _ in range(k)])
-    s_r, s_exact, _ = score(job, sampled, [ref for ref in job.eval_refs for _ in range(k)])
+                          prompt_index=[i for i in range(len(wiring.eval_prompts)) for _ in range(k)],
+                          sample_index=[j for _ in wiring.eval_prompts for j in range(k)],
+                          tag=f"eval/{step}/{wiring.weight_version}/sampled",
+                          refs=[ref for ref in wiring.eval_refs for _ in range(k)])
+    s_r, s_exact, _ = score(wiring, sampled, [ref for ref in wiring.eval_refs for _ in range(k)])
     c = s_exact.reshape(-1, k).sum(axis=1)
     return {"eval/greedy_pass@1": float(g_exact.mean()), "eval/greedy_reward": float(g_r.mean()),
             "eval/pass@1": float(np.mean(pass_at_k(k, c, 1))), "eval/pass@k": float(np.mean(pass_at_k(k, c, k))),

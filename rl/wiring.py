@@ -1,14 +1,16 @@
-"""The job wiring of a GRPO run: everything `rl.loop.run` needs, built once before step 1, for every layout.
+"""The wiring of a GRPO run (`RunWiring`): everything `rl.loop.run` needs, built once before step 1, for every
+layout. ("Job" is kept for the two-job layout: the actor job and the rollout job, `build_rollout_job`.)
 
-    job = build(RunConfig(...))   # meshes, data, model, learner (actor mesh), the rollout service (rollout mesh),
-                                  # checkpoints, metric sinks; every input error is raised here, before step 1
+    wiring = build(RunConfig(...))  # meshes, data, model, learner (actor mesh), the rollout service (rollout mesh),
+                                    # checkpoints, metric sinks; every input error is raised here, before step 1
 
 Where the roles live is decided here, once (`sharding.mpmd.role_layout`): both roles in this process (one mesh,
-two disjoint meshes, colocated) -> `job.rollout` is an `rl.rollout.service.LocalRollout`; the rollout on processes
-of its own (MPMD) -> on actor processes `job.rollout` is an `rl.rollout.mpmd.ProcessRollout`, on rollout processes
-`job.server` is the `rl.rollout.mpmd.RolloutServer` they run instead of the loop; the rollout as a JAX job of its
-own (the two-job layout, --rollout-address / --rollout-job) -> `job.rollout` is an `rl.rollout.two_job.JobRollout` on
-the actor job, and a rollout job (`build_rollout_job`) runs `rl.rollout.two_job.RolloutJobServer` as `job.server`.
+two disjoint meshes, colocated) -> `wiring.rollout` is an `rl.rollout.service.LocalRollout`; the rollout on
+processes of its own (MPMD) -> on actor processes `wiring.rollout` is an `rl.rollout.mpmd.ProcessRollout`, on
+rollout processes `wiring.server` is the `rl.rollout.mpmd.RolloutServer` they run instead of the loop; the rollout
+as a JAX job of its own (the two-job layout, --rollout-address / --rollout-job) -> `wiring.rollout` is an
+`rl.rollout.two_job.JobRollout` on the actor job, and a rollout job (`build_rollout_job`) runs
+`rl.rollout.two_job.RolloutJobServer` as `wiring.server`.
 The learner, the Sampler (`rl.rollout.engine.Sampler` with the run's `EngineSettings`), the checkpoints and the
 resume are built by the same code for every layout.
 """
@@ -75,8 +77,8 @@ log = logging.getLogger("dsv4rl")
 
 
 @dataclasses.dataclass
-class Job:
-    """Everything `rl.loop.run` needs, built once by `build` (tests build partial jobs: fields a stage does not
+class RunWiring:
+    """Everything `rl.loop.run` needs, built once by `build` (tests build partial wirings: fields a stage does not
     use may be None).
 
     cfg: the resolved run config. model_cfg: the model's DSV4Config. plan: the actor / rollout meshes.
@@ -240,7 +242,7 @@ def channel_window(cfg: RunConfig) -> int:
     return 4 + 2 * k * per_batch
 
 
-def build(cfg: RunConfig) -> Job:
+def build(cfg: RunConfig) -> RunWiring:
     """Set up meshes, data, model, learner, the rollout service, checkpoints and metric sinks (errors before step
     1), the same code for every layout (module docstring). A rollout job of the two-job layout (--rollout-job):
     `build_rollout_job`."""
@@ -358,11 +360,11 @@ def build(cfg: RunConfig) -> Job:
     # run's; otherwise each host reads its shard (rl/stages.py::global_batch)
     it = make_prompt_iterator(train, batch_size=cfg.rollout.prompts_per_step, seed=cfg.seed,
                               **({"shard_index": 0, "shard_count": 1} if layout.split_roles else {}))
-    job = Job(cfg=cfg, model_cfg=model_cfg, plan=plan, tokenizer=tok, task=task, train_data=train,
-              eval_prompts=ev_prompts, eval_refs=ev_refs, reward=reward, learner=learner, rollout=rollout,
-              iterator=it, ckpt=ckpt, logger=MetricsLogger(cfg), data_identity=data_identity,
-              data_metrics=data_metrics(train, *([ev_data] if ev_data is not None else [])), layout=layout,
-              server=server)
+    wiring = RunWiring(cfg=cfg, model_cfg=model_cfg, plan=plan, tokenizer=tok, task=task, train_data=train,
+                       eval_prompts=ev_prompts, eval_refs=ev_refs, reward=reward, learner=learner, rollout=rollout,
+                       iterator=it, ckpt=ckpt, logger=MetricsLogger(cfg), data_identity=data_identity,
+                       data_metrics=data_metrics(train, *([ev_data] if ev_data is not None else [])), layout=layout,
+                       server=server)
     if ckpt is not None and cfg.ckpt.resume == "auto":
         # K >= 1: a checkpoint whose in-flight batches file is missing or corrupt is passed over like an unreadable one
         inflight = (lambda step: read_inflight(ckpt.dir, step)) if cfg.staleness() and not cfg.eval.only else None
@@ -372,24 +374,25 @@ def build(cfg: RunConfig) -> Job:
             learner.load_state_dict(state)
             if not cfg.eval.only and same_data(cfg, meta, data_identity):
                 it.set_state(meta["data"])
-            job.start_step = int(meta["step"])
-            job.weight_version = int(meta["weight_version"])
-            log.info("resumed from %s at step %d (weight version %d)", ckpt.dir, job.start_step, job.weight_version)
+            wiring.start_step = int(meta["step"])
+            wiring.weight_version = int(meta["weight_version"])
+            log.info("resumed from %s at step %d (weight version %d)", ckpt.dir, wiring.start_step,
+                     wiring.weight_version)
     # A run that checkpoints owns its logs: records of steps >= start_step (written after the checkpoint it
     # resumes from, or by a run killed before its first checkpoint) are dropped, since this run recomputes them.
     owns = ckpt is not None and cfg.ckpt.resume == "auto" and not cfg.eval.only
-    job.logger.open(job.start_step if owns else None)
-    if rollout is not None and rollout.weight_version != job.weight_version:
+    wiring.logger.open(wiring.start_step if owns else None)
+    if rollout is not None and rollout.weight_version != wiring.weight_version:
         # the rollout serves the restored params (or its first weights): version 0 of --init from the file's own
         # FP8 blocks where the engine can read it, else the learner's params pushed
-        from_init = init != "random" and job.weight_version == 0
-        rollout.load_weights(job.weight_version, source=init if from_init else None)
-    return job
+        from_init = init != "random" and wiring.weight_version == 0
+        rollout.load_weights(wiring.weight_version, source=init if from_init else None)
+    return wiring
 
 
-def build_rollout_job(cfg: RunConfig) -> Job:
+def build_rollout_job(cfg: RunConfig) -> RunWiring:
     """A rollout job of the two-job layout (rl/rollout/two_job.py): the Sampler on this job's devices (the mesh's
-    rollout section; weights arrive from the actor by pull) and the loop it serves (`job.server`). It reads the
+    rollout section; weights arrive from the actor by pull) and the loop it serves (`wiring.server`). It reads the
     data only to size the prompt buckets as the actor does; it writes no metrics, config file or checkpoint."""
     if jax.process_count() > 1:
         raise ValueError(f"--rollout-job: a rollout job of one process for now (this one has {jax.process_count()})")
@@ -409,9 +412,9 @@ def build_rollout_job(cfg: RunConfig) -> Job:
     server = RolloutJobServer(sampler, cfg.rollout.actor_address, timeout_s=cfg.rollout.push_timeout,
                               connect_timeout_s=cfg.rollout.restart_timeout,
                               identity=job_identity(cfg, shapes_cfg, tok, max_prompt_len=max_prompt))
-    return Job(cfg=cfg, model_cfg=model_cfg, plan=plan, tokenizer=tok, task=task, train_data=train,
-               eval_prompts=ev_prompts, eval_refs=ev_refs, reward=None, learner=None, rollout=None, iterator=None,
-               ckpt=None, logger=None, server=server)
+    return RunWiring(cfg=cfg, model_cfg=model_cfg, plan=plan, tokenizer=tok, task=task, train_data=train,
+                     eval_prompts=ev_prompts, eval_refs=ev_refs, reward=None, learner=None, rollout=None, iterator=None,
+                     ckpt=None, logger=None, server=server)
 
 
 def run_dir(cfg: RunConfig) -> pathlib.Path | None:

@@ -3,7 +3,7 @@
 
 A disjoint rollout mesh whose devices are whole processes (e.g. `--mesh actor:fsdp=2,expert=2/rollout:expert=2` on 3
 processes x 2 devices: processes 0-1 the actor, process 2 the rollout; `sharding.mpmd.role_layout`) runs the one loop
-(rl/loop.py) on the actor processes, with this service behind `job.rollout`; the rollout processes only serve. The
+(rl/loop.py) on the actor processes, with this service behind `wiring.rollout`; the rollout processes only serve. The
 two sides speak through a command queue in the host channel (`sharding.mpmd.HostChannel`):
 
     actor writer (process 0)  --  cmd/0, cmd/1, ...  -->  every rollout process, in order

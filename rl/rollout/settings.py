@@ -1,5 +1,5 @@
 """The rollout engine's settings, resolved once: one frozen object the engine (`rl.rollout.engine.Sampler`), the
-planner (`launch.aot.compile_rollout`, `launch.plan`) and the run (`rl.job`, `launch.run`) all read.
+planner (`launch.aot.compile_rollout`, `launch.plan`) and the run (`rl.wiring`, `launch.run`) all read.
 
     settings = EngineSettings.for_run(cfg.rollout, platform="cpu", max_prompt_len=64)   # a run's RolloutConfig
     settings = EngineSettings(weights="fp8", kv_cache_dtype="fp8", max_prompt_len=16)   # a library call

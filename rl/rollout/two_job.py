@@ -26,7 +26,7 @@ at start ("job/transfer/<p>") and travel with every pull op. Process 0 asks the 
 pull's uuid through the store ("job/offer/<uuid>", answered by a thread on each of them once that version is staged
 there, acknowledged with "job/offered/<uuid>"), so a recovery re-offers the served version with no help from the
 loop, while the other processes wait for the result they need (their waits last while process 0's heartbeat moves).
-The rollout job stays one process (`rl.job.build_rollout_job`). The death of an actor process ends the actor job
+The rollout job stays one process (`rl.wiring.build_rollout_job`). The death of an actor process ends the actor job
 with one line naming it (`sharding.mpmd.lost_peer` / `PeerTimeoutError`, launch/run.py); process 0's exit closes the
 link, so the rollout job exits 1 with one line naming the actor.
 

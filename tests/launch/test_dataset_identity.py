@@ -24,7 +24,7 @@ def _checkpoint_of(argv):
     """A step-3 checkpoint as `build` + `save` would write it for the run `argv` (placeholder learner state)."""
     from launch.run import resolve
     from rl.checkpoint import Checkpointer, file_identity
-    from rl.job import load_data, fingerprint, resolve_model_config
+    from rl.wiring import load_data, fingerprint, resolve_model_config
 
     cfg, _ = resolve(argv)
     tok = load_data(cfg)[0]
@@ -39,7 +39,7 @@ def _checkpoint_of(argv):
 def test_changed_dataset_is_refused_on_resume(tmp_path, small_tokenizer, lt, capsys):
     from launch.run import main, resolve
     from rl.checkpoint import file_identity
-    from rl.job import same_data
+    from rl.wiring import same_data
 
     train, test, argv = _cfg_args(tmp_path, small_tokenizer, lt)
     cfg, ident = _checkpoint_of(argv)
@@ -78,7 +78,7 @@ def test_moved_dataset_resumes_and_a_changed_one_names_allow_dataset_change(tmp_
 
     from launch.run import main, resolve
     from rl.checkpoint import Checkpointer, file_identity
-    from rl.job import load_data, fingerprint, resolve_model_config, same_data
+    from rl.wiring import load_data, fingerprint, resolve_model_config, same_data
 
     train, test, argv = _cfg_args(tmp_path, small_tokenizer, lt)
     _checkpoint_of(argv)

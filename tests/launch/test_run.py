@@ -287,7 +287,7 @@ def test_checkpoint_of_another_config(tmp_path, capsys, lt):
     import jax.numpy as jnp
 
     from rl.checkpoint import Checkpointer
-    from rl.job import fingerprint, resolve_model_config
+    from rl.wiring import fingerprint, resolve_model_config
 
     argv = [*TINY, *lt.outputs(tmp_path)]
     cfg, _ = launch_run.resolve(argv)
@@ -366,7 +366,7 @@ def test_eval_only_compares_only_what_is_evaluated(tmp_path, lt):
 
     from rl.checkpoint import CheckpointMismatchError, Checkpointer
     from rl.eval_source import eval_checkpoint_dir, eval_reader
-    from rl.job import fingerprint, resolve_model_config
+    from rl.wiring import fingerprint, resolve_model_config
     from rl.run_lock import LOCK_NAME
 
     cfg, _ = launch_run.resolve([*TINY, *lt.outputs(tmp_path)])

@@ -150,7 +150,7 @@ def test_checkpoint_of_another_model_is_one_short_line(tmp_path):
 
 def test_moved_dataset_file_is_judged_by_its_content(tmp_path):
     """The fingerprint keeps the --dataset path, but a checkpoint that records the datasets' identity leaves the
-    decision to that content check (rl/job.py::same_data): the same file at a new path resumes."""
+    decision to that content check (rl/wiring.py::same_data): the same file at a new path resumes."""
     ck = Checkpointer(tmp_path, fingerprint={"dataset": "/old/train.jsonl", "seed": 0}, async_save=False)
     ck.save(1, {"w": jnp.zeros(2)}, {"data_identity": {"dataset": {"size": 1, "sha256": "ab"}}})
     ck.close()

@@ -45,7 +45,7 @@ from rl import loop
 from rl.algo_config import LearnerConfig
 from rl.config import RunConfig
 from rl.data import PromptDataset, make_prompt_iterator
-from rl.job import Job
+from rl.wiring import RunWiring
 from rl.learner import Learner
 from rl.rollout.engine import Sampler
 from rl.rollout.service import LocalRollout
@@ -116,13 +116,13 @@ def run_layout(context: int, *, prompt_len: int, new_tokens: int, steps: int = 2
         return res
 
     rollout.collect = keep
-    job = Job(cfg=cfg, model_cfg=mc, plan=plan, tokenizer=tok, task=None, train_data=train, eval_prompts=[],
-              eval_refs=[], reward=_copy_reward(tok), learner=learner, rollout=rollout,
-              iterator=make_prompt_iterator(train, batch_size=prompts, seed=seed), ckpt=None, logger=_Logger(),
-              weight_version=sampler.weight_version)
+    wiring = RunWiring(cfg=cfg, model_cfg=mc, plan=plan, tokenizer=tok, task=None, train_data=train, eval_prompts=[],
+                       eval_refs=[], reward=_copy_reward(tok), learner=learner, rollout=rollout,
+                       iterator=make_prompt_iterator(train, batch_size=prompts, seed=seed), ckpt=None, logger=_Logger(),
+                       weight_version=sampler.weight_version)
     t0 = time.perf_counter()
-    loop.run(job)
-    return job.logger.records, batches, time.perf_counter() - t0
+    loop.run(wiring)
+    return wiring.logger.records, batches, time.perf_counter() - t0
 
 
 class _Logger:

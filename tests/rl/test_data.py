@@ -206,7 +206,7 @@ def test_dropped_and_skipped_records_are_metrics(tmp_path, tok):
     # Issue 15 class 8: what --on-bad-record skip drops reaches the step metrics, split by cause:
     # data/skipped_records (malformed: line 2 lacks "answer", line 4 has no final answer) and
     # data/dropped_overlong (line 3 is longer than max_prompt_len), summed over the train and eval sets.
-    from rl.job import data_metrics
+    from rl.wiring import data_metrics
 
     path = write_lines(tmp_path / "d.jsonl", [
         '{"question": "how many?", "answer": "#### 3"}',

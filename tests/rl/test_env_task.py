@@ -16,7 +16,7 @@ from rl.env_task import ENV_KEYS, EVAL_START, TRAIN_PROMPTS, load_env_data, mult
 from rl.agent.env import reset
 from rl.agent.python_math import python_math_env
 from rl.chat_dsv4 import BOS, EOS, parse_completion, render_deepseek_v4, render_tool_calls, tool_result_turn
-from rl.job import build, load_data, prompt_bucket
+from rl.wiring import build, load_data, prompt_bucket
 from rl.rollout.engine import SamplingParams
 from rl.rollout.service import RolloutRequest, run_request
 from rl.stages import score

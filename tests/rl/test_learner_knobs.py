@@ -2,7 +2,7 @@
 `--ep-capacity-factor` decide the expert-parallel dispatch it builds on an expert mesh, `--stream-optimizer` its
 streamed update of the offloaded stacked state, `--scan-layers` (the default) its stacked state. Cheap: abstract
 learners (`Learner(abstract=True)`: shapes and shardings only, nothing compiled) of the tiny model on a 4-device
-actor mesh, built as `rl.job.build` builds the run's learner (the run's learner section, param dtype resolved).
+actor mesh, built as `rl.wiring.build` builds the run's learner (the run's learner section, param dtype resolved).
 
 Run: `.venv/bin/python -m pytest -q tests/rl/test_learner_knobs.py`.
 """

@@ -161,7 +161,7 @@ def test_scan_layers_flag_config_and_fingerprint():
     checkpoint is refused by an unscanned run and vice versa (rl/checkpoint.py compares every key)."""
     from launch import run as launch_run
     from rl.config import RunConfig
-    from rl.job import fingerprint, resolve_model_config
+    from rl.wiring import fingerprint, resolve_model_config
 
     default, _ = launch_run.resolve(["--ckpt-dir", ""])
     off, _ = launch_run.resolve(["--ckpt-dir", "", "--no-scan-layers"])

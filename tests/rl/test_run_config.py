@@ -99,7 +99,7 @@ def test_bad_nested_yaml_key_names_it(tmp_path):
 
 
 def test_resolved_config_written_atomically_and_loads_back(tmp_path):
-    from rl.job import write_resolved_config
+    from rl.wiring import write_resolved_config
 
     cfg, _ = launch_run.resolve(["--algo", "dr_grpo", "--learner.b1", "0.8", "--metrics-jsonl",
                                  str(tmp_path / "run" / "metrics.jsonl"), "--ckpt-dir", "", "--eval-every", "0"])
@@ -206,10 +206,10 @@ def test_ignore_eos_lets_training_samples_run_to_their_limit():
     """--rollout.ignore_eos (benchmarks: responses of the lengths the schedule says): no stop id in the training
     SamplingParams; the default stops at the tokenizer's eos."""
     cfg, _ = launch_run.resolve(["--rollout.ignore_eos", "--max-new-tokens", "8"])
-    job = types.SimpleNamespace(cfg=cfg, tokenizer=types.SimpleNamespace(eos_id=1))
-    assert cfg.rollout.ignore_eos and sampling_params(job).stop_token_ids == ()
-    job.cfg, _ = launch_run.resolve(["--max-new-tokens", "8"])
-    assert sampling_params(job).stop_token_ids == (1,) and sampling_params(job).max_new_tokens == 8
+    wiring = types.SimpleNamespace(cfg=cfg, tokenizer=types.SimpleNamespace(eos_id=1))
+    assert cfg.rollout.ignore_eos and sampling_params(wiring).stop_token_ids == ()
+    wiring.cfg, _ = launch_run.resolve(["--max-new-tokens", "8"])
+    assert sampling_params(wiring).stop_token_ids == (1,) and sampling_params(wiring).max_new_tokens == 8
 
 
 @pytest.mark.parametrize("text, needle", [

@@ -11,7 +11,7 @@ from flax import nnx
 from dsv4 import DSV4Config, DSV4ForCausalLM
 from rl.rollout import slots as sl
 from rl.config import RunConfig
-from rl.job import rollout_slots
+from rl.wiring import rollout_slots
 from rl.rollout.engine import Sampler, SamplingParams
 from sharding.mesh import parse_mesh_spec
 
