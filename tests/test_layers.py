@@ -19,6 +19,7 @@ from __future__ import annotations
 import ast
 import dataclasses
 import pathlib
+import re
 
 import pytest
 
@@ -148,6 +149,11 @@ def upward_imports(root: pathlib.Path, rel: str, layers=LAYERS) -> list[str]:
 PRIVATE_SCOPE = ("parallel", "rl")
 
 
+# a cheap text filter before parsing: a private name after `import` / in an import list, or `name._x` not on self/cls
+_MAYBE_PRIVATE = re.compile(r"import\b[^\n]*[\s,(]_[A-Za-z]|import\s*\([^)]*[\s,(]_[A-Za-z]"
+                            r"|(?<![\w.])(?!self\.|cls\.)[A-Za-z]\w*\._[A-Za-z]")
+
+
 def _private(name: str) -> bool:
     return name.startswith("_") and not (name.startswith("__") and name.endswith("__"))
 
@@ -164,7 +170,10 @@ def private_crossings(root: pathlib.Path, scope=PRIVATE_SCOPE, layers=LAYERS,
                       for f in sorted((root / d).rglob("*.py"))})
     out = []
     for me, path in files.items():
-        tree = ast.parse(path.read_text(), filename=str(path))
+        text = path.read_text()
+        if not _MAYBE_PRIVATE.search(text):  # most files: no `import _x` and no `name._x` but self._x / cls._x
+            continue
+        tree = ast.parse(text, filename=str(path))
         rel = path.relative_to(root).as_posix()
         bound = {}  # local name -> project module it names
         found = []  # (line, owner module, private name)
@@ -285,10 +294,12 @@ def test_private_check_detects_planted_crossings(tmp_path):
         "pkg/__init__.py": "", "pkg/m.py": "from low import a\n_y = a._k\n\ndef f():\n    return _y, a.__name__\n",
         "pkg/n.py": "from pkg.m import _y, f\nfrom . import m\nm._y\n",
         "tests/test_x.py": "import pkg.m\nfrom low.a import _k\npkg.m.f()\n",
+        "pkg/p.py": "from pkg.m import (\n    f,\n    _y,\n)\n",
         "tests/pkg/test_y.py": "from low.a import _k\n",
     })
     assert private_crossings(tmp_path, ("pkg",), ("low", "pkg")) == [
-        "pkg/m.py:2 low.a._k", "pkg/n.py:1 pkg.m._y", "pkg/n.py:3 pkg.m._y", "tests/pkg/test_y.py:1 low.a._k"]
+        "pkg/m.py:2 low.a._k", "pkg/n.py:1 pkg.m._y", "pkg/n.py:3 pkg.m._y", "pkg/p.py:1 pkg.m._y",
+        "tests/pkg/test_y.py:1 low.a._k"]
 
 
 def test_test_module_basenames_are_unique():
