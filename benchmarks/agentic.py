@@ -4,12 +4,12 @@ to call `lookup` and copy the value it returns, and what do tool turns cost the 
     .venv/bin/python benchmarks/agentic.py                                  # the defaults below
     .venv/bin/python benchmarks/agentic.py --steps 150 --set learner.lr=3e-3 --set data.task_digits=2
 
-One process, the job in-process (`rl.wiring.build` + `rl.loop.run`: what `launch/run.py --rollout.env key_lookup`
-runs, without its CLI): the tiny DeepSeek-V4 from random init, `--mesh auto` on 2 forced host devices (actor 1,
-rollout 1), `--rollout.max_turns 2`, no checkpoints, no eval; defaults (`DEFAULTS`): 100 steps of 16 prompts x 16
+One process, the job in-process (`rl.run.wiring.build` + `rl.run.loop.run`: what `launch/run.py --rollout.env
+key_lookup` runs, without its CLI): the tiny DeepSeek-V4 from random init, `--mesh auto` on 2 forced host devices (actor
+1, rollout 1), `--rollout.max_turns 2`, no checkpoints, no eval; defaults (`DEFAULTS`): 100 steps of 16 prompts x 16
 samples, lr 6e-3, an entropy bonus 0.02 (`learner.loss.entropy_coef`: without one the policy collapses onto one
 first turn before it can copy the key), 12 new tokens (both turns and the tool's answer; a perfect trajectory is
-3 + 6 + 2), 1-digit values. The task (rl/agent/key_lookup.py, rl/env_task.py): the prompt names a key (a digit,
+3 + 6 + 2), 1-digit values. The task (rl/agent/key_lookup.py, rl/run/env_task.py): the prompt names a key (a digit,
 `ENV_KEYS` = 4 keys), `lookup` returns its value (`--task-digits` digits, random per prompt); the reward is shaped:
 0.2 x how much of the right call the first turn wrote (call head, the key, call tail, EOS, in order; the call head
 with the key is one piece of the task's tokenizer) + 0.8 x the value copied into the final answer (partial credit
@@ -48,13 +48,13 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
 import numpy as np  # noqa: E402
 
-from rl import config_tree  # noqa: E402
-from rl.config import RunConfig  # noqa: E402
-from rl.env_task import multiturn_request  # noqa: E402
-from rl.wiring import build  # noqa: E402
-from rl.loop import run  # noqa: E402
+from rl.config import tree as config_tree  # noqa: E402
+from rl.config.run import RunConfig  # noqa: E402
+from rl.run.env_task import multiturn_request  # noqa: E402
+from rl.run.wiring import build  # noqa: E402
+from rl.run.loop import run  # noqa: E402
 from rl.rollout.multiturn import generate_multiturn  # noqa: E402
-from rl.stages import prompt_lists, sampling_params  # noqa: E402
+from rl.run.stages import prompt_lists, sampling_params  # noqa: E402
 
 DEFAULTS = {"rollout.env": "key_lookup", "rollout.max_turns": 2, "steps": 100, "rollout.prompts_per_step": 16,
             "rollout.group_size": 16, "rollout.max_new_tokens": 12, "data.task_digits": 1, "learner.lr": 6e-3,
@@ -105,7 +105,7 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--steps", type=int, default=DEFAULTS["steps"])
     ap.add_argument("--set", action="append", default=[], metavar="KNOB=VALUE",
-                    help="any run knob by its dotted path (rl/config.py), e.g. learner.lr=3e-3")
+                    help="any run knob by its dotted path (rl/config/run.py), e.g. learner.lr=3e-3")
     ap.add_argument("--repeats", type=int, default=2, help="timed calls per throughput figure (best kept)")
     ap.add_argument("--out", default=None, help="folder for metrics.jsonl (default: a temporary one)")
     args = ap.parse_args(argv)
@@ -115,7 +115,7 @@ def main(argv=None) -> int:
     for kv in args.set:
         k, sep, v = kv.partition("=")
         if not sep or k not in leaves:
-            print(f"error: --set {kv!r}: expected KNOB=VALUE with a dotted knob of rl/config.py", file=sys.stderr)
+            print(f"error: --set {kv!r}: expected KNOB=VALUE with a dotted knob of rl/config/run.py", file=sys.stderr)
             return 2
         items[k] = config_tree.convert(leaves[k], v, "--set")
     out = pathlib.Path(args.out or tempfile.mkdtemp(prefix="agentic."))

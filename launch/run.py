@@ -8,7 +8,7 @@
     python launch/run.py --launcher ray --ray-address auto --mesh actor:fsdp=2,expert=8/rollout:expert=8 ...
         # the two-job layout as Ray actors in placement groups (launch/ray_run.py; the [ray] extra)
 
-Every flag is a knob of the nested `rl.config.RunConfig` (`--group-size` <-> `rollout.group_size`); any knob
+Every flag is a knob of the nested `rl.config.run.RunConfig` (`--group-size` <-> `rollout.group_size`); any knob
 also takes a dotted flag (`--learner.lr 1e-6`); the flat spellings (`FLAT`) exist only here. `--config-file
 FILE.yaml` sets knobs from a YAML mapping (nested sections or dotted keys); precedence: defaults < `--algo` preset < YAML < flat flags < dotted flags. `--dry-run` prints the
 resolved config, the meshes and the memory plan, then exits. Bad input (files, fields, flags) ends with a
@@ -34,14 +34,14 @@ import jax  # noqa: E402  (importing jax starts no backend: XLA_FLAGS set below 
 from launch.ray_run import LaunchError, add_launcher_args, launch  # noqa: E402
 from parallel.push.mpmd import MpmdPushVerificationError  # noqa: E402
 from parallel.plan import GPUS, plan  # noqa: E402
-from rl import config_tree  # noqa: E402
-from rl.config import RunConfig  # noqa: E402
-from rl.config_file import load_config_file  # noqa: E402
-from rl.config_notes import overridden_settings  # noqa: E402
-from rl.loop import run, run_eval  # noqa: E402
+from rl.config import tree as config_tree  # noqa: E402
+from rl.config.run import RunConfig  # noqa: E402
+from rl.config.file import load_config_file  # noqa: E402
+from rl.config.notes import overridden_settings  # noqa: E402
+from rl.run.loop import run, run_eval  # noqa: E402
 from rl.rollout.two_job import RolloutJobError  # noqa: E402
 from rl.rollout.settings import EngineSettings  # noqa: E402
-from rl.wiring import build, load_data, resolve_model_config  # noqa: E402
+from rl.run.wiring import build, load_data, resolve_model_config  # noqa: E402
 from sharding.distributed import add_distributed_args, initialize_from_args  # noqa: E402
 from sharding.job_link import LinkLost  # noqa: E402
 from sharding.mesh import DeviceCountError, build_mesh_plan, parse_mesh_spec  # noqa: E402
@@ -172,7 +172,7 @@ def resolve(argv=None) -> tuple[RunConfig, argparse.Namespace]:
     for path, raw in dotted:
         items.append((path, config_tree.convert(_leaf(path), raw, "--" + path)))
     items = [(p, None if p in _EMPTY_IS_NONE and v == "" else v) for p, v in items]
-    args.given = {p for p, _ in items}  # the knobs the user set (rl/config_notes.py)
+    args.given = {p for p, _ in items}  # the knobs the user set (rl/config/notes.py)
     try:
         return RunConfig.from_overrides(items, source="launch/run.py"), args
     except ValueError as e:

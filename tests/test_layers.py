@@ -27,14 +27,15 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 LAYERS = ("sharding", "dsv4", "parallel", "rl", "launch")
 # (file, imported top-level module) -> why the import waits for the first call
 LAZY_OK = {
-    ("rl/wandb_sink.py", "wandb"): "the optional [wandb] extra: absent unless installed; --wandb-project asks for it",
-    ("rl/answers.py", "math_verify"): "sympy-backed (~0.5 s warm, seconds cold); only the math-answer comparison "
-                                      "(`math_verify_equal`) needs it",
-    ("rl/rewards.py", "math_verify"): "the reward worker preloads it before its first deadline",
+    ("rl/run/wandb_sink.py", "wandb"): "the optional [wandb] extra: absent unless installed; --wandb-project asks for "
+                                       "it",
+    ("rl/data/answers.py", "math_verify"): "sympy-backed (~0.5 s warm, seconds cold); only the math-answer comparison "
+                                           "(`math_verify_equal`) needs it",
+    ("rl/data/rewards.py", "math_verify"): "the reward worker preloads it before its first deadline",
     ("launch/ray_run.py", "ray"): "the optional [ray] extra: absent unless installed; only --launcher ray (and the Ray "
                                   "workers it starts) needs it",
-    ("rl/sinks.py", "tensorboardX"): "the heaviest import of the run (~1.4 s warm: protobuf); only --tensorboard-dir "
-                                     "needs it",
+    ("rl/run/sinks.py", "tensorboardX"): "the heaviest import of the run (~1.4 s warm: protobuf); only "
+                                         "--tensorboard-dir needs it",
 }
 
 

@@ -1,4 +1,4 @@
-"""rl/pipeline.py: the one-step-off asynchronous schedule (issue 14 point 2) on one host, in this process, and the
+"""rl/run/pipeline.py: the one-step-off asynchronous schedule (issue 14 point 2) on one host, in this process, and the
 one loop over the rollout service contract (rl/rollout/service.py) driven by a fake service.
 
 A 2-layer tiny model on the built-in digit task, no meshes (the sampler's `update_weights` is the push), fp32
@@ -22,7 +22,7 @@ import threading
 import numpy as np
 import pytest
 
-from rl.config import RunConfig
+from rl.config.run import RunConfig
 
 sys.path.insert(0, str(pathlib.Path(__file__).parent))
 from fake_rollout import ListLogger  # noqa: E402  (tests/rl/fake_rollout.py)
@@ -38,9 +38,9 @@ def parts():
     from dsv4 import DSV4Config, DSV4ForCausalLM
     from flax import nnx
 
-    from rl.algo_config import LearnerConfig
-    from rl.learner import Learner
-    from rl.wiring import load_data
+    from rl.config.algo import LearnerConfig
+    from rl.algo.learner import Learner
+    from rl.run.wiring import load_data
     from rl.rollout.engine import Sampler
 
     cfg = RunConfig(steps=4, **{"rollout.prompts_per_step": 4, "rollout.group_size": 4, "rollout.max_new_tokens": 4,
@@ -57,10 +57,10 @@ def parts():
 
 
 def _wiring(parts, **overrides):
-    from rl.data import make_prompt_iterator
-    from rl.wiring import RunWiring
+    from rl.data.prompts import make_prompt_iterator
+    from rl.run.wiring import RunWiring
     from rl.rollout.service import LocalRollout
-    from rl.tasks import TaskReward
+    from rl.data.tasks import TaskReward
 
     cfg, learner, sampler, task, tok, train = parts
     cfg = dataclasses.replace(cfg, **overrides)
@@ -72,7 +72,7 @@ def _wiring(parts, **overrides):
 
 
 def test_rollout_of_the_next_batch_overlaps_the_update(parts, monkeypatch):
-    from rl import loop
+    from rl.run import loop
 
     wiring = _wiring(parts, steps=3)
     learner = wiring.learner
@@ -97,7 +97,7 @@ def test_rollout_of_the_next_batch_overlaps_the_update(parts, monkeypatch):
             update_started[step - 1].wait(timeout=600)
 
     monkeypatch.setattr(type(learner), "update", update)
-    from rl import pipeline
+    from rl.run import pipeline
 
     real_init = pipeline.Pipeline.__init__
 
@@ -136,7 +136,7 @@ class _Events(list):
 
 
 def test_staleness_is_bounded_by_k_and_versions_are_per_sample(parts):
-    from rl import loop
+    from rl.run import loop
 
     k, steps = 2, 5
     wiring = _wiring(parts, steps=steps, **{"rollout.async_rollout": False, "rollout.max_staleness": k})
@@ -199,9 +199,9 @@ def _fake_wiring(steps: int, trace: list, **kw):
         from fake_rollout import FakeLearner, FakeRollout
     finally:
         sys.path.pop(0)
-    from rl.data import PromptDataset, make_prompt_iterator
-    from rl.wiring import RunWiring
-    from rl.tasks import DigitTask
+    from rl.data.prompts import PromptDataset, make_prompt_iterator
+    from rl.run.wiring import RunWiring
+    from rl.data.tasks import DigitTask
 
     cfg = RunConfig(steps=steps, **kw, **{"rollout.prompts_per_step": 2, "rollout.group_size": 4,
                                           "rollout.max_new_tokens": 4, "eval.every": 0, "ckpt.dir": "",
@@ -217,11 +217,11 @@ def _fake_wiring(steps: int, trace: list, **kw):
 
 @pytest.mark.parametrize("k", [0, 1, 2])
 def test_the_one_loop_over_a_fake_rollout_service_follows_the_schedule(k):
-    """The loop (rl/loop.py + rl/pipeline.py) asks the service for batch m with P(max(0, m - K)) served, and pushes
-    P(s + 1) only after every batch that needs P(s) was generated: batches 0 .. min(s + K, steps - 1). K = 0 is the
-    synchronous loop (sample, learn, push, in turn). The same code serves every layout: the service is the only
+    """The loop (rl/run/loop.py + rl/run/pipeline.py) asks the service for batch m with P(max(0, m - K)) served, and
+    pushes P(s + 1) only after every batch that needs P(s) was generated: batches 0 .. min(s + K, steps - 1). K = 0 is
+    the synchronous loop (sample, learn, push, in turn). The same code serves every layout: the service is the only
     thing the loop knows of the rollout."""
-    from rl import loop
+    from rl.run import loop
 
     steps, trace = 5, []
     wiring = _fake_wiring(steps, trace, **{"rollout.max_staleness": k, "learner.loss.correction": "tis"})
@@ -243,7 +243,7 @@ def test_the_one_loop_over_a_fake_rollout_service_follows_the_schedule(k):
 
 def test_the_loop_logs_the_same_numbers_whatever_the_schedule_when_staleness_is_zero():
     """`--max-staleness 0` through the pipeline is the synchronous loop: a second run logs equal metrics."""
-    from rl import loop
+    from rl.run import loop
 
     runs = []
     for _ in range(2):

@@ -1,5 +1,5 @@
-"""DAPO dynamic sampling in the loop (`rl.stages.dynamic_rollout`) and the batch concatenation it relies on
-(`rl.batch.concat_rollouts`). The sampler is replaced by a fake that returns chosen rewards, so no model is
+"""DAPO dynamic sampling in the loop (`rl.run.stages.dynamic_rollout`) and the batch concatenation it relies on
+(`rl.algo.batch.concat_rollouts`). The sampler is replaced by a fake that returns chosen rewards, so no model is
 compiled: what is tested is the bookkeeping (which groups are kept, the resampling budget, the layout)."""
 
 import types
@@ -7,9 +7,9 @@ import types
 import numpy as np
 import pytest
 
-from rl import stages
-from rl.config import RunConfig
-from rl.batch import RolloutBatch, concat_rollouts
+from rl.run import stages
+from rl.config.run import RunConfig
+from rl.algo.batch import RolloutBatch, concat_rollouts
 
 L, K = 2, 1  # routing [.., L, k]
 

@@ -16,10 +16,10 @@ from flax import nnx
 from dsv4 import DSV4Config, DSV4ForCausalLM
 from launch import run as launch_run
 from rl.rollout import exact
-from rl.batch import TrainBatch, concat_rollouts
-from rl.algo_config import LearnerConfig, LossConfig
-from rl.config import RunConfig
-from rl.learner import Learner
+from rl.algo.batch import TrainBatch, concat_rollouts
+from rl.config.algo import LearnerConfig, LossConfig
+from rl.config.run import RunConfig
+from rl.algo.learner import Learner
 from rl.rollout.engine import SamplingParams
 from rl.rollout.service import RolloutRequest
 

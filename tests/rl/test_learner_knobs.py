@@ -2,7 +2,7 @@
 `--ep-capacity-factor` decide the expert-parallel dispatch it builds on an expert mesh, `--stream-optimizer` its
 streamed update of the offloaded stacked state, `--scan-layers` (the default) its stacked state. Cheap: abstract
 learners (`Learner(abstract=True)`: shapes and shardings only, nothing compiled) of the tiny model on a 4-device
-actor mesh, built as `rl.wiring.build` builds the run's learner (the run's learner section, param dtype resolved).
+actor mesh, built as `rl.run.wiring.build` builds the run's learner (the run's learner section, param dtype resolved).
 
 Run: `.venv/bin/python -m pytest -q tests/rl/test_learner_knobs.py`.
 """
@@ -15,9 +15,9 @@ from flax import nnx
 import dsv4
 from launch import run as launch_run
 from parallel import expert as expert_lib
-from rl import config_tree
-from rl.config import RunConfig
-from rl.learner import Learner
+from rl.config import tree as config_tree
+from rl.config.run import RunConfig
+from rl.algo.learner import Learner
 from sharding.mesh import build_mesh_plan
 
 MESH = "actor:fsdp=2,expert=2/rollout:expert=2"

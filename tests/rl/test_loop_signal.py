@@ -1,4 +1,4 @@
-"""rl/stages.py `learn` + `push`: a step without learning signal changes nothing (issue 15 class 6).
+"""rl/run/stages.py `learn` + `push`: a step without learning signal changes nothing (issue 15 class 6).
 
 After a step with signal (Adam has momentum), a batch whose advantages are all 0 (every group zero-std or
 filtered) must not move the params, the optimizer state or the step counter, must not push, and must say so in
@@ -11,12 +11,12 @@ import numpy as np
 from flax import nnx
 
 from dsv4 import DSV4Config, DSV4ForCausalLM
-from rl.algo_config import LearnerConfig
-from rl.config import RunConfig
-from rl.learner import Learner
-from rl.wiring import RunWiring
+from rl.config.algo import LearnerConfig
+from rl.config.run import RunConfig
+from rl.algo.learner import Learner
+from rl.run.wiring import RunWiring
 from rl.rollout.service import LocalRollout
-from rl.stages import learn, push
+from rl.run.stages import learn, push
 from rl.rollout.engine import Sampler, SamplingParams
 
 CFG = DSV4Config.tiny(num_hidden_layers=2, compress_ratios=(4, 8), num_nextn_predict_layers=0)

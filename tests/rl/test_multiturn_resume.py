@@ -1,8 +1,8 @@
 """Multi-turn resume is bitwise in the single-process layout (issue 39 point 6), in this process.
 
-The key-lookup job (`--rollout.env key_lookup --rollout.max_turns 2`, rl/env_task.py) on a 2-layer tiny model with
+The key-lookup job (`--rollout.env key_lookup --rollout.max_turns 2`, rl/run/env_task.py) on a 2-layer tiny model with
 fp32 rollout weights and the synchronous loop (one learner and one sampler, compiled once for the module): STEPS
-steps uninterrupted, then again checkpointed after step AT by rl/loop.py's `save` into a real `Checkpointer`
+steps uninterrupted, then again checkpointed after step AT by rl/run/loop.py's `save` into a real `Checkpointer`
 (learner state, data order, weight version), restored from those files into a fresh job and run to the end. Every
 step's batch (tokens, loss mask, logprobs, routing, rewards), every non-`perf/` metric and the final learner state
 must equal the uninterrupted run's bit for bit. In the synchronous loop no trajectory is in flight at a checkpoint:
@@ -20,7 +20,7 @@ import jax
 import numpy as np
 import pytest
 
-from rl.config import RunConfig
+from rl.config.run import RunConfig
 
 sys.path.insert(0, str(pathlib.Path(__file__).parent))
 from fake_rollout import ListLogger  # noqa: E402  (tests/rl/fake_rollout.py)
@@ -36,7 +36,7 @@ STEPS, AT = 3, 1
 @pytest.fixture(scope="module")
 def parts():
     """(cfg, learner, its initial state on the host, sampler, tokenizer, train data, reward)."""
-    from rl.wiring import load_data
+    from rl.run.wiring import load_data
 
     cfg = RunConfig.from_overrides([
         ("rollout.env", "key_lookup"), ("rollout.max_turns", 2), ("steps", STEPS), ("rollout.prompts_per_step", 2),
@@ -50,15 +50,15 @@ def parts():
 
 def _wiring(parts, ckpt=None):
     """A job at step 0, or, with a checkpoint directory holding one, at its step with its state restored."""
-    from rl.data import make_prompt_iterator
-    from rl.wiring import RunWiring
+    from rl.data.prompts import make_prompt_iterator
+    from rl.run.wiring import RunWiring
     from rl.rollout.service import LocalRollout
 
     cfg, learner, init, sampler, tok, train, reward = parts
     learner.load_state_dict(init)
     it = make_prompt_iterator(train, batch_size=cfg.rollout.prompts_per_step, seed=cfg.seed)
     start, version = 0, 0
-    restored = None if ckpt is None else ckpt.restore(learner.state_dict())  # as rl/wiring.py's build resumes
+    restored = None if ckpt is None else ckpt.restore(learner.state_dict())  # as rl/run/wiring.py's build resumes
     if restored is not None:
         state, meta = restored
         learner.load_state_dict(state)
@@ -74,10 +74,10 @@ def _wiring(parts, ckpt=None):
 
 
 def _run(wiring, until: int, trained: dict, ckpt_at: int | None = None) -> None:
-    """Steps wiring.start_step .. until - 1 of the loop (rl/loop.py's train_step); trained[step] = the batch; with
-    `ckpt_at`, rl/loop.py's checkpoint after that many steps, then stop (the interruption)."""
-    from rl import loop
-    from rl.pipeline import Pipeline
+    """Steps wiring.start_step .. until - 1 of the loop (rl/run/loop.py's train_step); trained[step] = the batch; with
+    `ckpt_at`, rl/run/loop.py's checkpoint after that many steps, then stop (the interruption)."""
+    from rl.run import loop
+    from rl.run.pipeline import Pipeline
 
     pipe = Pipeline(wiring).start()
     wiring.inflight = pipe
@@ -100,7 +100,7 @@ def _run(wiring, until: int, trained: dict, ckpt_at: int | None = None) -> None:
 
 
 def test_multiturn_resume_is_bitwise_in_one_process(parts, tmp_path):
-    from rl.checkpoint import Checkpointer
+    from rl.run.checkpoint import Checkpointer
 
     full: dict = {}
     wiring = _wiring(parts)

@@ -1,4 +1,4 @@
-"""rl/partial.py: partial rollouts (issue 23 point 4) in this process, on a 2-layer tiny model with fp32 rollout
+"""rl/run/partial.py: partial rollouts (issue 23 point 4) in this process, on a 2-layer tiny model with fp32 rollout
 weights (one learner and one sampler, compiled once for the module).
 
 Asserted:
@@ -23,7 +23,7 @@ import jax
 import numpy as np
 import pytest
 
-from rl.config import RunConfig
+from rl.config.run import RunConfig
 
 sys.path.insert(0, str(pathlib.Path(__file__).parent))
 from fake_rollout import ListLogger  # noqa: E402  (tests/rl/fake_rollout.py)
@@ -39,7 +39,7 @@ STEPS = 4
 @pytest.fixture(scope="module")
 def parts():
     """(cfg, learner, its initial state on the host, sampler, task, tokenizer, train data)."""
-    from rl.wiring import load_data
+    from rl.run.wiring import load_data
 
     cfg = RunConfig(steps=STEPS, **{"rollout.prompts_per_step": 4, "rollout.group_size": 2, "rollout.max_new_tokens": 8,
                                     "eval.every": 0, "ckpt.dir": None, "log.metrics_jsonl": None,
@@ -67,10 +67,10 @@ class _Spy:
 
 
 def _wiring(parts, ckpt=None, start_step=0, iterator_state=None, state=None, version=0):
-    from rl.data import make_prompt_iterator
-    from rl.wiring import RunWiring
+    from rl.data.prompts import make_prompt_iterator
+    from rl.run.wiring import RunWiring
     from rl.rollout.service import LocalRollout
-    from rl.tasks import TaskReward
+    from rl.data.tasks import TaskReward
 
     cfg, learner, init, sampler, task, tok, train = parts
     learner.load_state_dict(init if state is None else state)
@@ -87,9 +87,9 @@ def _wiring(parts, ckpt=None, start_step=0, iterator_state=None, state=None, ver
 
 
 def _run(wiring, until: int, trained: dict, ckpt_at: int | None = None):
-    """Steps wiring.start_step .. until - 1 of the loop (rl/loop.py's train_step); trained[step] = the batch."""
-    from rl.loop import train_step
-    from rl.pipeline import Pipeline
+    """Steps wiring.start_step .. until - 1 of the loop (rl/run/loop.py's train_step); trained[step] = the batch."""
+    from rl.run.loop import train_step
+    from rl.run.pipeline import Pipeline
 
     pipe = Pipeline(wiring).start()
     wiring.inflight = pipe
@@ -197,7 +197,7 @@ def _chains(calls):
 
 
 def test_token_versions_deterministic_and_resume_bitwise(parts, tmp_path):
-    from rl.batch import TrainBatch
+    from rl.algo.batch import TrainBatch
 
     full: dict = {}
     wiring = _wiring(parts)

@@ -10,8 +10,8 @@ from flax import nnx
 
 from dsv4 import DSV4Config, DSV4ForCausalLM
 from rl.rollout import slots as sl
-from rl.config import RunConfig
-from rl.wiring import rollout_slots
+from rl.config.run import RunConfig
+from rl.run.wiring import rollout_slots
 from rl.rollout.engine import Sampler, SamplingParams
 from sharding.mesh import parse_mesh_spec
 
@@ -179,7 +179,7 @@ def test_rollout_ep_dispatch_knobs_reach_the_sampler():
     import jax
     from jax.sharding import Mesh
 
-    from rl.rollout.config import RolloutConfig
+    from rl.config.rollout import RolloutConfig
     from rl.rollout.settings import EngineSettings
 
     mesh = Mesh(np.array(jax.devices()[:8]).reshape(2, 1, 4, 1), ("data", "fsdp", "expert", "tensor"))

@@ -8,8 +8,8 @@ import numpy as np
 from flax import nnx
 
 from dsv4 import DSV4Config, DSV4ForCausalLM
-from rl.algo_config import LearnerConfig
-from rl.learner import Learner
+from rl.config.algo import LearnerConfig
+from rl.algo.learner import Learner
 from rl.rollout.engine import Sampler
 
 
