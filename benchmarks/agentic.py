@@ -4,12 +4,12 @@ to call `lookup` and copy the value it returns, and what do tool turns cost the 
     .venv/bin/python benchmarks/agentic.py                                  # the defaults below
     .venv/bin/python benchmarks/agentic.py --steps 150 --set learner.lr=3e-3 --set data.task_digits=2
 
-One process, the job in-process (`rl.job.build` + `rl.loop.run`: what `launch/run.py --rollout.env key_lookup`
-runs, without its CLI): the tiny DeepSeek-V4 from random init, `--mesh auto` on 2 forced host devices (actor 1,
-rollout 1), `--rollout.max_turns 2`, no checkpoints, no eval; defaults (`DEFAULTS`): 100 steps of 16 prompts x 16
+One process, the job in-process (`rl.run.wiring.build` + `rl.run.loop.run`: what `launch/run.py --rollout.env
+key_lookup` runs, without its CLI): the tiny DeepSeek-V4 from random init, `--mesh auto` on 2 forced host devices (actor
+1, rollout 1), `--rollout.max_turns 2`, no checkpoints, no eval; defaults (`DEFAULTS`): 100 steps of 16 prompts x 16
 samples, lr 6e-3, an entropy bonus 0.02 (`learner.loss.entropy_coef`: without one the policy collapses onto one
 first turn before it can copy the key), 12 new tokens (both turns and the tool's answer; a perfect trajectory is
-3 + 6 + 2), 1-digit values. The task (rl/agent/key_lookup.py, rl/env_task.py): the prompt names a key (a digit,
+3 + 6 + 2), 1-digit values. The task (rl/agent/key_lookup.py, rl/run/env_task.py): the prompt names a key (a digit,
 `ENV_KEYS` = 4 keys), `lookup` returns its value (`--task-digits` digits, random per prompt); the reward is shaped:
 0.2 x how much of the right call the first turn wrote (call head, the key, call tail, EOS, in order; the call head
 with the key is one piece of the task's tokenizer) + 0.8 x the value copied into the final answer (partial credit
@@ -48,13 +48,13 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
 import numpy as np  # noqa: E402
 
-from rl import config_tree  # noqa: E402
-from rl.config import RunConfig  # noqa: E402
-from rl.env_task import multiturn_request  # noqa: E402
-from rl.job import build  # noqa: E402
-from rl.loop import run  # noqa: E402
+from rl.config import tree as config_tree  # noqa: E402
+from rl.config.run import RunConfig  # noqa: E402
+from rl.run.env_task import multiturn_request  # noqa: E402
+from rl.run.wiring import build  # noqa: E402
+from rl.run.loop import run  # noqa: E402
 from rl.rollout.multiturn import generate_multiturn  # noqa: E402
-from rl.stages import prompt_lists, sampling_params  # noqa: E402
+from rl.run.stages import prompt_lists, sampling_params  # noqa: E402
 
 DEFAULTS = {"rollout.env": "key_lookup", "rollout.max_turns": 2, "steps": 100, "rollout.prompts_per_step": 16,
             "rollout.group_size": 16, "rollout.max_new_tokens": 12, "data.task_digits": 1, "learner.lr": 6e-3,
@@ -69,19 +69,19 @@ def window(rows: list[dict], key: str) -> tuple[float, float]:
     return float(np.mean(vals[:k])), float(np.mean(vals[-k:]))
 
 
-def throughput(job, repeats: int) -> tuple[float, float]:
+def throughput(wiring, repeats: int) -> tuple[float, float]:
     """(model tokens / s of the batch as a multi-turn request, tokens / s of it as a plain request): the docstring."""
-    sampler, cfg = job.rollout.sampler, job.cfg
-    batch = next(job.iterator)
+    sampler, cfg = wiring.rollout.sampler, wiring.cfg
+    batch = next(wiring.iterator)
     g = cfg.rollout.group_size
     rows = [p for p in prompt_lists(batch) for _ in range(g)]
     refs = [r for r in batch["reference"] for _ in range(g)]
     pi = [i for i in range(len(batch["reference"])) for _ in range(g)]
     si = [j for _ in batch["reference"] for j in range(g)]
-    sp, mt = sampling_params(job), multiturn_request(cfg, refs)
+    sp, mt = sampling_params(wiring), multiturn_request(cfg, refs)
 
     def tools():
-        rb, _ = generate_multiturn(sampler, job.tokenizer, rows, sp, mt, seed=cfg.seed, step=10**6,
+        rb, _ = generate_multiturn(sampler, wiring.tokenizer, rows, sp, mt, seed=cfg.seed, step=10**6,
                                    prompt_index=pi, sample_index=si)
         return int(rb.loss_mask.sum())
 
@@ -105,7 +105,7 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--steps", type=int, default=DEFAULTS["steps"])
     ap.add_argument("--set", action="append", default=[], metavar="KNOB=VALUE",
-                    help="any run knob by its dotted path (rl/config.py), e.g. learner.lr=3e-3")
+                    help="any run knob by its dotted path (rl/config/run.py), e.g. learner.lr=3e-3")
     ap.add_argument("--repeats", type=int, default=2, help="timed calls per throughput figure (best kept)")
     ap.add_argument("--out", default=None, help="folder for metrics.jsonl (default: a temporary one)")
     args = ap.parse_args(argv)
@@ -115,7 +115,7 @@ def main(argv=None) -> int:
     for kv in args.set:
         k, sep, v = kv.partition("=")
         if not sep or k not in leaves:
-            print(f"error: --set {kv!r}: expected KNOB=VALUE with a dotted knob of rl/config.py", file=sys.stderr)
+            print(f"error: --set {kv!r}: expected KNOB=VALUE with a dotted knob of rl/config/run.py", file=sys.stderr)
             return 2
         items[k] = config_tree.convert(leaves[k], v, "--set")
     out = pathlib.Path(args.out or tempfile.mkdtemp(prefix="agentic."))
@@ -123,8 +123,8 @@ def main(argv=None) -> int:
     cfg = RunConfig.from_overrides(list(items.items()), source="benchmarks/agentic.py")
     print(f"config: {json.dumps({k: v for k, v in items.items() if k != 'log.metrics_jsonl'})}", flush=True)
     t0 = time.perf_counter()
-    job = build(cfg)
-    run(job)
+    wiring = build(cfg)
+    run(wiring)
     train_s = time.perf_counter() - t0
     rows = [json.loads(line) for line in open(out / "metrics.jsonl")]
     rows = [r for r in rows if "rollout/reward_mean" in r]
@@ -135,7 +135,7 @@ def main(argv=None) -> int:
         print(f"  step {r.get('step')}: reward {r['rollout/reward_mean']:.3f} tool calls/traj "
               f"{r.get('rollout/tool_calls_per_traj', 0):.3f} turns {r.get('rollout/turns_mean', 0):.2f} "
               f"tool errors {r.get('rollout/tool_errors', 0):.3f}", flush=True)
-    tools, plain = throughput(job, args.repeats)
+    tools, plain = throughput(wiring, args.repeats)
     learns = int(r1 >= 0.5 and r1 >= 3 * r0)
     print(f"{len(rows)} steps in {train_s:.0f} s (median step {step_s:.2f} s); reward first 10% {r0:.4f}, last 10% "
           f"{r1:.4f}; tool calls per trajectory {c0:.3f} -> {c1:.3f}; rollout {tools:.1f} model tok/s with tools vs "

@@ -28,14 +28,14 @@ layout in miniature, 2 local processes (`--num-processes 2 --cpu-devices-per-pro
 `actor:data=1/rollout:data=1`: device 0 on process 0 = actor, device 1 on process 1 = rollout), each pinned to its
 own core (`sched_setaffinity` before exec: XLA:CPU sizes its thread pool from the affinity mask) with XLA
 single-threaded (`XLA_FLAGS=--xla_cpu_multi_thread_eigen=false`; jax 0.10.2 has no intra-op thread option of its
-own, and the pool already has one core). The async side is the one loop's pipeline (rl/pipeline.py) over
+own, and the pool already has one core). The async side is the one loop's pipeline (rl/run/pipeline.py) over
 `rl.rollout.mpmd.ProcessRollout` (the rollout process generates batch n + 1 while the actor process trains on
 batch n).
 
 Partial rollouts (`--partial-rollout`, issue 23 point 4): every run gets a length spread where a long tail holds the
 synchronous step, `--max-new-tokens --tail-max-new-tokens` (64) with `--rollout.length_schedule --tail-schedule`
-(0.1:8: 90% of the prompts' responses capped at 8 tokens, 10% at 64, i.e. 8x longer; rl/rollout/config.py), and a third
-timed run, `--async-rollout --partial-rollout` (rl/partial.py: segments of ceil(64 / 2) = 32 decode steps, a batch
+(0.1:8: 90% of the prompts' responses capped at 8 tokens, 10% at 64, i.e. 8x longer; rl/config/rollout.py), and a third
+timed run, `--async-rollout --partial-rollout` (rl/run/partial.py: segments of ceil(64 / 2) = 32 decode steps, a batch
 from the groups that finished, the long ones continued after the push). partial_speedup = the one-step-off
 (async) run's mean step time / the partial run's, over the steps after the warm-up, compile steps (> 4x the median)
 left out (`steady_mean`): a tail holds some steps, so the median would hide it; partial_speedup_median is the ratio

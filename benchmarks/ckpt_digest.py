@@ -3,7 +3,7 @@
     .venv/bin/python benchmarks/ckpt_digest.py                         # tiny and small (~1 GiB of state)
     .venv/bin/python benchmarks/ckpt_digest.py --configs tiny --repeats 5
 
-The state is shaped as the learner's (rl/learner.py::state_dict): every parameter of the model preset in fp32 (the
+The state is shaped as the learner's (rl/algo/learner.py::state_dict): every parameter of the model preset in fp32 (the
 masters), AdamW's two moments of the same shapes and a step counter, filled with random numbers (they do not
 compress, as trained weights do not). On the default devices (the host's CPU here), asynchronous saves as a run does
 them; the two settings alternate, each save into its own directory, the first save of each setting (the digest's
@@ -11,7 +11,8 @@ compile) not counted. Figures per config, medians over `--repeats`:
 - save_s / save_digest_s: `save` returns (the part the training loop waits for: orbax's device-to-host copy, and
   with digest the digests, computed on the arrays' devices before that copy);
 - total_s / total_digest_s: `save` + `wait` (the write to disk finished);
-- digest_s: `rl.digest.array_digests` alone (also the verification's extra cost on restore), compile_s its first call;
+- digest_s: `rl.run.digest.array_digests` alone (also the verification's extra cost on restore), compile_s its
+  first call;
 - overhead: save_digest_s / save_s - 1 (the loop's extra wait per checkpoint, relative).
 Last line: `RESULT <config>_save_s=.. <config>_save_digest_s=.. <config>_overhead=.. <config>_digest_s=.. ...`.
 Wall clock on whatever else the machine runs: note the load next to the figures.
@@ -31,8 +32,8 @@ import numpy as np
 from flax import nnx
 
 from dsv4 import DSV4Config, abstract_model
-from rl.checkpoint import Checkpointer
-from rl.digest import array_digests
+from rl.run.checkpoint import Checkpointer
+from rl.run.digest import array_digests
 
 
 def learner_like_state(preset: str, seed: int = 0) -> dict:

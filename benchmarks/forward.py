@@ -124,7 +124,8 @@ def bench_config(name: str, runs: int, bf16: bool, ragged: bool = False) -> dict
         hf.save_pretrained(d)
         ours = load_hf_checkpoint(d, dtype=jnp.float32)
     ids = np.random.RandomState(0).randint(0, cfg.vocab_size, (b, s))
-    # ours = what rl.learner.Learner runs on this backend: parallel.expert.default_dispatch (CPU: routed_experts_cpu)
+    # ours = what rl.algo.learner.Learner runs on this backend: parallel.expert.default_dispatch (CPU:
+    # routed_experts_cpu)
     dispatch = expert_lib.default_dispatch(jax.devices()[:1])
     of, ob = ours_fns(ours, ids, dispatch)
     hf_f, hf_b = hf_fns(hf, ids)

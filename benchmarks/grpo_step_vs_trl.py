@@ -1,5 +1,6 @@
-"""One steady-state GRPO step: dsv4-rl (JAX: `rl.rollout.engine.Sampler` + `rl.learner.Learner`) vs TRL's `GRPOTrainer`
-(transformers generate + torch autograd), same tiny DeepSeek-V4 weights, same work, same CPU, fp32 on both sides.
+"""One steady-state GRPO step: dsv4-rl (JAX: `rl.rollout.engine.Sampler` + `rl.algo.learner.Learner`) vs TRL's
+`GRPOTrainer` (transformers generate + torch autograd), same tiny DeepSeek-V4 weights, same work, same CPU, fp32 on both
+sides.
 
 The work of one step, on both sides: 2 prompts (8 tokens each) x 4 generations = 8 samples of exactly 16 new
 tokens (temperature 1; no stop token on our side, `min_new_tokens=16` on TRL's, so no sample ends early), a
@@ -7,7 +8,7 @@ trivial reward (distinct tokens / length of the completion), group advantages, o
 (AdamW, grad-norm clip 1.0, no KL term, so no reference model on either side), and the new weights made
 available to the generator:
 - ours: `Sampler.generate` (fp32 weights and compute, jitted prefill + while_loop decode) -> reward ->
-  `rl.advantages.grpo_advantages` -> `Learner.update` (fp32 compute, routing replay + TIS correction, as the
+  `rl.algo.advantages.grpo_advantages` -> `Learner.update` (fp32 compute, routing replay + TIS correction, as the
   default run) -> `Sampler.update_weights(learner.params_for_push(), version)`; each stage is blocked on, and the
   step is timed end to end with `time.perf_counter` after 2 warm-up (compile) steps.
 - TRL: `GRPOTrainer` with `per_device_train_batch_size=8, num_generations=4, gradient_accumulation_steps=1`
@@ -95,10 +96,10 @@ def as_text(ids) -> str:
 
 def make_ours(ckpt: str, prompts: list[list[int]], warmup: int = 2):
     """-> (step(i) -> seconds, per-stage times {stage: [s]}, warm-up seconds): our GRPO step, compiled."""
-    from rl.advantages import grpo_advantages
-    from rl.algo_config import LearnerConfig, LossConfig
-    from rl.batch import TrainBatch
-    from rl.learner import Learner
+    from rl.algo.advantages import grpo_advantages
+    from rl.config.algo import LearnerConfig, LossConfig
+    from rl.algo.batch import TrainBatch
+    from rl.algo.learner import Learner
     from rl.rollout.engine import Sampler, SamplingParams
 
     model = load_hf_checkpoint(ckpt, dtype=jnp.float32)

@@ -1,7 +1,8 @@
 """Learner at scale: compiled temp memory vs sequence length, compile time vs depth, dense vs blocked attention.
 
-What is measured (CPU, XLA's own figures; the step is the real learner update, lowered by `rl.learner.Learner.lower`:
-forward, `rl.logprobs.token_logprobs` with sequence chunks of 256, GRPO loss, backward, clipping, AdamW; one row):
+What is measured (CPU, XLA's own figures; the step is the real learner update, lowered by
+`rl.algo.learner.Learner.lower`: forward, `rl.algo.logprobs.token_logprobs` with sequence chunks of 256, GRPO loss,
+backward, clipping, AdamW; one row):
 1. temp memory: `jax.jit(step).lower(state, batch).compile().memory_analysis().temp_size_in_bytes` of one train
    step of `DSV4Config.small()` (6 layers: sliding, CSA m=4 top-16, HCA m=16; window 64; fp32 compute; remat
    `block`) at S = 1K, 2K, 4K, 8K with the blocked attention, and with the dense reference at 1K and 2K (compile
@@ -10,7 +11,7 @@ forward, `rl.logprobs.token_logprobs` with sequence chunks of 256, GRPO loss, ba
 2. compile time: `lower(...).compile()` wall time of the train step of a tiny-dimension model with 4, 12, 24 and 43
    layers (the Flash schedule of layer kinds: 2 sliding, then CSA/HCA alternating; S = 256), on the run's default
    path: layers under `lax.scan` per group of identical layers (`LearnerConfig.scan_layers`, the run's default
-   `rl.config.DEFAULT_LEARNER`; dsv4/scan.py: 3 traced layer bodies at 4 layers, 4 at 12-43), state stacked.
+   `rl.config.run.DEFAULT_LEARNER`; dsv4/scan.py: 3 traced layer bodies at 4 layers, 4 at 12-43), state stacked.
    compile_ratio_43_4 = t(43) / t(4) scanned, t = this process's CPU seconds in `compile()` (XLA compiles on one
    thread; CPU time is robust to a loaded machine, wall time is not). Also (`--layers both`, default) the Python
    layer loop (`--no-scan-layers`), whose compile time grows with depth: compile_ratio_43_4_unrolled.
@@ -68,10 +69,10 @@ from flax import nnx  # noqa: E402
 
 from dsv4 import DSV4Config, DSV4ForCausalLM  # noqa: E402
 from parallel.flops import train_flops_per_token  # noqa: E402
-from rl.algo_config import LearnerConfig  # noqa: E402
-from rl.config import DEFAULT_LEARNER  # noqa: E402
-from rl.batch import TrainBatch  # noqa: E402
-from rl.learner import Learner  # noqa: E402
+from rl.config.algo import LearnerConfig  # noqa: E402
+from rl.config.run import DEFAULT_LEARNER  # noqa: E402
+from rl.algo.batch import TrainBatch  # noqa: E402
+from rl.algo.learner import Learner  # noqa: E402
 from sharding.mesh import build_mesh_plan  # noqa: E402
 
 MIB = 1 << 20

@@ -59,9 +59,9 @@ import dsv4  # noqa: E402
 from dsv4.lora import LoraConfig, is_adapter_key  # noqa: E402
 from dsv4.rollout_format import RolloutFormat, parse_rollout_dtype  # noqa: E402
 from parallel.push.local import WeightPusher  # noqa: E402
-from rl.batch import TrainBatch  # noqa: E402
-from rl.config import DEFAULT_LEARNER  # noqa: E402
-from rl.learner import Learner  # noqa: E402
+from rl.algo.batch import TrainBatch  # noqa: E402
+from rl.config.run import DEFAULT_LEARNER  # noqa: E402
+from rl.algo.learner import Learner  # noqa: E402
 from rl.rollout.engine import Sampler, SamplingParams  # noqa: E402
 from rl.rollout.weights import EngineWeights  # noqa: E402
 from sharding.mesh import build_mesh_plan  # noqa: E402

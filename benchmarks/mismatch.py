@@ -7,7 +7,7 @@ One model (`--config`, default init, seed 0), fp32 compute everywhere (CPU), `--
 (`--rollout-dtype fp8`, the run's default, with its FP8 KV cache) samples the tokens once; every row below scores
 those very tokens (teacher forcing), so rows differ only in the numerics:
 
-- reference: the fp32 learner's full forward (`rl.learner.Learner.compute_logprobs`, blocked attention, free
+- reference: the fp32 learner's full forward (`rl.algo.learner.Learner.compute_logprobs`, blocked attention, free
   routing);
 - one source at a time, each against the reference (or, for the cache, against the same path without it):
   `fp8 weights` (the rollout's FP8 / dequantised weights, unquantised activations, full forward), `fp8
@@ -23,7 +23,7 @@ those very tokens (teacher forcing), so rows differ only in the numerics:
 - `fp8 rollout minus its FP8 kv cache vs FP8-aware`: the rollout's FP8 layers through the decode path with the
   unquantised cache (teacher forced) vs the FP8-aware learner: what is left once the cache is taken out.
 Per row: mean and max |dlogp| over all response tokens and the mismatch KL (k3 estimate of KL(rollout || learner),
-`rl.losses.kl_penalty`, what the learner logs as `train/train_rollout_kl`).
+`rl.algo.losses.kl_penalty`, what the learner logs as `train/train_rollout_kl`).
 
 Cost of `fp8_forward` (`--cost`, on by default): the learner's train step on the same batch, fp8_forward off vs on:
 compiled temp bytes (`Learner.lower(batch).compile().memory_analysis()`; XLA:CPU figures) and step time (median of
@@ -63,13 +63,13 @@ from dsv4.cache import teacher_forced_logprobs  # noqa: E402
 from dsv4.fp8_gemm import FakeQuantWeight  # noqa: E402
 from dsv4.names import param_key  # noqa: E402
 from dsv4.quant import QuantizedTensor  # noqa: E402
-from rl.batch import RolloutBatch, TrainBatch  # noqa: E402
-from rl.algo_config import LearnerConfig, LossConfig  # noqa: E402
+from rl.algo.batch import RolloutBatch, TrainBatch  # noqa: E402
+from rl.config.algo import LearnerConfig, LossConfig  # noqa: E402
 from rl.rollout.exact import exact_layout  # noqa: E402
 from rl.rollout.exact import generate as exact_generate  # noqa: E402
-from rl.learner import Learner  # noqa: E402
-from rl.logprobs import token_logprobs  # noqa: E402
-from rl.losses import kl_penalty  # noqa: E402
+from rl.algo.learner import Learner  # noqa: E402
+from rl.algo.logprobs import token_logprobs  # noqa: E402
+from rl.algo.losses import kl_penalty  # noqa: E402
 from dsv4.rollout_format import GEMM_KEYS, layer_value  # noqa: E402
 from rl.rollout.engine import Sampler, SamplingParams  # noqa: E402
 

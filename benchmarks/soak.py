@@ -8,7 +8,7 @@ What runs:
   2. unless `--mpmd-steps 0`: the 3-process MPMD layout (`--mesh actor:fsdp=2,expert=2/rollout:expert=2`, 2 CPU
      devices per process, as tests/launch/test_mpmd_run.py launches it) for `--mpmd-steps` (default 200) steps.
 Each job runs in a child process `python benchmarks/soak.py --worker SAMPLES -- <run.py flags>`, which calls
-`launch.run.main` with two wrappers installed: after every step's metrics (`rl.sinks.MetricsLogger.log`, actor
+`launch.run.main` with two wrappers installed: after every step's metrics (`rl.run.sinks.MetricsLogger.log`, actor
 processes) and after every served request (`rl.rollout.mpmd.run_request`, the MPMD rollout process) it appends one
 sample {step, t, rss (VmRSS, KiB), live (len(jax.live_arrays()) after gc.collect()), fds (/proc/self/fd), threads
 (/proc/self/task: OS threads, XLA's included)} to SAMPLES (opened and closed per sample: no descriptor held).
@@ -84,7 +84,7 @@ def worker(out: str, argv: list[str]) -> int:
     if n is not None:
         os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
                                    f" --xla_force_host_platform_device_count={n}").strip()
-    from rl import sinks
+    from rl.run import sinks
     from rl.rollout import mpmd as rollout_mpmd
 
     path = pathlib.Path(out)

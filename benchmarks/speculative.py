@@ -50,9 +50,9 @@ from flax import nnx
 from dsv4 import DSV4Config, DSV4ForCausalLM
 from dsv4.cache import decode_step, prefill
 from dsv4.spec_decode import commit, verify_forward
-from rl.batch import TrainBatch
-from rl.algo_config import LearnerConfig
-from rl.learner import Learner
+from rl.algo.batch import TrainBatch
+from rl.config.algo import LearnerConfig
+from rl.algo.learner import Learner
 from rl.rollout.engine import Sampler, SamplingParams
 
 

@@ -275,7 +275,7 @@ class DSV4ForCausalLM(nnx.Module):
             normally), as returned in `.routing` by an earlier call or the sampler; None = route freely.
           return_mtp: also compute the MTP head (`mtp_logits`); "detached": the MTP head reads the trunk's streams,
             the embedding and the head weights through `stop_gradient` (its loss then trains only `mtp.*`: the
-            on-policy MTP loss of speculative decoding, rl/learner.py).
+            on-policy MTP loss of speculative decoding, rl/algo/learner.py).
           dispatch_fn: routed-expert implementation (default: single-device ragged_dot; EP: parallel.expert).
           layer_stack: a `dsv4.scan.LayerStack` (stacked layer weights, run under `jax.lax.scan` per group of
             identical layers) used instead of `self.layers`; None = the Python loop over `self.layers`.

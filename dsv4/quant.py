@@ -198,7 +198,7 @@ def straight_through(x, q):
 
 def act_fake_quant_ste(x, *, fmt: str = "e4m3fn", block: int = ACT_BLOCK, scale_fmt: str = ACT_SCALE_FMT):
     """`act_fake_quant` in the forward (x [..., K] -> [..., K], x's dtype), the identity's gradient in the backward
-    (`straight_through`): the FP8-aware learner's activations (`rl.learner`, `LearnerConfig.fp8_forward`)."""
+    (`straight_through`): the FP8-aware learner's activations (`rl.algo.learner`, `LearnerConfig.fp8_forward`)."""
     return straight_through(x, act_fake_quant(x, fmt=fmt, block=block, scale_fmt=scale_fmt))
 
 

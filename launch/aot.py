@@ -4,7 +4,7 @@
 How (the idea of MaxText's `train_compile.py`: compile against a topology you do not have): the process gets as
 many XLA:CPU devices as the mesh spec needs (`--xla_force_host_platform_device_count`, set by launch/plan.py
 before JAX starts), the real meshes are built on them (`sharding.mesh.build_mesh_plan`), the model is
-`nnx.eval_shape`d (no weights exist), `rl.learner.Learner(..., abstract=True)` places the abstract train state with
+`nnx.eval_shape`d (no weights exist), `rl.algo.learner.Learner(..., abstract=True)` places the abstract train state with
 the learner's real shardings (actor rules, bf16 params, fp32 masters + moments, host offload), and
 `Learner.lower` lowers the exact `train_step` jit for an abstract `TrainBatch` of `rows` x `seq_len` tokens per
 device of the batch axes (one micro-batch; `--max-tokens-per-micro-batch` sets the learner's token budget).
@@ -36,14 +36,14 @@ from parallel.model_bytes import kv_cache_bytes
 from parallel.padded import capacity_buckets
 from parallel.routing_load import bucket_index, peak_cell_load
 from rl.rollout import slots as sl
-from rl.algo_config import LearnerConfig
-from rl.config import DEFAULT_LEARNER, DataConfig
-from rl.rollout.config import RolloutConfig
-from rl.config_tree import default
+from rl.config.algo import LearnerConfig
+from rl.config.run import DEFAULT_LEARNER, DataConfig
+from rl.config.rollout import RolloutConfig
+from rl.config.tree import default
 from launch.hlo_stats import HloStats, count
-from rl.batch import TrainBatch
-from rl.learner import Learner
-from rl.learner_step import TRAIN
+from rl.algo.batch import TrainBatch
+from rl.algo.learner import Learner
+from rl.algo.learner_step import TRAIN
 from rl.rollout.engine import Sampler
 from rl.rollout.settings import EngineSettings
 from sharding.mesh import build_mesh_plan, parse_mesh_spec
@@ -112,7 +112,7 @@ def compile_actor(config, mesh_spec: str, *, seq_len: int, learner: LearnerConfi
                   devices=None, backend: str = "XLA:CPU", compiler_options: dict | None = None) -> CompileReport:
     """Lower and compile the learner's train step for `config` on the actor mesh of `mesh_spec`.
 
-    `learner`: the learner compiled (default: the run's, `rl.config.DEFAULT_LEARNER`), in the accelerator layout
+    `learner`: the learner compiled (default: the run's, `rl.config.run.DEFAULT_LEARNER`), in the accelerator layout
     (bf16 compute and params, fp32 masters + moments); its knobs decide the rest: `max_tokens_per_micro_batch`
     (rows per device of the batch axes: max(1, budget x context // seq_len), 1 without a budget), `scan_layers`,
     `offload_optimizer` / `stream_optimizer`, the EP dispatch (`ep_backend` "auto" = capacity on XLA:CPU,
@@ -168,8 +168,8 @@ def compile_actor(config, mesh_spec: str, *, seq_len: int, learner: LearnerConfi
 def _offloaded_bytes(learner: Learner, fraction: float) -> int:
     """Per-device bytes of the optimizer state (fp32 master + 2 fp32 moments, `so.state_bytes`) that
     `--offload-optimizer fraction` puts in host memory: the trained params `so.select_offloaded` picks (by their
-    global state bytes, as `rl.learner_state.offload_shardings`), each counted with its per-device shard (masters and moments are
-    placed like their params)."""
+    global state bytes, as `rl.algo.learner_state.offload_shardings`), each counted with its per-device shard (masters
+    and moments are placed like their params)."""
     params = jax.tree_util.tree_leaves_with_path(learner.state.params)
     labels = [lab for _, lab in jax.tree_util.tree_leaves_with_path(learner.labels)]
     trained = [(p, x) for (p, x), lab in zip(params, labels) if lab == TRAIN]

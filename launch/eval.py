@@ -9,7 +9,7 @@ pass@1 and pass@k (k = --eval-samples) as a table and writes them to --metrics-j
 Weights: with `--ckpt-dir DIR --resume auto` the newest checkpoint of a training run, else `--init` (an
 official-format checkpoint folder); with neither (DIR missing or empty, and --init random) there is nothing to
 evaluate: one line naming DIR, exit 2. A step folder (`DIR/3`) is refused naming DIR. Only the model and the knobs
-that shape the saved state must match the checkpoint's (not lr, seed, group size, ...: rl/eval_source.py). It
+that shape the saved state must match the checkpoint's (not lr, seed, group size, ...: rl/run/eval_source.py). It
 only reads DIR: no lock, nothing created or written there (a read-only directory works), no config.yaml.
 `--ckpt-dir ''` evaluates `--init` alone.
 """

@@ -45,7 +45,7 @@ from parallel.model_bytes import DTYPE_BYTES
 from parallel.plan import GPUS, GPUS_PER_NODE, GiB, plan
 from parallel.plan import __doc__ as _PLAN_DOC
 from parallel.routing_load import ROUTING_LOADS
-from rl.config import RunConfig
+from rl.config.run import RunConfig
 from rl.rollout.settings import EngineSettings
 from sharding import mesh as mesh_lib
 from sharding.rules import CONTEXT
@@ -227,7 +227,7 @@ def _in_child(fn: str, kwargs: dict, role: str, args, report, gpu_target: gt.Tar
 def compiled_tokens_per_device(mesh: str, seq: int, micro_batch_tokens: int | None) -> int:
     """Actor tokens per device of the step `--compile` builds (`launch.aot.compile_actor`): rows per device of the
     batch axes x `seq` / C, each row split over the actor's C = context devices (dsv4/context.py); rows as the
-    learner lays them out (rl/batching.py: the budget counts tokens per context shard, max(1, budget C // seq);
+    learner lays them out (rl/algo/batching.py: the budget counts tokens per context shard, max(1, budget C // seq);
     1 without a budget). ValueError (MeshSpecError) for a bad `mesh`."""
     cp = mesh_lib.parse_mesh_spec(mesh).axes("actor").get(CONTEXT, 1)
     rows = 1 if micro_batch_tokens is None else max(1, micro_batch_tokens * cp // seq)

@@ -86,7 +86,7 @@ class Interrupted(KeyboardInterrupt):
 
 class SignalRelay:
     """SIGTERM and SIGINT (Ctrl-C) to the launcher, passed to the actor job's processes as a plain run gets them
-    (rl/loop.py: finish the step, save, exit 0 for SIGTERM, 130 for SIGINT). The first signal goes on as it came;
+    (rl/run/loop.py: finish the step, save, exit 0 for SIGTERM, 130 for SIGINT). The first signal goes on as it came;
     any later one as SIGINT, which makes a job that is already stopping exit at once (the newest complete
     checkpoint kept). Before the jobs are started (`armed` False) a signal raises `Interrupted` in the main thread
     (out of a blocking `ray.get` too: Ray checks for signals while it waits).

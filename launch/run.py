@@ -1,4 +1,4 @@
-"""GRPO post-training of DeepSeek-V4 in JAX: the main job.
+"""GRPO post-training of DeepSeek-V4 in JAX: the entry point of a run (or of the two-job layout's rollout job).
 
     python launch/run.py --mesh auto                      # embedded default: tiny model, built-in task, CPU
     python launch/run.py --config-file launch/configs/gsm8k_tiny.yaml --steps 3 --tokenizer PATH/tokenizer.json
@@ -8,7 +8,7 @@
     python launch/run.py --launcher ray --ray-address auto --mesh actor:fsdp=2,expert=8/rollout:expert=8 ...
         # the two-job layout as Ray actors in placement groups (launch/ray_run.py; the [ray] extra)
 
-Every flag is a knob of the nested `rl.config.RunConfig` (`--group-size` <-> `rollout.group_size`); any knob
+Every flag is a knob of the nested `rl.config.run.RunConfig` (`--group-size` <-> `rollout.group_size`); any knob
 also takes a dotted flag (`--learner.lr 1e-6`); the flat spellings (`FLAT`) exist only here. `--config-file
 FILE.yaml` sets knobs from a YAML mapping (nested sections or dotted keys); precedence: defaults < `--algo` preset < YAML < flat flags < dotted flags. `--dry-run` prints the
 resolved config, the meshes and the memory plan, then exits. Bad input (files, fields, flags) ends with a
@@ -34,14 +34,14 @@ import jax  # noqa: E402  (importing jax starts no backend: XLA_FLAGS set below 
 from launch.ray_run import LaunchError, add_launcher_args, launch  # noqa: E402
 from parallel.push.mpmd import MpmdPushVerificationError  # noqa: E402
 from parallel.plan import GPUS, plan  # noqa: E402
-from rl import config_tree  # noqa: E402
-from rl.config import RunConfig  # noqa: E402
-from rl.config_file import load_config_file  # noqa: E402
-from rl.config_notes import overridden_settings  # noqa: E402
-from rl.job import build, load_data, resolve_model_config  # noqa: E402
-from rl.loop import run, run_eval  # noqa: E402
+from rl.config import tree as config_tree  # noqa: E402
+from rl.config.run import RunConfig  # noqa: E402
+from rl.config.file import load_config_file  # noqa: E402
+from rl.config.notes import overridden_settings  # noqa: E402
+from rl.run.loop import run, run_eval  # noqa: E402
 from rl.rollout.two_job import RolloutJobError  # noqa: E402
 from rl.rollout.settings import EngineSettings  # noqa: E402
+from rl.run.wiring import build, load_data, resolve_model_config  # noqa: E402
 from sharding.distributed import add_distributed_args, initialize_from_args  # noqa: E402
 from sharding.job_link import LinkLost  # noqa: E402
 from sharding.mesh import DeviceCountError, build_mesh_plan, parse_mesh_spec  # noqa: E402
@@ -172,7 +172,7 @@ def resolve(argv=None) -> tuple[RunConfig, argparse.Namespace]:
     for path, raw in dotted:
         items.append((path, config_tree.convert(_leaf(path), raw, "--" + path)))
     items = [(p, None if p in _EMPTY_IS_NONE and v == "" else v) for p, v in items]
-    args.given = {p for p, _ in items}  # the knobs the user set (rl/config_notes.py)
+    args.given = {p for p, _ in items}  # the knobs the user set (rl/config/notes.py)
     try:
         return RunConfig.from_overrides(items, source="launch/run.py"), args
     except ValueError as e:
@@ -295,7 +295,7 @@ def main(argv=None) -> int:
         except (LaunchError, ValueError) as e:
             print(f"error: {e}", file=sys.stderr)
             return 2
-    info = job = None
+    info = wiring = None
     try:
         separate = "rollout:" in cfg.mesh or cfg.mesh.strip() == "auto"  # a rollout mesh of its own may span processes
         info = initialize_from_args(args, transfer_timeout_s=cfg.rollout.push_timeout, transfers=separate)
@@ -304,11 +304,11 @@ def main(argv=None) -> int:
         if args.dry_run:
             dry_run(cfg)
             return 0
-        job = build(cfg)
+        wiring = build(cfg)
         if cfg.eval.only:
-            run_eval(job)
+            run_eval(wiring)
             return 0
-        summary = run(job)
+        summary = run(wiring)
     except PeerTimeoutError as e:  # MPMD: the other role's processes stopped answering (sharding/mpmd.py)
         _peer_failure(e)
     except (RolloutJobError, LinkLost) as e:  # the two-job layout: the rollout did not come back / the actor is gone
@@ -320,7 +320,7 @@ def main(argv=None) -> int:
         sys.stderr.flush()
         os._exit(1)  # not sys.exit: jax's shutdown barrier would wait for the other processes
     except (ValueError, OSError) as e:  # user errors (bad input, files, permissions): one line, no traceback
-        lost = lost_peer(job.layout, e) if job is not None and info.process_count > 1 else None
+        lost = lost_peer(wiring.layout, e) if wiring is not None and info.process_count > 1 else None
         if lost is not None:  # a dead peer's collective, surfaced as one of these (an actor job of several processes)
             _peer_failure(lost)
         print(f"error: {e}{_device_hint(e)}", file=sys.stderr)
@@ -328,8 +328,8 @@ def main(argv=None) -> int:
     except Exception as e:  # noqa: BLE001
         if info is None or info.process_count == 1:
             raise
-        if job is not None and isinstance(e, jax.errors.JaxRuntimeError):  # MPMD: a collective's peer died?
-            lost = lost_peer(job.layout, e)
+        if wiring is not None and isinstance(e, jax.errors.JaxRuntimeError):  # MPMD: a collective's peer died?
+            lost = lost_peer(wiring.layout, e)
             if lost is not None:
                 _peer_failure(lost)
         traceback.print_exc()  # multi-process: exit now, or jax's shutdown barrier waits minutes for the others

@@ -33,7 +33,7 @@ from sharding import rules as rl
 
 EP_BACKENDS = ("capacity", "ragged", "padded", "sized")  # parallel.expert.BACKENDS
 BLOCK_Q = 128  # dsv4.attention.Attention(block_q=): queries per block of the blocked attention
-LOGPROB_CHUNK = 1024  # rl.algo_config.LearnerConfig.logprob_chunk_size default
+LOGPROB_CHUNK = 1024  # rl.config.algo.LearnerConfig.logprob_chunk_size default
 
 
 def ep_rows_per_token(cfg, sizes: dict[str, int], ep_backend: str, ep_capacity: float | None) -> float:
@@ -90,5 +90,5 @@ def context_gathered(cfg, sizes: dict[str, int], tokens: int, seq_len: int) -> f
 
 def saved_layer_inputs(cfg, tokens: int, itemsize: int = 2) -> float:
     """Bytes per device of the remat'd layers' saved inputs: every main layer's [n_hc, D] streams per token in the
-    compute dtype (bf16: 2). The learner never runs the MTP block (`rl.logprobs.token_logprobs`)."""
+    compute dtype (bf16: 2). The learner never runs the MTP block (`rl.algo.logprobs.token_logprobs`)."""
     return cfg.num_hidden_layers * tokens * cfg.hc_mult * cfg.hidden_size * itemsize

@@ -57,7 +57,7 @@ Backends (`backend=`):
   ep * T_local * k rows (dropless) or ceil(f * T_local * k) with `capacity_factor` (every rank knows all counts,
   so senders clip what a full receiver cannot take, consistently on both sides). XLA:CPU has no
   ragged-all-to-all ("HLO opcode ragged-all-to-all is not supported by XLA:CPU ThunkEmitter"), so on CPU the
-  tests exercise this backend's offset bookkeeping with `_ragged_all_to_all_reference` (all_gather based).
+  tests exercise this backend's offset bookkeeping with `ragged_all_to_all_reference` (all_gather based).
 
 FP8 experts ("padded" / "sized", `fp8_experts`): w1, w3, w2 may be kind 'fp8' `QuantizedTensor`s (the rollout's
 `--rollout.matmul fp8`); their bytes and scales go through the shard_map as they are stored and the expert FFN runs
@@ -178,7 +178,7 @@ def _capacity_body(x, ids, w, w1, w3, w2, *, ep, n_local, capacity, expert_axis,
     return y, padded_lib.local_stats(0, capacity, counts)
 
 
-def _ragged_all_to_all_reference(operand, output, input_offsets, send_sizes, output_offsets, recv_sizes, *,
+def ragged_all_to_all_reference(operand, output, input_offsets, send_sizes, output_offsets, recv_sizes, *,
                                  axis_name):
     """Same result as `jax.lax.ragged_all_to_all` (without axis_index_groups), built from all_gather + gather.
 

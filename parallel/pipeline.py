@@ -139,8 +139,8 @@ def stage_shardings(shardings: Any, plan: PipelinePlan, rules: rl.Rules) -> Any:
 
 
 def split_micro_batches(a: jax.Array, m: int) -> jax.Array:
-    """[B, ...] -> [M, B / M, ...], micro-batch i = rows i, i + M, i + 2M, ... (strided, as `rl.batching.split`: with
-    the batch split in blocks over the data axes, every device holds an equal share of each micro-batch)."""
+    """[B, ...] -> [M, B / M, ...], micro-batch i = rows i, i + M, i + 2M, ... (strided, as `rl.algo.batching.split`:
+    with the batch split in blocks over the data axes, every device holds an equal share of each micro-batch)."""
     return jnp.swapaxes(a.reshape(a.shape[0] // m, m, *a.shape[1:]), 0, 1)
 
 

@@ -14,8 +14,8 @@ Instinct MI300X / MI308X / MI355X and NVIDIA H200 product pages). `usable_fracti
 planned; the rest is driver/runtime context, NCCL/RCCL buffers and compiled programs. JAX preallocates only 75%
 by default: launch with XLA_PYTHON_CLIENT_MEM_FRACTION >= the usable fraction.
 
-Actor, per device, as rl/learner.py holds it with `param_dtype="bfloat16"` (rl/optim.py): weights as stored (bf16;
-mHC / sinks / ape / router bias fp32; tid2eid int32), gradients (param dtype), fp32 master copy of the trained
+Actor, per device, as rl/algo/learner.py holds it with `param_dtype="bfloat16"` (rl/algo/optim.py): weights as stored
+(bf16; mHC / sinks / ape / router bias fp32; tid2eid int32), gradients (param dtype), fp32 master copy of the trained
 bf16 params, Adam moments (2 x optimizer dtype) of the trained params (frozen ones, `train_mtp=False` /
 `freeze_router`, have neither: `sharding.offload.is_trained`), activations. `offload_optimizer` F moves the whole
 optimizer state (master + moments) of the params `sharding.offload.select_offloaded` picks (largest first, <= F of
@@ -31,9 +31,9 @@ weights and of their gradients and of the head (2 * gathered layer + head, again
 place (`_take`, uint16 saved inputs), on every backend. Before that, XLA:CPU float-normalised the scan's bf16
 `xs` into f32 copies of whole stacks (100 GiB per device for Flash on 2 x 8 devices).
 Optimizer update transient: the step moves the offloaded optimizer state (fp32 masters + moments) to the device
-for the update and back (`rl.learner_state.opt_state_to`). Without `stream_optimizer` nothing bounds how much
+for the update and back (`rl.algo.learner_state.opt_state_to`). Without `stream_optimizer` nothing bounds how much
 of it is there at once (XLA's memory analysis of the Flash step keeps most of it live: launch/aot.py), so the plan
-counts all offloaded bytes on the device. With the learner's `stream_optimizer` (`rl.optim.update_streamed`) the
+counts all offloaded bytes on the device. With the learner's `stream_optimizer` (`rl.algo.optim.update_streamed`) the
 offloaded state of the decoder layers (stacked under `scan_layers`) is updated one layer at a time: the plan
 counts one layer's largest state slice in + out, plus the offloaded state of everything else (embedding, head,
 1-D leaves) whole. The plan is an estimate. Against XLA (`--compile`, Flash, 8K tokens per device, padded EP,
@@ -221,7 +221,7 @@ def pipeline_line(config, stages: int, stage_axis: int, micro_batches: int | Non
 
 
 class LearnerKnobs(Protocol):
-    """The learner knobs `plan` reads: the fields of `rl.algo_config.LearnerConfig` (one layer up) of those names."""
+    """The learner knobs `plan` reads: the fields of `rl.config.algo.LearnerConfig` (one layer up) of those names."""
 
     offload_optimizer: float
     stream_optimizer: bool
@@ -250,7 +250,7 @@ def plan(config, mesh_spec: str, gpu: str, *, learner: LearnerKnobs, nodes: int 
       config: a `dsv4.DSV4Config` or a preset name ("flash", "small", "tiny").
       mesh_spec: `sharding.mesh` grammar; "auto" needs `nodes`.
       gpu: a key of `GPUS`.
-      learner: the learner whose memory is planned (`rl.algo_config.LearnerConfig`, e.g. the run's `cfg.learner`):
+      learner: the learner whose memory is planned (`rl.config.algo.LearnerConfig`, e.g. the run's `cfg.learner`):
         its `offload_optimizer`, `stream_optimizer`, `ep_backend` ("auto": `parallel.expert.auto_backend`:
         capacity with `xla_cpu`, as the learner on XLA:CPU; else padded with a capacity factor, ragged without),
         `ep_capacity_factor`, and the frozen set `train_mtp` /
@@ -324,12 +324,12 @@ def plan(config, mesh_spec: str, gpu: str, *, learner: LearnerKnobs, nodes: int 
         opts["pipeline"] = pipe[0]
     split_layers, n_stage = (range(0) if pipe is None else pipe[1]), a_sizes[rl.STAGE]
     w = g = master = mom = off_master = off_mom = whole = slice_peak = 0.0
-    # optimizer state as rl/learner.py + rl/optim.py hold it: an fp32 master for trained non-fp32 params, two
+    # optimizer state as rl/algo/learner.py + rl/algo/optim.py hold it: an fp32 master for trained non-fp32 params, two
     # moments for every trained param (frozen ones: none), whole params offloaded by `select_offloaded`
     def _state(leaf, n):
         return (n * 4 if leaf.dtype != "float32" else 0), 2 * n * DTYPE_BYTES[optimizer_dtype]
 
-    def updated(leaf) -> bool:  # a gradient and optimizer state (LoRA: the adapters alone, rl/learner.py "LoRA")
+    def updated(leaf) -> bool:  # a gradient and optimizer state (LoRA: the adapters alone, rl/algo/learner.py "LoRA")
         if lora is not None:
             return is_adapter_key(leaf.path.replace(".", "/"))
         return leaf.trained and offload_lib.is_trained(leaf.path, train_mtp=train_mtp, freeze_router=freeze_router)

@@ -278,7 +278,7 @@ def auto_axes(mesh: Mesh | None) -> Mesh | None:
     """`mesh` with every axis of type Auto: the same devices, axis names and order (None passes through).
 
     Every public function of dsv4-rl that takes a mesh (`dsv4.load_hf_checkpoint`, `dsv4.io.load.init_model`,
-    `rl.learner.Learner`, `rl.rollout.engine.Sampler`, `parallel.push.local.WeightPusher`, `MeshPlan`) converts it
+    `rl.algo.learner.Learner`, `rl.rollout.engine.Sampler`, `parallel.push.local.WeightPusher`, `MeshPlan`) converts it
     here, so a mesh from `jax.make_mesh` works whatever its axis types (Explicit is its default since jax 0.7).
     Why Auto: the model's programs place arrays by the rule tables (sharding constraints on logical axes) and let XLA propagate
     the rest; under Explicit axes the sharding is part of every array's type, and each op whose output sharding is

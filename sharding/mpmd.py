@@ -226,9 +226,9 @@ def role_layout(plan, process_index: int | None = None, process_count: int | Non
 
 def actor_job_layout(process_index: int | None = None, process_count: int | None = None) -> RoleLayout:
     """The RoleLayout of the actor job of the two-job layout (rl/rollout/two_job.py): every process of this job is an
-    actor (the rollout is a job of its own). With several processes it is `mpmd` as an MPMD run's actor side is:
-    every process reads the one unsharded prompt stream, a HostChannel carries process 0's rollout results to the
-    others, and a dead process is named (`lost_peer`, `HostChannel._at_exit`)."""
+    actor (the rollout is a job of its own). With several processes it has `split_roles`, as an MPMD run's actor
+    side has: every process reads the one unsharded prompt stream, a HostChannel carries process 0's rollout results
+    to the others, and a dead process is named (`lost_peer`, `HostChannel._at_exit`)."""
     pid = jax.process_index() if process_index is None else process_index
     count = jax.process_count() if process_count is None else process_count
     return RoleLayout(process=pid, actor_processes=tuple(range(count)), rollout_processes=(), split_roles=count > 1)

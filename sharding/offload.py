@@ -1,7 +1,7 @@
 """Which parameters carry optimizer state, and which of it lives in host memory: one rule for the learner
-(rl/learner.py, rl/optim.py) and the planner (parallel/plan.py), so the plan describes what the learner holds.
+(rl/algo/learner.py, rl/algo/optim.py) and the planner (parallel/plan.py), so the plan describes what the learner holds.
 
-Optimizer state of one trained parameter of n elements (rl/optim.py): Adam moments 2 x n fp32, plus an fp32
+Optimizer state of one trained parameter of n elements (rl/algo/optim.py): Adam moments 2 x n fp32, plus an fp32
 master copy (n x 4 bytes) when the parameter itself is not fp32. Frozen parameters (the MTP module unless
 `train_mtp`; router weights with `freeze_router`) have none. `offload_optimizer = F` keeps the whole state of
 the parameters `select_offloaded` picks in host memory: largest parameters first (ties by name), each taken while

@@ -8,6 +8,9 @@ module level or inside a function, is checked:
 - no import runs inside a function, except the short allow-list `LAZY_OK` below: each a heavy library that only
   one optional path needs. A late import to dodge a cycle is what the cycle check forbids; one for no reason is
   noise that hides the module's real dependencies.
+- no module reaches into another's private names in parallel/ and rl/ (docs/style.md rule 19): no
+  `from m import _x` and no `m._x` where either side is in `PRIVATE_SCOPE` (tests and benchmarks included); what
+  another module needs is public, with a docstring.
 The checks are functions of a root folder, so `test_*_detects_*` run them on planted packages under tmp_path.
 """
 
@@ -16,6 +19,7 @@ from __future__ import annotations
 import ast
 import dataclasses
 import pathlib
+import re
 
 import pytest
 
@@ -23,14 +27,15 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 LAYERS = ("sharding", "dsv4", "parallel", "rl", "launch")
 # (file, imported top-level module) -> why the import waits for the first call
 LAZY_OK = {
-    ("rl/wandb_sink.py", "wandb"): "the optional [wandb] extra: absent unless installed; --wandb-project asks for it",
-    ("rl/answers.py", "math_verify"): "sympy-backed (~0.5 s warm, seconds cold); only the math-answer comparison "
-                                      "(`math_verify_equal`) needs it",
-    ("rl/rewards.py", "math_verify"): "the reward worker preloads it before its first deadline",
+    ("rl/run/wandb_sink.py", "wandb"): "the optional [wandb] extra: absent unless installed; --wandb-project asks for "
+                                       "it",
+    ("rl/data/answers.py", "math_verify"): "sympy-backed (~0.5 s warm, seconds cold); only the math-answer comparison "
+                                           "(`math_verify_equal`) needs it",
+    ("rl/data/rewards.py", "math_verify"): "the reward worker preloads it before its first deadline",
     ("launch/ray_run.py", "ray"): "the optional [ray] extra: absent unless installed; only --launcher ray (and the Ray "
                                   "workers it starts) needs it",
-    ("rl/sinks.py", "tensorboardX"): "the heaviest import of the run (~1.4 s warm: protobuf); only --tensorboard-dir "
-                                     "needs it",
+    ("rl/run/sinks.py", "tensorboardX"): "the heaviest import of the run (~1.4 s warm: protobuf); only "
+                                         "--tensorboard-dir needs it",
 }
 
 
@@ -142,6 +147,61 @@ def upward_imports(root: pathlib.Path, rel: str, layers=LAYERS) -> list[str]:
     return list(dict.fromkeys(f"{rel}:{i.line} imports {i.target} (layer {layers.index(i.top)} > {rank})" for i in up))
 
 
+PRIVATE_SCOPE = ("parallel", "rl")
+
+
+# a cheap text filter before parsing: a private name after `import` / in an import list, or `name._x` not on self/cls
+_MAYBE_PRIVATE = re.compile(r"import\b[^\n]*[\s,(]_[A-Za-z]|import\s*\([^)]*[\s,(]_[A-Za-z]"
+                            r"|(?<![\w.])(?!self\.|cls\.)[A-Za-z]\w*\._[A-Za-z]")
+
+
+def _private(name: str) -> bool:
+    return name.startswith("_") and not (name.startswith("__") and name.endswith("__"))
+
+
+def private_crossings(root: pathlib.Path, scope=PRIVATE_SCOPE, layers=LAYERS,
+                      readers=("tests", "benchmarks")) -> list[str]:
+    """'file:line module._name' for every private name one module takes from another project module (`from m import
+    _x`, or `m._x` after `import m` / `from pkg import m`), where the reader or the owner is in `scope`. Readers:
+    the layers' modules and the .py files under `readers` (`tests/rl/...` reads for `rl`)."""
+    mods = modules(root, layers)
+    files = dict(mods)
+    for d in readers:
+        files.update({f.relative_to(root).with_suffix("").as_posix().replace("/", "."): f
+                      for f in sorted((root / d).rglob("*.py"))})
+    out = []
+    for me, path in files.items():
+        text = path.read_text()
+        if not _MAYBE_PRIVATE.search(text):  # most files: no `import _x` and no `name._x` but self._x / cls._x
+            continue
+        tree = ast.parse(text, filename=str(path))
+        rel = path.relative_to(root).as_posix()
+        bound = {}  # local name -> project module it names
+        found = []  # (line, owner module, private name)
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Import):
+                bound.update({a.asname or a.name: a.name for a in node.names if a.name in mods})
+            elif isinstance(node, ast.ImportFrom):
+                base = node.module or ""
+                if node.level:
+                    pkg = me.split(".") if path.name == "__init__.py" else me.split(".")[:-1]
+                    base = ".".join(pkg[: len(pkg) - (node.level - 1)] + ([node.module] if node.module else []))
+                for a in node.names:
+                    if f"{base}.{a.name}" in mods:
+                        bound[a.asname or a.name] = f"{base}.{a.name}"
+                    elif _private(a.name) and _resolve(base, mods) not in (None, me):
+                        found.append((node.lineno, _resolve(base, mods), a.name))
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Attribute) and _private(node.attr) and isinstance(node.value, ast.Name) \
+                    and bound.get(node.value.id, me) != me:
+                found.append((node.lineno, bound[node.value.id], node.attr))
+        parts = rel.split("/")  # tests/rl/test_x.py reads for rl/
+        reader = parts[0] in scope or (parts[0] in readers and len(parts) > 2 and parts[1] in scope)
+        out += [f"{rel}:{line} {owner}.{name}" for line, owner, name in sorted(set(found))
+                if reader or owner.split(".")[0] in scope]
+    return out
+
+
 def _files():
     return sorted(f.relative_to(ROOT).as_posix() for f in modules(ROOT).values())
 
@@ -166,6 +226,11 @@ def test_no_import_cycles():
 def test_no_function_level_imports(rel):
     late = function_level_imports(ROOT, rel)
     assert not late, "\n".join(late)
+
+
+def test_no_private_name_crosses_modules_in_parallel_and_rl():
+    found = private_crossings(ROOT)
+    assert not found, "private names used across modules (make them public, with a docstring):\n" + "\n".join(found)
 
 
 def test_lazy_allow_list_is_still_needed():
@@ -220,6 +285,22 @@ def test_upward_check_detects_a_planted_upward_import(tmp_path):
                       "high/__init__.py": "", "high/y.py": "from low import x\n"})
     assert upward_imports(tmp_path, "low/x.py", ("low", "high")) == ["low/x.py:4 imports high.y (layer 1 > 0)"]
     assert upward_imports(tmp_path, "high/y.py", ("low", "high")) == []
+
+
+def test_private_check_detects_planted_crossings(tmp_path):
+    """`from m import _x` and `m._x` are found where the reader or the owner is in scope; a module's own private
+    names, dunders and names outside the scope are not."""
+    _plant(tmp_path, {
+        "low/__init__.py": "", "low/a.py": "_k = 1\n",
+        "pkg/__init__.py": "", "pkg/m.py": "from low import a\n_y = a._k\n\ndef f():\n    return _y, a.__name__\n",
+        "pkg/n.py": "from pkg.m import _y, f\nfrom . import m\nm._y\n",
+        "tests/test_x.py": "import pkg.m\nfrom low.a import _k\npkg.m.f()\n",
+        "pkg/p.py": "from pkg.m import (\n    f,\n    _y,\n)\n",
+        "tests/pkg/test_y.py": "from low.a import _k\n",
+    })
+    assert private_crossings(tmp_path, ("pkg",), ("low", "pkg")) == [
+        "pkg/m.py:2 low.a._k", "pkg/n.py:1 pkg.m._y", "pkg/n.py:3 pkg.m._y", "pkg/p.py:1 pkg.m._y",
+        "tests/pkg/test_y.py:1 low.a._k"]
 
 
 def test_test_module_basenames_are_unique():

@@ -146,9 +146,9 @@ class MpmdPusher:
     """The actor -> rollout weight push across processes (module docstring). Built on every process.
 
     Args:
-      plan: the MeshPlan; layout: its RoleLayout (mpmd). sampler: the rollout `Sampler` (built on every process from
-        the abstract model: its stored formats and shardings, `Sampler.abstract_weights()`, are used; only rollout
-        processes hold weights).
+      plan: the MeshPlan; layout: its RoleLayout (`split_roles`: actor and rollout on processes of their own).
+        sampler: the rollout `Sampler` (built on every process from the abstract model: its stored formats and
+        shardings, `Sampler.abstract_weights()`, are used; only rollout processes hold weights).
       abstract_state: {key: ShapeDtypeStruct} (or nnx.State) of every pushed tensor, in the learner's dtypes.
       actor_shardings: {key: NamedSharding} of those tensors on the actor mesh.
       channel: the HostChannel (receipts, checksums, liveness, its timeout). chunk_bytes: wire bytes confirmed per

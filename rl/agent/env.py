@@ -1,15 +1,15 @@
 """Environments: what a multi-turn rollout talks to between generations, and their registry.
 
 An environment is a frozen description (`Environment`): its tools (OpenAI-format schemas, rendered on the system
-message in DeepSeek-V4's format, rl/chat_dsv4.py), one Python function per tool, and a reward function. Three calls,
-all pure functions of the environment and a row's `data` (the string the dataset carries as the row's reference),
+message in DeepSeek-V4's format, rl/data/chat_dsv4.py), one Python function per tool, and a reward function. Three
+calls, all pure functions of the environment and a row's `data` (the string the dataset carries as the row's reference),
 so a trajectory is reproducible from its prompt and its sampled tokens (resume regenerates it bitwise):
 
     messages = reset(env, prompt, data)            # the conversation the prompt renders: [system + tools, user]
     result = step(env, completion_text, data)      # the model's turn -> tool messages (or done) + counters
     r = reward(env, final_text, data, first_turn)  # the last assistant turn (+ the first: shaping) -> [0, 1]
 
-`step` parses the model's turn (`rl.chat_dsv4.parse_completion`): no call block -> done; calls -> each is run
+`step` parses the model's turn (`rl.data.chat_dsv4.parse_completion`): no call block -> done; calls -> each is run
 (`handlers[name](arguments, data)`) and answered by one tool message, in call order; an unknown tool, arguments
 that are not a JSON object, a malformed call block or a handler that raises become a tool message "error: ..."
 that the model reads (counted in `errors`), never an exception: a tool cannot end the run. Tools that need
@@ -26,7 +26,7 @@ import json
 import time
 from collections.abc import Callable, Mapping
 
-from rl.chat_dsv4 import CALLS_START, EOS, ToolCallError, parse_completion
+from rl.data.chat_dsv4 import CALLS_START, EOS, ToolCallError, parse_completion
 
 ToolFn = Callable[[dict, str], str]  # (arguments, row data) -> result text; raises ToolError for an error result
 

@@ -2,7 +2,7 @@
 
 The smallest task where a tool is the only way to the reward: every prompt draws its own random value (seeded by
 the prompt's index), so nothing in the prompt or the weights predicts it; a model must call `lookup` and then copy
-the tool's answer. Transcript of a perfect trajectory, in DeepSeek-V4's chat format (rl/chat_dsv4.py), chat mode:
+the tool's answer. Transcript of a perfect trajectory, in DeepSeek-V4's chat format (rl/data/chat_dsv4.py), chat mode:
 
     <bos>{tools section}<｜User｜>key 7<｜Assistant｜></think>                                    (prompt)
     \\n\\n<｜DSML｜tool_calls>...name="key" string="true">7</｜DSML｜parameter>...</｜DSML｜tool_calls><eos>    (model)
@@ -19,7 +19,7 @@ Sized so the tiny model learns it from random init (benchmarks/README.md, "Multi
   back, to the head piece of that key) is where the signal is. The environment's turn is 5 + the value's digits,
   the answer the digits + EOS; the key and the value are both 3 ids before the position that writes them.
 - Errors are terse (`Environment.terse_errors`: a broken call is answered by the one-piece "error").
-- The training run's side (not this module): 4 keys (`rl.env_task.ENV_KEYS`), and benchmarks/agentic.py's defaults
+- The training run's side (not this module): 4 keys (`rl.run.env_task.ENV_KEYS`), and benchmarks/agentic.py's defaults
   of 12 new tokens (a perfect trajectory is 3 + 6 + 2) and an entropy bonus 0.02 (without one the first lesson,
   "write a call head", spread to every position and every row of a group wrote the same turn).
 History: keys "k0".."k9" as "k" + a digit (a 5-id call: head, "k", digit, tail, EOS) let the policy learn the
@@ -29,7 +29,7 @@ Reward, shaped (as gsm8k+format is; `rl.agent.env.reward`): `CALL_WEIGHT x call_
 [call_progress == 1] x value_reward`, in [0, 1], 1 only for the right call followed by the exact value; an answer
 without the right call earns nothing (it can only be a guess: without the gate a guessed value's partial credit
 outweighs the first steps of the call and the policy learned to stop calling).
-- `value_reward` (per-position partial credit like the built-in digit task, rl/tasks.py) on the final answer:
+- `value_reward` (per-position partial credit like the built-in digit task, rl/data/tasks.py) on the final answer:
   (right digits at their positions / n) x (0.5 + 0.5 x [answer has exactly n characters]);
 - `call_progress` on the first model turn: how much of the right call it wrote, in order (call head, the key, call
   tail, EOS; one unit each, the prefix that matches / all units). A credit for calling right, not for the value:
@@ -48,7 +48,7 @@ import numpy as np
 
 from rl.agent.env import Environment, ToolError, reset
 from rl.agent.pieces import PieceTokenizer
-from rl.chat_dsv4 import (ASSISTANT, CALLS_CLOSE, CALLS_START, DSML, END_THINK, EOS, RESULT_CLOSE, RESULT_OPEN,
+from rl.data.chat_dsv4 import (ASSISTANT, CALLS_CLOSE, CALLS_START, DSML, END_THINK, EOS, RESULT_CLOSE, RESULT_OPEN,
                           THINK, USER, render_deepseek_v4, render_tools)
 
 LOOKUP_TOOL = {"type": "function", "function": {

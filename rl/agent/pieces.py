@@ -4,7 +4,7 @@ A BPE trained on a task's transcripts would merge its fixed markup (DeepSeek-V4'
 the DSML call head) into few tokens; this tokenizer states those merges: `pieces` (multi-character strings, matched
 longest first) and `chars` (one id each). So the key-lookup task's prompt is a handful of ids and a whole tool call
 is 6 ids (call head, key characters, call tail, EOS) instead of ~150 characters. Satisfies
-`rl.tokenizer.TokenizerLike`.
+`rl.data.tokenizer.TokenizerLike`.
 
 Ids: 0 <pad>, 1 <｜begin▁of▁sentence｜>, 2 <｜end▁of▁sentence｜>, then the pieces, then the characters, in order.
 `encode` never emits BOS / EOS for their text unless they are in the text (the chat renderer writes them);
@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from rl.chat_dsv4 import BOS, EOS
+from rl.data.chat_dsv4 import BOS, EOS
 
 
 class PieceTokenizer:

@@ -1,4 +1,4 @@
-"""The environments by name: `--rollout.env` -> `rl.agent.env.Environment` (as `rl.math_rewards.make_reward` is for
+"""The environments by name: `--rollout.env` -> `rl.agent.env.Environment` (as `rl.data.math_rewards.make_reward` is for
 `--reward`). Each factory takes keyword options (its own knobs) and returns a frozen Environment.
 
     key_lookup    rl/agent/key_lookup.py: a `lookup` tool returns a key's value; reward: the right call (shaped), then

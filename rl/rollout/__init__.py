@@ -10,6 +10,8 @@
     mpmd.py         the engine on processes of its own (`ProcessRollout`, `RolloutServer`)
     two_job.py      the engine as a job of its own (`JobRollout`, `RolloutJobServer`)
     exact.py        exact mode: training samples drawn from the learner's own forward
+    job_identity.py what a rollout job must share with its actor job (the two-job layout's registration check)
+    host_memory.py  the KV-cache budget of a rollout on XLA:CPU (the host's memory)
 
 The weight format (how the rollout stores each learner weight) is the model's: `dsv4/rollout_format.py`.
 Import the modules themselves (nothing is re-exported here), e.g. `from rl.rollout.engine import Sampler`.

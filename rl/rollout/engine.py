@@ -63,9 +63,9 @@ from dsv4.model import DSV4ForCausalLM
 from dsv4.rollout_format import RolloutFormat, check_fp4_experts
 from parallel import expert as expert_lib
 from sharding.mesh import auto_axes
-from rl.batch import RolloutBatch
-from rl.rollout.config import RolloutConfig
-from rl.config_tree import default
+from rl.algo.batch import RolloutBatch
+from rl.config.rollout import RolloutConfig
+from rl.config.tree import default
 from rl.rollout import slots as slots_lib
 from rl.rollout import speculative as spec_lib
 from rl.rollout.shapes import MAX_STOP_IDS, EngineShapes, ProgramShape, to_host
@@ -83,7 +83,7 @@ log = logging.getLogger(__name__)
 class SamplingParams:
     """temperature (0 = greedy), top_p in (0, 1], top_k (0 = off), max_new_tokens >= 1, stop_token_ids (<= 16).
 
-    Defaults: the run's `--temperature`, `--top-p`, `--top-k`, `--max-new-tokens` (`rl.rollout.config.RolloutConfig`).
+    Defaults: the run's `--temperature`, `--top-p`, `--top-k`, `--max-new-tokens` (`rl.config.rollout.RolloutConfig`).
     Raises ValueError naming the field for out-of-range values.
     """
 
@@ -271,7 +271,7 @@ class Sampler(EngineShapes):
             schedule, e.g. benchmarks/rollout_lengths.py); default params.max_new_tokens for every row.
           token_offset: optional [N] ints >= 0: row i's first new token is drawn as token `token_offset[i]` of its
             sample (key fold_in(key_i, token_offset[i] + j) for its j-th new token), so a partial rollout continued
-            from prompt + its first g tokens (rl/partial.py) draws with the keys of an uninterrupted sample;
+            from prompt + its first g tokens (rl/run/partial.py) draws with the keys of an uninterrupted sample;
             default 0. Not with speculative decoding.
         Returns:
           RolloutBatch (see its docstring).

@@ -13,7 +13,7 @@ How. XLA's results depend on the program's shapes (measured on XLA:CPU: a row sc
 to another width, differs by ~1e-6 from the same row in the full batch), and the rollout's decode path (one token
 against a KV cache, FP8 KV cache, incremental compressors) is another program than the learner's blocked forward, so
 its logits differ from the learner's by ~1e-7 (fp32) to ~4e-2 nats (FP8 KV cache). Exact mode therefore
-1. fixes the learner's layout (`rl.batching.fixed_layout`): every forward, the draws', the scoring's and the train
+1. fixes the learner's layout (`rl.algo.batching.fixed_layout`): every forward, the draws', the scoring's and the train
    step's, runs in micro-batches of R rows x W columns (R: the rows the step's batch would put in one micro-batch;
    W: the bucket of `--max-prompt-len + --max-new-tokens`), rows at column 0: a row's values then do not depend on
    its position in the micro-batch nor on its neighbours (tests/rl/test_exact.py, bitwise);
@@ -55,10 +55,10 @@ import jax
 import numpy as np
 from jax.experimental import multihost_utils
 
-from rl import batching
-from rl.algo_config import LearnerConfig
-from rl.batch import RolloutBatch, TrainBatch
-from rl.learner import Learner
+from rl.algo import batching
+from rl.config.algo import LearnerConfig
+from rl.algo.batch import RolloutBatch, TrainBatch
+from rl.algo.learner import Learner
 from rl.rollout.engine import SamplingParams
 from rl.rollout.service import RolloutRequest, RolloutResult, RolloutService
 from rl.rollout.sampling import row_keys, sample_tokens
@@ -72,8 +72,8 @@ def exact_layout(cfg: LearnerConfig, *, rows_per_step: int, max_prompt_len: int,
 
     W: the smallest power of two >= max(8, max_prompt_len + max_new_tokens) (the longest row a rollout can make).
     R: the rows per micro-batch the learner picks for a step batch of `rows_per_step` rows at width W
-    (`rl.batching.layout`: `micro_batch_size`, or the token budget `max_tokens_per_micro_batch` x
-    `batch_devices`, or the whole batch). Raises ValueError as `rl.batching.layout` (token budget below W)."""
+    (`rl.algo.batching.layout`: `micro_batch_size`, or the token budget `max_tokens_per_micro_batch` x
+    `batch_devices`, or the whole batch). Raises ValueError as `rl.algo.batching.layout` (token budget below W)."""
     width = batching.bucket(max_prompt_len + max_new_tokens, 1 << 62)
     lay = batching.layout(rows_per_step, width, width, trim=True, micro_batch_size=cfg.micro_batch_size,
                           max_tokens=cfg.max_tokens_per_micro_batch, batch_devices=batch_devices)
@@ -138,8 +138,8 @@ def generate(learner: Learner, prompts: Sequence[Sequence[int]], params: Samplin
                         rollout_logprobs=zeros, advantages=np.zeros(n, np.float32))
         z = _to_host(learner.next_logits(learner.state, tb))
         forwards += 1
-        tok = np.asarray(_draw(z, _fold(keys, gen), np.float32(temperature), np.float32(params.top_p),
-                               np.int32(params.top_k))[0])
+        tok = np.asarray(draw_tokens(z, _fold(keys, gen), np.float32(temperature), np.float32(params.top_p),
+                                     np.int32(params.top_k))[0])
         act = np.flatnonzero(~done)
         ids[act, cur[act]] = tok[act]
         out_tok[act, gen[act]] = tok[act]
@@ -222,7 +222,11 @@ class ExactRollout(RolloutService):
 
 
 @jax.jit
-def _draw(z, keys, temperature, top_p, top_k):
+def draw_tokens(z, keys, temperature, top_p, top_k):
+    """One exact-mode draw: `sample_tokens` (rl/rollout/sampling.py) jitted on its own, so the logits the learner's
+    forward produced are drawn from exactly as the sampler draws. z [N, V] f32 logits, keys [N] PRNG keys (row i's
+    key already folded with its token index), temperature / top_p f32 scalars, top_k int -> (tokens [N] int32,
+    logprobs [N] f32). Public so a test can watch the draws."""
     return sample_tokens(z, keys, temperature, top_p, top_k)
 
 

@@ -3,8 +3,8 @@
 
 A disjoint rollout mesh whose devices are whole processes (e.g. `--mesh actor:fsdp=2,expert=2/rollout:expert=2` on 3
 processes x 2 devices: processes 0-1 the actor, process 2 the rollout; `sharding.mpmd.role_layout`) runs the one loop
-(rl/loop.py) on the actor processes, with this service behind `job.rollout`; the rollout processes only serve. The
-two sides speak through a command queue in the host channel (`sharding.mpmd.HostChannel`):
+(rl/run/loop.py) on the actor processes, with this service behind `wiring.rollout`; the rollout processes only serve.
+The two sides speak through a command queue in the host channel (`sharding.mpmd.HostChannel`):
 
     actor writer (process 0)  --  cmd/0, cmd/1, ...  -->  every rollout process, in order
     first rollout process     --  result/<tag>       -->  every actor process
@@ -14,7 +14,7 @@ Commands: {"op": "generate", "request": RolloutRequest} (the rollout processes r
 the first of them publishes the RolloutResult with its counters), {"op": "push", "version": v} (the cross-process
 transfer of the learner's params, `parallel.push.mpmd.MpmdPusher`), {"op": "load_init"} (version 0 read from
 --init's own FP8 blocks on the rollout, `rl.rollout.init.checkpoint_rollout_weights`), {"op": "stop"}. Only the
-actor's writer numbers and publishes commands; the pipeline's schedule (rl/pipeline.py) makes their order a
+actor's writer numbers and publishes commands; the pipeline's schedule (rl/run/pipeline.py) makes their order a
 function of the flags (a generate of batch m is sent only once P(max(0, m - K)) was pushed; a push only when no
 request is in flight), so every actor process sees the same results whatever the timing.
 

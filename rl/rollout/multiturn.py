@@ -5,19 +5,19 @@ contract (`RolloutRequest.multiturn`, rl/rollout/service.py::run_request).
              rows that ended with EOS: decode the turn (special tokens kept) and `rl.agent.env.step` it in a thread
              pool, one task per row, each waited for at most `tool_timeout_s` (a late one is the tool error
              "error: tool timed out"); a row whose turn made no call is done
-             rows with calls: append the tool results as the release encodes them (`rl.chat_dsv4.tool_result_turn`)
+             rows with calls: append the tool results as the release encodes them (`rl.data.chat_dsv4.tool_result_turn`)
     turn 2.. generate the rows with calls again from prompt + everything so far (a re-prefill of the joined
              context), up to `max_turns` model turns and the request's token budget (`params.max_new_tokens` counts
              every response-side token, the environment's included)
 
-Result: one RolloutBatch row per trajectory in the one layout (rl/batch.py): the response side holds the model's
+Result: one RolloutBatch row per trajectory in the one layout (rl/algo/batch.py): the response side holds the model's
 turns and the environment's turns in order; `loss_mask` [N, T] is 1 on the model's tokens, 0 on the environment's
 (their rollout logprob is 0 and they count in no loss term); routing covers every token the rollout prefilled or
 generated, the environment's included (each row's routes come from its last generation, whose prefill read them);
 a trajectory cut by the token budget or the turn budget finishes as "length". Randomness: turn k of a row draws
 with `token_offset` = the response-side tokens before it, so a row's samples do not depend on the other rows.
 
-Stats (`rollout/...`, as rl/metrics.py names the rollout's): turns_mean, tool_calls_per_traj, tool_errors (errors
+Stats (`rollout/...`, as rl/algo/metrics.py names the rollout's): turns_mean, tool_calls_per_traj, tool_errors (errors
 per call made), tool_s (seconds in tools, summed over rows), turn_truncated_frac (rows stopped by the turn budget
 with a call pending), env_token_frac (response-side tokens the environment wrote).
 
@@ -36,8 +36,8 @@ import numpy as np
 
 from rl.agent import env as envlib
 from rl.agent.registry import make_env
-from rl.batch import RolloutBatch
-from rl.chat_dsv4 import tool_result_turn
+from rl.algo.batch import RolloutBatch
+from rl.data.chat_dsv4 import tool_result_turn
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

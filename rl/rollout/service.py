@@ -9,8 +9,8 @@
     service.close()
 
 A request carries the deterministic sample ids: every row's randomness is a function of (seed, step, prompt index,
-sample index), DAPO rounds offsetting the prompt index (rl/stages.py), so a request gives the same tokens whichever
-service serves it and whenever. Evaluation is two requests (rl/stages.py::evaluate), so every service evaluates.
+sample index), DAPO rounds offsetting the prompt index (rl/run/stages.py), so a request gives the same tokens whichever
+service serves it and whenever. Evaluation is two requests (rl/run/stages.py::evaluate), so every service evaluates.
 
 Implementations:
 - `LocalRollout` (here): the `rl.rollout.engine.Sampler` in this process: one mesh, two disjoint meshes of this process,
@@ -23,7 +23,7 @@ Implementations:
 - tests drive the loop with a fake (tests/rl/fake_rollout.py).
 Every engine's `load_weights` is `pusher.push(params_fn(), version).metrics()` with its `parallel.push` transport
 (`parallel.push.protocol.Pusher`). Where the roles live decides the schedule's cost, not its shape: the loop
-(rl/loop.py, rl/pipeline.py) is one.
+(rl/run/loop.py, rl/run/pipeline.py) is one.
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ from collections.abc import Callable, Sequence
 
 from parallel.push.local import SamplerPusher
 from parallel.push.protocol import Pusher
-from rl.batch import RolloutBatch
+from rl.algo.batch import RolloutBatch
 from rl.rollout.engine import SamplingParams
 from rl.rollout.init import checkpoint_rollout_weights
 from rl.rollout.multiturn import MultiTurn, generate_multiturn
@@ -49,8 +49,8 @@ class RolloutRequest:
     "eval/<step>/<version>/greedy") that names the request in messages and logs. Optional per-row [N] ints:
     `max_new_tokens_per_row` (length limits <= params.max_new_tokens: `--rollout.length_schedule`, the segments of
     partial rollouts) and `token_offset` (index of each row's first new token in its sample: a partial rollout
-    continued from prompt + its first g tokens; rl/partial.py); None: params.max_new_tokens and 0. `train`: a
-    training batch's request (stage 2, `rl.stages.sample`); exact mode draws these from the learner. `multiturn`: a
+    continued from prompt + its first g tokens; rl/run/partial.py); None: params.max_new_tokens and 0. `train`: a
+    training batch's request (stage 2, `rl.run.stages.sample`); exact mode draws these from the learner. `multiturn`: a
     multi-turn agentic request (rl/rollout/multiturn.py: the environment and each row's data); the engine then
     needs the run's tokenizer, and the per-row length and offset fields stay None."""
 
@@ -106,7 +106,7 @@ def run_request(sampler, req: RolloutRequest, tokenizer=None) -> RolloutResult:
 
 class RolloutService(abc.ABC):
     """The rollout as the loop sees it (module docstring). `submit` and `collect` may be called from the
-    pipeline's producer thread, `load_weights` from the main thread; the schedule (rl/pipeline.py) never calls
+    pipeline's producer thread, `load_weights` from the main thread; the schedule (rl/run/pipeline.py) never calls
     `load_weights` while a request is in flight."""
 
     generate_calls: int = 0  # generate programs run by this process (the roles' counters in MPMD logs)

@@ -1,5 +1,5 @@
 """The rollout engine's settings, resolved once: one frozen object the engine (`rl.rollout.engine.Sampler`), the
-planner (`launch.aot.compile_rollout`, `launch.plan`) and the run (`rl.job`, `launch.run`) all read.
+planner (`launch.aot.compile_rollout`, `launch.plan`) and the run (`rl.run.wiring`, `launch.run`) all read.
 
     settings = EngineSettings.for_run(cfg.rollout, platform="cpu", max_prompt_len=64)   # a run's RolloutConfig
     settings = EngineSettings(weights="fp8", kv_cache_dtype="fp8", max_prompt_len=16)   # a library call
@@ -22,9 +22,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from dsv4.rollout_format import RolloutDtype, parse_rollout_dtype
-from rl.config import DataConfig
-from rl.rollout.config import RolloutConfig
-from rl.config_tree import default, paths
+from rl.config.run import DataConfig
+from rl.config.rollout import RolloutConfig
+from rl.config.tree import default, paths
 from rl.rollout.layerwise import DEQUANT_MODES, MATMUL_MODES
 
 KV_CACHE_DTYPES = paths(RolloutConfig)["kv_cache_dtype"].choices  # fp8 | bf16 | auto, declared by the knob

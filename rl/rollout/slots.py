@@ -42,10 +42,10 @@ from jax.sharding import NamedSharding
 from dsv4.cache import decode_step
 from dsv4.chunked import prefill_chunked
 from parallel.plan import GPUS, plan
-from rl.algo_config import LearnerConfig
-from rl.rollout.config import RolloutConfig
-from rl.config_tree import default
-from rl.host_memory import cpu_kv_budget, host_memory_bytes
+from rl.config.algo import LearnerConfig
+from rl.config.rollout import RolloutConfig
+from rl.config.tree import default
+from rl.rollout.host_memory import cpu_kv_budget, host_memory_bytes
 from rl.rollout.sampling import sample_tokens
 from sharding import axes as ax
 from sharding.rules import activation_spec, cache_shardings
@@ -241,7 +241,7 @@ def kv_budget_from_plan(model_cfg, mesh_spec: str, seq_len: int, *,
                         **plan_kwargs) -> tuple[float | None, str]:
     """KV-cache bytes the memory plan (parallel/plan.py) leaves on one rollout device after weights and reserve,
     for the detected GPU (else MI308X for fp8_e4m3fnuz, else H200: the planner's GPUs; on XLA:CPU the host's
-    memory shared by its devices, `rl.host_memory.cpu_kv_budget`), and a note saying which.
+    memory shared by its devices, `rl.rollout.host_memory.cpu_kv_budget`), and a note saying which.
     (The rollout's side of the plan does not depend on the learner's knobs: planned with `LearnerConfig()`.)
 
     Returns (None, reason) when the plan cannot be made (then slot counts are not checked).
@@ -254,7 +254,7 @@ def kv_budget_from_plan(model_cfg, mesh_spec: str, seq_len: int, *,
         report = plan(model_cfg, mesh_spec, gpu, learner=LearnerConfig(), rollout_seq_len=seq_len, **plan_kwargs)
     except Exception as e:  # noqa: BLE001 - the plan is advice; an unplannable mesh leaves slots unchecked
         return None, f"memory plan unavailable for {mesh_spec} on {gpu} ({type(e).__name__}: {e})"
-    if jax.devices()[0].platform == "cpu":  # XLA:CPU: every device in the host's RAM (rl/host_memory.py)
+    if jax.devices()[0].platform == "cpu":  # XLA:CPU: every device in the host's RAM (rl/rollout/host_memory.py)
         host = host_memory_bytes()
         return cpu_kv_budget(report, host), f"memory plan on this host's {host / 2**30:.1f} GiB of RAM, XLA:CPU"
     return float(report.rollout.margin), f"memory plan on {gpu} ({note})"

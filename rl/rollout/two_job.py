@@ -26,7 +26,7 @@ at start ("job/transfer/<p>") and travel with every pull op. Process 0 asks the 
 pull's uuid through the store ("job/offer/<uuid>", answered by a thread on each of them once that version is staged
 there, acknowledged with "job/offered/<uuid>"), so a recovery re-offers the served version with no help from the
 loop, while the other processes wait for the result they need (their waits last while process 0's heartbeat moves).
-The rollout job stays one process (`rl.job.build_rollout_job`). The death of an actor process ends the actor job
+The rollout job stays one process (`rl.run.wiring.build_rollout_job`). The death of an actor process ends the actor job
 with one line naming it (`sharding.mpmd.lost_peer` / `PeerTimeoutError`, launch/run.py); process 0's exit closes the
 link, so the rollout job exits 1 with one line naming the actor.
 
@@ -46,8 +46,8 @@ losses within `RESTART_WINDOW_S` (a crash loop, e.g. an out-of-memory on a promp
 The rollout job exits with one line when its actor is gone (closed connection or silent for --push-timeout).
 
 Registration (issue 42). A rollout job must match its actor: the same weight tiling (the mesh's rollout section,
---config's shapes, --rollout-dtype) and the same identity (`rl.job_identity`: a digest of the model config, every
-field, e.g. rope_theta; the tokenizer; the sampling knobs; the dtypes). The actor's listener compares both in its
+--config's shapes, --rollout-dtype) and the same identity (`rl.rollout.job_identity`: a digest of the model config,
+every field, e.g. rope_theta; the tokenizer; the sampling knobs; the dtypes). The actor's listener compares both in its
 accepting thread (`peer_refusal`): a rollout job that differs is refused there, before the actor ever sees it; the
 rollout job exits 2 with one line naming what differs (`RolloutMismatchError`), the actor logs one line and keeps
 waiting for a right one (up to --rollout-restart-timeout, its state kept: a wrong restart does not end the run).
@@ -70,7 +70,7 @@ import jax
 
 from parallel.push.job import JobPusher, WeightReceiver, tiling
 from rl.rollout.service import RolloutRequest, RolloutResult, RolloutService, run_request
-from rl.job_identity import identity_mismatch
+from rl.rollout.job_identity import identity_mismatch
 from sharding.job_link import (JobListener, LinkLost, LinkRefused, authkey, connect, describe_peer, local_host_towards,
                                split_address)
 from sharding.mpmd import HostChannel
@@ -101,7 +101,7 @@ IDENTITY_HINT = "start both jobs with the same --config, --tokenizer / task, sam
 
 def peer_refusal(actor_hello: dict, rollout_hello: dict) -> str | None:
     """Why the actor (`actor_hello`) must refuse the rollout job (`rollout_hello`), in one line, or None when it
-    matches: the same weight tiling (`parallel.push.job.tiling`) and the same identity (`rl.job_identity`: model
+    matches: the same weight tiling (`parallel.push.job.tiling`) and the same identity (`rl.rollout.job_identity`: model
     config, tokenizer, sampling knobs, dtypes; issue 42)."""
     if rollout_hello.get("tiling") != actor_hello.get("tiling"):
         return f"it cuts the weights differently from the actor's plan of its mesh: {TILING_HINT}"
@@ -117,8 +117,8 @@ class JobRollout(RolloutService):
       rollout mesh). params_fn: () -> the learner's current params. timeout_s: --push-timeout (heartbeat age that
       counts as dead). restart_timeout_s: --rollout-restart-timeout (waiting for a rollout to register).
       channel: an actor job of several processes: its HostChannel (`sharding.mpmd.actor_job_layout`); None: one
-      process. identity: this job's `rl.job_identity.job_identity` (a rollout job whose identity or tiling differs
-      is refused at registration, `peer_refusal`, and the actor keeps waiting).
+      process. identity: this job's `rl.rollout.job_identity.job_identity` (a rollout job whose identity or tiling
+      differs is refused at registration, `peer_refusal`, and the actor keeps waiting).
     Raises (from any call): RolloutJobError (module docstring); PeerTimeoutError when an actor process stops answering.
     """
 
@@ -353,7 +353,7 @@ class RolloutJobServer:
     Args:
       sampler: the rollout Sampler (abstract model on this job's rollout mesh; the weights arrive by pull).
       actor_address: --actor-address. timeout_s: --push-timeout. connect_timeout_s: how long to retry the first
-      connection (--rollout-restart-timeout). identity: this job's `rl.job_identity.job_identity` (sent with the
+      connection (--rollout-restart-timeout). identity: this job's `rl.rollout.job_identity.job_identity` (sent with the
       hello; the actor refuses a mismatch).
     """
 

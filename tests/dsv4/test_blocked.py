@@ -154,8 +154,8 @@ def test_remat_policies_give_the_same_gradients():
 
 
 def test_unknown_options_are_one_line_errors(model):
-    from rl.algo_config import LearnerConfig
-    from rl.config import RunConfig
+    from rl.config.algo import LearnerConfig
+    from rl.config.run import RunConfig
 
     for make in (remat_policy, lambda r: LearnerConfig(remat=r), lambda r: RunConfig(**{"learner.remat": r})):
         with pytest.raises(ValueError, match=r"^--remat must be one of block\|dots\|none, got 'full'$"):

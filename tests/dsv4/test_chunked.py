@@ -68,7 +68,7 @@ def test_chunk_checks():
     assert check_chunk(CFG, 0) == 0 and check_chunk(CFG, 16) == 16
     with pytest.raises(ValueError, match=r"--prefill-chunk 12: expected 0 .* multiple of 8"):
         check_chunk(CFG, 12)
-    from rl.config import RunConfig
+    from rl.config.run import RunConfig
     assert RunConfig().rollout.prefill_chunk == 2048
     assert RunConfig(**{"rollout.prefill_chunk": 256}).rollout.prefill_chunk == 256
     with pytest.raises(ValueError, match="--rollout.prefill_chunk"):

@@ -90,8 +90,8 @@ def test_default_dispatch_sampler_and_learner():
     from flax import nnx
 
     from dsv4 import DSV4Config, DSV4ForCausalLM
-    from rl.algo_config import LearnerConfig
-    from rl.learner import Learner
+    from rl.config.algo import LearnerConfig
+    from rl.algo.learner import Learner
     from rl.rollout.engine import Sampler
     from sharding.mesh import build_mesh_plan
 

@@ -32,7 +32,7 @@ CONFIGS = REPO / "launch" / "configs"
 # 16, so a job with eval compiles 2 generate programs (16, greedy 8), not 3 (16, 4, 8) as with 4 eval prompts.
 TINY = ["--prompts-per-step", "4", "--group-size", "4", "--max-new-tokens", "4", "--eval-prompts", "8",
         "--eval-samples", "2", "--no-progress"]
-SPECIALS = ["<|pad|>", "<|endoftext|>", "<unk>"]  # rl.tokenizer finds PAD and EOS by these names; no BOS
+SPECIALS = ["<|pad|>", "<|endoftext|>", "<unk>"]  # rl.data.tokenizer finds PAD and EOS by these names; no BOS
 
 
 def outputs(d: pathlib.Path) -> list[str]:

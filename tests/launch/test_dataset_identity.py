@@ -2,7 +2,7 @@
 and --eval-dataset; the same path with edited content is an error naming the flag (before any model is built),
 unless --allow-dataset-change, which keeps the learner state and restarts the data order.
 
-In-process and fast: the checkpoint is written by `rl.checkpoint.Checkpointer` with the run's own fingerprint and
+In-process and fast: the checkpoint is written by `rl.run.checkpoint.Checkpointer` with the run's own fingerprint and
 a placeholder state, so `launch.run.main` stops at the check without building the model.
 """
 
@@ -23,8 +23,8 @@ def _cfg_args(tmp_path, small_tokenizer, lt):
 def _checkpoint_of(argv):
     """A step-3 checkpoint as `build` + `save` would write it for the run `argv` (placeholder learner state)."""
     from launch.run import resolve
-    from rl.checkpoint import Checkpointer, file_identity
-    from rl.job import load_data, fingerprint, resolve_model_config
+    from rl.run.checkpoint import Checkpointer, file_identity
+    from rl.run.wiring import load_data, fingerprint, resolve_model_config
 
     cfg, _ = resolve(argv)
     tok = load_data(cfg)[0]
@@ -38,8 +38,8 @@ def _checkpoint_of(argv):
 
 def test_changed_dataset_is_refused_on_resume(tmp_path, small_tokenizer, lt, capsys):
     from launch.run import main, resolve
-    from rl.checkpoint import file_identity
-    from rl.job import same_data
+    from rl.run.checkpoint import file_identity
+    from rl.run.wiring import same_data
 
     train, test, argv = _cfg_args(tmp_path, small_tokenizer, lt)
     cfg, ident = _checkpoint_of(argv)
@@ -77,8 +77,8 @@ def test_moved_dataset_resumes_and_a_changed_one_names_allow_dataset_change(tmp_
     import shutil
 
     from launch.run import main, resolve
-    from rl.checkpoint import Checkpointer, file_identity
-    from rl.job import load_data, fingerprint, resolve_model_config, same_data
+    from rl.run.checkpoint import Checkpointer, file_identity
+    from rl.run.wiring import load_data, fingerprint, resolve_model_config, same_data
 
     train, test, argv = _cfg_args(tmp_path, small_tokenizer, lt)
     _checkpoint_of(argv)

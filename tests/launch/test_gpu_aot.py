@@ -26,8 +26,8 @@ from launch import plan as plan_mod
 from launch.compile_child import CompileFailed, child_env
 from launch.plan import main as plan_main
 from launch.roofline import kernel_lines
-from rl.config import DEFAULT_LEARNER
-from rl.rollout.config import RolloutConfig
+from rl.config.run import DEFAULT_LEARNER
+from rl.config.rollout import RolloutConfig
 
 SEED = pathlib.Path(__file__).resolve().parents[2] / "launch" / "configs" / "dapo_seed_mi308x.yaml"
 MESH = "actor:fsdp=2,expert=2/rollout:expert=2"
@@ -235,7 +235,7 @@ def test_config_file_compile_gets_the_runs_device_count(monkeypatch, capsys):
 
 def test_compiled_tokens_per_device_split_over_context():
     """--compile plans what it compiles: a row's tokens over the context axis, the budget per context shard (the
-    learner's layout, rl/batching.py): 32K rows at context 4 are 8K tokens per device (issue 25)."""
+    learner's layout, rl/algo/batching.py): 32K rows at context 4 are 8K tokens per device (issue 25)."""
     seed_cp = "actor:fsdp=2,context=4,expert=2/rollout:expert=8"
     assert plan_mod.compiled_tokens_per_device(seed_cp, 32768, 9216) == 8192  # one row per micro-batch
     assert plan_mod.compiled_tokens_per_device(seed_cp, 32768, 16384) == 16384  # two rows of 8K per shard

@@ -1,7 +1,7 @@
 """MPMD: the rollout on its own process. Three local processes x 2 CPU devices, `--mesh
 actor:fsdp=2,expert=2/rollout:expert=2`: processes 0-1 run the actor, process 2 the rollout (sharding/mpmd.py,
 rl/rollout/mpmd.py). One run, one step off with partial rollouts (`--max-staleness 1 --partial-rollout` on a length
-spread where half the prompts' samples span two segments, rl/partial.py: both actor processes run the partial
+spread where half the prompts' samples span two segments, rl/run/partial.py: both actor processes run the partial
 producer in lock-step, the writer sends the segments), covers the steps, the roles' counters, the single writer,
 the token versions, parity of every completed step with the single-process run of the same meshes and flags,
 `--init` in MPMD (the run starts from an official-format tiny checkpoint, conftest's `hf_tiny16_checkpoint`: the
@@ -92,7 +92,7 @@ def test_mpmd_three_processes_steps_parity_and_rollout_killed(tmp_path, run_env,
             log.close()
     out = [(tmp_path / f"p{i}.log").read_text() for i in range(3)]
     rows = _rows(metrics)
-    # a step without learning signal (all groups zero-std) makes no update and keeps the version (rl/stages.py)
+    # a step without learning signal (all groups zero-std) makes no update and keeps the version (rl/run/stages.py)
     assert sum(r["train/skipped_no_signal"] == 0.0 for r in rows) >= 1
     for i in (0, 1):  # one line each (the heartbeat watch or a wait, whichever comes first; sharding/mpmd.py)
         assert procs[i].returncode == 1, out[i][-2000:]

@@ -2,8 +2,8 @@
 
 The default job in miniature (tiny model, built-in digit task, 2 host devices: actor 1 + rollout 1, FP8 rollout, the
 real pusher), one step off (`--async-rollout`: the pipeline's producer thread generates batch n + 1 with the
-previous weights while step n trains; rl/pipeline.py), runs as `python launch/run.py` twice: once uninterrupted, once
-interrupted again and again in a fresh directory and restarted with the same command each time until it completes:
+previous weights while step n trains; rl/run/pipeline.py), runs as `python launch/run.py` twice: once uninterrupted,
+once interrupted again and again in a fresh directory and restarted with the same command each time until it completes:
   1. SIGKILL at a random moment (seeded) after it saved a checkpoint;
   2. SIGTERM at a random moment after its next checkpoint: the current step finishes and is checkpointed, exit 0;
   3. Ctrl-C (SIGINT) likewise: exit status 130 with one line, no traceback;
@@ -16,10 +16,10 @@ Then every array of the final checkpoint (params, Adam moments, step, buffers) a
 `perf/*` must be bitwise equal to the uninterrupted run's, and the metrics file must hold each step once, with the
 staleness metrics of one step off.
 
-The synchronous loop is the same pipeline with K = 0 (rl/pipeline.py): its resume is tests/rl's (in one process and
-through the MPMD rollout server: tests/rl/test_multiturn_resume.py); two kills in a row of an async run are tests/launch/test_mpmd_async_resume.py's.
-(One file for both signal families: each launched start costs ~25 s of CPU on top of the steps, so the former
-synchronous and asynchronous copies of this test, 9 starts, are 6 here.)
+The synchronous loop is the same pipeline with K = 0 (rl/run/pipeline.py): its resume is tests/rl's (in one process
+and through the MPMD rollout server: tests/rl/test_multiturn_resume.py); two kills in a row of an async run are
+tests/launch/test_mpmd_async_resume.py's. (One file for both signal families: each launched start costs ~25 s of CPU on
+top of the steps, so the former synchronous and asynchronous copies of this test, 9 starts, are 6 here.)
 
     .venv/bin/python -m pytest -q -m slow tests/launch/test_resume.py
 """
@@ -99,11 +99,11 @@ def test_interrupted_run_reproduces_uninterrupted_run(tmp_path, run_env, lt, cap
 # noise the Checkpointer reports as one warning line); the unraisable-exception error of pyproject.toml is lifted here
 @pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
 def test_corrupt_latest_checkpoint_falls_back_to_the_previous(tmp_path, caplog):
-    """rl.checkpoint: a truncated data file in the newest step -> the previous step is restored with a warning, the
+    """rl.run.checkpoint: a truncated data file in the newest step -> the previous step is restored with a warning, the
     bad step is kept as `<step>.corrupt`, and the resumed run can save that step again."""
     import jax.numpy as jnp
 
-    from rl.checkpoint import Checkpointer
+    from rl.run.checkpoint import Checkpointer
 
     def state(v):  # random values: a constant array compresses to a few bytes
         return {"params": {"w": jnp.asarray(np.random.default_rng(int(v)).normal(size=(64, 64)), jnp.float32)},
@@ -128,11 +128,11 @@ def test_corrupt_latest_checkpoint_falls_back_to_the_previous(tmp_path, caplog):
 
 
 def test_metrics_of_recomputed_steps_are_dropped(tmp_path):
-    """rl.sinks.MetricsLogger.open(first_step): records of steps >= first_step (and a line cut by a kill) go."""
+    """rl.run.sinks.MetricsLogger.open(first_step): records of steps >= first_step (and a line cut by a kill) go."""
     import json
 
-    from rl.config import RunConfig
-    from rl.sinks import MetricsLogger
+    from rl.config.run import RunConfig
+    from rl.run.sinks import MetricsLogger
 
     path = tmp_path / "metrics.jsonl"
     path.write_text("".join(json.dumps({"step": s, "x": s}) + "\n" for s in range(5)) + '{"step": 5, "x"')

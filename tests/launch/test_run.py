@@ -20,7 +20,7 @@ import pytest
 import yaml
 
 from launch import run as launch_run
-from rl.config import RunConfig
+from rl.config.run import RunConfig
 
 CONFIGS = pathlib.Path(__file__).resolve().parents[2] / "launch" / "configs"
 YAMLS = sorted(CONFIGS.glob("*.yaml"))
@@ -135,7 +135,7 @@ def test_prompt_longer_than_max_prompt_len(tmp_path, gsm, capsys, lt):
 
 def test_tokenizer_larger_than_model_vocab(tmp_path, gsm, small_tokenizer, hf_tiny_checkpoint, capsys, lt):
     from dsv4 import DSV4Config
-    from rl.tokenizer import load_tokenizer
+    from rl.data.tokenizer import load_tokenizer
 
     n = load_tokenizer(small_tokenizer).vocab_size
     data = lt.write_jsonl(tmp_path / "train.jsonl", lt.gsm8k_records(4))
@@ -212,7 +212,7 @@ def test_rollout_slots_on_cpu_plan_for_the_hosts_memory(tmp_path, capsys, lt, mo
     assumed H200: 6.6 M slots of the tiny job, which an H200's plan holds, are refused on a 23.5 GiB host."""
     from parallel.plan import plan
     from rl.rollout import slots
-    from rl.host_memory import cpu_kv_budget
+    from rl.rollout.host_memory import cpu_kv_budget
 
     monkeypatch.setattr(slots, "host_memory_bytes", lambda: int(23.5 * 2**30))
     rc, _, err = main(["--rollout-slots", "6600000", *TINY, *lt.outputs(tmp_path)], capsys)
@@ -286,8 +286,8 @@ def test_checkpoint_of_another_config(tmp_path, capsys, lt):
     --resume never refuses to overwrite an existing checkpoint directory."""
     import jax.numpy as jnp
 
-    from rl.checkpoint import Checkpointer
-    from rl.job import fingerprint, resolve_model_config
+    from rl.run.checkpoint import Checkpointer
+    from rl.run.wiring import fingerprint, resolve_model_config
 
     argv = [*TINY, *lt.outputs(tmp_path)]
     cfg, _ = launch_run.resolve(argv)
@@ -303,7 +303,7 @@ def test_checkpoint_of_another_config(tmp_path, capsys, lt):
 
 HOLDER = """
 import sys, time
-from rl import run_lock
+from rl.run import run_lock
 run_lock.acquire(sys.argv[1])
 print("held", flush=True)
 time.sleep(600)
@@ -364,10 +364,10 @@ def test_eval_only_compares_only_what_is_evaluated(tmp_path, lt):
     model is refused naming the field and what to give."""
     import jax.numpy as jnp
 
-    from rl.checkpoint import CheckpointMismatchError, Checkpointer
-    from rl.eval_source import eval_checkpoint_dir, eval_reader
-    from rl.job import fingerprint, resolve_model_config
-    from rl.run_lock import LOCK_NAME
+    from rl.run.checkpoint import CheckpointMismatchError, Checkpointer
+    from rl.run.eval_source import eval_checkpoint_dir, eval_reader
+    from rl.run.wiring import fingerprint, resolve_model_config
+    from rl.run.run_lock import LOCK_NAME
 
     cfg, _ = launch_run.resolve([*TINY, *lt.outputs(tmp_path)])
     ck = Checkpointer(tmp_path / "ckpt", fingerprint=fingerprint(cfg, resolve_model_config(cfg, 16)), async_save=False)

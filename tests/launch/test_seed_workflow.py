@@ -19,7 +19,7 @@ import types
 import pytest
 
 from launch import run as launch_run
-from rl.config import RunConfig
+from rl.config.run import RunConfig
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "rl"))
 from chat_fixtures import BOS, DAPO_INSTRUCTION, make_chat_tokenizer, verl_records, write_parquet  # noqa: E402
@@ -174,7 +174,7 @@ class FakeRun:
 
 
 def test_wandb_sink_logs_the_same_names_and_config(tmp_path, monkeypatch):
-    from rl.sinks import MetricsLogger
+    from rl.run.sinks import MetricsLogger
 
     runs = []
     fake = types.ModuleType("wandb")
@@ -196,7 +196,7 @@ def test_wandb_sink_logs_the_same_names_and_config(tmp_path, monkeypatch):
 
 
 def test_wandb_missing_is_a_one_line_error(tmp_path, monkeypatch):
-    from rl.sinks import MetricsLogger
+    from rl.run.sinks import MetricsLogger
 
     monkeypatch.setitem(sys.modules, "wandb", None)  # import fails
     logger = MetricsLogger(RunConfig(**{"log.wandb_project": "p", "log.metrics_jsonl": None,
@@ -208,7 +208,7 @@ def test_wandb_missing_is_a_one_line_error(tmp_path, monkeypatch):
 def test_wandb_offline_real(tmp_path, monkeypatch):
     """The real package in offline mode (no network): the run is written under WANDB_DIR/wandb/offline-run-*."""
     pytest.importorskip("wandb")
-    from rl.wandb_sink import WandbSink
+    from rl.run.wandb_sink import WandbSink
 
     monkeypatch.setenv("WANDB_MODE", "offline")
     monkeypatch.setenv("WANDB_DIR", str(tmp_path))

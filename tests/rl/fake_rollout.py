@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from rl.batch import RolloutBatch
+from rl.algo.batch import RolloutBatch
 from rl.rollout.service import RolloutResult, RolloutService
 
 

@@ -7,8 +7,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from rl.batch import TrainBatch
-from rl.logprobs import token_logprobs
+from rl.algo.batch import TrainBatch
+from rl.algo.logprobs import token_logprobs
 
 
 def ragged_batch(model, n: int, p: int, t: int, seed: int = 0) -> TrainBatch:

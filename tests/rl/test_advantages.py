@@ -1,4 +1,4 @@
-"""Hand-computed checks of rl/advantages.py: GRPO, Dr.GRPO, RLOO, batch normalisation, DAPO dynamic sampling."""
+"""Hand-computed checks of rl/algo/advantages.py: GRPO, Dr.GRPO, RLOO, batch normalisation, DAPO dynamic sampling."""
 
 import math
 
@@ -7,14 +7,14 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from rl.advantages import (
+from rl.algo.advantages import (
     DynamicSampler,
     compute_advantages,
     dynamic_sampling_filter,
     grpo_advantages,
     rloo_advantages,
 )
-from rl.algo_config import AdvantageConfig
+from rl.config.algo import AdvantageConfig
 
 # Two prompts, G = 4: prompt 0 has one correct answer, prompt 1 is all correct (no signal).
 REWARDS = jnp.array([1.0, 0.0, 0.0, 0.0, 1.0, 1.0, 1.0, 1.0])

@@ -1,4 +1,4 @@
-"""rl/pipeline.py: the one-step-off asynchronous schedule (issue 14 point 2) on one host, in this process, and the
+"""rl/run/pipeline.py: the one-step-off asynchronous schedule (issue 14 point 2) on one host, in this process, and the
 one loop over the rollout service contract (rl/rollout/service.py) driven by a fake service.
 
 A 2-layer tiny model on the built-in digit task, no meshes (the sampler's `update_weights` is the push), fp32
@@ -22,7 +22,7 @@ import threading
 import numpy as np
 import pytest
 
-from rl.config import RunConfig
+from rl.config.run import RunConfig
 
 sys.path.insert(0, str(pathlib.Path(__file__).parent))
 from fake_rollout import ListLogger  # noqa: E402  (tests/rl/fake_rollout.py)
@@ -38,9 +38,9 @@ def parts():
     from dsv4 import DSV4Config, DSV4ForCausalLM
     from flax import nnx
 
-    from rl.algo_config import LearnerConfig
-    from rl.learner import Learner
-    from rl.job import load_data
+    from rl.config.algo import LearnerConfig
+    from rl.algo.learner import Learner
+    from rl.run.wiring import load_data
     from rl.rollout.engine import Sampler
 
     cfg = RunConfig(steps=4, **{"rollout.prompts_per_step": 4, "rollout.group_size": 4, "rollout.max_new_tokens": 4,
@@ -56,26 +56,26 @@ def parts():
     return cfg, learner, sampler, task, tok, train
 
 
-def _job(parts, **overrides):
-    from rl.data import make_prompt_iterator
-    from rl.job import Job
+def _wiring(parts, **overrides):
+    from rl.data.prompts import make_prompt_iterator
+    from rl.run.wiring import RunWiring
     from rl.rollout.service import LocalRollout
-    from rl.tasks import TaskReward
+    from rl.data.tasks import TaskReward
 
     cfg, learner, sampler, task, tok, train = parts
     cfg = dataclasses.replace(cfg, **overrides)
-    return Job(cfg=cfg, model_cfg=None, plan=None, tokenizer=tok, task=task, train_data=train, eval_prompts=[],
-               eval_refs=[], reward=TaskReward(task), learner=learner,
-               rollout=LocalRollout(sampler, learner.params_for_push),
-               iterator=make_prompt_iterator(train, batch_size=cfg.rollout.prompts_per_step, seed=cfg.seed), ckpt=None,
-               logger=ListLogger(), weight_version=sampler.weight_version)
+    return RunWiring(cfg=cfg, model_cfg=None, plan=None, tokenizer=tok, task=task, train_data=train, eval_prompts=[],
+                     eval_refs=[], reward=TaskReward(task), learner=learner,
+                     rollout=LocalRollout(sampler, learner.params_for_push),
+                     iterator=make_prompt_iterator(train, batch_size=cfg.rollout.prompts_per_step, seed=cfg.seed),
+                     ckpt=None, logger=ListLogger(), weight_version=sampler.weight_version)
 
 
 def test_rollout_of_the_next_batch_overlaps_the_update(parts, monkeypatch):
-    from rl import loop
+    from rl.run import loop
 
-    job = _job(parts, steps=3)
-    learner = job.learner
+    wiring = _wiring(parts, steps=3)
+    learner = wiring.learner
     real_update = type(learner).update
     # a rendezvous: update n waits until the rollout of batch n + 1 has started, which waits until update n has
     # started; both are then in progress at once (a synchronous loop would time out here)
@@ -87,7 +87,7 @@ def test_rollout_of_the_next_batch_overlaps_the_update(parts, monkeypatch):
         step = sum(e[0] == "update_start" for e in order)
         order.append(("update_start", step))
         update_started[step].set()
-        if step + 1 < job.cfg.steps:
+        if step + 1 < wiring.cfg.steps:
             order.append(("saw_next_rollout", step, gen_started[step + 1].wait(timeout=600)))
         return real_update(self, batch)
 
@@ -97,24 +97,24 @@ def test_rollout_of_the_next_batch_overlaps_the_update(parts, monkeypatch):
             update_started[step - 1].wait(timeout=600)
 
     monkeypatch.setattr(type(learner), "update", update)
-    from rl import pipeline
+    from rl.run import pipeline
 
     real_init = pipeline.Pipeline.__init__
 
-    def init(self, job_):
-        real_init(self, job_)
+    def init(self, wiring_):
+        real_init(self, wiring_)
         self.events = _Events(on_start)
 
     monkeypatch.setattr(pipeline.Pipeline, "__init__", init)
-    v0 = job.weight_version
-    summary = loop.run(job)
-    assert summary["steps_run"] == 3 and job.weight_version == v0 + 3
+    v0 = wiring.weight_version
+    summary = loop.run(wiring)
+    assert summary["steps_run"] == 3 and wiring.weight_version == v0 + 3
     assert [e for e in order if e[0] == "saw_next_rollout"] == [("saw_next_rollout", 0, True),
                                                                 ("saw_next_rollout", 1, True)]
-    ev = job.inflight.events  # the rollout of n + 1 started before the update of n ended
+    ev = wiring.inflight.events  # the rollout of n + 1 started before the update of n ended
     t = {(name, s): x for name, s, x in ev}
     assert all(t[("generate_start", n + 1)] < t[("update_end", n)] for n in range(2))
-    recs = job.logger.records
+    recs = wiring.logger.records
     assert [r["step"] for r in recs] == [0, 1, 2]
     assert [r["weight_version/staleness_max"] for r in recs] == [0.0, 1.0, 1.0]
     for r in recs:
@@ -136,16 +136,16 @@ class _Events(list):
 
 
 def test_staleness_is_bounded_by_k_and_versions_are_per_sample(parts):
-    from rl import loop
+    from rl.run import loop
 
     k, steps = 2, 5
-    job = _job(parts, steps=steps, **{"rollout.async_rollout": False, "rollout.max_staleness": k})
-    v0 = job.weight_version
-    loop.run(job)
-    versions = job.inflight.sample_versions
-    n = job.cfg.rollout.prompts_per_step * job.cfg.rollout.group_size
+    wiring = _wiring(parts, steps=steps, **{"rollout.async_rollout": False, "rollout.max_staleness": k})
+    v0 = wiring.weight_version
+    loop.run(wiring)
+    versions = wiring.inflight.sample_versions
+    n = wiring.cfg.rollout.prompts_per_step * wiring.cfg.rollout.group_size
     assert sorted(versions) == list(range(steps))
-    recs = job.logger.records
+    recs = wiring.logger.records
     for m in range(steps):
         assert versions[m].shape == (n,) and versions[m].dtype == np.int64
         # batch m was generated with P(max(0, m - K)); no step of this run skips its update
@@ -155,7 +155,7 @@ def test_staleness_is_bounded_by_k_and_versions_are_per_sample(parts):
         assert recs[m]["weight_version/staleness_max"] == float(staleness.max())
         assert recs[m]["weight_version/staleness_mean"] == float(staleness.mean())
     assert [r["weight_version/staleness_max"] for r in recs] == [0.0, 1.0, 2.0, 2.0, 2.0]
-    assert job.weight_version == v0 + steps and job.rollout.weight_version == v0 + steps
+    assert wiring.weight_version == v0 + steps and wiring.rollout.weight_version == v0 + steps
 
 
 def test_flags():
@@ -190,8 +190,8 @@ def _alternating_reward(refs, responses):
     return r, r > 0, {}
 
 
-def _fake_job(steps: int, trace: list, **kw):
-    """A Job over the fake rollout service and learner of tests/rl/fake_rollout.py (nothing compiles)."""
+def _fake_wiring(steps: int, trace: list, **kw):
+    """A RunWiring over the fake rollout service and learner of tests/rl/fake_rollout.py (nothing compiles)."""
     import sys
 
     sys.path.insert(0, str(__import__("pathlib").Path(__file__).parent))
@@ -199,40 +199,40 @@ def _fake_job(steps: int, trace: list, **kw):
         from fake_rollout import FakeLearner, FakeRollout
     finally:
         sys.path.pop(0)
-    from rl.data import PromptDataset, make_prompt_iterator
-    from rl.job import Job
-    from rl.tasks import DigitTask
+    from rl.data.prompts import PromptDataset, make_prompt_iterator
+    from rl.run.wiring import RunWiring
+    from rl.data.tasks import DigitTask
 
     cfg = RunConfig(steps=steps, **kw, **{"rollout.prompts_per_step": 2, "rollout.group_size": 4,
                                           "rollout.max_new_tokens": 4, "eval.every": 0, "ckpt.dir": "",
                                           "log.metrics_jsonl": "", "log.tensorboard_dir": "", "log.progress": False})
     task = DigitTask(kind="copy", n_digits=3, seed=0)
     train = PromptDataset.from_task(task, "train")
-    return Job(cfg=cfg, model_cfg=None, plan=None, tokenizer=task.tokenizer, task=task, train_data=train,
-               eval_prompts=[], eval_refs=[], reward=_alternating_reward, learner=FakeLearner(),
-               rollout=FakeRollout(task.tokenizer.vocab_size, task.tokenizer.eos_id, trace),
-               iterator=make_prompt_iterator(train, batch_size=cfg.rollout.prompts_per_step, seed=cfg.seed),
-               ckpt=None, logger=ListLogger())
+    return RunWiring(cfg=cfg, model_cfg=None, plan=None, tokenizer=task.tokenizer, task=task, train_data=train,
+                     eval_prompts=[], eval_refs=[], reward=_alternating_reward, learner=FakeLearner(),
+                     rollout=FakeRollout(task.tokenizer.vocab_size, task.tokenizer.eos_id, trace),
+                     iterator=make_prompt_iterator(train, batch_size=cfg.rollout.prompts_per_step, seed=cfg.seed),
+                     ckpt=None, logger=ListLogger())
 
 
 @pytest.mark.parametrize("k", [0, 1, 2])
 def test_the_one_loop_over_a_fake_rollout_service_follows_the_schedule(k):
-    """The loop (rl/loop.py + rl/pipeline.py) asks the service for batch m with P(max(0, m - K)) served, and pushes
-    P(s + 1) only after every batch that needs P(s) was generated: batches 0 .. min(s + K, steps - 1). K = 0 is the
-    synchronous loop (sample, learn, push, in turn). The same code serves every layout: the service is the only
+    """The loop (rl/run/loop.py + rl/run/pipeline.py) asks the service for batch m with P(max(0, m - K)) served, and
+    pushes P(s + 1) only after every batch that needs P(s) was generated: batches 0 .. min(s + K, steps - 1). K = 0 is
+    the synchronous loop (sample, learn, push, in turn). The same code serves every layout: the service is the only
     thing the loop knows of the rollout."""
-    from rl import loop
+    from rl.run import loop
 
     steps, trace = 5, []
-    job = _fake_job(steps, trace, **{"rollout.max_staleness": k, "learner.loss.correction": "tis"})
-    summary = loop.run(job)
-    assert summary["steps_run"] == steps and job.weight_version == steps == job.rollout.weight_version
+    wiring = _fake_wiring(steps, trace, **{"rollout.max_staleness": k, "learner.loss.correction": "tis"})
+    summary = loop.run(wiring)
+    assert summary["steps_run"] == steps and wiring.weight_version == steps == wiring.rollout.weight_version
     gens = [(int(tag.split("/")[1]), v) for op, tag, *rest in trace if op == "generate" for v in rest]
     assert gens == [(m, max(0, m - k)) for m in range(steps)]  # batch m <- P(max(0, m - K))
     for s in range(steps):  # before the push of P(s + 1): exactly the batches up to min(s + K, steps - 1)
         before = trace[: trace.index(("push", s + 1))]
         assert {int(e[1].split("/")[1]) for e in before if e[0] == "generate"} == set(range(min(s + k + 1, steps)))
-    recs = job.logger.records
+    recs = wiring.logger.records
     assert [r["step"] for r in recs] == list(range(steps))
     assert [r["train/updates"] for r in recs] == [float(s + 1) for s in range(steps)]
     if k:
@@ -243,11 +243,11 @@ def test_the_one_loop_over_a_fake_rollout_service_follows_the_schedule(k):
 
 def test_the_loop_logs_the_same_numbers_whatever_the_schedule_when_staleness_is_zero():
     """`--max-staleness 0` through the pipeline is the synchronous loop: a second run logs equal metrics."""
-    from rl import loop
+    from rl.run import loop
 
     runs = []
     for _ in range(2):
-        job = _fake_job(3, [], **{"rollout.max_staleness": 0})
-        loop.run(job)
-        runs.append([{k: v for k, v in r.items() if not k.startswith("perf/")} for r in job.logger.records])
+        wiring = _fake_wiring(3, [], **{"rollout.max_staleness": 0})
+        loop.run(wiring)
+        runs.append([{k: v for k, v in r.items() if not k.startswith("perf/")} for r in wiring.logger.records])
     assert runs[0] == runs[1] and len(runs[0]) == 3

@@ -1,12 +1,12 @@
-"""rl/batch.py: the one layout from the sampler to the learner. `TrainBatch.from_rollout` keeps every row's
+"""rl/algo/batch.py: the one layout from the sampler to the learner. `TrainBatch.from_rollout` keeps every row's
 prompt, response, logprobs and routing (round trip through `TrainBatch.rows`), marks DAPO fillers out of the
 loss, stays host numpy. Host arrays only: nothing compiles."""
 
 import numpy as np
 
-from rl.batch import RolloutBatch, TrainBatch, concat_rollouts
-from rl.rewards import RewardFn, TextReward
-from rl.tasks import DigitTask, TaskReward
+from rl.algo.batch import RolloutBatch, TrainBatch, concat_rollouts
+from rl.data.rewards import RewardFn, TextReward
+from rl.data.tasks import DigitTask, TaskReward
 
 L, K = 3, 2
 

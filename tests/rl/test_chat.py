@@ -1,4 +1,4 @@
-"""rl/chat.py renders a checkpoint's Jinja chat template exactly as transformers' `apply_chat_template` does: same
+"""rl/data/chat.py renders a checkpoint's Jinja chat template exactly as transformers' `apply_chat_template` does: same
 text and same token ids for the same messages and keywords (system prompt, thinking on / off / default), with a
 small BPE tokenizer and a `tokenizer_config.json` made here (no network). Also: where templates are found, and
 the errors that name the folder / flag.
@@ -13,7 +13,7 @@ import pathlib
 
 import pytest
 
-from rl.chat import ChatTemplateError, as_messages, load_chat_template, render_chat, thinking_kwargs
+from rl.data.chat import ChatTemplateError, as_messages, load_chat_template, render_chat, thinking_kwargs
 
 from chat_fixtures import BOS, make_chat_tokenizer, train_bpe  # noqa: E402  (tests/rl on sys.path)
 
@@ -36,7 +36,7 @@ CONVERSATIONS = [
 def test_render_equals_transformers(chat_dir, conv, thinking):
     from transformers import AutoTokenizer
 
-    from rl.tokenizer import load_tokenizer
+    from rl.data.tokenizer import load_tokenizer
 
     messages = CONVERSATIONS[conv]
     hf = AutoTokenizer.from_pretrained(str(chat_dir))
@@ -96,7 +96,7 @@ def test_sandbox_refuses_python_internals():
 def test_deepseek_v4_encoding_folder(tmp_path):
     """A DeepSeek-V4 checkpoint ships encoding/encoding_dsv4.py and no Jinja template: the built-in format is used
     and the Python file is never run (here it would raise)."""
-    from rl.chat import DEEPSEEK_V4
+    from rl.data.chat import DEEPSEEK_V4
 
     train_bpe(tmp_path, ["x"])
     (tmp_path / "tokenizer_config.json").write_text(json.dumps({"bos_token": BOS}))
@@ -121,12 +121,12 @@ def test_deepseek_v4_encoding_folder(tmp_path):
 
 
 # DeepSeek-V4's `encoding/encoding_dsv4.py::encode_messages` (default options), three shapes the RL prompts do not
-# use; the expected strings are written from its rules (module docstring of rl/chat.py).
+# use; the expected strings are written from its rules (module docstring of rl/data/chat.py).
 EOS, USER, ASSISTANT = "<｜end▁of▁sentence｜>", "<｜User｜>", "<｜Assistant｜>"
 
 
 def test_deepseek_v4_consecutive_user_turns_are_joined():
-    from rl.chat import DEEPSEEK_V4
+    from rl.data.chat import DEEPSEEK_V4
 
     msgs = [{"role": "system", "content": "S"}, {"role": "user", "content": "a"}, {"role": "user", "content": "b"},
             {"role": "assistant", "content": "A"}, {"role": "user", "content": "c"}, {"role": "user", "content": "d"}]
@@ -137,7 +137,7 @@ def test_deepseek_v4_consecutive_user_turns_are_joined():
 
 
 def test_deepseek_v4_assistant_last_keeps_its_reasoning_in_thinking_mode():
-    from rl.chat import DEEPSEEK_V4
+    from rl.data.chat import DEEPSEEK_V4
 
     msgs = [{"role": "user", "content": "q1"}, {"role": "assistant", "content": "A1", "reasoning_content": "R1"},
             {"role": "user", "content": "q2"}, {"role": "assistant", "content": "A2", "reasoning_content": "R2"}]

@@ -1,4 +1,4 @@
-"""rl/chat_dsv4.py: DeepSeek-V4's chat format with tools, and the parser of generated tool calls.
+"""rl/data/chat_dsv4.py: DeepSeek-V4's chat format with tools, and the parser of generated tool calls.
 
 Where the expected strings come from: DeepSeek-V4's release file `encoding/encoding_dsv4.py` (read from public
 mirrors of the checkpoint folder, e.g. sfxnz/DeepSeek-V4-Flash-Vision-Exp-vLLM-2x-DGX-Spark and supermy/ds4rs on
@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import pytest
 
-from rl.chat_dsv4 import ChatTemplateError, ToolCallError, parse_completion, render_deepseek_v4, tool_result_turn
+from rl.data.chat_dsv4 import ChatTemplateError, ToolCallError, parse_completion, render_deepseek_v4, tool_result_turn
 
 BOS, EOS, USER, ASSISTANT = "<｜begin▁of▁sentence｜>", "<｜end▁of▁sentence｜>", "<｜User｜>", "<｜Assistant｜>"
 LOOKUP = {"type": "function", "function": {"name": "lookup", "description": "Value of a key",

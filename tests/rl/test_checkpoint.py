@@ -1,4 +1,4 @@
-"""rl/checkpoint.py: write failures end with one line and keep the newest checkpoint (issue 28 §2); a checkpoint of
+"""rl/run/checkpoint.py: write failures end with one line and keep the newest checkpoint (issue 28 §2); a checkpoint of
 another config names the differing fields (§5); a moved dataset file is judged by its content (§5).
 
 The storage faults are real: a directory removed under the run (everywhere), and, where this process may mount
@@ -20,8 +20,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from rl.checkpoint import CheckpointMismatchError, Checkpointer, fingerprint_diff
-from rl.checkpoint_errors import CheckpointWriteError
+from rl.run.checkpoint import CheckpointMismatchError, Checkpointer, fingerprint_diff
+from rl.run.checkpoint_errors import CheckpointWriteError
 
 
 def _state(seed: int, n: int = 4):
@@ -150,7 +150,7 @@ def test_checkpoint_of_another_model_is_one_short_line(tmp_path):
 
 def test_moved_dataset_file_is_judged_by_its_content(tmp_path):
     """The fingerprint keeps the --dataset path, but a checkpoint that records the datasets' identity leaves the
-    decision to that content check (rl/job.py::same_data): the same file at a new path resumes."""
+    decision to that content check (rl/run/wiring.py::same_data): the same file at a new path resumes."""
     ck = Checkpointer(tmp_path, fingerprint={"dataset": "/old/train.jsonl", "seed": 0}, async_save=False)
     ck.save(1, {"w": jnp.zeros(2)}, {"data_identity": {"dataset": {"size": 1, "sha256": "ab"}}})
     ck.close()
@@ -204,10 +204,10 @@ def test_flipped_bytes_are_caught_by_the_digest(tmp_path, caplog):
 
 def test_bad_inflight_file_passes_over_its_checkpoint(tmp_path, caplog):
     """The in-flight batches file of the newest checkpoint cut in half (issue 42, reproduction 4): its checkpoint is
-    passed over like an unreadable one (`check=` rl.pipeline.read_inflight) and the previous one, whose own file
+    passed over like an unreadable one (`check=` rl.run.pipeline.read_inflight) and the previous one, whose own file
     is intact, is restored; the run resumes from there (bitwise: tests/launch/test_resume.py)."""
-    from rl.digest import write_npz
-    from rl.pipeline import inflight_path, read_inflight
+    from rl.run.digest import write_npz
+    from rl.run.pipeline import inflight_path, read_inflight
 
     states = _two_steps(tmp_path)
     (tmp_path / "inflight").mkdir()
@@ -228,7 +228,7 @@ def test_bad_inflight_file_passes_over_its_checkpoint(tmp_path, caplog):
 def test_no_usable_checkpoint_is_one_line(tmp_path, caplog, capfd):
     """Every checkpoint unreadable (issue 42, reproduction 5): one line naming the directory and the steps; the
     warnings of the steps passed over are one line each; no traceback, no library log."""
-    from rl.checkpoint import NoUsableCheckpointError
+    from rl.run.checkpoint import NoUsableCheckpointError
 
     _two_steps(tmp_path)
     _flip_middle(tmp_path / "2")

@@ -1,5 +1,5 @@
 """Long samples through the loop with context parallelism on the actor (issue 25 point 4): the tiny model trained
-by `rl.loop.run` on rows of a long prompt + a long response, with `actor:expert=2,context=2/rollout:expert=2`
+by `rl.run.loop.run` on rows of a long prompt + a long response, with `actor:expert=2,context=2/rollout:expert=2`
 against `actor:expert=2/rollout:expert=2` (context=1): the same rollouts, rewards and step-1 metrics.
 
 Model: tiny cut to 2 layers, CSA m=4 (top-3 indexer) and HCA m=8, sliding window 8, routing replay, float32
@@ -41,16 +41,16 @@ import pytest
 import dsv4
 from dsv4.io.load import init_model
 from parallel.push.local import WeightPusher
-from rl import loop
-from rl.algo_config import LearnerConfig
-from rl.config import RunConfig
-from rl.data import PromptDataset, make_prompt_iterator
-from rl.job import Job
-from rl.learner import Learner
+from rl.run import loop
+from rl.config.algo import LearnerConfig
+from rl.config.run import RunConfig
+from rl.data.prompts import PromptDataset, make_prompt_iterator
+from rl.run.wiring import RunWiring
+from rl.algo.learner import Learner
 from rl.rollout.engine import Sampler
 from rl.rollout.service import LocalRollout
 from rl.rollout.settings import EngineSettings
-from rl.tasks import CharTokenizer
+from rl.data.tasks import CharTokenizer
 from sharding.mesh import build_mesh_plan
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
@@ -67,7 +67,7 @@ class _NoStopTokenizer(CharTokenizer):
 
 
 def _copy_reward(tok: CharTokenizer):
-    """`rl.rewards.RewardFn`: the share of the reference's digits the response has in place (copy task credit)."""
+    """`rl.data.rewards.RewardFn`: the share of the reference's digits the response has in place (copy task credit)."""
     def reward(refs, responses):
         out = np.zeros(len(refs), np.float32)
         for i, (ref, resp) in enumerate(zip(refs, responses)):
@@ -116,13 +116,13 @@ def run_layout(context: int, *, prompt_len: int, new_tokens: int, steps: int = 2
         return res
 
     rollout.collect = keep
-    job = Job(cfg=cfg, model_cfg=mc, plan=plan, tokenizer=tok, task=None, train_data=train, eval_prompts=[],
-              eval_refs=[], reward=_copy_reward(tok), learner=learner, rollout=rollout,
-              iterator=make_prompt_iterator(train, batch_size=prompts, seed=seed), ckpt=None, logger=_Logger(),
-              weight_version=sampler.weight_version)
+    wiring = RunWiring(cfg=cfg, model_cfg=mc, plan=plan, tokenizer=tok, task=None, train_data=train, eval_prompts=[],
+                       eval_refs=[], reward=_copy_reward(tok), learner=learner, rollout=rollout,
+                       iterator=make_prompt_iterator(train, batch_size=prompts, seed=seed), ckpt=None, logger=_Logger(),
+                       weight_version=sampler.weight_version)
     t0 = time.perf_counter()
-    loop.run(job)
-    return job.logger.records, batches, time.perf_counter() - t0
+    loop.run(wiring)
+    return wiring.logger.records, batches, time.perf_counter() - t0
 
 
 class _Logger:

@@ -1,4 +1,5 @@
-"""Tests for rl/data.py (records, prompt dataset, grain iterator) and rl/tokenizer.py (HF tokenizer.json wrapper).
+"""Tests for rl/data/prompts.py (records, prompt dataset, grain iterator) and rl/data/tokenizer.py (HF tokenizer.json
+wrapper).
 
 The tokenizer tests live here because the prompt dataset is their only caller in the RL stack.
 """
@@ -9,9 +10,10 @@ import logging
 import numpy as np
 import pytest
 
-from rl.data import DataError, PromptDataset, gsm8k_final_answer, load_records, make_prompt_iterator, prompt_pipeline
-from rl.tasks import DigitTask
-from rl.tokenizer import HFTokenizer, TokenizerError, TokenizerLike, check_vocab, load_tokenizer
+from rl.data.prompts import (DataError, PromptDataset, gsm8k_final_answer, load_records, make_prompt_iterator,
+                             prompt_pipeline)
+from rl.data.tasks import DigitTask
+from rl.data.tokenizer import HFTokenizer, TokenizerError, TokenizerLike, check_vocab, load_tokenizer
 
 SENTENCES = [
     "Question: how many eggs does Janet sell?",
@@ -206,7 +208,7 @@ def test_dropped_and_skipped_records_are_metrics(tmp_path, tok):
     # Issue 15 class 8: what --on-bad-record skip drops reaches the step metrics, split by cause:
     # data/skipped_records (malformed: line 2 lacks "answer", line 4 has no final answer) and
     # data/dropped_overlong (line 3 is longer than max_prompt_len), summed over the train and eval sets.
-    from rl.job import data_metrics
+    from rl.run.wiring import data_metrics
 
     path = write_lines(tmp_path / "d.jsonl", [
         '{"question": "how many?", "answer": "#### 3"}',
@@ -224,7 +226,7 @@ def test_dropped_and_skipped_records_are_metrics(tmp_path, tok):
 
 def test_fewer_prompts_than_a_batch_warns_with_the_repeat_factor(caplog):
     ds = PromptDataset([[3, 4], [5], [6, 7]], ["1", "2", "3"], max_prompt_len=4, pad_id=0, source="tiny.jsonl")
-    with caplog.at_level(logging.WARNING, logger="rl.data"):
+    with caplog.at_level(logging.WARNING, logger="rl.data.prompts"):
         batch = next(make_prompt_iterator(ds, batch_size=8, shard_index=0, shard_count=1))
     assert sorted(batch["index"].tolist()).count(0) >= 2  # prompts do repeat within the batch
     msgs = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]

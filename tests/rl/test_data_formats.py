@@ -1,4 +1,4 @@
-"""rl/data_formats.py + rl/data.py: the layouts users bring (veRL parquet with chat messages and
+"""rl/data/formats.py + rl/data/prompts.py: the layouts users bring (veRL parquet with chat messages and
 reward_model.ground_truth, Miles/slime jsonl, GSM8K), dotted field paths, chat-templated prompts, and prompts
 longer than --max-prompt-len (drop and count, or fail naming the flag). Small files made here.
 
@@ -12,10 +12,10 @@ import logging
 
 import pytest
 
-from rl.config import RunConfig
-from rl.data import DataError, get_field
-from rl.data_formats import build_datasets, load_prompt_dataset, plain_answer, resolve_format, resolve_reward_name
-from rl.tokenizer import load_tokenizer
+from rl.config.run import RunConfig
+from rl.data.prompts import DataError, get_field
+from rl.data.formats import build_datasets, load_prompt_dataset, plain_answer, resolve_format, resolve_reward_name
+from rl.data.tokenizer import load_tokenizer
 
 from chat_fixtures import BOS, make_chat_tokenizer, verl_records, write_parquet  # noqa: E402  (tests/rl on sys.path)
 

@@ -1,4 +1,4 @@
-"""rl/digest.py: the checkpoint arrays' digest is layout-independent and sees any one changed element; the in-flight
+"""rl/run/digest.py: the checkpoint arrays' digest is layout-independent and sees any one changed element; the in-flight
 batches file is written whole (temp + rename) and a truncated or altered one is refused in one line (issue 42).
 
     .venv/bin/python -m pytest -q tests/rl/test_digest.py
@@ -13,7 +13,7 @@ import pytest
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from rl.digest import UnreadableFileError, array_digests, npz_digest, read_npz, write_npz
+from rl.run.digest import UnreadableFileError, array_digests, npz_digest, read_npz, write_npz
 
 
 def _flat():

@@ -1,5 +1,5 @@
-"""DAPO dynamic sampling in the loop (`rl.stages.dynamic_rollout`) and the batch concatenation it relies on
-(`rl.batch.concat_rollouts`). The sampler is replaced by a fake that returns chosen rewards, so no model is
+"""DAPO dynamic sampling in the loop (`rl.run.stages.dynamic_rollout`) and the batch concatenation it relies on
+(`rl.algo.batch.concat_rollouts`). The sampler is replaced by a fake that returns chosen rewards, so no model is
 compiled: what is tested is the bookkeeping (which groups are kept, the resampling budget, the layout)."""
 
 import types
@@ -7,9 +7,9 @@ import types
 import numpy as np
 import pytest
 
-from rl import stages
-from rl.config import RunConfig
-from rl.batch import RolloutBatch, concat_rollouts
+from rl.run import stages
+from rl.config.run import RunConfig
+from rl.algo.batch import RolloutBatch, concat_rollouts
 
 L, K = 2, 1  # routing [.., L, k]
 
@@ -59,8 +59,8 @@ def test_concat_rollouts_keeps_every_row_and_the_layout():
 G, N = 4, 3  # group size, prompts per step
 
 
-def fake_job(monkeypatch, reward_rounds, **cfg_kw):
-    """A Job whose rollout returns the given rewards per round ([N * G] each) and records each call."""
+def fake_wiring(monkeypatch, reward_rounds, **cfg_kw):
+    """A RunWiring whose rollout returns the given rewards per round ([N * G] each) and records each call."""
     cfg = RunConfig(algo="dapo", **cfg_kw, **{"rollout.prompts_per_step": N, "rollout.group_size": G})
     calls = []
 
@@ -71,23 +71,23 @@ def fake_job(monkeypatch, reward_rounds, **cfg_kw):
                    "index": np.arange(k * N, (k + 1) * N, dtype=np.int64)}
             k += 1
 
-    def rollout(job, prompts, refs, step, round_index=0, data_index=None):
+    def rollout(wiring, prompts, refs, step, round_index=0, data_index=None):
         calls.append(round_index)
         rb = fake_batch(N * G, 4, 3, seed=round_index)
         return rb, np.asarray(reward_rounds[round_index], np.float32), {"perf/rollout_s": 0.1}
 
     monkeypatch.setattr(stages, "rollout", rollout)
     it = batches()
-    job = types.SimpleNamespace(cfg=cfg, iterator=it)
-    return job, next(it), calls
+    wiring = types.SimpleNamespace(cfg=cfg, iterator=it)
+    return wiring, next(it), calls
 
 
 def test_resamples_until_the_batch_holds_groups_with_signal(monkeypatch):
     r0 = [1, 0, 0, 0] + [1, 1, 1, 1] + [0, 0, 0, 0]  # one group with signal ([1,0,0,0] is kept)
     r1 = [0, 0, 0, 0] + [0, 1, 1, 0] + [0.5, 0.5, 0.5, 0.5]  # one more
     r2 = [1, 0, 1, 1] + [0, 0, 0, 1] + [1, 0, 0, 0]  # two more: one extra is discarded
-    job, first, calls = fake_job(monkeypatch, [r0, r1, r2])
-    rb, rewards, train_rows, m = stages.dynamic_rollout(job, step=0, first=first)
+    wiring, first, calls = fake_wiring(monkeypatch, [r0, r1, r2])
+    rb, rewards, train_rows, m = stages.dynamic_rollout(wiring, step=0, first=first)
     assert calls == [0, 1, 2]
     np.testing.assert_array_equal(rewards, np.array([1, 0, 0, 0, 0, 1, 1, 0, 1, 0, 1, 1], np.float32))
     assert train_rows.all() and rb.tokens.shape[0] == N * G
@@ -100,8 +100,8 @@ def test_resamples_until_the_batch_holds_groups_with_signal(monkeypatch):
 def test_budget_exhausted_trains_on_the_kept_groups(monkeypatch):
     r0 = [1, 0, 0, 0] + [1, 1, 1, 1] + [0, 0, 0, 0]
     r1 = [0, 0, 0, 0] * 3
-    job, first, calls = fake_job(monkeypatch, [r0, r1], **{"dapo.max_resample_batches": 1})
-    rb, rewards, train_rows, m = stages.dynamic_rollout(job, step=5, first=first)
+    wiring, first, calls = fake_wiring(monkeypatch, [r0, r1], **{"dapo.max_resample_batches": 1})
+    rb, rewards, train_rows, m = stages.dynamic_rollout(wiring, step=5, first=first)
     assert calls == [0, 1]
     assert rb.tokens.shape[0] == N * G  # same shape every step: fillers, masked out of the loss
     np.testing.assert_array_equal(train_rows, np.repeat([True, False, False], G))
@@ -112,11 +112,12 @@ def test_budget_exhausted_trains_on_the_kept_groups(monkeypatch):
 
 def test_budget_exhausted_skip_mode_and_no_signal_at_all(monkeypatch):
     r0 = [1, 0, 0, 0] + [1, 1, 1, 1] + [0, 0, 0, 0]
-    job, first, _ = fake_job(monkeypatch, [r0], **{"dapo.max_resample_batches": 0, "dapo.on_budget_exhausted": "skip"})
-    rb, rewards, train_rows, m = stages.dynamic_rollout(job, step=0, first=first)
+    wiring, first, _ = fake_wiring(monkeypatch, [r0], **{"dapo.max_resample_batches": 0,
+                                                         "dapo.on_budget_exhausted": "skip"})
+    rb, rewards, train_rows, m = stages.dynamic_rollout(wiring, step=0, first=first)
     assert rb is None and m["rollout/dynamic_sampling/skipped_step"] == 1
-    job, first, _ = fake_job(monkeypatch, [[1] * 12], **{"dapo.max_resample_batches": 0})
-    rb, _, _, m = stages.dynamic_rollout(job, step=0, first=first)
+    wiring, first, _ = fake_wiring(monkeypatch, [[1] * 12], **{"dapo.max_resample_batches": 0})
+    rb, _, _, m = stages.dynamic_rollout(wiring, step=0, first=first)
     assert rb is None and m["rollout/dynamic_sampling/kept_groups"] == 0  # nothing to train on: skipped
 
 

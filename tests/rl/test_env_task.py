@@ -1,4 +1,4 @@
-"""rl/env_task.py: a --rollout.env run's prompts, tokenizer and reward (on each trajectory's last model turn), and
+"""rl/run/env_task.py: a --rollout.env run's prompts, tokenizer and reward (on each trajectory's last model turn), and
 the layouts that refuse multi-turn rollouts with one line."""
 
 from __future__ import annotations
@@ -10,16 +10,16 @@ import numpy as np
 import pytest
 
 from rl.agent.key_lookup import CALL_HEAD, CALL_TAIL, CALL_WEIGHT, KeyLookupTask
-from rl.batch import RolloutBatch
-from rl.config import RunConfig
-from rl.env_task import ENV_KEYS, EVAL_START, TRAIN_PROMPTS, load_env_data, multiturn_request
+from rl.algo.batch import RolloutBatch
+from rl.config.run import RunConfig
+from rl.run.env_task import ENV_KEYS, EVAL_START, TRAIN_PROMPTS, load_env_data, multiturn_request
 from rl.agent.env import reset
 from rl.agent.python_math import python_math_env
-from rl.chat_dsv4 import BOS, EOS, parse_completion, render_deepseek_v4, render_tool_calls, tool_result_turn
-from rl.job import build, load_data, prompt_bucket
+from rl.data.chat_dsv4 import BOS, EOS, parse_completion, render_deepseek_v4, render_tool_calls, tool_result_turn
+from rl.run.wiring import build, load_data, prompt_bucket
 from rl.rollout.engine import SamplingParams
 from rl.rollout.service import RolloutRequest, run_request
-from rl.stages import score
+from rl.run.stages import score
 
 
 def _cfg(*over):

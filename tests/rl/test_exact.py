@@ -16,10 +16,10 @@ from flax import nnx
 from dsv4 import DSV4Config, DSV4ForCausalLM
 from launch import run as launch_run
 from rl.rollout import exact
-from rl.batch import TrainBatch, concat_rollouts
-from rl.algo_config import LearnerConfig, LossConfig
-from rl.config import RunConfig
-from rl.learner import Learner
+from rl.algo.batch import TrainBatch, concat_rollouts
+from rl.config.algo import LearnerConfig, LossConfig
+from rl.config.run import RunConfig
+from rl.algo.learner import Learner
 from rl.rollout.engine import SamplingParams
 from rl.rollout.service import RolloutRequest
 
@@ -36,7 +36,7 @@ STOP = tuple(range(24, 40))  # 16 stop tokens (~6% of the vocabulary): rows end 
 
 
 def test_exact_rollout_draws_from_the_learners_forward_bitwise(monkeypatch):
-    draw = exact._draw
+    draw = exact.draw_tokens
     model = DSV4ForCausalLM(CFG, rngs=nnx.Rngs(3))
     rs = np.random.RandomState(0)
     prompts = [list(map(int, rs.randint(3, CFG.vocab_size, n))) for n in LENS]
@@ -47,7 +47,7 @@ def test_exact_rollout_draws_from_the_learners_forward_bitwise(monkeypatch):
     learner = Learner(model, cfg, rollout_dtype="fp8", exact_layout=layout)
     sp = SamplingParams(temperature=1.0, max_new_tokens=T, stop_token_ids=STOP)
     drawn = []  # the tempered logits z [N, V] of every draw
-    monkeypatch.setattr(exact, "_draw", lambda z, *a: drawn.append(np.asarray(z)) or draw(z, *a))
+    monkeypatch.setattr(exact, "draw_tokens", lambda z, *a: drawn.append(np.asarray(z)) or draw(z, *a))
     full, stats = exact.generate(learner, prompts, sp, seed=0, weight_version=3, routing_replay=True)
     assert stats["rollout/exact_forwards"] == T == len(drawn)
     assert full.weight_version == 3 and full.tokens.shape == (8, T) and len(set(full.lengths.tolist())) > 1

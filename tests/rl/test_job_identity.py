@@ -1,5 +1,5 @@
-"""rl/job_identity.py: a rollout job's identity (model config, tokenizer, sampling knobs, dtypes) from the resolved
-config objects; equal flags -> equal digests; a same-shape foreign model config (issue 42, reproduction 2) or
+"""rl/rollout/job_identity.py: a rollout job's identity (model config, tokenizer, sampling knobs, dtypes) from the
+resolved config objects; equal flags -> equal digests; a same-shape foreign model config (issue 42, reproduction 2) or
 another tokenizer, sampling knob or dtype -> one line naming the part and its fields. The registration that uses it:
 tests/rl/test_rollout_job.py."""
 
@@ -9,9 +9,9 @@ import dataclasses
 from types import SimpleNamespace
 
 from dsv4.config import DSV4Config
-from rl.config import RunConfig
-from rl.job_identity import identity_mismatch, job_identity
-from rl.tasks import DigitTask
+from rl.config.run import RunConfig
+from rl.rollout.job_identity import identity_mismatch, job_identity
+from rl.data.tasks import DigitTask
 
 TOK = DigitTask(kind="copy", n_digits=3, seed=0).tokenizer
 

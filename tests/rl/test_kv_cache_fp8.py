@@ -12,7 +12,7 @@ from flax import nnx
 
 from dsv4 import DSV4Config, DSV4ForCausalLM
 from dsv4.cache import prefill, teacher_forced_logprobs
-from rl.config import RunConfig
+from rl.config.run import RunConfig
 from rl.rollout.engine import Sampler, SamplingParams
 from rl.rollout.settings import EngineSettings
 

@@ -1,4 +1,4 @@
-"""rl/learner.py: routing replay, freezing, exact micro-batch accumulation, non-finite guard, KL reference,
+"""rl/algo/learner.py: routing replay, freezing, exact micro-batch accumulation, non-finite guard, KL reference,
 fp32 masters under bf16 compute, a GRPO improvement check and the sharded step.
 
 Model: the tiny config cut to 2 layers (layer 0 hash-routed, layer 1 learned top-k; sliding + CSA attention) to
@@ -13,12 +13,12 @@ import pytest
 from flax import nnx
 
 import dsv4
-from rl.advantages import grpo_advantages
-from rl.algo_config import LearnerConfig, LossConfig
-from rl.batch import TrainBatch
-from rl.learner import Learner
-from rl.learner_step import METRIC_NAMES
-from rl.logprobs import token_logprobs
+from rl.algo.advantages import grpo_advantages
+from rl.config.algo import LearnerConfig, LossConfig
+from rl.algo.batch import TrainBatch
+from rl.algo.learner import Learner
+from rl.algo.learner_step import METRIC_NAMES
+from rl.algo.logprobs import token_logprobs
 from parallel.expert import make_ep_dispatch
 from sharding.mesh import build_mesh_plan
 

@@ -17,9 +17,9 @@ import pytest
 from flax import nnx
 
 import dsv4
-from rl.algo_config import LearnerConfig
-from rl.batch import TrainBatch
-from rl.learner import Learner
+from rl.config.algo import LearnerConfig
+from rl.algo.batch import TrainBatch
+from rl.algo.learner import Learner
 from sharding.mesh import build_mesh_plan
 
 CFG = dsv4.DSV4Config.tiny(num_hidden_layers=2, compress_ratios=(4, 8, 0))

@@ -17,10 +17,10 @@ from dsv4.fp8_gemm import FakeQuantWeight, fake_quant_linear
 from dsv4.layers import linear
 from dsv4.quant import act_fake_quant, quantize_rollout_fp8, straight_through
 from launch import run as launch_run
-from rl.algo_config import LearnerConfig
-from rl.batch import TrainBatch
-from rl.learner import Learner
-from rl.logprobs import token_logprobs
+from rl.config.algo import LearnerConfig
+from rl.algo.batch import TrainBatch
+from rl.algo.learner import Learner
+from rl.algo.logprobs import token_logprobs
 from rl.rollout.engine import Sampler
 
 CFG = DSV4Config.tiny(num_hidden_layers=2, compress_ratios=(4, 8), num_nextn_predict_layers=0)

@@ -2,7 +2,7 @@
 `--ep-capacity-factor` decide the expert-parallel dispatch it builds on an expert mesh, `--stream-optimizer` its
 streamed update of the offloaded stacked state, `--scan-layers` (the default) its stacked state. Cheap: abstract
 learners (`Learner(abstract=True)`: shapes and shardings only, nothing compiled) of the tiny model on a 4-device
-actor mesh, built as `rl.job.build` builds the run's learner (the run's learner section, param dtype resolved).
+actor mesh, built as `rl.run.wiring.build` builds the run's learner (the run's learner section, param dtype resolved).
 
 Run: `.venv/bin/python -m pytest -q tests/rl/test_learner_knobs.py`.
 """
@@ -15,7 +15,9 @@ from flax import nnx
 import dsv4
 from launch import run as launch_run
 from parallel import expert as expert_lib
-from rl.learner import Learner
+from rl.config import tree as config_tree
+from rl.config.run import RunConfig
+from rl.algo.learner import Learner
 from sharding.mesh import build_mesh_plan
 
 MESH = "actor:fsdp=2,expert=2/rollout:expert=2"
@@ -46,7 +48,7 @@ def test_ep_flags_choose_the_learners_dispatch(monkeypatch):
     assert calls[-1]["backend"] == "padded" and calls[-1]["capacity_factor"] == 1.25
     assert "(padded)" in padded.dispatch_fn.__doc__
     # the run's choices are exactly parallel/expert.py's backends (+ auto)
-    assert set(launch_run._leaf("learner.ep_backend").choices) == {"auto", *expert_lib.BACKENDS}
+    assert set(config_tree.paths(RunConfig)["learner.ep_backend"].choices) == {"auto", *expert_lib.BACKENDS}
 
 
 def test_stream_and_scan_flags_reach_the_learner():

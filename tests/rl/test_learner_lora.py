@@ -1,4 +1,4 @@
-"""LoRA learner (rl/learner.py "LoRA"): only the adapters move and carry optimizer state, their gradient equals
+"""LoRA learner (rl/algo/learner.py "LoRA"): only the adapters move and carry optimizer state, their gradient equals
 the full model's gradient at the adapters, and a step resumed from `state_dict` is bitwise the same."""
 
 import jax
@@ -9,11 +9,11 @@ from flax import nnx
 
 import dsv4
 from dsv4.lora import LoraConfig, is_adapter_key
-from rl.algo_config import LearnerConfig
-from rl.batch import TrainBatch
-from rl.checkpoint import Checkpointer
-from rl.learner import Learner
-from rl.logprobs import token_logprobs
+from rl.config.algo import LearnerConfig
+from rl.algo.batch import TrainBatch
+from rl.run.checkpoint import Checkpointer
+from rl.algo.learner import Learner
+from rl.algo.logprobs import token_logprobs
 
 CFG = dsv4.DSV4Config.tiny(num_hidden_layers=2, compress_ratios=(0, 4, 0))
 LORA = LoraConfig(rank=4, alpha=8.0)

@@ -1,5 +1,5 @@
-"""rl/learner.py with `--learner.pipeline_stages 4` (parallel/pipeline.py) on an `actor:stage=4,fsdp=2` mesh (the 8 CPU
-devices) against the unpipelined learner on one device: the step's loss, metrics and every gradient agree (1e-5,
+"""rl/algo/learner.py with `--learner.pipeline_stages 4` (parallel/pipeline.py) on an `actor:stage=4,fsdp=2` mesh (the 8
+CPU devices) against the unpipelined learner on one device: the step's loss, metrics and every gradient agree (1e-5,
 fp32), with 4 micro-batches, routing replay, the on-policy MTP loss (the MTP head after the pipeline) and remat
 "block" (each stage scans its 2 layers with `dsv4.scan`'s hand-written backward, inside the stage vmap); the
 pipelined group's state is split over `stage`; stage counts that do not divide the group or the mesh's stage axis
@@ -16,8 +16,8 @@ import pytest
 from flax import nnx
 
 import dsv4
-from rl.algo_config import LearnerConfig
-from rl.learner import Learner
+from rl.config.algo import LearnerConfig
+from rl.algo.learner import Learner
 from sharding.mesh import build_mesh_plan
 
 from ragged_batch import ragged_batch  # noqa: E402  (tests/rl on sys.path)

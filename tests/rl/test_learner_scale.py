@@ -1,4 +1,4 @@
-"""rl/learner.py at scale (issue 11 items 3-6): trimmed rows + token-budget micro-batches equal the full batch,
+"""rl/algo/learner.py at scale (issue 11 items 3-6): trimmed rows + token-budget micro-batches equal the full batch,
 bf16 params with fp32 masters, optimizer state offloaded to host memory (memory kinds asserted; the update equals
 the on-device one; the planner's host bytes equal the learner's), `Learner.lower` on abstract batches, and the
 expert-parallel all-to-all chosen by default on an expert mesh (compiled HLO checked; equal to unsharded).
@@ -17,11 +17,11 @@ import pytest
 from flax import nnx
 
 import dsv4
-from rl.algo_config import LearnerConfig, LossConfig
-from rl.config import RunConfig
-from rl.batch import TrainBatch
-from rl.learner import Learner
-from rl.logprobs import token_logprobs
+from rl.config.algo import LearnerConfig, LossConfig
+from rl.config.run import RunConfig
+from rl.algo.batch import TrainBatch
+from rl.algo.learner import Learner
+from rl.algo.logprobs import token_logprobs
 from sharding import offload as so
 from sharding.mesh import build_mesh_plan
 

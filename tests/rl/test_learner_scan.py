@@ -1,4 +1,4 @@
-"""rl/learner.py with `LearnerConfig.scan_layers=True` (layers under lax.scan, state held stacked, dsv4/scan.py)
+"""rl/algo/learner.py with `LearnerConfig.scan_layers=True` (layers under lax.scan, state held stacked, dsv4/scan.py)
 against the default Python layer loop: one update (routing replay, micro-batches, weight decay, KL reference)
 gives the same params per layer and the same metrics; `params_for_push()` is the per-layer tree; compute_logprobs
 agrees; the state is really stacked; the stacked checkpoint does not load into an unscanned learner; the sharded
@@ -16,9 +16,9 @@ from flax import nnx
 
 import dsv4
 from dsv4 import scan as sc
-from rl.algo_config import LearnerConfig, LossConfig
-from rl.batch import TrainBatch
-from rl.learner import Learner
+from rl.config.algo import LearnerConfig, LossConfig
+from rl.algo.batch import TrainBatch
+from rl.algo.learner import Learner
 from parallel.expert import make_ep_dispatch
 from sharding.mesh import build_mesh_plan
 
@@ -119,7 +119,7 @@ def test_stacked_state_dict_round_trips_and_rejects_the_other_layout(pair):
 
 @pytest.mark.slow
 def test_scanned_bf16_masters_equal_unscanned(model, batch):
-    """bf16 params + fp32 masters (rl/optim.MasterState keyed by stacked paths): the same update."""
+    """bf16 params + fp32 masters (rl.algo.optim.MasterState keyed by stacked paths): the same update."""
     kw = dict(lr=1e-3, eps=1e-4, compute_dtype="float32", param_dtype="bfloat16", routing_replay=True)
     plain = Learner(model, LearnerConfig(scan_layers=False, **kw))
     scanned = Learner(model, LearnerConfig(scan_layers=True, **kw))
@@ -158,10 +158,10 @@ def test_scan_layers_flag_config_and_fingerprint():
     """RunConfig.scan_layers is the run's default (issue 11: layers under lax.scan); `--no-scan-layers` (or
     `--scan-layers false` as a dotted flag) turns it off, `--scan-layers` still works (help text present); the
     run's checkpoint fingerprint records it only when on (unscanned fingerprints as before), so a stacked
-    checkpoint is refused by an unscanned run and vice versa (rl/checkpoint.py compares every key)."""
+    checkpoint is refused by an unscanned run and vice versa (rl/run/checkpoint.py compares every key)."""
     from launch import run as launch_run
-    from rl.config import RunConfig
-    from rl.job import fingerprint, resolve_model_config
+    from rl.config.run import RunConfig
+    from rl.run.wiring import fingerprint, resolve_model_config
 
     default, _ = launch_run.resolve(["--ckpt-dir", ""])
     off, _ = launch_run.resolve(["--ckpt-dir", "", "--no-scan-layers"])
@@ -195,7 +195,7 @@ def test_scanned_offload_selects_stacked_leaves_and_equals_on_device(model):
 
 def test_streamed_offloaded_update_equals_on_device(model):
     """stream_optimizer: the offloaded state of the stacked params is updated one layer slice at a time
-    (rl.optim.update_streamed), with the global-norm clip applied elementwise, and stays in pinned_host memory;
+    (rl.algo.optim.update_streamed), with the global-norm clip applied elementwise, and stays in pinned_host memory;
     params and state equal the on-device update up to f32 rounding (the loop's fusions round differently)."""
     ids = jnp.asarray(np.random.default_rng(2).integers(1, CFG.vocab_size, (2, 8)), jnp.int32)
     b = TrainBatch(input_ids=ids, attention_mask=jnp.ones_like(ids), response_mask=jnp.ones_like(ids),

@@ -1,4 +1,4 @@
-"""rl/logprobs.py against hand computations from the model's own logits (tiny config cut to 2 layers, float32).
+"""rl/algo/logprobs.py against hand computations from the model's own logits (tiny config cut to 2 layers, float32).
 
 Run: `.venv/bin/python -m pytest -q tests/rl/test_logprobs.py`.
 """
@@ -10,7 +10,7 @@ import pytest
 from flax import nnx
 
 import dsv4
-from rl.logprobs import effective_temperature, token_logprobs
+from rl.algo.logprobs import effective_temperature, token_logprobs
 
 N, S = 3, 10
 

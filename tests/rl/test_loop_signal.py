@@ -1,4 +1,4 @@
-"""rl/stages.py `learn` + `push`: a step without learning signal changes nothing (issue 15 class 6).
+"""rl/run/stages.py `learn` + `push`: a step without learning signal changes nothing (issue 15 class 6).
 
 After a step with signal (Adam has momentum), a batch whose advantages are all 0 (every group zero-std or
 filtered) must not move the params, the optimizer state or the step counter, must not push, and must say so in
@@ -11,12 +11,12 @@ import numpy as np
 from flax import nnx
 
 from dsv4 import DSV4Config, DSV4ForCausalLM
-from rl.algo_config import LearnerConfig
-from rl.config import RunConfig
-from rl.learner import Learner
-from rl.job import Job
+from rl.config.algo import LearnerConfig
+from rl.config.run import RunConfig
+from rl.algo.learner import Learner
+from rl.run.wiring import RunWiring
 from rl.rollout.service import LocalRollout
-from rl.stages import learn, push
+from rl.run.stages import learn, push
 from rl.rollout.engine import Sampler, SamplingParams
 
 CFG = DSV4Config.tiny(num_hidden_layers=2, compress_ratios=(4, 8), num_nextn_predict_layers=0)
@@ -33,21 +33,21 @@ def test_no_signal_step_skips_update_and_push():
     rs = np.random.RandomState(0)
     prompts = [list(map(int, rs.randint(3, CFG.vocab_size, n))) for n in (5, 7, 3, 6)]
     rb = sampler.generate(prompts, SamplingParams(temperature=1.0, max_new_tokens=4), seed=0)
-    job = Job(cfg=RunConfig(**{"learner.routing_replay": True}), model_cfg=CFG, plan=None, tokenizer=None, task=None,
-              train_data=None, eval_prompts=[], eval_refs=[], reward=None, learner=learner,
-              rollout=LocalRollout(sampler, learner.params_for_push), iterator=None, ckpt=None, logger=None)
+    wiring = RunWiring(cfg=RunConfig(**{"learner.routing_replay": True}), model_cfg=CFG, plan=None, tokenizer=None,
+                       task=None, train_data=None, eval_prompts=[], eval_refs=[], reward=None, learner=learner,
+                       rollout=LocalRollout(sampler, learner.params_for_push), iterator=None, ckpt=None, logger=None)
 
-    def learn_and_push(job, rb, adv):
-        return {**learn(job, rb, adv), **push(job)}
+    def learn_and_push(wiring, rb, adv):
+        return {**learn(wiring, rb, adv), **push(wiring)}
 
-    m1 = learn_and_push(job, rb, np.array([1.0, -1.0, 0.5, -0.5], np.float32))
-    assert m1["train/skipped_no_signal"] == 0.0 and job.weight_version == 1 and sampler.weight_version == 1
+    m1 = learn_and_push(wiring, rb, np.array([1.0, -1.0, 0.5, -0.5], np.float32))
+    assert m1["train/skipped_no_signal"] == 0.0 and wiring.weight_version == 1 and sampler.weight_version == 1
     before = _host(learner.state)
     w_before = _host(sampler.weight_state())
 
-    m2 = learn_and_push(job, rb, np.zeros(4, np.float32))
+    m2 = learn_and_push(wiring, rb, np.zeros(4, np.float32))
     assert m2["train/skipped_no_signal"] == 1.0
-    assert job.weight_version == 1 and sampler.weight_version == 1  # no push, no new version
+    assert wiring.weight_version == 1 and sampler.weight_version == 1  # no push, no new version
     after = _host(learner.state)
     assert all(a.tobytes() == b.tobytes() for a, b in zip(before, after))  # params, Adam moments, step
     assert all(a.tobytes() == b.tobytes() for a, b in zip(w_before, _host(sampler.weight_state())))

@@ -1,4 +1,4 @@
-"""Hand-computed checks of rl/losses.py: PPO/GSPO clipping, dual clip, KL estimators, TIS/MIS corrections,
+"""Hand-computed checks of rl/algo/losses.py: PPO/GSPO clipping, dual clip, KL estimators, TIS/MIS corrections,
 aggregation modes, and exact micro-batch accumulation with global normalisers.
 
 Convention in these tests: old_logprobs = 0, so logprobs = log(ratio) and the ratio is exactly what is written.
@@ -11,8 +11,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from rl.algo_config import LossConfig
-from rl.losses import agg_loss, kl_penalty, loss_normalizers, policy_loss
+from rl.config.algo import LossConfig
+from rl.algo.losses import agg_loss, kl_penalty, loss_normalizers, policy_loss
 
 LOG = math.log
 

@@ -1,4 +1,4 @@
-"""rl/math_rewards.py: boxed answers, DAPO's "Answer:" line, AIME integers; math-verify equivalence; the worker's
+"""rl/data/math_rewards.py: boxed answers, DAPO's "Answer:" line, AIME integers; math-verify equivalence; the worker's
 time limit and no evaluation of model output; prompt-independent best scores; the --reward table.
 
     .venv/bin/python -m pytest -q tests/rl/test_math_rewards.py
@@ -10,10 +10,10 @@ import pickle
 
 import pytest
 
-from rl.config import REWARDS
-from rl.math_rewards import (aime_reward, answer_line, boxed_answer, dapo_reward, make_reward, math_reward,
-                             prompt_independent_best)
-from rl.rewards import RewardPool, compute_rewards
+from rl.data.answers import answer_line, boxed_answer
+from rl.config.run import REWARDS
+from rl.data.math_rewards import aime_reward, dapo_reward, make_reward, math_reward, prompt_independent_best
+from rl.data.rewards import RewardPool, compute_rewards, gsm8k_reward
 
 
 def test_extraction():
@@ -22,6 +22,14 @@ def test_extraction():
     assert answer_line("work\nAnswer: $34$.\n") == "34"
     assert answer_line("answer:  \\boxed{7}") == "7"
     assert answer_line("Answer: 3\nthen Answer: 5") == "5" and answer_line("nothing") is None
+
+
+def test_one_answer_parser_for_every_math_reward():
+    """gsm8k, math and dapo read a boxed answer and a reference through the same `rl.data.answers` cleaning. They
+    disagreed on a boxed `\\text{}` answer while gsm8k had its own extraction (0 for gsm8k, 1 for math / dapo)."""
+    for response, reference in ((r"\boxed{\text{18 apples}}", "18"), (r"so \boxed{$18$.}", r"\text{18}")):
+        assert gsm8k_reward(response, reference) == math_reward(response, reference) == 1.0
+        assert dapo_reward(response, reference) == 1.0
 
 
 @pytest.mark.parametrize("fn, response, reference, want", [

@@ -1,4 +1,4 @@
-"""Hand-computed checks of rl/metrics.py: masked means, reward/length stats, pass@k vs brute force, to_python."""
+"""Hand-computed checks of rl/algo/metrics.py: masked means, reward/length stats, pass@k vs brute force, to_python."""
 
 import itertools
 import math
@@ -8,7 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from rl.metrics import masked_mean, pass_at_k, response_stats, reward_stats, to_python
+from rl.algo.metrics import masked_mean, pass_at_k, response_stats, reward_stats, to_python
 
 
 def test_masked_mean():

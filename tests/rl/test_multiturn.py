@@ -18,9 +18,9 @@ from flax import nnx
 from dsv4 import DSV4Config, DSV4ForCausalLM
 from rl.agent.key_lookup import KeyLookupTask, key_lookup_env, key_lookup_tokenizer
 from rl.agent.registry import ENVIRONMENTS
-from rl.batch import RolloutBatch, TrainBatch
-from rl.chat_dsv4 import CALLS_START, RESULT_CLOSE, RESULT_OPEN, tool_result_turn
-from rl.config import ENVS, RunConfig
+from rl.algo.batch import RolloutBatch, TrainBatch
+from rl.data.chat_dsv4 import CALLS_START, RESULT_CLOSE, RESULT_OPEN, tool_result_turn
+from rl.config.run import ENVS, RunConfig
 from rl.rollout.engine import Sampler, SamplingParams
 from rl.rollout.mpmd import RolloutServer
 from rl.rollout.multiturn import MultiTurn

@@ -1,4 +1,4 @@
-"""rl/partial.py: partial rollouts (issue 23 point 4) in this process, on a 2-layer tiny model with fp32 rollout
+"""rl/run/partial.py: partial rollouts (issue 23 point 4) in this process, on a 2-layer tiny model with fp32 rollout
 weights (one learner and one sampler, compiled once for the module).
 
 Asserted:
@@ -23,11 +23,11 @@ import jax
 import numpy as np
 import pytest
 
-from rl.config import RunConfig
+from rl.config.run import RunConfig
 
 sys.path.insert(0, str(pathlib.Path(__file__).parent))
 from fake_rollout import ListLogger  # noqa: E402  (tests/rl/fake_rollout.py)
-from tiny_job import tiny_learner_and_sampler  # noqa: E402  (tests/rl/tiny_job.py)
+from tiny_learner import tiny_learner_and_sampler  # noqa: E402  (tests/rl/tiny_learner.py)
 
 sys.path.pop(0)
 
@@ -39,7 +39,7 @@ STEPS = 4
 @pytest.fixture(scope="module")
 def parts():
     """(cfg, learner, its initial state on the host, sampler, task, tokenizer, train data)."""
-    from rl.job import load_data
+    from rl.run.wiring import load_data
 
     cfg = RunConfig(steps=STEPS, **{"rollout.prompts_per_step": 4, "rollout.group_size": 2, "rollout.max_new_tokens": 8,
                                     "eval.every": 0, "ckpt.dir": None, "log.metrics_jsonl": None,
@@ -66,11 +66,11 @@ class _Spy:
         return h
 
 
-def _job(parts, ckpt=None, start_step=0, iterator_state=None, state=None, version=0):
-    from rl.data import make_prompt_iterator
-    from rl.job import Job
+def _wiring(parts, ckpt=None, start_step=0, iterator_state=None, state=None, version=0):
+    from rl.data.prompts import make_prompt_iterator
+    from rl.run.wiring import RunWiring
     from rl.rollout.service import LocalRollout
-    from rl.tasks import TaskReward
+    from rl.data.tasks import TaskReward
 
     cfg, learner, init, sampler, task, tok, train = parts
     learner.load_state_dict(init if state is None else state)
@@ -79,20 +79,20 @@ def _job(parts, ckpt=None, start_step=0, iterator_state=None, state=None, versio
     it = make_prompt_iterator(train, batch_size=cfg.rollout.prompts_per_step, seed=cfg.seed)
     if iterator_state is not None:
         it.set_state(iterator_state)
-    job = Job(cfg=dataclasses.replace(cfg), model_cfg=None, plan=None, tokenizer=tok, task=task, train_data=train,
-              eval_prompts=[], eval_refs=[], reward=TaskReward(task), learner=learner, rollout=_Spy(rollout),
-              iterator=it, ckpt=ckpt, logger=ListLogger(), weight_version=version)
-    job.start_step = start_step
-    return job
+    wiring = RunWiring(cfg=dataclasses.replace(cfg), model_cfg=None, plan=None, tokenizer=tok, task=task,
+                       train_data=train, eval_prompts=[], eval_refs=[], reward=TaskReward(task), learner=learner,
+                       rollout=_Spy(rollout), iterator=it, ckpt=ckpt, logger=ListLogger(), weight_version=version)
+    wiring.start_step = start_step
+    return wiring
 
 
-def _run(job, until: int, trained: dict, ckpt_at: int | None = None):
-    """Steps job.start_step .. until - 1 of the loop (rl/loop.py's train_step); trained[step] = the batch."""
-    from rl.loop import train_step
-    from rl.pipeline import Pipeline
+def _run(wiring, until: int, trained: dict, ckpt_at: int | None = None):
+    """Steps wiring.start_step .. until - 1 of the loop (rl/run/loop.py's train_step); trained[step] = the batch."""
+    from rl.run.loop import train_step
+    from rl.run.pipeline import Pipeline
 
-    pipe = Pipeline(job).start()
-    job.inflight = pipe
+    pipe = Pipeline(wiring).start()
+    wiring.inflight = pipe
     real_take = pipe.take
 
     def take(step):
@@ -102,12 +102,12 @@ def _run(job, until: int, trained: dict, ckpt_at: int | None = None):
 
     pipe.take = take
     try:
-        for step in range(job.start_step, until):
-            job.logger.log(step, train_step(job, pipe, step, eval_due=False))
+        for step in range(wiring.start_step, until):
+            wiring.logger.log(step, train_step(wiring, pipe, step, eval_due=False))
             if ckpt_at is not None and step + 1 == ckpt_at:
-                pipe.save(job.ckpt, ckpt_at)
-                saved = (jax.tree.map(np.asarray, job.learner.state_dict()), job.iterator.get_state(),
-                         job.weight_version)
+                pipe.save(wiring.ckpt, ckpt_at)
+                saved = (jax.tree.map(np.asarray, wiring.learner.state_dict()), wiring.iterator.get_state(),
+                         wiring.weight_version)
                 return saved
     finally:
         pipe.close()
@@ -197,12 +197,12 @@ def _chains(calls):
 
 
 def test_token_versions_deterministic_and_resume_bitwise(parts, tmp_path):
-    from rl.batch import TrainBatch
+    from rl.algo.batch import TrainBatch
 
     full: dict = {}
-    job = _job(parts)
-    _run(job, STEPS, full)
-    chains = _chains(job.rollout.calls)
+    wiring = _wiring(parts)
+    _run(wiring, STEPS, full)
+    chains = _chains(wiring.rollout.calls)
     spans = 0
     for step, rec in full.items():
         rb = rec.rb
@@ -211,7 +211,7 @@ def test_token_versions_deterministic_and_resume_bitwise(parts, tmp_path):
         assert (tv[valid] >= 0).all() and (tv[~valid] == -1).all()
         assert tv[valid].max() <= max(0, step - 1)  # batch m's newest tokens: P(max(0, m - K))
         spans += int(sum(len(set(tv[i][valid[i]])) > 1 for i in range(len(tv))))
-        m = job.logger.records[step]
+        m = wiring.logger.records[step]
         shares = [v for k, v in m.items() if k.startswith("rollout/token_staleness_") and k[-1].isdigit()]
         assert abs(sum(shares) - 1.0) < 1e-9 and m["rollout/partial/segments"] >= 1
         # every trained token is the one a segment drew, with that segment's logprob and version: the rollout
@@ -228,18 +228,18 @@ def test_token_versions_deterministic_and_resume_bitwise(parts, tmp_path):
     # the same flags again, checkpointed after 2 steps, then resumed from the files in a fresh job
     again: dict = {}
     ckpt = _Ckpt(tmp_path)
-    job2 = _job(parts, ckpt=ckpt)
-    state, it_state, version = _run(job2, STEPS, again, ckpt_at=2)
-    job3 = _job(parts, ckpt=ckpt, start_step=2, iterator_state=it_state, state=state, version=version)
-    _run(job3, STEPS, again)
+    wiring2 = _wiring(parts, ckpt=ckpt)
+    state, it_state, version = _run(wiring2, STEPS, again, ckpt_at=2)
+    wiring3 = _wiring(parts, ckpt=ckpt, start_step=2, iterator_state=it_state, state=state, version=version)
+    _run(wiring3, STEPS, again)
     for step in range(STEPS):
         a, b = full[step], again[step]
         for f in ("tokens", "logprobs", "token_versions", "lengths", "prompt_tokens", "routing"):
             np.testing.assert_array_equal(getattr(a.rb, f), getattr(b.rb, f), err_msg=f"step {step} {f}")
         np.testing.assert_array_equal(a.rewards, b.rewards)
         np.testing.assert_array_equal(a.versions, b.versions)
-    ra = {r["step"]: r for r in job.logger.records}
-    rb_ = {r["step"]: r for r in job2.logger.records + job3.logger.records}
+    ra = {r["step"]: r for r in wiring.logger.records}
+    rb_ = {r["step"]: r for r in wiring2.logger.records + wiring3.logger.records}
     for step in range(STEPS):
         keys = {k for k in ra[step] if not k.startswith("perf/")}
         assert keys == {k for k in rb_[step] if not k.startswith("perf/")}

@@ -2,7 +2,7 @@
 
 Each row names its source (repository, test file, test name). Only the numbers (inputs and expected outputs)
 come from there; the mapping onto our API is written here. Where a peer follows a different convention than
-ours (see the docstrings of rl/losses.py and rl/advantages.py), the row says how the number is translated.
+ours (see the docstrings of rl/algo/losses.py and rl/algo/advantages.py), the row says how the number is translated.
 """
 
 import math
@@ -11,9 +11,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from rl.advantages import grpo_advantages, rloo_advantages
-from rl.algo_config import LossConfig
-from rl.losses import policy_loss
+from rl.algo.advantages import grpo_advantages, rloo_advantages
+from rl.config.algo import LossConfig
+from rl.algo.losses import policy_loss
 
 # Tunix draws these rewards with jax.random.uniform(PRNGKey(0), (1, 6)) under jax_threefry_partitionable=False;
 # written out here so the test does not flip a global JAX flag.

@@ -1,4 +1,4 @@
-"""Tests for rl/rewards.py: GSM8K answer matching on real lines, format, combination, time limits and errors."""
+"""Tests for rl/data/rewards.py: GSM8K answer matching on real lines, format, combination, time limits and errors."""
 
 import functools
 import json
@@ -7,9 +7,9 @@ import operator
 import numpy as np
 import pytest
 
-from rl.answers import extract_final_answer
-from rl.data import gsm8k_final_answer
-from rl.rewards import (
+from rl.data.answers import extract_final_answer, reference_answer
+from rl.data.prompts import gsm8k_final_answer
+from rl.data.rewards import (
     RewardPool,
     RewardStats,
     combine_rewards,
@@ -40,6 +40,11 @@ def test_extract_final_answer():
     assert extract_final_answer("The answer is 1,250.") == ("1,250", "number")
     assert extract_final_answer("It costs 18, in total") == ("18", "number")
     assert extract_final_answer("no digits") is None
+    # "####" and boxed answers cleaned as the math rewards clean theirs (rl.data.answers.clean_answer)
+    assert extract_final_answer("#### $18$.") == ("18", "####")
+    assert extract_final_answer(r"\boxed{\text{18 apples}}") == ("18 apples", "boxed")
+    assert reference_answer("so 6 * 3 = 18\n#### $18$") == "18"
+    assert reference_answer(r"\(\frac{1}{2}\)") == r"\frac{1}{2}"
 
 
 def test_gsm8k_reward_on_real_lines(gsm8k_lines):

@@ -18,11 +18,11 @@ import pytest
 from dsv4.config import DSV4Config
 from parallel.push.job import JobPusher
 from rl.rollout import two_job
-from rl.config import RunConfig
-from rl.job_identity import job_identity
+from rl.config.run import RunConfig
+from rl.rollout.job_identity import job_identity
 from rl.rollout.two_job import JobRollout, RolloutJobError, RolloutJobServer, RolloutMismatchError
 from rl.rollout.service import RolloutRequest
-from rl.tasks import DigitTask
+from rl.data.tasks import DigitTask
 from sharding.job_link import JobListener, LinkLost, LinkRefused, authkey, connect
 
 TILING = [("embed.weight", (8, 4), "float8_e4m3fn", (("data", 1),), "P()")]

@@ -7,9 +7,9 @@ import pytest
 from flax import nnx
 
 from dsv4 import DSV4Config, DSV4ForCausalLM
-from rl.algo_config import LearnerConfig, LossConfig
-from rl.batch import TrainBatch
-from rl.learner import Learner
+from rl.config.algo import LearnerConfig, LossConfig
+from rl.algo.batch import TrainBatch
+from rl.algo.learner import Learner
 from rl.rollout.engine import Sampler, SamplingParams
 
 CFG = DSV4Config.tiny(num_hidden_layers=2, compress_ratios=(4, 8), num_nextn_predict_layers=0)

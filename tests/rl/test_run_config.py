@@ -1,4 +1,4 @@
-"""The nested run config (rl/config.py, rl/config_tree.py, launch/run.py `resolve`): precedence defaults < algo
+"""The nested run config (rl/config/run.py, rl/config/tree.py, launch/run.py `resolve`): precedence defaults < algo
 preset < YAML < flat flag < dotted flag, nested and dotted YAML keys, one-line errors naming a bad key, the resolved
 config written to the run directory and read back. Pure Python: no model, no JAX computation."""
 
@@ -9,11 +9,11 @@ import types
 import pytest
 
 from launch import run as launch_run
-from rl.algo_config import LearnerConfig, LossConfig
-from rl.config import DEFAULT_LEARNER, RunConfig
-from rl.config_file import load_config_file
-from rl.config_tree import paths
-from rl.stages import sampling_params
+from rl.config.algo import LearnerConfig, LossConfig
+from rl.config.run import DEFAULT_LEARNER, RunConfig
+from rl.config.file import load_config_file
+from rl.config.tree import paths
+from rl.run.stages import sampling_params
 
 
 def test_precedence_defaults_yaml_flat_dotted(tmp_path):
@@ -99,7 +99,7 @@ def test_bad_nested_yaml_key_names_it(tmp_path):
 
 
 def test_resolved_config_written_atomically_and_loads_back(tmp_path):
-    from rl.job import write_resolved_config
+    from rl.run.wiring import write_resolved_config
 
     cfg, _ = launch_run.resolve(["--algo", "dr_grpo", "--learner.b1", "0.8", "--metrics-jsonl",
                                  str(tmp_path / "run" / "metrics.jsonl"), "--ckpt-dir", "", "--eval-every", "0"])
@@ -139,7 +139,7 @@ def test_the_runs_learner_is_the_library_learner_with_its_recipe_values():
     """`Learner(model, LearnerConfig())` is the run's learner in every structural knob (scanned layers, param dtype,
     streamed offload, EP backend and capacity, trained MTP / router, remat, ...): DEFAULT_LEARNER changes only the
     recipe values listed in RECIPE_KNOBS (lr, b2, fp32 compute for the CPU run, routing replay + TIS)."""
-    from rl.config import RECIPE_KNOBS
+    from rl.config.run import RECIPE_KNOBS
 
     lib = LearnerConfig()
     differ = sorted(f.name for f in dataclasses.fields(LearnerConfig)
@@ -179,10 +179,10 @@ def test_max_prompt_len_and_the_rollout_knobs_have_one_default():
     import inspect
 
     from launch.aot import compile_rollout
-    from rl.config import DataConfig
-    from rl.rollout.config import RolloutConfig
-    from rl.config_tree import default
-    from rl.data import PromptDataset, load_records
+    from rl.config.run import DataConfig
+    from rl.config.rollout import RolloutConfig
+    from rl.config.tree import default
+    from rl.data.prompts import PromptDataset, load_records
     from rl.rollout.engine import SamplingParams
     from rl.rollout.settings import EngineSettings
 
@@ -206,10 +206,10 @@ def test_ignore_eos_lets_training_samples_run_to_their_limit():
     """--rollout.ignore_eos (benchmarks: responses of the lengths the schedule says): no stop id in the training
     SamplingParams; the default stops at the tokenizer's eos."""
     cfg, _ = launch_run.resolve(["--rollout.ignore_eos", "--max-new-tokens", "8"])
-    job = types.SimpleNamespace(cfg=cfg, tokenizer=types.SimpleNamespace(eos_id=1))
-    assert cfg.rollout.ignore_eos and sampling_params(job).stop_token_ids == ()
-    job.cfg, _ = launch_run.resolve(["--max-new-tokens", "8"])
-    assert sampling_params(job).stop_token_ids == (1,) and sampling_params(job).max_new_tokens == 8
+    wiring = types.SimpleNamespace(cfg=cfg, tokenizer=types.SimpleNamespace(eos_id=1))
+    assert cfg.rollout.ignore_eos and sampling_params(wiring).stop_token_ids == ()
+    wiring.cfg, _ = launch_run.resolve(["--max-new-tokens", "8"])
+    assert sampling_params(wiring).stop_token_ids == (1,) and sampling_params(wiring).max_new_tokens == 8
 
 
 @pytest.mark.parametrize("text, needle", [

@@ -1,4 +1,4 @@
-"""rl/run_lock.py: one run at a time on a --ckpt-dir (issue 28 §1).
+"""rl/run/run_lock.py: one run at a time on a --ckpt-dir (issue 28 §1).
 
 A second process really holds the lock (a small Python child), so the refusal, the owner named in it and the
 take-over of a dead owner's lock are the kernel's flock semantics, not a simulation.
@@ -18,12 +18,12 @@ import textwrap
 
 import pytest
 
-from rl import run_lock
-from rl.run_lock import LOCK_NAME, RunDirLockedError
+from rl.run import run_lock
+from rl.run.run_lock import LOCK_NAME, RunDirLockedError
 
 HOLDER = textwrap.dedent("""
     import sys, time
-    from rl import run_lock
+    from rl.run import run_lock
     run_lock.acquire(sys.argv[1])
     print("held", flush=True)
     time.sleep(600)
@@ -52,7 +52,7 @@ def test_second_process_is_refused_naming_the_owner_and_a_dead_owner_is_taken_ov
         proc.send_signal(signal.SIGKILL)  # dies without releasing: the file still names it
         proc.wait()
     assert json.loads((tmp_path / LOCK_NAME).read_text())["pid"] == proc.pid
-    with caplog.at_level(logging.WARNING, logger="rl.run_lock"):
+    with caplog.at_level(logging.WARNING, logger="rl.run.run_lock"):
         handle = run_lock.acquire(tmp_path)
     assert any("took over the run lock" in r.getMessage() and f"pid {proc.pid}" in r.getMessage()
                for r in caplog.records)
@@ -75,7 +75,7 @@ def test_one_process_shares_its_lock_and_the_last_release_frees_it(tmp_path):
 def test_checkpointer_takes_the_lock_and_a_second_run_refuses_before_touching_the_directory(tmp_path, capsys):
     """The Checkpointer locks before orbax cleans temp dirs; launch/run.py prints one line and exits 2."""
     from launch.run import main
-    from rl.checkpoint import Checkpointer
+    from rl.run.checkpoint import Checkpointer
 
     ckpt = tmp_path / "ckpt"
     ckpt.mkdir()
@@ -104,7 +104,7 @@ PEER = textwrap.dedent("""
     import sys
     from sharding.distributed import maybe_initialize_distributed
     maybe_initialize_distributed(sys.argv[1], 2, int(sys.argv[2]), cpu_devices_per_process=1)
-    from rl import run_lock
+    from rl.run import run_lock
     try:
         handle = run_lock.acquire(sys.argv[3])
         print("ok", handle is not None, flush=True)

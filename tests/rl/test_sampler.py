@@ -10,7 +10,7 @@ import pytest
 from flax import nnx
 
 from dsv4 import DSV4Config, DSV4ForCausalLM
-from rl.batch import RolloutBatch
+from rl.algo.batch import RolloutBatch
 from rl.rollout.engine import Sampler, SamplingParams
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "dsv4"))

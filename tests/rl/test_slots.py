@@ -10,8 +10,10 @@ from flax import nnx
 
 from dsv4 import DSV4Config, DSV4ForCausalLM, abstract_model
 from rl.rollout import slots as sl
-from rl.config import RunConfig
+from rl.config.run import RunConfig
+from rl.run.wiring import rollout_slots
 from rl.rollout.engine import Sampler, SamplingParams
+from sharding.mesh import parse_mesh_spec
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "dsv4"))
 from randomize import randomize  # noqa: E402
@@ -134,19 +136,16 @@ def test_cache_len_rounds_to_compression_ratios():
 
 def test_run_config_slots_checked_against_the_plan():
     """--rollout-slots N larger than the memory plan's KV budget fails in build, before any model is made."""
-    from rl.job import _rollout_slots
-    from sharding.mesh import parse_mesh_spec
-
     class _Plan:
         spec = parse_mesh_spec("actor:data=1")
 
     cfg = RunConfig(**{"rollout.slots": 10 ** 9, "rollout.max_new_tokens": 64})
     with pytest.raises(ValueError, match=r"--rollout-slots 1000000000: the memory plan leaves"):
-        _rollout_slots(cfg, CFG, _Plan(), 16)
-    n, budget = _rollout_slots(RunConfig(**{"rollout.slots": "auto", "rollout.prompts_per_step": 4,
+        rollout_slots(cfg, CFG, _Plan(), 16)
+    n, budget = rollout_slots(RunConfig(**{"rollout.slots": "auto", "rollout.prompts_per_step": 4,
                                             "rollout.group_size": 2}), CFG, _Plan(), 16)
     assert n == 8 and budget > 0  # auto: capped by the rows of a step
-    assert _rollout_slots(RunConfig(), CFG, _Plan(), 16) == (0, None)
+    assert rollout_slots(RunConfig(), CFG, _Plan(), 16) == (0, None)
 
 
 def test_slot_caches_sharded_over_data_and_expert(model, prompts):
@@ -180,7 +179,7 @@ def test_rollout_ep_dispatch_knobs_reach_the_sampler():
     import jax
     from jax.sharding import Mesh
 
-    from rl.rollout.config import RolloutConfig
+    from rl.config.rollout import RolloutConfig
     from rl.rollout.settings import EngineSettings
 
     mesh = Mesh(np.array(jax.devices()[:8]).reshape(2, 1, 4, 1), ("data", "fsdp", "expert", "tensor"))

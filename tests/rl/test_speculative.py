@@ -22,12 +22,12 @@ from dsv4.chunked import prefill_chunked
 from dsv4.model import Block
 from dsv4.quant import dequantize_fp8_blockwise
 from dsv4.spec_decode import commit, verify_forward
-from rl.algo_config import SPECULATIVE_MTP_LOSS_WEIGHT, LearnerConfig
-from rl.config import RunConfig
-from rl.batch import TrainBatch
-from rl.learner import Learner
-from rl.optim import clip_by_global_norm_apart
-from rl.logprobs import token_logprobs
+from rl.config.algo import SPECULATIVE_MTP_LOSS_WEIGHT, LearnerConfig
+from rl.config.run import RunConfig
+from rl.algo.batch import TrainBatch
+from rl.algo.learner import Learner
+from rl.algo.optim import clip_by_global_norm_apart
+from rl.algo.logprobs import token_logprobs
 from rl.rollout.engine import Sampler, SamplingParams
 from rl.rollout.speculative import accept_drafts, check_speculative, sampling_probs
 

@@ -1,10 +1,10 @@
-"""Tests for rl/tasks.py: the digit task's prompts, splits, reward by hand, and its prompt-independent best."""
+"""Tests for rl/data/tasks.py: the digit task's prompts, splits, reward by hand, and its prompt-independent best."""
 
 import numpy as np
 import pytest
 
-from rl.tasks import CharTokenizer, DigitTask, TaskPrompt
-from rl.tokenizer import TokenizerLike, check_vocab
+from rl.data.tasks import CharTokenizer, DigitTask, TaskPrompt
+from rl.data.tokenizer import TokenizerLike, check_vocab
 
 EOS, PAD = CharTokenizer.EOS, CharTokenizer.PAD
 

@@ -1,4 +1,4 @@
-"""rl/tokenizer.py: a tokenizer without an EOS token is a one-line error that says how to name it (issue 28 §5).
+"""rl/data/tokenizer.py: a tokenizer without an EOS token is a one-line error that says how to name it (issue 28 §5).
 
     .venv/bin/python -m pytest -q tests/rl/test_tokenizer.py
 """
@@ -9,7 +9,7 @@ import json
 
 import pytest
 
-from rl.tokenizer import TokenizerError, load_tokenizer
+from rl.data.tokenizer import TokenizerError, load_tokenizer
 
 
 def test_missing_eos_names_the_fix_and_the_fix_works(tmp_path):

@@ -17,7 +17,7 @@ import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from dsv4 import moe
-from parallel.expert import _ragged_all_to_all_reference, make_ep_dispatch, rollout_backend
+from parallel.expert import ragged_all_to_all_reference, make_ep_dispatch, rollout_backend
 from parallel.padded import capacity_buckets, merge_repeated_picks, padded_capacity
 from sharding.mesh import build_mesh_plan
 from sharding.rules import ACTOR_RULES, ROLLOUT_RULES, param_shardings
@@ -65,7 +65,7 @@ def _inputs(seed=0, t=T, same=False):
 
 def _backend(name):
     """(backend, hook): the ragged backend on CPU goes through the all_gather reference of ragged_all_to_all."""
-    return ("ragged", _ragged_all_to_all_reference) if name == "ragged" else (name, None)
+    return ("ragged", ragged_all_to_all_reference) if name == "ragged" else (name, None)
 
 
 def _run(mesh, fn, x, ids, w, w1, w3, w2, rules=ACTOR_RULES):

@@ -19,7 +19,7 @@ from dsv4.lora import LoraConfig, is_adapter_key
 from launch.plan import main as plan_main
 from parallel import activations, model_bytes
 from parallel import plan as pl
-from rl.algo_config import LearnerConfig
+from rl.config.algo import LearnerConfig
 from sharding.mesh import MeshSpecError, build_mesh_plan
 from sharding.rules import ACTOR_RULES, ROLLOUT_RULES
 

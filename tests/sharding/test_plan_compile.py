@@ -14,8 +14,8 @@ from launch import plan as plan_mod
 from launch.aot import compile_actor, reduced_depth
 from parallel import plan as pl
 from launch.plan import main as plan_main
-from rl.algo_config import LearnerConfig
-from rl.config import DEFAULT_LEARNER
+from rl.config.algo import LearnerConfig
+from rl.config.run import DEFAULT_LEARNER
 
 GiB = 2**30
 MESH = "actor:fsdp=2,expert=2/rollout:expert=2"

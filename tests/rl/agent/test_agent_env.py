@@ -10,7 +10,7 @@ from rl.agent.key_lookup import (CALL_HEAD, CALL_TAIL, CALL_WEIGHT, KeyLookupTas
                                   value_reward)
 from rl.agent.pieces import PieceTokenizer
 from rl.agent.registry import ENVIRONMENTS, make_env
-from rl.chat_dsv4 import EOS, render_deepseek_v4, tool_result_turn
+from rl.data.chat_dsv4 import EOS, render_deepseek_v4, tool_result_turn
 
 CALL = ('\n\n<｜DSML｜tool_calls>\n<｜DSML｜invoke name="lookup">\n<｜DSML｜parameter name="key" string="true">{key}'
         '</｜DSML｜parameter>\n</｜DSML｜invoke>\n</｜DSML｜tool_calls>' + EOS)
