@@ -45,13 +45,17 @@ _FP8_ROCM_MARKERS = ("gfx942", "gfx950", "mi300", "mi308", "mi325", "mi350", "mi
 
 def fp8_gemm_available(devices=None) -> tuple[bool, str]:
     """(True, why) when every device has FP8 GEMMs in XLA (CUDA compute capability >= 9.0, or ROCm gfx942 /
-    gfx950 device kinds), else (False, why). devices: default `jax.devices()`."""
+    gfx950 device kinds or architectures), else (False, why). devices: default `jax.devices()`; the abstract devices
+    of a deviceless XLA:GPU target (launch/gpu_target.py) count as what they describe (the H200 spec: 9.0)."""
     devs = list(jax.devices() if devices is None else devices)
     d = devs[0]
     if d.platform == "cpu":
         return False, "CPU: XLA:CPU has no FP8 GEMM (it upcasts f8 dots)"
     kind = d.device_kind.lower()
     cc = getattr(d, "compute_capability", None)
+    # ROCm first: its devices may report a gfx architecture name as their "compute capability"
+    if any(m in kind or m in str(cc).lower() for m in _FP8_ROCM_MARKERS):
+        return True, f"ROCm {d.device_kind} (gfx942 / gfx950 FP8)"
     if cc is not None:
         try:
             major = int(str(cc).split(".")[0])
@@ -60,8 +64,6 @@ def fp8_gemm_available(devices=None) -> tuple[bool, str]:
         if major >= 9:
             return True, f"CUDA compute capability {cc} ({d.device_kind}) >= 9.0"
         return False, f"CUDA compute capability {cc} ({d.device_kind}) < 9.0"
-    if any(m in kind for m in _FP8_ROCM_MARKERS):
-        return True, f"ROCm {d.device_kind} (gfx942 / gfx950 FP8)"
     return False, f"{d.platform} {d.device_kind}: no FP8 GEMM known"
 
 
