@@ -6,7 +6,8 @@ expert: default 24 = the routed rows at 128 tokens per rank (8 x 128 x 6 / 256),
 routed cost runs (issue 37 item 2); today's "sized" dispatch pads random routing to C = 12 per source rank: 96 rows):
 - fp8: `parallel.padded.padded_ffn` on FP8 rows (1 x 128 ue8m0 blocks) and the layer's FP8 128 x 128 expert blocks
   (`dsv4.fp8_gemm.fp8_expert_matmul`: one dot per K block batched over the experts, f32 partials), forced at any
-  row count (`fp8_rows_max=None`; the dispatch itself takes it up to `parallel.padded.FP8_ROWS_MAX` rows);
+  row count (`fp8_rows_max=None`; the dispatch itself takes it up to `parallel.padded.fp8_rows_limit` rows: 128
+  in bf16), the K blocks' partial sums in bf16;
 - dequant: today's path for quantised experts (`dsv4.moe.MoE` before this change, and still `--rollout.matmul
   dequant` / CPU `auto`): the layer's experts dequantised to bf16, fake-quantised rows and w2 input, bf16 dots.
 Counted from the optimized HLO (launch/hlo_stats.py, per program run): dots and dots with an f8 operand, GFLOP, MiB
@@ -38,7 +39,7 @@ from dsv4 import quant  # noqa: E402
 from dsv4.fp8_gemm import quantize_rows  # noqa: E402
 from launch import gpu_target as gt  # noqa: E402
 from launch import hlo_stats  # noqa: E402
-from parallel.padded import FP8_ROWS_MAX, padded_ffn  # noqa: E402
+from parallel.padded import fp8_rows_limit, padded_ffn  # noqa: E402
 
 
 def compile_stats(target_name: str, n: int, rows: int, d: int, i: int) -> dict:
@@ -87,8 +88,9 @@ def main(argv=None) -> int:
         print(f"  {name:<8s} dots {s.dots:4d} (f8 {s.fp8_dots:4d})  {s.flops / 1e9:8.2f} GFLOP  "
               f"{s.bytes / 2**20:9.1f} MiB  roofline {us[name]:8.1f} us", flush=True)
     f, q = st["fp8"], st["dequant"]
+    lim = fp8_rows_limit(jnp.bfloat16)
     print(f"  the dispatch's choice at {args.rows} rows per expert: "
-          f"{'fp8' if args.rows <= FP8_ROWS_MAX else 'dequant'} (FP8_ROWS_MAX = {FP8_ROWS_MAX})")
+          f"{'fp8' if args.rows <= lim else 'dequant'} (fp8_rows_limit(bf16) = {lim})")
     print(f"RESULT fp8_dots={f.fp8_dots} dots={f.dots} dequant_fp8_dots={q.fp8_dots} dequant_dots={q.dots} "
           f"fp8_mib={f.bytes / 2**20:.1f} dequant_mib={q.bytes / 2**20:.1f} bytes_ratio={q.bytes / f.bytes:.2f} "
           f"fp8_us={us['fp8']:.1f} dequant_us={us['dequant']:.1f} rows={args.rows} target={t.label.replace(' ', '_')}")

@@ -23,8 +23,9 @@ Why per-K-block dots rather than one dot batched over (expert, K block) as `fp8_
 not the weights' layout, so XLA:GPU copies (transposes) the whole [E, O, K] expert tensor before its batched GEMM on
 every call (a layer's experts read twice and written once more); a K-block slice of the last dim fuses into the
 Triton GEMM's operand (no copy; benchmarks/README.md "FP8 expert GEMMs"). What stays in f32 between the two expert
-GEMMs is the scheme's own: the KB partials [E, R, O] of w1 and w3 (KB x their outputs), each read once by the
-fusion that applies the scales (and the SwiGLU); the w2 input is FP8 again.
+GEMMs is the scheme's own: the KB partials [E, R, O] of w1 and w3 (KB x their outputs; in the compute dtype under
+the padded dispatch, bf16 on GPUs), each read once by the fusion that applies the scales (and the SwiGLU); the w2
+input is FP8 again.
 Sources: DeepSeek-V3 report §3.3 (fine-grained FP8 quantisation); OCP OFP8 spec (e4m3 ranges).
 """
 
@@ -45,13 +46,17 @@ _FP8_ROCM_MARKERS = ("gfx942", "gfx950", "mi300", "mi308", "mi325", "mi350", "mi
 
 def fp8_gemm_available(devices=None) -> tuple[bool, str]:
     """(True, why) when every device has FP8 GEMMs in XLA (CUDA compute capability >= 9.0, or ROCm gfx942 /
-    gfx950 device kinds), else (False, why). devices: default `jax.devices()`."""
+    gfx950 device kinds or architectures), else (False, why). devices: default `jax.devices()`; the abstract devices
+    of a deviceless XLA:GPU target (launch/gpu_target.py) count as what they describe (the H200 spec: 9.0)."""
     devs = list(jax.devices() if devices is None else devices)
     d = devs[0]
     if d.platform == "cpu":
         return False, "CPU: XLA:CPU has no FP8 GEMM (it upcasts f8 dots)"
     kind = d.device_kind.lower()
     cc = getattr(d, "compute_capability", None)
+    # ROCm first: its devices may report a gfx architecture name as their "compute capability"
+    if any(m in kind or m in str(cc).lower() for m in _FP8_ROCM_MARKERS):
+        return True, f"ROCm {d.device_kind} (gfx942 / gfx950 FP8)"
     if cc is not None:
         try:
             major = int(str(cc).split(".")[0])
@@ -60,8 +65,6 @@ def fp8_gemm_available(devices=None) -> tuple[bool, str]:
         if major >= 9:
             return True, f"CUDA compute capability {cc} ({d.device_kind}) >= 9.0"
         return False, f"CUDA compute capability {cc} ({d.device_kind}) < 9.0"
-    if any(m in kind for m in _FP8_ROCM_MARKERS):
-        return True, f"ROCm {d.device_kind} (gfx942 / gfx950 FP8)"
     return False, f"{d.platform} {d.device_kind}: no FP8 GEMM known"
 
 
@@ -117,13 +120,15 @@ def dequantize_rows(x: Fp8Rows, dtype) -> jax.Array:
     return (qf.reshape(*lead, kb, ACT_BLOCK) * x.s[..., None]).reshape(*lead, kb * ACT_BLOCK)[..., :k].astype(dtype)
 
 
-def fp8_expert_matmul(x: Fp8Rows, w: QuantizedTensor) -> jax.Array:
+def fp8_expert_matmul(x: Fp8Rows, w: QuantizedTensor, partial_dtype=jnp.float32) -> jax.Array:
     """y[e, r, o] = sum_kb s_x[e, r, kb] S[e, o // b0, kb] sum_{c in kb} q_x[e, r, c] q[e, o, c]: every local expert's
     rows times its FP8 block weight, on FP8 operands with f32 accumulation (module docstring).
 
     x: `Fp8Rows` q [E, R, K] in w's fp8 format, s [E, R, ceil(K / 128)]; w: a kind 'fp8' QuantizedTensor q [E, O, K],
     scale [E, ceil(O / b0), ceil(K / 128)] (block (b0, 128)). Returns [E, R, O] float32. One dot_general per K block,
-    batched over E, on slices of the stored bytes (a last block shorter than 128 is sliced, not padded: no copy).
+    batched over E, on slices of the stored bytes (a last block shorter than 128 is sliced, not padded: no copy),
+    accumulating in f32 and returning its partial sum in `partial_dtype` (float32, or bfloat16: half the bytes
+    between the GEMMs and the fusion that scales and sums them in f32, at one bf16 rounding per K block).
     Raises ValueError for a non-fp8 or non-3-d weight, a K block other than the activations' 128, or mismatched
     shapes / formats."""
     if w.kind != "fp8" or len(w.shape) != 3 or w.block[1] != ACT_BLOCK:
@@ -139,8 +144,8 @@ def fp8_expert_matmul(x: Fp8Rows, w: QuantizedTensor) -> jax.Array:
     y = None
     for j in range(-(-k // b1)):
         blk = slice(j * b1, min(k, (j + 1) * b1))
-        part = jax.lax.dot_general(x.q[:, :, blk], w.q[:, :, blk], batch, preferred_element_type=jnp.float32)
-        term = part * x.s[:, :, j, None] * sw[:, None, :, j]
+        part = jax.lax.dot_general(x.q[:, :, blk], w.q[:, :, blk], batch, preferred_element_type=partial_dtype)
+        term = part.astype(jnp.float32) * x.s[:, :, j, None] * sw[:, None, :, j]
         y = term if y is None else y + term
     return y
 

@@ -34,7 +34,7 @@ import jax.numpy as jnp
 import dsv4
 from parallel.model_bytes import kv_cache_bytes
 from parallel.padded import capacity_buckets
-from parallel.routing_load import bucket_index, peak_cell_load
+from parallel.routing_load import bucket_index, peak_cell_load, peak_expert_load
 from rl.rollout import slots as sl
 from rl.config.algo import LearnerConfig
 from rl.config.run import DEFAULT_LEARNER, DataConfig
@@ -296,6 +296,16 @@ def compile_rollout(config, mesh_spec: str, *, batch: int = 1024, context: int =
                                settings.ep_capacity_factor)
     peak = peak_cell_load(t_local, config.num_experts_per_tok, config.n_routed_experts, ep, routing_load)
     branch = bucket_index(buckets, peak)
+    picks = [(branch, len(buckets))]
+    routing = f"{routing_load} routing: capacity {buckets[branch]} of {buckets}"
+    if settings.ep_compact and "(sized)" in sampler.dispatch_name:  # the second switch (parallel/padded.py `_buffers_ffn`): rows per local expert
+        top = ep * buckets[branch]
+        inner = tuple(c for c in capacity_buckets(ep * t_local, config.num_experts_per_tok, config.n_routed_experts,
+                                                  None) if c < top) + (top,)
+        rows = bucket_index(inner, peak_expert_load(t_local, config.num_experts_per_tok, config.n_routed_experts, ep,
+                                                    buckets[branch], routing_load))
+        picks.append((rows, len(inner)))
+        routing += f", compacted to {inner[rows]} rows per local expert of {inner}"
     weights = sum(dev_bytes(x) for x in jax.tree.leaves(sampler.abstract_weights()))
     return RolloutCompileReport(argument=ma.argument_size_in_bytes, output=ma.output_size_in_bytes,
                                 alias=ma.alias_size_in_bytes, temp=ma.temp_size_in_bytes, weights=weights, kv=kv,
@@ -303,6 +313,6 @@ def compile_rollout(config, mesh_spec: str, *, batch: int = 1024, context: int =
                                 cache_len=shape.cache_len, rollout_dtype=rollout.dtype, compile_s=dt,
                                 batch_shards=sampler.batch_shards(), slots=shape.slots,
                                 prefill_chunk=sampler.prefill_chunk, backend=backend,
-                                hlo=count(compiled.as_text(), expert_branch=(branch, len(buckets))),
+                                hlo=count(compiled.as_text(), expert_branch=picks),
                                 ep_dispatch=sampler.dispatch_name,
-                                routing=f"{routing_load} routing: capacity {buckets[branch]} of {buckets}")
+                                routing=routing)

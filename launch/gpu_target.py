@@ -38,6 +38,9 @@ from pathlib import Path
 
 from jax.experimental import topologies
 
+from dsv4.quant import canonical_fp8_format, fp8_format_for_device_kind
+from dsv4.rollout_format import parse_rollout_dtype
+
 GiB = 2**30
 TARGET_DIR = Path(__file__).with_name("targets")
 NET_BW = 50e9  # bytes/s per GPU between nodes: one 400 Gb/s NIC per GPU (assumed for every target)
@@ -95,6 +98,28 @@ TARGETS: dict[str, Target] = {t.name: t for t in (
            source="AMD MI355X datasheet: 2.5 PFLOPS BF16 dense, 8 TB/s, 7 x 76.8 GB/s Infinity Fabric"),
 )}
 TARGET_NAMES = ("cpu", *TARGETS)
+
+
+def rollout_fp8_stand_in(target: Target, rollout_dtype: str) -> tuple[str, str | None]:
+    """The `--rollout-dtype` a deviceless compile for `target` uses, and a line saying why when it is not the
+    configured one. The rollout's FP8 format follows the device (`dsv4.quant.fp8_format_for_device_kind`:
+    e4m3fnuz on gfx942, MI300X / MI308X; e4m3fn elsewhere); XLA:CUDA has no e4m3fnuz GEMM (it converts fnuz
+    operands before an f32 / bf16 dot), so a proxy target whose AMD device runs e4m3fnuz compiles e4m3fn in its
+    place: the same bytes per weight and per activation, the same FP8 GEMMs the AMD device runs on fnuz operands
+    (fnuz differs only in its exponent bias and NaN / -0 codes). Raises ValueError for an unknown rollout dtype."""
+    rdt = parse_rollout_dtype(rollout_dtype)
+    if not rdt.fp8 or target.proxy is None:
+        return rollout_dtype, None
+    device_fmt = fp8_format_for_device_kind("rocm", target.proxy)
+    fmt = device_fmt if rdt.fp8_name == "auto" else canonical_fp8_format(rdt.fp8_name)
+    if fmt != "e4m3fnuz":
+        note = (None if fmt == device_fmt else f"--rollout-dtype {rollout_dtype}: {fmt} on the {target.proxy}, whose "
+                f"FP8 GEMMs take {device_fmt} (use {'fp8_e4m3fnuz' if device_fmt == 'e4m3fnuz' else 'fp8'} or auto)")
+        return rollout_dtype, note
+    stand_in = "fp8_e4m3fn"
+    return stand_in, (f"--rollout-dtype {rollout_dtype}: the {target.proxy} runs e4m3fnuz FP8 GEMMs (gfx942); "
+                      f"XLA:CUDA has none, so this proxy compiles e4m3fn in its place (--rollout-dtype {stand_in}: "
+                      f"the same bytes, the same FP8 GEMMs on fn operands)")
 
 
 # XLA options of every deviceless compile (module docstring: the B200 spec's CUB sort asks a device that is not there)

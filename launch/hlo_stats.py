@@ -263,10 +263,11 @@ def _is_fp8(shape: str) -> bool:
 
 
 class _Counter:
-    def __init__(self, text: str, gpus_per_node: int, expert_branch: tuple[int, int] | None = None):
+    def __init__(self, text: str, gpus_per_node: int, expert_branch=None):
         self.comps, self.shapes, self.entry = parse_hlo(text)
         self.per_node = gpus_per_node
-        self.expert_branch = expert_branch
+        eb = () if expert_branch is None else tuple(expert_branch)
+        self.expert_branch = (eb,) if eb and isinstance(eb[0], int) else eb  # ((index, branches), ...)
         self.memo: dict[str, HloStats] = {}
 
     def comp(self, name: str, top: bool) -> HloStats:
@@ -305,9 +306,8 @@ class _Counter:
         if op == "conditional":
             branches = [self.comp(c, top) for c in re.findall(r"%([\w.\-]+)", ins.attrs.split("branch_computations=")
                                                                [-1].split("}")[0])]
-            pick = self.expert_branch
-            if pick is not None and len(branches) == pick[1] and re.search(
-                    r'op_name="[^"]*' + ROUTED_EXPERTS_SCOPE, ins.attrs):
+            pick = next((p for p in self.expert_branch if p[1] == len(branches)), None)
+            if pick is not None and re.search(r'op_name="[^"]*' + ROUTED_EXPERTS_SCOPE, ins.attrs):
                 st.add(branches[pick[0]])  # the sized dispatch's switch: the branch the routing load picks
             elif branches:
                 st.add(max(branches, key=lambda b: b.flops + b.bytes))
@@ -412,11 +412,12 @@ class _Counter:
         return out + sum(ins_bytes)
 
 
-def count(text: str, gpus_per_node: int = 8, expert_branch: tuple[int, int] | None = None) -> HloStats:
+def count(text: str, gpus_per_node: int = 8, expert_branch=None) -> HloStats:
     """The module docstring's counts for the optimized HLO `text` of one device's program. `expert_branch` (index,
-    branches): a conditional of that many branches in the routed experts' scope (the sized dispatch's switch,
-    parallel/padded.py) counts branch `index` (the load a routing model picks, parallel/routing_load.py) instead
-    of its costliest."""
+    branches), or several such pairs: a conditional of that many branches in the routed experts' scope (the sized
+    dispatch's switch, parallel/padded.py; with `compact`, the switch nested in each of its branches) counts branch
+    `index` (the load a routing model picks, parallel/routing_load.py) instead of its costliest; the first pair
+    whose branch count matches applies."""
     c = _Counter(text, gpus_per_node, expert_branch)
     return c.comp(c.entry, top=True)
 

@@ -300,18 +300,17 @@ def _compile_gpu(config, report, args, learner, seq: int, target: gt.Target) -> 
             f"{xla.total / a.gpu_total:.2f})")
     rx = None
     if args.compile_only in ("both", "rollout"):
+        dtype, note = gt.rollout_fp8_stand_in(target, args.run.rollout.dtype)
+        if note:
+            say(f"FP8 format: {note}")
         try:
             rx = _compile_rollout(config, report, args, gpu_target=target, backend=backend, say=say,
-                                  compiler_options=gt.compile_options())
+                                  compiler_options=gt.compile_options(),
+                                  rollout=dataclasses.replace(args.run.rollout, dtype=dtype))
         except CompileFailed as e:
             print(f"error: {e}", file=sys.stderr)
             failed = True
         r_xla = None if rx is None else rx.total
-        if rx is not None and "fnuz" in args.run.rollout.dtype:
-            say(f"  --rollout-dtype {args.run.rollout.dtype}: XLA:CUDA has no e4m3fnuz GEMM, so on this NVIDIA target the "
-                "FP8 projections are converted before their dots (0 FP8 dots below); on gfx942 (ROCm) they are FP8 "
-                "GEMMs (dsv4/rollout_format.py `GEMM_KEYS`; --rollout-dtype fp8 shows them on an NVIDIA target). The "
-                "routed experts are dequantised per layer on every backend (no grouped FP8 GEMM)")
     step_s, ratio, rfig = _rooflines(config, report, seq, target, target.label,
                                      xla if a_xla is not None else None, rx, say=say)
     fits = _verdict(report, args, a_xla, r_xla, say=say)
@@ -360,18 +359,20 @@ def _rooflines(config, report, seq: int, target: gt.Target, label: str, xla, rx,
 
 
 def _compile_rollout(config, report, args, gpu_target: gt.Target | None = None, backend: str = "XLA:CPU", say=print,
-                     compiler_options: dict | None = None):
+                     compiler_options: dict | None = None, rollout=None):
     """--compile, rollout side: XLA's figures of the sampler's generate program on the rollout mesh
     (`launch.aot.compile_rollout`: the step's `--prompts-per-step` x `--group-size` sequences of `--max-prompt-len`
     + `--max-new-tokens`; continuous batching over `--rollout-slots` slots with `--prefill-chunk` chunked
     per-request prefill, or static with slots 0), printed with the KV capacity left;
     returns the `RolloutCompileReport` (None, with the error printed, when it cannot be compiled). In a child
-    process (`_in_child`; on abstract GPUs of `gpu_target` when given): CompileFailed when it aborts or fails."""
+    process (`_in_child`; on abstract GPUs of `gpu_target` when given): CompileFailed when it aborts or fails.
+    `rollout`: the rollout knobs to compile (default the run's; a proxy's FP8 stand-in, `gt.rollout_fp8_stand_in`)."""
     run = args.run
+    rollout = run.rollout if rollout is None else rollout
     try:
         rx = _in_child("launch.aot:compile_rollout", dict(
             config=config, mesh_spec=report.mesh_spec, batch=run.rollout.prompts_per_step * run.rollout.group_size,
-            context=seq_len(run), prompt_len=run.data.max_prompt_len, rollout=run.rollout,
+            context=seq_len(run), prompt_len=run.data.max_prompt_len, rollout=rollout,
             kv_budget=report.rollout.margin, backend=backend, compiler_options=compiler_options,
             routing_load=args.routing_load), "rollout", args,
             report, gpu_target=gpu_target)

@@ -105,7 +105,7 @@ def rollout_summary(st: HloStats, decode: HloStats | None, target: Target, *, se
     nan = float("nan")
     lines = [f"  roofline of the rollout on {label} (per device; optimized HLO): program {st.flops / 1e12:.2f} TFLOP, "
              f"{st.bytes / GiB:.1f} GiB HBM, collectives {_coll(st)}; dots with an FP8 operand: {st.fp8_dots} of "
-             f"{st.dots} (0: the FP8 weights are dequantised to bf16 before every GEMM)"]
+             f"{st.dots}" + (" (the FP8 weights are dequantised to bf16 before every GEMM)" if not st.fp8_dots else "")]
     if decode is None:
         lines.append("    no token loop found (no while loop in the program)")
         return lines, {"tok_s": nan, "decode_step_ms_roofline": nan, "decode_step_ms_limit": nan,

@@ -389,7 +389,8 @@ def make_ep_dispatch(mesh: Mesh, *, backend: str = "capacity", capacity_factor: 
         return with_stats(*args, **kwargs)[0]
 
     dispatch.__doc__ = f"EP dispatch ({backend}) over {expert_axis}={ep}, tokens split over {tok_axes}."
-    bound = "dropless" if capacity_factor is None else f"capacity factor {capacity_factor:g}"
+    bound = ("dropless" if capacity_factor is None else f"capacity factor {capacity_factor:g}") + (
+        "; rows compacted per local expert" if compact and backend == "sized" else "")
     dispatch.dispatch_name = f"EP dispatch ({backend}) over {expert_axis}={ep}, tokens split over {tok_axes}; {bound}"
     dispatch.with_stats, dispatch.can_drop = with_stats, capacity_factor is not None
     dispatch.fp8_experts = fp8_experts  # takes FP8 `QuantizedTensor` experts and runs FP8 GEMMs (`dsv4.moe.MoE`)
@@ -431,7 +432,8 @@ def auto_backend(cpu: bool, capacity_factor: float | None) -> str:
 
 
 def default_dispatch(devices: Sequence[Any], param_shardings: Mapping[str, Any] | None = None, *,
-                     ep_backend: str | None = None, ep_capacity_factor: float | None = None, check_vma: bool = True):
+                     ep_backend: str | None = None, ep_capacity_factor: float | None = None, check_vma: bool = True,
+                     compact: bool = False):
     """The routed-expert implementation the sampler and the learner use when none is given (the one place that
     decides).
 
@@ -441,8 +443,8 @@ def default_dispatch(devices: Sequence[Any], param_shardings: Mapping[str, Any] 
         sharding without `.spec` = not sharded)}, or None for a single device.
       ep_backend: backend of `make_ep_dispatch` (`BACKENDS`); None = `auto_backend`
         ("capacity" on CPU; on GPUs "padded" with a capacity factor, else "ragged"). ep_capacity_factor: its
-        `capacity_factor` (None = dropless). check_vma: `make_ep_dispatch`'s (False under a pipeline). Expert
-        meshes only.
+        `capacity_factor` (None = dropless). check_vma: `make_ep_dispatch`'s (False under a pipeline). compact:
+        its `compact` ("sized": the rows compacted per local expert after the all_to_all). Expert meshes only.
     Returns:
       - experts split over the `expert` mesh axis (size > 1) of a NamedSharding laid out by the actor or the
         rollout rule table: `make_ep_dispatch(mesh, rules=that table)`, the shard_map all-to-all expert
@@ -453,14 +455,14 @@ def default_dispatch(devices: Sequence[Any], param_shardings: Mapping[str, Any] 
         layout the EP dispatch cannot take).
     """
     expert_sh = [sh for k, sh in (param_shardings or {}).items() if ROUTED_EXPERT_RE.search(k)]
-    ep = _ep_dispatch(expert_sh, devices, ep_backend, ep_capacity_factor, check_vma)
+    ep = _ep_dispatch(expert_sh, devices, ep_backend, ep_capacity_factor, check_vma, compact)
     if ep is not None:
         return ep
     return routed_experts_local(devices, param_shardings)
 
 
 def _ep_dispatch(expert_shardings: Sequence[Any], devices: Sequence[Any], backend: str | None = None,
-                 capacity_factor: float | None = None, check_vma: bool = True):
+                 capacity_factor: float | None = None, check_vma: bool = True, compact: bool = False):
     """`make_ep_dispatch` for experts sharded over a mesh's `expert` axis (> 1) by a known rule table, else None."""
     named = [sh for sh in expert_shardings if isinstance(sh, jax.sharding.NamedSharding)]
     if not named or len(named) != len(expert_shardings):
@@ -477,7 +479,7 @@ def _ep_dispatch(expert_shardings: Sequence[Any], devices: Sequence[Any], backen
         if all(norm(sh.spec) in (w13, w2) for sh in named):
             try:
                 return make_ep_dispatch(mesh, backend=backend, capacity_factor=capacity_factor, rules=rules,
-                                        check_vma=check_vma)
+                                        check_vma=check_vma, compact=compact)
             except ValueError:  # a layout the EP dispatch cannot take (e.g. tokens split over tensor): GSPMD
                 return None
     return None

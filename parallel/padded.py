@@ -30,8 +30,10 @@ FP8 experts (the rollout's FP8 GEMMs, `parallel.expert.make_ep_dispatch` given k
 token's row is quantised once per 1 x 128 block (`expert_rows`, the release's `act_quant`), the buffers and the
 all_to_all carry the FP8 bytes and their [.., D / 128] f32 scales (about half the bf16 rows' bytes), and `padded_ffn`
 multiplies FP8 by FP8 (`dsv4.fp8_gemm.fp8_expert_matmul`): no dequantised copy of the experts, up to
-`FP8_ROWS_MAX` rows per local expert (a static choice per compiled capacity; above it the rank's experts are
-dequantised, which moves fewer bytes than the FP8 GEMMs' f32 K-block partials).
+`fp8_rows_limit` rows per local expert (`FP8_ROWS_MAX`, doubled for a bf16 compute dtype; a static choice per
+compiled capacity; above it the rank's experts are dequantised, which moves fewer bytes than the FP8 GEMMs' K-block
+partials). Each K block's partial sum leaves its GEMM in the compute dtype (bf16 on GPUs: half the bytes of f32;
+one bf16 rounding per 128-wide block, ~ the rounding of the bf16 output itself) and is scaled and summed in f32.
 
 Every body returns `DispatchStats` (local counts; `make_ep_dispatch` sums them over the token axes): the chosen
 bucket and capacity, the pairs dropped and the pairs routed (rows after merging repeated picks; pad tokens and
@@ -120,11 +122,19 @@ def merge_repeated_picks(ids: jax.Array, w: jax.Array) -> tuple[jax.Array, jax.A
     return jnp.where(is_first | (ids < 0), ids, -1), jnp.where(is_first, merged, 0.0).astype(w.dtype)
 
 
-# Rows per local expert above which the padded FFN dequantises FP8 experts instead of running FP8 GEMMs. The FP8
-# GEMM writes and reads f32 partials [n, R, O] per 128-wide K block: 8 R O K / 128 = W R / 16 bytes for W bytes of
-# FP8 weights, against 5 W for the dequant path (read W, write and read 2 W of bf16): FP8 moves fewer bytes while
-# R < 64 (XLA:GPU, H200 spec: 0.50x at R = 24, 0.80x at 48, 1.37x at 96; benchmarks/README.md "FP8 expert GEMMs").
+# Rows per local expert above which the padded FFN dequantises FP8 experts instead of running FP8 GEMMs, for 4-byte
+# (f32) K-block partials; 2-byte ones (a bf16 compute dtype) double it (`fp8_rows_limit`). The FP8 GEMM writes and
+# reads p-byte partials [n, R, O] per 128-wide K block: 2 p R O K / 128 = W p R / 64 bytes for W bytes of FP8
+# weights, against 5 W for the dequant path (read W, write and read 2 W of bf16) less the W both read: FP8 moves
+# fewer bytes while R <= 256 / p (XLA:GPU, H200 spec, f32 partials: 0.50x at R = 24, 0.80x at 48, 1.37x at 96; bf16
+# partials: 0.51x at 48, 0.81x at 96; benchmarks/README.md "FP8 expert GEMMs").
 FP8_ROWS_MAX = 64
+
+
+def fp8_rows_limit(dtype, rows_max: int | None = FP8_ROWS_MAX) -> int | None:
+    """The FP8 expert GEMMs' row limit for a compute `dtype` (whose itemsize the K-block partials take): `rows_max`
+    for f32 partials, x 4 / itemsize otherwise (bf16: 2 x); None (no limit) stays None."""
+    return None if rows_max is None else rows_max * 4 // jnp.dtype(dtype).itemsize
 
 
 def padded_ffn(xs, gate_w: jax.Array, w1, w3, w2, *, limit: float, dtype, partial: bool = False,
@@ -135,19 +145,22 @@ def padded_ffn(xs, gate_w: jax.Array, w1, w3, w2, *, limit: float, dtype, partia
     gate_w [n, R] float32; w1, w3 [n, I', D]; w2 [n, D, I'] (I' may be a tensor-parallel slice: then `partial`).
     Returns [n, R, D] float32; empty slots are exactly 0 (their routing weight is 0). Same math as `grouped_ffn`.
     FP8 experts (w1, w3, w2 kind 'fp8' `QuantizedTensor`s, q [n, I', D] / [n, D, I'] with their local scales):
-    xs is `Fp8Rows` (q [n, R, D] fp8, s [n, R, D / 128]) and, for R <= `fp8_rows_max` (None: any R), the three
-    products are FP8 GEMMs (`dsv4.fp8_gemm.fp8_expert_matmul`), the w2 input quantised per 1 x 128 as the release
-    does (act_q unused); above it, the local experts are dequantised and the rows and the w2 input fake-quantised
-    (`FP8_ROWS_MAX`: where that moves fewer bytes; the same products).
+    xs is `Fp8Rows` (q [n, R, D] fp8, s [n, R, D / 128]) and, for R <= `fp8_rows_limit(dtype, fp8_rows_max)` (None:
+    any R), the three products are FP8 GEMMs (`dsv4.fp8_gemm.fp8_expert_matmul`, K-block partials in `dtype`), the
+    w2 input quantised per 1 x 128 as the release does (act_q unused); above it, the local experts are dequantised
+    and the rows and the w2 input fake-quantised (`FP8_ROWS_MAX`: where that moves fewer bytes; the same products).
     """
-    if isinstance(w1, QuantizedTensor) and (fp8_rows_max is None or gate_w.shape[1] <= fp8_rows_max):
-        # the dequant path's dots return `dtype`; so do the release's FP8 GEMMs (bf16 out)
-        g = fp8_expert_matmul(xs, w1).astype(dtype)
+    limit_rows = fp8_rows_limit(dtype, fp8_rows_max)
+    if isinstance(w1, QuantizedTensor) and (limit_rows is None or gate_w.shape[1] <= limit_rows):
+        # the dequant path's dots return `dtype`; so do the release's FP8 GEMMs (bf16 out); the K blocks' partial
+        # sums too (the module docstring: half the bytes of f32 ones in bf16)
+        pd = jnp.dtype(dtype)
+        g = fp8_expert_matmul(xs, w1, pd).astype(dtype)
         # w3's own copy of the row operand: XLA:GPU's dot merger would otherwise fuse each K block's w1 and w3 dots
         # into one GEMM on concat(w1, w3) slices, which it can no longer read in place (it copies both slices)
-        u = fp8_expert_matmul(jax.lax.optimization_barrier(xs), w3).astype(dtype)
+        u = fp8_expert_matmul(jax.lax.optimization_barrier(xs), w3, pd).astype(dtype)
         h = (swiglu(g, u, limit) * gate_w[..., None]).astype(dtype)  # [n, R, I']
-        y = fp8_expert_matmul(quantize_rows(h, w2.fmt), w2)
+        y = fp8_expert_matmul(quantize_rows(h, w2.fmt), w2, pd)
         return (y if partial else y.astype(dtype)).astype(jnp.float32)
     if isinstance(w1, QuantizedTensor):  # many rows: the dequant path on this rank's experts
         xs, act_q = dequantize_rows(xs, dtype), act_fake_quant

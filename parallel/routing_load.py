@@ -13,7 +13,8 @@ model:
     balanced   every cell at its mean load ceil(T_local k / E) (the lower bound: the first capacity)
 A trained router is skewed (benchmarks/README.md "EP dispatch rows": Zipf 0.6 routing needs 16x the mean), so
 "uniform" is optimistic and "worst" pessimistic; the planner's default is "worst". `drop_fraction`: the share of
-routed pairs a fixed capacity drops under a routing model (the padded backend's capacity factor).
+routed pairs a fixed capacity drops under a routing model (the padded backend's capacity factor). `peak_expert_load`:
+the busiest local expert's rows after the all_to_all (the `compact` step's second switch).
 """
 
 from __future__ import annotations
@@ -49,6 +50,23 @@ def peak_cell_load(t_local: int, k: int, n_experts: int, ep: int, routing: str, 
         return max(1, math.ceil(t_local * k / n_experts))
     rng = np.random.default_rng(seed)
     return int(np.median([cell_loads(t_local, k, n_experts, ep, routing, rng).max() for _ in range(trials)]))
+
+
+def peak_expert_load(t_local: int, k: int, n_experts: int, ep: int, capacity: int, routing: str, trials: int = 16,
+                     seed: int = 0) -> int:
+    """The busiest expert's rows after the all_to_all of one dispatch at `capacity` rows per (source rank, expert):
+    the rows it receives from all `ep` sources, each cell cut at `capacity` (what the sized dispatch's `compact`
+    step sizes its second switch by, parallel/padded.py `_buffers_ffn`); routing models as `peak_cell_load`
+    ("worst": ep x capacity, "balanced": ep x the mean cell). Raises ValueError naming --routing-load."""
+    if routing not in ROUTING_LOADS:
+        raise ValueError(f"--routing-load must be one of {'|'.join(ROUTING_LOADS)}, got {routing!r}")
+    if routing == "worst":
+        return ep * capacity
+    if routing == "balanced":
+        return ep * min(capacity, max(1, math.ceil(t_local * k / n_experts)))
+    rng = np.random.default_rng(seed)
+    return int(np.median([np.minimum(cell_loads(t_local, k, n_experts, ep, routing, rng), capacity).sum(0).max()
+                          for _ in range(trials)]))
 
 
 def drop_fraction(t_local: int, k: int, n_experts: int, ep: int, capacity: int, routing: str, trials: int = 16,

@@ -59,6 +59,10 @@ class RolloutConfig:
               "bounded by the tokens per device of one call: use --rollout-slots) | f > 0 = capacity "
               "min(T_local, ceil(f T_local k / E)) (sized: its largest capacity), pairs past it dropped (first "
               "come in (token, pick) order; the token keeps its other experts and the shared one)")
+    ep_compact: bool = knob(False, "sized EP dispatch: after the all_to_all, each local expert's rows move to the "
+                                   "front and its FFN runs on the smallest of a few compiled row counts holding the "
+                                   "busiest expert (parallel/padded.py; exact, ~2x the routed rows at uniform routing "
+                                   "instead of ~4x; more compiled branches)")
     speculative: Literal["off", "mtp"] = knob(
         "off", "speculative decoding: off | mtp (DeepSeek-V4's MTP block drafts --rollout.draft_tokens tokens per "
                "step, one forward of the policy verifies them; the output distribution is plain sampling's; "

@@ -156,7 +156,8 @@ class Sampler(EngineShapes):
             backend = (expert_lib.rollout_backend(all(d.platform == "cpu" for d in ddevs))
                        if st.ep_backend == "auto" else st.ep_backend)
             dispatch_fn = expert_lib.default_dispatch(ddevs, self.weights.dense_shardings, ep_backend=backend,
-                                                      ep_capacity_factor=st.ep_capacity_factor)
+                                                      ep_capacity_factor=st.ep_capacity_factor,
+                                                      compact=st.ep_compact)
         self.dispatch_fn, self.dispatch_name = dispatch_fn, expert_lib.dispatch_name(dispatch_fn)
         self.last_stats: dict = {}
         self._init_caches()

@@ -27,7 +27,7 @@ XLA's summation order). `matmul="fp8"` forces the FP8 GEMMs (also on CPU, where 
 The routed experts run FP8 GEMMs too where the expert dispatch has them (`parallel.expert.make_ep_dispatch` backends
 "padded" / "sized", the GPU rollout's default on an expert mesh: `fp8_experts`): the layer keeps them quantised
 (FP4 experts become FP8 blocks inside the layer, `dsv4.rollout_format.layer_value`) and the dispatch multiplies FP8
-rows by the FP8 blocks (`dsv4.fp8_gemm.fp8_expert_matmul`) in its buffers of up to `parallel.padded.FP8_ROWS_MAX`
+rows by the FP8 blocks (`dsv4.fp8_gemm.fp8_expert_matmul`) in its buffers of up to `parallel.padded.fp8_rows_limit`
 rows per expert (dequantising the rank's experts in larger ones); any other dispatch dequantises them as before.
 """
 

@@ -40,8 +40,8 @@ class EngineSettings:
     decode slots (`--rollout-slots`). kv_budget_bytes: KV-cache bytes per rollout device (None = unchecked).
     kv_cache_dtype: "fp8" | "bf16" | "auto" (`--kv-cache-dtype`; the one default, `RolloutConfig.kv_cache_dtype`;
     resolved by `kv_layout`). prefill_chunk, speculative, draft_tokens,
-    ep_backend, ep_capacity_factor: `--prefill-chunk`, `--rollout.speculative`, `--rollout.draft_tokens`,
-    `--rollout.ep_backend`, `--rollout.ep_capacity_factor`.
+    ep_backend, ep_capacity_factor, ep_compact: `--prefill-chunk`, `--rollout.speculative`,
+    `--rollout.draft_tokens`, `--rollout.ep_backend`, `--rollout.ep_capacity_factor`, `--rollout.ep_compact`.
     Raises ValueError (naming the knob) for an unknown weights / dequant / matmul / kv_cache_dtype or slots < 0.
     """
 
@@ -59,6 +59,7 @@ class EngineSettings:
     draft_tokens: int = default(RolloutConfig, "draft_tokens")
     ep_backend: str = default(RolloutConfig, "ep_backend")
     ep_capacity_factor: float | None = default(RolloutConfig, "ep_capacity_factor")
+    ep_compact: bool = default(RolloutConfig, "ep_compact")
 
     def __post_init__(self):
         rdt = parse_rollout_dtype(self.weights)
@@ -93,7 +94,8 @@ class EngineSettings:
                    kv_budget_bytes=kv_budget_bytes, kv_cache_dtype=rollout.kv_cache_dtype,
                    prefill_chunk=rollout.prefill_chunk, speculative=rollout.speculative,
                    draft_tokens=rollout.draft_tokens, ep_backend=rollout.ep_backend,
-                   ep_capacity_factor=rollout.ep_capacity_factor, matmul=rollout.matmul)
+                   ep_capacity_factor=rollout.ep_capacity_factor, ep_compact=rollout.ep_compact,
+                   matmul=rollout.matmul)
 
     @property
     def rdt(self) -> RolloutDtype:

@@ -2,7 +2,7 @@
 same quantised activations within float rounding; the padded / sized EP dispatch given FP8 `QuantizedTensor` experts
 (`parallel.padded.padded_ffn`) runs FP8 dots and equals the dequant path (`dsv4.moe.MoE`'s: fake-quantised rows and
 w2 input times dequantised experts) on a tensor-parallel rollout layout and an FSDP actor layout, and falls back to
-that path where the tensor axis splits a scale block or a buffer has more than `FP8_ROWS_MAX` rows per expert;
+that path where the tensor axis splits a scale block or a buffer has more than `fp8_rows_limit` rows per expert;
 on the H200 spec (deviceless XLA:GPU, launch/gpu_target.py)
 every expert dot takes f8 operands. Sampler-level parity: tests/rl/test_rollout_weights.py.
 Run: `.venv/bin/python -m pytest -q tests/parallel/test_fp8_experts.py`.
@@ -45,6 +45,12 @@ def test_fp8_expert_matmul_equals_dequantised_reference():
     ref = jnp.einsum("eri,eoi->ero", quant.act_fake_quant(x), w.dequantize(jnp.float32))
     assert y.shape == (3, 5, 200) and y.dtype == jnp.float32
     np.testing.assert_allclose(np.asarray(y), np.asarray(ref), rtol=1e-5, atol=1e-5 * float(jnp.abs(ref).max()))
+    # the padded FFN's bf16 partials (a bf16 compute dtype): one bf16 rounding (2^-9 relative) per K block's sum
+    yb = jax.jit(lambda x, w: fp8_expert_matmul(quantize_rows(x), w, jnp.bfloat16))(x, w)
+    assert yb.dtype == jnp.float32
+    bound = 2.0**-9 * np.abs(np.asarray(jnp.einsum("eri,eoi->ero", jnp.abs(quant.act_fake_quant(x)),
+                                                   jnp.abs(w.dequantize(jnp.float32)))))
+    assert (np.abs(np.asarray(yb) - np.asarray(ref)) <= bound + 1e-6).all()
     with pytest.raises(ValueError, match="3-d fp8"):
         fp8_expert_matmul(quantize_rows(x), quant.QuantizedTensor.from_fp8(jnp.ones((200, 300))))
 
@@ -89,7 +95,7 @@ ROLLOUT = "actor:fsdp=4/rollout:expert=2,tensor=2"
     (ROLLOUT, ROLLOUT_RULES, "sized", 16, 256, None),
     ("actor:fsdp=2,expert=2,tensor=2", ACTOR_RULES, "padded", 16, 256, 5),  # FSDP: D gathered as FP8 bytes
     (ROLLOUT, ROLLOUT_RULES, "padded", 16, 64, 0),  # I / tp = 32 is not a whole scale block: dequantised
-    (ROLLOUT, ROLLOUT_RULES, "padded", 80, 256, 0),  # 2 x 40 rows per expert > FP8_ROWS_MAX: dequantised there
+    (ROLLOUT, ROLLOUT_RULES, "padded", 80, 256, 0),  # 2 x 40 rows per expert > FP8_ROWS_MAX (f32): dequantised there
 ])
 def test_ep_dispatch_fp8_experts_match_the_dequant_path(spec, rules, backend, t, i, f8_dots):
     plan = build_mesh_plan(spec)

@@ -7,7 +7,7 @@ import pytest
 
 from launch import hlo_stats
 from parallel.padded import capacity_buckets
-from parallel.routing_load import bucket_index, peak_cell_load
+from parallel.routing_load import bucket_index, peak_cell_load, peak_expert_load
 
 # a conditional of 3 branches in the routed experts' scope (the sized switch) and one outside it
 HLO = """HloModule m
@@ -45,6 +45,14 @@ def test_peak_cell_load_and_bucket():
     assert bucket_index(buckets, 500) == 6 and bucket_index(buckets, 1) == 0
     with pytest.raises(ValueError, match="--routing-load must be one of worst|uniform|zipf|balanced"):
         peak_cell_load(128, 6, 256, 8, "pareto")
+    # `compact`'s second switch at C = 12: rows per local expert (ep x C = 96 at most) from all 8 sources, the mean
+    # 24; uniform routing's busiest expert needs 48 (2x the routed rows, benchmarks/ep_dispatch.py's compact_uniform_x)
+    inner = tuple(c for c in capacity_buckets(8 * 128, 6, 256) if c < 96) + (96,)
+    assert inner == (24, 48, 96)
+    rows = {r: bucket_index(inner, peak_expert_load(128, 6, 256, 8, 12, r)) for r in ("balanced", "uniform", "worst")}
+    assert rows == {"balanced": 0, "uniform": 1, "worst": 2}
+    with pytest.raises(ValueError, match="--routing-load"):
+        peak_expert_load(128, 6, 256, 8, 12, "pareto")
 
 
 def test_hlo_counts_the_branch_the_routing_picks():
@@ -53,6 +61,8 @@ def test_hlo_counts_the_branch_the_routing_picks():
     assert hlo_stats.count(HLO, expert_branch=(1, 3)).flops == flops[8]
     assert hlo_stats.count(HLO, expert_branch=(1, 4)).flops == flops[16]  # not the sized switch's branch count
     assert hlo_stats.count(HLO.replace("routed_experts", "attention"), expert_branch=(0, 3)).flops == flops[16]
+    # several switches (the sized dispatch's and, with compact, the one inside its branches): matched by branch count
+    assert hlo_stats.count(HLO, expert_branch=[(6, 7), (0, 3)]).flops == flops[4]
 
 
 def test_drop_fraction_of_a_capacity():

@@ -17,7 +17,7 @@ import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from dsv4 import moe
-from parallel.expert import ragged_all_to_all_reference, make_ep_dispatch, rollout_backend
+from parallel.expert import default_dispatch, make_ep_dispatch, ragged_all_to_all_reference, rollout_backend
 from parallel.padded import capacity_buckets, merge_repeated_picks, padded_capacity
 from sharding.mesh import build_mesh_plan
 from sharding.rules import ACTOR_RULES, ROLLOUT_RULES, param_shardings
@@ -306,7 +306,11 @@ def test_sized_compact_runs_each_experts_rows(actor_mesh):
     i, p = np.arange(T) % 12, (np.arange(T) // 12) % 2
     ids = jnp.asarray(np.stack([2 * p + i % 2, 4 + 2 * p + i % 2], axis=1), jnp.int32)
     ref = routed_experts_ragged(x, ids, w, w1, w3, w2, limit=LIMIT, dtype=jnp.float32)
-    fn = make_ep_dispatch(actor_mesh, backend="sized", compact=True)
+    # built as the sampler builds it (--rollout.ep_backend sized --rollout.ep_compact true)
+    shardings = {f"layers/1/ffn/experts/{n}": NamedSharding(actor_mesh, s)
+                 for n, s in zip(("w1", "w3", "w2"), _weight_specs(actor_mesh, ACTOR_RULES))}
+    fn = default_dispatch(list(actor_mesh.devices.flat), shardings, ep_backend="sized", compact=True)
+    assert fn.dispatch_name.endswith("; dropless; rows compacted per local expert"), fn.dispatch_name
     out, (bucket, cap, _, _, rows), _ = _dispatch_stats(actor_mesh, fn, x, ids, w, w1, w3, w2)
     np.testing.assert_allclose(np.asarray(out), np.asarray(ref), **TOL)
     assert (bucket, cap, rows) == (1, 6, 6)
