@@ -8,8 +8,8 @@ Enumerates every actor mesh of the run's actor devices (`--nodes` x `--gpus-per-
 rollout part of the run's mesh is kept) over the six axes (stage, data, fsdp, context, expert, tensor), with
 `--learner.pipeline_stages` = the stage axis. A layout the model or the learner cannot take (an axis that does not
 divide a model dim, stages that do not divide the pipelined group's repetitions) is dropped with its reason
-counted; one the plan arithmetic (parallel/plan.py, with GPipe's M micro-batches of saved stage inputs added,
-below) says does not fit is printed as such but never compiled. Every other row gets an arithmetic estimate of its
+counted; one the plan arithmetic (parallel/plan.py, GPipe's M micro-batches of saved stage inputs included) says
+does not fit is printed as such but never compiled. Every other row gets an arithmetic estimate of its
 step (`estimate`), and the `--search-compile` N best that fit are compiled deviceless by XLA:GPU for `--target`
 (`launch.aot.compile_actor`, the same child process as `--compile`) and ranked again by their HLO roofline
 (launch/roofline.py). Each row prints the flags that run it (`--mesh ... --learner.pipeline_stages P`).
@@ -53,7 +53,7 @@ from launch.compile_child import CompileFailed
 from launch.gpu_target import NET_BW, Target
 from launch.roofline import roofline
 from parallel import pipeline
-from parallel.activations import context_gathered, saved_layer_inputs
+from parallel.activations import context_gathered
 from parallel.flops import train_flops_per_token
 from parallel.model_bytes import abstract_mesh, local_shape, model_leaves
 from parallel.plan import GiB, PlanReport, pipeline_line
@@ -158,11 +158,13 @@ def weight_bytes(config, sizes: dict[str, int], lora, pipelined: range, trained:
 
 
 def estimate(config, sizes: dict[str, int], *, report: PlanReport, tokens: int, seq: int, micro_batches: int,
-             target: Target, gpus_per_node: int, lora=None, trained: Callable[[object], bool]) -> Row:
+             target: Target, gpus_per_node: int, flops_per_token: float, lora=None,
+             trained: Callable[[object], bool]) -> Row:
     """The module docstring's arithmetic for the actor mesh `sizes` whose memory plan is `report` (planned with
     `--learner.pipeline_stages` = the stage axis), `tokens` T per device of the batch axes per micro-batch, rows of
-    `seq` tokens, M = `micro_batches` (pipelined rows; 1 otherwise). The plan's GPU total gets GPipe's extra saved
-    stage inputs: each stage keeps M micro-batches' inputs of its L_p / P layers (the plan counts one). The EP
+    `seq` tokens, M = `micro_batches` (pipelined rows; 1 otherwise; the plan's M too), `flops_per_token` the
+    model's (`parallel.flops.train_flops_per_token(config, seq)["total"]`, traced once by the caller). Memory: the
+    plan's GPU total (GPipe's M micro-batches of saved stage inputs included). The EP
     dispatch is the plan's (`report.options`: the resolved `ep_backend`, `ep_capacity_factor`)."""
     ep_backend, ep_factor = report.options["ep_backend"], report.options["ep_capacity_factor"]
     p, t, c = sizes[rl.STAGE], sizes[rl.TENSOR], sizes[rl.CONTEXT]
@@ -174,7 +176,7 @@ def estimate(config, sizes: dict[str, int], *, report: PlanReport, tokens: int, 
     lo = n_layers - lp
     iters = m + p - 1
     layer_tokens = tokens * (m * lo + iters * lp / p)
-    flops = layer_tokens / n_layers * train_flops_per_token(config, seq)["total"] / t * REMAT_RATIO
+    flops = layer_tokens / n_layers * flops_per_token / t * REMAT_RATIO
     compute_s = flops / target.peak_flops
     memory_s = flops * HBM_BYTES_PER_FLOP / target.hbm_bw
     g_out, g_in, t_out, t_in, allreduce = weight_bytes(config, sizes, lora, pipelined, trained)
@@ -203,11 +205,8 @@ def estimate(config, sizes: dict[str, int], *, report: PlanReport, tokens: int, 
         add(2 * iters * tokens * config.hc_mult * config.hidden_size * 2, (rl.STAGE,))
     step_s = max(compute_s, memory_s) + intra / target.link_bw + inter / NET_BW
     a = report.actor
-    gib = a.gpu_total
-    if p > 1:  # GPipe: M micro-batches' saved inputs of the stage's layers, where the plan counts one
-        gib += saved_layer_inputs(config, tokens) * lp / n_layers * (m / p - 1)
-    return Row(sizes=sizes, mesh=report.mesh_spec, stages=p, micro_batches=m, gib=gib / GiB,
-               usable_gib=a.usable / GiB, fits=gib <= a.usable and a.fits, bubble=pipeline.bubble_fraction(p, m),
+    return Row(sizes=sizes, mesh=report.mesh_spec, stages=p, micro_batches=m, gib=a.gpu_total / GiB,
+               usable_gib=a.usable / GiB, fits=a.fits, bubble=pipeline.bubble_fraction(p, m),
                intra=intra, inter=inter, compute_s=compute_s, memory_s=memory_s, step_s=step_s,
                tok_s_per_gpu=tokens * m / (p * t) / step_s)
 
@@ -241,6 +240,7 @@ def search(config, *, n_actor: int, rollout: dict[str, int] | None, plan_fn: Cal
     pipelined row: `micro_batches` or 4 P. Layouts the model or learner cannot take are dropped (counted by
     reason)."""
     rows, dropped = [], {}
+    flops_per_token = train_flops_per_token(config, seq)["total"]  # an nnx.eval_shape of the model: once
     for sizes in actor_meshes(n_actor, config):
         spec = mesh_spec(sizes, rollout)
         p = sizes[rl.STAGE]
@@ -248,7 +248,7 @@ def search(config, *, n_actor: int, rollout: dict[str, int] | None, plan_fn: Cal
             report = plan_fn(spec, p)
             row = estimate(config, sizes, report=report, tokens=tokens_fn(spec), seq=seq,
                            micro_batches=micro_batches or 4 * p, target=target, gpus_per_node=gpus_per_node,
-                           lora=lora, trained=trained)
+                           flops_per_token=flops_per_token, lora=lora, trained=trained)
         except ValueError as e:  # MeshSpecError: a dim the mesh does not divide; the pipeline's stage count
             why = str(e).split(" (parameter")[0][:90]
             dropped[why] = dropped.get(why, 0) + 1

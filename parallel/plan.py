@@ -215,8 +215,8 @@ def pipeline_line(config, stages: int, stage_axis: int, micro_batches: int | Non
     line = (f"pipeline: {stages} stages over layers {grp.start}..{grp.stop - 1} ({grp.period * grp.repeats // stages} "
             f"per stage; the other {config.num_hidden_layers - grp.period * grp.repeats} layers, embedding and head "
             f"on every stage), GPipe bubble (P-1)/(M+P-1) = {pp.bubble:.3f} at M={m} micro-batches; the pipelined "
-            f"layers' weights and optimizer state are split over {rl.STAGE}={stage_axis}, activations counted "
-            f"as without a pipeline")
+            f"layers' weights and optimizer state are split over {rl.STAGE}={stage_axis}; each stage keeps the "
+            f"saved inputs of its layers for all M micro-batches (GPipe), other activations as without a pipeline")
     return line, range(grp.start, grp.stop)
 
 
@@ -374,6 +374,10 @@ def plan(config, mesh_spec: str, gpu: str, *, learner: LearnerKnobs, nodes: int 
     tokens = tokens_per_device
     act = actor_activations(config, a_sizes, tokens, opts["train_seq_len"], ep_capacity_factor, ep_backend)
     saved = saved_layer_inputs(config, tokens)
+    # GPipe: a stage keeps its L_p / P layers' saved inputs for every one of the M micro-batches (one counted above)
+    m_pipe = pipeline_micro_batches or 4 * learner.pipeline_stages
+    gpipe = 0.0 if pipe is None else saved * len(split_layers) / config.num_hidden_layers * (
+        m_pipe / learner.pipeline_stages - 1)
     cp_kv = context_gathered(config, a_sizes, tokens, opts["train_seq_len"])
     off = off_master + off_mom
     on_gpu = " (rest in host memory)" if off else ""
@@ -384,6 +388,9 @@ def plan(config, mesh_spec: str, gpu: str, *, learner: LearnerKnobs, nodes: int 
         f"Adam moments (2 x {optimizer_dtype}){on_gpu}": mom,
         f"activations ({tokens_per_device} tokens, seq {opts['train_seq_len']}, remat block, EP {ep_backend})": act,
         f"activations: saved layer inputs ({config.num_hidden_layers} layers x bf16 [n_hc, D] per token)": saved,
+        **({} if pipe is None else {
+            f"activations: GPipe, the pipelined layers' saved inputs of M={m_pipe} micro-batches on a stage, less "
+            f"one": gpipe}),
         "activations: one layer's weights gathered (fsdp) + their grads; the head": 2 * layer_w + head,
         f"activations: gathered compressed KV + window halo (context={a_sizes[rl.CONTEXT]})": cp_kv,
         "optimizer update: offloaded state moved to the device (learner's step)": whole + slice_peak,

@@ -39,7 +39,7 @@ def test_estimate_collectives_by_hand():
     sizes = {**dict.fromkeys(search.AXES, 1), rl.EXPERT: 4}
     report = pl.plan(TINY, "actor:expert=4/rollout:expert=4", "mi308x", learner=LEARNER, tokens_per_device=64,
                      rollout_seq_len=64)
-    kw = dict(report=report, tokens=64, seq=64, micro_batches=1, target=TARGETS["mi308x"],
+    kw = dict(report=report, tokens=64, seq=64, micro_batches=1, target=TARGETS["mi308x"], flops_per_token=1e9,
               trained=lambda leaf: leaf.trained)
     row = search.estimate(TINY, sizes, gpus_per_node=8, **kw)
     ep = 64 * TINY.num_hidden_layers * 1.25 * TINY.num_experts_per_tok * TINY.hidden_size * 2 * 6 * 3 / 4
