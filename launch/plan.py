@@ -93,8 +93,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--num-layers", type=int, default=None,
                    help="plan/compile a reduced-depth copy of the config (first N main layers; labelled)")
     p.add_argument("--pipeline-micro-batches", type=int, default=None,
-                   help="micro-batches per step through the learner's pipeline (--learner.pipeline_stages), for its "
-                        "bubble and the compiled step's batch (default 4 x the stages)")
+                   help="micro-batches of one pass through the learner's pipeline (--learner.pipeline_stages), for "
+                        "its bubble, its saved activations and the compiled step's batch (default: "
+                        "--learner.pipeline_micro_batches, else 4 x the stages)")
     p.add_argument("--search", action="store_true",
                    help="rank every actor mesh of the run's actor devices by roofline tokens/s per GPU "
                         "(launch/search.py): the plan arithmetic's table, then the --search-compile best compiled")
@@ -242,9 +243,10 @@ def _drop_line(config, report, args) -> str | None:
 
 
 def micro_batches(args, learner) -> int:
-    """M of the compiled actor step: --pipeline-micro-batches (default 4 P) with a pipeline, else 1."""
+    """M of the compiled actor step: with a pipeline, --pipeline-micro-batches, else the learner's
+    `pipeline_micro_batches` (one pipelined pass), else 4 P; 1 without."""
     p = learner.pipeline_stages
-    return 1 if p <= 1 else (args.pipeline_micro_batches or 4 * p)
+    return 1 if p <= 1 else (args.pipeline_micro_batches or learner.pipeline_micro_batches or 4 * p)
 
 
 def _compile_actor_gpu(config, report, args, learner, seq: int, target: gt.Target):
@@ -283,7 +285,8 @@ def _search(config, name: str, args, target: gt.Target | None) -> int:
 
     return search_lib.run(config, mesh=run.mesh, nodes=args.nodes, gpus_per_node=gpn, learner=run.learner, seq=seq,
                           peaks=peaks, target=target, n_compile=args.search_compile,
-                          micro_batches=args.pipeline_micro_batches, plan_fn=plan_fn, compile_fn=compile_fn,
+                          micro_batches=args.pipeline_micro_batches or run.learner.pipeline_micro_batches,
+                          plan_fn=plan_fn, compile_fn=compile_fn,
                           tokens_fn=lambda m: compiled_tokens_per_device(m, seq, run.learner.max_tokens_per_micro_batch))
 
 
