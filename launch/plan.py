@@ -394,6 +394,7 @@ def _compile_gpu(config, report, args, learner, seq: int, target: gt.Target) -> 
     name = target.name + ("-proxy" if target.proxy else "")
     print(f"RESULT target={name} actor_gpu_gib={gib(a_xla):.2f} actor_usable_gib={a.usable / GiB:.2f} "
           f"rollout_gpu_gib={gib(r_xla):.2f} actor_step_s_roofline={step_s:.3f} "
+          f"actor_tok_s_per_gpu_roofline={tok_s:.0f} "
           f"rollout_tok_s_roofline={rfig.get('tok_s', float('nan')):.0f} remat_flops_ratio={ratio:.2f} "
           + "".join(f"{k}={rfig.get(k, float('nan')):.{d}f} " for k, d in ROLLOUT_FIELDS) + f"fits={'yes' if fits else 'no'}")
     return 1 if failed else 0
