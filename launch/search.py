@@ -35,7 +35,7 @@ roofline is the figure):
   step          max(compute, HBM) + intra-node bytes / link + inter-node bytes / NIC (added, not overlapped: the
                 roofline's convention); tokens/s per GPU = T M / (P tensor) / step.
 REMAT_RATIO and HBM_BYTES_PER_FLOP are the seed step's compiled figures (benchmarks/README.md "GPU plan": 1.66,
-14,755 GiB per 1,334.6 TFLOP), not derived. Tests: tests/sharding/test_search.py (tiny config, no compile).
+14,755 GiB per 1,334.6 TFLOP), not derived. Tests: tests/launch/test_search.py (tiny config, no compile).
 """
 
 from __future__ import annotations
@@ -90,7 +90,9 @@ class Row:
 
     @property
     def flags(self) -> str:
-        return f"--mesh {self.mesh}" + (f" --learner.pipeline_stages {self.stages}" if self.stages > 1 else "")
+        pipe = (f" --learner.pipeline_stages {self.stages} --learner.pipeline_micro_batches {self.micro_batches}"
+                if self.stages > 1 else "")  # the run's passes of M micro-batches: the planned GPipe memory
+        return f"--mesh {self.mesh}" + pipe
 
     @property
     def actor(self) -> str:

@@ -30,6 +30,11 @@ def test_meshes_and_node_crossing():
     assert search.crosses((rl.STAGE,), piped, 8) and not search.crosses((rl.DATA, rl.EXPERT), piped, 8)
     assert search.ep_rows(TINY, "padded", 1.25) == 1.25 * TINY.num_experts_per_tok
     assert search.ep_rows(TINY, "sized", None) == TINY.n_routed_experts
+    row = search.Row(sizes=piped, mesh="actor:stage=2,expert=8/rollout:expert=8", stages=2, micro_batches=8, gib=1,
+                     usable_gib=2, fits=True, bubble=1 / 9, intra=0, inter=0, compute_s=1, memory_s=1, step_s=1,
+                     tok_s_per_gpu=1)
+    assert row.actor == "stage=2,expert=8" and row.flags == ("--mesh actor:stage=2,expert=8/rollout:expert=8 "
+                                                             "--learner.pipeline_stages 2 --learner.pipeline_micro_batches 8")
 
 
 def test_estimate_collectives_by_hand():
