@@ -26,7 +26,7 @@ Needs the [gpu-aot] extra (the CUDA plugin). Run:
     .venv/bin/python benchmarks/gpu_plan.py --rows gpu_4l cpu_4l
     .venv/bin/python benchmarks/gpu_plan.py --context           (the issue-25 rows; ~15-20 min on 2 busy cores)
 Last line: `RESULT target=.. actor_gpu_gib=.. actor_usable_gib=.. rollout_gpu_gib=.. actor_step_s_roofline=..
-rollout_tok_s_roofline=.. remat_flops_ratio=.. decode_step_ms_roofline=.. decode_step_ms_limit=..
+actor_tok_s_per_gpu_roofline=.. rollout_tok_s_roofline=.. remat_flops_ratio=.. decode_step_ms_roofline=.. decode_step_ms_limit=..
 decode_bytes_x_weights=.. fp8_gemm_byte_share=.. expert_flops_x_routed=.. fits=yes|no` (for a CPU row
 actor_gpu_gib / rollout_gpu_gib hold XLA:CPU's figures).
 """
@@ -69,7 +69,7 @@ CONTEXT_ROWS = {
 }
 ROWS.update(CONTEXT_ROWS)
 FIELDS = ("target", "actor_gpu_gib", "actor_usable_gib", "rollout_gpu_gib", "actor_step_s_roofline",
-          "rollout_tok_s_roofline", "remat_flops_ratio", "decode_step_ms_roofline", "decode_step_ms_limit",
+          "actor_tok_s_per_gpu_roofline", "rollout_tok_s_roofline", "remat_flops_ratio", "decode_step_ms_roofline", "decode_step_ms_limit",
           "decode_bytes_x_weights", "fp8_gemm_byte_share", "expert_flops_x_routed", "fits")
 
 

@@ -109,7 +109,8 @@ class CompileReport:
 
 
 def compile_actor(config, mesh_spec: str, *, seq_len: int, learner: LearnerConfig = DEFAULT_LEARNER,
-                  devices=None, backend: str = "XLA:CPU", compiler_options: dict | None = None) -> CompileReport:
+                  devices=None, backend: str = "XLA:CPU", compiler_options: dict | None = None,
+                  micro_batches: int = 1) -> CompileReport:
     """Lower and compile the learner's train step for `config` on the actor mesh of `mesh_spec`.
 
     `learner`: the learner compiled (default: the run's, `rl.config.run.DEFAULT_LEARNER`), in the accelerator layout
@@ -124,7 +125,9 @@ def compile_actor(config, mesh_spec: str, *, seq_len: int, learner: LearnerConfi
     optimizer state on the device and the offloaded bytes (`sharding.offload.select_offloaded` of the trained
     params, their per-device masters + moments from the state's shardings) are reported as `host`,
     `host_from_shardings=True`. `compiler_options`: XLA options of this compile (`Lowered.compile`; e.g. the GPU
-    test's cheaper ptxas). Raises whatever the learner raises for a layout it cannot take (ValueError), and XLA's
+    test's cheaper ptxas). `micro_batches` M: the step's batch holds M micro-batches of those rows (what a pipelined
+    learner, `pipeline_stages` > 1, runs through its GPipe schedule in one step: its bubble and its M micro-batches'
+    saved stage inputs are in the compiled program). Raises whatever the learner raises for a layout it cannot take (ValueError), and XLA's
     errors.
     """
     if isinstance(config, str):
@@ -142,7 +145,7 @@ def compile_actor(config, mesh_spec: str, *, seq_len: int, learner: LearnerConfi
     learner = Learner(model, cfg, mesh=plan.actor, abstract=True)
     # rows per device of the batch axes, as the learner lays them out: the budget counts tokens per context shard
     per_dev = 1 if micro_batch_tokens is None else max(1, micro_batch_tokens * learner.context_devices() // seq_len)
-    n = per_dev * learner.batch_devices()
+    n = micro_batches * per_dev * learner.batch_devices()
     sds = jax.ShapeDtypeStruct
     routing = sds((n, seq_len, config.num_hidden_layers, config.num_experts_per_tok), jnp.int32)
     batch = TrainBatch(input_ids=sds((n, seq_len), jnp.int32), attention_mask=sds((n, seq_len), jnp.int32),

@@ -37,6 +37,7 @@ import jax.numpy as jnp
 import dsv4
 from launch import gpu_target as gt
 from launch import run as run_cli
+from launch import search as search_lib
 from launch.aot import reduced_depth
 from launch.compile_child import CompileFailed, Job, compile_in_child
 from launch.roofline import actor_summary, rollout_summary
@@ -44,7 +45,8 @@ from parallel.flops import train_flops_per_token
 from parallel.model_bytes import DTYPE_BYTES
 from parallel.plan import GPUS, GPUS_PER_NODE, GiB, plan
 from parallel.plan import __doc__ as _PLAN_DOC
-from parallel.routing_load import ROUTING_LOADS
+from parallel.padded import padded_capacity
+from parallel.routing_load import ROUTING_LOADS, drop_line
 from rl.config.run import RunConfig
 from rl.rollout.settings import EngineSettings
 from sharding import mesh as mesh_lib
@@ -86,12 +88,22 @@ def parser() -> argparse.ArgumentParser:
                    help="--compile: the routed experts' load the rollout's flops and bytes are counted at, for the "
                         "sized dispatch (parallel/routing_load.py): worst (the dropless top capacity, default), "
                         "uniform (random routing) or zipf (a Zipf-0.6 skew like a trained router's): the busiest cell "
-                        "of simulated steps; balanced (every cell at its mean)")
+                        "of simulated steps; balanced (every cell at its mean); also the routing of the learner's "
+                        "drop line (the drop probability of its f_max, printed whenever its dispatch can drop)")
     p.add_argument("--num-layers", type=int, default=None,
                    help="plan/compile a reduced-depth copy of the config (first N main layers; labelled)")
     p.add_argument("--pipeline-micro-batches", type=int, default=None,
-                   help="micro-batches per step through the learner's pipeline (--learner.pipeline_stages), for its "
-                        "bubble (default 4 x the stages)")
+                   help="micro-batches of one pass through the learner's pipeline (--learner.pipeline_stages), for "
+                        "its bubble, its saved activations and the compiled step's batch (default: "
+                        "--learner.pipeline_micro_batches, else 4 x the stages)")
+    p.add_argument("--search", action="store_true",
+                   help="rank every actor mesh of the run's actor devices by roofline tokens/s per GPU "
+                        "(launch/search.py): the plan arithmetic's table, then the --search-compile best compiled")
+    p.add_argument("--search-compile", type=int, default=2, metavar="N",
+                   help="--search: compile the N best fitting layouts deviceless (needs a GPU --target; 0: none; "
+                        "default %(default)s)")
+    p.add_argument("--gpus-per-node", type=int, default=GPUS_PER_NODE,
+                   help="--search: GPUs per node, for which collectives cross nodes (default %(default)s)")
     return p
 
 
@@ -131,36 +143,28 @@ def main(argv: Sequence[str] | None = None) -> int:
             return 2
         args.gpu = args.target
     target = None if args.target == "cpu" else gt.TARGETS[args.target]
-    if args.compile and target is not None and not os.environ.get("JAX_PLATFORMS"):
+    if (args.compile or args.search) and target is not None and not os.environ.get("JAX_PLATFORMS"):
         jax.config.update("jax_platforms", "cpu")  # deviceless topologies: the CUDA plugin skips its driver checks
-    if args.compile and target is not None:
+    if (args.compile or (args.search and args.search_compile > 0)) and target is not None:
         err = gt.plugin_error()
         if err:
             print(f"error: --target {args.target}: {err}", file=sys.stderr)
             return 2
-    learner, r = cfg.learner, cfg.rollout
-    seq = seq_len(cfg)
+    learner, seq = cfg.learner, seq_len(cfg)
     try:
         config = cfg.model.config
         if args.num_layers is not None:
             config = reduced_depth(dsv4.DSV4Config.preset(config), args.num_layers)
-        tokens = compiled_tokens_per_device(cfg.mesh, seq, learner.max_tokens_per_micro_batch)
         name = cfg.model.config + (f" (reduced to {args.num_layers} layers)" if args.num_layers is not None else "")
-        report = plan(config, cfg.mesh, args.gpu, learner=learner, nodes=args.nodes,
-                      optimizer_dtype=args.optimizer_dtype, tokens_per_device=tokens, rollout_seq_len=seq,
-                      train_seq_len=seq, rollout_experts="fp4" if r.dtype == "fp8+fp4experts" else "fp8",
-                      fp8_scale_bytes=args.fp8_scale_bytes, fp4_scale_bytes=args.fp4_scale_bytes,
-                      rollout_dequant=args.rollout_dequant, kv_layout=kv_layout(cfg),
-                      usable_fraction=args.usable_fraction, rollout_reserve=args.rollout_reserve,
-                      rollout_seqs_per_device=args.rollout_seqs_per_device,
-                      draft_tokens=r.draft_tokens if r.speculative != "off" else 0,
-                      host_gib_per_node=args.host_gib_per_node, config_name=name,
-                      pipeline_micro_batches=args.pipeline_micro_batches,
-                      xla_cpu=args.compile and target is None)
+        if args.search:
+            return _search(config, name, args, target)
+        report = _plan(config, name, args, cfg.mesh, learner, xla_cpu=args.compile and target is None)
     except ValueError as e:  # MeshSpecError is a ValueError
         print(f"error: {e}", file=sys.stderr)
         return 2
     print(report.table())
+    if (drop := _drop_line(config, report, args)) is not None:
+        print(drop)
     print(report.line())
     if not args.compile:
         return 0
@@ -172,7 +176,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.compile_only in ("both", "actor"):
         try:
             xla = _in_child("launch.aot:compile_actor", dict(config=config, mesh_spec=report.mesh_spec, seq_len=seq,
-                                                               learner=learner), "actor", args, report)
+                                                               learner=learner,
+                                                               micro_batches=micro_batches(args, learner)),
+                            "actor", args, report)
         except ValueError as e:
             print(f"error: {e}", file=sys.stderr)
             return 2
@@ -206,6 +212,82 @@ def main(argv: Sequence[str] | None = None) -> int:
           f"actor_usable_gib={a.usable / GiB:.2f} rollout_xla_gib={gib(r_xla):.2f} rollout_plan_gib={r.total / GiB:.2f} "
           f"rollout_usable_gib={r.usable / GiB:.2f} fits={'yes' if fits else 'no'}")
     return 1 if failed else 0
+
+
+def _plan(config, name: str, args, mesh: str, learner, nodes: int | None = None, xla_cpu: bool = False):
+    """The planner's arithmetic (`parallel.plan.plan`) of the run `args.run` on `mesh` with `learner`; `nodes`:
+    --nodes unless given. ValueError (MeshSpecError) for a layout the model or the learner cannot take."""
+    cfg, r = args.run, args.run.rollout
+    seq = seq_len(cfg)
+    return plan(config, mesh, args.gpu, learner=learner, nodes=args.nodes if nodes is None else nodes,
+                optimizer_dtype=args.optimizer_dtype,
+                tokens_per_device=compiled_tokens_per_device(mesh, seq, learner.max_tokens_per_micro_batch),
+                rollout_seq_len=seq, train_seq_len=seq, rollout_experts="fp4" if r.dtype == "fp8+fp4experts" else "fp8",
+                fp8_scale_bytes=args.fp8_scale_bytes, fp4_scale_bytes=args.fp4_scale_bytes,
+                rollout_dequant=args.rollout_dequant, kv_layout=kv_layout(cfg), usable_fraction=args.usable_fraction,
+                rollout_reserve=args.rollout_reserve, rollout_seqs_per_device=args.rollout_seqs_per_device,
+                draft_tokens=r.draft_tokens if r.speculative != "off" else 0, host_gib_per_node=args.host_gib_per_node,
+                config_name=name, pipeline_micro_batches=args.pipeline_micro_batches, xla_cpu=xla_cpu)
+
+
+def _drop_line(config, report, args) -> str | None:
+    """`parallel.routing_load.drop_line` for the actor's EP dispatch when it can drop (a capacity factor on an
+    expert axis > 1, the padded / sized backends: capacity per (source rank, expert)), else None."""
+    o, ep = report.options, report.actor.sizes.get("expert", 1)
+    if o["ep_capacity_factor"] is None or ep <= 1 or o["ep_backend"] not in ("padded", "sized"):
+        return None
+    config = dsv4.DSV4Config.preset(config) if isinstance(config, str) else config
+    t, k, e = o["tokens_per_device"], config.num_experts_per_tok, config.n_routed_experts
+    return drop_line(t, k, e, ep, padded_capacity(t, k, e, o["ep_capacity_factor"]), o["ep_capacity_factor"],
+                     args.routing_load)
+
+
+def micro_batches(args, learner) -> int:
+    """M of the compiled actor step: with a pipeline, --pipeline-micro-batches, else the learner's
+    `pipeline_micro_batches` (one pipelined pass), else 4 P; 1 without."""
+    p = learner.pipeline_stages
+    return 1 if p <= 1 else (args.pipeline_micro_batches or learner.pipeline_micro_batches or 4 * p)
+
+
+def _compile_actor_gpu(config, report, args, learner, seq: int, target: gt.Target):
+    """The actor train step compiled by XLA:GPU for `target` on a deviceless topology of `report`'s mesh, with the
+    compiled batch's M micro-batches (`micro_batches`); its `CompileReport`, the offloaded state's transient the
+    plan's. Abstract devices have no host memory: the step compiles with its offloaded optimizer state on the
+    device, so its memory limit (the scheduler's, the rematerialisation's) is the device's plus those bytes.
+    Raises ValueError (the learner's) or CompileFailed."""
+    a = report.actor
+    a_target = dataclasses.replace(target, hbm_bytes=target.memory_bytes() + int(a.host)) if a.host else target
+    xla = _in_child("launch.aot:compile_actor", dict(config=config, mesh_spec=report.mesh_spec, seq_len=seq,
+                                                       learner=learner, backend=f"XLA:GPU {target.label}",
+                                                       compiler_options=gt.compile_options(),
+                                                       micro_batches=micro_batches(args, learner)),
+                    "actor", args, report, gpu_target=a_target)
+    if xla.host_from_shardings:  # the streamed update's device transient: the plan's arithmetic
+        key = "optimizer update: offloaded state moved to the device (learner's step)"
+        xla = dataclasses.replace(xla, transient=int(a.items.get(key, 0)))
+    return xla
+
+
+def _search(config, name: str, args, target: gt.Target | None) -> int:
+    """--search: `launch.search.run` on the run `args.run` with this planner's arithmetic and compile."""
+    config = dsv4.DSV4Config.preset(config) if isinstance(config, str) else config
+    peaks = target or gt.TARGETS.get(args.gpu)
+    if peaks is None:
+        raise ValueError(f"--search: no roofline peaks for --gpu {args.gpu}: give a GPU --target")
+    run, gpn = args.run, args.gpus_per_node
+    seq = seq_len(run)
+
+    def plan_fn(mesh: str, learner):
+        return _plan(config, name, args, mesh, learner, nodes=args.nodes if gpn == GPUS_PER_NODE else None)
+
+    def compile_fn(report, learner):
+        return _compile_actor_gpu(config, report, args, learner, seq, target)
+
+    return search_lib.run(config, mesh=run.mesh, nodes=args.nodes, gpus_per_node=gpn, learner=run.learner, seq=seq,
+                          peaks=peaks, target=target, n_compile=args.search_compile,
+                          micro_batches=args.pipeline_micro_batches or run.learner.pipeline_micro_batches,
+                          plan_fn=plan_fn, compile_fn=compile_fn,
+                          tokens_fn=lambda m: compiled_tokens_per_device(m, seq, run.learner.max_tokens_per_micro_batch))
 
 
 def _in_child(fn: str, kwargs: dict, role: str, args, report, gpu_target: gt.Target | None = None):
@@ -267,12 +349,9 @@ def _compile_gpu(config, report, args, learner, seq: int, target: gt.Target) -> 
         say(f"{target.device}: no ROCm runtime here, so XLA:GPU compiles for the {target.spec} NVIDIA spec with "
             f"{target.memory_bytes() / GiB:.0f} GiB of device memory (buffer assignment and partitioning are "
             f"XLA:GPU's; kernels and fusions are NVIDIA's); usable = {args.usable_fraction:.0%} of it, as planned")
-    a, r = report.actor, report.rollout
-    # abstract devices have no host memory: the actor compiles with its offloaded optimizer state on the device, so
-    # its memory limit (the scheduler's, the rematerialisation's) is the device's plus those bytes (the plan's)
-    a_target = dataclasses.replace(target, hbm_bytes=target.memory_bytes() + int(a.host)) if a.host else target
+    a = report.actor
     if a.host:
-        say(f"actor compile: device memory limit {a_target.memory_bytes() / GiB:.1f} GiB = "
+        say(f"actor compile: device memory limit {(target.memory_bytes() + a.host) / GiB:.1f} GiB = "
             f"{target.memory_bytes() / GiB:.0f} GiB + the {a.host / GiB:.1f} GiB of offloaded optimizer state it "
             f"holds on the device here (abstract devices have no host memory kind)")
     backend = f"XLA:GPU {target.label}"
@@ -280,10 +359,7 @@ def _compile_gpu(config, report, args, learner, seq: int, target: gt.Target) -> 
     failed = False
     if args.compile_only in ("both", "actor"):
         try:
-            xla = _in_child("launch.aot:compile_actor", dict(config=config, mesh_spec=report.mesh_spec, seq_len=seq,
-                                                               learner=learner, backend=backend,
-                                                               compiler_options=gt.compile_options()),
-                            "actor", args, report, gpu_target=a_target)
+            xla = _compile_actor_gpu(config, report, args, learner, seq, target)
         except ValueError as e:
             print(f"error: {e}", file=sys.stderr)
             return 2
@@ -291,9 +367,6 @@ def _compile_gpu(config, report, args, learner, seq: int, target: gt.Target) -> 
             print(f"error: {e}", file=sys.stderr)
             failed = True
     if xla is not None:
-        if xla.host_from_shardings:  # the streamed update's device transient: the plan's arithmetic
-            key = "optimizer update: offloaded state moved to the device (learner's step)"
-            xla = dataclasses.replace(xla, transient=int(a.items.get(key, 0)))
         a_xla = xla.total
         say("\n".join(xla.lines()))
         say(f"  planner arithmetic for the same step: {a.gpu_total / GiB:.2f} GiB (XLA:GPU/plan = "
@@ -313,11 +386,14 @@ def _compile_gpu(config, report, args, learner, seq: int, target: gt.Target) -> 
         r_xla = None if rx is None else rx.total
     step_s, ratio, rfig = _rooflines(config, report, seq, target, target.label,
                                      xla if a_xla is not None else None, rx, say=say)
+    n_actor = mesh_lib.parse_mesh_spec(report.mesh_spec).size("actor")
+    tok_s = float("nan") if xla is None else xla.rows * seq / n_actor / step_s
     fits = _verdict(report, args, a_xla, r_xla, say=say)
     gib = lambda b: float("nan") if b is None else b / GiB  # noqa: E731
     name = target.name + ("-proxy" if target.proxy else "")
     print(f"RESULT target={name} actor_gpu_gib={gib(a_xla):.2f} actor_usable_gib={a.usable / GiB:.2f} "
           f"rollout_gpu_gib={gib(r_xla):.2f} actor_step_s_roofline={step_s:.3f} "
+          f"actor_tok_s_per_gpu_roofline={tok_s:.0f} "
           f"rollout_tok_s_roofline={rfig.get('tok_s', float('nan')):.0f} remat_flops_ratio={ratio:.2f} "
           + "".join(f"{k}={rfig.get(k, float('nan')):.{d}f} " for k, d in ROLLOUT_FIELDS) + f"fits={'yes' if fits else 'no'}")
     return 1 if failed else 0

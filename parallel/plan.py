@@ -215,8 +215,8 @@ def pipeline_line(config, stages: int, stage_axis: int, micro_batches: int | Non
     line = (f"pipeline: {stages} stages over layers {grp.start}..{grp.stop - 1} ({grp.period * grp.repeats // stages} "
             f"per stage; the other {config.num_hidden_layers - grp.period * grp.repeats} layers, embedding and head "
             f"on every stage), GPipe bubble (P-1)/(M+P-1) = {pp.bubble:.3f} at M={m} micro-batches; the pipelined "
-            f"layers' weights and optimizer state are split over {rl.STAGE}={stage_axis}, activations counted "
-            f"as without a pipeline")
+            f"layers' weights and optimizer state are split over {rl.STAGE}={stage_axis}; each stage keeps the "
+            f"saved inputs of its layers for all M micro-batches (GPipe), other activations as without a pipeline")
     return line, range(grp.start, grp.stop)
 
 
@@ -230,6 +230,7 @@ class LearnerKnobs(Protocol):
     train_mtp: bool
     freeze_router: bool
     pipeline_stages: int
+    pipeline_micro_batches: int | None
     lora: Any  # dsv4.lora.LoraConfig: rank > 0 = only the adapters train (gradients and optimizer state)
 
 
@@ -260,8 +261,9 @@ def plan(config, mesh_spec: str, gpu: str, *, learner: LearnerKnobs, nodes: int 
       PlanReport (`.table()`, `.line()`).
       draft_tokens: k >= 1 plans speculative rollouts (`KVCache.for_config`: the MTP ring and k more positions per
         sequence); 0 = off.
-      pipeline_micro_batches: M, the micro-batches per step through the pipeline (learner.pipeline_stages P > 1),
-        for the GPipe bubble (P - 1) / (M + P - 1) the table prints; None = 4 P.
+      pipeline_micro_batches: M, the micro-batches of one pass through the pipeline (learner.pipeline_stages P > 1),
+        for the GPipe bubble (P - 1) / (M + P - 1) the table prints and the saved stage inputs of M micro-batches;
+        None = the learner's `pipeline_micro_batches`, else 4 P.
       xla_cpu: also count the buffers only XLA:CPU holds (items labelled "XLA:CPU only", `RoleReport.cpu_only`;
         module docstring), to compare with `--compile`'s XLA:CPU figures; the actor's `fits` stays the GPU's.
     Raises:
@@ -319,7 +321,8 @@ def plan(config, mesh_spec: str, gpu: str, *, learner: LearnerKnobs, nodes: int 
     # ---- actor
     a_sizes = spec.axes(rl.ACTOR)
     a_mesh = abstract_mesh(a_sizes)
-    pipe = pipeline_line(config, learner.pipeline_stages, a_sizes[rl.STAGE], pipeline_micro_batches)
+    m_pipe = pipeline_micro_batches or learner.pipeline_micro_batches or 4 * learner.pipeline_stages
+    pipe = pipeline_line(config, learner.pipeline_stages, a_sizes[rl.STAGE], m_pipe)
     if pipe is not None:
         opts["pipeline"] = pipe[0]
     split_layers, n_stage = (range(0) if pipe is None else pipe[1]), a_sizes[rl.STAGE]
@@ -374,6 +377,9 @@ def plan(config, mesh_spec: str, gpu: str, *, learner: LearnerKnobs, nodes: int 
     tokens = tokens_per_device
     act = actor_activations(config, a_sizes, tokens, opts["train_seq_len"], ep_capacity_factor, ep_backend)
     saved = saved_layer_inputs(config, tokens)
+    # GPipe: a stage keeps its L_p / P layers' saved inputs for every one of the M micro-batches (one counted above)
+    gpipe = 0.0 if pipe is None else saved * len(split_layers) / config.num_hidden_layers * (
+        m_pipe / learner.pipeline_stages - 1)
     cp_kv = context_gathered(config, a_sizes, tokens, opts["train_seq_len"])
     off = off_master + off_mom
     on_gpu = " (rest in host memory)" if off else ""
@@ -384,6 +390,9 @@ def plan(config, mesh_spec: str, gpu: str, *, learner: LearnerKnobs, nodes: int 
         f"Adam moments (2 x {optimizer_dtype}){on_gpu}": mom,
         f"activations ({tokens_per_device} tokens, seq {opts['train_seq_len']}, remat block, EP {ep_backend})": act,
         f"activations: saved layer inputs ({config.num_hidden_layers} layers x bf16 [n_hc, D] per token)": saved,
+        **({} if pipe is None else {
+            f"activations: GPipe, the pipelined layers' saved inputs of M={m_pipe} micro-batches on a stage, less "
+            f"one": gpipe}),
         "activations: one layer's weights gathered (fsdp) + their grads; the head": 2 * layer_w + head,
         f"activations: gathered compressed KV + window halo (context={a_sizes[rl.CONTEXT]})": cp_kv,
         "optimizer update: offloaded state moved to the device (learner's step)": whole + slice_peak,

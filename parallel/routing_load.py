@@ -69,24 +69,51 @@ def peak_expert_load(t_local: int, k: int, n_experts: int, ep: int, capacity: in
                           for _ in range(trials)]))
 
 
+def drop_stats(t_local: int, k: int, n_experts: int, ep: int, capacity: int, routing: str, trials: int = 16,
+               seed: int = 0) -> tuple[float, float]:
+    """(drop probability, drop fraction) of a dispatch of `capacity` rows per (source rank, expert) under `routing`:
+    the share of `trials` simulated dispatches (`cell_loads`, all `ep` ranks) that drop at least one pair, and the
+    share of routed pairs dropped over them ("worst": every token of a rank on the same k experts, k cells of
+    `t_local` rows; "balanced": every cell at its mean). Raises ValueError naming --routing-load."""
+    if routing not in ROUTING_LOADS:
+        raise ValueError(f"--routing-load must be one of {'|'.join(ROUTING_LOADS)}, got {routing!r}")
+    if routing == "worst":
+        frac = max(0, t_local - capacity) / t_local
+        return float(frac > 0), frac
+    if routing == "balanced":
+        mean = t_local * k / n_experts
+        frac = max(0.0, mean - capacity) / mean
+        return float(frac > 0), frac
+    rng = np.random.default_rng(seed)
+    dropped = routed = hits = 0
+    for _ in range(trials):
+        c = cell_loads(t_local, k, n_experts, ep, routing, rng)
+        d = int(np.maximum(c - capacity, 0).sum())
+        dropped, routed, hits = dropped + d, routed + int(c.sum()), hits + (d > 0)
+    return hits / trials, dropped / routed
+
+
 def drop_fraction(t_local: int, k: int, n_experts: int, ep: int, capacity: int, routing: str, trials: int = 16,
                   seed: int = 0) -> float:
     """The share of routed pairs a dispatch of `capacity` rows per (source rank, expert) drops under `routing`
-    ("uniform" | "zipf"; "balanced": 0 once capacity >= the mean; "worst": all past `capacity`), over `trials`
-    simulated dispatches (the padded backend's capacity factor f: capacity = ceil(f T_local k / E))."""
-    if routing not in ROUTING_LOADS:
-        raise ValueError(f"--routing-load must be one of {'|'.join(ROUTING_LOADS)}, got {routing!r}")
-    if routing == "worst":  # a rank's every token on the same k experts: k cells of t_local rows
-        return max(0, t_local - capacity) / t_local
-    if routing == "balanced":  # every cell at its mean
-        mean = t_local * k / n_experts
-        return max(0.0, mean - capacity) / mean
-    rng = np.random.default_rng(seed)
-    dropped = routed = 0
-    for _ in range(trials):
-        c = cell_loads(t_local, k, n_experts, ep, routing, rng)
-        dropped, routed = dropped + int(np.maximum(c - capacity, 0).sum()), routed + int(c.sum())
-    return dropped / routed
+    (`drop_stats`' second figure; the padded backend's capacity factor f: capacity = ceil(f T_local k / E))."""
+    return drop_stats(t_local, k, n_experts, ep, capacity, routing, trials, seed)[1]
+
+
+def drop_line(t_local: int, k: int, n_experts: int, ep: int, capacity: int, factor: float, routing: str,
+              trials: int = 8) -> str:
+    """The planner's line for a learner dispatch that can drop (a capacity factor `factor` = f_max, `capacity` rows
+    per (source rank, expert) of `t_local` tokens per rank and call): its drop probability and expected drop
+    fraction per dispatch under uniform and Zipf routing and under `routing` (--routing-load) when another."""
+    models = ["uniform", "zipf"] + ([routing] if routing not in ("uniform", "zipf") else [])
+    parts = []
+    for r in models:
+        prob, frac = drop_stats(t_local, k, n_experts, ep, capacity, r, trials=trials)
+        parts.append(f"{r}: P(drop) {prob:.2f}, expected drop fraction {frac:.4f}")
+    return (f"learner EP dispatch can drop: f_max {factor:g} = {capacity} rows per (source rank, expert) of "
+            f"{t_local} tokens per rank (k {k} of {n_experts} experts, ep {ep}; mean load "
+            f"{t_local * k / n_experts:.0f}); per dispatch, {trials} simulated (parallel/routing_load.py): "
+            + "; ".join(parts) + " (train/expert_drop_frac counts the real ones)")
 
 
 def bucket_index(buckets: tuple[int, ...], peak: int) -> int:

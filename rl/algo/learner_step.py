@@ -170,7 +170,8 @@ class LearnerStep:
         if self.cfg.mtp_loss_weight > 0:
             norms = dict(norms, mtp_tokens=jnp.maximum(jnp.sum(mtp_mask(batch.response_mask)), 1.0))
         m = lay.micro_batches
-        loss_fn = functools.partial(self.loss, loss_cfg=self.loss_cfg(lay), micro_batches=m if self.pipelined else None)
+        mp = min(self.cfg.pipeline_micro_batches or m, m)  # micro-batches per pipelined pass
+        loss_fn = functools.partial(self.loss, loss_cfg=self.loss_cfg(lay), micro_batches=mp if self.pipelined else None)
         wrt, expand, ref = state.params, lambda g: g, state.ref_params
         if self.cfg.lora.enabled and self.cfg.loss.kl_coef > 0:  # the reference: the base (every adapter zero)
             ref = jax.tree.map(lambda x, lab: jnp.zeros_like(x) if lab == TRAIN else jax.lax.stop_gradient(x),
@@ -179,15 +180,22 @@ class LearnerStep:
             wrt, with_trained, expand = self.trained_only(state.params)
             loss_fn = (lambda f: lambda tr, *a: f(with_trained(tr), *a))(loss_fn)
         grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
-        if self.pipelined:  # one pipelined forward + backward over the whole (padded) batch: rows in the order
-            # batching.split pads them to, and the pipeline cuts the micro-batches batching.split would
-            whole = jax.tree.map(pipeline.merge_micro_batches, batching.split(batch, lay))
-            (loss, metrics), grads = grad_fn(wrt, state.buffers, ref, whole, norms)
-            return loss, expand(grads), metrics
-        if m == 1 and lay.rows == batch.input_ids.shape[0]:
+        if self.pipelined:  # pipelined forward + backward passes over the (padded) batch: rows in the order
+            # batching.split pads them to, the pipeline cutting the micro-batches batching.split would, in rounds of
+            # cfg.pipeline_micro_batches micro-batches (None: one round of all M), accumulated as micro-batches below
+            rounds = -(-m // mp)
+            mbs = batching.split(batch, dataclasses.replace(lay, micro_batches=rounds * mp))
+            whole = jax.tree.map(lambda x: jax.vmap(pipeline.merge_micro_batches)(
+                x.reshape(rounds, mp, *x.shape[1:])), mbs)  # [rounds, mp R, ...]: one pipelined pass each
+            if rounds == 1:
+                (loss, metrics), grads = grad_fn(wrt, state.buffers, ref, jax.tree.map(lambda x: x[0], whole), norms)
+                return loss, expand(grads), metrics
+            mbs = whole
+        elif m == 1 and lay.rows == batch.input_ids.shape[0]:
             (loss, metrics), grads = grad_fn(wrt, state.buffers, ref, batch, norms)
             return loss, expand(grads), metrics
-        mbs = batching.split(batch, lay)
+        else:
+            mbs = batching.split(batch, lay)
 
         def body(acc, mb):
             (loss, metrics), grads = grad_fn(wrt, state.buffers, ref, mb, norms)

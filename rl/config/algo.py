@@ -295,6 +295,11 @@ class LearnerConfig:
         `parallel/pipeline.py`): the loss and gradients of `train_step` and the logprobs of `compute_logprobs` come
         from one pipelined forward over all M micro-batches (bubble (P - 1) / (M + P - 1)). P must divide that
         group's repetitions; needs scan_layers. Default 1: no pipeline.
+    pipeline_micro_batches: with pipeline_stages > 1, the micro-batches of one pipelined pass: the step's M
+        micro-batches run in ceil(M / this) passes of this many (the last padded with neutral rows), gradients
+        accumulated over the passes as over micro-batches. GPipe keeps every micro-batch's saved stage inputs of a
+        pass, so this bounds the pipeline's activation memory (the planner's M, `--pipeline-micro-batches`);
+        bubble (P - 1) / (this + P - 1) per pass. None (default): one pass of all M.
     stream_optimizer: with `offload_optimizer`, update the offloaded state of stacked params (ndim >= 3, leading
         dim unsplit: the scanned layers) one leading-dim slice at a time in a loop (`rl.algo.optim.update_streamed`),
         so only one layer's masters + moments are on the device at once; otherwise the step moves the whole
@@ -348,6 +353,10 @@ class LearnerConfig:
                                     "in the stacked layout)")
     pipeline_stages: int = knob(1, "pipeline stages over the stage mesh axis (GPipe over the step's micro-batches, "
                                    "parallel/pipeline.py); 1 = no pipeline")
+    pipeline_micro_batches: int | None = knob(None, "micro-batches per pipelined pass (pipeline_stages > 1): the "
+                                                      "step's micro-batches in passes of this many, gradients "
+                                                      "accumulated; bounds GPipe's saved activations; none = one "
+                                                      "pass of all")
     stream_optimizer: bool = knob(True, "with --offload-optimizer: update the offloaded state of the scanned "
                                          "(stacked) layers one layer at a time (rl.algo.optim.update_streamed), so "
                                          "only one layer's masters + moments are on the device at once")
@@ -411,6 +420,8 @@ class LearnerConfig:
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{owner}.{name} must be a bool, got {getattr(self, name)!r}")
         _check_int(owner, "pipeline_stages", self.pipeline_stages, 1)
+        if self.pipeline_micro_batches is not None:
+            _check_int(owner, "pipeline_micro_batches", self.pipeline_micro_batches, 1)
         if self.pipeline_stages > 1 and not self.scan_layers:
             raise ValueError(f"{owner}.pipeline_stages (--learner.pipeline_stages) {self.pipeline_stages} splits the "
                              f"scanned layers: it needs --learner.scan_layers")

@@ -7,7 +7,7 @@ import pytest
 
 from launch import hlo_stats
 from parallel.padded import capacity_buckets
-from parallel.routing_load import bucket_index, peak_cell_load, peak_expert_load
+from parallel.routing_load import bucket_index, drop_line, drop_stats, peak_cell_load, peak_expert_load
 
 # a conditional of 3 branches in the routed experts' scope (the sized switch) and one outside it
 HLO = """HloModule m
@@ -77,3 +77,9 @@ def test_drop_fraction_of_a_capacity():
     assert 0 < uniform < 0.05 < 0.1 < zipf < 0.5, (uniform, zipf)
     assert drop_fraction(2304, 6, 256, 8, c, "balanced") == 0 and drop_fraction(128, 6, 256, 8, 28, "worst") == 100 / 128
     assert all(drop_fraction(128, 6, 256, 8, 128, r, trials=2) == 0 for r in ("uniform", "zipf", "worst", "balanced"))
+    # the drop probability: every Zipf dispatch of 8 x 2,304 tokens overflows some cell; none at C = T_local
+    assert drop_stats(2304, 6, 256, 8, c, "zipf", trials=2) == (1.0, zipf)
+    assert drop_stats(128, 6, 256, 8, 128, "uniform", trials=2) == (0.0, 0.0)
+    assert drop_stats(128, 6, 256, 8, 28, "worst") == (1.0, 100 / 128)
+    line = drop_line(128, 6, 256, 8, 28, 1.25, "worst", trials=2)
+    assert "f_max 1.25 = 28 rows" in line and "worst: P(drop) 1.00, expected drop fraction 0.7812" in line

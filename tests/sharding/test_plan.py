@@ -275,6 +275,9 @@ def test_pipeline_stages_split_the_pipelined_layers_and_print_the_bubble(flash_l
     w = "weights (bf16; fp32 mHC/sinks/ape/bias; int32 tid2eid)"
     assert r.actor.items[w] == ref.actor.items[w] - split / 2
     assert "pipeline: 2 stages over layers 3..42 (20 per stage" in r.table() and "= 0.111 at M=8" in r.table()
+    # GPipe: each stage keeps its 20 layers' saved inputs for all 8 micro-batches: 160 layer-inputs where 40 counted
+    gpipe = [v for k, v in r.actor.items.items() if k.startswith("activations: GPipe")]
+    assert gpipe == [activations.saved_layer_inputs(dsv4.DSV4Config.flash(), 4096) * 40 / 43 * (8 / 2 - 1)]
     with pytest.raises(ValueError, match=r"--learner.pipeline_stages=3 does not divide the 20 repetitions"):
         pl.plan("flash", "actor:stage=3,expert=8/rollout:expert=8", "mi308x", nodes=4,
                 learner=dataclasses.replace(LEARNER, pipeline_stages=3))
