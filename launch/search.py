@@ -296,7 +296,7 @@ def run(config, *, mesh: str, nodes: int | None, gpus_per_node: int, learner, se
         target: Target | None, n_compile: int, micro_batches: int | None, plan_fn, compile_fn, tokens_fn,
         say=print) -> int:
     """`python -m launch.plan --search` (module docstring) for the run's `mesh` (its rollout part kept) on `nodes`
-    (None: the mesh's) x `gpus_per_node`, with `learner` (`rl.algo_config.LearnerConfig`) and rows of `seq` tokens;
+    (None: the mesh's) x `gpus_per_node`, with `learner` (`rl.config.algo.LearnerConfig`) and rows of `seq` tokens;
     `peaks`: the roofline's target; `target`: the compile's (None: no compile). Callables: `plan_fn(mesh, learner)`
     -> PlanReport; `compile_fn(report, learner)` -> `launch.aot.CompileReport` (raises ValueError /
     CompileFailed); `tokens_fn(mesh)` -> tokens per device of the batch axes. Prints the tables and, last,

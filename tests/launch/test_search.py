@@ -11,7 +11,7 @@ from launch import search
 from launch.gpu_target import TARGETS
 from launch.plan import main as plan_main
 from parallel import plan as pl
-from rl.algo_config import LearnerConfig
+from rl.config.algo import LearnerConfig
 from sharding import rules as rl
 
 TINY = dsv4.DSV4Config.preset("tiny")
