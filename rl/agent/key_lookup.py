@@ -5,27 +5,29 @@ the prompt's index), so nothing in the prompt or the weights predicts it; a mode
 the tool's answer. Transcript of a perfect trajectory, in DeepSeek-V4's chat format (rl/chat_dsv4.py), chat mode,
 with the task's token boundaries (`|`):
 
-    <bos> | {tools section} | <｜User｜>key  | 7 | <｜Assistant｜></think>                          (prompt, 5 ids)
-    \\n\\n<｜DSML｜tool_calls>...name="key" string="true">7</｜DSML｜parameter>...</｜DSML｜tool_calls> | <eos>   (model, 2)
-    <｜User｜><tool_result> | 4 | </tool_result><｜Assistant｜></think>                            (environment, 3)
-    4 | <eos>                                                                                       (model, 2)
+    <bos> | {tools section} | <｜User｜>key  | 7<｜Assistant｜></think>                              (prompt, 4 ids)
+    \n\n<｜DSML｜tool_calls>...name="key" string="true">7</｜DSML｜parameter>...</｜DSML｜tool_calls> | <eos>   (model, 2)
+    <｜User｜><tool_result> | 4</tool_result><｜Assistant｜></think>                              (environment, 2)
+    4 | <eos>                                                                                        (model, 2)
 
 Sized so the tiny model learns it from random init (benchmarks/README.md, "Multi-turn agentic rollouts"):
-- `key_lookup_tokenizer()` (rl/agent/pieces.py), 33 ids: the markup merged into whole pieces as a BPE trained on
-  these transcripts would merge it: the tools section, "<｜User｜>key ", "<｜Assistant｜></think>", the tool result's
-  opener "<｜User｜><tool_result>" and closer "</tool_result><｜Assistant｜></think>" (and their thinking-mode forms),
-  "error", and **one piece per whole call** (call head + key + call tail, keys "0".."9"); the digits and "?" as
-  characters (any other character of an environment's text encodes as "?"; errors are terse, so none is expected).
-- Keys are one digit ("0".."9", up to 10 keys). The right call is 2 ids (the call's piece, EOS): the model's first
-  free choice is the whole call, right 1 time in 33 at random init. Both things to learn are the same copy: the
-  call's piece from the key, the answer from the value, each sitting 2 ids back (behind the one-piece closer of the
-  prompt / the tool result), and the two closers are different ids, so "call now" and "answer now" never share a
-  context (a run whose second turn opened on the same `</think>` as its first kept writing calls there).
+- `key_lookup_tokenizer(n_keys)` (rl/agent/pieces.py; 41 ids for 4 keys): the markup merged into whole pieces as a
+  BPE trained on these transcripts would merge it: the tools section, "<｜User｜>key ", **each key merged with the
+  prompt's closer** ("7<｜Assistant｜></think>"), the tool result's opener "<｜User｜><tool_result>", **each digit
+  merged with the tool result's closer** ("4</tool_result><｜Assistant｜></think>"), the closers alone, the
+  thinking-mode markup, "error", and **one piece per whole call** (call head + key + call tail); the digits and "?"
+  as characters (any other character of an environment's text encodes as "?"; errors are terse, so none is
+  expected).
+- So the two things to learn are both read off the last id the model sees: the call's piece from the key's merged
+  closer, the answer's (last) digit from the value's merged closer. The value is still only in the tool's answer
+  (random per prompt), and the tool turn's id is one of 10 per digit, so the answer is a copy of what the tool
+  returned, never a guess from the prompt. Keys are one digit ("0".."9", up to 10 keys); the right call is 2 ids
+  (the call's piece, EOS).
 - Errors are terse (`Environment.terse_errors`: a wrong key is answered by the one-piece "error").
 - The training run's side (not this module): 4 keys (`rl.env_task.ENV_KEYS`), benchmarks/agentic.py's defaults.
-History (benchmarks/README.md): keys "k0".."k9" as "k" + a digit, a 5-id call (head, "k", digit, tail, EOS), then a
-3-id call (head with the key, tail, EOS) with the value 3 ids back behind separate markers: the policy learned the
-constant units or the key, never the value.
+History (benchmarks/README.md): a 5-id call (head, "k", digit, tail, EOS), a 3-id call (head with the key, tail,
+EOS), then the call as one piece with the key and the value each 2 ids back behind one-piece closers: the policy
+learned the call's constant units, then the key, but not (in the steps run) the value.
 
 Reward, shaped (as gsm8k+format is; `rl.agent.env.reward`): `CALL_WEIGHT x call_progress + (1 - CALL_WEIGHT) x
 [call_progress == 1] x value_reward`, in [0, 1], 1 only for the right call followed by the exact value; an answer
@@ -57,7 +59,7 @@ CALL_HEAD = f'{CALLS_START}>\n<{DSML}invoke name="lookup">\n<{DSML}parameter nam
 CALL_TAIL = f"</{DSML}parameter>\n</{DSML}invoke>\n{CALLS_CLOSE}"
 CALL_WEIGHT = 0.2  # the shaped reward's weight on call_progress (module docstring)
 PROMPT = "key "  # the user message is PROMPT + the key
-KEYS = "0123456789"  # every key the task can name (KeyLookupTask.n_keys <= 10), one call piece each
+KEYS = DIGITS = "0123456789"  # the keys the task can name (KeyLookupTask.n_keys <= 10); the value's digits
 
 
 def split_data(data: str) -> tuple[str, str]:
@@ -108,14 +110,16 @@ def key_lookup_env(thinking: bool = False) -> Environment:
                        shaping_weight=CALL_WEIGHT, terse_errors=True)
 
 
-def key_lookup_tokenizer() -> PieceTokenizer:
-    """The task's PieceTokenizer (33 ids, module docstring): the tools section, the prompt's and the tool result's
-    markup as merged pieces (both chat modes), "error", one piece per whole call (keys "0".."9"); the digits and
-    "?" as characters; any other character of an environment's text encodes as '?'."""
-    pieces = ["\n\n" + render_tools([LOOKUP_TOOL]), USER + PROMPT, *(ASSISTANT + t for t in (END_THINK, THINK)),
-              END_THINK, USER + RESULT_OPEN, *(RESULT_CLOSE + ASSISTANT + t for t in (END_THINK, THINK)), "error",
-              *(CALL_HEAD + k + CALL_TAIL for k in KEYS)]
-    return PieceTokenizer(pieces, "0123456789?", unknown="?")
+def key_lookup_tokenizer(n_keys: int = len(KEYS)) -> PieceTokenizer:
+    """The task's PieceTokenizer for keys KEYS[:n_keys] (module docstring; 40 ids for 4 keys, 52 for 10): the tools
+    section, "<｜User｜>key ", each key merged with the prompt's closer, the tool result's opener, each digit merged
+    with the tool result's closer, the closers alone, the thinking-mode markup, "error", one piece per whole call;
+    the digits and "?" as characters; any other character of an environment's text encodes as '?'."""
+    keys, closer = KEYS[:n_keys], RESULT_CLOSE + ASSISTANT + END_THINK
+    pieces = ["\n\n" + render_tools([LOOKUP_TOOL]), USER + PROMPT, *(k + ASSISTANT + END_THINK for k in keys),
+              ASSISTANT + END_THINK, ASSISTANT + THINK, END_THINK, USER + RESULT_OPEN, *(d + closer for d in DIGITS),
+              closer, RESULT_CLOSE + ASSISTANT + THINK, "error", *(CALL_HEAD + k + CALL_TAIL for k in keys)]
+    return PieceTokenizer(pieces, DIGITS + "?", unknown="?")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -139,7 +143,7 @@ class KeyLookupTask:
 
     @property
     def tokenizer(self) -> PieceTokenizer:
-        return key_lookup_tokenizer()
+        return key_lookup_tokenizer(self.n_keys)
 
     def data(self, index: int) -> str:
         rng = np.random.default_rng([self.seed, index])

@@ -2,7 +2,7 @@
 
 A BPE trained on a task's transcripts would merge its fixed markup (DeepSeek-V4's `<｜User｜>`, the tools section,
 the DSML call block) into few tokens; this tokenizer states those merges: `pieces` (multi-character strings, matched
-longest first) and `chars` (one id each). So the key-lookup task's prompt is 5 ids and a whole tool call 2 (the
+longest first) and `chars` (one id each). So the key-lookup task's prompt is 4 ids and a whole tool call 2 (the
 call's piece, EOS) instead of ~150 characters (rl/agent/key_lookup.py). Satisfies `rl.tokenizer.TokenizerLike`.
 
 Ids: 0 <pad>, 1 <｜begin▁of▁sentence｜>, 2 <｜end▁of▁sentence｜>, then the pieces, then the characters, in order.

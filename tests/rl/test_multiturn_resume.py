@@ -204,6 +204,7 @@ def test_multiturn_resume_is_bitwise_in_one_process(parts, tmp_path):
         job_m.rollout.server_thread.join(timeout=60)
     assert not job_m.rollout.server_thread.is_alive()
     assert sorted(mpmd) == list(range(AT, STEPS))
+    assert any((mpmd[s].rb.loss_mask == 0).any() for s in mpmd), "no environment turn through the MPMD server"
     for step in range(AT, STEPS):
         a, b = full[step], mpmd[step]
         for f in ("tokens", "loss_mask", "logprobs", "lengths", "prompt_tokens", "routing"):

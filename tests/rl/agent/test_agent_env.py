@@ -81,15 +81,18 @@ def test_key_lookup_task_tokens_round_trip():
     key = data.split("=")[0]
     text = render_deepseek_v4(envlib.reset(make_env("key_lookup"), f"key {key}"))
     assert tok.decode_with_specials(ids) == text and ids[0] == tok.bos_id
-    # 5 ids: BOS, tools, "<｜User｜>key ", the key, "<｜Assistant｜></think>": the key 2 ids before the call
-    assert len(ids) == 5 and ids[-2] == tok.encode(key)[0] and tok.vocab_size == 33 and len(key) == 1  # keys 0..9
+    # 4 ids: BOS, tools, "<｜User｜>key ", the key merged with the prompt's closer (what the call is written after)
+    assert len(ids) == 4 and tok.table[ids[-1]] == key + "<｜Assistant｜></think>" and len(key) == 1  # keys 0..9
+    assert tok.vocab_size == 53 and key_lookup_tokenizer(4).vocab_size == 41  # one call / key piece per key
     call = tok.encode(CALL.format(key=key))  # the whole call with its key is one piece
     assert len(call) == 2 and call[-1] == tok.eos_id and tok.decode(call).endswith("</｜DSML｜tool_calls>")
     assert len({tok.encode(CALL_HEAD + k + CALL_TAIL)[0] for k in "0123456789"}) == 10
-    # the tool result: opener, the value's digits, closer (the value 2 ids before the answer)
+    # the tool result: opener, the value's digits, the last one merged with the closer (what the answer follows)
     result = tok.encode(tool_result_turn(["4821"]))
-    assert len(result) == 6 and tok.decode(result[1:5]) == "4821" and len(tok.encode(tool_result_turn(["error"]))) == 3
-    assert tok.encode(tool_result_turn(["4"], thinking=True))[-1] != result[-1]  # the thinking-mode closer
+    assert len(result) == 5 and tok.decode(result[1:4]) == "482" and tok.table[result[-1]].startswith("1</tool_")
+    assert len(tok.encode(tool_result_turn(["error"]))) == 3 and len(tok.encode(tool_result_turn(["4"]))) == 2
+    assert tok.decode_with_specials(tok.encode(tool_result_turn(["4"], thinking=True))) == \
+        tool_result_turn(["4"], thinking=True)  # the thinking-mode markup encodes too
     with pytest.raises(ValueError, match=r"KeyLookupTask.n_keys must be in 1..10, got 11"):
         KeyLookupTask(n_keys=11)
     assert tok.decode_with_specials([0, 9999]) == "\ufffd"
