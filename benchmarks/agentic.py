@@ -5,16 +5,17 @@ to call `lookup` and copy the value it returns, and what do tool turns cost the 
     .venv/bin/python benchmarks/agentic.py --steps 150 --set learner.lr=3e-3 --set data.task_digits=2
 
 One process, the job in-process (`rl.run.wiring.build` + `rl.run.loop.run`: what `launch/run.py --rollout.env
-key_lookup` runs, without its CLI): the tiny DeepSeek-V4 from random init, `--mesh auto` on 2 forced host devices (actor
-1, rollout 1), `--rollout.max_turns 2`, no checkpoints, no eval; defaults (`DEFAULTS`): 100 steps of 16 prompts x 16
-samples, lr 6e-3, an entropy bonus 0.02 (`learner.loss.entropy_coef`: without one the policy collapses onto one
-first turn before it can copy the key), 12 new tokens (both turns and the tool's answer; a perfect trajectory is
-3 + 6 + 2), 1-digit values. The task (rl/agent/key_lookup.py, rl/run/env_task.py): the prompt names a key (a digit,
-`ENV_KEYS` = 4 keys), `lookup` returns its value (`--task-digits` digits, random per prompt); the reward is shaped:
-0.2 x how much of the right call the first turn wrote (call head, the key, call tail, EOS, in order; the call head
-with the key is one piece of the task's tokenizer) + 0.8 x the value copied into the final answer (partial credit
-per digit, halved without the exact length), the value's part counted only after the right call (a guess earns
-nothing).
+key_lookup` runs, without its CLI): the tiny DeepSeek-V4 from random init, `--mesh auto` on 2 forced host devices (actor 1,
+rollout 1), `--rollout.max_turns 2`, no checkpoints, no eval; defaults (`DEFAULTS`): 100 steps of 16 prompts x 16
+samples, lr 6e-3, an entropy bonus 0.02 (`learner.loss.entropy_coef`: without one the policy collapsed onto one
+first turn in earlier task designs), 8 new tokens (both turns and the tool's answer; a perfect trajectory is
+2 + 2 + 2), 1-digit values. The task (rl/agent/key_lookup.py, rl/run/env_task.py): the prompt names a key (a digit,
+`ENV_KEYS` = 4 keys), `lookup` returns its value (`--task-digits` digits, random per prompt); in the task's
+tokenizer the whole call is one piece per key, the key is merged with the prompt's closing markup and the value's
+last digit with the tool result's, so both the call and the answer are read off the id before them; the reward is
+shaped: 0.2 x the share of the right first turn (the right call, then EOS) + 0.8 x the value copied into the final
+answer (partial credit per digit, halved without the exact length), the value's part counted only after the right
+call (a guess earns nothing): a run above 0.5 copies the tool's values.
 
 Figures (last line `RESULT learns=0|1 reward_first10=.. reward_last10=.. tool_calls_first10=.. tool_calls_last10=..
 tokens_per_s_tools=.. tokens_per_s_plain=..`):
@@ -57,7 +58,7 @@ from rl.rollout.multiturn import generate_multiturn  # noqa: E402
 from rl.run.stages import prompt_lists, sampling_params  # noqa: E402
 
 DEFAULTS = {"rollout.env": "key_lookup", "rollout.max_turns": 2, "steps": 100, "rollout.prompts_per_step": 16,
-            "rollout.group_size": 16, "rollout.max_new_tokens": 12, "data.task_digits": 1, "learner.lr": 6e-3,
+            "rollout.group_size": 16, "rollout.max_new_tokens": 8, "data.task_digits": 1, "learner.lr": 6e-3,
             "learner.loss.entropy_coef": 0.02, "ckpt.dir": "", "log.tensorboard_dir": "", "log.progress": False,
             "eval.every": 0}
 

@@ -1,9 +1,9 @@
 """`PieceTokenizer`: whole markup pieces + single characters, for tasks a tiny model learns from random init.
 
 A BPE trained on a task's transcripts would merge its fixed markup (DeepSeek-V4's `<｜User｜>`, the tools section,
-the DSML call head) into few tokens; this tokenizer states those merges: `pieces` (multi-character strings, matched
-longest first) and `chars` (one id each). So the key-lookup task's prompt is a handful of ids and a whole tool call
-is 6 ids (call head, key characters, call tail, EOS) instead of ~150 characters. Satisfies
+the DSML call block) into few tokens; this tokenizer states those merges: `pieces` (multi-character strings, matched
+longest first) and `chars` (one id each). So the key-lookup task's prompt is 4 ids and a whole tool call 2 (the
+call's piece, EOS) instead of ~150 characters (rl/agent/key_lookup.py). Satisfies
 `rl.data.tokenizer.TokenizerLike`.
 
 Ids: 0 <pad>, 1 <｜begin▁of▁sentence｜>, 2 <｜end▁of▁sentence｜>, then the pieces, then the characters, in order.

@@ -30,10 +30,10 @@ def test_key_lookup_data_and_reward_on_the_final_turn():
     cfg = _cfg(("eval.prompts", 3), ("data.task_digits", 4))
     tok, task, train, ev_prompts, ev_refs, reward, ev_data = load_data(cfg)
     gen = KeyLookupTask(n_keys=ENV_KEYS, value_digits=4, seed=cfg.seed)
-    assert task is None and ev_data is None and tok.vocab_size == 35 and len(train.references) == TRAIN_PROMPTS
+    assert task is None and ev_data is None and tok.vocab_size == 41 and len(train.references) == TRAIN_PROMPTS
     assert (train.prompt(5), train.references[5]) == tuple(gen.prompts(1, start=5)[0])
     assert list(zip(ev_prompts, ev_refs)) == [tuple(x) for x in gen.prompts(3, start=EVAL_START)]
-    assert prompt_bucket(cfg, train, ev_prompts) == 7 + cfg.rollout.max_new_tokens  # later turns re-prefill
+    assert prompt_bucket(cfg, train, ev_prompts) == 4 + cfg.rollout.max_new_tokens  # later turns re-prefill
     key, value = ev_refs[0].split("=")
     assert {r.split("=")[0] for r in train.references} == {str(k) for k in range(ENV_KEYS)}
     # row 0: the right call | tool result (environment) | the value; row 1: ends inside the environment's turn

@@ -32,9 +32,15 @@ CALL = ('\n\n<｜DSML｜tool_calls>\n<｜DSML｜invoke name="lookup">\n<｜DSML�
 LP = -0.25
 
 
+def wrong(key: str) -> str:
+    """Another of the task's keys (its call is a piece of the task's tokenizer too)."""
+    return str((int(key) + 1) % 10)
+
+
 class ScriptedEngine:
     """`generate` as the engine's, with a policy per sample index: 0 looks the key up then copies the value, 1 asks
-    a wrong key then answers "0", 2 answers "0" at once, 3 calls forever. Routing of a token = its id (one layer, k=1)."""
+    a wrong key (`wrong`) then answers "0", 2 answers "0" at once, 3 calls forever. Routing of a token = its id (one
+    layer, k=1)."""
 
     max_prompt_len, weight_version, speculative = 64, 7, "off"
 
@@ -46,7 +52,7 @@ class ScriptedEngine:
         if policy == 2 or (policy in (0, 1) and seen):
             return (ctx.rsplit(RESULT_OPEN, 1)[1].split(RESULT_CLOSE)[0] if policy == 0 else "0") + \
                 "<｜end▁of▁sentence｜>"
-        return CALL.format("99" if policy == 1 else key)
+        return CALL.format(wrong(key) if policy == 1 else key)
 
     def generate(self, prompts, params, *, seed, step, prompt_index, sample_index, max_new_tokens_per_row,
                  token_offset):
@@ -81,43 +87,44 @@ def test_two_turn_key_lookup_masks_and_metrics():
     rb = res.rb
     call, env_turn, answer = (TOK.encode(CALL.format(data.split("=")[0])), TOK.encode(tool_result_turn([value])),
                               TOK.encode(value + "<｜end▁of▁sentence｜>"))
-    assert len(call) == 3 and len(env_turn) == 9 and len(answer) == 5
+    assert len(call) == 2 and len(env_turn) == 5 and len(answer) == 5
     # row 0: call (model) | tool result (environment) | answer (model)
     assert rb.response_lists()[0] == call + env_turn + answer
-    assert rb.loss_mask[0, :17].tolist() == [1] * 3 + [0] * 9 + [1] * 5 and rb.loss_mask[0, 17:].sum() == 0
-    assert np.all(rb.logprobs[0, :17] == np.array([LP] * 3 + [0.0] * 9 + [LP] * 5, np.float32))
+    assert rb.loss_mask[0, :12].tolist() == [1] * 2 + [0] * 5 + [1] * 5 and rb.loss_mask[0, 12:].sum() == 0
+    assert np.all(rb.logprobs[0, :12] == np.array([LP] * 2 + [0.0] * 5 + [LP] * 5, np.float32))
     # row 1: a wrong key is a tool error the model reads, then it answers; row 2 answers at once
     err = TOK.encode(tool_result_turn(["error"]))  # key_lookup's terse errors
-    assert rb.response_lists()[1] == TOK.encode(CALL.format("99")) + err + TOK.encode("0<｜end▁of▁sentence｜>")
+    bad = TOK.encode(CALL.format(wrong(data.split("=")[0])))
+    assert rb.response_lists()[1] == bad + err + TOK.encode("0<｜end▁of▁sentence｜>")
     assert rb.response_lists()[2] == TOK.encode("0<｜end▁of▁sentence｜>") and rb.loss_mask[2, :2].all()
     # row 3 called in both turns: cut by the turn budget, its second call not answered
     assert rb.response_lists()[3] == call + env_turn + call and rb.finish_reasons == ["stop", "stop", "stop", "length"]
     # the learner's view: every token is context, only the model's are trained on, with their logprobs
     ids, attn, resp, rlp = rb.sequences()
     p = rb.prompt_tokens.shape[1]
-    assert attn[0, p:p + 17].all() and resp[0, p:].tolist()[:17] == rb.loss_mask[0, :17].tolist()
+    assert attn[0, p:p + 12].all() and resp[0, p:].tolist()[:12] == rb.loss_mask[0, :12].tolist()
     assert np.all(rlp[resp == 0] == 0) and np.all(rlp[resp == 1] == LP)
     assert TrainBatch.from_rollout(rb, np.zeros(4)).rows()[0]["response"].tolist() == call + answer
     # routing covers the prompt, the model's and the environment's tokens (each token routed to its own id here)
-    assert np.array_equal(rb.routing[0, p - len(prompt): p + 17, 0, 0], prompt + call + env_turn + answer)
-    assert (rb.routing[0, p + 17:] == -1).all() and rb.weight_version == 7
+    assert np.array_equal(rb.routing[0, p - len(prompt): p + 12, 0, 0], prompt + call + env_turn + answer)
+    assert (rb.routing[0, p + 12:] == -1).all() and rb.weight_version == 7
     # turn 2 re-prefilled rows 0, 1, 3 with the budget left and the token offset of their first new token
-    e1 = len(TOK.encode(CALL.format("99"))) + len(err)
-    assert engine.calls == [([0, 1, 2, 3], [48] * 4, [0] * 4), ([0, 1, 3], [36, 48 - e1, 36], [12, e1, 12])]
+    e1 = len(bad) + len(err)
+    assert engine.calls == [([0, 1, 2, 3], [48] * 4, [0] * 4), ([0, 1, 3], [41, 48 - e1, 41], [7, e1, 7])]
     s = res.stats
     assert s["rollout/turns_mean"] == (2 + 2 + 1 + 2) / 4 and s["rollout/tool_calls_per_traj"] == 4 / 4
     assert s["rollout/tool_errors"] == 1 / 4 and s["rollout/turn_truncated_frac"] == 1 / 4
-    assert s["rollout/env_token_frac"] == (9 + len(err) + 9) / (17 + e1 + 2 + 2 + 15) and s["rollout/tool_s"] >= 0
+    assert s["rollout/env_token_frac"] == (5 + len(err) + 5) / (12 + e1 + 2 + 2 + 9) and s["rollout/tool_s"] >= 0
 
 
 def test_token_budget_cuts_the_environment_turn_and_refusals():
     (prompt, data), = KeyLookupTask().prompts(1)
     mt = MultiTurn(env="key_lookup", data=(data,))
-    rb, stats = run_request(ScriptedEngine(), RolloutRequest(prompts=[prompt], params=SamplingParams(max_new_tokens=8),
+    rb, stats = run_request(ScriptedEngine(), RolloutRequest(prompts=[prompt], params=SamplingParams(max_new_tokens=6),
                                                              seed=0, sample_index=[0], multiturn=mt), TOK).rb, None
-    assert rb.lengths[0] == 8 and rb.loss_mask[0].tolist() == [1] * 3 + [0] * 5 and rb.finish_reasons == ["length"]
-    req = RolloutRequest(prompts=[prompt], params=SamplingParams(max_new_tokens=60), seed=0, multiturn=mt)
-    with pytest.raises(ValueError, match="--max-prompt-len 64 < longest prompt 7 \\+ --max-new-tokens 60"):
+    assert rb.lengths[0] == 6 and rb.loss_mask[0].tolist() == [1] * 2 + [0] * 4 and rb.finish_reasons == ["length"]
+    req = RolloutRequest(prompts=[prompt], params=SamplingParams(max_new_tokens=61), seed=0, multiturn=mt)
+    with pytest.raises(ValueError, match="--max-prompt-len 64 < longest prompt 4 \\+ --max-new-tokens 61"):
         run_request(ScriptedEngine(), req, TOK)
     with pytest.raises(ValueError, match="without the run's tokenizer"):
         run_request(ScriptedEngine(), req)

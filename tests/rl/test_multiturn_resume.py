@@ -1,4 +1,5 @@
-"""Multi-turn resume is bitwise in the single-process layout (issue 39 point 6), in this process.
+"""Multi-turn resume is bitwise in the single-process layout and through the MPMD rollout server (issue 39 point 6),
+in this process.
 
 The key-lookup job (`--rollout.env key_lookup --rollout.max_turns 2`, rl/run/env_task.py) on a 2-layer tiny model with
 fp32 rollout weights and the synchronous loop (one learner and one sampler, compiled once for the module): STEPS
@@ -8,13 +9,23 @@ step's batch (tokens, loss mask, logprobs, routing, rewards), every non-`perf/` 
 must equal the uninterrupted run's bit for bit. In the synchronous loop no trajectory is in flight at a checkpoint:
 each step's rows, all their turns and tool calls, are generated and trained within the step, and a turn's samples
 are keyed by (seed, step, prompt, sample, token offset), so the resumed run regenerates them exactly.
+
+MPMD: the same checkpoint restored into a job whose rollout is the MPMD actor side (`rl.rollout.mpmd.ProcessRollout`)
+talking to a `RolloutServer` on a thread, as a rollout process runs it (the run's tokenizer given, every multi-turn
+request served by the server's own `run_request`), through an in-memory host channel that pickles every command and
+result as `sharding.mpmd.HostChannel` does; the push is the one-process push (the two sides share the sampler). Its
+steps after the checkpoint equal the uninterrupted run's bitwise as well. What stays for the launched MPMD tests
+(tests/launch/test_mpmd_resume.py): the processes, the cross-process push and the channel's transport.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import pathlib
+import pickle
 import sys
+import threading
+import types
 
 import jax
 import numpy as np
@@ -48,8 +59,54 @@ def parts():
     return cfg, learner, init, sampler, tok, train, reward
 
 
-def _wiring(parts, ckpt=None):
-    """A job at step 0, or, with a checkpoint directory holding one, at its step with its state restored."""
+class Channel:
+    """The MPMD host channel in one process: values pickled by key; a receive waits for its key (60 s)."""
+
+    def __init__(self):
+        self.values, self.cv = {}, threading.Condition()
+
+    def publish(self, key, value):
+        with self.cv:
+            self.values[key] = pickle.dumps(value, protocol=pickle.HIGHEST_PROTOCOL)
+            self.cv.notify_all()
+
+    def receive(self, key, role, what=""):
+        with self.cv:
+            assert self.cv.wait_for(lambda: key in self.values, timeout=60), f"{role}: {what}"
+            return pickle.loads(self.values.pop(key))
+
+
+class SharedPusher:
+    """The MPMD push in one process: the actor's push sets the (shared) sampler's weights; the server's is a no-op."""
+
+    def __init__(self, sampler):
+        from parallel.push.local import SamplerPusher
+
+        self.local = SamplerPusher(sampler)
+
+    def push(self, params, version):
+        return None if params is None else self.local.push(params, version)
+
+
+def _mpmd_rollout(sampler, tok, params_fn):
+    """The actor's ProcessRollout of an MPMD pair over one Channel, its server serving on a started thread (the
+    rollout's `server_thread`)."""
+    from rl.rollout.mpmd import ProcessRollout, RolloutServer
+
+    channel, pusher = Channel(), SharedPusher(sampler)
+    server = RolloutServer(sampler, types.SimpleNamespace(process=1, rollout_processes=(1,)), channel, pusher,
+                           tokenizer=tok)
+    thread = threading.Thread(target=server.serve, name="rollout-server", daemon=True)
+    thread.start()
+    rollout = ProcessRollout(types.SimpleNamespace(process=0, writer=0, rollout_processes=(1,)), channel, pusher,
+                             params_fn)
+    rollout.server_thread = thread
+    return rollout
+
+
+def _wiring(parts, ckpt=None, mpmd=False):
+    """A job at step 0, or, with a checkpoint directory holding one, at its step with its state restored; with
+    `mpmd`, its rollout is the MPMD pair (`_mpmd_rollout`)."""
     from rl.data.prompts import make_prompt_iterator
     from rl.run.wiring import RunWiring
     from rl.rollout.service import LocalRollout
@@ -64,7 +121,10 @@ def _wiring(parts, ckpt=None):
         learner.load_state_dict(state)
         it.set_state(meta["data"])
         start, version = int(meta["step"]), int(meta["weight_version"])
-    rollout = LocalRollout(sampler, learner.params_for_push, tokenizer=tok)
+    if mpmd:
+        rollout = _mpmd_rollout(sampler, tok, learner.params_for_push)
+    else:
+        rollout = LocalRollout(sampler, learner.params_for_push, tokenizer=tok)
     rollout.load_weights(version)
     wiring = RunWiring(cfg=dataclasses.replace(cfg), model_cfg=None, plan=None, tokenizer=tok, task=None,
                        train_data=train, eval_prompts=[], eval_refs=[], reward=reward, learner=learner, rollout=rollout,
@@ -132,3 +192,27 @@ def test_multiturn_resume_is_bitwise_in_one_process(parts, tmp_path):
         assert {k: ra[step][k] for k in keys} == {k: rb[step][k] for k in keys}, step
     got = jax.tree.map(np.asarray, resumed.learner.state_dict())
     jax.tree.map(np.testing.assert_array_equal, final, got)
+
+    # the same checkpoint resumed with the MPMD rollout server (module docstring)
+    mpmd: dict = {}
+    wiring_m = _wiring(parts, ckpt(), mpmd=True)
+    assert wiring_m.start_step == AT
+    try:
+        _run(wiring_m, STEPS, mpmd)
+    finally:
+        wiring_m.rollout.close()  # the "stop" command
+        wiring_m.rollout.server_thread.join(timeout=60)
+    assert not wiring_m.rollout.server_thread.is_alive()
+    assert sorted(mpmd) == list(range(AT, STEPS))
+    assert any((mpmd[s].rb.loss_mask == 0).any() for s in mpmd), "no environment turn through the MPMD server"
+    for step in range(AT, STEPS):
+        a, b = full[step], mpmd[step]
+        for f in ("tokens", "loss_mask", "logprobs", "lengths", "prompt_tokens", "routing"):
+            np.testing.assert_array_equal(getattr(a.rb, f), getattr(b.rb, f), err_msg=f"MPMD step {step} {f}")
+        np.testing.assert_array_equal(a.rewards, b.rewards)
+    rm = {r["step"]: r for r in wiring_m.logger.records}
+    for step in range(AT, STEPS):  # the MPMD run adds its own counters (mpmd/...)
+        keys = {k for k in ra[step] if not k.startswith("perf/")}
+        assert keys <= set(rm[step]) and {k: ra[step][k] for k in keys} == {k: rm[step][k] for k in keys}, step
+    assert rm[STEPS - 1]["mpmd/rollout_generate_calls"] == STEPS - AT
+    jax.tree.map(np.testing.assert_array_equal, final, jax.tree.map(np.asarray, wiring_m.learner.state_dict()))

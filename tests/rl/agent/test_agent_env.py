@@ -41,13 +41,13 @@ def test_key_lookup_episode():
     assert envlib.reward(env, "4820" + EOS, data, call) == pytest.approx((1 - w) * 0.75 + w)  # 3/4 digits
     assert envlib.reward(env, "48", data, call) == pytest.approx((1 - w) * 0.25 + w)  # cut: 2/4 digits x 0.5
     assert envlib.reward(env, "4821" + EOS, data) == 0.0  # an answer without the right call: a guess, no credit
-    assert envlib.reward(env, "4821" + EOS, data, CALL.format(key="8")) == pytest.approx(w * 1 / 4)
+    assert envlib.reward(env, "4821" + EOS, data, CALL.format(key="8")) == 0.0  # a wrong key: no unit at all
     assert value_reward(" 4821\n", data) == 1.0
-    # call_progress: units call head, the key, call tail, EOS; the matching prefix counts (a wrong key: the head)
+    # call_progress: units the call with the row's key, EOS; the matching prefix counts (a wrong key: nothing)
     assert call_progress(call, data) == 1.0 and call_progress("4821" + EOS, data) == 0.0
-    assert call_progress(CALL_HEAD + "7" + EOS, data) == pytest.approx(2 / 4)
-    assert call_progress(CALL.format(key="8"), data) == pytest.approx(1 / 4)
-    assert call_progress(CALL_HEAD + "0" + CALL_TAIL + EOS, "07=1") == pytest.approx(1 / 4)  # 2-digit keys
+    assert call_progress(CALL_HEAD + "7" + CALL_TAIL + "4" + EOS, data) == pytest.approx(1 / 2)
+    assert call_progress(CALL.format(key="8"), data) == 0.0
+    assert envlib.reward(env, "4821" + EOS, data, CALL_HEAD + "7" + CALL_TAIL) == pytest.approx(w / 2)  # no EOS
     with pytest.raises(ValueError, match="shaping_weight"):
         envlib.Environment(name="x", tools=env.tools, handlers=env.handlers, reward_fn=value_reward, shaping_weight=0.5)
 
@@ -81,12 +81,20 @@ def test_key_lookup_task_tokens_round_trip():
     key = data.split("=")[0]
     text = render_deepseek_v4(envlib.reset(make_env("key_lookup"), f"key {key}"))
     assert tok.decode_with_specials(ids) == text and ids[0] == tok.bos_id
-    assert len(ids) == 7 and ids[-3] == tok.encode(key)[0] and tok.vocab_size == 35 and len(key) == 1  # keys 0..9
-    call = tok.encode(CALL.format(key=key))  # the call head with the key is one piece
-    assert len(call) == 3 and call[-1] == tok.eos_id and tok.decode(call).endswith("</｜DSML｜tool_calls>")
-    assert tok.encode(CALL_HEAD + "?" + CALL_TAIL)[:2] == tok.encode(CALL_HEAD + "?")  # the bare head is a piece too
-    assert len(tok.encode(tool_result_turn(["4821"]))) == 9 and len(tok.encode(tool_result_turn(["error"]))) == 6
-    assert len(KeyLookupTask(n_keys=100).data(5).split("=")[0]) == 2  # 00..99
+    # 4 ids: BOS, tools, "<｜User｜>key ", the key merged with the prompt's closer (what the call is written after)
+    assert len(ids) == 4 and tok.table[ids[-1]] == key + "<｜Assistant｜></think>" and len(key) == 1  # keys 0..9
+    assert tok.vocab_size == 53 and key_lookup_tokenizer(4).vocab_size == 41  # one call / key piece per key
+    call = tok.encode(CALL.format(key=key))  # the whole call with its key is one piece
+    assert len(call) == 2 and call[-1] == tok.eos_id and tok.decode(call).endswith("</｜DSML｜tool_calls>")
+    assert len({tok.encode(CALL_HEAD + k + CALL_TAIL)[0] for k in "0123456789"}) == 10
+    # the tool result: opener, the value's digits, the last one merged with the closer (what the answer follows)
+    result = tok.encode(tool_result_turn(["4821"]))
+    assert len(result) == 5 and tok.decode(result[1:4]) == "482" and tok.table[result[-1]].startswith("1</tool_")
+    assert len(tok.encode(tool_result_turn(["error"]))) == 3 and len(tok.encode(tool_result_turn(["4"]))) == 2
+    assert tok.decode_with_specials(tok.encode(tool_result_turn(["4"], thinking=True))) == \
+        tool_result_turn(["4"], thinking=True)  # the thinking-mode markup encodes too
+    with pytest.raises(ValueError, match=r"KeyLookupTask.n_keys must be in 1..10, got 11"):
+        KeyLookupTask(n_keys=11)
     assert tok.decode_with_specials([0, 9999]) == "\ufffd"
     assert tok.encode("k｜é") == tok.encode("???")  # an environment's text always encodes (a tool error quoting a call)
     with pytest.raises(ValueError, match="'é'"):
