@@ -23,10 +23,10 @@ Choices (and why):
   (`nnx.eval_shape`, so only the graph is built; the values are the given model's, cast to float32). Matmuls
   cast the fp32 masters to bf16 at use, gradients arrive in fp32, Adam runs in fp32. A bf16-only optimizer
   silently drops updates below bf16 resolution (docs/jax-stack.md §10); the fp32 masters keep them.
-- Input size (rl/batching.py): before the jit, the columns are cut to the bucketed longest real row (`trim`,
-  exact); the rollout's rows already start at column 0, and the forward runs the model's left-aligned path (no
-  per-row roll). Rows an outside caller left-pads are rolled to column 0 on the host first (`batching.trim`'s
-  shift; also with `trim` off), and a compute_logprobs result is put back at the caller's columns. With
+- Input size (rl/batching.py): before the jit, columns are cut to the bucketed longest real row (`trim`, exact);
+  the rollout's rows start at column 0 and the forward runs the model's left-aligned path (no per-row roll); rows
+  an outside caller left-pads are rolled to column 0 on the host first (`batching.trim`'s shift, `trim` off too)
+  and a compute_logprobs result is put back at the caller's columns. With
   `max_tokens_per_micro_batch` B the micro-batches hold floor(B / W) rows per device at width W (floor(B C / W)
   under context parallelism over C devices: the budget counts tokens per context shard; padding rows
   neutral); a batch whose longest row exceeds B is a ValueError naming --max-tokens-per-micro-batch.
@@ -470,9 +470,8 @@ class Learner:
         return self._fit(self._check_batch(batch, replay))
 
     def _fit(self, batch: TrainBatch) -> tuple[TrainBatch, batching.Layout, np.ndarray]:
-        """Host side: trim to the longest real row (rl/batching.py) -> (batch with every row at column 0, layout,
-        per-row shift: 0 for the rollout's left-aligned rows). Raises ValueError when the token budget is below
-        the longest row."""
+        """Host side: trim to the longest real row (rl/batching.py) -> (batch, rows at column 0, layout, per-row
+        shift: 0 for the rollout's rows). Raises ValueError when the token budget is below the longest row."""
         n, s = batch.input_ids.shape
         shift, longest = batching.real_extent(batch.attention_mask)
         lay = self.layout(n, s, longest)
