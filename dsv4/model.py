@@ -3,8 +3,11 @@
 Module attribute names follow the official checkpoint keys, so the NNX path `layers/3/attn/wq_a/weight` is the
 official key `layers.3.attn.wq_a.weight` (only the stacked experts differ: see `dsv4/io/convert.py`).
 
-Padding: `attention_mask` [B, S] may mark left (or right) padding. Each row is right-aligned internally
-(rolled so its first real token sits at position 0), run with positions 0.., and rolled back. Because the
+Padding: `attention_mask` [B, S] may mark left (or right) padding. Rows that start at column 0 (the RL
+layout `[prompt | response | pad]`, rl/batch.py) run as they are with `left_aligned=True`: positions 0.., no
+per-row roll (the learner's path). Otherwise (outside callers with left-padded rows, e.g. the transformers parity
+tests) each row is left-aligned internally (rolled so its first real token sits at position 0), run with
+positions 0.., and rolled back; for rows already at column 0 both paths give the same values bitwise. Because the
 model is causal and compressed entries pool only complete windows of real tokens, every real token's logits
 equal those of the row run alone. (transformers 5.23 instead pools left-pad tokens into compressed entries.)
 
@@ -264,7 +267,7 @@ class DSV4ForCausalLM(nnx.Module):
     # ------------------------------------------------------------------ forward
     def __call__(self, input_ids: jax.Array, *, attention_mask: jax.Array | None = None,
                  routing_replay: jax.Array | None = None, return_mtp: bool = False, return_hidden: bool = False,
-                 dispatch_fn=None, layer_stack=None) -> DSV4Output:
+                 dispatch_fn=None, layer_stack=None, left_aligned: bool = False) -> DSV4Output:
         """Full-sequence forward.
 
         Args:
@@ -279,6 +282,9 @@ class DSV4ForCausalLM(nnx.Module):
           dispatch_fn: routed-expert implementation (default: single-device ragged_dot; EP: parallel.expert).
           layer_stack: a `dsv4.scan.LayerStack` (stacked layer weights, run under `jax.lax.scan` per group of
             identical layers) used instead of `self.layers`; None = the Python loop over `self.layers`.
+          left_aligned: the caller's promise that every row of `attention_mask` starts at column 0 (right padding
+            only, the RL layout): the rows run as they are, no per-row roll (module docstring "Padding"). Not
+            checked (a traced value); a left-padded row then gets wrong values.
         Returns:
           DSV4Output (see its docstring).
         Raises:
@@ -305,17 +311,18 @@ class DSV4ForCausalLM(nnx.Module):
                        routing_replay=None if routing_replay is None else jnp.pad(
                            routing_replay, ((0, 0), (0, pad), (0, 0), (0, 0)), constant_values=-1),
                        return_mtp=return_mtp, return_hidden=return_hidden, dispatch_fn=dispatch_fn,
-                       layer_stack=layer_stack)
+                       layer_stack=layer_stack, left_aligned=left_aligned)
             return out.replace(**{f: getattr(out, f)[:, :s] for f in ("logits", "routing", "mtp_logits", "hidden")
                                   if getattr(out, f) is not None})  # expert_drops: the padded call's
-        valid = None
-        if attention_mask is not None:
+        roll = attention_mask is not None and not left_aligned
+        if attention_mask is not None and left_aligned:  # rows at column 0: as they are
+            ids = jnp.where(attention_mask.astype(bool), input_ids, 0)
+        elif roll:
             m = attention_mask.astype(bool)
             shift = jnp.argmax(m, axis=1).astype(jnp.int32)  # leading pads per row (0 if right-padded)
             idx = (jnp.arange(s)[None, :] + shift[:, None]) % s  # right-align: new[j] = old[j + shift]
             ids = jnp.take_along_axis(input_ids, idx, axis=1)
-            valid = jnp.take_along_axis(m, idx, axis=1)
-            ids = jnp.where(valid, ids, 0)
+            ids = jnp.where(jnp.take_along_axis(m, idx, axis=1), ids, 0)
             if routing_replay is not None:
                 routing_replay = jnp.take_along_axis(routing_replay, idx[:, :, None, None], axis=1)
         else:
@@ -342,13 +349,14 @@ class DSV4ForCausalLM(nnx.Module):
             detached = return_mtp == "detached"
             mtp_h = self._mtp(self.mtp[0], jax.lax.stop_gradient(x) if detached else x, nxt, positions, dispatch_fn,
                               detached)
-        if attention_mask is not None:
+        if roll:
             inv = (jnp.arange(s)[None, :] - shift[:, None]) % s  # roll back: old[j] = new[j - shift]
             h = jnp.take_along_axis(h, inv[:, :, None], axis=1)
             routing = jnp.take_along_axis(routing, inv[:, :, None, None], axis=1)
-            routing = jnp.where(attention_mask.astype(bool)[:, :, None, None], routing, -1)
             if mtp_h is not None:
                 mtp_h = jnp.take_along_axis(mtp_h, inv[:, :, None], axis=1)
+        if attention_mask is not None:
+            routing = jnp.where(attention_mask.astype(bool)[:, :, None, None], routing, -1)
         logits = constrain(self.lm_head(h), (ax.ACT_BATCH, ax.ACT_SEQ, ax.ACT_VOCAB))
         return DSV4Output(logits=logits, routing=routing,
                           mtp_logits=None if mtp_h is None else self.lm_head(mtp_h, return_mtp == "detached"),

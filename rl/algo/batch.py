@@ -1,16 +1,19 @@
-"""The one batch layout from the sampler to the learner: `RolloutBatch` (sampler output) -> `TrainBatch`.
+"""The one batch layout from the rollout request to the learner: `RolloutBatch` (rollout output) -> `TrainBatch`.
 
-Layout of row i (S = P + T columns; P = the prompt bucket, T = max_new_tokens):
+Layout of row i (S = P + T columns; P = the prompt bucket, T = max_new_tokens), left-aligned:
 
-    [ 0 .. 0 | prompt_i (P_i tokens) | response_i (T_i tokens) | 0 .. 0 ]
-      left pad to P                     right pad to T
-      <---------------- P ------------> <------------ T --------------->
+    [ prompt_i (P_i tokens) | response_i (T_i tokens) | 0 .. 0 ]
+      <-------- P_i -------> <-------- T_i ---------> <- pad: S - P_i - T_i ->
 
-`RolloutBatch` keeps the two halves (`prompt_tokens` [N, P] left-padded, `tokens` [N, T] right-padded) and the
-recorded routing [N, S, L, k] already in the joined layout (-1 at padding); `RolloutBatch.sequences()` joins
-them, and `TrainBatch.from_rollout` is the one place that turns a rollout (+ advantages) into the learner's
-batch. Per-token arrays sit at each token's own position, so `response_mask` selects the same tokens in the
-rollout's logprobs, the learner's logprobs and the loss (rl/algo/learner.py "Data"; rl/algo/logprobs.py).
+The rollout engine runs its programs on this layout's prompt half (prompts right-padded to P: each row at positions
+0..) and returns the row's two halves left-aligned: `prompt_tokens` [N, P] (prompt_i then 0) and `tokens` [N, T]
+(response_i then 0), with the recorded routing [N, S, L, k] already in the joined row (-1 at padding).
+`RolloutBatch.sequences()` joins the halves into the row above (`join_rows`: a per-row gather, the response placed
+right after its prompt) and `TrainBatch.from_rollout` is the one place that turns a rollout (+ advantages) into the
+learner's batch. Rows start at column 0 from then on: the learner cuts columns (rl/algo/batching.py) and runs the model's
+left-aligned path (`DSV4ForCausalLM(..., left_aligned=True)`: no per-row roll). Per-token arrays sit at each token's
+own position, so `response_mask` selects the same tokens in the rollout's logprobs, the learner's logprobs and the
+loss (rl/algo/learner.py "Data"; rl/algo/logprobs.py); `response_half` reads a joined per-token array back as [N, T].
 All arrays are host numpy until `rl.algo.learner.Learner` places the batch on the actor mesh, once.
 The rollout engine (`rl.rollout.engine`) returns `RolloutBatch`; `rl.algo.learner` takes `TrainBatch`.
 """
@@ -24,18 +27,38 @@ import jax
 import numpy as np
 from flax import struct
 
+ROWS_LAYOUT = "prompt|response|pad"  # the name of this layout, kept in the in-flight checkpoints (rl/pipeline.py)
+
+
+def join_rows(prompt: np.ndarray, prompt_lengths: np.ndarray, response: np.ndarray, fill) -> np.ndarray:
+    """The joined row of the module docstring: prompt [N, P, ...] (prompt_i then padding) and response [N, T, ...]
+    -> [N, P + T, ...] with row i = [prompt[i, :P_i] | response[i, :] | fill], P_i = prompt_lengths[i] (a per-row
+    gather; host numpy)."""
+    n, p = prompt.shape[:2]
+    t = response.shape[1]
+    pl = np.asarray(prompt_lengths, np.int64)[:, None]
+    cols = np.arange(p + t)[None]
+    both = np.concatenate([prompt, response], axis=1)
+    src = np.where(cols < pl, cols, cols - pl + p)  # response column j - P_i sits at column P + j - P_i of `both`
+    inside = src < p + t
+    out = both[np.arange(n)[:, None], np.where(inside, src, 0)]
+    keep = inside.reshape(inside.shape + (1,) * (both.ndim - 2))
+    return np.where(keep, out, np.asarray(fill, both.dtype)).astype(both.dtype)
+
 
 @dataclasses.dataclass
 class RolloutBatch:
-    """Sampler output for N samples (numpy, on the host).
+    """Rollout output for N samples (numpy, on the host): the two halves of the joined rows of the module docstring.
 
-    tokens [N, T] int32 response tokens (0 after `lengths`); T = max_new_tokens.
-    logprobs [N, T] float32 sampler logprob of each response token (0 after `lengths`).
-    routing [N, P+T, L, k] int32 expert ids for the layout of `sequences()`: the prompt left-padded to P (the
-      prompt bucket) then the response; -1 at padding.
+    prompt_tokens [N, P] int32 prompts, left-aligned (prompt_i in columns 0..P_i, 0 after); P = the prompt bucket;
+      prompt_lengths [N] (P_i).
+    tokens [N, T] int32 response tokens, left-aligned (0 after `lengths`); T = max_new_tokens. In the joined row
+      response token j sits at column P_i + j (`sequences()`).
+    logprobs [N, T] float32 rollout logprob of each response token (0 after `lengths`).
+    routing [N, P+T, L, k] int32 expert ids in the joined row ([prompt_i | response_i | pad], the layout of
+      `sequences()`); -1 at padding.
     lengths [N] int32 generated tokens (a stop token, when hit, is included); finish_reasons: "stop" | "length".
-    prompt_tokens [N, P] int32 left-padded prompts; prompt_lengths [N]; weight_version: the weights used (with
-      partial rollouts: the newest of them).
+    weight_version: the weights used (with partial rollouts: the newest of them).
     token_versions [N, T] int32 or None: the weight version each response token was sampled with (-1 after
       `lengths`); None = every token `weight_version` (one generation). Partial rollouts (rl/run/partial.py) set it:
       a sample continued across weight updates holds tokens of several versions. `versions_per_token()` reads both.
@@ -63,21 +86,31 @@ class RolloutBatch:
         return np.where(np.arange(t)[None] < self.lengths[:, None], self.weight_version, -1).astype(np.int32)
 
     def sequences(self):
-        """The learner's layout: (input_ids [N, P+T], attention_mask [N, P+T], response_mask [N, P+T],
-        rollout_logprobs [N, P+T]) with prompts left-padded and responses right-padded. response_mask is 0 on the
-        tokens `loss_mask` gives to an environment (they stay in attention_mask: context)."""
+        """The learner's layout, the joined rows of the module docstring: (input_ids [N, P+T], attention_mask
+        [N, P+T], response_mask [N, P+T], rollout_logprobs [N, P+T]), every row [prompt_i | response_i | pad].
+        response_mask is 0 on the tokens `loss_mask` gives to an environment (they stay in attention_mask:
+        context)."""
         n, p = self.prompt_tokens.shape
         t = self.tokens.shape[1]
-        ids = np.concatenate([self.prompt_tokens, self.tokens], axis=1).astype(np.int32)
+        pl = np.asarray(self.prompt_lengths)[:, None]
+        ids = join_rows(np.asarray(self.prompt_tokens, np.int32), self.prompt_lengths,
+                        np.asarray(self.tokens, np.int32), 0)
         pos = np.arange(p + t)[None]
-        prompt_real = (pos >= p - self.prompt_lengths[:, None]) & (pos < p)
-        resp = (pos >= p) & (pos < p + self.lengths[:, None])
-        lp = np.zeros((n, p + t), np.float32)
-        lp[:, p:] = self.logprobs
-        real = prompt_real | resp
+        resp = (pos >= pl) & (pos < pl + self.lengths[:, None])
+        lp = join_rows(np.zeros((n, p), np.float32), self.prompt_lengths, np.asarray(self.logprobs, np.float32), 0)
+        real = (pos < pl) | resp
         if self.loss_mask is not None:
-            resp = resp & np.pad(np.asarray(self.loss_mask, bool), ((0, 0), (p, 0)))
+            resp = resp & join_rows(np.zeros((n, p), bool), self.prompt_lengths, np.asarray(self.loss_mask, bool),
+                                    False)
         return ids, real.astype(np.int32), resp.astype(np.int32), np.where(resp, lp, 0.0)
+
+    def response_half(self, x) -> np.ndarray:
+        """A per-token array in the layout of `sequences()` [N, P+T, ...] -> its response half [N, T, ...] (column
+        P_i + j of row i -> column j; a per-row gather, host numpy)."""
+        x = np.asarray(x)
+        t = self.tokens.shape[1]
+        cols = np.asarray(self.prompt_lengths, np.int64)[:, None] + np.arange(t)[None]
+        return x[np.arange(x.shape[0])[:, None], cols]
 
     def response_lists(self) -> list[list[int]]:
         return [self.tokens[i, : self.lengths[i]].tolist() for i in range(len(self.lengths))]
@@ -97,8 +130,9 @@ class RolloutBatch:
 
 def concat_rollouts(parts: Sequence[tuple[RolloutBatch, np.ndarray]]) -> RolloutBatch:
     """Rows `rows_j` of batch `b_j`, for each (b_j, rows_j) in order, as one RolloutBatch (DAPO's resampling
-    rounds). Prompts are re-left-padded to the widest prompt bucket P and responses right-padded to the widest
-    T of the parts (tokens 0, logprobs 0, routing -1 at the new padding), so `sequences()` keeps its layout.
+    rounds): a row gather. Every half and the joined routing get empty columns at the right up to the widest
+    prompt bucket P and the widest T of the parts (tokens 0, logprobs 0, routing -1), so `sequences()` keeps its
+    layout (rows left-aligned: nothing moves).
 
     Raises ValueError when the parts come from different weight versions or disagree on routing's [L, k].
     """
@@ -116,18 +150,18 @@ def concat_rollouts(parts: Sequence[tuple[RolloutBatch, np.ndarray]]) -> Rollout
     lk = {b.routing.shape[2:] for b, _ in parts}
     if len(lk) != 1:
         raise ValueError(f"concat_rollouts: routing [L, k] differ between parts: {sorted(lk)}")
+
+    def right(x, width, fill=0):  # empty columns at the right
+        return np.pad(x, [(0, 0), (0, width - x.shape[1])] + [(0, 0)] * (x.ndim - 2), constant_values=fill)
+
     out = {"tokens": [], "logprobs": [], "routing": [], "prompt_tokens": [], "lengths": [], "prompt_lengths": []}
     reasons: list[str] = []
     for b, rows in parts:
         rows = np.asarray(rows, np.int64)
-        bp, bt = b.prompt_tokens.shape[1], b.tokens.shape[1]
-        out["prompt_tokens"].append(np.pad(b.prompt_tokens[rows], ((0, 0), (p - bp, 0))))  # left pad
-        out["tokens"].append(np.pad(b.tokens[rows], ((0, 0), (0, t - bt))))
-        out["logprobs"].append(np.pad(b.logprobs[rows], ((0, 0), (0, t - bt))))
-        r = b.routing[rows]  # [n, bp + bt, L, k]
-        out["routing"].append(np.concatenate([
-            np.full((len(rows), p - bp) + r.shape[2:], -1, r.dtype), r[:, :bp],
-            r[:, bp:], np.full((len(rows), t - bt) + r.shape[2:], -1, r.dtype)], axis=1))
+        out["prompt_tokens"].append(right(b.prompt_tokens[rows], p))
+        out["tokens"].append(right(b.tokens[rows], t))
+        out["logprobs"].append(right(b.logprobs[rows], t))
+        out["routing"].append(right(b.routing[rows], p + t, -1))
         out["lengths"].append(b.lengths[rows])
         out["prompt_lengths"].append(b.prompt_lengths[rows])
         reasons += [b.finish_reasons[i] for i in rows]

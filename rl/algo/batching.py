@@ -1,13 +1,15 @@
 """Learner input at its real size: rows re-aligned and trimmed to the longest real row, then cut into token-budget
 micro-batches (rl/algo/learner.py runs them; this module only moves data).
 
-Trim (host side, before the jit): every row's real tokens (`attention_mask` == 1, contiguous) are moved to start
-at column 0 (a per-row roll by its leading padding), and the columns are cut to W = the bucket of the longest
-real row: the next power of two >= max(8, longest), at most S (and at most the token budget). Exact: the model
-right-aligns every row internally and runs it at positions 0.. (dsv4/model.py "Padding"), so a row's values do not
-depend on how much padding precedes it, and causal attention never lets trailing padding reach a real token.
-Steady state does not recompile: W takes at most log2(S) values. `untrim` puts per-token outputs back at their
-original columns (0 / -1 elsewhere, which is what those columns hold anyway: padding).
+Trim (host side, before the jit): the rollout's rows start at column 0 (`[prompt | response | pad]`, rl/batch.py),
+so trimming cuts the columns to W = the bucket of the longest real row: the next power of two >= max(8, longest),
+at most S (and at most the token budget); nothing moves. The learner's forward then runs the model's left-aligned
+path (no per-row roll). Rows an outside caller left-pads (their real tokens, `attention_mask` == 1, contiguous, after
+`shift` columns of padding) are rolled to column 0 first, the one place left that moves a row: the model runs every
+row at positions 0.. (dsv4/model.py "Padding"), so a row's values do not depend on how much padding preceded it,
+and causal attention never lets trailing padding reach a real token. Steady state does not recompile: W takes at
+most log2(S) values. `untrim` puts per-token outputs back at their original columns (0 / -1 elsewhere, which is
+what those columns hold anyway: padding).
 
 Micro-batches (inside the jit): `layout` picks R rows per micro-batch and M = ceil(N / R) micro-batches; with a
 token budget B (`max_tokens_per_micro_batch`, per device of the batch axes, as Miles' `--max-tokens-per-gpu`)
@@ -119,11 +121,17 @@ def pad_columns(batch: Any, width: int) -> Any:
 
 
 def trim(batch: Any, shift: np.ndarray, width: int) -> Any:
-    """Roll each row left by `shift` and keep `width` columns of every per-token field ([N, S, ...] -> [N, W, ...]).
-    Identity when nothing moves. Works on numpy and jax arrays."""
+    """Keep `width` columns of every per-token field ([N, S, ...] -> [N, W, ...]), each row first rolled left by
+    `shift` (0 for left-aligned rows: a plain column cut). Identity when nothing moves. Works on numpy and jax
+    arrays."""
     n, s = batch.input_ids.shape
-    if width == s and not np.any(shift):
-        return batch
+    if not np.any(shift):
+        if width == s:
+            return batch
+        cut = {f: None if getattr(batch, f) is None else getattr(batch, f)[:, :width] for f in _PER_TOKEN}
+        if batch.advantages.ndim == 2:
+            cut["advantages"] = batch.advantages[:, :width]
+        return batch.replace(**cut)
     cols = (np.arange(width)[None, :] + np.asarray(shift)[:, None]) % s  # [N, W] source column of each slot
     rows = np.arange(n)[:, None]
 
@@ -140,8 +148,10 @@ def trim(batch: Any, shift: np.ndarray, width: int) -> Any:
 def untrim(x: jax.Array, shift: np.ndarray, seq_len: int, fill) -> jax.Array:
     """Inverse of `trim` for an output [N, W, ...]: -> [N, S, ...] with `fill` at the columns trim dropped."""
     n, w = x.shape[:2]
-    if w == seq_len and not np.any(shift):
-        return x
+    if not np.any(shift):
+        if w >= seq_len:
+            return x[:, :seq_len]
+        return jnp.concatenate([x, jnp.full((n, seq_len - w) + x.shape[2:], fill, x.dtype)], axis=1)
     cols = (np.arange(w)[None, :] + np.asarray(shift)[:, None]) % seq_len
     full = jnp.full((n, seq_len) + x.shape[2:], fill, x.dtype)
     return full.at[np.arange(n)[:, None], cols].set(x)

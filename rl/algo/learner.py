@@ -2,8 +2,8 @@
 inputs at their real size, optional host offload of the optimizer state). This module holds the state, the jits and
 the host side of a batch; the traced math (forward, loss, gradients, update) is `rl.algo.learner_step.LearnerStep`.
 
-Data: a `TrainBatch` holds N rows laid out by the sampler as `[left-padded prompt (P) | response (T),
-right-padded]`, S = P + T. The per-token arrays are aligned at each token's own position (`rl.algo.logprobs`), so
+Data: a `TrainBatch` holds N rows of S = P + T columns laid out by the rollout as `[prompt | response | pad]`
+(rl/algo/batch.py: left-aligned). The per-token arrays are aligned at each token's own position (`rl.algo.logprobs`), so
 `response_mask` selects the same tokens in the learner's logprobs, the rollout's logprobs and the loss.
 The loss's token axis is therefore S = P + T: Dr.GRPO (`seq-mean-token-sum-norm`) should set
 `LossConfig.norm_length` (e.g. the sampler's max_new_tokens), or it divides by S.
@@ -23,8 +23,10 @@ Choices (and why):
   (`nnx.eval_shape`, so only the graph is built; the values are the given model's, cast to float32). Matmuls
   cast the fp32 masters to bf16 at use, gradients arrive in fp32, Adam runs in fp32. A bf16-only optimizer
   silently drops updates below bf16 resolution (docs/jax-stack.md §10); the fp32 masters keep them.
-- Input size (rl/algo/batching.py): before the jit, rows are re-aligned to start at column 0 and cut to the bucketed
-  longest real row (`trim`, exact); a compute_logprobs result is put back at the caller's columns. With
+- Input size (rl/algo/batching.py): before the jit, columns are cut to the bucketed longest real row (`trim`, exact);
+  the rollout's rows start at column 0 and the forward runs the model's left-aligned path (no per-row roll); rows
+  an outside caller left-pads are rolled to column 0 on the host first (`batching.trim`'s shift, `trim` off too)
+  and a compute_logprobs result is put back at the caller's columns. With
   `max_tokens_per_micro_batch` B the micro-batches hold floor(B / W) rows per device at width W (floor(B C / W)
   under context parallelism over C devices: the budget counts tokens per context shard; padding rows
   neutral); a batch whose longest row exceeds B is a ValueError naming --max-tokens-per-micro-batch.
@@ -470,13 +472,13 @@ class Learner:
         return self._fit(self._check_batch(batch, replay))
 
     def _fit(self, batch: TrainBatch) -> tuple[TrainBatch, batching.Layout, np.ndarray]:
-        """Host side: trim to the longest real row (rl/algo/batching.py) -> (batch, layout, per-row shift).
-        Raises ValueError when the token budget is below the longest row."""
+        """Host side: trim to the longest real row (rl/algo/batching.py) -> (batch, rows at column 0, layout, per-row
+        shift: 0 for the rollout's rows). Raises ValueError when the token budget is below the longest row."""
         n, s = batch.input_ids.shape
         shift, longest = batching.real_extent(batch.attention_mask)
         lay = self.layout(n, s, longest)
-        if not self.cfg.trim and self.exact_layout is None:
-            return batch, lay, np.zeros(n, np.int64)
+        if not self.cfg.trim and self.exact_layout is None:  # full width; left-padded rows still start at column 0
+            return batching.trim(batch, shift, s), lay, shift
         batch = batching.pad_columns(batch, lay.width)  # exact_layout: a batch narrower than its width
         return batching.trim(batch, shift, lay.width), lay, shift
 

@@ -90,7 +90,7 @@ class LearnerStep:
         return token_logprobs(model, mb.input_ids, mb.attention_mask, temperature=self.cfg.temperature,
                               routing_replay=mb.routing if replay else None, return_entropy=True,
                               chunk_size=self.cfg.logprob_chunk_size, dispatch_fn=self.dispatch_fn,
-                              layer_stack=stack, mtp=mtp, expert_drops=drops)
+                              layer_stack=stack, mtp=mtp, expert_drops=drops, left_aligned=True)
 
     def next_logits(self, state: TrainState, batch: TrainBatch, lay: batching.Layout) -> jax.Array:
         """`Learner.next_logits`' device side, micro-batched exactly as `forward` (same split, same `lax.map`)."""
@@ -98,7 +98,7 @@ class LearnerStep:
             model, stack = self.model(state.params, state.buffers)
             return next_token_logits(model, mb.input_ids, mb.attention_mask, jnp.argmax(mb.response_mask, axis=1),
                                      temperature=self.cfg.temperature, chunk_size=self.cfg.logprob_chunk_size,
-                                     dispatch_fn=self.dispatch_fn, layer_stack=stack)
+                                     dispatch_fn=self.dispatch_fn, layer_stack=stack, left_aligned=True)
 
         if lay.micro_batches == 1 and lay.rows == batch.input_ids.shape[0]:
             return one(batch)

@@ -94,13 +94,14 @@ def token_logprobs(
     layer_stack: Any = None,
     mtp: bool = False,
     expert_drops: bool = False,
+    left_aligned: bool = False,
 ) -> tuple[jnp.ndarray, jnp.ndarray | None, jnp.ndarray]:
     """Log-probability of every token given its prefix, under `model` (a `dsv4.DSV4ForCausalLM`).
 
     Args:
         model: callable as `model(ids, attention_mask=, routing_replay=, return_hidden=, dispatch_fn=)` returning
             an object with `.logits [N, S, V]`, `.routing [N, S, L, k]`, `.hidden [N, S, D]`; and `.lm_head(h)`.
-        input_ids: [N, S] int32, e.g. `[left-padded prompt | response, right-padded]`.
+        input_ids: [N, S] int32, e.g. `[prompt | response | pad]` (rl/batch.py).
         attention_mask: [N, S] (1 = real token, contiguous) or None (all real).
         temperature: the sampler's temperature T (static Python float); 0 (greedy) is treated as 1.
         routing_replay: [N, S, L, k] int32 expert ids to force (entries < 0 route freely), or None.
@@ -116,6 +117,8 @@ def token_logprobs(
             full [N, S, V] MTP logits are materialised).
         expert_drops: also return the model's `expert_drops` ([2] int32: expert pairs dropped, pairs routed by a
             dispatch that can drop; `dsv4.model.DSV4Output`).
+        left_aligned: every row starts at column 0 (rl/batch.py's layout): passed to the model as
+            `left_aligned=True` (no per-row roll, `dsv4.model` "Padding"); False = not passed (any padding).
     Returns:
         (logprobs [N, S] float32, entropy [N, S] float32 or None, routing [N, S, L, k] int32 from the model),
         logprobs/entropy aligned and zeroed as in the module docstring; with `mtp`, a 4th element mtp_logprobs
@@ -131,6 +134,8 @@ def token_logprobs(
         raise ValueError(f"chunk_size must be None or an int >= 1, got {chunk_size!r}")
     inv_t = 1.0 / effective_temperature(temperature)
     extra = {} if layer_stack is None else {"layer_stack": layer_stack}
+    if left_aligned:
+        extra["left_aligned"] = True
     if mtp:
         extra["return_mtp"] = "detached"
     out = model(input_ids, attention_mask=attention_mask, routing_replay=routing_replay,
@@ -164,16 +169,19 @@ def token_logprobs(
 
 def next_token_logits(model: Any, input_ids: jnp.ndarray, attention_mask: jnp.ndarray | None, at: jnp.ndarray, *,
                       temperature: float = 1.0, chunk_size: int | None = None, dispatch_fn: Any = None,
-                      layer_stack: Any = None) -> jnp.ndarray:
+                      layer_stack: Any = None, left_aligned: bool = False) -> jnp.ndarray:
     """The tempered logits z [N, V] float32 at position `at[i]` of row i: the distribution from which
     `token_logprobs` scores token at[i] + 1 (log p = z[token] - logsumexp(z)), computed the same way (the same
     model call; with `chunk_size` the head runs on each row's chunk of C positions, the shape `token_logprobs`
     gives it), so that a token drawn from softmax(z) has the learner's own probability (exact mode, rl/rollout/exact.py).
 
-    input_ids / attention_mask [N, S] as `token_logprobs` (no routing replay); at [N] int32 in [0, S - 2].
+    input_ids / attention_mask [N, S] as `token_logprobs` (no routing replay); at [N] int32 in [0, S - 2];
+    left_aligned as `token_logprobs`.
     """
     inv_t = 1.0 / effective_temperature(temperature)
     extra = {} if layer_stack is None else {"layer_stack": layer_stack}
+    if left_aligned:
+        extra["left_aligned"] = True
     out = model(input_ids, attention_mask=attention_mask, return_hidden=chunk_size is not None,
                 dispatch_fn=dispatch_fn, **extra)
     rows = jnp.arange(input_ids.shape[0])

@@ -14,8 +14,9 @@ Design (docs/jax-stack.md §5; Tunix `sampler.py`, MaxText `maxengine` read for 
   prompt + max_new_tokens rounded to the compression ratios; same per-sample results). Static: prompt lengths, the batch size and max_new_tokens are
   bucketed to powers of two, so steady state never recompiles; temperature, top-p, top-k, max_new_tokens (per
   row) and stop ids are traced values.
-- Prompts are laid out right-padded internally (each row has its own positions), so a row's result does not
-  depend on the other rows: the output is the same for any batch composition, padding included.
+- Prompts are laid out right-padded (left-aligned: each row has its own positions 0..), so a row's result does not
+  depend on the other rows: the output is the same for any batch composition, padding included. The RolloutBatch
+  keeps that layout (rl/batch.py: [prompt | response | pad] rows, `to_batch`).
 - Weights: `fp8` = weight-only FP8 e4m3fn 128x128 blocks (f32 scales) for the released FP8 set (attention
   projections, indexer wq_b, shared experts, MTP projections) and the routed experts, always built by
   `quantize_weights` -> `dsv4.quant.quantize_rollout_fp8` (version 0, pushes, rebuilt samplers alike);
@@ -63,7 +64,7 @@ from dsv4.model import DSV4ForCausalLM
 from dsv4.rollout_format import RolloutFormat, check_fp4_experts
 from parallel import expert as expert_lib
 from sharding.mesh import auto_axes
-from rl.algo.batch import RolloutBatch
+from rl.algo.batch import RolloutBatch, join_rows
 from rl.config.rollout import RolloutConfig
 from rl.config.tree import default
 from rl.rollout import slots as slots_lib
@@ -321,23 +322,22 @@ class Sampler(EngineShapes):
         return spec_lib.spec_stats(jax.device_get(out[6]), self.draft_tokens) if len(out) == 8 else {}
 
     def to_batch(self, shape, prompts, params, lens_np, tok, lp, pr, rr, length, stopped) -> RolloutBatch:
-        """Host outputs of a program -> the RolloutBatch (left-padded prompts of the static width, N rows)."""
+        """Host outputs of a program -> the RolloutBatch (rl/batch.py: left-aligned prompts of the static width
+        P, responses of width T, the routing joined into [prompt | response | pad] rows; N rows). The programs run
+        the prompts right-padded (each row at positions 0..), so the prompt half is taken as it is; joining the
+        routing is the one move (the response's routes placed right after each prompt's)."""
         n, p_bucket = len(prompts), shape.prompt_bucket
         if pr.shape[1] != p_bucket:  # slots: right-padded rows of max_prompt_len -> the static width p_bucket (exact)
             pr = np.pad(pr, ((0, 0), (0, max(0, p_bucket - pr.shape[1])), (0, 0), (0, 0)),
                         constant_values=-1)[:, :p_bucket]
         t = params.max_new_tokens
         tok, lp, rr, length, stopped = tok[:n, :t], lp[:n, :t], rr[:n, :t], length[:n], stopped[:n]
-        # prompt routing: right-padded rows -> left-padded layout
-        shift = p_bucket - lens_np
-        idx = (np.arange(p_bucket)[None] - shift[:, None]) % p_bucket
-        pr = np.take_along_axis(pr[:n], idx[:, :, None, None], axis=1)
-        pr = np.where((np.arange(p_bucket)[None] >= shift[:, None])[:, :, None, None], pr, -1)
+        routing = join_rows(pr[:n], lens_np, rr, -1)
         prompt_tokens = np.zeros((n, p_bucket), np.int32)
         for i, p in enumerate(prompts):
-            prompt_tokens[i, p_bucket - len(p):] = p
+            prompt_tokens[i, : len(p)] = p
         return RolloutBatch(tokens=tok.astype(np.int32), logprobs=lp.astype(np.float32),
-                            routing=np.concatenate([pr, rr], axis=1).astype(np.int32), lengths=length.astype(np.int32),
+                            routing=routing.astype(np.int32), lengths=length.astype(np.int32),
                             finish_reasons=["stop" if s else "length" for s in stopped], prompt_tokens=prompt_tokens,
                             prompt_lengths=lens_np, weight_version=self.weight_version)
 

@@ -93,12 +93,12 @@ def rescore(learner: Learner, rb: RolloutBatch, *, routing_replay: bool) -> Roll
     Raises ValueError from `Learner.compute_logprobs` (mis-shaped or invalid routing, row longer than W)."""
     if learner.exact_layout is None:
         raise ValueError("rl.rollout.exact.rescore needs a Learner built with exact_layout (--exact-rollout)")
-    n, p = rb.prompt_tokens.shape
+    n = rb.prompt_tokens.shape[0]
     tb = TrainBatch.from_rollout(rb, np.zeros(n, np.float32), routing=routing_replay)
     res, _ = learner.compute_logprobs(learner.state, tb, routing_replay=routing_replay)
     lp = _to_host(res.logprobs)
     resp = np.asarray(tb.response_mask) > 0
-    return dataclasses.replace(rb, logprobs=np.where(resp, lp, 0.0)[:, p:].astype(np.float32))
+    return dataclasses.replace(rb, logprobs=rb.response_half(np.where(resp, lp, 0.0)).astype(np.float32))
 
 
 def generate(learner: Learner, prompts: Sequence[Sequence[int]], params: SamplingParams, *, seed: int, step: int = 0,
@@ -149,9 +149,8 @@ def generate(learner: Learner, prompts: Sequence[Sequence[int]], params: Samplin
         stopped |= stop
         done |= stop | (gen >= t_max)
     p = int(lens.max())
-    prompt_tokens = np.zeros((n, p), np.int32)
-    for i, q in enumerate(prompts):
-        prompt_tokens[i, p - len(q):] = q
+    prompt_tokens = ids[:, :p].copy()  # left-aligned (rl/batch.py): the prompt columns of the draws' rows
+    prompt_tokens[np.arange(p)[None] >= lens[:, None]] = 0
     rb = RolloutBatch(tokens=out_tok, logprobs=np.zeros((n, t_max), np.float32), routing=np.full((n, p + t_max, 1, 1), -1, np.int32),
                       lengths=gen.astype(np.int32), finish_reasons=["stop" if s else "length" for s in stopped],
                       prompt_tokens=prompt_tokens, prompt_lengths=lens.astype(np.int32), weight_version=weight_version)
@@ -159,7 +158,8 @@ def generate(learner: Learner, prompts: Sequence[Sequence[int]], params: Samplin
     res, _ = learner.compute_logprobs(learner.state, tb, routing_replay=False)
     resp_cols = np.asarray(tb.response_mask) > 0
     rb = dataclasses.replace(rb, routing=_to_host(res.routing).astype(np.int32),
-                             logprobs=np.where(resp_cols, _to_host(res.logprobs), 0.0)[:, p:].astype(np.float32))
+                             logprobs=rb.response_half(np.where(resp_cols, _to_host(res.logprobs), 0.0)
+                                                       ).astype(np.float32))
     scored = rescore(learner, rb, routing_replay=True) if routing_replay else rb  # the train step's forced routing
     return scored, {"rollout/exact_forwards": float(forwards)}
 

@@ -70,8 +70,7 @@ def _decode(tokenizer, ids) -> str:
 
 def _routes(rb: RolloutBatch, j: int, ctx_len: int) -> np.ndarray:
     """Row j of a generation's routing, unpadded: [ctx_len + its new tokens, L, k]."""
-    p = rb.prompt_tokens.shape[1]
-    return rb.routing[j, p - ctx_len: p + int(rb.lengths[j])]
+    return rb.routing[j, : ctx_len + int(rb.lengths[j])]  # the joined row's first columns (rl/batch.py)
 
 
 def generate_multiturn(sampler, tokenizer, prompts: Sequence[Sequence[int]], params, mt: MultiTurn, *, seed: int,
@@ -154,16 +153,17 @@ def generate_multiturn(sampler, tokenizer, prompts: Sequence[Sequence[int]], par
 
 
 def _batch(first: RolloutBatch, prompts, budget, hist, mask, lps, routes, reason, sampler) -> RolloutBatch:
-    """The trajectories in the one layout: prompts as the first generation laid them out, responses [N, budget]."""
+    """The trajectories in the one layout (rl/batch.py): prompts as the first generation laid them out
+    (left-aligned), responses [N, budget], each row's routes at the start of its joined row."""
     n, p = len(prompts), first.prompt_tokens.shape[1]
     tokens, loss_mask = np.zeros((n, budget), np.int32), np.zeros((n, budget), np.int32)
     logprobs = np.zeros((n, budget), np.float32)
     routing = np.full((n, p + budget) + first.routing.shape[2:], -1, np.int32)
     for i in range(n):
-        t, plen = len(hist[i]), len(prompts[i])
+        t = len(hist[i])
         tokens[i, :t], loss_mask[i, :t], logprobs[i, :t] = hist[i], mask[i], lps[i]
         r = routes[i]  # prompt + everything up to the end of its last generation
-        routing[i, p - plen: p - plen + len(r)] = r
+        routing[i, : len(r)] = r
     return RolloutBatch(tokens=tokens, logprobs=logprobs, routing=routing,
                         lengths=np.array([len(h) for h in hist], np.int32), finish_reasons=list(reason),
                         prompt_tokens=first.prompt_tokens, prompt_lengths=first.prompt_lengths,

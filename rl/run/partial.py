@@ -196,19 +196,18 @@ class PartialPool:
         stats["rollout_s"] += m["perf/rollout_s"]
         stats["tokens"] += int(rb.lengths[:n_real].sum())
         stats["extra"] = {k: v for k, v in m.items() if not k.startswith("perf/")}
-        pb = rb.prompt_tokens.shape[1]
         for r, (gr, j) in enumerate(rows):
-            n, c = int(gr.lengths[j]), int(rb.lengths[r])
+            n, c, pl = int(gr.lengths[j]), int(rb.lengths[r]), int(rb.prompt_lengths[r])  # pl = prompt + n
             if gr.routing is None:
                 lk = rb.routing.shape[2:]
                 gr.routing = np.full((self.g, self.t) + lk, -1, np.int32)
                 gr.prompt_routing = np.full((self.g, len(gr.prompt)) + lk, -1, np.int32)
-            if n == 0:  # the first segment records the prompt's routing (left-padded in the call's layout)
-                gr.prompt_routing[j] = rb.routing[r, pb - len(gr.prompt): pb]
+            if n == 0:  # the first segment records the prompt's routing (columns 0.. of the joined row)
+                gr.prompt_routing[j] = rb.routing[r, : len(gr.prompt)]
             gr.tokens[j, n: n + c] = rb.tokens[r, :c]
             gr.logprobs[j, n: n + c] = rb.logprobs[r, :c]
             gr.versions[j, n: n + c] = rb.weight_version
-            gr.routing[j, n: n + c] = rb.routing[r, pb: pb + c]
+            gr.routing[j, n: n + c] = rb.routing[r, pl: pl + c]  # the new tokens, right after the request's prompt
             gr.lengths[j] = n + c
             gr.stopped[j] = rb.finish_reasons[r] == "stop"
             gr.done[j] = gr.stopped[j] or n + c >= gr.cap
@@ -260,8 +259,9 @@ class PartialPool:
                              versions=versions, metrics=metrics)
 
     def _batch(self, groups: list[Group]) -> RolloutBatch:
-        """The finished groups as one RolloutBatch in the sampler's layout (prompts left-padded to the plain
-        run's prompt bucket, responses right-padded to max_new_tokens), with per-token versions."""
+        """The finished groups as one RolloutBatch in the rollout's layout (rl/batch.py: prompts left-aligned in the
+        plain run's prompt bucket, responses in max_new_tokens columns, the routing in joined rows), with per-token
+        versions: each group's rows copied in, nothing re-laid."""
         g, t = self.g, self.t
         lens = np.array([len(gr.prompt) for gr in groups for _ in range(g)], np.int32)
         pw = min(_pow2(int(lens.max()), 16), _pow2(self.job.train_data.max_prompt_len, 16))
@@ -272,9 +272,9 @@ class PartialPool:
         for a, gr in enumerate(groups):
             lp = len(gr.prompt)
             rows = slice(a * g, (a + 1) * g)
-            prompt_tokens[rows, pw - lp:] = gr.prompt
-            routing[rows, pw - lp: pw] = gr.prompt_routing
-            routing[rows, pw:] = gr.routing
+            prompt_tokens[rows, :lp] = gr.prompt
+            routing[rows, :lp] = gr.prompt_routing
+            routing[rows, lp: lp + t] = gr.routing
         cat = {f: np.concatenate([getattr(gr, f) for gr in groups]) for f in ("tokens", "logprobs", "versions",
                                                                              "lengths", "stopped")}
         return RolloutBatch(tokens=cat["tokens"], logprobs=cat["logprobs"], routing=routing, lengths=cat["lengths"],

@@ -64,7 +64,7 @@ import time
 import jax
 import numpy as np
 
-from rl.algo.batch import RolloutBatch
+from rl.algo.batch import ROWS_LAYOUT, RolloutBatch
 from rl.run.digest import read_npz, write_npz
 from rl.run.partial import PartialPool, token_staleness_metrics
 from rl.run.stages import RolloutRecord, produce
@@ -289,6 +289,7 @@ class Pipeline:
             if r.train_rows is not None:
                 arrays[p + "train_rows"] = np.asarray(r.train_rows)
         arrays["count"] = np.array(len(recs))
+        arrays["layout"] = np.array(ROWS_LAYOUT)  # the rollouts' row layout (rl/batch.py)
         if self.partial is not None:
             arrays.update(self.partial.state_arrays("pool/"))
         write_npz(d / f"{done}.npz", arrays)  # with its digest; temp file, fsync, rename
@@ -301,6 +302,10 @@ class Pipeline:
     def _load(self, ckpt_dir, done: int) -> None:
         path = inflight_path(ckpt_dir, done)
         z = read_inflight(ckpt_dir, done)
+        rollouts = any(f"{i}/tokens" in z for i in range(int(z["count"])))
+        if rollouts and ("layout" not in z or str(z["layout"]) != ROWS_LAYOUT):
+            raise ValueError(f"the in-flight batches file {path} holds rollouts in the left-padded layout of an "
+                             f"older version; resume with that version or from another --ckpt-dir")
         for i in range(int(z["count"])):
             p = f"{i}/"
             meta = json.loads(str(z[p + "meta"]))

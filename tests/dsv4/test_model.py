@@ -61,6 +61,12 @@ def _fwd_masked(m, ids, mask):
 
 
 @_jit
+def _fwd_aligned(m, ids, mask):
+    out = m(ids, attention_mask=mask, left_aligned=True)
+    return out.logits, out.routing
+
+
+@_jit
 def _fwd_replay(m, ids, mask, replay):
     out = m(ids, attention_mask=mask, routing_replay=replay, return_mtp=True)
     return out.logits, out.routing, out.mtp_logits
@@ -196,6 +202,10 @@ def test_right_padding_invariance(cfg, model, alone):
         assert delta <= PAD_ATOL, f"row {i} (len {n}): max |delta logits| {delta:.2e}"
         np.testing.assert_array_equal(rt[i, :n], ref_rt)
         assert (rt[i, n:] == -1).all()
+    # the left-aligned path (rows at column 0, the RL layout: no per-row roll) gives the same values, bitwise
+    lg2, rt2 = map(np.asarray, _fwd_aligned(model, jnp.asarray(ids), jnp.asarray(mask)))
+    np.testing.assert_array_equal(lg2, lg)
+    np.testing.assert_array_equal(rt2, rt)
 
 
 def test_padding_is_not_a_no_op(cfg, model, alone):

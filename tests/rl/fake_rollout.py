@@ -32,7 +32,7 @@ class FakeRollout(RolloutService):
         p = max(len(x) for x in req.prompts)
         prompt = np.zeros((n, p), np.int32)
         for i, x in enumerate(req.prompts):
-            prompt[i, p - len(x):] = x
+            prompt[i, : len(x)] = x  # left-aligned (rl/batch.py)
         rb = RolloutBatch(tokens=tokens, logprobs=-np.ones((n, t), np.float32),
                           routing=np.zeros((n, p + t, 1, 1), np.int32), lengths=lengths,
                           finish_reasons=["length"] * n, prompt_tokens=prompt,

@@ -16,10 +16,10 @@ def fake_rollout(n=5, p=6, t=4, seed=0) -> RolloutBatch:
     plen, lens = rng.integers(1, p + 1, n), rng.integers(0, t + 1, n)
     prompt = np.zeros((n, p), np.int32)
     for i in range(n):
-        prompt[i, p - plen[i]:] = rng.integers(1, 50, plen[i])
+        prompt[i, : plen[i]] = rng.integers(1, 50, plen[i])  # left-aligned (rl/batch.py)
     tokens = np.where(np.arange(t)[None] < lens[:, None], rng.integers(1, 50, (n, t)), 0).astype(np.int32)
     logprobs = np.where(tokens > 0, -rng.random((n, t)), 0).astype(np.float32)
-    real = np.concatenate([np.arange(p)[None] >= p - plen[:, None], np.arange(t)[None] < lens[:, None]], 1)
+    real = np.arange(p + t)[None] < (plen + lens)[:, None]  # [prompt | response | pad]
     routing = np.where(real[..., None, None], rng.integers(0, 8, (n, p + t, L, K)), -1).astype(np.int32)
     return RolloutBatch(tokens=tokens, logprobs=logprobs, routing=routing, lengths=lens.astype(np.int32),
                         finish_reasons=["stop"] * n, prompt_tokens=prompt, prompt_lengths=plen.astype(np.int32))
@@ -39,8 +39,9 @@ def test_layout_round_trip():
     np.testing.assert_array_equal(tb.advantages, adv.astype(np.float32))
     for i, row in enumerate(tb.rows()):
         pl, tl = rb.prompt_lengths[i], rb.lengths[i]
-        np.testing.assert_array_equal(row["prompt"], rb.prompt_tokens[i, p - pl:])  # [pad | prompt | ...
-        np.testing.assert_array_equal(row["response"], rb.tokens[i, :tl])           # ... | response | pad]
+        np.testing.assert_array_equal(row["prompt"], rb.prompt_tokens[i, :pl])  # [prompt | ...
+        np.testing.assert_array_equal(row["response"], rb.tokens[i, :tl])   # ... | response | pad]
+        assert tb.attention_mask[i, 0] == (pl + tl > 0)  # left-aligned
         np.testing.assert_array_equal(row["response_logprobs"], rb.logprobs[i, :tl])
         np.testing.assert_array_equal(row["routing"], rb.routing[i][rb.routing[i, :, 0, 0] >= 0])
         assert tb.attention_mask[i].sum() == pl + tl and tb.response_mask[i].sum() == tl

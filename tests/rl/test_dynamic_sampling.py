@@ -21,7 +21,7 @@ def fake_batch(n: int, p: int, t: int, seed: int, version: int = 3) -> RolloutBa
     lens = rng.integers(1, t + 1, n)
     prompt = np.zeros((n, p), np.int32)
     for i in range(n):
-        prompt[i, p - plen[i]:] = rng.integers(1, 50, plen[i])
+        prompt[i, : plen[i]] = rng.integers(1, 50, plen[i])  # left-aligned (rl/batch.py)
     tokens = np.where(np.arange(t)[None] < lens[:, None], rng.integers(1, 50, (n, t)), 0).astype(np.int32)
     logprobs = np.where(tokens > 0, -rng.random((n, t)), 0).astype(np.float32)
     routing = rng.integers(0, 8, (n, p + t, L, K)).astype(np.int32)
@@ -33,10 +33,9 @@ def fake_batch(n: int, p: int, t: int, seed: int, version: int = 3) -> RolloutBa
 def unpadded(rb: RolloutBatch, i: int):
     """Row i without padding: (prompt, response, response logprobs, prompt routing, response routing)."""
     ids, mask, resp, lp = rb.sequences()
-    p = rb.prompt_tokens.shape[1]
-    real = mask[i].astype(bool)
-    return (ids[i, :p][real[:p]], ids[i, p:][resp[i, p:].astype(bool)], lp[i][resp[i].astype(bool)],
-            rb.routing[i, :p][real[:p]], rb.routing[i, p:][resp[i, p:].astype(bool)])
+    p = int(rb.prompt_lengths[i])  # the joined row [prompt | response | pad] (rl/batch.py)
+    r = resp[i].astype(bool)
+    return (ids[i, :p], ids[i][r], lp[i][r], rb.routing[i, :p], rb.routing[i][r])
 
 
 def test_concat_rollouts_keeps_every_row_and_the_layout():
@@ -50,7 +49,7 @@ def test_concat_rollouts_keeps_every_row_and_the_layout():
         assert cat.finish_reasons[j] == src.finish_reasons[i]
     # new padding: routing -1 on it, tokens 0
     ids, mask, _, _ = cat.sequences()
-    assert (cat.routing[:2, :8] == -1).all() and (cat.routing[:2, 16 + 5:] == -1).all()
+    assert (cat.routing[:2, 8 + 5:] == -1).all()  # empty columns at the right
     assert (ids[mask == 0] == 0).all()
     with pytest.raises(ValueError, match="weight versions"):
         concat_rollouts([(a, [0]), (fake_batch(2, 8, 5, seed=2, version=4), [0])])

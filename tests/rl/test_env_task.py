@@ -119,7 +119,7 @@ def test_python_math_prompts_tools_and_reward(tmp_path):
                      token_offset):
             new, p, t = tok.encode(next(turns))[:max_new_tokens_per_row[0]], self.max_prompt_len, params.max_new_tokens
             pt, tokens = np.zeros((1, p), np.int32), np.zeros((1, t), np.int32)
-            pt[0, p - len(prompts[0]):], tokens[0, :len(new)] = prompts[0], new
+            pt[0, :len(prompts[0])], tokens[0, :len(new)] = prompts[0], new  # left-aligned (rl/batch.py)
             return RolloutBatch(tokens=tokens, logprobs=np.full((1, t), -0.5, np.float32),
                                 routing=np.zeros((1, p + t, 1, 1), np.int32), lengths=np.array([len(new)]),
                                 finish_reasons=["stop"], prompt_tokens=pt, prompt_lengths=np.array([len(prompts[0])]),

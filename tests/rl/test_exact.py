@@ -55,8 +55,7 @@ def test_exact_rollout_draws_from_the_learners_forward_bitwise(monkeypatch):
         assert (full.tokens[i, n - 1] in STOP) == (full.finish_reasons[i] == "stop") and (n == T or
                                                                                        full.tokens[i, n - 1] in STOP)
         assert not np.any(full.tokens[i, n:]) and not np.any(full.logprobs[i, n:])
-    p = full.prompt_tokens.shape[1]
-    assert np.all(full.routing[:, p:][np.arange(T)[None] < full.lengths[:, None]] >= 0)  # the routing recorded
+    assert np.all(full.response_half(full.routing)[np.arange(T)[None] < full.lengths[:, None]] >= 0)  # recorded
     # each draw's z is the learner's z of the finished rows (causal to the bit), and the batch's logprob is the
     # log-softmax of that z at the drawn token (up to the normaliser's reduction order in the draw's own shape)
     lens, width = np.array(LENS), layout[1]
@@ -91,7 +90,7 @@ def test_exact_rollout_draws_from_the_learners_forward_bitwise(monkeypatch):
     for got, idx in ((perm, PERM), (half, [1, 4, 7])):
         np.testing.assert_array_equal(got.tokens, full.tokens[idx])
         np.testing.assert_array_equal(got.logprobs, full.logprobs[idx])
-        np.testing.assert_array_equal(got.routing[:, -T:], full.routing[idx][:, -T:])
+        np.testing.assert_array_equal(got.response_half(got.routing), full.response_half(full.routing)[idx])
 
     # the learner's batch: rows of both requests, in another order: the step scores every token as drawn
     mixed = concat_rollouts([(perm, np.arange(4)), (full, np.array([7, 2, 1, 4]))])

@@ -38,8 +38,8 @@ def prompts():
 
 
 def _row(batch, i):
-    n, pl, p = int(batch.lengths[i]), int(batch.prompt_lengths[i]), batch.prompt_tokens.shape[1]
-    return batch.tokens[i, :n], batch.logprobs[i, :n], batch.routing[i, p - pl:p + n], n, batch.finish_reasons[i]
+    n, pl = int(batch.lengths[i]), int(batch.prompt_lengths[i])  # the joined row (rl/batch.py)
+    return batch.tokens[i, :n], batch.logprobs[i, :n], batch.routing[i, :pl + n], n, batch.finish_reasons[i]
 
 
 def _expected_bytes_per_token(cfg) -> float:

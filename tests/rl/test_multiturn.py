@@ -66,8 +66,8 @@ class ScriptedEngine:
             key = text.split("<｜User｜>key ")[1].split("<")[0]
             new = TOK.encode(self._turn(text, int(sample_index[j]), key))[:max_new_tokens_per_row[j]]
             out["tokens"][j, :len(new)], out["logprobs"][j, :len(new)] = new, LP
-            out["prompt_tokens"][j, p - len(ctx):] = ctx
-            out["routing"][j, p - len(ctx): p + len(new), 0, 0] = list(ctx) + new
+            out["prompt_tokens"][j, :len(ctx)] = ctx  # the joined row [prompt | response | pad] (rl/batch.py)
+            out["routing"][j, : len(ctx) + len(new), 0, 0] = list(ctx) + new
             lengths.append(len(new))
             reasons.append("stop" if new[-1] == TOK.eos_id else "length")
         return RolloutBatch(lengths=np.array(lengths, np.int32), finish_reasons=reasons,
@@ -101,7 +101,7 @@ def test_two_turn_key_lookup_masks_and_metrics():
     assert rb.response_lists()[3] == call + env_turn + call and rb.finish_reasons == ["stop", "stop", "stop", "length"]
     # the learner's view: every token is context, only the model's are trained on, with their logprobs
     ids, attn, resp, rlp = rb.sequences()
-    p = rb.prompt_tokens.shape[1]
+    p = int(rb.prompt_lengths[0])
     assert attn[0, p:p + 12].all() and resp[0, p:].tolist()[:12] == rb.loss_mask[0, :12].tolist()
     assert np.all(rlp[resp == 0] == 0) and np.all(rlp[resp == 1] == LP)
     assert TrainBatch.from_rollout(rb, np.zeros(4)).rows()[0]["response"].tolist() == call + answer

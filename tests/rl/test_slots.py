@@ -44,9 +44,8 @@ def slots3(model):
 def _row(batch, i):
     """One request's result, layout-free: response tokens / logprobs / routing and the prompt's routing."""
     n = int(batch.lengths[i])
-    pl = int(batch.prompt_lengths[i])
-    p = batch.prompt_tokens.shape[1]
-    return (batch.tokens[i, :n], batch.logprobs[i, :n], batch.routing[i, p - pl:p + n], n, batch.finish_reasons[i])
+    pl = int(batch.prompt_lengths[i])  # the joined row [prompt | response | pad] (rl/batch.py)
+    return (batch.tokens[i, :n], batch.logprobs[i, :n], batch.routing[i, :pl + n], n, batch.finish_reasons[i])
 
 
 def _assert_same(a, b, bitwise=True):
@@ -206,7 +205,7 @@ def test_chunked_per_slot_prefill(model):
     whole = Sampler(model, weights="fp32", max_prompt_len=40, prefill_chunk=0)
     a = chunked.generate(long, sp, seed=5)
     b = whole.generate(long, sp, seed=5)
-    assert (a.prompt_tokens[:, :3] == 0).all() and a.prompt_tokens.shape[1] == 64  # left-padded layout
+    assert (a.prompt_tokens[:, -3:] == 0).all() and a.prompt_tokens.shape[1] == 64  # left-aligned layout
     for i in range(len(long)):
         _assert_same(_row(b, i), _row(a, i), bitwise=False)
     with pytest.raises(ValueError, match="--prefill-chunk 12"):
