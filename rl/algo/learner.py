@@ -3,8 +3,9 @@ inputs at their real size, optional host offload of the optimizer state). This m
 the host side of a batch; the traced math (forward, loss, gradients, update) is `rl.algo.learner_step.LearnerStep`.
 
 Data: a `TrainBatch` holds N rows of S = P + T columns laid out by the rollout as `[prompt | response | pad]`
-(rl/algo/batch.py: left-aligned). The per-token arrays are aligned at each token's own position (`rl.algo.logprobs`), so
-`response_mask` selects the same tokens in the learner's logprobs, the rollout's logprobs and the loss.
+(rl/algo/batch.py: left-aligned). The per-token arrays are aligned at each token's own position
+(`rl.algo.logprobs`), so `response_mask` selects the same tokens in the learner's logprobs, the rollout's logprobs
+and the loss.
 The loss's token axis is therefore S = P + T: Dr.GRPO (`seq-mean-token-sum-norm`) should set
 `LossConfig.norm_length` (e.g. the sampler's max_new_tokens), or it divides by S.
 
@@ -12,10 +13,10 @@ State: `TrainState(step, params, opt_state, buffers, ref_params)`. `params` are 
 `LearnerConfig.param_dtype` ("auto" by default: float32 on CPU, bfloat16 on accelerators; float32: they are their
 own masters and `opt_state` is the optax state; bfloat16: bf16 params, and `opt_state` is `rl.algo.optim.MasterState`
 holding fp32 masters of the trained bf16 params plus the optax state; leaves the model keeps in fp32 stay fp32),
-`opt_state` float32 Adam moments, `buffers` the `dsv4.layers.Buffer`s (hash tables `tid2eid`, router selection `bias`: model tensors that no optimizer touches), `ref_params` the
-frozen reference policy, a copy of the initial params with matrices in `ref_dtype` (bf16 by default) and vectors
-in float32 (only when `loss.kl_coef > 0`, else None: no copy is kept at all). `step` counts
-*applied* updates and drives the LR schedule (it equals optax's internal count).
+`opt_state` float32 Adam moments, `buffers` the `dsv4.layers.Buffer`s (hash tables `tid2eid`, router selection
+`bias`: model tensors that no optimizer touches), `ref_params` the frozen reference policy, a copy of the initial
+params with matrices in `ref_dtype` (bf16 by default) and vectors in float32 (only when `loss.kl_coef > 0`, else
+None: no copy is kept). `step` counts *applied* updates and drives the LR schedule (it equals optax's count).
 
 Choices (and why):
 - Precision (mixed precision as Micikevicius et al., arXiv 1710.03740, minus loss scaling, which bf16 does
@@ -26,36 +27,33 @@ Choices (and why):
 - Input size (rl/algo/batching.py): before the jit, columns are cut to the bucketed longest real row (`trim`, exact);
   the rollout's rows start at column 0 and the forward runs the model's left-aligned path (no per-row roll); rows
   an outside caller left-pads are rolled to column 0 on the host first (`batching.trim`'s shift, `trim` off too)
-  and a compute_logprobs result is put back at the caller's columns. With
-  `max_tokens_per_micro_batch` B the micro-batches hold floor(B / W) rows per device at width W (floor(B C / W)
-  under context parallelism over C devices: the budget counts tokens per context shard; padding rows
-  neutral); a batch whose longest row exceeds B is a ValueError naming --max-tokens-per-micro-batch.
+  and a compute_logprobs result is put back at the caller's columns. With `max_tokens_per_micro_batch` B the
+  micro-batches hold floor(B / W) rows per device at width W (floor(B C / W) under context parallelism over C
+  devices: the budget counts tokens per context shard; padding rows neutral); a longest row above B is a
+  ValueError naming --max-tokens-per-micro-batch.
 - Optimizer offload: `offload_optimizer` F puts the optimizer state (masters + moments) of the params
   `sharding.offload.select_offloaded` picks into `pinned_host` memory; the step moves it to the device, updates
-  it and writes it back (jit out_shardings carry the memory kind; the placement rules: rl/algo/learner_state.py).
-  parallel/plan.py counts the same bytes.
-- Micro-batches: `lax.scan` over M = N / micro_batch_size micro-batches inside the one jitted step (one
-  compile, one dispatch). Micro-batch m takes rows m, m + M, m + 2M, ... (strided), so with the batch sharded
-  in blocks over the data axes every device holds an equal share of each micro-batch. Every micro-batch loss
-  is divided by the *full batch's* token/sequence counts (`rl.algo.losses.loss_normalizers`) and the results are
-  summed, so loss, gradient and every loss metric equal the full-batch values exactly (up to fp rounding).
+  it and writes it back (out_shardings carry the memory kind; rules: rl/algo/learner_state.py; parallel/plan.py
+  counts the same bytes).
+- Micro-batches: `lax.scan` over M = N / micro_batch_size micro-batches inside the one jitted step. Micro-batch m
+  takes rows m, m + M, m + 2M, ... (strided: with the batch sharded in blocks over the data axes every device holds
+  an equal share of each). Every micro-batch loss is divided by the *full batch's* token/sequence counts
+  (`rl.algo.losses.loss_normalizers`) and summed: loss, gradient and metrics equal the full batch's (fp rounding).
 - FP8-aware forward (`fp8_forward`, `--learner.fp8_forward`): every forward (policy, `compute_logprobs`, the
   reference) runs on `dsv4.rollout_format.fp8_aware_params(params)`: the weights the FP8 rollout holds, built from
   the masters by the rollout's own rule (`RolloutFormat`, shared with `Sampler.quantize_weights`) and dequantised
   as its layers do, and the rollout's activation quantisation at the same linears, all straight-through to the
-  masters. The quantised copy is made per micro-batch forward, up front (one copy of the quantised weights in the
-  compute dtype); measured cost in benchmarks/README.md "Train/rollout mismatch".
+  masters; one quantised copy per micro-batch forward, up front (benchmarks/README.md "Train/rollout mismatch").
 - On-policy old logprobs: with `TrainBatch.old_logprobs=None`, pi_old = stop_gradient(pi_theta) from the same
-  forward (PPO ratio 1 at the single update per batch; the clip then only matters for later epochs). For
-  several updates on one batch, compute them once with `compute_logprobs` and put them in the batch.
+  forward (PPO ratio 1 at one update per batch); for several updates, put `compute_logprobs`' result in the batch.
 - Routing replay (R3, Ma et al., arXiv 2510.11370): with `routing_replay=True` the batch's recorded experts
   are forced in every MoE layer of the learner's forward (and of the reference's). Missing, mis-shaped or
   invalid routing (`rl.algo.replay.validate_routing`: dtype, range, distinct experts, hash layers = tid2eid) raises
   ValueError in `train_step` before anything runs; there is no silent fallback. With replay on, the step's
   metrics add `train/replay_unknown_frac` and `train/replay_layers`.
-- Freezing: `optax.multi_transform` gives frozen params `optax.set_to_zero()` (no Adam state is allocated for
-  them) and their old values are carried over as-is. Frozen: the router weights with `freeze_router`, the MTP
-  module unless `train_mtp`. Buffers are outside the optimizer altogether. Weight decay applies to matrices.
+- Freezing: `optax.multi_transform` gives frozen params `optax.set_to_zero()` (no Adam state; values carried over):
+  the router with `freeze_router`, the MTP module unless `train_mtp`. Buffers are outside the optimizer; weight
+  decay applies to matrices.
 - LoRA (`lora.rank > 0`, `--learner.lora.*`, dsv4/lora.py): the model must carry the adapters
   (`DSV4ForCausalLM(..., lora=cfg.lora)` or `dsv4.lora.attach`); they alone are TRAIN, every base weight (the
   router, the MTP module, norms, embeddings included) is FROZEN, and the gradient is taken with respect to the
@@ -65,22 +63,21 @@ Choices (and why):
   blocks on the learner (the FP8-aware forward, `fp8_forward`, does run the rollout's FP8 products on the base
   and the adapters' low-rank path beside them; checked by hand, 2 steps: only the adapters move). With
   `kl_coef > 0` the reference is the base itself (every adapter zero inside the step; no copy is kept).
-  `state_dict()` holds the adapters alone (the base is the run's --init). `params_for_push()` is still the whole
-  model; `adapters_for_push()` the adapters alone.
-- Non-finite guard (own, not `optax.apply_if_finite`, so nothing changes at all): if the loss or the global
-  gradient norm is not finite, the new step/params/opt_state are discarded with `jnp.where`; the state is
-  bitwise the old one (the step counter does not advance either) and `train/skipped_nonfinite` is 1.
-- Donation: `train_step` donates the old state (`donate_argnums=0`): never reuse a state passed to it, nor
-  arrays taken from it (`params_for_push()` returns live arrays: push them before the next step).
-- Scanned layers (`scan_layers`, the default): the state (params, buffers,
-  fp32 masters, Adam moments, reference) holds the decoder layers stacked per group of identical layers (`dsv4.scan.stack_params`, built inside the
-  init jit, so there is no per-step re-stacking), and the forward runs `dsv4.scan.merge_stacked`'s shell with
+  `state_dict()` holds the adapters alone (the base is the run's --init); `params_for_push()` the whole model,
+  `adapters_for_push()` the adapters alone.
+- Non-finite guard (own, not `optax.apply_if_finite`): a non-finite loss or gradient norm discards the new
+  step/params/opt_state (`jnp.where`): the state stays bitwise the old one and `train/skipped_nonfinite` is 1.
+- Donation: `train_step` donates the old state: never reuse it, nor arrays taken from it (`params_for_push()`
+  returns live arrays: push them before the next step).
+- Scanned layers (`scan_layers`, the default): the state (params, buffers, fp32 masters, Adam moments, reference)
+  holds the decoder layers stacked per group of identical layers (`dsv4.scan.stack_params`, built inside the init
+  jit, so there is no per-step re-stacking), and the forward runs `dsv4.scan.merge_stacked`'s shell with
   `layer_stack=` (one `lax.scan` per group, `remat` per sub-layer): compile time flat in depth. Labels (frozen /
   trained), the weight-decay mask and the reference's matrix dtype are decided per layer, then stacked; the
   expert dispatch and routing validation read the per-layer shardings / hash tables; `params_for_push()` unstacks
   (official per-layer paths). Optimizer offload then selects whole stacked leaves (all layers of a group's
   tensor at once), coarser than the planner's per-parameter count. `state_dict` is stacked (loads only into a
-  learner with the same setting; the loop's checkpoint fingerprint records it).
+  learner with the same setting: the checkpoint fingerprint records it).
 - Pipeline parallelism (`pipeline_stages` P > 1, `--learner.pipeline_stages`; `parallel/pipeline.py`): the largest
   scanned layer group is split into P contiguous stages over the mesh's `stage` axis (its stacked leaves, and their
   masters, moments and reference copies, split over `stage`: `parallel.pipeline.stage_shardings`; the stacked
@@ -88,13 +85,13 @@ Choices (and why):
   micro-batches (the same rows as `rl.algo.batching.split`) through one pipelined forward (GPipe; `jax.grad` of it for
   the backward) instead of the `lax.scan` over micro-batches, or `train_step` in passes of `pipeline_micro_batches`
   (a `lax.scan` over the passes, gradients accumulated: GPipe's saved activations bounded); embedding, head and loss
-  run on the whole pass, outside the pipeline. Equal to the unpipelined step (tests/rl/test_learner_pipeline.py). `next_logits` is not
-  pipelined (it runs the stack as is on the stage-split weights).
+  run on the whole pass, outside the pipeline. Equal to the unpipelined step (tests/rl/test_learner_pipeline.py).
+  `next_logits` is not pipelined (it runs the stack as is on the stage-split weights).
 - Mesh: with `mesh`, the state is placed by `sharding.rules.param_shardings` (actor rules by default), the
   batch is split along N over the rules' `act_batch` mesh axes (a `context` axis splits every row's activations
-  along S inside the model: context parallelism, `dsv4/context.py`; the batch itself enters replicated over it), and the jits run inside `jax.set_mesh(mesh)`
-  and `sharding.rules.use_rules` with explicit in/out shardings (docs/jax-stack.md §2.2: a jit on a sub-mesh
-  must run inside set_mesh).
+  along S inside the model: context parallelism, `dsv4/context.py`; the batch enters replicated over it), and the
+  jits run inside `jax.set_mesh(mesh)` and `sharding.rules.use_rules` with explicit in/out shardings
+  (docs/jax-stack.md §2.2: a jit on a sub-mesh must run inside set_mesh).
 
 Sources: PPO (Schulman et al. 2017, arXiv 1707.06347); GRPO (Shao et al. 2024, arXiv 2402.03300 §4); the optax
 docs for `adamw`, `clip_by_global_norm`, `multi_transform`, `set_to_zero`, `tree.norm`.
@@ -372,7 +369,8 @@ class Learner:
         batch, lay, shift = self.fit_batch(batch, False)
         if np.any(shift):
             raise ValueError("Learner.next_logits: rows must start at column 0 (right-padded)")
-        fn = self._jit(("next", lay), lambda s, b: (self.math.next_logits(s, b, lay), None), donate=False, out_batch=True)
+        fn = self._jit(("next", lay), lambda s, b: (self.math.next_logits(s, b, lay), None), donate=False,
+                       out_batch=True)
         with self._context():
             return fn(state, self._place(batch))[0]
 
