@@ -174,38 +174,52 @@ def test_scan_layers_flag_config_and_fingerprint():
     assert "scan_layers" not in fingerprint(off, mc) and fingerprint(on, mc)["scan_layers"] is True
 
 
+# The offload tests' update: bf16 params with fp32 masters, a global-norm clip that triggers, weight decay on
+# matrices only, on a [2, 8] batch of full rows; the on-device learner of this config is built once for both.
+_OFFLOAD_KW = dict(lr=1e-3, eps=1e-4, compute_dtype="float32", param_dtype="bfloat16", scan_layers=True,
+                   max_grad_norm=1e-3, weight_decay=0.1)
+
+
+@pytest.fixture(scope="module")
+def offload_batch():
+    ids = jnp.asarray(np.random.default_rng(2).integers(1, CFG.vocab_size, (2, 8)), jnp.int32)
+    return TrainBatch(input_ids=ids, attention_mask=jnp.ones_like(ids), response_mask=jnp.ones_like(ids),
+                      rollout_logprobs=jnp.zeros((2, 8)), advantages=jnp.array([1.0, -1.0]))
+
+
+@pytest.fixture(scope="module")
+def on_device(model, offload_batch):
+    """(on-device learner with `_OFFLOAD_KW` after one update on `offload_batch`, its metrics)."""
+    dev = Learner(model, LearnerConfig(**_OFFLOAD_KW))
+    return dev, dev.update(offload_batch)
+
+
 @pytest.mark.slow
-def test_scanned_offload_selects_stacked_leaves_and_equals_on_device(model):
+def test_scanned_offload_selects_stacked_leaves_and_equals_on_device(model, offload_batch, on_device):
     """scan_layers + offload_optimizer: whole stacked leaves (all layers of a group's tensor) are chosen, their
-    optimizer state lives in pinned_host memory before and after the step, and the update equals the on-device
-    one (moving memory changes no value: bitwise)."""
-    ids = jnp.asarray(np.random.default_rng(1).integers(1, CFG.vocab_size, (2, 8)), jnp.int32)
-    b = TrainBatch(input_ids=ids, attention_mask=jnp.ones_like(ids), response_mask=jnp.ones_like(ids),
-                   rollout_logprobs=jnp.zeros((2, 8)), advantages=jnp.array([1.0, -1.0]))
-    kw = dict(lr=1e-3, eps=1e-4, compute_dtype="float32", scan_layers=True)
-    dev = Learner(model, LearnerConfig(**kw))
-    off = Learner(model, LearnerConfig(offload_optimizer=0.5, stream_optimizer=False, **kw))  # moved whole
+    optimizer state lives in pinned_host memory before and after the step, and the update (`_OFFLOAD_KW`) equals
+    the on-device one (moving memory changes no value: bitwise)."""
+    dev, _ = on_device
+    off = Learner(model, LearnerConfig(offload_optimizer=0.5, stream_optimizer=False, **_OFFLOAD_KW))  # moved whole
     assert any(k.startswith("layers/1/0/") for k in off.offloaded)  # a stacked path: group 1, sub-layer 0
     assert "pinned_host" in {x.sharding.memory_kind for x in jax.tree.leaves(off.state.opt_state)}
-    dev.update(b), off.update(b)
+    off.update(offload_batch)
     assert "pinned_host" in {x.sharding.memory_kind for x in jax.tree.leaves(off.state.opt_state)}
+    for x, y in zip(jax.tree.leaves(dev.state.opt_state), jax.tree.leaves(off.state.opt_state)):
+        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
     for x, y in zip(jax.tree.leaves(dev.params_for_push()), jax.tree.leaves(off.params_for_push())):
         np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
 
 
-def test_streamed_offloaded_update_equals_on_device(model):
+def test_streamed_offloaded_update_equals_on_device(model, offload_batch, on_device):
     """stream_optimizer: the offloaded state of the stacked params is updated one layer slice at a time
     (rl.algo.optim.update_streamed), with the global-norm clip applied elementwise, and stays in pinned_host memory;
-    params and state equal the on-device update up to f32 rounding (the loop's fusions round differently)."""
-    ids = jnp.asarray(np.random.default_rng(2).integers(1, CFG.vocab_size, (2, 8)), jnp.int32)
-    b = TrainBatch(input_ids=ids, attention_mask=jnp.ones_like(ids), response_mask=jnp.ones_like(ids),
-                   rollout_logprobs=jnp.zeros((2, 8)), advantages=jnp.array([1.0, -1.0]))
-    kw = dict(lr=1e-3, eps=1e-4, compute_dtype="float32", param_dtype="bfloat16", scan_layers=True,
-              max_grad_norm=1e-3, weight_decay=0.1)  # a clip that triggers; decay on matrices only
-    dev = Learner(model, LearnerConfig(**kw))
-    st = Learner(model, LearnerConfig(offload_optimizer=1.0, stream_optimizer=True, **kw))
+    params and state equal the on-device update (`_OFFLOAD_KW`) up to f32 rounding (the loop's fusions round
+    differently)."""
+    dev, m_dev = on_device
+    st = Learner(model, LearnerConfig(offload_optimizer=1.0, stream_optimizer=True, **_OFFLOAD_KW))
     assert st.streamed and all(k.startswith("layers/") for k in st.streamed)
-    m_dev, m_st = dev.update(b), st.update(b)
+    st.update(offload_batch)
     assert float(m_dev["train/grad_norm"]) > 1e-3  # the clip was active
     assert {x.sharding.memory_kind for x in jax.tree.leaves(st.state.opt_state) if x.ndim} == {"pinned_host"}
     for x, y in zip(jax.tree.leaves(dev.state.opt_state), jax.tree.leaves(st.state.opt_state)):

@@ -225,18 +225,21 @@ def test_cache_sharded_over_data_and_expert(model):
         assert sh.shard_shape(x.shape)[0] == x.shape[0] // 8
 
 
-def test_lower_and_memory_analysis(model):
+def test_lower_and_memory_analysis(model, prompts):
     """Sampler.lower: the generate program for a batch/prompt/new-token size, with abstract inputs; the FP8
-    program takes fewer argument bytes than the fp32 one."""
+    program takes fewer argument bytes than the fp32 one. The size is the `prompts` x PARAMS generate of the tests
+    above (fp8: test_layerwise_dequant_equals_whole_model_dequant, fp32: test_fp4_experts_logprobs_vs_fp32), the
+    same program, so its compile loads from the suite's compile cache."""
     args, temp = {}, {}
     for w in ("fp32", "fp8"):
-        lowered = _sampler(model, weights=w).lower(4, 20, 12)
+        lowered = _sampler(model, weights=w).lower(len(prompts), max(map(len, prompts)), PARAMS.max_new_tokens)
         assert isinstance(lowered, jax.stages.Lowered)
         ma = lowered.compile().memory_analysis()
         args[w], temp[w] = ma.argument_size_in_bytes, ma.temp_size_in_bytes
     assert args["fp8"] < 0.5 * args["fp32"]
     # layer-wise dequantisation: no converted copy of every layer's bytes held across the decode loop (issue 13's
-    # target, 0.25x the unquantised weights; 0.18 here, 0.40 when XLA hoisted a u8 copy of every layer's bytes)
+    # target, 0.25x the unquantised weights; 0.18 measured at lower(4, 20, 12), 0.40 when XLA hoisted a u8 copy of
+    # every layer's bytes)
     assert temp["fp8"] - temp["fp32"] <= 0.25 * args["fp32"], (temp, args)
     with pytest.raises(ValueError, match="max_prompt_len"):
         _sampler(model).lower(4, 64, 12)
