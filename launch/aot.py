@@ -32,6 +32,7 @@ import jax
 import jax.numpy as jnp
 
 import dsv4
+from dsv4.lora import LoraConfig
 from parallel.model_bytes import kv_cache_bytes
 from parallel.padded import capacity_buckets
 from parallel.routing_load import bucket_index, peak_cell_load, peak_expert_load
@@ -117,9 +118,10 @@ def compile_actor(config, mesh_spec: str, *, seq_len: int, learner: LearnerConfi
     (bf16 compute and params, fp32 masters + moments); its knobs decide the rest: `max_tokens_per_micro_batch`
     (rows per device of the batch axes: max(1, budget x context // seq_len), 1 without a budget), `scan_layers`,
     `offload_optimizer` / `stream_optimizer`, the EP dispatch (`ep_backend` "auto" = capacity on XLA:CPU,
-    `ep_capacity_factor`), the frozen set (`train_mtp`, `freeze_router`), and `routing_replay` (the batch then
-    carries routing). A `context` axis splits each row over its devices (dsv4/context.py; the budget then counts
-    tokens per context shard, as the learner's). Needs `spec.n_devices` local devices (XLA:CPU with the
+    `ep_capacity_factor`), the frozen set (`train_mtp`, `freeze_router`; `lora`: the model carries the adapters,
+    which alone train, over the frozen bf16 base), and `routing_replay` (the batch then carries routing). A `context`
+    axis splits each row over its devices (dsv4/context.py; the budget then counts tokens per context shard, as the
+    learner's). Needs `spec.n_devices` local devices (XLA:CPU with the
     device-count flag), or `devices`: abstract GPU devices (launch/gpu_target.py; `backend` labels the report).
     Abstract devices have no host memory kind: with `offload_optimizer` > 0 the step is compiled with the
     optimizer state on the device and the offloaded bytes (`sharding.offload.select_offloaded` of the trained
@@ -135,7 +137,8 @@ def compile_actor(config, mesh_spec: str, *, seq_len: int, learner: LearnerConfi
     spec = parse_mesh_spec(mesh_spec)
     devices = list(jax.devices() if devices is None else devices)[:spec.n_devices]
     plan = build_mesh_plan(spec, devices=devices, config=config)
-    model = dsv4.abstract_model(config, param_dtype=jnp.bfloat16, dtype=jnp.bfloat16)
+    lora = learner.lora if learner.lora.enabled else None  # LoRA: the adapters train, the base is frozen
+    model = dsv4.abstract_model(config, param_dtype=jnp.bfloat16, dtype=jnp.bfloat16, lora=lora)
     cfg = dataclasses.replace(learner, compute_dtype="bfloat16", param_dtype="bfloat16")
     deviceless = not devices[0].addressable_memories()
     offload = cfg.offload_optimizer
@@ -243,7 +246,8 @@ class RolloutCompileReport:
 def compile_rollout(config, mesh_spec: str, *, batch: int = 1024, context: int = 32768,
                     prompt_len: int = default(DataConfig, "max_prompt_len"), rollout: RolloutConfig = RolloutConfig(),
                     kv_budget: float | None = None, devices=None, backend: str = "XLA:CPU",
-                    compiler_options: dict | None = None, routing_load: str = "worst") -> RolloutCompileReport:
+                    compiler_options: dict | None = None, routing_load: str = "worst",
+                    lora: LoraConfig | None = None) -> RolloutCompileReport:
     """Lower and compile the sampler's generate program for `config` on the rollout mesh of `mesh_spec` with an
     abstract model (no weights): `batch` sequences of `prompt_len` prompt tokens and `context - prompt_len` new
     tokens (bucketed as `Sampler.generate` buckets them), bf16 compute, FP8-resident weights dequantised layer by
@@ -257,7 +261,9 @@ def compile_rollout(config, mesh_spec: str, *, batch: int = 1024, context: int =
     budget), and XLA's errors. `devices`: abstract GPU devices instead (launch/gpu_target.py; the rollout mesh takes
     the ones after the actor's, as on the real machines); `compiler_options` as `compile_actor`'s. `routing_load`
     (--routing-load): the routed experts' load the flops and bytes are counted at, for the sized dispatch (which
-    capacity its switch runs in a decode step, parallel/routing_load.py; "worst": the dropless top).
+    capacity its switch runs in a decode step, parallel/routing_load.py; "worst": the dropless top). `lora`: the
+    learner's `LoraConfig` (`--learner.lora.*`; None or rank 0: none): the rollout's model carries the same adapters
+    and applies them unmerged (base product + low-rank path, dsv4/lora.py), as the run's sampler.
     """
     if isinstance(config, str):
         config = dsv4.DSV4Config.preset(config)
@@ -266,7 +272,8 @@ def compile_rollout(config, mesh_spec: str, *, batch: int = 1024, context: int =
     spec = parse_mesh_spec(mesh_spec)
     devices = list(jax.devices() if devices is None else devices)[:spec.n_devices]
     plan = build_mesh_plan(spec, devices=devices, config=config)
-    model = dsv4.abstract_model(config, param_dtype=jnp.bfloat16, dtype=jnp.bfloat16)
+    lora = lora if lora is not None and lora.enabled else None
+    model = dsv4.abstract_model(config, param_dtype=jnp.bfloat16, dtype=jnp.bfloat16, lora=lora)
     new = context - prompt_len
     # the run's engine settings, in bf16 as on the GPU the plan is for
     settings = EngineSettings.for_run(rollout, platform=devices[0].platform, max_prompt_len=prompt_len,

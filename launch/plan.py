@@ -450,7 +450,7 @@ def _compile_rollout(config, report, args, gpu_target: gt.Target | None = None, 
             config=config, mesh_spec=report.mesh_spec, batch=run.rollout.prompts_per_step * run.rollout.group_size,
             context=seq_len(run), prompt_len=run.data.max_prompt_len, rollout=rollout,
             kv_budget=report.rollout.margin, backend=backend, compiler_options=compiler_options,
-            routing_load=args.routing_load), "rollout", args,
+            routing_load=args.routing_load, lora=run.learner.lora), "rollout", args,
             report, gpu_target=gpu_target)
     except ValueError as e:
         print(f"error (rollout compile): {e}", file=sys.stderr)

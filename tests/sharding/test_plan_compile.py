@@ -9,6 +9,7 @@ import dataclasses
 import math
 
 import dsv4
+from dsv4.lora import LoraConfig
 from launch import compile_child
 from launch import plan as plan_mod
 from launch.aot import compile_actor, reduced_depth
@@ -40,6 +41,24 @@ def test_xla_arguments_equal_the_planned_state():
     assert 0 <= scalars <= 64, scalars  # step and Adam counts (int32)
     assert xla.host == report.actor.host > 0
     assert xla.temp > 0 and xla.total == xla.argument + xla.output - xla.alias + xla.temp - xla.host
+
+
+def test_lora_actor_arguments_are_the_frozen_base_and_the_adapters_state():
+    """LoRA (issue 40): the planner compiles the LoRA actor step (the model carries the adapters; it raised before).
+    XLA's argument bytes are the plan's: the frozen bf16 base and the float32 adapters, Adam moments for the adapters
+    alone and no master copy, plus the batch and a few scalars."""
+    cfg = reduced_depth(dsv4.DSV4Config.tiny(), 2)
+    seq = 16
+    learner = dataclasses.replace(DEFAULT_LEARNER, lora=LoraConfig(rank=4, targets="attn,shared,head"))
+    xla = compile_actor(cfg, MESH, seq_len=seq, learner=learner)
+    report = pl.plan(cfg, MESH, "h200", learner=learner, tokens_per_device=seq, train_seq_len=seq)
+    items = report.actor.items
+    assert items["fp32 master weights"] == 0 and 0 < items["Adam moments (2 x fp32)"] < items[
+        "weights (bf16; fp32 mHC/sinks/ape/bias; int32 tid2eid)"]
+    state = sum(v for k, v in items.items() if not k.startswith(("gradients", "activations", "optimizer update")))
+    rows_per_device = xla.rows // 4
+    batch = rows_per_device * seq * (4 * 4 + cfg.num_hidden_layers * cfg.num_experts_per_tok * 4) + rows_per_device * 4
+    assert 0 <= xla.argument - batch - state <= 64, xla.argument - batch - state  # step and Adam counts (int32)
 
 
 def test_cli_compile_prints_the_result_line(capfd):
