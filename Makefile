@@ -15,11 +15,12 @@ venv: $(STAMP)
 run: $(STAMP)
 	$(PY) launch/run.py --mesh auto
 
-# Everything, the slow tests too (kill/resume, multi-host): what CI runs. Two workers (pytest-xdist, one test
-# file per worker at a time): the tests are compile-bound and XLA compiles on one core; --durations lists the
-# slowest tests so that CI logs show where the time goes.
+# Everything, the slow tests too (kill/resume, multi-host): what CI runs. Three workers on CI's two cores
+# (pytest-xdist, one test file per worker at a time): the tests are compile-bound and XLA compiles on one core, but
+# the launched tests wait on their processes (detection timeouts, restarts) ~10% of the time, which a third worker
+# fills (2 workers: 1,224 s of tests at 174% CPU, 2026-12-05); --durations lists the slowest tests for CI's logs.
 test: $(STAMP)
-	$(PY) -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder --durations=25 -m "slow or not slow" tests
+	$(PY) -m pytest -q -n 3 --dist loadfile --no-loadscope-reorder --durations=25 -m "slow or not slow" tests
 
 # The default suite without the tests marked slow (development loop).
 test-fast: $(STAMP)
