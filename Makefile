@@ -18,7 +18,7 @@ run: $(STAMP)
 # Everything, the slow tests too (kill/resume, multi-host): what CI runs. Three workers on CI's two cores
 # (pytest-xdist, one test file per worker at a time): the tests are compile-bound and XLA compiles on one core, but
 # the launched tests wait on their processes (detection timeouts, restarts) ~10% of the time, which a third worker
-# fills (2 workers: 1,224 s of tests at 174% CPU, 2026-12-05); --durations lists the slowest tests for CI's logs.
+# fills (2 workers: 1,224 s of tests at 174% CPU; 3: 1,198 s at 187%, 2026-12-05); --durations: the slowest tests.
 test: $(STAMP)
 	$(PY) -m pytest -q -n 3 --dist loadfile --no-loadscope-reorder --durations=25 -m "slow or not slow" tests
 
