@@ -112,10 +112,16 @@ def test_async_mpmd_schedule_slots_parity_and_kill_resume(tmp_path, run_env, lt)
     assert rows[1]["perf/overlap_frac"] > 0  # step 0's update waits for its compile: batch 1 may be done by then
     assert (ref / "ckpt" / "inflight" / f"{STEPS - 1}.npz").is_file()
 
-    # 1. the one-process asynchronous run of the same mesh shapes (2 host devices: actor 1 + rollout 1)
+    # 1. the one-process asynchronous run of the same mesh shapes (2 host devices: actor 1 + rollout 1), run beside
+    # part 2 (whose waits for the survivor's verdict and the sidecar leave the cores idle), checked after it
     single = tmp_path / "single.jsonl"
-    rc, text = lt.launch([*JOB, "--ckpt-dir", "", "--metrics-jsonl", single], run_env, tmp_path / "single.log")
-    assert rc == 0, text[-3000:]
+    single_proc = lt.start([*JOB, "--ckpt-dir", "", "--metrics-jsonl", single], run_env, tmp_path / "single.log")
+    try:
+        _kill_resume(lt, ref, got, run_env)
+        rc = single_proc.wait(timeout=900)
+    finally:
+        single_proc.kill()
+    assert rc == 0, (tmp_path / "single.log").read_text()[-3000:]
     one = lt.read_metrics(single)
     for s in range(STEPS):
         for k in ("rollout/reward_mean", "rollout/reward_std", "rollout/response_len_mean"):
@@ -126,6 +132,9 @@ def test_async_mpmd_schedule_slots_parity_and_kill_resume(tmp_path, run_env, lt)
         assert {k: v for k, v in rows[s].items() if k.startswith("eval/")} == \
             {k: v for k, v in one[s].items() if k.startswith("eval/")} != {}, s
 
+
+def _kill_resume(lt, ref, got, run_env):
+    """Part 2 of the test (the module docstring)."""
     # 2. process 0 alone SIGKILLed at a seeded random moment, resumed to the end: the uninterrupted run bitwise
     procs = _start(lt, got, run_env, "start0")
     newest = lt.wait_for_checkpoint_after(procs[0], got / "ckpt", 0)

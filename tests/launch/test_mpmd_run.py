@@ -71,6 +71,7 @@ def test_mpmd_three_processes_steps_parity_and_rollout_killed(tmp_path, run_env,
     metrics = tmp_path / "m.jsonl"
     flags = (*PARTIAL, "--init", str(hf_tiny16_checkpoint))
     procs, logs = _launch(lt, MESH, 10, metrics, tmp_path, run_env, flags=flags)
+    single, single_log, single_proc = tmp_path / "single.jsonl", tmp_path / "single.log", None
     try:
         deadline = time.monotonic() + 1500
         while len(_rows(metrics)) < 3:  # 3 GRPO steps completed (the writer logs after the step's push)
@@ -82,6 +83,11 @@ def test_mpmd_three_processes_steps_parity_and_rollout_killed(tmp_path, run_env,
         for p in procs[:2]:
             p.wait(timeout=DEAD_S + 60)  # never a hang (the bound itself is asserted below)
         elapsed = time.monotonic() - killed
+        # the single-process run of the same flags, as many steps (parity, below), beside the sidecar's grace
+        with open(single_log, "w") as f:
+            single_proc = subprocess.Popen(_cmd(MESH, len(_rows(metrics)), single,
+                                                (*flags, "--cpu-devices-per-process", "6")),
+                                           env=run_env, stdout=f, stderr=subprocess.STDOUT, text=True)
         sidecar = int(re.search(r"in sidecar process (\d+)", (tmp_path / "p0.log").read_text()).group(1))
         while not _gone(sidecar) and time.monotonic() < killed + elapsed + SIDECAR_S:
             time.sleep(0.5)
@@ -123,12 +129,13 @@ def test_mpmd_three_processes_steps_parity_and_rollout_killed(tmp_path, run_env,
     assert any(r["rollout/token_staleness_1"] > 0 for r in rows)  # tokens of the version before the learner's
     assert any(r["rollout/partial/continued_rows"] > 0 for r in rows)  # samples spanning two segments
 
-    # the single-process run of the same mesh shapes and flags, as many steps: rollout metrics equal (bitwise),
-    # pg_loss within 1e-5, every completed step
-    single = tmp_path / "single.jsonl"
-    res = subprocess.run(_cmd(MESH, len(rows), single, (*flags, "--cpu-devices-per-process", "6")), env=run_env,
-                         capture_output=True, text=True, timeout=900)
-    assert res.returncode == 0, res.stderr[-3000:]
+    # the single-process run of the same mesh shapes and flags (started once the actors had exited), as many steps:
+    # rollout metrics equal (bitwise), pg_loss within 1e-5, every completed step
+    try:
+        rc = single_proc.wait(timeout=900)
+    finally:
+        single_proc.kill()
+    assert rc == 0, single_log.read_text()[-3000:]
     srows = _rows(single)
     assert len(srows) == len(rows)
     for m, s in zip(rows, srows):
