@@ -56,15 +56,14 @@ def write_checkpoint(path: pathlib.Path) -> tuple[int, int]:
     """Random official-layout checkpoint of `config()` -> (n params, bytes of tensor data)."""
     import ml_dtypes
     import numpy as np
-    from flax import nnx
 
-    from dsv4 import DSV4ForCausalLM, count_params, quant
+    from dsv4 import abstract_model, count_params, quant
     from dsv4.io.convert import official_tensors
     from dsv4.io.safetensors import save_sharded_checkpoint
     from dsv4.names import EXPERT_KEY
 
     cfg = config()
-    abstract = nnx.eval_shape(lambda: DSV4ForCausalLM(cfg, rngs=nnx.Rngs(0)))
+    abstract = abstract_model(cfg)
     rs = np.random.default_rng(0)
     e8m0 = ml_dtypes.float8_e8m0fnu
 
@@ -174,13 +173,13 @@ def flash_arithmetic() -> None:
     import numpy as np
     from flax import nnx
 
-    from dsv4 import DSV4Config, DSV4ForCausalLM, quant
+    from dsv4 import DSV4Config, abstract_model, quant
     from dsv4.io.convert import official_tensors
     from dsv4.names import EXPERT_KEY, official_key
     from sharding.rules import ACTOR_RULES, ROLLOUT_RULES, logical_to_spec
 
     cfg = DSV4Config.flash()
-    abstract = nnx.eval_shape(lambda: DSV4ForCausalLM(cfg, rngs=nnx.Rngs(0), param_dtype=np.float32))
+    abstract = abstract_model(cfg, param_dtype=np.float32)
     logical = {official_key(p): v.get_metadata().get("logical_axes")
                for p, v in nnx.to_flat_state(nnx.state(abstract))}
     actor = types.SimpleNamespace(shape={"data": 1, "fsdp": 2, "expert": 8, "tensor": 1})

@@ -39,11 +39,10 @@ def worker(pid: int, port: int, runs: int, config: str) -> None:
     maybe_initialize_distributed(f"127.0.0.1:{port}", 2, pid, cpu_devices_per_process=2, transfer_timeout_s=300)
     import jax
     import jax.numpy as jnp
-    import numpy as np
     from flax import nnx
     from jax.sharding import NamedSharding, PartitionSpec as P
 
-    from dsv4 import DSV4Config, DSV4ForCausalLM
+    from dsv4 import DSV4Config, abstract_model
     from dsv4.io.load import init_model
     from rl.rollout.engine import Sampler
     from sharding.mesh import build_mesh_plan
@@ -54,7 +53,7 @@ def worker(pid: int, port: int, runs: int, config: str) -> None:
     plan = build_mesh_plan("actor:expert=2/rollout:expert=2", config=mc)
     layout = role_layout(plan)
     channel = HostChannel(layout, timeout_s=300)
-    abstract = nnx.eval_shape(lambda: DSV4ForCausalLM(mc, rngs=nnx.Rngs(0)))
+    abstract = abstract_model(mc)
     state = nnx.state(abstract)
     # bf16 dense tensors, as benchmarks/weight_push.py
     sampler = Sampler(abstract, mesh=plan.rollout, weights="fp8", kv_cache_dtype="bf16")

@@ -35,8 +35,8 @@ import jax.numpy as jnp  # noqa: E402
 from flax import nnx  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from dsv4 import DSV4Config, DSV4ForCausalLM  # noqa: E402
-from dsv4 import moe, scan  # noqa: E402
+from dsv4 import DSV4Config, abstract_model  # noqa: E402
+from dsv4 import scan  # noqa: E402
 from parallel import expert as expert_lib  # noqa: E402
 from dsv4.layers import Buffer  # noqa: E402
 
@@ -57,7 +57,7 @@ def compile_seconds(n_layers: int, scanned: bool, *, seq: int, remat: str | None
     """{lower, compile: wall s; cpu: process CPU s of lower + compile; bodies: traced layer bodies} of the fwd+bwd
     of `config(n_layers)` on abstract parameters."""
     cfg = config(n_layers)
-    model = nnx.eval_shape(lambda: DSV4ForCausalLM(cfg, rngs=nnx.Rngs(0)))
+    model = abstract_model(cfg)
     graphdef, params, buffers = nnx.split(model, nnx.Param, Buffer)
     dispatch = expert_lib.default_dispatch(jax.devices())
     ids = jax.ShapeDtypeStruct((1, seq), jnp.int32)

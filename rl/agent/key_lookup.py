@@ -32,9 +32,14 @@ learned the call's constant units, then the key, but not (in the steps run) the 
 Reward, shaped (as gsm8k+format is; `rl.agent.env.reward`): `CALL_WEIGHT x call_progress + (1 - CALL_WEIGHT) x
 [call_progress == 1] x value_reward`, in [0, 1], 1 only for the right call followed by the exact value; an answer
 without the right call earns nothing (it can only be a guess: without the gate a guessed value's partial credit
-outweighs the call and the policy learned to stop calling). With CALL_WEIGHT 0.2, a run above 0.5 copies values.
-- `value_reward` (per-position partial credit like the built-in digit task, rl/data/tasks.py) on the final answer:
-  (right digits at their positions / n) x (0.5 + 0.5 x [answer has exactly n characters]);
+outweighs the call and the policy learned to stop calling). With CALL_WEIGHT 0.2 and FORMAT_CREDIT 0.1, a run above
+0.5 copies values.
+- `value_reward` on the final answer: FORMAT_CREDIT x [the answer is n digits] + (1 - FORMAT_CREDIT) x (right digits
+  at their positions / n) x (0.5 + 0.5 x [answer has exactly n characters]) (per-position partial credit like the
+  built-in digit task, rl/data/tasks.py). The format credit makes answering after the tool's result better than
+  calling again (without it both earned 0 unless the digit was right, and the policy kept calling: the fourth run);
+  the best value-blind policy (the right call, then any n digits) scores CALL_WEIGHT + (1 - CALL_WEIGHT) x
+  (FORMAT_CREDIT + (1 - FORMAT_CREDIT) / 10) = 0.352 (`value_blind_best`), so a run above 0.5 copies values;
 - `call_progress` on the first model turn: the prefix of the right turn it wrote, in units (the call with the right
   key, EOS): 0, 1/2 or 1. A credit for calling right, not for the value: the value is only in the tool's answer.
 Row data (the dataset's reference) is "KEY=VALUE".
@@ -58,6 +63,7 @@ LOOKUP_TOOL = {"type": "function", "function": {
 CALL_HEAD = f'{CALLS_START}>\n<{DSML}invoke name="lookup">\n<{DSML}parameter name="key" string="true">'
 CALL_TAIL = f"</{DSML}parameter>\n</{DSML}invoke>\n{CALLS_CLOSE}"
 CALL_WEIGHT = 0.2  # the shaped reward's weight on call_progress (module docstring)
+FORMAT_CREDIT = 0.1  # value_reward's share for an answer of the value's length in digits, right or not (docstring)
 PROMPT = "key "  # the user message is PROMPT + the key
 KEYS = DIGITS = "0123456789"  # the keys the task can name (KeyLookupTask.n_keys <= 10); the value's digits
 
@@ -86,7 +92,14 @@ def value_reward(answer: str, data: str) -> float:
     _, value = split_data(data)
     got = answer.strip()
     right = sum(a == b for a, b in zip(got, value))
-    return right / len(value) * (0.5 + 0.5 * (len(got) == len(value)))
+    shaped = len(got) == len(value) and all(c in DIGITS for c in got)
+    return FORMAT_CREDIT * shaped + (1 - FORMAT_CREDIT) * right / len(value) * (0.5 + 0.5 * (len(got) == len(value)))
+
+
+def value_blind_best() -> float:
+    """The expected reward of the best policy that does not read the tool's answer: the right call, then any answer
+    of the value's length in digits (each digit right with probability 1/10)."""
+    return CALL_WEIGHT + (1 - CALL_WEIGHT) * (FORMAT_CREDIT + (1 - FORMAT_CREDIT) / len(DIGITS))
 
 
 def call_progress(first_turn: str, data: str) -> float:

@@ -17,9 +17,8 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 import pytest
-from flax import nnx
 
-from dsv4 import DSV4Config, DSV4ForCausalLM, load_hf_checkpoint, save_hf_checkpoint
+from dsv4 import DSV4Config, abstract_model, load_hf_checkpoint, save_hf_checkpoint
 from dsv4.io import safetensors as safetensors_io
 from dsv4.io.convert import CheckpointError, hf_to_official, official_tensors
 from dsv4.io.safetensors import iter_checkpoint_tensors, save_sharded_checkpoint
@@ -472,8 +471,8 @@ def test_hf_to_official(hf_name, official):
 
 def test_every_transformers_tensor_has_a_home(cfg, hf):
     """Every tensor transformers holds for the tiny model maps onto a name our loader expects."""
-    ours = set(_by_file_name(nnx.eval_shape(lambda: DSV4ForCausalLM(
-        DSV4Config.tiny(num_nextn_predict_layers=0, compress_ratios=(0, 4, 8, 4)), rngs=nnx.Rngs(0)))))
+    ours = set(_by_file_name(abstract_model(
+        DSV4Config.tiny(num_nextn_predict_layers=0, compress_ratios=(0, 4, 8, 4)))))
     fused = {f"layers.{i}.ffn.experts.{w}" for i in range(cfg.num_hidden_layers) for w in ("gate_up_proj", "down_proj")}
     mapped = {hf_to_official(k) for k in hf.state_dict()}
     assert mapped - fused == {k for k in ours if ".ffn.experts." not in k}

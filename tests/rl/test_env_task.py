@@ -9,7 +9,7 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from rl.agent.key_lookup import CALL_HEAD, CALL_TAIL, CALL_WEIGHT, KeyLookupTask
+from rl.agent.key_lookup import CALL_HEAD, CALL_TAIL, CALL_WEIGHT, FORMAT_CREDIT, KeyLookupTask
 from rl.algo.batch import RolloutBatch
 from rl.config.run import RunConfig
 from rl.run.env_task import ENV_KEYS, EVAL_START, TRAIN_PROMPTS, load_env_data, multiturn_request
@@ -54,7 +54,7 @@ def test_key_lookup_data_and_reward_on_the_final_turn():
     w = CALL_WEIGHT  # row 1: the right call, no answer; row 2: no call, so its 2 of 4 digits earn nothing
     assert r.tolist() == pytest.approx([1.0, w, 0.0]) and exact.tolist() == [True, False, False]
     r = reward(ev_refs[:1], [short], [call + env + short])[0]
-    assert r.tolist() == pytest.approx([w + (1 - w) * 0.25])  # the right call, 2 of 4 digits, short: x0.5
+    assert r.tolist() == pytest.approx([w + (1 - w) * (1 - FORMAT_CREDIT) * 0.25])  # the right call, 2/4 digits, short
     assert score(SimpleNamespace(reward=reward), rb, ev_refs[:1] * 2)[0].tolist() == pytest.approx([1.0, w])
     assert reward(ev_refs[:1], rb.final_turns()[:1])[0].tolist() == [0.0]  # no trajectory: the final turn, no call
     mt = multiturn_request(cfg, ev_refs)

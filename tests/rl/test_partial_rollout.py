@@ -144,13 +144,12 @@ def test_continued_sample_draws_with_the_uninterrupted_keys(parts):
 def test_continuous_batching_honours_offsets_and_row_budgets(parts):
     """--rollout-slots with partial rollouts: the slots program draws a continued sample's tokens with its
     `token_offset` keys and stops each row at its own budget, so head + tail equal the static path's whole sample."""
-    from dsv4 import DSV4ForCausalLM
-    from flax import nnx
+    from dsv4 import abstract_model
 
     from rl.rollout.engine import Sampler, SamplingParams
 
     cfg, learner, init, sampler, task, tok, train = parts
-    abstract = nnx.eval_shape(lambda: DSV4ForCausalLM(sampler.config, rngs=nnx.Rngs(0)))
+    abstract = abstract_model(sampler.config)
     slots = Sampler(abstract, weights="fp32", max_prompt_len=sampler.max_prompt_len, slots=4)
     slots.set_weights(sampler.weight_state(), sampler.weight_version)  # the static sampler's weights, as they are
     prompts = [train[i]["prompt_ids"][: train[i]["prompt_len"]].tolist() for i in range(8)]

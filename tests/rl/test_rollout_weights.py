@@ -11,7 +11,7 @@ import pytest
 from flax import nnx
 from jax.sharding import Mesh
 
-from dsv4 import DSV4Config, DSV4ForCausalLM, quant
+from dsv4 import DSV4Config, DSV4ForCausalLM, abstract_model, quant
 from dsv4 import moe
 from dsv4.fp8_gemm import fp8_gemm_available, fp8_linear, quantized_linear
 from dsv4.rollout_format import check_fp4_experts, parse_rollout_dtype
@@ -209,7 +209,7 @@ def test_cache_sharded_over_data_and_expert(model):
     """On a data=2 x expert=4 rollout mesh each device holds 1/8 of the batch's caches (addressable shards)."""
     devs = np.array(jax.devices()[:8]).reshape(2, 1, 4, 1)
     mesh = Mesh(devs, ("data", "fsdp", "expert", "tensor"))
-    s = Sampler(nnx.eval_shape(lambda: DSV4ForCausalLM(CFG, rngs=nnx.Rngs(0))), mesh=mesh, weights="fp8",
+    s = Sampler(abstract_model(CFG), mesh=mesh, weights="fp8",
                 compute_dtype=jnp.float32, max_prompt_len=32, kv_cache_dtype="bf16")
     shape = s.program_shape(3, 20, 12)
     b, p, t = shape.batch, shape.prompt, shape.new
@@ -254,7 +254,7 @@ def test_planner_compiles_the_rollout_program():
     rx = compile_rollout(CFG, "actor:fsdp=4/rollout:data=2,expert=2", batch=6, context=80, prompt_len=16)
     assert (rx.batch, rx.prompt_len, rx.max_new_tokens, rx.batch_shards) == (8, 16, 64, 4)
     assert rx.temp > 0 and rx.argument > 0 and rx.total > rx.kv > 0
-    s = Sampler(nnx.eval_shape(lambda: DSV4ForCausalLM(CFG, rngs=nnx.Rngs(0))), weights="fp8",
+    s = Sampler(abstract_model(CFG), weights="fp8",
                 compute_dtype=jnp.bfloat16, max_prompt_len=16, kv_cache_dtype="auto")  # compile_rollout's cache: fp8
     full = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(s.cache_shapes(8, 80)))
     assert rx.kv * 4 == full

@@ -3,11 +3,12 @@ its registry and the key-lookup task (nothing compiles; no process is started)."
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 
 from rl.agent import env as envlib
-from rl.agent.key_lookup import (CALL_HEAD, CALL_TAIL, CALL_WEIGHT, KeyLookupTask, call_progress, key_lookup_tokenizer,
-                                  value_reward)
+from rl.agent.key_lookup import (CALL_HEAD, CALL_TAIL, CALL_WEIGHT, FORMAT_CREDIT, KeyLookupTask, call_progress,
+                                  key_lookup_tokenizer, value_blind_best, value_reward)
 from rl.agent.pieces import PieceTokenizer
 from rl.agent.registry import ENVIRONMENTS, make_env
 from rl.data.chat_dsv4 import EOS, render_deepseek_v4, tool_result_turn
@@ -38,8 +39,13 @@ def test_key_lookup_episode():
     assert (done.done, done.calls, done.messages) == (True, 0, ())
     call, w = CALL.format(key="7"), CALL_WEIGHT
     assert envlib.reward(env, "4821" + EOS, data, call) == 1.0
-    assert envlib.reward(env, "4820" + EOS, data, call) == pytest.approx((1 - w) * 0.75 + w)  # 3/4 digits
-    assert envlib.reward(env, "48", data, call) == pytest.approx((1 - w) * 0.25 + w)  # cut: 2/4 digits x 0.5
+    f = FORMAT_CREDIT  # an answer of the value's length in digits, right or not
+    assert envlib.reward(env, "4820" + EOS, data, call) == pytest.approx((1 - w) * (f + (1 - f) * 0.75) + w)  # 3/4
+    assert envlib.reward(env, "48", data, call) == pytest.approx((1 - w) * (1 - f) * 0.25 + w)  # cut: 2/4 x 0.5
+    assert envlib.reward(env, "48a1" + EOS, data, call) == pytest.approx((1 - w) * (1 - f) * 0.75 + w)  # not digits
+    assert envlib.reward(env, call, data, call) == pytest.approx(w)  # calling again earns less than any answer
+    blind = np.mean([value_reward(f"{d:04d}", data) for d in range(10000)])  # every 4-digit answer, uniform
+    assert w + (1 - w) * blind == pytest.approx(value_blind_best()) and value_blind_best() < 0.5
     assert envlib.reward(env, "4821" + EOS, data) == 0.0  # an answer without the right call: a guess, no credit
     assert envlib.reward(env, "4821" + EOS, data, CALL.format(key="8")) == 0.0  # a wrong key: no unit at all
     assert value_reward(" 4821\n", data) == 1.0
