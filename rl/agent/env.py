@@ -150,8 +150,12 @@ def _terse(env: Environment, message: dict) -> dict:
 
 
 def final_answer(env: Environment, text: str) -> str:
-    """The answer content of a final assistant turn (its reasoning and EOS removed); a turn that does not parse
-    (cut by the token budget) is its text up to any EOS."""
+    """The answer content of a final assistant turn (its reasoning and EOS removed); a turn that calls a tool, or
+    starts a call block before any EOS, answered nothing: "" (cut by the turn or token budget while asking for a
+    tool; any text before its calls is not an answer); another turn that does not parse (cut by the token budget) is
+    its text up to any EOS."""
+    if CALLS_START in text.split(EOS)[0]:
+        return ""
     try:
         return parse_completion(text, thinking=env.thinking)["content"]
     except ToolCallError:

@@ -27,7 +27,8 @@ Sized so the tiny model learns it from random init (benchmarks/README.md, "Multi
 - The training run's side (not this module): 4 keys (`rl.run.env_task.ENV_KEYS`), benchmarks/agentic.py's defaults.
 History (benchmarks/README.md): a 5-id call (head, "k", digit, tail, EOS), a 3-id call (head with the key, tail,
 EOS), then the call as one piece with the key and the value each 2 ids back behind one-piece closers: the policy
-learned the call's constant units, then the key, but not (in the steps run) the value.
+learned the call's constant units, then the key, but not (in the steps run) the value; with the format credit (below)
+and a final turn that must answer (`rl.agent.env.final_answer`) it copies values (benchmarks/agentic.py: learns).
 
 Reward, shaped (as gsm8k+format is; `rl.agent.env.reward`): `CALL_WEIGHT x call_progress + (1 - CALL_WEIGHT) x
 [call_progress == 1] x value_reward`, in [0, 1], 1 only for the right call followed by the exact value; an answer

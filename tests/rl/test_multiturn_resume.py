@@ -15,7 +15,8 @@ talking to a `RolloutServer` on a thread, as a rollout process runs it (the run'
 request served by the server's own `run_request`), through an in-memory host channel that pickles every command and
 result as `sharding.mpmd.HostChannel` does; the push is the one-process push (the two sides share the sampler). Its
 steps after the checkpoint equal the uninterrupted run's bitwise as well. What stays for the launched MPMD tests
-(tests/launch/test_mpmd_resume.py): the processes, the cross-process push and the channel's transport.
+(tests/launch/test_mpmd_run.py, test_mpmd_async_resume.py, single-turn): the processes, the cross-process push and
+the channel's transport.
 """
 
 from __future__ import annotations

@@ -44,6 +44,8 @@ def test_key_lookup_episode():
     assert envlib.reward(env, "48", data, call) == pytest.approx((1 - w) * (1 - f) * 0.25 + w)  # cut: 2/4 x 0.5
     assert envlib.reward(env, "48a1" + EOS, data, call) == pytest.approx((1 - w) * (1 - f) * 0.75 + w)  # not digits
     assert envlib.reward(env, call, data, call) == pytest.approx(w)  # calling again earns less than any answer
+    assert envlib.reward(env, "4821" + call, data, call) == pytest.approx(w)  # text before a call is no answer
+    assert envlib.reward(env, "4821" + CALL_HEAD + "7", data, call) == pytest.approx(w)  # nor before a cut call
     blind = np.mean([value_reward(f"{d:04d}", data) for d in range(10000)])  # every 4-digit answer, uniform
     assert w + (1 - w) * blind == pytest.approx(value_blind_best()) and value_blind_best() < 0.5
     assert envlib.reward(env, "4821" + EOS, data) == 0.0  # an answer without the right call: a guess, no credit
