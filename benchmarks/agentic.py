@@ -107,8 +107,8 @@ def throughput(wiring, repeats: int) -> tuple[float, float]:
 
 
 def show(tokenizer, rb, refs, n: int, stride: int) -> None:
-    """Trajectories 0, stride, .. (n of them: one per prompt) of `rb`, one id per `|` (pieces longer than 12 characters shortened), the
-    environment's ids in [brackets]: what the trained policy writes."""
+    """Trajectories 0, stride, .. (n of them: one per prompt) of `rb`, one id per `|` (pieces longer than 12
+    characters shortened), the environment's ids in [brackets]: what the trained policy writes."""
     for i in range(0, min(n * stride, len(refs)), stride):
         ids = rb.tokens[i, : rb.lengths[i]].tolist()
         out = []
