@@ -92,7 +92,7 @@ else
   run weight_push 60 benchmarks/weight_push.py --layouts 1 --runs 3 --quantize-on actor
   # continuous vs static batching, RL-like length spread (lengths 32 / 512)
   run rollout_lengths 80 benchmarks/rollout_lengths.py --config tiny --slots 32 --scale 0.5
-  # the generate program's compiled memory per weight mode on the GPU (`tie_to` "select" there)
+  # the generate program's compiled memory per weight mode on the GPU (`tie_to` "barrier" there)
   run sampler_memory 100 benchmarks/sampler.py --memory-only --compile-cache ''
 fi
 

@@ -67,14 +67,14 @@ def select_fp8_matmul(matmul: str, fp8: bool, devices=None) -> bool:
     return ok
 
 
-TIE_MODES = ("cond", "select")
+TIE_MODES = ("cond", "select", "barrier")
 
 
 def default_tie(devices=None) -> str:
     """How `tie_to` makes a layer's quantised bytes depend on the residual stream: "cond" on XLA:CPU,
-    "select" elsewhere (see `tie_to`). devices: default `jax.devices()`."""
+    "barrier" elsewhere (see `tie_to`). devices: default `jax.devices()`."""
     devs = list(jax.devices() if devices is None else devices)
-    return "cond" if devs[0].platform == "cpu" else "select"
+    return "cond" if devs[0].platform == "cpu" else "barrier"
 
 
 def tie_to(x: jax.Array, leaves: tuple, tie: str = "cond") -> tuple:
@@ -90,13 +90,20 @@ def tie_to(x: jax.Array, leaves: tuple, tie: str = "cond") -> tuple:
     dependence (a select or OR on the bytes) leaves a q-only conversion that XLA hoists out of the decode loop:
     a converted copy of every layer's bytes held across the loop (u8: +0.22x the unquantised weights on
     `small`, f16: +0.40x; benchmarks/README.md, "Compiled memory of the generate program").
-    tie "select": `select(x_0 != x_0, 0, leaf)` per leaf (no copy, fuses into the dequantisation) for backends
-    with native f8 elementwise ops; unverified on a GPU so far (benchmarks/gpu_check.sh compiles it there).
+    tie "select": `select(x_0 != x_0, 0, leaf)` per leaf, which fuses into a dequantisation but, in front of an FP8
+    GEMM that reads the bytes as stored, is a copy of every tied tensor per call (the 4-layer seed rollout on the
+    MI308X proxy: 12 expert tensors x 0.5 GiB written and read again per decode step).
+    tie "barrier" (the default off CPU): one `optimization_barrier` over (x, leaves): the leaves come out of it
+    unchanged and no copy is made, and anything computed from them depends on x. XLA:GPU keeps the barrier through
+    its loop passes: the same compile's temporaries 2.01 -> 1.27 GiB, its decode step 33.15 -> 26.55 GiB of HBM
+    traffic (benchmarks/README.md, "FP8 rollout at speed"); not yet run on a GPU (benchmarks/gpu_check.sh does).
     Raises ValueError for an unknown `tie`."""
     if tie not in TIE_MODES:
         raise ValueError(f"tie={tie!r}: expected {' | '.join(TIE_MODES)}")
     if not leaves:
         return leaves
+    if tie == "barrier":
+        return tuple(jax.lax.optimization_barrier((x, tuple(leaves)))[1])
     x0 = x.reshape(-1)[0]
     bad = x0 != x0
     if tie == "cond":
@@ -110,7 +117,7 @@ class LayerwiseWeights:
     Args:
       abstract_model: the sampler's `nnx.eval_shape`d DSV4ForCausalLM (graph and variable types).
       compute_dtype: dtype quantised weights are dequantised to. fp8_gemm: keep `GEMM_KEYS` weights quantised.
-      tie: "cond" | "select", how each layer's quantised leaves are tied to its input (`tie_to`; the sampler
+      tie: "cond" | "select" | "barrier", how each layer's quantised leaves are tied to its input (`tie_to`; the sampler
         passes `default_tie(devices)`).
     Use inside a jit: `shell = lw.shell(wstate)` (the model without its layers: embedding, hyper head, norm,
     head) and `layer_fn = lw.layer_fn(wstate)` for `dsv4.cache.prefill/decode_step(..., layer_fn=...)`.

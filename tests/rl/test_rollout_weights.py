@@ -17,6 +17,7 @@ from dsv4.fp8_gemm import fp8_gemm_available, fp8_linear, quantized_linear
 from dsv4.rollout_format import check_fp4_experts, parse_rollout_dtype
 from launch.aot import reduced_depth
 from rl.rollout.engine import Sampler, SamplingParams
+from rl.rollout.layerwise import TIE_MODES, default_tie, tie_to
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "dsv4"))
 from randomize import randomize  # noqa: E402
@@ -123,6 +124,20 @@ def test_fp8_gemm_selection_on_this_backend():
     assert isinstance(why, str) and why
     if jax.devices()[0].platform == "cpu":
         assert not ok and "CPU" in why
+
+
+def test_every_tie_returns_the_leaves_bitwise():
+    """`tie_to` in each mode (cond: XLA:CPU's default; barrier: elsewhere; select) hands back the layer's bytes
+    unchanged under jit, FP8 included."""
+    x = jnp.linspace(-1.0, 1.0, 8)
+    leaves = (jnp.linspace(-2.0, 2.0, 12).astype(jnp.float8_e4m3fn).reshape(3, 4), jnp.arange(3, dtype=jnp.float32))
+    for tie in TIE_MODES:
+        out = jax.jit(lambda x, ls, tie=tie: tie_to(x, ls, tie))(x, leaves)
+        assert all(np.array_equal(np.asarray(a).view(np.uint8), np.asarray(b).view(np.uint8))
+                   for a, b in zip(out, leaves)), tie
+    with pytest.raises(ValueError, match="tie='x'"):
+        tie_to(x, leaves, "x")
+    assert default_tie() == ("cond" if jax.devices()[0].platform == "cpu" else "barrier")
 
 
 # FP8 GEMM vs dequant path: both quantise the activations by the release's rule, so they multiply the same e4m3
