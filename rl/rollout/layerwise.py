@@ -79,7 +79,7 @@ def default_tie(devices=None) -> str:
 
 def tie_to(x: jax.Array, leaves: tuple, tie: str = "cond") -> tuple:
     """`leaves` (a tuple of arrays: one layer's FP8 / FP4 bytes and scales) given a data dependence on `x`,
-    bitwise unchanged (zeros only when x's first element is NaN, whose output is NaN anyway). XLA can then
+    bitwise unchanged (cond, select: zeros when x's first element is NaN, whose output is NaN anyway). XLA can then
     neither hoist the layer's dequantisation (nor any conversion of its bytes) out of the decode loop by
     loop-invariant code motion, nor schedule it before x exists: at most one layer's dequantised weights are
     alive at a time.
