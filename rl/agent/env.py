@@ -154,12 +154,13 @@ def final_answer(env: Environment, text: str) -> str:
     starts a call block before any EOS, answered nothing: "" (cut by the turn or token budget while asking for a
     tool; any text before its calls is not an answer); another turn that does not parse (cut by the token budget) is
     its text up to any EOS."""
-    if CALLS_START in text.split(EOS)[0]:
+    head = text.split(EOS)[0]
+    if CALLS_START in head:
         return ""
     try:
         return parse_completion(text, thinking=env.thinking)["content"]
     except ToolCallError:
-        return text.split(EOS)[0]
+        return head
 
 
 def reward(env: Environment, final_text: str, data: str, first_turn: str | None = None) -> float:

@@ -93,8 +93,9 @@ def value_reward(answer: str, data: str) -> float:
     _, value = split_data(data)
     got = answer.strip()
     right = sum(a == b for a, b in zip(got, value))
-    shaped = len(got) == len(value) and all(c in DIGITS for c in got)
-    return FORMAT_CREDIT * shaped + (1 - FORMAT_CREDIT) * right / len(value) * (0.5 + 0.5 * (len(got) == len(value)))
+    exact = len(got) == len(value)
+    shaped = exact and all(c in DIGITS for c in got)
+    return FORMAT_CREDIT * shaped + (1 - FORMAT_CREDIT) * right / len(value) * (0.5 + 0.5 * exact)
 
 
 def value_blind_best() -> float:

@@ -4,10 +4,10 @@ Layer-wise dequantisation (`LayerwiseWeights`, the sampler's default `dequant="p
 state stays as it is stored (FP8 / FP4 blocks + scales, `{path key: QuantizedTensor | array}`, the push's
 contract); inside the prefill and every decode step, layer i's weights are dequantised right before layer i runs.
 A data dependence of layer i's quantised bytes and scales on the residual stream entering layer i (`tie_to`: a
-`lax.cond` per layer on XLA:CPU) ties the dequantisation to it, so XLA can neither hoist it (or a conversion of the
-bytes) out of the decode loop nor start it before layer i - 1 has produced its output: at most one layer's
-dequantised weights (plus one layer's copied bytes) are alive at a time, and the model outside the layers
-(embedding, head; never quantised) is used as stored. The layers run in a Python loop (unrolled), not
+`lax.cond` per layer on XLA:CPU, an `optimization_barrier` elsewhere) ties the dequantisation to it, so XLA can
+neither hoist it (or a conversion of the bytes) out of the decode loop nor start it before layer i - 1 has produced
+its output: at most one layer's dequantised weights (plus, on XLA:CPU, one layer's copied bytes) are alive at a
+time, and the model outside the layers (embedding, head; never quantised) is used as stored. The layers run in a Python loop (unrolled), not
 under `dsv4.scan`: scanning needs the weights stacked per layer group, i.e. either a stacked resident state (the
 push and checkpoint paths, and every reader of `Sampler.weight_state()`, use per-layer keys) or a stacked copy
 inside the program (one more copy of the FP8 weights, the bytes this module exists to save).
@@ -67,7 +67,7 @@ def select_fp8_matmul(matmul: str, fp8: bool, devices=None) -> bool:
     return ok
 
 
-TIE_MODES = ("cond", "select", "barrier")
+TIE_MODES = ("cond", "barrier")
 
 
 def default_tie(devices=None) -> str:
@@ -79,7 +79,7 @@ def default_tie(devices=None) -> str:
 
 def tie_to(x: jax.Array, leaves: tuple, tie: str = "cond") -> tuple:
     """`leaves` (a tuple of arrays: one layer's FP8 / FP4 bytes and scales) given a data dependence on `x`,
-    bitwise unchanged (cond, select: zeros when x's first element is NaN, whose output is NaN anyway). XLA can then
+    bitwise unchanged (cond: zeros when x's first element is NaN, whose output is NaN anyway). XLA can then
     neither hoist the layer's dequantisation (nor any conversion of its bytes) out of the decode loop by
     loop-invariant code motion, nor schedule it before x exists: at most one layer's dequantised weights are
     alive at a time.
@@ -90,13 +90,13 @@ def tie_to(x: jax.Array, leaves: tuple, tie: str = "cond") -> tuple:
     dependence (a select or OR on the bytes) leaves a q-only conversion that XLA hoists out of the decode loop:
     a converted copy of every layer's bytes held across the loop (u8: +0.22x the unquantised weights on
     `small`, f16: +0.40x; benchmarks/README.md, "Compiled memory of the generate program").
-    tie "select": `select(x_0 != x_0, 0, leaf)` per leaf, which fuses into a dequantisation but, in front of an FP8
-    GEMM that reads the bytes as stored, is a copy of every tied tensor per call (the 4-layer seed rollout on the
-    MI308X proxy: 12 expert tensors x 0.5 GiB written and read again per decode step).
     tie "barrier" (the default off CPU): one `optimization_barrier` over (x, leaves): the leaves come out of it
     unchanged and no copy is made, and anything computed from them depends on x. XLA:GPU keeps the barrier through
-    its loop passes: the same compile's temporaries 2.01 -> 1.27 GiB, its decode step 33.15 -> 26.55 GiB of HBM
-    traffic (benchmarks/README.md, "FP8 rollout at speed"); not yet run on a GPU (benchmarks/gpu_check.sh does).
+    its loop passes. It replaced a `select(x_0 != x_0, 0, leaf)` per leaf, which fused into a dequantisation but, in
+    front of an FP8 GEMM that reads the bytes as stored, copied every tied tensor per call: on the 4-layer seed
+    rollout (MI308X proxy) temporaries 2.01 -> 1.27 GiB, decode step 33.15 -> 26.55 GiB of HBM traffic
+    (benchmarks/README.md, "The decode step against its physical limit"); not yet run on a GPU
+    (benchmarks/gpu_check.sh does).
     Raises ValueError for an unknown `tie`."""
     if tie not in TIE_MODES:
         raise ValueError(f"tie={tie!r}: expected {' | '.join(TIE_MODES)}")
@@ -105,10 +105,7 @@ def tie_to(x: jax.Array, leaves: tuple, tie: str = "cond") -> tuple:
     if tie == "barrier":
         return tuple(jax.lax.optimization_barrier((x, tuple(leaves)))[1])
     x0 = x.reshape(-1)[0]
-    bad = x0 != x0
-    if tie == "cond":
-        return jax.lax.cond(bad, lambda ls: tuple(jnp.zeros_like(v) for v in ls), lambda ls: tuple(ls), leaves)
-    return tuple(jax.lax.select(jnp.broadcast_to(bad, v.shape), jnp.zeros_like(v), v) for v in leaves)
+    return jax.lax.cond(x0 != x0, lambda ls: tuple(jnp.zeros_like(v) for v in ls), lambda ls: tuple(ls), leaves)
 
 
 class LayerwiseWeights:
@@ -117,7 +114,7 @@ class LayerwiseWeights:
     Args:
       abstract_model: the sampler's `nnx.eval_shape`d DSV4ForCausalLM (graph and variable types).
       compute_dtype: dtype quantised weights are dequantised to. fp8_gemm: keep `GEMM_KEYS` weights quantised.
-      tie: "cond" | "select" | "barrier", how each layer's quantised leaves are tied to its input (`tie_to`; the sampler
+      tie: "cond" | "barrier", how each layer's quantised leaves are tied to its input (`tie_to`; the sampler
         passes `default_tie(devices)`).
     Use inside a jit: `shell = lw.shell(wstate)` (the model without its layers: embedding, hyper head, norm,
     head) and `layer_fn = lw.layer_fn(wstate)` for `dsv4.cache.prefill/decode_step(..., layer_fn=...)`.

@@ -127,8 +127,8 @@ def test_fp8_gemm_selection_on_this_backend():
 
 
 def test_every_tie_returns_the_leaves_bitwise():
-    """`tie_to` in each mode (cond: XLA:CPU's default; barrier: elsewhere; select) hands back the layer's bytes
-    unchanged under jit, FP8 included."""
+    """`tie_to` in each mode (cond: XLA:CPU's default; barrier: elsewhere) hands back the layer's bytes unchanged
+    under jit, FP8 included."""
     x = jnp.linspace(-1.0, 1.0, 8)
     leaves = (jnp.linspace(-2.0, 2.0, 12).astype(jnp.float8_e4m3fn).reshape(3, 4), jnp.arange(3, dtype=jnp.float32))
     for tie in TIE_MODES:
