@@ -8,9 +8,9 @@ A data dependence of layer i's quantised bytes and scales on the residual stream
 neither hoist it (or a conversion of the bytes) out of the decode loop nor start it before layer i - 1 has produced
 its output: at most one layer's dequantised weights (plus, on XLA:CPU, one layer's copied bytes) are alive at a
 time, and the model outside the layers (embedding, head; never quantised) is used as stored. The layers run in a
-Python loop (unrolled), not under `dsv4.scan`: scanning needs the weights stacked per layer group, i.e. either a stacked resident state (the
-push and checkpoint paths, and every reader of `Sampler.weight_state()`, use per-layer keys) or a stacked copy
-inside the program (one more copy of the FP8 weights, the bytes this module exists to save).
+Python loop (unrolled), not under `dsv4.scan`: scanning needs the weights stacked per layer group, i.e. either a
+stacked resident state (the push and checkpoint paths, and every reader of `Sampler.weight_state()`, use per-layer
+keys) or a stacked copy inside the program (one more copy of the FP8 weights, the bytes this module exists to save).
 
 Activations as the release quantises them: the release's `linear` quantises a GEMM's input to FP8 per 1 x 128 block
 with power-of-two (ue8m0) scales (`dsv4.quant.act_quant`) before every FP8 and FP4 GEMM. So the Linear projections
