@@ -104,6 +104,15 @@ def read_entries(c: LayerCache, name: str, dtype) -> jax.Array:
     return x
 
 
+def index_keys(c: LayerCache) -> tuple[jax.Array, jax.Array | None]:
+    """The indexer keys of cache c as `Indexer.scores` takes them: (keys [B, N, d_I] float32, None), or in the FP8
+    layout the stored bytes and their per-vector scales (q [B, N, d_I] fp8, 2^(e - 127) [B, N] float32), applied
+    after the dot (no f32 copy of the keys: 478 -> 188 MiB per CSA layer of the seed's decode step, H200 spec)."""
+    if "ik_scale" not in c:
+        return c["ik"].astype(jnp.float32), None
+    return c["ik"], jnp.ldexp(jnp.float32(1), c["ik_scale"][..., 0].astype(jnp.int32) - 127)
+
+
 def is_fp8(c: LayerCache) -> bool:
     """Whether a layer cache uses the FP8 layout."""
     return "kv_scale" in c
@@ -229,13 +238,16 @@ def decode_attention(attn: Attention, x: jax.Array, t: jax.Array, cache: LayerCa
         _compress_step(attn.compressor, x, t, c, ("ca", "cz", "pa", "pz", "comp"))
         n_c = c["comp"].shape[1]
         vis = jnp.arange(n_c)[None] < ((t + 1) // attn.ratio)[:, None]  # [B, Wc]
+        entries = c  # the compressed entries attention reads: all of them, or the indexer's top k
         if attn.kind == CSA:
             ix = attn.indexer
             _compress_step(ix.compressor, x, t, c, ("ia", "iz", "ipa", "ipz", "ik"))
             qi, omega = ix.queries(x, q_latent, cos, sin)
-            sc = ix.scores(qi, omega, read_entries(c, "ik", jnp.float32))  # [B, 1, Wc]
-            vis = ix.select(sc, vis[:, None])[:, 0]
-        keys = jnp.concatenate([keys, read_entries(c, "comp", keys.dtype)], axis=1)
+            sc = ix.scores(qi, omega, *index_keys(c))  # [B, 1, Wc]
+            if ix.topk < n_c:  # read only the k picked rows (4.5x fewer at Flash's 9,216 tokens), not all masked
+                idx, vis = ix.top_entries(sc[:, 0], vis)  # [B, k]
+                entries = {k: gather_rows(v, idx) for k, v in c.items() if k.split("_")[0] == "comp"}
+        keys = jnp.concatenate([keys, read_entries(entries, "comp", keys.dtype)], axis=1)
         mask = jnp.concatenate([mask, vis], axis=-1)
     o = attend(q, keys, mask[:, None, :], attn.attn_sink[...], attn.head_dim ** -0.5)
     return attn.output(o, cos, sin), c

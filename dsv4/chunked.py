@@ -28,8 +28,8 @@ import jax
 import jax.numpy as jnp
 
 from dsv4.blocked import FAR, attend_blocked
-from dsv4.cache import (LayerCache, cache_shapes, encode_entries, gather_rows, layer_attentions, prefill, read_entries,
-                        run_blocks)
+from dsv4.cache import (LayerCache, cache_shapes, encode_entries, gather_rows, index_keys, layer_attentions, prefill,
+                        read_entries, run_blocks)
 from dsv4.compressor import visible_entries, window_pool
 from dsv4.config import CSA, HCA
 
@@ -84,11 +84,11 @@ def _compress_chunk(comp, x, s, c: LayerCache, progress, active, keys):
     return c
 
 
-def _select_chunk(ix, x, q_latent, positions, cos, sin, keys, qb: int):
-    """CSA top-k of the chunk's queries over every indexer key in the cache (keys [B, N, d_I]); as
+def _select_chunk(ix, x, q_latent, positions, cos, sin, keys: tuple, qb: int):
+    """CSA top-k of the chunk's queries over every indexer key in the cache (keys: `dsv4.cache.index_keys`); as
     `Indexer.select_blocked` -> (idx [B, C, k] int32, valid [B, C, k] bool), k = min(index_topk, N)."""
     b, c_len, _ = x.shape
-    n = keys.shape[1]
+    n = keys[0].shape[1]
     k = min(ix.topk, n)
     if k == n:
         return jnp.broadcast_to(jnp.arange(k, dtype=jnp.int32), (b, c_len, k)), visible_entries(positions, k, ix.ratio)
@@ -100,9 +100,7 @@ def _select_chunk(ix, x, q_latent, positions, cos, sin, keys, qb: int):
     def one(blk):
         xb, qlb, pb, cb, sb = blk
         q, omega = ix.queries(xb, qlb, cb, sb)
-        vis = visible_entries(pb, n, ix.ratio)
-        sel = jax.lax.top_k(jnp.where(vis, ix.scores(q, omega, keys), -jnp.inf), k)[1]
-        return sel.astype(jnp.int32), jnp.take_along_axis(vis, sel, axis=-1)
+        return ix.top_entries(ix.scores(q, omega, *keys), visible_entries(pb, n, ix.ratio))
 
     idx, valid = jax.lax.map(one, tuple(map(blocks, (x, q_latent, positions, cos, sin))))
     unblock = lambda t: t.swapaxes(0, 1).reshape(b, c_len, k)  # noqa: E731
@@ -141,7 +139,7 @@ def chunk_attention(attn, x: jax.Array, s: jax.Array, lengths: jax.Array, cache:
         if attn.kind == CSA:
             ix = attn.indexer
             _compress_chunk(ix.compressor, x, s, c, progress, active, ("ia", "iz", "ipa", "ipz", "ik"))
-            idx, valid = _select_chunk(ix, x, q_latent, positions, cos, sin, read_entries(c, "ik", jnp.float32), qb)
+            idx, valid = _select_chunk(ix, x, q_latent, positions, cos, sin, index_keys(c), qb)
             selected = (jnp.concatenate([jnp.zeros((b, n_pre, idx.shape[-1]), idx.dtype), idx], axis=1),
                         jnp.concatenate([jnp.zeros((b, n_pre, idx.shape[-1]), bool), valid], axis=1))
     q_ext = jnp.concatenate([jnp.zeros((b, n_pre) + q.shape[2:], q.dtype), q], axis=1)

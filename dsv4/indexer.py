@@ -44,10 +44,14 @@ class Indexer(nnx.Module):
         omega = linear_f32(x, weight_of(self.weights_proj.weight)) * (self.n_heads ** -0.5)
         return q, omega
 
-    def scores(self, q: jax.Array, omega: jax.Array, keys: jax.Array) -> jax.Array:
-        """q [B, S, H, d], omega [B, S, H], keys [B, W, d] -> I [B, S, W] float32."""
+    def scores(self, q: jax.Array, omega: jax.Array, keys: jax.Array, scale: jax.Array | None = None) -> jax.Array:
+        """q [B, S, H, d], omega [B, S, H], keys [B, W, d] -> I [B, S, W] float32. scale: None, or [B, W] powers
+        of two the keys are multiplied by (an FP8 cache's stored bytes and their per-vector scales,
+        `dsv4.cache.index_keys`), applied after the head sum: the same value (a power of two commutes with the dot,
+        ReLU and the sum), and the dot reads the bytes instead of an f32 copy."""
         dots = jnp.einsum("bshd,bwd->bshw", q, keys.astype(jnp.float32))
-        return jnp.einsum("bshw,bsh->bsw", jax.nn.relu(dots), omega) * (self.head_dim ** -0.5)
+        out = jnp.einsum("bshw,bsh->bsw", jax.nn.relu(dots), omega) * (self.head_dim ** -0.5)
+        return out if scale is None else out * scale[:, None, :]
 
     def select(self, scores: jax.Array, visible: jax.Array) -> jax.Array:
         """Top-k selection mask. scores, visible [B, S, W] -> selected [B, S, W] bool (subset of visible)."""
@@ -57,11 +61,17 @@ class Indexer(nnx.Module):
             return jnp.zeros(scores.shape, bool)
         if k == n:
             return visible
-        masked = jnp.where(visible, scores, -jnp.inf)
-        idx = jax.lax.top_k(masked, k)[1]  # [B, S, k]
+        idx = self.top_entries(scores, visible)[0]  # [B, S, k]
         sel = jnp.zeros(scores.shape, jnp.int32)
         sel = jax.vmap(jax.vmap(lambda row, i: row.at[i].set(1)))(sel, idx)
         return (sel > 0) & visible
+
+    def top_entries(self, scores: jax.Array, visible: jax.Array) -> tuple[jax.Array, jax.Array]:
+        """scores, visible [..., W] -> (idx [..., k] int32, valid [..., k] bool): the k = min(index_topk, W)
+        best-scored entries (invisible ones last), valid = picked among the visible (`select`'s mask is their
+        scatter)."""
+        idx = jax.lax.top_k(jnp.where(visible, scores, -jnp.inf), min(self.topk, scores.shape[-1]))[1]
+        return idx.astype(jnp.int32), jnp.take_along_axis(visible, idx, axis=-1)
 
     def full(self, x, q_latent, positions, cos, sin):
         """Full-sequence selection: x [B, S, D], q_latent [B, S, q_lora], positions [B, S].
@@ -102,9 +112,7 @@ class Indexer(nnx.Module):
         def one(blk):
             xb, qlb, pb, cb, sb = blk
             q, omega = self.queries(xb, qlb, cb, sb)
-            vis = visible_entries(pb, n, self.ratio)
-            sel = jax.lax.top_k(jnp.where(vis, self.scores(q, omega, sg(keys)), -jnp.inf), k)[1]
-            return sel.astype(jnp.int32), jnp.take_along_axis(vis, sel, axis=-1)
+            return self.top_entries(self.scores(q, omega, sg(keys)), visible_entries(pb, n, self.ratio))
 
         idx, valid = jax.lax.map(one, tuple(map(blocks, (x, q_latent, positions, cos, sin))))
         unblock = lambda t: t.swapaxes(0, 1).reshape(b, nq * qb, k)[:, :s]  # noqa: E731

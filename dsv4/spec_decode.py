@@ -37,7 +37,8 @@ import jax
 import jax.numpy as jnp
 
 from dsv4.attention import attend
-from dsv4.cache import LayerCache, absorb, cache_shapes, encode_entries, gather_rows, read_entries, run_blocks
+from dsv4.cache import (LayerCache, absorb, cache_shapes, encode_entries, gather_rows, index_keys, read_entries,
+                        run_blocks)
 from dsv4.config import CSA, HCA
 
 _COMP_KEYS = ("ca", "cz", "pa", "pz", "comp")
@@ -76,7 +77,7 @@ def verify_attention(attn, x: jax.Array, p0: jax.Array, cache: LayerCache, extra
             ix = attn.indexer
             pending["index"] = _advance(ix.compressor, x, pos, work, _IDX_KEYS)
             qi, omega = ix.queries(x, q_latent, cos, sin)
-            vis = ix.select(ix.scores(qi, omega, read_entries(work, "ik", jnp.float32)), vis)
+            vis = ix.select(ix.scores(qi, omega, *index_keys(work)), vis)
         keys = jnp.concatenate([keys, read_entries(work, "comp", keys.dtype)], axis=1)
         mask = jnp.concatenate([mask, vis], axis=-1)
     o = attend(q, keys, mask, attn.attn_sink[...], attn.head_dim ** -0.5)
