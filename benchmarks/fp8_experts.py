@@ -8,6 +8,8 @@ routed cost runs (issue 37 item 2); today's "sized" dispatch pads random routing
   (`dsv4.fp8_gemm.fp8_expert_matmul`: one dot per K block batched over the experts, f32 partials), forced at any
   row count (`fp8_rows_max=None`; the dispatch itself takes it up to `parallel.padded.fp8_rows_limit` rows: 128
   in bf16), the K blocks' partial sums in bf16;
+- kernel: the same FFN with the experts' `matmul` "pallas": the block-scaled FP8 GEMM kernel (`dsv4.fp8_kernel`,
+  a Triton custom call applying both operands' scales inside; no K-block partials, no row limit);
 - dequant: today's path for quantised experts (`dsv4.moe.MoE` before this change, and still `--rollout.matmul
   dequant` / CPU `auto`): the layer's experts dequantised to bf16, fake-quantised rows and w2 input, bf16 dots.
 Counted from the optimized HLO (launch/hlo_stats.py, per program run): dots and dots with an f8 operand, GFLOP, MiB
@@ -18,12 +20,13 @@ Not timed: no GPU here (`benchmarks/gpu_check.sh` is where a lent device times t
 Run:   .venv/bin/python benchmarks/fp8_experts.py            (needs the CUDA plugin: pip install -e '.[gpu-aot]')
        .venv/bin/python benchmarks/fp8_experts.py --rows 96 --target mi308x
 Last line: `RESULT fp8_dots=.. dots=.. dequant_fp8_dots=.. dequant_dots=.. fp8_mib=.. dequant_mib=.. bytes_ratio=..
-fp8_us=.. dequant_us=.. rows=.. target=..`.
+fp8_us=.. dequant_us=.. kernel_mib=.. kernel_us=.. rows=.. target=..`.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import sys
 
@@ -56,6 +59,8 @@ def compile_stats(target_name: str, n: int, rows: int, d: int, i: int) -> dict:
     g = jax.ShapeDtypeStruct((n, rows), jnp.float32, sharding=rep)
     kw = dict(limit=10.0, dtype=jnp.bfloat16)
     paths = {
+        "kernel": lambda x, g, *w: padded_ffn(quantize_rows(x), g, *(dataclasses.replace(v, matmul="pallas")
+                                                                      for v in w), **kw),
         "fp8": lambda x, g, *w: padded_ffn(quantize_rows(x), g, *w, fp8_rows_max=None, **kw),
         "dequant": lambda x, g, *w: padded_ffn(quant.act_fake_quant(x), g, *(v.dequantize(jnp.bfloat16) for v in w),
                                                act_q=quant.act_fake_quant, **kw),
@@ -87,13 +92,14 @@ def main(argv=None) -> int:
         us[name] = 1e6 * max(s.bytes / t.hbm_bw, s.flops / t.peak_flops)
         print(f"  {name:<8s} dots {s.dots:4d} (f8 {s.fp8_dots:4d})  {s.flops / 1e9:8.2f} GFLOP  "
               f"{s.bytes / 2**20:9.1f} MiB  roofline {us[name]:8.1f} us", flush=True)
-    f, q = st["fp8"], st["dequant"]
+    f, q, kn = st["fp8"], st["dequant"], st["kernel"]
     lim = fp8_rows_limit(jnp.bfloat16)
-    print(f"  the dispatch's choice at {args.rows} rows per expert: "
-          f"{'fp8' if args.rows <= lim else 'dequant'} (fp8_rows_limit(bf16) = {lim})")
+    print(f"  the dispatch's choice at {args.rows} rows per expert: kernel (--rollout.matmul auto on a GPU); with "
+          f"--rollout.matmul fp8: {'fp8' if args.rows <= lim else 'dequant'} (fp8_rows_limit(bf16) = {lim})")
     print(f"RESULT fp8_dots={f.fp8_dots} dots={f.dots} dequant_fp8_dots={q.fp8_dots} dequant_dots={q.dots} "
           f"fp8_mib={f.bytes / 2**20:.1f} dequant_mib={q.bytes / 2**20:.1f} bytes_ratio={q.bytes / f.bytes:.2f} "
-          f"fp8_us={us['fp8']:.1f} dequant_us={us['dequant']:.1f} rows={args.rows} target={t.label.replace(' ', '_')}")
+          f"fp8_us={us['fp8']:.1f} dequant_us={us['dequant']:.1f} kernel_mib={kn.bytes / 2**20:.1f} "
+          f"kernel_us={us['kernel']:.1f} rows={args.rows} target={t.label.replace(' ', '_')}")
     return 0
 
 

@@ -19,6 +19,8 @@ The routed experts' form (`fp8_expert_matmul`, the padded EP dispatch's expert F
 every local expert quantised per 1x128 (`quantize_rows` -> `Fp8Rows`), the stacked expert weights [E, O, K] kept as
 FP8 128x128 blocks, and one `dot_general` per K block batched over the experts, [E, R, 128] x [E, O, 128] ->
 [E, R, O] f32, on slices of the stored bytes; the per-block partials are combined with both scales in one fusion.
+Where a kernel can be compiled (a GPU: `dsv4.fp8_kernel`, Pallas' Triton backend), the routed experts' form runs as
+one block-scaled GEMM kernel instead, which applies the scales inside and writes no partial sum (`kernel=`).
 Why per-K-block dots rather than one dot batched over (expert, K block) as `fp8_linear` does: that batch order is
 not the weights' layout, so XLA:GPU copies (transposes) the whole [E, O, K] expert tensor before its batched GEMM on
 every call (a layer's experts read twice and written once more); a K-block slice of the last dim fuses into the
@@ -37,8 +39,9 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 
-from dsv4.quant import (ACT_BLOCK, ACT_SCALE_FMT, FP8_FORMATS, QuantizedTensor, act_fake_quant, act_fake_quant_ste,
-                        act_quant)
+from dsv4.fp8_kernel import BLOCK, block_scaled_matmul
+from dsv4.quant import (ACT_BLOCK, ACT_SCALE_FMT, FP8_FORMATS, KERNEL_MATMULS, QuantizedTensor, act_fake_quant,
+                        act_fake_quant_ste, act_quant)
 
 # Backends whose XLA runs dot_general on f8 operands as an FP8 GEMM.
 _FP8_ROCM_MARKERS = ("gfx942", "gfx950", "mi300", "mi308", "mi325", "mi350", "mi355")
@@ -73,6 +76,8 @@ def fp8_linear(x: jax.Array, w: QuantizedTensor, dtype, *, scale_fmt: str = ACT_
     ceil(K/b1)] f32), in `dtype`. x [..., K] any float dtype, rounded to `dtype` (the compute dtype) and then
     quantised to w's fp8 format per 1 x b1 tile by the release's rule (`dsv4.quant.act_quant`, `scale_fmt`
     "ue8m0" by default, or "f32"); the weight bytes are used as stored (no dequantised copy). Jittable.
+    A kernel `w.matmul` ("pallas" / "interpret") with 128 x 128 blocks and whole-block K and O runs the block-scaled
+    GEMM kernel instead (`dsv4.fp8_kernel`: no [KB, T, O] partials, no transposed copy of the weight).
     Source: DeepSeek-V4 `inference/model.py` (`linear`: act_quant, then fp8_gemm).
 
     Raises ValueError for a non-fp8 or non-2-d weight.
@@ -91,6 +96,9 @@ def fp8_linear(x: jax.Array, w: QuantizedTensor, dtype, *, scale_fmt: str = ACT_
         qx = jnp.pad(qx, ((0, 0), (0, kb * b1 - k)))
         q = jnp.pad(q, ((0, 0), (0, kb * b1 - k)))
     t = qx.shape[0]
+    if _kernel_fits(w):  # the block-scaled kernel, as one expert of T rows
+        y = block_scaled_matmul(qx[None], sx[None], q[None], w.scale[None], dtype, interpret=w.matmul == "interpret")
+        return y[0].reshape(*lead, o)
     part = jax.lax.dot_general(qx.reshape(t, kb, b1), q.reshape(o, kb, b1), (((2,), (2,)), ((1,), (1,))),
                                preferred_element_type=jnp.float32)  # [KB, T, O]
     sw = jnp.repeat(w.scale.astype(jnp.float32), b0, axis=0)[:o]  # [O, KB]
@@ -120,12 +128,22 @@ def dequantize_rows(x: Fp8Rows, dtype) -> jax.Array:
     return (qf.reshape(*lead, kb, ACT_BLOCK) * x.s[..., None]).reshape(*lead, kb * ACT_BLOCK)[..., :k].astype(dtype)
 
 
-def fp8_expert_matmul(x: Fp8Rows, w: QuantizedTensor, partial_dtype=jnp.float32) -> jax.Array:
+def _kernel_fits(w: QuantizedTensor) -> bool:
+    """Whether `w` runs the block-scaled kernel: a kernel `matmul`, 128 x 128 blocks, K and O whole blocks."""
+    o, k = w.q.shape[-2:]
+    return w.matmul in KERNEL_MATMULS and w.block == (BLOCK, BLOCK) and not (k % BLOCK or o % BLOCK)
+
+
+def fp8_expert_matmul(x: Fp8Rows, w: QuantizedTensor, partial_dtype=jnp.float32, *, out_dtype=jnp.float32
+                      ) -> jax.Array:
     """y[e, r, o] = sum_kb s_x[e, r, kb] S[e, o // b0, kb] sum_{c in kb} q_x[e, r, c] q[e, o, c]: every local expert's
     rows times its FP8 block weight, on FP8 operands with f32 accumulation (module docstring).
 
     x: `Fp8Rows` q [E, R, K] in w's fp8 format, s [E, R, ceil(K / 128)]; w: a kind 'fp8' QuantizedTensor q [E, O, K],
-    scale [E, ceil(O / b0), ceil(K / 128)] (block (b0, 128)). Returns [E, R, O] float32. One dot_general per K block,
+    scale [E, ceil(O / b0), ceil(K / 128)] (block (b0, 128)). Returns [E, R, O] in `out_dtype`.
+    w.matmul "pallas" / "interpret" (`dsv4.quant.KERNEL_MATMULS`): the block-scaled GEMM kernel (`dsv4.fp8_kernel`;
+    compiled for a GPU, or Pallas' interpreter) where the blocks are 128 x 128 and K, O whole blocks: the scales
+    applied inside it, no partial sum written. Else (or "fp8") XLA's dots: one dot_general per K block,
     batched over E, on slices of the stored bytes (a last block shorter than 128 is sliced, not padded: no copy),
     accumulating in f32 and returning its partial sum in `partial_dtype` (float32, or bfloat16: half the bytes
     between the GEMMs and the fusion that scales and sums them in f32, at one bf16 rounding per K block).
@@ -139,6 +157,8 @@ def fp8_expert_matmul(x: Fp8Rows, w: QuantizedTensor, partial_dtype=jnp.float32)
         raise ValueError(f"fp8_expert_matmul: rows {x.q.shape} {x.q.dtype} do not match weight {w.q.shape} "
                          f"{w.q.dtype}")
     b0, b1 = w.block
+    if _kernel_fits(w):
+        return block_scaled_matmul(x.q, x.s, w.q, w.scale, out_dtype, interpret=w.matmul == "interpret")
     sw = jnp.repeat(w.scale.astype(jnp.float32), b0, axis=1)[:, :o]  # [E, O, KB]
     batch = (((2,), (2,)), ((0,), (0,)))  # [E, R, c] x [E, O, c] -> [E, R, O]
     y = None
@@ -147,7 +167,7 @@ def fp8_expert_matmul(x: Fp8Rows, w: QuantizedTensor, partial_dtype=jnp.float32)
         part = jax.lax.dot_general(x.q[:, :, blk], w.q[:, :, blk], batch, preferred_element_type=partial_dtype)
         term = part.astype(jnp.float32) * x.s[:, :, j, None] * sw[:, None, :, j]
         y = term if y is None else y + term
-    return y
+    return y.astype(out_dtype)
 
 
 def quantized_linear(x: jax.Array, w: QuantizedTensor, dtype, *, scale_fmt: str = ACT_SCALE_FMT) -> jax.Array:
@@ -157,7 +177,7 @@ def quantized_linear(x: jax.Array, w: QuantizedTensor, dtype, *, scale_fmt: str 
     which the release runs as an FP8 x FP4 GEMM). Jittable. Raises ValueError for a non-2-d weight."""
     if len(w.shape) != 2:
         raise ValueError(f"quantized_linear needs a 2-d weight, got shape {w.shape}")
-    if w.kind == "fp8" and w.matmul == "fp8":
+    if w.kind == "fp8" and w.matmul != "dequant":
         return fp8_linear(x, w, dtype, scale_fmt=scale_fmt)
     xq = act_fake_quant(x.astype(dtype), fmt="e4m3fn" if w.kind == "fp4" else w.fmt, scale_fmt=scale_fmt)
     wd = w.dequantize(dtype)

@@ -374,7 +374,7 @@ class MoE(nnx.Module):
         # gathering every expert for the single-device path costs more than it saves (benchmarks/README.md
         # "Context parallelism": +24% temp at 16K tokens on context=4).
         w1, w3, w2 = e.w1.get_value(), e.w3.get_value(), e.w2.get_value()
-        if isinstance(w1, QuantizedTensor) and w1.matmul == "fp8" and getattr(dispatch_fn, "fp8_experts", False):
+        if isinstance(w1, QuantizedTensor) and w1.matmul != "dequant" and getattr(dispatch_fn, "fp8_experts", False):
             # FP8 expert GEMMs (the rollout's `--rollout.matmul fp8`, `parallel.padded.padded_ffn`): the dispatch
             # quantises the rows and the w2 input per 1 x 128 block and multiplies the stored FP8 blocks
             y = fn(uf.astype(self.dtype), ids, w, w1, w3, w2, limit=self.limit, dtype=self.dtype)

@@ -40,6 +40,8 @@ from dsv4.scales import array_module, bitcast, e8m0_to_f32, pow2_ceil, scale_tim
 logger = logging.getLogger(__name__)
 
 FP8_FORMATS: dict[str, Any] = {"e4m3fn": jnp.float8_e4m3fn, "e4m3fnuz": jnp.float8_e4m3fnuz}
+KERNEL_MATMULS = ("pallas", "interpret")  # `QuantizedTensor.matmul`s that run the block-scaled FP8 GEMM kernel
+MATMULS = ("fp8", "dequant") + KERNEL_MATMULS
 FP8_MAX: dict[str, float] = {"e4m3fn": 448.0, "e4m3fnuz": 240.0}
 # Names accepted by `select_fp8_format` / `canonical_fp8_format` besides "auto". "fp8" means the OCP format.
 FP8_ALIASES: dict[str, str] = {
@@ -377,14 +379,16 @@ class QuantizedTensor:
     fmt: str
     block: tuple[int, ...]
     shape: tuple[int, ...]
-    # How a layer multiplies by this weight (`dsv4.layers.linear`, the routed experts): both quantise the activations
-    # as the release does (`act_quant`); "fp8" runs the dot on FP8 operands (`dsv4.fp8_gemm.fp8_linear`), "dequant"
-    # multiplies the fake-quantised activations by the dequantised weight (same products, XLA's summation order).
+    # How a layer multiplies by this weight (`dsv4.layers.linear`, the routed experts): all quantise the activations
+    # as the release does (`act_quant`); "fp8" runs XLA's dots on FP8 operands (`dsv4.fp8_gemm.fp8_linear`),
+    # "pallas" / "interpret" the block-scaled FP8 GEMM kernel (`dsv4.fp8_kernel`: compiled for a GPU, or Pallas'
+    # interpreter), "dequant" multiplies the fake-quantised activations by the dequantised weight (same products,
+    # XLA's summation order).
     matmul: str = "fp8"
 
     def __post_init__(self):
-        if self.matmul not in ("fp8", "dequant"):
-            raise ValueError(f"QuantizedTensor matmul must be 'fp8' or 'dequant', got {self.matmul!r}")
+        if self.matmul not in MATMULS:
+            raise ValueError(f"QuantizedTensor matmul must be one of {MATMULS}, got {self.matmul!r}")
         object.__setattr__(self, "block", tuple(int(b) for b in self.block))
         object.__setattr__(self, "shape", tuple(int(d) for d in self.shape))
         if self.kind == "fp8":

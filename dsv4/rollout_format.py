@@ -59,24 +59,25 @@ def parse_rollout_dtype(weights: str) -> RolloutDtype:
     return RolloutDtype(weights, True, weights, False)
 
 
-def layer_value(key: str, v, dtype, *, fp8_gemm: bool):
+def layer_value(key: str, v, dtype, *, matmul: str):
     """One weight-state entry as a layer uses it: a dense array (`v` itself, or `v` dequantised to `dtype`), or for
     the release's quantised GEMMs (`GEMM_KEYS` FP8 weights, routed experts) the `QuantizedTensor` with its `matmul`
-    set ("fp8" for the FP8-GEMM projections and the routed experts when `fp8_gemm`, else "dequant"); see the module
-    docstring. FP4 routed experts under `fp8_gemm` become FP8 128 x 128 blocks here, inside the layer
+    set to `matmul` (`dsv4.quant.MATMULS`: "dequant", or how its FP8 GEMMs run); see the module docstring. FP4
+    routed experts under FP8 GEMMs become FP8 128 x 128 blocks here, inside the layer
     (`quant.fp4_to_fp8_blockwise`: exact while a tile's 1 x 32 scales span <= 14 binades; one layer's experts as FP8
     bytes, not bf16), so they run the same FP8 expert GEMMs."""
     if not isinstance(v, quant.QuantizedTensor):
         return v
     if quant.ROUTED_EXPERT_RE.search(key):
-        if not fp8_gemm:
+        if matmul == "dequant":
             return dataclasses.replace(v, matmul="dequant")
         if v.kind == "fp4":
             q, s = quant.fp4_to_fp8_blockwise(v.q, v.scale, fp4_block=v.block[1])
-            return quant.QuantizedTensor(q=q, scale=s, kind="fp8", fmt="e4m3fn", block=(128, 128), shape=v.shape)
-        return dataclasses.replace(v, matmul="fp8")
+            return quant.QuantizedTensor(q=q, scale=s, kind="fp8", fmt="e4m3fn", block=(128, 128), shape=v.shape,
+                                         matmul=matmul)
+        return dataclasses.replace(v, matmul=matmul)
     if v.kind == "fp8" and GEMM_KEYS.search(key):
-        return dataclasses.replace(v, matmul="fp8" if fp8_gemm else "dequant")
+        return dataclasses.replace(v, matmul=matmul)
     return v.dequantize(dtype)
 
 
@@ -127,7 +128,7 @@ def fp8_aware_params(params, rf: RolloutFormat):
         k, w = param_key(p), var.get_value()
         v = rf.value(k, w, w.dtype)
         if isinstance(v, quant.QuantizedTensor):
-            lv = layer_value(k, v, rf.compute_dtype, fp8_gemm=False)
+            lv = layer_value(k, v, rf.compute_dtype, matmul="dequant")
             if isinstance(lv, quant.QuantizedTensor):  # the routed experts quantise to e4m3fn whatever the weight
                 fmt = "e4m3fn" if (lv.kind == "fp4" or quant.ROUTED_EXPERT_RE.search(k)) else lv.fmt
                 new = FakeQuantWeight(w=quant.straight_through(w, lv.dequantize(rf.compute_dtype)), fmt=fmt)

@@ -5,7 +5,9 @@ deviceless XLA:GPU compile (jax 0.10.2), and XLA's cost analysis would count a w
 Counted, per device, per run of the program:
 - flops: 2 x (output elements) x (contracted elements) of every `dot` (inside fusions too: XLA:GPU's Triton gemm
   fusions hold a `dot`) and of every cuBLAS / cuBLASLt gemm custom call (`__cublas$gemm`, `__cublas$lt$matmul`:
-  its `dot_dimension_numbers`); a while
+  its `dot_dimension_numbers`), and of the block-scaled FP8 GEMM kernel (`dsv4.fp8_kernel`, a Triton custom call
+  named `KERNEL_NAME`: 2 E R O K from its rows [E, R, K] and weight [E, O, K], its FP8 operands counted as a
+  GEMM's); a while
   loop's body counts `known_trip_count` times (scanned layers), a conditional its costliest branch (the sized
   expert dispatch's switch: the branch a routing load picks, when told: `count(expert_branch=)`). Elementwise
   flops are left out (the roofline is dot-bound).
@@ -37,6 +39,7 @@ import re
 
 import numpy as np
 
+from dsv4.fp8_kernel import KERNEL_NAME
 from dsv4.moe import ROUTED_EXPERTS_SCOPE
 
 _DTYPE_BYTES = {"pred": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "f16": 2, "bf16": 2, "s32": 4, "u32": 4, "f32": 4,
@@ -146,6 +149,8 @@ class Kernel:
     runs: float = 0.0
     bytes: float = 0.0
     flops: float = 0.0
+    gemm_bytes: float = 0.0  # its GEMMs' operand bytes (`HloStats.gemm_bytes`), and those in 8-bit floats
+    fp8_gemm_bytes: float = 0.0
 
 
 @dataclasses.dataclass
@@ -209,6 +214,8 @@ class HloStats:
             mine.runs += times * k.runs
             mine.bytes += times * k.bytes
             mine.flops += times * k.flops
+            mine.gemm_bytes += times * k.gemm_bytes
+            mine.fp8_gemm_bytes += times * k.fp8_gemm_bytes
 
     def top_kernels(self, by: str = "bytes", n: int = 10) -> list[tuple[str, Kernel]]:
         """The `n` kernels with the most `by` ("bytes" or "flops") over their runs, costliest first."""
@@ -283,7 +290,7 @@ class _Counter:
 
     def instr(self, ins: _Instr, sh: dict[str, str], st: HloStats, top: bool) -> None:
         op, called = ins.op, re.findall(r"(?:calls|to_apply|body|branch_computations)=\{?%?([\w.\-]+)", ins.attrs)
-        flops0 = st.flops
+        flops0, gemm0, fp80 = st.flops, st.gemm_bytes, st.fp8_gemm_bytes
         operand_shapes = [sh.get(o, "") for o in ins.operands]
         if op == "dot":
             m = re.search(r"lhs_contracting_dims=\{([0-9,]*)\}", ins.attrs)
@@ -294,6 +301,9 @@ class _Counter:
             out = ins.shape[1:] if ins.shape.startswith("(") else ins.shape
             contracting = [int(x) for x in re.findall(r"\d+", m.group(1))] if m else []
             self.gemm(ins, st, _dot_flops(out.split("{")[0], operand_shapes[0], contracting), operand_shapes)
+        elif op == "custom-call" and KERNEL_NAME in ins.attrs and len(operand_shapes) == 4:
+            (e, r, k), o = _dims(operand_shapes[0]), _dims(operand_shapes[2])[1]  # rows [E, R, K], weight [E, O, K]
+            self.gemm(ins, st, 2.0 * e * r * o * k, [operand_shapes[0], operand_shapes[2]])
         if op == "while":
             m = re.search(r'"known_trip_count":\{"n":"(\d+)"\}', ins.attrs)
             body = re.search(r"body=%([\w.\-]+)", ins.attrs)
@@ -332,7 +342,8 @@ class _Counter:
         st.bytes += b
         flops = self.comp(called[0], top=False).flops if op == "fusion" and called else \
             (st.flops - flops0 if op in ("dot", "custom-call") else 0.0)
-        st.kernels[ins.name] = Kernel(self.describe(ins, called), 1.0, b, flops)
+        st.kernels[ins.name] = Kernel(self.describe(ins, called), 1.0, b, flops, st.gemm_bytes - gemm0,
+                                      st.fp8_gemm_bytes - fp80)
 
     @staticmethod
     def gemm(ins: _Instr, st: HloStats, flops: float, operand_shapes: list[str]) -> None:

@@ -129,4 +129,18 @@ def rollout_summary(st: HloStats, decode: HloStats | None, target: Target, *, se
               f": the roofline is {r.step_s / limit_s if limit_s else nan:.1f}x it; FP8 share of GEMM operand bytes "
               f"{fig['fp8_gemm_byte_share']:.2f}; routed-expert dot flops {decode.expert_flops / 1e9:.1f} GFLOP = "
               f"{fig['expert_flops_x_routed']:.2f}x the routed {routed_flops / 1e9:.1f} GFLOP"]
-    return lines + kernel_lines(decode, axes), fig
+    return lines + non_fp8_gemm_lines(decode) + kernel_lines(decode, axes), fig
+
+
+def non_fp8_gemm_lines(st: HloStats, n: int = 5, indent: str = "    ") -> list[str]:
+    """What keeps `fp8_gemm_byte_share` below 1: the GEMM operand bytes of `st` not in 8-bit floats, and the `n`
+    kernels with the most of them (a dot reading FP8 bytes through a fused convert computes in the wider type and
+    counts here, at that type's size)."""
+    ks = sorted(((name, k) for name, k in st.kernels.items() if k.runs > 0.5 and k.gemm_bytes > k.fp8_gemm_bytes),
+                key=lambda nk: nk[1].fp8_gemm_bytes - nk[1].gemm_bytes)[:n]
+    if not ks:
+        return []
+    return ([f"{indent}GEMM operand bytes not in FP8: {(st.gemm_bytes - st.fp8_gemm_bytes) / GiB:,.2f} of "
+             f"{st.gemm_bytes / GiB:,.2f} GiB; the {len(ks)} largest:"]
+            + [f"{indent}  {(k.gemm_bytes - k.fp8_gemm_bytes) / GiB:10,.3f} GiB  x{k.runs:<5,.0f} {name}: {k.what}"
+               for name, k in ks])

@@ -380,9 +380,11 @@ def make_ep_dispatch(mesh: Mesh, *, backend: str = "capacity", capacity_factor: 
             sc = PartitionSpec(w13_spec[0], None, None)
             w13_in = dataclasses.replace(w1, q=w13_spec, scale=sc)
             w2_in = dataclasses.replace(w2, q=w2_spec, scale=sc)
+        # unchecked for the GEMM kernel in Pallas' interpreter (CPU tests): its loop drops its carry's varying axes
+        checked = check_vma and not (fp8 and w1.matmul == "interpret")  # (jax 0.10.2)
         out, st = jax.shard_map(body, mesh=mesh, in_specs=(tok2, tok2, tok2, w13_in, w13_in, w2_in),
                                 out_specs=(tok2, DispatchStats(*(PartitionSpec(),) * 5)),
-                                check_vma=check_vma)(x, ids, weights, w1, w3, w2)
+                                check_vma=checked)(x, ids, weights, w1, w3, w2)
         return (out[:t] if pad else out), st
 
     def dispatch(*args, **kwargs):

@@ -29,7 +29,9 @@ rows there, at the price of more compiled branches (outer x inner) and the gathe
 FP8 experts (the rollout's FP8 GEMMs, `parallel.expert.make_ep_dispatch` given kind 'fp8' `QuantizedTensor`s): each
 token's row is quantised once per 1 x 128 block (`expert_rows`, the release's `act_quant`), the buffers and the
 all_to_all carry the FP8 bytes and their [.., D / 128] f32 scales (about half the bf16 rows' bytes), and `padded_ffn`
-multiplies FP8 by FP8 (`dsv4.fp8_gemm.fp8_expert_matmul`): no dequantised copy of the experts, up to
+multiplies FP8 by FP8 (`dsv4.fp8_gemm.fp8_expert_matmul`): no dequantised copy of the experts. Experts whose
+`matmul` is a kernel mode (the GPU rollout's default) run the block-scaled GEMM kernel (`dsv4.fp8_kernel`: the
+scales applied inside, no partial sums) at any row count. XLA's FP8 dots (`matmul` "fp8") run up to
 `fp8_rows_limit` rows per local expert (`FP8_ROWS_MAX`, doubled for a bf16 compute dtype; a static choice per
 compiled capacity; above it the rank's experts are dequantised, which moves fewer bytes than the FP8 GEMMs' K-block
 partials). Each K block's partial sum leaves its GEMM in the compute dtype (bf16 on GPUs: half the bytes of f32;
@@ -54,7 +56,7 @@ import jax.numpy as jnp
 from dsv4.fp8_gemm import dequantize_rows, fp8_expert_matmul, quantize_rows
 from dsv4.layers import dot_out
 from dsv4.moe import swiglu
-from dsv4.quant import ACT_BLOCK, QuantizedTensor, act_fake_quant
+from dsv4.quant import ACT_BLOCK, KERNEL_MATMULS, QuantizedTensor, act_fake_quant
 
 
 class DispatchStats(NamedTuple):
@@ -149,16 +151,19 @@ def padded_ffn(xs, gate_w: jax.Array, w1, w3, w2, *, limit: float, dtype, partia
     any R), the three products are FP8 GEMMs (`dsv4.fp8_gemm.fp8_expert_matmul`, K-block partials in `dtype`), the
     w2 input quantised per 1 x 128 as the release does (act_q unused); above it, the local experts are dequantised
     and the rows and the w2 input fake-quantised (`FP8_ROWS_MAX`: where that moves fewer bytes; the same products).
+    Experts whose `matmul` is a kernel mode (`dsv4.quant.KERNEL_MATMULS`: the block-scaled GEMM kernel,
+    `dsv4.fp8_kernel`) write no K-block partials, so they run FP8 GEMMs at any R (no row limit).
     """
-    limit_rows = fp8_rows_limit(dtype, fp8_rows_max)
+    kernel = isinstance(w1, QuantizedTensor) and w1.matmul in KERNEL_MATMULS
+    limit_rows = None if kernel else fp8_rows_limit(dtype, fp8_rows_max)
     if isinstance(w1, QuantizedTensor) and (limit_rows is None or gate_w.shape[1] <= limit_rows):
         # the dequant path's dots return `dtype`; so do the release's FP8 GEMMs (bf16 out); the K blocks' partial
         # sums too (the module docstring: half the bytes of f32 ones in bf16)
         pd = jnp.dtype(dtype)
-        g = fp8_expert_matmul(xs, w1, pd).astype(dtype)
+        g = fp8_expert_matmul(xs, w1, pd, out_dtype=dtype)
         # w3's own copy of the row operand: XLA:GPU's dot merger would otherwise fuse each K block's w1 and w3 dots
         # into one GEMM on concat(w1, w3) slices, which it can no longer read in place (it copies both slices)
-        u = fp8_expert_matmul(jax.lax.optimization_barrier(xs), w3, pd).astype(dtype)
+        u = fp8_expert_matmul(jax.lax.optimization_barrier(xs), w3, pd, out_dtype=dtype)
         h = (swiglu(g, u, limit) * gate_w[..., None]).astype(dtype)  # [n, R, I']
         y = fp8_expert_matmul(quantize_rows(h, w2.fmt), w2, pd)
         return (y if partial else y.astype(dtype)).astype(jnp.float32)

@@ -33,10 +33,13 @@ class RolloutConfig:
                               "experts, the release's format) | bf16 | fp32 | auto")
     compute_dtype: Literal["auto", "bfloat16", "float32"] = knob(
         "auto", "rollout matmul dtype: auto (fp32 on CPU, bf16 on GPU) | bfloat16 | float32")
-    matmul: Literal["auto", "dequant", "fp8"] = knob(
-        "auto", "FP8 rollout GEMMs: auto (FP8 GEMMs where XLA has them: CUDA sm90+, ROCm gfx942/gfx950; XLA:CPU "
-                "dequantises) | fp8 (always: the FP8-set projections, and the routed experts under the padded / sized "
-                "EP dispatch, multiply FP8 by FP8) | dequant (never: weights dequantised layer by layer)")
+    matmul: Literal["auto", "dequant", "fp8", "kernel"] = knob(
+        "auto", "FP8 rollout GEMMs: auto (the block-scaled FP8 GEMM kernel where XLA has FP8 GEMMs: CUDA sm90+, ROCm "
+                "gfx942/gfx950; XLA:CPU dequantises) | kernel (always the kernel, dsv4/fp8_kernel.py: a Pallas "
+                "Triton kernel applying the 128-block scales inside; Pallas' interpreter on CPU) | fp8 (XLA's FP8 "
+                "dots, one per 128-wide K block, partial sums through HBM) | dequant (weights dequantised layer by "
+                "layer). FP8 GEMMs cover the FP8-set projections and the routed experts under the padded / sized "
+                "EP dispatch")
     kv_cache_dtype: Literal["fp8", "bf16", "auto"] = knob(
         "auto", "rollout KV cache: fp8 (window ring, compressed entries and indexer keys in FP8 with ue8m0 scales, "
                 "the release's layout) | bf16 (unquantised) | auto (fp8 for --rollout-dtype fp8*, else bf16; "

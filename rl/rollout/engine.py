@@ -143,13 +143,14 @@ class Sampler(EngineShapes):
         self.fmt = quant.select_fp8_format(rdt.fp8_name, devs) if self.fp8 else None
         # FP8 cache format: the weights' (e4m3fnuz on gfx942), else the device's
         self.kv_fp8 = None if st.kv_layout == "bf16" else (self.fmt or quant.select_fp8_format("auto", devs))
-        self.fp8_gemm = select_fp8_matmul(st.matmul, self.fp8, devs) and st.dequant == "per_layer"
+        self.fp8_matmul = select_fp8_matmul(st.matmul, self.fp8, devs) if st.dequant == "per_layer" else "dequant"
+        self.fp8_gemm = self.fp8_matmul != "dequant"  # FP8 GEMMs (XLA's dots or the kernel)
         self.compute_dtype, self.fp8_block, self.dequant = st.compute_dtype, st.fp8_block, st.dequant
         self.max_prompt_len, self.slots, self.kv_budget_bytes = st.max_prompt_len, st.slots, st.kv_budget_bytes
         self.speculative, self.draft_tokens = spec_lib.check_speculative(st.speculative, st.draft_tokens, cfg)
         # the one rule from learner weights to rollout weights (also the FP8-aware learner's, dsv4/rollout_format.py)
         self.rformat = RolloutFormat(rdt=rdt, fmt=self.fmt, block=self.fp8_block, compute_dtype=self.compute_dtype)
-        self.weights = EngineWeights(cfg, self.rformat, mesh=mesh, rules=self.rules, fp8_gemm=self.fp8_gemm,
+        self.weights = EngineWeights(cfg, self.rformat, mesh=mesh, rules=self.rules, fp8_matmul=self.fp8_matmul,
                                      tie=default_tie(devs), lora=getattr(model, "lora", None))
         self.layerwise, self.dense_model = self.weights.layerwise, self.weights.dense_model
         if dispatch_fn is None:  # an expert mesh: the EP dispatch; CPU + unsharded experts: moe.routed_experts_cpu

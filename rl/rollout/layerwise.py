@@ -21,9 +21,11 @@ wo_a (a bf16 einsum in the release too), the indexer's wq_b (f32 here; an FP8 GE
 projections are dequantised and multiply unquantised activations.
 
 FP8 GEMMs (`matmul="auto"`): where XLA has FP8 GEMMs (`dsv4.fp8_gemm.fp8_gemm_available`: CUDA sm90+, ROCm
-gfx942/gfx950) the `GEMM_KEYS` projections run as `dsv4.fp8_gemm.fp8_linear` (FP8 operands, f32 accumulation);
-elsewhere (`matmul="dequant"`) the fake-quantised activations multiply the dequantised weights (the same products,
-XLA's summation order). `matmul="fp8"` forces the FP8 GEMMs (also on CPU, where XLA upcasts: a numerics check).
+gfx942/gfx950) the `GEMM_KEYS` projections run as `dsv4.fp8_gemm.fp8_linear` (FP8 operands, f32 accumulation) by
+the block-scaled GEMM kernel (`dsv4.fp8_kernel`); elsewhere (`matmul="dequant"`) the fake-quantised activations
+multiply the dequantised weights (the same products, XLA's summation order). `matmul="kernel"` forces the kernel
+(Pallas' interpreter on CPU), `matmul="fp8"` XLA's FP8 dots with K-block partials (also on CPU, where XLA upcasts:
+a numerics check); the choice travels as the weights' `QuantizedTensor.matmul` (`select_fp8_matmul`).
 The routed experts run FP8 GEMMs too where the expert dispatch has them (`parallel.expert.make_ep_dispatch` backends
 "padded" / "sized", the GPU rollout's default on an expert mesh: `fp8_experts`): the layer keeps them quantised
 (FP4 experts become FP8 blocks inside the layer, `dsv4.rollout_format.layer_value`) and the dispatch multiplies FP8
@@ -48,23 +50,32 @@ from dsv4.rollout_format import layer_value
 log = logging.getLogger(__name__)
 
 DEQUANT_MODES = ("per_layer", "per_call", "per_step")
-MATMUL_MODES = ("auto", "dequant", "fp8")
+MATMUL_MODES = ("auto", "dequant", "fp8", "kernel")
 
 
-def select_fp8_matmul(matmul: str, fp8: bool, devices=None) -> bool:
-    """Whether the FP8-set projections run as FP8 GEMMs: `matmul` "auto" (where `fp8_gemm_available`),
-    "fp8" (always), "dequant" (never); always False for dense weights. Logs the choice and the reason.
+def select_fp8_matmul(matmul: str, fp8: bool, devices=None) -> str:
+    """How the FP8-set projections and the routed experts multiply (the `dsv4.quant.QuantizedTensor.matmul` they
+    get): `matmul` "auto": the block-scaled FP8 GEMM kernel ("pallas", `dsv4.fp8_kernel`) where
+    `fp8_gemm_available` (a GPU), else "dequant"; "kernel": the kernel, in Pallas' interpreter on CPU ("interpret":
+    a numerics check, slow); "fp8": XLA's FP8 dots with K-block partials (on CPU XLA upcasts: a numerics check);
+    "dequant". "dequant" for dense weights. Logs the choice and the reason. devices: default `jax.devices()`.
     Raises ValueError for an unknown `matmul`."""
     if matmul not in MATMUL_MODES:
         raise ValueError(f"Sampler matmul={matmul!r}: expected {' | '.join(MATMUL_MODES)}")
     if not fp8:
-        return False
-    if matmul != "auto":
-        log.info("rollout matmuls: %s (configured)", "FP8 GEMM" if matmul == "fp8" else "dequantise per layer")
-        return matmul == "fp8"
-    ok, why = fp8_gemm_available(devices)
-    log.info("rollout matmuls: %s (auto: %s)", "FP8 GEMM" if ok else "dequantise per layer", why)
-    return ok
+        return "dequant"
+    cpu = list(jax.devices() if devices is None else devices)[0].platform == "cpu"
+    if matmul == "kernel":
+        mode = "interpret" if cpu else "pallas"
+    elif matmul == "auto":
+        ok, why = fp8_gemm_available(devices)
+        mode = "pallas" if ok else "dequant"
+        log.info("rollout matmuls: %s (auto: %s)", mode, why)
+        return mode
+    else:
+        mode = matmul
+    log.info("rollout matmuls: %s (configured: %s)", mode, matmul)
+    return mode
 
 
 TIE_MODES = ("cond", "barrier")
@@ -113,18 +124,19 @@ class LayerwiseWeights:
 
     Args:
       abstract_model: the sampler's `nnx.eval_shape`d DSV4ForCausalLM (graph and variable types).
-      compute_dtype: dtype quantised weights are dequantised to. fp8_gemm: keep `GEMM_KEYS` weights quantised.
+      compute_dtype: dtype quantised weights are dequantised to. fp8_matmul: how `GEMM_KEYS` weights and the routed
+        experts multiply (`dsv4.quant.MATMULS`, `select_fp8_matmul`; not "dequant": they stay quantised).
       tie: "cond" | "barrier", how each layer's quantised leaves are tied to its input (`tie_to`; the sampler
         passes `default_tie(devices)`).
     Use inside a jit: `shell = lw.shell(wstate)` (the model without its layers: embedding, hyper head, norm,
     head) and `layer_fn = lw.layer_fn(wstate)` for `dsv4.cache.prefill/decode_step(..., layer_fn=...)`.
     """
 
-    def __init__(self, abstract_model, compute_dtype, *, fp8_gemm: bool = False, tie: str = "cond"):
+    def __init__(self, abstract_model, compute_dtype, *, fp8_matmul: str = "dequant", tie: str = "cond"):
         if tie not in TIE_MODES:
             raise ValueError(f"LayerwiseWeights tie={tie!r}: expected {' | '.join(TIE_MODES)}")
         self.compute_dtype = compute_dtype
-        self.fp8_gemm = fp8_gemm
+        self.fp8_matmul = fp8_matmul
         self.tie = tie
         gd, st = nnx.split(abstract_model)
         shell = nnx.merge(gd, st)
@@ -138,7 +150,7 @@ class LayerwiseWeights:
 
     def shell(self, wstate: dict):
         """The model without its main layers, from `wstate` ({path key: QuantizedTensor | array})."""
-        flat = [(p, var.replace(layer_value(k, wstate[k], self.compute_dtype, fp8_gemm=self.fp8_gemm)))
+        flat = [(p, var.replace(layer_value(k, wstate[k], self.compute_dtype, matmul=self.fp8_matmul)))
                 for p, var in self._shell_flat for k in (param_key(p),)]
         return nnx.merge(self._shell_gd, nnx.from_flat_state(flat))
 
@@ -151,7 +163,7 @@ class LayerwiseWeights:
         tied = tie_to(x, tuple(a for k in qkeys for a in (leaves[k].q, leaves[k].scale)), self.tie)
         for j, k in enumerate(qkeys):
             leaves[k] = dataclasses.replace(leaves[k], q=tied[2 * j], scale=tied[2 * j + 1])
-        vals = [(p, var.replace(layer_value(k, leaves[k], self.compute_dtype, fp8_gemm=self.fp8_gemm)))
+        vals = [(p, var.replace(layer_value(k, leaves[k], self.compute_dtype, matmul=self.fp8_matmul)))
                 for p, var, k in flat]
         return nnx.merge(lgd, nnx.from_flat_state(vals)), x
 

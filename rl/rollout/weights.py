@@ -28,18 +28,19 @@ class EngineWeights:
 
     Args:
       config: the model config. rformat: the rollout weight format (`dsv4.rollout_format.RolloutFormat`).
-      mesh, rules: the rollout mesh and its rule table (None: unmeshed). fp8_gemm: the FP8-set projections stay
-        quantised for FP8 GEMMs. tie: `rl.rollout.layerwise.default_tie` of the devices. lora: the model's
+      mesh, rules: the rollout mesh and its rule table (None: unmeshed). fp8_matmul: how the FP8-set projections
+        and the routed experts multiply (`dsv4.quant.MATMULS`; "dequant": dequantised; else they stay quantised for
+        FP8 GEMMs). tie: `rl.rollout.layerwise.default_tie` of the devices. lora: the model's
         `dsv4.lora.LoraConfig` (None: no adapters): the engine then applies the adapters unmerged (base product +
         low-rank path, dsv4/lora.py); they are dense tensors of the weight state, pushed like any other.
     """
 
-    def __init__(self, config, rformat: RolloutFormat, *, mesh=None, rules=None, fp8_gemm: bool = False,
+    def __init__(self, config, rformat: RolloutFormat, *, mesh=None, rules=None, fp8_matmul: str = "dequant",
                  tie: str = "cond", lora=None):
-        self.rformat, self.mesh, self.fp8_gemm = rformat, mesh, fp8_gemm
+        self.rformat, self.mesh, self.fp8_matmul = rformat, mesh, fp8_matmul
         self.compute_dtype = rformat.compute_dtype
         abstract = abstract_model(config, param_dtype=jnp.float32, dtype=self.compute_dtype, lora=lora)
-        self.layerwise = LayerwiseWeights(abstract, self.compute_dtype, fp8_gemm=fp8_gemm, tie=tie)
+        self.layerwise = LayerwiseWeights(abstract, self.compute_dtype, fp8_matmul=fp8_matmul, tie=tie)
         self.graphdef, abs_state = nnx.split(abstract)
         self.abstract_params = list(nnx.to_flat_state(abs_state))  # [(path, abstract Variable)]
         self.dense_shardings = None  # {path key: NamedSharding} of the dense weights (what the push device_puts onto)
@@ -113,7 +114,7 @@ class EngineWeights:
 
     def dense_model(self, wstate: dict):
         """The whole model with `wstate` dequantised at once (the `per_call` / `per_step` references; traceable)."""
-        vals = {k: layer_value(k, v, self.compute_dtype, fp8_gemm=self.fp8_gemm) for k, v in wstate.items()}
+        vals = {k: layer_value(k, v, self.compute_dtype, matmul=self.fp8_matmul) for k, v in wstate.items()}
         flat = [(p, var.replace(vals[param_key(p)])) for p, var in self.abstract_params]
         return nnx.merge(self.graphdef, nnx.from_flat_state(flat))
 

@@ -12,8 +12,9 @@ from flax import nnx
 from jax.sharding import Mesh
 
 from dsv4 import DSV4Config, DSV4ForCausalLM, abstract_model, quant
-from dsv4 import moe
+from dsv4 import fp8_gemm, moe
 from dsv4.fp8_gemm import fp8_gemm_available, fp8_linear, quantized_linear
+from dsv4.fp8_kernel import block_scaled_matmul
 from dsv4.rollout_format import check_fp4_experts, parse_rollout_dtype
 from launch.aot import reduced_depth
 from rl.rollout.engine import Sampler, SamplingParams
@@ -169,20 +170,30 @@ def test_fp8_gemm_forced_on_cpu_runs_and_is_close(model, prompts):
     assert _gemm_vs_dequant(model, prompts).max() <= GEMM_LOGPROB_BOUND
 
 
-def test_fp8_expert_gemms_on_an_expert_mesh_match_the_dequant_path(prompts):
+def test_fp8_expert_gemms_on_an_expert_mesh_match_the_dequant_path(prompts, monkeypatch):
     """`matmul="fp8"` on an expert mesh with the padded dispatch (`fp8_experts`): the routed experts run FP8 GEMMs
     (`parallel.padded.padded_ffn`; f8 dot_generals in the program) besides the dense projections; greedy tokens equal
     the dequant path's and every logprob is within GEMM_LOGPROB_BOUND (both quantise the activations by the
-    release's rule: summation order only; measured 9.5e-7). Tiny config at 2 layers (one hash, one top-k), expert=2."""
-    cfg = reduced_depth(CFG, 2)
+    release's rule: summation order only; measured 9.5e-7). `matmul="kernel"` (the block-scaled GEMM kernel,
+    `dsv4.fp8_kernel`, in Pallas' interpreter on CPU) runs the routed experts and the projections with 128-multiple
+    dims through the kernel, with the same tokens. Tiny config at 2 layers (one hash, one top-k), D = I = 128 (whole
+    scale blocks), expert=2."""
+    cfg = reduced_depth(DSV4Config.tiny(hidden_size=128, moe_intermediate_size=128), 2)
     m = randomize(DSV4ForCausalLM(cfg, rngs=nnx.Rngs(0)), seed=2, scale=0.1)
     mesh = Mesh(np.array(jax.devices()[:2]).reshape(1, 1, 2, 1), ("data", "fsdp", "expert", "tensor"))
     greedy = SamplingParams(temperature=0.0, max_new_tokens=6)
+    kernel_calls = []
+    monkeypatch.setattr(fp8_gemm, "block_scaled_matmul",
+                        lambda *a, **k: kernel_calls.append(a[2].shape) or block_scaled_matmul(*a, **k))
     out = {}
-    for mm in ("dequant", "fp8"):
+    for mm in ("dequant", "kernel", "fp8"):
         s = _sampler(m, mesh=mesh, matmul=mm, ep_backend="padded")
-        assert s.dispatch_fn.fp8_experts and s.fp8_gemm == (mm == "fp8")
+        assert s.dispatch_fn.fp8_experts and s.fp8_gemm == (mm != "dequant")
         out[mm] = s.generate(prompts, greedy, seed=1)
+    # the kernel ran the local experts' w1, w3 ([1, 128, 128] per rank) and w2, and the dense 128 x 128 projections
+    assert s.fp8_matmul == "fp8" and (1, 128, 128) in kernel_calls and len(kernel_calls) >= 3 * cfg.num_hidden_layers
+    np.testing.assert_array_equal(out["kernel"].tokens, out["dequant"].tokens)
+    assert np.abs(out["kernel"].logprobs - out["dequant"].logprobs).max() <= GEMM_LOGPROB_BOUND
     # the FP8 program's expert dots: w1, w3, w2 per layer and per program (prefill, decode), each on f8 operands
     text = s.lower(3, 16, 6).as_text()
     assert len(re.findall(r"stablehlo\.dot_general[^\n]*f8E4M3FN[^\n]*f8E4M3FN", text)) >= 3 * cfg.num_hidden_layers
