@@ -92,7 +92,7 @@ def variant_models(sampler: Sampler, model: DSV4ForCausalLM):
     acts = {}
     fp32 = sampler.flat_params(model)
     for k, v in ws.items():
-        if isinstance(v, QuantizedTensor) and isinstance(layer_value(k, v, cd, fp8_gemm=False), QuantizedTensor):
+        if isinstance(v, QuantizedTensor) and isinstance(layer_value(k, v, cd, matmul="dequant"), QuantizedTensor):
             routed = quant.ROUTED_EXPERT_RE.search(k) is not None
             acts[k] = FakeQuantWeight(w=fp32[k].astype(cd), fmt="e4m3fn" if routed else v.fmt)
         elif isinstance(v, QuantizedTensor):
