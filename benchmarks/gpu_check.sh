@@ -72,6 +72,7 @@ run() {
 
 if [ "$SMOKE" = 1 ]; then
   run fp8_matmul 300 benchmarks/fp8_matmul.py --sizes 128 --iters 1
+  run fp8_experts 300 benchmarks/fp8_experts.py --device --experts 4 --rows 24 --hidden 256 --inter 256 --iters 1
   run sampler 900 benchmarks/sampler.py --configs tiny --batches 2 --modes bf16 --ns 33 48 --rounds 1 --hf-dtypes \
     --skip-memory --compile-cache ''
   run learner_mfu 600 benchmarks/learner_scale.py --sections mfu --mfu-config tiny --mfu-batch 1 --mfu-seq 32 --runs 1
@@ -82,6 +83,9 @@ else
   # in order of priority: a benchmark whose timeout no longer fits the budget is skipped
   # FP8 vs BF16 GEMM throughput (4096^3 and 8192^3; RESULT: 8192), the rollout's fp8_linear beside it
   run fp8_matmul 60 benchmarks/fp8_matmul.py --sizes 4096 8192 --iters 20
+  # one rank's Flash expert FFN at decode (32 experts x 48 rows): the block-scaled FP8 kernel vs XLA's FP8 dots vs
+  # dequant, timed beside their roofline, outputs compared (the kernel has never run on a GPU before this)
+  run fp8_experts 90 benchmarks/fp8_experts.py --device --rows 48 --iters 20
   # decode tok/s vs the HBM roofline (small, B = 8, bf16 and FP8 weights; no transformers run)
   run sampler 150 benchmarks/sampler.py --configs small --batches 8 --modes bf16 fp8 --rounds 2 --hf-dtypes \
     --skip-memory --compile-cache ''

@@ -14,9 +14,10 @@ Counted, per device, per run of the program:
 - bytes: what each kernel (top-level instruction: a fusion, a gemm, a copy, a collective's buffer) reads and writes
   in HBM: its operands + its result (a gemm's: not its s8 workspace), except that a fusion reading a parameter only
   through `dynamic-slice`, `slice` or `gather` counts what it reads (the scan's per-layer weights; the FP8 expert
-  GEMMs' K blocks; the rows an embedding lookup gathers), and a fusion rooted in `dynamic-update-slice` counts the
-  update (in place) - the scan's per-layer reads and writes of stacked weights and saved inputs. An estimate: caches
-  and re-reads are not modelled.
+  GEMMs' K blocks; the rows an embedding lookup gathers), and a fusion rooted in `dynamic-update-slice` or in a
+  (single-operand) `scatter` counts the update (in place: XLA:GPU's scatter writes into its operand's buffer, a copy
+  where it cannot is a kernel of its own) - the scan's per-layer reads and writes of stacked weights and saved
+  inputs, the decode step's KV-cache and routing-record writes. An estimate: caches and re-reads are not modelled.
 - collective bytes: per kind, the bytes a device sends: all-gather (g-1)/g x result, reduce-scatter (g-1)/g x
   operand, all-reduce 2 (g-1)/g x operand (ring), all-to-all (g-1)/g x operand, collective-permute the operand; g =
   the replica group size. Split into groups inside one node of `gpus_per_node` devices (`intra`) and groups that
@@ -411,11 +412,13 @@ class _Counter:
                 us = users.get(pname, [])
                 if us and all(u.op in ("dynamic-slice", "slice", "gather") and u.operands[0] == pname for u in us):
                     ins_bytes[idx] = sum(shape_bytes(u.shape) for u in us)  # the slices / rows it reads
-                elif us and all(u.op == "dynamic-update-slice" and u.operands[0] == pname for u in us):
+                elif us and all(u.op in ("dynamic-update-slice", "scatter") and u.operands[0] == pname for u in us):
                     ins_bytes[idx] = 0.0  # updated in place
             root = next((i for i in body if i.root), None)
             if root is not None and root.op == "dynamic-update-slice" and len(root.operands) > 1:
                 out = shape_bytes(self.shapes.get(called[0], {}).get(root.operands[1], ""))
+            elif root is not None and root.op == "scatter" and len(root.operands) == 3:  # in place: the updates
+                out = shape_bytes(self.shapes.get(called[0], {}).get(root.operands[2], ""))
         elif ins.op == "dynamic-update-slice":
             return 2 * (ins_bytes[1] if len(ins_bytes) > 1 else 0.0)
         elif ins.op in ("dynamic-slice", "gather"):
