@@ -5,7 +5,8 @@ w2 input times dequantised experts) on a tensor-parallel rollout layout and an F
 that path where the tensor axis splits a scale block or a buffer has more than `fp8_rows_limit` rows per expert;
 the block-scaled GEMM kernel (`dsv4.fp8_kernel`, Pallas' interpreter) equals the XLA form, alone and in the
 dispatch; on the H200 spec (deviceless XLA:GPU, launch/gpu_target.py) every expert dot takes f8 operands, and the
-kernel compiles to three Triton kernels with no copy of the expert bytes. Sampler-level parity: tests/rl/test_rollout_weights.py.
+kernel compiles to three Triton kernels with no copy of the expert bytes. Sampler-level parity:
+tests/rl/test_rollout_weights.py.
 Run: `.venv/bin/python -m pytest -q tests/parallel/test_fp8_experts.py`.
 """
 
