@@ -12,7 +12,8 @@ shared experts, MTP e/h_proj; wo_a is bf16 there, `dsv4.rollout_format.ROLLOUT_D
 (`rollout_experts="fp8"`), with one f32 scale per 128x128 block replicated on every device (`fp8_scale_bytes` = 4;
 E8M0 would be 1); or FP4 e2m1 experts ("fp4": 0.5 byte + one `fp4_scale_bytes` = 1 E8M0 scale per 32 inputs, split
 like the weight; the released layout, which the sampler cannot run yet). Everything else as stored (bf16; fp32 mHC
-/ sinks / ape / bias; int32 tid2eid); a quantised tensor's bf16 dequantised copy is reported beside it (the planner counts it for `rollout_dequant="per_call"`).
+/ sinks / ape / bias; int32 tid2eid); a quantised tensor's bf16 dequantised copy is reported beside it (the
+planner counts it for `rollout_dequant="per_call"`).
 
 The KV cache (`kv_cache_bytes`, `KVCache`): its layout comes from `dsv4.cache.cache_shapes` for every main layer
 (no MTP cache), evaluated abstractly: with W = window, d = head_dim, d_I = index_head_dim, b = kv dtype bytes (bf16 = 2), per sequence of S:
