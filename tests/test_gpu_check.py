@@ -14,7 +14,7 @@ import sys
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "benchmarks" / "gpu_check.sh"
-NAMES = ("fp8_matmul", "sampler", "learner_mfu", "weight_push", "rollout_lengths", "sampler_memory")
+NAMES = ("fp8_matmul", "fp8_experts", "sampler", "learner_mfu", "weight_push", "rollout_lengths", "sampler_memory")
 
 
 def _stub(tmp_path, fail: str) -> pathlib.Path:
