@@ -65,17 +65,14 @@ def select_fp8_matmul(matmul: str, fp8: bool, devices=None) -> str:
         raise ValueError(f"Sampler matmul={matmul!r}: expected {' | '.join(MATMUL_MODES)}")
     if not fp8:
         return "dequant"
-    cpu = list(jax.devices() if devices is None else devices)[0].platform == "cpu"
-    if matmul == "kernel":
-        mode = "interpret" if cpu else "pallas"
-    elif matmul == "auto":
+    if matmul == "auto":
         ok, why = fp8_gemm_available(devices)
-        mode = "pallas" if ok else "dequant"
-        log.info("rollout matmuls: %s (auto: %s)", mode, why)
-        return mode
+        mode, reason = ("pallas" if ok else "dequant"), f"auto: {why}"
     else:
-        mode = matmul
-    log.info("rollout matmuls: %s (configured: %s)", mode, matmul)
+        cpu = list(jax.devices() if devices is None else devices)[0].platform == "cpu"
+        mode = ("interpret" if cpu else "pallas") if matmul == "kernel" else matmul
+        reason = f"configured: {matmul}"
+    log.info("rollout matmuls: %s (%s)", mode, reason)
     return mode
 
 
