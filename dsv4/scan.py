@@ -375,6 +375,38 @@ def _scan_block_remat(steps: Sequence[Callable], n: int):
     return f
 
 
+def group_steps(graphdefs: Sequence[Any], dispatch_fn: Callable | None = None) -> list[Callable]:
+    """One group's sub-layer steps `step(state, x, forced, positions, ids) -> (x, (routes [B, S, k], drops [2]))`
+    (`dsv4.model.block_step` of the layer `nnx.merge`d from its graphdef and one layer's `state`)."""
+    def make(gdef):
+        def step(state, x, forced, positions, ids):
+            return block_step(nnx.merge(gdef, state), x, positions, ids, forced, dispatch_fn)
+        return step
+    return [make(gdef) for gdef in graphdefs]
+
+
+def run_group(steps: Sequence[Callable], states: Sequence[Any], x: jax.Array, forced: Any, positions: jax.Array,
+              ids: jax.Array, *, repeats: int, remat: str | Callable | None = None):
+    """`repeats` repetitions of the sub-layer `steps` (`group_steps`, or those steps `jax.vmap`ped: the pipeline
+    runs every stage's layer at once, parallel/pipeline.py) over `states` (per sub-layer, stacked on a leading axis
+    of `repeats`), `remat` as `run_layers`': one `lax.scan` ("block": `_scan_block_remat`), the body inline for one
+    repetition. forced: [repeats, period, ...] or None. Returns (x, (routes [repeats, period, ...], drops [repeats,
+    period, ..., 2]))."""
+    policy = _policy(remat)
+    if repeats > 1 and policy is jax.checkpoint_policies.nothing_saveable:
+        return _scan_block_remat(steps, repeats)(states, x, forced, positions, ids)
+    # prevent_cse=False is only safe inside lax.scan; a group run inline (one repetition) needs the CSE guard, else
+    # XLA merges the backward's recomputation with the forward and keeps the whole layer's activations alive until
+    # its backward (the remat silently undone)
+    inline = repeats == 1
+    steps = [st if policy is None else jax.checkpoint(st, policy=policy, prevent_cse=inline) for st in steps]
+    if inline:  # one repetition: the body inline (a length-1 loop only adds compile work)
+        x, r = _run_period(steps, *jax.tree.map(lambda a: a[0], (states, forced)), x, positions, ids)
+        return x, jax.tree.map(lambda a: a[None], r)
+    return jax.lax.scan(lambda x, i: _run_period(steps, *_take((states, forced), i), x, positions, ids), x,
+                        jnp.arange(repeats))
+
+
 def run_layers(groups: Sequence[LayerGroup], graphdefs: Sequence[Sequence[Any]], stacked: Any, x: jax.Array,
                positions: jax.Array, ids: jax.Array, routing_replay: jax.Array | None = None,
                dispatch_fn: Callable | None = None, *, remat: str | Callable | None = None):
@@ -397,38 +429,18 @@ def run_layers(groups: Sequence[LayerGroup], graphdefs: Sequence[Sequence[Any]],
     The stacked weights are loop constants read one layer per step by `_take`, never the scan's `xs` (see
     `_take` for the copy that avoids).
     """
-    policy = _policy(remat)
+    _policy(remat)  # a bad policy name fails here, before any tracing
     b, s = ids.shape
     routes, drops = [], jnp.zeros((2,), jnp.int32)
     for g, grp in enumerate(groups):
-        def make_raw(gdef):
-            def step(state, x, forced, positions, ids):
-                return block_step(nnx.merge(gdef, state), x, positions, ids, forced, dispatch_fn)
-            return step
-
-        raw = [make_raw(gdef) for gdef in graphdefs[g]]
         forced = None
         if routing_replay is not None:
             f = routing_replay[:, :, grp.start:grp.stop]  # -> [B, S, repeats * period, k]
             f = f.reshape(b, s, grp.repeats, grp.period, -1)
             forced = jnp.transpose(f, (2, 3, 0, 1, 4))  # -> [repeats, period, B, S, k]
         states = tuple(_raw(_raw(_raw(stacked)[g])[j]) for j in range(grp.period))
-        if grp.repeats > 1 and policy is jax.checkpoint_policies.nothing_saveable:
-            x, r = _scan_block_remat(raw, grp.repeats)(states, x, forced, positions, ids)
-        else:
-            # prevent_cse=False is only safe inside lax.scan; a group run inline (one repetition) needs the CSE
-            # guard, else XLA merges the backward's recomputation with the forward and keeps the whole layer's
-            # activations alive until its backward (the remat silently undone)
-            inline = grp.repeats == 1
-            steps = [st if policy is None else jax.checkpoint(st, policy=policy, prevent_cse=inline) for st in raw]
-
-            if inline:  # one repetition: the body inline (a length-1 loop only adds compile work)
-                x, r = _run_period(steps, *jax.tree.map(lambda a: a[0], (states, forced)), x, positions, ids)
-                r = jax.tree.map(lambda a: a[None], r)
-            else:  # r [repeats, period, B, S, k]
-                x, r = jax.lax.scan(lambda x, i, steps=steps, sf=(states, forced):
-                                    _run_period(steps, *_take(sf, i), x, positions, ids), x, jnp.arange(grp.repeats))
-        r, d = r
+        x, (r, d) = run_group(group_steps(graphdefs[g], dispatch_fn), states, x, forced, positions, ids,
+                              repeats=grp.repeats, remat=remat)
         routes.append(jnp.transpose(r, (2, 3, 0, 1, 4)).reshape(b, s, grp.repeats * grp.period, -1))
         drops = drops + jnp.sum(d.reshape(-1, 2), axis=0)
     return x, jnp.concatenate(routes, axis=2), drops

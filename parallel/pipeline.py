@@ -13,9 +13,12 @@ The stacked state is today's (`dsv4.scan.stack_params`), so checkpoints and the 
 pipelined group's leading dim is split over `stage` (`stage_shardings`: the mesh axes of the logical axis `layers`).
 
 How (ideas from MaxText's `layers/pipeline.py` and Praxis' `LayerwiseShardablePipelined`, no code): the group's
-leaves [R, ...] are viewed as [P, R / P, ...] and one stage's computation (`dsv4.scan.run_layers` over its R / P
-repetitions, remat policy included) is `jax.vmap`ped over the stage dim with `spmd_axis_name="stage"`, so XLA runs
-stage p on the devices of stage p. A carry `buf` [P, B_m, S, n, D] holds each stage's input; at iteration t
+leaves [R, ...] are viewed as [P, R / P, ...], each sub-layer's step is `jax.vmap`ped over the stage dim with
+`spmd_axis_name="stage"` (so XLA runs stage p on the devices of stage p), and `dsv4.scan.run_group` scans those
+steps over a stage's R / P repetitions, remat policy included. The vmap sits inside the remat, not around it: the
+"block" remat's hand-written backward then differentiates the vmapped step, so JAX makes the EP dispatch's
+shard_map residuals knowing `stage` is the vmap's axis (vmapping the whole stage instead, the backward's shard_map
+residuals named `stage` and JAX refused them: "vmap spmd_axis_name cannot appear in shard_map out_specs"). A carry `buf` [P, B_m, S, n, D] holds each stage's input; at iteration t
 (t = 0 .. M + P - 2) stage 0 reads micro-batch t, every stage runs, and `jnp.roll(out, 1, axis=0)` hands stage p's
 output to stage p + 1 (XLA lowers the roll of a stage-split dim to a collective permute). Stage p works on
 micro-batch t - p; the token ids (hash routing), positions and the routing-replay ids it needs are read per stage
@@ -47,7 +50,7 @@ import jax.numpy as jnp
 from flax import nnx, struct
 from jax.sharding import NamedSharding, PartitionSpec
 
-from dsv4.scan import LayerGroup, LayerStack, run_layers
+from dsv4.scan import LayerGroup, LayerStack, group_steps, run_group, run_layers
 from sharding import axes as ax
 from sharding import rules as rl
 
@@ -179,26 +182,34 @@ def run_pipelined_group(plan: PipelinePlan, grp: LayerGroup, graphdefs: Sequence
         raise ValueError(f"the pipeline's batch of {b} rows does not split into {n_mb} micro-batches")
     bm, rps = b // n_mb, grp.repeats // n_st
     lps = grp.period * rps  # layers per stage
-    sub = (LayerGroup(0, grp.period, rps),)
-    w = jax.tree.map(lambda a: a.reshape(n_st, rps, *a.shape[1:]), state)  # [R, ...] -> [P, R / P, ...]
+    # [R, ...] -> [P, R / P, ...] (stage p's contiguous repetitions) -> [R / P, P, ...]: the scan over a stage's
+    # repetitions steps every stage's layer at once (`run_group` over the stage-vmapped steps)
+    raw = [state[j].raw_mapping if isinstance(state[j], nnx.State) else state[j] for j in range(grp.period)]
+    w = tuple(jax.tree.map(lambda a: jnp.swapaxes(a.reshape(n_st, rps, *a.shape[1:]), 0, 1), st) for st in raw)
     x_mb, ids_mb, pos_mb = (split_micro_batches(a, n_mb) for a in (x, ids, positions))  # [M, B_m, ...]
     forced = None
-    if routing_replay is not None:  # -> [P, M, B_m, S, L_s, k]: stage p's layers of micro-batch m
-        f = split_micro_batches(routing_replay[:, :, grp.start:grp.stop], n_mb).reshape(n_mb, bm, s, n_st, lps, -1)
-        forced = jnp.transpose(f, (3, 0, 1, 2, 4, 5))
+    if routing_replay is not None:  # -> [P, M, B_m, S, R / P, period, k]: stage p's layers of micro-batch m
+        f = split_micro_batches(routing_replay[:, :, grp.start:grp.stop], n_mb)
+        forced = jnp.transpose(f.reshape(n_mb, bm, s, n_st, rps, grp.period, -1), (3, 0, 1, 2, 4, 5, 6))
     stage = jnp.arange(n_st)
-
-    def one_stage(w, x, pos, tid, fo):  # [B_m, S, n, D] -> (x, routes [B_m, S, L_s, k], drops [2])
-        return run_layers(sub, (tuple(graphdefs),), {0: w}, x, pos, tid, fo, dispatch_fn, remat=remat)
-
+    # each sub-layer step vmapped over the stage dim, inside `run_group`: the remat's hand-written backward
+    # (`_scan_block_remat`) and the EP dispatch's shard_map are then differentiated inside the vmap, which is
+    # how JAX batches a shard_map (`spmd_axis_name` known while its residuals are made)
     spmd = _stage_axis()
-    stages_fn = jax.vmap(one_stage, in_axes=(0, 0, 0, 0, None if forced is None else 0), spmd_axis_name=spmd)
+    steps = [jax.vmap(st, in_axes=(0, 0, None if forced is None else 0, 0, 0), spmd_axis_name=spmd)
+             for st in group_steps(graphdefs, dispatch_fn)]
+
+    def stages_fn(inp, pos, tid, fo):  # [P, B_m, S, n, D] -> (x, routes [P, B_m, S, L_s, k], drops [P, 2])
+        fo = None if fo is None else jnp.transpose(fo, (3, 4, 0, 1, 2, 5))  # -> [R / P, period, P, B_m, S, k]
+        out, (r, d) = run_group(steps, w, inp, fo, pos, tid, repeats=rps, remat=remat)
+        r = jnp.transpose(r, (2, 3, 4, 0, 1, 5)).reshape(n_st, bm, s, lps, -1)  # layer order in the stage
+        return out, r, jnp.sum(d, axis=(0, 1))
 
     def body(buf, t):
         mb = (t - stage) % n_mb  # [P]: the micro-batch each stage works on (bubble: any, discarded)
         inp = rl.constrain(jnp.where((stage == 0)[:, None, None, None, None], x_mb[t % n_mb][None], buf), _BUF)
-        fo = None if forced is None else forced[stage, mb]  # -> [P, B_m, S, L_s, k]
-        out, r, d = stages_fn(w, inp, pos_mb[mb], ids_mb[mb], fo)  # the vmap puts `stage` on dim 0
+        fo = None if forced is None else forced[stage, mb]  # -> [P, B_m, S, R / P, period, k]
+        out, r, d = stages_fn(inp, pos_mb[mb], ids_mb[mb], fo)  # `stage` on dim 0
         valid = (t >= stage) & (t - stage < n_mb)
         d = jnp.where(valid[:, None], d, 0)
         nxt = rl.constrain(jnp.roll(out, 1, axis=0), _BUF)  # stage p -> p + 1: a collective permute over `stage`
