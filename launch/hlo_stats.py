@@ -13,8 +13,8 @@ Counted, per device, per run of the program:
   flops are left out (the roofline is dot-bound).
 - bytes: what each kernel (top-level instruction: a fusion, a gemm, a copy, a collective's buffer) reads and writes
   in HBM: its operands + its result (a gemm's: not its s8 workspace), except that a fusion reading a parameter only
-  through `dynamic-slice`, `slice` or `gather` counts what it reads (the scan's per-layer weights; the FP8 expert
-  GEMMs' K blocks; the rows an embedding lookup gathers), and a fusion rooted in `dynamic-update-slice` or in a
+  through `dynamic-slice`, `slice` or `gather` (bitcasts in between are free) counts what it reads (the scan's
+  per-layer weights; the FP8 expert GEMMs' K blocks; the rows an embedding lookup gathers), and a fusion rooted in `dynamic-update-slice` or in a
   (single-operand) `scatter` counts the update (in place: XLA:GPU's scatter writes into its operand's buffer, a copy
   where it cannot is a kernel of its own) - the scan's per-layer reads and writes of stacked weights and saved
   inputs, the decode step's KV-cache and routing-record writes. An estimate: caches and re-reads are not modelled.
@@ -230,7 +230,8 @@ class HloStats:
 
 def _groups(attrs: str) -> list[list[int]] | None:
     """The replica groups of a collective: explicit {{..},{..}}, iota [a,b]<=[n] (with T(...)), or the mesh form
-    mesh['x'=2,'y'=8] {'y'}; None when absent or not understood."""
+    mesh['x'=2,'y'=8] {'y'} (with device_ids=([a,b]T(...)): the devices at the mesh's positions); None when absent
+    or not understood."""
     m = re.search(r"replica_groups=\{(\{[0-9,]*\}(?:,\{[0-9,]*\})*)\}", attrs)
     if m:
         return [[int(x) for x in g.split(",") if x] for g in re.findall(r"\{([0-9,]*)\}", m.group(1))]
@@ -242,12 +243,19 @@ def _groups(attrs: str) -> list[list[int]] | None:
         if m.group(3):
             ids = ids.transpose([int(x) for x in m.group(3).split(",")])
         return ids.reshape(out[0], -1).tolist()
-    m = re.search(r"replica_groups=mesh\[([^\]]*)\]\s*\{([^}]*)\}", attrs)
+    m = re.search(r"replica_groups=mesh\[([^\]]*)\](?:,\s*device_ids=\(\[([0-9,]+)\](?:T\(([0-9,]+)\))?\))?"
+                  r"\s*\{([^}]*)\}", attrs)
     if m:
         axes = re.findall(r"'([^']+)'=(\d+)", m.group(1))
         names, sizes = [a for a, _ in axes], [int(s) for _, s in axes]
-        grouped = [names.index(a) for a in re.findall(r"'([^']+)'", m.group(2))]
-        ids = np.arange(math.prod(sizes)).reshape(sizes)
+        grouped = [names.index(a) for a in re.findall(r"'([^']+)'", m.group(4))]
+        ids = np.arange(math.prod(sizes))
+        if m.group(2):  # the device at each mesh position: an iota of these dims, transposed
+            dims = [int(x) for x in m.group(2).split(",")]
+            ids = ids.reshape(dims)
+            if m.group(3):
+                ids = ids.transpose([int(x) for x in m.group(3).split(",")])
+        ids = ids.reshape(sizes)
         rest = [i for i in range(len(sizes)) if i not in grouped]
         g = math.prod(sizes[i] for i in grouped)
         return ids.transpose(rest + grouped).reshape(-1, g).tolist()
@@ -405,14 +413,21 @@ class _Counter:
             for i in body:
                 for o in i.operands:
                     users.setdefault(o, []).append(i)
+
+            def reads(name: str) -> list[tuple[str, _Instr]]:  # (operand name, user), through bitcasts (free)
+                out = []
+                for u in users.get(name, []):
+                    out += reads(u.name) if u.op == "bitcast" else [(name, u)]
+                return out
+
             for pname, pins in params.items():
                 idx = int(pins.args) if pins.args.isdigit() else None
                 if idx is None or idx >= len(ins_bytes):
                     continue
-                us = users.get(pname, [])
-                if us and all(u.op in ("dynamic-slice", "slice", "gather") and u.operands[0] == pname for u in us):
-                    ins_bytes[idx] = sum(shape_bytes(u.shape) for u in us)  # the slices / rows it reads
-                elif us and all(u.op in ("dynamic-update-slice", "scatter") and u.operands[0] == pname for u in us):
+                us = reads(pname)
+                if us and all(u.op in ("dynamic-slice", "slice", "gather") and u.operands[0] == o for o, u in us):
+                    ins_bytes[idx] = sum(shape_bytes(u.shape) for _, u in us)  # the slices / rows it reads
+                elif us and all(u.op in ("dynamic-update-slice", "scatter") and u.operands[0] == o for o, u in us):
                     ins_bytes[idx] = 0.0  # updated in place
             root = next((i for i in body if i.root), None)
             if root is not None and root.op == "dynamic-update-slice" and len(root.operands) > 1:
