@@ -34,8 +34,8 @@ roofline is the figure):
                 bandwidth (launch/gpu_target.py NET_BW), else at the node's link bandwidth.
   step          max(compute, HBM) + intra-node bytes / link + inter-node bytes / NIC (added, not overlapped: the
                 roofline's convention); tokens/s per GPU = T M / (P tensor) / step.
-REMAT_RATIO and HBM_BYTES_PER_FLOP are the seed step's compiled figures (benchmarks/README.md "GPU plan": 1.66,
-14,755 GiB per 1,334.6 TFLOP), not derived. Tests: tests/launch/test_search.py (tiny config, no compile).
+REMAT_RATIO and HBM_BYTES_PER_FLOP are the seed step's compiled figures (benchmarks/README.md "The learner at Primus
+speed": 1.65, 13,521 GiB per 1,334.2 TFLOP, counted with slices through bitcasts as slices), not derived. Tests: tests/launch/test_search.py (tiny config, no compile).
 """
 
 from __future__ import annotations
@@ -62,8 +62,8 @@ from sharding import rules as rl
 from sharding.offload import is_trained
 
 AXES = (rl.STAGE, rl.DATA, rl.FSDP, rl.CONTEXT, rl.EXPERT, rl.TENSOR)  # major -> minor, as sharding/mesh.py
-REMAT_RATIO = 1.66  # HLO dot flops / model flops of the seed step (43 layers, padded EP f = 1.25, block remat)
-HBM_BYTES_PER_FLOP = 14_755 * GiB / 1_334.6e12  # the seed step's HBM estimate per HLO dot flop
+REMAT_RATIO = 1.65  # HLO dot flops / model flops of the seed step (43 layers, padded EP f = 1.25, block remat)
+HBM_BYTES_PER_FLOP = 13_521 * GiB / 1_334.2e12  # the seed step's HBM estimate per HLO dot flop
 MAX_CONTEXT = 8  # context axes searched: 1 .. 8 (longer rows than the run's need the run's own flags)
 
 
