@@ -7,8 +7,9 @@ contiguous stages: stage p runs repetitions [p R / P, (p + 1) R / P) of it, i.e.
 start + p L_s .. start + (p + 1) L_s - 1 (L_s = period R / P), so its repetitions must divide by the stage count
 (else a one-line ValueError naming the flag). The other groups (Flash: the 3 hash layers in front) run outside the
 pipeline, as MaxText runs DeepSeek's dense prefix: with the embedding before it and the final norm, head, MTP head
-and loss after it. Those run replicated over `stage` (each stage computes them for the whole batch: see
-sharding/rules.py for why `act_batch` cannot name `stage`); their weights are not split over `stage` either.
+and loss after it. The embedding, head and loss run replicated over `stage` (each stage computes them for the whole
+batch: see sharding/rules.py for why `act_batch` cannot name `stage`); the layers outside the pipeline split the
+batch's rows over the stages (`run_split_over_stages`), their weights not split over `stage`.
 The stacked state is today's (`dsv4.scan.stack_params`), so checkpoints and the push are unchanged; only the
 pipelined group's leading dim is split over `stage` (`stage_shardings`: the mesh axes of the logical axis `layers`).
 
@@ -228,6 +229,41 @@ def run_pipelined_group(plan: PipelinePlan, grp: LayerGroup, graphdefs: Sequence
     return x_out, routes, jnp.sum(ds, axis=(0, 1))
 
 
+def run_split_over_stages(n_st: int, groups: Sequence[LayerGroup], graphdefs: Sequence[Sequence[Any]], stacked: Any,
+                          x: jax.Array, positions: jax.Array, ids: jax.Array, routing_replay: jax.Array | None = None,
+                          dispatch_fn: Callable | None = None, *, remat: Any = None):
+    """`dsv4.scan.run_layers` of layers outside the pipeline (their weights on every stage) with the batch's rows
+    split over the `n_st` stages: stage p runs rows p, p + P, ... (`split_micro_batches`: with the rows split in
+    blocks over the batch axes, each device keeps its own rows), each sub-layer step vmapped over the stage dim as
+    the pipeline's are, and the outputs gathered back over `stage`. Before, every stage ran these layers (Flash's 3
+    hash layers) for the whole batch. Returns what `run_layers` returns. B must divide by `n_st`."""
+    b, s = ids.shape
+    bs = b // n_st
+    split = lambda a: rl.constrain(split_micro_batches(a, n_st), _BUF[:a.ndim + 1])  # noqa: E731  [P, B / P, ...]
+    xs, pos, tid = split(x), split(positions), split(ids)
+    spmd = _stage_axis()
+    routes, drops = [], jnp.zeros((2,), jnp.int32)
+    for g, grp in enumerate(groups):
+        forced = None
+        if routing_replay is not None:  # -> [R, period, P, B / P, S, k]
+            f = split_micro_batches(routing_replay[:, :, grp.start:grp.stop], n_st)
+            forced = jnp.transpose(f.reshape(n_st, bs, s, grp.repeats, grp.period, -1), (3, 4, 0, 1, 2, 5))
+        st = stacked[g].raw_mapping if isinstance(stacked[g], nnx.State) else stacked[g]
+        # the weights broadcast over the stage dim (each stage's copy is its own: no traffic): `ragged_dot` (the
+        # capacity and ragged EP backends) has no batching rule for unbatched weights beside batched rows
+        states = tuple(jax.tree.map(lambda a: jnp.broadcast_to(a[:, None], (a.shape[0], n_st, *a.shape[1:])),
+                                    st[j].raw_mapping if isinstance(st[j], nnx.State) else st[j])
+                       for j in range(grp.period))  # [R, P, ...]
+        steps = [jax.vmap(step, in_axes=(0, 0, None if forced is None else 0, 0, 0), spmd_axis_name=spmd)
+                 for step in group_steps(graphdefs[g], dispatch_fn)]
+        xs, (r, d) = run_group(steps, states, xs, forced, pos, tid, repeats=grp.repeats, remat=remat)
+        r = jnp.transpose(r, (2, 3, 4, 0, 1, 5)).reshape(n_st, bs, s, grp.repeats * grp.period, -1)
+        routes.append(merge_micro_batches(r))
+        drops = drops + jnp.sum(d.reshape(-1, 2), axis=0)
+    x = rl.constrain(merge_micro_batches(xs), _BUF[1:])  # every stage's rows on every stage again
+    return x, jnp.concatenate(routes, axis=2), drops
+
+
 @struct.dataclass
 class PipelineStack:
     """`LayerStack`'s interface (`num_layers`, `run`) for `DSV4ForCausalLM.__call__(..., layer_stack=...)`, with the
@@ -263,9 +299,12 @@ class PipelineStack:
                 gs = part[0].raw_mapping if isinstance(part[0], nnx.State) else part[0]
                 x, r, d = run_pipelined_group(self.plan, self.groups[g], self.graphdefs[g], gs, x, positions, ids,
                                               routing_replay, dispatch_fn, remat=self.remat)
-            else:
+            elif x.shape[0] % self.plan.stages:  # rows that do not split over the stages: every stage runs all
                 x, r, d = run_layers(self.groups[lo:hi], self.graphdefs[lo:hi], part, x, positions, ids,
                                      routing_replay, dispatch_fn, remat=self.remat)
+            else:
+                x, r, d = run_split_over_stages(self.plan.stages, self.groups[lo:hi], self.graphdefs[lo:hi], part,
+                                                x, positions, ids, routing_replay, dispatch_fn, remat=self.remat)
             routes.append(r)
             drops = drops + d
         return x, jnp.concatenate(routes, axis=2), drops
