@@ -254,7 +254,7 @@ class Learner:
                                                                   trained, dev)
         if self.offloaded:  # their optimizer state to host memory
             self.state = place(self.state, self._state_shardings, abstract=abstract)
-        self.streamed = streamable(self.state.params, self.offloaded) if cfg.stream_optimizer else frozenset()
+        self.streamed = streamable(self.state.params, self.offloaded) if cfg.stream_optimizer else {}
         if dispatch_fn is None:
             devices = [jax.devices()[0]] if mesh is None else list(mesh.devices.flat)
             shardings = {tree_key(p): sh for p, sh in jax.tree_util.tree_leaves_with_path(self._param_shardings())}

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from collections.abc import Mapping
 from typing import Any
 
 import jax
@@ -17,6 +18,7 @@ import optax
 from flax import nnx
 
 from dsv4 import scan
+from dsv4.names import tree_key
 from dsv4.rollout_format import RolloutFormat, fp8_aware_params
 from parallel import pipeline
 from rl.algo import batching, optim
@@ -45,7 +47,8 @@ class LearnerStep:
     scan_layers, else None. rformat: the rollout's weight format for the FP8-aware forward, else None.
     dispatch_fn: the routed-expert implementation. labels: TRAIN / FROZEN per param (the state's layout); tx: the
     optimizer (`optax.multi_transform` over the labels); matrix: {param path: ndim >= 2 per layer} (weight decay).
-    offloaded / streamed: the params whose optimizer state lives in host memory / is updated slice by slice;
+    offloaded / streamed: the params whose optimizer state lives in host memory / is updated slice by slice
+    (with the blocks their leading dim is split into: `rl.algo.learner_state.streamable`);
     opt_shardings: the optimizer state's shardings (`rl.algo.learner_state.opt_state_to`).
     """
 
@@ -58,7 +61,7 @@ class LearnerStep:
     tx: Any
     matrix: dict[str, bool]
     offloaded: frozenset[str]
-    streamed: frozenset[str]
+    streamed: Mapping[str, int]
     opt_shardings: Any
 
     def placement(self, params) -> tuple:
@@ -218,9 +221,17 @@ class LearnerStep:
         if self.streamed:  # offloaded stacked state: one slice at a time on the device (rl.algo.optim.update_streamed)
             tx = optax.multi_transform({TRAIN: optim.train_tx(self.cfg, self.matrix, clip=False),
                                         FROZEN: optax.set_to_zero()}, self.labels)
+            clip_norm, apart_norm = grad_norm, None
+            if self.cfg.mtp_loss_weight > 0:  # the MTP head clipped apart, as train_tx's clip
+                trained = [(tree_key(p), g.astype(jnp.float32)) for (p, g), label in
+                           zip(jax.tree_util.tree_leaves_with_path(grads), jax.tree.leaves(self.labels))
+                           if label == TRAIN]
+                clip_norm = optax.tree.norm([g for k, g in trained if not optim.is_mtp_key(k)])
+                apart_norm = optax.tree.norm([g for k, g in trained if optim.is_mtp_key(k)])
             stepped, opt_state = optim.update_streamed(
-                tx, grads, old_opt, state.params, self.streamed, finite=finite, g_norm=grad_norm,
-                max_norm=self.cfg.max_grad_norm, to_device=lambda x: jax.device_put(x, jax.memory.Space.Device),
+                tx, grads, old_opt, state.params, self.streamed, finite=finite, g_norm=clip_norm,
+                apart_norm=apart_norm, max_norm=self.cfg.max_grad_norm,
+                to_device=lambda x: jax.device_put(x, jax.memory.Space.Device),
                 to_host=lambda x: jax.device_put(x, jax.memory.Space.Host))
             params = jax.tree.map(lambda new, old, label: new if label == TRAIN else old, stepped, state.params,
                                   self.labels)

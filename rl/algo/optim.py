@@ -20,7 +20,7 @@ apart from the policy's). `lr_schedule`: the learning rate per applied update (L
 from __future__ import annotations
 
 import math
-
+from collections.abc import Mapping
 from typing import Any
 
 import jax
@@ -97,9 +97,9 @@ def param_owner(param_paths: set[str]):
     return owner
 
 
-def update_streamed(tx: optax.GradientTransformation, grads, opt_state, params, streamed: frozenset[str], *,
+def update_streamed(tx: optax.GradientTransformation, grads, opt_state, params, streamed: Mapping[str, int], *,
                     finite: jax.Array, g_norm: jax.Array | None = None, max_norm: float | None = None,
-                    to_device=None, to_host=None) -> tuple[Any, Any]:
+                    apart_norm: jax.Array | None = None, to_device=None, to_host=None) -> tuple[Any, Any]:
     """`update` with the state of the `streamed` params updated one slice of their leading dim at a time.
 
     Same result as `update` with `optax.clip_by_global_norm(max_norm)` in front of `tx` followed by the
@@ -111,13 +111,19 @@ def update_streamed(tx: optax.GradientTransformation, grads, opt_state, params, 
     Args:
       tx: the optimizer *without* its clip (`optax.identity()` in the clip's place, so the state has the same
         structure). grads, opt_state, params: as `update` (params an nnx.State; grads like it).
-      streamed: '/'-joined param paths (trained, ndim >= 3, leading dim not sharded) whose master / moments are
+      streamed: {'/'-joined param path (trained, ndim >= 3): blocks} of the params whose master / moments are
         updated in a `lax.fori_loop` over their leading dim (the stacked layers with `scan_layers`): per step only
         one slice of their optimizer state is in flight, moved in by `to_device(x)` and back by `to_host(x)`
-        (`jax.device_put` to a memory space; None = no move). Without this the step materialises the whole
-        offloaded state on the device (XLA's memory analysis of the Flash step: launch/aot.py).
+        (`jax.device_put` to a memory space; None = no move). A leading dim split over the mesh in `blocks` > 1
+        (a pipelined group over `stage`, `rl.algo.learner_state.streamable`) is viewed as [blocks, R / blocks, ...]
+        and looped over its second dim: each slice is every block's own row, so no device reads another's.
+        Without this the step materialises the whole offloaded state on the device (XLA's memory analysis of the
+        Flash step: launch/aot.py).
       finite: bool scalar, the non-finite guard: False keeps old params and state.
       g_norm, max_norm: the global gradient norm and the clip threshold (max_norm None = no clip).
+      apart_norm: with `train_tx`'s MTP clip apart (`mtp_loss_weight` > 0), the MTP head's gradient norm: its
+        leaves (`is_mtp_key`) are clipped by it and the others by `g_norm` (then their norm alone), as
+        `clip_by_global_norm_apart`. Before, the streamed update clipped every leaf by the one global norm.
     Returns:
       (new params, new opt_state), the guard applied.
     """
@@ -125,9 +131,10 @@ def update_streamed(tx: optax.GradientTransformation, grads, opt_state, params, 
     move_in = to_device or (lambda x: x)
     move_out = to_host or (lambda x: x)
 
-    def clip(t):
+    def clip(t, name):
         t = t.astype(f32)
-        return t if max_norm is None else jax.lax.select(g_norm < max_norm, t, (t / g_norm.astype(f32)) * max_norm)
+        norm = apart_norm if apart_norm is not None and is_mtp_key(name) else g_norm
+        return t if max_norm is None else jax.lax.select(norm < max_norm, t, (t / norm.astype(f32)) * max_norm)
 
     def keep(new, old):
         return jnp.where(finite, new, old)
@@ -150,7 +157,7 @@ def update_streamed(tx: optax.GradientTransformation, grads, opt_state, params, 
     # every leaf not streamed, in one call (streamed ones as zero-size stand-ins)
     side = [pp in streamed for pp in p_paths]
     new_p, new_o = run([hole(x) if s else x for x, s in zip(p_vals, side)],
-                       [hole(g) if s else clip(g) for g, s in zip(g_leaves, side)],
+                       [hole(g) if s else clip(g, pp) for g, s, pp in zip(g_leaves, side, p_paths)],
                        [hole(x) if ow in streamed else x for x, ow in zip(o_vals, o_owner)])
     out_p = [x if s else keep(n, x) for n, x, s in zip(new_p, p_vals, side)]
     out_o = [x if ow in streamed else keep(n, x) for n, x, ow in zip(new_o, o_vals, o_owner)]
@@ -158,26 +165,30 @@ def update_streamed(tx: optax.GradientTransformation, grads, opt_state, params, 
     for name in sorted(streamed):
         pi = p_paths.index(name)
         oi = [j for j, ow in enumerate(o_owner) if ow == name]
-        n = p_vals[pi].shape[0]
+        blocks = streamed[name]
+        n, axis = p_vals[pi].shape[0] // blocks, int(blocks > 1)
+        view = (lambda x: x.reshape(blocks, n, *x.shape[1:])) if blocks > 1 else (lambda x: x)  # noqa: E731
+        unview = (lambda x: x.reshape(blocks * n, *x.shape[2:])) if blocks > 1 else (lambda x: x)  # noqa: E731
+        g_view = view(g_leaves[pi])
 
-        def body(i, carry, pi=pi, oi=oi):
+        def body(i, carry, pi=pi, oi=oi, axis=axis, g_view=g_view, name=name):
             p_full, o_full = carry
-            take = lambda x: jax.lax.dynamic_index_in_dim(x, i, keepdims=False)  # noqa: E731
-            p_i, g_i, o_i = take(p_full), clip(take(g_leaves[pi])), [move_in(take(x)) for x in o_full]
+            take = lambda x: jax.lax.dynamic_index_in_dim(x, i, axis, keepdims=False)  # noqa: E731
+            p_i, g_i, o_i = take(p_full), clip(take(g_view), name), [move_in(take(x)) for x in o_full]
             p_list = [p_i if j == pi else hole(x) for j, x in enumerate(p_vals)]
             g_list = [g_i if j == pi else hole(g) for j, g in enumerate(g_leaves)]
             o_list = [hole(x) if ow is not None else x for x, ow in zip(o_vals, o_owner)]
             for j, x in zip(oi, o_i):
                 o_list[j] = x
             np_, no_ = run(p_list, g_list, o_list)
-            put = lambda full, v: jax.lax.dynamic_update_index_in_dim(full, v, i, 0)  # noqa: E731
+            put = lambda full, v: jax.lax.dynamic_update_index_in_dim(full, v, i, axis)  # noqa: E731
             return (put(p_full, keep(np_[pi], p_i)),
                     [put(full, move_out(keep(no_[j], x))) for full, j, x in zip(o_full, oi, o_i)])
 
-        p_new, o_new = jax.lax.fori_loop(0, n, body, (p_vals[pi], [o_vals[j] for j in oi]))
-        out_p[pi] = p_new
+        p_new, o_new = jax.lax.fori_loop(0, n, body, (view(p_vals[pi]), [view(o_vals[j]) for j in oi]))
+        out_p[pi] = unview(p_new)
         for j, x in zip(oi, o_new):
-            out_o[j] = x
+            out_o[j] = unview(x)
     return jax.tree.unflatten(p_def, out_p), jax.tree.unflatten(o_def, out_o)
 
 
@@ -219,9 +230,13 @@ def lr_schedule(cfg):
     return schedule
 
 
+def is_mtp_key(name: str) -> bool:
+    """Whether a '/'-joined param path is the MTP module's (`mtp/*`)."""
+    return name.startswith("mtp")
+
+
 def _is_mtp(path) -> bool:
-    """Whether a param path is the MTP module's (`mtp/*`)."""
-    return tree_key(path).startswith("mtp")
+    return is_mtp_key(tree_key(path))
 
 
 def train_tx(cfg, matrix: dict[str, bool], clip: bool = True) -> optax.GradientTransformation:
