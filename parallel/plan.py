@@ -34,9 +34,10 @@ Optimizer update transient: the step moves the offloaded optimizer state (fp32 m
 for the update and back (`rl.algo.learner_state.opt_state_to`). Without `stream_optimizer` nothing bounds how much
 of it is there at once (XLA's memory analysis of the Flash step keeps most of it live: launch/aot.py), so the plan
 counts all offloaded bytes on the device. With the learner's `stream_optimizer` (`rl.algo.optim.update_streamed`) the
-offloaded state of the decoder layers (stacked under `scan_layers`) is updated one layer at a time: the plan
-counts one layer's largest state slice in + out, plus the offloaded state of everything else (embedding, head,
-1-D leaves) whole. The plan is an estimate. Against XLA (`--compile`, Flash, 8K tokens per device, padded EP,
+offloaded state of the decoder layers (stacked under `scan_layers`; a pipelined group's on each stage) is updated one
+layer at a time, and that of other leaves of ndim >= 3 (the MTP head's experts) one leading slice at a time: the
+plan counts the largest such slice's state in + out, plus the offloaded state of everything else (embedding, head,
+2-D and 1-D leaves) whole. The plan is an estimate. Against XLA (`--compile`, Flash, 8K tokens per device, padded EP,
 streamed update) XLA:CPU's figure is above the plan with its XLA:CPU-only item by a constant ~29 GiB per device
 (the same at 8 and 43 layers: more f32 temporaries of one layer's dots than the item counts; benchmarks/README.md
 "Flash actor step compiled for the seed layouts"); the per-layer slope agrees. The GPU plan leaves the item out.
@@ -355,6 +356,9 @@ def plan(config, mesh_spec: str, gpu: str, *, learner: LearnerKnobs, nodes: int 
                 off_master, off_mom = off_master + ms, off_mom + mo
                 if stream_optimizer and _LAYER.match(leaf.path) and len(leaf.shape) >= 2:
                     slice_peak = max(slice_peak, 2 * (ms + mo))  # one layer's state in + out
+                elif stream_optimizer and len(leaf.shape) >= 3 and leaf.shape[0] > 1:  # e.g. the MTP head's experts:
+                    lead = local_shape(leaf, rl.ACTOR_RULES, a_mesh)[0]  # streamed one leading slice at a time
+                    slice_peak = max(slice_peak, 2 * (ms + mo) / lead)
                 else:
                     whole += ms + mo
             else:
