@@ -33,7 +33,8 @@ Use in a learner (the learner holds the stacked form; everything else keeps the 
     shell, stack = merge_stacked(sdef, params, buffers, remat="block")   # inside the loss (traced)
     out = shell(ids, attention_mask=m, routing_replay=r, dispatch_fn=f, layer_stack=stack)
     per_layer = unstack_params(nnx.merge_state(params, buffers), sdef.groups)   # push, official checkpoint
-        # names, and path-based lookups such as `parallel.expert.default_dispatch(devices, shardings)` (expert axis = dim 0)
+        # names, and path-based lookups such as `parallel.expert.default_dispatch(devices, shardings)`
+        # (expert axis = dim 0)
 Sources (ideas, not code): MaxText's `scan_layers` (`nn.scan` over a decoder block, params with a leading layer
 axis); Flax NNX's "scan over layers" guide (`nnx.split` a layer, `jax.lax.scan` over its stacked state).
 """
@@ -265,9 +266,14 @@ def _policy(remat: str | Callable | None):
                      f"policy")
 
 
-def _take(tree: Any, i: jax.Array) -> Any:
-    """Row i of every stacked leaf of `tree` (leading axis; None subtrees stay None), read inside a loop body
-    whose step index is i.
+def is_block_remat(remat: str | Callable | None) -> bool:
+    """Whether `remat` is the "block" policy (each layer recomputed from its saved input: `_scan_block_remat`)."""
+    return _policy(remat) is jax.checkpoint_policies.nothing_saveable
+
+
+def take(tree: Any, i: jax.Array, axis: int = 0) -> Any:
+    """Row i of every stacked leaf of `tree` (along `axis`, the leading one by default; None subtrees stay None),
+    read inside a loop body whose step index is i.
 
     The stack is first tied to i by an optimization barrier, so XLA cannot hoist work on the whole stack out of
     the loop. Without it XLA:CPU, which runs no bf16 dynamic-slice, turns `dynamic-slice(bf16 stack)` into
@@ -277,31 +283,68 @@ def _take(tree: Any, i: jax.Array) -> Any:
     the step index only, not on the layer's input, so the next layer's slice (and its FSDP gather) can still be
     issued ahead of the current layer's compute."""
     tree, _ = jax.lax.optimization_barrier((tree, i))
-    return jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, i, keepdims=False), tree)
+    return jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, i, axis, keepdims=False), tree)
 
 
-def _to_bits(a: jax.Array) -> jax.Array:
+def to_bits(a: jax.Array) -> jax.Array:
     """A 16-bit float activation as uint16 bits (saved stacks of integers are never float-normalised)."""
     return jax.lax.bitcast_convert_type(a, jnp.uint16) if a.dtype.itemsize == 2 and jnp.issubdtype(
         a.dtype, jnp.floating) else a
 
 
-def _from_bits(a: jax.Array, dtype) -> jax.Array:
+def from_bits(a: jax.Array, dtype) -> jax.Array:
     return jax.lax.bitcast_convert_type(a, dtype) if a.dtype != dtype else a
 
 
-def _run_period(steps: Sequence[Callable], st: Sequence[Any], fo: Any, x: jax.Array, positions: jax.Array,
+def run_period(steps: Sequence[Callable], st: Sequence[Any], fo: Any, x: jax.Array, positions: jax.Array,
                 ids: jax.Array, saved: list | None = None) -> tuple[jax.Array, tuple[jax.Array, jax.Array]]:
     """One scan step: sub-layers `steps[j](st[j], x, fo[j], positions, ids)` in order -> (x, (routes [period, B, S,
     k] int32, drops [period, 2] int32)). `fo`: [period, B, S, k] forced ids or None. With a `saved` list, each
-    sub-layer's input is appended to it (`_to_bits`)."""
+    sub-layer's input is appended to it (`to_bits`)."""
     rs = []
     for j, step in enumerate(steps):
         if saved is not None:
-            saved.append(_to_bits(x))
+            saved.append(to_bits(x))
         x, r = step(st[j], x, None if fo is None else fo[j], positions, ids)
         rs.append(r)
     return x, jax.tree.map(lambda *a: jnp.stack(a), *rs)
+
+
+def differentiable(states: Sequence[Any]) -> list[list[bool]]:
+    """Per sub-layer state (a pytree), per leaf: whether it is a float (gets a cotangent)."""
+    return [[jnp.issubdtype(a.dtype, jnp.inexact) for a in jax.tree.leaves(st)] for st in states]
+
+
+def period_backward(steps: Sequence[Callable], diff: Sequence[Sequence[bool]], st: Sequence[Any], saved: Sequence[Any],
+                    fo: Any, positions: jax.Array, ids: jax.Array, ct_x: jax.Array) -> tuple[jax.Array, tuple]:
+    """The backward of one `run_period` step under remat "block": each sub-layer recomputed from its `saved` input
+    (`to_bits`) and differentiated, last first. st: the period's layer states (one repetition's); diff:
+    `differentiable(st)`. Returns (ct_x of the period's input (ct_x's dtype), per sub-layer the cotangents of its
+    float leaves, in leaf order)."""
+    xdtype = ct_x.dtype  # the carry's dtype (a scan carry keeps its dtype)
+    cts_j = [None] * len(steps)
+    for j in reversed(range(len(steps))):
+        lv, tdef = jax.tree.flatten(st[j])
+        dj = diff[j]
+
+        def g(wd, xin, j=j, lv=lv, tdef=tdef, dj=dj):
+            it = iter(wd)
+            full = [next(it) if d else a for a, d in zip(lv, dj)]
+            return steps[j](jax.tree.unflatten(tdef, full), xin, None if fo is None else fo[j], positions, ids)[0]
+
+        _, vjp = jax.vjp(g, [a for a, d in zip(lv, dj) if d], from_bits(saved[j], xdtype))
+        cts_j[j], ct_x = vjp(ct_x)
+    return ct_x, tuple(cts_j)
+
+
+def weight_cotangents(states: Sequence[Any], diff: Sequence[Sequence[bool]], cts: Sequence[Sequence[Any]]) -> tuple:
+    """`period_backward`'s per-leaf cotangents (stacked or accumulated) as the `states` pytrees, None for the
+    leaves that are not floats (a custom_vjp's zero)."""
+    out = []
+    for st, dj, ct in zip(states, diff, cts):
+        it = iter(ct)
+        out.append(jax.tree.unflatten(jax.tree.structure(st), [next(it) if d else None for d in dj]))
+    return tuple(out)
 
 
 def _scan_block_remat(steps: Sequence[Callable], n: int):
@@ -312,7 +355,7 @@ def _scan_block_remat(steps: Sequence[Callable], n: int):
     Why not `jax.checkpoint` + `lax.scan`: JAX scans the stacked weights and the saved inputs as the loop's `xs`,
     slicing them with a bf16 dynamic-slice that XLA:CPU float-normalises into f32 copies of whole stacks (83 + 20
     GiB per device for DeepSeek-V4-Flash on 2 x 8 devices, more than the weights themselves). Here the weights
-    are read with `_take` (no copy), the saved inputs are stacked as uint16 bits (bitwise), and the per-layer
+    are read with `take` (no copy), the saved inputs are stacked as uint16 bits (bitwise), and the per-layer
     weight gradients leave the backward loop as its stacked outputs. Gradients equal the checkpointed scan's
     (tests/dsv4/test_scan.py).
 
@@ -321,12 +364,11 @@ def _scan_block_remat(steps: Sequence[Callable], n: int):
     n_hc, D], forced ([n, period, B, S, k] int32 or None), positions and ids [B, S] int32. Returns (x, (routes
     [n, period, B, S, k] int32, drops [n, period, 2] int32)).
     """
-    period = len(steps)
 
     def forward(states, x, forced, positions, ids, save):
         def body(x, i):
             saved = [] if save else None
-            x, r = _run_period(steps, *_take((states, forced), i), x, positions, ids, saved)
+            x, r = run_period(steps, *take((states, forced), i), x, positions, ids, saved)
             return x, (None if saved is None else tuple(saved), r)
         return jax.lax.scan(body, x, jnp.arange(n))
 
@@ -341,35 +383,14 @@ def _scan_block_remat(steps: Sequence[Callable], n: int):
 
     def f_bwd(res, cts):
         states, saved, forced, positions, ids = res
-        ct_x = cts[0]
-        xdtype = ct_x.dtype  # the carry's dtype (a scan carry keeps its dtype)
-        leaves = [jax.tree.flatten(st) for st in states]
-        diff = [[jnp.issubdtype(a.dtype, jnp.inexact) for a in lv] for lv, _ in leaves]
+        diff = differentiable(states)
 
         def body(ct_x, i):
-            st, sv, fo = _take((states, saved, forced), i)
-            cts_j = [None] * period
-            for j in reversed(range(period)):
-                lv, tdef = jax.tree.flatten(st[j])
-                dj = diff[j]
-                wd = [a for a, d in zip(lv, dj) if d]
+            st, sv, fo = take((states, saved, forced), i)
+            return period_backward(steps, diff, st, sv, fo, positions, ids, ct_x)
 
-                def g(wd, xin, j=j, lv=lv, tdef=tdef, dj=dj):
-                    it = iter(wd)
-                    full = [next(it) if d else a for a, d in zip(lv, dj)]
-                    return steps[j](jax.tree.unflatten(tdef, full), xin, None if fo is None else fo[j], positions,
-                                    ids)[0]
-
-                _, vjp = jax.vjp(g, wd, _from_bits(sv[j], xdtype))
-                cts_j[j], ct_x = vjp(ct_x)
-            return ct_x, tuple(cts_j)
-
-        ct_x, ct_w = jax.lax.scan(body, ct_x, jnp.arange(n), reverse=True)
-        ct_states = []
-        for j, (_, tdef) in enumerate(leaves):
-            it = iter(ct_w[j])
-            ct_states.append(jax.tree.unflatten(tdef, [next(it) if d else None for d in diff[j]]))
-        return tuple(ct_states), ct_x, None, None, None
+        ct_x, ct_w = jax.lax.scan(body, cts[0], jnp.arange(n), reverse=True)
+        return weight_cotangents(states, diff, ct_w), ct_x, None, None, None
 
     f.defvjp(f_fwd, f_bwd)
     return f
@@ -393,7 +414,7 @@ def run_group(steps: Sequence[Callable], states: Sequence[Any], x: jax.Array, fo
     repetition. forced: [repeats, period, ...] or None. Returns (x, (routes [repeats, period, ...], drops [repeats,
     period, ..., 2]))."""
     policy = _policy(remat)
-    if repeats > 1 and policy is jax.checkpoint_policies.nothing_saveable:
+    if repeats > 1 and is_block_remat(remat):
         return _scan_block_remat(steps, repeats)(states, x, forced, positions, ids)
     # prevent_cse=False is only safe inside lax.scan; a group run inline (one repetition) needs the CSE guard, else
     # XLA merges the backward's recomputation with the forward and keeps the whole layer's activations alive until
@@ -401,9 +422,9 @@ def run_group(steps: Sequence[Callable], states: Sequence[Any], x: jax.Array, fo
     inline = repeats == 1
     steps = [st if policy is None else jax.checkpoint(st, policy=policy, prevent_cse=inline) for st in steps]
     if inline:  # one repetition: the body inline (a length-1 loop only adds compile work)
-        x, r = _run_period(steps, *jax.tree.map(lambda a: a[0], (states, forced)), x, positions, ids)
+        x, r = run_period(steps, *jax.tree.map(lambda a: a[0], (states, forced)), x, positions, ids)
         return x, jax.tree.map(lambda a: a[None], r)
-    return jax.lax.scan(lambda x, i: _run_period(steps, *_take((states, forced), i), x, positions, ids), x,
+    return jax.lax.scan(lambda x, i: run_period(steps, *take((states, forced), i), x, positions, ids), x,
                         jnp.arange(repeats))
 
 
@@ -426,8 +447,8 @@ def run_layers(groups: Sequence[LayerGroup], graphdefs: Sequence[Sequence[Any]],
       (x [B, S, n, D], routing [B, S, L, k] int32, expert drops [2] int32 summed over the layers): equal to the
       Python loop's (same ops per layer, in order).
 
-    The stacked weights are loop constants read one layer per step by `_take`, never the scan's `xs` (see
-    `_take` for the copy that avoids).
+    The stacked weights are loop constants read one layer per step by `take`, never the scan's `xs` (see
+    `take` for the copy that avoids).
     """
     _policy(remat)  # a bad policy name fails here, before any tracing
     b, s = ids.shape

@@ -19,7 +19,8 @@ leaves [R, ...] are viewed as [P, R / P, ...], each sub-layer's step is `jax.vma
 steps over a stage's R / P repetitions, remat policy included. The vmap sits inside the remat, not around it: the
 "block" remat's hand-written backward then differentiates the vmapped step, so JAX makes the EP dispatch's
 shard_map residuals knowing `stage` is the vmap's axis (vmapping the whole stage instead, the backward's shard_map
-residuals named `stage` and JAX refused them: "vmap spmd_axis_name cannot appear in shard_map out_specs"). A carry `buf` [P, B_m, S, n, D] holds each stage's input; at iteration t
+residuals named `stage` and JAX refused them: "vmap spmd_axis_name cannot appear in shard_map out_specs").
+A carry `buf` [P, B_m, S, n, D] holds each stage's input; at iteration t
 (t = 0 .. M + P - 2) stage 0 reads micro-batch t, every stage runs, and `jnp.roll(out, 1, axis=0)` hands stage p's
 output to stage p + 1 (XLA lowers the roll of a stage-split dim to a collective permute). Stage p works on
 micro-batch t - p; the token ids (hash routing), positions and the routing-replay ids it needs are read per stage
@@ -51,6 +52,7 @@ import jax.numpy as jnp
 from flax import nnx, struct
 from jax.sharding import NamedSharding, PartitionSpec
 
+from dsv4 import scan as sc
 from dsv4.scan import LayerGroup, LayerStack, group_steps, run_group, run_layers
 from sharding import axes as ax
 from sharding import rules as rl
@@ -184,49 +186,158 @@ def run_pipelined_group(plan: PipelinePlan, grp: LayerGroup, graphdefs: Sequence
         raise ValueError(f"the pipeline's batch of {b} rows does not split into {n_mb} micro-batches")
     bm, rps = b // n_mb, grp.repeats // n_st
     lps = grp.period * rps  # layers per stage
-    # [R, ...] -> [P, R / P, ...] (stage p's contiguous repetitions) -> [R / P, P, ...]: the scan over a stage's
-    # repetitions steps every stage's layer at once (`run_group` over the stage-vmapped steps)
     raw = [state[j].raw_mapping if isinstance(state[j], nnx.State) else state[j] for j in range(grp.period)]
-    w = tuple(jax.tree.map(lambda a: jnp.swapaxes(a.reshape(n_st, rps, *a.shape[1:]), 0, 1), st) for st in raw)
     x_mb, ids_mb, pos_mb = (split_micro_batches(a, n_mb) for a in (x, ids, positions))  # [M, B_m, ...]
     forced = None
     if routing_replay is not None:  # -> [P, M, B_m, S, R / P, period, k]: stage p's layers of micro-batch m
         f = split_micro_batches(routing_replay[:, :, grp.start:grp.stop], n_mb)
         forced = jnp.transpose(f.reshape(n_mb, bm, s, n_st, rps, grp.period, -1), (3, 0, 1, 2, 4, 5, 6))
     stage = jnp.arange(n_st)
-    # each sub-layer step vmapped over the stage dim, inside `run_group`: the remat's hand-written backward
-    # (`_scan_block_remat`) and the EP dispatch's shard_map are then differentiated inside the vmap, which is
-    # how JAX batches a shard_map (`spmd_axis_name` known while its residuals are made)
+    # each sub-layer step vmapped over the stage dim, inside `run_group` / the hand-written backward: the remat's
+    # backward and the EP dispatch's shard_map are then differentiated inside the vmap, which is how JAX batches a
+    # shard_map (`spmd_axis_name` known while its residuals are made)
     spmd = _stage_axis()
     steps = [jax.vmap(st, in_axes=(0, 0, None if forced is None else 0, 0, 0), spmd_axis_name=spmd)
              for st in group_steps(graphdefs, dispatch_fn)]
+    if sc.is_block_remat(remat):
+        w = tuple(jax.tree.map(lambda a: a.reshape(n_st, rps, *a.shape[1:]), st) for st in raw)  # [P, R / P, ...]
+        ys, rs, ds = _block_remat_pipeline(steps, n_st, n_mb, rps)(w, x_mb, pos_mb, ids_mb, forced)
+    else:
+        # [R, ...] -> [P, R / P, ...] (stage p's contiguous repetitions) -> [R / P, P, ...]: the scan over a stage's
+        # repetitions steps every stage's layer at once (`run_group` over the stage-vmapped steps)
+        w = tuple(jax.tree.map(lambda a: jnp.swapaxes(a.reshape(n_st, rps, *a.shape[1:]), 0, 1), st) for st in raw)
 
-    def stages_fn(inp, pos, tid, fo):  # [P, B_m, S, n, D] -> (x, routes [P, B_m, S, L_s, k], drops [P, 2])
-        fo = None if fo is None else jnp.transpose(fo, (3, 4, 0, 1, 2, 5))  # -> [R / P, period, P, B_m, S, k]
-        out, (r, d) = run_group(steps, w, inp, fo, pos, tid, repeats=rps, remat=remat)
-        r = jnp.transpose(r, (2, 3, 4, 0, 1, 5)).reshape(n_st, bm, s, lps, -1)  # layer order in the stage
-        return out, r, jnp.sum(d, axis=(0, 1))
+        def body(buf, t):
+            mb = (t - stage) % n_mb  # [P]: the micro-batch each stage works on (bubble: any, discarded)
+            inp = _stage_input(x_mb, buf, t, n_mb)
+            fo = None if forced is None else _stage_forced(forced[stage, mb])
+            out, (r, d) = run_group(steps, w, inp, fo, pos_mb[mb], ids_mb[mb], repeats=rps, remat=remat)
+            return _stage_output(out, r, d)
 
-    def body(buf, t):
-        mb = (t - stage) % n_mb  # [P]: the micro-batch each stage works on (bubble: any, discarded)
-        inp = rl.constrain(jnp.where((stage == 0)[:, None, None, None, None], x_mb[t % n_mb][None], buf), _BUF)
-        fo = None if forced is None else forced[stage, mb]  # -> [P, B_m, S, R / P, period, k]
-        out, r, d = stages_fn(inp, pos_mb[mb], ids_mb[mb], fo)  # `stage` on dim 0
-        valid = (t >= stage) & (t - stage < n_mb)
-        d = jnp.where(valid[:, None], d, 0)
-        nxt = rl.constrain(jnp.roll(out, 1, axis=0), _BUF)  # stage p -> p + 1: a collective permute over `stage`
-        # the last stage's output, its rows split as the batch's: without the constraint the backward's slice of
-        # the stacked cotangents was all-gathered over the batch axes, whole, every iteration (96 GiB per step at 7
-        # Flash layers on stage=2,expert=8)
-        return nxt, (rl.constrain(out[n_st - 1], _ROWS), r, d)
-
-    buf0 = jnp.broadcast_to(x_mb[0][None], (n_st, *x_mb.shape[1:]))  # finite filler for the first iterations
-    _, (ys, rs, ds) = jax.lax.scan(body, buf0, jnp.arange(plan.iterations))
+        _, (ys, rs, ds) = jax.lax.scan(body, _buf0(x_mb, n_st), jnp.arange(plan.iterations))
+    # routes [T, R / P, period, P, B_m, S, k] -> [T, P, B_m, S, L_s, k] (layer order in the stage); drops [T, P, 2]
+    rs = jnp.transpose(rs, (0, 3, 4, 5, 1, 2, 6)).reshape(plan.iterations, n_st, bm, s, lps, -1)
+    it = jnp.arange(plan.iterations)[:, None]
+    valid = (it >= stage[None]) & (it - stage[None] < n_mb)  # [T, P]: the iterations a stage had a micro-batch
+    ds = jnp.where(valid[..., None], jnp.sum(ds, axis=(1, 2)), 0)
     x_out = merge_micro_batches(ys[n_st - 1:])  # the last stage's outputs, micro-batch m at iteration m + P - 1
     at = jnp.arange(n_mb)[:, None] + stage[None, :]  # iteration at which stage p ran micro-batch m: [M, P]
     r = rs[at, stage[None, :]]  # -> [M, P, B_m, S, L_s, k]
     routes = merge_micro_batches(jnp.transpose(r, (0, 2, 3, 1, 4, 5)).reshape(n_mb, bm, s, n_st * lps, -1))
     return x_out, routes, jnp.sum(ds, axis=(0, 1))
+
+
+def _stage_input(x_mb: jax.Array, buf: jax.Array, t: jax.Array, n_mb: int) -> jax.Array:
+    """Iteration t's stage inputs [P, B_m, S, n, D]: stage 0 reads micro-batch t (mod M), the others `buf`."""
+    first = (jnp.arange(buf.shape[0]) == 0)[:, None, None, None, None]
+    return rl.constrain(jnp.where(first, x_mb[t % n_mb][None], buf), _BUF)
+
+
+def _stage_forced(fo: jax.Array) -> jax.Array:
+    """Forced routes of each stage's micro-batch [P, B_m, S, R / P, period, k] -> [R / P, period, P, B_m, S, k]."""
+    return jnp.transpose(fo, (3, 4, 0, 1, 2, 5))
+
+
+def _stage_output(out: jax.Array, r: Any, d: jax.Array):
+    """(next `buf`, (the last stage's output, routes, drops)) of one iteration: `jnp.roll(out, 1, axis=0)` hands stage
+    p's output to stage p + 1 (XLA lowers the roll of a stage-split dim to a collective permute); the last stage's
+    output keeps the batch's row split (without the constraint the backward's slice of the stacked cotangents was
+    all-gathered over the batch axes, whole, every iteration: 96 GiB per step at 7 Flash layers on
+    stage=2,expert=8)."""
+    nxt = rl.constrain(jnp.roll(out, 1, axis=0), _BUF)
+    return nxt, (rl.constrain(out[out.shape[0] - 1], _ROWS), r, d)
+
+
+def _buf0(x_mb: jax.Array, n_st: int) -> jax.Array:
+    """The first iterations' `buf`: finite filler (micro-batch 0), its results discarded."""
+    return jnp.broadcast_to(x_mb[0][None], (n_st, *x_mb.shape[1:]))
+
+
+def _block_remat_pipeline(steps: Sequence[Callable], n_st: int, n_mb: int, rps: int):
+    """The GPipe loop under remat "block" with a hand-written backward, as
+    `f(w, x_mb, pos_mb, ids_mb, forced) -> (ys [T, B_m, S, n, D], routes [T, R / P, period, P, B_m, S, k],
+    drops [T, R / P, period, P, 2])`; w: per sub-layer the stacked state viewed [P, R / P, ...] (stage p's
+    repetitions, no copy), x_mb / pos_mb / ids_mb [M, B_m, ...], forced [P, M, B_m, S, R / P, period, k] or None.
+
+    The forward saves each sub-layer's input per iteration (`dsv4.scan.to_bits`), as `dsv4.scan`'s block remat. The
+    backward runs the iterations in reverse, each stage's repetitions in reverse (`dsv4.scan.period_backward`:
+    recompute, differentiate), and adds each layer's weight cotangent into one accumulator per weight, in place
+    (a carry of both loops; repetition i of every stage is the slice [:, i]). `jax.grad` of the plain loop
+    instead made each iteration's stacked weight cotangents as a loop output and added them to its own
+    accumulator: two copies of the pipelined weights' gradients (Flash on stage=2,expert=8: +30 GiB per device, the
+    routed experts' 6 x 5 GiB)."""
+    stage = jnp.arange(n_st)
+    n_it = n_mb + n_st - 1
+
+    def run(w, x_mb, pos_mb, ids_mb, forced, save):
+        def body(buf, t):
+            mb = (t - stage) % n_mb
+            inp = _stage_input(x_mb, buf, t, n_mb)
+            fo = None if forced is None else _stage_forced(forced[stage, mb])
+            pos, tid = pos_mb[mb], ids_mb[mb]
+
+            def rep(x, i):
+                saved = [] if save else None
+                x, r = sc.run_period(steps, sc.take(w, i, axis=1), None if fo is None else fo[i], x, pos, tid,
+                                     saved)
+                return x, (None if saved is None else tuple(saved), r)
+
+            out, (sv, (r, d)) = jax.lax.scan(rep, inp, jnp.arange(rps))
+            nxt, y = _stage_output(out, r, d)
+            return nxt, (y, sv)
+
+        _, (y, sv) = jax.lax.scan(body, _buf0(x_mb, n_st), jnp.arange(n_it))
+        return y, sv
+
+    @jax.custom_vjp
+    def f(w, x_mb, pos_mb, ids_mb, forced):
+        return run(w, x_mb, pos_mb, ids_mb, forced, save=False)[0]
+
+    def f_fwd(w, x_mb, pos_mb, ids_mb, forced):
+        y, sv = run(w, x_mb, pos_mb, ids_mb, forced, save=True)
+        return y, (w, sv, x_mb, pos_mb, ids_mb, forced)
+
+    def f_bwd(res, cts):
+        w, sv, x_mb, pos_mb, ids_mb, forced = res
+        ct_ys = cts[0]  # [T, B_m, S, n, D]; the routes and drops are integers
+        diff = sc.differentiable(w)
+        acc0 = tuple([jnp.zeros_like(a) for a, d in zip(jax.tree.leaves(st), dj) if d] for st, dj in zip(w, diff))
+        last = (stage == n_st - 1)[:, None, None, None, None]
+
+        def body(carry, t):
+            ct_buf, acc, ct_x_mb = carry
+            mb = (t - stage) % n_mb
+            fo = None if forced is None else _stage_forced(forced[stage, mb])
+            pos, tid = pos_mb[mb], ids_mb[mb]
+            sv_t = sc.take(sv, t)
+            # out -> (roll: next buf, out[P - 1]: ys[t]); the last stage's rolled-over output is ignored by stage 0
+            ct_out = jnp.roll(ct_buf, -1, axis=0) + jnp.where(last, ct_ys[t][None], 0).astype(ct_buf.dtype)
+            ct_out = rl.constrain(ct_out, _BUF)
+
+            def rep(c, i):
+                ct_x, acc = c
+                ct_x, cts = sc.period_backward(steps, diff, sc.take(w, i, axis=1), sc.take(sv_t, i),
+                                               None if fo is None else fo[i], pos, tid, ct_x)
+                put = lambda a, g: jax.lax.dynamic_update_index_in_dim(  # noqa: E731
+                    a, jax.lax.dynamic_index_in_dim(a, i, 1, keepdims=False) + g.astype(a.dtype), i, 1)
+                return (ct_x, tuple([put(a, g) for a, g in zip(aj, gj)] for aj, gj in zip(acc, cts))), None
+
+            (ct_inp, acc), _ = jax.lax.scan(rep, (ct_out, acc), jnp.arange(rps), reverse=True)
+            ct_inp = rl.constrain(ct_inp, _BUF)
+            ct_x_mb = jax.lax.dynamic_update_index_in_dim(
+                ct_x_mb, jax.lax.dynamic_index_in_dim(ct_x_mb, t % n_mb, keepdims=False) + ct_inp[0].astype(
+                    ct_x_mb.dtype), t % n_mb, 0)
+            ct_buf = jnp.where((stage == 0)[:, None, None, None, None], 0, ct_inp).astype(ct_buf.dtype)
+            return (ct_buf, acc, ct_x_mb), None
+
+        ct_buf0 = jnp.zeros((n_st, *x_mb.shape[1:]), ct_ys.dtype)
+        (ct_buf, acc, ct_x_mb), _ = jax.lax.scan(body, (ct_buf0, acc0, jnp.zeros_like(x_mb)), jnp.arange(n_it),
+                                                 reverse=True)
+        ct_x_mb = ct_x_mb.at[0].add(jnp.sum(ct_buf, axis=0).astype(ct_x_mb.dtype))  # `_buf0`'s filler (zero)
+        return sc.weight_cotangents(w, diff, acc), ct_x_mb, None, None, None
+
+    f.defvjp(f_fwd, f_bwd)
+    return f
 
 
 def run_split_over_stages(n_st: int, groups: Sequence[LayerGroup], graphdefs: Sequence[Sequence[Any]], stacked: Any,
