@@ -23,24 +23,25 @@ the bytes) to host memory (`pinned_host`, the learner's `--offload-optimizer`; r
 the GPU; with `host_gib_per_node` given, an actor needing more host RAM than that does not fit).
 Activations: parallel/activations.py (T = tokens per device in one micro-batch, S = sequence length, remat block,
 blocked attention, log-probs in chunks, EP rows, context parallelism's gathered compressed KV).
-With `xla_cpu=True` (`--compile`) one item labelled "XLA:CPU only" is added, buffers XLA:CPU holds and a GPU does
-not (found in XLA's buffer assignment of the Flash step, `--xla_dump_to`; benchmarks/README.md "Flash actor step
-compiled for the seed layouts"): XLA:CPU runs its dots in f32, so it holds f32 copies of the gathered layer's
-weights and of their gradients and of the head (2 * gathered layer + head, again). `RoleReport.cpu_only` is that item; the actor's `fits` is the GPU plan's
-(`gpu_total`). The stacked layer weights and the saved layer inputs are *not* copied: `dsv4.scan` reads them in
-place (`_take`, uint16 saved inputs), on every backend. Before that, XLA:CPU float-normalised the scan's bf16
-`xs` into f32 copies of whole stacks (100 GiB per device for Flash on 2 x 8 devices).
-Optimizer update transient: the step moves the offloaded optimizer state (fp32 masters + moments) to the device
-for the update and back (`rl.algo.learner_state.opt_state_to`). Without `stream_optimizer` nothing bounds how much
-of it is there at once (XLA's memory analysis of the Flash step keeps most of it live: launch/aot.py), so the plan
-counts all offloaded bytes on the device. With the learner's `stream_optimizer` (`rl.algo.optim.update_streamed`) the
-offloaded state of the decoder layers (stacked under `scan_layers`; a pipelined group's on each stage) is updated one
-layer at a time, and that of other leaves of ndim >= 3 (the MTP head's experts) one leading slice at a time: the
-plan counts the largest such slice's state in + out, plus the offloaded state of everything else (embedding, head,
-2-D and 1-D leaves) whole. The plan is an estimate. Against XLA (`--compile`, Flash, 8K tokens per device, padded EP,
-streamed update) XLA:CPU's figure is above the plan with its XLA:CPU-only item by a constant ~29 GiB per device
-(the same at 8 and 43 layers: more f32 temporaries of one layer's dots than the item counts; benchmarks/README.md
-"Flash actor step compiled for the seed layouts"); the per-layer slope agrees. The GPU plan leaves the item out.
+With `xla_cpu=True` (`--compile`) one item labelled "XLA:CPU only" is added, buffers XLA:CPU holds and a GPU does not
+(found in XLA's buffer assignment of the Flash step, `--xla_dump_to`; benchmarks/README.md "Flash actor step compiled
+for the seed layouts"): XLA:CPU runs its dots in f32, so it holds f32 copies of the gathered layer's weights and of
+their gradients and of the head (2 * gathered layer + head, again). `RoleReport.cpu_only` is that item; the actor's
+`fits` is the GPU plan's (`gpu_total`). The stacked layer weights and the saved layer inputs are *not* copied:
+`dsv4.scan` reads them in place (`dsv4.scan.take`, uint16 saved inputs), on every backend. Before that, XLA:CPU
+float-normalised the scan's bf16 `xs` into f32 copies of whole stacks (100 GiB per device for Flash on 2 x 8 devices).
+Optimizer update transient: the step moves the offloaded optimizer state (fp32 masters + moments) to the device for the
+update and back (`rl.algo.learner_state.opt_state_to`). Without `stream_optimizer` nothing bounds how much of it is
+there at once (XLA's memory analysis of the Flash step keeps most of it live: launch/aot.py), so the plan counts all
+offloaded bytes on the device. With the learner's `stream_optimizer` (`rl.algo.optim.update_streamed`) the offloaded
+state of the decoder layers (stacked under `scan_layers`; a pipelined group's on each stage) is updated one layer at a
+time, that of other leaves of ndim >= 3 (the MTP head's experts) one leading slice at a time, and that of 2-D leaves of
+>= `ROW_STREAM_MIN` elements (the embedding, the head) in `ROW_STEPS` chunks of rows (`sharding.offload`): the plan
+counts the largest such slice's state in + out, plus the offloaded state of everything else (smaller 2-D and 1-D leaves)
+whole. The plan is an estimate. Against XLA (`--compile`, Flash, 8K tokens per device, padded EP, streamed update)
+XLA:CPU's figure is above the plan with its XLA:CPU-only item by a constant ~29 GiB per device (the same at 8 and 43
+layers: more f32 temporaries of one layer's dots than the item counts; benchmarks/README.md "Flash actor step compiled
+for the seed layouts"); the per-layer slope agrees. The GPU plan leaves the item out.
 
 Rollout: its weights (FP8 / FP4 / as stored) and the KV cache per sequence are parallel/model_bytes.py's
 (`rollout_leaf_bytes`, `KVCache`). `rollout_dequant="per_call"` (the sampler's default) adds a bf16 copy of every
@@ -359,6 +360,9 @@ def plan(config, mesh_spec: str, gpu: str, *, learner: LearnerKnobs, nodes: int 
                 elif stream_optimizer and len(leaf.shape) >= 3 and leaf.shape[0] > 1:  # e.g. the MTP head's experts:
                     lead = local_shape(leaf, rl.ACTOR_RULES, a_mesh)[0]  # streamed one leading slice at a time
                     slice_peak = max(slice_peak, 2 * (ms + mo) / lead)
+                elif (stream_optimizer and len(leaf.shape) == 2 and math.prod(leaf.shape) >= offload_lib.ROW_STREAM_MIN
+                      and local_shape(leaf, rl.ACTOR_RULES, a_mesh)[0] % offload_lib.ROW_STEPS == 0):
+                    slice_peak = max(slice_peak, 2 * (ms + mo) / offload_lib.ROW_STEPS)  # the embedding, the head
                 else:
                     whole += ms + mo
             else:

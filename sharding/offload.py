@@ -7,6 +7,7 @@ master copy (n x 4 bytes) when the parameter itself is not fp32. Frozen paramete
 the parameters `select_offloaded` picks in host memory: largest parameters first (ties by name), each taken while
 the running total stays <= F x the total state bytes (F = 1: all of it; F = 0: none). Whole parameters move
 (master and both moments together), so the offloaded bytes are <= F x total, equal at F in {0, 1}.
+Streaming (`ROW_STEPS`, `ROW_STREAM_MIN`): which offloaded state the learner's streamed update moves in slices.
 Host memory kind: `pinned_host` (JAX memory kinds; XLA:CPU reports it, so CPU tests exercise the real path).
 Tests: tests/rl/test_learner_scale.py.
 """
@@ -17,6 +18,10 @@ import re
 from collections.abc import Iterable
 
 HOST_MEMORY_KIND = "pinned_host"
+# the streamed update (rl.algo.optim.update_streamed) moves an offloaded 2-D leaf of >= ROW_STREAM_MIN elements (the
+# embedding, the head) through the device in ROW_STEPS chunks of rows; stacked leaves one leading slice at a time
+ROW_STEPS = 8
+ROW_STREAM_MIN = 1 << 24
 _ROUTER = re.compile(r"(layers|mtp)[./]\d+[./]ffn[./]gate[./]weight")
 
 

@@ -115,21 +115,24 @@ def offload_shardings(cfg: LearnerConfig, params: Any, shardings: TrainState, tr
 def streamable(params: Any, offloaded: frozenset[str]) -> dict[str, int]:
     """Offloaded params whose state the step streams slice by slice (`rl.algo.optim.update_streamed`), each with the
     number of blocks its leading dim is split into over the mesh: ndim >= 3 (a slice keeps ndim >= 2: the
-    weight-decay mask is unchanged) and a leading dim > 1 (with `scan_layers`: the stacked layer dim), unsplit (1)
-    or split in blocks (a pipelined group's layers over `stage`: every stage streams its own layers; before, such a
-    leaf's whole state went to the device for the update). (Streaming a group of one layer too was measured worse:
-    +11 GiB in XLA:CPU's figure of the 4-layer Flash step, so it is moved whole.)"""
+    weight-decay mask is unchanged) and a leading dim > 1 (with `scan_layers`: the stacked layer dim), unsplit (1) or
+    split in blocks (a pipelined group's layers over `stage`: every stage streams its own layers; before, such a
+    leaf's whole state went to the device for the update); and 2-D leaves of >= `ROW_STREAM_MIN` elements whose rows
+    split into `ROW_STEPS` chunks (`sharding.offload`) per block (the embedding and the head: Flash's 2 x 5.9 GiB of
+    fp32 state went to the device whole). (Streaming a group of one layer too was measured worse: +11 GiB in
+    XLA:CPU's figure of the 4-layer Flash step, so it is moved whole.)"""
     out = {}
     for p, x in jax.tree_util.tree_leaves_with_path(params):
         name = tree_key(p)
-        if name not in offloaded or x.ndim < 3 or x.shape[0] <= 1:
+        rows = x.ndim == 2 and math.prod(x.shape) >= so.ROW_STREAM_MIN
+        if name not in offloaded or not (rows or (x.ndim >= 3 and x.shape[0] > 1)):
             continue
         sh = getattr(x, "sharding", None)
         spec = getattr(sh, "spec", None)
         lead = spec[0] if spec is not None and len(spec) else None
         blocks = 1 if lead is None else math.prod(sh.mesh.shape[a] for a in (lead if isinstance(lead, tuple)
                                                                               else (lead,)))
-        if x.shape[0] % blocks == 0:
+        if x.shape[0] % (blocks * (so.ROW_STEPS if rows else 1)) == 0:
             out[name] = blocks
     return out
 

@@ -29,6 +29,7 @@ import optax
 from flax import struct
 
 from dsv4.names import tree_key
+from sharding.offload import ROW_STEPS
 
 
 @struct.dataclass
@@ -111,14 +112,15 @@ def update_streamed(tx: optax.GradientTransformation, grads, opt_state, params, 
     Args:
       tx: the optimizer *without* its clip (`optax.identity()` in the clip's place, so the state has the same
         structure). grads, opt_state, params: as `update` (params an nnx.State; grads like it).
-      streamed: {'/'-joined param path (trained, ndim >= 3): blocks} of the params whose master / moments are
-        updated in a `lax.fori_loop` over their leading dim (the stacked layers with `scan_layers`): per step only
-        one slice of their optimizer state is in flight, moved in by `to_device(x)` and back by `to_host(x)`
-        (`jax.device_put` to a memory space; None = no move). A leading dim split over the mesh in `blocks` > 1
-        (a pipelined group over `stage`, `rl.algo.learner_state.streamable`) is viewed as [blocks, R / blocks, ...]
-        and looped over its second dim: each slice is every block's own row, so no device reads another's.
-        Without this the step materialises the whole offloaded state on the device (XLA's memory analysis of the
-        Flash step: launch/aot.py).
+      streamed: {'/'-joined param path (trained, ndim >= 2): blocks} of the params whose master / moments are
+        updated in a `lax.fori_loop` over their leading dim (the stacked layers with `scan_layers`; a 2-D leaf, the
+        embedding or the head, in `ROW_STEPS` chunks of rows): per step only one slice of their optimizer state is
+        in flight, moved in by `to_device(x)` and back by `to_host(x)` (`jax.device_put` to a memory space; None =
+        no move). A leading dim split over the mesh in `blocks` > 1 (a pipelined group over `stage`,
+        `rl.algo.learner_state.streamable`) is viewed as [blocks, R / blocks, ...] and looped over its second dim:
+        each slice is every block's own row (rows), so no device reads another's. Without this the step
+        materialises the whole offloaded state on the device (XLA's memory analysis of the Flash step:
+        launch/aot.py).
       finite: bool scalar, the non-finite guard: False keeps old params and state.
       g_norm, max_norm: the global gradient norm and the clip threshold (max_norm None = no clip).
       apart_norm: with `train_tx`'s MTP clip apart (`mtp_loss_weight` > 0), the MTP head's gradient norm: its
@@ -165,10 +167,16 @@ def update_streamed(tx: optax.GradientTransformation, grads, opt_state, params, 
     for name in sorted(streamed):
         pi = p_paths.index(name)
         oi = [j for j, ow in enumerate(o_owner) if ow == name]
-        blocks = streamed[name]
-        n, axis = p_vals[pi].shape[0] // blocks, int(blocks > 1)
-        view = (lambda x: x.reshape(blocks, n, *x.shape[1:])) if blocks > 1 else (lambda x: x)  # noqa: E731
-        unview = (lambda x: x.reshape(blocks * n, *x.shape[2:])) if blocks > 1 else (lambda x: x)  # noqa: E731
+        blocks, shape = streamed[name], p_vals[pi].shape
+        if len(shape) == 2:  # [rows, cols] -> [blocks, ROW_STEPS, rows / (blocks ROW_STEPS), cols]: a chunk of rows
+            n, axis = ROW_STEPS, 1
+            view = lambda x, shape=shape, blocks=blocks: x.reshape(  # noqa: E731
+                blocks, ROW_STEPS, shape[0] // (blocks * ROW_STEPS), shape[1])
+            unview = lambda x, shape=shape: x.reshape(shape)  # noqa: E731
+        else:  # [R, ...] -> [blocks, R / blocks, ...]: one leading slice (a layer) of every block at a time
+            n, axis = shape[0] // blocks, int(blocks > 1)
+            view = (lambda x: x.reshape(blocks, n, *x.shape[1:])) if blocks > 1 else (lambda x: x)  # noqa: E731
+            unview = (lambda x: x.reshape(blocks * n, *x.shape[2:])) if blocks > 1 else (lambda x: x)  # noqa: E731
         g_view = view(g_leaves[pi])
 
         def body(i, carry, pi=pi, oi=oi, axis=axis, g_view=g_view, name=name):

@@ -16,10 +16,12 @@ from flax import nnx
 
 import dsv4
 from dsv4 import scan as sc
+from dsv4.names import tree_key
 from rl.config.algo import LearnerConfig, LossConfig
 from rl.algo.batch import TrainBatch
 from rl.algo.learner import Learner
 from parallel.expert import make_ep_dispatch
+from sharding import offload as so
 from sharding.mesh import build_mesh_plan
 
 from ragged_batch import ragged_batch  # noqa: E402  (tests/rl on sys.path)
@@ -211,14 +213,19 @@ def test_scanned_offload_selects_stacked_leaves_and_equals_on_device(model, offl
         np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
 
 
-def test_streamed_offloaded_update_equals_on_device(model, offload_batch, on_device):
+def test_streamed_offloaded_update_equals_on_device(model, offload_batch, on_device, monkeypatch):
     """stream_optimizer: the offloaded state of the stacked params is updated one layer slice at a time
-    (rl.algo.optim.update_streamed), with the global-norm clip applied elementwise, and stays in pinned_host memory;
-    params and state equal the on-device update (`_OFFLOAD_KW`) up to f32 rounding (the loop's fusions round
-    differently)."""
+    (rl.algo.optim.update_streamed), that of the large 2-D leaves (the embedding, the head: `ROW_STREAM_MIN` lowered
+    to the tiny embedding's size) in `ROW_STEPS` chunks of rows, with the global-norm clip applied elementwise, and
+    stays in pinned_host memory; params and state equal the on-device update (`_OFFLOAD_KW`) up to f32 rounding (the
+    loop's fusions round differently)."""
     dev, m_dev = on_device
+    monkeypatch.setattr(so, "ROW_STREAM_MIN", CFG.vocab_size * CFG.hidden_size)
     st = Learner(model, LearnerConfig(offload_optimizer=1.0, stream_optimizer=True, **_OFFLOAD_KW))
-    assert st.streamed and all(k.startswith("layers/") for k in st.streamed)
+    assert {"embed/weight", "head/weight"} <= set(st.streamed)
+    flat = {tree_key(p): x for p, x in jax.tree_util.tree_leaves_with_path(st.state.params)}
+    assert all(k.startswith("layers/") or (flat[k].ndim == 2 and flat[k].size >= so.ROW_STREAM_MIN)
+               for k in st.streamed)
     st.update(offload_batch)
     assert float(m_dev["train/grad_norm"]) > 1e-3  # the clip was active
     assert {x.sharding.memory_kind for x in jax.tree.leaves(st.state.opt_state) if x.ndim} == {"pinned_host"}
