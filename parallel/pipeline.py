@@ -28,11 +28,14 @@ for that micro-batch, and the routes / expert drops it records are kept per stag
 (the routing record never travels through the ring). Iterations where a stage has no micro-batch (the bubble) run
 on real, finite data whose results are discarded, so their cotangents are exactly zero.
 
-Schedule: GPipe, all forwards then all backwards, as `jax.grad` of the pipelined forward (the backward of the
-scan over iterations runs the iterations in reverse, with the same permutes reversed). Bubble fraction
-(P - 1) / (M + P - 1) (`bubble_fraction`), in forward and backward alike. Activation memory: every micro-batch's
-per-layer residuals of its stage (each stage holds M micro-batches' inputs under remat "block"), as GPipe. Not
-done: 1F1B (needs a hand-written backward schedule) and circular / interleaved stages.
+Schedule: GPipe, all forwards then all backwards; the backward runs the iterations in reverse, with the same permutes
+reversed. Under remat "block" (the learner's default) the backward is hand-written (`_block_remat_pipeline`): each
+layer is recomputed from its saved input and its weight cotangent added into one accumulator per weight, in place;
+with other remat policies it is `jax.grad` of the loop (which keeps each iteration's stacked weight cotangents beside
+the accumulator: a second copy of the pipelined weights' gradients). Bubble fraction (P - 1) / (M + P - 1)
+(`bubble_fraction`), in forward and backward alike. Activation memory: every micro-batch's per-layer inputs of its
+stage (each stage holds M micro-batches' under remat "block"), as GPipe. Not done: 1F1B (it would hold P
+micro-batches' inputs, not M) and circular / interleaved stages.
 
 Use:
     plan = pipeline_plan(sdef.groups, stages=2, micro_batches=4)
@@ -305,7 +308,7 @@ def _block_remat_pipeline(steps: Sequence[Callable], n_st: int, n_mb: int, rps: 
         last = (stage == n_st - 1)[:, None, None, None, None]
 
         def body(carry, t):
-            ct_buf, acc, ct_x_mb = carry
+            ct_buf, acc = carry
             mb = (t - stage) % n_mb
             fo = None if forced is None else _stage_forced(forced[stage, mb])
             pos, tid = pos_mb[mb], ids_mb[mb]
@@ -324,17 +327,20 @@ def _block_remat_pipeline(steps: Sequence[Callable], n_st: int, n_mb: int, rps: 
 
             (ct_inp, acc), _ = jax.lax.scan(rep, (ct_out, acc), jnp.arange(rps), reverse=True)
             ct_inp = rl.constrain(ct_inp, _BUF)
-            ct_x_mb = jax.lax.dynamic_update_index_in_dim(
-                ct_x_mb, jax.lax.dynamic_index_in_dim(ct_x_mb, t % n_mb, keepdims=False) + ct_inp[0].astype(
-                    ct_x_mb.dtype), t % n_mb, 0)
             ct_buf = jnp.where((stage == 0)[:, None, None, None, None], 0, ct_inp).astype(ct_buf.dtype)
-            return (ct_buf, acc, ct_x_mb), None
+            # stage 0's input cotangent, its rows split as the batch's (a carry of all M micro-batches' instead lost
+            # that split: all-gathered over the batch axes every iteration, 83 GiB per step on Flash)
+            return (ct_buf, acc), rl.constrain(ct_inp[0], _ROWS)
 
         ct_buf0 = jnp.zeros((n_st, *x_mb.shape[1:]), ct_ys.dtype)
-        (ct_buf, acc, ct_x_mb), _ = jax.lax.scan(body, (ct_buf0, acc0, jnp.zeros_like(x_mb)), jnp.arange(n_it),
-                                                 reverse=True)
-        ct_x_mb = ct_x_mb.at[0].add(jnp.sum(ct_buf, axis=0).astype(ct_x_mb.dtype))  # `_buf0`'s filler (zero)
-        return sc.weight_cotangents(w, diff, acc), ct_x_mb, None, None, None
+        (ct_buf, acc), ct_first = jax.lax.scan(body, (ct_buf0, acc0), jnp.arange(n_it), reverse=True)
+        # iteration t read micro-batch t mod M at stage 0 (t >= M: the bubble, a zero cotangent); `_buf0`'s filler
+        # is micro-batch 0 (a zero cotangent too)
+        rounds = -(-n_it // n_mb)
+        ct_first = jnp.pad(ct_first, [(0, rounds * n_mb - n_it)] + [(0, 0)] * (ct_first.ndim - 1))
+        ct_x_mb = jnp.sum(ct_first.reshape(rounds, n_mb, *ct_first.shape[1:]), axis=0).at[0].add(
+            jnp.sum(ct_buf, axis=0))
+        return sc.weight_cotangents(w, diff, acc), ct_x_mb.astype(x_mb.dtype), None, None, None
 
     f.defvjp(f_fwd, f_bwd)
     return f

@@ -247,7 +247,8 @@ def test_config_file_plans_the_run(capsys):
     """--config-file: the seed run's mesh, row length and EP dispatch; a flag on top wins."""
     assert plan_main(["--config-file", str(SEED), "--gpu", "mi308x", "--num-layers", "4"]) == 0
     out = capsys.readouterr().out
-    assert "mesh actor:fsdp=2,expert=8/rollout:expert=8" in out and "seq 9216" in out and "EP padded" in out
+    assert "mesh actor:stage=2,expert=8/rollout:expert=8" in out and "seq 9216" in out and "EP padded" in out
+    assert "pipeline: 2 stages" in out and "M=6 micro-batches" in out
     assert plan_main(["--config-file", str(SEED), "--gpu", "mi308x", "--num-layers", "4", "--ep-backend",
                       "ragged"]) == 0
     assert "EP ragged" in capsys.readouterr().out
