@@ -6,7 +6,7 @@ Rows, in this order (each prints its own `RESULT target=..` line; the last line 
                    layers;
   seed_mi355x_4x8: the seed run's knobs on 4 x 8 MI355X (proxy: B200 spec with 288 GiB), the actor on nodes 0-1 in
                    the layout `launch.plan --search` picked there (two pipeline stages across the nodes, expert=8
-                   in each, 12 micro-batches per pass: issue 38), rollout data=2 x expert=8 on nodes 2-3;
+                   in each, 16 micro-batches per pass: issue 38), rollout data=2 x expert=8 on nodes 2-3;
   cpu_4l / gpu_4l: the seed run at 4 layers, XLA:CPU (its HLO with the MI308X peaks) beside XLA:GPU (MI308X proxy):
                    the CPU artefacts quantified.
 The rollout regime is the seed config's (64 prompts x 16 samples = 1,024 sequences of 1,024 + 8,192 tokens, FP8
@@ -48,7 +48,7 @@ SEED = REPO / "launch" / "configs" / "dapo_seed_mi308x.yaml"
 ROWS = {
     "seed_mi308x": ["--target", "mi308x"],
     "seed_mi355x_4x8": ["--target", "mi355x", "--mesh", "actor:stage=2,expert=8/rollout:data=2,expert=8",
-                        "--learner.pipeline_stages", "2", "--learner.pipeline_micro_batches", "12"],
+                        "--learner.pipeline_stages", "2", "--learner.pipeline_micro_batches", "16"],
     "gpu_4l": ["--target", "mi308x", "--num-layers", "4"],
     "cpu_4l": ["--target", "cpu", "--gpu", "mi308x", "--num-layers", "4"],
 }
