@@ -17,8 +17,9 @@ step (`estimate`), and the `--search-compile` N best that fit are compiled devic
 The arithmetic estimate (per device, one step of M micro-batches of T tokens per device of the batch axes;
 M = `--pipeline-micro-batches`, default 4 P, for pipelined rows, 1 otherwise; an estimate for ranking, the compiled
 roofline is the figure):
-  layer-tokens  W = T (M L_o + (M + P - 1) L_p / P): the L_o layers outside the pipeline run on every stage for the
-                whole batch; the L_p pipelined ones on 1 of P stages for M + P - 1 iterations (the GPipe bubble)
+  layer-tokens  W = T (M L_o / P + (M + P - 1) L_p / P): the L_o layers outside the pipeline split the batch's rows
+                over the stages (`parallel.pipeline.run_split_over_stages`); the L_p pipelined ones run on 1 of P
+                stages for M + P - 1 iterations (the GPipe bubble)
   compute       W / L x `parallel.flops.train_flops_per_token` / tensor x REMAT_RATIO / peak flop/s
   HBM           compute's dot flops x HBM_BYTES_PER_FLOP / HBM bytes/s (the compiled seed step's ratio: the same
                 kernels on other shards move bytes in proportion to their flops, to first order)
@@ -177,7 +178,7 @@ def estimate(config, sizes: dict[str, int], *, report: PlanReport, tokens: int, 
     lp = len(pipelined)
     lo = n_layers - lp
     iters = m + p - 1
-    layer_tokens = tokens * (m * lo + iters * lp / p)
+    layer_tokens = tokens * (m * lo / p + iters * lp / p)
     flops = layer_tokens / n_layers * flops_per_token / t * REMAT_RATIO
     compute_s = flops / target.peak_flops
     memory_s = flops * HBM_BYTES_PER_FLOP / target.hbm_bw
