@@ -174,23 +174,33 @@ class LearnerStep:
             norms = dict(norms, mtp_tokens=jnp.maximum(jnp.sum(mtp_mask(batch.response_mask)), 1.0))
         m = lay.micro_batches
         mp = min(self.cfg.pipeline_micro_batches or m, m)  # micro-batches per pipelined pass
-        loss_fn = functools.partial(self.loss, loss_cfg=self.loss_cfg(lay), micro_batches=mp if self.pipelined else None)
         wrt, expand, ref = state.params, lambda g: g, state.ref_params
         if self.cfg.lora.enabled and self.cfg.loss.kl_coef > 0:  # the reference: the base (every adapter zero)
             ref = jax.tree.map(lambda x, lab: jnp.zeros_like(x) if lab == TRAIN else jax.lax.stop_gradient(x),
                                state.params, self.labels)
+        with_trained = None
         if self.cfg.lora.enabled:
             wrt, with_trained, expand = self.trained_only(state.params)
-            loss_fn = (lambda f: lambda tr, *a: f(with_trained(tr), *a))(loss_fn)
-        grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
-        if self.pipelined:  # pipelined forward + backward passes over the (padded) batch: rows in the order
-            # batching.split pads them to, the pipeline cutting the micro-batches batching.split would, in rounds of
-            # cfg.pipeline_micro_batches micro-batches (None: one round of all M), accumulated as micro-batches below
-            rounds = -(-m // mp)
-            mbs = batching.split(batch, dataclasses.replace(lay, micro_batches=rounds * mp))
+
+        def make_grad_fn(micro_batches):  # micro_batches: a pipelined pass of that many, else None
+            loss_fn = functools.partial(self.loss, loss_cfg=self.loss_cfg(lay), micro_batches=micro_batches)
+            if with_trained is not None:
+                loss_fn = (lambda f: lambda tr, *a: f(with_trained(tr), *a))(loss_fn)
+            return jax.value_and_grad(loss_fn, has_aux=True)
+
+        grad_fn = make_grad_fn(mp if self.pipelined else None)
+        tail = None  # (grad_fn, pass) of a shorter last pipelined pass
+        if self.pipelined:  # pipelined forward + backward passes over the batch: rows in the order batching.split
+            # puts them, the pipeline cutting the micro-batches batching.split would, in passes of
+            # cfg.pipeline_micro_batches micro-batches (None: one pass of all M), accumulated as micro-batches below;
+            # M not a multiple of it: one shorter last pass (its own pipeline), not a pass padded with neutral rows
+            full, rem = divmod(m, mp)
+            mbs = batching.split(batch, lay)  # [M, R, ...]
             whole = jax.tree.map(lambda x: jax.vmap(pipeline.merge_micro_batches)(
-                x.reshape(rounds, mp, *x.shape[1:])), mbs)  # [rounds, mp R, ...]: one pipelined pass each
-            if rounds == 1:
+                x[:full * mp].reshape(full, mp, *x.shape[1:])), mbs)  # [full, mp R, ...]: one pipelined pass each
+            if rem:
+                tail = make_grad_fn(rem), jax.tree.map(lambda x: pipeline.merge_micro_batches(x[full * mp:]), mbs)
+            elif full == 1:
                 (loss, metrics), grads = grad_fn(wrt, state.buffers, ref, jax.tree.map(lambda x: x[0], whole), norms)
                 return loss, expand(grads), metrics
             mbs = whole
@@ -208,7 +218,11 @@ class LearnerStep:
         (_, metric_shapes), _ = jax.eval_shape(grad_fn, wrt, state.buffers, ref, first, norms)
         zeros = lambda t: jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), t)  # noqa: E731
         init = (jnp.zeros((), jnp.float32), jax.tree.map(jnp.zeros_like, wrt), zeros(metric_shapes))
-        (loss, grads, metrics), _ = jax.lax.scan(body, init, mbs)
+        acc, _ = jax.lax.scan(body, init, mbs)
+        if tail is not None:
+            (loss, metrics), grads = tail[0](wrt, state.buffers, ref, tail[1], norms)
+            acc = jax.tree.map(jnp.add, acc, (loss, grads, metrics))
+        loss, grads, metrics = acc
         return loss, expand(grads), metrics
 
     def step(self, state: TrainState, batch: TrainBatch, lay: batching.Layout) -> tuple[TrainState, Metrics]:

@@ -296,8 +296,9 @@ class LearnerConfig:
         from one pipelined forward over all M micro-batches (bubble (P - 1) / (M + P - 1)). P must divide that
         group's repetitions; needs scan_layers. Default 1: no pipeline.
     pipeline_micro_batches: with pipeline_stages > 1, the micro-batches of one pipelined pass: the step's M
-        micro-batches run in ceil(M / this) passes of this many (the last padded with neutral rows), gradients
-        accumulated over the passes as over micro-batches. GPipe keeps every micro-batch's saved stage inputs of a
+        micro-batches run in floor(M / this) passes of this many and, when this does not divide M, one shorter
+        pass of the rest (its own pipeline: no padded micro-batch computed), gradients accumulated over the passes
+        as over micro-batches. GPipe keeps every micro-batch's saved stage inputs of a
         pass, so this bounds the pipeline's activation memory (the planner's M, `--pipeline-micro-batches`);
         bubble (P - 1) / (this + P - 1) per pass. None (default): one pass of all M.
     stream_optimizer: with `offload_optimizer`, update the offloaded state of stacked params (ndim >= 3, leading

@@ -1,13 +1,11 @@
 """rl/algo/learner.py with `--learner.pipeline_stages 2` (parallel/pipeline.py) on an `actor:stage=2,fsdp=2,expert=2`
 mesh (the 8 CPU devices; the routed experts by the EP all-to-all inside the stages) against the unpipelined learner
-on one device: the step's loss, metrics and every gradient agree (1e-5,
-fp32), with 4 micro-batches in 2 pipelined passes of 2 (`pipeline_micro_batches`, gradients accumulated), routing
-replay, the on-policy MTP loss (the MTP head after the pipeline) and remat
-"block" (each stage scans its 4 layers with `dsv4.scan`'s hand-written backward; the EP shard_map inside it made JAX
-refuse the step before the stage vmap moved inside the remat); the
-pipelined group's state is split over `stage`; the same learner, its optimizer state in host memory, streams each
-stage's layers in its update, equal to the on-device update; stage counts that do not divide the group or the
-mesh's stage axis are refused naming the flag.
+on one device: the step's loss, metrics and every gradient agree (1e-5, fp32), with 4 micro-batches in a pipelined
+pass of 3 and one of 1 (`pipeline_micro_batches`, gradients accumulated), routing replay, the on-policy MTP loss (the
+MTP head after the pipeline) and remat "block" (each stage scans its 4 layers in the pipeline's hand-written
+backward; the EP shard_map inside it made JAX refuse the step before the stage vmap moved inside the remat); the
+pipelined group's state is split over `stage`, and with its optimizer state in host memory streamed by stage; stage
+counts that do not divide the group or the mesh's stage axis are refused naming the flag.
 
 Model: the tiny config with 10 main layers: 2 sliding hash layers (a group run before the pipeline), then 8 CSA
 layers (the pipelined group: 4 per stage).
@@ -21,7 +19,6 @@ from flax import nnx
 
 import dsv4
 from rl.config.algo import LearnerConfig
-from rl.algo import optim
 from rl.algo.learner import Learner
 from sharding.mesh import build_mesh_plan
 
@@ -47,16 +44,15 @@ def _cfg(**kw) -> LearnerConfig:
 
 
 def test_pipelined_learner_equals_unpipelined(model):
-    """One pipelined learner, its optimizer state in host memory, serves two checks: (1) its loss, metrics and every
-    gradient equal the unpipelined learner's; (2) its step's update (the pipelined group's stacked leaves, split
-    over `stage`, streamed one layer per stage at a time: `rl.algo.learner_state.streamable` gives them 2 blocks,
-    before this their whole state went to the device) equals the on-device update `rl.algo.optim.update` of the
-    same gradients (f32, 1e-6), the MTP head's gradient clipped apart in both (the streamed update clipped it by
-    the global norm before: 3.7e-4 apart)."""
+    """The pipelined learner's loss, metrics and every gradient equal the unpipelined learner's, its 4 micro-batches
+    in a pass of 3 and a shorter pass of 1 (not a second pass of 3 padded with 2 neutral micro-batches). Its
+    optimizer state in host memory, the pipelined group's stacked leaves (split over `stage`) are streamed with 2
+    blocks, one layer per stage at a time (`rl.algo.learner_state.streamable`; before, their whole state went to
+    the device; the streamed update itself: tests/rl/test_optim.py)."""
     batch = _batch(model)
     ref = Learner(model, _cfg())
     mesh = build_mesh_plan("actor:stage=2,fsdp=2,expert=2").actor
-    piped = Learner(model, _cfg(pipeline_stages=2, pipeline_micro_batches=2, offload_optimizer=1.0), mesh=mesh)
+    piped = Learner(model, _cfg(pipeline_stages=2, pipeline_micro_batches=3, offload_optimizer=1.0), mesh=mesh)
     assert piped.pipeline.group == 1 and piped.cfg.remat == "block"
     assert piped.state.params["layers"][1][0]["attn"]["wq_a"]["weight"].get_value().sharding.spec[0] == "stage"
     assert piped.state.params["layers"][0][0]["attn"]["wq_a"]["weight"].get_value().sharding.spec[0] is None
@@ -66,22 +62,11 @@ def test_pipelined_learner_equals_unpipelined(model):
     diffs = {"loss": abs(float(loss1) - float(loss0))}
     diffs["grads"] = max(float(jnp.max(jnp.abs(a - b))) for a, b in zip(jax.tree.leaves(g1), jax.tree.leaves(g0)))
     diffs["metrics"] = max(abs(float(m1[k]) - float(m0[k])) for k in m0)
-    print(f"pipelined learner (2 stages, 4 micro-batches in 2 passes) vs unpipelined: max abs diffs {diffs}")
+    print(f"pipelined learner (2 stages, 4 micro-batches in passes of 3 and 1) vs unpipelined: max abs diffs {diffs}")
     assert set(m1) == set(m0) and "train/mtp_loss" in m1 and all(v <= TOL for v in diffs.values()), diffs
     g_wq = g1["layers"][1][0]["attn"]["wq_a"]["weight"].get_value()  # [8 layers, ...]: every stage's layers
     assert float(jnp.min(jnp.max(jnp.abs(g_wq), axis=(1, 2)))) > 0
     assert float(jnp.max(jnp.abs(g1["mtp"][0]["e_proj"]["weight"].get_value()))) > 0
-
-    on_device = lambda t: jax.device_put(t, jax.tree.map(  # noqa: E731
-        lambda x: x.sharding.with_memory_kind("device"), t))
-    want, _ = jax.jit(lambda g, o, p: optim.update(piped.tx, g, o, p))(
-        g1, on_device(piped.state.opt_state), piped.state.params)
-    piped.update(batch)  # donates the state it read
-    assert "pinned_host" in {x.sharding.memory_kind for x in jax.tree.leaves(piped.state.opt_state)}
-    new = jax.tree.leaves(piped.state.params)
-    upd = max(float(jnp.max(jnp.abs(x - y))) for x, y in zip(jax.tree.leaves(want), new))
-    print(f"streamed offloaded update vs on-device update: max abs diff {upd:.3g}")
-    assert upd <= 1e-6
 
 
 def test_pipeline_stages_refused(model):
