@@ -49,6 +49,7 @@ import jax.numpy as jnp
 from flax import nnx, struct
 from jax.sharding import NamedSharding, PartitionSpec
 
+from dsv4.block_remat import run_period, scan_block_remat, take
 from dsv4.config import DSV4Config
 from dsv4.model import DSV4ForCausalLM, block_step
 
@@ -267,133 +268,8 @@ def _policy(remat: str | Callable | None):
 
 
 def is_block_remat(remat: str | Callable | None) -> bool:
-    """Whether `remat` is the "block" policy (each layer recomputed from its saved input: `_scan_block_remat`)."""
+    """Whether `remat` is the "block" policy (each layer recomputed from its saved input: `dsv4.block_remat`)."""
     return _policy(remat) is jax.checkpoint_policies.nothing_saveable
-
-
-def take(tree: Any, i: jax.Array, axis: int = 0) -> Any:
-    """Row i of every stacked leaf of `tree` (along `axis`, the leading one by default; None subtrees stay None),
-    read inside a loop body whose step index is i.
-
-    The stack is first tied to i by an optimization barrier, so XLA cannot hoist work on the whole stack out of
-    the loop. Without it XLA:CPU, which runs no bf16 dynamic-slice, turns `dynamic-slice(bf16 stack)` into
-    `dynamic-slice(convert(stack, f32))` and hoists the loop-invariant convert: an f32 copy of every stacked bf16
-    weight (2x the weights) alive for the whole step. With the barrier the convert stays inside the loop and
-    fuses into the slice (one layer at a time). On a GPU the barrier is free (no copy, no kernel); it depends on
-    the step index only, not on the layer's input, so the next layer's slice (and its FSDP gather) can still be
-    issued ahead of the current layer's compute."""
-    tree, _ = jax.lax.optimization_barrier((tree, i))
-    return jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, i, axis, keepdims=False), tree)
-
-
-def to_bits(a: jax.Array) -> jax.Array:
-    """A 16-bit float activation as uint16 bits (saved stacks of integers are never float-normalised)."""
-    return jax.lax.bitcast_convert_type(a, jnp.uint16) if a.dtype.itemsize == 2 and jnp.issubdtype(
-        a.dtype, jnp.floating) else a
-
-
-def from_bits(a: jax.Array, dtype) -> jax.Array:
-    return jax.lax.bitcast_convert_type(a, dtype) if a.dtype != dtype else a
-
-
-def run_period(steps: Sequence[Callable], st: Sequence[Any], fo: Any, x: jax.Array, positions: jax.Array,
-                ids: jax.Array, saved: list | None = None) -> tuple[jax.Array, tuple[jax.Array, jax.Array]]:
-    """One scan step: sub-layers `steps[j](st[j], x, fo[j], positions, ids)` in order -> (x, (routes [period, B, S,
-    k] int32, drops [period, 2] int32)). `fo`: [period, B, S, k] forced ids or None. With a `saved` list, each
-    sub-layer's input is appended to it (`to_bits`)."""
-    rs = []
-    for j, step in enumerate(steps):
-        if saved is not None:
-            saved.append(to_bits(x))
-        x, r = step(st[j], x, None if fo is None else fo[j], positions, ids)
-        rs.append(r)
-    return x, jax.tree.map(lambda *a: jnp.stack(a), *rs)
-
-
-def differentiable(states: Sequence[Any]) -> list[list[bool]]:
-    """Per sub-layer state (a pytree), per leaf: whether it is a float (gets a cotangent)."""
-    return [[jnp.issubdtype(a.dtype, jnp.inexact) for a in jax.tree.leaves(st)] for st in states]
-
-
-def period_backward(steps: Sequence[Callable], diff: Sequence[Sequence[bool]], st: Sequence[Any], saved: Sequence[Any],
-                    fo: Any, positions: jax.Array, ids: jax.Array, ct_x: jax.Array) -> tuple[jax.Array, tuple]:
-    """The backward of one `run_period` step under remat "block": each sub-layer recomputed from its `saved` input
-    (`to_bits`) and differentiated, last first. st: the period's layer states (one repetition's); diff:
-    `differentiable(st)`. Returns (ct_x of the period's input (ct_x's dtype), per sub-layer the cotangents of its
-    float leaves, in leaf order)."""
-    xdtype = ct_x.dtype  # the carry's dtype (a scan carry keeps its dtype)
-    cts_j = [None] * len(steps)
-    for j in reversed(range(len(steps))):
-        lv, tdef = jax.tree.flatten(st[j])
-        dj = diff[j]
-
-        def g(wd, xin, j=j, lv=lv, tdef=tdef, dj=dj):
-            it = iter(wd)
-            full = [next(it) if d else a for a, d in zip(lv, dj)]
-            return steps[j](jax.tree.unflatten(tdef, full), xin, None if fo is None else fo[j], positions, ids)[0]
-
-        _, vjp = jax.vjp(g, [a for a, d in zip(lv, dj) if d], from_bits(saved[j], xdtype))
-        cts_j[j], ct_x = vjp(ct_x)
-    return ct_x, tuple(cts_j)
-
-
-def weight_cotangents(states: Sequence[Any], diff: Sequence[Sequence[bool]], cts: Sequence[Sequence[Any]]) -> tuple:
-    """`period_backward`'s per-leaf cotangents (stacked or accumulated) as the `states` pytrees, None for the
-    leaves that are not floats (a custom_vjp's zero)."""
-    out = []
-    for st, dj, ct in zip(states, diff, cts):
-        it = iter(ct)
-        out.append(jax.tree.unflatten(jax.tree.structure(st), [next(it) if d else None for d in dj]))
-    return tuple(out)
-
-
-def _scan_block_remat(steps: Sequence[Callable], n: int):
-    """`lax.scan` over `n` repetitions of the sub-layer `steps`, with a hand-written backward that recomputes
-    each sub-layer from its saved input (what `jax.checkpoint(step, policy=nothing_saveable)` under `lax.scan`
-    computes, with the same ops), returned as `f(states, x, forced, positions, ids) -> (x, routes)`.
-
-    Why not `jax.checkpoint` + `lax.scan`: JAX scans the stacked weights and the saved inputs as the loop's `xs`,
-    slicing them with a bf16 dynamic-slice that XLA:CPU float-normalises into f32 copies of whole stacks (83 + 20
-    GiB per device for DeepSeek-V4-Flash on 2 x 8 devices, more than the weights themselves). Here the weights
-    are read with `take` (no copy), the saved inputs are stacked as uint16 bits (bitwise), and the per-layer
-    weight gradients leave the backward loop as its stacked outputs. Gradients equal the checkpointed scan's
-    (tests/dsv4/test_scan.py).
-
-    steps[j](state_j, x, forced_j, positions, ids) -> (x', (routes_j [B, S, k] int32, drops_j [2] int32)), state_j a
-    pytree of one layer's arrays. Arguments of f: states (tuple over j of stacked pytrees, leading axis n), x [B, S,
-    n_hc, D], forced ([n, period, B, S, k] int32 or None), positions and ids [B, S] int32. Returns (x, (routes
-    [n, period, B, S, k] int32, drops [n, period, 2] int32)).
-    """
-
-    def forward(states, x, forced, positions, ids, save):
-        def body(x, i):
-            saved = [] if save else None
-            x, r = run_period(steps, *take((states, forced), i), x, positions, ids, saved)
-            return x, (None if saved is None else tuple(saved), r)
-        return jax.lax.scan(body, x, jnp.arange(n))
-
-    @jax.custom_vjp
-    def f(states, x, forced, positions, ids):
-        x, (_, r) = forward(states, x, forced, positions, ids, save=False)
-        return x, r
-
-    def f_fwd(states, x, forced, positions, ids):
-        out, (saved, r) = forward(states, x, forced, positions, ids, save=True)
-        return (out, r), (states, saved, forced, positions, ids)
-
-    def f_bwd(res, cts):
-        states, saved, forced, positions, ids = res
-        diff = differentiable(states)
-
-        def body(ct_x, i):
-            st, sv, fo = take((states, saved, forced), i)
-            return period_backward(steps, diff, st, sv, fo, positions, ids, ct_x)
-
-        ct_x, ct_w = jax.lax.scan(body, cts[0], jnp.arange(n), reverse=True)
-        return weight_cotangents(states, diff, ct_w), ct_x, None, None, None
-
-    f.defvjp(f_fwd, f_bwd)
-    return f
 
 
 def group_steps(graphdefs: Sequence[Any], dispatch_fn: Callable | None = None) -> list[Callable]:
@@ -410,12 +286,12 @@ def run_group(steps: Sequence[Callable], states: Sequence[Any], x: jax.Array, fo
               ids: jax.Array, *, repeats: int, remat: str | Callable | None = None):
     """`repeats` repetitions of the sub-layer `steps` (`group_steps`, or those steps `jax.vmap`ped: the pipeline
     runs every stage's layer at once, parallel/pipeline.py) over `states` (per sub-layer, stacked on a leading axis
-    of `repeats`), `remat` as `run_layers`': one `lax.scan` ("block": `_scan_block_remat`), the body inline for one
-    repetition. forced: [repeats, period, ...] or None. Returns (x, (routes [repeats, period, ...], drops [repeats,
-    period, ..., 2]))."""
+    of `repeats`), `remat` as `run_layers`': one `lax.scan` ("block": `block_remat.scan_block_remat`), the body inline
+    for one repetition. forced: [repeats, period, ...] or None. Returns (x, (routes [repeats, period, ...], drops
+    [repeats, period, ..., 2]))."""
     policy = _policy(remat)
     if repeats > 1 and is_block_remat(remat):
-        return _scan_block_remat(steps, repeats)(states, x, forced, positions, ids)
+        return scan_block_remat(steps, repeats)(states, x, forced, positions, ids)
     # prevent_cse=False is only safe inside lax.scan; a group run inline (one repetition) needs the CSE guard, else
     # XLA merges the backward's recomputation with the forward and keeps the whole layer's activations alive until
     # its backward (the remat silently undone)
@@ -442,7 +318,7 @@ def run_layers(groups: Sequence[LayerGroup], graphdefs: Sequence[Sequence[Any]],
       dispatch_fn: routed-expert implementation (as in the model).
       remat: None / "none" (keep activations), "block" (recompute each layer in the backward), "dots" (save only
         weight matmul outputs), or a `jax.checkpoint` policy; applied to each sub-layer of the scan body.
-        "block" runs `_scan_block_remat` (the same gradients, computed without copies of the stacks).
+        "block" runs `dsv4.block_remat.scan_block_remat` (the same gradients, computed without copies of the stacks).
     Returns:
       (x [B, S, n, D], routing [B, S, L, k] int32, expert drops [2] int32 summed over the layers): equal to the
       Python loop's (same ops per layer, in order).

@@ -55,8 +55,8 @@ import jax.numpy as jnp
 from flax import nnx, struct
 from jax.sharding import NamedSharding, PartitionSpec
 
-from dsv4 import scan as sc
-from dsv4.scan import LayerGroup, LayerStack, group_steps, run_group, run_layers
+from dsv4 import block_remat as br
+from dsv4.scan import LayerGroup, LayerStack, group_steps, is_block_remat, run_group, run_layers
 from sharding import axes as ax
 from sharding import rules as rl
 
@@ -202,7 +202,7 @@ def run_pipelined_group(plan: PipelinePlan, grp: LayerGroup, graphdefs: Sequence
     spmd = _stage_axis()
     steps = [jax.vmap(st, in_axes=(0, 0, None if forced is None else 0, 0, 0), spmd_axis_name=spmd)
              for st in group_steps(graphdefs, dispatch_fn)]
-    if sc.is_block_remat(remat):
+    if is_block_remat(remat):
         w = tuple(jax.tree.map(lambda a: a.reshape(n_st, rps, *a.shape[1:]), st) for st in raw)  # [P, R / P, ...]
         ys, rs, ds = _block_remat_pipeline(steps, n_st, n_mb, rps)(w, x_mb, pos_mb, ids_mb, forced)
     else:
@@ -262,8 +262,8 @@ def _block_remat_pipeline(steps: Sequence[Callable], n_st: int, n_mb: int, rps: 
     drops [T, R / P, period, P, 2])`; w: per sub-layer the stacked state viewed [P, R / P, ...] (stage p's
     repetitions, no copy), x_mb / pos_mb / ids_mb [M, B_m, ...], forced [P, M, B_m, S, R / P, period, k] or None.
 
-    The forward saves each sub-layer's input per iteration (`dsv4.scan.to_bits`), as `dsv4.scan`'s block remat. The
-    backward runs the iterations in reverse, each stage's repetitions in reverse (`dsv4.scan.period_backward`:
+    The forward saves each sub-layer's input per iteration (`block_remat.to_bits`), as `dsv4.scan`'s block remat. The
+    backward runs the iterations in reverse, each stage's repetitions in reverse (`dsv4.block_remat.period_backward`:
     recompute, differentiate), and adds each layer's weight cotangent into one accumulator per weight, in place
     (a carry of both loops; repetition i of every stage is the slice [:, i]). `jax.grad` of the plain loop
     instead made each iteration's stacked weight cotangents as a loop output and added them to its own
@@ -281,7 +281,7 @@ def _block_remat_pipeline(steps: Sequence[Callable], n_st: int, n_mb: int, rps: 
 
             def rep(x, i):
                 saved = [] if save else None
-                x, r = sc.run_period(steps, sc.take(w, i, axis=1), None if fo is None else fo[i], x, pos, tid,
+                x, r = br.run_period(steps, br.take(w, i, axis=1), None if fo is None else fo[i], x, pos, tid,
                                      saved)
                 return x, (None if saved is None else tuple(saved), r)
 
@@ -303,7 +303,7 @@ def _block_remat_pipeline(steps: Sequence[Callable], n_st: int, n_mb: int, rps: 
     def f_bwd(res, cts):
         w, sv, x_mb, pos_mb, ids_mb, forced = res
         ct_ys = cts[0]  # [T, B_m, S, n, D]; the routes and drops are integers
-        diff = sc.differentiable(w)
+        diff = br.differentiable(w)
         acc0 = tuple([jnp.zeros_like(a) for a, d in zip(jax.tree.leaves(st), dj) if d] for st, dj in zip(w, diff))
         last = (stage == n_st - 1)[:, None, None, None, None]
 
@@ -312,14 +312,14 @@ def _block_remat_pipeline(steps: Sequence[Callable], n_st: int, n_mb: int, rps: 
             mb = (t - stage) % n_mb
             fo = None if forced is None else _stage_forced(forced[stage, mb])
             pos, tid = pos_mb[mb], ids_mb[mb]
-            sv_t = sc.take(sv, t)
+            sv_t = br.take(sv, t)
             # out -> (roll: next buf, out[P - 1]: ys[t]); the last stage's rolled-over output is ignored by stage 0
             ct_out = jnp.roll(ct_buf, -1, axis=0) + jnp.where(last, ct_ys[t][None], 0).astype(ct_buf.dtype)
             ct_out = rl.constrain(ct_out, _BUF)
 
             def rep(c, i):
                 ct_x, acc = c
-                ct_x, cts = sc.period_backward(steps, diff, sc.take(w, i, axis=1), sc.take(sv_t, i),
+                ct_x, cts = br.period_backward(steps, diff, br.take(w, i, axis=1), br.take(sv_t, i),
                                                None if fo is None else fo[i], pos, tid, ct_x)
                 put = lambda a, g: jax.lax.dynamic_update_index_in_dim(  # noqa: E731
                     a, jax.lax.dynamic_index_in_dim(a, i, 1, keepdims=False) + g.astype(a.dtype), i, 1)
@@ -340,7 +340,7 @@ def _block_remat_pipeline(steps: Sequence[Callable], n_st: int, n_mb: int, rps: 
         ct_first = jnp.pad(ct_first, [(0, rounds * n_mb - n_it)] + [(0, 0)] * (ct_first.ndim - 1))
         ct_x_mb = jnp.sum(ct_first.reshape(rounds, n_mb, *ct_first.shape[1:]), axis=0).at[0].add(
             jnp.sum(ct_buf, axis=0))
-        return sc.weight_cotangents(w, diff, acc), ct_x_mb.astype(x_mb.dtype), None, None, None
+        return br.weight_cotangents(w, diff, acc), ct_x_mb.astype(x_mb.dtype), None, None, None
 
     f.defvjp(f_fwd, f_bwd)
     return f

@@ -28,7 +28,7 @@ With `xla_cpu=True` (`--compile`) one item labelled "XLA:CPU only" is added, buf
 for the seed layouts"): XLA:CPU runs its dots in f32, so it holds f32 copies of the gathered layer's weights and of
 their gradients and of the head (2 * gathered layer + head, again). `RoleReport.cpu_only` is that item; the actor's
 `fits` is the GPU plan's (`gpu_total`). The stacked layer weights and the saved layer inputs are *not* copied:
-`dsv4.scan` reads them in place (`dsv4.scan.take`, uint16 saved inputs), on every backend. Before that, XLA:CPU
+`dsv4.scan` reads them in place (`dsv4.block_remat.take`, uint16 saved inputs), on every backend. Before that, XLA:CPU
 float-normalised the scan's bf16 `xs` into f32 copies of whole stacks (100 GiB per device for Flash on 2 x 8 devices).
 Optimizer update transient: the step moves the offloaded optimizer state (fp32 masters + moments) to the device for the
 update and back (`rl.algo.learner_state.opt_state_to`). Without `stream_optimizer` nothing bounds how much of it is

@@ -82,10 +82,9 @@ Choices (and why):
   scanned layer group is split into P contiguous stages over the mesh's `stage` axis (its stacked leaves, and their
   masters, moments and reference copies, split over `stage`: `parallel.pipeline.stage_shardings`; the stacked
   state and its checkpoints are otherwise unchanged). `train_step` and `compute_logprobs` then run the step's M
-  micro-batches (the same rows as `rl.algo.batching.split`) through one pipelined forward (GPipe; under remat "block"
-  with a hand-written backward, parallel/pipeline.py) instead of the `lax.scan` over micro-batches, or `train_step` in
-  passes of `pipeline_micro_batches` (a `lax.scan` over the passes, a shorter last pass for the rest, gradients
-  accumulated: GPipe's saved activations bounded); embedding, head and loss
+  micro-batches (the rows of `rl.algo.batching.split`) through one pipelined forward (GPipe, parallel/pipeline.py)
+  instead of the `lax.scan` over micro-batches, or `train_step` in passes of `pipeline_micro_batches` (a `lax.scan`
+  over the passes, a shorter last pass for the rest, gradients accumulated); embedding, head and loss
   run on the whole pass, outside the pipeline. Equal to the unpipelined step (tests/rl/test_learner_pipeline.py).
   `next_logits` is not pipelined (it runs the stack as is on the stage-split weights).
 - Mesh: with `mesh`, the state is placed by `sharding.rules.param_shardings` (actor rules by default), the

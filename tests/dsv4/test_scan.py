@@ -258,7 +258,8 @@ def test_inline_groups_keep_the_checkpoint_cse_guard(remat):
     """A group of one repetition runs inline (no lax.scan): its jax.checkpoint keeps prevent_cse=True, else XLA
     CSEs the backward's recomputation with the forward and the remat is undone (the whole layer's activations
     stay alive: launch/aot.py's Flash compile); layers under lax.scan keep prevent_cse=False (safe there). Under
-    "block" a scanned group is one custom_vjp (`_scan_block_remat`: its backward recomputes each sub-layer)."""
+    "block" a scanned group is one custom_vjp (`block_remat.scan_block_remat`: its backward recomputes each
+    sub-layer)."""
     cfg = DSV4Config.tiny(num_hidden_layers=5, num_hash_layers=2, compress_ratios=(0, 0, 4, 8, 4, 0))
     model = random_model(cfg, seed=1)
     sdef = sc.stack_def(model)

@@ -39,8 +39,8 @@ def _block_remat_step(repeats: int):
 def test_block_remat_step_holds_no_copy_of_the_stacked_weights():
     """The scanned, block-rematerialised train step reads its stacked bf16 weights in place: its temp memory
     does not grow with the number of scanned layers (4 more repetitions add under a quarter of their weights'
-    bytes). Before `dsv4.scan.take` / `_scan_block_remat`, XLA:CPU kept an f32 copy of every stacked bf16 weight and of
-    the saved inputs (more than 2x the weights per layer: 103 GiB per device on the Flash seed layout)."""
+    bytes). Before `block_remat.take` / `.scan_block_remat`, XLA:CPU kept an f32 copy of every stacked bf16 weight and
+    of the saved inputs (more than 2x the weights per layer: 103 GiB per device on the Flash seed layout)."""
     t4, w4 = _block_remat_step(4)
     t8, w8 = _block_remat_step(8)
     assert t8 - t4 < 0.25 * (w8 - w4), (t4, t8, w4, w8)
