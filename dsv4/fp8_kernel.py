@@ -13,8 +13,11 @@ too (e4m3fnuz on gfx942); AITER's block-scaled FP8 GEMM is the other seam for it
 
 Tiling: one program per (expert, row block of <= 128 rows, 128 outputs = one weight scale block); a loop over the
 K blocks of 128 (the activations' and weights' scale block) accumulates in f32. Triton needs power-of-two blocks:
-the row block is the row count rounded up to a power of two (>= 16, tl.dot's least), K and its scale blocks too;
-Pallas masks what lies past the arrays' ends (the loop reads only the K blocks that exist).
+the row block is the row count rounded up to a power of two (>= 16, tl.dot's least), K and its scale blocks too.
+Pallas' Triton lowering does not bound a block to its array (no implicit mask): the loop reads only the K blocks
+that exist, and the rows past the last (48 rows in a block of 64, the sized dispatch's capacities) are masked on
+load and store. Unmasked (until stop 52) a GPU would have read the next expert's rows and written over the first
+rows of the next expert's output; Pallas' interpreter, which the tests run, pads instead, so they could not see it.
 """
 
 from __future__ import annotations
@@ -43,15 +46,22 @@ def row_block(rows: int) -> int:
     return min(MAX_ROW_BLOCK, max(16, _pow2(rows)))
 
 
-def _kernel(x_ref, sx_ref, w_ref, sw_ref, o_ref, *, n_kb: int):
+def _kernel(x_ref, sx_ref, w_ref, sw_ref, o_ref, *, n_kb: int, n_rows: int):
     rows, cols = o_ref.shape
+    # Triton does not bound a block to its array: the rows of a block past the last (a row count that is not a
+    # multiple of the row block) are masked here, on load (not read) and on store (not written)
+    live = (pl.program_id(1) * rows + jnp.arange(rows))[:, None] < n_rows  # [rows, 1]
 
     def step(j, acc):
-        part = jax.lax.dot_general(x_ref[:, pl.ds(j * BLOCK, BLOCK)], w_ref[:, pl.ds(j * BLOCK, BLOCK)],
-                                   (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
-        return acc + part * (sx_ref[:, pl.ds(j, 1)] * sw_ref[:, pl.ds(j, 1)])
+        # a masked row's values are undefined; its products stay in its own output row, which is not stored
+        x = pl_triton.load(x_ref.at[:, pl.ds(j * BLOCK, BLOCK)], mask=jnp.broadcast_to(live, (rows, BLOCK)))
+        sx = pl_triton.load(sx_ref.at[:, pl.ds(j, 1)], mask=live)
+        part = jax.lax.dot_general(x, w_ref[:, pl.ds(j * BLOCK, BLOCK)], (((1,), (1,)), ((), ())),
+                                   preferred_element_type=jnp.float32)
+        return acc + part * (sx * sw_ref[:, pl.ds(j, 1)])
 
-    o_ref[...] = jax.lax.fori_loop(0, n_kb, step, jnp.zeros((rows, cols), jnp.float32)).astype(o_ref.dtype)
+    acc = jax.lax.fori_loop(0, n_kb, step, jnp.zeros((rows, cols), jnp.float32))
+    pl_triton.store(o_ref, acc.astype(o_ref.dtype), mask=jnp.broadcast_to(live, (rows, cols)))
 
 
 def block_scaled_matmul(xq: jax.Array, sx: jax.Array, wq: jax.Array, sw: jax.Array, out_dtype=jnp.float32, *,
@@ -124,7 +134,7 @@ def _call(xq, sx, wq, sw, out_dtype, interpret):
         xq, sx, wq, sw = (jax.lax.pcast(a, tuple(varying - m.varying), to="varying") if varying - m.varying else a
                           for a, m in zip((xq, sx, wq, sw), mats))
     return pl.pallas_call(
-        functools.partial(_kernel, n_kb=n_kb),
+        functools.partial(_kernel, n_kb=n_kb, n_rows=r),
         out_shape=jax.ShapeDtypeStruct((e, r, o), out_dtype, manual_axis_type=mat),
         grid=(e, pl.cdiv(r, br), o // BLOCK),
         in_specs=[pl.BlockSpec((None, br, kp), lambda i, m, n: (i, m, 0)),

@@ -82,6 +82,18 @@ def test_block_scaled_kernel_equals_the_xla_form():
         block_scaled_matmul(x3.q, x3.s, w3.q, w3.scale, interpret=True)
 
 
+def test_block_scaled_kernel_masks_the_rows_past_the_last():
+    """Pallas' Triton lowering does not bound a block to its array: at 48 rows (the sized dispatch's capacity, a row
+    block of 64) the kernel masks its row loads (rows and their scales) and its store, else a GPU reads the next
+    expert's rows and writes over its output (the interpreter pads, so the numerics tests cannot see it)."""
+    x = jnp.zeros((2, 48, 256), jnp.float8_e4m3fn)
+    w = jnp.zeros((2, 128, 256), jnp.float8_e4m3fn)
+    text = str(jax.make_jaxpr(block_scaled_matmul)(x, jnp.ones((2, 48, 2)), w, jnp.ones((2, 1, 2))))
+    assert re.search(r"lt \w+ 48:i32\[\]", text)  # rows past 48 are dead
+    assert len(re.findall(r"<- \w+\[[^\n]*\] mask=", text)) == 2  # the rows and their scales
+    assert re.search(r"\w+\[\.\.\.\] <- \w+\[\.\.\.\], \w+ mask=", text)  # the store
+
+
 def test_layer_value_keeps_routed_experts_fp8_only_for_fp8_gemms():
     """`--rollout.matmul fp8`: routed experts stay FP8 for the FP8 expert GEMM (FP4 ones become exact FP8 blocks);
     the dequant path (CPU `auto`) keeps today's form."""
