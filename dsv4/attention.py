@@ -25,7 +25,9 @@ from dsv4.config import CSA, HCA, SLIDING, yarn_inv_freq
 from dsv4.context import attend_context, context_axis
 from dsv4.indexer import Indexer
 from dsv4.lora import grouped_delta
-from dsv4.layers import Linear, RMSNorm, apply_rope, dot_out, linear, param, rms_norm, rope_cos_sin
+from dsv4.fp8_gemm import FakeQuantWeight, grouped_quantized_linear, runs_fp8_dots
+from dsv4.layers import Linear, RMSNorm, apply_rope, dot_out, linear, param, rms_norm, rope_cos_sin, weight_of
+from dsv4.quant import QuantizedTensor
 from sharding import axes as ax
 
 
@@ -90,6 +92,13 @@ class Attention(nnx.Module):
             self.indexer = Indexer(cfg, inv_freq=self.inv_freq, rngs=rngs, param_dtype=param_dtype, dtype=dtype)
 
     # -- pieces shared by the full-sequence and the decode paths ------------------------------------------
+    @property
+    def fp8_dots(self) -> bool:
+        """Whether this layer runs FP8 dots (the FP8 rollout on a backend with FP8 GEMMs,
+        `dsv4.fp8_gemm.runs_fp8_dots` of its projections): the cached paths then score the indexer's FP8 keys
+        with an FP8 dot (`dsv4.indexer.Indexer.scores`)."""
+        return runs_fp8_dots(weight_of(self.wq_b.weight))
+
     def rope(self, positions: jax.Array):
         return rope_cos_sin(positions, jnp.asarray(self.inv_freq, jnp.float32))
 
@@ -111,8 +120,12 @@ class Attention(nnx.Module):
         o = apply_rope(o, cos[:, :, None, :], sin[:, :, None, :], inverse=True).astype(self.dtype)
         g = self.o_groups
         og = o.reshape(b, s, g, -1)  # -> [B, S, G, (H/G) d]  (group g = heads [g H/G, (g+1) H/G))
-        wa = self.wo_a.weight[...].astype(self.dtype).reshape(g, self.o_lora, -1)  # -> [G, o_lora, (H/G) d]
-        r = jnp.einsum("bsgi,goi->bsgo", og, wa, preferred_element_type=dot_out(self.dtype)).astype(self.dtype)
+        wa = weight_of(self.wo_a.weight)
+        if isinstance(wa, (QuantizedTensor, FakeQuantWeight)):  # the FP8 rollout's (and FP8-aware learner's)
+            r = grouped_quantized_linear(og, wa, self.dtype)
+        else:
+            wa = wa.astype(self.dtype).reshape(g, self.o_lora, -1)  # -> [G, o_lora, (H/G) d]
+            r = jnp.einsum("bsgi,goi->bsgo", og, wa, preferred_element_type=dot_out(self.dtype)).astype(self.dtype)
         if self.wo_a.lora is not None:  # LoRA on the grouped product (dsv4.lora.grouped_delta)
             r = r + grouped_delta(self.wo_a.lora, og).astype(self.dtype)
         return self.wo_b(r.reshape(b, s, g * self.o_lora))

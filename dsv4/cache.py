@@ -243,7 +243,7 @@ def decode_attention(attn: Attention, x: jax.Array, t: jax.Array, cache: LayerCa
             ix = attn.indexer
             _compress_step(ix.compressor, x, t, c, ("ia", "iz", "ipa", "ipz", "ik"))
             qi, omega = ix.queries(x, q_latent, cos, sin)
-            sc = ix.scores(qi, omega, *index_keys(c))  # [B, 1, Wc]
+            sc = ix.scores(qi, omega, *index_keys(c), fp8=attn.fp8_dots)  # [B, 1, Wc]
             if ix.topk < n_c:  # read only the k picked rows (4.5x fewer at Flash's 9,216 tokens), not all masked
                 idx, vis = ix.top_entries(sc[:, 0], vis)  # [B, k]
                 entries = {k: gather_rows(v, idx) for k, v in c.items() if k.split("_")[0] == "comp"}

@@ -170,6 +170,39 @@ def fp8_expert_matmul(x: Fp8Rows, w: QuantizedTensor, partial_dtype=jnp.float32,
     return y.astype(out_dtype)
 
 
+def runs_fp8_dots(w) -> bool:
+    """Whether a layer with weight `w` runs FP8 dots: an fp8 `QuantizedTensor` whose `matmul` is not "dequant" (the
+    rollout's `--rollout.matmul` choice). The layer's other products on FP8 data follow it (the indexer's scores
+    over the FP8 keys, `dsv4.indexer.Indexer.scores`)."""
+    return isinstance(w, QuantizedTensor) and w.kind == "fp8" and w.matmul != "dequant"
+
+
+def grouped_quantized_linear(x: jax.Array, w, dtype) -> jax.Array:
+    """The grouped low-rank projection (wo_a, spec §5.6) on a quantised weight: x [..., G, K], w [G * O, K] (a
+    `QuantizedTensor`, or the FP8-aware learner's `FakeQuantWeight`) -> [..., G, O] in `dtype`, group g's rows times
+    w's rows [g O, (g + 1) O), activations quantised per 1 x 128 block as the release's `linear` does.
+
+    FP8 dots (`runs_fp8_dots`) with O a whole number of weight blocks: the groups are experts of one FP8 expert GEMM
+    (`fp8_expert_matmul`: the block-scaled kernel where `w.matmul` picks it), no dequantised copy of the weight.
+    Else the fake-quantised x times the dequantised weight (`FakeQuantWeight`: straight-through), the same products
+    in the same einsum (the FP8-aware learner's forward is the CPU rollout's, bitwise)."""
+    *lead, g, k = x.shape
+    if isinstance(w, QuantizedTensor) and runs_fp8_dots(w) and (w.shape[0] // g) % w.block[0] == 0:
+        o = w.shape[0] // g
+        rows = quantize_rows(x.astype(dtype).reshape(-1, g, k).swapaxes(0, 1), w.fmt)  # [G, T, K]
+        wg = dataclasses.replace(w, q=w.q.reshape(g, o, k), scale=w.scale.reshape(g, o // w.block[0], -1),
+                                 shape=(g, o, k))
+        y = fp8_expert_matmul(rows, wg, out_dtype=dtype)  # [G, T, O]
+        return y.swapaxes(0, 1).reshape(*lead, g, o)
+    if isinstance(w, FakeQuantWeight):
+        xq, wd = act_fake_quant_ste(x.astype(dtype), fmt=w.fmt), w.w.astype(dtype)
+    else:
+        xq = act_fake_quant(x.astype(dtype), fmt="e4m3fn" if w.kind == "fp4" else w.fmt)
+        wd = w.dequantize(dtype)
+    out = jnp.float32 if jnp.dtype(dtype) == jnp.float32 else None
+    return jnp.einsum("...gi,goi->...go", xq, wd.reshape(g, -1, k), preferred_element_type=out).astype(dtype)
+
+
 def quantized_linear(x: jax.Array, w: QuantizedTensor, dtype, *, scale_fmt: str = ACT_SCALE_FMT) -> jax.Array:
     """The release's `linear` for a quantised weight: x [..., K] -> [..., O] in `dtype`, activations quantised per
     1 x 128 block (`act_quant`). w.matmul "fp8": `fp8_linear` (FP8 operands); "dequant": the fake-quantised x times

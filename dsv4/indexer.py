@@ -6,7 +6,8 @@
   I_t,w   = sum_h omega_t,h ReLU(<q^I_t,h, K^I_w>) / sqrt(d_I)
 Invisible entries (w >= floor((t+1)/m)) are masked; top k = min(index_topk, W) are kept, invisible picks dropped.
 Selection is by index only: no gradient reaches these parameters from the LM loss (spec §12 item 25).
-Everything is float32 (selection flips are costly). The official QAT (Hadamard + FP4) is not emulated (§12.27).
+Everything is float32 (selection flips are costly) but the FP8 rollout's dot over FP8 keys (`Indexer.scores`).
+The official QAT (Hadamard + FP4) is not emulated (§12.27).
 Sources: official `Indexer`; HF `DeepseekV4Indexer`, `DeepseekV4IndexerScorer`.
 """
 
@@ -17,7 +18,9 @@ import jax.numpy as jnp
 from flax import nnx
 
 from dsv4.compressor import Compressor, Weight, visible_entries
-from dsv4.layers import apply_rope, linear_f32, param, weight_of
+from dsv4.fp8_gemm import FakeQuantWeight
+from dsv4.layers import apply_rope, linear, linear_f32, param, weight_of
+from dsv4.quant import QuantizedTensor, act_quant, fp8_format_of
 from sharding import axes as ax
 
 
@@ -39,17 +42,34 @@ class Indexer(nnx.Module):
     def queries(self, x: jax.Array, q_latent: jax.Array, cos: jax.Array, sin: jax.Array):
         """x [B, S, D], q_latent [B, S, q_lora] -> (q^I [B, S, H_I, d_I], omega [B, S, H_I]) float32."""
         b, s, _ = x.shape
-        q = linear_f32(q_latent, self.wq_b.weight[...]).reshape(b, s, self.n_heads, self.head_dim)
+        w = weight_of(self.wq_b.weight)
+        if isinstance(w, (QuantizedTensor, FakeQuantWeight)):  # the FP8 rollout's: the release's FP8 GEMM, f32 out
+            q = linear(q_latent, w, jnp.float32)
+        else:
+            q = linear_f32(q_latent, w)
+        q = q.reshape(b, s, self.n_heads, self.head_dim)
         q = apply_rope(q, cos[:, :, None, :], sin[:, :, None, :])
         omega = linear_f32(x, weight_of(self.weights_proj.weight)) * (self.n_heads ** -0.5)
         return q, omega
 
-    def scores(self, q: jax.Array, omega: jax.Array, keys: jax.Array, scale: jax.Array | None = None) -> jax.Array:
+    def scores(self, q: jax.Array, omega: jax.Array, keys: jax.Array, scale: jax.Array | None = None, *,
+               fp8: bool = False) -> jax.Array:
         """q [B, S, H, d], omega [B, S, H], keys [B, W, d] -> I [B, S, W] float32. scale: None, or [B, W] powers
         of two the keys are multiplied by (an FP8 cache's stored bytes and their per-vector scales,
         `dsv4.cache.index_keys`), applied after the head sum: the same value (a power of two commutes with the dot,
-        ReLU and the sum), and the dot reads the bytes instead of an f32 copy."""
-        dots = jnp.einsum("bshd,bwd->bshw", q, keys.astype(jnp.float32))
+        ReLU and the sum), and the dot reads the bytes instead of an f32 copy.
+
+        fp8 (FP8 keys, a layer that runs FP8 dots: `dsv4.attention.Attention.fp8_dots`): each query head's vector is
+        quantised to the keys' format with one power-of-two scale (`dsv4.quant.act_quant`, block d), the dot runs
+        on FP8 operands with f32 accumulation, and the query scales join omega (positive: they commute with the
+        ReLU). DeepSeek-V3.2's FP8 indexer (DeepGEMM's `fp8_mqa_logits`); the release trained this dot under FP4
+        QAT (spec §5.5), coarser than these FP8 queries. Only the queries' rounding changes the scores."""
+        if fp8 and scale is not None:
+            q8, sq = act_quant(q, fmt=fp8_format_of(keys.dtype), block=q.shape[-1], scale_fmt="ue8m0")
+            dots = jnp.einsum("bshd,bwd->bshw", q8, keys, preferred_element_type=jnp.float32)
+            omega = omega * sq[..., 0]
+        else:
+            dots = jnp.einsum("bshd,bwd->bshw", q, keys.astype(jnp.float32))
         out = jnp.einsum("bshw,bsh->bsw", jax.nn.relu(dots), omega) * (self.head_dim ** -0.5)
         return out if scale is None else out * scale[:, None, :]
 

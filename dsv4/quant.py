@@ -76,7 +76,8 @@ def canonical_fp8_format(fmt: str) -> str:
         raise ValueError(f"unknown fp8 format {fmt!r}; accepted: 'auto', {', '.join(map(repr, FP8_ALIASES))}") from None
 
 
-def _fp8_format_of(dtype) -> str:
+def fp8_format_of(dtype) -> str:
+    """'e4m3fn' | 'e4m3fnuz': the format name of an fp8 dtype; ValueError for any other dtype."""
     for name, dt in FP8_FORMATS.items():
         if np.dtype(dtype) == np.dtype(dt):
             return name
@@ -245,7 +246,7 @@ def check_fp8_finite(q, *, name: str = "tensor") -> None:
 
     e4m3fn NaN bytes are 0x7f/0xff; e4m3fnuz NaN is 0x80. A NaN in a checkpoint is an error, not data.
     """
-    fmt = _fp8_format_of(q.dtype)
+    fmt = fp8_format_of(q.dtype)
     b = np.asarray(q).view(np.uint8)
     bad = np.isin(b, _FP8_NAN_BYTES[fmt])
     if bad.any():
@@ -263,7 +264,7 @@ def fp8_fn_to_fnuz(q_fn, scale, *, name: str = "tensor"):
     +-240 in fnuz: the numpy path raises ValueError naming `name` (`check_fp8_finite`); the jnp path just
     maps (no data-dependent checks under jit). `scale` keeps its dtype (e8m0 bytes: exponent + 1).
     """
-    if _fp8_format_of(q_fn.dtype) != "e4m3fn":
+    if fp8_format_of(q_fn.dtype) != "e4m3fn":
         raise ValueError(f"{name}: fp8_fn_to_fnuz expects e4m3fn, got {q_fn.dtype}")
     xp = array_module(q_fn)
     if xp is np:
@@ -282,7 +283,7 @@ def fp8_fnuz_to_fn(q_fnuz, scale, *, name: str = "tensor"):
     exactly 240). jnp path: 0x7f/0xff saturate to +-448 (0x7e/0xfe, the only lossy case) and 0x80 -> 0x7f
     (NaN stays NaN).
     """
-    if _fp8_format_of(q_fnuz.dtype) != "e4m3fnuz":
+    if fp8_format_of(q_fnuz.dtype) != "e4m3fnuz":
         raise ValueError(f"{name}: fp8_fnuz_to_fn expects e4m3fnuz, got {q_fnuz.dtype}")
     xp = array_module(q_fnuz)
     b = bitcast(q_fnuz, xp.uint8)

@@ -30,16 +30,12 @@ from dsv4.names import param_key
 ROLLOUT_DTYPES = ("fp8", "fp8_e4m3fn", "fp8_e4m3fnuz", "e4m3fn", "e4m3fnuz", "auto", "fp8+fp4experts", "bf16",
                   "fp32")
 FP4_EXPERTS = "fp8+fp4experts"
-# Quantised weights that run through `dsv4.layers.linear` and so can stay FP8 for an FP8 GEMM.
-GEMM_KEYS = re.compile(r"(attn/(wq_a|wq_b|wkv|wo_b)/weight|ffn/shared_experts/w[123]/weight)$")
+# Quantised weights that run through `dsv4.layers.linear` (wo_a: `dsv4.fp8_gemm.grouped_quantized_linear`) and so can
+# stay FP8 for an FP8 GEMM (the release's `linear`: FP8 activations times the FP8 blocks).
+GEMM_KEYS = re.compile(r"(attn/(wq_a|wq_b|wkv|wo_a|wo_b|indexer/wq_b)/weight|ffn/shared_experts/w[123]/weight)$")
 # Float leaves the rollout keeps in their own dtype (mHC, attention sinks, APE, the router's bias); every other
 # float leaf that is not quantised is cast to the sampler's compute dtype.
 KEEP_F32 = re.compile(r"(hc_|attn_sink|/ape$|gate/bias$)")
-# FP8 in the checkpoint, dense in the rollout: the release's inference dequantises the grouped wo_a to bf16 offline
-# and multiplies it in bf16 (spec §12 item 24), so the rollout keeps it in the compute dtype. Stored FP8, every decode
-# step dequantised it (its FP8 bytes read, its bf16 written and read again: 4.0 of the 102 GiB of the seed rollout's
-# 43-layer decode step, MI308X proxy) to save 1.3 GiB of resident bytes per device.
-ROLLOUT_DENSE = re.compile(r"attn[./]wo_a[./]weight$")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -100,9 +96,8 @@ class RolloutFormat:
 
     def kind(self, key: str, ndim: int) -> str | None:
         """"fp8" | "fp4" | None: how the rollout quantises the weight at path `key` (ndim: its rank): the released
-        FP8 set but `ROLLOUT_DENSE`, and the routed experts, when the rollout is FP8 (routed experts FP4 under
-        fp8+fp4experts)."""
-        if not (self.rdt.fp8 and ndim >= 2) or ROLLOUT_DENSE.search(key):
+        FP8 set and the routed experts when the rollout is FP8 (routed experts FP4 under fp8+fp4experts)."""
+        if not (self.rdt.fp8 and ndim >= 2):
             return None
         if quant.ROUTED_EXPERT_RE.search(key):
             return "fp4" if self.rdt.fp4_experts else "fp8"

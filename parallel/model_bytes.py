@@ -7,9 +7,8 @@ bytes = the leaf's local shard (global dims divided by the product of the mesh a
 not divide is an error, as in jit. The planner (parallel/plan.py) adds these up per role.
 
 Rollout weights, per device, as rl/rollout/engine.py holds them (`rollout_leaf_bytes`): FP8 e4m3 (1 byte per
-weight) for the checkpoint's FP8 set (`dsv4.quant.FP8_WEIGHT_RE`: attention wq_a/wq_b/wkv/wo_b, indexer wq_b,
-shared experts, MTP e/h_proj; wo_a is bf16 there, `dsv4.rollout_format.ROLLOUT_DENSE`) and the routed experts
-(`rollout_experts="fp8"`), with one f32 scale per 128x128 block replicated on every device (`fp8_scale_bytes` = 4;
+weight) for the checkpoint's FP8 set (`dsv4.quant.FP8_WEIGHT_RE`: attention wq_a/wq_b/wkv/wo_a/wo_b, indexer
+wq_b, shared experts, MTP e/h_proj) and the routed experts (`rollout_experts="fp8"`), with one f32 scale per 128x128 block replicated on every device (`fp8_scale_bytes` = 4;
 E8M0 would be 1); or FP4 e2m1 experts ("fp4": 0.5 byte + one `fp4_scale_bytes` = 1 E8M0 scale per 32 inputs, split
 like the weight; the released layout, which the sampler cannot run yet). Everything else as stored (bf16; fp32 mHC
 / sinks / ape / bias; int32 tid2eid); a quantised tensor's bf16 dequantised copy is reported beside it (the
@@ -49,7 +48,6 @@ import dsv4
 from dsv4.cache import cache_shapes
 from dsv4.names import official_key
 from dsv4.quant import FP8_WEIGHT_RE
-from dsv4.rollout_format import ROLLOUT_DENSE
 from sharding import mesh as mesh_lib
 from sharding import rules as rl
 
@@ -129,8 +127,6 @@ def rollout_leaf_bytes(leaf: Leaf, shape: tuple[int, ...], experts: str, fp8_sca
         if experts == "fp4":
             return "routed experts", n * 0.5 + n / 32 * fp4_scale_bytes, 2 * n
         return "routed experts", n + _blocks(leaf.shape) * fp8_scale_bytes, 2 * n
-    if ROLLOUT_DENSE.search(leaf.path):  # FP8 in the checkpoint, bf16 in the rollout (dsv4/rollout_format.py)
-        return "bf16/fp32/int32 rest", 2 * n, 0.0
     if FP8_WEIGHT_RE.search(leaf.path):
         return "fp8 set", n + _blocks(leaf.shape) * fp8_scale_bytes, 2 * n
     return "bf16/fp32/int32 rest", n * np.dtype(leaf.dtype).itemsize, 0.0

@@ -14,12 +14,13 @@ keys) or a stacked copy inside the program (one more copy of the FP8 weights, th
 
 Activations as the release quantises them: the release's `linear` quantises a GEMM's input to FP8 per 1 x 128 block
 with power-of-two (ue8m0) scales (`dsv4.quant.act_quant`) before every FP8 and FP4 GEMM. So the Linear projections
-of the FP8 set that go through `dsv4.layers.linear` (attention wq_a, wq_b, wkv, wo_b; shared experts w1, w2, w3:
-`GEMM_KEYS`) and the routed experts (FP8 or FP4) stay `QuantizedTensor`s inside the layer, and the layer quantises
-their inputs (`dsv4.fp8_gemm.quantized_linear`, `dsv4.moe.MoE`: the w1/w3 input and the w2 input). The indexer's
-wq_b (f32 here; an FP8 GEMM in the release) and the MTP projections are dequantised and multiply unquantised
-activations; the grouped wo_a (a bf16 einsum in the release too) is stored dense in the rollout
-(`dsv4.rollout_format.ROLLOUT_DENSE`).
+of the FP8 set that go through `dsv4.layers.linear` (attention wq_a, wq_b, wkv, wo_b, the indexer's wq_b (f32
+out); shared experts w1, w2, w3: `GEMM_KEYS`), the grouped wo_a (`dsv4.fp8_gemm.grouped_quantized_linear`: its 8
+groups as the experts of one FP8 expert GEMM; the release dequantises it to bf16 offline, its GEMM kernel having no
+grouped form) and the routed experts (FP8 or FP4) stay `QuantizedTensor`s inside the layer, and the layer quantises
+their inputs (`dsv4.fp8_gemm.quantized_linear`, `dsv4.moe.MoE`: the w1/w3 input and the w2 input). The MTP
+projections are dequantised and multiply unquantised activations; the indexer's scores over an FP8 key cache run an
+FP8 dot where the layer's GEMMs do (`dsv4.indexer.Indexer.scores`).
 
 FP8 GEMMs (`matmul="auto"`): where XLA has FP8 GEMMs (`dsv4.fp8_gemm.fp8_gemm_available`: CUDA sm90+, ROCm
 gfx942/gfx950) the `GEMM_KEYS` projections run as `dsv4.fp8_gemm.fp8_linear` (FP8 operands, f32 accumulation) by

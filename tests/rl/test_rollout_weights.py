@@ -1,5 +1,6 @@
 """FP8-resident rollout weights: layer-wise dequantisation, FP8 GEMMs, FP4 experts, sharded caches, Sampler.lower."""
 
+import dataclasses
 import pathlib
 import re
 import sys
@@ -78,6 +79,46 @@ def test_fp8_linear_matches_dequantised_matmul():
     assert bool(jnp.all(jnp.abs(y - ref) <= bound))
     rel = float(jnp.linalg.norm(y - ref) / jnp.linalg.norm(ref))
     assert rel < 0.03, rel
+
+
+@pytest.mark.parametrize("matmul", ["fp8", "interpret"])
+def test_grouped_wo_a_fp8_equals_the_dequant_path(matmul):
+    """wo_a on FP8 (`grouped_quantized_linear`): its groups as the experts of one FP8 expert GEMM (XLA's K-block dots,
+    or the block-scaled kernel in Pallas' interpreter) equal the dequant path (the same quantised activations times
+    the dequantised weight) within float rounding; the FP8-aware learner's `FakeQuantWeight` runs the dequant path's
+    products bitwise."""
+    rs = np.random.RandomState(3)
+    g, o, k = 2, 128, 256
+    qt = quant.QuantizedTensor.from_fp8(jnp.asarray(rs.randn(g * o, k).astype(np.float32) * 0.05))
+    x = jnp.asarray(rs.randn(3, 1, g, k).astype(np.float32))
+    ref = fp8_gemm.grouped_quantized_linear(x, dataclasses.replace(qt, matmul="dequant"), jnp.float32)
+    y = fp8_gemm.grouped_quantized_linear(x, dataclasses.replace(qt, matmul=matmul), jnp.float32)
+    assert y.shape == (3, 1, g, o)
+    np.testing.assert_allclose(np.asarray(y), np.asarray(ref), rtol=1e-5, atol=1e-5)
+    fq = fp8_gemm.FakeQuantWeight(w=qt.dequantize(jnp.float32), fmt=qt.fmt)
+    np.testing.assert_array_equal(np.asarray(fp8_gemm.grouped_quantized_linear(x, fq, jnp.float32)), np.asarray(ref))
+    # group g multiplies the weight's rows [g o, (g + 1) o)
+    wd = qt.dequantize(jnp.float32).reshape(g, o, k)
+    dense = jnp.einsum("...gi,goi->...go", quant.act_fake_quant(x), wd)
+    np.testing.assert_allclose(np.asarray(ref), np.asarray(dense), rtol=1e-6, atol=1e-6)
+
+
+def test_indexer_fp8_scores_equal_the_fake_quantised_queries():
+    """The FP8 rollout's indexer scores over FP8 keys (`Indexer.scores(fp8=True)`: each query head's vector as FP8
+    with one power-of-two scale, an FP8 x FP8 dot) equal the f32 scores of the fake-quantised queries over the
+    dequantised keys within float rounding, and stay near the unquantised queries' (e4m3 rounding, <= 2^-4)."""
+    ix = next(lay.attn.indexer for lay in DSV4ForCausalLM(CFG, rngs=nnx.Rngs(0)).layers if hasattr(lay.attn, "indexer"))
+    rs = np.random.RandomState(4)
+    b, h, d, w = 2, ix.n_heads, ix.head_dim, 24
+    q = jnp.asarray(rs.randn(b, 1, h, d).astype(np.float32))
+    omega = jnp.asarray(rs.randn(b, 1, h).astype(np.float32))
+    k8, ks = quant.act_quant(jnp.asarray(rs.randn(b, w, d).astype(np.float32)), block=d)  # the cache's layout
+    got = ix.scores(q, omega, k8, ks[..., 0], fp8=True)
+    keys = k8.astype(jnp.float32) * ks
+    ref = ix.scores(quant.act_fake_quant(q, block=d), omega, keys)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(ref), rtol=1e-5, atol=1e-5)
+    exact = ix.scores(q, omega, keys)
+    assert float(jnp.max(jnp.abs(got - exact))) <= 2.0 ** -4 * float(jnp.max(jnp.abs(exact))) + 1e-6
 
 
 def test_release_activation_quantisation_golden():

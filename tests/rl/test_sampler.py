@@ -136,11 +136,11 @@ def test_fp8_vs_bf16_weights(model):
     (2) its weights are exactly the block-dequantised ones: BF16 compute on them differs from it only by the
     release's FP8 activation quantisation (1x128 blocks, ue8m0 scales, before every FP8 / FP4 GEMM). Random tiny
     weights are a hard case (small logit gaps, one 128x128 block per matrix), so the bounds are loose. Measured
-    (greedy, 4 prompts x 16 tokens): (1) mean |dlogp| before the first divergence 0.15 (0.145 with wo_a in FP8), first
-    divergence [3, 0, 5, 2]: prompt 1's first token is a near tie of this near-uniform model (BF16 picks 149 at
-    logprob -3.520, FP8 picks 62 at -3.483), so one prompt may diverge at once; (2) 0.098, first divergence at
-    tokens [3, 0, 8, 5] (the same near tie; [3, 8, 2, 7] with wo_a in FP8 on both sides). Before the release's
-    activation quantisation (2) was bitwise equal."""
+    (greedy, 4 prompts x 16 tokens; wo_a FP8 with its activations quantised, as since stop 52): (1) mean |dlogp|
+    before the first divergence 0.134, first divergence [7, 0, 3, 4]: prompt 1's first token is a near tie of this
+    near-uniform model (BF16 picks 149 at logprob -3.520, FP8 picks 62 at -3.483), so one prompt may diverge at
+    once; (2) earlier 0.098, first divergence at tokens [3, 0, 8, 5] (the same near tie; [3, 8, 2, 7] with wo_a in
+    FP8 on both sides). Before the release's activation quantisation (2) was bitwise equal."""
     from dsv4 import quant
 
     rs = np.random.RandomState(5)

@@ -109,10 +109,9 @@ def test_rollout_expert_bytes(flash_leaves):
     assert r.rollout.items["weights: routed experts (fp8)"] == ROUTED_ALL / 8 + ROUTED_ALL / (128 * 128) * 4
     r = pl.plan("flash", spec, "mi355x", learner=LEARNER, nodes=2, rollout_experts="fp4")
     assert r.rollout.items["weights: routed experts (fp4)"] == pytest.approx(ROUTED_ALL / 8 * (0.5 + 1 / 32), rel=1e-12)
-    # dequant=per_call keeps a bf16 copy of every quantised tensor (experts + the FP8 set, without wo_a: bf16 in the
-    # rollout, dsv4.rollout_format.ROLLOUT_DENSE) during generate
+    # dequant=per_call keeps a bf16 copy of every quantised tensor (experts + the FP8 set) during generate
     r = pl.plan("flash", spec, "mi355x", learner=LEARNER, nodes=2, rollout_dequant="per_call")
-    fp8_set = LAYERS * (4096 * 1024 + 1024 * 32768 + 4096 * 512 + 8192 * 4096 + 3 * 4096 * 2048) \
+    fp8_set = LAYERS * (4096 * 1024 + 1024 * 32768 + 4096 * 512 + 2 * 8192 * 4096 + 3 * 4096 * 2048) \
         + N_CSA * 1024 * 8192 + 2 * 4096 * 4096  # attention, shared expert; indexer wq_b; MTP e/h_proj
     assert r.rollout.items["bf16 copy of the quantised weights (dequant=per_call)"] == 2 * (ROUTED_ALL / 8 + fp8_set)
 
