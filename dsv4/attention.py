@@ -27,7 +27,7 @@ from dsv4.indexer import Indexer
 from dsv4.lora import grouped_delta
 from dsv4.fp8_gemm import FakeQuantWeight, grouped_quantized_linear, runs_fp8_dots
 from dsv4.layers import Linear, RMSNorm, apply_rope, dot_out, linear, param, rms_norm, rope_cos_sin, weight_of
-from dsv4.quant import QuantizedTensor
+from dsv4.quant import KERNEL_MATMULS, QuantizedTensor
 from sharding import axes as ax
 
 
@@ -98,6 +98,13 @@ class Attention(nnx.Module):
         `dsv4.fp8_gemm.runs_fp8_dots` of its projections): the cached paths then score the indexer's FP8 keys
         with an FP8 dot (`dsv4.indexer.Indexer.scores`)."""
         return runs_fp8_dots(weight_of(self.wq_b.weight))
+
+    @property
+    def kernel_matmul(self) -> str | None:
+        """"pallas" | "interpret" where this layer's FP8 GEMMs run the kernels (`dsv4.quant.KERNEL_MATMULS`): the
+        cached decode then runs its attention over an FP8 cache as one kernel too (`dsv4.decode_kernel`); else None."""
+        w = weight_of(self.wq_b.weight)
+        return w.matmul if runs_fp8_dots(w) and w.matmul in KERNEL_MATMULS else None
 
     def rope(self, positions: jax.Array):
         return rope_cos_sin(positions, jnp.asarray(self.inv_freq, jnp.float32))

@@ -37,6 +37,7 @@ import jax.numpy as jnp
 from dsv4.attention import Attention, attend
 from dsv4.compressor import Compressor, window_pool
 from dsv4.config import CSA, HCA
+from dsv4.decode_kernel import fp8_decode_attention, kernel_fits
 
 LayerCache = dict
 KV_FP8_BLOCK = 64  # dims per ue8m0 scale of the ring / compressed entries (spec §5.8)
@@ -221,6 +222,15 @@ def absorb(comp: Compressor, a: jax.Array, z: jax.Array, t: jax.Array, c: LayerC
     c[kpz] = jnp.where(complete[:, None, None], c[kz], c[kpz])
 
 
+def _decode_kernel(attn: Attention, c: LayerCache) -> str | None:
+    """How the decode step's attention over the FP8 cache c runs as one kernel (`dsv4.decode_kernel`): the layer's
+    kernel matmul ("pallas" | "interpret", `Attention.kernel_matmul`) where its tiles fit; None: XLA's path."""
+    if not is_fp8(c) or attn.kernel_matmul is None:
+        return None
+    nq, nb = c["kv"].shape[-1], c["kv_scale"].shape[-1]
+    return attn.kernel_matmul if kernel_fits(attn.n_heads, nq // nb, attn.head_dim - nq) else None
+
+
 def decode_attention(attn: Attention, x: jax.Array, t: jax.Array, cache: LayerCache):
     """One token per row: x [B, 1, D] normalised block input at positions t [B] -> (out [B, 1, D], cache)."""
     c = dict(cache)
@@ -233,7 +243,7 @@ def decode_attention(attn: Attention, x: jax.Array, t: jax.Array, cache: LayerCa
     c["pos"] = _set_rows(c["pos"], t % w, t)
     tt = t[:, None]
     mask = (c["pos"] >= 0) & (c["pos"] <= tt) & (tt - c["pos"] < w)  # [B, W]
-    keys = read_entries(c, "kv", kv.dtype)  # dequantised on read (FP8 layout)
+    stores = [c]  # the stores of the entries attention reads: the ring, then the compressed entries
     if attn.kind in (CSA, HCA):
         _compress_step(attn.compressor, x, t, c, ("ca", "cz", "pa", "pz", "comp"))
         n_c = c["comp"].shape[1]
@@ -243,13 +253,23 @@ def decode_attention(attn: Attention, x: jax.Array, t: jax.Array, cache: LayerCa
             ix = attn.indexer
             _compress_step(ix.compressor, x, t, c, ("ia", "iz", "ipa", "ipz", "ik"))
             qi, omega = ix.queries(x, q_latent, cos, sin)
-            sc = ix.scores(qi, omega, *index_keys(c), fp8=attn.fp8_dots)  # [B, 1, Wc]
+            sc = ix.scores(qi, omega, *index_keys(c), fp8=attn.fp8_dots, kernel=attn.kernel_matmul)  # [B, 1, Wc]
             if ix.topk < n_c:  # read only the k picked rows (4.5x fewer at Flash's 9,216 tokens), not all masked
                 idx, vis = ix.top_entries(sc[:, 0], vis)  # [B, k]
                 entries = {k: gather_rows(v, idx) for k, v in c.items() if k.split("_")[0] == "comp"}
-        keys = jnp.concatenate([keys, read_entries(entries, "comp", keys.dtype)], axis=1)
+        stores.append(entries)
         mask = jnp.concatenate([mask, vis], axis=-1)
-    o = attend(q, keys, mask[:, None, :], attn.attn_sink[...], attn.head_dim ** -0.5)
+    names = ("kv", "comp")[:len(stores)]
+    scale, sink = attn.head_dim ** -0.5, attn.attn_sink[...]
+    if _decode_kernel(attn, c) is not None:  # the stored entries, read once
+        kq, ks, kr = (jnp.concatenate(parts, axis=1) for parts in zip(*(
+            (e[n], jnp.ldexp(jnp.float32(1), e[n + "_scale"].astype(jnp.int32) - 127), e[n + "_rope"])
+            for e, n in zip(stores, names))))
+        o = fp8_decode_attention(q[:, 0], kq, ks, kr, mask, sink, scale,
+                                 interpret=_decode_kernel(attn, c) == "interpret")[:, None]
+    else:  # dequantised on read (FP8 layout)
+        keys = jnp.concatenate([read_entries(e, n, kv.dtype) for e, n in zip(stores, names)], axis=1)
+        o = attend(q, keys, mask[:, None, :], sink, scale)
     return attn.output(o, cos, sin), c
 
 

@@ -84,10 +84,10 @@ def _compress_chunk(comp, x, s, c: LayerCache, progress, active, keys):
     return c
 
 
-def _select_chunk(ix, x, q_latent, positions, cos, sin, keys: tuple, qb: int, fp8: bool):
+def _select_chunk(ix, x, q_latent, positions, cos, sin, keys: tuple, qb: int, attn):
     """CSA top-k of the chunk's queries over every indexer key in the cache (keys: `dsv4.cache.index_keys`); as
-    `Indexer.select_blocked` -> (idx [B, C, k] int32, valid [B, C, k] bool), k = min(index_topk, N); fp8: the
-    FP8 dot of `Indexer.scores`."""
+    `Indexer.select_blocked` -> (idx [B, C, k] int32, valid [B, C, k] bool), k = min(index_topk, N); attn: the
+    layer, whose FP8 dots and kernels `Indexer.scores` follows."""
     b, c_len, _ = x.shape
     n = keys[0].shape[1]
     k = min(ix.topk, n)
@@ -101,7 +101,8 @@ def _select_chunk(ix, x, q_latent, positions, cos, sin, keys: tuple, qb: int, fp
     def one(blk):
         xb, qlb, pb, cb, sb = blk
         q, omega = ix.queries(xb, qlb, cb, sb)
-        return ix.top_entries(ix.scores(q, omega, *keys, fp8=fp8), visible_entries(pb, n, ix.ratio))
+        sc = ix.scores(q, omega, *keys, fp8=attn.fp8_dots, kernel=attn.kernel_matmul)
+        return ix.top_entries(sc, visible_entries(pb, n, ix.ratio))
 
     idx, valid = jax.lax.map(one, tuple(map(blocks, (x, q_latent, positions, cos, sin))))
     unblock = lambda t: t.swapaxes(0, 1).reshape(b, c_len, k)  # noqa: E731
@@ -140,7 +141,7 @@ def chunk_attention(attn, x: jax.Array, s: jax.Array, lengths: jax.Array, cache:
         if attn.kind == CSA:
             ix = attn.indexer
             _compress_chunk(ix.compressor, x, s, c, progress, active, ("ia", "iz", "ipa", "ipz", "ik"))
-            idx, valid = _select_chunk(ix, x, q_latent, positions, cos, sin, index_keys(c), qb, attn.fp8_dots)
+            idx, valid = _select_chunk(ix, x, q_latent, positions, cos, sin, index_keys(c), qb, attn)
             selected = (jnp.concatenate([jnp.zeros((b, n_pre, idx.shape[-1]), idx.dtype), idx], axis=1),
                         jnp.concatenate([jnp.zeros((b, n_pre, idx.shape[-1]), bool), valid], axis=1))
     q_ext = jnp.concatenate([jnp.zeros((b, n_pre) + q.shape[2:], q.dtype), q], axis=1)

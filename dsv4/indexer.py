@@ -18,6 +18,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from dsv4.compressor import Compressor, Weight, visible_entries
+from dsv4.decode_kernel import fp8_index_scores, index_kernel_fits
 from dsv4.fp8_gemm import FakeQuantWeight
 from dsv4.layers import apply_rope, linear, linear_f32, param, weight_of
 from dsv4.quant import QuantizedTensor, act_quant, fp8_format_of
@@ -53,7 +54,7 @@ class Indexer(nnx.Module):
         return q, omega
 
     def scores(self, q: jax.Array, omega: jax.Array, keys: jax.Array, scale: jax.Array | None = None, *,
-               fp8: bool = False) -> jax.Array:
+               fp8: bool = False, kernel: str | None = None) -> jax.Array:
         """q [B, S, H, d], omega [B, S, H], keys [B, W, d] -> I [B, S, W] float32. scale: None, or [B, W] powers
         of two the keys are multiplied by (an FP8 cache's stored bytes and their per-vector scales,
         `dsv4.cache.index_keys`), applied after the head sum: the same value (a power of two commutes with the dot,
@@ -63,9 +64,14 @@ class Indexer(nnx.Module):
         quantised to the keys' format with one power-of-two scale (`dsv4.quant.act_quant`, block d), the dot runs
         on FP8 operands with f32 accumulation, and the query scales join omega (positive: they commute with the
         ReLU). DeepSeek-V3.2's FP8 indexer (DeepGEMM's `fp8_mqa_logits`); the release trained this dot under FP4
-        QAT (spec §5.5), coarser than these FP8 queries. Only the queries' rounding changes the scores."""
+        QAT (spec §5.5), coarser than these FP8 queries. Only the queries' rounding changes the scores.
+        kernel ("pallas" | "interpret", `dsv4.attention.Attention.kernel_matmul`): that FP8 dot, the ReLU and the
+        weighted head sum as one kernel (`dsv4.decode_kernel.fp8_index_scores`; no per-head scores in HBM)."""
         if fp8 and scale is not None:
             q8, sq = act_quant(q, fmt=fp8_format_of(keys.dtype), block=q.shape[-1], scale_fmt="ue8m0")
+            if kernel is not None and index_kernel_fits(*q.shape[-2:]):
+                w = omega * sq[..., 0] * (self.head_dim ** -0.5)
+                return fp8_index_scores(q8, w, keys, scale, interpret=kernel == "interpret")
             dots = jnp.einsum("bshd,bwd->bshw", q8, keys, preferred_element_type=jnp.float32)
             omega = omega * sq[..., 0]
         else:

@@ -77,7 +77,8 @@ def verify_attention(attn, x: jax.Array, p0: jax.Array, cache: LayerCache, extra
             ix = attn.indexer
             pending["index"] = _advance(ix.compressor, x, pos, work, _IDX_KEYS)
             qi, omega = ix.queries(x, q_latent, cos, sin)
-            vis = ix.select(ix.scores(qi, omega, *index_keys(work), fp8=attn.fp8_dots), vis)
+            vis = ix.select(ix.scores(qi, omega, *index_keys(work), fp8=attn.fp8_dots, kernel=attn.kernel_matmul),
+                             vis)
         keys = jnp.concatenate([keys, read_entries(work, "comp", keys.dtype)], axis=1)
         mask = jnp.concatenate([mask, vis], axis=-1)
     o = attend(q, keys, mask, attn.attn_sink[...], attn.head_dim ** -0.5)

@@ -7,7 +7,10 @@ Counted, per device, per run of the program:
   fusions hold a `dot`) and of every cuBLAS / cuBLASLt gemm custom call (`__cublas$gemm`, `__cublas$lt$matmul`:
   its `dot_dimension_numbers`), and of the block-scaled FP8 GEMM kernel (`dsv4.fp8_kernel`, a Triton custom call
   named `KERNEL_NAME`: 2 E R O K from its rows [E, R, K] and weight [E, O, K], its FP8 operands counted as a
-  GEMM's); a while
+  GEMM's), and of the FP8 decode attention kernel (`dsv4.decode_kernel`, `DECODE_KERNEL_NAME`: its two products,
+  2 B H N D each, counted as GEMMs in the compute dtype they run in: its FP8 entries are dequantised in registers,
+  so they count at the query's width, as a dot reading FP8 bytes through a fused convert does), and of its indexer
+  scores kernel (`INDEX_KERNEL_NAME`: 2 B S H W d, FP8 queries times FP8 keys); a while
   loop's body counts `known_trip_count` times (scanned layers), a conditional its costliest branch (the sized
   expert dispatch's switch: the branch a routing load picks, when told: `count(expert_branch=)`). Elementwise
   flops are left out (the roofline is dot-bound).
@@ -40,6 +43,7 @@ import re
 
 import numpy as np
 
+from dsv4.decode_kernel import INDEX_KERNEL_NAME, KERNEL_NAME as DECODE_KERNEL_NAME
 from dsv4.fp8_kernel import KERNEL_NAME
 from dsv4.moe import ROUTED_EXPERTS_SCOPE
 
@@ -313,6 +317,14 @@ class _Counter:
         elif op == "custom-call" and KERNEL_NAME in ins.attrs and len(operand_shapes) == 4:
             (e, r, k), o = _dims(operand_shapes[0]), _dims(operand_shapes[2])[1]  # rows [E, R, K], weight [E, O, K]
             self.gemm(ins, st, 2.0 * e * r * o * k, [operand_shapes[0], operand_shapes[2]])
+        elif op == "custom-call" and DECODE_KERNEL_NAME in ins.attrs and len(operand_shapes) == 6:
+            (b, h, d), n = _dims(operand_shapes[0]), _dims(operand_shapes[1])[1]  # q [B, H, D], entries [B, N, .]
+            dt = _SHAPE.search(operand_shapes[0]).group(1)
+            self.gemm(ins, st, 2.0 * b * h * n * d, [operand_shapes[0], f"{dt}[{b},{n},{d}]"])  # q . k
+            self.gemm(ins, st, 2.0 * b * h * n * d, [f"{dt}[{b},{h},{n}]", f"{dt}[{b},{n},{d}]"])  # p . v
+        elif op == "custom-call" and INDEX_KERNEL_NAME in ins.attrs and len(operand_shapes) == 4:
+            (b, s, h, d), n = _dims(operand_shapes[0]), _dims(operand_shapes[2])[1]  # q [B, S, H, d], keys [B, W, d]
+            self.gemm(ins, st, 2.0 * b * s * h * n * d, [operand_shapes[0], operand_shapes[2]])  # FP8 x FP8
         if op == "while":
             m = re.search(r'"known_trip_count":\{"n":"(\d+)"\}', ins.attrs)
             body = re.search(r"body=%([\w.\-]+)", ins.attrs)
