@@ -39,6 +39,20 @@ from jax.experimental.pallas import triton as pl_triton
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 BLOCK_N = 64  # entries per loop step
+# Output tiles per kernel call on Blackwell (of the 7 no-RoPE tiles of 64 and the RoPE tile): all 8 accumulators of 64
+# f32 columns in one program ask its tensor memory for 544 of its 512 columns (the B200 proxy's compile fails); two
+# calls of 4 fit, each reading the entries (0.045 GiB more per CSA layer of the seed's decode step). Elsewhere one
+# call (`out_tiles`); how many a Hopper or an Instinct runs best is for a lent device to time.
+BLACKWELL_OUT_TILES = 4
+
+
+def out_tiles(devices) -> int | None:
+    """Output tiles per call on `devices` (their compute capability, abstract devices included): None = all."""
+    try:
+        major = int(str(getattr(devices[0], "compute_capability", "0")).split(".")[0])
+    except ValueError:
+        major = 0
+    return BLACKWELL_OUT_TILES if major >= 10 else None
 KERNEL_NAME = "fp8_kv_decode_attention"  # its name in the HLO (launch/hlo_stats.py counts its flops by it)
 BLOCK_W = 128  # keys per program of the indexer's scores
 INDEX_KERNEL_NAME = "fp8_index_scores"
@@ -49,7 +63,9 @@ def _pow2(n: int) -> int:
 
 
 def _kernel(q_ref, kq_ref, ks_ref, kr_ref, bias_ref, sink_ref, o_ref, *, n: int, nb: int, blk: int, r: int,
-            scale: float, dtype):
+            scale: float, dtype, outs: tuple[int, ...]):
+    """One row's attention; this program writes the output tiles `outs` (of the nb no-RoPE tiles, then the RoPE
+    tile nb) into o_ref [H, their widths], and computes the logits from every tile."""
     h = o_ref.shape[0]
     qs = [q_ref[:, pl.ds(j * blk, blk)] for j in range(nb)] + [q_ref[:, pl.ds(nb * blk, r)]]
 
@@ -66,17 +82,16 @@ def _kernel(q_ref, kq_ref, ks_ref, kr_ref, bias_ref, sink_ref, o_ref, *, n: int,
         alpha = jnp.exp(m - m_new)
         p = jnp.exp(logits - m_new[:, None])
         pd = p.astype(dtype)
-        accs = tuple(a * alpha[:, None] + jax.lax.dot_general(pd, kj, (((1,), (0,)), ((), ())),
+        accs = tuple(a * alpha[:, None] + jax.lax.dot_general(pd, tiles[j], (((1,), (0,)), ((), ())),
                                                               preferred_element_type=jnp.float32)
-                     for a, kj in zip(accs, tiles))
+                     for a, j in zip(accs, outs))
         return m_new, ll * alpha + jnp.sum(p, axis=1), accs
 
     sink = sink_ref[...].astype(jnp.float32)  # the sink logit starts the running max: never -inf
-    init = (sink, jnp.ones((h,), jnp.float32),
-            tuple(jnp.zeros((h, blk), jnp.float32) for _ in range(nb)) + (jnp.zeros((h, r), jnp.float32),))
+    init = (sink, jnp.ones((h,), jnp.float32), tuple(jnp.zeros((h, blk if j < nb else r), jnp.float32) for j in outs))
     _, ll, accs = jax.lax.fori_loop(0, n // BLOCK_N, step, init)
-    for j, a in enumerate(accs):
-        o_ref[:, pl.ds(j * blk, a.shape[1])] = a / ll[:, None]
+    for k, a in enumerate(accs):
+        o_ref[:, pl.ds(k * blk, a.shape[1])] = a / ll[:, None]
 
 
 def kernel_fits(heads: int, block: int, rope: int) -> bool:
@@ -110,25 +125,35 @@ def fp8_decode_attention(q: jax.Array, kq: jax.Array, ks: jax.Array, kr: jax.Arr
 
 
 def _call(q, kq, ks, kr, bias, sink, scale, interpret):
-    """The pallas_call on (local) arrays."""
+    """The kernel unpartitioned: one call."""
+    return _run(q, kq, ks, kr, bias, sink, scale=scale, interpret=interpret, tiles_per_call=None)
+
+
+def _run(q, kq, ks, kr, bias, sink, *, scale, interpret, tiles_per_call):
+    """The pallas_call(s) on (local) arrays: one, or one per `tiles_per_call` output tiles (`out_tiles`)."""
     b, h, d = q.shape
     n, nq = kq.shape[1:]
     nb = ks.shape[-1]
     blk, r = nq // nb, kr.shape[-1]
-    kern = functools.partial(_kernel, n=n, nb=nb, blk=blk, r=r, scale=scale, dtype=q.dtype)
-    return pl.pallas_call(
-        kern,
-        out_shape=jax.ShapeDtypeStruct((b, h, d), jnp.float32),
-        grid=(b,),
-        in_specs=[pl.BlockSpec((None, h, _pow2(d)), lambda i: (i, 0, 0)),
-                  pl.BlockSpec((None, _pow2(n), _pow2(nq)), lambda i: (i, 0, 0)),
-                  pl.BlockSpec((None, _pow2(n), _pow2(nb)), lambda i: (i, 0, 0)),
-                  pl.BlockSpec((None, _pow2(n), r), lambda i: (i, 0, 0)),
-                  pl.BlockSpec((None, _pow2(n)), lambda i: (i, 0)),
-                  pl.BlockSpec((h,), lambda i: (0,))],
-        out_specs=pl.BlockSpec((None, h, _pow2(d)), lambda i: (i, 0, 0)),
-        compiler_params=pl_triton.CompilerParams(num_warps=4, num_stages=2),
-        interpret=interpret, name=KERNEL_NAME)(q, kq, ks, kr, bias, sink)
+    tiles, per = list(range(nb + 1)), tiles_per_call or nb + 1
+    parts = []
+    for g in range(0, nb + 1, per):  # one call per group of output tiles: each reads every entry
+        outs = tuple(tiles[g:g + per])
+        width = sum(blk if j < nb else r for j in outs)
+        parts.append(pl.pallas_call(
+            functools.partial(_kernel, n=n, nb=nb, blk=blk, r=r, scale=scale, dtype=q.dtype, outs=outs),
+            out_shape=jax.ShapeDtypeStruct((b, h, width), jnp.float32),
+            grid=(b,),
+            in_specs=[pl.BlockSpec((None, h, _pow2(d)), lambda i: (i, 0, 0)),
+                      pl.BlockSpec((None, _pow2(n), _pow2(nq)), lambda i: (i, 0, 0)),
+                      pl.BlockSpec((None, _pow2(n), _pow2(nb)), lambda i: (i, 0, 0)),
+                      pl.BlockSpec((None, _pow2(n), r), lambda i: (i, 0, 0)),
+                      pl.BlockSpec((None, _pow2(n)), lambda i: (i, 0)),
+                      pl.BlockSpec((h,), lambda i: (0,))],
+            out_specs=pl.BlockSpec((None, h, _pow2(width)), lambda i: (i, 0, 0)),
+            compiler_params=pl_triton.CompilerParams(num_warps=4, num_stages=2),
+            interpret=interpret, name=KERNEL_NAME)(q, kq, ks, kr, bias, sink))
+    return parts[0] if len(parts) == 1 else jnp.concatenate(parts, axis=-1)
 
 
 def _row_spec(arg_shapes):
@@ -146,7 +171,8 @@ def _partition(scale, interpret, mesh, arg_shapes, result_shape):
     m, rows = _row_spec(arg_shapes)
     three, two = NamedSharding(m, P(rows, None, None)), NamedSharding(m, P(rows, None))
     args = (three, three, three, three, two, NamedSharding(m, P(None)))
-    return m, functools.partial(_call, scale=scale, interpret=interpret), three, args
+    call = functools.partial(_run, scale=scale, interpret=interpret, tiles_per_call=out_tiles(m.devices.flat))
+    return m, call, three, args
 
 
 _partitioned = custom_partitioning(_call, static_argnums=(6, 7))

@@ -319,9 +319,10 @@ class _Counter:
             self.gemm(ins, st, 2.0 * e * r * o * k, [operand_shapes[0], operand_shapes[2]])
         elif op == "custom-call" and DECODE_KERNEL_NAME in ins.attrs and len(operand_shapes) == 6:
             (b, h, d), n = _dims(operand_shapes[0]), _dims(operand_shapes[1])[1]  # q [B, H, D], entries [B, N, .]
+            w = _dims(ins.shape)[-1]  # the output dims this call writes (all D, or its share of them)
             dt = _SHAPE.search(operand_shapes[0]).group(1)
-            self.gemm(ins, st, 2.0 * b * h * n * d, [operand_shapes[0], f"{dt}[{b},{n},{d}]"])  # q . k
-            self.gemm(ins, st, 2.0 * b * h * n * d, [f"{dt}[{b},{h},{n}]", f"{dt}[{b},{n},{d}]"])  # p . v
+            self.gemm(ins, st, 2.0 * b * h * n * d, [operand_shapes[0], f"{dt}[{b},{n},{d}]"])  # q . k, whole
+            self.gemm(ins, st, 2.0 * b * h * n * w, [f"{dt}[{b},{h},{n}]", f"{dt}[{b},{n},{w}]"])  # p . v
         elif op == "custom-call" and INDEX_KERNEL_NAME in ins.attrs and len(operand_shapes) == 4:
             (b, s, h, d), n = _dims(operand_shapes[0]), _dims(operand_shapes[2])[1]  # q [B, S, H, d], keys [B, W, d]
             self.gemm(ins, st, 2.0 * b * s * h * n * d, [operand_shapes[0], operand_shapes[2]])  # FP8 x FP8

@@ -5,6 +5,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from dsv4 import decode_kernel
 from dsv4.attention import attend
 from dsv4.decode_kernel import fp8_decode_attention
 from dsv4.quant import act_quant
@@ -37,6 +38,12 @@ def test_fp8_decode_attention_equals_attend_on_the_dequantised_entries(dtype):
     tol = 1e-5 if dtype == jnp.float32 else 2e-2
     np.testing.assert_allclose(np.asarray(got), np.asarray(ref), rtol=tol, atol=tol)
     np.testing.assert_array_equal(np.asarray(got[2]), 0.0)  # only the sink: no entry contributes
+    if dtype == jnp.float32:  # Blackwell's split (`out_tiles`): the output tiles over two calls, the same values
+        pad = -n % decode_kernel.BLOCK_N
+        args = [jnp.pad(a, ((0, 0), (0, pad), (0, 0))) for a in (kq, ks, kr)]
+        bias = jnp.where(jnp.pad(mask, ((0, 0), (0, pad))), 0.0, -jnp.inf)
+        split = decode_kernel._run(q, *args, bias, sink, scale=scale, interpret=True, tiles_per_call=2)
+        np.testing.assert_allclose(np.asarray(split), np.asarray(got), rtol=1e-6, atol=1e-6)
 
 
 def test_fp8_decode_attention_refuses_tiles_that_are_not_powers_of_two():
