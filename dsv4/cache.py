@@ -61,12 +61,16 @@ def _fp8_encode(x: jax.Array, fp8_dtype, block: int) -> tuple[jax.Array, jax.Arr
     return q.reshape(x.shape), (e + 127).astype(jnp.uint8)
 
 
+def _ue8m0(e: jax.Array) -> jax.Array:
+    """Stored exponent bytes e (uint8) -> the scales 2^(e - 127), float32."""
+    return jnp.ldexp(jnp.float32(1), e.astype(jnp.int32) - 127)
+
+
 def _fp8_decode(q: jax.Array, e: jax.Array, dtype) -> jax.Array:
     """(q [..., n] fp8, e [..., n / block] uint8) -> q * 2^(e - 127) [..., n] in `dtype` (exact in float32)."""
     nb = e.shape[-1]
     qb = q.astype(jnp.float32).reshape(*q.shape[:-1], nb, q.shape[-1] // nb)
-    s = jnp.ldexp(jnp.float32(1), e.astype(jnp.int32) - 127)
-    return (qb * s[..., None]).reshape(q.shape).astype(dtype)
+    return (qb * _ue8m0(e)[..., None]).reshape(q.shape).astype(dtype)
 
 
 def _entry_zeros(name: str, prefix: tuple, d: int, dtype, fp8: str | None, rope: int) -> LayerCache:
@@ -111,7 +115,7 @@ def index_keys(c: LayerCache) -> tuple[jax.Array, jax.Array | None]:
     after the dot (no f32 copy of the keys: 478 -> 188 MiB per CSA layer of the seed's decode step, H200 spec)."""
     if "ik_scale" not in c:
         return c["ik"].astype(jnp.float32), None
-    return c["ik"], jnp.ldexp(jnp.float32(1), c["ik_scale"][..., 0].astype(jnp.int32) - 127)
+    return c["ik"], _ue8m0(c["ik_scale"][..., 0])
 
 
 def is_fp8(c: LayerCache) -> bool:
@@ -261,12 +265,11 @@ def decode_attention(attn: Attention, x: jax.Array, t: jax.Array, cache: LayerCa
         mask = jnp.concatenate([mask, vis], axis=-1)
     names = ("kv", "comp")[:len(stores)]
     scale, sink = attn.head_dim ** -0.5, attn.attn_sink[...]
-    if _decode_kernel(attn, c) is not None:  # the stored entries, read once
+    mode = _decode_kernel(attn, c)
+    if mode is not None:  # the stored entries, read once
         kq, ks, kr = (jnp.concatenate(parts, axis=1) for parts in zip(*(
-            (e[n], jnp.ldexp(jnp.float32(1), e[n + "_scale"].astype(jnp.int32) - 127), e[n + "_rope"])
-            for e, n in zip(stores, names))))
-        o = fp8_decode_attention(q[:, 0], kq, ks, kr, mask, sink, scale,
-                                 interpret=_decode_kernel(attn, c) == "interpret")[:, None]
+            (e[n], _ue8m0(e[n + "_scale"]), e[n + "_rope"]) for e, n in zip(stores, names))))
+        o = fp8_decode_attention(q[:, 0], kq, ks, kr, mask, sink, scale, interpret=mode == "interpret")[:, None]
     else:  # dequantised on read (FP8 layout)
         keys = jnp.concatenate([read_entries(e, n, kv.dtype) for e, n in zip(stores, names)], axis=1)
         o = attend(q, keys, mask[:, None, :], sink, scale)
