@@ -187,7 +187,7 @@ def grouped_quantized_linear(x: jax.Array, w, dtype) -> jax.Array:
     Else the fake-quantised x times the dequantised weight (`FakeQuantWeight`: straight-through), the same products
     in the same einsum (the FP8-aware learner's forward is the CPU rollout's, bitwise)."""
     *lead, g, k = x.shape
-    if isinstance(w, QuantizedTensor) and runs_fp8_dots(w) and (w.shape[0] // g) % w.block[0] == 0:
+    if runs_fp8_dots(w) and (w.shape[0] // g) % w.block[0] == 0:
         o = w.shape[0] // g
         rows = quantize_rows(x.astype(dtype).reshape(-1, g, k).swapaxes(0, 1), w.fmt)  # [G, T, K]
         wg = dataclasses.replace(w, q=w.q.reshape(g, o, k), scale=w.scale.reshape(g, o // w.block[0], -1),

@@ -19,9 +19,8 @@ from flax import nnx
 
 from dsv4.compressor import Compressor, Weight, visible_entries
 from dsv4.decode_kernel import fp8_index_scores, index_kernel_fits
-from dsv4.fp8_gemm import FakeQuantWeight
 from dsv4.layers import apply_rope, linear, linear_f32, param, weight_of
-from dsv4.quant import QuantizedTensor, act_quant, fp8_format_of
+from dsv4.quant import act_quant, fp8_format_of
 from sharding import axes as ax
 
 
@@ -43,12 +42,8 @@ class Indexer(nnx.Module):
     def queries(self, x: jax.Array, q_latent: jax.Array, cos: jax.Array, sin: jax.Array):
         """x [B, S, D], q_latent [B, S, q_lora] -> (q^I [B, S, H_I, d_I], omega [B, S, H_I]) float32."""
         b, s, _ = x.shape
-        w = weight_of(self.wq_b.weight)
-        if isinstance(w, (QuantizedTensor, FakeQuantWeight)):  # the FP8 rollout's: the release's FP8 GEMM, f32 out
-            q = linear(q_latent, w, jnp.float32)
-        else:
-            q = linear_f32(q_latent, w)
-        q = q.reshape(b, s, self.n_heads, self.head_dim)
+        # f32 (`linear` in f32 is `linear_f32` for a dense weight); the FP8 rollout's: the release's FP8 GEMM
+        q = linear(q_latent, weight_of(self.wq_b.weight), jnp.float32).reshape(b, s, self.n_heads, self.head_dim)
         q = apply_rope(q, cos[:, :, None, :], sin[:, :, None, :])
         omega = linear_f32(x, weight_of(self.weights_proj.weight)) * (self.n_heads ** -0.5)
         return q, omega
