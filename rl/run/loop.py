@@ -21,6 +21,7 @@ from __future__ import annotations
 import logging
 import os
 import signal
+import socket
 import sys
 import threading
 import time
@@ -97,10 +98,6 @@ def run(wiring: RunWiring) -> dict:
     stop = {"flag": False, "signal": None}
 
     def on_signal(signum, frame):
-        if stop["flag"] and signum == signal.SIGINT:  # second Ctrl-C: leave now; an unfinished save stays a temp dir
-            sys.stderr.write("\ninterrupted again: exiting now; the newest complete checkpoint is kept\n")
-            sys.stderr.flush()
-            os._exit(130)
         name = signal.Signals(signum).name
         extra = " (Ctrl-C again to exit at once)" if signum == signal.SIGINT else ""
         log.warning("%s: finishing the current step, saving, exiting%s", name, extra)
@@ -109,6 +106,7 @@ def run(wiring: RunWiring) -> dict:
     handled = (signal.SIGTERM, signal.SIGINT)
     main_thread = threading.current_thread() is threading.main_thread()
     old = {s: signal.signal(s, on_signal) for s in handled} if main_thread else None
+    watch = _SecondInterrupt(handled) if main_thread else None
     curve = []
     bar = progress_bar(cfg, wiring.start_step)
     try:
@@ -145,10 +143,42 @@ def run(wiring: RunWiring) -> dict:
         wiring.logger.close()
         _log_role(wiring, wiring.rollout.generate_calls, wiring.counters["train_steps"])
         if old is not None:
+            watch.close()
             for s, handler in old.items():
                 signal.signal(s, handler)
     return {"reward_curve": curve, "steps_run": len(curve), "weight_version": wiring.weight_version,
             "stopped_by_signal": stop["flag"], "signal": stop["signal"]}
+
+
+class _SecondInterrupt:
+    """Exit at once (status 130) on a SIGINT that comes after any of `handled`, even while the main thread is inside
+    a long XLA call. Python runs a signal's handler on the main thread between bytecodes, and two signals that come
+    while it waits in C are one call of the handler: a second Ctrl-C during a device step would only finish the step.
+    The C-level handler also writes each signal's number to the wakeup fd (`signal.set_wakeup_fd`), one byte per
+    signal as it arrives, which this watcher thread reads. An unfinished save is only an orbax temp directory, so
+    the newest complete checkpoint is untouched."""
+
+    def __init__(self, handled: tuple[int, ...]):
+        self._read, self._write = socket.socketpair()
+        self._write.setblocking(False)
+        self._handled = handled
+        self._old_fd = signal.set_wakeup_fd(self._write.fileno(), warn_on_full_buffer=False)
+        threading.Thread(target=self._watch, name="second-interrupt", daemon=True).start()
+
+    def _watch(self) -> None:
+        seen = False
+        while data := self._read.recv(64):
+            for signum in data:
+                if signum == signal.SIGINT and seen:
+                    sys.stderr.write("\ninterrupted again: exiting now; the newest complete checkpoint is kept\n")
+                    sys.stderr.flush()
+                    os._exit(130)
+                seen = seen or signum in self._handled
+
+    def close(self) -> None:
+        signal.set_wakeup_fd(self._old_fd)
+        self._write.close()  # the watcher reads the end of the stream and returns
+        self._read.close()
 
 
 def _log_role(wiring: RunWiring, generate_calls: int, train_steps: int) -> None:

@@ -207,7 +207,7 @@ def same_value(a, b) -> bool:
     return type(a) is type(b) and a == b
 
 
-CTRL_C_TWICE = "Ctrl-C twice"  # a pseudo-signal of `interrupted_starts`: SIGINT, 0.2 s, SIGINT
+CTRL_C_TWICE = "Ctrl-C twice"  # a pseudo-signal of `interrupted_starts`: SIGINT, 0.05 s, SIGINT
 
 
 def interrupted_starts(cmd: list[str], env: dict, log: pathlib.Path, ckpt_dir: pathlib.Path, steps: int,
@@ -225,11 +225,12 @@ def interrupted_starts(cmd: list[str], env: dict, log: pathlib.Path, ckpt_dir: p
         newest = wait_for_checkpoint_after(proc, ckpt_dir, newest)
         assert proc.poll() is None and newest < steps, ("ended before it could be interrupted", log.read_text()[-3000:])
         pause = rng.uniform(0.0, step_s)
-        # Ctrl-C twice: early in a step, so that the step is still running when the second one comes
+        # Ctrl-C twice: early in a step, so that the step is still running when the second one comes (the loop's
+        # watcher sees it at once even while the main thread waits in a device call: rl/run/loop.py)
         time.sleep(0.0 if sig == CTRL_C_TWICE else pause)
         proc.send_signal(signal.SIGINT if sig == CTRL_C_TWICE else sig)
         if sig == CTRL_C_TWICE:
-            time.sleep(0.2)
+            time.sleep(0.05)
             proc.send_signal(signal.SIGINT)
         rc = proc.wait(timeout=600)
         text = log.read_bytes()[offset:].decode(errors="replace")

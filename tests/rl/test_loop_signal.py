@@ -3,7 +3,12 @@
 After a step with signal (Adam has momentum), a batch whose advantages are all 0 (every group zero-std or
 filtered) must not move the params, the optimizer state or the step counter, must not push, and must say so in
 `train/skipped_no_signal`. Tiny 2-layer model, fp32 everywhere, no pusher (the sampler's `update_weights`).
+
+rl/run/loop.py's signals: a second Ctrl-C exits at once even while the main thread is inside one long C call.
 """
+
+import os
+import time
 
 import jax
 import jax.numpy as jnp
@@ -52,3 +57,41 @@ def test_no_signal_step_skips_update_and_push():
     assert all(a.tobytes() == b.tobytes() for a, b in zip(before, after))  # params, Adam moments, step
     assert all(a.tobytes() == b.tobytes() for a, b in zip(w_before, _host(sampler.weight_state())))
     assert int(learner.state.step) == 1
+
+
+SECOND_CTRL_C = """
+import os, signal, sys, threading, time
+import numpy as np
+from rl.run import loop
+calls = []
+signal.signal(signal.SIGINT, lambda *a: calls.append(a[0]))
+loop._SecondInterrupt((signal.SIGTERM, signal.SIGINT))
+a = np.random.RandomState(0).rand(1200, 1200)
+np.linalg.eigvals(a)  # warm up: the threads of the BLAS, the pages
+def two_ctrl_c():
+    time.sleep(0.3)
+    os.kill(os.getpid(), signal.SIGINT)
+    time.sleep(0.1)
+    os.kill(os.getpid(), signal.SIGINT)
+threading.Thread(target=two_ctrl_c).start()
+t = time.monotonic()
+while time.monotonic() - t < 30:  # C calls of ~1 s each: the main thread runs Python only between them
+    np.linalg.eigvals(a)
+print("not interrupted", calls)
+"""
+
+
+def test_second_ctrl_c_exits_while_the_main_thread_is_in_c(tmp_path):
+    """Two Ctrl-C within one long C call (a device step) reach Python's handler as one call; the loop's watcher
+    of the wakeup fd sees both as they come and exits at once with 130 (CI saw a second Ctrl-C only finish the
+    step)."""
+    import subprocess
+    import sys
+
+    script = tmp_path / "two_ctrl_c.py"
+    script.write_text(SECOND_CTRL_C)
+    t = time.monotonic()
+    p = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120,
+                       env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert p.returncode == 130 and "interrupted again" in p.stderr, (p.returncode, p.stdout, p.stderr[-2000:])
+    assert "not interrupted" not in p.stdout and time.monotonic() - t < 25
