@@ -21,6 +21,7 @@ import yaml
 
 from launch import run as launch_run
 from rl.config.run import RunConfig
+from rl.rollout.two_job import RolloutJobError
 
 CONFIGS = pathlib.Path(__file__).resolve().parents[2] / "launch" / "configs"
 YAMLS = sorted(CONFIGS.glob("*.yaml"))
@@ -412,6 +413,25 @@ def test_dry_run_says_so_when_the_plan_fails(tmp_path, capsys, lt, monkeypatch):
     rc, out, err = main(["--dry-run", *TINY, *lt.outputs(tmp_path)], capsys)
     assert rc == 0, err
     assert "meshes: actor:" in out and "memory plan: unavailable for mesh" in out and "no plan today" in out
+
+
+def test_a_lost_rollout_job_is_one_line_and_status_1(tmp_path, capsys, lt, monkeypatch):
+    """The two-job layout's actor when its rollout job does not come back (rl/rollout/two_job.py `RolloutJobError`,
+    raised in the loop): one `error:` line, status 1, through os._exit (the link's threads may hold the process)."""
+    def lost(cfg):
+        raise RolloutJobError("the rollout job h pid 7 is gone and no rollout job registered at 127.0.0.1:1 within "
+                              "3 s (--rollout-restart-timeout)")
+
+    def exit_now(status):
+        raise SystemExit(status)
+
+    monkeypatch.setattr(launch_run, "build", lost)
+    monkeypatch.setattr(launch_run.os, "_exit", exit_now)
+    with pytest.raises(SystemExit) as e:
+        launch_run.main([*TINY, *lt.outputs(tmp_path)])
+    err = capsys.readouterr().err
+    assert e.value.code == 1 and err.count("\n") == 1 and "Traceback" not in err
+    assert err.startswith("error: the rollout job h pid 7 is gone") and "(--rollout-restart-timeout)" in err
 
 
 def test_dry_run_of_a_mesh_larger_than_the_machine_still_plans(tmp_path, capsys, lt):

@@ -103,7 +103,8 @@ def test_a_rollout_that_never_comes_back_is_named_in_one_line():
     finally:
         r.close()
     msg = str(e.value)
-    assert msg.startswith(f"the rollout job h pid 7 is gone and no rollout job registered at {address} within 0.5 s")
+    assert msg.startswith(f"the rollout job h pid 7 is gone and no rollout job registered at {address} within 0.5 s "
+                          "(--rollout-restart-timeout)")
     assert "its last log line: 'rollout 7 up'" in msg and "\n" not in msg
 
 
