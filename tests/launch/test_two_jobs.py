@@ -1,16 +1,16 @@
 """The two-job layout (rl/rollout/two_job.py): the rollout as a JAX job of its own, on local processes with CPU devices,
 mesh `actor:data=2/rollout:data=2` (the seed layout's shape in miniature). One launched set of jobs (the module fixture
-`runs`) serves every assertion (A first, then B and R beside A's last steps):
+`runs`) serves every assertion (A first, R beside A's last steps, B once R's programs are compiled):
 - run A: an actor job of 2 processes x 1 device (one jax.distributed job: process 0 holds the link, both serve their
   shards of the weights) and its rollout job (1 process x 2 devices), 3 GRPO steps; the rollout job is SIGKILLed once
   the first step is logged and restarted by the test: the run completes, the actor logs one line for the loss,
   `rollout/restarts` counts it, and the per-step metrics equal run B's, the 1-process actor job of the same mesh
   shapes (rollout metrics bitwise; train metrics within 1e-5, as tests/launch/test_mpmd_run.py compares multi- to
   single-process);
-- run B: a 1-process actor job (2 devices) and its rollout job, uninterrupted, started when A's rollout is killed
-  (its rollout programs then load from the session's compilation cache; its actor programs are not A's, a job of
-  other processes; the single-job layout's run of the same flags is bitwise equal too, checked by hand:
-  benchmarks/README.md "Layouts checked by hand");
+- run B: a 1-process actor job (2 devices) and its rollout job, uninterrupted, started once R's first step is logged
+  (without ray: when A's rollout is killed), so that both its programs load from the session's compilation cache
+  (its rollout's are A's rollout job's, its actor's R's actor job's); the single-job layout's run of the same flags
+  is bitwise equal too, checked by hand: benchmarks/README.md "Layouts checked by hand");
 - run R (only with the [ray] extra): the same run (up to `R_STEPS`) under `--launcher ray` (launch/ray_run.py) on a
   local Ray cluster the launcher starts and stops, started when A's rollout is killed (the programs are cached by
   then); the rollout's Ray actor is SIGKILLed (its pid, from the launcher's log) once the first step is logged: Ray
@@ -104,6 +104,12 @@ def runs(tmp_path_factory, run_env, lt):
     ray_env = {**run_env, "RAY_COLOR_PREFIX": "0"}
     ray_pid = None
     leftover = []
+
+    def start_b():  # B: a 1-process actor job and its rollout job
+        pb = portpicker.pick_unused_port()
+        procs["b"] = lt.start(_flags(lt, mb, *TWO, "--rollout-address", f"127.0.0.1:{pb}"), run_env, logs["b"])
+        procs["rb"] = lt.start(rollout(pb, tmp_path / "r.jsonl"), run_env, tmp_path / "rb.log")
+
     try:
         deadline = time.monotonic() + 900
         killed = False
@@ -114,11 +120,9 @@ def runs(tmp_path_factory, run_env, lt):
                 procs["r1"].wait(timeout=60)
                 procs["r2"] = lt.start(rollout(pa, tmp_path / "r.jsonl"), run_env, logs["r2"])  # as a supervisor would
                 killed = True
-                # B now, beside A's last steps (its actor programs are not A's: a 1-process job; R's, with ray)
-                pb = portpicker.pick_unused_port()
-                procs["b"] = lt.start(_flags(lt, mb, *TWO, "--rollout-address", f"127.0.0.1:{pb}"), run_env, logs["b"])
-                procs["rb"] = lt.start(rollout(pb, tmp_path / "r.jsonl"), run_env, tmp_path / "rb.log")
-                if RAY:  # R: its own session (the local Ray cluster's processes too), killed as a group if need be
+                if not RAY:  # B now, beside A's last steps
+                    start_b()
+                else:  # R: its own session (the local Ray cluster's processes too), killed as a group if need be
                     with open(logs["R"], "ab") as f:
                         procs["R"] = subprocess.Popen(
                             [sys.executable, str(lt.RUN_PY), "--launcher", "ray", *_flags(lt, mr, *TWO),
@@ -135,6 +139,9 @@ def runs(tmp_path_factory, run_env, lt):
                 if m and _rows(mr):
                     ray_pid = int(m.group(1))
                     os.kill(ray_pid, signal.SIGKILL)
+                    # B now: its actor programs are R's actor job's, compiled by now (started beside R, B compiled
+                    # them a second time on the same two cores)
+                    start_b()
                 time.sleep(0.05)
             # SIGTERM to the launcher once Ray restarted the rollout: the actor job is in its step 1, waiting for it
             while len(re.findall(r"the rollout job: Ray actor pid", logs["R"].read_text())) < 2:
