@@ -181,6 +181,11 @@ class _SecondInterrupt:
         self._read.close()
 
 
+# A child forked without exec (a fork-started worker pool; spawned and exec'd ones close the socket) would write its
+# own signals to the watcher's socket: a terminal's Ctrl-C, sent to the whole process group, would count twice.
+os.register_at_fork(after_in_child=lambda: signal.set_wakeup_fd(-1))
+
+
 def _log_role(wiring: RunWiring, generate_calls: int, train_steps: int) -> None:
     if wiring.layout is not None and wiring.layout.split_roles:  # the roles' programs, counted (tests read this line)
         log.info("role %s (process %d): generate calls %d, train steps %d", wiring.layout.role, wiring.layout.process,

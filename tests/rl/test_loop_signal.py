@@ -4,10 +4,13 @@ After a step with signal (Adam has momentum), a batch whose advantages are all 0
 filtered) must not move the params, the optimizer state or the step counter, must not push, and must say so in
 `train/skipped_no_signal`. Tiny 2-layer model, fp32 everywhere, no pusher (the sampler's `update_weights`).
 
-rl/run/loop.py's signals: a second Ctrl-C exits at once even while the main thread is inside one long C call.
+rl/run/loop.py's signals: a second Ctrl-C exits at once even while the main thread is inside one long C call, and a
+forked child's signals do not count as the parent's.
 """
 
 import os
+import subprocess
+import sys
 import time
 
 import jax
@@ -84,9 +87,6 @@ def test_second_ctrl_c_exits_while_the_main_thread_is_in_c(tmp_path):
     """Two Ctrl-C within one long C call (a device step) reach Python's handler as one call; the loop's watcher
     of the wakeup fd sees both as they come and exits at once with 130 (CI saw a second Ctrl-C only finish the
     step)."""
-    import subprocess
-    import sys
-
     script = tmp_path / "two_ctrl_c.py"
     script.write_text(SECOND_CTRL_C)
     t = time.monotonic()
@@ -94,3 +94,30 @@ def test_second_ctrl_c_exits_while_the_main_thread_is_in_c(tmp_path):
                        env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert p.returncode == 130 and "interrupted again" in p.stderr, (p.returncode, p.stdout, p.stderr[-2000:])
     assert "not interrupted" not in p.stdout and time.monotonic() - t < 25
+
+
+FORKED_CHILD_CTRL_C = """
+import os, signal, time
+from rl.run import loop
+signal.signal(signal.SIGINT, lambda *a: None)
+loop._SecondInterrupt((signal.SIGTERM, signal.SIGINT))
+pid = os.fork()  # a fork-started worker: a terminal's Ctrl-C reaches it too (the process group)
+if pid == 0:
+    os.kill(os.getpid(), signal.SIGINT)
+    os.kill(os.getpid(), signal.SIGINT)
+    time.sleep(0.3)
+    os._exit(0)
+os.waitpid(pid, 0)
+os.kill(os.getpid(), signal.SIGINT)  # the parent's own first Ctrl-C
+time.sleep(0.5)
+print("finishing the step")
+"""
+
+
+def test_a_forked_childs_signals_do_not_count_as_the_parents(tmp_path):
+    """A child forked without exec inherits the wakeup fd; its signals must not reach the parent's watcher (the
+    parent's one Ctrl-C would have been its second and exited it)."""
+    script = tmp_path / "forked_child.py"
+    script.write_text(FORKED_CHILD_CTRL_C)
+    p = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0 and "finishing the step" in p.stdout, (p.returncode, p.stdout, p.stderr[-2000:])
