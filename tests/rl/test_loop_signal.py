@@ -11,7 +11,6 @@ forked child's signals do not count as the parent's.
 import os
 import subprocess
 import sys
-import time
 
 import jax
 import numpy as np
@@ -89,11 +88,10 @@ def test_second_ctrl_c_exits_while_the_main_thread_is_in_c(tmp_path):
     step)."""
     script = tmp_path / "two_ctrl_c.py"
     script.write_text(SECOND_CTRL_C)
-    t = time.monotonic()
     p = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120,
                        env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert p.returncode == 130 and "interrupted again" in p.stderr, (p.returncode, p.stdout, p.stderr[-2000:])
-    assert "not interrupted" not in p.stdout and time.monotonic() - t < 25
+    assert "not interrupted" not in p.stdout
 
 
 FORKED_CHILD_CTRL_C = """
