@@ -12,12 +12,12 @@ mesh `actor:data=2/rollout:data=2` (the seed layout's shape in miniature). One l
   (its rollout's are A's rollout job's, its actor's R's actor job's); the single-job layout's run of the same flags
   is bitwise equal too, checked by hand: benchmarks/README.md "Layouts checked by hand");
 - run R (only with the [ray] extra): the same run (up to `R_STEPS`) under `--launcher ray` (launch/ray_run.py) on a
-  local Ray cluster the launcher starts and stops, started when A's rollout is killed (the programs are cached by
-  then); the rollout's Ray actor is SIGKILLed (its pid, from the launcher's log) once the first step is logged: Ray
-  restarts it, the actor job recovers in place; once the restarted rollout is started the launcher gets SIGTERM (issue
-  42): the actor job finishes the step it is in (the recovered one), saves it, the launcher exits 0, the metrics so
-  far are B's (bitwise: the same shapes), and no process of the launcher (its jobs, its local Ray cluster) outlives
-  it.
+  local Ray cluster the launcher starts and stops, started when A's rollout is killed (its rollout job's programs are
+  cached by then); the rollout's Ray actor is SIGKILLed (its pid, from the launcher's log) once the first step is
+  logged: Ray restarts it, the actor job recovers in place; once the restarted rollout is started the launcher gets
+  SIGTERM (issue 42): the actor job finishes the step it is in (the recovered one), saves it, the launcher exits 0,
+  the metrics so far are B's (bitwise: the same shapes), and no process of the launcher (its jobs, its local Ray
+  cluster) outlives it.
 A rollout job that never comes back (the actor's one line naming it after --rollout-restart-timeout, and one that keeps
 dying) is tests/rl/test_rollout_job.py's, on `JobRollout` with fake rollout jobs: a launched run of it cost two more
 processes here; launch/run.py prints a `RolloutJobError` as its one `error:` line like every other run error.
@@ -88,7 +88,7 @@ def _alive(pid: int) -> bool:
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory, run_env, lt):
-    """Runs A, B, C (and R with ray) as the module docstring says -> {"rc", "out", "rows", "procs", "tmp"}."""
+    """Runs A, B (and R with ray) as the module docstring says -> {"rc", "out", "rows", "procs", "tmp"}."""
     tmp_path = tmp_path_factory.mktemp("two_jobs")
     pa = portpicker.pick_unused_port()
     ma, mb, mr = (tmp_path / f"{k}.jsonl" for k in "abR")
